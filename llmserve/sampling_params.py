@@ -1,0 +1,116 @@
+"""Token-level sampling parameters, shared by the scheduler, the workers and the gateway.
+
+Text-level options (stop strings, detokenization) belong to the gateway and are not here:
+the scheduler and workers only ever see token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# Sampling with temperature below this is treated as greedy (argmax), as vLLM does.
+GREEDY_EPSILON = 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is invalid. `field` names it, for the API layers' error messages."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request. Validates itself on construction.
+
+    `n` sequences are returned out of `best_of` sampled ones (by cumulative logprob). With
+    `use_beam_search`, `best_of` is the beam width and sampling is deterministic.
+    `top_k == 0` and `top_p == 1.0` and `min_p == 0.0` disable those filters.
+    `logprobs` / `prompt_logprobs`: how many top alternatives to return per position
+    (0 = only the chosen token's logprob; None = none).
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            object.__setattr__(self, "best_of", self.n)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    @property
+    def num_sampled(self) -> int:
+        """Sequences sampled per request: best_of (the beam width for beam search)."""
+        assert self.best_of is not None
+        return self.best_of
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    def _validate(self) -> None:
+        def fail(name: str, message: str) -> None:
+            raise SamplingParamsError(name, message)
+
+        assert self.best_of is not None
+        if self.n < 1:
+            fail("n", f"must be at least 1, got {self.n}")
+        if self.best_of < self.n:
+            fail("best_of", f"must be at least n ({self.n}), got {self.best_of}")
+        if not 0.0 <= self.temperature <= 100.0:
+            fail("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            fail("top_k", f"must be 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            fail("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.max_tokens < 1:
+            fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "token ids must be non-negative")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            fail("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            fail("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            fail("length_penalty", "only applies with use_beam_search")
+        if self.early_stopping not in (True, False, "never"):
+            fail("early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}")
+        if self.use_beam_search:
+            if self.best_of < 2:
+                fail("best_of", "beam search needs a beam width (best_of) of at least 2")
+            if self.temperature > GREEDY_EPSILON:
+                fail("temperature", "must be 0 with use_beam_search")
+            if self.top_p < 1.0 or self.top_k != 0 or self.min_p > 0.0:
+                fail("top_p", "top_p / top_k / min_p cannot be used with use_beam_search")
+        elif self.is_greedy and self.best_of > 1:
+            fail("best_of", "must be 1 for greedy sampling (temperature 0)")

@@ -1,0 +1,152 @@
+"""The per-iteration contract between the scheduler and a worker.
+
+`StepInput` is what the scheduler decided for one iteration; `StepResult` is what the worker
+sampled. Both are plain dataclasses so in-process tests and benchmarks pass them directly;
+the services send their proto form (conversions live beside these types once the protos exist).
+
+A step is a *diff*. A sequence's prompt and sampling params cross once, as a `NewSequence`;
+afterwards a `CachedSequence` carries only the tokens the scheduler appended since the worker
+last saw it (normally one), the block-table change, and how many tokens to compute.
+
+The worker applies a step in this order:
+  1. drop the state of `freed_seq_ids` (finished, aborted, or preempted by recompute);
+  2. apply `forks`: the child starts as a copy of the parent's worker-side state (tokens,
+     block table, computed count) as it was *before* this step's updates;
+  3. register `new_seqs`;
+  4. apply `cached_seqs` updates (append tokens, patch block tables);
+  5. `blocks_to_swap_out` (device -> host), then `blocks_to_swap_in` (host -> device), then
+     `blocks_to_copy` (device -> device, copy-on-write), for every layer;
+  6. run the forward pass over the scheduled tokens of every sequence in `new_seqs` and
+     `cached_seqs`, in that order, and sample where a sequence reaches its last known token.
+
+A scheduled sequence computes tokens `[num_computed, num_computed + num_scheduled_tokens)` of
+its known tokens, then `num_computed += num_scheduled_tokens`. It samples iff afterwards
+`num_computed == len(token_ids)` (a prefill chunk that stops short samples nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from llmserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """A sequence the worker has no state for: first prefill, or re-prefill after recompute."""
+
+    seq_id: int
+    request_id: str
+    # Index of this sequence within its request (0 for the first); with `seed` it fixes the
+    # sequence's random stream, so seeded output does not depend on ids or batch composition.
+    seq_index: int
+    # All tokens known so far: the prompt, then any output tokens (after a recompute).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    # Tokens whose K/V are already in the cache (a prefix-cache hit), so not computed again.
+    num_computed_tokens: int
+    # Physical device block ids covering at least num_computed + num_scheduled tokens.
+    block_ids: list[int]
+    num_scheduled_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class CachedSequence:
+    """Update for a sequence the worker already holds."""
+
+    seq_id: int
+    # Tokens appended by the scheduler since the worker last saw this sequence (usually one).
+    new_token_ids: list[int]
+    # The block table from index `block_offset` on is replaced by `block_ids` (an append when
+    # block_offset == old length; copy-on-write or swap-in rewrite earlier entries).
+    block_offset: int
+    block_ids: list[int]
+    num_scheduled_tokens: int
+
+
+@dataclass(slots=True)
+class Fork:
+    """`child_seq_id` starts as a copy of `parent_seq_id` (n > 1 and beam search)."""
+
+    parent_seq_id: int
+    child_seq_id: int
+    child_seq_index: int
+
+
+@dataclass(slots=True)
+class StepInput:
+    step_id: int
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    cached_seqs: list[CachedSequence] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    freed_seq_ids: list[int] = field(default_factory=list)
+    # (source block, destination block) pairs.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.new_seqs) + sum(
+            s.num_scheduled_tokens for s in self.cached_seqs
+        )
+
+    def is_empty(self) -> bool:
+        return not (
+            self.new_seqs
+            or self.cached_seqs
+            or self.forks
+            or self.freed_seq_ids
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.blocks_to_copy
+        )
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    # Log-probability under the model's raw distribution (log-softmax of the logits, before
+    # temperature, penalties or filters), as vLLM v1 and HF report it.
+    logprob: float
+    # 1 = the most likely token.
+    rank: int
+
+
+@dataclass(slots=True)
+class PromptLogprob:
+    """Logprob of prompt token at `position` given the tokens before it."""
+
+    position: int
+    token: TokenLogprob
+    top: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """What one sequence produced in a step. Only sequences that sampled appear."""
+
+    seq_id: int
+    # Sampled tokens. One normally; `best_of` at the first sample of a request with best_of > 1
+    # (the scheduler forks the others); 2 * beam width candidates, best first, for beam search.
+    samples: list[TokenLogprob]
+    # Top `logprobs` alternatives of this step's distribution (empty when not requested).
+    top_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prompt positions computed in this step, when prompt_logprobs was requested.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    outputs: list[SequenceOutput] = field(default_factory=list)
+    forward_ns: int = 0
+    sample_ns: int = 0
+
+
+class Executor(Protocol):
+    """Runs steps: a worker in-process, a gRPC worker client, or a fake model in tests."""
+
+    def execute(self, step: StepInput) -> StepResult: ...
