@@ -1,0 +1,98 @@
+"""The `llmserve` command: `up` (the whole stack), one service each, and `generate`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import sys
+
+from llmserve.logs import configure_logging
+
+_SERVICES = {
+    "worker": "worker_service.__main__",
+    "scheduler": "scheduler_service.__main__",
+    "gateway": "gateway.__main__",
+}
+
+
+def _up_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llmserve up",
+        description="Run worker(s), scheduler and gateway as separate processes on loopback.",
+    )
+    p.add_argument("--model", default="smollm2", help="model spec (default: embedded SmolLM2)")
+    p.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
+    p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")
+    p.add_argument("--dtype", default=None, help="worker dtype (float32, bfloat16, float16)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None:
+            out += [f"--{name}", str(value)]
+    return out
+
+
+def _run_up(argv: list[str]) -> int:
+    from llmserve.supervisor import StackConfig, run_stack
+
+    args = _up_parser().parse_args(argv)
+    if args.workers < 1:
+        _up_parser().error("--workers must be at least 1")
+    configure_logging("llmserve-up", args.log_level)
+    config = StackConfig(
+        model=args.model,
+        num_workers=args.workers,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        host=args.host,
+        worker_args=_passthrough(args, ["dtype", "block-size", "log-level"]),
+        scheduler_args=_passthrough(
+            args,
+            ["block-size", "num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens",
+             "log-level"],
+        ),
+        gateway_args=_passthrough(args, ["log-level"]),
+    )
+    return asyncio.run(run_stack(config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = ["up", *_SERVICES, "generate"]
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(
+            "usage: llmserve {up,worker,scheduler,gateway,generate} [options]\n\n"
+            "  up         run the whole stack on this machine (default model: SmolLM2)\n"
+            "  worker     run one worker service\n"
+            "  scheduler  run the scheduler service\n"
+            "  gateway    run the gateway (gRPC + OpenAI HTTP)\n"
+            "  generate   stream a completion from a running gateway\n\n"
+            "`llmserve COMMAND --help` lists a command's options.",
+            file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
+        )
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    if command == "up":
+        return _run_up(rest)
+    if command == "generate":
+        from llmserve.generate_cli import main as generate_main
+
+        return generate_main(rest)
+    module = importlib.import_module(_SERVICES[command])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""gRPC plumbing shared by the services: server construction, health, reflection, errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from llmserve.logs import get_logger
+from llmserve.sampling_params import SamplingParamsError
+
+log = get_logger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class RequestError(Exception):
+    """A client mistake or a refused request, mapped to a gRPC status by the interceptor."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+
+
+def invalid_argument(field: str, message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}", field)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a servicer exception maps to."""
+    if isinstance(exc, RequestError):
+        return exc.code, str(exc)
+    if isinstance(exc, SamplingParamsError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, LookupError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions escaping a servicer into a status code and a message a person can act on."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+
+        def wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+            async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await fn(request, context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, method, exc)
+
+            return wrapped
+
+        def wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+            async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    async for item in fn(request, context):
+                        yield item
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await _abort(context, method, exc)
+
+            return wrapped
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                wrap_stream(handler.stream_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("rpc failed", method=method)
+    else:
+        log.info("rpc refused", method=method, code=code.name, reason=message)
+    await context.abort(code, message)
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def create_server(
+    service_names: Iterable[str],
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """An aio server with the error interceptor, health service and reflection enabled.
+
+    The caller adds its servicers, binds a port, starts the server, then marks it serving
+    with `health_servicer.set(name, SERVING)` once it can take traffic.
+    """
+    server = grpc.aio.server(
+        interceptors=[*interceptors, ErrorMappingInterceptor()],
+        options=channel_options(max_message_bytes),
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return server, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, names: Iterable[str]) -> None:
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def wait_for_health(address: str, timeout_s: float = 60.0, service: str = "") -> None:
+    """Poll grpc.health.v1 at `address` until SERVING. Raises TimeoutError."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s")
+            await asyncio.sleep(0.25)
