@@ -1,0 +1,158 @@
+from llmserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: int
+    def __init__(self, replica_id: _Optional[int] = ...) -> None: ...
+
+class GatewayMessage(_message.Message):
+    __slots__ = ("add", "abort")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    add: AddRequest
+    abort: AbortRequest
+    def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+
+class AddRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: _common_pb2.SamplingParams
+    eos_token_id: int
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("output", "error")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    output: RequestOutput
+    error: RequestError
+    def __init__(self, output: _Optional[_Union[RequestOutput, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class ChoiceDelta(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "cumulative_logprob")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.OutputLogprob]
+    finish_reason: _common_pb2.FinishReason
+    stop_token_id: int
+    cumulative_logprob: float
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.OutputLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
+
+class RequestMetrics(_message.Message):
+    __slots__ = ("queue_ns", "first_token_ns", "e2e_ns", "num_preemptions")
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
+    E2E_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    queue_ns: int
+    first_token_ns: int
+    e2e_ns: int
+    num_preemptions: int
+    def __init__(self, queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+
+class RequestOutput(_message.Message):
+    __slots__ = ("request_id", "choices", "prompt_logprobs", "finished", "usage", "metrics")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    choices: _containers.RepeatedCompositeFieldContainer[ChoiceDelta]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptLogprob]
+    finished: bool
+    usage: _common_pb2.Usage
+    metrics: RequestMetrics
+    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChoiceDelta, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("request_id", "code", "message", "field")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    field: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStats(_message.Message):
+    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    replica_id: int
+    address: str
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    gpu_blocks_free: int
+    gpu_blocks_total: int
+    cpu_blocks_free: int
+    cpu_blocks_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+    healthy: bool
+    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("replicas", "num_unfinished_requests", "num_gateways")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNFINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GATEWAYS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
+    num_unfinished_requests: int
+    num_gateways: int
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., num_unfinished_requests: _Optional[int] = ..., num_gateways: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,156 @@
+from llmserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "dtype", "block_size", "max_model_len", "eos_token_id", "vocab_size", "num_gpu_blocks_available", "num_cpu_blocks_available", "num_gpu_blocks", "num_cpu_blocks", "device", "attention_backend")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    block_size: int
+    max_model_len: int
+    eos_token_id: int
+    vocab_size: int
+    num_gpu_blocks_available: int
+    num_cpu_blocks_available: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    device: str
+    attention_backend: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_gpu_blocks_available: _Optional[int] = ..., num_cpu_blocks_available: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+
+class InitializeCacheRequest(_message.Message):
+    __slots__ = ("num_gpu_blocks", "num_cpu_blocks")
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+
+class InitializeCacheResponse(_message.Message):
+    __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "init_ns")
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INIT_NS_FIELD_NUMBER: _ClassVar[int]
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    init_ns: int
+    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., init_ns: _Optional[int] = ...) -> None: ...
+
+class NewSequence(_message.Message):
+    __slots__ = ("seq_id", "request_id", "seq_index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_scheduled_tokens", "sampling_params")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    request_id: str
+    seq_index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: int
+    sampling_params: _common_pb2.SamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class CachedSequence(_message.Message):
+    __slots__ = ("seq_id", "new_token_ids", "block_offset", "block_ids", "num_scheduled_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_offset: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., block_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+
+class Fork(_message.Message):
+    __slots__ = ("parent_seq_id", "child_seq_id", "child_seq_index")
+    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
+    parent_seq_id: int
+    child_seq_id: int
+    child_seq_index: int
+    def __init__(self, parent_seq_id: _Optional[int] = ..., child_seq_id: _Optional[int] = ..., child_seq_index: _Optional[int] = ...) -> None: ...
+
+class BlockMapping(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: _containers.RepeatedScalarFieldContainer[int]
+    dst: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_SEQS_FIELD_NUMBER: _ClassVar[int]
+    FORKS_FIELD_NUMBER: _ClassVar[int]
+    FREED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    cached_seqs: _containers.RepeatedCompositeFieldContainer[CachedSequence]
+    forks: _containers.RepeatedCompositeFieldContainer[Fork]
+    freed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    blocks_to_swap_out: BlockMapping
+    blocks_to_swap_in: BlockMapping
+    blocks_to_copy: BlockMapping
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ...) -> None: ...
+
+class SequenceOutput(_message.Message):
+    __slots__ = ("seq_id", "samples", "top_logprobs", "prompt_logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptLogprob]
+    def __init__(self, seq_id: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprob, _Mapping]]] = ...) -> None: ...
+
+class ExecuteResult(_message.Message):
+    __slots__ = ("step_id", "outputs", "forward_ns", "sample_ns")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    outputs: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
+    forward_ns: int
+    sample_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ...) -> None: ...
