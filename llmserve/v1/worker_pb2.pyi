@@ -79,19 +79,23 @@ class NewSequence(_message.Message):
     sampling_params: _common_pb2.SamplingParams
     def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
-class CachedSequence(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "block_offset", "block_ids", "num_scheduled_tokens")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+class CachedSequences(_message.Message):
+    __slots__ = ("seq_ids", "num_new_tokens", "new_token_ids", "block_offsets", "num_block_ids", "block_ids", "num_scheduled_tokens")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    block_offset: int
+    block_offsets: _containers.RepeatedScalarFieldContainer[int]
+    num_block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_scheduled_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., block_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Fork(_message.Message):
     __slots__ = ("parent_seq_id", "child_seq_id", "child_seq_index")
@@ -123,34 +127,54 @@ class ExecuteRequest(_message.Message):
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
-    cached_seqs: _containers.RepeatedCompositeFieldContainer[CachedSequence]
+    cached_seqs: CachedSequences
     forks: _containers.RepeatedCompositeFieldContainer[Fork]
     freed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     blocks_to_swap_out: BlockMapping
     blocks_to_swap_in: BlockMapping
     blocks_to_copy: BlockMapping
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ...) -> None: ...
 
-class SequenceOutput(_message.Message):
-    __slots__ = ("seq_id", "samples", "top_logprobs", "prompt_logprobs")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+class SequenceOutputs(_message.Message):
+    __slots__ = ("seq_ids", "num_samples", "sample_token_ids", "sample_logprobs", "sample_ranks", "num_top_logprobs", "top_token_ids", "top_logprobs", "top_ranks")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_samples: _containers.RepeatedScalarFieldContainer[int]
+    sample_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    sample_ranks: _containers.RepeatedScalarFieldContainer[int]
+    num_top_logprobs: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_samples: _Optional[_Iterable[int]] = ..., sample_token_ids: _Optional[_Iterable[int]] = ..., sample_logprobs: _Optional[_Iterable[float]] = ..., sample_ranks: _Optional[_Iterable[int]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., top_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SequencePromptLogprobs(_message.Message):
+    __slots__ = ("seq_id", "prompt_logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
-    samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptLogprob]
-    def __init__(self, seq_id: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprob, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprob, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "forward_ns", "sample_ns")
+    __slots__ = ("step_id", "outputs", "forward_ns", "sample_ns", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    outputs: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
+    outputs: SequenceOutputs
     forward_ns: int
     sample_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[SequencePromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[SequenceOutputs, _Mapping]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SequencePromptLogprobs, _Mapping]]] = ...) -> None: ...
