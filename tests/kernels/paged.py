@@ -1,0 +1,93 @@
+"""Factories for paged KV caches with shuffled, ragged block tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=5e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu),
+]
+
+
+def skip_unsupported(device: str, dtype: torch.dtype) -> None:
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter has no bf16")
+
+
+@dataclass
+class PagedCache:
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+
+    @property
+    def block_size(self) -> int:
+        return self.key_cache.shape[1]
+
+
+def make_paged_cache(
+    seq_lens: list[int],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    spare_blocks: int = 3,
+    spare_columns: int = 1,
+    generator: torch.Generator,
+) -> PagedCache:
+    """Random caches where each sequence owns a random, non-contiguous set of blocks.
+
+    Slots no sequence owns, including the tail of each partial last block, hold NaN, and
+    block-table entries past a sequence's last block hold -1: a kernel that reads past the
+    context poisons its output instead of passing by luck.
+    """
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    order = torch.randperm(num_blocks, generator=generator)
+    width = max(blocks_per_seq) + spare_columns
+    block_tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for seq, (length, count) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
+        blocks = order[used : used + count]
+        used += count
+        block_tables[seq, :count] = blocks.int()
+        context = (length, num_kv_heads, head_dim)
+        keys = torch.randn(context, generator=generator).to(dtype)
+        values = torch.randn(context, generator=generator).to(dtype)
+        tokens = torch.arange(length)
+        slots = blocks[tokens // block_size] * block_size + tokens % block_size
+        key_cache.view(-1, num_kv_heads, head_dim)[slots] = keys
+        value_cache.view(-1, num_kv_heads, head_dim)[slots] = values
+    return PagedCache(
+        key_cache=key_cache.to(device),
+        value_cache=value_cache.to(device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+    )
+
+
+def random_lens(count: int, low: int, high: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(low, high + 1, (count,), generator=generator).tolist()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype
+    assert not actual.isnan().any(), "kernel output has NaN (read past the context?)"
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[expected.dtype])

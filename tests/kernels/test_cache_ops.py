@@ -1,0 +1,91 @@
+"""reshape_and_cache and copy_blocks against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from tests.kernels.paged import DTYPES, skip_unsupported
+
+
+def random_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    # [num_blocks, block_size, num_kv_heads, head_dim]
+    return torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_reshape_and_cache_matches_reference(
+    device: str, dtype: torch.dtype, block_size: int
+) -> None:
+    skip_unsupported(device, dtype)
+    torch.manual_seed(block_size)
+    num_blocks, num_kv_heads, head_dim, num_tokens = 6, 3, 64, 20
+    key_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype).to(device)
+    value_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype).to(device)
+    # K and V are views into a fused [num_tokens, q + k + v heads, head_dim] projection.
+    qkv = torch.randn(num_tokens, 2 + 2 * num_kv_heads, head_dim).to(dtype).to(device)
+    key, value = qkv[:, 2 : 2 + num_kv_heads], qkv[:, 2 + num_kv_heads :]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[::4] = -1  # padding tokens
+    slots = slots.to(device)
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
+
+    assert torch.equal(key_cache, expected_key)
+    assert torch.equal(value_cache, expected_value)
+
+
+def test_reshape_and_cache_skips_negative_slots(device: str) -> None:
+    key_cache = torch.zeros(2, 8, 1, 64, device=device)
+    value_cache = torch.zeros(2, 8, 1, 64, device=device)
+    key = torch.ones(3, 1, 64, device=device)
+    value = torch.full((3, 1, 64), 2.0, device=device)
+    slots = torch.tensor([9, -1, 0], device=device)
+
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+
+    written = key_cache[:, :, 0, 0].flatten().nonzero().flatten().tolist()
+    assert written == [0, 9]
+    assert value_cache.sum().item() == 2.0 * 2 * 64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_matches_reference(device: str, dtype: torch.dtype) -> None:
+    skip_unsupported(device, dtype)
+    torch.manual_seed(1)
+    layers = 2
+    key_caches = [random_cache(8, 16, 2, 64, dtype).to(device) for _ in range(layers)]
+    value_caches = [random_cache(8, 16, 2, 64, dtype).to(device) for _ in range(layers)]
+    expected_keys = [c.clone() for c in key_caches]
+    expected_values = [c.clone() for c in value_caches]
+    mapping = torch.tensor([[3, 0], [3, 5], [7, 1]], device=device)
+
+    kernels.copy_blocks(key_caches, value_caches, mapping)
+    reference.copy_blocks(expected_keys, expected_values, mapping)
+
+    for actual, expected in zip(
+        key_caches + value_caches, expected_keys + expected_values, strict=True
+    ):
+        assert torch.equal(actual, expected)
+    assert torch.equal(key_caches[1][5], key_caches[1][3])
+
+
+def test_cache_ops_reject_bad_arguments(device: str) -> None:
+    key_cache = torch.zeros(2, 8, 2, 64, device=device)
+    value_cache = torch.zeros(2, 8, 2, 64, device=device)
+    key = torch.ones(3, 2, 64, device=device)
+    with pytest.raises(kernels.KernelArgumentError, match="slot_mapping: dimension 0"):
+        slots = torch.tensor([1, 2], device=device)
+        kernels.reshape_and_cache(key, key, key_cache, value_cache, slots)
+    with pytest.raises(kernels.KernelArgumentError, match="key_cache: dimension 2"):
+        slots = torch.tensor([1, 2, 3], device=device)
+        kernels.reshape_and_cache(key[:, :1], key[:, :1], key_cache, value_cache, slots)
+    with pytest.raises(kernels.KernelArgumentError, match="block_mapping: dtype"):
+        kernels.copy_blocks([key_cache], [value_cache], torch.zeros(1, 2, dtype=torch.int32))

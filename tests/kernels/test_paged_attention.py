@@ -1,0 +1,156 @@
+"""Triton paged decode attention against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from tests.kernels.paged import (
+    DTYPES,
+    assert_close,
+    make_paged_cache,
+    random_lens,
+    skip_unsupported,
+)
+
+NUM_KV_HEADS = 2
+
+
+def run_decode(
+    device: str,
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    *,
+    queries_per_kv: int,
+    block_size: int = 16,
+    head_dim: int = 64,
+    seed: int = 0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output, reference output) for one random batch."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = make_paged_cache(
+        seq_lens,
+        block_size=block_size,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+        generator=generator,
+    )
+    num_heads = NUM_KV_HEADS * queries_per_kv
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(dtype)
+    query = query.to(device)  # [num_seqs, num_heads, head_dim]
+    scale = head_dim**-0.5
+    args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, scale)
+    return (
+        kernels.paged_attention_decode(*args, **kwargs),
+        reference.paged_attention_decode(*args),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("partition_size", [512, 64], ids=["single-pass", "split-k"])
+def test_decode_matches_reference(
+    device: str, dtype: torch.dtype, queries_per_kv: int, head_dim: int, partition_size: int
+) -> None:
+    skip_unsupported(device, dtype)
+    generator = torch.Generator().manual_seed(queries_per_kv * head_dim)
+    # Ragged lengths: a single token, partial last blocks, several split-K partitions.
+    seq_lens = [1, 17, *random_lens(2, 2, 300, generator)]
+    actual, expected = run_decode(
+        device,
+        dtype,
+        seq_lens,
+        queries_per_kv=queries_per_kv,
+        head_dim=head_dim,
+        partition_size=partition_size,
+    )
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_block_sizes(device: str, dtype: torch.dtype, block_size: int) -> None:
+    skip_unsupported(device, dtype)
+    seq_lens = [block_size, block_size + 1, 3 * block_size - 1, 150]
+    actual, expected = run_decode(
+        device, dtype, seq_lens, queries_per_kv=3, block_size=block_size, partition_size=64
+    )
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_reduces_more_partitions_than_one_chunk(device: str, dtype: torch.dtype) -> None:
+    skip_unsupported(device, dtype)
+    # 1,100 tokens in partitions of 32: 35 partitions, more than one reduction chunk of 16.
+    actual, expected = run_decode(
+        device, dtype, [1100, 40, 513], queries_per_kv=8, block_size=32, partition_size=32
+    )
+    assert_close(actual, expected)
+
+
+def test_decode_max_seq_len_bounds_the_grid(device: str) -> None:
+    # The block table has spare columns; max_seq_len trims the partition count to the longest.
+    seq_lens = [100, 130]
+    actual, expected = run_decode(
+        device,
+        torch.float32,
+        seq_lens,
+        queries_per_kv=1,
+        partition_size=32,
+        max_seq_len=max(seq_lens),
+    )
+    assert_close(actual, expected)
+
+
+def test_decode_writes_into_out_from_strided_query(device: str) -> None:
+    generator = torch.Generator().manual_seed(7)
+    seq_lens = [5, 40, 70]
+    cache = make_paged_cache(
+        seq_lens,
+        block_size=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+        generator=generator,
+    )
+    # The query is a view into a fused qkv projection: rows are not contiguous.
+    qkv = torch.randn(3, 4 + 2 + 2, 64, generator=generator).to(device)
+    query = qkv[:, :4]  # [num_seqs, num_heads, head_dim], stride(0) = 8 * 64
+    out = torch.full_like(query, float("nan"))
+    args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, 0.1)
+    result = kernels.paged_attention_decode(*args, out=out, partition_size=32)
+    assert result is out
+    assert_close(out, reference.paged_attention_decode(*args))
+
+
+def test_decode_rejects_bad_arguments(device: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    cache = make_paged_cache(
+        [4],
+        block_size=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+        generator=generator,
+    )
+    query = torch.randn(1, 4, 64, device=device)
+    good = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, 0.1)
+
+    with pytest.raises(kernels.KernelArgumentError, match="block_tables: dtype"):
+        kernels.paged_attention_decode(*good[:3], cache.block_tables.long(), *good[4:])
+    with pytest.raises(kernels.KernelArgumentError, match="not a multiple of num_kv_heads"):
+        kernels.paged_attention_decode(query[:, :3], *good[1:])
+    with pytest.raises(kernels.KernelArgumentError, match="query: dtype"):
+        kernels.paged_attention_decode(query.int(), *good[1:])
+    with pytest.raises(kernels.KernelArgumentError, match="key_cache: dtype"):
+        kernels.paged_attention_decode(query.half(), *good[1:])
+    with pytest.raises(kernels.KernelArgumentError, match="seq_lens: dimension 0"):
+        kernels.paged_attention_decode(*good[:4], cache.seq_lens.repeat(2), 0.1)

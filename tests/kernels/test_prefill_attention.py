@@ -1,0 +1,155 @@
+"""Triton paged prefill attention (chunked prefill, cached prefixes) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from tests.kernels.paged import DTYPES, assert_close, make_paged_cache, skip_unsupported
+
+NUM_KV_HEADS = 2
+
+
+def run_prefill(
+    device: str,
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    queries_per_kv: int,
+    block_size: int = 16,
+    head_dim: int = 64,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output, reference output): sequence s has query_lens[s] new tokens at its end."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = make_paged_cache(
+        seq_lens,
+        block_size=block_size,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+        generator=generator,
+    )
+    num_heads = NUM_KV_HEADS * queries_per_kv
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
+    query = query.to(device)  # [num_tokens, num_heads, head_dim]
+    starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32).to(device)  # [num_seqs+1]
+    args = (
+        query,
+        cache.key_cache,
+        cache.value_cache,
+        cache.block_tables,
+        starts,
+        cache.seq_lens,
+        head_dim**-0.5,
+    )
+    return kernels.prefill_attention(*args), reference.prefill_attention(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_matches_reference(
+    device: str, dtype: torch.dtype, queries_per_kv: int, head_dim: int
+) -> None:
+    skip_unsupported(device, dtype)
+    # A whole prompt, a chunk after a cached prefix, a one-token chunk, and a chunk longer than
+    # one query tile (64 rows / padded group) after a prefix that ends mid-block.
+    seq_lens = [37, 90, 51, 150]
+    query_lens = [37, 20, 1, 70]
+    actual, expected = run_prefill(
+        device, dtype, seq_lens, query_lens, queries_per_kv=queries_per_kv, head_dim=head_dim
+    )
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_prefill_block_sizes(device: str, block_size: int) -> None:
+    seq_lens = [block_size + 3, 2 * block_size, 100]
+    query_lens = [block_size + 3, 5, 33]
+    actual, expected = run_prefill(
+        device, torch.float32, seq_lens, query_lens, queries_per_kv=3, block_size=block_size
+    )
+    assert_close(actual, expected)
+
+
+def test_prefill_skips_sequences_without_new_tokens(device: str) -> None:
+    actual, expected = run_prefill(
+        device, torch.float32, [20, 33, 9], [4, 0, 9], queries_per_kv=1, block_size=8
+    )
+    assert_close(actual, expected)
+
+
+def test_chunked_prefill_equals_whole_prompt(device: str) -> None:
+    """Writing a prompt in three chunks and attending per chunk gives the one-shot result."""
+    generator = torch.Generator().manual_seed(3)
+    prompt_len, num_kv_heads, num_heads, head_dim, block_size = 45, 2, 6, 64, 8
+    num_blocks = 8
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.zeros(shape, device=device)
+    value_cache = torch.zeros(shape, device=device)
+    block_table = torch.randperm(num_blocks, generator=generator)[:6].int().to(device)[None]
+    query = torch.randn(prompt_len, num_heads, head_dim, generator=generator).to(device)
+    key = torch.randn(prompt_len, num_kv_heads, head_dim, generator=generator).to(device)
+    value = torch.randn(prompt_len, num_kv_heads, head_dim, generator=generator).to(device)
+    tokens = torch.arange(prompt_len, device=device)
+    slots = block_table[0].long()[tokens // block_size] * block_size + tokens % block_size
+
+    def attend(lo: int, hi: int) -> torch.Tensor:
+        kernels.reshape_and_cache(key[lo:hi], value[lo:hi], key_cache, value_cache, slots[lo:hi])
+        starts = torch.tensor([0, hi - lo], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([hi], dtype=torch.int32, device=device)
+        return kernels.prefill_attention(
+            query[lo:hi], key_cache, value_cache, block_table, starts, seq_lens, 0.125
+        )
+
+    chunked = torch.cat([attend(0, 16), attend(16, 17), attend(17, prompt_len)])
+    whole = reference.attend(query, key, value, 0.125, causal_offset=0)
+    assert_close(chunked, whole)
+
+
+def test_prefill_of_one_token_equals_decode(device: str) -> None:
+    generator = torch.Generator().manual_seed(5)
+    seq_lens = [10, 77]
+    cache = make_paged_cache(
+        seq_lens,
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+        generator=generator,
+    )
+    query = torch.randn(2, 16, 64, generator=generator).to(device)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    caches = (cache.key_cache, cache.value_cache, cache.block_tables)
+    prefill = kernels.prefill_attention(query, *caches, starts, cache.seq_lens, 0.1)
+    decode = kernels.paged_attention_decode(query, *caches, cache.seq_lens, 0.1)
+    assert_close(prefill, decode)
+
+
+def test_prefill_rejects_bad_arguments(device: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    cache = make_paged_cache(
+        [4],
+        block_size=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+        generator=generator,
+    )
+    query = torch.randn(4, 4, 64, device=device)
+    caches = (cache.key_cache, cache.value_cache, cache.block_tables)
+    starts = torch.tensor([0, 4], dtype=torch.int32, device=device)
+    with pytest.raises(kernels.KernelArgumentError, match="query_start_loc: dtype"):
+        kernels.prefill_attention(query, *caches, starts.long(), cache.seq_lens, 0.1)
+    with pytest.raises(kernels.KernelArgumentError, match="key_cache: dimension 3"):
+        kernels.prefill_attention(query[..., :32], *caches, starts, cache.seq_lens, 0.1)
+    with pytest.raises(kernels.KernelArgumentError, match="block_tables: dimension 0"):
+        three = torch.tensor([0, 1, 2, 4], dtype=torch.int32, device=device)
+        kernels.prefill_attention(query, *caches, three, cache.seq_lens, 0.1)
