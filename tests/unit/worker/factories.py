@@ -1,0 +1,172 @@
+"""Factories for worker tests: tiny random HF models, workers over them, hand-built steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import CachedSequence, NewSequence, StepInput
+from worker_service.config import WorkerConfig
+from worker_service.worker import Worker
+
+BLOCK_SIZE = 4
+VOCAB = 128
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    eos_token_id=1,
+    bos_token_id=0,
+)
+
+
+def tiny_config(kind: str) -> Any:
+    if kind == "llama":
+        return LlamaConfig(**_COMMON, tie_word_embeddings=False)
+    if kind == "llama3":
+        return LlamaConfig(
+            **_COMMON,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if kind == "qwen2":
+        return Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    if kind == "mistral":
+        return MistralConfig(**{**_COMMON, "num_key_value_heads": 1}, sliding_window=None)
+    raise ValueError(kind)
+
+
+def save_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
+    """A randomly initialised model of `kind`, saved with save_pretrained (like a checkpoint)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    # Random init keeps logits near-uniform; widen them so greedy ties cannot happen.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    path = directory / kind
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf(path: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_worker(
+    path: Path | str, num_blocks: int = 64, num_host_blocks: int = 16, **config: Any
+) -> Worker:
+    worker = Worker(WorkerConfig(model=str(path), block_size=BLOCK_SIZE, num_threads=1, **config))
+    worker.load_model()
+    worker.initialize_cache(num_blocks, num_host_blocks)
+    return worker
+
+
+def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logprobs(hf_model: Any, tokens: list[int]) -> torch.Tensor:  # [len(tokens), vocab]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def blocks_for(first: int, num_tokens: int) -> list[int]:
+    return list(range(first, first + -(-num_tokens // BLOCK_SIZE)))
+
+
+def new_seq(
+    seq_id: int,
+    tokens: list[int],
+    block_ids: list[int],
+    scheduled: int | None = None,
+    computed: int = 0,
+    params: SamplingParams | None = None,
+    seq_index: int = 0,
+    num_prompt_tokens: int | None = None,
+) -> NewSequence:
+    return NewSequence(
+        seq_id=seq_id,
+        request_id=f"req-{seq_id}",
+        seq_index=seq_index,
+        token_ids=list(tokens),
+        num_prompt_tokens=len(tokens) if num_prompt_tokens is None else num_prompt_tokens,
+        num_computed_tokens=computed,
+        block_ids=block_ids,
+        num_scheduled_tokens=len(tokens) - computed if scheduled is None else scheduled,
+        sampling_params=params or SamplingParams(temperature=0.0, max_tokens=64),
+    )
+
+
+class GreedyDriver:
+    """A minimal hand-written scheduler for runner tests: contiguous blocks per sequence,
+    decode one token at a time, append blocks as needed."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.step_id = 0
+        self.tokens: dict[int, list[int]] = {}
+        self.blocks: dict[int, list[int]] = {}
+        self.next_block = 0
+        self.outputs: dict[int, list[int]] = {}
+
+    def alloc(self, n: int) -> list[int]:
+        ids = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return ids
+
+    def step(self, step: StepInput) -> dict[int, int]:
+        step.step_id = self.step_id
+        self.step_id += 1
+        result = self.worker.execute(step)
+        sampled = {o.seq_id: o.samples[0].token_id for o in result.outputs}
+        for seq_id, token in sampled.items():
+            self.outputs.setdefault(seq_id, []).append(token)
+        return sampled
+
+    def decode_step(self, sampled: dict[int, int]) -> StepInput:
+        cached = []
+        for seq_id, token in sampled.items():
+            toks = self.tokens[seq_id]
+            toks.append(token)
+            offset = len(self.blocks[seq_id])
+            new_blocks = self.alloc(1) if len(toks) > offset * BLOCK_SIZE else []
+            self.blocks[seq_id].extend(new_blocks)
+            cached.append(CachedSequence(seq_id, [token], offset, new_blocks, 1))
+        return StepInput(0, cached_seqs=cached)
+
+    def run_greedy(self, prompts: dict[int, list[int]], max_new_tokens: int) -> dict[int, list[int]]:
+        news = []
+        for seq_id, prompt in prompts.items():
+            self.tokens[seq_id] = list(prompt)
+            self.blocks[seq_id] = self.alloc(-(-len(prompt) // BLOCK_SIZE))
+            news.append(new_seq(seq_id, prompt, list(self.blocks[seq_id])))
+        sampled = self.step(StepInput(0, new_seqs=news))
+        for _ in range(max_new_tokens - 1):
+            sampled = self.step(self.decode_step(sampled))
+        return self.outputs

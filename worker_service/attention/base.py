@@ -1,0 +1,143 @@
+"""The attention backend interface: how a model layer reads and writes the paged KV cache.
+
+A step's tokens are laid out prefill-first: the `num_prefills` sequences that compute more
+than one token (prompt chunks, attending to their cached prefix and causally to each other),
+then the `num_decodes` sequences that compute exactly one token. A backend gets, per layer,
+this step's new queries/keys/values for all tokens, writes the keys/values into their cache
+slots, and returns the attention output for every query token.
+
+KV cache layout (per layer, see `cache_engine.py`): key and value caches are each
+`[num_blocks, block_size, num_kv_heads, head_dim]`; token `i` of a sequence lives in block
+`block_table[i // block_size]` at offset `i % block_size`, i.e. flat slot
+`block_id * block_size + offset`.
+
+Backends are registered by name (`register_backend`) so that `--attention-backend` can pick
+one without this package importing the optional ones eagerly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step inputs shared by all layers. Built once per step by the model runner.
+
+    All tensors live on the model's device. Block tables are padded with block 0 (any valid
+    id; backends mask by length and never read past `seq_lens`).
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decodes: int
+    # Flat cache slot of every token of the step; negative = do not write (padding).
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    # Prefill part.
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, cumulative query lens
+    prefill_query_lens: torch.Tensor  # [num_prefills] int32
+    prefill_context_lens: torch.Tensor  # [num_prefills] int32, tokens cached before this step
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32, context + query
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_prefill_blocks] int32
+    max_prefill_query_len: int
+    max_prefill_seq_len: int
+    # True when no prefill attends to a cached prefix (all context lens are 0).
+    prefill_no_context: bool
+    # Decode part.
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32, including the new token
+    decode_block_tables: torch.Tensor  # [num_decodes, max_decode_blocks] int32
+    max_decode_seq_len: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decodes
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention for one model on one device.
+
+    Lifecycle per step: `begin_step(metadata)` once (precompute what all layers share, e.g.
+    masks or gather indices), then `forward` once per layer. Implementations must be
+    vectorized over the batch: no Python loop over sequences in `forward`.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def begin_step(self, metadata: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
+        """Called once per step before the first layer."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write key/value into their slots, then attend every query to its sequence."""
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> bool:
+        """Whether this backend can run on `device` in this environment."""
+        return True
+
+
+BackendFactory = Callable[[int, int, int, float], AttentionBackend]
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+# Optional backends live in modules imported on first use (they may need CUDA or Triton).
+_LAZY_MODULES: dict[str, str] = {"triton": "worker_service.attention.triton_backend"}
+
+
+class AttentionBackendError(RuntimeError):
+    """The requested attention backend cannot run here."""
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Class decorator: make a backend selectable by its `name`."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
+    """Resolve `auto|triton|torch` to a backend class that runs on `device`.
+
+    `auto` picks `triton` on CUDA when its module is present and available, else `torch`.
+    """
+    if name == "auto":
+        if device.type == "cuda":
+            try:
+                return get_backend_class("triton", device)
+            except AttentionBackendError:
+                pass
+        return get_backend_class("torch", device)
+    if name not in _REGISTRY and name in _LAZY_MODULES:
+        import importlib
+
+        try:
+            importlib.import_module(_LAZY_MODULES[name])
+        except ImportError as exc:
+            raise AttentionBackendError(
+                f"attention backend {name!r} is not installed: {exc}"
+            ) from exc
+    if name not in _REGISTRY:
+        known = sorted({*_REGISTRY, *_LAZY_MODULES})
+        raise AttentionBackendError(f"unknown attention backend {name!r}; known: {known}")
+    cls = _REGISTRY[name]
+    if not cls.is_available(device):
+        raise AttentionBackendError(f"attention backend {name!r} cannot run on {device}")
+    return cls

@@ -1,0 +1,88 @@
+"""The paged KV cache of one worker: device blocks, host swap blocks, and block moves.
+
+Layout. For each layer there is a key cache and a value cache, each
+`[num_blocks, block_size, num_kv_heads, head_dim]` in the model dtype: block-major so a
+block id addresses one contiguous chunk of `block_size` tokens, token-major inside a block so
+writing one token's K (all kv heads) is one contiguous store, head_dim innermost for the dot
+products. All layers live in one allocation `[num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]` so a swap or copy moves a block of every layer in one indexed copy;
+`layer_caches()[i]` are views of it.
+
+Host (swap) blocks use the same layout on the CPU, pinned when the device is CUDA so copies
+can run asynchronously. The scheduler decides every block id; this class only moves data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cache_block_size_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+class CacheEngine:
+    """Owns the device KV cache and the host swap space of one worker."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        self.dtype = dtype
+        self.device = device
+        shape = (num_layers, 2, 0, block_size, num_kv_heads, head_dim)
+        # Zeroed, not empty: backends read (and mask) the tail of a sequence's last block, and
+        # masked garbage must still be finite so that 0 * value stays 0.
+        self.device_cache = torch.zeros(
+            shape[:2] + (num_device_blocks,) + shape[3:], dtype=dtype, device=device
+        )  # [num_layers, 2, num_device_blocks, block_size, num_kv_heads, head_dim]
+        self.host_cache = torch.zeros(
+            shape[:2] + (num_host_blocks,) + shape[3:],
+            dtype=dtype,
+            pin_memory=device.type == "cuda",
+        )  # [num_layers, 2, num_host_blocks, block_size, num_kv_heads, head_dim]
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return [(self.device_cache[i, 0], self.device_cache[i, 1]) for i in range(self.num_layers)]
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, (device src, host dst) pairs, all layers."""
+        if mapping:
+            src, dst = self._split(mapping)
+            moved = self.device_cache[:, :, src.to(self.device)].to("cpu")
+            self.host_cache[:, :, dst] = moved
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy host blocks to device blocks, (host src, device dst) pairs, all layers."""
+        if mapping:
+            src, dst = self._split(mapping)
+            moved = self.host_cache[:, :, src].to(self.device, non_blocking=True)
+            self.device_cache[:, :, dst.to(self.device)] = moved
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to device blocks (copy-on-write), (src, dst) pairs, all layers."""
+        if mapping:
+            src, dst = self._split(mapping)
+            src, dst = src.to(self.device), dst.to(self.device)
+            self.device_cache[:, :, dst] = self.device_cache[:, :, src]
+
+    @staticmethod
+    def _split(mapping: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = torch.tensor(mapping, dtype=torch.int64)  # [num_pairs, 2]
+        return pairs[:, 0], pairs[:, 1]

@@ -1,0 +1,92 @@
+"""Worker configuration: one frozen dataclass, built once by the service entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+GiB = 1 << 30
+
+DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+AttentionBackendName = Literal["auto", "triton", "torch"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class WorkerConfigError(ValueError):
+    """A worker option is invalid. `field` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything a worker needs to load its model and size its KV cache.
+
+    `dtype="auto"` is float32 on CPU and bfloat16 on CUDA. On CPU the device KV cache is
+    `kv_cache_memory_bytes`; on CUDA it is what a profile run leaves of
+    `gpu_memory_utilization` of the device. The host swap space is `swap_space_bytes`.
+    """
+
+    model: str = "smollm2"
+    dtype: DtypeName = "auto"
+    device: DeviceName = "auto"
+    attention_backend: AttentionBackendName = "auto"
+    block_size: int = 16
+    # Caps the model's own max_position_embeddings (None = the model's limit).
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int = 2 * GiB
+    swap_space_bytes: int = 4 * GiB
+    gpu_memory_utilization: float = 0.9
+    # Shape of the CUDA profile run (the scheduler's budgets).
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    # torch intra-op threads on CPU (None = all cores of this machine).
+    num_threads: int | None = None
+    # Seed of the stream used by requests without their own seed.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise WorkerConfigError("block_size", f"must be a power of two, got {self.block_size}")
+        if self.dtype not in ("auto", *_DTYPES):
+            raise WorkerConfigError("dtype", f"must be auto|{'|'.join(_DTYPES)}, got {self.dtype}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise WorkerConfigError("device", f"must be auto|cpu|cuda, got {self.device}")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise WorkerConfigError(
+                "attention_backend", f"must be auto|triton|torch, got {self.attention_backend}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise WorkerConfigError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_bytes <= 0:
+            raise WorkerConfigError("kv_cache_memory_bytes", "must be positive")
+        if self.swap_space_bytes < 0:
+            raise WorkerConfigError("swap_space_bytes", "must be non-negative")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise WorkerConfigError("max_model_len", "must be positive")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise WorkerConfigError("num_threads", "must be positive")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise WorkerConfigError("device", "cuda requested but no CUDA device is available")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

@@ -1,0 +1,278 @@
+"""Keeps per-sequence state from the scheduler's diffs and turns a step into tensors.
+
+The scheduler sends each sequence's tokens once; afterwards only appended tokens, block-table
+patches and scheduled counts. `ModelRunner` mirrors that state (`SequenceState`), lays the
+step's tokens out prefill-first (sequences computing several tokens, then single-token ones),
+builds input ids, positions, slot mapping, block tables and lengths, runs the model with
+logits only for the rows that need them, and hands those to the sampler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import PromptLogprob, SequenceOutput, StepInput, StepResult
+from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.models.llama import LlamaModel
+from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """The worker's copy of one sequence."""
+
+    seq_id: int
+    request_id: str
+    seq_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_ids: list[int]
+    params: SamplingParams
+    # Prompt logprobs of chunks that did not sample yet; sent with the first sample.
+    pending_prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+
+    def fork(self, child_seq_id: int, child_seq_index: int) -> SequenceState:
+        return SequenceState(
+            child_seq_id,
+            self.request_id,
+            child_seq_index,
+            list(self.token_ids),
+            self.num_prompt_tokens,
+            self.num_computed,
+            list(self.block_ids),
+            self.params,
+        )
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    state: SequenceState
+    start: int  # first position computed this step
+    count: int  # tokens computed this step
+    order: int  # position in the step's new_seqs + cached_seqs order
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.count == len(self.state.token_ids)
+
+
+class StateError(RuntimeError):
+    """The step refers to sequence state the worker does not have (a protocol bug)."""
+
+
+class ModelRunner:
+    """Runs steps of one model over one KV cache."""
+
+    def __init__(
+        self, model: LlamaModel, backend: AttentionBackend, sampler: Sampler, block_size: int
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.sampler = sampler
+        self.block_size = block_size
+        self.device = model.device
+        self.states: dict[int, SequenceState] = {}
+
+    def apply_updates(self, step: StepInput) -> list[_Scheduled]:
+        """Steps 1-4 of the contract (free, fork, register, update); returns what to compute."""
+        for seq_id in step.freed_seq_ids:
+            self.states.pop(seq_id, None)
+        for fork in step.forks:
+            parent = self._state(fork.parent_seq_id)
+            self.states[fork.child_seq_id] = parent.fork(fork.child_seq_id, fork.child_seq_index)
+        scheduled: list[_Scheduled] = []
+        for new in step.new_seqs:
+            state = SequenceState(
+                new.seq_id,
+                new.request_id,
+                new.seq_index,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.num_computed_tokens,
+                list(new.block_ids),
+                new.sampling_params,
+            )
+            self.states[new.seq_id] = state
+            if new.num_scheduled_tokens:
+                scheduled.append(
+                    _Scheduled(state, state.num_computed, new.num_scheduled_tokens, len(scheduled))
+                )
+        for cached in step.cached_seqs:
+            state = self._state(cached.seq_id)
+            state.token_ids.extend(cached.new_token_ids)
+            del state.block_ids[cached.block_offset :]
+            state.block_ids.extend(cached.block_ids)
+            if cached.num_scheduled_tokens:
+                scheduled.append(
+                    _Scheduled(
+                        state, state.num_computed, cached.num_scheduled_tokens, len(scheduled)
+                    )
+                )
+        for s in scheduled:
+            if s.start + s.count > len(s.state.token_ids):
+                raise StateError(f"seq {s.state.seq_id}: scheduled past its known tokens")
+            if s.start + s.count > len(s.state.block_ids) * self.block_size:
+                raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
+        return scheduled
+
+    def _state(self, seq_id: int) -> SequenceState:
+        state = self.states.get(seq_id)
+        if state is None:
+            raise StateError(f"no state for seq {seq_id}")
+        return state
+
+    @torch.inference_mode()
+    def run(
+        self,
+        scheduled: list[_Scheduled],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        step_id: int,
+    ) -> StepResult:
+        """Steps 6 of the contract: forward over the scheduled tokens, then sample."""
+        result = StepResult(step_id)
+        if not scheduled:
+            return result
+        t0 = time.perf_counter_ns()
+        # Prefill-first layout; stable so the step order survives within each part.
+        layout = sorted(scheduled, key=lambda s: s.count == 1)
+        inputs = self._prepare(layout)
+        logits = self.model.forward(
+            inputs.input_ids,
+            inputs.positions,
+            kv_caches,
+            inputs.metadata,
+            self.backend,
+            inputs.logit_rows,
+        )  # [num_logit_rows, vocab]
+        for s in scheduled:
+            s.state.num_computed += s.count
+        t1 = time.perf_counter_ns()
+        result.outputs = self._sample(logits, inputs)
+        result.forward_ns = t1 - t0
+        result.sample_ns = time.perf_counter_ns() - t1
+        return result
+
+    def _prepare(self, layout: list[_Scheduled]) -> _PreparedInputs:
+        bs = self.block_size
+        prefills = [s for s in layout if s.count > 1]
+        decodes = layout[len(prefills) :]
+        counts = np.array([s.count for s in layout], dtype=np.int64)
+        starts = np.array([s.start for s in layout], dtype=np.int64)
+        ends = starts + counts
+        # Positions: per sequence arange(start, end), concatenated without a Python loop.
+        offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        num_tokens = int(counts.sum())
+        positions = np.arange(num_tokens) - np.repeat(offsets - starts, counts)
+        input_ids = np.fromiter(
+            (t for s in layout for t in s.state.token_ids[s.start : s.start + s.count]),
+            dtype=np.int64,
+            count=num_tokens,
+        )
+        tables = _pad_tables([s.state.block_ids[: -(-(s.start + s.count) // bs)] for s in layout])
+        seq_of_token = np.repeat(np.arange(len(layout)), counts)
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+
+        logit_rows: list[int] = []
+        sample_items: list[tuple[_Scheduled, int]] = []  # (seq, logits row)
+        prompt_items: list[tuple[_Scheduled, int, int, int]] = []  # (seq, first row, n, first pos)
+        for s, offset in zip(layout, offsets.tolist(), strict=True):
+            # Prompt logprobs come from the first prefill only, not from a recompute.
+            first_prefill = len(s.state.token_ids) == s.state.num_prompt_tokens
+            if s.state.params.prompt_logprobs is not None and first_prefill:
+                last = min(s.start + s.count, s.state.num_prompt_tokens - 1)
+                if last > s.start:
+                    n = last - s.start
+                    prompt_items.append((s, len(logit_rows), n, s.start + 1))
+                    logit_rows.extend(range(offset, offset + n))
+            if s.samples:
+                sample_items.append((s, len(logit_rows)))
+                logit_rows.append(offset + s.count - 1)
+
+        n_pre = len(prefills)
+        device = self.device
+
+        def tensor(a: np.ndarray | list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a), dtype=dtype).to(device)
+
+        pre_counts, pre_starts = counts[:n_pre], starts[:n_pre]
+        metadata = AttentionMetadata(
+            num_prefills=n_pre,
+            num_prefill_tokens=int(pre_counts.sum()),
+            num_decodes=len(decodes),
+            slot_mapping=tensor(slots, torch.int64),
+            prefill_query_start_loc=tensor(np.concatenate(([0], np.cumsum(pre_counts)))),
+            prefill_query_lens=tensor(pre_counts),
+            prefill_context_lens=tensor(pre_starts),
+            prefill_seq_lens=tensor(ends[:n_pre]),
+            prefill_block_tables=tensor(tables[:n_pre]),
+            max_prefill_query_len=int(pre_counts.max(initial=0)),
+            max_prefill_seq_len=int(ends[:n_pre].max(initial=0)),
+            prefill_no_context=not bool(pre_starts.any()),
+            decode_seq_lens=tensor(ends[n_pre:]),
+            decode_block_tables=tensor(tables[n_pre:]),
+            max_decode_seq_len=int(ends[n_pre:].max(initial=0)),
+            block_size=bs,
+        )
+        return _PreparedInputs(
+            input_ids=tensor(input_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            metadata=metadata,
+            logit_rows=tensor(logit_rows, torch.int64),
+            sample_items=sample_items,
+            prompt_items=prompt_items,
+        )
+
+    def _sample(self, logits: torch.Tensor, inputs: _PreparedInputs) -> list[SequenceOutput]:
+        outputs: dict[int, SequenceOutput] = {}
+        if inputs.sample_items:
+            rows = [
+                SamplingRow(
+                    s.state.params, s.state.seq_index, s.state.token_ids, s.state.num_prompt_tokens
+                )
+                for s, _ in inputs.sample_items
+            ]
+            row_index = torch.tensor([r for _, r in inputs.sample_items], device=logits.device)
+            for (s, _), res in zip(
+                inputs.sample_items, self.sampler.sample(logits[row_index], rows), strict=True
+            ):
+                outputs[s.order] = SequenceOutput(s.state.seq_id, res.samples, res.top_logprobs)
+        for s, first_row, n, first_pos in inputs.prompt_items:
+            positions = list(range(first_pos, first_pos + n))
+            targets = [s.state.token_ids[p] for p in positions]
+            s.state.pending_prompt_logprobs.extend(
+                prompt_logprobs(
+                    logits[first_row : first_row + n],
+                    positions,
+                    targets,
+                    s.state.params.prompt_logprobs or 0,
+                )
+            )
+        for s, _ in inputs.sample_items:
+            if s.state.pending_prompt_logprobs:
+                outputs[s.order].prompt_logprobs = s.state.pending_prompt_logprobs
+                s.state.pending_prompt_logprobs = []
+        return [outputs[k] for k in sorted(outputs)]
+
+
+@dataclass(slots=True)
+class _PreparedInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    logit_rows: torch.Tensor  # [num_logit_rows] int64
+    sample_items: list[tuple[_Scheduled, int]]
+    prompt_items: list[tuple[_Scheduled, int, int, int]]
+
+
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:  # [num_seqs, max_blocks] int64
+    width = max((len(t) for t in tables), default=0)
+    out = np.zeros((len(tables), max(width, 1)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out

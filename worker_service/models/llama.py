@@ -1,0 +1,210 @@
+"""A compact Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens.
+
+Every linear layer runs once per step over all tokens of all sequences (`[num_tokens, ...]`),
+q/k/v and gate/up are fused into one matmul each, and attention goes through an
+`AttentionBackend` that reads and writes the paged KV cache. Weights are taken from a loaded
+`transformers` model; the arithmetic follows the reference order so fp32 greedy output is
+token-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.models.rope import (
+    UnsupportedModelError,
+    apply_rotary,
+    cos_sin_table,
+    inverse_frequencies,
+)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArchConfig:
+    """The shape of a Llama-family model, read from a transformers config."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    # Mistral's sliding window (None = full attention); the worker caps max_model_len to it.
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, config: Any) -> ModelArchConfig:
+        architectures = list(getattr(config, "architectures", None) or [])
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architecture {architectures or config.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(
+                f"activation {config.hidden_act!r} is not supported (silu only)"
+            )
+        rope = dict(
+            getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        )
+        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0) or 10000.0))
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        sliding = getattr(config, "sliding_window", None)
+        if arch == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            rope_theta=theta,
+            rope_scaling=rope or None,
+            sliding_window=sliding,
+        )
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    # Same arithmetic as the reference: normalize in float32, scale in the model dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaModel:
+    """Forward pass of a Llama-family causal LM over the paged cache. Not an nn.Module: plain
+    weight tensors keep per-layer Python overhead to a handful of calls."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        embed: torch.Tensor,  # [vocab, hidden]
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,  # [hidden]
+        lm_head: torch.Tensor,  # [vocab, hidden]
+        max_positions: int,
+    ) -> None:
+        self.arch = arch
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.dtype = embed.dtype
+        self.device = embed.device
+        inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.cos, self.sin = cos_sin_table(inv_freq, max_positions, self.dtype, self.device)
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+
+    @classmethod
+    def from_hf(cls, hf_model: Any, max_positions: int) -> LlamaModel:
+        """Take (fuse, not copy where possible) the weights of a transformers Llama-family model."""
+        arch = ModelArchConfig.from_hf(hf_model.config)
+        inner = hf_model.model
+        layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            layers.append(
+                LayerWeights(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    qkv=torch.cat(
+                        [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+                    ).detach(),
+                    qkv_bias=None if biases[0] is None else torch.cat(biases).detach(),
+                    o=attn.o_proj.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                    down=mlp.down_proj.weight.detach(),
+                )
+            )
+        return cls(
+            arch,
+            embed=inner.embed_tokens.weight.detach(),
+            layers=layers,
+            final_norm=inner.norm.weight.detach(),
+            lm_head=hf_model.lm_head.weight.detach(),
+            max_positions=max_positions,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer K, V caches
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        logit_rows: torch.Tensor,  # [num_logit_rows] int64, token rows that need logits
+    ) -> torch.Tensor:  # [num_logit_rows, vocab] float32
+        arch = self.arch
+        num_tokens = input_ids.shape[0]
+        cos = self.cos[positions][:, None, :]  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions][:, None, :]
+        hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        backend.begin_step(metadata)
+        for weights, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
+            residual = hidden
+            x = rms_norm(hidden, weights.input_norm, arch.rms_norm_eps)
+            qkv = F.linear(x, weights.qkv, weights.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
+            k = apply_rotary(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
+            v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+            attn = backend.forward(q, k, v, key_cache, value_cache, metadata)
+            hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), weights.o)
+            residual = hidden
+            x = rms_norm(hidden, weights.post_norm, arch.rms_norm_eps)
+            gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, weights.down)
+        selected = rms_norm(hidden[logit_rows], self.final_norm, arch.rms_norm_eps)
+        return F.linear(selected, self.lm_head).float()
+
+    def linear_layers_only(self, num_tokens: int) -> None:
+        """Run just the matmuls of one forward over `num_tokens` tokens (bench reference)."""
+        arch = self.arch
+
+        def zeros(width: int) -> torch.Tensor:  # [num_tokens, width]
+            return torch.zeros(num_tokens, width, dtype=self.dtype, device=self.device)
+
+        x, attn, act = zeros(arch.hidden_size), zeros(self.q_size), zeros(arch.intermediate_size)
+        for weights in self.layers:
+            F.linear(x, weights.qkv, weights.qkv_bias)
+            F.linear(attn, weights.o)
+            F.linear(x, weights.gate_up)
+            F.linear(act, weights.down)
+        F.linear(x, self.lm_head)

@@ -1,0 +1,270 @@
+"""Turns logits into tokens, vectorized over the batch.
+
+Per row (one sequence that samples this step) the pipeline is: raw log-softmax (what logprobs
+report) -> min-tokens EOS suppression -> repetition / frequency / presence penalties ->
+greedy argmax | beam candidates (top 2 x width) | temperature, top-k, top-p, min-p, then an
+exponential race `argmax(probs / Exp(1) noise)`, which draws from `probs`.
+
+Seeded rows draw their noise from a stream derived from (seed, seq_index, number of tokens so
+far), so a seeded sequence samples the same token whatever else is in the batch and whichever
+step it runs in. At a request's first sample with best_of > 1, sample j uses seq_index j: the
+same stream sequence j would have used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import PromptLogprob, TokenLogprob
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def stream_seed(seed: int, seq_index: int, num_tokens: int) -> int:
+    """Seed of the random stream for one draw of one sequence (63 bits, for torch)."""
+    return _splitmix64(_splitmix64(_splitmix64(seed) ^ seq_index) ^ num_tokens) >> 1
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sequence that samples."""
+
+    params: SamplingParams
+    seq_index: int
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_samples(self) -> int:
+        if self.params.use_beam_search:
+            return 2 * self.params.num_sampled
+        return self.params.num_sampled if self.num_output_tokens == 0 else 1
+
+
+@dataclass(slots=True)
+class SampleResult:
+    samples: list[TokenLogprob]
+    top_logprobs: list[TokenLogprob]
+
+
+class Sampler:
+    """Vectorized sampler; `seed` drives the stream of requests that bring no seed."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab] float32
+        rows: list[SamplingRow],
+    ) -> list[SampleResult]:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+        adjusted = self._adjust_logits(logits, rows)
+        tokens: list[list[int]] = [[] for _ in rows]
+        greedy = [
+            i for i, r in enumerate(rows) if r.params.is_greedy and not r.params.use_beam_search
+        ]
+        beam = [i for i, r in enumerate(rows) if r.params.use_beam_search]
+        random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if greedy:
+            for i, t in zip(greedy, adjusted[greedy].argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = [t]
+        if beam:
+            width2 = max(rows[i].num_samples for i in beam)
+            ranked = torch.log_softmax(adjusted[beam], dim=-1).topk(width2, dim=-1).indices.tolist()
+            for i, cands in zip(beam, ranked, strict=True):
+                tokens[i] = cands[: rows[i].num_samples]
+        if random:
+            for i, drawn in zip(
+                random,
+                self._sample_random(adjusted[random], [rows[i] for i in random]),
+                strict=True,
+            ):
+                tokens[i] = drawn
+        return self._with_logprobs(raw_logprobs, rows, tokens)
+
+    def _adjust_logits(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab] float32
+        rows: list[SamplingRow],
+    ) -> torch.Tensor:  # [num_rows, vocab] float32
+        """Min-tokens EOS suppression and repetition/frequency/presence penalties."""
+        vocab = self.vocab_size
+        suppress = [(i, r) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+        penalized = [
+            i
+            for i, r in enumerate(rows)
+            if r.params.repetition_penalty != 1.0
+            or r.params.frequency_penalty != 0.0
+            or r.params.presence_penalty != 0.0
+        ]
+        if not suppress and not penalized:
+            return logits
+        logits = logits.clone()
+        for i, r in suppress:
+            stops = list(r.params.stop_token_ids) + (
+                [] if r.params.ignore_eos else list(self.eos_token_ids)
+            )
+            logits[i, [t for t in stops if t < vocab]] = float("-inf")
+        if not penalized:
+            return logits
+        sub = logits[penalized]  # [num_penalized, vocab]
+        prs = [rows[i] for i in penalized]
+        output_counts = _token_counts(
+            [r.token_ids[r.num_prompt_tokens :] for r in prs], vocab, sub.device
+        )
+        prompt_seen = (
+            _token_counts([r.token_ids[: r.num_prompt_tokens] for r in prs], vocab, sub.device) > 0
+        )
+        rep = torch.tensor([r.params.repetition_penalty for r in prs], device=sub.device)[:, None]
+        seen = prompt_seen | (output_counts > 0)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq = torch.tensor([r.params.frequency_penalty for r in prs], device=sub.device)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in prs], device=sub.device)[:, None]
+        sub = sub - freq * output_counts - pres * (output_counts > 0).float()
+        logits[penalized] = sub
+        return logits
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,  # [num_random, vocab] float32, penalized
+        rows: list[SamplingRow],
+    ) -> list[list[int]]:
+        device = logits.device
+        temps = torch.tensor([r.params.temperature for r in rows], device=device)[:, None]
+        scaled = logits / temps
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = _top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)  # [num_random, vocab]
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)[:, None]
+        if bool((min_p > 0).any()):
+            probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+        sample_rows: list[int] = []
+        noise: list[torch.Tensor] = []
+        unseeded = 0
+        for i, r in enumerate(rows):
+            for j in range(r.num_samples):
+                sample_rows.append(i)
+                if r.params.seed is None:
+                    unseeded += 1
+                    noise.append(torch.empty(0))
+                    continue
+                index = r.seq_index if r.num_samples == 1 else j
+                gen = torch.Generator().manual_seed(
+                    stream_seed(r.params.seed, index, len(r.token_ids))
+                )
+                noise.append(torch.empty(self.vocab_size).exponential_(generator=gen))
+        if unseeded:
+            shared = torch.empty(unseeded, self.vocab_size).exponential_(generator=self.generator)
+            it = iter(shared)
+            noise = [n if n.numel() else next(it) for n in noise]
+        race = probs[sample_rows] / torch.stack(noise).to(device)  # [num_samples, vocab]
+        drawn = race.argmax(dim=-1).tolist()
+        out: list[list[int]] = [[] for _ in rows]
+        for i, t in zip(sample_rows, drawn, strict=True):
+            out[i].append(t)
+        return out
+
+    def _with_logprobs(
+        self,
+        raw_logprobs: torch.Tensor,  # [num_rows, vocab] float32
+        rows: list[SamplingRow],
+        tokens: list[list[int]],
+    ) -> list[SampleResult]:
+        flat_rows = [i for i, ts in enumerate(tokens) for _ in ts]
+        flat_tokens = [t for ts in tokens for t in ts]
+        row_lp = raw_logprobs[flat_rows]  # [num_samples, vocab]
+        chosen = row_lp.gather(1, torch.tensor(flat_tokens, device=row_lp.device)[:, None])
+        ranks = ((row_lp > chosen).sum(dim=-1) + 1).tolist()
+        chosen_list = chosen[:, 0].tolist()
+        want_top = [i for i, r in enumerate(rows) if r.params.logprobs]
+        tops: dict[int, list[TokenLogprob]] = {}
+        if want_top:
+            k = max(rows[i].params.logprobs or 0 for i in want_top)
+            values, indices = raw_logprobs[want_top].topk(k, dim=-1)
+            for i, vs, ids in zip(want_top, values.tolist(), indices.tolist(), strict=True):
+                n = rows[i].params.logprobs or 0
+                tops[i] = [
+                    TokenLogprob(t, v, rank + 1)
+                    for rank, (t, v) in enumerate(zip(ids[:n], vs[:n], strict=True))
+                ]
+        results = [SampleResult([], tops.get(i, [])) for i in range(len(rows))]
+        for i, t, lp, rank in zip(flat_rows, flat_tokens, chosen_list, ranks, strict=True):
+            results[i].samples.append(TokenLogprob(t, lp, rank))
+        return results
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,  # [num_positions, vocab] float32, row p predicts target p
+    positions: list[int],
+    targets: list[int],
+    num_top: int,
+) -> list[PromptLogprob]:
+    """Logprob (and rank, and top `num_top`) of each target prompt token."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    top_values: list[list[float]] = [[] for _ in targets]
+    top_ids: list[list[int]] = [[] for _ in targets]
+    if num_top:
+        values, indices = logprobs.topk(num_top, dim=-1)
+        top_values, top_ids = values.tolist(), indices.tolist()
+    return [
+        PromptLogprob(
+            position=pos,
+            token=TokenLogprob(t, lp, rank),
+            top=[TokenLogprob(i, v, r + 1) for r, (i, v) in enumerate(zip(ids, vs, strict=True))],
+        )
+        for pos, t, lp, rank, ids, vs in zip(
+            positions, targets, chosen[:, 0].tolist(), ranks, top_ids, top_values, strict=True
+        )
+    ]
+
+
+def _token_counts(
+    token_lists: list[list[int]], vocab: int, device: torch.device
+) -> torch.Tensor:  # [num_lists, vocab] float32
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.int64)
+    for i, ts in enumerate(token_lists):
+        padded[i, : len(ts)] = torch.tensor(ts, dtype=torch.int64)
+    counts = torch.zeros(len(token_lists), vocab + 1)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab].to(device)
+
+
+def _top_k_top_p(
+    logits: torch.Tensor,  # [num_rows, vocab] float32
+    top_k: list[int],
+    top_p: list[float],
+) -> torch.Tensor:  # [num_rows, vocab] float32, filtered tokens at -inf
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device)[:, None]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    p = torch.tensor(top_p, device=logits.device)[:, None]
+    # Drop a token when the tokens before it already reach top_p (the first one always stays).
+    drop = (probs.cumsum(dim=-1) - probs) >= p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,225 @@
+"""The worker: loads the model, owns the KV cache, and executes the scheduler's steps."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmserve.model_spec import resolve_model
+from llmserve.steps import StepInput, StepResult
+from worker_service.attention import get_backend_class
+from worker_service.attention.base import AttentionBackend
+from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
+from worker_service.config import WorkerConfig
+from worker_service.model_runner import ModelRunner
+from worker_service.models.llama import LlamaModel, ModelArchConfig
+from worker_service.sampler import Sampler
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the scheduler and gateway need to know about the loaded model."""
+
+    model: str
+    architecture: str
+    dtype: str
+    device: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    attention_backend: str
+
+
+class WorkerNotReadyError(RuntimeError):
+    """A method was called before `load_model` / `initialize_cache`."""
+
+
+class Worker:
+    """One model copy on one device. Usage: `load_model()`, `determine_num_available_blocks()`,
+    `initialize_cache(gpu, cpu)`, then `execute(step)` per iteration (an `Executor`)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self._model: LlamaModel | None = None
+        self._info: ModelInfo | None = None
+        self._runner: ModelRunner | None = None
+        self.cache_engine: CacheEngine | None = None
+
+    # -- loading ---------------------------------------------------------------------------
+    def load_model(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        source = resolve_model(self.config.model)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source.path, **source.pretrained_kwargs(), dtype=self.dtype
+        )
+        self.load_from_hf(hf_model)
+
+    def load_from_hf(self, hf_model: Any) -> None:
+        """Take the weights of an already-loaded transformers model (tests, benchmarks)."""
+        arch = ModelArchConfig.from_hf(hf_model.config)
+        max_len = arch.max_position_embeddings
+        if arch.sliding_window is not None:
+            max_len = min(max_len, arch.sliding_window)  # full attention is exact up to here
+        if self.config.max_model_len is not None:
+            max_len = min(max_len, self.config.max_model_len)
+        hf_model = hf_model.to(device=self.device, dtype=self.dtype)
+        self._model = LlamaModel.from_hf(hf_model, max_positions=max_len)
+        eos = _eos_ids(hf_model)
+        backend_cls = get_backend_class(self.config.attention_backend, self.device)
+        self._info = ModelInfo(
+            model=self.config.model,
+            architecture=arch.architecture,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            block_size=self.config.block_size,
+            max_model_len=max_len,
+            vocab_size=arch.vocab_size,
+            eos_token_id=eos[0] if eos else None,
+            eos_token_ids=eos,
+            attention_backend=backend_cls.name,
+        )
+        backend: AttentionBackend = backend_cls(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5
+        )
+        sampler = Sampler(arch.vocab_size, eos, seed=self.config.seed)
+        self._runner = ModelRunner(self._model, backend, sampler, self.config.block_size)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        if self._info is None:
+            raise WorkerNotReadyError("load_model() first")
+        return self._info
+
+    @property
+    def model(self) -> LlamaModel:
+        if self._model is None:
+            raise WorkerNotReadyError("load_model() first")
+        return self._model
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise WorkerNotReadyError("load_model() first")
+        return self._runner
+
+    # -- KV cache --------------------------------------------------------------------------
+    def get_cache_block_size_bytes(self) -> int:
+        arch = self.model.arch
+        return cache_block_size_bytes(
+            arch.num_layers, arch.num_kv_heads, arch.head_dim, self.config.block_size, self.dtype
+        )
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """(device blocks, host swap blocks). CUDA: profile a forward of the scheduler's largest
+        batch and give the KV cache what is left of `gpu_memory_utilization`; CPU: from
+        `kv_cache_memory_bytes`."""
+        block_bytes = self.get_cache_block_size_bytes()
+        num_host = self.config.swap_space_bytes // block_bytes
+        if self.device.type != "cuda":
+            return self.config.kv_cache_memory_bytes // block_bytes, num_host
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory others hold on this device plus our own peak during the profile run.
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) + max(used_by_others, 0)
+        available = int(total * self.config.gpu_memory_utilization) - peak
+        torch.cuda.empty_cache()
+        return max(available // block_bytes, 0), num_host
+
+    def _profile_run(self) -> None:
+        """One forward over max_num_batched_tokens tokens split among max_num_seqs prompts,
+        with a throwaway cache just large enough for it."""
+        from llmserve.sampling_params import SamplingParams
+        from llmserve.steps import NewSequence
+
+        cfg, bs = self.config, self.config.block_size
+        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+        lengths = [cfg.max_num_batched_tokens // num_seqs] * num_seqs
+        blocks_needed = sum(-(-n // bs) for n in lengths)
+        arch = self.model.arch
+        cache = CacheEngine(
+            arch.num_layers,
+            arch.num_kv_heads,
+            arch.head_dim,
+            bs,
+            blocks_needed,
+            0,
+            self.dtype,
+            self.device,
+        )
+        step, next_block = StepInput(step_id=-1), 0
+        for i, n in enumerate(lengths):
+            nb = -(-n // bs)
+            step.new_seqs.append(
+                NewSequence(
+                    i,
+                    f"profile-{i}",
+                    0,
+                    [0] * n,
+                    n,
+                    0,
+                    list(range(next_block, next_block + nb)),
+                    n,
+                    SamplingParams(temperature=1.0, top_p=0.9, top_k=50),
+                )
+            )
+            next_block += nb
+        runner = self.runner
+        scheduled = runner.apply_updates(step)
+        runner.run(scheduled, cache.layer_caches(), step.step_id)
+        runner.states.clear()
+        del cache
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        arch = self.model.arch
+        self.cache_engine = CacheEngine(
+            arch.num_layers,
+            arch.num_kv_heads,
+            arch.head_dim,
+            self.config.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            self.dtype,
+            self.device,
+        )
+        self._kv_caches = self.cache_engine.layer_caches()
+
+    # -- execution -------------------------------------------------------------------------
+    def execute(self, step: StepInput) -> StepResult:
+        """Apply one step in the order fixed by `llmserve.steps`."""
+        if self.cache_engine is None:
+            raise WorkerNotReadyError("initialize_cache() first")
+        runner = self.runner
+        scheduled = runner.apply_updates(step)
+        self.cache_engine.swap_out(step.blocks_to_swap_out)
+        self.cache_engine.swap_in(step.blocks_to_swap_in)
+        self.cache_engine.copy_blocks(step.blocks_to_copy)
+        return runner.run(scheduled, self._kv_caches, step.step_id)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences whose state this worker holds (0 once every request is finished)."""
+        return len(self.runner.states)
+
+
+def _eos_ids(hf_model: Any) -> tuple[int, ...]:
+    gen = getattr(hf_model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(hf_model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
