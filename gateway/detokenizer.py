@@ -1,0 +1,91 @@
+"""Incremental detokenization: token ids in, new text out, one sequence at a time.
+
+Decoding the whole sequence at every token is quadratic; decoding one token at a time is
+wrong (a byte-level BPE token may hold half a UTF-8 character, and SentencePiece drops a
+token's leading space at the start of a decode). So, as TGI and vLLM do, each step decodes a
+small window twice: `ids[prefix:read]` (text already emitted, decoded with a few tokens of
+context) and `ids[prefix:]`; the difference is the new text. While the window's text ends in
+U+FFFD the character is incomplete: nothing is emitted and the window grows until it completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as context before the first output token (enough for SentencePiece's
+# leading-space handling and for a character split across the prompt/output boundary).
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one sequence's output. `add(ids)` returns the text those ids completed."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._num_context = len(context)
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._text_parts: list[str] = []
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._ids[self._num_context :]
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._text_parts)
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            ids,
+            skip_special_tokens=self._skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def _prefix_text(self) -> str:
+        text = self._decode_ids(self._ids[self._prefix_offset : self._read_offset])
+        if self._read_offset == self._num_context:
+            # Only prompt context so far. A prompt that ends mid-character (token-id prompts
+            # can) decodes with a trailing U+FFFD that the output completes: the completed
+            # character belongs to the output.
+            return text.rstrip(REPLACEMENT_CHAR)
+        return text
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append output tokens; return the new text (empty while a character is incomplete)."""
+        self._ids.extend(token_ids)
+        prefix_text = self._prefix_text()
+        new_text = self._decode_ids(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._text_parts.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever is still held back (an incomplete character
+        decodes to U+FFFD, as a full decode would show it)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._prefix_text()
+        new_text = self._decode_ids(self._ids[self._prefix_offset :])
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        if delta:
+            self._text_parts.append(delta)
+        return delta

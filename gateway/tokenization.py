@@ -1,0 +1,111 @@
+"""The model's tokenizer on the gateway: load it once per model, encode prompts, render chats.
+
+The gateway owns text; the scheduler and workers only see the token ids produced here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from llmserve.model_spec import ModelSource
+
+
+class PromptError(ValueError):
+    """A prompt or chat message is unusable. `field` names it for INVALID_ARGUMENT / HTTP 400."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(source: ModelSource) -> Any:
+    """The Hugging Face tokenizer for `source`, loaded once per process (loading takes seconds)."""
+    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
+
+    return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+
+
+class Tokenization:
+    """Prompt-side text operations on one tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def for_model(cls, source: ModelSource) -> Tokenization:
+        return cls(load_tokenizer(source))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def count_tokens(self, text: str, *, add_special_tokens: bool = True) -> int:
+        return len(self.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own text (partial characters render as U+FFFD), for logprobs."""
+        return [self.tokenizer.decode([t]) for t in token_ids]
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        field_name: str = "messages",
+    ) -> str:
+        """The chat template's text for `messages` ({role, content[, name]} each)."""
+        checked = _check_messages(messages, field_name)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise PromptError(field_name, "this model has no chat template; send a text prompt")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                checked, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja raises TemplateError / exceptions the template raises
+            raise PromptError(
+                field_name, f"the chat template rejected the messages: {exc}"
+            ) from exc
+        assert isinstance(text, str)
+        return text
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        field_name: str = "messages",
+    ) -> list[int]:
+        """Token ids of the rendered chat. The template writes its own special tokens (BOS),
+        so the tokenizer must not add them again."""
+        text = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, field_name=field_name
+        )
+        return self.encode(text, add_special_tokens=False)
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]], field_name: str) -> list[dict[str, str]]:
+    if not messages:
+        raise PromptError(field_name, "must contain at least one message")
+    checked = []
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise PromptError(f"{field_name}[{i}].role", "must be a non-empty string")
+        if not isinstance(content, str):
+            raise PromptError(f"{field_name}[{i}].content", "must be a string")
+        entry = {"role": role, "content": content}
+        name = message.get("name")
+        if name:
+            entry["name"] = str(name)
+        checked.append(entry)
+    return checked

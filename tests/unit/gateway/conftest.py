@@ -1,0 +1,63 @@
+"""Tokenizers for the gateway tests: SmolLM2's (byte-level BPE) and a tiny SentencePiece one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmserve.model_spec import ModelNotFoundError, resolve_model
+
+_CORPUS = [
+    "Hello world, this is a tiny corpus.",
+    "The quick brown fox jumps over the lazy dog.",
+    "naïve café résumé",
+    "numbers 12345 and symbols !?",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    from gateway.tokenization import load_tokenizer
+
+    try:
+        return load_tokenizer(resolve_model("smollm2"))
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A Llama-style tokenizer (SentencePiece BPE, byte fallback, '▁' spaces) trained here on a
+    few sentences, so no download is needed."""
+    spm = pytest.importorskip("sentencepiece")
+    from transformers import AutoTokenizer
+
+    directory: Path = tmp_path_factory.mktemp("sp_tokenizer")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS * 50),
+        model_prefix=str(directory / "tokenizer"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    (directory / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "LlamaTokenizer", "legacy": false, "add_bos_token": true}'
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("😀", add_special_tokens=False)) == [
+        "▁",
+        "<0xF0>",
+        "<0x9F>",
+        "<0x98>",
+        "<0x80>",
+    ]
+    return tokenizer
