@@ -1,0 +1,57 @@
+"""What every service's entry point shares: common flags and the serve-until-signal loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from prometheus_client import start_http_server
+
+from llmserve.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES
+from llmserve.logs import configure_logging, get_logger
+from llmserve.telemetry import setup_tracing, shutdown_tracing
+
+log = get_logger(__name__)
+
+
+def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=default_port, help="gRPC port")
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)"
+    )
+    parser.add_argument(
+        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest gRPC message accepted or sent",
+    )
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
+                        help="JSON log lines (default: when stderr is not a terminal)")
+
+
+def start_service(service: str, args: argparse.Namespace) -> None:
+    """Logging, tracing and the metrics endpoint, from the parsed common flags."""
+    configure_logging(service, args.log_level, args.log_json)
+    setup_tracing(f"llmserve-{service}")
+    if args.metrics_port is not None:
+        start_http_server(args.metrics_port, addr=args.host)
+        log.info("metrics endpoint", url=f"http://{args.host}:{args.metrics_port}/metrics")
+
+
+async def serve_until_signal(
+    server: grpc.aio.Server, on_stop: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Run until SIGINT/SIGTERM, then stop accepting calls, let in-flight ones finish briefly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    if on_stop is not None:
+        await on_stop()
+    await server.stop(grace=3)
+    shutdown_tracing()

@@ -1,0 +1,83 @@
+"""`llmserve worker`: load the model, size the KV cache, serve the Worker gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from llmserve.grpc_utils import create_server, set_serving
+from llmserve.logs import get_logger
+from llmserve.service_main import add_common_flags, serve_until_signal, start_service
+from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.config import GiB, WorkerConfig
+
+log = get_logger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="llmserve worker", description=__doc__)
+    add_common_flags(p, default_port=50061)
+    p.add_argument("--model", default="smollm2", help="alias, local dir, .gguf file or hub id")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=float, default=2.0, help="CPU KV cache size, GiB")
+    p.add_argument("--swap-space", type=float, default=4.0, help="host swap space, GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="largest step the CUDA profile run must fit")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),
+        swap_space_bytes=int(args.swap_space * GiB),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_threads=args.num_threads,
+        seed=args.seed,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from worker_service.server import WorkerServicer
+    from worker_service.worker import Worker
+
+    config = build_config(args)
+    worker = Worker(config)
+    log.info("loading model", model=config.model)
+    await asyncio.to_thread(worker.load_model)
+    num_gpu, num_cpu = await asyncio.to_thread(worker.determine_num_available_blocks)
+    log.info("kv capacity", num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu,
+             block_bytes=worker.get_cache_block_size_bytes())
+    server, health = create_server([SERVICE_NAME], args.max_message_bytes)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, num_gpu, num_cpu), server)
+    address = f"{args.host}:{args.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    await set_serving(health, [SERVICE_NAME])
+    log.info("worker serving", address=address, model=config.model,
+             device=str(worker.device), dtype=str(worker.dtype))
+    await serve_until_signal(server)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    start_service("worker", args)
+    asyncio.run(serve(args))
+    return 0

@@ -1,0 +1,133 @@
+"""The Worker gRPC service: a thin layer over `Worker` (proto -> step -> one call -> proto).
+
+The model runs on one dedicated thread so the event loop keeps answering health checks and
+Info while a forward pass is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from llmserve.grpc_utils import RequestError
+from llmserve.logs import get_logger
+from llmserve.proto_convert import step_input_from_proto, step_result_to_proto
+from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service import metrics
+from worker_service.worker import Worker
+
+log = get_logger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves one loaded `Worker`. Only one Execute stream may be open at a time."""
+
+    def __init__(self, worker: Worker, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker = worker
+        self.num_gpu_blocks_available = num_gpu_blocks
+        self.num_cpu_blocks_available = num_cpu_blocks
+        self.allocated: tuple[int, int] = (0, 0)
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._stream_open = False
+
+    async def _on_model_thread(self, fn, *args):  # type: ignore[no-untyped-def]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._model_thread, fn, *args)
+
+    async def Info(
+        self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.InfoResponse:
+        info = self.worker.model_info
+        reply = worker_pb2.InfoResponse(
+            model=info.model,
+            dtype=info.dtype,
+            block_size=info.block_size,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            num_gpu_blocks_available=self.num_gpu_blocks_available,
+            num_cpu_blocks_available=self.num_cpu_blocks_available,
+            num_gpu_blocks=self.allocated[0],
+            num_cpu_blocks=self.allocated[1],
+            device=info.device,
+            attention_backend=info.attention_backend,
+        )
+        if info.eos_token_id is not None:
+            reply.eos_token_id = info.eos_token_id
+        return reply
+
+    async def InitializeCache(
+        self, request: worker_pb2.InitializeCacheRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.InitializeCacheResponse:
+        wanted = (request.num_gpu_blocks, request.num_cpu_blocks)
+        if request.num_gpu_blocks < 1:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "num_gpu_blocks: must be at least 1",
+                "num_gpu_blocks",
+            )
+        if request.num_gpu_blocks > self.num_gpu_blocks_available:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"num_gpu_blocks: {request.num_gpu_blocks} requested, "
+                f"{self.num_gpu_blocks_available} fit in this worker's KV memory",
+                "num_gpu_blocks",
+            )
+        if request.num_cpu_blocks > self.num_cpu_blocks_available:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"num_cpu_blocks: {request.num_cpu_blocks} requested, "
+                f"{self.num_cpu_blocks_available} fit in this worker's swap space",
+                "num_cpu_blocks",
+            )
+        start = time.perf_counter_ns()
+        if wanted != self.allocated:
+            if self._stream_open:
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "cannot reallocate the KV cache while an Execute stream is open",
+                )
+            await self._on_model_thread(self.worker.initialize_cache, *wanted)
+            self.worker.runner.states.clear()
+            self.allocated = wanted
+            metrics.KV_BLOCKS.labels("gpu").set(wanted[0])
+            metrics.KV_BLOCKS.labels("cpu").set(wanted[1])
+            log.info("kv cache allocated", num_gpu_blocks=wanted[0], num_cpu_blocks=wanted[1])
+        return worker_pb2.InitializeCacheResponse(
+            num_gpu_blocks=wanted[0],
+            num_cpu_blocks=wanted[1],
+            init_ns=time.perf_counter_ns() - start,
+        )
+
+    async def Execute(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.ExecuteRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.ExecuteResult]:
+        if self._stream_open:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is already open"
+            )
+        if self.allocated == (0, 0):
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache must be called first"
+            )
+        self._stream_open = True
+        log.info("execute stream opened", peer=context.peer())
+        try:
+            async for message in request_iterator:
+                step = step_input_from_proto(message)
+                result = await self._on_model_thread(self._execute, step)
+                yield step_result_to_proto(result)
+        finally:
+            # Whatever ended the stream, the scheduler resends every sequence as new.
+            self.worker.runner.states.clear()
+            self._stream_open = False
+            log.info("execute stream closed")
+
+    def _execute(self, step):  # type: ignore[no-untyped-def]
+        result = self.worker.execute(step)
+        metrics.observe_step(step.num_scheduled_tokens, result.forward_ns, result.sample_ns)
+        return result
