@@ -7,7 +7,7 @@ this package is imported).
 
 from kernels._checks import KernelArgumentError
 from kernels.cache_ops import copy_blocks, reshape_and_cache
-from kernels.paged_attention import paged_attention_decode
+from kernels.paged_attention import paged_attention_decode, supports_device
 from kernels.prefill_attention import prefill_attention
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "paged_attention_decode",
     "prefill_attention",
     "reshape_and_cache",
+    "supports_device",
 ]

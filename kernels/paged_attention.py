@@ -30,6 +30,7 @@ from kernels._checks import (
     check_inner_contiguous,
     check_ndim,
     check_same_dtype,
+    is_interpreted,
     next_power_of_2,
 )
 
@@ -366,3 +367,8 @@ def paged_attention_decode(
             num_warps=4,
         )
     return out
+
+
+def supports_device(device: torch.device) -> bool:
+    """Whether the kernels can run on tensors of `device` (CUDA, or anything interpreted)."""
+    return device.type == "cuda" or is_interpreted(_paged_attention_decode_kernel)

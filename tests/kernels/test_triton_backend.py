@@ -1,0 +1,140 @@
+"""The worker with `--attention-backend triton` (interpreted on CPU) samples the same greedy
+tokens as with the torch backend, through batched prefill, chunked prefill mixed with decodes,
+a prefix-cache hit and shuffled block ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import CachedSequence, NewSequence, StepInput
+from worker_service.attention import get_backend_class
+from worker_service.config import WorkerConfig
+from worker_service.worker import Worker
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 48
+PROMPTS = {
+    0: [5, 17, 33, 2, 9, 41, 77, 12, 3, 99, 64],
+    1: [8, 8, 21],
+    2: [100, 3, 55, 6, 19, 27, 31, 90, 14, 66, 70, 71, 72, 11, 4, 38, 45, 20, 21],
+}
+# A prompt sharing seq 2's first two blocks (16 tokens): admitted as a prefix-cache hit.
+PREFIX_HIT = PROMPTS[2][:16] + [60, 61, 62]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # wider logits: no near-ties for greedy decoding to flip on
+        model.get_output_embeddings().weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    model.save_pretrained(path)
+    return path
+
+
+def make_worker(path: Path, backend: str) -> Worker:
+    config = WorkerConfig(
+        model=str(path), block_size=BLOCK_SIZE, num_threads=1, attention_backend=backend
+    )
+    worker = Worker(config)
+    worker.load_model()
+    worker.initialize_cache(NUM_BLOCKS, 4)
+    return worker
+
+
+def new_seq(
+    seq_id: int, tokens: list[int], blocks: list[int], scheduled: int, computed: int = 0
+) -> NewSequence:
+    return NewSequence(
+        seq_id=seq_id,
+        request_id=f"req-{seq_id}",
+        seq_index=0,
+        token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        num_computed_tokens=computed,
+        block_ids=blocks,
+        num_scheduled_tokens=scheduled,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=64),
+    )
+
+
+def run_script(worker: Worker, max_new_tokens: int = 6) -> tuple[dict[int, list[int]], list[float]]:
+    """A fixed schedule; returns the greedy tokens per sequence and every sample's logprob."""
+    free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+    blocks = {seq_id: [free.pop() for _ in range(4)] for seq_id in PROMPTS}
+    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in [*PROMPTS, 3]}
+    logprobs: list[float] = []
+
+    def execute(step_id: int, **parts: list) -> None:
+        for out in worker.execute(StepInput(step_id, **parts)).outputs:
+            outputs[out.seq_id].append(out.samples[0].token_id)
+            logprobs.append(out.samples[0].logprob)
+
+    # Step 0: whole prompts 0 and 1, first chunk (10 tokens) of prompt 2.
+    execute(
+        0,
+        new_seqs=[
+            new_seq(0, PROMPTS[0], blocks[0], len(PROMPTS[0])),
+            new_seq(1, PROMPTS[1], blocks[1], len(PROMPTS[1])),
+            new_seq(2, PROMPTS[2], blocks[2], 10),
+        ],
+    )
+    # Step 1: the rest of prompt 2 alongside decodes of 0 and 1, and a prefix-cache hit that
+    # reuses prompt 2's first two blocks (written in step 0 and this step) and adds its own.
+    hit_blocks = blocks[2][:2] + [free.pop() for _ in range(2)]
+    execute(
+        1,
+        cached_seqs=[
+            CachedSequence(0, outputs[0][-1:], 4, [], 1),
+            CachedSequence(1, outputs[1][-1:], 4, [], 1),
+            CachedSequence(2, [], 4, [], len(PROMPTS[2]) - 10),
+        ],
+    )
+    execute(2, new_seqs=[new_seq(3, PREFIX_HIT, hit_blocks, 3, computed=16)])
+    # Decodes of everyone.
+    for step_id in range(3, 3 + max_new_tokens):
+        execute(
+            step_id,
+            cached_seqs=[
+                CachedSequence(seq_id, tokens[-1:], 4, [], 1)
+                for seq_id, tokens in outputs.items()
+                if tokens
+            ],
+        )
+    return outputs, logprobs
+
+
+def test_triton_backend_matches_torch_greedy(tiny_llama_dir: Path) -> None:
+    torch_worker = make_worker(tiny_llama_dir, "torch")
+    triton_worker = make_worker(tiny_llama_dir, "triton")
+    assert torch_worker.model_info.attention_backend == "torch"
+    assert triton_worker.model_info.attention_backend == "triton"
+
+    torch_tokens, torch_logprobs = run_script(torch_worker)
+    triton_tokens, triton_logprobs = run_script(triton_worker)
+
+    assert all(len(tokens) >= 6 for tokens in torch_tokens.values())
+    assert triton_tokens == torch_tokens
+    assert triton_logprobs == pytest.approx(torch_logprobs, abs=1e-4)
+
+
+def test_auto_picks_torch_on_cpu_and_triton_is_selectable() -> None:
+    cpu = torch.device("cpu")
+    assert get_backend_class("auto", cpu).name == "torch"
+    assert get_backend_class("triton", cpu).name == "triton"  # interpreted here
