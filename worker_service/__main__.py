@@ -28,8 +28,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="CPU KV cache size, GiB")
     p.add_argument("--swap-space", type=float, default=4.0, help="host swap space, GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="largest step the CUDA profile run must fit")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="largest step the CUDA profile run must fit",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
@@ -63,16 +67,25 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("loading model", model=config.model)
     await asyncio.to_thread(worker.load_model)
     num_gpu, num_cpu = await asyncio.to_thread(worker.determine_num_available_blocks)
-    log.info("kv capacity", num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu,
-             block_bytes=worker.get_cache_block_size_bytes())
+    log.info(
+        "kv capacity",
+        num_gpu_blocks=num_gpu,
+        num_cpu_blocks=num_cpu,
+        block_bytes=worker.get_cache_block_size_bytes(),
+    )
     server, health = create_server([SERVICE_NAME], args.max_message_bytes)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, num_gpu, num_cpu), server)
     address = f"{args.host}:{args.port}"
     server.add_insecure_port(address)
     await server.start()
     await set_serving(health, [SERVICE_NAME])
-    log.info("worker serving", address=address, model=config.model,
-             device=str(worker.device), dtype=str(worker.dtype))
+    log.info(
+        "worker serving",
+        address=address,
+        model=config.model,
+        device=str(worker.device),
+        dtype=str(worker.dtype),
+    )
     await serve_until_signal(server)
 
 

@@ -9,7 +9,8 @@ _TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 STEPS = Counter("llmserve_worker_steps", "Steps executed")
 TOKENS = Counter("llmserve_worker_tokens", "Tokens computed (prefill and decode)")
 FORWARD_SECONDS = Histogram(
-    "llmserve_worker_forward_seconds", "Forward pass time per step (incl. swap and copy)",
+    "llmserve_worker_forward_seconds",
+    "Forward pass time per step (incl. swap and copy)",
     buckets=_TIME_BUCKETS,
 )
 SAMPLE_SECONDS = Histogram(

@@ -65,7 +65,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         wanted = (request.num_gpu_blocks, request.num_cpu_blocks)
         if request.num_gpu_blocks < 1:
             raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, "num_gpu_blocks: must be at least 1",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "num_gpu_blocks: must be at least 1",
                 "num_gpu_blocks",
             )
         if request.num_gpu_blocks > self.num_gpu_blocks_available:

@@ -160,7 +160,9 @@ class GreedyDriver:
             cached.append(CachedSequence(seq_id, [token], offset, new_blocks, 1))
         return StepInput(0, cached_seqs=cached)
 
-    def run_greedy(self, prompts: dict[int, list[int]], max_new_tokens: int) -> dict[int, list[int]]:
+    def run_greedy(
+        self, prompts: dict[int, list[int]], max_new_tokens: int
+    ) -> dict[int, list[int]]:
         news = []
         for seq_id, prompt in prompts.items():
             self.tokens[seq_id] = list(prompt)

@@ -53,12 +53,24 @@ def test_chunked_prefill_mixed_with_decode(tiny_llama: tuple[Path, Any]) -> None
     short_out = [first.outputs[0].samples[0].token_id]
     # Step 1: second chunk (6), a decode of the short one. Step 2: the rest (4) + decode.
     second = worker.execute(
-        StepInput(1, cached_seqs=[CachedSequence(1, [], 10, [], 6), CachedSequence(2, short_out[-1:], 10, [], 1)])
+        StepInput(
+            1,
+            cached_seqs=[
+                CachedSequence(1, [], 10, [], 6),
+                CachedSequence(2, short_out[-1:], 10, [], 1),
+            ],
+        )
     )
     assert [o.seq_id for o in second.outputs] == [2]
     short_out.append(second.outputs[0].samples[0].token_id)
     third = worker.execute(
-        StepInput(2, cached_seqs=[CachedSequence(1, [], 10, [], 4), CachedSequence(2, short_out[-1:], 10, [], 1)])
+        StepInput(
+            2,
+            cached_seqs=[
+                CachedSequence(1, [], 10, [], 4),
+                CachedSequence(2, short_out[-1:], 10, [], 1),
+            ],
+        )
     )
     by_id = {o.seq_id: o.samples[0].token_id for o in third.outputs}
     short_out.append(by_id[2])
@@ -135,5 +147,7 @@ def test_recompute_after_free_reprefills_prompt_and_outputs(tiny_llama: tuple[Pa
 def test_block_size_covers_boundaries(tiny_llama: tuple[Path, Any]) -> None:
     path, hf = tiny_llama
     prompt = list(range(3, 3 + 2 * BLOCK_SIZE))  # exactly two full blocks
-    outputs = GreedyDriver(make_worker(path)).run_greedy({0: prompt}, max_new_tokens=2 * BLOCK_SIZE + 1)
+    outputs = GreedyDriver(make_worker(path)).run_greedy(
+        {0: prompt}, max_new_tokens=2 * BLOCK_SIZE + 1
+    )
     assert outputs[0] == hf_greedy(hf, prompt, 2 * BLOCK_SIZE + 1)

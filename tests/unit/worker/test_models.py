@@ -1,0 +1,73 @@
+"""Our Llama-family implementation against transformers on tiny random checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from worker_service.models import UnsupportedModelError
+from worker_service.models.rope import inverse_frequencies
+
+from .factories import GreedyDriver, hf_greedy, load_hf, make_worker, tiny_config
+
+PROMPTS = {
+    0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38],
+    1: [2, 71, 82],
+    2: [11, 12, 13, 14, 15, 16, 17],
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
+def test_tiny_checkpoint_matches_hf_greedy(kind: str, tiny_model_dir: dict[str, Path]) -> None:
+    hf = load_hf(tiny_model_dir[kind])
+    worker = make_worker(tiny_model_dir[kind])
+    assert worker.model_info.architecture == type(hf).__name__
+    outputs = GreedyDriver(worker).run_greedy(PROMPTS, max_new_tokens=10)
+    for seq_id, prompt in PROMPTS.items():
+        assert outputs[seq_id] == hf_greedy(hf, prompt, 10), (kind, seq_id)
+
+
+def test_qwen2_has_qkv_bias_and_tied_embeddings(tiny_model_dir: dict[str, Path]) -> None:
+    model = make_worker(tiny_model_dir["qwen2"]).model
+    assert model.layers[0].qkv_bias is not None
+    assert model.lm_head.data_ptr() == model.embed.data_ptr()
+    llama = make_worker(tiny_model_dir["llama"]).model
+    assert llama.layers[0].qkv_bias is None
+    assert llama.lm_head.data_ptr() != llama.embed.data_ptr()
+
+
+def test_llama3_inverse_frequencies_match_transformers(tiny_model_dir: dict[str, Path]) -> None:
+    hf = load_hf(tiny_model_dir["llama3"])
+    ours = inverse_frequencies(16, 500000.0, tiny_config("llama3").rope_parameters)
+    torch.testing.assert_close(ours, hf.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    # The scaling must actually change something at this head size.
+    assert not torch.equal(ours, inverse_frequencies(16, 500000.0, None))
+
+
+def test_unsupported_architecture_fails_at_load_listing_supported(tmp_path: Path) -> None:
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(
+        UnsupportedModelError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    ):
+        make_worker(tmp_path)
+
+
+def test_unsupported_rope_type_is_named() -> None:
+    with pytest.raises(UnsupportedModelError, match="'yarn'"):
+        inverse_frequencies(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_model_info(tiny_model_dir: dict[str, Path]) -> None:
+    info = make_worker(tiny_model_dir["llama"], max_model_len=128).model_info
+    assert (info.eos_token_id, info.max_model_len, info.dtype, info.block_size) == (
+        1,
+        128,
+        "float32",
+        4,
+    )
+    assert (info.device, info.attention_backend, info.vocab_size) == ("cpu", "torch", 128)

@@ -1,0 +1,134 @@
+"""Sampler: greedy, filters, penalties, seeded reproducibility, logprobs, beam candidates."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llmserve.sampling_params import SamplingParams
+from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
+
+V = 10
+EOS = 9
+
+
+def logits_row(*values: float) -> list[float]:
+    return list(values) + [0.0] * (V - len(values))
+
+
+def row(
+    params: SamplingParams, tokens: list[int] | None = None, prompt: int = 3, seq_index: int = 0
+) -> SamplingRow:
+    return SamplingRow(params, seq_index, tokens if tokens is not None else [1, 2, 3], prompt)
+
+
+def sampler() -> Sampler:
+    return Sampler(V, (EOS,), seed=0)
+
+
+def test_greedy_picks_argmax_and_reports_raw_logprob_and_rank() -> None:
+    logits = torch.tensor([logits_row(1.0, 3.0, 2.0)])
+    (res,) = sampler().sample(logits, [row(SamplingParams(temperature=0.0, logprobs=2))])
+    expected = torch.log_softmax(logits[0], -1)
+    assert res.samples[0].token_id == 1
+    assert res.samples[0].rank == 1
+    assert math.isclose(res.samples[0].logprob, expected[1].item(), abs_tol=1e-6)
+    assert [(t.token_id, t.rank) for t in res.top_logprobs] == [(1, 1), (2, 2)]
+    assert math.isclose(res.top_logprobs[1].logprob, expected[2].item(), abs_tol=1e-6)
+
+
+def test_top_k_top_p_min_p_reduce_to_argmax() -> None:
+    logits = torch.tensor([logits_row(1.0, 3.0, 2.9)] * 3)
+    rows = [
+        row(SamplingParams(temperature=2.0, top_k=1, seed=1)),
+        row(SamplingParams(temperature=2.0, top_p=0.01, seed=2)),
+        row(SamplingParams(temperature=2.0, min_p=1.0, seed=3)),
+    ]
+    for _ in range(5):
+        assert [r.samples[0].token_id for r in sampler().sample(logits, rows)] == [1, 1, 1]
+
+
+def test_top_k_two_only_draws_the_two_best() -> None:
+    logits = torch.tensor([logits_row(1.0, 3.0, 2.9)])
+    s = sampler()
+    drawn = {
+        s.sample(logits, [row(SamplingParams(temperature=1.0, top_k=2))])[0].samples[0].token_id
+        for _ in range(40)
+    }
+    assert drawn == {1, 2}
+
+
+def test_seeded_sample_is_independent_of_batch_composition() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    target = row(params, tokens=[4, 5, 6, 7], seq_index=2)
+    alone = sampler().sample(logits[2:3], [target])[0].samples[0].token_id
+    others = [row(SamplingParams(temperature=1.0)), row(SamplingParams(temperature=0.7, seed=9))]
+    batched = sampler().sample(logits[[0, 2, 3]], [others[0], target, others[1]])
+    assert batched[1].samples[0].token_id == alone
+    # Over many draws the stream does depend on (seq_index, number of tokens).
+    draws = {
+        sampler()
+        .sample(logits[2:3], [row(params, tokens=[4] * n, seq_index=i)])[0]
+        .samples[0]
+        .token_id
+        for n in range(4, 12)
+        for i in range(3)
+    }
+    assert len(draws) > 1
+
+
+def test_best_of_first_sample_draws_what_each_child_would() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(1, V)
+    params = SamplingParams(n=3, best_of=4, temperature=1.0, seed=77)
+    (first,) = sampler().sample(logits, [row(params, tokens=[1, 2, 3], prompt=3)])
+    assert len(first.samples) == 4
+    # Sample j is the draw sequence j makes from the same seed and length.
+    single = SamplingParams(temperature=1.0, seed=77)
+    alone = [
+        sampler()
+        .sample(logits, [row(single, tokens=[1, 2, 3], prompt=3, seq_index=j)])[0]
+        .samples[0]
+        .token_id
+        for j in range(4)
+    ]
+    assert [t.token_id for t in first.samples] == alone
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
+    logits = torch.tensor([logits_row(0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0)])
+    params = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4, stop_token_ids=(1,))
+    (res,) = sampler().sample(logits, [row(params, tokens=[1, 2, 3, 4], prompt=3)])
+    assert res.samples[0].token_id not in (EOS, 1)
+    (res,) = sampler().sample(logits, [row(params, tokens=[1, 2, 3, 4, 5], prompt=3)])
+    assert res.samples[0].token_id == EOS
+
+
+def test_penalties_follow_their_definitions() -> None:
+    s = sampler()
+    logits = torch.tensor([logits_row(2.0, -2.0, 1.0, 1.0, 0.5)])
+    # prompt [0], outputs [1, 2, 2]: repetition applies to 0, 1, 2; frequency/presence to 1, 2.
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    adjusted = s._adjust_logits(logits, [row(params, tokens=[0, 1, 2, 2], prompt=1)])
+    expected = logits_row(1.0, -4.0 - 0.5 - 0.25, 0.5 - 1.0 - 0.25, 1.0, 0.5)
+    torch.testing.assert_close(adjusted[0], torch.tensor(expected))
+
+
+def test_beam_candidates_are_top_two_width_best_first() -> None:
+    logits = torch.tensor([logits_row(0.1, 0.5, 0.3, 0.9, 0.2, 0.8)])
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0)
+    (res,) = sampler().sample(logits, [row(params)])
+    assert [t.token_id for t in res.samples] == [3, 5, 1, 2, 4, 0]
+    assert [t.rank for t in res.samples] == [1, 2, 3, 4, 5, 6]
+
+
+def test_prompt_logprobs_positions_targets_and_top() -> None:
+    logits = torch.tensor([logits_row(1.0, 2.0), logits_row(3.0, 0.0, 1.0)])
+    entries = prompt_logprobs(logits, positions=[1, 2], targets=[0, 2], num_top=1)
+    lp = torch.log_softmax(logits, -1)
+    assert [(e.position, e.token.token_id, e.token.rank) for e in entries] == [(1, 0, 2), (2, 2, 2)]
+    assert math.isclose(entries[1].token.logprob, lp[1, 2].item(), abs_tol=1e-6)
+    assert [(t.token_id, t.rank) for t in entries[0].top] == [(1, 1)]
