@@ -8,7 +8,7 @@ nothing else. Logprobs travel as float32 (the sampler's precision); everything e
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.steps import (
@@ -23,12 +23,15 @@ from llmserve.steps import (
 )
 from llmserve.v1 import common_pb2, worker_pb2
 
-_EARLY_STOPPING_TO_PROTO: dict[bool | str, int] = {
+EarlyStopping = bool | Literal["never"]
+_EARLY_STOPPING_TO_PROTO: dict[EarlyStopping, common_pb2.EarlyStopping] = {
     False: common_pb2.EARLY_STOPPING_UNSPECIFIED,
     True: common_pb2.EARLY_STOPPING_TRUE,
     "never": common_pb2.EARLY_STOPPING_NEVER,
 }
-_EARLY_STOPPING_FROM_PROTO = {v: k for k, v in _EARLY_STOPPING_TO_PROTO.items()}
+_EARLY_STOPPING_FROM_PROTO: dict[int, EarlyStopping] = {
+    v: k for k, v in _EARLY_STOPPING_TO_PROTO.items()
+}
 
 # SamplingParams' defaults, applied to `optional` proto fields that are absent.
 _DEFAULTS = SamplingParams()
