@@ -1,1 +1,56 @@
-"""scheduler_service."""
+"""scheduler_service: sequences, paged block manager, iteration scheduler and step loop."""
+
+from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from scheduler_service.block_allocator import BlockAllocator, Device, LRUEvictor
+from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
+from scheduler_service.config import CacheConfig, ConfigError, PreemptionMode, SchedulerConfig
+from scheduler_service.engine import EngineStalledError, LLMEngine, RequestError
+from scheduler_service.outputs import CompletionOutput, RequestOutput, WorkerOutputError
+from scheduler_service.scheduler import (
+    PreemptedGroup,
+    ScheduledGroup,
+    Scheduler,
+    SchedulerOutputs,
+    SchedulerStats,
+    SwapSpaceExhaustedError,
+)
+from scheduler_service.sequence import (
+    FinishReason,
+    RequestMetrics,
+    SampleLogprobs,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
+
+__all__ = [
+    "AllocStatus",
+    "BlockAllocator",
+    "BlockSpaceManager",
+    "CacheConfig",
+    "CompletionOutput",
+    "ConfigError",
+    "Device",
+    "EngineStalledError",
+    "FinishReason",
+    "LLMEngine",
+    "LRUEvictor",
+    "PreemptedGroup",
+    "PreemptionMode",
+    "RequestError",
+    "RequestMetrics",
+    "RequestOutput",
+    "SampleLogprobs",
+    "SamplingParams",
+    "SamplingParamsError",
+    "ScheduledGroup",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutputs",
+    "SchedulerStats",
+    "Sequence",
+    "SequenceGroup",
+    "SequenceStatus",
+    "SwapSpaceExhaustedError",
+    "WorkerOutputError",
+]

@@ -1,0 +1,81 @@
+"""Scheduler and KV cache configuration: frozen, validated once, passed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. `field` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class PreemptionMode(Enum):
+    # Free the blocks and prefill the sequence again later (cheap for one sequence).
+    RECOMPUTE = "recompute"
+    # Copy the blocks to host memory and back (keeps forked sequences' shared blocks).
+    SWAP = "swap"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Budgets of one replica's iteration loop.
+
+    `enable_chunked_prefill`: prompts are split across iterations and mixed with decodes
+    (decodes first). When off, an iteration runs either whole prompts or decodes, prompts
+    first (the prefill-first policy), and `max_num_batched_tokens` must fit `max_model_len`.
+    `preemption_mode`: None picks RECOMPUTE for groups with one live sequence and SWAP for
+    the others; RECOMPUTE forced on a group with several live sequences still swaps, since
+    their shared blocks cannot be recomputed as one prompt.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
+        if self.max_model_len < 1:
+            raise ConfigError("max_model_len", f"must be at least 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                "max_num_batched_tokens",
+                f"must be at least max_num_seqs ({self.max_num_seqs}), "
+                f"got {self.max_num_batched_tokens}",
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "max_num_batched_tokens",
+                f"must be at least max_model_len ({self.max_model_len}) without chunked "
+                f"prefill, got {self.max_num_batched_tokens}",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """KV cache geometry as the scheduler sees it: block counts, not bytes."""
+
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    num_cpu_blocks: int = 512
+    # Fraction of device blocks kept free when admitting prompts, so running sequences can
+    # grow without preempting right away.
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError("block_size", f"must be at least 1, got {self.block_size}")
+        if self.num_gpu_blocks < 1:
+            raise ConfigError("num_gpu_blocks", f"must be at least 1, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks < 0:
+            raise ConfigError("num_cpu_blocks", f"must be >= 0, got {self.num_cpu_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")

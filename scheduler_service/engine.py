@@ -1,0 +1,291 @@
+"""LLMEngine: the in-process step loop of one replica (scheduler + one `Executor`).
+
+Each `step()` schedules, turns the decision into a `StepInput` diff against what the worker
+already knows, runs the executor, and processes the sampled tokens into per-request deltas.
+No model and no network here: the executor is a worker in-process, a gRPC client, or a fake.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import (
+    CachedSequence,
+    Executor,
+    Fork,
+    NewSequence,
+    StepInput,
+    StepResult,
+)
+from scheduler_service.config import CacheConfig, SchedulerConfig
+from scheduler_service.outputs import CompletionOutput, OutputProcessor, RequestOutput
+from scheduler_service.scheduler import Scheduler, SchedulerOutputs, SchedulerStats
+from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+
+
+class RequestError(ValueError):
+    """A request argument is invalid. `field` names it; the engine state is unchanged."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class EngineStalledError(RuntimeError):
+    """`generate` made no progress: the remaining requests can never be scheduled."""
+
+
+class _StepBuilder:
+    """Builds each step's diff. Per sequence it remembers what the worker holds: how many
+    tokens, and how long a block table. In-place table rewrites are read from the block
+    manager's dirty marks, so a step costs what changed, not the table sizes."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        # seq id -> [tokens the worker holds, block-table length it holds]
+        self.views: dict[int, list[int]] = {}
+        # Frees held back one step because a fork in the same step copies from that sequence
+        # (the worker applies frees before forks).
+        self._deferred_frees: list[int] = []
+        self._step_id = 0
+
+    def build(self, sched_out: SchedulerOutputs) -> StepInput:
+        scheduler = self.scheduler
+        bm = scheduler.block_manager
+        views = self.views
+        step = StepInput(
+            step_id=self._step_id,
+            blocks_to_swap_out=sched_out.blocks_to_swap_out,
+            blocks_to_swap_in=sched_out.blocks_to_swap_in,
+            blocks_to_copy=sched_out.blocks_to_copy,
+        )
+        self._step_id += 1
+
+        fork_parents: set[int] = set()
+        forks, scheduler.forks = scheduler.forks, []
+        for parent, child in forks:
+            if not bm.has_table(child):
+                continue
+            parent_view = views[parent.seq_id]
+            views[child.seq_id] = [parent_view[0], parent_view[1]]
+            step.forks.append(Fork(parent.seq_id, child.seq_id, child.seq_index))
+            fork_parents.add(parent.seq_id)
+
+        freed = self._deferred_frees + scheduler.freed_seq_ids
+        scheduler.freed_seq_ids = []
+        self._deferred_frees = []
+        for seq_id in freed:
+            if seq_id in fork_parents:
+                self._deferred_frees.append(seq_id)
+            elif views.pop(seq_id, None) is not None:
+                step.freed_seq_ids.append(seq_id)
+
+        for scheduled in sched_out.scheduled:
+            seq_group = scheduled.seq_group
+            chunk = scheduled.token_chunk_size
+            for seq in seq_group.seqs:
+                if seq.status != _RUNNING:
+                    continue
+                seq_id = seq.seq_id
+                table = bm.get_block_table(seq)
+                view = views.get(seq_id)
+                if view is None:
+                    step.new_seqs.append(self._new_seq(seq, seq_group, table, chunk))
+                    views[seq_id] = [len(seq.token_ids), len(table)]
+                    bm.pop_dirty_from(seq_id)
+                    continue
+                tokens = seq.token_ids
+                known_tokens, known_blocks = view
+                dirty = bm.pop_dirty_from(seq_id)
+                offset = known_blocks if dirty is None or dirty > known_blocks else dirty
+                step.cached_seqs.append(
+                    CachedSequence(
+                        seq_id=seq_id,
+                        new_token_ids=tokens[known_tokens:],
+                        block_offset=offset,
+                        block_ids=table[offset:],
+                        num_scheduled_tokens=chunk,
+                    )
+                )
+                view[0] = len(tokens)
+                view[1] = len(table)
+        return step
+
+    @staticmethod
+    def _new_seq(
+        seq: Sequence, seq_group: SequenceGroup, table: list[int], chunk: int
+    ) -> NewSequence:
+        return NewSequence(
+            seq_id=seq.seq_id,
+            request_id=seq_group.request_id,
+            seq_index=seq.seq_index,
+            token_ids=list(seq.token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_computed_tokens=seq.num_computed_tokens,
+            block_ids=list(table),
+            num_scheduled_tokens=chunk,
+            sampling_params=seq_group.sampling_params,
+        )
+
+
+class LLMEngine:
+    """One replica's step loop, driven by whoever owns it (a server loop, a test, a bench).
+
+    `add_request` queues a request; each `step()` runs one iteration and returns the
+    requests' deltas; `abort_request` drops a request and frees its blocks.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        executor: Executor,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.executor = executor
+        self.scheduler = Scheduler(scheduler_config, cache_config)
+        self._seq_counter = itertools.count()
+        self._builder = _StepBuilder(self.scheduler)
+        self._processor = OutputProcessor(self.scheduler, self._seq_counter)
+        self._generate_counter = itertools.count()
+        self.last_step_input: StepInput | None = None
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        """Queue a request. Raises `RequestError` (naming the field) on bad input."""
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError("request_id", "must be a non-empty string")
+        if self.scheduler.get_seq_group(request_id) is not None:
+            raise RequestError("request_id", f"{request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise RequestError("prompt_token_ids", "must not be empty")
+        if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
+            raise RequestError("prompt_token_ids", "must be non-negative integers")
+        if not isinstance(sampling_params, SamplingParams):
+            raise RequestError("sampling_params", "must be a SamplingParams")
+        if eos_token_id is not None and eos_token_id < 0:
+            raise RequestError("eos_token_id", f"must be non-negative, got {eos_token_id}")
+        seq = Sequence(
+            next(self._seq_counter),
+            list(prompt_token_ids),
+            self.cache_config.block_size,
+            eos_token_id,
+        )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduler.add_seq_group(SequenceGroup(request_id, [seq], sampling_params, arrival))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request and free its blocks. False if it is unknown or already finished."""
+        return self.scheduler.abort_seq_group(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration. Returns a delta for each request with something new."""
+        sched_out = self.scheduler.schedule()
+        step_input = self._builder.build(sched_out)
+        self.last_step_input = step_input
+        if step_input.is_empty():
+            result = StepResult(step_input.step_id)
+        else:
+            result = self.executor.execute(step_input)
+        self.scheduler.on_step_executed(sched_out)
+        return self._processor.process(sched_out, result)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        eos_token_id: int | None = None,
+    ) -> list[RequestOutput]:
+        """Run the prompts to completion; returns their final outputs in prompt order.
+
+        Meant for offline use: other requests in the engine keep running, but their deltas
+        are not returned.
+        """
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise RequestError("params", f"{len(params)} params for {len(prompts)} prompts")
+            params_list = params
+        else:
+            params_list = [params] * len(prompts)
+        ids = [f"generate-{next(self._generate_counter)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(request_id, prompt, p, eos_token_id=eos_token_id)
+        results: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        idle_steps = 0
+        while pending:
+            deltas = self.step()
+            progressed = bool(deltas) or not (
+                self.last_step_input is None or self.last_step_input.is_empty()
+            )
+            idle_steps = 0 if progressed else idle_steps + 1
+            if idle_steps > 2:
+                raise EngineStalledError(f"{len(pending)} requests can never be scheduled")
+            for delta in deltas:
+                if delta.request_id not in pending:
+                    continue
+                results[delta.request_id] = _accumulate(results.get(delta.request_id), delta)
+                if delta.finished:
+                    pending.discard(delta.request_id)
+        return [results[i] for i in ids]
+
+
+def _accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    if total is None:
+        total = RequestOutput(
+            request_id=delta.request_id,
+            prompt_token_ids=delta.prompt_token_ids,
+            outputs=[],
+            finished=False,
+            prompt_logprobs=None,
+            metrics=delta.metrics,
+        )
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = (total.prompt_logprobs or []) + delta.prompt_logprobs
+    choices = {c.index: c for c in total.outputs}
+    for new in delta.outputs:
+        old = choices.get(new.index)
+        if old is None:
+            choices[new.index] = CompletionOutput(
+                new.index,
+                list(new.token_ids),
+                new.cumulative_logprob,
+                list(new.logprobs) if new.logprobs is not None else None,
+                new.finish_reason,
+                new.stop_token_id,
+            )
+            continue
+        old.token_ids.extend(new.token_ids)
+        if old.logprobs is not None and new.logprobs is not None:
+            old.logprobs.extend(new.logprobs)
+        old.cumulative_logprob = new.cumulative_logprob
+        old.finish_reason = new.finish_reason
+        old.stop_token_id = new.stop_token_id
+    total.outputs = sorted(choices.values(), key=lambda c: c.index)
+    total.finished = delta.finished
+    total.ignore_reason = delta.ignore_reason
+    return total

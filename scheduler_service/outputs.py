@@ -1,0 +1,283 @@
+"""Request outputs, and turning a worker's sampled tokens into sequence updates.
+
+`OutputProcessor.process` appends sampled tokens, forks n > 1 children at the first sample,
+runs beam search selection, applies token-level stops, frees finished sequences, and emits
+one `RequestOutput` delta per request that has something new.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import PromptLogprob, SequenceOutput, StepResult
+from scheduler_service.beam_search import process_beam_group
+from scheduler_service.scheduler import Scheduler, SchedulerOutputs
+from scheduler_service.sequence import (
+    FinishReason,
+    RequestMetrics,
+    SampleLogprobs,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
+
+_RUNNING = SequenceStatus.RUNNING
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One choice of a request. In a step's delta `token_ids` / `logprobs` hold only what is
+    new this step; in a final output (`LLMEngine.generate`) they hold everything."""
+
+    index: int
+    token_ids: list[int]
+    cumulative_logprob: float
+    # Per token: its logprob and the top alternatives; None unless `logprobs` was requested.
+    logprobs: list[SampleLogprobs] | None
+    finish_reason: FinishReason | None = None
+    # The stop token (EOS or one of stop_token_ids) that finished the choice, if any.
+    stop_token_id: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced in a step (a delta), or in total (from `generate`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # Choices with something new this step, sorted by index. With best_of > n or beam search
+    # choices are only known at the end, so they come once, complete, with finished=True.
+    outputs: list[CompletionOutput]
+    finished: bool
+    # New prompt logprobs (each position once, even if the prompt is computed again after a
+    # preemption); None unless `prompt_logprobs` was requested.
+    prompt_logprobs: list[PromptLogprob] | None = None
+    # Why the request was ignored (finish reason IGNORED), e.g. a prompt over max_model_len.
+    ignore_reason: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+def check_stop(seq: Sequence, params: SamplingParams, max_model_len: int) -> None:
+    """Token-level stops after `seq` appended a token."""
+    token_id = seq.token_ids[-1]
+    output_len = seq.get_output_len()
+    if output_len >= params.min_tokens and (
+        (token_id == seq.eos_token_id and not params.ignore_eos)
+        or token_id in params.stop_token_ids
+    ):
+        seq.status = SequenceStatus.STOPPED
+        seq.stop_token_id = token_id
+        return
+    if output_len >= params.max_tokens or seq.get_len() >= max_model_len:
+        seq.status = SequenceStatus.LENGTH_CAPPED
+
+
+def _streams(params: SamplingParams) -> bool:
+    """Whether choices can be emitted as they grow (every sampled sequence is returned)."""
+    return not params.use_beam_search and params.num_sampled == params.n
+
+
+def select_final_seqs(seq_group: SequenceGroup) -> list[Sequence]:
+    """The n returned sequences, in choice-index order."""
+    params = seq_group.sampling_params
+    seqs = seq_group.seqs
+    if _streams(params):
+        return sorted(seqs, key=lambda s: s.seq_index)
+    if params.use_beam_search:
+        lp = params.length_penalty
+        return sorted(seqs, key=lambda s: s.beam_score(lp), reverse=True)[: params.n]
+    return sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+
+
+def final_output(seq_group: SequenceGroup) -> RequestOutput:
+    """The complete output of a request (all tokens of every returned choice)."""
+    params = seq_group.sampling_params
+    streams = _streams(params)
+    choices = []
+    for rank, seq in enumerate(select_final_seqs(seq_group)):
+        choices.append(
+            CompletionOutput(
+                index=seq.seq_index if streams else rank,
+                token_ids=seq.get_output_token_ids(),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                finish_reason=seq.finish_reason(),
+                stop_token_id=seq.stop_token_id,
+            )
+        )
+    return RequestOutput(
+        request_id=seq_group.request_id,
+        prompt_token_ids=seq_group.prompt_token_ids,
+        outputs=choices,
+        finished=seq_group.is_finished(),
+        prompt_logprobs=list(seq_group.prompt_logprobs)
+        if params.prompt_logprobs is not None
+        else None,
+        ignore_reason=seq_group.ignore_reason,
+        metrics=seq_group.metrics,
+    )
+
+
+class WorkerOutputError(RuntimeError):
+    """The worker's StepResult does not match the step (a missing or malformed sample)."""
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, seq_counter: itertools.count[int]) -> None:
+        self.scheduler = scheduler
+        self.seq_counter = seq_counter
+        self.max_model_len = scheduler.scheduler_config.max_model_len
+
+    def process(self, sched_out: SchedulerOutputs, result: StepResult) -> list[RequestOutput]:
+        by_seq = {o.seq_id: o for o in result.outputs}
+        request_outputs: list[RequestOutput] = []
+        finished_groups: list[SequenceGroup] = []
+        now: float | None = None
+        for scheduled in sched_out.scheduled:
+            seq_group = scheduled.seq_group
+            if seq_group.is_finished():  # aborted between schedule and now
+                continue
+            new_prompt_logprobs = self._take_prompt_logprobs(seq_group, by_seq)
+            sampled: list[tuple[Sequence, SequenceOutput]] = []
+            for seq in seq_group.seqs:
+                if seq.status == _RUNNING and seq.num_computed_tokens == len(seq.token_ids):
+                    out = by_seq.get(seq.seq_id)
+                    if out is None or not out.samples:
+                        raise WorkerOutputError(f"no sample for sequence {seq.seq_id}")
+                    sampled.append((seq, out))
+            if not sampled and new_prompt_logprobs is None:
+                continue
+            first_counts = {s.seq_id: s.get_output_len() for s in seq_group.seqs}
+            if sampled:
+                if seq_group.metrics.first_token_time is None:
+                    now = now or time.monotonic()
+                    seq_group.metrics.first_token_time = now
+                if seq_group.sampling_params.use_beam_search:
+                    process_beam_group(
+                        seq_group, sampled, self.scheduler, self.seq_counter, self.max_model_len
+                    )
+                else:
+                    self._process_sampling_group(seq_group, sampled)
+                seq_group.has_sampled = True
+            finished = seq_group.is_finished()
+            if finished:
+                now = now or time.monotonic()
+                seq_group.metrics.finished_time = now
+                finished_groups.append(seq_group)
+            delta = self._delta(seq_group, first_counts, new_prompt_logprobs, finished)
+            if delta is not None:
+                request_outputs.append(delta)
+        for seq_group in sched_out.ignored:
+            request_outputs.append(self._ignored_output(seq_group))
+        self.scheduler.free_finished_seq_groups(finished_groups)
+        return request_outputs
+
+    def _take_prompt_logprobs(
+        self, seq_group: SequenceGroup, by_seq: dict[int, SequenceOutput]
+    ) -> list[PromptLogprob] | None:
+        if seq_group.sampling_params.prompt_logprobs is None:
+            return None
+        new: list[PromptLogprob] = []
+        stored = seq_group.prompt_logprobs
+        next_position = stored[-1].position + 1 if stored else 0
+        for seq in seq_group.seqs:
+            out = by_seq.get(seq.seq_id)
+            if out is None:
+                continue
+            for entry in out.prompt_logprobs:
+                if entry.position >= next_position:  # a recompute sends earlier ones again
+                    new.append(entry)
+                    next_position = entry.position + 1
+        stored.extend(new)
+        return new or None
+
+    def _process_sampling_group(
+        self, seq_group: SequenceGroup, sampled: list[tuple[Sequence, SequenceOutput]]
+    ) -> None:
+        params = seq_group.sampling_params
+        scheduler = self.scheduler
+        for seq, out in sampled:
+            samples = out.samples
+            if not seq_group.has_sampled and params.num_sampled > 1:
+                if len(samples) != params.num_sampled:
+                    raise WorkerOutputError(
+                        f"sequence {seq.seq_id}: expected best_of={params.num_sampled} "
+                        f"samples at the first sample, got {len(samples)}"
+                    )
+                # Sample i belongs to the sequence with seq_index i; the parent has index 0.
+                for sample in samples[1:]:
+                    child = seq.fork(next(self.seq_counter), seq_group.next_seq_index)
+                    seq_group.next_seq_index += 1
+                    child.append_sample(SampleLogprobs(sample, out.top_logprobs))
+                    check_stop(child, params, self.max_model_len)
+                    seq_group.add(child)
+                    if not child.is_finished():
+                        scheduler.fork_seq(seq, child)
+            seq.append_sample(SampleLogprobs(samples[0], out.top_logprobs))
+            check_stop(seq, params, self.max_model_len)
+            if seq.status >= SequenceStatus.STOPPED:
+                scheduler.free_seq(seq)
+
+    def _delta(
+        self,
+        seq_group: SequenceGroup,
+        first_counts: dict[int, int],
+        prompt_logprobs: list[PromptLogprob] | None,
+        finished: bool,
+    ) -> RequestOutput | None:
+        params = seq_group.sampling_params
+        if not _streams(params):
+            if finished:
+                output = final_output(seq_group)
+                output.prompt_logprobs = prompt_logprobs
+                return output
+            if prompt_logprobs is None:
+                return None
+            choices: list[CompletionOutput] = []
+        else:
+            want_logprobs = params.logprobs is not None
+            choices = []
+            for seq in seq_group.seqs:
+                start = first_counts.get(seq.seq_id, 0)
+                if seq.get_output_len() == start:
+                    continue
+                offset = seq.num_prompt_tokens + start
+                choices.append(
+                    CompletionOutput(
+                        index=seq.seq_index,
+                        token_ids=seq.token_ids[offset:],
+                        cumulative_logprob=seq.cumulative_logprob,
+                        logprobs=seq.output_logprobs[start:] if want_logprobs else None,
+                        finish_reason=seq.finish_reason(),
+                        stop_token_id=seq.stop_token_id,
+                    )
+                )
+            if len(choices) > 1:
+                choices.sort(key=lambda c: c.index)
+        return RequestOutput(
+            request_id=seq_group.request_id,
+            prompt_token_ids=seq_group.prompt_token_ids,
+            outputs=choices,
+            finished=finished,
+            prompt_logprobs=prompt_logprobs,
+            metrics=seq_group.metrics,
+        )
+
+    def _ignored_output(self, seq_group: SequenceGroup) -> RequestOutput:
+        seq_group.metrics.finished_time = time.monotonic()
+        choice = CompletionOutput(0, [], 0.0, None, FinishReason.IGNORED)
+        return RequestOutput(
+            request_id=seq_group.request_id,
+            prompt_token_ids=seq_group.prompt_token_ids,
+            outputs=[choice],
+            finished=True,
+            ignore_reason=seq_group.ignore_reason,
+            metrics=seq_group.metrics,
+        )

@@ -1,0 +1,397 @@
+"""The iteration scheduler: which sequences run next, and where their blocks go.
+
+`schedule()` is a short sequence of stages. With chunked prefill (the default):
+
+  1. `_schedule_running`: decodes of running groups first, preempting the latest-arrived
+     groups when blocks run out; then the next chunks of partially prefilled prompts.
+  2. `_schedule_swapped`: swapped groups come back, oldest first (skipped after a preemption).
+  3. `_schedule_waiting`: new prompts, FCFS, while blocks and budgets last (skipped after a
+     preemption or while any group is still swapped out).
+
+Without chunked prefill (the prefill-first policy) an iteration runs either whole prompts
+(stage 3 alone, when it admits anything) or the decode stages 1 and 2.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
+from scheduler_service.config import CacheConfig, PreemptionMode, SchedulerConfig
+from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+
+
+class SwapSpaceExhaustedError(RuntimeError):
+    """A multi-sequence group had to be preempted but the host swap space is full."""
+
+
+@dataclass(slots=True)
+class ScheduledGroup:
+    seq_group: SequenceGroup
+    # Tokens each running sequence of the group computes this step: 1 for a decode, the
+    # chunk length for a (single-sequence) prefill.
+    token_chunk_size: int
+
+
+@dataclass(slots=True)
+class PreemptedGroup:
+    request_id: str
+    mode: PreemptionMode
+
+
+@dataclass(slots=True)
+class SchedulerOutputs:
+    scheduled: list[ScheduledGroup] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Finished as IGNORED this step (never ran); `seq_group.ignore_reason` says why.
+    ignored: list[SequenceGroup] = field(default_factory=list)
+    preempted: list[PreemptedGroup] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.scheduled
+            or self.blocks_to_swap_in
+            or self.blocks_to_swap_out
+            or self.blocks_to_copy
+        )
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot for metrics and traces. Counters are cumulative since start."""
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    gpu_kv_usage: float
+    cpu_kv_usage: float
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    prefix_cache_queries: int  # full prompt blocks looked up
+    prefix_cache_hits: int  # of those, found already computed
+    num_ignored: int
+
+
+@dataclass(slots=True)
+class _Budget:
+    max_tokens: int
+    max_seqs: int
+    num_tokens: int = 0
+    num_seqs: int = 0
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_tokens - self.num_tokens
+
+
+class Scheduler:
+    """One replica's queues and block manager. Not thread-safe: one loop drives it."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = BlockSpaceManager(
+            block_size=cache_config.block_size,
+            num_gpu_blocks=cache_config.num_gpu_blocks,
+            num_cpu_blocks=cache_config.num_cpu_blocks,
+            watermark=cache_config.watermark,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+        self._groups: dict[str, SequenceGroup] = {}
+        # Worker-visible events since the engine last drained them.
+        self.freed_seq_ids: list[int] = []
+        self.forks: list[tuple[Sequence, Sequence]] = []
+        self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
+        self.num_ignored = 0
+        self._num_steps = 0
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        assert seq_group.request_id not in self._groups, "duplicate request id"
+        self._groups[seq_group.request_id] = seq_group
+        self.waiting.append(seq_group)
+
+    def get_seq_group(self, request_id: str) -> SequenceGroup | None:
+        return self._groups.get(request_id)
+
+    def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
+        """Finish every sequence of the request as ABORTED and free its blocks."""
+        seq_group = self._groups.pop(request_id, None)
+        if seq_group is None:
+            return None
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq_group in queue:
+                queue.remove(seq_group)
+                break
+        for seq in seq_group.get_unfinished_seqs():
+            seq.status = SequenceStatus.ABORTED
+            self.free_seq(seq)
+        self.forks = [f for f in self.forks if f[1].status < SequenceStatus.STOPPED]
+        return seq_group
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    # -- called by output processing ------------------------------------------------------
+
+    def free_seq(self, seq: Sequence) -> None:
+        if self.block_manager.has_table(seq):
+            self.block_manager.free(seq)
+            self.freed_seq_ids.append(seq.seq_id)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        self.block_manager.fork(parent, child)
+        self.forks.append((parent, child))
+
+    def free_finished_seq_groups(self, finished: list[SequenceGroup]) -> None:
+        if not finished:
+            return
+        for seq_group in finished:
+            self._groups.pop(seq_group.request_id, None)
+        self.running = deque(g for g in self.running if not g.is_finished())
+
+    def on_step_executed(self, outputs: SchedulerOutputs) -> None:
+        """Advance the computed-token counts of the scheduled sequences."""
+        bm = self.block_manager
+        for scheduled in outputs.scheduled:
+            chunk = scheduled.token_chunk_size
+            for seq in scheduled.seq_group.seqs:
+                if seq.status == _RUNNING:
+                    seq.num_computed_tokens += chunk
+                    bm.mark_computed(seq)
+
+    def get_stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_swapped=len(self.swapped),
+            gpu_kv_usage=bm.gpu_usage(),
+            cpu_kv_usage=bm.cpu_usage(),
+            num_preemptions_recompute=self.num_preemptions[PreemptionMode.RECOMPUTE],
+            num_preemptions_swap=self.num_preemptions[PreemptionMode.SWAP],
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_ignored=self.num_ignored,
+        )
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutputs:
+        self._num_steps += 1
+        self.block_manager.now = float(self._num_steps)
+        config = self.scheduler_config
+        budget = _Budget(config.max_num_batched_tokens, config.max_num_seqs)
+        out = SchedulerOutputs()
+        if not config.enable_chunked_prefill and not self.swapped:
+            self._schedule_waiting(budget, out)
+            if out.scheduled or out.ignored:
+                return self._finish(out, budget)
+        self._schedule_running(budget, out)
+        if not out.preempted:
+            self._schedule_swapped(budget, out)
+        if config.enable_chunked_prefill and not out.preempted and not self.swapped:
+            self._schedule_waiting(budget, out)
+        return self._finish(out, budget)
+
+    def _finish(self, out: SchedulerOutputs, budget: _Budget) -> SchedulerOutputs:
+        out.num_batched_tokens = budget.num_tokens
+        now = None
+        for scheduled in out.scheduled:
+            metrics = scheduled.seq_group.metrics
+            if metrics.first_scheduled_time is None:
+                now = now or time.monotonic()
+                metrics.first_scheduled_time = now
+        return out
+
+    def _schedule(
+        self, seq_group: SequenceGroup, chunk: int, budget: _Budget, out: SchedulerOutputs
+    ) -> None:
+        num_seqs = 0
+        copies = out.blocks_to_copy
+        append_slots = self.block_manager.append_slots
+        for seq in seq_group.seqs:
+            if seq.status == _RUNNING:
+                num_seqs += 1
+                cow = append_slots(seq)
+                if cow:
+                    copies.extend(cow)
+        budget.num_tokens += chunk * num_seqs
+        out.scheduled.append(ScheduledGroup(seq_group, chunk))
+
+    def _schedule_running(self, budget: _Budget, out: SchedulerOutputs) -> None:
+        order = list(self.running)
+        remaining = self.running
+        prefills: list[SequenceGroup] = []
+        preempted: set[str] = set()
+        can_append = self.block_manager.can_append_slots
+        while remaining:
+            seq_group = remaining.popleft()
+            budget.num_seqs += seq_group.get_max_num_running_seqs()
+            seqs = [s for s in seq_group.seqs if s.status == _RUNNING]
+            uncomputed = sum(s.get_len() - s.num_computed_tokens for s in seqs)
+            if uncomputed > len(seqs):
+                prefills.append(seq_group)
+                continue
+            if uncomputed > budget.remaining_tokens:
+                continue
+            while not can_append(seq_group):
+                victim = remaining.pop() if remaining else seq_group
+                self._preempt(victim, out)
+                preempted.add(victim.request_id)
+                if victim is seq_group:
+                    break
+            else:
+                self._schedule(seq_group, 1, budget, out)
+        for seq_group in prefills:
+            seq = next(s for s in seq_group.seqs if s.status == _RUNNING)
+            chunk = min(seq.get_len() - seq.num_computed_tokens, budget.remaining_tokens)
+            if chunk <= 0:
+                continue
+            if not can_append(seq_group):
+                self._preempt(seq_group, out)
+                preempted.add(seq_group.request_id)
+                continue
+            self._schedule(seq_group, chunk, budget, out)
+        if preempted:
+            self.running = deque(g for g in order if g.request_id not in preempted)
+            budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
+        else:
+            self.running = deque(order)
+
+    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutputs) -> None:
+        bm = self.block_manager
+        while self.swapped:
+            seq_group = self.swapped[0]
+            if not bm.can_swap_in(seq_group):
+                break
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            if budget.num_seqs + num_new_seqs > budget.max_seqs:
+                break
+            seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
+            uncomputed = sum(s.get_len() - s.num_computed_tokens for s in seqs)
+            if uncomputed > len(seqs):  # a prompt swapped out mid-prefill
+                chunk = min(uncomputed, budget.remaining_tokens)
+                if chunk <= 0:
+                    break
+            else:
+                chunk = 1
+                if uncomputed > budget.remaining_tokens:
+                    break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(bm.swap_in(seq_group).items())
+            for seq in seqs:
+                seq.status = _RUNNING
+            budget.num_seqs += num_new_seqs
+            self.running.append(seq_group)
+            self._schedule(seq_group, chunk, budget, out)
+
+    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutputs) -> None:
+        config = self.scheduler_config
+        bm = self.block_manager
+        chunked = config.enable_chunked_prefill
+        while self.waiting:
+            seq_group = self.waiting[0]
+            seqs = seq_group.get_seqs(SequenceStatus.WAITING)
+            assert len(seqs) == 1, "a waiting group holds one sequence"
+            seq = seqs[0]
+            num_tokens = seq.get_len()
+            if num_tokens > config.max_model_len:
+                self._ignore(
+                    seq_group,
+                    f"prompt has {num_tokens} tokens, more than max_model_len "
+                    f"({config.max_model_len})",
+                    out,
+                )
+                continue
+            can_allocate = bm.can_allocate(seq_group)
+            if can_allocate is AllocStatus.LATER:
+                break
+            if can_allocate is AllocStatus.NEVER:
+                self._ignore(
+                    seq_group,
+                    f"prompt needs {seq.get_num_logical_blocks()} KV blocks, more than the "
+                    f"cache can ever hold ({bm.num_total_gpu_blocks} blocks, watermark "
+                    f"{bm.watermark_blocks})",
+                    out,
+                )
+                continue
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            if budget.num_seqs + num_new_seqs > budget.max_seqs:
+                break
+            if budget.remaining_tokens <= 0 or (
+                not chunked and num_tokens > budget.remaining_tokens
+            ):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq_group)
+            if seq_group.sampling_params.prompt_logprobs is None:
+                # Prompt logprobs need every prompt position computed, so no cache reuse.
+                seq.num_computed_tokens = bm.get_num_computed_tokens(seq)
+            seq.status = _RUNNING
+            chunk = num_tokens - seq.num_computed_tokens
+            if chunked:
+                chunk = min(chunk, budget.remaining_tokens)
+            budget.num_seqs += num_new_seqs
+            self.running.append(seq_group)
+            self._schedule(seq_group, chunk, budget, out)
+
+    def _ignore(self, seq_group: SequenceGroup, reason: str, out: SchedulerOutputs) -> None:
+        self.waiting.popleft()
+        for seq in seq_group.seqs:
+            seq.status = SequenceStatus.IGNORED
+            self.free_seq(seq)
+        seq_group.ignore_reason = reason
+        self._groups.pop(seq_group.request_id, None)
+        self.num_ignored += 1
+        out.ignored.append(seq_group)
+
+    # -- preemption -------------------------------------------------------------------------
+
+    def _preemption_mode(self, seq_group: SequenceGroup) -> PreemptionMode:
+        forced = self.scheduler_config.preemption_mode
+        num_live = len(seq_group.get_unfinished_seqs())
+        if forced is PreemptionMode.RECOMPUTE and num_live == 1:
+            return PreemptionMode.RECOMPUTE
+        if forced is PreemptionMode.SWAP:
+            return PreemptionMode.SWAP
+        if seq_group.get_max_num_running_seqs() == 1:
+            return PreemptionMode.RECOMPUTE
+        return PreemptionMode.SWAP
+
+    def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        mode = self._preemption_mode(seq_group)
+        bm = self.block_manager
+        if mode is PreemptionMode.SWAP and not bm.can_swap_out(seq_group):
+            if len(seq_group.get_unfinished_seqs()) != 1:
+                raise SwapSpaceExhaustedError(
+                    f"request {seq_group.request_id}: no host swap space left to preempt it; "
+                    "increase num_cpu_blocks"
+                )
+            mode = PreemptionMode.RECOMPUTE
+        if mode is PreemptionMode.RECOMPUTE:
+            for seq in seq_group.get_seqs(_RUNNING):
+                self.free_seq(seq)
+                seq.reset_for_recompute()
+            self.waiting.appendleft(seq_group)
+        else:
+            out.blocks_to_swap_out.extend(bm.swap_out(seq_group).items())
+            for seq in seq_group.get_seqs(_RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq_group)
+        self.num_preemptions[mode] += 1
+        out.preempted.append(PreemptedGroup(seq_group.request_id, mode))

@@ -1,0 +1,283 @@
+"""Sequences and sequence groups: the scheduler's view of a request's token streams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import PromptLogprob, TokenLogprob
+
+
+class SequenceStatus(IntEnum):
+    """Ordered so that every status from STOPPED on is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    STOPPED = 3
+    LENGTH_CAPPED = 4
+    ABORTED = 5
+    IGNORED = 6
+
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.STOPPED
+
+
+class FinishReason(StrEnum):
+    """Why a sequence stopped, as reported to clients."""
+
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+    IGNORED = "ignored"  # never scheduled: prompt too long for the model or the cache
+
+
+_FINISH_REASONS = {
+    SequenceStatus.STOPPED: FinishReason.STOP,
+    SequenceStatus.LENGTH_CAPPED: FinishReason.LENGTH,
+    SequenceStatus.ABORTED: FinishReason.ABORT,
+    SequenceStatus.IGNORED: FinishReason.IGNORED,
+}
+
+
+@dataclass(slots=True)
+class SampleLogprobs:
+    """The logprob of one output token and, when requested, the top alternatives."""
+
+    token: TokenLogprob
+    top: list[TokenLogprob] = field(default_factory=list)
+
+
+def chain_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Content hash of a full block, chained through its parent so equal blocks at different
+    positions (or after different prefixes) get different hashes."""
+    return hash((parent_hash, token_ids))
+
+
+class Sequence:
+    """One token stream: the prompt followed by the tokens sampled so far."""
+
+    __slots__ = (
+        "seq_id",
+        "seq_index",
+        "block_size",
+        "eos_token_id",
+        "num_prompt_tokens",
+        "token_ids",
+        "output_logprobs",
+        "cumulative_logprob",
+        "num_computed_tokens",
+        "status",
+        "stop_token_id",
+        "_block_hashes",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        block_size: int,
+        eos_token_id: int | None = None,
+        seq_index: int = 0,
+    ) -> None:
+        self.seq_id = seq_id
+        self.seq_index = seq_index
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_logprobs: list[SampleLogprobs] = []
+        self.cumulative_logprob = 0.0
+        # Tokens whose K/V are in the cache (or will be once the scheduled step has run).
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        # The stop token that finished this sequence (EOS or one of stop_token_ids).
+        self.stop_token_id: int | None = None
+        self._block_hashes: list[int] = []
+
+    # -- tokens ---------------------------------------------------------------------------
+
+    def get_len(self) -> int:
+        return len(self.token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.token_ids
+
+    def get_prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    def get_output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def get_output_len(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def get_last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def append_token_id(self, token_id: int, logprobs: dict[int, float]) -> None:
+        """Append a sampled token; `logprobs` maps token ids to logprobs and holds `token_id`."""
+        self.append_sample(SampleLogprobs(TokenLogprob(token_id, logprobs[token_id], 0)))
+
+    def append_sample(self, sample: SampleLogprobs) -> None:
+        self.token_ids.append(sample.token.token_id)
+        self.output_logprobs.append(sample)
+        self.cumulative_logprob += sample.token.logprob
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    # -- status -----------------------------------------------------------------------------
+
+    def is_finished(self) -> bool:
+        return self.status >= SequenceStatus.STOPPED
+
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    # -- blocks -----------------------------------------------------------------------------
+
+    def get_num_logical_blocks(self) -> int:
+        return -(-len(self.token_ids) // self.block_size)
+
+    def block_hash(self, index: int) -> int:
+        """Chained content hash of full logical block `index` (computed once, then cached)."""
+        hashes = self._block_hashes
+        bs = self.block_size
+        assert (index + 1) * bs <= len(self.token_ids), "only full blocks have a hash"
+        while len(hashes) <= index:
+            i = len(hashes)
+            parent = hashes[i - 1] if i else None
+            hashes.append(chain_block_hash(parent, tuple(self.token_ids[i * bs : (i + 1) * bs])))
+        return hashes[index]
+
+    # -- beam search ------------------------------------------------------------------------
+
+    def beam_score(self, length_penalty: float, length: int | None = None) -> float:
+        """Cumulative logprob divided by (output length) ** length_penalty.
+
+        The length counts output tokens only, not a trailing EOS (as HF transformers does for
+        decoder-only models), so a finished beam is not rewarded for emitting EOS.
+        """
+        if length is None:
+            length = self.get_output_len()
+            if self.eos_token_id is not None and length and self.token_ids[-1] == self.eos_token_id:
+                length -= 1
+        return self.cumulative_logprob / (max(length, 1) ** length_penalty)
+
+    def fork(self, new_seq_id: int, seq_index: int) -> Sequence:
+        child = Sequence.__new__(Sequence)
+        child.seq_id = new_seq_id
+        child.seq_index = seq_index
+        child.block_size = self.block_size
+        child.eos_token_id = self.eos_token_id
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.token_ids = list(self.token_ids)
+        child.output_logprobs = list(self.output_logprobs)
+        child.cumulative_logprob = self.cumulative_logprob
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.stop_token_id = None
+        child._block_hashes = list(self._block_hashes)
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.name}, len={self.get_len()}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class SequenceGroup:
+    """The sequences of one request. They share the prompt (and its KV blocks)."""
+
+    __slots__ = (
+        "request_id",
+        "seqs",
+        "sampling_params",
+        "metrics",
+        "prompt_token_ids",
+        "prompt_logprobs",
+        "has_sampled",
+        "next_seq_index",
+        "ignore_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.seqs: list[Sequence] = list(seqs)
+        self.sampling_params = sampling_params
+        self.metrics = RequestMetrics(arrival_time)
+        self.prompt_token_ids = seqs[0].get_prompt_token_ids()
+        # Prompt logprobs as first received; a re-prefill after recompute does not add more.
+        self.prompt_logprobs: list[PromptLogprob] = []
+        # Whether any sequence has sampled: before that, best_of > 1 groups hold one sequence
+        # but will need best_of slots once forked.
+        self.has_sampled = False
+        self.next_seq_index = max(s.seq_index for s in seqs) + 1
+        self.ignore_reason: str | None = None
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [s for s in self.seqs if s.status == status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status < SequenceStatus.STOPPED]
+
+    def get_finished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status >= SequenceStatus.STOPPED]
+
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        if status is None:
+            return len(self.seqs)
+        return sum(1 for s in self.seqs if s.status == status)
+
+    def get_max_num_running_seqs(self) -> int:
+        """Sequences this group may run at once: what budgets and preemption reason about."""
+        if not self.has_sampled:
+            return self.sampling_params.num_sampled
+        return sum(1 for s in self.seqs if s.status < SequenceStatus.STOPPED)
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+
+    def remove(self, seq_id: int) -> None:
+        self.seqs = [s for s in self.seqs if s.seq_id != seq_id]
+
+    def is_finished(self) -> bool:
+        return all(s.status >= SequenceStatus.STOPPED for s in self.seqs)
+
+    def is_prefill(self) -> bool:
+        """True while the (single) sequence still has more than one uncomputed token."""
+        return not self.has_sampled or any(
+            s.num_computed_tokens < s.get_len() - 1
+            for s in self.seqs
+            if s.status < SequenceStatus.STOPPED
+        )
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"

@@ -1,0 +1,175 @@
+"""A deterministic fake model that executes `StepInput`s like a worker would.
+
+It rebuilds every sequence only from the step diffs, keeps a simulated KV cache (the token id
+stored in each slot of each device and host block), writes computed tokens through the block
+table, applies swaps and copies, and derives the next token from the tokens it READS BACK
+from its cache. A wrong diff, block table, swap or copy therefore changes the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import (
+    PromptLogprob,
+    SequenceOutput,
+    StepInput,
+    StepResult,
+    TokenLogprob,
+)
+
+_MASK = (1 << 61) - 1
+
+
+def _mix(h: int, x: int) -> int:
+    return ((h ^ (x + 0x9E3779B97F4A7C15)) * 0x100000001B3) & _MASK
+
+
+@dataclass(slots=True)
+class _SeqState:
+    request_id: str
+    seq_index: int
+    tokens: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    table: list[int]
+    params: SamplingParams
+
+
+class FakeModel:
+    """Implements `Executor`. Next token = f(hash of the cached context, seq index)."""
+
+    def __init__(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, vocab_size: int = 64
+    ) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
+        self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.seqs: dict[int, _SeqState] = {}
+        self.num_steps = 0
+        self.num_computed_tokens = 0
+
+    # -- the model's "distribution" -------------------------------------------------------
+
+    def _logprob(self, h: int, token_id: int) -> float:
+        return -0.05 - (_mix(h, token_id) % 4096) / 1024.0
+
+    def _top(self, h: int, k: int) -> list[TokenLogprob]:
+        base = h % self.vocab_size
+        return [
+            TokenLogprob(
+                (base + j) % self.vocab_size, self._logprob(h, (base + j) % self.vocab_size), j + 1
+            )
+            for j in range(k)
+        ]
+
+    def _sample(self, h: int, seq_index: int) -> TokenLogprob:
+        token = _mix(h, 1000 + seq_index) % self.vocab_size
+        return TokenLogprob(token, self._logprob(h, token), 1)
+
+    def _beam_candidates(self, h: int, width: int) -> list[TokenLogprob]:
+        base = h % self.vocab_size
+        cands = [(base + 3 * j) % self.vocab_size for j in range(width)]
+        out = [TokenLogprob(t, self._logprob(h, t), 0) for t in cands]
+        out.sort(key=lambda c: -c.logprob)
+        for rank, c in enumerate(out):
+            c.rank = rank + 1
+        return out
+
+    # -- execution ------------------------------------------------------------------------
+
+    def execute(self, step: StepInput) -> StepResult:
+        self.num_steps += 1
+        for seq_id in step.freed_seq_ids:
+            del self.seqs[seq_id]
+        for fork in step.forks:
+            p = self.seqs[fork.parent_seq_id]
+            self.seqs[fork.child_seq_id] = _SeqState(
+                p.request_id,
+                fork.child_seq_index,
+                list(p.tokens),
+                p.num_prompt_tokens,
+                p.num_computed,
+                list(p.table),
+                p.params,
+            )
+        for new in step.new_seqs:
+            assert new.seq_id not in self.seqs, f"new sequence {new.seq_id} already known"
+            self.seqs[new.seq_id] = _SeqState(
+                new.request_id,
+                new.seq_index,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.num_computed_tokens,
+                list(new.block_ids),
+                new.sampling_params,
+            )
+        for upd in step.cached_seqs:
+            st = self.seqs[upd.seq_id]
+            st.tokens.extend(upd.new_token_ids)
+            assert upd.block_offset <= len(st.table)
+            st.table[upd.block_offset :] = upd.block_ids
+        for src, dst in step.blocks_to_swap_out:
+            self.cpu[dst] = list(self.gpu[src])
+        for src, dst in step.blocks_to_swap_in:
+            self.gpu[dst] = list(self.cpu[src])
+        for src, dst in step.blocks_to_copy:
+            self.gpu[dst] = list(self.gpu[src])
+
+        scheduled = [(n.seq_id, n.num_scheduled_tokens) for n in step.new_seqs] + [
+            (c.seq_id, c.num_scheduled_tokens) for c in step.cached_seqs
+        ]
+        # Write every scheduled token's "K/V" first, as a batched forward pass would.
+        for seq_id, num in scheduled:
+            st = self.seqs[seq_id]
+            bs = self.block_size
+            for pos in range(st.num_computed, st.num_computed + num):
+                self.gpu[st.table[pos // bs]][pos % bs] = st.tokens[pos]
+            self.num_computed_tokens += num
+        outputs = []
+        for seq_id, num in scheduled:
+            st = self.seqs[seq_id]
+            start = st.num_computed
+            st.num_computed += num
+            assert st.num_computed <= len(st.tokens)
+            out = self._outputs(seq_id, st, start)
+            if out is not None:
+                outputs.append(out)
+        return StepResult(step.step_id, outputs)
+
+    def _context_hash(self, st: _SeqState, length: int) -> int:
+        bs = self.block_size
+        h = 17
+        for pos in range(length):
+            slot = self.gpu[st.table[pos // bs]][pos % bs]
+            h = _mix(h, -1 if slot is None else slot)
+        return h
+
+    def _outputs(self, seq_id: int, st: _SeqState, start: int) -> SequenceOutput | None:
+        params = st.params
+        prompt_lps: list[PromptLogprob] = []
+        if params.prompt_logprobs is not None:
+            for pos in range(max(start, 1), min(st.num_computed + 1, st.num_prompt_tokens)):
+                h = self._context_hash(st, pos)
+                tok = st.tokens[pos]
+                prompt_lps.append(
+                    PromptLogprob(
+                        pos,
+                        TokenLogprob(tok, self._logprob(h, tok), 0),
+                        self._top(h, params.prompt_logprobs),
+                    )
+                )
+        if st.num_computed < len(st.tokens):
+            return SequenceOutput(seq_id, [], [], prompt_lps) if prompt_lps else None
+        h = self._context_hash(st, len(st.tokens))
+        first = len(st.tokens) == st.num_prompt_tokens
+        if params.use_beam_search:
+            samples = self._beam_candidates(h, 2 * params.num_sampled)
+        elif first and params.num_sampled > 1:
+            samples = [self._sample(h, i) for i in range(params.num_sampled)]
+        else:
+            samples = [self._sample(h, st.seq_index)]
+        top = self._top(h, params.logprobs) if params.logprobs else []
+        return SequenceOutput(seq_id, samples, top, prompt_lps)
