@@ -17,6 +17,8 @@ partition take a single pass that writes the output directly.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,10 @@ from kernels._checks import (
 )
 
 DEFAULT_PARTITION_SIZE = 512
+# Partitions are halved down to this size while the grid is too small to fill the device.
+MIN_PARTITION_SIZE = 128
+# Programs per streaming multiprocessor that the split-K grid aims for.
+PROGRAMS_PER_SM = 2
 # Context tokens per inner-loop step: K/V tiles of [TILE_TOKENS, head_dim].
 MAX_TILE_TOKENS = 64
 # tl.dot needs at least 16 rows on tensor cores; small GQA groups are padded up to it.
@@ -190,6 +196,28 @@ def _paged_attention_reduce_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_partition_size(
+    num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device
+) -> int:
+    """Split-K partition length: 512 tokens, halved (down to 128) while the grid of
+    (sequence, KV head, partition) programs is too small to keep every SM busy, which is the
+    case for small batches of long contexts."""
+    size = DEFAULT_PARTITION_SIZE
+    if device.type != "cuda":
+        return size
+    target = PROGRAMS_PER_SM * _sm_count(device.index or 0)
+    while size > MIN_PARTITION_SIZE and (
+        num_seqs * num_kv_heads * triton.cdiv(max_context, size) < target
+    ):
+        size //= 2
+    return size
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs keep full precision (Triton would otherwise use TF32 on tensor cores)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -251,7 +279,7 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     *,
     max_seq_len: int | None = None,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    partition_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -261,7 +289,9 @@ def paged_attention_decode(
     must already be in the cache). Returns out: [num_seqs, num_heads, head_dim].
 
     max_seq_len, when the caller knows it, bounds the split-K grid; otherwise the block-table
-    width is used (no device sync). partition_size is the split-K partition length in tokens.
+    width is used (no device sync). partition_size is the split-K partition length in tokens, a
+    power of 2 (default: `choose_partition_size`); contexts within one partition take a single
+    pass without the reduction.
     """
     check_ndim("query", query, 3, "[num_seqs, num_heads, head_dim]")
     check_dtype("query", query, FLOAT_DTYPES)
@@ -276,7 +306,9 @@ def paged_attention_decode(
     check_block_tables(block_tables, num_seqs)
     check_seq_lens(seq_lens, num_seqs)
     out = check_out(out, query)
-    if partition_size <= 0 or partition_size & (partition_size - 1):
+    if partition_size is not None and (
+        partition_size <= 0 or partition_size & (partition_size - 1)
+    ):
         raise KernelArgumentError("partition_size", f"{partition_size} is not a power of 2")
     check_device(
         _paged_attention_decode_kernel,
@@ -296,6 +328,8 @@ def paged_attention_decode(
     max_context = block_tables.shape[1] * block_size
     if max_seq_len is not None:
         max_context = min(max_context, max_seq_len)
+    if partition_size is None:
+        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_context, query.device)
     num_partitions = max(triton.cdiv(max_context, partition_size), 1)
     split = num_partitions > 1
     head_dim_pad = next_power_of_2(max(head_dim, 16))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import paged_attention, reference
 from tests.kernels.paged import (
     DTYPES,
     assert_close,
@@ -154,3 +154,24 @@ def test_decode_rejects_bad_arguments(device: str) -> None:
         kernels.paged_attention_decode(query.half(), *good[1:])
     with pytest.raises(kernels.KernelArgumentError, match="seq_lens: dimension 0"):
         kernels.paged_attention_decode(*good[:4], cache.seq_lens.repeat(2), 0.1)
+
+
+def test_decode_pads_head_dims_that_are_not_powers_of_2(device: str) -> None:
+    actual, expected = run_decode(
+        device, torch.float32, [3, 70], queries_per_kv=3, head_dim=96, partition_size=32
+    )
+    assert_close(actual, expected)
+
+
+def test_partition_size_shrinks_until_the_grid_fills_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(paged_attention, "_sm_count", lambda index: 100)
+    cuda = torch.device("cuda")
+    # 200 programs wanted: 64 x 8 x 4 partitions of 512 already suffice.
+    assert paged_attention.choose_partition_size(64, 8, 2048, cuda) == 512
+    # 1 x 8 KV heads: 16 partitions of 128 (the floor) give 128 programs.
+    assert paged_attention.choose_partition_size(1, 8, 2048, cuda) == 128
+    # 4 x 8 x 8 partitions of 256 = 256 programs.
+    assert paged_attention.choose_partition_size(4, 8, 2048, cuda) == 256
+    assert paged_attention.choose_partition_size(1, 8, 2048, torch.device("cpu")) == 512
