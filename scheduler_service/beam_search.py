@@ -54,6 +54,7 @@ def process_beam_group(
     beam_width = params.num_sampled
     lp = params.length_penalty
 
+    old_finished = seq_group.get_finished_seqs()
     candidates: list[tuple[float, int, int, Sequence, TokenLogprob, list[TokenLogprob]]] = []
     for parent_rank, (parent, out) in enumerate(sampled):
         for cand_rank, sample in enumerate(out.samples):
@@ -87,7 +88,6 @@ def process_beam_group(
         return seq.beam_score(lp)
 
     # Finished beams: keep the beam_width best of the old and new ones.
-    old_finished = seq_group.get_finished_seqs()
     new_finished = [(s, p) for s, p in extensions if s.is_finished()]
     ranked = sorted(old_finished + [s for s, _ in new_finished], key=beam_key, reverse=True)
     kept_finished = ranked[:beam_width]

@@ -1,0 +1,109 @@
+"""The scheduler's Prometheus metrics, all `llmserve_*`, labelled by replica where per replica."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from llmserve.steps import StepInput, StepResult
+from scheduler_service.scheduler import SchedulerStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+_R = ["replica"]
+RUNNING = Gauge("llmserve_requests_running", "Requests running", _R)
+WAITING = Gauge("llmserve_requests_waiting", "Requests waiting to be scheduled", _R)
+SWAPPED = Gauge("llmserve_requests_swapped", "Requests swapped out to host memory", _R)
+KV_USAGE = Gauge("llmserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", [*_R, "device"])
+PREFIX_QUERIES = Counter(
+    "llmserve_prefix_cache_queries", "Prompt blocks looked up in the prefix cache", _R
+)
+PREFIX_HITS = Counter("llmserve_prefix_cache_hits", "Prompt blocks found in the prefix cache", _R)
+PREEMPTIONS = Counter("llmserve_preemptions", "Preemptions", [*_R, "mode"])
+PROMPT_TOKENS = Counter("llmserve_prompt_tokens", "Prompt tokens computed", _R)
+GENERATION_TOKENS = Counter("llmserve_generation_tokens", "Tokens generated", _R)
+ITERATION_SECONDS = Histogram(
+    "llmserve_iteration_seconds", "One scheduler iteration, worker included", _R,
+    buckets=_STEP_BUCKETS,
+)
+WORKER_FORWARD_SECONDS = Histogram(
+    "llmserve_worker_forward_seconds_seen", "Worker forward time reported in step results", _R,
+    buckets=_STEP_BUCKETS,
+)
+TTFT_SECONDS = Histogram(
+    "llmserve_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS
+)
+TPOT_SECONDS = Histogram(
+    "llmserve_time_per_output_token_seconds", "Mean time between output tokens of a request",
+    buckets=_STEP_BUCKETS,
+)
+E2E_SECONDS = Histogram(
+    "llmserve_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS
+)
+QUEUE_SECONDS = Histogram(
+    "llmserve_request_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS
+)
+FINISHED = Counter("llmserve_requests_finished", "Finished requests", ["finish_reason"])
+
+# Cumulative scheduler counters are mirrored into Prometheus counters by their increase.
+_last: dict[tuple[str, str], float] = {}
+
+
+def _advance(counter: Counter, key: tuple[str, ...], total: float) -> None:
+    name = (counter._name, *key)  # type: ignore[attr-defined]
+    previous = _last.get(name, 0.0)  # type: ignore[call-overload]
+    if total > previous:
+        counter.labels(*key).inc(total - previous)
+    _last[name] = total  # type: ignore[index]
+
+
+def record_stats(replica_id: int, stats: SchedulerStats) -> None:
+    r = str(replica_id)
+    RUNNING.labels(r).set(stats.num_running)
+    WAITING.labels(r).set(stats.num_waiting)
+    SWAPPED.labels(r).set(stats.num_swapped)
+    KV_USAGE.labels(r, "gpu").set(stats.gpu_kv_usage)
+    KV_USAGE.labels(r, "cpu").set(stats.cpu_kv_usage)
+    _advance(PREFIX_QUERIES, (r,), stats.prefix_cache_queries)
+    _advance(PREFIX_HITS, (r,), stats.prefix_cache_hits)
+    _advance(PREEMPTIONS, (r, "recompute"), stats.num_preemptions_recompute)
+    _advance(PREEMPTIONS, (r, "swap"), stats.num_preemptions_swap)
+
+
+def record_step(
+    replica_id: int,
+    stats: SchedulerStats,
+    step: StepInput,
+    result: StepResult | None,
+    seconds: float,
+) -> None:
+    record_stats(replica_id, stats)
+    r = str(replica_id)
+    if step.is_empty():
+        return
+    ITERATION_SECONDS.labels(r).observe(seconds)
+    # A decode computes one token of a sequence the worker holds; the rest is prompt (prefill
+    # chunks and recomputes).
+    decode_tokens = sum(1 for s in step.cached_seqs if s.num_scheduled_tokens == 1)
+    PROMPT_TOKENS.labels(r).inc(step.num_scheduled_tokens - decode_tokens)
+    if result is not None:
+        WORKER_FORWARD_SECONDS.labels(r).observe(result.forward_ns / 1e9)
+        GENERATION_TOKENS.labels(r).inc(sum(1 for o in result.outputs if o.samples))
+
+
+def record_finished(
+    finish_reason: str,
+    arrival: float,
+    first_scheduled: float | None,
+    first_token: float | None,
+    finished: float,
+    num_output_tokens: int,
+) -> None:
+    FINISHED.labels(finish_reason).inc()
+    E2E_SECONDS.observe(finished - arrival)
+    if first_scheduled is not None:
+        QUEUE_SECONDS.observe(first_scheduled - arrival)
+    if first_token is not None:
+        TTFT_SECONDS.observe(first_token - arrival)
+        if num_output_tokens > 1:
+            TPOT_SECONDS.observe((finished - first_token) / (num_output_tokens - 1))
