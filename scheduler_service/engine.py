@@ -204,15 +204,30 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns a delta for each request with something new."""
+        sched_out, step_input = self.begin_step()
+        result = None if step_input.is_empty() else self.executor.execute(step_input)
+        return self.finish_step(sched_out, step_input, result)
+
+    def begin_step(self) -> tuple[SchedulerOutputs, StepInput]:
+        """First half of `step()`: schedule and build the diff. A caller that executes steps
+        itself (the gRPC service awaits a remote worker) runs the step in between, then calls
+        `finish_step`. Nothing else may touch the engine in between."""
         sched_out = self.scheduler.schedule()
         step_input = self._builder.build(sched_out)
         self.last_step_input = step_input
-        if step_input.is_empty():
+        return sched_out, step_input
+
+    def finish_step(
+        self, sched_out: SchedulerOutputs, step_input: StepInput, result: StepResult | None
+    ) -> list[RequestOutput]:
+        """Second half of `step()`: `result` is the executed step's (None when it was empty)."""
+        if result is None:
             result = StepResult(step_input.step_id)
-        else:
-            result = self.executor.execute(step_input)
         self.scheduler.on_step_executed(sched_out)
         return self._processor.process(sched_out, result)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.scheduler.unfinished_request_ids()
 
     def generate(
         self,

@@ -146,6 +146,9 @@ class Scheduler:
     def get_num_unfinished_seq_groups(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return [g.request_id for q in (self.waiting, self.running, self.swapped) for g in q]
+
     # -- called by output processing ------------------------------------------------------
 
     def free_seq(self, seq: Sequence) -> None:
