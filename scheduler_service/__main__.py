@@ -19,21 +19,30 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="llmserve scheduler", description=__doc__)
     add_common_flags(p, default_port=50071)
-    p.add_argument("--workers", default="",
-                   help="comma-separated worker addresses (host:port); workers may also join "
-                        "later with RegisterWorker")
+    p.add_argument(
+        "--workers",
+        default="",
+        help="comma-separated worker addresses (host:port); workers may also join "
+        "later with RegisterWorker",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=8192,
-                   help="cap on prompt + output tokens (the worker's model limit also applies)")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=8192,
+        help="cap on prompt + output tokens (the worker's model limit also applies)",
+    )
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--watermark", type=float, default=0.01)
-    p.add_argument("--block-size", type=int, default=None,
-                   help="accepted for symmetry with the worker; the worker's block size is used")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="accepted for symmetry with the worker; the worker's block size is used",
+    )
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--num-cpu-blocks-override", type=int, default=None)
     return p.parse_args(argv)

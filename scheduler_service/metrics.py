@@ -23,18 +23,23 @@ PREEMPTIONS = Counter("llmserve_preemptions", "Preemptions", [*_R, "mode"])
 PROMPT_TOKENS = Counter("llmserve_prompt_tokens", "Prompt tokens computed", _R)
 GENERATION_TOKENS = Counter("llmserve_generation_tokens", "Tokens generated", _R)
 ITERATION_SECONDS = Histogram(
-    "llmserve_iteration_seconds", "One scheduler iteration, worker included", _R,
+    "llmserve_iteration_seconds",
+    "One scheduler iteration, worker included",
+    _R,
     buckets=_STEP_BUCKETS,
 )
 WORKER_FORWARD_SECONDS = Histogram(
-    "llmserve_worker_forward_seconds_seen", "Worker forward time reported in step results", _R,
+    "llmserve_worker_forward_seconds_seen",
+    "Worker forward time reported in step results",
+    _R,
     buckets=_STEP_BUCKETS,
 )
 TTFT_SECONDS = Histogram(
     "llmserve_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS
 )
 TPOT_SECONDS = Histogram(
-    "llmserve_time_per_output_token_seconds", "Mean time between output tokens of a request",
+    "llmserve_time_per_output_token_seconds",
+    "Mean time between output tokens of a request",
     buckets=_STEP_BUCKETS,
 )
 E2E_SECONDS = Histogram(

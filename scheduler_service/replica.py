@@ -161,8 +161,11 @@ class Replica:
                 delay = _RETRY_DELAYS_S[min(attempt, len(_RETRY_DELAYS_S) - 1)]
                 attempt += 1
                 log.warning(
-                    "worker not reachable, retrying", replica=self.replica_id,
-                    address=self.address, reason=reason, retry_in_s=delay,
+                    "worker not reachable, retrying",
+                    replica=self.replica_id,
+                    address=self.address,
+                    reason=reason,
+                    retry_in_s=delay,
                 )
                 await asyncio.sleep(delay)
 
@@ -193,9 +196,14 @@ class Replica:
         self._stream = _ExecuteStream(self._stub)
         self.engine = LLMEngine(scheduler_config, cache_config, _unused_executor)
         log.info(
-            "replica ready", replica=self.replica_id, address=self.address, model=info.model,
-            num_gpu_blocks=reply.num_gpu_blocks, num_cpu_blocks=reply.num_cpu_blocks,
-            block_size=info.block_size, max_model_len=scheduler_config.max_model_len,
+            "replica ready",
+            replica=self.replica_id,
+            address=self.address,
+            model=info.model,
+            num_gpu_blocks=reply.num_gpu_blocks,
+            num_cpu_blocks=reply.num_cpu_blocks,
+            block_size=info.block_size,
+            max_model_len=scheduler_config.max_model_len,
         )
 
     async def _step_loop(self) -> None:
@@ -216,7 +224,10 @@ class Replica:
             outputs = engine.finish_step(sched_out, step_input, result)
             self.num_steps += 1
             metrics.record_step(
-                self.replica_id, engine.get_stats(), step_input, result,
+                self.replica_id,
+                engine.get_stats(),
+                step_input,
+                result,
                 time.perf_counter() - started,
             )
             if outputs:

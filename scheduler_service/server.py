@@ -112,20 +112,29 @@ class Router:
         """Queue a request, or answer it at once with a RequestError."""
         try:
             self._add(stream, add)
-        except (RequestError, SamplingParamsError, EngineRequestError,
-                WorkerUnavailableError) as exc:
+        except (
+            RequestError,
+            SamplingParamsError,
+            EngineRequestError,
+            WorkerUnavailableError,
+        ) as exc:
             stream.outbox.put_nowait(_error_message(add.request_id, exc))
 
     def _add(self, stream: GatewayStream, add: scheduler_pb2.AddRequest) -> None:
         if not add.request_id:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty",
-                               "request_id")
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty", "request_id"
+            )
         if add.request_id in stream.request_ids:
-            raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id: {add.request_id!r} is already running", "request_id")
+            raise RequestError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id: {add.request_id!r} is already running",
+                "request_id",
+            )
         if not add.HasField("sampling_params"):
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "sampling_params: required", "sampling_params")
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "sampling_params: required", "sampling_params"
+            )
         params = sampling_params_from_proto(add.sampling_params)
         replica = self._pick_replica()
         key = stream.key(add.request_id)
@@ -152,8 +161,11 @@ class Router:
             if output.ignore_reason is not None:
                 message = _error_message(
                     route.request_id,
-                    RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"prompt: {output.ignore_reason}", "prompt"),
+                    RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"prompt: {output.ignore_reason}",
+                        "prompt",
+                    ),
                 )
             else:
                 message = scheduler_pb2.SchedulerMessage(output=_output_to_proto(route, output))
@@ -168,8 +180,12 @@ class Router:
         if m is not None and m.finished_time is not None:
             reasons = {str(c.finish_reason) for c in output.outputs if c.finish_reason}
             metrics.record_finished(
-                ",".join(sorted(reasons)) or "unknown", m.arrival_time, m.first_scheduled_time,
-                m.first_token_time, m.finished_time, route.num_output_tokens,
+                ",".join(sorted(reasons)) or "unknown",
+                m.arrival_time,
+                m.first_scheduled_time,
+                m.first_token_time,
+                m.finished_time,
+                route.num_output_tokens,
             )
 
     def _on_failure(self, keys: list[str], reason: str) -> None:
@@ -179,8 +195,7 @@ class Router:
                 continue
             route.stream.request_ids.discard(route.request_id)
             route.stream.outbox.put_nowait(
-                _error_message(route.request_id,
-                               RequestError(grpc.StatusCode.UNAVAILABLE, reason))
+                _error_message(route.request_id, RequestError(grpc.StatusCode.UNAVAILABLE, reason))
             )
 
     # -- stats ---------------------------------------------------------------------------------
@@ -191,7 +206,9 @@ class Router:
         )
         for replica in self.replicas.values():
             entry = reply.replicas.add(
-                replica_id=replica.replica_id, address=replica.address, healthy=replica.healthy,
+                replica_id=replica.replica_id,
+                address=replica.address,
+                healthy=replica.healthy,
                 num_steps=replica.num_steps,
             )
             engine = replica.engine
@@ -200,7 +217,9 @@ class Router:
             s = engine.get_stats()
             bm = engine.scheduler.block_manager
             entry.num_waiting, entry.num_running, entry.num_swapped = (
-                s.num_waiting, s.num_running, s.num_swapped
+                s.num_waiting,
+                s.num_running,
+                s.num_swapped,
             )
             entry.gpu_blocks_free = bm.get_num_free_gpu_blocks()
             entry.gpu_blocks_total = engine.cache_config.num_gpu_blocks
@@ -231,7 +250,8 @@ def _error_message(request_id: str, exc: Exception) -> scheduler_pb2.SchedulerMe
 
 def _choice_to_proto(choice: CompletionOutput) -> scheduler_pb2.ChoiceDelta:
     msg = scheduler_pb2.ChoiceDelta(
-        index=choice.index, token_ids=choice.token_ids,
+        index=choice.index,
+        token_ids=choice.token_ids,
         cumulative_logprob=choice.cumulative_logprob,
     )
     if choice.finish_reason is not None:
@@ -251,7 +271,8 @@ def _metrics_to_proto(m: RequestMetrics) -> scheduler_pb2.RequestMetrics:
         return 0 if t is None else max(int((t - m.arrival_time) * 1e9), 0)
 
     return scheduler_pb2.RequestMetrics(
-        queue_ns=ns(m.first_scheduled_time), first_token_ns=ns(m.first_token_time),
+        queue_ns=ns(m.first_scheduled_time),
+        first_token_ns=ns(m.first_token_time),
         e2e_ns=ns(m.finished_time),
     )
 
@@ -264,7 +285,8 @@ def _output_to_proto(route: _Route, output: RequestOutput) -> scheduler_pb2.Requ
     )
     for p in output.prompt_logprobs or ():
         msg.prompt_logprobs.add(
-            position=p.position, token=token_logprob_to_proto(p.token),
+            position=p.position,
+            token=token_logprob_to_proto(p.token),
             top=[token_logprob_to_proto(t) for t in p.top],
         )
     if output.finished:
@@ -285,8 +307,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RegisterWorkerResponse:
         if not request.address or ":" not in request.address:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "address: must be host:port", "address")
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "address: must be host:port", "address"
+            )
         replica = self.router.add_replica(request.address)
         return scheduler_pb2.RegisterWorkerResponse(replica_id=replica.replica_id)
 

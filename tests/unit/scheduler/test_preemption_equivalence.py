@@ -32,18 +32,28 @@ def workload(num: int, seed: int = 1234):
         elif kind == 3:
             p = SamplingParams(n=2, best_of=4, max_tokens=max_tokens)
         else:
-            p = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0,
-                               max_tokens=rng.randrange(1, 10),
-                               early_stopping=[True, False, "never"][i % 3])
+            p = SamplingParams(
+                n=2,
+                best_of=3,
+                use_beam_search=True,
+                temperature=0.0,
+                max_tokens=rng.randrange(1, 10),
+                early_stopping=[True, False, "never"][i % 3],
+            )
         params.append(p)
     return prompts, params
 
 
 def run(num_gpu_blocks: int, num_cpu_blocks: int, chunked: bool, caching: bool, num: int = 200):
-    cache = CacheConfig(BLOCK, num_gpu_blocks, num_cpu_blocks, watermark=0.0,
-                        enable_prefix_caching=caching)
-    sched = SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=96 if chunked else 128,
-                            max_model_len=128, enable_chunked_prefill=chunked)
+    cache = CacheConfig(
+        BLOCK, num_gpu_blocks, num_cpu_blocks, watermark=0.0, enable_prefix_caching=caching
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=48,
+        max_num_batched_tokens=96 if chunked else 128,
+        max_model_len=128,
+        enable_chunked_prefill=chunked,
+    )
     model = FakeModel(num_gpu_blocks, num_cpu_blocks, BLOCK)
     engine = LLMEngine(sched, cache, model)
     prompts, params = workload(num)
@@ -55,9 +65,16 @@ def run(num_gpu_blocks: int, num_cpu_blocks: int, chunked: bool, caching: bool, 
     assert not engine.has_unfinished_requests()
     summary = [
         (
-            [(c.index, c.token_ids, round(c.cumulative_logprob, 9), c.finish_reason,
-              None if c.logprobs is None else [lp.token.token_id for lp in c.logprobs])
-             for c in o.outputs],
+            [
+                (
+                    c.index,
+                    c.token_ids,
+                    round(c.cumulative_logprob, 9),
+                    c.finish_reason,
+                    None if c.logprobs is None else [lp.token.token_id for lp in c.logprobs],
+                )
+                for c in o.outputs
+            ],
             None if o.prompt_logprobs is None else [p.position for p in o.prompt_logprobs],
         )
         for o in outputs

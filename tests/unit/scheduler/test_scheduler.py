@@ -15,8 +15,13 @@ from .factories import make_seq_group
 def make_scheduler(gpu=16, cpu=16, max_seqs=8, max_tokens=64, max_len=64, chunked=True, mode=None):
     return Scheduler(
         SchedulerConfig(max_seqs, max_tokens, max_len, chunked, mode),
-        CacheConfig(block_size=4, num_gpu_blocks=gpu, num_cpu_blocks=cpu, watermark=0.0,
-                    enable_prefix_caching=False),
+        CacheConfig(
+            block_size=4,
+            num_gpu_blocks=gpu,
+            num_cpu_blocks=cpu,
+            watermark=0.0,
+            enable_prefix_caching=False,
+        ),
     )
 
 
@@ -61,21 +66,29 @@ def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
     s.add_seq_group(long)
     out = s.schedule()
     assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("short", 3), ("long", 5)]
+        ("short", 3),
+        ("long", 5),
+    ]
     assert out.num_batched_tokens == 8
     run_step(s, out)
     out = s.schedule()
     # The decode of "short" first, then the next 7 prompt tokens of "long".
     assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("short", 1), ("long", 7)]
+        ("short", 1),
+        ("long", 7),
+    ]
     run_step(s, out)
     out = s.schedule()
     assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("short", 1), ("long", 7)]
+        ("short", 1),
+        ("long", 7),
+    ]
     run_step(s, out)
     out = s.schedule()
     assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("short", 1), ("long", 1)]
+        ("short", 1),
+        ("long", 1),
+    ]
     assert long.seqs[0].get_output_len() == 0  # the last prompt token, then it samples
     run_step(s, out)
     assert long.seqs[0].get_output_len() == 1
@@ -94,7 +107,9 @@ def test_prefill_first_policy_runs_prompts_alone():
     run_step(s, out)
     out = s.schedule()
     assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("a", 1), ("b", 1)]
+        ("a", 1),
+        ("b", 1),
+    ]
 
 
 def test_budgets_max_num_seqs_and_tokens():
@@ -105,12 +120,18 @@ def test_budgets_max_num_seqs_and_tokens():
     out = s.schedule()
     # 4 + 4 tokens, then 2 of the third prompt; the token budget is full.
     assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("r0", 4), ("r1", 4), ("r2", 2)]
+        ("r0", 4),
+        ("r1", 4),
+        ("r2", 2),
+    ]
     run_step(s, out)
     out = s.schedule()
     # max_num_seqs = 3: r3 waits although tokens are left.
     assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("r0", 1), ("r1", 1), ("r2", 2)]
+        ("r0", 1),
+        ("r1", 1),
+        ("r2", 2),
+    ]
     assert len(s.waiting) == 2
     best_of = make_seq_group("bo", [1], params=SamplingParams(n=2, temperature=1.0))
     s2 = make_scheduler(gpu=64, max_seqs=3, max_tokens=10)

@@ -15,9 +15,13 @@ GPU, CPU, BLOCK = 24, 64, 4
 
 PARAMS = st.one_of(
     st.builds(lambda m: SamplingParams(max_tokens=m), st.integers(1, 12)),
-    st.builds(lambda n, m: SamplingParams(n=n, max_tokens=m), st.integers(2, 3), st.integers(1, 12)),
     st.builds(
-        lambda m: SamplingParams(n=1, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=m),
+        lambda n, m: SamplingParams(n=n, max_tokens=m), st.integers(2, 3), st.integers(1, 12)
+    ),
+    st.builds(
+        lambda m: SamplingParams(
+            n=1, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=m
+        ),
         st.integers(1, 8),
     ),
 )
@@ -74,7 +78,9 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=40, deadline=None,
+    max_examples=40,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEngineMachine = EngineMachine.TestCase
