@@ -18,10 +18,10 @@ from kernels._checks import (
     check_dtype,
     check_inner_contiguous,
     check_ndim,
+    check_paged_cache,
     check_same_dtype,
     next_power_of_2,
 )
-from kernels.paged_attention import check_paged_cache
 
 # Elements per program of copy_blocks.
 COPY_CHUNK = 1024

@@ -26,12 +26,15 @@ import triton.language as tl
 from kernels._checks import (
     FLOAT_DTYPES,
     KernelArgumentError,
+    check_block_tables,
     check_device,
     check_dim,
     check_dtype,
     check_inner_contiguous,
     check_ndim,
-    check_same_dtype,
+    check_out,
+    check_paged_cache,
+    check_seq_lens,
     is_interpreted,
     next_power_of_2,
 )
@@ -221,52 +224,6 @@ def choose_partition_size(
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs keep full precision (Triton would otherwise use TF32 on tensor cores)."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def check_paged_cache(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, like: torch.Tensor, like_name: str
-) -> tuple[int, int, int, int]:
-    """Validate a key/value cache pair; returns (num_blocks, block_size, num_kv_heads, head_dim)."""
-    layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
-    check_ndim("key_cache", key_cache, 4, layout)
-    check_ndim("value_cache", value_cache, 4, layout)
-    if value_cache.shape != key_cache.shape:
-        raise KernelArgumentError(
-            "value_cache",
-            f"shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}",
-        )
-    check_same_dtype("key_cache", key_cache, like, like_name)
-    check_same_dtype("value_cache", value_cache, like, like_name)
-    check_inner_contiguous("key_cache", key_cache)
-    check_inner_contiguous("value_cache", value_cache)
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    return num_blocks, block_size, num_kv_heads, head_dim
-
-
-def check_block_tables(block_tables: torch.Tensor, num_seqs: int) -> None:
-    check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
-    check_dim("block_tables", block_tables, 0, num_seqs, "num_seqs")
-    check_dtype("block_tables", block_tables, (torch.int32,))
-    check_inner_contiguous("block_tables", block_tables)
-
-
-def check_seq_lens(seq_lens: torch.Tensor, num_seqs: int) -> None:
-    check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
-    check_dim("seq_lens", seq_lens, 0, num_seqs, "num_seqs")
-    check_dtype("seq_lens", seq_lens, (torch.int32,))
-    check_inner_contiguous("seq_lens", seq_lens)
-
-
-def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(like)
-    if out.shape != like.shape:
-        raise KernelArgumentError(
-            "out", f"shape {tuple(out.shape)} differs from query {tuple(like.shape)}"
-        )
-    check_same_dtype("out", out, like, "query")
-    check_inner_contiguous("out", out)
-    return out
 
 
 def paged_attention_decode(

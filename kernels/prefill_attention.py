@@ -20,21 +20,18 @@ import triton.language as tl
 from kernels._checks import (
     FLOAT_DTYPES,
     KernelArgumentError,
+    check_block_tables,
     check_device,
     check_dim,
     check_dtype,
     check_inner_contiguous,
     check_ndim,
-    next_power_of_2,
-)
-from kernels.paged_attention import (
-    LOG2E,
-    check_block_tables,
     check_out,
     check_paged_cache,
     check_seq_lens,
-    dot_precision,
+    next_power_of_2,
 )
+from kernels.paged_attention import LOG2E, dot_precision
 
 # Rows of one query tile (new tokens x padded GQA group).
 BLOCK_ROWS = 64
