@@ -102,9 +102,11 @@ class BlockSpaceManager:
 
     def _blocks_needed(self, seq: Sequence) -> int:
         table = self._tables[seq.seq_id]
-        needed = seq.get_num_logical_blocks() - len(table)
-        write_index = seq.num_computed_tokens // self.block_size
-        if write_index < len(table) and self._must_copy(table[write_index]):
+        bs = self.block_size
+        num_blocks = len(table)
+        needed = -(-len(seq.token_ids) // bs) - num_blocks
+        write_index = seq.num_computed_tokens // bs
+        if write_index < num_blocks and self._must_copy(table[write_index]):
             needed += 1
         return needed
 
@@ -114,7 +116,10 @@ class BlockSpaceManager:
         return self.gpu.ref_counts[block_id] > 1 and self.gpu.block_hashes[block_id] is None
 
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
-        needed = sum(self._blocks_needed(s) for s in seq_group.get_seqs(SequenceStatus.RUNNING))
+        needed = 0
+        for seq in seq_group.seqs:
+            if seq.status == SequenceStatus.RUNNING:
+                needed += self._blocks_needed(seq)
         return needed <= self.gpu.get_num_free_blocks()
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -124,7 +129,7 @@ class BlockSpaceManager:
         seq_id = seq.seq_id
         table = self._tables[seq_id]
         old_len = len(table)
-        for _ in range(seq.get_num_logical_blocks() - old_len):
+        for _ in range(-(-len(seq.token_ids) // bs) - old_len):
             table.append(self.gpu.allocate())
         copies: list[tuple[int, int]] = []
         write_index = seq.num_computed_tokens // bs
@@ -137,7 +142,7 @@ class BlockSpaceManager:
             self._mark_dirty(seq_id, write_index)
         if self.enable_caching:
             # Blocks that the new tokens filled become findable by hash.
-            for i in range(write_index, seq.get_len() // bs):
+            for i in range(write_index, len(seq.token_ids) // bs):
                 block_id = table[i]
                 if self.gpu.block_hashes[block_id] is None and self.gpu.ref_counts[block_id] == 1:
                     self.gpu.promote(block_id, seq.block_hash(i), (i + 1) * bs)

@@ -16,6 +16,7 @@ from llmserve.steps import PromptLogprob, SequenceOutput, StepResult
 from scheduler_service.beam_search import process_beam_group
 from scheduler_service.scheduler import Scheduler, SchedulerOutputs
 from scheduler_service.sequence import (
+    FINISH_REASONS,
     FinishReason,
     RequestMetrics,
     SampleLogprobs,
@@ -154,7 +155,7 @@ class OutputProcessor:
                     sampled.append((seq, out))
             if not sampled and new_prompt_logprobs is None:
                 continue
-            first_counts = {s.seq_id: s.get_output_len() for s in seq_group.seqs}
+            num_seqs_before = len(seq_group.seqs)
             if sampled:
                 if seq_group.metrics.first_token_time is None:
                     now = now or time.monotonic()
@@ -171,7 +172,11 @@ class OutputProcessor:
                 now = now or time.monotonic()
                 seq_group.metrics.finished_time = now
                 finished_groups.append(seq_group)
-            delta = self._delta(seq_group, first_counts, new_prompt_logprobs, finished)
+            # Without beam search each sampled sequence gained one token; forked children
+            # (appended to the group) hold just their first one.
+            changed = [seq for seq, _ in sampled]
+            changed.extend(seq_group.seqs[num_seqs_before:])
+            delta = self._delta(seq_group, changed, new_prompt_logprobs, finished)
             if delta is not None:
                 request_outputs.append(delta)
         for seq_group in sched_out.ignored:
@@ -228,11 +233,12 @@ class OutputProcessor:
     def _delta(
         self,
         seq_group: SequenceGroup,
-        first_counts: dict[int, int],
+        changed: list[Sequence],
         prompt_logprobs: list[PromptLogprob] | None,
         finished: bool,
     ) -> RequestOutput | None:
         params = seq_group.sampling_params
+        choices: list[CompletionOutput] = []
         if not _streams(params):
             if finished:
                 output = final_output(seq_group)
@@ -240,34 +246,29 @@ class OutputProcessor:
                 return output
             if prompt_logprobs is None:
                 return None
-            choices: list[CompletionOutput] = []
         else:
             want_logprobs = params.logprobs is not None
-            choices = []
-            for seq in seq_group.seqs:
-                start = first_counts.get(seq.seq_id, 0)
-                if seq.get_output_len() == start:
-                    continue
-                offset = seq.num_prompt_tokens + start
+            for seq in changed:
                 choices.append(
                     CompletionOutput(
-                        index=seq.seq_index,
-                        token_ids=seq.token_ids[offset:],
-                        cumulative_logprob=seq.cumulative_logprob,
-                        logprobs=seq.output_logprobs[start:] if want_logprobs else None,
-                        finish_reason=seq.finish_reason(),
-                        stop_token_id=seq.stop_token_id,
+                        seq.seq_index,
+                        [seq.token_ids[-1]],
+                        seq.cumulative_logprob,
+                        [seq.output_logprobs[-1]] if want_logprobs else None,
+                        FINISH_REASONS.get(seq.status),
+                        seq.stop_token_id,
                     )
                 )
             if len(choices) > 1:
                 choices.sort(key=lambda c: c.index)
         return RequestOutput(
-            request_id=seq_group.request_id,
-            prompt_token_ids=seq_group.prompt_token_ids,
-            outputs=choices,
-            finished=finished,
-            prompt_logprobs=prompt_logprobs,
-            metrics=seq_group.metrics,
+            seq_group.request_id,
+            seq_group.prompt_token_ids,
+            choices,
+            finished,
+            prompt_logprobs,
+            None,
+            seq_group.metrics,
         )
 
     def _ignored_output(self, seq_group: SequenceGroup) -> RequestOutput:

@@ -245,9 +245,12 @@ class Scheduler:
         while remaining:
             seq_group = remaining.popleft()
             budget.num_seqs += seq_group.get_max_num_running_seqs()
-            seqs = [s for s in seq_group.seqs if s.status == _RUNNING]
-            uncomputed = sum(s.get_len() - s.num_computed_tokens for s in seqs)
-            if uncomputed > len(seqs):
+            num_seqs = uncomputed = 0
+            for s in seq_group.seqs:
+                if s.status == _RUNNING:
+                    num_seqs += 1
+                    uncomputed += len(s.token_ids) - s.num_computed_tokens
+            if uncomputed > num_seqs:
                 prefills.append(seq_group)
                 continue
             if uncomputed > budget.remaining_tokens:
