@@ -1,0 +1,53 @@
+"""`llmserve gateway`: the public gRPC API and the OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from llmserve.logs import get_logger
+from llmserve.service_main import add_common_flags, start_service
+
+log = get_logger(__name__)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="llmserve gateway", description=__doc__)
+    add_common_flags(p, default_port=50051)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible API, /health and /metrics (0 disables HTTP)")
+    p.add_argument("--scheduler", default="127.0.0.1:50071", help="scheduler host:port")
+    p.add_argument("--model", default="smollm2", help="model spec (for the tokenizer)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients use for the model (default: the model spec)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the HTTP API")
+    p.add_argument("--max-pending-requests", type=int, default=1024,
+                   help="requests in flight before new ones are refused (HTTP 503)")
+    args = p.parse_args(argv)
+    if args.metrics_port is not None and args.metrics_port == args.http_port:
+        p.error("--metrics-port: the HTTP port already serves /metrics")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    from gateway.server import GatewayConfig, serve
+
+    args = parse_args(argv)
+    start_service("gateway", args)
+    config = GatewayConfig(
+        host=args.host,
+        grpc_port=args.port,
+        http_port=args.http_port,
+        scheduler_address=args.scheduler,
+        model=args.model,
+        served_model_name=args.served_model_name or args.model,
+        max_model_len=args.max_model_len,
+        api_key=args.api_key,
+        max_pending_requests=args.max_pending_requests,
+        max_message_bytes=args.max_message_bytes,
+    )
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,350 @@
+"""The gateway's request path, shared by the gRPC and OpenAI APIs.
+
+`GenerationCore.prepare_*` validate and tokenize (errors name the field); `generate()` sends
+the request to the scheduler and turns its token deltas into text deltas per choice:
+incremental detokenization, stop strings (the request is aborted in the scheduler once every
+choice has stopped), logprobs with token text, usage and timings.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.scheduler_client import SchedulerClient
+from gateway.stop import StopStringMatcher
+from gateway.tokenization import PromptError, Tokenization
+from llmserve.grpc_utils import RequestError, invalid_argument
+from llmserve.sampling_params import SamplingParams
+from llmserve.telemetry import current_traceparent
+from llmserve.v1 import common_pb2, scheduler_pb2
+
+tracer = trace.get_tracer("llmserve.gateway")
+
+_FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_IGNORED: "length",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationInput:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    text: TextOptions = field(default_factory=TextOptions)
+    # For spans and logs.
+    operation: str = "text_completion"
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    token_id: int
+    text: str
+    logprob: float
+    rank: int
+
+
+@dataclass(slots=True)
+class LogprobEntry:
+    token: TokenInfo
+    top: list[TokenInfo]
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobEntry] | None = None
+    # "stop" | "length" | "abort" on the choice's last update.
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the choice (None for EOS / length).
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class GenerationUpdate:
+    choices: list[ChoiceUpdate]
+    # Per prompt position (None for the first); in the first update when requested.
+    prompt_logprobs: list[LogprobEntry | None] | None = None
+    finished: bool = False
+    usage: Usage | None = None
+    first_token_ns: int = 0
+    e2e_ns: int = 0
+    queue_ns: int = 0
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    detokenizer: IncrementalDetokenizer | None
+    matcher: StopStringMatcher | None
+    num_tokens: int = 0
+    done: bool = False
+
+
+class GenerationCore:
+    """Everything between an API request and the scheduler stream, for one served model."""
+
+    def __init__(
+        self,
+        model_name: str,
+        tokenization: Tokenization,
+        scheduler: SchedulerClient,
+        max_model_len: int,
+    ) -> None:
+        self.model_name = model_name
+        self.tokenization = tokenization
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.created = int(time.time())
+
+    # -- validation and tokenization ---------------------------------------------------------
+
+    def check_model(self, model: str | None, field_name: str = "model") -> None:
+        if model and model != self.model_name:
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"{field_name}: model {model!r} is not served here (serving {self.model_name!r})",
+                field_name,
+            )
+
+    def prompt_from_text(self, text: str, field_name: str = "prompt") -> Prompt:
+        if not isinstance(text, str) or not text:
+            raise invalid_argument(field_name, "must be a non-empty string")
+        return self._checked(Prompt(self.tokenization.encode(text), text), field_name)
+
+    def prompt_from_ids(self, token_ids: Sequence[int], field_name: str = "prompt") -> Prompt:
+        ids = list(token_ids)
+        if not ids:
+            raise invalid_argument(field_name, "must contain at least one token id")
+        vocab = self.tokenization.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid_argument(field_name, f"token id {bad!r} is outside [0, {vocab})")
+        return self._checked(Prompt(ids), field_name)
+
+    def prompt_from_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        field_name: str = "messages",
+    ) -> Prompt:
+        try:
+            text = self.tokenization.render_chat(
+                messages, add_generation_prompt=add_generation_prompt, field_name=field_name
+            )
+        except PromptError as exc:
+            raise invalid_argument(exc.field, str(exc).split(": ", 1)[-1]) from exc
+        ids = self.tokenization.encode(text, add_special_tokens=False)
+        return self._checked(Prompt(ids, text), field_name)
+
+    def _checked(self, prompt: Prompt, field_name: str) -> Prompt:
+        if len(prompt.token_ids) >= self.max_model_len:
+            raise invalid_argument(
+                field_name,
+                f"the prompt has {len(prompt.token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, so the prompt must be shorter",
+            )
+        return prompt
+
+    def max_tokens_left(self, prompt: Prompt) -> int:
+        return self.max_model_len - len(prompt.token_ids)
+
+    def check_max_tokens(self, prompt: Prompt, max_tokens: int, field_name: str) -> None:
+        left = self.max_tokens_left(prompt)
+        if max_tokens > left:
+            raise invalid_argument(
+                field_name,
+                f"{max_tokens} requested, but the prompt ({len(prompt.token_ids)} tokens) leaves "
+                f"{left} of the model's {self.max_model_len}-token context",
+            )
+
+    @staticmethod
+    def new_request_id(prefix: str = "req") -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(
+        self, inp: GenerationInput, parent: otel_context.Context | None = None
+    ) -> AsyncIterator[GenerationUpdate]:
+        """Stream updates until every choice is finished. Closing the iterator aborts."""
+        if inp.text.stop and not inp.text.detokenize:
+            raise invalid_argument("stop", "stop strings need detokenize")
+        params = inp.params
+        with tracer.start_as_current_span(
+            f"{inp.operation} {self.model_name}", context=parent, kind=trace.SpanKind.SERVER
+        ) as span:
+            _set_request_attributes(span, inp, self.model_name)
+            async for update in self._generate(inp, params, span):
+                yield update
+
+    async def _generate(
+        self, inp: GenerationInput, params: SamplingParams, span: trace.Span
+    ) -> AsyncIterator[GenerationUpdate]:
+        start = time.perf_counter_ns()
+        first_token_ns = 0
+        tokenizer = self.tokenization.tokenizer
+        states = [
+            _ChoiceState(
+                IncrementalDetokenizer(
+                    tokenizer, inp.prompt.token_ids,
+                    skip_special_tokens=inp.text.skip_special_tokens,
+                ) if inp.text.detokenize else None,
+                StopStringMatcher(
+                    inp.text.stop, include_stop_str_in_output=inp.text.include_stop_str_in_output
+                ) if inp.text.stop else None,
+            )
+            for _ in range(params.n)
+        ]
+        finish_reasons: list[str] = []
+        stream = self.scheduler.submit(
+            inp.request_id, inp.prompt.token_ids, params, self.tokenization.eos_token_id,
+            current_traceparent(),
+        )
+        try:
+            first = True
+            async for out in stream:
+                update = GenerationUpdate(choices=[])
+                if first and out.prompt_logprobs:
+                    update.prompt_logprobs = self._prompt_logprobs(inp.prompt, out)
+                first = False
+                for delta in out.choices:
+                    choice = self._choice_update(states[delta.index], delta)
+                    if choice is None:
+                        continue
+                    if choice.token_ids and not first_token_ns:
+                        first_token_ns = time.perf_counter_ns() - start
+                        span.add_event("first_token")
+                    if choice.finish_reason:
+                        finish_reasons.append(choice.finish_reason)
+                    update.choices.append(choice)
+                all_done = all(s.done for s in states)
+                if out.finished or all_done:
+                    update.finished = True
+                    update.usage = Usage(
+                        len(inp.prompt.token_ids), sum(s.num_tokens for s in states)
+                    )
+                    update.first_token_ns = first_token_ns
+                    update.e2e_ns = time.perf_counter_ns() - start
+                    update.queue_ns = out.metrics.queue_ns
+                    _set_response_attributes(span, update, finish_reasons, first_token_ns)
+                    yield update
+                    return
+                if update.choices or update.prompt_logprobs:
+                    yield update
+        finally:
+            # Sends Abort when the request is not finished (client gone, stop strings).
+            await stream.aclose()
+
+    def _choice_update(
+        self, state: _ChoiceState, delta: scheduler_pb2.ChoiceDelta
+    ) -> ChoiceUpdate | None:
+        if state.done:
+            return None  # stopped by a stop string; the scheduler did not know yet
+        token_ids = list(delta.token_ids)
+        state.num_tokens += len(token_ids)
+        finish = _FINISH_NAMES.get(delta.finish_reason)
+        choice = ChoiceUpdate(delta.index, "", token_ids, finish_reason=finish)
+        if delta.HasField("stop_token_id"):
+            choice.stop_reason = delta.stop_token_id
+        if delta.logprobs:
+            choice.logprobs = [self._logprob_entry(lp.token, lp.top) for lp in delta.logprobs]
+        if state.detokenizer is not None:
+            text = state.detokenizer.add(token_ids)
+            if finish:
+                text += state.detokenizer.flush()
+            if state.matcher is not None:
+                check = state.matcher.feed(text)
+                text = check.text
+                if check.stop is not None:
+                    choice.finish_reason, choice.stop_reason = "stop", check.stop
+                elif finish:
+                    text += state.matcher.flush()
+            choice.text = text
+        state.done = choice.finish_reason is not None
+        return choice
+
+    def _token_info(self, t: common_pb2.TokenLogprob) -> TokenInfo:
+        return TokenInfo(
+            t.token_id, self.tokenization.tokenizer.decode([t.token_id]), t.logprob, t.rank
+        )
+
+    def _logprob_entry(self, token: common_pb2.TokenLogprob, top: Any) -> LogprobEntry:
+        return LogprobEntry(self._token_info(token), [self._token_info(t) for t in top])
+
+    def _prompt_logprobs(
+        self, prompt: Prompt, out: scheduler_pb2.RequestOutput
+    ) -> list[LogprobEntry | None]:
+        entries: list[LogprobEntry | None] = [None] * len(prompt.token_ids)
+        for p in out.prompt_logprobs:
+            if p.position < len(entries):
+                entries[p.position] = self._logprob_entry(p.token, p.top)
+        return entries
+
+
+def _set_request_attributes(span: trace.Span, inp: GenerationInput, model: str) -> None:
+    if not span.is_recording():
+        return
+    p = inp.params
+    span.set_attributes({
+        "gen_ai.operation.name": inp.operation,
+        "gen_ai.system": "llmserve",
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": p.max_tokens,
+        "gen_ai.request.temperature": p.temperature,
+        "gen_ai.request.top_p": p.top_p,
+        "gen_ai.request.choice.count": p.n,
+        "gen_ai.usage.input_tokens": len(inp.prompt.token_ids),
+        "llmserve.request_id": inp.request_id,
+    })
+    if p.seed is not None:
+        span.set_attribute("gen_ai.request.seed", p.seed)
+
+
+def _set_response_attributes(
+    span: trace.Span, update: GenerationUpdate, finish_reasons: list[str], first_token_ns: int
+) -> None:
+    if not span.is_recording():
+        return
+    assert update.usage is not None
+    span.set_attributes({
+        "gen_ai.response.finish_reasons": finish_reasons,
+        "gen_ai.usage.output_tokens": update.usage.completion_tokens,
+        "llmserve.time_to_first_token_s": first_token_ns / 1e9,
+    })

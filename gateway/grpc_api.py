@@ -1,0 +1,163 @@
+"""The public gRPC API, llmserve.v1.Generation: proto -> GenerationCore -> proto."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway.generation import (
+    ChoiceUpdate,
+    GenerationCore,
+    GenerationInput,
+    GenerationUpdate,
+    LogprobEntry,
+    Prompt,
+    TextOptions,
+    TokenInfo,
+)
+from llmserve.grpc_utils import invalid_argument
+from llmserve.proto_convert import sampling_params_from_proto
+from llmserve.sampling_params import SamplingParamsError
+from llmserve.telemetry import context_from_metadata
+from llmserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+_FINISH_TO_PROTO = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, core: GenerationCore) -> None:
+        self.core = core
+
+    def _prompt(self, request: generation_pb2.GenerateRequest) -> Prompt:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return self.core.prompt_from_text(request.text, "text")
+        if kind == "token_ids":
+            return self.core.prompt_from_ids(list(request.token_ids.ids), "token_ids.ids")
+        if kind == "chat":
+            add_gen = (
+                request.chat.add_generation_prompt
+                if request.chat.HasField("add_generation_prompt") else True
+            )
+            messages = [
+                {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                for m in request.chat.messages
+            ]
+            return self.core.prompt_from_chat(messages, add_gen, "chat.messages")
+        raise invalid_argument("prompt", "set one of text, token_ids or chat")
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        core = self.core
+        core.check_model(request.model)
+        prompt = self._prompt(request)
+        sp = request.sampling_params
+        try:
+            params = sampling_params_from_proto(
+                sp, default_max_tokens=core.max_tokens_left(prompt)
+            )
+        except SamplingParamsError as exc:
+            raise invalid_argument(f"sampling_params.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
+        core.check_max_tokens(prompt, params.max_tokens, "sampling_params.max_tokens")
+        if any(not s for s in request.stop):
+            raise invalid_argument("stop", "stop strings must not be empty")
+        options = TextOptions(
+            stop=tuple(request.stop),
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=(
+                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            ),
+            detokenize=request.detokenize if request.HasField("detokenize") else True,
+        )
+        request_id = request.request_id or core.new_request_id("grpc")
+        inp = GenerationInput(request_id, prompt, params, options)
+        parent = context_from_metadata(context.invocation_metadata())
+        first = True
+        async for update in core.generate(inp, parent):
+            response = _response(request_id, update)
+            if first and (request.echo or update.prompt_logprobs):
+                if request.echo:
+                    response.prompt.text = prompt.text or ""
+                    response.prompt.token_ids.extend(prompt.token_ids)
+                for entry in update.prompt_logprobs or ():
+                    target = response.prompt.logprobs.add()
+                    if entry is not None:
+                        target.CopyFrom(_logprob(entry))
+            first = False
+            yield response
+
+    async def Tokenize(
+        self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.TokenizeResponse:
+        self.core.check_model(request.model)
+        tokenization = self.core.tokenization
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            add_special = (
+                request.add_special_tokens if request.HasField("add_special_tokens") else True
+            )
+            ids = tokenization.encode(request.text, add_special_tokens=add_special)
+        elif kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            ids = self.core.prompt_from_chat(messages, True, "chat.messages").token_ids
+        else:
+            raise invalid_argument("input", "set text or chat")
+        reply = generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.core.max_model_len)
+        if request.return_token_strings:
+            reply.token_strings.extend(tokenization.token_strings(ids))
+        return reply
+
+    async def ListModels(
+        self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ListModelsResponse:
+        core = self.core
+        return generation_pb2.ListModelsResponse(models=[
+            generation_pb2.ModelInfo(
+                id=core.model_name, owned_by="llmserve", created=core.created,
+                max_model_len=core.max_model_len,
+            )
+        ])
+
+
+def _token(t: TokenInfo) -> generation_pb2.TextTokenLogprob:
+    return generation_pb2.TextTokenLogprob(
+        token_id=t.token_id, token=t.text, logprob=t.logprob, rank=t.rank
+    )
+
+
+def _logprob(entry: LogprobEntry) -> generation_pb2.TextOutputLogprob:
+    return generation_pb2.TextOutputLogprob(
+        token=_token(entry.token), top=[_token(t) for t in entry.top]
+    )
+
+
+def _choice(c: ChoiceUpdate) -> generation_pb2.Choice:
+    msg = generation_pb2.Choice(index=c.index, text=c.text, token_ids=c.token_ids)
+    if c.logprobs:
+        msg.logprobs.extend(_logprob(e) for e in c.logprobs)
+    if c.finish_reason:
+        msg.finish_reason = _FINISH_TO_PROTO[c.finish_reason]
+    if isinstance(c.stop_reason, str):
+        msg.stop_string = c.stop_reason
+    elif isinstance(c.stop_reason, int):
+        msg.stop_token_id = c.stop_reason
+    return msg
+
+
+def _response(request_id: str, update: GenerationUpdate) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse(
+        request_id=request_id, choices=[_choice(c) for c in update.choices]
+    )
+    if update.usage is not None:
+        response.usage.prompt_tokens = update.usage.prompt_tokens
+        response.usage.completion_tokens = update.usage.completion_tokens
+        response.timings.first_token_ns = update.first_token_ns
+        response.timings.e2e_ns = update.e2e_ns
+        response.timings.queue_ns = update.queue_ns
+    return response
