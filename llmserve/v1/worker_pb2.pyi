@@ -116,7 +116,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class ExecuteRequest(_message.Message):
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cached_seqs: CachedSequences
@@ -133,7 +134,8 @@ class ExecuteRequest(_message.Message):
     blocks_to_swap_out: BlockMapping
     blocks_to_swap_in: BlockMapping
     blocks_to_copy: BlockMapping
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SequenceOutputs(_message.Message):
     __slots__ = ("seq_ids", "num_samples", "sample_token_ids", "sample_logprobs", "sample_ranks", "num_top_logprobs", "top_token_ids", "top_logprobs", "top_ranks")
