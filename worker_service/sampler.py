@@ -191,10 +191,19 @@ class Sampler:
     ) -> list[SampleResult]:
         flat_rows = [i for i, ts in enumerate(tokens) for _ in ts]
         flat_tokens = [t for ts in tokens for t in ts]
-        row_lp = raw_logprobs[flat_rows]  # [num_samples, vocab]
-        chosen = row_lp.gather(1, torch.tensor(flat_tokens, device=row_lp.device)[:, None])
-        ranks = ((row_lp > chosen).sum(dim=-1) + 1).tolist()
-        chosen_list = chosen[:, 0].tolist()
+        device = raw_logprobs.device
+        row_index = torch.tensor(flat_rows, device=device)
+        token_index = torch.tensor(flat_tokens, device=device)
+        chosen = raw_logprobs[row_index, token_index]  # [num_samples]
+        # Rank 1 needs no scan over the vocabulary; only other tokens count what beats them.
+        best = raw_logprobs.max(dim=-1).values[row_index]
+        ranks = [1] * len(flat_tokens)
+        others = (chosen < best).nonzero()[:, 0]
+        if others.numel():
+            beaten = (raw_logprobs[row_index[others]] > chosen[others, None]).sum(dim=-1) + 1
+            for i, r in zip(others.tolist(), beaten.tolist(), strict=True):
+                ranks[i] = r
+        chosen_list = chosen.tolist()
         want_top = [i for i, r in enumerate(rows) if r.params.logprobs]
         tops: dict[int, list[TokenLogprob]] = {}
         if want_top:

@@ -66,7 +66,7 @@ class Worker:
 
     def load_from_hf(self, hf_model: Any) -> None:
         """Take the weights of an already-loaded transformers model (tests, benchmarks)."""
-        arch = ModelArchConfig.from_hf(hf_model.config)
+        arch = ModelArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
         max_len = arch.max_position_embeddings
         if arch.sliding_window is not None:
             max_len = min(max_len, arch.sliding_window)  # full attention is exact up to here
@@ -196,6 +196,7 @@ class Worker:
             self.device,
         )
         self._kv_caches = self.cache_engine.layer_caches()
+        self.runner.states.clear()  # a new cache holds no sequence
 
     # -- execution -------------------------------------------------------------------------
     def execute(self, step: StepInput) -> StepResult:

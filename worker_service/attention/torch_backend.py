@@ -127,7 +127,10 @@ class TorchAttentionBackend(AttentionBackend):
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=self._prefill_mask,
+            # Without a cached prefix, padded keys sit after every real query: plain causal
+            # masking is exact and lets the kernel skip the upper triangle.
+            attn_mask=None if self._prefill_slots is None else self._prefill_mask,
+            is_causal=self._prefill_slots is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [num_prefills, num_heads, q_max, head_dim]

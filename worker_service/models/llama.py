@@ -46,8 +46,9 @@ class ModelArchConfig:
     sliding_window: int | None
 
     @classmethod
-    def from_hf(cls, config: Any) -> ModelArchConfig:
-        architectures = list(getattr(config, "architectures", None) or [])
+    def from_hf(cls, config: Any, class_name: str | None = None) -> ModelArchConfig:
+        """`class_name`: the loaded model's class, for configs without `architectures` (GGUF)."""
+        architectures = list(getattr(config, "architectures", None) or [class_name or ""])
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
@@ -134,7 +135,7 @@ class LlamaModel:
     @classmethod
     def from_hf(cls, hf_model: Any, max_positions: int) -> LlamaModel:
         """Take (fuse, not copy where possible) the weights of a transformers Llama-family model."""
-        arch = ModelArchConfig.from_hf(hf_model.config)
+        arch = ModelArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
         inner = hf_model.model
         layers = []
         for layer in inner.layers:

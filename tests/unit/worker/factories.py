@@ -65,7 +65,9 @@ def save_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
 
 
 def load_hf(path: Path) -> Any:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    return model
 
 
 def make_worker(
@@ -83,7 +85,6 @@ def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
         )
