@@ -18,16 +18,19 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from gateway import metrics
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.scheduler_client import SchedulerClient
 from gateway.stop import StopStringMatcher
 from gateway.tokenization import PromptError, Tokenization
 from llmserve.grpc_utils import RequestError, invalid_argument
+from llmserve.logs import get_logger
 from llmserve.sampling_params import SamplingParams
 from llmserve.telemetry import current_traceparent
 from llmserve.v1 import common_pb2, scheduler_pb2
 
 tracer = trace.get_tracer("llmserve.gateway")
+log = get_logger(__name__)
 
 _FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -233,6 +236,18 @@ class GenerationCore:
             for _ in range(params.n)
         ]
         finish_reasons: list[str] = []
+        span_context = span.get_span_context()
+        rlog = log.bind(
+            request_id=inp.request_id,
+            trace_id=format(span_context.trace_id, "032x") if span_context.is_valid else None,
+        )
+        rlog.info(
+            "request received",
+            operation=inp.operation,
+            prompt_tokens=len(inp.prompt.token_ids),
+            max_tokens=params.max_tokens,
+            n=params.n,
+        )
         stream = self.scheduler.submit(
             inp.request_id, inp.prompt.token_ids, params, self.tokenization.eos_token_id,
             current_traceparent(),
@@ -264,6 +279,17 @@ class GenerationCore:
                     update.e2e_ns = time.perf_counter_ns() - start
                     update.queue_ns = out.metrics.queue_ns
                     _set_response_attributes(span, update, finish_reasons, first_token_ns)
+                    metrics.record_finished(
+                        finish_reasons, update.usage.prompt_tokens,
+                        update.usage.completion_tokens, first_token_ns, update.e2e_ns,
+                    )
+                    rlog.info(
+                        "request finished",
+                        finish_reasons=finish_reasons,
+                        completion_tokens=update.usage.completion_tokens,
+                        time_to_first_token_s=first_token_ns / 1e9,
+                        e2e_s=update.e2e_ns / 1e9,
+                    )
                     yield update
                     return
                 if update.choices or update.prompt_logprobs:

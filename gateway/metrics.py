@@ -1,7 +1,53 @@
-"""The gateway's Prometheus metrics (served at /metrics on the HTTP port)."""
+"""The gateway's Prometheus metrics (served at /metrics on the HTTP port).
+
+Latencies here are what a client sees (tokenization, the scheduler hop and detokenization
+included); the scheduler's own histograms measure from its arrival time.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 REQUESTS = Counter("llmserve_http_requests", "OpenAI API requests", ["endpoint", "mode"])
+FINISHED = Counter(
+    "llmserve_gateway_requests_finished", "Requests finished at the gateway", ["finish_reason"]
+)
+PROMPT_TOKENS = Counter("llmserve_gateway_prompt_tokens", "Prompt tokens of finished requests")
+GENERATION_TOKENS = Counter(
+    "llmserve_gateway_generation_tokens", "Tokens generated for finished requests"
+)
+TTFT_SECONDS = Histogram(
+    "llmserve_gateway_time_to_first_token_seconds",
+    "Request received to first token",
+    buckets=_LATENCY_BUCKETS,
+)
+TPOT_SECONDS = Histogram(
+    "llmserve_gateway_time_per_output_token_seconds",
+    "Mean time between output tokens of a request",
+    buckets=_TOKEN_BUCKETS,
+)
+E2E_SECONDS = Histogram(
+    "llmserve_gateway_e2e_request_latency_seconds",
+    "Request received to last token",
+    buckets=_LATENCY_BUCKETS,
+)
+
+
+def record_finished(
+    finish_reasons: list[str],
+    prompt_tokens: int,
+    completion_tokens: int,
+    first_token_ns: int,
+    e2e_ns: int,
+) -> None:
+    FINISHED.labels(",".join(sorted(set(finish_reasons))) or "unknown").inc()
+    PROMPT_TOKENS.inc(prompt_tokens)
+    GENERATION_TOKENS.inc(completion_tokens)
+    E2E_SECONDS.observe(e2e_ns / 1e9)
+    if first_token_ns:
+        TTFT_SECONDS.observe(first_token_ns / 1e9)
+        if completion_tokens > 1:
+            TPOT_SECONDS.observe((e2e_ns - first_token_ns) / 1e9 / (completion_tokens - 1))

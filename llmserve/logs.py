@@ -2,7 +2,10 @@
 
 JSON lines when stderr is not a terminal (containers, `llmserve up` children), a readable
 console otherwise. The current OpenTelemetry span's trace and span ids are added to every
-line, so one request's lines share its trace id across services.
+line (unless a trace_id is bound or passed explicitly, as the scheduler does for requests it
+follows across many steps), so one request's lines share its trace id across services.
+Request handlers bind `request_id` (and `trace_id`) with `structlog.contextvars`, which
+`merge_contextvars` adds to every line logged while the request is handled.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ def _add_trace_context(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]
         from opentelemetry import trace
     except ImportError:  # pragma: no cover - opentelemetry is a dependency
         return event
+    if event.get("trace_id") is not None:
+        return event  # bound or passed explicitly (a request followed across steps)
+    event.pop("trace_id", None)
     ctx = trace.get_current_span().get_span_context()
     if ctx.is_valid:
-        event.setdefault("trace_id", format(ctx.trace_id, "032x"))
+        event["trace_id"] = format(ctx.trace_id, "032x")
         event.setdefault("span_id", format(ctx.span_id, "016x"))
     return event
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -27,7 +28,11 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
         "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest gRPC message accepted or sent",
     )
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("LLMSERVE_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR (default: $LLMSERVE_LOG_LEVEL or INFO)",
+    )
     parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
                         help="JSON log lines (default: when stderr is not a terminal)")
 

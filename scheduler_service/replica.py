@@ -25,6 +25,7 @@ from scheduler_service import metrics
 from scheduler_service.config import CacheConfig, SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.outputs import RequestOutput
+from scheduler_service.tracing import ReplicaTracer, end_step_span, step_traceparent
 
 log = get_logger(__name__)
 
@@ -95,6 +96,7 @@ class Replica:
         )
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self.engine: LLMEngine | None = None
+        self.tracer: ReplicaTracer | None = None
         self.info: worker_pb2.InfoResponse | None = None
         self._stream: _ExecuteStream | None = None
         self._wake = asyncio.Event()
@@ -130,14 +132,18 @@ class Replica:
         params: SamplingParams,
         eos_token_id: int | None,
         arrival_time: float,
+        traceparent: str = "",
     ) -> None:
-        if self.engine is None:
+        if self.engine is None or self.tracer is None:
             raise WorkerUnavailableError(f"worker {self.address} is not connected")
         self.engine.add_request(request_id, prompt_token_ids, params, arrival_time, eos_token_id)
+        self.tracer.add(request_id, traceparent, len(prompt_token_ids))
         self._wake.set()
 
     def abort_request(self, request_id: str) -> None:
         if self.engine is not None and self.engine.abort_request(request_id):
+            if self.tracer is not None:
+                self.tracer.abort(request_id)
             # Aborts free blocks now; the worker hears of it in the next step.
             self._wake.set()
 
@@ -195,6 +201,7 @@ class Replica:
         self.info = info
         self._stream = _ExecuteStream(self._stub)
         self.engine = LLMEngine(scheduler_config, cache_config, _unused_executor)
+        self.tracer = ReplicaTracer(self.replica_id, info.block_size)
         log.info(
             "replica ready",
             replica=self.replica_id,
@@ -207,21 +214,29 @@ class Replica:
         )
 
     async def _step_loop(self) -> None:
-        assert self.engine is not None and self._stream is not None
-        engine, stream = self.engine, self._stream
+        assert self.engine is not None and self._stream is not None and self.tracer is not None
+        engine, stream, tracer = self.engine, self._stream, self.tracer
+        block_manager = engine.scheduler.block_manager
         while True:
             if not engine.has_unfinished_requests():
                 self._wake.clear()
                 metrics.record_stats(self.replica_id, engine.get_stats())
                 await self._wake.wait()
             started = time.perf_counter()
+            started_ns = time.time_ns()
+            free_before = block_manager.get_num_free_gpu_blocks()
             sched_out, step_input = engine.begin_step()
+            step_span = tracer.step_span(engine, sched_out, step_input, started_ns, free_before)
             if step_input.is_empty():
                 result = None
             else:
-                reply = await stream.execute(step_input_to_proto(step_input))
+                request = step_input_to_proto(step_input)
+                request.traceparent = step_traceparent(step_span)
+                reply = await stream.execute(request)
                 result = step_result_from_proto(reply)
             outputs = engine.finish_step(sched_out, step_input, result)
+            tracer.on_outputs(outputs)
+            end_step_span(step_span, *((result.forward_ns, result.sample_ns) if result else (0, 0)))
             self.num_steps += 1
             metrics.record_step(
                 self.replica_id,
@@ -242,7 +257,10 @@ class Replica:
         lost: list[str] = []
         if self.engine is not None:
             lost = self.engine.unfinished_request_ids()
+        if self.tracer is not None:
+            self.tracer.fail(lost, reason)
         self.engine = None
+        self.tracer = None
         if self._stream is not None:
             self._stream.close()
             self._stream = None

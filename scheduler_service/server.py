@@ -25,6 +25,7 @@ from scheduler_service.engine import RequestError as EngineRequestError
 from scheduler_service.outputs import CompletionOutput, RequestOutput
 from scheduler_service.replica import Replica, ReplicaConfig, WorkerUnavailableError
 from scheduler_service.sequence import FinishReason, RequestMetrics
+from scheduler_service.tracing import trace_id_of
 
 log = get_logger(__name__)
 
@@ -58,6 +59,8 @@ class _Route:
     replica: Replica
     num_prompt_tokens: int
     num_output_tokens: int = 0
+    # From the gateway's traceparent, for log lines (None when the request is not traced).
+    trace_id: str | None = None
 
 
 class Router:
@@ -140,9 +143,19 @@ class Router:
         key = stream.key(add.request_id)
         prompt = list(add.prompt_token_ids)
         eos = add.eos_token_id if add.HasField("eos_token_id") else None
-        replica.add_request(key, prompt, params, eos, time.monotonic())
+        replica.add_request(key, prompt, params, eos, time.monotonic(), add.traceparent)
         stream.request_ids.add(add.request_id)
-        self.routes[key] = _Route(stream, add.request_id, replica, len(prompt))
+        route = _Route(
+            stream, add.request_id, replica, len(prompt), 0, trace_id_of(add.traceparent)
+        )
+        self.routes[key] = route
+        log.info(
+            "request queued",
+            request_id=add.request_id,
+            trace_id=route.trace_id,
+            replica=replica.replica_id,
+            prompt_tokens=len(prompt),
+        )
 
     def abort(self, stream: GatewayStream, request_id: str) -> None:
         route = self.routes.pop(stream.key(request_id), None)
@@ -176,9 +189,16 @@ class Router:
     def _finish(self, output: RequestOutput, route: _Route) -> None:
         del self.routes[output.request_id]
         route.stream.request_ids.discard(route.request_id)
+        reasons = {str(c.finish_reason) for c in output.outputs if c.finish_reason}
+        log.info(
+            "request finished",
+            request_id=route.request_id,
+            trace_id=route.trace_id,
+            finish_reasons=sorted(reasons),
+            output_tokens=route.num_output_tokens,
+        )
         m = output.metrics
         if m is not None and m.finished_time is not None:
-            reasons = {str(c.finish_reason) for c in output.outputs if c.finish_reason}
             metrics.record_finished(
                 ",".join(sorted(reasons)) or "unknown",
                 m.arrival_time,

@@ -12,15 +12,18 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from opentelemetry import trace
 
 from llmserve.grpc_utils import RequestError
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_from_proto, step_result_to_proto
+from llmserve.telemetry import context_from_traceparent
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service import metrics
 from worker_service.worker import Worker
 
 log = get_logger(__name__)
+tracer = trace.get_tracer("llmserve.worker")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -120,13 +123,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async for message in request_iterator:
                 step = step_input_from_proto(message)
-                result = await self._on_model_thread(self._execute, step)
+                if message.traceparent:
+                    result = await self._execute_traced(step, message.traceparent)
+                else:
+                    result = await self._on_model_thread(self._execute, step)
                 yield step_result_to_proto(result)
         finally:
             # Whatever ended the stream, the scheduler resends every sequence as new.
             self.worker.runner.states.clear()
             self._stream_open = False
             log.info("execute stream closed")
+
+    async def _execute_traced(self, step, traceparent: str):  # type: ignore[no-untyped-def]
+        """One step inside an `execute` span, the child of the scheduler's step span."""
+        with tracer.start_as_current_span(
+            "execute", context=context_from_traceparent(traceparent), kind=trace.SpanKind.SERVER
+        ) as span:
+            if step.new_seqs:
+                log.debug(
+                    "sequences added",
+                    step_id=step.step_id,
+                    request_ids=sorted({s.request_id for s in step.new_seqs}),
+                )
+            result = await self._on_model_thread(self._execute, step)
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "llmserve.step.id": step.step_id,
+                        "llmserve.step.tokens": step.num_scheduled_tokens,
+                        "llmserve.worker.forward_s": result.forward_ns / 1e9,
+                        "llmserve.worker.sample_s": result.sample_ns / 1e9,
+                    }
+                )
+            return result
 
     def _execute(self, step):  # type: ignore[no-untyped-def]
         result = self.worker.execute(step)

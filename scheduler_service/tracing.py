@@ -1,0 +1,230 @@
+"""The scheduler's spans: one lifecycle span per request, one `scheduler.step` span per step.
+
+Request spans are children of the gateway's request span (`AddRequest.traceparent`) and live
+from the add until the request finishes, is aborted or fails. Their events are derived here,
+in the service layer, from each step's `SchedulerOutputs` and outputs, without hooks in the
+scheduler core: `queued` on add; `scheduled` (and `prefix_cache_hit` with the block count)
+when a queued request is first given a batch slot; `preempted` (mode), `swapped_out` and
+`swapped_in`; `first_token`; `finished` (reason).
+
+Sampling. A step span exists only when at least one request in its batch has a recorded
+span, and its parent is the first such request's span: under the default parent-based
+samplers it is therefore recorded exactly when a request it serves is, and it sits in that
+request's trace, with the worker's `execute` span below it. It also carries a span link to
+every recorded request in its batch, so each sampled request reaches every step that
+touched it (through the parent or a link) even when another request's trace holds the step.
+A step of only unsampled requests makes no span at all, so the worker makes none either.
+
+With tracing off the tracer is the API's no-op one: request spans are not recording and are
+not kept, so `step_span` returns at once and builds no attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+
+from llmserve.logs import get_logger
+from llmserve.steps import StepInput
+from llmserve.telemetry import context_from_traceparent, current_traceparent
+from scheduler_service.config import PreemptionMode
+from scheduler_service.engine import LLMEngine
+from scheduler_service.outputs import RequestOutput
+from scheduler_service.scheduler import SchedulerOutputs
+from scheduler_service.sequence import SequenceStatus
+
+tracer = trace.get_tracer("llmserve.scheduler")
+log = get_logger(__name__)
+
+REQUEST_SPAN = "scheduler.request"
+STEP_SPAN = "scheduler.step"
+
+_QUEUED, _RUNNING, _SWAPPED = "queued", "running", "swapped"
+_RUNNING_STATUS = SequenceStatus.RUNNING
+
+
+def trace_id_of(traceparent: str) -> str | None:
+    """The trace id of a W3C traceparent ("00-<trace id>-<span id>-<flags>"), for logs."""
+    parts = traceparent.split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+
+
+@dataclass(slots=True)
+class _RequestTrace:
+    span: Span
+    state: str = _QUEUED
+    num_output_tokens: int = 0
+
+
+class ReplicaTracer:
+    """Request and step spans of one replica. Called from the replica's loop only."""
+
+    def __init__(self, replica_id: int, block_size: int) -> None:
+        self.replica_id = replica_id
+        self.block_size = block_size
+        self._requests: dict[str, _RequestTrace] = {}
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add(self, key: str, traceparent: str, num_prompt_tokens: int) -> None:
+        span = tracer.start_span(
+            REQUEST_SPAN, context=context_from_traceparent(traceparent), kind=SpanKind.SERVER
+        )
+        if not span.is_recording():
+            return
+        span.set_attributes(
+            {
+                "llmserve.request_id": key,
+                "llmserve.replica": self.replica_id,
+                "gen_ai.usage.input_tokens": num_prompt_tokens,
+            }
+        )
+        span.add_event("queued")
+        self._requests[key] = _RequestTrace(span)
+
+    def abort(self, key: str) -> None:
+        entry = self._requests.pop(key, None)
+        if entry is not None:
+            entry.span.add_event("finished", {"reason": "abort"})
+            entry.span.end()
+
+    def fail(self, keys: list[str], reason: str) -> None:
+        for key in keys:
+            entry = self._requests.pop(key, None)
+            if entry is not None:
+                entry.span.set_status(Status(StatusCode.ERROR, reason))
+                entry.span.end()
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def step_span(
+        self,
+        engine: LLMEngine,
+        sched_out: SchedulerOutputs,
+        step_input: StepInput,
+        start_ns: int,
+        free_blocks_before: int,
+    ) -> Span | None:
+        """Record the step's lifecycle events; the step's span (started at `start_ns`), or
+        None when no request in the batch is traced."""
+        requests = self._requests
+        if not requests:
+            return None
+        for preempted in sched_out.preempted:
+            entry = requests.get(preempted.request_id)
+            if entry is None:
+                continue
+            swap = preempted.mode is PreemptionMode.SWAP
+            entry.span.add_event("preempted", {"mode": "swap" if swap else "recompute"})
+            if swap:
+                entry.span.add_event("swapped_out")
+            entry.state = _SWAPPED if swap else _QUEUED
+        links: list[Link] = []
+        parent: Span | None = None
+        num_prefill = num_decode = num_seqs = 0
+        for scheduled in sched_out.scheduled:
+            group = scheduled.seq_group
+            running = group.num_seqs(_RUNNING_STATUS)
+            num_seqs += running
+            if scheduled.token_chunk_size == 1:
+                num_decode += running
+            else:
+                num_prefill += scheduled.token_chunk_size * running
+            entry = requests.get(group.request_id)
+            if entry is None:
+                continue
+            if entry.state == _QUEUED:
+                entry.span.add_event("scheduled")
+                # A queued group's computed tokens before its first chunk are prefix hits.
+                cached_blocks = group.seqs[0].num_computed_tokens // self.block_size
+                if cached_blocks:
+                    entry.span.add_event("prefix_cache_hit", {"blocks": cached_blocks})
+            elif entry.state == _SWAPPED:
+                entry.span.add_event("swapped_in")
+            entry.state = _RUNNING
+            if parent is None:
+                parent = entry.span
+            links.append(Link(entry.span.get_span_context()))
+        if parent is None:
+            return None
+        span = tracer.start_span(
+            STEP_SPAN,
+            context=trace.set_span_in_context(parent),
+            links=links,
+            start_time=start_ns,
+        )
+        if span.is_recording():
+            stats = engine.get_stats()
+            free_blocks_after = engine.scheduler.block_manager.get_num_free_gpu_blocks()
+            span.set_attributes(
+                {
+                    "llmserve.replica": self.replica_id,
+                    "llmserve.step.id": step_input.step_id,
+                    "llmserve.step.requests": len(sched_out.scheduled),
+                    "llmserve.step.sequences": num_seqs,
+                    "llmserve.step.prefill_tokens": num_prefill,
+                    "llmserve.step.decode_tokens": num_decode,
+                    "llmserve.step.blocks_allocated": max(
+                        free_blocks_before - free_blocks_after, 0
+                    ),
+                    "llmserve.step.blocks_swapped_in": len(sched_out.blocks_to_swap_in),
+                    "llmserve.step.blocks_swapped_out": len(sched_out.blocks_to_swap_out),
+                    "llmserve.step.blocks_copied": len(sched_out.blocks_to_copy),
+                    "llmserve.step.preemptions": len(sched_out.preempted),
+                    "llmserve.kv_cache.gpu_usage": stats.gpu_kv_usage,
+                    "llmserve.kv_cache.cpu_usage": stats.cpu_kv_usage,
+                    "llmserve.requests.waiting": stats.num_waiting,
+                    "llmserve.requests.running": stats.num_running,
+                    "llmserve.requests.swapped": stats.num_swapped,
+                }
+            )
+        return span
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        requests = self._requests
+        if not requests:
+            return
+        for output in outputs:
+            entry = requests.get(output.request_id)
+            if entry is None:
+                continue
+            new_tokens = sum(len(c.token_ids) for c in output.outputs)
+            if new_tokens and not entry.num_output_tokens:
+                entry.span.add_event("first_token")
+            entry.num_output_tokens += new_tokens
+            if output.finished:
+                del requests[output.request_id]
+                reasons = sorted({str(c.finish_reason) for c in output.outputs if c.finish_reason})
+                if output.ignore_reason is not None:
+                    reasons = ["ignored"]
+                entry.span.add_event("finished", {"reason": ",".join(reasons)})
+                entry.span.set_attributes(
+                    {
+                        "gen_ai.response.finish_reasons": reasons,
+                        "gen_ai.usage.output_tokens": entry.num_output_tokens,
+                    }
+                )
+                entry.span.end()
+
+
+def step_traceparent(span: Span | None) -> str:
+    """The traceparent the worker's execute span uses as its parent ("" without a span)."""
+    if span is None:
+        return ""
+    with trace.use_span(span, end_on_exit=False):
+        return current_traceparent()
+
+
+def end_step_span(span: Span | None, forward_ns: int, sample_ns: int) -> None:
+    if span is None:
+        return
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "llmserve.worker.forward_s": forward_ns / 1e9,
+                "llmserve.worker.sample_s": sample_ns / 1e9,
+            }
+        )
+    span.end()
