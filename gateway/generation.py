@@ -307,8 +307,8 @@ class GenerationCore:
         state.num_tokens += len(token_ids)
         finish = _FINISH_NAMES.get(delta.finish_reason)
         choice = ChoiceUpdate(delta.index, "", token_ids, finish_reason=finish)
-        if delta.HasField("stop_token_id"):
-            choice.stop_reason = delta.stop_token_id
+        if delta.HasField("stop_token_id") and delta.stop_token_id != self.tokenization.eos_token_id:
+            choice.stop_reason = delta.stop_token_id  # EOS is the normal end: no stop reason
         if delta.logprobs:
             choice.logprobs = [self._logprob_entry(lp.token, lp.top) for lp in delta.logprobs]
         if state.detokenizer is not None:
