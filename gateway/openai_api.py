@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -26,7 +27,12 @@ from gateway.generation import (
     Prompt,
     TextOptions,
 )
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from gateway.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorBody,
+    ErrorResponse,
+)
 from llmserve.grpc_utils import RequestError, invalid_argument, status_for
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.telemetry import context_from_metadata
@@ -43,7 +49,7 @@ _HTTP_STATUS = {
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error={"message": message, "type": kind, "param": param, "code": code})
+    body = ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status)
 
 
@@ -72,10 +78,17 @@ def build_app(core: GenerationCore, api_key: str | None = None,
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = _param_name(first.get("loc", ()))
         return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
                               "invalid_request_error", param)
+
+    # Client mistakes are answered by the inner exception middleware. A handler registered for
+    # `Exception` alone runs in Starlette's outermost middleware, which re-raises after
+    # answering: every 400 was logged as a crash and the connection could be reset.
+    @app.exception_handler(RequestError)
+    @app.exception_handler(SamplingParamsError)
+    async def _client_error(request: Request, exc: Exception) -> JSONResponse:
+        return _from_exception(exc)
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception) -> JSONResponse:
@@ -154,6 +167,29 @@ def build_app(core: GenerationCore, api_key: str | None = None,
 # -- request building ------------------------------------------------------------------------
 
 
+def _param_name(loc: Any) -> str | None:
+    """`messages[0].role` from pydantic's ("body", "messages", 0, "role"). Parts after a
+    field that are not field names (union members such as "str" or "list[int]") are dropped:
+    the client named the field, not our union."""
+    name = ""
+    for part in loc:
+        if part == "body" and not name:
+            continue
+        if isinstance(part, int):
+            if not name:
+                break  # a position in malformed JSON, not a field
+            name += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part.islower() and \
+                part not in _TYPE_TAGS:
+            name += f".{part}" if name else part
+        else:
+            break
+    return name or None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
 def _completion_prompts(core: GenerationCore, prompt: Any) -> list[Prompt]:
     if isinstance(prompt, str):
         return [core.prompt_from_text(prompt)]
@@ -210,6 +246,8 @@ def _sampling_params(
         name = exc.field
         if name == "max_tokens":
             name = max_tokens_field
+        elif name == "best_of" and body.best_of is None:
+            name = "n"  # best_of defaults to n; the client only sent n
         elif name == "logprobs" and isinstance(body, ChatCompletionRequest):
             name = "top_logprobs"
         raise invalid_argument(name, str(exc).split(": ", 1)[-1]) from exc
@@ -316,7 +354,7 @@ async def _stream(core: GenerationCore, overload: _Overload, inputs: list[Genera
             yield f"data: {json.dumps(shaper.usage_chunk(usage))}\n\n"
         yield "data: [DONE]\n\n"
     except RequestError as exc:
-        error = json.loads(_from_exception(exc).body)
+        error = json.loads(bytes(_from_exception(exc).body))
         yield f"data: {json.dumps(error)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
@@ -499,5 +537,6 @@ async def serve_http(core: GenerationCore, config: Any) -> None:
         app, host=config.host, port=config.http_port, log_config=None, access_log=False,
         lifespan="off",
     ))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # The process owns SIGINT/SIGTERM (llmserve.service_main); uvicorn must not take them over.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     await server.serve()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -120,7 +120,7 @@ class SchedulerClient:
         params: SamplingParams,
         eos_token_id: int | None,
         traceparent: str = "",
-    ) -> AsyncIterator[scheduler_pb2.RequestOutput]:
+    ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
         """Yield the request's outputs until the finished one; raise RequestError on failure."""
         if not self._connected.is_set():
             raise RequestError(

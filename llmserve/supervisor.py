@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.grpc_utils import wait_for_health
 from llmserve.logs import get_logger
@@ -161,7 +162,8 @@ async def run_stack(config: StackConfig) -> int:
     try:
         start = asyncio.create_task(stack.start(config.startup_timeout_s))
         stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        first: set[asyncio.Task[Any]] = {start, stopper}
+        done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
         if stopper in done:
             start.cancel()
             return 130
@@ -178,7 +180,8 @@ async def run_stack(config: StackConfig) -> int:
         )
         exit_wait = asyncio.create_task(stack.wait_any_exit())
         stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({exit_wait, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        waiters: set[asyncio.Task[Any]] = {exit_wait, stopper}
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         if exit_wait in done:
             log.error("a service exited; stopping the stack", service=exit_wait.result())
             return 1
