@@ -94,7 +94,15 @@ def context_from_traceparent(traceparent: str) -> otel_context.Context:
 
 
 def context_from_metadata(metadata: object) -> otel_context.Context:
-    """Context from gRPC invocation metadata (a sequence of (key, value))."""
+    """The parent for a request's span, from gRPC metadata or HTTP headers ((key, value) pairs).
+
+    When a local server span is already active (FastAPI's built-in telemetry opens one per
+    HTTP request, itself a child of the caller's traceparent), that span is the parent, so
+    the request span nests under it instead of becoming its sibling.
+    """
+    current = trace.get_current_span().get_span_context()
+    if current.is_valid and not current.is_remote:
+        return otel_context.get_current()
     carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}  # type: ignore[attr-defined]
     return _propagator.extract(carrier)
 
