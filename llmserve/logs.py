@@ -39,9 +39,7 @@ def configure_logging(service: str, level: str = "INFO", json: bool | None = Non
     numeric_level = logging.getLevelName(level.upper())
     if not isinstance(numeric_level, int):
         raise ValueError(f"log level: unknown level {level!r}")
-    renderer: Any = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
-    )
+    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -59,9 +57,10 @@ def configure_logging(service: str, level: str = "INFO", json: bool | None = Non
     # Libraries that log through the stdlib (grpc, uvicorn) go through the same renderer.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(processors=[
-            structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer
-        ], foreign_pre_chain=shared)
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=shared,
+        )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

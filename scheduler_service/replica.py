@@ -232,7 +232,11 @@ class Replica:
             else:
                 request = step_input_to_proto(step_input)
                 request.traceparent = step_traceparent(step_span)
-                reply = await stream.execute(request)
+                try:
+                    reply = await stream.execute(request)
+                except BaseException as exc:
+                    end_step_span(step_span, 0, 0, exc)
+                    raise
                 result = step_result_from_proto(reply)
             outputs = engine.finish_step(sched_out, step_input, result)
             tracer.on_outputs(outputs)

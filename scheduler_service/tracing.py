@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-from llmserve.logs import get_logger
 from llmserve.steps import StepInput
 from llmserve.telemetry import context_from_traceparent, current_traceparent
 from scheduler_service.config import PreemptionMode
@@ -36,7 +35,6 @@ from scheduler_service.scheduler import SchedulerOutputs
 from scheduler_service.sequence import SequenceStatus
 
 tracer = trace.get_tracer("llmserve.scheduler")
-log = get_logger(__name__)
 
 REQUEST_SPAN = "scheduler.request"
 STEP_SPAN = "scheduler.step"
@@ -217,10 +215,15 @@ def step_traceparent(span: Span | None) -> str:
         return current_traceparent()
 
 
-def end_step_span(span: Span | None, forward_ns: int, sample_ns: int) -> None:
+def end_step_span(
+    span: Span | None, forward_ns: int, sample_ns: int, error: BaseException | None = None
+) -> None:
     if span is None:
         return
-    if span.is_recording():
+    if error is not None:
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+    elif span.is_recording():
         span.set_attributes(
             {
                 "llmserve.worker.forward_s": forward_ns / 1e9,
