@@ -37,6 +37,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduler", default=None,
+                   help="scheduler host:port to join with RegisterWorker (retried until it answers)")
+    p.add_argument("--advertise-address", default=None,
+                   help="host:port the scheduler should dial (default: --host:--port)")
     return p.parse_args(argv)
 
 
@@ -86,7 +90,34 @@ async def serve(args: argparse.Namespace) -> None:
         device=str(worker.device),
         dtype=str(worker.dtype),
     )
+    if args.scheduler:
+        advertised = args.advertise_address or address
+        asyncio.create_task(register_with_scheduler(args.scheduler, advertised))
     await serve_until_signal(server)
+
+
+async def register_with_scheduler(scheduler: str, advertised: str) -> None:
+    """Join the scheduler as a replica; retry while it is not up yet."""
+    import grpc
+
+    from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    delay = 0.5
+    async with grpc.aio.insecure_channel(scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        while True:
+            try:
+                reply = await stub.RegisterWorker(
+                    scheduler_pb2.RegisterWorkerRequest(address=advertised), timeout=5
+                )
+                log.info("registered with scheduler", scheduler=scheduler,
+                         replica=reply.replica_id, advertised=advertised)
+                return
+            except grpc.aio.AioRpcError as exc:
+                log.warning("scheduler not reachable, retrying", scheduler=scheduler,
+                            code=exc.code().name, retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
 
 def main(argv: list[str]) -> int:

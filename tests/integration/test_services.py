@@ -237,3 +237,37 @@ def test_worker_lost_mid_stream_gives_unavailable(tiny_model_dir: Path, tmp_path
         assert "unavailable" in info.value.details()
     finally:
         running.stop()
+
+
+def test_worker_joins_by_registering(tiny_model_dir: Path, tmp_path: Path):
+    worker_port, scheduler_port = free_port(), free_port()
+    logs = {name: tmp_path / f"{name}.log" for name in ("worker", "scheduler")}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "llmserve.cli", "worker", "--model", str(tiny_model_dir),
+         "--port", str(worker_port), "--kv-cache-memory", "0.01", "--swap-space", "0.01",
+         "--scheduler", f"127.0.0.1:{scheduler_port}"],
+        stdout=logs["worker"].open("wb"), stderr=subprocess.STDOUT,
+    )
+    scheduler = None
+    try:
+        wait_healthy(f"127.0.0.1:{worker_port}", worker, "worker", logs["worker"])
+        scheduler = subprocess.Popen(
+            [sys.executable, "-m", "llmserve.cli", "scheduler", "--port", str(scheduler_port)],
+            stdout=logs["scheduler"].open("wb"), stderr=subprocess.STDOUT,
+        )
+        wait_healthy(f"127.0.0.1:{scheduler_port}", scheduler, "scheduler", logs["scheduler"])
+        with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            deadline = time.monotonic() + 60
+            while True:
+                replicas = stub.GetStats(scheduler_pb2.GetStatsRequest()).replicas
+                if replicas and replicas[0].healthy:
+                    break
+                assert time.monotonic() < deadline, logs["scheduler"].read_text()
+                time.sleep(0.3)
+        assert [r.address for r in replicas] == [f"127.0.0.1:{worker_port}"]
+    finally:
+        for proc in (scheduler, worker):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=15)
