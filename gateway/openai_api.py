@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import metrics
@@ -29,9 +29,13 @@ from gateway.generation import (
 )
 from gateway.openai_protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     ErrorBody,
     ErrorResponse,
+    HealthStatus,
+    ModelList,
 )
 from llmserve.grpc_utils import RequestError, invalid_argument, status_for
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
@@ -105,24 +109,26 @@ def build_app(core: GenerationCore, api_key: str | None = None,
                                       "service_unavailable")
         return await call_next(request)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None,
+             responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus}})
     async def health() -> Response:
         if not core.scheduler.connected:
             return JSONResponse({"status": "scheduler unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=_errors(401, 503))
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": core.model_name, "object": "model", "created": core.created,
             "owned_by": "llmserve", "max_model_len": core.max_model_len,
         }]}
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None,
+              responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         core.check_model(body.model)
         if body.suffix:
@@ -138,7 +144,8 @@ def build_app(core: GenerationCore, api_key: str | None = None,
                                           _text_options(body), "text_completion"))
         return await _respond(core, overload, request, body, inputs, chat=False)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         core.check_model(body.model)
         if body.tools:
@@ -161,7 +168,56 @@ def build_app(core: GenerationCore, api_key: str | None = None,
                               _text_options(body), "chat")
         return await _respond(core, overload, request, body, [inp], chat=True)
 
+    _drop_default_422(app)
     return app
+
+
+# -- OpenAPI document -------------------------------------------------------------------------
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
+            for status in statuses}
+
+
+_ERROR_TEXT = {
+    400: "Invalid request; `error.param` names the field",
+    401: "Missing or wrong API key (with --api-key)",
+    404: "The model is not served here",
+    409: "A request with this id is already running",
+    429: "Too many requests",
+    503: "Overloaded (--max-pending-requests) or the scheduler is unavailable",
+}
+
+
+def _generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
+    ok: dict[int | str, dict[str, Any]] = {200: {
+        "model": model,
+        "description": "The full response, or with `stream: true` server-sent events "
+                       "(`data: <chunk>` lines, then `data: [DONE]`)",
+        # Before OpenAPI 3.2 the schema of an event stream describes one event.
+        "content": {"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string",
+                                    "description": "a JSON chunk, an error, or [DONE]"}},
+        }}},
+    }}
+    return {**ok, **_errors(400, 401, 404, 409, 429, 503)}
+
+
+def _drop_default_422(app: FastAPI) -> None:
+    """Validation errors are answered 400 in OpenAI's shape, not FastAPI's 422."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            for operations in build()["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 # -- request building ------------------------------------------------------------------------
