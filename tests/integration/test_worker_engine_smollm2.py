@@ -1,0 +1,139 @@
+"""SmolLM2-135M (fp32) through LLMEngine + Worker against HF generate, token for token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmserve.model_spec import resolve_model
+from llmserve.sampling_params import SamplingParams
+from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.config import PreemptionMode
+from worker_service.config import WorkerConfig
+from worker_service.worker import Worker
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Write a short poem about the sea. The waves",
+    "Q: What is 17 times 23?\nA:",
+    "Once upon a time, in a small village at the edge of a dark and ancient forest, there lived "
+    "an old clockmaker who had never once left the valley. Every morning he",
+    "List three uses of copper:\n1.",
+    "Translate to German: I would like a cup of coffee, please.",
+    "In machine learning, overfitting happens when",
+]
+NEW = 64
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smol() -> tuple[Worker, Any, list[list[int]]]:
+    torch.set_num_threads(2)
+    src = resolve_model("smollm2")
+    tok = AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs())
+    hf = AutoModelForCausalLM.from_pretrained(
+        src.path, **src.pretrained_kwargs(), dtype=torch.float32
+    ).eval()
+    hf.generation_config.eos_token_id = None
+    worker = Worker(WorkerConfig(model="smollm2", dtype="float32", num_threads=2))
+    worker.load_from_hf(hf)
+    return worker, hf, [tok(t)["input_ids"] for t in TEXTS]
+
+
+def hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(smol: tuple[Worker, Any, list[list[int]]]) -> list[list[int]]:
+    return [hf_greedy(smol[1], p) for p in smol[2]]
+
+
+def make_engine(
+    worker: Worker,
+    gpu: int = 256,
+    cpu: int = 128,
+    budget: int = 2048,
+    preemption: PreemptionMode | None = None,
+) -> LLMEngine:
+    worker.initialize_cache(gpu, cpu)
+    return LLMEngine(
+        SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=budget,
+            max_model_len=2048,
+            preemption_mode=preemption,
+        ),
+        CacheConfig(BLOCK, gpu, cpu, watermark=0.0),
+        worker,
+    )
+
+
+def finish(engine: LLMEngine, worker: Worker) -> None:
+    bm = engine.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
+    engine.step()
+    assert worker.num_sequences == 0
+
+
+def test_batched_greedy_with_chunked_prefill_and_logprobs(
+    smol: Any, expected: list[list[int]]
+) -> None:
+    worker, hf, prompts = smol
+    engine = make_engine(worker, budget=32)  # the long prompt is split and mixed with decodes
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=2, prompt_logprobs=1
+    )
+    outputs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    for prompt, out in zip(prompts[:3], outputs[:3], strict=True):
+        full = prompt + out.outputs[0].token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([full])).logits[0], dim=-1)
+        got = [s.token.logprob for s in out.outputs[0].logprobs or []]
+        want = ref[len(prompt) - 1 : -1].gather(1, torch.tensor(out.outputs[0].token_ids)[:, None])[
+            :, 0
+        ]
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)
+        got_prompt = [e.token.logprob for e in out.prompt_logprobs or []]
+        want_prompt = ref[: len(prompt) - 1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got_prompt), want_prompt, atol=1e-4, rtol=0)
+    finish(engine, worker)
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+def test_greedy_under_preemption(
+    smol: Any, expected: list[list[int]], mode: PreemptionMode
+) -> None:
+    worker, _, prompts = smol
+    engine = make_engine(worker, gpu=24, preemption=mode)
+    outputs = engine.generate(prompts, GREEDY)
+    stats = engine.get_stats()
+    assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    finish(engine, worker)
+
+
+def test_greedy_with_prefix_cache_hits(smol: Any, expected: list[list[int]]) -> None:
+    worker, hf, prompts = smol
+    engine = make_engine(worker)
+    long = prompts[4]  # > 2 full blocks
+    first = engine.generate([long], GREEDY)
+    variant = long[:-3] + prompts[0][-3:]
+    second = engine.generate([variant, long], GREEDY)
+    assert engine.get_stats().prefix_cache_hits >= 2
+    assert first[0].outputs[0].token_ids == expected[4]
+    assert second[1].outputs[0].token_ids == expected[4]
+    assert second[0].outputs[0].token_ids == hf_greedy(hf, variant)
+    finish(engine, worker)
