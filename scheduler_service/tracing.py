@@ -126,7 +126,7 @@ class ReplicaTracer:
             group = scheduled.seq_group
             running = group.num_seqs(_RUNNING_STATUS)
             num_seqs += running
-            if scheduled.token_chunk_size == 1:
+            if scheduled.token_chunk_size == 1 and group.seqs[0].get_output_len():
                 num_decode += running
             else:
                 num_prefill += scheduled.token_chunk_size * running
