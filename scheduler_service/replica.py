@@ -30,6 +30,7 @@ from scheduler_service.tracing import ReplicaTracer, end_step_span, step_tracepa
 log = get_logger(__name__)
 
 _RETRY_DELAYS_S = (0.5, 1.0, 2.0, 5.0)
+_IDLE_STEPS_BEFORE_SLEEP = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +218,7 @@ class Replica:
         assert self.engine is not None and self._stream is not None and self.tracer is not None
         engine, stream, tracer = self.engine, self._stream, self.tracer
         block_manager = engine.scheduler.block_manager
+        idle_steps = 0
         while True:
             if not engine.has_unfinished_requests():
                 self._wake.clear()
@@ -252,10 +254,17 @@ class Replica:
             if outputs:
                 self._on_outputs(outputs)
             if step_input.is_empty() and not outputs:
-                # Nothing could run (e.g. every request waits for blocks that only an abort
-                # frees): yield to the loop instead of spinning.
-                self._wake.clear()
-                await self._wake.wait()
+                # An empty step can be followed by a productive one (frees held back a step,
+                # blocks released by the previous step), so only several empty steps in a row
+                # mean that nothing can run until a request arrives or is aborted.
+                idle_steps += 1
+                if idle_steps >= _IDLE_STEPS_BEFORE_SLEEP:
+                    self._wake.clear()
+                    await self._wake.wait()
+                else:
+                    await asyncio.sleep(0)
+            else:
+                idle_steps = 0
 
     def _fail_requests(self, reason: str) -> None:
         lost: list[str] = []

@@ -271,3 +271,31 @@ def test_worker_joins_by_registering(tiny_model_dir: Path, tmp_path: Path):
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=15)
+
+
+def test_swap_preemption_on_a_tiny_cache_completes(tiny_model_dir: Path, tmp_path: Path):
+    # Two identical prompts on 4 blocks of 4 tokens: one request is swapped out and must come
+    # back after the other finishes, even when a scheduling round in between runs nothing.
+    running = start_stack(
+        str(tiny_model_dir), tmp_path, worker_args=["--block-size", "4"],
+        scheduler_args=["--num-gpu-blocks-override", "4", "--preemption-mode", "swap"],
+    )
+    try:
+        async def run() -> list[list[int]]:
+            async with AsyncClient(running.gateway, timeout_s=60) as client:
+                done = await asyncio.gather(*(
+                    client.complete([5, 6, 7, 8, 9], temperature=0.0, max_tokens=8,
+                                    ignore_eos=True)
+                    for _ in range(2)
+                ))
+            return [d.token_ids[0] for d in done]
+
+        first, second = asyncio.run(run())
+        assert len(first) == 8 and first == second
+        with grpc.insecure_channel(running.scheduler) as channel:
+            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest()).replicas[0]
+        assert stats.num_preemptions >= 1
+        assert stats.gpu_blocks_free == stats.gpu_blocks_total
+    finally:
+        running.stop()
