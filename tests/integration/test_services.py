@@ -118,9 +118,7 @@ def test_cancelled_stream_frees_its_blocks(stack: RunningStack):
         from llmserve.v1 import generation_pb2_grpc
 
         call = generation_pb2_grpc.GenerationStub(channel).Generate(request)
-        received = 0
-        for _ in call:
-            received += 1
+        for received, _ in enumerate(call, start=1):
             if received == 5:
                 break
         busy, _ = gpu_blocks(stack)
