@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
@@ -422,7 +423,9 @@ def _usage(usage: list[int]) -> dict[str, int]:
             "total_tokens": usage[0] + usage[1]}
 
 
-class _Shaper:
+class _Shaper(abc.ABC):
+    """Turns generation updates into one endpoint's response and chunk shapes."""
+
     object_name = ""
     chunk_name = ""
 
@@ -436,14 +439,16 @@ class _Shaper:
     def usage_chunk(self, usage: list[int]) -> dict[str, Any]:
         return {**self.envelope(self.chunk_name), "choices": [], "usage": _usage(usage)}
 
+    @abc.abstractmethod
     def chunks(self, i: int, n: int, update: GenerationUpdate, include_usage: bool
                ) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """SSE chunks for one update of prompt `i`."""
 
+    @abc.abstractmethod
     def full(self, choices: dict[int, list[ChoiceUpdate]],
              prompt_logprobs: dict[int, list[LogprobEntry | None]], n: int, usage: list[int]
              ) -> dict[str, Any]:
-        raise NotImplementedError
+        """The non-streaming response body."""
 
 
 class _CompletionShaper(_Shaper):
