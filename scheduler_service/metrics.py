@@ -51,15 +51,14 @@ QUEUE_SECONDS = Histogram(
 FINISHED = Counter("llmserve_requests_finished", "Finished requests", ["finish_reason"])
 
 # Cumulative scheduler counters are mirrored into Prometheus counters by their increase.
-_last: dict[tuple[str, str], float] = {}
+_last: dict[tuple[Counter, tuple[str, ...]], float] = {}
 
 
 def _advance(counter: Counter, key: tuple[str, ...], total: float) -> None:
-    name = (counter._name, *key)  # type: ignore[attr-defined]
-    previous = _last.get(name, 0.0)  # type: ignore[call-overload]
+    previous = _last.get((counter, key), 0.0)
     if total > previous:
         counter.labels(*key).inc(total - previous)
-    _last[name] = total  # type: ignore[index]
+    _last[(counter, key)] = total
 
 
 def record_stats(replica_id: int, stats: SchedulerStats) -> None:
