@@ -44,8 +44,9 @@ class RequestResult:
     error: str = ""
 
 
-def build_workload(tokenizer: Any, num: int, input_len: int, output_len: int,
-                   random_ratio: float, seed: int) -> list[WorkItem]:
+def build_workload(
+    tokenizer: Any, num: int, input_len: int, output_len: int, random_ratio: float, seed: int
+) -> list[WorkItem]:
     """Prompts of random vocabulary tokens decoded to text; lengths uniform in
     [len * (1 - random_ratio), len] when random_ratio > 0."""
     rng = random.Random(seed)
@@ -56,14 +57,19 @@ def build_workload(tokenizer: Any, num: int, input_len: int, output_len: int,
         n_in = rng.randint(max(1, int(input_len * (1 - random_ratio))), input_len)
         n_out = rng.randint(max(1, int(output_len * (1 - random_ratio))), output_len)
         text = tokenizer.decode([rng.choice(vocab) for _ in range(n_in)])
-        items.append(WorkItem(text, len(tokenizer(text, add_special_tokens=False)["input_ids"]),
-                              n_out))
+        items.append(
+            WorkItem(text, len(tokenizer(text, add_special_tokens=False)["input_ids"]), n_out)
+        )
     return items
 
 
 def request_body(args: argparse.Namespace, item: WorkItem) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": args.model, "max_tokens": item.max_tokens, "stream": True,
-                            "temperature": args.temperature}
+    body: dict[str, Any] = {
+        "model": args.model,
+        "max_tokens": item.max_tokens,
+        "stream": True,
+        "temperature": args.temperature,
+    }
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": item.prompt}]
     else:
@@ -82,14 +88,16 @@ def chunk_text(chunk: dict[str, Any], endpoint: str) -> str:
     return choices[0].get("text") or ""
 
 
-async def one_request(client: httpx.AsyncClient, args: argparse.Namespace,
-                      item: WorkItem) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient, args: argparse.Namespace, item: WorkItem
+) -> RequestResult:
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
     result = RequestResult(ok=False, start=time.perf_counter())
     parts: list[str] = []
     try:
-        async with client.stream("POST", args.base_url + path,
-                                 json=request_body(args, item)) as response:
+        async with client.stream(
+            "POST", args.base_url + path, json=request_body(args, item)
+        ) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
                 return result
@@ -122,14 +130,16 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace,
     return result
 
 
-async def run_workload(args: argparse.Namespace, items: list[WorkItem]
-                       ) -> tuple[list[RequestResult], float]:
+async def run_workload(
+    args: argparse.Namespace, items: list[WorkItem]
+) -> tuple[list[RequestResult], float]:
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency or len(items))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = httpx.Timeout(args.request_timeout)
     limits = httpx.Limits(max_connections=len(items), max_keepalive_connections=len(items))
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+
         async def limited(item: WorkItem) -> RequestResult:
             async with limit:
                 return await one_request(client, args, item)
@@ -157,35 +167,50 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
         hi = min(lo + 1, len(ordered) - 1)
         return (ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)) * scale
 
-    return {"mean": sum(ordered) / len(ordered) * scale, "p50": at(0.5), "p90": at(0.9),
-            "p99": at(0.99)}
+    return {
+        "mean": sum(ordered) / len(ordered) * scale,
+        "p50": at(0.5),
+        "p90": at(0.9),
+        "p99": at(0.99),
+    }
 
 
-def summarize(args: argparse.Namespace, items: list[WorkItem], results: list[RequestResult],
-              duration: float, tokenizer: Any) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace,
+    items: list[WorkItem],
+    results: list[RequestResult],
+    duration: float,
+    tokenizer: Any,
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     for r in ok:
         r.output_tokens = len(tokenizer(r.text, add_special_tokens=False)["input_ids"])
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itl = [b - a for r in ok for a, b in zip([r.ttft, *r.chunk_times], r.chunk_times,
-                                             strict=False)]
+    itl = [b - a for r in ok for a, b in zip([r.ttft, *r.chunk_times], r.chunk_times, strict=False)]
     output_tokens = sum(r.output_tokens for r in ok)
     return {
         "label": args.label,
         "base_url": args.base_url,
         "model": args.model,
         "endpoint": args.endpoint,
-        "workload": {"num_prompts": len(items), "input_len": args.input_len,
-                     "output_len": args.output_len, "random_ratio": args.random_ratio,
-                     "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-                     "seed": args.seed, "ignore_eos": args.ignore_eos,
-                     "temperature": args.temperature},
+        "workload": {
+            "num_prompts": len(items),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "random_ratio": args.random_ratio,
+            "request_rate": args.request_rate,
+            "max_concurrency": args.max_concurrency,
+            "seed": args.seed,
+            "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature,
+        },
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration,
-        "total_input_tokens": sum(i.prompt_tokens for i, r in zip(items, results, strict=True)
-                                  if r.ok),
+        "total_input_tokens": sum(
+            i.prompt_tokens for i, r in zip(items, results, strict=True) if r.ok
+        ),
         "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration,
         "output_tokens_per_s": output_tokens / duration,
@@ -212,9 +237,11 @@ def plot(summary: dict[str, Any], results: list[RequestResult], path: Path) -> N
     for r in ok:
         axes[2].plot([r.start - t0, r.start - t0 + r.e2e], [r.output_tokens] * 2, lw=1)
     axes[2].set(title="Request timeline", xlabel="s since start", ylabel="output tokens")
-    fig.suptitle(f"{summary['label']}: {summary['output_tokens_per_s']:.1f} output tok/s, "
-                 f"p50 TTFT {summary['ttft_ms'].get('p50', 0):.0f} ms, "
-                 f"{summary['completed']}/{summary['completed'] + summary['failed']} ok")
+    fig.suptitle(
+        f"{summary['label']}: {summary['output_tokens_per_s']:.1f} output tok/s, "
+        f"p50 TTFT {summary['ttft_ms'].get('p50', 0):.0f} ms, "
+        f"{summary['completed']}/{summary['completed'] + summary['failed']} ok"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -230,10 +257,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--random-ratio", type=float, default=0.0,
-                   help="0: fixed lengths; r: uniform in [len*(1-r), len]")
-    p.add_argument("--request-rate", type=float, default=0.0,
-                   help="Poisson arrivals per second; 0 sends all at once")
+    p.add_argument(
+        "--random-ratio",
+        type=float,
+        default=0.0,
+        help="0: fixed lengths; r: uniform in [len*(1-r), len]",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=0.0,
+        help="Poisson arrivals per second; 0 sends all at once",
+    )
     p.add_argument("--max-concurrency", type=int, default=0, help="0: unlimited")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
@@ -249,14 +284,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    items = build_workload(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                           args.random_ratio, args.seed)
+    items = build_workload(
+        tokenizer, args.num_prompts, args.input_len, args.output_len, args.random_ratio, args.seed
+    )
     results, duration = asyncio.run(run_workload(args, items))
     summary = summarize(args, items, results, duration, tokenizer)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     json_path = args.out.with_suffix(".json")
-    json_path.write_text(json.dumps({"summary": summary,
-                                     "requests": [asdict(r) for r in results]}, indent=1))
+    json_path.write_text(
+        json.dumps({"summary": summary, "requests": [asdict(r) for r in results]}, indent=1)
+    )
     plot(summary, results, args.out.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
     return summary
