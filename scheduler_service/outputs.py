@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob, SequenceOutput, StepResult
 from scheduler_service.beam_search import process_beam_group
-from scheduler_service.scheduler import Scheduler, SchedulerOutputs
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.scheduler_outputs import SchedulerOutputs
 from scheduler_service.sequence import (
     FINISH_REASONS,
     FinishReason,

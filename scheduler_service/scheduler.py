@@ -16,79 +16,28 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
 from scheduler_service.config import CacheConfig, PreemptionMode, SchedulerConfig
+from scheduler_service.policy import SchedulingBudget, SwapSpaceExhaustedError, preemption_mode
+from scheduler_service.scheduler_outputs import (
+    PreemptedGroup,
+    ScheduledGroup,
+    SchedulerOutputs,
+    SchedulerStats,
+)
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
 
+__all__ = [
+    "PreemptedGroup",
+    "ScheduledGroup",
+    "Scheduler",
+    "SchedulerOutputs",
+    "SchedulerStats",
+    "SwapSpaceExhaustedError",
+]
+
 _RUNNING = SequenceStatus.RUNNING
-
-
-class SwapSpaceExhaustedError(RuntimeError):
-    """A multi-sequence group had to be preempted but the host swap space is full."""
-
-
-@dataclass(slots=True)
-class ScheduledGroup:
-    seq_group: SequenceGroup
-    # Tokens each running sequence of the group computes this step: 1 for a decode, the
-    # chunk length for a (single-sequence) prefill.
-    token_chunk_size: int
-
-
-@dataclass(slots=True)
-class PreemptedGroup:
-    request_id: str
-    mode: PreemptionMode
-
-
-@dataclass(slots=True)
-class SchedulerOutputs:
-    scheduled: list[ScheduledGroup] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Finished as IGNORED this step (never ran); `seq_group.ignore_reason` says why.
-    ignored: list[SequenceGroup] = field(default_factory=list)
-    preempted: list[PreemptedGroup] = field(default_factory=list)
-
-    def is_empty(self) -> bool:
-        return not (
-            self.scheduled
-            or self.blocks_to_swap_in
-            or self.blocks_to_swap_out
-            or self.blocks_to_copy
-        )
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """A snapshot for metrics and traces. Counters are cumulative since start."""
-
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    gpu_kv_usage: float
-    cpu_kv_usage: float
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    prefix_cache_queries: int  # full prompt blocks looked up
-    prefix_cache_hits: int  # of those, found already computed
-    num_ignored: int
-
-
-@dataclass(slots=True)
-class _Budget:
-    max_tokens: int
-    max_seqs: int
-    num_tokens: int = 0
-    num_seqs: int = 0
-
-    @property
-    def remaining_tokens(self) -> int:
-        return self.max_tokens - self.num_tokens
 
 
 class Scheduler:
@@ -198,7 +147,7 @@ class Scheduler:
         self._num_steps += 1
         self.block_manager.now = float(self._num_steps)
         config = self.scheduler_config
-        budget = _Budget(config.max_num_batched_tokens, config.max_num_seqs)
+        budget = SchedulingBudget(config.max_num_batched_tokens, config.max_num_seqs)
         out = SchedulerOutputs()
         if not config.enable_chunked_prefill and not self.swapped:
             self._schedule_waiting(budget, out)
@@ -211,7 +160,7 @@ class Scheduler:
             self._schedule_waiting(budget, out)
         return self._finish(out, budget)
 
-    def _finish(self, out: SchedulerOutputs, budget: _Budget) -> SchedulerOutputs:
+    def _finish(self, out: SchedulerOutputs, budget: SchedulingBudget) -> SchedulerOutputs:
         out.num_batched_tokens = budget.num_tokens
         now = None
         for scheduled in out.scheduled:
@@ -222,7 +171,7 @@ class Scheduler:
         return out
 
     def _schedule(
-        self, seq_group: SequenceGroup, chunk: int, budget: _Budget, out: SchedulerOutputs
+        self, seq_group: SequenceGroup, chunk: int, budget: SchedulingBudget, out: SchedulerOutputs
     ) -> None:
         num_seqs = 0
         copies = out.blocks_to_copy
@@ -236,7 +185,7 @@ class Scheduler:
         budget.num_tokens += chunk * num_seqs
         out.scheduled.append(ScheduledGroup(seq_group, chunk))
 
-    def _schedule_running(self, budget: _Budget, out: SchedulerOutputs) -> None:
+    def _schedule_running(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
         order = list(self.running)
         remaining = self.running
         prefills: list[SequenceGroup] = []
@@ -279,7 +228,7 @@ class Scheduler:
         else:
             self.running = deque(order)
 
-    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutputs) -> None:
+    def _schedule_swapped(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
         bm = self.block_manager
         while self.swapped:
             seq_group = self.swapped[0]
@@ -306,7 +255,7 @@ class Scheduler:
             self.running.append(seq_group)
             self._schedule(seq_group, chunk, budget, out)
 
-    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutputs) -> None:
+    def _schedule_waiting(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
         config = self.scheduler_config
         bm = self.block_manager
         chunked = config.enable_chunked_prefill
@@ -368,19 +317,8 @@ class Scheduler:
 
     # -- preemption -------------------------------------------------------------------------
 
-    def _preemption_mode(self, seq_group: SequenceGroup) -> PreemptionMode:
-        forced = self.scheduler_config.preemption_mode
-        num_live = len(seq_group.get_unfinished_seqs())
-        if forced is PreemptionMode.RECOMPUTE and num_live == 1:
-            return PreemptionMode.RECOMPUTE
-        if forced is PreemptionMode.SWAP:
-            return PreemptionMode.SWAP
-        if seq_group.get_max_num_running_seqs() == 1:
-            return PreemptionMode.RECOMPUTE
-        return PreemptionMode.SWAP
-
     def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
-        mode = self._preemption_mode(seq_group)
+        mode = preemption_mode(self.scheduler_config.preemption_mode, seq_group)
         bm = self.block_manager
         if mode is PreemptionMode.SWAP and not bm.can_swap_out(seq_group):
             if len(seq_group.get_unfinished_seqs()) != 1:

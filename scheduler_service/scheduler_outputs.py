@@ -1,0 +1,58 @@
+"""What one `Scheduler.schedule()` decided, and the scheduler's counters for metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.config import PreemptionMode
+from scheduler_service.sequence import SequenceGroup
+
+
+@dataclass(slots=True)
+class ScheduledGroup:
+    seq_group: SequenceGroup
+    # Tokens each running sequence of the group computes this step: 1 for a decode, the
+    # chunk length for a (single-sequence) prefill.
+    token_chunk_size: int
+
+
+@dataclass(slots=True)
+class PreemptedGroup:
+    request_id: str
+    mode: PreemptionMode
+
+
+@dataclass(slots=True)
+class SchedulerOutputs:
+    scheduled: list[ScheduledGroup] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Finished as IGNORED this step (never ran); `seq_group.ignore_reason` says why.
+    ignored: list[SequenceGroup] = field(default_factory=list)
+    preempted: list[PreemptedGroup] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.scheduled
+            or self.blocks_to_swap_in
+            or self.blocks_to_swap_out
+            or self.blocks_to_copy
+        )
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot for metrics and traces. Counters are cumulative since start."""
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    gpu_kv_usage: float
+    cpu_kv_usage: float
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    prefix_cache_queries: int  # full prompt blocks looked up
+    prefix_cache_hits: int  # of those, found already computed
+    num_ignored: int

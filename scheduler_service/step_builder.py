@@ -1,0 +1,108 @@
+"""The step diff: what the worker needs to hear about one scheduled iteration.
+
+A `StepInput` carries only what changed since the worker last saw each sequence (see
+`llmserve.steps`): new sequences whole, known ones as appended tokens and block-table edits,
+forks, and frees.
+"""
+
+from __future__ import annotations
+
+from llmserve.steps import CachedSequence, Fork, NewSequence, StepInput
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.scheduler_outputs import SchedulerOutputs
+from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+
+
+class StepBuilder:
+    """Builds each step's diff. Per sequence it remembers what the worker holds: how many
+    tokens, and how long a block table. In-place table rewrites are read from the block
+    manager's dirty marks, so a step costs what changed, not the table sizes."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        # seq id -> [tokens the worker holds, block-table length it holds]
+        self.views: dict[int, list[int]] = {}
+        # Frees held back one step because a fork in the same step copies from that sequence
+        # (the worker applies frees before forks).
+        self._deferred_frees: list[int] = []
+        self._step_id = 0
+
+    def build(self, sched_out: SchedulerOutputs) -> StepInput:
+        scheduler = self.scheduler
+        bm = scheduler.block_manager
+        views = self.views
+        step = StepInput(
+            step_id=self._step_id,
+            blocks_to_swap_out=sched_out.blocks_to_swap_out,
+            blocks_to_swap_in=sched_out.blocks_to_swap_in,
+            blocks_to_copy=sched_out.blocks_to_copy,
+        )
+        self._step_id += 1
+
+        fork_parents: set[int] = set()
+        forks, scheduler.forks = scheduler.forks, []
+        for parent, child in forks:
+            if not bm.has_table(child):
+                continue
+            parent_view = views[parent.seq_id]
+            views[child.seq_id] = [parent_view[0], parent_view[1]]
+            step.forks.append(Fork(parent.seq_id, child.seq_id, child.seq_index))
+            fork_parents.add(parent.seq_id)
+
+        freed = self._deferred_frees + scheduler.freed_seq_ids
+        scheduler.freed_seq_ids = []
+        self._deferred_frees = []
+        for seq_id in freed:
+            if seq_id in fork_parents:
+                self._deferred_frees.append(seq_id)
+            elif views.pop(seq_id, None) is not None:
+                step.freed_seq_ids.append(seq_id)
+
+        for scheduled in sched_out.scheduled:
+            seq_group = scheduled.seq_group
+            chunk = scheduled.token_chunk_size
+            for seq in seq_group.seqs:
+                if seq.status != _RUNNING:
+                    continue
+                seq_id = seq.seq_id
+                table = bm.get_block_table(seq)
+                view = views.get(seq_id)
+                if view is None:
+                    step.new_seqs.append(self._new_seq(seq, seq_group, table, chunk))
+                    views[seq_id] = [len(seq.token_ids), len(table)]
+                    bm.pop_dirty_from(seq_id)
+                    continue
+                tokens = seq.token_ids
+                known_tokens, known_blocks = view
+                dirty = bm.pop_dirty_from(seq_id)
+                offset = known_blocks if dirty is None or dirty > known_blocks else dirty
+                step.cached_seqs.append(
+                    CachedSequence(
+                        seq_id=seq_id,
+                        new_token_ids=tokens[known_tokens:],
+                        block_offset=offset,
+                        block_ids=table[offset:],
+                        num_scheduled_tokens=chunk,
+                    )
+                )
+                view[0] = len(tokens)
+                view[1] = len(table)
+        return step
+
+    @staticmethod
+    def _new_seq(
+        seq: Sequence, seq_group: SequenceGroup, table: list[int], chunk: int
+    ) -> NewSequence:
+        return NewSequence(
+            seq_id=seq.seq_id,
+            request_id=seq_group.request_id,
+            seq_index=seq.seq_index,
+            token_ids=list(seq.token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_computed_tokens=seq.num_computed_tokens,
+            block_ids=list(table),
+            num_scheduled_tokens=chunk,
+            sampling_params=seq_group.sampling_params,
+        )
