@@ -1,13 +1,20 @@
 """Serving benchmark for any OpenAI-compatible base URL.
 
 A seeded workload (fixed or uniformly random input/output lengths) is sent as streaming
-requests, either at a Poisson request rate or with a cap on concurrency. Reported: request
-throughput, output tokens/s, TTFT / TPOT / ITL / E2E percentiles. Output tokens are counted by
-re-tokenizing each response's text with --tokenizer, so every server is counted the same way.
+requests, either at a Poisson request rate or with a cap on concurrency, after --warmup
+requests that are not measured. Reported: request throughput, output tokens/s, TTFT / TPOT /
+ITL / E2E percentiles. Output tokens are counted by re-tokenizing each response's text with
+--tokenizer, so every server is counted the same way.
+
+The run ends when every request has finished, after --max-duration seconds, or on SIGINT /
+SIGTERM; the JSON (and plot) is written in every case, with what finished and what did not
+(see bench/serve_report.py for how partial runs are counted).
 
     .venv/bin/python bench/serve.py --base-url http://127.0.0.1:8000/v1 --model smollm2 \\
         --tokenizer /path/to/tokenizer --num-prompts 32 --input-len 128 --output-len 64 \\
-        --max-concurrency 16 --label llmserve --out bench/results/serve-llmserve
+        --max-concurrency 16 --max-duration 300 --label llmserve --out bench/results/serve-llmserve
+
+Run it as a script (`python bench/serve.py`): it imports serve_report from its own folder.
 """
 
 from __future__ import annotations
@@ -16,12 +23,27 @@ import argparse
 import asyncio
 import json
 import random
+import signal
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from serve_report import (
+    RequestResult,
+    RequestStatus,
+    RunOutcome,
+    StopReason,
+    count_output_tokens,
+    plot,
+    summarize,
+)
+
+# Request fields that vLLM-style servers accept and the OpenAI API does not; strict servers
+# (transformers serve) answer 422 to them.
+_VLLM_EXTRAS = ("ignore_eos",)
 
 
 @dataclass(slots=True)
@@ -29,19 +51,6 @@ class WorkItem:
     prompt: str
     prompt_tokens: int
     max_tokens: int
-
-
-@dataclass(slots=True)
-class RequestResult:
-    ok: bool
-    start: float = 0.0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    # Arrival times of the content chunks after the first, relative to the start.
-    chunk_times: list[float] = field(default_factory=list)
-    text: str = ""
-    output_tokens: int = 0
-    error: str = ""
 
 
 def build_workload(
@@ -63,7 +72,15 @@ def build_workload(
     return items
 
 
-def request_body(args: argparse.Namespace, item: WorkItem) -> dict[str, Any]:
+def requested_extras(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The vLLM extras the flags ask for, split into those sent and those left out."""
+    asked = [name for name in _VLLM_EXTRAS if getattr(args, name)]
+    if args.openai_only:
+        return {"sent": [], "left_out": asked}
+    return {"sent": asked, "left_out": []}
+
+
+def request_body(args: argparse.Namespace, item: WorkItem, extras: list[str]) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": args.model,
         "max_tokens": item.max_tokens,
@@ -74,8 +91,8 @@ def request_body(args: argparse.Namespace, item: WorkItem) -> dict[str, Any]:
         body["messages"] = [{"role": "user", "content": item.prompt}]
     else:
         body["prompt"] = item.prompt
-    if args.ignore_eos:
-        body["ignore_eos"] = True  # vLLM's extra; servers that do not know it ignore it
+    for name in extras:
+        body[name] = True  # every extra in _VLLM_EXTRAS is a boolean switch
     return body
 
 
@@ -89,18 +106,21 @@ def chunk_text(chunk: dict[str, Any], endpoint: str) -> str:
 
 
 async def one_request(
-    client: httpx.AsyncClient, args: argparse.Namespace, item: WorkItem
-) -> RequestResult:
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    body: dict[str, Any],
+    result: RequestResult,
+) -> None:
+    """Fills `result` as the stream arrives, so a cancelled request keeps what it received."""
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
-    result = RequestResult(ok=False, start=time.perf_counter())
-    parts: list[str] = []
+    result.status = RequestStatus.IN_FLIGHT
+    result.start = time.perf_counter()
     try:
-        async with client.stream(
-            "POST", args.base_url + path, json=request_body(args, item)
-        ) as response:
+        async with client.stream("POST", args.base_url + path, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return result
+                result.status = RequestStatus.FAILED
+                return
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -110,141 +130,132 @@ async def one_request(
                 chunk = json.loads(data)
                 if "error" in chunk:
                     result.error = json.dumps(chunk["error"])[:300]
-                    return result
+                    result.status = RequestStatus.FAILED
+                    return
                 text = chunk_text(chunk, args.endpoint)
                 if not text:
                     continue
                 now = time.perf_counter() - result.start
-                if not parts:
-                    result.ttft = now
-                else:
+                if result.text:
                     result.chunk_times.append(now)
-                parts.append(text)
+                else:
+                    result.ttft = now
+                result.text += text
         result.e2e = time.perf_counter() - result.start
-        result.text = "".join(parts)
-        result.ok = bool(parts)
-        if not parts:
+        result.status = RequestStatus.COMPLETED if result.text else RequestStatus.FAILED
+        if not result.text:
             result.error = "no content"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
-    return result
+        result.status = RequestStatus.FAILED
+
+
+class Stopper:
+    """Set by SIGINT / SIGTERM; the run ends at the first of: all done, stop, deadline."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason = StopReason.ALL_DONE
+
+    def stop(self, reason: StopReason) -> None:
+        if not self.event.is_set():
+            print(f"serve.py: {reason}, writing partial results", file=sys.stderr)
+            self.reason = reason
+            self.event.set()
+
+    async def race(self, task: asyncio.Task[Any], timeout: float | None) -> StopReason:
+        """Wait for `task`, a stop, or `timeout` seconds; the task is left running."""
+        stopped = asyncio.create_task(self.event.wait())
+        done, _ = await asyncio.wait(
+            {task, stopped}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        stopped.cancel()
+        if task in done:
+            task.result()  # a bug in the client surfaces here rather than as figures
+            return StopReason.ALL_DONE
+        return self.reason if self.event.is_set() else StopReason.MAX_DURATION
+
+
+async def send_all(
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    bodies: list[dict[str, Any]],
+    results: list[RequestResult],
+) -> None:
+    rng = random.Random(args.seed + 1)
+    limit = asyncio.Semaphore(args.max_concurrency or len(bodies))
+
+    async def limited(body: dict[str, Any], result: RequestResult) -> None:
+        async with limit:
+            await one_request(client, args, body, result)
+
+    # Cancelling this coroutine cancels every request the group started.
+    async with asyncio.TaskGroup() as group:
+        for body, result in zip(bodies, results, strict=True):
+            group.create_task(limited(body, result))
+            if args.request_rate > 0:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+
+
+async def cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def warm_up(
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    bodies: list[dict[str, Any]],
+    stopper: Stopper,
+) -> int:
+    """Unmeasured requests, one at a time, so lazy start-up work (a server that builds its
+    cache on the first request) is not charged to the first measured ones. Returns how many
+    succeeded."""
+    ok = 0
+    for body in bodies:
+        result = RequestResult()
+        task = asyncio.create_task(one_request(client, args, body, result))
+        reason = await stopper.race(task, args.request_timeout)
+        if reason is not StopReason.ALL_DONE:
+            await cancel(task)
+            if reason is StopReason.MAX_DURATION:
+                print("serve.py: warm-up request timed out; measuring anyway", file=sys.stderr)
+            break
+        if result.status is RequestStatus.COMPLETED:
+            ok += 1
+        else:
+            print(f"serve.py: warm-up request failed: {result.error}", file=sys.stderr)
+    return ok
 
 
 async def run_workload(
-    args: argparse.Namespace, items: list[WorkItem]
-) -> tuple[list[RequestResult], float]:
-    rng = random.Random(args.seed + 1)
-    limit = asyncio.Semaphore(args.max_concurrency or len(items))
+    args: argparse.Namespace,
+    bodies: list[dict[str, Any]],
+    warmup_bodies: list[dict[str, Any]],
+) -> RunOutcome:
+    results = [RequestResult() for _ in bodies]
+    stopper = Stopper()
+    loop = asyncio.get_running_loop()
+    for sig, reason in ((signal.SIGINT, StopReason.SIGINT), (signal.SIGTERM, StopReason.SIGTERM)):
+        loop.add_signal_handler(sig, stopper.stop, reason)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = httpx.Timeout(args.request_timeout)
-    limits = httpx.Limits(max_connections=len(items), max_keepalive_connections=len(items))
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
-
-        async def limited(item: WorkItem) -> RequestResult:
-            async with limit:
-                return await one_request(client, args, item)
-
-        start = time.perf_counter()
-        tasks = []
-        for item in items:
-            tasks.append(asyncio.create_task(limited(item)))
-            if args.request_rate > 0:
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return list(results), duration
-
-
-def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        # Linear interpolation between closest ranks.
-        pos = q * (len(ordered) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(ordered) - 1)
-        return (ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)) * scale
-
-    return {
-        "mean": sum(ordered) / len(ordered) * scale,
-        "p50": at(0.5),
-        "p90": at(0.9),
-        "p99": at(0.99),
-    }
-
-
-def summarize(
-    args: argparse.Namespace,
-    items: list[WorkItem],
-    results: list[RequestResult],
-    duration: float,
-    tokenizer: Any,
-) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    for r in ok:
-        r.output_tokens = len(tokenizer(r.text, add_special_tokens=False)["input_ids"])
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itl = [b - a for r in ok for a, b in zip([r.ttft, *r.chunk_times], r.chunk_times, strict=False)]
-    output_tokens = sum(r.output_tokens for r in ok)
-    return {
-        "label": args.label,
-        "base_url": args.base_url,
-        "model": args.model,
-        "endpoint": args.endpoint,
-        "workload": {
-            "num_prompts": len(items),
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "random_ratio": args.random_ratio,
-            "request_rate": args.request_rate,
-            "max_concurrency": args.max_concurrency,
-            "seed": args.seed,
-            "ignore_eos": args.ignore_eos,
-            "temperature": args.temperature,
-        },
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
-        "total_input_tokens": sum(
-            i.prompt_tokens for i, r in zip(items, results, strict=True) if r.ok
-        ),
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(ok) / duration,
-        "output_tokens_per_s": output_tokens / duration,
-        "ttft_ms": percentiles([r.ttft for r in ok]),
-        "tpot_ms": percentiles(tpot),
-        "itl_ms": percentiles(itl),
-        "e2e_ms": percentiles([r.e2e for r in ok]),
-    }
-
-
-def plot(summary: dict[str, Any], results: list[RequestResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in results if r.ok]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].hist([r.ttft * 1000 for r in ok], bins=20)
-    axes[0].set(title="TTFT", xlabel="ms", ylabel="requests")
-    axes[1].hist([r.e2e * 1000 for r in ok], bins=20)
-    axes[1].set(title="E2E latency", xlabel="ms")
-    t0 = min((r.start for r in ok), default=0.0)
-    for r in ok:
-        axes[2].plot([r.start - t0, r.start - t0 + r.e2e], [r.output_tokens] * 2, lw=1)
-    axes[2].set(title="Request timeline", xlabel="s since start", ylabel="output tokens")
-    fig.suptitle(
-        f"{summary['label']}: {summary['output_tokens_per_s']:.1f} output tok/s, "
-        f"p50 TTFT {summary['ttft_ms'].get('p50', 0):.0f} ms, "
-        f"{summary['completed']}/{summary['completed'] + summary['failed']} ok"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
+    try:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+            warmup_ok = await warm_up(client, args, warmup_bodies, stopper)
+            stopped_by, duration = stopper.reason, 0.0
+            if not stopper.event.is_set():  # a stop during the warm-up sends nothing
+                print(f"serve.py: sending {len(bodies)} measured requests", file=sys.stderr)
+                start = time.perf_counter()
+                sender = asyncio.create_task(send_all(client, args, bodies, results))
+                stopped_by = await stopper.race(sender, args.max_duration or None)
+                duration = time.perf_counter() - start
+                await cancel(sender)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return RunOutcome(results, duration, stopped_by, warmup_ok, len(warmup_bodies))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -271,8 +282,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-concurrency", type=int, default=0, help="0: unlimited")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="vLLM extra: generate max_tokens")
+    p.add_argument(
+        "--openai-only",
+        action="store_true",
+        help="send only OpenAI API fields: vLLM extras asked for (--ignore-eos) are left out, "
+        "and the report says so; for servers that reject them",
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent first")
+    p.add_argument(
+        "--max-duration",
+        type=float,
+        default=0.0,
+        help="seconds after the first measured request when the run ends and unfinished "
+        "requests count as not completed; 0: no limit",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--label", default="server")
     p.add_argument("--out", type=Path, required=True, help="path prefix for .json and .png")
@@ -287,14 +312,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     items = build_workload(
         tokenizer, args.num_prompts, args.input_len, args.output_len, args.random_ratio, args.seed
     )
-    results, duration = asyncio.run(run_workload(args, items))
-    summary = summarize(args, items, results, duration, tokenizer)
+    # Different prompts from the measured ones, so the warm-up fills no prefix cache for them.
+    warmup_items = build_workload(tokenizer, args.warmup, 16, 4, 0.0, args.seed + 2)
+    extras = requested_extras(args)
+    bodies = [request_body(args, item, extras["sent"]) for item in items]
+    warmup_bodies = [request_body(args, item, extras["sent"]) for item in warmup_items]
+    outcome = asyncio.run(run_workload(args, bodies, warmup_bodies))
+    count_output_tokens(outcome.results, tokenizer)
+    summary = summarize(args, [i.prompt_tokens for i in items], outcome, extras)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    json_path = args.out.with_suffix(".json")
-    json_path.write_text(
-        json.dumps({"summary": summary, "requests": [asdict(r) for r in results]}, indent=1)
+    requests = [asdict(r) for r in outcome.results]
+    args.out.with_suffix(".json").write_text(
+        json.dumps({"summary": summary, "requests": requests}, indent=1)
     )
-    plot(summary, results, args.out.with_suffix(".png"))
+    plot(summary, outcome.results, args.out.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
     return summary
 
