@@ -22,7 +22,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="alias, local dir, .gguf file or hub id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"]
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="CPU KV cache size, GiB")
@@ -37,10 +39,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scheduler", default=None,
-                   help="scheduler host:port to join with RegisterWorker (retried until it answers)")
-    p.add_argument("--advertise-address", default=None,
-                   help="host:port the scheduler should dial (default: --host:--port)")
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        help="scheduler host:port to join with RegisterWorker (retried until it answers)",
+    )
+    p.add_argument(
+        "--advertise-address",
+        default=None,
+        help="host:port the scheduler should dial (default: --host:--port)",
+    )
     return p.parse_args(argv)
 
 
@@ -110,12 +118,20 @@ async def register_with_scheduler(scheduler: str, advertised: str) -> None:
                 reply = await stub.RegisterWorker(
                     scheduler_pb2.RegisterWorkerRequest(address=advertised), timeout=5
                 )
-                log.info("registered with scheduler", scheduler=scheduler,
-                         replica=reply.replica_id, advertised=advertised)
+                log.info(
+                    "registered with scheduler",
+                    scheduler=scheduler,
+                    replica=reply.replica_id,
+                    advertised=advertised,
+                )
                 return
             except grpc.aio.AioRpcError as exc:
-                log.warning("scheduler not reachable, retrying", scheduler=scheduler,
-                            code=exc.code().name, retry_in_s=delay)
+                log.warning(
+                    "scheduler not reachable, retrying",
+                    scheduler=scheduler,
+                    code=exc.code().name,
+                    retry_in_s=delay,
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 

@@ -11,7 +11,7 @@ GiB = 1 << 30
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DeviceName = Literal["auto", "cpu", "cuda"]
-AttentionBackendName = Literal["auto", "triton", "torch"]
+AttentionBackendName = Literal["auto", "cpu", "triton", "torch"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -62,9 +62,9 @@ class WorkerConfig:
             raise WorkerConfigError("dtype", f"must be auto|{'|'.join(_DTYPES)}, got {self.dtype}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise WorkerConfigError("device", f"must be auto|cpu|cuda, got {self.device}")
-        if self.attention_backend not in ("auto", "triton", "torch"):
+        if self.attention_backend not in ("auto", "cpu", "triton", "torch"):
             raise WorkerConfigError(
-                "attention_backend", f"must be auto|triton|torch, got {self.attention_backend}"
+                "attention_backend", f"must be auto|cpu|triton|torch, got {self.attention_backend}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise WorkerConfigError(

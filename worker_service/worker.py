@@ -10,7 +10,7 @@ import torch
 
 from llmserve.model_spec import resolve_model
 from llmserve.steps import StepInput, StepResult
-from worker_service.attention import get_backend_class
+from worker_service.attention import AttentionSpec, get_backend_class
 from worker_service.attention.base import AttentionBackend
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
 from worker_service.config import WorkerConfig
@@ -75,7 +75,10 @@ class Worker:
         hf_model = hf_model.to(device=self.device, dtype=self.dtype)
         self._model = LlamaModel.from_hf(hf_model, max_positions=max_len)
         eos = _eos_ids(hf_model)
-        backend_cls = get_backend_class(self.config.attention_backend, self.device)
+        spec = AttentionSpec(
+            self.device, self.dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim
+        )
+        backend_cls = get_backend_class(self.config.attention_backend, spec)
         self._info = ModelInfo(
             model=self.config.model,
             architecture=arch.architecture,

@@ -28,8 +28,11 @@ PROMPTS = [
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Worker, Any]:
+@pytest.fixture(scope="module", params=["cpu", "torch"])
+def tiny(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Worker, Any]:
+    """A worker on each CPU attention backend (native kernels, plain torch), and HF's model."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=128,
@@ -48,8 +51,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Worker, Any]:
     path = tmp_path_factory.mktemp("tiny") / "llama"
     hf.save_pretrained(path)
     hf.generation_config.eos_token_id = None
-    worker = Worker(WorkerConfig(model=str(path), block_size=BLOCK, num_threads=1))
+    worker = Worker(
+        WorkerConfig(
+            model=str(path), block_size=BLOCK, num_threads=1, attention_backend=request.param
+        )
+    )
     worker.load_model()
+    assert worker.model_info.attention_backend == request.param
     return worker, hf.eval()
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
-from worker_service.attention import get_backend_class
+from worker_service.attention import AttentionSpec, get_backend_class
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
@@ -134,7 +134,7 @@ def test_triton_backend_matches_torch_greedy(tiny_llama_dir: Path) -> None:
     assert triton_logprobs == pytest.approx(torch_logprobs, abs=1e-4)
 
 
-def test_auto_picks_torch_on_cpu_and_triton_is_selectable() -> None:
-    cpu = torch.device("cpu")
-    assert get_backend_class("auto", cpu).name == "torch"
+def test_auto_picks_the_native_kernels_on_cpu_and_triton_is_selectable() -> None:
+    cpu = AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 32)
+    assert get_backend_class("auto", cpu).name == "cpu"
     assert get_backend_class("triton", cpu).name == "triton"  # interpreted here

@@ -7,6 +7,7 @@ from worker_service.attention.base import (
     AttentionBackend,
     AttentionBackendError,
     AttentionMetadata,
+    AttentionSpec,
     get_backend_class,
     register_backend,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionBackendError",
     "AttentionMetadata",
+    "AttentionSpec",
     "get_backend_class",
     "register_backend",
 ]

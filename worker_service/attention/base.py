@@ -24,6 +24,17 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """What a backend is asked to run: one model's attention shape on one device."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Per-step inputs shared by all layers. Built once per step by the model runner.
@@ -91,16 +102,22 @@ class AttentionBackend(ABC):
         """Write key/value into their slots, then attend every query to its sequence."""
 
     @classmethod
-    def is_available(cls, device: torch.device) -> bool:
-        """Whether this backend can run on `device` in this environment."""
-        return True
+    def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
+        """Why this backend cannot run `spec` in this environment, or None when it can."""
+        return None
 
 
 BackendFactory = Callable[[int, int, int, float], AttentionBackend]
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
-# Optional backends live in modules imported on first use (they may need CUDA or Triton).
-_LAZY_MODULES: dict[str, str] = {"triton": "worker_service.attention.triton_backend"}
+# Optional backends live in modules imported on first use (they may need CUDA, Triton or a
+# C++ compiler).
+_LAZY_MODULES: dict[str, str] = {
+    "cpu": "worker_service.attention.cpu_backend",
+    "triton": "worker_service.attention.triton_backend",
+}
+# What `auto` tries, in order, per device type; `torch` runs everywhere.
+_AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton",), "cpu": ("cpu",)}
 
 
 class AttentionBackendError(RuntimeError):
@@ -113,18 +130,19 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
-def get_backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
-    """Resolve `auto|triton|torch` to a backend class that runs on `device`.
+def get_backend_class(name: str, spec: AttentionSpec) -> type[AttentionBackend]:
+    """Resolve `auto|cpu|triton|torch` to a backend class that can run `spec`.
 
-    `auto` picks `triton` on CUDA when its module is present and available, else `torch`.
+    `auto` picks `triton` on CUDA and the native `cpu` kernels on CPU when they can run the
+    model here, else `torch`.
     """
     if name == "auto":
-        if device.type == "cuda":
+        for candidate in _AUTO_ORDER.get(spec.device.type, ()):
             try:
-                return get_backend_class("triton", device)
+                return get_backend_class(candidate, spec)
             except AttentionBackendError:
                 pass
-        return get_backend_class("torch", device)
+        return get_backend_class("torch", spec)
     if name not in _REGISTRY and name in _LAZY_MODULES:
         import importlib
 
@@ -138,6 +156,7 @@ def get_backend_class(name: str, device: torch.device) -> type[AttentionBackend]
         known = sorted({*_REGISTRY, *_LAZY_MODULES})
         raise AttentionBackendError(f"unknown attention backend {name!r}; known: {known}")
     cls = _REGISTRY[name]
-    if not cls.is_available(device):
-        raise AttentionBackendError(f"attention backend {name!r} cannot run on {device}")
+    reason = cls.unsupported_reason(spec)
+    if reason is not None:
+        raise AttentionBackendError(f"attention backend {name!r} cannot run here: {reason}")
     return cls

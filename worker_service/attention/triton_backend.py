@@ -15,7 +15,12 @@ from __future__ import annotations
 import torch
 
 import kernels
-from worker_service.attention.base import AttentionBackend, AttentionMetadata, register_backend
+from worker_service.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    register_backend,
+)
 
 
 @register_backend
@@ -62,5 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     @classmethod
-    def is_available(cls, device: torch.device) -> bool:
-        return kernels.supports_device(device)
+    def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
+        if not kernels.supports_device(spec.device):
+            return f"the Triton kernels cannot run on {spec.device} (CPU needs TRITON_INTERPRET=1)"
+        return None

@@ -1,14 +1,23 @@
-"""The torch attention backend against a per-sequence reference, and backend selection."""
+"""The CPU attention backends (torch, native) against a per-sequence reference, and backend
+selection."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from worker_service.attention import AttentionBackendError, AttentionMetadata, get_backend_class
+from worker_service.attention import (
+    AttentionBackendError,
+    AttentionMetadata,
+    AttentionSpec,
+    get_backend_class,
+)
 from worker_service.attention.torch_backend import TorchAttentionBackend
 
-BS, H, KVH, D = 4, 6, 2, 8
+BS, H, KVH, D = 4, 6, 2, 32
+CPU_SPEC = AttentionSpec(torch.device("cpu"), torch.float32, H, KVH, D)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int) -> torch.Tensor:
@@ -22,7 +31,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int) -
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_mixed_batch_of_chunks_prefix_hits_and_decodes() -> None:
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_mixed_batch_of_chunks_prefix_hits_and_decodes(backend_name: str) -> None:
     torch.manual_seed(0)
     # (context already cached, new tokens): two prefills (one over a prefix), three decodes.
     seqs = [(0, 7), (5, 6), (9, 1), (3, 1), (14, 1)]
@@ -65,7 +75,7 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes() -> None:
         max_decode_seq_len=15,
         block_size=BS,
     )
-    backend = TorchAttentionBackend(H, KVH, D, D**-0.5)
+    backend = get_backend_class(backend_name, CPU_SPEC)(H, KVH, D, D**-0.5)
     backend.begin_step(meta)
     out = backend.forward(
         torch.cat(queries),
@@ -88,11 +98,20 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes() -> None:
     assert torch.equal(flat_k[torch.tensor(slots)], new_k)
 
 
-def test_auto_is_torch_on_cpu() -> None:
-    assert get_backend_class("auto", torch.device("cpu")) is TorchAttentionBackend
-    assert get_backend_class("torch", torch.device("cpu")) is TorchAttentionBackend
+def test_auto_is_the_native_backend_on_cpu_and_torch_where_it_cannot_run() -> None:
+    assert get_backend_class("auto", CPU_SPEC).name == "cpu"
+    assert get_backend_class("torch", CPU_SPEC) is TorchAttentionBackend
+    # fp16 and a head size without a native kernel fall back to torch under auto ...
+    for spec in (
+        replace(CPU_SPEC, dtype=torch.float16),
+        replace(CPU_SPEC, head_dim=80),
+    ):
+        assert get_backend_class("auto", spec) is TorchAttentionBackend
+        # ... and are refused with the reason when asked for by name.
+        with pytest.raises(AttentionBackendError, match="cannot run here: unsupported"):
+            get_backend_class("cpu", spec)
 
 
 def test_unknown_backend_lists_the_known_ones() -> None:
-    with pytest.raises(AttentionBackendError, match="known: \\['torch', 'triton'\\]"):
-        get_backend_class("flash", torch.device("cpu"))
+    with pytest.raises(AttentionBackendError, match="known: \\['cpu', 'torch', 'triton'\\]"):
+        get_backend_class("flash", CPU_SPEC)

@@ -70,4 +70,4 @@ def test_model_info(tiny_model_dir: dict[str, Path]) -> None:
         "float32",
         4,
     )
-    assert (info.device, info.attention_backend, info.vocab_size) == ("cpu", "torch", 128)
+    assert (info.device, info.attention_backend, info.vocab_size) == ("cpu", "cpu", 128)

@@ -1,0 +1,523 @@
+// Paged attention for CPUs: decode and (chunked, prefix-cached) prefill over the paged KV cache.
+//
+// Cache layout per layer, as everywhere in llmserve: key and value caches are
+// [num_blocks, block_size, num_kv_heads, head_dim]; token t of a sequence lives in block
+// block_table[t / block_size] at offset t % block_size. The kernels read K/V straight from the
+// blocks: no gathered copy of a sequence's context is ever made, so each cached byte is read
+// once per layer (decode attention is bound by that traffic).
+//
+// Arithmetic is fp32 whatever the storage type (float or bfloat16). Vectors are GCC vector
+// extensions of 16 floats: one AVX-512 register where the CPU has it, split by the compiler
+// otherwise. The library is built by kernels/cpu/__init__.py with -march=native and OpenMP;
+// OpenMP resolves to the libgomp that torch has already loaded, so these loops share torch's
+// thread pool instead of competing with it.
+//
+// Entry points (extern "C", called through ctypes):
+//   llmserve_paged_decode   one query token per sequence, attending to its whole context.
+//   llmserve_paged_prefill  a chunk of query tokens per sequence at positions
+//                           context_len .. seq_len - 1, causal over the cached context.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kMaxGroup = 16;  // query heads per kv head
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+using bf16 = uint16_t;
+
+// ---- scalar and vector conversions -------------------------------------------------------
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(bf16 x) {
+  uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store_scalar(float* dst, float x) { *dst = x; }
+
+inline void store_scalar(bf16* dst, float x) {
+  // Round to nearest even, as torch does when casting float32 to bfloat16.
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *dst = bf16((bits >> 16) | 0x40u);  // quiet NaN
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *dst = bf16(bits >> 16);
+}
+
+inline vfloat load(const float* src) {
+  vfloat v;
+  std::memcpy(&v, src, sizeof v);
+  return v;
+}
+
+inline vfloat load(const bf16* src) {
+  vhalf h;
+  std::memcpy(&h, src, sizeof h);
+  vuint bits = __builtin_convertvector(h, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline void store(float* dst, vfloat v) { std::memcpy(dst, &v, sizeof v); }
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+inline float hsum(vfloat v) {
+  vfloat8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  vfloat8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vfloat8 s8 = a + b;
+  vfloat4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+inline float hmax(vfloat v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x) for x <= 0 (softmax arguments after subtracting the maximum), vectorized.
+// 2^(x log2 e) split into 2^n * 2^f with |f| <= 1/2; 2^f by a degree-7 polynomial in f ln 2
+// (relative error below 2e-7, i.e. about one float ulp). Arguments below -87 give 0.
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  vfloat n = x * 1.44269504088896341f;
+  // Round to nearest: adding and subtracting 1.5 * 2^23 (valid for |n| < 2^22).
+  n = (n + 12582912.0f) - 12582912.0f;
+  vfloat r = x - n * 0.693145751953125f;  // ln 2 split in two parts for precision
+  r = r - n * 1.428606765330187e-06f;
+  vfloat p = splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  vint e = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  vfloat result = p * scale;
+  return x <= lo ? vfloat{} : result;
+}
+
+inline float exp_nonpositive(float x) {
+  vfloat v = splat(x);
+  return exp_nonpositive(v)[0];
+}
+
+// Asks for one K or V row (head_dim values) to be brought into the caches.
+template <typename T, int NV>
+inline void prefetch_row(const T* row) {
+  constexpr int kBytes = NV * kLanes * int(sizeof(T));
+  for (int offset = 0; offset < kBytes; offset += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + offset, 0, 1);
+  }
+}
+
+// ---- decode --------------------------------------------------------------------------------
+
+struct DecodeArgs {
+  const void* query;        // [num_seqs, num_heads, head_dim]
+  const void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* value_cache;  // same
+  const int32_t* block_tables;  // [num_seqs, table_stride]
+  int64_t table_stride;
+  const int32_t* seq_lens;  // [num_seqs]
+  void* out;                // [num_seqs, num_heads, head_dim]
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t block_size;
+  float scale;
+  int64_t kv_heads_per_item;  // work split: a sequence's kv heads in chunks of this many
+};
+
+struct DecodeScratch {
+  std::vector<vfloat> query;  // [heads, NV], pre-scaled
+  std::vector<vfloat> acc;    // [heads, NV]
+  std::vector<float> scores;  // [heads, len]
+  std::vector<float> max;     // [heads]
+};
+
+// One sequence and its kv heads [h_begin, h_end). The rows of those heads for one token are
+// adjacent in the cache, and a block holds block_size tokens back to back, so with all heads
+// in one item a block is one contiguous run of memory. Pass 1 scores every key (kept, heads x
+// len floats), then softmax, then pass 2 sums the value rows. Within a block the loops go
+// head by head so that a head's query (or accumulator) stays in registers; the same rows of
+// the next block are prefetched meanwhile, since blocks sit anywhere in the cache and the
+// hardware prefetcher stalls at every block boundary.
+template <typename T, int NV>
+void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_end,
+                  DecodeScratch& scratch) {
+  constexpr int kHeadDim = NV * kLanes;
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t len = a.seq_lens[seq];
+  const int64_t heads = (h_end - h_begin) * group;  // query heads of this item
+  const int64_t token_stride = a.num_kv_heads * kHeadDim;
+  const int64_t block_stride = a.block_size * token_stride;
+  const int32_t* table = a.block_tables + seq * a.table_stride;
+  const T* keys = static_cast<const T*>(a.key_cache) + h_begin * kHeadDim;
+  const T* values = static_cast<const T*>(a.value_cache) + h_begin * kHeadDim;
+  const int64_t first_head = seq * a.num_heads + h_begin * group;
+  const T* query = static_cast<const T*>(a.query) + first_head * kHeadDim;
+  T* out = static_cast<T*>(a.out) + first_head * kHeadDim;
+
+  if (len <= 0) {
+    for (int64_t i = 0; i < heads * kHeadDim; ++i) store_scalar(out + i, 0.0f);
+    return;
+  }
+  scratch.query.resize(size_t(heads * NV));
+  scratch.acc.assign(size_t(heads * NV), vfloat{});
+  scratch.scores.resize(size_t(heads * len));
+  scratch.max.assign(size_t(heads), -std::numeric_limits<float>::infinity());
+  vfloat* q_all = scratch.query.data();
+  vfloat* acc_all = scratch.acc.data();
+  float* scores = scratch.scores.data();
+  for (int64_t i = 0; i < heads; ++i) {
+    for (int c = 0; c < NV; ++c) q_all[i * NV + c] = load(query + i * kHeadDim + c * kLanes) * a.scale;
+  }
+
+  // Pass 1: scores[head * len + t] = q_head . k_t
+  for (int64_t start = 0, b = 0; start < len; start += a.block_size, ++b) {
+    const int64_t n = std::min(a.block_size, len - start);
+    const int64_t block = int64_t(table[b]) * block_stride;
+    const int64_t next = start + a.block_size < len ? int64_t(table[b + 1]) * block_stride : -1;
+    for (int64_t h = 0; h < h_end - h_begin; ++h) {
+      vfloat q[kMaxGroup][NV];
+      float m[kMaxGroup];
+      for (int64_t g = 0; g < group; ++g) {
+        for (int c = 0; c < NV; ++c) q[g][c] = q_all[(h * group + g) * NV + c];
+        m[g] = scratch.max[size_t(h * group + g)];
+      }
+      for (int64_t o = 0; o < n; ++o) {
+        const int64_t row = o * token_stride + h * kHeadDim;
+        if (next >= 0) prefetch_row<T, NV>(keys + next + row);
+        vfloat k[NV];
+        for (int c = 0; c < NV; ++c) k[c] = load(keys + block + row + c * kLanes);
+        for (int64_t g = 0; g < group; ++g) {
+          vfloat dot = q[g][0] * k[0];
+          for (int c = 1; c < NV; ++c) dot += q[g][c] * k[c];
+          const float score = hsum(dot);
+          scores[(h * group + g) * len + start + o] = score;
+          m[g] = std::max(m[g], score);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) scratch.max[size_t(h * group + g)] = m[g];
+    }
+  }
+
+  // Softmax numerators in place; keep 1 / their sum.
+  for (int64_t i = 0; i < heads; ++i) {
+    float* row = scores + i * len;
+    const float m = scratch.max[size_t(i)];
+    vfloat total = vfloat{};
+    int64_t t = 0;
+    for (; t + kLanes <= len; t += kLanes) {
+      const vfloat e = exp_nonpositive(load(row + t) - m);
+      store(row + t, e);
+      total += e;
+    }
+    float tail = 0.0f;
+    for (; t < len; ++t) {
+      row[t] = exp_nonpositive(row[t] - m);
+      tail += row[t];
+    }
+    scratch.max[size_t(i)] = 1.0f / (hsum(total) + tail);  // now the normalizer
+  }
+
+  // Pass 2: out_head = sum_t p_head,t v_t / sum_t p_head,t
+  for (int64_t start = 0, b = 0; start < len; start += a.block_size, ++b) {
+    const int64_t n = std::min(a.block_size, len - start);
+    const int64_t block = int64_t(table[b]) * block_stride;
+    const int64_t next = start + a.block_size < len ? int64_t(table[b + 1]) * block_stride : -1;
+    for (int64_t h = 0; h < h_end - h_begin; ++h) {
+      vfloat acc[kMaxGroup][NV];
+      for (int64_t g = 0; g < group; ++g)
+        for (int c = 0; c < NV; ++c) acc[g][c] = acc_all[(h * group + g) * NV + c];
+      for (int64_t o = 0; o < n; ++o) {
+        const int64_t row = o * token_stride + h * kHeadDim;
+        if (next >= 0) prefetch_row<T, NV>(values + next + row);
+        vfloat v[NV];
+        for (int c = 0; c < NV; ++c) v[c] = load(values + block + row + c * kLanes);
+        for (int64_t g = 0; g < group; ++g) {
+          const vfloat p = splat(scores[(h * group + g) * len + start + o]);
+          for (int c = 0; c < NV; ++c) acc[g][c] += p * v[c];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int c = 0; c < NV; ++c) acc_all[(h * group + g) * NV + c] = acc[g][c];
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    const float inv = scratch.max[size_t(i)];
+    for (int c = 0; c < NV; ++c) {
+      const vfloat r = acc_all[i * NV + c] * inv;
+      for (int l = 0; l < kLanes; ++l) store_scalar(out + i * kHeadDim + c * kLanes + l, r[l]);
+    }
+  }
+}
+
+template <typename T, int NV>
+void decode(const DecodeArgs& a) {
+  const int64_t per_item = std::max<int64_t>(1, std::min(a.kv_heads_per_item, a.num_kv_heads));
+  const int64_t chunks = (a.num_kv_heads + per_item - 1) / per_item;
+  const int64_t items = a.num_seqs * chunks;
+#pragma omp parallel
+  {
+    DecodeScratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t seq = item / chunks;
+      const int64_t h_begin = (item % chunks) * per_item;
+      decode_range<T, NV>(a, seq, h_begin, std::min(h_begin + per_item, a.num_kv_heads), scratch);
+    }
+  }
+}
+
+// ---- prefill -------------------------------------------------------------------------------
+
+struct PrefillArgs {
+  const void* query;  // [num_tokens, num_heads, head_dim], sequences back to back
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_seqs, table_stride]
+  int64_t table_stride;
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const int32_t* seq_lens;         // [num_seqs], cached context + this chunk
+  void* out;                       // [num_tokens, num_heads, head_dim]
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t block_size;
+  float scale;
+};
+
+constexpr int kQueryTile = 16;  // query tokens per work item (times the group's heads)
+
+// Per-thread scratch for prefill tiles; grows to the largest tile once.
+struct PrefillScratch {
+  std::vector<float> query;  // [vectors, head_dim], pre-scaled
+  std::vector<vfloat> acc;   // [vectors, NV]
+  std::vector<float> run_max;
+  std::vector<float> run_sum;
+};
+
+// Flash-style: for a tile of query tokens and one kv head, walk key tiles of kLanes tokens
+// with an online softmax. Each key tile is loaded once (transposed for the scores, row-major
+// for the values) and used by every query vector of the tile, so the inner loops are plain
+// broadcast-multiply-adds with no horizontal sums.
+template <typename T, int NV>
+void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t tile,
+                  PrefillScratch& scratch) {
+  constexpr int kHeadDim = NV * kLanes;
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t q_begin = a.query_start_loc[seq];
+  const int64_t q_len = a.query_start_loc[seq + 1] - q_begin;
+  const int64_t seq_len = a.seq_lens[seq];
+  const int64_t context = seq_len - q_len;
+  const int64_t first = tile * kQueryTile;  // within the chunk
+  const int64_t rows = std::min<int64_t>(kQueryTile, q_len - first);
+  const int64_t token_stride = a.num_kv_heads * kHeadDim;
+  const int64_t block_stride = a.block_size * token_stride;
+  const int32_t* table = a.block_tables + seq * a.table_stride;
+  const T* keys = static_cast<const T*>(a.key_cache) + kv_head * kHeadDim;
+  const T* values = static_cast<const T*>(a.value_cache) + kv_head * kHeadDim;
+
+  const int64_t vectors = rows * group;  // query vector r * group + g
+  scratch.query.resize(size_t(vectors * kHeadDim));
+  scratch.acc.resize(size_t(vectors * NV));
+  scratch.run_max.resize(size_t(vectors));
+  scratch.run_sum.resize(size_t(vectors));
+  float* q = scratch.query.data();
+  vfloat* acc = scratch.acc.data();
+  float* run_max = scratch.run_max.data();
+  float* run_sum = scratch.run_sum.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = static_cast<const T*>(a.query) +
+                   ((q_begin + first + r) * a.num_heads + kv_head * group) * kHeadDim;
+    for (int64_t i = 0; i < group * kHeadDim; ++i) {
+      q[r * group * kHeadDim + i] = to_float(src[i]) * a.scale;
+    }
+  }
+  for (int64_t qv = 0; qv < vectors; ++qv) {
+    for (int c = 0; c < NV; ++c) acc[qv * NV + c] = vfloat{};
+    run_max[qv] = -std::numeric_limits<float>::infinity();
+    run_sum[qv] = 0.0f;
+  }
+
+  // Keys visible to the tile's last query token: positions 0 .. context + first + rows - 1.
+  const int64_t key_end = context + first + rows;
+  alignas(64) float kt[kHeadDim][kLanes];  // key tile, transposed
+  alignas(64) float vt[kLanes][kHeadDim];  // value tile
+  for (int64_t k0 = 0; k0 < key_end; k0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, key_end - k0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = k0 + j;
+      const int64_t offset = int64_t(table[pos / a.block_size]) * block_stride +
+                             (pos % a.block_size) * token_stride;
+      const T* krow = keys + offset;
+      const T* vrow = values + offset;
+      for (int d = 0; d < kHeadDim; ++d) {
+        kt[d][j] = to_float(krow[d]);
+        vt[j][d] = to_float(vrow[d]);
+      }
+    }
+    for (int64_t j = n; j < kLanes; ++j) {
+      for (int d = 0; d < kHeadDim; ++d) kt[d][j] = 0.0f;
+      for (int d = 0; d < kHeadDim; ++d) vt[j][d] = 0.0f;
+    }
+    const vint key_pos = vint{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + int32_t(k0);
+    for (int64_t qv = 0; qv < vectors; ++qv) {
+      const int64_t q_pos = context + first + qv / group;
+      if (k0 > q_pos) continue;  // the whole key tile is in this query's future
+      const float* qrow = q + qv * kHeadDim;
+      vfloat s = vfloat{};
+      for (int d = 0; d < kHeadDim; ++d) s += qrow[d] * load(kt[d]);
+      const vint visible = key_pos <= int32_t(q_pos);
+      s = visible ? s : splat(-std::numeric_limits<float>::infinity());
+      const float new_max = std::max(run_max[qv], hmax(s));
+      const float correction = exp_nonpositive(run_max[qv] - new_max);
+      const vfloat p = exp_nonpositive(s - new_max);
+      run_sum[qv] = run_sum[qv] * correction + hsum(p);
+      run_max[qv] = new_max;
+      vfloat o[NV];
+      for (int c = 0; c < NV; ++c) o[c] = acc[qv * NV + c] * correction;
+      for (int j = 0; j < n; ++j) {
+        const vfloat pj = splat(p[j]);
+        for (int c = 0; c < NV; ++c) o[c] += pj * load(vt[j] + c * kLanes);
+      }
+      for (int c = 0; c < NV; ++c) acc[qv * NV + c] = o[c];
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = static_cast<T*>(a.out) +
+             ((q_begin + first + r) * a.num_heads + kv_head * group) * kHeadDim;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t qv = r * group + g;
+      const float inv = 1.0f / run_sum[qv];
+      for (int c = 0; c < NV; ++c) {
+        const vfloat v = acc[qv * NV + c] * inv;
+        for (int i = 0; i < kLanes; ++i) store_scalar(dst + g * kHeadDim + c * kLanes + i, v[i]);
+      }
+    }
+  }
+}
+
+template <typename T, int NV>
+void prefill(const PrefillArgs& a) {
+  // Work items are (query tile, kv head); tiles of later queries see more keys, so they are
+  // handed out dynamically, last (largest) first.
+  std::vector<int64_t> tile_start(size_t(a.num_seqs + 1), 0);
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    tile_start[size_t(s + 1)] = tile_start[size_t(s)] + (q_len + kQueryTile - 1) / kQueryTile;
+  }
+  const int64_t items = tile_start[size_t(a.num_seqs)] * a.num_kv_heads;
+#pragma omp parallel
+  {
+    PrefillScratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = items - 1; item >= 0; --item) {
+      const int64_t flat_tile = item / a.num_kv_heads;
+      const int64_t kv_head = item % a.num_kv_heads;
+      const int64_t seq = int64_t(std::upper_bound(tile_start.begin(), tile_start.end(),
+                                                   flat_tile) -
+                                  tile_start.begin() - 1);
+      prefill_tile<T, NV>(a, seq, kv_head, flat_tile - tile_start[size_t(seq)], scratch);
+    }
+  }
+}
+
+// ---- dispatch ------------------------------------------------------------------------------
+
+template <template <typename, int> class F, typename Args>
+int dispatch(int dtype, int64_t head_dim, const Args& args) {
+  // dtype: 0 = float32, 1 = bfloat16. Returns 0 on success, -1 for an unsupported shape.
+#define LLMSERVE_CASE(T, NV)           \
+  if (head_dim == NV * kLanes) {       \
+    F<T, NV>::run(args);               \
+    return 0;                          \
+  }
+  if (dtype == 0) {
+    LLMSERVE_CASE(float, 1)
+    LLMSERVE_CASE(float, 2)
+    LLMSERVE_CASE(float, 4)
+    LLMSERVE_CASE(float, 6)
+    LLMSERVE_CASE(float, 8)
+    LLMSERVE_CASE(float, 16)
+  } else if (dtype == 1) {
+    LLMSERVE_CASE(bf16, 1)
+    LLMSERVE_CASE(bf16, 2)
+    LLMSERVE_CASE(bf16, 4)
+    LLMSERVE_CASE(bf16, 6)
+    LLMSERVE_CASE(bf16, 8)
+    LLMSERVE_CASE(bf16, 16)
+  }
+#undef LLMSERVE_CASE
+  return -1;
+}
+
+template <typename T, int NV>
+struct DecodeOp {
+  static void run(const DecodeArgs& a) { decode<T, NV>(a); }
+};
+
+template <typename T, int NV>
+struct PrefillOp {
+  static void run(const PrefillArgs& a) { prefill<T, NV>(a); }
+};
+
+}  // namespace
+
+extern "C" {
+
+int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const void* key_cache,
+                          const void* value_cache, const int32_t* block_tables,
+                          int64_t table_stride, const int32_t* seq_lens, void* out,
+                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t block_size, float scale, int64_t kv_heads_per_item) {
+  const DecodeArgs args{query,     key_cache, value_cache, block_tables, table_stride,
+                        seq_lens,  out,       num_seqs,    num_heads,    num_kv_heads,
+                        block_size, scale,    kv_heads_per_item};
+  return dispatch<DecodeOp>(dtype, head_dim, args);
+}
+
+int llmserve_paged_prefill(int dtype, int64_t head_dim, const void* query, const void* key_cache,
+                           const void* value_cache, const int32_t* block_tables,
+                           int64_t table_stride, const int32_t* query_start_loc,
+                           const int32_t* seq_lens, void* out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                           float scale) {
+  const PrefillArgs args{query,    key_cache, value_cache, block_tables, table_stride,
+                         query_start_loc, seq_lens, out,  num_seqs,     num_heads,
+                         num_kv_heads, block_size, scale};
+  return dispatch<PrefillOp>(dtype, head_dim, args);
+}
+
+int llmserve_max_group() { return 16; }
+
+}  // extern "C"
