@@ -41,6 +41,15 @@ def _stop_early(
     return worst_finished >= best_possible
 
 
+def _append(
+    seq: Sequence, token: TokenLogprob, top: list[TokenLogprob], keep_logprobs: bool
+) -> None:
+    if keep_logprobs:
+        seq.append_sample(SampleLogprobs(token, top))
+    else:
+        seq.append_token(token)
+
+
 def process_beam_group(
     seq_group: SequenceGroup,
     sampled: list[tuple[Sequence, SequenceOutput]],
@@ -53,6 +62,7 @@ def process_beam_group(
     params = seq_group.sampling_params
     beam_width = params.num_sampled
     lp = params.length_penalty
+    keep_logprobs = params.logprobs is not None
 
     old_finished = seq_group.get_finished_seqs()
     candidates: list[tuple[float, int, int, Sequence, TokenLogprob, list[TokenLogprob]]] = []
@@ -74,13 +84,13 @@ def process_beam_group(
             continue
         child = parent.fork(next(seq_counter), seq_group.next_seq_index)
         seq_group.next_seq_index += 1
-        child.append_sample(SampleLogprobs(sample, top))
+        _append(child, sample, top, keep_logprobs)
         check_stop(child, params, max_model_len)
         extensions.append((child, parent))
     for parent, _ in sampled:
         ext = parent_ext.get(parent.seq_id)
         if ext is not None:
-            parent.append_sample(SampleLogprobs(*ext))
+            _append(parent, *ext, keep_logprobs)
             check_stop(parent, params, max_model_len)
             extensions.append((parent, parent))
 

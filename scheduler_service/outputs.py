@@ -68,8 +68,10 @@ class RequestOutput:
 
 def check_stop(seq: Sequence, params: SamplingParams, max_model_len: int) -> None:
     """Token-level stops after `seq` appended a token."""
-    token_id = seq.token_ids[-1]
-    output_len = seq.get_output_len()
+    token_ids = seq.token_ids
+    token_id = token_ids[-1]
+    num_tokens = len(token_ids)
+    output_len = num_tokens - seq.num_prompt_tokens
     if output_len >= params.min_tokens and (
         (token_id == seq.eos_token_id and not params.ignore_eos)
         or token_id in params.stop_token_ids
@@ -77,7 +79,7 @@ def check_stop(seq: Sequence, params: SamplingParams, max_model_len: int) -> Non
         seq.status = SequenceStatus.STOPPED
         seq.stop_token_id = token_id
         return
-    if output_len >= params.max_tokens or seq.get_len() >= max_model_len:
+    if output_len >= params.max_tokens or num_tokens >= max_model_len:
         seq.status = SequenceStatus.LENGTH_CAPPED
 
 
@@ -141,49 +143,111 @@ class OutputProcessor:
         by_seq = {o.seq_id: o for o in result.outputs}
         request_outputs: list[RequestOutput] = []
         finished_groups: list[SequenceGroup] = []
-        now: float | None = None
+        now = time.monotonic()
         for scheduled in sched_out.scheduled:
             seq_group = scheduled.seq_group
-            if seq_group.is_finished():  # aborted between schedule and now
+            params = seq_group.sampling_params
+            if (
+                params.best_of == 1
+                and not params.use_beam_search
+                and params.prompt_logprobs is None
+                and len(seq_group.seqs) == 1
+            ):
+                delta = self._process_single(seq_group, by_seq, now)
+            else:
+                delta = self._process_group(seq_group, by_seq, now)
+            if delta is None:
                 continue
-            new_prompt_logprobs = self._take_prompt_logprobs(seq_group, by_seq)
-            sampled: list[tuple[Sequence, SequenceOutput]] = []
-            for seq in seq_group.seqs:
-                if seq.status == _RUNNING and seq.num_computed_tokens == len(seq.token_ids):
-                    out = by_seq.get(seq.seq_id)
-                    if out is None or not out.samples:
-                        raise WorkerOutputError(f"no sample for sequence {seq.seq_id}")
-                    sampled.append((seq, out))
-            if not sampled and new_prompt_logprobs is None:
-                continue
-            num_seqs_before = len(seq_group.seqs)
-            if sampled:
-                if seq_group.metrics.first_token_time is None:
-                    now = now or time.monotonic()
-                    seq_group.metrics.first_token_time = now
-                if seq_group.sampling_params.use_beam_search:
-                    process_beam_group(
-                        seq_group, sampled, self.scheduler, self.seq_counter, self.max_model_len
-                    )
-                else:
-                    self._process_sampling_group(seq_group, sampled)
-                seq_group.has_sampled = True
-            finished = seq_group.is_finished()
-            if finished:
-                now = now or time.monotonic()
-                seq_group.metrics.finished_time = now
+            if delta.finished:
                 finished_groups.append(seq_group)
-            # Without beam search each sampled sequence gained one token; forked children
-            # (appended to the group) hold just their first one.
-            changed = [seq for seq, _ in sampled]
-            changed.extend(seq_group.seqs[num_seqs_before:])
-            delta = self._delta(seq_group, changed, new_prompt_logprobs, finished)
-            if delta is not None:
-                request_outputs.append(delta)
+            request_outputs.append(delta)
         for seq_group in sched_out.ignored:
             request_outputs.append(self._ignored_output(seq_group))
         self.scheduler.free_finished_seq_groups(finished_groups)
         return request_outputs
+
+    def _process_single(
+        self, seq_group: SequenceGroup, by_seq: dict[int, SequenceOutput], now: float
+    ) -> RequestOutput | None:
+        """`_process_group` for the usual request: one sequence that never forks, streamed
+        token by token, no prompt logprobs. It runs for nearly every group every step."""
+        seq = seq_group.seqs[0]
+        if seq.status != _RUNNING or seq.num_computed_tokens != len(seq.token_ids):
+            return None  # finished since it was scheduled, or a prefill chunk short of the end
+        out = by_seq.get(seq.seq_id)
+        if out is None or not out.samples:
+            raise WorkerOutputError(f"no sample for sequence {seq.seq_id}")
+        metrics = seq_group.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        params = seq_group.sampling_params
+        sample = out.samples[0]
+        want_logprobs = params.logprobs is not None
+        if want_logprobs:
+            seq.append_sample(SampleLogprobs(sample, out.top_logprobs))
+        else:
+            seq.append_token(sample)
+        check_stop(seq, params, self.max_model_len)
+        seq_group.has_sampled = True
+        status = seq.status
+        finished = status >= SequenceStatus.STOPPED
+        if finished:
+            self.scheduler.free_seq(seq)
+            metrics.finished_time = now
+        choice = CompletionOutput(
+            seq.seq_index,
+            [sample.token_id],
+            seq.cumulative_logprob,
+            [seq.output_logprobs[-1]] if want_logprobs else None,
+            FINISH_REASONS.get(status),
+            seq.stop_token_id,
+        )
+        return RequestOutput(
+            seq_group.request_id,
+            seq_group.prompt_token_ids,
+            [choice],
+            finished,
+            None,
+            None,
+            metrics,
+        )
+
+    def _process_group(
+        self, seq_group: SequenceGroup, by_seq: dict[int, SequenceOutput], now: float
+    ) -> RequestOutput | None:
+        """Append the group's samples (forking, beam search), apply stops, free what finished;
+        returns the request's delta, if it has one."""
+        if seq_group.is_finished():  # aborted between schedule and now
+            return None
+        new_prompt_logprobs = self._take_prompt_logprobs(seq_group, by_seq)
+        sampled: list[tuple[Sequence, SequenceOutput]] = []
+        for seq in seq_group.seqs:
+            if seq.status == _RUNNING and seq.num_computed_tokens == len(seq.token_ids):
+                out = by_seq.get(seq.seq_id)
+                if out is None or not out.samples:
+                    raise WorkerOutputError(f"no sample for sequence {seq.seq_id}")
+                sampled.append((seq, out))
+        if not sampled and new_prompt_logprobs is None:
+            return None
+        num_seqs_before = len(seq_group.seqs)
+        if sampled:
+            if seq_group.metrics.first_token_time is None:
+                seq_group.metrics.first_token_time = now
+            if seq_group.sampling_params.use_beam_search:
+                process_beam_group(
+                    seq_group, sampled, self.scheduler, self.seq_counter, self.max_model_len
+                )
+            else:
+                self._process_sampling_group(seq_group, sampled)
+            seq_group.has_sampled = True
+        finished = seq_group.is_finished()
+        if finished:
+            seq_group.metrics.finished_time = now
+        # Without beam search each sampled sequence gained one token; forked children
+        # (appended to the group) hold just their first one.
+        changed = [seq for seq, _ in sampled]
+        changed.extend(seq_group.seqs[num_seqs_before:])
+        return self._delta(seq_group, changed, new_prompt_logprobs, finished)
 
     def _take_prompt_logprobs(
         self, seq_group: SequenceGroup, by_seq: dict[int, SequenceOutput]
@@ -208,6 +272,7 @@ class OutputProcessor:
         self, seq_group: SequenceGroup, sampled: list[tuple[Sequence, SequenceOutput]]
     ) -> None:
         params = seq_group.sampling_params
+        keep_logprobs = params.logprobs is not None
         scheduler = self.scheduler
         for seq, out in sampled:
             samples = out.samples
@@ -221,12 +286,18 @@ class OutputProcessor:
                 for sample in samples[1:]:
                     child = seq.fork(next(self.seq_counter), seq_group.next_seq_index)
                     seq_group.next_seq_index += 1
-                    child.append_sample(SampleLogprobs(sample, out.top_logprobs))
+                    if keep_logprobs:
+                        child.append_sample(SampleLogprobs(sample, out.top_logprobs))
+                    else:
+                        child.append_token(sample)
                     check_stop(child, params, self.max_model_len)
                     seq_group.add(child)
                     if not child.is_finished():
                         scheduler.fork_seq(seq, child)
-            seq.append_sample(SampleLogprobs(samples[0], out.top_logprobs))
+            if keep_logprobs:
+                seq.append_sample(SampleLogprobs(samples[0], out.top_logprobs))
+            else:
+                seq.append_token(samples[0])
             check_stop(seq, params, self.max_model_len)
             if seq.status >= SequenceStatus.STOPPED:
                 scheduler.free_seq(seq)

@@ -87,6 +87,9 @@ class Sequence:
         self.eos_token_id = eos_token_id
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
+        # One entry per output token when the request asked for logprobs (`append_sample`);
+        # empty otherwise (`append_token`), so a long generation does not keep one object per
+        # token alive for the garbage collector to scan.
         self.output_logprobs: list[SampleLogprobs] = []
         self.cumulative_logprob = 0.0
         # Tokens whose K/V are in the cache (or will be once the scheduled step has run).
@@ -121,9 +124,15 @@ class Sequence:
         self.append_sample(SampleLogprobs(TokenLogprob(token_id, logprobs[token_id], 0)))
 
     def append_sample(self, sample: SampleLogprobs) -> None:
+        """Append a sampled token and keep its logprobs."""
         self.token_ids.append(sample.token.token_id)
         self.output_logprobs.append(sample)
         self.cumulative_logprob += sample.token.logprob
+
+    def append_token(self, token: TokenLogprob) -> None:
+        """Append a sampled token without keeping its logprobs (the request did not ask)."""
+        self.token_ids.append(token.token_id)
+        self.cumulative_logprob += token.logprob
 
     def get_num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
