@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 
 from scheduler_service.block_allocator import BlockAllocator, Device
@@ -100,52 +101,66 @@ class BlockSpaceManager:
 
     # -- running sequences ----------------------------------------------------------------
 
-    def _blocks_needed(self, seq: Sequence) -> int:
-        table = self._tables[seq.seq_id]
-        bs = self.block_size
-        num_blocks = len(table)
-        needed = -(-len(seq.token_ids) // bs) - num_blocks
-        write_index = seq.num_computed_tokens // bs
-        if write_index < num_blocks and self._must_copy(table[write_index]):
-            needed += 1
-        return needed
-
     def _must_copy(self, block_id: int) -> bool:
         # A shared block gets written: copy it first, unless it is a hashed full block, whose
         # content is fixed by its hash (a prefix-cache hit rewriting the same K/V).
         return self.gpu.ref_counts[block_id] > 1 and self.gpu.block_hashes[block_id] is None
 
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
+        """Whether the free device blocks cover every running sequence's new blocks, and a
+        copy of each shared block about to be written."""
+        bs = self.block_size
+        tables = self._tables
+        ref_counts = self.gpu.ref_counts
+        hashes = self.gpu.block_hashes
         needed = 0
         for seq in seq_group.seqs:
             if seq.status == SequenceStatus.RUNNING:
-                needed += self._blocks_needed(seq)
-        return needed <= self.gpu.get_num_free_blocks()
+                table = tables[seq.seq_id]
+                num_blocks = len(table)
+                needed += -(-len(seq.token_ids) // bs) - num_blocks
+                write_index = seq.num_computed_tokens // bs
+                if write_index < num_blocks:
+                    block_id = table[write_index]
+                    if ref_counts[block_id] > 1 and hashes[block_id] is None:  # _must_copy
+                        needed += 1
+        # The usual decode writes into room its last block already has.
+        return needed <= 0 or needed <= self.gpu.get_num_free_blocks()
 
-    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+    def append_slots(
+        self, seq: Sequence, copies: list[tuple[int, int]] | None = None
+    ) -> list[tuple[int, int]]:
         """Extend `seq`'s table to cover all its tokens; copy-on-write the block about to be
-        written if it is shared. Returns the (src, dst) copies."""
+        written if it is shared. Adds the (src, dst) copies to `copies` (a new list if None)
+        and returns it."""
+        if copies is None:
+            copies = []
         bs = self.block_size
+        gpu = self.gpu
         seq_id = seq.seq_id
         table = self._tables[seq_id]
+        num_tokens = len(seq.token_ids)
         old_len = len(table)
-        for _ in range(-(-len(seq.token_ids) // bs) - old_len):
-            table.append(self.gpu.allocate())
-        copies: list[tuple[int, int]] = []
+        if num_tokens > old_len * bs:
+            for _ in range(-(-num_tokens // bs) - old_len):
+                table.append(gpu.allocate())
         write_index = seq.num_computed_tokens // bs
         if write_index < old_len and self._must_copy(table[write_index]):
             src = table[write_index]
-            dst = self.gpu.allocate()
+            dst = gpu.allocate()
             table[write_index] = dst
-            self.gpu.free(src, self.now)
+            gpu.free(src, self.now)
             copies.append((src, dst))
             self._mark_dirty(seq_id, write_index)
-        if self.enable_caching:
+        num_full = num_tokens // bs
+        if self.enable_caching and num_full > write_index:
             # Blocks that the new tokens filled become findable by hash.
-            for i in range(write_index, len(seq.token_ids) // bs):
+            hashes = gpu.block_hashes
+            ref_counts = gpu.ref_counts
+            for i in range(write_index, num_full):
                 block_id = table[i]
-                if self.gpu.block_hashes[block_id] is None and self.gpu.ref_counts[block_id] == 1:
-                    self.gpu.promote(block_id, seq.block_hash(i), (i + 1) * bs)
+                if hashes[block_id] is None and ref_counts[block_id] == 1:
+                    gpu.promote(block_id, seq.block_hash(i), (i + 1) * bs)
         return copies
 
     def _mark_dirty(self, seq_id: int, index: int) -> None:
@@ -157,15 +172,19 @@ class BlockSpaceManager:
         """First table index rewritten in place since the last call (None: only appends)."""
         return self._dirty_from.pop(seq_id, None)
 
+    def has_dirty_tables(self) -> bool:
+        """Whether any table was rewritten in place since its `pop_dirty_from`."""
+        return bool(self._dirty_from)
+
     def mark_computed(self, seq: Sequence) -> None:
         """Record that the K/V of `seq`'s computed tokens exist, so its full hashed blocks
         count as prefix-cache hits from now on."""
         seq_id = seq.seq_id
         start = self._num_marked.get(seq_id)
-        if start is None or seq_id in self._on_cpu:
+        if start is None:
             return
         end = seq.num_computed_tokens // self.block_size
-        if end <= start:
+        if end <= start or seq_id in self._on_cpu:
             return
         table = self._tables[seq_id]
         computed = self.gpu.computed
@@ -261,6 +280,11 @@ class BlockSpaceManager:
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         return self._tables[seq.seq_id]
+
+    @property
+    def block_tables(self) -> Mapping[int, list[int]]:
+        """Every table by seq id, for readers that visit many sequences (do not modify)."""
+        return self._tables
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu.get_num_free_blocks()

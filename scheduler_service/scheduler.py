@@ -118,13 +118,13 @@ class Scheduler:
 
     def on_step_executed(self, outputs: SchedulerOutputs) -> None:
         """Advance the computed-token counts of the scheduled sequences."""
-        bm = self.block_manager
+        mark_computed = self.block_manager.mark_computed
         for scheduled in outputs.scheduled:
             chunk = scheduled.token_chunk_size
             for seq in scheduled.seq_group.seqs:
                 if seq.status == _RUNNING:
                     seq.num_computed_tokens += chunk
-                    bm.mark_computed(seq)
+                    mark_computed(seq)
 
     def get_stats(self) -> SchedulerStats:
         bm = self.block_manager
@@ -162,12 +162,6 @@ class Scheduler:
 
     def _finish(self, out: SchedulerOutputs, budget: SchedulingBudget) -> SchedulerOutputs:
         out.num_batched_tokens = budget.num_tokens
-        now = None
-        for scheduled in out.scheduled:
-            metrics = scheduled.seq_group.metrics
-            if metrics.first_scheduled_time is None:
-                now = now or time.monotonic()
-                metrics.first_scheduled_time = now
         return out
 
     def _schedule(
@@ -179,39 +173,81 @@ class Scheduler:
         for seq in seq_group.seqs:
             if seq.status == _RUNNING:
                 num_seqs += 1
-                cow = append_slots(seq)
-                if cow:
-                    copies.extend(cow)
+                append_slots(seq, copies)
         budget.num_tokens += chunk * num_seqs
         out.scheduled.append(ScheduledGroup(seq_group, chunk))
 
     def _schedule_running(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
-        order = list(self.running)
-        remaining = self.running
+        running = list(self.running)
+        prefills, preempted = self._schedule_decodes(running, budget, out)
+        preempted |= self._schedule_prefill_chunks(prefills, budget, out)
+        if preempted:
+            self.running = deque(g for g in running if g.request_id not in preempted)
+            budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
+
+    def _schedule_decodes(
+        self, running: list[SequenceGroup], budget: SchedulingBudget, out: SchedulerOutputs
+    ) -> tuple[list[SequenceGroup], set[str]]:
+        """One token for each running group past its prompt, in arrival order; when blocks run
+        out, the latest-arrived groups not yet visited are preempted (last of all the group
+        itself). Returns the groups still prefilling and the preempted request ids.
+
+        This loop runs for every running group every step, so it keeps the budget in locals
+        and skips the group-level helpers that `_schedule` goes through.
+        """
+        bm = self.block_manager
+        can_append = bm.can_append_slots
+        append_slots = bm.append_slots
+        copies = out.blocks_to_copy
+        scheduled = out.scheduled
         prefills: list[SequenceGroup] = []
         preempted: set[str] = set()
-        can_append = self.block_manager.can_append_slots
-        while remaining:
-            seq_group = remaining.popleft()
-            budget.num_seqs += seq_group.get_max_num_running_seqs()
-            num_seqs = uncomputed = 0
-            for s in seq_group.seqs:
-                if s.status == _RUNNING:
-                    num_seqs += 1
-                    uncomputed += len(s.token_ids) - s.num_computed_tokens
-            if uncomputed > num_seqs:
+        max_tokens = budget.max_tokens
+        num_tokens = budget.num_tokens
+        num_seqs = budget.num_seqs
+        # running[i:end] are the groups not visited yet; victims are taken from the end.
+        i, end = 0, len(running)
+        while i < end:
+            seq_group = running[i]
+            i += 1
+            num_seqs += seq_group.get_max_num_running_seqs()
+            num_running = uncomputed = 0
+            for seq in seq_group.seqs:
+                if seq.status == _RUNNING:
+                    num_running += 1
+                    uncomputed += len(seq.token_ids) - seq.num_computed_tokens
+            if uncomputed > num_running:
                 prefills.append(seq_group)
                 continue
-            if uncomputed > budget.remaining_tokens:
+            if uncomputed > max_tokens - num_tokens:
                 continue
             while not can_append(seq_group):
-                victim = remaining.pop() if remaining else seq_group
+                if i < end:
+                    end -= 1
+                    victim = running[end]
+                else:
+                    victim = seq_group
                 self._preempt(victim, out)
                 preempted.add(victim.request_id)
                 if victim is seq_group:
                     break
             else:
-                self._schedule(seq_group, 1, budget, out)
+                for seq in seq_group.seqs:
+                    if seq.status == _RUNNING:
+                        append_slots(seq, copies)
+                num_tokens += num_running
+                scheduled.append(ScheduledGroup(seq_group, 1))
+        budget.num_tokens = num_tokens
+        budget.num_seqs = num_seqs
+        return prefills, preempted
+
+    def _schedule_prefill_chunks(
+        self, prefills: list[SequenceGroup], budget: SchedulingBudget, out: SchedulerOutputs
+    ) -> set[str]:
+        """The next chunk of each partially prefilled prompt, while the token budget lasts.
+        Returns the request ids preempted for want of blocks."""
+        can_append = self.block_manager.can_append_slots
+        preempted: set[str] = set()
         for seq_group in prefills:
             seq = next(s for s in seq_group.seqs if s.status == _RUNNING)
             chunk = min(seq.get_len() - seq.num_computed_tokens, budget.remaining_tokens)
@@ -222,11 +258,7 @@ class Scheduler:
                 preempted.add(seq_group.request_id)
                 continue
             self._schedule(seq_group, chunk, budget, out)
-        if preempted:
-            self.running = deque(g for g in order if g.request_id not in preempted)
-            budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
-        else:
-            self.running = deque(order)
+        return preempted
 
     def _schedule_swapped(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
         bm = self.block_manager
@@ -259,6 +291,7 @@ class Scheduler:
         config = self.scheduler_config
         bm = self.block_manager
         chunked = config.enable_chunked_prefill
+        now: float | None = None
         while self.waiting:
             seq_group = self.waiting[0]
             seqs = seq_group.get_seqs(SequenceStatus.WAITING)
@@ -304,6 +337,10 @@ class Scheduler:
             budget.num_seqs += num_new_seqs
             self.running.append(seq_group)
             self._schedule(seq_group, chunk, budget, out)
+            # Running and swapped groups went through here first, so only admissions are new.
+            if seq_group.metrics.first_scheduled_time is None:
+                now = now or time.monotonic()
+                seq_group.metrics.first_scheduled_time = now
 
     def _ignore(self, seq_group: SequenceGroup, reason: str, out: SchedulerOutputs) -> None:
         self.waiting.popleft()

@@ -30,9 +30,6 @@ class StepBuilder:
         self._step_id = 0
 
     def build(self, sched_out: SchedulerOutputs) -> StepInput:
-        scheduler = self.scheduler
-        bm = scheduler.block_manager
-        views = self.views
         step = StepInput(
             step_id=self._step_id,
             blocks_to_swap_out=sched_out.blocks_to_swap_out,
@@ -40,8 +37,19 @@ class StepBuilder:
             blocks_to_copy=sched_out.blocks_to_copy,
         )
         self._step_id += 1
+        fork_parents = self._add_forks(step)
+        self._add_frees(step, fork_parents)
+        self._add_sequences(step, sched_out)
+        return step
 
+    def _add_forks(self, step: StepInput) -> set[int]:
+        """Forks since the last step whose child still lives; returns the parents' ids."""
+        scheduler = self.scheduler
         fork_parents: set[int] = set()
+        if not scheduler.forks:
+            return fork_parents
+        bm = scheduler.block_manager
+        views = self.views
         forks, scheduler.forks = scheduler.forks, []
         for parent, child in forks:
             if not bm.has_table(child):
@@ -50,7 +58,13 @@ class StepBuilder:
             views[child.seq_id] = [parent_view[0], parent_view[1]]
             step.forks.append(Fork(parent.seq_id, child.seq_id, child.seq_index))
             fork_parents.add(parent.seq_id)
+        return fork_parents
 
+    def _add_frees(self, step: StepInput, fork_parents: set[int]) -> None:
+        scheduler = self.scheduler
+        if not (scheduler.freed_seq_ids or self._deferred_frees):
+            return
+        views = self.views
         freed = self._deferred_frees + scheduler.freed_seq_ids
         scheduler.freed_seq_ids = []
         self._deferred_frees = []
@@ -60,6 +74,16 @@ class StepBuilder:
             elif views.pop(seq_id, None) is not None:
                 step.freed_seq_ids.append(seq_id)
 
+    def _add_sequences(self, step: StepInput, sched_out: SchedulerOutputs) -> None:
+        """A `NewSequence` for each scheduled sequence the worker does not hold, a
+        `CachedSequence` (new tokens, table edits) for the others. Runs for every running
+        sequence every step, hence the locals."""
+        bm = self.scheduler.block_manager
+        tables = bm.block_tables
+        pop_dirty_from = bm.pop_dirty_from
+        any_dirty = bm.has_dirty_tables()
+        views = self.views
+        cached_seqs = step.cached_seqs
         for scheduled in sched_out.scheduled:
             seq_group = scheduled.seq_group
             chunk = scheduled.token_chunk_size
@@ -67,18 +91,19 @@ class StepBuilder:
                 if seq.status != _RUNNING:
                     continue
                 seq_id = seq.seq_id
-                table = bm.get_block_table(seq)
+                table = tables[seq_id]
+                tokens = seq.token_ids
                 view = views.get(seq_id)
                 if view is None:
                     step.new_seqs.append(self._new_seq(seq, seq_group, table, chunk))
-                    views[seq_id] = [len(seq.token_ids), len(table)]
-                    bm.pop_dirty_from(seq_id)
+                    views[seq_id] = [len(tokens), len(table)]
+                    if any_dirty:
+                        pop_dirty_from(seq_id)
                     continue
-                tokens = seq.token_ids
                 known_tokens, known_blocks = view
-                dirty = bm.pop_dirty_from(seq_id)
+                dirty = pop_dirty_from(seq_id) if any_dirty else None
                 offset = known_blocks if dirty is None or dirty > known_blocks else dirty
-                step.cached_seqs.append(
+                cached_seqs.append(
                     CachedSequence(
                         seq_id=seq_id,
                         new_token_ids=tokens[known_tokens:],
@@ -89,7 +114,6 @@ class StepBuilder:
                 )
                 view[0] = len(tokens)
                 view[1] = len(table)
-        return step
 
     @staticmethod
     def _new_seq(
