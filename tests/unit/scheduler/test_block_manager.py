@@ -53,6 +53,25 @@ def test_copy_on_write_of_shared_last_block():
     bm.check_invariants()
 
 
+def test_append_slots_adds_copies_to_the_callers_list():
+    bm = BlockSpaceManager(4, 8, 4, watermark=0.0, enable_caching=False)
+    g = make_seq_group("a", [1, 2, 3, 4, 5, 6])
+    parent = g.seqs[0]
+    bm.allocate(g)
+    parent.status = SequenceStatus.RUNNING
+    parent.num_computed_tokens = 6
+    child = parent.fork(77, 1)
+    bm.fork(parent, child)
+    parent.append_token_id(9, {9: -1.0})
+    assert not bm.has_dirty_tables()
+    copies = [(5, 6)]
+    assert bm.append_slots(parent, copies) is copies
+    assert copies == [(5, 6), (1, 2)]
+    assert bm.has_dirty_tables()
+    assert bm.pop_dirty_from(parent.seq_id) == 1
+    assert not bm.has_dirty_tables()
+
+
 def test_swap_out_and_in_map_shared_blocks_once():
     bm = BlockSpaceManager(4, 8, 8, watermark=0.0, enable_caching=False)
     g = make_seq_group("a", [1, 2, 3, 4, 5, 6])

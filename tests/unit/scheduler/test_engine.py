@@ -176,3 +176,30 @@ def test_stats_count_waiting_running_and_usage():
     stats = engine.get_stats()
     assert (stats.num_waiting, stats.num_running, stats.num_swapped) == (0, 2, 0)
     assert stats.gpu_kv_usage == pytest.approx(3 / 16)  # 2 + 1 prompt blocks
+
+
+def test_per_token_logprobs_are_kept_only_when_requested():
+    engine = make_engine(Scripted([5, 6, 7]))
+    engine.add_request("plain", [1, 2, 3], SamplingParams(max_tokens=3))
+    engine.add_request("lp", [1, 2, 4], SamplingParams(max_tokens=3, logprobs=0))
+    plain, lp = (engine.scheduler.get_seq_group(r).seqs[0] for r in ("plain", "lp"))
+    first = {d.request_id: d.outputs[0] for d in engine.step()}
+    second = {d.request_id: d.outputs[0] for d in engine.step()}
+    assert plain.output_logprobs == []
+    assert [s.token.token_id for s in lp.output_logprobs] == [5, 6]
+    assert plain.cumulative_logprob == lp.cumulative_logprob == -2.0
+    assert first["plain"].logprobs is None and second["plain"].logprobs is None
+    assert [s.token.token_id for s in first["lp"].logprobs + second["lp"].logprobs] == [5, 6]
+
+
+def test_first_scheduled_time_is_set_on_admission_only():
+    engine = make_engine(Scripted([5]), max_tokens=8)
+    engine.add_request("a", [1] * 8, SamplingParams(max_tokens=3))  # the whole token budget
+    engine.add_request("b", [2] * 4, SamplingParams(max_tokens=3))
+    a, b = (engine.scheduler.get_seq_group(r).metrics for r in ("a", "b"))
+    engine.step()
+    admitted = a.first_scheduled_time
+    assert admitted is not None and b.first_scheduled_time is None
+    engine.step()
+    assert a.first_scheduled_time == admitted
+    assert b.first_scheduled_time is not None and b.first_scheduled_time >= admitted
