@@ -4,13 +4,17 @@ Drives LLMEngine with N running sequences in steady decode against an executor t
 no model work (it only tracks computed counts and returns one token per sampling sequence),
 and reports the engine's time per step minus the executor's.
 
-    .venv/bin/python bench/scheduler_overhead.py [--seqs 256 1024] [--steps 200]
+    .venv/bin/python bench/scheduler_overhead.py [--seqs 256 1024] [--steps 200] [--repeat 3]
+
+Each run prints the 1-minute load average taken just before it: on a shared machine, compare
+runs made at a low load, and take the best of several.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import statistics
 import time
@@ -105,16 +109,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per size (best mean marked)")
     args = parser.parse_args()
     print(f"python {platform.python_version()} on {platform.machine()}")
-    print("| running seqs | mean ms/iter | p50 ms | p99 ms | us/seq |")
-    print("|---|---|---|---|---|")
+    print("| running seqs | mean ms/iter | p50 ms | p99 ms | us/seq | load (1 min) |")
+    print("|---|---|---|---|---|---|")
     for n in args.seqs:
-        r = measure(n, args.steps)
-        print(
-            f"| {n} | {r['mean_ms']:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-            f"{r['us_per_seq']:.2f} |"
-        )
+        runs = []
+        for _ in range(args.repeat):
+            load = os.getloadavg()[0]
+            runs.append((measure(n, args.steps), load))
+        best = min(range(len(runs)), key=lambda i: runs[i][0]["mean_ms"])
+        for i, (r, load) in enumerate(runs):
+            mark = " (best)" if args.repeat > 1 and i == best else ""
+            print(
+                f"| {n}{mark} | {r['mean_ms']:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                f"{r['us_per_seq']:.2f} | {load:.2f} |"
+            )
 
 
 if __name__ == "__main__":
