@@ -110,11 +110,15 @@ class Scheduler:
         self.forks.append((parent, child))
 
     def free_finished_seq_groups(self, finished: list[SequenceGroup]) -> None:
+        """Forget the groups that finished this step and drop them from `running` (output
+        processing has freed their sequences' blocks)."""
         if not finished:
             return
+        done: set[str] = set()
         for seq_group in finished:
             self._groups.pop(seq_group.request_id, None)
-        self.running = deque(g for g in self.running if not g.is_finished())
+            done.add(seq_group.request_id)
+        self.running = deque(g for g in self.running if g.request_id not in done)
 
     def on_step_executed(self, outputs: SchedulerOutputs) -> None:
         """Advance the computed-token counts of the scheduled sequences."""
