@@ -6,7 +6,7 @@ percentage of the device's peak bandwidth, and the speed-up over the torch refer
 (kernels.reference) and over `scaled_dot_product_attention` on an equivalent contiguous cache.
 Prints a markdown table (append it to bench/RESULTS.md). Without CUDA it says so and exits 0.
 
-    python bench/kernels.py [--dtype bf16] [--quick] [--peak-gbps 3350]
+    python bench/triton_kernels.py [--dtype bf16] [--quick] [--peak-gbps 3350]
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def main() -> int:
     )
     options = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/kernels.py: no CUDA device; the Triton kernels are benchmarked on GPUs only.")
+        print("bench/triton_kernels.py: no CUDA device; the Triton kernels are benchmarked on GPUs only.")
         return 0
 
     dtype = DTYPES[options.dtype]

@@ -237,9 +237,12 @@ class ModelRunner:
                 )
                 for s, _ in inputs.sample_items
             ]
-            row_index = torch.tensor([r for _, r in inputs.sample_items], device=logits.device)
+            sample_rows = [r for _, r in inputs.sample_items]
+            sample_logits = logits
+            if sample_rows != list(range(logits.shape[0])):  # else every logits row samples
+                sample_logits = logits[torch.tensor(sample_rows, device=logits.device)]
             for (s, _), res in zip(
-                inputs.sample_items, self.sampler.sample(logits[row_index], rows), strict=True
+                inputs.sample_items, self.sampler.sample(sample_logits, rows), strict=True
             ):
                 outputs[s.order] = SequenceOutput(s.state.seq_id, res.samples, res.top_logprobs)
         for s, first_row, n, first_pos in inputs.prompt_items:

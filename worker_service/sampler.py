@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu as cpu_kernels
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob, TokenLogprob
 
@@ -64,8 +65,16 @@ class SampleResult:
 class Sampler:
     """Vectorized sampler; `seed` drives the stream of requests that bring no seed."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        seed: int = 0,
+        native_reductions: bool = False,
+    ) -> None:
+        """`native_reductions`: argmax and log-sum-exp by kernels.cpu (CPU logits only)."""
         self.vocab_size = vocab_size
+        self.native_reductions = native_reductions
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -74,7 +83,11 @@ class Sampler:
         logits: torch.Tensor,  # [num_rows, vocab] float32
         rows: list[SamplingRow],
     ) -> list[SampleResult]:
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+        # Raw logprobs are logits - logsumexp: only the entries reported are ever formed.
+        if self.native_reductions:
+            best_token, lse = cpu_kernels.argmax_logsumexp(logits)  # [num_rows] each
+        else:
+            best_token, lse = logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
         adjusted = self._adjust_logits(logits, rows)
         tokens: list[list[int]] = [[] for _ in rows]
         greedy = [
@@ -83,7 +96,11 @@ class Sampler:
         beam = [i for i, r in enumerate(rows) if r.params.use_beam_search]
         random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if greedy:
-            for i, t in zip(greedy, adjusted[greedy].argmax(dim=-1).tolist(), strict=True):
+            if adjusted is logits:  # nothing changed the logits: reuse their argmax
+                greedy_tokens = best_token[greedy] if len(greedy) < len(rows) else best_token
+            else:
+                greedy_tokens = adjusted[greedy].argmax(dim=-1)
+            for i, t in zip(greedy, greedy_tokens.tolist(), strict=True):
                 tokens[i] = [t]
         if beam:
             width2 = max(rows[i].num_samples for i in beam)
@@ -97,7 +114,7 @@ class Sampler:
                 strict=True,
             ):
                 tokens[i] = drawn
-        return self._with_logprobs(raw_logprobs, rows, tokens)
+        return self._with_logprobs(logits, lse, best_token, rows, tokens)
 
     def _adjust_logits(
         self,
@@ -185,22 +202,25 @@ class Sampler:
 
     def _with_logprobs(
         self,
-        raw_logprobs: torch.Tensor,  # [num_rows, vocab] float32
+        logits: torch.Tensor,  # [num_rows, vocab] float32, raw
+        lse: torch.Tensor,  # [num_rows] float32, log-sum-exp of each row
+        best_token: torch.Tensor,  # [num_rows] int64, each row's argmax
         rows: list[SamplingRow],
         tokens: list[list[int]],
     ) -> list[SampleResult]:
         flat_rows = [i for i, ts in enumerate(tokens) for _ in ts]
         flat_tokens = [t for ts in tokens for t in ts]
-        device = raw_logprobs.device
+        device = logits.device
         row_index = torch.tensor(flat_rows, device=device)
         token_index = torch.tensor(flat_tokens, device=device)
-        chosen = raw_logprobs[row_index, token_index]  # [num_samples]
-        # Rank 1 needs no scan over the vocabulary; only other tokens count what beats them.
-        best = raw_logprobs.max(dim=-1).values[row_index]
+        chosen_logit = logits[row_index, token_index]  # [num_samples]
+        chosen = chosen_logit - lse[row_index]
+        # Rank 1 needs no scan over the vocabulary; only other tokens count what beats them
+        # (logprobs order as the logits do).
         ranks = [1] * len(flat_tokens)
-        others = (chosen < best).nonzero()[:, 0]
+        others = (token_index != best_token[row_index]).nonzero()[:, 0]
         if others.numel():
-            beaten = (raw_logprobs[row_index[others]] > chosen[others, None]).sum(dim=-1) + 1
+            beaten = (logits[row_index[others]] > chosen_logit[others, None]).sum(dim=-1) + 1
             for i, r in zip(others.tolist(), beaten.tolist(), strict=True):
                 ranks[i] = r
         chosen_list = chosen.tolist()
@@ -208,7 +228,8 @@ class Sampler:
         tops: dict[int, list[TokenLogprob]] = {}
         if want_top:
             k = max(rows[i].params.logprobs or 0 for i in want_top)
-            values, indices = raw_logprobs[want_top].topk(k, dim=-1)
+            values, indices = logits[want_top].topk(k, dim=-1)
+            values = values - lse[want_top, None]
             for i, vs, ids in zip(want_top, values.tolist(), indices.tolist(), strict=True):
                 n = rows[i].params.logprobs or 0
                 tops[i] = [

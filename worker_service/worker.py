@@ -72,13 +72,17 @@ class Worker:
             max_len = min(max_len, arch.sliding_window)  # full attention is exact up to here
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
-        hf_model = hf_model.to(device=self.device, dtype=self.dtype)
-        self._model = LlamaModel.from_hf(hf_model, max_positions=max_len)
-        eos = _eos_ids(hf_model)
         spec = AttentionSpec(
             self.device, self.dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim
         )
         backend_cls = get_backend_class(self.config.attention_backend, spec)
+        hf_model = hf_model.to(device=self.device, dtype=self.dtype)
+        # The native CPU backend brings the fused elementwise kernels along; `torch` stays
+        # plain torch throughout, as the reference.
+        self._model = LlamaModel.from_hf(
+            hf_model, max_positions=max_len, fused_ops=backend_cls.name == "cpu"
+        )
+        eos = _eos_ids(hf_model)
         self._info = ModelInfo(
             model=self.config.model,
             architecture=arch.architecture,
@@ -94,7 +98,9 @@ class Worker:
         backend: AttentionBackend = backend_cls(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5
         )
-        sampler = Sampler(arch.vocab_size, eos, seed=self.config.seed)
+        sampler = Sampler(
+            arch.vocab_size, eos, seed=self.config.seed, native_reductions=backend_cls.name == "cpu"
+        )
         self._runner = ModelRunner(self._model, backend, sampler, self.config.block_size)
 
     @property

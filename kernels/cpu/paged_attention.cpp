@@ -6,9 +6,8 @@
 // blocks: no gathered copy of a sequence's context is ever made, so each cached byte is read
 // once per layer (decode attention is bound by that traffic).
 //
-// Arithmetic is fp32 whatever the storage type (float or bfloat16). Vectors are GCC vector
-// extensions of 16 floats: one AVX-512 register where the CPU has it, split by the compiler
-// otherwise. The library is built by kernels/cpu/__init__.py with -march=native and OpenMP;
+// Arithmetic is fp32 whatever the storage type (float or bfloat16), with the vectors of
+// vec.h. The library is built by kernels/cpu/__init__.py with -march=native and OpenMP;
 // OpenMP resolves to the libgomp that torch has already loaded, so these loops share torch's
 // thread pool instead of competing with it.
 //
@@ -26,107 +25,11 @@
 
 #include <omp.h>
 
+#include "vec.h"
+
 namespace {
 
-constexpr int kLanes = 16;
-constexpr int kMaxGroup = 16;  // query heads per kv head
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
-typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-using bf16 = uint16_t;
-
-// ---- scalar and vector conversions -------------------------------------------------------
-
-inline float to_float(float x) { return x; }
-
-inline float to_float(bf16 x) {
-  uint32_t bits = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline void store_scalar(float* dst, float x) { *dst = x; }
-
-inline void store_scalar(bf16* dst, float x) {
-  // Round to nearest even, as torch does when casting float32 to bfloat16.
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *dst = bf16((bits >> 16) | 0x40u);  // quiet NaN
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *dst = bf16(bits >> 16);
-}
-
-inline vfloat load(const float* src) {
-  vfloat v;
-  std::memcpy(&v, src, sizeof v);
-  return v;
-}
-
-inline vfloat load(const bf16* src) {
-  vhalf h;
-  std::memcpy(&h, src, sizeof h);
-  vuint bits = __builtin_convertvector(h, vuint) << 16;
-  vfloat v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-
-inline void store(float* dst, vfloat v) { std::memcpy(dst, &v, sizeof v); }
-
-inline vfloat splat(float x) { return vfloat{} + x; }
-
-inline float hsum(vfloat v) {
-  vfloat8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  vfloat8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vfloat8 s8 = a + b;
-  vfloat4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-inline float hmax(vfloat v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-// exp(x) for x <= 0 (softmax arguments after subtracting the maximum), vectorized.
-// 2^(x log2 e) split into 2^n * 2^f with |f| <= 1/2; 2^f by a degree-7 polynomial in f ln 2
-// (relative error below 2e-7, i.e. about one float ulp). Arguments below -87 give 0.
-inline vfloat exp_nonpositive(vfloat x) {
-  const vfloat lo = splat(-87.0f);
-  x = x < lo ? lo : x;
-  vfloat n = x * 1.44269504088896341f;
-  // Round to nearest: adding and subtracting 1.5 * 2^23 (valid for |n| < 2^22).
-  n = (n + 12582912.0f) - 12582912.0f;
-  vfloat r = x - n * 0.693145751953125f;  // ln 2 split in two parts for precision
-  r = r - n * 1.428606765330187e-06f;
-  vfloat p = splat(1.0f / 5040.0f);
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  vint e = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  vfloat result = p * scale;
-  return x <= lo ? vfloat{} : result;
-}
-
-inline float exp_nonpositive(float x) {
-  vfloat v = splat(x);
-  return exp_nonpositive(v)[0];
-}
+using namespace llmserve;
 
 // Asks for one K or V row (head_dim values) to be brought into the caches.
 template <typename T, int NV>
@@ -140,7 +43,7 @@ inline void prefetch_row(const T* row) {
 // ---- decode --------------------------------------------------------------------------------
 
 struct DecodeArgs {
-  const void* query;        // [num_seqs, num_heads, head_dim]
+  const void* query;        // [num_seqs, num_heads, head_dim], rows query_stride apart
   const void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
   const void* value_cache;  // same
   const int32_t* block_tables;  // [num_seqs, table_stride]
@@ -153,6 +56,7 @@ struct DecodeArgs {
   int64_t block_size;
   float scale;
   int64_t kv_heads_per_item;  // work split: a sequence's kv heads in chunks of this many
+  int64_t query_stride;       // elements between query rows (heads are contiguous in a row)
 };
 
 struct DecodeScratch {
@@ -181,8 +85,8 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
   const int32_t* table = a.block_tables + seq * a.table_stride;
   const T* keys = static_cast<const T*>(a.key_cache) + h_begin * kHeadDim;
   const T* values = static_cast<const T*>(a.value_cache) + h_begin * kHeadDim;
-  const int64_t first_head = seq * a.num_heads + h_begin * group;
-  const T* query = static_cast<const T*>(a.query) + first_head * kHeadDim;
+  const int64_t first_head = seq * a.num_heads + h_begin * group;  // in the output
+  const T* query = static_cast<const T*>(a.query) + seq * a.query_stride + h_begin * group * kHeadDim;
   T* out = static_cast<T*>(a.out) + first_head * kHeadDim;
 
   if (len <= 0) {
@@ -313,6 +217,7 @@ struct PrefillArgs {
   int64_t num_kv_heads;
   int64_t block_size;
   float scale;
+  int64_t query_stride;  // elements between query rows (heads are contiguous in a row)
 };
 
 constexpr int kQueryTile = 16;  // query tokens per work item (times the group's heads)
@@ -356,8 +261,8 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
   float* run_max = scratch.run_max.data();
   float* run_sum = scratch.run_sum.data();
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = static_cast<const T*>(a.query) +
-                   ((q_begin + first + r) * a.num_heads + kv_head * group) * kHeadDim;
+    const T* src = static_cast<const T*>(a.query) + (q_begin + first + r) * a.query_stride +
+                   kv_head * group * kHeadDim;
     for (int64_t i = 0; i < group * kHeadDim; ++i) {
       q[r * group * kHeadDim + i] = to_float(src[i]) * a.scale;
     }
@@ -499,10 +404,11 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
                           const void* value_cache, const int32_t* block_tables,
                           int64_t table_stride, const int32_t* seq_lens, void* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t block_size, float scale, int64_t kv_heads_per_item) {
-  const DecodeArgs args{query,     key_cache, value_cache, block_tables, table_stride,
-                        seq_lens,  out,       num_seqs,    num_heads,    num_kv_heads,
-                        block_size, scale,    kv_heads_per_item};
+                          int64_t block_size, float scale, int64_t kv_heads_per_item,
+                          int64_t query_stride) {
+  const DecodeArgs args{query,      key_cache, value_cache,       block_tables, table_stride,
+                        seq_lens,   out,       num_seqs,          num_heads,    num_kv_heads,
+                        block_size, scale,     kv_heads_per_item, query_stride};
   return dispatch<DecodeOp>(dtype, head_dim, args);
 }
 
@@ -511,13 +417,11 @@ int llmserve_paged_prefill(int dtype, int64_t head_dim, const void* query, const
                            int64_t table_stride, const int32_t* query_start_loc,
                            const int32_t* seq_lens, void* out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                           float scale) {
-  const PrefillArgs args{query,    key_cache, value_cache, block_tables, table_stride,
-                         query_start_loc, seq_lens, out,  num_seqs,     num_heads,
-                         num_kv_heads, block_size, scale};
+                           float scale, int64_t query_stride) {
+  const PrefillArgs args{query,           key_cache, value_cache, block_tables, table_stride,
+                         query_start_loc, seq_lens,  out,         num_seqs,     num_heads,
+                         num_kv_heads,    block_size, scale,      query_stride};
   return dispatch<PrefillOp>(dtype, head_dim, args);
 }
-
-int llmserve_max_group() { return 16; }
 
 }  // extern "C"

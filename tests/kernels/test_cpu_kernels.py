@@ -72,6 +72,30 @@ def test_prefill_matches_reference_with_cached_prefix(
     )
 
 
+def test_query_rows_may_be_strided_views() -> None:
+    """The backend passes q as a view of the fused QKV projection: rows further apart."""
+    gen = torch.Generator().manual_seed(5)
+    cache = make_paged_cache(
+        [7, 40, 3],
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=torch.float32,
+        device="cpu",
+        generator=gen,
+    )
+    qkv = torch.randn(3, (4 + 2 + 2) * 32, generator=gen)
+    query = qkv[:, : 4 * 32].view(3, 4, 32)
+    assert not query.is_contiguous()
+    args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, 0.3)
+    expected = reference.paged_attention_decode(query.contiguous(), *args[1:])
+    assert_close(cpu_kernels.paged_attention_decode(*args), expected)
+    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    prefill_args = (*args[:4], starts, cache.seq_lens, 0.3)
+    expected = reference.prefill_attention(query.contiguous(), *prefill_args[1:])
+    assert_close(cpu_kernels.prefill_attention(*prefill_args), expected)
+
+
 def test_writes_into_given_output_rows() -> None:
     gen = torch.Generator().manual_seed(3)
     cache = make_paged_cache(
@@ -131,3 +155,107 @@ def test_unsupported_shapes_are_explained() -> None:
     assert "head_dim" in (cpu_kernels.unsupported_reason(torch.float32, 4, 4, 80) or "")
     assert "dtype" in (cpu_kernels.unsupported_reason(torch.float16, 4, 4, 64) or "")
     assert "kv heads" in (cpu_kernels.unsupported_reason(torch.float32, 64, 2, 64) or "")
+
+
+# -- fused elementwise ops ------------------------------------------------------------------
+
+OP_DTYPES = [
+    pytest.param(torch.float32, 2e-6, id="fp32"),  # last-bit differences in sums and exp
+    pytest.param(torch.bfloat16, 1e-2, id="bf16"),  # at most one bf16 rounding step apart
+]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), OP_DTYPES)
+@pytest.mark.parametrize("hidden", [576, 64, 40])  # SmolLM2, a tiny model, a ragged tail
+def test_rms_norm_matches_the_model_reference(dtype: torch.dtype, tol: float, hidden: int) -> None:
+    from worker_service.models.llama import rms_norm
+
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(70, hidden, generator=gen) * 3).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    residual = torch.randn(70, hidden, generator=gen).to(dtype)
+    expected_residual = residual + x
+    updated = residual.clone()
+    torch.testing.assert_close(
+        cpu_kernels.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), atol=tol, rtol=tol
+    )
+    out = cpu_kernels.rms_norm(x, weight, 1e-5, residual=updated)
+    assert torch.equal(updated, expected_residual)  # the residual add rounds like torch
+    torch.testing.assert_close(out, rms_norm(expected_residual, weight, 1e-5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 16, 40])
+def test_rotary_is_bit_exact_with_the_torch_path(dtype: torch.dtype, head_dim: int) -> None:
+    from worker_service.models.rope import apply_rotary, cos_sin_table, inverse_frequencies
+
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, n = 6, 2, 33
+    cos, sin = cos_sin_table(
+        inverse_frequencies(head_dim, 10000.0, None), 512, dtype, torch.device("cpu")
+    )
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (n,), generator=gen)
+    q = qkv[:, : heads * head_dim].view(n, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(n, kv_heads, head_dim)
+    expected_q = apply_rotary(q, cos[positions][:, None], sin[positions][:, None])
+    expected_k = apply_rotary(k, cos[positions][:, None], sin[positions][:, None])
+    untouched = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    cpu_kernels.rotary_(qkv, positions, cos, sin, heads + kv_heads)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], untouched)  # v is not rotated
+
+
+@pytest.mark.parametrize(("dtype", "tol"), OP_DTYPES)
+def test_silu_mul_matches_torch(dtype: torch.dtype, tol: float) -> None:
+    gen = torch.Generator().manual_seed(7)
+    # Wide range: exp over- and underflows at both ends.
+    gate_up = (torch.randn(9, 2 * 1000, generator=gen) * 30).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, atol=tol, rtol=tol)
+
+
+def test_argmax_logsumexp_matches_torch_and_takes_the_first_maximum() -> None:
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 1003, generator=gen) * 5
+    logits[1, 10] = logits[1, 500] = 100.0  # a tie: the first index wins, as in torch
+    logits[2] = float("-inf")
+    logits[2, 7] = 0.0  # a single finite entry
+    argmax, lse = cpu_kernels.argmax_logsumexp(logits)
+    assert argmax.tolist() == logits.argmax(dim=-1).tolist()
+    assert argmax[1] == 10
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: cpu_kernels.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-5), "weight"),
+        (lambda: cpu_kernels.rms_norm(torch.zeros(2, 8).half(), torch.zeros(8), 1e-5), "x"),
+        (
+            lambda: cpu_kernels.rms_norm(
+                torch.zeros(2, 8), torch.zeros(8), 1e-5, residual=torch.zeros(3, 8)
+            ),
+            "residual",
+        ),
+        (lambda: cpu_kernels.silu_mul(torch.zeros(2, 7)), "gate_up"),
+        (lambda: cpu_kernels.argmax_logsumexp(torch.zeros(2, 7).bfloat16()), "logits"),
+        (
+            lambda: cpu_kernels.rotary_(
+                torch.zeros(2, 64), torch.tensor([0, 9]), torch.zeros(8, 16), torch.zeros(8, 16), 4
+            ),
+            "positions",
+        ),
+        (
+            lambda: cpu_kernels.rotary_(
+                torch.zeros(2, 64), torch.tensor([0, 1]), torch.zeros(8, 16), torch.zeros(8, 16), 5
+            ),
+            "qkv",
+        ),
+    ],
+)
+def test_op_arguments_are_checked(call: object, name: str) -> None:
+    with pytest.raises(KernelArgumentError) as info:
+        call()  # type: ignore[operator]
+    assert info.value.name == name

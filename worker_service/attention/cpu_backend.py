@@ -45,8 +45,8 @@ class CpuAttentionBackend(AttentionBackend):
         write_to_cache(
             key, value, key_cache, value_cache, metadata.slot_mapping, self._all_slots_valid
         )
-        query = query.contiguous()
-        out = torch.empty_like(query)
+        # query may be a row-strided view of the QKV projection: the kernels take its stride.
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         n_pre = metadata.num_prefill_tokens
         if metadata.num_prefills:
             cpu_kernels.prefill_attention(

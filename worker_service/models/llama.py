@@ -9,12 +9,14 @@ token-identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import ops as cpu_ops
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.rope import (
     UnsupportedModelError,
@@ -119,8 +121,11 @@ class LlamaModel:
         final_norm: torch.Tensor,  # [hidden]
         lm_head: torch.Tensor,  # [vocab, hidden]
         max_positions: int,
+        fused_ops: bool = False,
     ) -> None:
         self.arch = arch
+        # CPU only: RMSNorm, rotary and SiLU-and-multiply through kernels.cpu (see forward).
+        self.fused_ops = fused_ops
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
@@ -133,7 +138,7 @@ class LlamaModel:
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
     @classmethod
-    def from_hf(cls, hf_model: Any, max_positions: int) -> LlamaModel:
+    def from_hf(cls, hf_model: Any, max_positions: int, fused_ops: bool = False) -> LlamaModel:
         """Take (fuse, not copy where possible) the weights of a transformers Llama-family model."""
         arch = ModelArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
         inner = hf_model.model
@@ -161,6 +166,7 @@ class LlamaModel:
             final_norm=inner.norm.weight.detach(),
             lm_head=hf_model.lm_head.weight.detach(),
             max_positions=max_positions,
+            fused_ops=fused_ops,
         )
 
     def forward(
@@ -172,28 +178,79 @@ class LlamaModel:
         backend: AttentionBackend,
         logit_rows: torch.Tensor,  # [num_logit_rows] int64, token rows that need logits
     ) -> torch.Tensor:  # [num_logit_rows, vocab] float32
-        arch = self.arch
         num_tokens = input_ids.shape[0]
+        rotate = self._native_rotary if self.fused_ops else self._torch_rotary(positions)
+        backend.begin_step(metadata)
+        residual = None
+        x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        for weights, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
+            x, residual = self._add_norm(x, residual, weights.input_norm)
+            qkv = F.linear(x, weights.qkv, weights.qkv_bias)
+            q, k, v = rotate(qkv, positions)
+            attn = backend.forward(q, k, v, key_cache, value_cache, metadata)
+            o = F.linear(attn.reshape(num_tokens, self.q_size), weights.o)
+            x, residual = self._add_norm(o, residual, weights.post_norm)
+            x = F.linear(self._silu_mul(F.linear(x, weights.gate_up)), weights.down)
+        assert residual is not None
+        selected, _ = self._add_norm(x[logit_rows], residual[logit_rows], self.final_norm)
+        return F.linear(selected, self.lm_head).float()
+
+    # The decoder's elementwise steps, fused in C++ when `fused_ops` (CPU), else plain torch
+    # in the reference's order (same rounding; fused sums may differ in the last bit).
+
+    def _add_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None before the first layer
+        weight: torch.Tensor,  # [hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normalized residual + x, and residual + x
+        eps = self.arch.rms_norm_eps
+        if residual is None:
+            normed = (
+                cpu_ops.rms_norm(x, weight, eps) if self.fused_ops else rms_norm(x, weight, eps)
+            )
+            return normed, x
+        if self.fused_ops:
+            return cpu_ops.rms_norm(x, weight, eps, residual=residual), residual  # in place
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def _split_heads(
+        self, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v as [tokens, heads, dim]
+        arch = self.arch
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = qkv.shape[0]
+        return (
+            q.view(n, arch.num_heads, arch.head_dim),
+            k.view(n, arch.num_kv_heads, arch.head_dim),
+            v.view(n, arch.num_kv_heads, arch.head_dim),
+        )
+
+    def _native_rotary(
+        self, qkv: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        heads = self.arch.num_heads + self.arch.num_kv_heads  # q and k lead each row
+        cpu_ops.rotary_(qkv, positions, self.cos, self.sin, heads)
+        return self._split_heads(qkv)
+
+    def _torch_rotary(self, positions: torch.Tensor) -> Callable[..., Any]:
         cos = self.cos[positions][:, None, :]  # [num_tokens, 1, head_dim]
         sin = self.sin[positions][:, None, :]
-        hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
-        backend.begin_step(metadata)
-        for weights, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
-            residual = hidden
-            x = rms_norm(hidden, weights.input_norm, arch.rms_norm_eps)
-            qkv = F.linear(x, weights.qkv, weights.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(q.view(num_tokens, arch.num_heads, arch.head_dim), cos, sin)
-            k = apply_rotary(k.view(num_tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
-            v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
-            attn = backend.forward(q, k, v, key_cache, value_cache, metadata)
-            hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), weights.o)
-            residual = hidden
-            x = rms_norm(hidden, weights.post_norm, arch.rms_norm_eps)
-            gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, weights.down)
-        selected = rms_norm(hidden[logit_rows], self.final_norm, arch.rms_norm_eps)
-        return F.linear(selected, self.lm_head).float()
+
+        def rotate(
+            qkv: torch.Tensor, _: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            q, k, v = self._split_heads(qkv)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+        return rotate
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops:
+            return cpu_ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def linear_layers_only(self, num_tokens: int) -> None:
         """Run just the matmuls of one forward over `num_tokens` tokens (bench reference)."""

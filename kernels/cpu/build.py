@@ -1,0 +1,146 @@
+"""Builds and loads the C++ kernel library of this package.
+
+The sources are compiled with the system C++ compiler (`$CXX`, default `g++`) for this
+machine's CPU (`-march=native`) and cached under `$LLMSERVE_KERNEL_CACHE` (default
+`~/.cache/llmserve/kernels`), keyed by the sources, the flags, the compiler and the CPU, so a
+change to any of them rebuilds it (a few seconds). Several processes may build at once: each
+writes its own file and the last rename wins. The library is loaded with ctypes; calls
+release the GIL, and its OpenMP loops run on the libgomp that torch has already loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17")
+# Per source: extra flags. ops.cpp mirrors torch's rounding, so no multiply-add contraction.
+SOURCES = {"paged_attention.cpp": (), "ops.cpp": ("-ffp-contract=off",)}
+HEADERS = ("vec.h",)
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The C++ kernels cannot be built or loaded here (no compiler, build error)."""
+
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel library, built first if needed. Raises NativeKernelUnavailable."""
+    global _library, _failure
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = _declare(ctypes.CDLL(str(_build())))
+            except (OSError, subprocess.SubprocessError, NativeKernelUnavailable) as exc:
+                _failure = str(exc)
+        if _library is None:
+            raise NativeKernelUnavailable(f"CPU kernels unavailable: {_failure}")
+        return _library
+
+
+def is_available() -> bool:
+    try:
+        library()
+    except NativeKernelUnavailable:
+        return False
+    return True
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX", "g++")
+    path = shutil.which(compiler)
+    if path is None:
+        raise NativeKernelUnavailable(f"no C++ compiler ({compiler!r} not found; set $CXX)")
+    return path
+
+
+def _cpu_signature() -> str:
+    """-march=native binds the build to the CPU: key the cache by its model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features")
+    lines = {line.split(":")[0].strip(): line for line in text.splitlines() if ":" in line}
+    return platform.machine() + "".join(lines.get(k, "") for k in wanted)
+
+
+def _build() -> Path:
+    compiler = _compiler()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update(name.encode() + (HERE / name).read_bytes())
+    digest.update(repr((COMMON_FLAGS, SOURCES)).encode() + version.encode())
+    digest.update(_cpu_signature().encode())
+    root = Path(
+        os.environ.get("LLMSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "llmserve" / "kernels"
+    )
+    target = root / digest.hexdigest()[:16] / "libllmserve_cpu.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        objects = []
+        for name, flags in SOURCES.items():
+            obj = Path(scratch) / (name + ".o")
+            _run([compiler, *COMMON_FLAGS, *flags, "-c", str(HERE / name), "-o", str(obj)])
+            objects.append(str(obj))
+        linked = Path(scratch) / target.name
+        _run([compiler, "-shared", "-fopenmp", *objects, "-o", str(linked)])
+        os.replace(linked, target)  # atomic: a concurrent build's file is equally good
+    return target
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise NativeKernelUnavailable(f"build failed: {' '.join(command)}\n{result.stderr[-4000:]}")
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    common: list[Any] = [
+        i32,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+    ]  # dtype, head_dim, q, k, v, tables, stride
+    shape: list[Any] = [i64, i64, i64, i64, f32]  # seqs, heads, kv heads, block size, scale
+    signatures: dict[str, list[Any]] = {
+        # ..., seq_lens, out, shape, kv heads per work item, query row stride
+        "llmserve_paged_decode": [*common, ptr, ptr, *shape, i64, i64],
+        # ..., query_start_loc, seq_lens, out, shape, query row stride
+        "llmserve_paged_prefill": [*common, ptr, ptr, ptr, *shape, i64],
+        # dtype, x, residual (or NULL), weight, out, n, hidden, eps
+        "llmserve_rms_norm": [i32, ptr, ptr, ptr, ptr, i64, i64, f32],
+        # dtype, qkv, row stride, positions, cos, sin, n, heads, head_dim
+        "llmserve_rotary": [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
+        # dtype, gate_up, out, n, intermediate size
+        "llmserve_silu_mul": [i32, ptr, ptr, i64, i64],
+        # logits, n, vocab, argmax out, lse out
+        "llmserve_argmax_logsumexp": [ptr, i64, i64, ptr, ptr],
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = i32
+    return lib

@@ -1,0 +1,118 @@
+"""Fused elementwise ops of the Llama decoder, and the sampler's per-row argmax / log-sum-exp.
+
+Each replaces a chain of torch calls with one pass over memory and one call (see ops.cpp
+for the rounding they keep). Tensors must be contiguous CPU float32 or bfloat16 tensors
+(logits: float32); anything else raises `KernelArgumentError` naming the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._checks import KernelArgumentError
+from kernels.cpu.attention import DTYPE_CODES
+from kernels.cpu.build import library
+
+
+def rms_norm(
+    x: torch.Tensor,  # [n, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [n, hidden], updated in place: residual += x
+) -> torch.Tensor:  # [n, hidden]: weight * normalize(x, or residual + x when given)
+    _check("x", x, 2)
+    _check("weight", weight, 1, like=x)
+    if weight.shape[0] != x.shape[1]:
+        raise KernelArgumentError("weight", f"size {weight.shape[0]} != hidden {x.shape[1]}")
+    if residual is not None:
+        _check("residual", residual, 2, like=x)
+        if residual.shape != x.shape:
+            raise KernelArgumentError("residual", f"shape {tuple(residual.shape)} != x's")
+    out = torch.empty_like(x)
+    library().llmserve_rms_norm(
+        DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+    )
+    return out
+
+
+def rotary_(
+    qkv: torch.Tensor,  # [n, row_width]: per row, the heads to rotate come first
+    positions: torch.Tensor,  # [n] int64
+    cos: torch.Tensor,  # [max_positions, head_dim]
+    sin: torch.Tensor,  # [max_positions, head_dim]
+    num_heads: int,  # heads to rotate per row (query heads + key heads)
+) -> torch.Tensor:  # qkv, rotated in place
+    """Rotary embedding, in place, of heads [0, num_heads) of every row, by its position."""
+    _check("qkv", qkv, 2)
+    _check("cos", cos, 2, like=qkv)
+    _check("sin", sin, 2, like=qkv)
+    head_dim = cos.shape[1]
+    if num_heads * head_dim > qkv.shape[1] or head_dim % 2:
+        raise KernelArgumentError(
+            "qkv", f"{num_heads} heads of {head_dim} do not fit a row of {qkv.shape[1]}"
+        )
+    if positions.dtype != torch.int64 or positions.shape != (qkv.shape[0],):
+        raise KernelArgumentError("positions", f"expected [{qkv.shape[0]}] int64")
+    positions = positions.contiguous()
+    if qkv.shape[0] and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+        raise KernelArgumentError("positions", f"must lie in [0, {cos.shape[0]})")
+    library().llmserve_rotary(
+        DTYPE_CODES[qkv.dtype],
+        qkv.data_ptr(),
+        qkv.stride(0),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        qkv.shape[0],
+        num_heads,
+        head_dim,
+    )
+    return qkv
+
+
+def silu_mul(
+    gate_up: torch.Tensor,  # [n, 2 * intermediate]: gate, then up
+) -> torch.Tensor:  # [n, intermediate] = silu(gate) * up
+    _check("gate_up", gate_up, 2)
+    if gate_up.shape[1] % 2:
+        raise KernelArgumentError("gate_up", f"width {gate_up.shape[1]} is not even")
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    library().llmserve_silu_mul(
+        DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), *out.shape
+    )
+    return out
+
+
+def argmax_logsumexp(
+    logits: torch.Tensor,  # [n, vocab] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # [n] int64 first argmax, [n] float32 log-sum-exp
+    _check("logits", logits, 2)
+    if logits.dtype != torch.float32:
+        raise KernelArgumentError("logits", f"must be float32, got {logits.dtype}")
+    argmax = torch.empty(logits.shape[0], dtype=torch.int64)
+    lse = torch.empty(logits.shape[0], dtype=torch.float32)
+    if logits.shape[0] and logits.shape[1]:
+        library().llmserve_argmax_logsumexp(
+            logits.data_ptr(), *logits.shape, argmax.data_ptr(), lse.data_ptr()
+        )
+    return argmax, lse
+
+
+def _check(name: str, tensor: torch.Tensor, ndim: int, like: torch.Tensor | None = None) -> None:
+    if tensor.dim() != ndim:
+        raise KernelArgumentError(name, f"expected {ndim} dimensions, got {tuple(tensor.shape)}")
+    if tensor.device.type != "cpu":
+        raise KernelArgumentError(name, f"must be on the CPU, got {tensor.device}")
+    if tensor.dtype not in DTYPE_CODES:
+        raise KernelArgumentError(name, f"dtype {tensor.dtype} not supported")
+    if like is not None and tensor.dtype != like.dtype:
+        raise KernelArgumentError(name, f"dtype {tensor.dtype} differs from {like.dtype}")
+    if tensor.stride(-1) != 1 or (ndim == 2 and name != "qkv" and not tensor.is_contiguous()):
+        raise KernelArgumentError(name, f"must be contiguous, got strides {tensor.stride()}")

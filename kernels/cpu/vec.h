@@ -1,0 +1,145 @@
+// Vector helpers shared by the CPU kernels (paged_attention.cpp, ops.cpp).
+//
+// Vectors are GCC vector extensions of 16 floats: one AVX-512 register where the CPU has it,
+// split by the compiler otherwise. Storage is float32 or bfloat16 (as uint16_t bits).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace llmserve {
+
+constexpr int kLanes = 16;
+constexpr int kMaxGroup = 16;  // query heads per kv head
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+using bf16 = uint16_t;
+
+// ---- scalar and vector conversions -------------------------------------------------------
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(bf16 x) {
+  uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store_scalar(float* dst, float x) { *dst = x; }
+
+inline void store_scalar(bf16* dst, float x) {
+  // Round to nearest even, as torch does when casting float32 to bfloat16.
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *dst = bf16((bits >> 16) | 0x40u);  // quiet NaN
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *dst = bf16(bits >> 16);
+}
+
+inline vfloat load(const float* src) {
+  vfloat v;
+  std::memcpy(&v, src, sizeof v);
+  return v;
+}
+
+inline vfloat load(const bf16* src) {
+  vhalf h;
+  std::memcpy(&h, src, sizeof h);
+  vuint bits = __builtin_convertvector(h, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline void store(float* dst, vfloat v) { std::memcpy(dst, &v, sizeof v); }
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+inline float hsum(vfloat v) {
+  vfloat8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  vfloat8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vfloat8 s8 = a + b;
+  vfloat4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+inline float hmax(vfloat v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x) for x <= 0 (softmax arguments after subtracting the maximum), vectorized.
+// 2^(x log2 e) split into 2^n * 2^f with |f| <= 1/2; 2^f by a degree-7 polynomial in f ln 2
+// (relative error below 2e-7, i.e. about one float ulp). Arguments below -87 give 0.
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  vfloat n = x * 1.44269504088896341f;
+  // Round to nearest: adding and subtracting 1.5 * 2^23 (valid for |n| < 2^22).
+  n = (n + 12582912.0f) - 12582912.0f;
+  vfloat r = x - n * 0.693145751953125f;  // ln 2 split in two parts for precision
+  r = r - n * 1.428606765330187e-06f;
+  vfloat p = splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  vint e = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  vfloat result = p * scale;
+  return x <= lo ? vfloat{} : result;
+}
+
+inline float exp_nonpositive(float x) {
+  vfloat v = splat(x);
+  return exp_nonpositive(v)[0];
+}
+
+// exp(x) for any x: exp_nonpositive(-|x|), inverted for positive arguments (1 / exp(-x),
+// one more rounding). Overflows to +inf above 88.7, like expf.
+inline vfloat exp_any(vfloat x) {
+  const vfloat magnitude = x < 0.0f ? -x : x;
+  const vfloat small = exp_nonpositive(-magnitude);
+  return x <= 0.0f ? small : 1.0f / small;
+}
+
+// bfloat16 rounding (nearest even) of 16 floats at once; NaN stays NaN.
+inline void store(bf16* dst, vfloat v) {
+  vuint bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const vuint rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const vuint nan = (bits >> 16) | 0x40u;
+  const vuint chosen = (bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+  const vhalf h = __builtin_convertvector(chosen, vhalf);
+  std::memcpy(dst, &h, sizeof h);
+}
+
+// Rounds to the storage type and back: torch rounds every elementwise result to the tensor's
+// dtype, so kernels that fuse several of its ops round between them the same way.
+inline vfloat round_to(vfloat v, const float*) { return v; }
+
+inline vfloat round_to(vfloat v, const bf16*) {
+  alignas(64) bf16 tmp[kLanes];
+  store(tmp, v);
+  return load(tmp);
+}
+
+}  // namespace llmserve
