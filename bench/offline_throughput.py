@@ -92,9 +92,13 @@ def run_hf(hf: Any, workload: list[Request], batch_size: int) -> tuple[float, in
 
 
 def decode_efficiency(
-    worker: Worker, batch: int, context: int, repeats: int = 5
+    worker: Worker, batch: int, context: int, repeats: int = 9
 ) -> tuple[float, float]:
-    """(median decode step ms, median linear-layers-only ms) at `batch` sequences of `context`."""
+    """(median decode step ms, median linear-layers-only ms) at `batch` sequences of `context`.
+
+    Steps and linear-only passes alternate, so that a slow stretch of this shared machine
+    slows both sides of the ratio alike.
+    """
     bs = worker.config.block_size
     per_seq = -(-(context + repeats + 2) // bs)
     worker.initialize_cache(batch * per_seq, 0)
@@ -122,16 +126,14 @@ def decode_efficiency(
                 for o in worker.execute(StepInput(0, new_seqs=news)).outputs
             }
         )
-    step_ms = []
+    step_ms, linear_ms = [], []
     for _ in range(repeats + 1):
         cached = [CachedSequence(i, [last[i]], per_seq, [], 1) for i in range(batch)]
         t = time.perf_counter()
         out = worker.execute(StepInput(1, cached_seqs=cached))
         step_ms.append((time.perf_counter() - t) * 1e3)
         last = {o.seq_id: o.samples[0].token_id for o in out.outputs}
-    linear_ms = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
+        with torch.inference_mode():
             t = time.perf_counter()
             worker.model.linear_layers_only(batch)
             linear_ms.append((time.perf_counter() - t) * 1e3)

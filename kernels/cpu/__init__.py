@@ -12,7 +12,7 @@ from kernels.cpu.attention import (
     unsupported_reason,
 )
 from kernels.cpu.build import NativeKernelUnavailable, is_available, library
-from kernels.cpu.ops import argmax_logsumexp, rms_norm, rotary_, silu_mul
+from kernels.cpu.ops import argmax_logsumexp, rms_norm, rotary_, silu_mul, write_kv
 
 __all__ = [
     "DTYPE_CODES",
@@ -26,4 +26,5 @@ __all__ = [
     "rotary_",
     "silu_mul",
     "unsupported_reason",
+    "write_kv",
 ]

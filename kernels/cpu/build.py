@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
-COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17")
+COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
 # Per source: extra flags. ops.cpp mirrors torch's rounding, so no multiply-add contraction.
 SOURCES = {"paged_attention.cpp": (), "ops.cpp": ("-ffp-contract=off",)}
 HEADERS = ("vec.h",)
@@ -136,6 +136,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_rotary": [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
         # dtype, gate_up, out, n, intermediate size
         "llmserve_silu_mul": [i32, ptr, ptr, i64, i64],
+        # dtype, key, value, row stride, slots, n, row elems, key cache, value cache
+        "llmserve_write_kv": [i32, ptr, ptr, i64, ptr, i64, i64, ptr, ptr],
         # logits, n, vocab, argmax out, lse out
         "llmserve_argmax_logsumexp": [ptr, i64, i64, ptr, ptr],
     }

@@ -12,6 +12,7 @@
 //   llmserve_add_rms_norm     residual += x, then out = weight * normalize(residual)
 //   llmserve_rotary           rotary embedding in place on the first heads of each row
 //   llmserve_silu_mul         out = silu(gate) * up, gate and up side by side in one row
+//   llmserve_write_kv         store the step's keys and values in their cache slots
 //   llmserve_argmax_logsumexp per row of float32 logits: first argmax and log-sum-exp
 
 #include <algorithm>
@@ -30,9 +31,10 @@ using namespace llmserve;
 
 constexpr int64_t kParallelElements = 1 << 15;  // smaller ops run on the calling thread
 
-// Loads the tail of a row (fewer than kLanes values) padded with `fill`.
+// Loads n <= kLanes values (a whole vector, or the tail of a row padded with `fill`).
 template <typename T>
 inline vfloat load_partial(const T* src, int64_t n, float fill) {
+  if (n == kLanes) return load(src);
   alignas(64) float tmp[kLanes];
   for (int i = 0; i < kLanes; ++i) tmp[i] = i < n ? to_float(src[i]) : fill;
   return load(tmp);
@@ -40,6 +42,10 @@ inline vfloat load_partial(const T* src, int64_t n, float fill) {
 
 template <typename T>
 inline void store_partial(T* dst, vfloat v, int64_t n) {
+  if (n == kLanes) {
+    store(dst, v);
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) store_scalar(dst + i, v[i]);
 }
 
@@ -113,7 +119,7 @@ void rotary(T* qkv, int64_t row_stride, const int64_t* positions, const T* cos, 
   }
 }
 
-// silu(g) = g / (1 + exp(-g)), rounded to T, times up, rounded to T.
+// silu(g) = g * sigmoid(g), rounded to T, times up, rounded to T.
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
 #pragma omp parallel for if (n * inter >= kParallelElements)
@@ -125,9 +131,26 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
     for (int64_t i = 0; i < inter; i += kLanes) {
       const int64_t m = std::min<int64_t>(kLanes, inter - i);
       const vfloat g = load_partial(gate + i, m, 0.0f);
-      const vfloat silu = round_to(g / (1.0f + exp_any(-g)), T_ptr);
+      // sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+      const vfloat e = exp_nonpositive(g < 0.0f ? g : -g);
+      const vfloat sigmoid = (g < 0.0f ? e : splat(1.0f)) / (1.0f + e);
+      const vfloat silu = round_to(g * sigmoid, T_ptr);
       store_partial(dst + i, silu * load_partial(up + i, m, 0.0f), m);
     }
+  }
+}
+
+// Copies each token's key and value rows (row_elems values, rows row_stride apart, e.g. views
+// into the QKV projection) to its flat cache slot; a negative slot means padding: skipped.
+template <typename T>
+void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* slots, int64_t n,
+              int64_t row_elems, T* key_cache, T* value_cache) {
+#pragma omp parallel for if (n * row_elems >= kParallelElements)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) continue;
+    std::memcpy(key_cache + slot * row_elems, key + i * row_stride, row_elems * sizeof(T));
+    std::memcpy(value_cache + slot * row_elems, value + i * row_stride, row_elems * sizeof(T));
   }
 }
 
@@ -199,6 +222,21 @@ int llmserve_silu_mul(int dtype, const void* gate_up, void* out, int64_t n, int6
     silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), n, inter);
   } else if (dtype == 1) {
     silu_mul(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), n, inter);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
+                      const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
+                      void* value_cache) {
+  if (dtype == 0) {
+    write_kv(static_cast<const float*>(key), static_cast<const float*>(value), row_stride, slots,
+             n, row_elems, static_cast<float*>(key_cache), static_cast<float*>(value_cache));
+  } else if (dtype == 1) {
+    write_kv(static_cast<const bf16*>(key), static_cast<const bf16*>(value), row_stride, slots, n,
+             row_elems, static_cast<bf16*>(key_cache), static_cast<bf16*>(value_cache));
   } else {
     return -1;
   }

@@ -90,6 +90,42 @@ def silu_mul(
     return out
 
 
+def write_kv(
+    key: torch.Tensor,  # [n, num_kv_heads, head_dim], rows may be strided
+    value: torch.Tensor,  # [n, num_kv_heads, head_dim], rows strided like key
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # same
+    slot_mapping: torch.Tensor,  # [n] int64 flat slots; negative = skip (padding)
+) -> None:
+    """Store token i's key and value at flat slot slot_mapping[i] of the caches."""
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dim() != 3 or tensor.stride(2) != 1 or tensor.stride(1) != tensor.shape[2]:
+            raise KernelArgumentError(name, f"expected [n, heads, dim] rows, got {tensor.stride()}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check(name, cache.view(-1, cache.shape[-1]), 2, like=key)
+        if cache.shape[2:] != key.shape[1:]:
+            raise KernelArgumentError(name, f"shape {tuple(cache.shape)} does not fit the keys")
+    if value.shape != key.shape or value.stride() != key.stride() or value.dtype != key.dtype:
+        raise KernelArgumentError("value", "must have the key's shape, strides and dtype")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
+        raise KernelArgumentError("slot_mapping", f"expected [{key.shape[0]}] int64")
+    slot_mapping = slot_mapping.contiguous()
+    slots = key_cache.shape[0] * key_cache.shape[1]
+    if key.shape[0] and int(slot_mapping.max()) >= slots:
+        raise KernelArgumentError("slot_mapping", f"slots must be < {slots}")
+    library().llmserve_write_kv(
+        DTYPE_CODES[key.dtype],
+        key.data_ptr(),
+        value.data_ptr(),
+        key.stride(0),
+        slot_mapping.data_ptr(),
+        key.shape[0],
+        key.shape[1] * key.shape[2],
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+    )
+
+
 def argmax_logsumexp(
     logits: torch.Tensor,  # [n, vocab] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [n] int64 first argmax, [n] float32 log-sum-exp

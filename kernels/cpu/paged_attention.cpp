@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include "vec.h"
@@ -37,6 +38,68 @@ inline void prefetch_row(const T* row) {
   constexpr int kBytes = NV * kLanes * int(sizeof(T));
   for (int offset = 0; offset < kBytes; offset += 64) {
     __builtin_prefetch(reinterpret_cast<const char*>(row) + offset, 0, 1);
+  }
+}
+
+// Scores one query head against key rows: `partial(row)` is a vector whose lanes sum to
+// q . k (scaled by `post`), so 16 rows reduce to 16 scores with one reduce16.
+template <typename T, int NV>
+struct KeyDot {
+  vfloat q[NV];
+  float post = 1.0f;
+  KeyDot(const T* query, float scale) {
+    for (int c = 0; c < NV; ++c) q[c] = load(query + c * kLanes) * scale;
+  }
+  vfloat partial(const T* row) const {
+    vfloat acc = q[0] * load(row);
+    for (int c = 1; c < NV; ++c) acc += q[c] * load(row + c * kLanes);
+    return acc;
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 rows with the AVX512-BF16 dot-product instruction: no conversion of the keys,
+// products exact in fp32 (the query stays unscaled bf16; the scale applies to the sums).
+template <int NV>
+  requires(NV % 2 == 0)
+struct KeyDot<bf16, NV> {
+  __m512bh q[NV / 2];
+  float post;
+  KeyDot(const bf16* query, float scale) : post(scale) {
+    for (int c = 0; c < NV / 2; ++c) std::memcpy(&q[c], query + c * 2 * kLanes, sizeof q[c]);
+  }
+  vfloat partial(const bf16* row) const {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < NV / 2; ++c) {
+      __m512bh k;
+      std::memcpy(&k, row + c * 2 * kLanes, sizeof k);
+      acc = _mm512_dpbf16_ps(acc, q[c], k);
+    }
+    vfloat out;
+    std::memcpy(&out, &acc, sizeof out);
+    return out;
+  }
+};
+#endif
+
+// scores[o] = q . row_o for n rows `stride` apart; raises running_max to their maximum.
+template <typename T, int NV>
+inline void score_rows(const KeyDot<T, NV>& dot, const T* rows, int64_t stride, int64_t n,
+                       float* scores, float& running_max) {
+  for (int64_t o0 = 0; o0 < n; o0 += kLanes) {
+    const int m = int(std::min<int64_t>(kLanes, n - o0));
+    vfloat parts[kLanes];
+    for (int t = 0; t < kLanes; ++t) parts[t] = t < m ? dot.partial(rows + (o0 + t) * stride) : vfloat{};
+    const vfloat s = reduce16(parts) * dot.post;
+    if (m == kLanes) {
+      store(scores + o0, s);
+      running_max = std::max(running_max, hmax(s));
+    } else {
+      for (int t = 0; t < m; ++t) {
+        scores[o0 + t] = s[t];
+        running_max = std::max(running_max, s[t]);
+      }
+    }
   }
 }
 
@@ -60,7 +123,6 @@ struct DecodeArgs {
 };
 
 struct DecodeScratch {
-  std::vector<vfloat> query;  // [heads, NV], pre-scaled
   std::vector<vfloat> acc;    // [heads, NV]
   std::vector<float> scores;  // [heads, len]
   std::vector<float> max;     // [heads]
@@ -93,43 +155,28 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
     for (int64_t i = 0; i < heads * kHeadDim; ++i) store_scalar(out + i, 0.0f);
     return;
   }
-  scratch.query.resize(size_t(heads * NV));
   scratch.acc.assign(size_t(heads * NV), vfloat{});
   scratch.scores.resize(size_t(heads * len));
   scratch.max.assign(size_t(heads), -std::numeric_limits<float>::infinity());
-  vfloat* q_all = scratch.query.data();
   vfloat* acc_all = scratch.acc.data();
   float* scores = scratch.scores.data();
-  for (int64_t i = 0; i < heads; ++i) {
-    for (int c = 0; c < NV; ++c) q_all[i * NV + c] = load(query + i * kHeadDim + c * kLanes) * a.scale;
-  }
 
-  // Pass 1: scores[head * len + t] = q_head . k_t
+  // Pass 1: scores[head * len + t] = q_head . k_t, 16 keys at a time per query head (the
+  // head's rows of a block stay in L1 across the group's query heads).
   for (int64_t start = 0, b = 0; start < len; start += a.block_size, ++b) {
     const int64_t n = std::min(a.block_size, len - start);
     const int64_t block = int64_t(table[b]) * block_stride;
     const int64_t next = start + a.block_size < len ? int64_t(table[b + 1]) * block_stride : -1;
     for (int64_t h = 0; h < h_end - h_begin; ++h) {
-      vfloat q[kMaxGroup][NV];
-      float m[kMaxGroup];
+      if (next >= 0) {
+        for (int64_t o = 0; o < n; ++o) prefetch_row<T, NV>(keys + next + o * token_stride + h * kHeadDim);
+      }
       for (int64_t g = 0; g < group; ++g) {
-        for (int c = 0; c < NV; ++c) q[g][c] = q_all[(h * group + g) * NV + c];
-        m[g] = scratch.max[size_t(h * group + g)];
+        const int64_t head = h * group + g;
+        const KeyDot<T, NV> dot(query + head * kHeadDim, a.scale);
+        score_rows(dot, keys + block + h * kHeadDim, token_stride, n, scores + head * len + start,
+                   scratch.max[size_t(head)]);
       }
-      for (int64_t o = 0; o < n; ++o) {
-        const int64_t row = o * token_stride + h * kHeadDim;
-        if (next >= 0) prefetch_row<T, NV>(keys + next + row);
-        vfloat k[NV];
-        for (int c = 0; c < NV; ++c) k[c] = load(keys + block + row + c * kLanes);
-        for (int64_t g = 0; g < group; ++g) {
-          vfloat dot = q[g][0] * k[0];
-          for (int c = 1; c < NV; ++c) dot += q[g][c] * k[c];
-          const float score = hsum(dot);
-          scores[(h * group + g) * len + start + o] = score;
-          m[g] = std::max(m[g], score);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) scratch.max[size_t(h * group + g)] = m[g];
     }
   }
 

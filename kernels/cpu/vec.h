@@ -76,6 +76,37 @@ inline float hsum(vfloat v) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+// r[t] = sum of the lanes of v[t], for 16 vectors at once: a transpose-and-add tree (45
+// shuffles and adds instead of 16 separate horizontal sums). Modifies v.
+inline vfloat reduce16(vfloat* v) {
+  // 16 vectors -> 8: lanes 0-7 hold partial sums of v[2i], lanes 8-15 of v[2i + 1].
+  for (int i = 0; i < 8; ++i) {
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  }
+  // 8 -> 4: four lanes per vector.
+  for (int i = 0; i < 4; ++i) {
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  }
+  // 4 -> 2: two lanes per vector.
+  for (int i = 0; i < 2; ++i) {
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  }
+  // 2 -> 1: lane t is vector t's sum.
+  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
 inline float hmax(vfloat v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
@@ -137,9 +168,14 @@ inline void store(bf16* dst, vfloat v) {
 inline vfloat round_to(vfloat v, const float*) { return v; }
 
 inline vfloat round_to(vfloat v, const bf16*) {
-  alignas(64) bf16 tmp[kLanes];
-  store(tmp, v);
-  return load(tmp);
+  vuint bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const vuint rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const vuint nan = (bits & 0xffff0000u) | 0x400000u;
+  const vuint chosen = (bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+  vfloat out;
+  std::memcpy(&out, &chosen, sizeof out);
+  return out;
 }
 
 }  // namespace llmserve

@@ -228,9 +228,35 @@ def test_argmax_logsumexp_matches_torch_and_takes_the_first_maximum() -> None:
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_kv_matches_the_reference_and_skips_padding(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    n, kv_heads, head_dim = 11, 2, 16
+    qkv = torch.randn(n, (4 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    key = qkv[:, 4 * head_dim : 6 * head_dim].view(n, kv_heads, head_dim)  # strided views
+    value = qkv[:, 6 * head_dim :].view(n, kv_heads, head_dim)
+    slots = torch.randperm(6 * 4, generator=gen)[:n]
+    slots[3] = -1  # padding
+    caches = [torch.randn(6, 4, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    reference.reshape_and_cache(key, value, *expected, slots)
+    cpu_kernels.write_kv(key, value, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 @pytest.mark.parametrize(
     ("call", "name"),
     [
+        (
+            lambda: cpu_kernels.write_kv(
+                torch.zeros(2, 1, 16),
+                torch.zeros(2, 1, 16),
+                torch.zeros(2, 4, 1, 16),
+                torch.zeros(2, 4, 1, 16),
+                torch.tensor([0, 8]),
+            ),
+            "slot_mapping",
+        ),
         (lambda: cpu_kernels.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-5), "weight"),
         (lambda: cpu_kernels.rms_norm(torch.zeros(2, 8).half(), torch.zeros(8), 1e-5), "x"),
         (

@@ -21,7 +21,6 @@ from worker_service.attention.base import (
     AttentionSpec,
     register_backend,
 )
-from worker_service.attention.torch_backend import write_to_cache
 
 
 @register_backend
@@ -29,9 +28,6 @@ class CpuAttentionBackend(AttentionBackend):
     """Native CPU paged attention (see the module docstring)."""
 
     name = "cpu"
-
-    def begin_step(self, metadata: AttentionMetadata) -> None:
-        self._all_slots_valid = bool((metadata.slot_mapping >= 0).all())
 
     def forward(
         self,
@@ -42,9 +38,7 @@ class CpuAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        write_to_cache(
-            key, value, key_cache, value_cache, metadata.slot_mapping, self._all_slots_valid
-        )
+        cpu_kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
         # query may be a row-strided view of the QKV projection: the kernels take its stride.
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         n_pre = metadata.num_prefill_tokens
