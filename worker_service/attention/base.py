@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,6 +106,70 @@ class AttentionBackend(ABC):
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
         """Why this backend cannot run `spec` in this environment, or None when it can."""
         return None
+
+
+class PagedKernelBackend(AttentionBackend):
+    """A backend made of three kernels with the signatures of the `kernels` package: write
+    the step's K/V into their slots, then prefill tokens (prompt chunks, causal over their
+    cached prefix) and decode tokens, each kernel writing its rows of one output tensor.
+    Both attention kernels read K/V from the paged cache by block table: nothing is gathered
+    or padded per step."""
+
+    @staticmethod
+    @abstractmethod
+    def write_cache(
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = skip
+    ) -> None: ...
+
+    @staticmethod
+    @abstractmethod
+    def prefill_attention(*args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+    @staticmethod
+    @abstractmethod
+    def decode_attention(*args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        self.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        # query may be a row-strided view (of a fused QKV projection); out is contiguous.
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        n_pre = metadata.num_prefill_tokens
+        if metadata.num_prefills:
+            self.prefill_attention(
+                query[:n_pre],
+                key_cache,
+                value_cache,
+                metadata.prefill_block_tables,
+                metadata.prefill_query_start_loc,
+                metadata.prefill_seq_lens,
+                self.scale,
+                out=out[:n_pre],
+                max_query_len=metadata.max_prefill_query_len,
+            )
+        if metadata.num_decodes:
+            self.decode_attention(
+                query[n_pre:],
+                key_cache,
+                value_cache,
+                metadata.decode_block_tables,
+                metadata.decode_seq_lens,
+                self.scale,
+                out=out[n_pre:],
+                max_seq_len=metadata.max_decode_seq_len,
+            )
+        return out
 
 
 BackendFactory = Callable[[int, int, int, float], AttentionBackend]

@@ -12,58 +12,18 @@ built (no C++ compiler) or cannot run the model (dtype, head size).
 
 from __future__ import annotations
 
-import torch
-
 from kernels import cpu as cpu_kernels
-from worker_service.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    AttentionSpec,
-    register_backend,
-)
+from worker_service.attention.base import AttentionSpec, PagedKernelBackend, register_backend
 
 
 @register_backend
-class CpuAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(PagedKernelBackend):
     """Native CPU paged attention (see the module docstring)."""
 
     name = "cpu"
-
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        cpu_kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
-        # query may be a row-strided view of the QKV projection: the kernels take its stride.
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        n_pre = metadata.num_prefill_tokens
-        if metadata.num_prefills:
-            cpu_kernels.prefill_attention(
-                query[:n_pre],
-                key_cache,
-                value_cache,
-                metadata.prefill_block_tables,
-                metadata.prefill_query_start_loc,
-                metadata.prefill_seq_lens,
-                self.scale,
-                out=out[:n_pre],
-            )
-        if metadata.num_decodes:
-            cpu_kernels.paged_attention_decode(
-                query[n_pre:],
-                key_cache,
-                value_cache,
-                metadata.decode_block_tables,
-                metadata.decode_seq_lens,
-                self.scale,
-                out=out[n_pre:],
-            )
-        return out
+    write_cache = staticmethod(cpu_kernels.write_kv)
+    prefill_attention = staticmethod(cpu_kernels.prefill_attention)
+    decode_attention = staticmethod(cpu_kernels.paged_attention_decode)
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:

@@ -12,59 +12,18 @@ module is imported); that is how the backend is tested without a GPU.
 
 from __future__ import annotations
 
-import torch
-
 import kernels
-from worker_service.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    AttentionSpec,
-    register_backend,
-)
+from worker_service.attention.base import AttentionSpec, PagedKernelBackend, register_backend
 
 
 @register_backend
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(PagedKernelBackend):
     """Triton paged attention (see the module docstring)."""
 
     name = "triton"
-
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        kernels.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
-        out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        n_pre = metadata.num_prefill_tokens
-        if metadata.num_prefills:
-            kernels.prefill_attention(
-                query[:n_pre],
-                key_cache,
-                value_cache,
-                metadata.prefill_block_tables,
-                metadata.prefill_query_start_loc,
-                metadata.prefill_seq_lens,
-                self.scale,
-                out=out[:n_pre],
-                max_query_len=metadata.max_prefill_query_len,
-            )
-        if metadata.num_decodes:
-            kernels.paged_attention_decode(
-                query[n_pre:],
-                key_cache,
-                value_cache,
-                metadata.decode_block_tables,
-                metadata.decode_seq_lens,
-                self.scale,
-                out=out[n_pre:],
-                max_seq_len=metadata.max_decode_seq_len,
-            )
-        return out
+    write_cache = staticmethod(kernels.reshape_and_cache)
+    prefill_attention = staticmethod(kernels.prefill_attention)
+    decode_attention = staticmethod(kernels.paged_attention_decode)
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
