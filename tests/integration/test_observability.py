@@ -27,7 +27,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve.supervisor import free_port
+from llmserve.supervisor import free_ports
 from tests.support.stack import start_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -117,13 +117,13 @@ def observed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
     receiver_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    collector_port = free_port()
+    collector_port, collector_http_port = free_ports(2)
     collector_log = (tmp / "rotel.log").open("wb")
     collector = subprocess.Popen(
         [
             _rotel_agent(), "start",
             "--otlp-grpc-endpoint", f"127.0.0.1:{collector_port}",
-            "--otlp-http-endpoint", f"127.0.0.1:{free_port()}",
+            "--otlp-http-endpoint", f"127.0.0.1:{collector_http_port}",
             "--exporter", "otlp",
             "--otlp-exporter-endpoint", f"http://127.0.0.1:{receiver_port}",
             "--batch-timeout", "100ms",

@@ -14,7 +14,7 @@ import pytest
 
 from llmserve.client import AsyncClient, Client, build_request
 from llmserve.sampling_params import SamplingParams
-from llmserve.supervisor import free_port
+from llmserve.supervisor import free_ports
 from llmserve.v1 import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
 from tests.support.stack import RunningStack, start_stack, wait_healthy
@@ -185,7 +185,7 @@ def test_list_models_and_tokenize(stack: RunningStack, tiny_model_dir: Path):
 
 
 def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path):
-    worker_port, scheduler_port = free_port(), free_port()
+    worker_port, scheduler_port = free_ports(2)
     scheduler_log = tmp_path / "scheduler.log"
     scheduler = subprocess.Popen(
         [sys.executable, "-m", "llmserve.cli", "scheduler", "--port", str(scheduler_port),
@@ -238,7 +238,7 @@ def test_worker_lost_mid_stream_gives_unavailable(tiny_model_dir: Path, tmp_path
 
 
 def test_worker_joins_by_registering(tiny_model_dir: Path, tmp_path: Path):
-    worker_port, scheduler_port = free_port(), free_port()
+    worker_port, scheduler_port = free_ports(2)
     logs = {name: tmp_path / f"{name}.log" for name in ("worker", "scheduler")}
     worker = subprocess.Popen(
         [sys.executable, "-m", "llmserve.cli", "worker", "--model", str(tiny_model_dir),

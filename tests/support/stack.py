@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmserve.supervisor import free_port
+from llmserve.supervisor import free_ports
 
 
 @dataclass
@@ -75,13 +75,14 @@ def start_stack(
     envs: dict[str, dict[str, str]] | None = None,
 ) -> RunningStack:
     """Start worker, scheduler and gateway (in that order) and wait until each is SERVING."""
-    ports = {name: free_port() for name in ("worker", "scheduler", "gateway")}
-    metrics_ports = {name: free_port() for name in ("worker", "scheduler")}
+    picked = free_ports(6)
+    ports = dict(zip(("worker", "scheduler", "gateway"), picked[:3], strict=True))
+    metrics_ports = dict(zip(("worker", "scheduler"), picked[3:5], strict=True))
     stack = RunningStack(
         worker=f"127.0.0.1:{ports['worker']}",
         scheduler=f"127.0.0.1:{ports['scheduler']}",
         gateway=f"127.0.0.1:{ports['gateway']}",
-        http_port=free_port(),
+        http_port=picked[5],
         metrics_ports=metrics_ports,
         log_dir=log_dir,
     )
