@@ -141,7 +141,7 @@ class ModelRunner:
         t0 = time.perf_counter_ns()
         # Prefill-first layout; stable so the step order survives within each part.
         layout = sorted(scheduled, key=lambda s: s.count == 1)
-        inputs = self._prepare(layout)
+        inputs = self._prepare(layout, num_blocks=kv_caches[0][0].shape[0] if kv_caches else 0)
         logits = self.model.forward(
             inputs.input_ids,
             inputs.positions,
@@ -158,7 +158,7 @@ class ModelRunner:
         result.sample_ns = time.perf_counter_ns() - t1
         return result
 
-    def _prepare(self, layout: list[_Scheduled]) -> _PreparedInputs:
+    def _prepare(self, layout: list[_Scheduled], num_blocks: int) -> _PreparedInputs:
         bs = self.block_size
         prefills = [s for s in layout if s.count > 1]
         decodes = layout[len(prefills) :]
@@ -175,6 +175,17 @@ class ModelRunner:
             count=num_tokens,
         )
         tables = _pad_tables([s.state.block_ids[: -(-(s.start + s.count) // bs)] for s in layout])
+        # The kernels index the cache with these ids unchecked: a bad one must stop here.
+        if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+            bad = next(
+                (s.state.seq_id, b)
+                for s in layout
+                for b in s.state.block_ids
+                if not 0 <= b < num_blocks
+            )
+            raise StateError(
+                f"seq {bad[0]}: block id {bad[1]} is outside the cache ({num_blocks} blocks)"
+            )
         seq_of_token = np.repeat(np.arange(len(layout)), counts)
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
 

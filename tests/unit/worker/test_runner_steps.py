@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from llmserve.steps import CachedSequence, Fork, StepInput
+from worker_service.model_runner import StateError
 
 from .factories import (
     BLOCK_SIZE,
@@ -151,3 +152,12 @@ def test_block_size_covers_boundaries(tiny_llama: tuple[Path, Any]) -> None:
         {0: prompt}, max_new_tokens=2 * BLOCK_SIZE + 1
     )
     assert outputs[0] == hf_greedy(hf, prompt, 2 * BLOCK_SIZE + 1)
+
+
+def test_block_ids_outside_the_cache_are_refused(tiny_llama: tuple[Path, Any]) -> None:
+    """The native kernels index the cache unchecked: the runner must refuse a bad table."""
+    path, _ = tiny_llama
+    worker = make_worker(path)
+    worker.initialize_cache(16, 0)
+    with pytest.raises(StateError, match="block id 99 is outside the cache"):
+        worker.execute(StepInput(0, new_seqs=[new_seq(1, PROMPTS[0], [3, 99, 4])]))
