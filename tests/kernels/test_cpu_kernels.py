@@ -11,7 +11,7 @@ import torch
 
 from kernels import KernelArgumentError, reference
 from kernels import cpu as cpu_kernels
-from tests.kernels.paged import assert_close, make_paged_cache, random_lens
+from tests.kernels.paged import PagedCache, assert_close, make_paged_cache, random_lens
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # (num_heads, num_kv_heads, head_dim): the tiny test models, MHA, GQA 3:1 (SmolLM2), GQA 4:1,
@@ -72,18 +72,26 @@ def test_prefill_matches_reference_with_cached_prefix(
     )
 
 
-def test_query_rows_may_be_strided_views() -> None:
-    """The backend passes q as a view of the fused QKV projection: rows further apart."""
-    gen = torch.Generator().manual_seed(5)
+def small_cache(
+    seed: int, lens: list[int], num_kv_heads: int
+) -> tuple[PagedCache, torch.Generator]:
+    """A float32 cache of block size 16 and head_dim 32, and the generator that filled it."""
+    gen = torch.Generator().manual_seed(seed)
     cache = make_paged_cache(
-        [7, 40, 3],
+        lens,
         block_size=16,
-        num_kv_heads=2,
+        num_kv_heads=num_kv_heads,
         head_dim=32,
         dtype=torch.float32,
         device="cpu",
         generator=gen,
     )
+    return cache, gen
+
+
+def test_query_rows_may_be_strided_views() -> None:
+    """The backend passes q as a view of the fused QKV projection: rows further apart."""
+    cache, gen = small_cache(5, [7, 40, 3], num_kv_heads=2)
     qkv = torch.randn(3, (4 + 2 + 2) * 32, generator=gen)
     query = qkv[:, : 4 * 32].view(3, 4, 32)
     assert not query.is_contiguous()
@@ -97,16 +105,7 @@ def test_query_rows_may_be_strided_views() -> None:
 
 
 def test_writes_into_given_output_rows() -> None:
-    gen = torch.Generator().manual_seed(3)
-    cache = make_paged_cache(
-        [5, 9],
-        block_size=16,
-        num_kv_heads=1,
-        head_dim=32,
-        dtype=torch.float32,
-        device="cpu",
-        generator=gen,
-    )
+    cache, gen = small_cache(3, [5, 9], num_kv_heads=1)
     query = torch.randn(2, 2, 32, generator=gen)
     buffer = torch.full((4, 2, 32), 7.0)
     args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, 0.2)
@@ -127,16 +126,7 @@ def test_writes_into_given_output_rows() -> None:
     ],
 )
 def test_bad_arguments_name_the_argument(change: object, name: str) -> None:
-    gen = torch.Generator().manual_seed(4)
-    cache = make_paged_cache(
-        [5, 9],
-        block_size=16,
-        num_kv_heads=2,
-        head_dim=32,
-        dtype=torch.float32,
-        device="cpu",
-        generator=gen,
-    )
+    cache, gen = small_cache(4, [5, 9], num_kv_heads=2)
     args = dict(
         query=torch.randn(2, 2, 32, generator=gen),
         key_cache=cache.key_cache,
