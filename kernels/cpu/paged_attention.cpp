@@ -267,7 +267,9 @@ struct PrefillArgs {
   int64_t query_stride;  // elements between query rows (heads are contiguous in a row)
 };
 
-constexpr int kQueryTile = 16;  // query tokens per work item (times the group's heads)
+constexpr int kQueryTile = 32;  // query tokens per work item (times the group's heads)
+constexpr int kKeyVectors = 4;  // key chunk: kKeyVectors * kLanes keys per softmax update
+constexpr int kKeyChunk = kKeyVectors * kLanes;
 
 // Per-thread scratch for prefill tiles; grows to the largest tile once.
 struct PrefillScratch {
@@ -275,12 +277,15 @@ struct PrefillScratch {
   std::vector<vfloat> acc;   // [vectors, NV]
   std::vector<float> run_max;
   std::vector<float> run_sum;
+  std::vector<float> keys;    // [head_dim, kKeyChunk]: the key chunk, transposed
+  std::vector<float> values;  // [kKeyChunk, head_dim]
 };
 
-// Flash-style: for a tile of query tokens and one kv head, walk key tiles of kLanes tokens
-// with an online softmax. Each key tile is loaded once (transposed for the scores, row-major
-// for the values) and used by every query vector of the tile, so the inner loops are plain
-// broadcast-multiply-adds with no horizontal sums.
+// Flash-style: for a tile of query tokens and one kv head, walk chunks of kKeyChunk keys with
+// an online softmax. Each chunk is loaded once (transposed for the scores, row-major for the
+// values) and used by every query vector of the tile, so the inner loops are broadcast
+// multiply-adds with no horizontal sums, kKeyVectors independent accumulators for the scores,
+// and one max / rescale per chunk.
 template <typename T, int NV>
 void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t tile,
                   PrefillScratch& scratch) {
@@ -303,10 +308,14 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
   scratch.acc.resize(size_t(vectors * NV));
   scratch.run_max.resize(size_t(vectors));
   scratch.run_sum.resize(size_t(vectors));
+  scratch.keys.resize(size_t(kHeadDim * kKeyChunk));
+  scratch.values.resize(size_t(kKeyChunk * kHeadDim));
   float* q = scratch.query.data();
   vfloat* acc = scratch.acc.data();
   float* run_max = scratch.run_max.data();
   float* run_sum = scratch.run_sum.data();
+  float* kt = scratch.keys.data();    // kt[d * kKeyChunk + j]
+  float* vt = scratch.values.data();  // vt[j * kHeadDim + d]
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = static_cast<const T*>(a.query) + (q_begin + first + r) * a.query_stride +
                    kv_head * group * kHeadDim;
@@ -322,44 +331,59 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
 
   // Keys visible to the tile's last query token: positions 0 .. context + first + rows - 1.
   const int64_t key_end = context + first + rows;
-  alignas(64) float kt[kHeadDim][kLanes];  // key tile, transposed
-  alignas(64) float vt[kLanes][kHeadDim];  // value tile
-  for (int64_t k0 = 0; k0 < key_end; k0 += kLanes) {
-    const int64_t n = std::min<int64_t>(kLanes, key_end - k0);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  alignas(64) float p[kKeyChunk];
+  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyChunk) {
+    const int64_t n = std::min<int64_t>(kKeyChunk, key_end - k0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = k0 + j;
       const int64_t offset = int64_t(table[pos / a.block_size]) * block_stride +
                              (pos % a.block_size) * token_stride;
       const T* krow = keys + offset;
       const T* vrow = values + offset;
-      for (int d = 0; d < kHeadDim; ++d) {
-        kt[d][j] = to_float(krow[d]);
-        vt[j][d] = to_float(vrow[d]);
-      }
+      for (int c = 0; c < NV; ++c) store(vt + j * kHeadDim + c * kLanes, load(vrow + c * kLanes));
+      for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = to_float(krow[d]);
     }
-    for (int64_t j = n; j < kLanes; ++j) {
-      for (int d = 0; d < kHeadDim; ++d) kt[d][j] = 0.0f;
-      for (int d = 0; d < kHeadDim; ++d) vt[j][d] = 0.0f;
+    for (int64_t j = n; j < kKeyChunk; ++j) {
+      for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = 0.0f;
+      for (int d = 0; d < kHeadDim; ++d) vt[j * kHeadDim + d] = 0.0f;
     }
-    const vint key_pos = vint{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + int32_t(k0);
+    const vint lane = vint{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t qv = 0; qv < vectors; ++qv) {
       const int64_t q_pos = context + first + qv / group;
-      if (k0 > q_pos) continue;  // the whole key tile is in this query's future
+      if (k0 > q_pos) continue;  // the whole chunk is in this query's future
+      // Key vectors of the chunk this query sees at all (the rest are wholly in its future).
+      const int live = int(std::min<int64_t>(kKeyVectors, (q_pos - k0) / kLanes + 1));
       const float* qrow = q + qv * kHeadDim;
-      vfloat s = vfloat{};
-      for (int d = 0; d < kHeadDim; ++d) s += qrow[d] * load(kt[d]);
-      const vint visible = key_pos <= int32_t(q_pos);
-      s = visible ? s : splat(-std::numeric_limits<float>::infinity());
-      const float new_max = std::max(run_max[qv], hmax(s));
+      vfloat s[kKeyVectors] = {};
+      for (int d = 0; d < kHeadDim; ++d) {
+        const vfloat qd = splat(qrow[d]);
+        for (int v = 0; v < kKeyVectors; ++v) {
+          if (v < live) s[v] += qd * load(kt + d * kKeyChunk + v * kLanes);
+        }
+      }
+      vfloat chunk_max = splat(neg_inf);
+      for (int v = 0; v < kKeyVectors; ++v) {
+        const vint visible = lane + int32_t(k0 + v * kLanes) <= int32_t(q_pos);
+        s[v] = v < live ? (visible ? s[v] : splat(neg_inf)) : splat(neg_inf);
+        chunk_max = s[v] > chunk_max ? s[v] : chunk_max;
+      }
+      const float new_max = std::max(run_max[qv], hmax(chunk_max));
       const float correction = exp_nonpositive(run_max[qv] - new_max);
-      const vfloat p = exp_nonpositive(s - new_max);
-      run_sum[qv] = run_sum[qv] * correction + hsum(p);
+      vfloat total = vfloat{};
+      for (int v = 0; v < kKeyVectors; ++v) {
+        const vfloat e = exp_nonpositive(s[v] - new_max);
+        store(p + v * kLanes, e);
+        total += e;
+      }
+      run_sum[qv] = run_sum[qv] * correction + hsum(total);
       run_max[qv] = new_max;
       vfloat o[NV];
       for (int c = 0; c < NV; ++c) o[c] = acc[qv * NV + c] * correction;
-      for (int j = 0; j < n; ++j) {
+      const int64_t keys_seen = std::min<int64_t>(n, int64_t(live) * kLanes);
+      for (int64_t j = 0; j < keys_seen; ++j) {
         const vfloat pj = splat(p[j]);
-        for (int c = 0; c < NV; ++c) o[c] += pj * load(vt[j] + c * kLanes);
+        for (int c = 0; c < NV; ++c) o[c] += pj * load(vt + j * kHeadDim + c * kLanes);
       }
       for (int c = 0; c < NV; ++c) acc[qv * NV + c] = o[c];
     }
