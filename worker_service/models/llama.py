@@ -2,7 +2,9 @@
 
 Every linear layer runs once per step over all tokens of all sequences (`[num_tokens, ...]`),
 q/k/v and gate/up are fused into one matmul each, and attention goes through an
-`AttentionBackend` that reads and writes the paged KV cache. Weights are taken from a loaded
+`AttentionBackend` that reads and writes the paged KV cache. With `fused_ops` (the native CPU
+backend) the elementwise steps between matmuls (residual add + RMSNorm, rotary, SiLU-and-
+multiply) are single C++ calls from `kernels.cpu`. Weights are taken from a loaded
 `transformers` model; the arithmetic follows the reference order so fp32 greedy output is
 token-identical.
 """
