@@ -50,7 +50,7 @@ def rotary_(
     num_heads: int,  # heads to rotate per row (query heads + key heads)
 ) -> torch.Tensor:  # qkv, rotated in place
     """Rotary embedding, in place, of heads [0, num_heads) of every row, by its position."""
-    _check("qkv", qkv, 2)
+    _check("qkv", qkv, 2, strided_rows=True)
     _check("cos", cos, 2, like=qkv)
     _check("sin", sin, 2, like=qkv)
     head_dim = cos.shape[1]
@@ -141,7 +141,13 @@ def argmax_logsumexp(
     return argmax, lse
 
 
-def _check(name: str, tensor: torch.Tensor, ndim: int, like: torch.Tensor | None = None) -> None:
+def _check(
+    name: str,
+    tensor: torch.Tensor,
+    ndim: int,
+    like: torch.Tensor | None = None,
+    strided_rows: bool = False,  # rows may lie further apart than their width
+) -> None:
     if tensor.dim() != ndim:
         raise KernelArgumentError(name, f"expected {ndim} dimensions, got {tuple(tensor.shape)}")
     if tensor.device.type != "cpu":
@@ -150,5 +156,6 @@ def _check(name: str, tensor: torch.Tensor, ndim: int, like: torch.Tensor | None
         raise KernelArgumentError(name, f"dtype {tensor.dtype} not supported")
     if like is not None and tensor.dtype != like.dtype:
         raise KernelArgumentError(name, f"dtype {tensor.dtype} differs from {like.dtype}")
-    if tensor.stride(-1) != 1 or (ndim == 2 and name != "qkv" and not tensor.is_contiguous()):
+    dense = tensor.stride(-1) == 1 if strided_rows else tensor.is_contiguous()
+    if not dense:
         raise KernelArgumentError(name, f"must be contiguous, got strides {tensor.stride()}")

@@ -125,7 +125,8 @@ struct DecodeArgs {
 struct DecodeScratch {
   std::vector<vfloat> acc;    // [heads, NV]
   std::vector<float> scores;  // [heads, len]
-  std::vector<float> max;     // [heads]
+  std::vector<float> max;     // [heads], running maximum of the scores
+  std::vector<float> inv_sum; // [heads], 1 / sum of the softmax numerators
 };
 
 // One sequence and its kv heads [h_begin, h_end). The rows of those heads for one token are
@@ -158,6 +159,7 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
   scratch.acc.assign(size_t(heads * NV), vfloat{});
   scratch.scores.resize(size_t(heads * len));
   scratch.max.assign(size_t(heads), -std::numeric_limits<float>::infinity());
+  scratch.inv_sum.resize(size_t(heads));
   vfloat* acc_all = scratch.acc.data();
   float* scores = scratch.scores.data();
 
@@ -196,7 +198,7 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
       row[t] = exp_nonpositive(row[t] - m);
       tail += row[t];
     }
-    scratch.max[size_t(i)] = 1.0f / (hsum(total) + tail);  // now the normalizer
+    scratch.inv_sum[size_t(i)] = 1.0f / (hsum(total) + tail);
   }
 
   // Pass 2: out_head = sum_t p_head,t v_t / sum_t p_head,t
@@ -223,7 +225,7 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
     }
   }
   for (int64_t i = 0; i < heads; ++i) {
-    const float inv = scratch.max[size_t(i)];
+    const float inv = scratch.inv_sum[size_t(i)];
     for (int c = 0; c < NV; ++c) {
       const vfloat r = acc_all[i * NV + c] * inv;
       for (int l = 0; l < kLanes; ++l) store_scalar(out + i * kHeadDim + c * kLanes + l, r[l]);
