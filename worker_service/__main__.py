@@ -25,6 +25,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"]
     )
+    p.add_argument(
+        "--linear-impl",
+        default="auto",
+        choices=["auto", "torch", "onednn"],
+        help="matmuls: onednn prepacks the weights (CPU); auto = onednn with the cpu backend",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="CPU KV cache size, GiB")
@@ -58,6 +64,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
+        linear_impl=args.linear_impl,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),

@@ -12,6 +12,7 @@ GiB = 1 << 30
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "cpu", "triton", "torch"]
+LinearImplName = Literal["auto", "torch", "onednn"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -41,6 +42,10 @@ class WorkerConfig:
     dtype: DtypeName = "auto"
     device: DeviceName = "auto"
     attention_backend: AttentionBackendName = "auto"
+    # Matmuls: `torch` (F.linear), or `onednn` (weights prepacked once at load; CPU float32 /
+    # bfloat16). `auto` takes onednn with the native `cpu` attention backend, where it can
+    # run, and torch otherwise, so the `torch` backend stays the plain-torch reference.
+    linear_impl: LinearImplName = "auto"
     block_size: int = 16
     # Caps the model's own max_position_embeddings (None = the model's limit).
     max_model_len: int | None = None
@@ -65,6 +70,10 @@ class WorkerConfig:
         if self.attention_backend not in ("auto", "cpu", "triton", "torch"):
             raise WorkerConfigError(
                 "attention_backend", f"must be auto|cpu|triton|torch, got {self.attention_backend}"
+            )
+        if self.linear_impl not in ("auto", "torch", "onednn"):
+            raise WorkerConfigError(
+                "linear_impl", f"must be auto|torch|onednn, got {self.linear_impl}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise WorkerConfigError(

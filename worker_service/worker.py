@@ -13,9 +13,9 @@ from llmserve.steps import StepInput, StepResult
 from worker_service.attention import AttentionSpec, get_backend_class
 from worker_service.attention.base import AttentionBackend
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
-from worker_service.config import WorkerConfig
+from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.model_runner import ModelRunner
-from worker_service.models.llama import LlamaModel, ModelArchConfig
+from worker_service.models.llama import LlamaModel, ModelArchConfig, packed_linear_available
 from worker_service.sampler import Sampler
 
 
@@ -33,6 +33,7 @@ class ModelInfo:
     eos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     attention_backend: str
+    linear_impl: str = "torch"
 
 
 class WorkerNotReadyError(RuntimeError):
@@ -77,10 +78,14 @@ class Worker:
         )
         backend_cls = get_backend_class(self.config.attention_backend, spec)
         hf_model = hf_model.to(device=self.device, dtype=self.dtype)
-        # The native CPU backend brings the fused elementwise kernels along; `torch` stays
-        # plain torch throughout, as the reference.
+        # The native CPU backend brings the fused elementwise kernels and the prepacked
+        # matmuls along; `torch` stays plain torch throughout, as the reference.
+        packed = self._use_packed_linear(backend_cls.name)
         self._model = LlamaModel.from_hf(
-            hf_model, max_positions=max_len, fused_ops=backend_cls.name == "cpu"
+            hf_model,
+            max_positions=max_len,
+            fused_ops=backend_cls.name == "cpu",
+            packed_linear=packed,
         )
         eos = _eos_ids(hf_model)
         self._info = ModelInfo(
@@ -94,6 +99,7 @@ class Worker:
             eos_token_id=eos[0] if eos else None,
             eos_token_ids=eos,
             attention_backend=backend_cls.name,
+            linear_impl="onednn" if packed else "torch",
         )
         backend: AttentionBackend = backend_cls(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5
@@ -102,6 +108,16 @@ class Worker:
             arch.vocab_size, eos, seed=self.config.seed, native_reductions=backend_cls.name == "cpu"
         )
         self._runner = ModelRunner(self._model, backend, sampler, self.config.block_size)
+
+    def _use_packed_linear(self, attention_backend: str) -> bool:
+        impl = self.config.linear_impl
+        available = packed_linear_available(self.device, self.dtype)
+        if impl == "onednn" and not available:
+            raise WorkerConfigError(
+                "linear_impl",
+                f"onednn needs the CPU and float32 or bfloat16, not {self.device} {self.dtype}",
+            )
+        return impl == "onednn" or (impl == "auto" and attention_backend == "cpu" and available)
 
     @property
     def model_info(self) -> ModelInfo:

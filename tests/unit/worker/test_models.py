@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.models import UnsupportedModelError
+from worker_service.models.llama import pack_weight, packed_matmul
 from worker_service.models.rope import inverse_frequencies
 
 from .factories import GreedyDriver, hf_greedy, load_hf, make_worker, tiny_config
@@ -20,23 +23,61 @@ PROMPTS = {
 }
 
 
+@pytest.mark.parametrize("linear_impl", ["torch", "onednn"])
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
-def test_tiny_checkpoint_matches_hf_greedy(kind: str, tiny_model_dir: dict[str, Path]) -> None:
+def test_tiny_checkpoint_matches_hf_greedy(
+    kind: str, linear_impl: str, tiny_model_dir: dict[str, Path]
+) -> None:
     hf = load_hf(tiny_model_dir[kind])
-    worker = make_worker(tiny_model_dir[kind])
+    worker = make_worker(tiny_model_dir[kind], linear_impl=linear_impl)
     assert worker.model_info.architecture == type(hf).__name__
+    assert worker.model_info.linear_impl == linear_impl
     outputs = GreedyDriver(worker).run_greedy(PROMPTS, max_new_tokens=10)
     for seq_id, prompt in PROMPTS.items():
         assert outputs[seq_id] == hf_greedy(hf, prompt, 10), (kind, seq_id)
 
 
 def test_qwen2_has_qkv_bias_and_tied_embeddings(tiny_model_dir: dict[str, Path]) -> None:
-    model = make_worker(tiny_model_dir["qwen2"]).model
+    model = make_worker(tiny_model_dir["qwen2"], linear_impl="torch").model
     assert model.layers[0].qkv_bias is not None
     assert model.lm_head.data_ptr() == model.embed.data_ptr()
-    llama = make_worker(tiny_model_dir["llama"]).model
+    llama = make_worker(tiny_model_dir["llama"], linear_impl="torch").model
     assert llama.layers[0].qkv_bias is None
     assert llama.lm_head.data_ptr() != llama.embed.data_ptr()
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_packed_matmul_matches_f_linear(dtype: torch.dtype, tol: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 80, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    packed = pack_weight(weight)
+    for rows in (0, 1, 7, 130):
+        x = torch.randn(rows, 80, generator=gen).to(dtype)
+        got = packed_matmul(x, packed, bias)
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=tol, atol=tol)
+
+
+def test_linear_impl_auto_follows_the_attention_backend(tiny_model_dir: dict[str, Path]) -> None:
+    path = tiny_model_dir["llama"]
+    assert make_worker(path, attention_backend="cpu").model_info.linear_impl == "onednn"
+    assert make_worker(path, attention_backend="torch").model_info.linear_impl == "torch"
+    # Explicit onednn under the reference attention backend is allowed.
+    worker = make_worker(path, attention_backend="torch", linear_impl="onednn")
+    assert worker.model.packed_linear
+
+
+def test_bad_linear_impl_is_named() -> None:
+    with pytest.raises(WorkerConfigError, match="linear_impl") as info:
+        WorkerConfig(linear_impl="mkl")  # type: ignore[arg-type]
+    assert info.value.field == "linear_impl"
+
+
+def test_onednn_refuses_float16_naming_the_option(tiny_model_dir: dict[str, Path]) -> None:
+    with pytest.raises(WorkerConfigError, match="linear_impl: onednn needs") as info:
+        make_worker(tiny_model_dir["llama"], dtype="float16", linear_impl="onednn")
+    assert info.value.field == "linear_impl"
 
 
 def test_llama3_inverse_frequencies_match_transformers(tiny_model_dir: dict[str, Path]) -> None:
