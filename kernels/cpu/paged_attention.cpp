@@ -138,7 +138,7 @@ struct DecodeScratch {
 // hardware prefetcher stalls at every block boundary.
 template <typename T, int NV>
 void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_end,
-                  DecodeScratch& scratch) {
+                  const int64_t* next_item, DecodeScratch& scratch) {
   constexpr int kHeadDim = NV * kLanes;
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t len = a.seq_lens[seq];
@@ -172,6 +172,9 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
     for (int64_t h = 0; h < h_end - h_begin; ++h) {
       if (next >= 0) {
         for (int64_t o = 0; o < n; ++o) prefetch_row<T, NV>(keys + next + o * token_stride + h * kHeadDim);
+      } else {  // last key block: bring in the first value block for pass 2
+        const T* first = values + int64_t(table[0]) * block_stride + h * kHeadDim;
+        for (int64_t o = 0; o < std::min(a.block_size, len); ++o) prefetch_row<T, NV>(first + o * token_stride);
       }
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = h * group + g;
@@ -206,6 +209,15 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
     const int64_t n = std::min(a.block_size, len - start);
     const int64_t block = int64_t(table[b]) * block_stride;
     const int64_t next = start + a.block_size < len ? int64_t(table[b + 1]) * block_stride : -1;
+    if (next < 0 && next_item != nullptr) {
+      // Last value block: bring in the first key block of this thread's next item.
+      const int64_t next_seq = next_item[0], next_len = a.seq_lens[next_seq];
+      const T* first = static_cast<const T*>(a.key_cache) +
+                       int64_t(a.block_tables[next_seq * a.table_stride]) * block_stride;
+      for (int64_t o = 0; o < std::min(a.block_size, next_len); ++o)
+        for (int64_t h = next_item[1]; h < next_item[2]; ++h)
+          prefetch_row<T, NV>(first + o * token_stride + h * kHeadDim);
+    }
     for (int64_t h = 0; h < h_end - h_begin; ++h) {
       vfloat acc[kMaxGroup][NV];
       for (int64_t g = 0; g < group; ++g)
@@ -228,7 +240,7 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
     const float inv = scratch.inv_sum[size_t(i)];
     for (int c = 0; c < NV; ++c) {
       const vfloat r = acc_all[i * NV + c] * inv;
-      for (int l = 0; l < kLanes; ++l) store_scalar(out + i * kHeadDim + c * kLanes + l, r[l]);
+      store(out + i * kHeadDim + c * kLanes, r);
     }
   }
 }
@@ -238,14 +250,24 @@ void decode(const DecodeArgs& a) {
   const int64_t per_item = std::max<int64_t>(1, std::min(a.kv_heads_per_item, a.num_kv_heads));
   const int64_t chunks = (a.num_kv_heads + per_item - 1) / per_item;
   const int64_t items = a.num_seqs * chunks;
+  auto describe = [&](int64_t item, int64_t* out) {  // seq, first and end kv head
+    out[0] = item / chunks;
+    out[1] = (item % chunks) * per_item;
+    out[2] = std::min(out[1] + per_item, a.num_kv_heads);
+  };
+  // Items go round-robin so that each thread knows which item it takes next and can start
+  // loading that item's first key block before it gets there.
 #pragma omp parallel
   {
     DecodeScratch scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = item / chunks;
-      const int64_t h_begin = (item % chunks) * per_item;
-      decode_range<T, NV>(a, seq, h_begin, std::min(h_begin + per_item, a.num_kv_heads), scratch);
+    const int64_t threads = omp_get_num_threads();
+    int64_t current[3], next[3];
+    for (int64_t item = omp_get_thread_num(); item < items; item += threads) {
+      describe(item, current);
+      const bool has_next = item + threads < items && a.seq_lens[(item + threads) / chunks] > 0;
+      if (has_next) describe(item + threads, next);
+      decode_range<T, NV>(a, current[0], current[1], current[2], has_next ? next : nullptr,
+                          scratch);
     }
   }
 }
@@ -399,7 +421,7 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
       const float inv = 1.0f / run_sum[qv];
       for (int c = 0; c < NV; ++c) {
         const vfloat v = acc[qv * NV + c] * inv;
-        for (int i = 0; i < kLanes; ++i) store_scalar(dst + g * kHeadDim + c * kLanes + i, v[i]);
+        store(dst + g * kHeadDim + c * kLanes, v);
       }
     }
   }
