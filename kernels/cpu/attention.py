@@ -2,6 +2,9 @@
 
 Both wrappers take the same arguments as their Triton and reference counterparts in
 `kernels` and `kernels.reference`. Storage may be float32 or bfloat16; arithmetic is fp32.
+`check=False` skips the argument checks (about 10 us a call): for callers that have
+validated a step's tables once, like the worker's `cpu` backend. The kernels themselves do
+not bounds-check.
 """
 
 from __future__ import annotations
@@ -43,15 +46,19 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,  # [num_seqs] int32, including the query token
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    check: bool = True,
     **_: object,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Each sequence's single query token attends to its first seq_lens[i] cached tokens."""
-    _check_common(query, key_cache, value_cache, block_tables)
-    check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
-    check_dim("seq_lens", seq_lens, 0, query.shape[0], "num_seqs")
-    check_dim("block_tables", block_tables, 0, query.shape[0], "num_seqs")
-    seq_lens = _int32(seq_lens)
-    out = _output(query, out)
+    if check:
+        _check_common(query, key_cache, value_cache, block_tables)
+        check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+        check_dim("seq_lens", seq_lens, 0, query.shape[0], "num_seqs")
+        check_dim("block_tables", block_tables, 0, query.shape[0], "num_seqs")
+        seq_lens = _int32(seq_lens)
+        out = _output(query, out)
+    elif out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs:
         status = library().llmserve_paged_decode(
@@ -91,17 +98,21 @@ def prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, cached prefix + this chunk
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    check: bool = True,
     **_: object,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Query tokens at positions seq_len - q_len .. seq_len - 1, causal over the cache."""
-    _check_common(query, key_cache, value_cache, block_tables)
     num_seqs = block_tables.shape[0]
-    check_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    check_dim("query_start_loc", query_start_loc, 0, num_seqs + 1, "num_seqs + 1")
-    check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
-    check_dim("seq_lens", seq_lens, 0, num_seqs, "num_seqs")
-    query_start_loc, seq_lens = _int32(query_start_loc), _int32(seq_lens)
-    out = _output(query, out)
+    if check:
+        _check_common(query, key_cache, value_cache, block_tables)
+        check_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+        check_dim("query_start_loc", query_start_loc, 0, num_seqs + 1, "num_seqs + 1")
+        check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+        check_dim("seq_lens", seq_lens, 0, num_seqs, "num_seqs")
+        query_start_loc, seq_lens = _int32(query_start_loc), _int32(seq_lens)
+        out = _output(query, out)
+    elif out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
     if num_seqs and query.shape[0]:
         status = library().llmserve_paged_prefill(
             DTYPE_CODES[query.dtype],

@@ -3,6 +3,8 @@
 Each replaces a chain of torch calls with one pass over memory and one call (see ops.cpp
 for the rounding they keep). Tensors must be contiguous CPU float32 or bfloat16 tensors
 (logits: float32); anything else raises `KernelArgumentError` naming the argument.
+`check=False` skips those checks, for callers that validated their inputs once per step
+(the model's decoder layers call these 4-5 times per layer).
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [n, hidden], updated in place: residual += x
+    check: bool = True,
 ) -> torch.Tensor:  # [n, hidden]: weight * normalize(x, or residual + x when given)
-    _check("x", x, 2)
-    _check("weight", weight, 1, like=x)
-    if weight.shape[0] != x.shape[1]:
-        raise KernelArgumentError("weight", f"size {weight.shape[0]} != hidden {x.shape[1]}")
-    if residual is not None:
-        _check("residual", residual, 2, like=x)
-        if residual.shape != x.shape:
-            raise KernelArgumentError("residual", f"shape {tuple(residual.shape)} != x's")
+    if check:
+        _check("x", x, 2)
+        _check("weight", weight, 1, like=x)
+        if weight.shape[0] != x.shape[1]:
+            raise KernelArgumentError("weight", f"size {weight.shape[0]} != hidden {x.shape[1]}")
+        if residual is not None:
+            _check("residual", residual, 2, like=x)
+            if residual.shape != x.shape:
+                raise KernelArgumentError("residual", f"shape {tuple(residual.shape)} != x's")
     out = torch.empty_like(x)
     library().llmserve_rms_norm(
         DTYPE_CODES[x.dtype],
@@ -48,21 +52,22 @@ def rotary_(
     cos: torch.Tensor,  # [max_positions, head_dim]
     sin: torch.Tensor,  # [max_positions, head_dim]
     num_heads: int,  # heads to rotate per row (query heads + key heads)
+    check: bool = True,
 ) -> torch.Tensor:  # qkv, rotated in place
     """Rotary embedding, in place, of heads [0, num_heads) of every row, by its position."""
-    _check("qkv", qkv, 2, strided_rows=True)
-    _check("cos", cos, 2, like=qkv)
-    _check("sin", sin, 2, like=qkv)
     head_dim = cos.shape[1]
-    if num_heads * head_dim > qkv.shape[1] or head_dim % 2:
-        raise KernelArgumentError(
-            "qkv", f"{num_heads} heads of {head_dim} do not fit a row of {qkv.shape[1]}"
-        )
-    if positions.dtype != torch.int64 or positions.shape != (qkv.shape[0],):
-        raise KernelArgumentError("positions", f"expected [{qkv.shape[0]}] int64")
-    positions = positions.contiguous()
-    if qkv.shape[0] and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
-        raise KernelArgumentError("positions", f"must lie in [0, {cos.shape[0]})")
+    if check:
+        _check("qkv", qkv, 2, strided_rows=True)
+        _check("cos", cos, 2, like=qkv)
+        _check("sin", sin, 2, like=qkv)
+        if num_heads * head_dim > qkv.shape[1] or head_dim % 2:
+            raise KernelArgumentError(
+                "qkv", f"{num_heads} heads of {head_dim} do not fit a row of {qkv.shape[1]}"
+            )
+        if positions.dtype != torch.int64 or positions.shape != (qkv.shape[0],):
+            raise KernelArgumentError("positions", f"expected [{qkv.shape[0]}] int64")
+        positions = positions.contiguous()
+        check_positions(positions, cos.shape[0])
     library().llmserve_rotary(
         DTYPE_CODES[qkv.dtype],
         qkv.data_ptr(),
@@ -77,12 +82,20 @@ def rotary_(
     return qkv
 
 
+def check_positions(positions: torch.Tensor, num_positions: int) -> None:
+    """Positions index the cos/sin tables: each must lie in [0, num_positions)."""
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= num_positions):
+        raise KernelArgumentError("positions", f"must lie in [0, {num_positions})")
+
+
 def silu_mul(
     gate_up: torch.Tensor,  # [n, 2 * intermediate]: gate, then up
+    check: bool = True,
 ) -> torch.Tensor:  # [n, intermediate] = silu(gate) * up
-    _check("gate_up", gate_up, 2)
-    if gate_up.shape[1] % 2:
-        raise KernelArgumentError("gate_up", f"width {gate_up.shape[1]} is not even")
+    if check:
+        _check("gate_up", gate_up, 2)
+        if gate_up.shape[1] % 2:
+            raise KernelArgumentError("gate_up", f"width {gate_up.shape[1]} is not even")
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     library().llmserve_silu_mul(
         DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), *out.shape
@@ -96,23 +109,12 @@ def write_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # same
     slot_mapping: torch.Tensor,  # [n] int64 flat slots; negative = skip (padding)
+    check: bool = True,
 ) -> None:
     """Store token i's key and value at flat slot slot_mapping[i] of the caches."""
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor.dim() != 3 or tensor.stride(2) != 1 or tensor.stride(1) != tensor.shape[2]:
-            raise KernelArgumentError(name, f"expected [n, heads, dim] rows, got {tensor.stride()}")
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check(name, cache.view(-1, cache.shape[-1]), 2, like=key)
-        if cache.shape[2:] != key.shape[1:]:
-            raise KernelArgumentError(name, f"shape {tuple(cache.shape)} does not fit the keys")
-    if value.shape != key.shape or value.stride() != key.stride() or value.dtype != key.dtype:
-        raise KernelArgumentError("value", "must have the key's shape, strides and dtype")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
-        raise KernelArgumentError("slot_mapping", f"expected [{key.shape[0]}] int64")
-    slot_mapping = slot_mapping.contiguous()
-    slots = key_cache.shape[0] * key_cache.shape[1]
-    if key.shape[0] and int(slot_mapping.max()) >= slots:
-        raise KernelArgumentError("slot_mapping", f"slots must be < {slots}")
+    if check:
+        slot_mapping = slot_mapping.contiguous()
+        _check_write_kv(key, value, key_cache, value_cache, slot_mapping)
     library().llmserve_write_kv(
         DTYPE_CODES[key.dtype],
         key.data_ptr(),
@@ -124,6 +126,29 @@ def write_kv(
         key_cache.data_ptr(),
         value_cache.data_ptr(),
     )
+
+
+def _check_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dim() != 3 or tensor.stride(2) != 1 or tensor.stride(1) != tensor.shape[2]:
+            raise KernelArgumentError(name, f"expected [n, heads, dim] rows, got {tensor.stride()}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check(name, cache.view(-1, cache.shape[-1]), 2, like=key)
+        if cache.shape[2:] != key.shape[1:]:
+            raise KernelArgumentError(name, f"shape {tuple(cache.shape)} does not fit the keys")
+    if value.shape != key.shape or value.stride() != key.stride() or value.dtype != key.dtype:
+        raise KernelArgumentError("value", "must have the key's shape, strides and dtype")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
+        raise KernelArgumentError("slot_mapping", f"expected [{key.shape[0]}] int64")
+    slots = key_cache.shape[0] * key_cache.shape[1]
+    if key.shape[0] and int(slot_mapping.max()) >= slots:
+        raise KernelArgumentError("slot_mapping", f"slots must be < {slots}")
 
 
 def argmax_logsumexp(

@@ -234,6 +234,8 @@ class LlamaModel:
     ) -> torch.Tensor:  # [num_logit_rows, vocab] float32
         num_tokens = input_ids.shape[0]
         linear = self.linear
+        if self.fused_ops:  # the native ops below run unchecked: validate their inputs once
+            self._check_native_inputs(input_ids, positions)
         rotate = self._native_rotary if self.fused_ops else self._torch_rotary(positions)
         backend.begin_step(metadata)
         residual = None
@@ -253,6 +255,16 @@ class LlamaModel:
     # The decoder's elementwise steps, fused in C++ when `fused_ops` (CPU), else plain torch
     # in the reference's order (same rounding; fused sums may differ in the last bit).
 
+    def _check_native_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Once per forward, what the unchecked native calls rely on: the rotary tables cover
+        every position, and activations are contiguous CPU tensors of a supported dtype (they
+        are: the model makes them, from its own weights)."""
+        if positions.dtype != torch.int64 or positions.shape != input_ids.shape:
+            raise ValueError(f"positions: expected [{input_ids.shape[0]}] int64")
+        if not positions.is_contiguous():
+            raise ValueError("positions: must be contiguous")
+        cpu_ops.check_positions(positions, self.cos.shape[0])
+
     def _add_norm(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
@@ -262,11 +274,14 @@ class LlamaModel:
         eps = self.arch.rms_norm_eps
         if residual is None:
             normed = (
-                cpu_ops.rms_norm(x, weight, eps) if self.fused_ops else rms_norm(x, weight, eps)
+                cpu_ops.rms_norm(x, weight, eps, check=False)
+                if self.fused_ops
+                else rms_norm(x, weight, eps)
             )
             return normed, x
         if self.fused_ops:
-            return cpu_ops.rms_norm(x, weight, eps, residual=residual), residual  # in place
+            # residual += x in place
+            return cpu_ops.rms_norm(x, weight, eps, residual=residual, check=False), residual
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
 
@@ -286,7 +301,7 @@ class LlamaModel:
         self, qkv: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         heads = self.arch.num_heads + self.arch.num_kv_heads  # q and k lead each row
-        cpu_ops.rotary_(qkv, positions, self.cos, self.sin, heads)
+        cpu_ops.rotary_(qkv, positions, self.cos, self.sin, heads, check=False)
         return self._split_heads(qkv)
 
     def _torch_rotary(self, positions: torch.Tensor) -> Callable[..., Any]:
@@ -303,7 +318,7 @@ class LlamaModel:
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused_ops:
-            return cpu_ops.silu_mul(gate_up)
+            return cpu_ops.silu_mul(gate_up, check=False)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 

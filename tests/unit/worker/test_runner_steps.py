@@ -161,3 +161,15 @@ def test_block_ids_outside_the_cache_are_refused(tiny_llama: tuple[Path, Any]) -
     worker.initialize_cache(16, 0)
     with pytest.raises(StateError, match="block id 99 is outside the cache"):
         worker.execute(StepInput(0, new_seqs=[new_seq(1, PROMPTS[0], [3, 99, 4])]))
+
+
+def test_positions_past_the_rotary_table_are_refused(tiny_llama: tuple[Path, Any]) -> None:
+    """The native rotary op reads its tables unchecked: the model checks positions per step."""
+    path, _ = tiny_llama
+    worker = make_worker(path, max_model_len=8)
+    prompt = PROMPTS[2]  # 17 tokens, past the 8 positions of the table
+    with pytest.raises(ValueError, match=r"positions: must lie in \[0, 8\)"):
+        worker.execute(StepInput(0, new_seqs=[new_seq(1, prompt, blocks_for(0, len(prompt)))]))
+    # Nothing was half-applied: a valid sequence still runs on the same worker.
+    out = worker.execute(StepInput(1, new_seqs=[new_seq(2, PROMPTS[1], blocks_for(8, 3))]))
+    assert [o.seq_id for o in out.outputs] == [2]
