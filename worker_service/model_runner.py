@@ -261,7 +261,7 @@ class ModelRunner:
             targets = [s.state.token_ids[p] for p in positions]
             s.state.pending_prompt_logprobs.extend(
                 prompt_logprobs(
-                    logits[first_row : first_row + n],
+                    logits[first_row : first_row + n].float(),
                     positions,
                     targets,
                     s.state.params.prompt_logprobs or 0,

@@ -80,13 +80,16 @@ class Sampler:
 
     def sample(
         self,
-        logits: torch.Tensor,  # [num_rows, vocab] float32
+        logits: torch.Tensor,  # [num_rows, vocab] in the model dtype
         rows: list[SamplingRow],
     ) -> list[SampleResult]:
+        """Arithmetic is float32. With native reductions bfloat16 logits are read as they are
+        (a greedy batch never copies them to float32); other paths convert what they use."""
         # Raw logprobs are logits - logsumexp: only the entries reported are ever formed.
         if self.native_reductions:
             best_token, lse = cpu_kernels.argmax_logsumexp(logits)  # [num_rows] each
         else:
+            logits = logits.float()
             best_token, lse = logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
         adjusted = self._adjust_logits(logits, rows)
         tokens: list[list[int]] = [[] for _ in rows]
@@ -104,13 +107,14 @@ class Sampler:
                 tokens[i] = [t]
         if beam:
             width2 = max(rows[i].num_samples for i in beam)
-            ranked = torch.log_softmax(adjusted[beam], dim=-1).topk(width2, dim=-1).indices.tolist()
+            beam_logits = adjusted[beam].float()
+            ranked = torch.log_softmax(beam_logits, dim=-1).topk(width2, dim=-1).indices.tolist()
             for i, cands in zip(beam, ranked, strict=True):
                 tokens[i] = cands[: rows[i].num_samples]
         if random:
             for i, drawn in zip(
                 random,
-                self._sample_random(adjusted[random], [rows[i] for i in random]),
+                self._sample_random(adjusted[random].float(), [rows[i] for i in random]),
                 strict=True,
             ):
                 tokens[i] = drawn
@@ -118,9 +122,9 @@ class Sampler:
 
     def _adjust_logits(
         self,
-        logits: torch.Tensor,  # [num_rows, vocab] float32
+        logits: torch.Tensor,  # [num_rows, vocab]
         rows: list[SamplingRow],
-    ) -> torch.Tensor:  # [num_rows, vocab] float32
+    ) -> torch.Tensor:  # [num_rows, vocab]: `logits` itself, or a float32 copy
         """Min-tokens EOS suppression and repetition/frequency/presence penalties."""
         vocab = self.vocab_size
         suppress = [(i, r) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
@@ -133,7 +137,7 @@ class Sampler:
         ]
         if not suppress and not penalized:
             return logits
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         for i, r in suppress:
             stops = list(r.params.stop_token_ids) + (
                 [] if r.params.ignore_eos else list(self.eos_token_ids)
@@ -202,7 +206,7 @@ class Sampler:
 
     def _with_logprobs(
         self,
-        logits: torch.Tensor,  # [num_rows, vocab] float32, raw
+        logits: torch.Tensor,  # [num_rows, vocab] raw, in the model dtype
         lse: torch.Tensor,  # [num_rows] float32, log-sum-exp of each row
         best_token: torch.Tensor,  # [num_rows] int64, each row's argmax
         rows: list[SamplingRow],
@@ -213,14 +217,14 @@ class Sampler:
         device = logits.device
         row_index = torch.tensor(flat_rows, device=device)
         token_index = torch.tensor(flat_tokens, device=device)
-        chosen_logit = logits[row_index, token_index]  # [num_samples]
+        chosen_logit = logits[row_index, token_index].float()  # [num_samples]
         chosen = chosen_logit - lse[row_index]
         # Rank 1 needs no scan over the vocabulary; only other tokens count what beats them
         # (logprobs order as the logits do).
         ranks = [1] * len(flat_tokens)
         others = (token_index != best_token[row_index]).nonzero()[:, 0]
         if others.numel():
-            beaten = (logits[row_index[others]] > chosen_logit[others, None]).sum(dim=-1) + 1
+            beaten = (logits[row_index[others]].float() > chosen_logit[others, None]).sum(-1) + 1
             for i, r in zip(others.tolist(), beaten.tolist(), strict=True):
                 ranks[i] = r
         chosen_list = chosen.tolist()
@@ -229,7 +233,7 @@ class Sampler:
         if want_top:
             k = max(rows[i].params.logprobs or 0 for i in want_top)
             values, indices = logits[want_top].topk(k, dim=-1)
-            values = values - lse[want_top, None]
+            values = values.float() - lse[want_top, None]
             for i, vs, ids in zip(want_top, values.tolist(), indices.tolist(), strict=True):
                 n = rows[i].params.logprobs or 0
                 tops[i] = [

@@ -138,8 +138,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_silu_mul": [i32, ptr, ptr, i64, i64],
         # dtype, key, value, row stride, slots, n, row elems, key cache, value cache
         "llmserve_write_kv": [i32, ptr, ptr, i64, ptr, i64, i64, ptr, ptr],
-        # logits, n, vocab, argmax out, lse out
-        "llmserve_argmax_logsumexp": [ptr, i64, i64, ptr, ptr],
+        # dtype, logits, n, vocab, argmax out, lse out
+        "llmserve_argmax_logsumexp": [i32, ptr, i64, i64, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)

@@ -13,7 +13,7 @@
 //   llmserve_rotary           rotary embedding in place on the first heads of each row
 //   llmserve_silu_mul         out = silu(gate) * up, gate and up side by side in one row
 //   llmserve_write_kv         store the step's keys and values in their cache slots
-//   llmserve_argmax_logsumexp per row of float32 logits: first argmax and log-sum-exp
+//   llmserve_argmax_logsumexp per row of logits: first argmax and log-sum-exp (float32)
 
 #include <algorithm>
 #include <cmath>
@@ -154,11 +154,13 @@ void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* s
   }
 }
 
-// First index of the row's maximum (NaN never wins) and log(sum(exp(row))).
-void argmax_logsumexp(const float* logits, int64_t n, int64_t vocab, int64_t* argmax, float* lse) {
+// First index of the row's maximum (NaN never wins) and log(sum(exp(row))), in float32
+// whatever the storage type (bfloat16 logits are read as they are, never copied to float32).
+template <typename T>
+void argmax_logsumexp(const T* logits, int64_t n, int64_t vocab, int64_t* argmax, float* lse) {
 #pragma omp parallel for if (n * vocab >= kParallelElements)
   for (int64_t r = 0; r < n; ++r) {
-    const float* row = logits + r * vocab;
+    const T* row = logits + r * vocab;
     const float neg_inf = -std::numeric_limits<float>::infinity();
     vfloat best = splat(neg_inf);
     int64_t i = 0;
@@ -167,9 +169,9 @@ void argmax_logsumexp(const float* logits, int64_t n, int64_t vocab, int64_t* ar
       best = v > best ? v : best;
     }
     float top = hmax(best);
-    for (; i < vocab; ++i) top = std::max(top, row[i]);
+    for (; i < vocab; ++i) top = std::max(top, to_float(row[i]));
     int64_t index = 0;
-    while (index < vocab && !(row[index] == top)) ++index;
+    while (index < vocab && !(to_float(row[index]) == top)) ++index;
     argmax[r] = index < vocab ? index : 0;
     if (std::isinf(top)) {  // all -inf (or +inf present): no finite normalizer
       lse[r] = top;
@@ -178,7 +180,7 @@ void argmax_logsumexp(const float* logits, int64_t n, int64_t vocab, int64_t* ar
     vfloat total = vfloat{};
     for (i = 0; i + kLanes <= vocab; i += kLanes) total += exp_nonpositive(load(row + i) - top);
     float tail = 0.0f;
-    for (; i < vocab; ++i) tail += exp_nonpositive(row[i] - top);
+    for (; i < vocab; ++i) tail += exp_nonpositive(to_float(row[i]) - top);
     lse[r] = top + std::log(hsum(total) + tail);
   }
 }
@@ -243,9 +245,15 @@ int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row
   return 0;
 }
 
-int llmserve_argmax_logsumexp(const float* logits, int64_t n, int64_t vocab, int64_t* argmax,
-                              float* lse) {
-  argmax_logsumexp(logits, n, vocab, argmax, lse);
+int llmserve_argmax_logsumexp(int dtype, const void* logits, int64_t n, int64_t vocab,
+                              int64_t* argmax, float* lse) {
+  if (dtype == 0) {
+    argmax_logsumexp(static_cast<const float*>(logits), n, vocab, argmax, lse);
+  } else if (dtype == 1) {
+    argmax_logsumexp(static_cast<const bf16*>(logits), n, vocab, argmax, lse);
+  } else {
+    return -1;
+  }
   return 0;
 }
 

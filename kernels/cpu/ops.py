@@ -1,8 +1,8 @@
 """Fused elementwise ops of the Llama decoder, and the sampler's per-row argmax / log-sum-exp.
 
 Each replaces a chain of torch calls with one pass over memory and one call (see ops.cpp
-for the rounding they keep). Tensors must be contiguous CPU float32 or bfloat16 tensors
-(logits: float32); anything else raises `KernelArgumentError` naming the argument.
+for the rounding they keep). Tensors must be contiguous CPU float32 or bfloat16 tensors;
+anything else raises `KernelArgumentError` naming the argument.
 `check=False` skips those checks, for callers that validated their inputs once per step
 (the model's decoder layers call these 4-5 times per layer).
 """
@@ -152,16 +152,18 @@ def _check_write_kv(
 
 
 def argmax_logsumexp(
-    logits: torch.Tensor,  # [n, vocab] float32
+    logits: torch.Tensor,  # [n, vocab] float32 or bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [n] int64 first argmax, [n] float32 log-sum-exp
     _check("logits", logits, 2)
-    if logits.dtype != torch.float32:
-        raise KernelArgumentError("logits", f"must be float32, got {logits.dtype}")
     argmax = torch.empty(logits.shape[0], dtype=torch.int64)
     lse = torch.empty(logits.shape[0], dtype=torch.float32)
     if logits.shape[0] and logits.shape[1]:
         library().llmserve_argmax_logsumexp(
-            logits.data_ptr(), *logits.shape, argmax.data_ptr(), lse.data_ptr()
+            DTYPE_CODES[logits.dtype],
+            logits.data_ptr(),
+            *logits.shape,
+            argmax.data_ptr(),
+            lse.data_ptr(),
         )
     return argmax, lse
 

@@ -206,16 +206,20 @@ def test_silu_mul_matches_torch(dtype: torch.dtype, tol: float) -> None:
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, atol=tol, rtol=tol)
 
 
-def test_argmax_logsumexp_matches_torch_and_takes_the_first_maximum() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_argmax_logsumexp_matches_torch_and_takes_the_first_maximum(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(8)
-    logits = torch.randn(6, 1003, generator=gen) * 5
+    logits = (torch.randn(6, 1003, generator=gen) * 5).to(dtype)
     logits[1, 10] = logits[1, 500] = 100.0  # a tie: the first index wins, as in torch
     logits[2] = float("-inf")
     logits[2, 7] = 0.0  # a single finite entry
     argmax, lse = cpu_kernels.argmax_logsumexp(logits)
+    assert lse.dtype == torch.float32
     assert argmax.tolist() == logits.argmax(dim=-1).tolist()
     assert argmax[1] == 10
-    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=2e-6, rtol=2e-6)
+    # bfloat16 rows are read as they are: the reference is torch on their float32 values.
+    expected = torch.logsumexp(logits.float(), dim=-1)
+    torch.testing.assert_close(lse, expected, atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -256,7 +260,8 @@ def test_write_kv_matches_the_reference_and_skips_padding(dtype: torch.dtype) ->
             "residual",
         ),
         (lambda: cpu_kernels.silu_mul(torch.zeros(2, 7)), "gate_up"),
-        (lambda: cpu_kernels.argmax_logsumexp(torch.zeros(2, 7).bfloat16()), "logits"),
+        (lambda: cpu_kernels.argmax_logsumexp(torch.zeros(2, 7).half()), "logits"),
+        (lambda: cpu_kernels.argmax_logsumexp(torch.zeros(2, 8)[:, ::2]), "logits"),
         (
             lambda: cpu_kernels.rotary_(
                 torch.zeros(2, 64), torch.tensor([0, 9]), torch.zeros(8, 16), torch.zeros(8, 16), 4

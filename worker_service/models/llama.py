@@ -231,7 +231,7 @@ class LlamaModel:
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         logit_rows: torch.Tensor,  # [num_logit_rows] int64, token rows that need logits
-    ) -> torch.Tensor:  # [num_logit_rows, vocab] float32
+    ) -> torch.Tensor:  # [num_logit_rows, vocab] in the model dtype (the sampler upcasts)
         num_tokens = input_ids.shape[0]
         linear = self.linear
         if self.fused_ops:  # the native ops below run unchecked: validate their inputs once
@@ -250,7 +250,7 @@ class LlamaModel:
             x = linear(self._silu_mul(linear(x, weights.gate_up)), weights.down)
         assert residual is not None
         selected, _ = self._add_norm(x[logit_rows], residual[logit_rows], self.final_norm)
-        return linear(selected, self.lm_head).float()
+        return linear(selected, self.lm_head)
 
     # The decoder's elementwise steps, fused in C++ when `fused_ops` (CPU), else plain torch
     # in the reference's order (same rounding; fused sums may differ in the last bit).

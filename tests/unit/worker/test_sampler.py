@@ -132,3 +132,22 @@ def test_prompt_logprobs_positions_targets_and_top() -> None:
     assert [(e.position, e.token.token_id, e.token.rank) for e in entries] == [(1, 0, 2), (2, 2, 2)]
     assert math.isclose(entries[1].token.logprob, lp[1, 2].item(), abs_tol=1e-6)
     assert [(t.token_id, t.rank) for t in entries[0].top] == [(1, 1)]
+
+
+def test_bfloat16_logits_sample_as_their_float32_values() -> None:
+    """bfloat16 logits (the model dtype) go to the sampler as they are; every path must give
+    what the same values in float32 give (the conversion is exact)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, V, generator=gen) * 3).bfloat16()
+    rows = [
+        row(SamplingParams(temperature=0.0, logprobs=3)),
+        row(SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=1), [1, 2, 3, 4]),
+        row(SamplingParams(temperature=0.8, seed=7, logprobs=2)),
+        row(SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=8)),
+        row(SamplingParams(temperature=0.0, min_tokens=5)),
+        row(SamplingParams(temperature=0.0, use_beam_search=True, best_of=2, n=2)),
+    ]
+    for native in (True, False):
+        got = Sampler(V, (EOS,), native_reductions=native).sample(logits, rows)
+        want = Sampler(V, (EOS,), native_reductions=native).sample(logits.float(), rows)
+        assert got == want, native
