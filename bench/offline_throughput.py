@@ -153,6 +153,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="the engine's running-sequence cap (its default); --quick uses 32",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -163,7 +169,7 @@ def main() -> None:
             (32, 512),
             (16, 256),
             [16, 32, 64],
-            64,
+            args.max_num_seqs,
         )
     from transformers import AutoModelForCausalLM
 
@@ -176,6 +182,11 @@ def main() -> None:
         hf.generation_config.eos_token_id = None  # ignore EOS, as the engine run does
         worker = Worker(WorkerConfig(model=args.model, dtype=dtype_name, num_threads=args.threads))
         worker.load_from_hf(hf)
+        info = worker.model_info
+        print(
+            f"[{dtype_name}] engine: attention backend {info.attention_backend}, "
+            f"matmuls {info.linear_impl}, max_num_seqs {max_seqs}, {torch.get_num_threads()} threads"
+        )
         workload = make_workload(n, in_range, out_range, worker.model_info.vocab_size, args.seed)
         eng_s, eng_tokens = run_engine(worker, workload, max_seqs, 2048)
         print(
