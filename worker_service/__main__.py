@@ -85,6 +85,14 @@ async def serve(args: argparse.Namespace) -> None:
     worker = Worker(config)
     log.info("loading model", model=config.model)
     await asyncio.to_thread(worker.load_model)
+    info = worker.model_info
+    log.info(
+        "model loaded",
+        dtype=info.dtype,
+        device=info.device,
+        attention_backend=info.attention_backend,
+        linear_impl=info.linear_impl,
+    )
     num_gpu, num_cpu = await asyncio.to_thread(worker.determine_num_available_blocks)
     log.info(
         "kv capacity",
