@@ -135,7 +135,9 @@ struct DecodeScratch {
 // len floats), then softmax, then pass 2 sums the value rows. Within a block the loops go
 // head by head so that a head's query (or accumulator) stays in registers; the same rows of
 // the next block are prefetched meanwhile, since blocks sit anywhere in the cache and the
-// hardware prefetcher stalls at every block boundary.
+// hardware prefetcher stalls at every block boundary. Across pass boundaries too: the last
+// key block prefetches the first value block, and the last value block the first key block
+// of `next_item` (seq, kv head range; nullptr if none), the item this thread takes next.
 template <typename T, int NV>
 void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_end,
                   const int64_t* next_item, DecodeScratch& scratch) {
