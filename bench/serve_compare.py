@@ -25,7 +25,6 @@ import os
 import resource
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ from typing import Any
 
 import httpx
 import psutil  # installed with accelerate
+
+from llmserve.supervisor import free_ports
 
 BENCH = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -58,17 +59,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}/health"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def make_server(name: str, args: argparse.Namespace) -> Server:
-    port = free_port()
+    port, grpc_port = free_ports(2)
     if name == "llmserve":
         command = [str(BIN / "llmserve"), "up", "--model", "smollm2", "--dtype", args.dtype,
-                   "--grpc-port", str(free_port()), "--http-port", str(port)]  # fmt: skip
+                   "--grpc-port", str(grpc_port), "--http-port", str(port)]  # fmt: skip
         return Server(name, f"llmserve ({args.dtype})", command, port, "smollm2")
     hf_model = str(args.hf_model)
     command = [str(BIN / "transformers"), "serve", hf_model, "--host", "127.0.0.1",
