@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -69,6 +70,11 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return wrapped
 
         def wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if not inspect.isasyncgenfunction(fn):
+                # A streaming handler may also be a coroutine that calls context.write
+                # (grpc_health's Watch does).
+                return wrap_unary(fn)
+
             async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
                     async for item in fn(request, context):
@@ -116,12 +122,34 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
     await context.abort(code, message)
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+# Our clients ping every KEEPALIVE_TIME_MS on their long-lived streams, idle or not, so that a
+# dead peer is noticed; servers must accept pings that often. gRPC's server default accepts one
+# ping per 5 minutes without data and answers the third early one with GOAWAY "too_many_pings",
+# which killed the scheduler's idle Execute and Connect streams about 150 s after the last
+# request.
+KEEPALIVE_TIME_MS = 30_000
+
+
+def channel_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_time_ms: int = KEEPALIVE_TIME_MS
+) -> list[tuple[str, Any]]:
+    """Options for our client channels."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
         ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_time_ms: int = KEEPALIVE_TIME_MS
+) -> list[tuple[str, Any]]:
+    """Options for our servers: the client's keepalive pings are welcome (a third of the
+    interval leaves room for timer jitter), and the server pings its clients alike."""
+    return [
+        *channel_options(max_message_bytes, keepalive_time_ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_time_ms // 3),
     ]
 
 
@@ -129,6 +157,7 @@ def create_server(
     service_names: Iterable[str],
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    keepalive_time_ms: int = KEEPALIVE_TIME_MS,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """An aio server with the error interceptor, health service and reflection enabled.
 
@@ -137,7 +166,7 @@ def create_server(
     """
     server = grpc.aio.server(
         interceptors=[*interceptors, ErrorMappingInterceptor()],
-        options=channel_options(max_message_bytes),
+        options=server_options(max_message_bytes, keepalive_time_ms),
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

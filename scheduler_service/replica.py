@@ -70,6 +70,13 @@ class _ExecuteStream:
             raise WorkerUnavailableError("the worker closed the Execute stream")
         return result
 
+    @property
+    def closed(self) -> bool:
+        return self._call.done()
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        self._call.add_done_callback(lambda _call: callback())
+
     def close(self) -> None:
         self._outbox.put_nowait(None)
         self._call.cancel()
@@ -201,6 +208,9 @@ class Replica:
         )
         self.info = info
         self._stream = _ExecuteStream(self._stub)
+        # An idle loop sleeps on _wake: a stream that ends meanwhile wakes it to reconnect,
+        # rather than failing the next request that arrives.
+        self._stream.on_close(self._wake.set)
         self.engine = LLMEngine(scheduler_config, cache_config, _unused_executor)
         self.tracer = ReplicaTracer(self.replica_id, info.block_size)
         log.info(
@@ -224,6 +234,8 @@ class Replica:
                 self._wake.clear()
                 metrics.record_stats(self.replica_id, engine.get_stats())
                 await self._wake.wait()
+            if stream.closed:
+                raise WorkerUnavailableError("the worker closed the Execute stream")
             started = time.perf_counter()
             started_ns = time.time_ns()
             free_before = block_manager.get_num_free_gpu_blocks()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.client import AsyncClient, Client, build_request
 from llmserve.sampling_params import SamplingParams
@@ -58,6 +59,19 @@ def wait_all_blocks_free(stack: RunningStack, timeout_s: float = 30.0) -> tuple[
         time.sleep(0.2)
         free, total = gpu_blocks(stack)
     return free, total
+
+
+def test_health_watch_streams_the_serving_status(stack: RunningStack):
+    # Watch is a streaming handler written as a coroutine (context.write); the error
+    # interceptor once assumed every streaming handler was an async generator.
+    for address in (stack.worker, stack.scheduler, stack.gateway):
+        with grpc.insecure_channel(address) as channel:
+            updates = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=""), timeout=10
+            )
+            first = next(updates)
+            updates.cancel()
+        assert first.status == health_pb2.HealthCheckResponse.SERVING, address
 
 
 def test_greedy_outputs_equal_the_in_process_engine(stack: RunningStack, tiny_model_dir: Path):
@@ -233,6 +247,54 @@ def test_worker_lost_mid_stream_gives_unavailable(tiny_model_dir: Path, tmp_path
                     pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "unavailable" in info.value.details()
+    finally:
+        running.stop()
+
+
+def _replica_healthy(scheduler: str) -> bool:
+    with grpc.insecure_channel(scheduler) as channel:
+        replicas = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+            scheduler_pb2.GetStatsRequest(), timeout=5
+        ).replicas
+    return replicas[0].healthy
+
+
+def _wait_replica_healthy(scheduler: str, healthy: bool, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _replica_healthy(scheduler) != healthy:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_idle_scheduler_notices_a_lost_worker_and_takes_a_restarted_one(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    # The Execute stream breaks while no request runs: the scheduler must notice then, not
+    # fail the next request, and reconnect once a worker listens at the address again.
+    running = start_stack(str(tiny_model_dir), tmp_path)
+    try:
+        with Client(running.gateway, timeout_s=60) as client:
+            assert len(client.complete("Hello", max_tokens=3, ignore_eos=True).token_ids[0]) == 3
+        worker = running.procs["worker"]
+        worker.kill()
+        worker.wait(timeout=15)
+        assert _wait_replica_healthy(running.scheduler, False, timeout_s=10), (
+            "the idle scheduler did not notice that its worker went away"
+        )
+        log = tmp_path / "worker-restarted.log"
+        running.procs["worker"] = subprocess.Popen(
+            worker.args, stdout=log.open("wb"), stderr=subprocess.STDOUT
+        )
+        wait_healthy(running.worker, running.procs["worker"], "worker", log)
+        assert _wait_replica_healthy(running.scheduler, True, timeout_s=30), running.logs(
+            "scheduler"
+        )
+        with Client(running.gateway, timeout_s=60) as client:
+            assert len(client.complete("Hello", max_tokens=3, ignore_eos=True).token_ids[0]) == 3
+        free, total = wait_all_blocks_free(running)
+        assert free == total
     finally:
         running.stop()
 
