@@ -244,18 +244,19 @@ async def run_workload(
     try:
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
             warmup_ok = await warm_up(client, args, warmup_bodies, stopper)
-            stopped_by, duration = stopper.reason, 0.0
+            stopped_by, duration, cpu = stopper.reason, 0.0, 0.0
             if not stopper.event.is_set():  # a stop during the warm-up sends nothing
                 print(f"serve.py: sending {len(bodies)} measured requests", file=sys.stderr)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 sender = asyncio.create_task(send_all(client, args, bodies, results))
                 stopped_by = await stopper.race(sender, args.max_duration or None)
                 duration = time.perf_counter() - start
+                cpu = time.process_time() - cpu_start
                 await cancel(sender)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-    return RunOutcome(results, duration, stopped_by, warmup_ok, len(warmup_bodies))
+    return RunOutcome(results, duration, stopped_by, warmup_ok, len(warmup_bodies), cpu)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -53,6 +53,9 @@ class RunOutcome:
     stopped_by: StopReason
     warmup_ok: int
     warmup_sent: int
+    # CPU seconds this client used during the measured window: it shares the cores with the
+    # server under test when both run on one machine.
+    client_cpu_s: float = 0.0
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -129,6 +132,7 @@ def summarize(
         "stopped_by": str(outcome.stopped_by),
         "max_duration_s": args.max_duration or None,
         "duration_s": duration,
+        "client_cpu_s": outcome.client_cpu_s,
         "completed": len(completed),
         "failed": len(by_status[RequestStatus.FAILED]),
         "unfinished": len(unfinished),
