@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.generation import (
@@ -74,6 +75,36 @@ class _Overload:
         self.in_flight = 0
 
 
+class _AuthAndLoad:
+    """API key and overload checks for /v1/ paths, as plain ASGI: Starlette's
+    `@app.middleware("http")` would relay every chunk of a streamed response through a memory
+    stream and an extra task, which the gateway paid on each token."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, overload: _Overload) -> None:
+        self.app = app
+        self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
+        self.overload = overload
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        if self.authorization is not None:
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            if given != [self.authorization]:
+                return error_response(401, "Incorrect or missing API key (Authorization: Bearer)",
+                                      "invalid_request_error", None, "invalid_api_key")
+        if self.overload.in_flight >= self.overload.limit:
+            return error_response(503, "the server is overloaded; retry later",
+                                  "service_unavailable")
+        return None
+
+
 def build_app(core: GenerationCore, api_key: str | None = None,
               max_pending_requests: int = 1024) -> FastAPI:
     app = FastAPI(title="llmserve", version="0.1.0",
@@ -99,16 +130,7 @@ def build_app(core: GenerationCore, api_key: str | None = None,
     async def _any(request: Request, exc: Exception) -> JSONResponse:
         return _from_exception(exc)
 
-    @app.middleware("http")
-    async def _auth_and_load(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1/"):
-            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "Incorrect or missing API key (Authorization: Bearer)",
-                                      "invalid_request_error", None, "invalid_api_key")
-            if overload.in_flight >= overload.limit:
-                return error_response(503, "the server is overloaded; retry later",
-                                      "service_unavailable")
-        return await call_next(request)
+    app.add_middleware(_AuthAndLoad, api_key=api_key, overload=overload)
 
     @app.get("/health", response_model=None,
              responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus}})
