@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
@@ -82,9 +83,12 @@ async def serve(args: argparse.Namespace) -> None:
     from worker_service.worker import Worker
 
     config = build_config(args)
-    worker = Worker(config)
+    # Every call into the model, from construction on, runs on this one thread (see Worker).
+    model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+    loop = asyncio.get_running_loop()
+    worker = await loop.run_in_executor(model_thread, Worker, config)
     log.info("loading model", model=config.model)
-    await asyncio.to_thread(worker.load_model)
+    await loop.run_in_executor(model_thread, worker.load_model)
     info = worker.model_info
     log.info(
         "model loaded",
@@ -92,8 +96,11 @@ async def serve(args: argparse.Namespace) -> None:
         device=info.device,
         attention_backend=info.attention_backend,
         linear_impl=info.linear_impl,
+        num_threads=info.num_threads,
     )
-    num_gpu, num_cpu = await asyncio.to_thread(worker.determine_num_available_blocks)
+    num_gpu, num_cpu = await loop.run_in_executor(
+        model_thread, worker.determine_num_available_blocks
+    )
     log.info(
         "kv capacity",
         num_gpu_blocks=num_gpu,
@@ -101,7 +108,9 @@ async def serve(args: argparse.Namespace) -> None:
         block_bytes=worker.get_cache_block_size_bytes(),
     )
     server, health = create_server([SERVICE_NAME], args.max_message_bytes)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, num_gpu, num_cpu), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(worker, num_gpu, num_cpu, model_thread), server
+    )
     address = f"{args.host}:{args.port}"
     server.add_insecure_port(address)
     await server.start()

@@ -1,7 +1,7 @@
 """The Worker gRPC service: a thin layer over `Worker` (proto -> step -> one call -> proto).
 
-The model runs on one dedicated thread so the event loop keeps answering health checks and
-Info while a forward pass is in flight.
+The model runs on one dedicated thread (the one that loaded it, see `Worker`) so the event loop
+keeps answering health checks and Info while a forward pass is in flight.
 """
 
 from __future__ import annotations
@@ -29,12 +29,19 @@ tracer = trace.get_tracer("llmserve.worker")
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves one loaded `Worker`. Only one Execute stream may be open at a time."""
 
-    def __init__(self, worker: Worker, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        model_thread: ThreadPoolExecutor,
+    ) -> None:
         self.worker = worker
         self.num_gpu_blocks_available = num_gpu_blocks
         self.num_cpu_blocks_available = num_cpu_blocks
         self.allocated: tuple[int, int] = (0, 0)
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # The single-thread executor that constructed and loaded `worker` (see Worker).
+        self._model_thread = model_thread
         self._stream_open = False
 
     async def _on_model_thread(self, fn, *args):  # type: ignore[no-untyped-def]

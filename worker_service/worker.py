@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from llmserve.logs import get_logger
 from llmserve.model_spec import resolve_model
 from llmserve.steps import StepInput, StepResult
 from worker_service.attention import AttentionSpec, get_backend_class
@@ -17,6 +19,8 @@ from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.model_runner import ModelRunner
 from worker_service.models.llama import LlamaModel, ModelArchConfig, packed_linear_available
 from worker_service.sampler import Sampler
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     attention_backend: str
     linear_impl: str = "torch"
+    # Intra-op threads on the loading thread (CPU); see `Worker`.
+    num_threads: int = 1
 
 
 class WorkerNotReadyError(RuntimeError):
@@ -42,7 +48,15 @@ class WorkerNotReadyError(RuntimeError):
 
 class Worker:
     """One model copy on one device. Usage: `load_model()`, `determine_num_available_blocks()`,
-    `initialize_cache(gpu, cpu)`, then `execute(step)` per iteration (an `Executor`)."""
+    `initialize_cache(gpu, cpu)`, then `execute(step)` per iteration (an `Executor`).
+
+    On CPU, construct it and call every method on one thread. The OpenMP thread count that
+    torch and the C++ kernels use is a per-thread setting, and libgomp, once more of its
+    threads exist than cores (a second thread that ran a parallel region brings its own
+    team), stops spin-waiting at barriers and sleeps instead: a bfloat16 SmolLM2 decode step
+    at batch 16 went from 25 to 31 ms when the model was loaded on one thread and run on
+    another.
+    """
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -50,6 +64,8 @@ class Worker:
         self.dtype = config.resolve_dtype(self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self._thread = threading.get_ident()
+        self._warned_thread = False
         self._model: LlamaModel | None = None
         self._info: ModelInfo | None = None
         self._runner: ModelRunner | None = None
@@ -67,6 +83,7 @@ class Worker:
 
     def load_from_hf(self, hf_model: Any) -> None:
         """Take the weights of an already-loaded transformers model (tests, benchmarks)."""
+        self._check_thread()
         arch = ModelArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
         max_len = arch.max_position_embeddings
         if arch.sliding_window is not None:
@@ -100,6 +117,7 @@ class Worker:
             eos_token_ids=eos,
             attention_backend=backend_cls.name,
             linear_impl="onednn" if packed else "torch",
+            num_threads=torch.get_num_threads(),
         )
         backend: AttentionBackend = backend_cls(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5
@@ -209,6 +227,7 @@ class Worker:
         del cache
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._check_thread()
         arch = self.model.arch
         self.cache_engine = CacheEngine(
             arch.num_layers,
@@ -223,9 +242,24 @@ class Worker:
         self._kv_caches = self.cache_engine.layer_caches()
         self.runner.states.clear()  # a new cache holds no sequence
 
+    def _check_thread(self) -> None:
+        if (
+            self.device.type == "cpu"
+            and threading.get_ident() != self._thread
+            and not self._warned_thread
+        ):
+            self._warned_thread = True
+            log.warning(
+                "worker called from a thread other than the one that constructed it; "
+                "on CPU every step slows down (see Worker)",
+                constructed_on=self._thread,
+                called_on=threading.get_ident(),
+            )
+
     # -- execution -------------------------------------------------------------------------
     def execute(self, step: StepInput) -> StepResult:
         """Apply one step in the order fixed by `llmserve.steps`."""
+        self._check_thread()
         if self.cache_engine is None:
             raise WorkerNotReadyError("initialize_cache() first")
         runner = self.runner

@@ -74,6 +74,16 @@ def test_health_watch_streams_the_serving_status(stack: RunningStack):
         assert first.status == health_pb2.HealthCheckResponse.SERVING, address
 
 
+def test_worker_service_runs_the_model_on_the_thread_that_built_it(stack: RunningStack):
+    # Construction, loading, cache set-up and steps all on one thread: on CPU a second
+    # OpenMP team made every decode step ~20% slower (see worker_service.worker.Worker).
+    with Client(stack.gateway) as client:
+        assert len(client.complete("Hello", max_tokens=4, ignore_eos=True).token_ids[0]) == 4
+    log = stack.logs("worker")
+    assert '"event": "model loaded"' in log
+    assert "thread other than the one that constructed it" not in log
+
+
 def test_greedy_outputs_equal_the_in_process_engine(stack: RunningStack, tiny_model_dir: Path):
     with Client(stack.gateway) as client:
         prompt_ids = [client.tokenize(p) for p in PROMPTS]

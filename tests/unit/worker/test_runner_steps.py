@@ -173,3 +173,26 @@ def test_positions_past_the_rotary_table_are_refused(tiny_llama: tuple[Path, Any
     # Nothing was half-applied: a valid sequence still runs on the same worker.
     out = worker.execute(StepInput(1, new_seqs=[new_seq(2, PROMPTS[1], blocks_for(8, 3))]))
     assert [o.seq_id for o in out.outputs] == [2]
+
+
+def test_a_worker_called_from_a_second_thread_warns_once(tiny_llama: tuple[Path, Any]) -> None:
+    # On CPU a second thread that runs parallel regions brings a second OpenMP team, and
+    # libgomp then sleeps at every barrier instead of spinning (steps ~20% slower).
+    import concurrent.futures
+
+    from structlog.testing import capture_logs
+
+    path, _ = tiny_llama
+    worker = make_worker(path)
+    step = StepInput(0, new_seqs=[new_seq(0, PROMPTS[0], blocks_for(0, len(PROMPTS[0])))])
+    with capture_logs() as same_thread:
+        worker.execute(step)
+    assert not [e for e in same_thread if e["log_level"] == "warning"]
+    step = StepInput(1, new_seqs=[new_seq(1, PROMPTS[1], blocks_for(4, len(PROMPTS[1])))])
+    again = StepInput(2, cached_seqs=[CachedSequence(1, [5], 1, [], 1)])
+    with capture_logs() as other_thread, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(worker.execute, step).result()
+        pool.submit(worker.execute, again).result()
+    warnings = [e for e in other_thread if e["log_level"] == "warning"]
+    assert len(warnings) == 1
+    assert "thread other than the one that constructed it" in warnings[0]["event"]
