@@ -130,26 +130,22 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
 KEEPALIVE_TIME_MS = 30_000
 
 
-def channel_options(
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_time_ms: int = KEEPALIVE_TIME_MS
-) -> list[tuple[str, Any]]:
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """Options for our client channels."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
 
 
-def server_options(
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_time_ms: int = KEEPALIVE_TIME_MS
-) -> list[tuple[str, Any]]:
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """Options for our servers: the client's keepalive pings are welcome (a third of the
     interval leaves room for timer jitter), and the server pings its clients alike."""
     return [
-        *channel_options(max_message_bytes, keepalive_time_ms),
-        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_time_ms // 3),
+        *channel_options(max_message_bytes),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 3),
     ]
 
 
@@ -157,7 +153,6 @@ def create_server(
     service_names: Iterable[str],
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-    keepalive_time_ms: int = KEEPALIVE_TIME_MS,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """An aio server with the error interceptor, health service and reflection enabled.
 
@@ -166,7 +161,7 @@ def create_server(
     """
     server = grpc.aio.server(
         interceptors=[*interceptors, ErrorMappingInterceptor()],
-        options=server_options(max_message_bytes, keepalive_time_ms),
+        options=server_options(max_message_bytes),
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -43,12 +43,16 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     running.stop()
 
 
-def gpu_blocks(stack: RunningStack) -> tuple[int, int]:
-    with grpc.insecure_channel(stack.scheduler) as channel:
+def first_replica(scheduler: str) -> scheduler_pb2.ReplicaStats:
+    with grpc.insecure_channel(scheduler) as channel:
         reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
             scheduler_pb2.GetStatsRequest(), timeout=5
         )
-    replica = reply.replicas[0]
+    return reply.replicas[0]
+
+
+def gpu_blocks(stack: RunningStack) -> tuple[int, int]:
+    replica = first_replica(stack.scheduler)
     return replica.gpu_blocks_free, replica.gpu_blocks_total
 
 
@@ -261,17 +265,9 @@ def test_worker_lost_mid_stream_gives_unavailable(tiny_model_dir: Path, tmp_path
         running.stop()
 
 
-def _replica_healthy(scheduler: str) -> bool:
-    with grpc.insecure_channel(scheduler) as channel:
-        replicas = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-            scheduler_pb2.GetStatsRequest(), timeout=5
-        ).replicas
-    return replicas[0].healthy
-
-
 def _wait_replica_healthy(scheduler: str, healthy: bool, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while _replica_healthy(scheduler) != healthy:
+    while first_replica(scheduler).healthy != healthy:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)
