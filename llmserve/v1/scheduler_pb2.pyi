@@ -1,11 +1,25 @@
 from llmserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_JOINING: _ClassVar[WorkerState]
+    WORKER_STATE_READY: _ClassVar[WorkerState]
+    WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+    WORKER_STATE_LOST: _ClassVar[WorkerState]
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_JOINING: WorkerState
+WORKER_STATE_READY: WorkerState
+WORKER_STATE_DRAINING: WorkerState
+WORKER_STATE_LOST: WorkerState
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("address",)
@@ -14,10 +28,26 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("replica_id",)
+    __slots__ = ("replica_id", "lease_ms")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
-    def __init__(self, replica_id: _Optional[int] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, replica_id: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class DrainWorkerResponse(_message.Message):
+    __slots__ = ("replica_id", "num_requests")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: int
+    num_requests: int
+    def __init__(self, replica_id: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class GatewayMessage(_message.Message):
     __slots__ = ("add", "abort")
@@ -28,20 +58,44 @@ class GatewayMessage(_message.Message):
     def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "traceparent")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "traceparent", "continuation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
     eos_token_id: int
     priority: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    continuation: Continuation
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+
+class Continuation(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedCompositeFieldContainer[ContinuedChoice]
+    def __init__(self, choices: _Optional[_Iterable[_Union[ContinuedChoice, _Mapping]]] = ...) -> None: ...
+
+class ContinuedChoice(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_token_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.OutputLogprob]
+    cumulative_logprob: float
+    finish_reason: _common_pb2.FinishReason
+    stop_token_id: int
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.OutputLogprob, _Mapping]]] = ..., cumulative_logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -118,7 +172,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy")
+    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy", "state", "num_migrated_out")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +187,8 @@ class ReplicaStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATED_OUT_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     address: str
     num_waiting: int
@@ -147,7 +203,9 @@ class ReplicaStats(_message.Message):
     num_preemptions: int
     num_steps: int
     healthy: bool
-    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    state: WorkerState
+    num_migrated_out: int
+    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("replicas", "num_unfinished_requests", "num_gateways")

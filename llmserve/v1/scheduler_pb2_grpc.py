@@ -40,6 +40,11 @@ class SchedulerStub:
                 request_serializer=llmserve_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.SerializeToString,
                 response_deserializer=llmserve_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
+        self.DrainWorker = channel.unary_unary(
+                '/llmserve.v1.Scheduler/DrainWorker',
+                request_serializer=llmserve_dot_v1_dot_scheduler__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_scheduler__pb2.DrainWorkerResponse.FromString,
+                _registered_method=True)
         self.Connect = channel.stream_stream(
                 '/llmserve.v1.Scheduler/Connect',
                 request_serializer=llmserve_dot_v1_dot_scheduler__pb2.GatewayMessage.SerializeToString,
@@ -58,7 +63,18 @@ class SchedulerServicer:
 
     def RegisterWorker(self, request, context):
         """A worker announces itself; the scheduler connects to it, initializes its cache and adds it
-        as a replica. Registering an address twice is a no-op returning the same replica.
+        as a replica. Registration is a lease: the worker calls again within `lease_ms` of the
+        reply (renewing it; same address, same replica), or the scheduler counts it as lost and
+        moves its requests to other replicas. A restarted scheduler re-learns every worker this way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainWorker(self, request, context):
+        """Stop routing new requests to a worker and move its requests to other replicas (see the
+        drain policy in scheduler_service/fleet.py). Answers at once; the replica is removed when
+        it holds no request, and the worker's lease is not renewed after that.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,6 +102,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.RegisterWorker,
                     request_deserializer=llmserve_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.FromString,
                     response_serializer=llmserve_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'DrainWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=llmserve_dot_v1_dot_scheduler__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_scheduler__pb2.DrainWorkerResponse.SerializeToString,
             ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
@@ -126,6 +147,33 @@ class Scheduler:
             '/llmserve.v1.Scheduler/RegisterWorker',
             llmserve_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.SerializeToString,
             llmserve_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/DrainWorker',
+            llmserve_dot_v1_dot_scheduler__pb2.DrainWorkerRequest.SerializeToString,
+            llmserve_dot_v1_dot_scheduler__pb2.DrainWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
