@@ -170,9 +170,17 @@ def create_server(
     return server, health_servicer
 
 
-async def set_serving(health_servicer: health.aio.HealthServicer, names: Iterable[str]) -> None:
+async def set_serving(
+    health_servicer: health.aio.HealthServicer, names: Iterable[str], serving: bool = True
+) -> None:
+    """Report SERVING (or NOT_SERVING) for the server as a whole and for each service."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, status)
 
 
 async def wait_for_health(address: str, timeout_s: float = 60.0, service: str = "") -> None:

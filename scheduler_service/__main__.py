@@ -45,14 +45,62 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--num-cpu-blocks-override", type=int, default=None)
+    fleet = p.add_argument_group("fleet", "worker membership, failure handling and routing")
+    fleet.add_argument(
+        "--worker-dns",
+        default="",
+        help="host:port whose name is re-resolved every --dns-interval-s, one worker per "
+        "address (a compose service scaled to N, a Kubernetes headless Service)",
+    )
+    fleet.add_argument("--dns-interval-s", type=float, default=5.0)
+    fleet.add_argument(
+        "--worker-lease-s",
+        type=float,
+        default=10.0,
+        help="workers that joined with RegisterWorker renew within this long or count as lost",
+    )
+    fleet.add_argument(
+        "--routing",
+        choices=["cache_aware", "least_loaded", "round_robin"],
+        default="cache_aware",
+        help="cache_aware weighs each worker's cached prefix of the prompt against its load",
+    )
+    fleet.add_argument(
+        "--no-worker-timeout-s",
+        type=float,
+        default=30.0,
+        help="a request waits this long for a ready worker, then fails UNAVAILABLE",
+    )
+    fleet.add_argument(
+        "--step-watchdog-s",
+        type=float,
+        default=None,
+        help="a step without a result after this long marks its worker lost (default: the "
+        "larger of 30 s and 20x the slowest step seen)",
+    )
+    fleet.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=2.0,
+        help="health checks of each worker; 3 failures in a row mark it lost",
+    )
+    fleet.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=10.0,
+        help="running requests of a draining worker may finish there for this long before "
+        "they move",
+    )
     return p.parse_args(argv)
 
 
-def build_replica_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from scheduler_service.fleet import FleetConfig
     from scheduler_service.replica import ReplicaConfig
+    from scheduler_service.routing import RoutingPolicy
 
     mode = None if args.preemption_mode == "auto" else PreemptionMode(args.preemption_mode)
-    return ReplicaConfig(
+    replica = ReplicaConfig(
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -65,22 +113,37 @@ def build_replica_config(args: argparse.Namespace):  # type: ignore[no-untyped-d
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         num_cpu_blocks_override=args.num_cpu_blocks_override,
         max_message_bytes=args.max_message_bytes,
+        step_watchdog_s=args.step_watchdog_s,
+        health_interval_s=args.health_interval_s,
+        drain_grace_s=args.drain_grace_s,
+    )
+    return FleetConfig(
+        replica,
+        routing=RoutingPolicy(args.routing),
+        worker_dns=args.worker_dns,
+        dns_interval_s=args.dns_interval_s,
+        lease_s=args.worker_lease_s,
+        no_worker_timeout_s=args.no_worker_timeout_s,
     )
 
 
 async def serve(args: argparse.Namespace) -> None:
     from scheduler_service.server import Router, SchedulerServicer
 
-    router = Router(build_replica_config(args))
     server, health = create_server([SERVICE_NAME], args.max_message_bytes)
+
+    def on_ready_change(ready: bool) -> None:
+        # SERVING only while at least one worker replica is ready to take requests.
+        asyncio.get_running_loop().create_task(set_serving(health, [SERVICE_NAME], ready))
+
+    router = Router(build_fleet_config(args), on_ready_change)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router), server)
     address = f"{args.host}:{args.port}"
     server.add_insecure_port(address)
+    await set_serving(health, [SERVICE_NAME], False)
     await server.start()
-    for worker in filter(None, (w.strip() for w in args.workers.split(","))):
-        router.add_replica(worker)
-    await set_serving(health, [SERVICE_NAME])
-    log.info("scheduler serving", address=address, workers=args.workers)
+    router.start([w.strip() for w in args.workers.split(",") if w.strip()])
+    log.info("scheduler listening", address=address, workers=args.workers)
     await serve_until_signal(server, router.stop)
 
 

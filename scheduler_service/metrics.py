@@ -111,3 +111,37 @@ def record_finished(
         TTFT_SECONDS.observe(first_token - arrival)
         if num_output_tokens > 1:
             TPOT_SECONDS.observe((finished - first_token) / (num_output_tokens - 1))
+
+
+# -- the fleet ------------------------------------------------------------------------------------
+
+WORKERS = Gauge("llmserve_workers", "Worker replicas by state", ["state"])
+MIGRATIONS = Counter(
+    "llmserve_request_migrations",
+    "Requests moved to another replica, by cause (stream, watchdog, health, lease, dns, drain, "
+    "removed, step_failed)",
+    ["cause"],
+)
+DRAIN_SECONDS = Histogram(
+    "llmserve_worker_drain_seconds", "From a drain's start to its replica's last request",
+    buckets=_LATENCY_BUCKETS,
+)
+ROUTING_DECISIONS = Counter(
+    "llmserve_routing_decisions",
+    "Placements of requests on replicas, by policy and whether the prompt hit the target's "
+    "prefix cache",
+    ["policy", "prefix_hit"],
+)
+
+
+def record_worker_states(states: list) -> None:  # type: ignore[type-arg]
+    """Set the per-state gauge from every replica's state (an IntEnum with names)."""
+    counts = {name: 0 for name in ("JOINING", "READY", "DRAINING", "LOST")}
+    for state in states:
+        counts[state.name] += 1
+    for name, count in counts.items():
+        WORKERS.labels(name.lower()).set(count)
+
+
+def record_routing(policy: str, prefix_hit: bool) -> None:
+    ROUTING_DECISIONS.labels(policy, "true" if prefix_hit else "false").inc()

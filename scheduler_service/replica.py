@@ -1,10 +1,21 @@
-"""One worker replica as the scheduler service sees it: its engine and its Execute stream.
+"""One worker replica as the scheduler service sees it: its engine, its Execute stream, its life.
 
 The replica's loop runs on the event loop: schedule (a millisecond or two), send the step,
 await the result, process outputs, hand the deltas to the router. It sleeps while idle and
-wakes when a request arrives. If the worker goes away, every request on the replica fails
-with UNAVAILABLE and the replica reconnects (the worker drops its sequence state; a new engine
-starts empty, so nothing stale is resent).
+wakes when a request arrives.
+
+A replica never takes its requests down with it. Whatever ends its loop hands the requests it
+holds to the fleet (`on_evicted`), which places them on other replicas, where they continue by
+recompute with every token generated so far:
+- the worker is lost: its Execute stream breaks, a step outlives the watchdog, or the fleet
+  marks it lost (failed health checks, lapsed lease). The engine's state is consistent (a step
+  in flight never ran as far as the scheduler is concerned), so it is exported as it is;
+- a step raises (a bug, an injected fault): the engine may be half-updated, so the router's
+  record of what each client received is what continues (`cause="step_failed"`);
+- the replica drains: see `Replica.drain`.
+After a loss the replica reconnects with backoff and starts with a fresh engine (the worker
+drops the sequence state of a closed stream), so a restarted worker at the same address comes
+back.
 """
 
 from __future__ import annotations
@@ -13,24 +24,37 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from enum import IntEnum
+from typing import Protocol
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve import failpoints
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
-from llmserve.sampling_params import SamplingParams
-from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from llmserve.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.config import CacheConfig, SchedulerConfig
 from scheduler_service.engine import LLMEngine
+from scheduler_service.migration import GroupSnapshot
 from scheduler_service.outputs import RequestOutput
-from scheduler_service.tracing import ReplicaTracer, end_step_span, step_traceparent
+from scheduler_service.tracing import ReplicaTracer, RequestTrace, end_step_span, step_traceparent
 
 log = get_logger(__name__)
 
 _RETRY_DELAYS_S = (0.5, 1.0, 2.0, 5.0)
 _IDLE_STEPS_BEFORE_SLEEP = 3
+
+
+class ReplicaState(IntEnum):
+    """Values equal the proto's WorkerState."""
+
+    JOINING = scheduler_pb2.WORKER_STATE_JOINING
+    READY = scheduler_pb2.WORKER_STATE_READY
+    DRAINING = scheduler_pb2.WORKER_STATE_DRAINING
+    LOST = scheduler_pb2.WORKER_STATE_LOST
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +67,24 @@ class ReplicaConfig:
     num_gpu_blocks_override: int | None = None
     num_cpu_blocks_override: int | None = None
     max_message_bytes: int = 64 * 1024 * 1024
+    # A step whose result has not come back after this long marks the worker lost. None: the
+    # larger of `watchdog_floor_s` and `watchdog_factor` times the slowest step seen so far.
+    step_watchdog_s: float | None = None
+    watchdog_floor_s: float = 30.0
+    watchdog_factor: float = 20.0
+    # Health checks of a connected worker; this many failures in a row mark it lost.
+    health_interval_s: float = 2.0
+    health_failures: int = 3
+    # Drain policy: running requests may finish on a draining replica for this long, then move.
+    drain_grace_s: float = 10.0
 
 
-class WorkerUnavailableError(RuntimeError):
-    """The worker's stream broke; requests on this replica cannot finish."""
+class WorkerLostError(RuntimeError):
+    """The worker cannot run this replica's steps any more. `cause` labels the migration."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class _ExecuteStream:
@@ -60,14 +98,21 @@ class _ExecuteStream:
         while (message := await self._outbox.get()) is not None:
             yield message
 
-    async def execute(self, request: worker_pb2.ExecuteRequest) -> worker_pb2.ExecuteResult:
+    async def execute(
+        self, request: worker_pb2.ExecuteRequest, timeout_s: float
+    ) -> worker_pb2.ExecuteResult:
         self._outbox.put_nowait(request)
         try:
-            result = await self._call.read()
+            result = await asyncio.wait_for(self._call.read(), timeout_s)
+        except TimeoutError:
+            self.close()
+            raise WorkerLostError(
+                "watchdog", f"no step result within the {timeout_s:.1f} s watchdog"
+            ) from None
         except grpc.aio.AioRpcError as exc:
-            raise WorkerUnavailableError(exc.details() or exc.code().name) from exc
+            raise WorkerLostError("stream", exc.details() or exc.code().name) from exc
         if result is grpc.aio.EOF:
-            raise WorkerUnavailableError("the worker closed the Execute stream")
+            raise WorkerLostError("stream", "the worker closed the Execute stream")
         return result
 
     @property
@@ -82,70 +127,112 @@ class _ExecuteStream:
         self._call.cancel()
 
 
+class ReplicaOwner(Protocol):
+    """What a replica reports to (the fleet's router). All calls come from the event loop."""
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A step's deltas."""
+
+    def on_evicted(
+        self,
+        replica: Replica,
+        snapshots: list[GroupSnapshot],
+        traces: dict[str, RequestTrace | None],
+        cause: str,
+    ) -> None:
+        """Requests leave the replica in a consistent state: place them elsewhere."""
+
+    def on_step_failed(
+        self,
+        replica: Replica,
+        request_ids: list[str],
+        in_step: list[str],
+        error: BaseException,
+        traces: dict[str, RequestTrace | None],
+    ) -> None:
+        """A step raised: `request_ids` were on the replica, `in_step` in the failed step."""
+
+    def on_state(self, replica: Replica) -> None:
+        """`replica.state` changed."""
+
+    def on_drained(self, replica: Replica) -> None:
+        """The replica finished draining (or its worker went away while draining): its loop
+        has ended and it holds no request."""
+
+
 class Replica:
-    """A worker replica: engine + stream + loop. `on_outputs` receives every step's deltas;
-    `on_failure` receives the request ids lost when the worker fails."""
+    """A worker replica: engine + stream + loop, reporting to its `owner`."""
 
     def __init__(
-        self,
-        replica_id: int,
-        address: str,
-        config: ReplicaConfig,
-        on_outputs: Callable[[list[RequestOutput]], None],
-        on_failure: Callable[[list[str], str], None],
+        self, replica_id: int, address: str, config: ReplicaConfig, owner: ReplicaOwner
     ) -> None:
         self.replica_id = replica_id
         self.address = address
         self.config = config
-        self._on_outputs = on_outputs
-        self._on_failure = on_failure
+        self.owner = owner
         self._channel = grpc.aio.insecure_channel(
             address, options=channel_options(config.max_message_bytes)
         )
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self.engine: LLMEngine | None = None
         self.tracer: ReplicaTracer | None = None
         self.info: worker_pb2.InfoResponse | None = None
+        self.state = ReplicaState.JOINING
         self._stream: _ExecuteStream | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._lost: WorkerLostError | None = None
+        self._drain_deadline: float | None = None
+        self.drain_started: float | None = None
+        # Request ids of the step in flight (between begin_step and finish_step).
+        self._in_step: list[str] = []
         self.num_steps = 0
+        self.num_migrated_out = 0
+        self._slowest_step_s = 0.0
 
     @property
     def healthy(self) -> bool:
-        return self.engine is not None and self._stream is not None
+        return self.state is ReplicaState.READY
 
     @property
-    def max_model_len(self) -> int:
-        assert self.engine is not None
-        return self.engine.scheduler_config.max_model_len
+    def block_size(self) -> int:
+        assert self.info is not None
+        return self.info.block_size
+
+    def _set_state(self, state: ReplicaState) -> None:
+        if state is not self.state:
+            log.info(
+                "replica state", replica=self.replica_id, address=self.address, state=state.name
+            )
+            self.state = state
+            self.owner.on_state(self)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"replica-{self.replica_id}")
+        self._health_task = asyncio.create_task(
+            self._watch_health(), name=f"replica-{self.replica_id}-health"
+        )
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._stream is not None:
-            self._stream.close()
+    async def stop(self, cause: str = "removed") -> None:
+        """End the loop; requests still here move elsewhere (`on_evicted` with `cause`)."""
+        for task in (self._health_task, self._task):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._evict_all(cause)
         await self._channel.close()
 
-    # -- requests (called from gateway handlers, on the same event loop) ---------------------
+    # -- requests (called by the router, on the same event loop) -------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        eos_token_id: int | None,
-        arrival_time: float,
-        traceparent: str = "",
-    ) -> None:
+    def place(self, snapshot: GroupSnapshot, trace: RequestTrace | None) -> None:
+        """Queue a request (new or moved here). Raises the engine's RequestError if this
+        replica's engine refuses it (and keeps no trace of it then)."""
         if self.engine is None or self.tracer is None:
-            raise WorkerUnavailableError(f"worker {self.address} is not connected")
-        self.engine.add_request(request_id, prompt_token_ids, params, arrival_time, eos_token_id)
-        self.tracer.add(request_id, traceparent, len(prompt_token_ids))
+            raise WorkerLostError("stream", f"worker {self.address} is not connected")
+        self.engine.import_request(snapshot)
+        self.tracer.attach(snapshot.request_id, trace)
         self._wake.set()
 
     def abort_request(self, request_id: str) -> None:
@@ -158,30 +245,79 @@ class Replica:
     def num_unfinished(self) -> int:
         return 0 if self.engine is None else self.engine.get_num_unfinished_requests()
 
+    # -- fleet controls --------------------------------------------------------------------------
+
+    def drain(self) -> int:
+        """Stop taking requests; move or finish those here. Returns how many there were.
+
+        Policy: waiting and swapped requests move at once (nothing of theirs is on the device,
+        so moving costs nothing more than staying); running requests may finish here for
+        `drain_grace_s`, since moving one costs a recompute of its prompt and output on the
+        target, and most are a few seconds from done; whatever is left then moves. With no
+        other replica, moved requests wait for one (the router's pending queue).
+        """
+        if self.state is not ReplicaState.DRAINING:
+            self.drain_started = time.monotonic()
+            self._drain_deadline = self.drain_started + self.config.drain_grace_s
+            self._set_state(ReplicaState.DRAINING)
+            if self.engine is None and self._task is not None:
+                # Not connected (joining, or lost and retrying): nothing to move.
+                self._task.cancel()
+                self._task.add_done_callback(lambda _task: self.owner.on_drained(self))
+        self._wake.set()
+        return self.num_unfinished()
+
+    def mark_lost(self, cause: str, message: str) -> None:
+        """The fleet gave up on the worker (health checks, lease): end the stream, which makes
+        the loop evict every request and reconnect."""
+        self._lost = WorkerLostError(cause, message)
+        if self._stream is not None:
+            self._stream.close()
+        self._wake.set()
+
     # -- the loop ----------------------------------------------------------------------------
 
     async def _run(self) -> None:
         attempt = 0
-        while True:
+        while self.state is not ReplicaState.DRAINING or self.engine is not None:
             try:
                 await self._connect()
                 attempt = 0
                 await self._step_loop()
+                break  # drained: nothing left on the replica
             except asyncio.CancelledError:
                 raise
-            except (grpc.aio.AioRpcError, WorkerUnavailableError) as exc:
-                reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                self._fail_requests(f"worker {self.address} unavailable: {reason}")
+            except (grpc.aio.AioRpcError, WorkerLostError) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    exc = WorkerLostError("stream", exc.details() or exc.code().name)
+                exc = self._lost or exc
+                self._lost = None
+                self._evict_all(exc.cause)
+                if self.state is ReplicaState.DRAINING:
+                    break
+                self._set_state(ReplicaState.LOST)
                 delay = _RETRY_DELAYS_S[min(attempt, len(_RETRY_DELAYS_S) - 1)]
                 attempt += 1
                 log.warning(
                     "worker not reachable, retrying",
                     replica=self.replica_id,
                     address=self.address,
-                    reason=reason,
+                    reason=str(exc),
                     retry_in_s=delay,
                 )
                 await asyncio.sleep(delay)
+            except Exception as exc:  # a bug or an injected fault in this replica's step
+                log.exception("replica step failed", replica=self.replica_id, error=str(exc))
+                self._fail_step(exc)
+        # Closing the stream tells the worker that no sequence of it is left.
+        self._reset()
+        log.info(
+            "replica drained",
+            replica=self.replica_id,
+            address=self.address,
+            seconds=round(time.monotonic() - (self.drain_started or time.monotonic()), 3),
+        )
+        self.owner.on_drained(self)
 
     async def _connect(self) -> None:
         info = await self._stub.Info(worker_pb2.InfoRequest(), timeout=10)
@@ -223,6 +359,14 @@ class Replica:
             block_size=info.block_size,
             max_model_len=scheduler_config.max_model_len,
         )
+        if self.state is not ReplicaState.DRAINING:
+            self._set_state(ReplicaState.READY)
+
+    def _watchdog_s(self) -> float:
+        cfg = self.config
+        if cfg.step_watchdog_s is not None:
+            return cfg.step_watchdog_s
+        return max(cfg.watchdog_floor_s, cfg.watchdog_factor * self._slowest_step_s)
 
     async def _step_loop(self) -> None:
         assert self.engine is not None and self._stream is not None and self.tracer is not None
@@ -230,16 +374,25 @@ class Replica:
         block_manager = engine.scheduler.block_manager
         idle_steps = 0
         while True:
+            if self.state is ReplicaState.DRAINING:
+                self._drain_step(engine)
+                if not engine.has_unfinished_requests():
+                    return
             if not engine.has_unfinished_requests():
                 self._wake.clear()
                 metrics.record_stats(self.replica_id, engine.get_stats())
                 await self._wake.wait()
+            if self._lost is not None:
+                raise self._lost
             if stream.closed:
-                raise WorkerUnavailableError("the worker closed the Execute stream")
+                raise WorkerLostError("stream", "the worker closed the Execute stream")
+            if not engine.has_unfinished_requests():
+                continue  # woken by a drain or an abort with nothing left to run
             started = time.perf_counter()
             started_ns = time.time_ns()
             free_before = block_manager.get_num_free_gpu_blocks()
             sched_out, step_input = engine.begin_step()
+            self._in_step = [s.seq_group.request_id for s in sched_out.scheduled]
             step_span = tracer.step_span(engine, sched_out, step_input, started_ns, free_before)
             if step_input.is_empty():
                 result = None
@@ -247,24 +400,22 @@ class Replica:
                 request = step_input_to_proto(step_input)
                 request.traceparent = step_traceparent(step_span)
                 try:
-                    reply = await stream.execute(request)
+                    reply = await stream.execute(request, self._watchdog_s())
                 except BaseException as exc:
                     end_step_span(step_span, 0, 0, exc)
                     raise
                 result = step_result_from_proto(reply)
+            failpoints.check("replica.finish_step", self.address)
             outputs = engine.finish_step(sched_out, step_input, result)
+            self._in_step = []
             tracer.on_outputs(outputs)
             end_step_span(step_span, *((result.forward_ns, result.sample_ns) if result else (0, 0)))
             self.num_steps += 1
-            metrics.record_step(
-                self.replica_id,
-                engine.get_stats(),
-                step_input,
-                result,
-                time.perf_counter() - started,
-            )
+            seconds = time.perf_counter() - started
+            self._slowest_step_s = max(self._slowest_step_s, seconds)
+            metrics.record_step(self.replica_id, engine.get_stats(), step_input, result, seconds)
             if outputs:
-                self._on_outputs(outputs)
+                self.owner.on_outputs(outputs)
             if step_input.is_empty() and not outputs:
                 # An empty step can be followed by a productive one (frees held back a step,
                 # blocks released by the previous step), so only several empty steps in a row
@@ -278,19 +429,80 @@ class Replica:
             else:
                 idle_steps = 0
 
-    def _fail_requests(self, reason: str) -> None:
-        lost: list[str] = []
-        if self.engine is not None:
-            lost = self.engine.unfinished_request_ids()
+    def _drain_step(self, engine: LLMEngine) -> None:
+        """Between steps of a draining replica: move what the drain policy says moves now."""
+        scheduler = engine.scheduler
+        if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+            moving = engine.unfinished_request_ids()
+        else:
+            moving = [g.request_id for q in (scheduler.waiting, scheduler.swapped) for g in q]
+        if moving:
+            self._evict(engine.export_requests(moving), "drain")
+
+    # -- requests leaving ------------------------------------------------------------------------
+
+    def _evict(self, snapshots: list[GroupSnapshot], cause: str) -> None:
+        if not snapshots:
+            return
+        traces = {}
         if self.tracer is not None:
-            self.tracer.fail(lost, reason)
+            traces = {s.request_id: self.tracer.detach(s.request_id) for s in snapshots}
+        self.num_migrated_out += len(snapshots)
+        self.owner.on_evicted(self, snapshots, traces, cause)
+
+    def _evict_all(self, cause: str) -> None:
+        """Hand every request to the fleet and forget the engine and the stream."""
+        if self.engine is not None:
+            self._evict(self.engine.export_requests(), cause)
+        self._reset()
+
+    def _fail_step(self, exc: BaseException) -> None:
+        """A step raised. The engine may be half-updated, so it is dropped whole: the router
+        continues every request from what its client received (the requests of the failed
+        step count a failure each, so one that keeps failing steps is failed, not retried
+        forever), and the loop reconnects with a fresh engine and stream."""
+        in_step, self._in_step = self._in_step, []
+        keys = [] if self.engine is None else self.engine.unfinished_request_ids()
+        traces = {}
+        if self.tracer is not None:
+            traces = {key: self.tracer.detach(key) for key in keys}
+        self._reset()
+        self.num_migrated_out += len(keys)
+        self.owner.on_step_failed(self, keys, in_step, exc, traces)
+
+    def _reset(self) -> None:
         self.engine = None
         self.tracer = None
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-        if lost:
-            self._on_failure(lost, reason)
+
+    # -- health ------------------------------------------------------------------------------------
+
+    async def _watch_health(self) -> None:
+        """While connected: NOT_SERVING starts a drain (a worker told to stop); failed checks
+        in a row mark the worker lost (hung, or gone without closing its stream)."""
+        failures = 0
+        serving = health_pb2.HealthCheckResponse.SERVING
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            if self._stream is None:
+                failures = 0
+                continue
+            try:
+                reply = await self._health.Check(
+                    health_pb2.HealthCheckRequest(), timeout=self.config.health_interval_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                failures += 1
+                if failures >= self.config.health_failures:
+                    self.mark_lost("health", f"{failures} failed health checks: {exc.code().name}")
+                    failures = 0
+                continue
+            failures = 0
+            if reply.status != serving and self.state is ReplicaState.READY:
+                log.info("worker reports NOT_SERVING; draining it", replica=self.replica_id)
+                self.drain()
 
 
 class _UnusedExecutor:

@@ -1,14 +1,20 @@
-"""The Scheduler gRPC service: gateway streams in, worker replicas out.
+"""The Scheduler gRPC service: gateway streams in, the worker fleet out.
 
-`Router` owns the mapping between gateways' requests and replicas. Request ids are scoped to
-the gateway stream that added them (two gateways may reuse an id), so internally a request
-is known as "<stream id>/<request id>".
+`Router` owns the gateways' requests: it admits them, hands them to the `Fleet` (which places
+them on replicas and moves them when a replica goes away), and turns the replicas' deltas into
+messages for the right gateway. Request ids are scoped to the gateway stream that added them
+(two gateways may reuse an id), so internally a request is known as "<stream id>/<request id>".
+
+For each request whose choices stream, the router keeps what its gateway has been sent (tokens,
+logprobs, finish state per choice): a request on a replica whose step failed continues from
+exactly that, so its client sees no token twice and none missing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -17,15 +23,20 @@ import grpc
 
 from llmserve.grpc_utils import RequestError
 from llmserve.logs import get_logger
-from llmserve.proto_convert import sampling_params_from_proto, token_logprob_to_proto
-from llmserve.sampling_params import SamplingParamsError
+from llmserve.proto_convert import (
+    sampling_params_from_proto,
+    token_logprob_from_proto,
+    token_logprob_to_proto,
+)
+from llmserve.sampling_params import SamplingParams, SamplingParamsError, with_admission_seed
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.engine import RequestError as EngineRequestError
+from scheduler_service.fleet import DrainedError, Fleet, FleetConfig
+from scheduler_service.migration import GroupSnapshot, SequenceSnapshot, snapshot_from_choices
 from scheduler_service.outputs import CompletionOutput, RequestOutput
-from scheduler_service.replica import Replica, ReplicaConfig, WorkerUnavailableError
-from scheduler_service.sequence import FinishReason, RequestMetrics
-from scheduler_service.tracing import trace_id_of
+from scheduler_service.sequence import FinishReason, RequestMetrics, SampleLogprobs
+from scheduler_service.tracing import end_request_trace, start_request_trace, trace_id_of
 
 log = get_logger(__name__)
 
@@ -35,6 +46,7 @@ _FINISH_REASONS = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
     FinishReason.IGNORED: common_pb2.FINISH_REASON_IGNORED,
 }
+_FROM_PROTO_FINISH = {v: k for k, v in _FINISH_REASONS.items()}
 
 
 @dataclass(eq=False)
@@ -56,48 +68,33 @@ class GatewayStream:
 class _Route:
     stream: GatewayStream
     request_id: str
-    replica: Replica
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
     num_output_tokens: int = 0
+    # What the gateway was sent, per choice index (streaming requests only).
+    sent: dict[int, SequenceSnapshot] = field(default_factory=dict)
+    step_failures: int = 0
     # From the gateway's traceparent, for log lines (None when the request is not traced).
     trace_id: str | None = None
 
 
 class Router:
-    """Places requests on replicas and routes their outputs back to the right gateway."""
+    """Admits gateway requests, hands them to the fleet, routes their outputs back."""
 
-    def __init__(self, config: ReplicaConfig) -> None:
-        self.config = config
-        self.replicas: dict[int, Replica] = {}
+    def __init__(self, config: FleetConfig, on_ready_change=lambda ready: None) -> None:  # type: ignore[no-untyped-def]
+        self.fleet = Fleet(config, self, on_ready_change)
         self.routes: dict[str, _Route] = {}
         self.streams: set[GatewayStream] = set()
-        self._replica_ids = itertools.count()
         self._stream_ids = itertools.count()
+        self._seeds = random.Random()
 
-    # -- replicas ----------------------------------------------------------------------------
-
-    def add_replica(self, address: str) -> Replica:
-        for replica in self.replicas.values():
-            if replica.address == address:
-                return replica
-        replica_id = next(self._replica_ids)
-        replica = Replica(replica_id, address, self.config, self._on_outputs, self._on_failure)
-        self.replicas[replica_id] = replica
-        replica.start()
-        log.info("replica added", replica=replica_id, address=address)
-        return replica
+    def start(self, static_workers: list[str]) -> None:
+        self.fleet.start(static_workers)
 
     async def stop(self) -> None:
-        await asyncio.gather(*(r.stop() for r in self.replicas.values()))
-
-    def _pick_replica(self) -> Replica:
-        healthy = [r for r in self.replicas.values() if r.healthy]
-        if not healthy:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE,
-                "no worker is connected yet; the scheduler keeps retrying its workers",
-            )
-        return min(healthy, key=lambda r: r.num_unfinished())
+        await self.fleet.stop()
 
     # -- gateway streams ---------------------------------------------------------------------
 
@@ -115,12 +112,7 @@ class Router:
         """Queue a request, or answer it at once with a RequestError."""
         try:
             self._add(stream, add)
-        except (
-            RequestError,
-            SamplingParamsError,
-            EngineRequestError,
-            WorkerUnavailableError,
-        ) as exc:
+        except (RequestError, SamplingParamsError, EngineRequestError) as exc:
             stream.outbox.put_nowait(_error_message(add.request_id, exc))
 
     def _add(self, stream: GatewayStream, add: scheduler_pb2.AddRequest) -> None:
@@ -138,34 +130,81 @@ class Router:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "sampling_params: required", "sampling_params"
             )
-        params = sampling_params_from_proto(add.sampling_params)
-        replica = self._pick_replica()
+        params = with_admission_seed(sampling_params_from_proto(add.sampling_params), self._seeds)
         key = stream.key(add.request_id)
-        prompt = list(add.prompt_token_ids)
-        eos = add.eos_token_id if add.HasField("eos_token_id") else None
-        replica.add_request(key, prompt, params, eos, time.monotonic(), add.traceparent)
-        stream.request_ids.add(add.request_id)
         route = _Route(
-            stream, add.request_id, replica, len(prompt), 0, trace_id_of(add.traceparent)
+            stream,
+            add.request_id,
+            list(add.prompt_token_ids),
+            params,
+            add.eos_token_id if add.HasField("eos_token_id") else None,
+            time.monotonic(),
+            trace_id=trace_id_of(add.traceparent),
         )
+        if add.HasField("continuation"):
+            route.sent = _continued_choices(add.continuation, params)
+            route.num_output_tokens = sum(len(c.output_token_ids) for c in route.sent.values())
+        snapshot = self._snapshot(key, route)
+        trace = start_request_trace(key, add.traceparent, len(route.prompt_token_ids))
+        try:
+            self.fleet.place(snapshot, trace)
+        except EngineRequestError:
+            end_request_trace(trace, "refused")
+            raise
+        stream.request_ids.add(add.request_id)
         self.routes[key] = route
         log.info(
             "request queued",
             request_id=add.request_id,
             trace_id=route.trace_id,
-            replica=replica.replica_id,
-            prompt_tokens=len(prompt),
+            prompt_tokens=len(route.prompt_token_ids),
+            continued_tokens=route.num_output_tokens,
+        )
+
+    def _snapshot(self, key: str, route: _Route) -> GroupSnapshot:
+        return snapshot_from_choices(
+            key,
+            route.prompt_token_ids,
+            route.params,
+            route.eos_token_id,
+            route.arrival_time,
+            list(route.sent.values()),
         )
 
     def abort(self, stream: GatewayStream, request_id: str) -> None:
-        route = self.routes.pop(stream.key(request_id), None)
+        key = stream.key(request_id)
+        self.routes.pop(key, None)
         stream.request_ids.discard(request_id)
-        if route is not None:
-            route.replica.abort_request(stream.key(request_id))
+        self.fleet.abort(key)
 
-    # -- replica callbacks ---------------------------------------------------------------------
+    # -- FleetOwner ------------------------------------------------------------------------------
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def is_routed(self, key: str) -> bool:
+        return key in self.routes
+
+    def resume_snapshot(self, key: str) -> GroupSnapshot | None:
+        route = self.routes.get(key)
+        return None if route is None else self._snapshot(key, route)
+
+    def count_step_failure(self, key: str) -> int:
+        route = self.routes.get(key)
+        if route is None:
+            return 0
+        route.step_failures += 1
+        return route.step_failures
+
+    def fail_request(self, key: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
+        route = self.routes.pop(key, None)
+        if route is None:
+            return
+        route.stream.request_ids.discard(route.request_id)
+        self.fleet.finished(key)
+        route.stream.outbox.put_nowait(
+            _error_message(route.request_id, RequestError(code, message, field or None))
+        )
+        log.warning("request failed", request_id=route.request_id, code=code.name, error=message)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             route = self.routes.get(output.request_id)
             if route is None:
@@ -181,6 +220,8 @@ class Router:
                     ),
                 )
             else:
+                if route.params.streams_choices:
+                    _record_sent(route.sent, output.outputs)
                 message = scheduler_pb2.SchedulerMessage(output=_output_to_proto(route, output))
             route.stream.outbox.put_nowait(message)
             if output.finished:
@@ -188,6 +229,7 @@ class Router:
 
     def _finish(self, output: RequestOutput, route: _Route) -> None:
         del self.routes[output.request_id]
+        self.fleet.finished(output.request_id)
         route.stream.request_ids.discard(route.request_id)
         reasons = {str(c.finish_reason) for c in output.outputs if c.finish_reason}
         log.info(
@@ -208,28 +250,20 @@ class Router:
                 route.num_output_tokens,
             )
 
-    def _on_failure(self, keys: list[str], reason: str) -> None:
-        for key in keys:
-            route = self.routes.pop(key, None)
-            if route is None:
-                continue
-            route.stream.request_ids.discard(route.request_id)
-            route.stream.outbox.put_nowait(
-                _error_message(route.request_id, RequestError(grpc.StatusCode.UNAVAILABLE, reason))
-            )
-
     # -- stats ---------------------------------------------------------------------------------
 
     def stats(self) -> scheduler_pb2.GetStatsResponse:
         reply = scheduler_pb2.GetStatsResponse(
             num_unfinished_requests=len(self.routes), num_gateways=len(self.streams)
         )
-        for replica in self.replicas.values():
+        for replica in self.fleet.replicas:
             entry = reply.replicas.add(
                 replica_id=replica.replica_id,
                 address=replica.address,
                 healthy=replica.healthy,
                 num_steps=replica.num_steps,
+                state=int(replica.state),
+                num_migrated_out=replica.num_migrated_out,
             )
             engine = replica.engine
             if engine is None:
@@ -251,11 +285,65 @@ class Router:
         return reply
 
 
+def _record_sent(sent: dict[int, SequenceSnapshot], choices: list[CompletionOutput]) -> None:
+    """Add a streamed delta to what the gateway has been sent."""
+    for choice in choices:
+        record = sent.get(choice.index)
+        if record is None:
+            record = sent[choice.index] = SequenceSnapshot(choice.index, [], [], 0.0, None, None)
+        record.output_token_ids.extend(choice.token_ids)
+        if choice.logprobs is not None:
+            record.output_logprobs.extend(choice.logprobs)
+        record.cumulative_logprob = choice.cumulative_logprob
+        record.finish_reason = choice.finish_reason
+        record.stop_token_id = choice.stop_token_id
+
+
+def _continued_choices(
+    continuation: scheduler_pb2.Continuation, params: SamplingParams
+) -> dict[int, SequenceSnapshot]:
+    """The gateway's record of a request re-submitted after a scheduler restart."""
+    if continuation.choices and not params.streams_choices:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "continuation: only requests whose choices stream (no best_of > n, no beam "
+            "search) can be continued; re-submit the others without one",
+            "continuation",
+        )
+    sent: dict[int, SequenceSnapshot] = {}
+    for choice in continuation.choices:
+        if choice.index >= params.n or choice.index in sent:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"continuation.choices: index {choice.index} is repeated or not below n",
+                "continuation.choices",
+            )
+        if choice.logprobs and len(choice.logprobs) != len(choice.token_ids):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "continuation.choices.logprobs: one entry per token id, or none",
+                "continuation.choices.logprobs",
+            )
+        logprobs = [
+            SampleLogprobs(
+                token_logprob_from_proto(lp.token), [token_logprob_from_proto(t) for t in lp.top]
+            )
+            for lp in choice.logprobs
+        ]
+        sent[choice.index] = SequenceSnapshot(
+            choice.index,
+            list(choice.token_ids),
+            logprobs,
+            choice.cumulative_logprob,
+            _FROM_PROTO_FINISH.get(choice.finish_reason),
+            choice.stop_token_id if choice.HasField("stop_token_id") else None,
+        )
+    return sent
+
+
 def _error_message(request_id: str, exc: Exception) -> scheduler_pb2.SchedulerMessage:
     if isinstance(exc, RequestError):
         code, field_name = exc.code, exc.field or ""
-    elif isinstance(exc, WorkerUnavailableError):
-        code, field_name = grpc.StatusCode.UNAVAILABLE, ""
     else:
         code = grpc.StatusCode.INVALID_ARGUMENT
         field_name = getattr(exc, "field", "")
@@ -317,6 +405,16 @@ def _output_to_proto(route: _Route, output: RequestOutput) -> scheduler_pb2.Requ
     return msg
 
 
+def _check_address(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"address: must be host:port, got {address!r}",
+            "address",
+        )
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Thin: every RPC is one call into the Router."""
 
@@ -326,12 +424,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def RegisterWorker(
         self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RegisterWorkerResponse:
-        if not request.address or ":" not in request.address:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, "address: must be host:port", "address"
-            )
-        replica = self.router.add_replica(request.address)
-        return scheduler_pb2.RegisterWorkerResponse(replica_id=replica.replica_id)
+        _check_address(request.address)
+        try:
+            replica = self.router.fleet.register(request.address)
+        except DrainedError as exc:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "address") from exc
+        return scheduler_pb2.RegisterWorkerResponse(
+            replica_id=replica.replica_id,
+            lease_ms=int(self.router.fleet.config.lease_s * 1000),
+        )
+
+    async def DrainWorker(
+        self, request: scheduler_pb2.DrainWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.DrainWorkerResponse:
+        _check_address(request.address)
+        try:
+            replica, num_requests = self.router.fleet.drain(request.address)
+        except LookupError as exc:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc), "address") from exc
+        log.info("drain requested", address=request.address, requests=num_requests)
+        return scheduler_pb2.DrainWorkerResponse(
+            replica_id=replica.replica_id, num_requests=num_requests
+        )
 
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

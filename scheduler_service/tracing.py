@@ -50,10 +50,47 @@ def trace_id_of(traceparent: str) -> str | None:
 
 
 @dataclass(slots=True)
-class _RequestTrace:
+class RequestTrace:
+    """A recorded request span and what the events derived so far need to remember. It moves
+    with its request when the request moves to another replica."""
+
     span: Span
     state: str = _QUEUED
     num_output_tokens: int = 0
+
+
+def start_request_trace(key: str, traceparent: str, num_prompt_tokens: int) -> RequestTrace | None:
+    """The request's lifecycle span (event `queued`), or None when it is not recorded."""
+    span = tracer.start_span(
+        REQUEST_SPAN, context=context_from_traceparent(traceparent), kind=SpanKind.SERVER
+    )
+    if not span.is_recording():
+        return None
+    span.set_attributes(
+        {"llmserve.request_id": key, "gen_ai.usage.input_tokens": num_prompt_tokens}
+    )
+    span.add_event("queued")
+    return RequestTrace(span)
+
+
+def record_migration(trace: RequestTrace | None, source: str, target: str, cause: str) -> None:
+    """Event `migrated` naming both workers; the request is queued again on the target."""
+    if trace is None:
+        return
+    trace.span.add_event("migrated", {"from_worker": source, "to_worker": target, "cause": cause})
+    trace.state = _QUEUED
+
+
+def end_request_trace(trace: RequestTrace | None, error: str | None) -> None:
+    """End a span whose request will not finish on any replica (failed, or aborted while it
+    waited for one)."""
+    if trace is None:
+        return
+    if error is None:
+        trace.span.add_event("finished", {"reason": "abort"})
+    else:
+        trace.span.set_status(Status(StatusCode.ERROR, error))
+    trace.span.end()
 
 
 class ReplicaTracer:
@@ -62,38 +99,22 @@ class ReplicaTracer:
     def __init__(self, replica_id: int, block_size: int) -> None:
         self.replica_id = replica_id
         self.block_size = block_size
-        self._requests: dict[str, _RequestTrace] = {}
+        self._requests: dict[str, RequestTrace] = {}
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add(self, key: str, traceparent: str, num_prompt_tokens: int) -> None:
-        span = tracer.start_span(
-            REQUEST_SPAN, context=context_from_traceparent(traceparent), kind=SpanKind.SERVER
-        )
-        if not span.is_recording():
-            return
-        span.set_attributes(
-            {
-                "llmserve.request_id": key,
-                "llmserve.replica": self.replica_id,
-                "gen_ai.usage.input_tokens": num_prompt_tokens,
-            }
-        )
-        span.add_event("queued")
-        self._requests[key] = _RequestTrace(span)
+    def attach(self, key: str, trace: RequestTrace | None) -> None:
+        """The request (with its span, if recorded) is now on this replica."""
+        if trace is not None:
+            trace.span.set_attribute("llmserve.replica", self.replica_id)
+            self._requests[key] = trace
+
+    def detach(self, key: str) -> RequestTrace | None:
+        """The request leaves this replica; its span goes with it."""
+        return self._requests.pop(key, None)
 
     def abort(self, key: str) -> None:
-        entry = self._requests.pop(key, None)
-        if entry is not None:
-            entry.span.add_event("finished", {"reason": "abort"})
-            entry.span.end()
-
-    def fail(self, keys: list[str], reason: str) -> None:
-        for key in keys:
-            entry = self._requests.pop(key, None)
-            if entry is not None:
-                entry.span.set_status(Status(StatusCode.ERROR, reason))
-                entry.span.end()
+        end_request_trace(self._requests.pop(key, None), None)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -12,7 +12,12 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
 from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig, tracing
 from scheduler_service.config import PreemptionMode
-from scheduler_service.tracing import ReplicaTracer, end_step_span, step_traceparent
+from scheduler_service.tracing import (
+    ReplicaTracer,
+    end_step_span,
+    start_request_trace,
+    step_traceparent,
+)
 
 from .fake_model import FakeModel
 
@@ -63,10 +68,10 @@ def test_prefix_hit_events_and_step_links(exporter: InMemorySpanExporter) -> Non
     prompt = list(range(1, 10))  # two full blocks and one token
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     engine.add_request("a", prompt, params)
-    tracer.add("a", SAMPLED, len(prompt))
+    tracer.attach("a", start_request_trace("a", SAMPLED, len(prompt)))
     run(engine, tracer)
     engine.add_request("b", prompt[:8] + [42], params)
-    tracer.add("b", SAMPLED, len(prompt))
+    tracer.attach("b", start_request_trace("b", SAMPLED, len(prompt)))
     parents = run(engine, tracer)
 
     a, b = by_name(exporter, "scheduler.request")
@@ -98,7 +103,7 @@ def test_unsampled_requests_make_no_spans(exporter: InMemorySpanExporter) -> Non
     engine = make_engine(gpu=16)
     tracer = ReplicaTracer(0, BLOCK)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
-    tracer.add("a", NOT_SAMPLED, 3)
+    tracer.attach("a", start_request_trace("a", NOT_SAMPLED, 3))
     assert run(engine, tracer) == ["", "", ""]
     assert exporter.get_finished_spans() == ()
 
@@ -111,7 +116,7 @@ def test_step_parent_is_a_sampled_request_and_links_cover_the_batch(
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     for request_id, traceparent in (("u", NOT_SAMPLED), ("s1", SAMPLED), ("s2", SAMPLED)):
         engine.add_request(request_id, [1, 2, 3], params)
-        tracer.add(request_id, traceparent, 3)
+        tracer.attach(request_id, start_request_trace(request_id, traceparent, 3))
     run(engine, tracer)
     s1, s2 = by_name(exporter, "scheduler.request")
     steps = by_name(exporter, "scheduler.step")
@@ -131,7 +136,7 @@ def test_swap_preemption_events(exporter: InMemorySpanExporter) -> None:
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     for request_id, first in (("a", 1), ("b", 11)):
         engine.add_request(request_id, list(range(first, first + 5)), params)
-        tracer.add(request_id, SAMPLED, 5)
+        tracer.attach(request_id, start_request_trace(request_id, SAMPLED, 5))
     run(engine, tracer)
     names = {
         s.attributes["llmserve.request_id"]: [e.name for e in s.events]

@@ -1,0 +1,404 @@
+"""The worker fleet: which replicas exist, where each request runs, and moving requests.
+
+Membership. A worker becomes a replica through any of three sources, all kept live:
+- `static`: the `--workers` list;
+- `dns`: a name re-resolved every `dns_interval_s`, one replica per address (a compose service
+  scaled to N, a Kubernetes headless Service). An address that leaves the answer loses the
+  source;
+- `lease`: `RegisterWorker`, renewed by the worker within `lease_s`. A lapsed lease loses the
+  source.
+A replica that loses its last source is removed, and its requests move.
+
+Placement. Every request is placed by the routing policy on a READY replica. With none ready,
+it waits in `pending` (in arrival order) for up to `no_worker_timeout_s`, then fails
+UNAVAILABLE with a message that says so. A replica that becomes ready takes the pending ones.
+
+Migration. Requests leaving a replica (its worker lost, drained, removed, or a failed step)
+are placed again elsewhere with every token generated so far: they continue by recompute, and
+clients see a pause, never an error or a different token.
+
+Drain (`DrainWorker`, or the worker's health turning NOT_SERVING): the replica takes nothing
+new and moves its requests per `Replica.drain`'s policy. Once empty it closes the worker's
+stream and leaves the fleet; its address stays `drained` (no source re-adds it) until the
+worker stops answering, so that a drained worker that keeps running stays out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve.logs import get_logger
+from scheduler_service import metrics
+from scheduler_service.engine import RequestError as EngineRequestError
+from scheduler_service.migration import GroupSnapshot
+from scheduler_service.outputs import RequestOutput
+from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState, WorkerLostError
+from scheduler_service.routing import Candidate, RoutingPolicy
+from scheduler_service.routing import Router as RoutingRouter
+from scheduler_service.tracing import RequestTrace, end_request_trace, record_migration
+
+log = get_logger(__name__)
+
+STATIC, DNS, LEASE = "static", "dns", "lease"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    replica: ReplicaConfig
+    routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    # "host:port" re-resolved every dns_interval_s; empty: no DNS discovery.
+    worker_dns: str = ""
+    dns_interval_s: float = 5.0
+    # Workers re-register within this long or count as lost.
+    lease_s: float = 10.0
+    # A request with no ready replica waits this long, then fails UNAVAILABLE.
+    no_worker_timeout_s: float = 30.0
+    # A request in this many failed steps is failed rather than retried again.
+    max_step_failures: int = 2
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    snapshot: GroupSnapshot
+    trace: RequestTrace | None
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Member:
+    replica: Replica
+    sources: set[str] = field(default_factory=set)
+
+
+class FleetOwner(Protocol):
+    """What the fleet needs from the router of gateway requests (see server.Router)."""
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A step's deltas, for the requests' gateways."""
+
+    def fail_request(self, key: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
+        """The request cannot go on: answer its gateway with this error and forget it."""
+
+    def is_routed(self, key: str) -> bool:
+        """Whether a gateway still waits for the request (not finished, aborted or failed)."""
+
+    def resume_snapshot(self, key: str) -> GroupSnapshot | None:
+        """The request rebuilt from what its client received (after a failed step)."""
+
+    def count_step_failure(self, key: str) -> int:
+        """One more failed step for the request; returns how many it has been in."""
+
+
+class Fleet:
+    """Replicas, their membership, and the placement of requests on them."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        owner: FleetOwner,
+        on_ready_change: Callable[[bool], None] = lambda ready: None,
+    ) -> None:
+        self.config = config
+        self.owner = owner
+        self._on_ready_change = on_ready_change
+        self.members: dict[str, _Member] = {}
+        self.location: dict[str, Replica] = {}
+        self.pending: dict[str, _Pending] = {}
+        self.drained: dict[str, float] = {}
+        self.static: list[str] = []
+        self._routing = RoutingRouter(config.routing)
+        self._replica_ids = itertools.count()
+        self._leases: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready = False
+
+    # -- life ------------------------------------------------------------------------------------
+
+    def start(self, static: list[str]) -> None:
+        self.static = list(static)
+        for address in self.static:
+            self.add(address, STATIC)
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="fleet-housekeeping"))
+        if self.config.worker_dns:
+            self._tasks.append(asyncio.create_task(self._watch_dns(), name="fleet-dns"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        members = list(self.members.values())
+        self.members.clear()
+        await asyncio.gather(*(m.replica.stop() for m in members))
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return [m.replica for m in self.members.values()]
+
+    # -- membership --------------------------------------------------------------------------
+
+    def add(self, address: str, source: str) -> Replica:
+        member = self.members.get(address)
+        if member is None:
+            replica = Replica(next(self._replica_ids), address, self.config.replica, self)
+            member = self.members[address] = _Member(replica)
+            replica.start()
+            log.info("replica added", replica=replica.replica_id, address=address, source=source)
+            self._record_states()
+        member.sources.add(source)
+        return member.replica
+
+    def register(self, address: str) -> Replica:
+        """A lease registration or renewal. Raises DrainedError for a drained address that
+        still runs (the worker should stop renewing)."""
+        if address in self.drained:
+            self.drained[address] = time.monotonic()
+            raise DrainedError(address)
+        self._leases[address] = time.monotonic() + self.config.lease_s
+        return self.add(address, LEASE)
+
+    def _drop_source(self, address: str, source: str, cause: str) -> None:
+        member = self.members.get(address)
+        if member is None:
+            return
+        member.sources.discard(source)
+        if not member.sources:
+            log.warning("replica removed", replica=member.replica.replica_id, cause=cause)
+            del self.members[address]
+            asyncio.create_task(member.replica.stop(cause))
+            self._record_states()
+
+    async def _housekeeping(self) -> None:
+        """Once a second: lapsed leases, pending requests past their deadline, drained
+        workers that went away."""
+        probe_turn = 0
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for address, expiry in list(self._leases.items()):
+                if expiry < now:
+                    del self._leases[address]
+                    self._drop_source(address, LEASE, "lease")
+            self._expire_pending(now)
+            probe_turn += 1
+            if self.drained and probe_turn % 5 == 0:
+                await self._forget_gone_drained()
+
+    async def _forget_gone_drained(self) -> None:
+        for address in list(self.drained):
+            try:
+                async with grpc.aio.insecure_channel(address) as channel:
+                    await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1.0
+                    )
+            except grpc.aio.AioRpcError:
+                log.info("drained worker is gone; its address may join again", address=address)
+                del self.drained[address]
+                if address in self.static:
+                    self.add(address, STATIC)
+
+    async def _watch_dns(self) -> None:
+        host, _, port = self.config.worker_dns.rpartition(":")
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                found = {f"{info[4][0]}:{port}" for info in infos}
+            except OSError as exc:  # NXDOMAIN while no replica exists is normal
+                log.debug("worker DNS lookup failed", name=host, error=str(exc))
+                found = set()
+            for address in sorted(found - self.drained.keys()):
+                member = self.members.get(address)
+                if member is None or DNS not in member.sources:
+                    self.add(address, DNS)
+            for address, member in list(self.members.items()):
+                if DNS in member.sources and address not in found:
+                    self._drop_source(address, DNS, "dns")
+            await asyncio.sleep(self.config.dns_interval_s)
+
+    def drain(self, address: str) -> tuple[Replica, int]:
+        member = self.members.get(address)
+        if member is None:
+            raise LookupError(f"address: no worker {address!r} in the fleet")
+        return member.replica, member.replica.drain()
+
+    # -- placement -------------------------------------------------------------------------------
+
+    def place(
+        self,
+        snapshot: GroupSnapshot,
+        trace: RequestTrace | None,
+        source: Replica | None = None,
+        cause: str = "",
+    ) -> None:
+        """Put a request on a ready replica (not `source`), or in `pending`. Raises the
+        engine's RequestError if the chosen replica can never run it."""
+        key = snapshot.request_id
+        ready = {
+            m.replica.replica_id: m.replica
+            for m in self.members.values()
+            if m.replica.state is ReplicaState.READY
+            and m.replica.engine is not None
+            and m.replica is not source
+        }
+        candidates = [Candidate(rid, r.engine) for rid, r in ready.items() if r.engine]
+        decision = self._routing.pick(candidates, snapshot.prompt_token_ids)
+        if decision is None:
+            deadline = time.monotonic() + self.config.no_worker_timeout_s
+            self.pending[key] = _Pending(snapshot, trace, deadline)
+            if source is not None:
+                record_migration(trace, source.address, "(pending)", cause)
+            return
+        target = ready[decision.replica_id]
+        try:
+            target.place(snapshot, trace)
+        except WorkerLostError:  # the replica lost its worker this instant: wait for another
+            self.pending[key] = _Pending(
+                snapshot, trace, time.monotonic() + self.config.no_worker_timeout_s
+            )
+            return
+        self.location[key] = target
+        metrics.record_routing(self.config.routing.value, decision.cached_tokens > 0)
+        if source is not None:
+            record_migration(trace, source.address, target.address, cause)
+            metrics.MIGRATIONS.labels(cause).inc()
+            log.info(
+                "request migrated",
+                request=key,
+                cause=cause,
+                from_worker=source.address,
+                to_worker=target.address,
+            )
+
+    def abort(self, key: str) -> None:
+        pending = self.pending.pop(key, None)
+        if pending is not None:
+            end_request_trace(pending.trace, None)
+        replica = self.location.pop(key, None)
+        if replica is not None:
+            replica.abort_request(key)
+
+    def finished(self, key: str) -> None:
+        self.location.pop(key, None)
+
+    def _place_pending(self) -> None:
+        """Place waiting requests in arrival order while a replica is ready."""
+        for key in list(self.pending):
+            if not any(m.replica.healthy and m.replica.engine for m in self.members.values()):
+                return
+            pending = self.pending.pop(key)
+            self._place_or_fail(pending.snapshot, pending.trace, None, "")
+
+    def _place_or_fail(
+        self,
+        snapshot: GroupSnapshot,
+        trace: RequestTrace | None,
+        source: Replica | None,
+        cause: str,
+    ) -> None:
+        try:
+            self.place(snapshot, trace, source, cause)
+        except EngineRequestError as exc:
+            end_request_trace(trace, str(exc))
+            self.owner.fail_request(
+                snapshot.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field
+            )
+
+    def _expire_pending(self, now: float) -> None:
+        for key, pending in list(self.pending.items()):
+            if pending.deadline <= now:
+                del self.pending[key]
+                message = (
+                    f"no worker became available within {self.config.no_worker_timeout_s:g} s "
+                    f"({len(self.members)} known, none ready)"
+                )
+                end_request_trace(pending.trace, message)
+                self.owner.fail_request(key, grpc.StatusCode.UNAVAILABLE, message)
+
+    # -- ReplicaOwner ------------------------------------------------------------------------
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.owner.on_outputs(outputs)
+
+    def on_evicted(
+        self,
+        replica: Replica,
+        snapshots: list[GroupSnapshot],
+        traces: dict[str, RequestTrace | None],
+        cause: str,
+    ) -> None:
+        for snapshot in snapshots:
+            key = snapshot.request_id
+            self.location.pop(key, None)
+            if not self.owner.is_routed(key):
+                end_request_trace(traces.get(key), None)
+                continue
+            self._place_or_fail(snapshot, traces.get(key), replica, cause)
+
+    def on_step_failed(
+        self,
+        replica: Replica,
+        request_ids: list[str],
+        in_step: list[str],
+        error: BaseException,
+        traces: dict[str, RequestTrace | None],
+    ) -> None:
+        if replica.state is ReplicaState.READY:
+            replica.state = ReplicaState.JOINING  # until it has reconnected
+            self._record_states()
+        for key in request_ids:
+            self.location.pop(key, None)
+            trace = traces.get(key)
+            failures = self.owner.count_step_failure(key) if key in in_step else 0
+            snapshot = self.owner.resume_snapshot(key)
+            if snapshot is None:
+                end_request_trace(trace, None)
+                continue
+            if failures >= self.config.max_step_failures:
+                message = f"the request failed {failures} scheduler steps; last error: {error}"
+                end_request_trace(trace, message)
+                self.owner.fail_request(key, grpc.StatusCode.INTERNAL, message)
+                continue
+            self._place_or_fail(snapshot, trace, replica, "step_failed")
+
+    def on_state(self, replica: Replica) -> None:
+        self._record_states()
+        if replica.state is ReplicaState.READY and self.pending:
+            self._place_pending()
+
+    def on_drained(self, replica: Replica) -> None:
+        member = self.members.get(replica.address)
+        if member is not None and member.replica is replica:
+            del self.members[replica.address]
+            self.drained[replica.address] = time.monotonic()
+            self._leases.pop(replica.address, None)
+            asyncio.create_task(replica.stop("drain"))
+        if replica.drain_started is not None:
+            metrics.DRAIN_SECONDS.observe(time.monotonic() - replica.drain_started)
+        self._record_states()
+
+    def _record_states(self) -> None:
+        states = [m.replica.state for m in self.members.values()]
+        metrics.record_worker_states(states)
+        ready = ReplicaState.READY in states
+        if ready != self._ready:
+            self._ready = ready
+            self._on_ready_change(ready)
+
+
+class DrainedError(RuntimeError):
+    """A drained worker tried to register again while still running."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(
+            f"address: worker {address} was drained; it rejoins once restarted "
+            "(after it stops answering health checks)"
+        )

@@ -1,0 +1,176 @@
+"""The elastic fleet with real processes: workers die, drain and join, the scheduler restarts,
+a replica's step fails, and no client sees an error or a different token.
+
+One stack (3 workers that register with leases, a scheduler, a gateway) runs the same mixed
+workload undisturbed first; every later run must equal it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.support.fleet import (
+    FleetStack,
+    Received,
+    assert_same_outputs,
+    mixed_workload,
+    run_workload,
+    start_fleet,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+WORKLOAD = mixed_workload(64)
+READY = scheduler_pb2.WORKER_STATE_READY
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    stack = start_fleet(str(tiny_model_dir), tmp_path_factory.mktemp("fleet-logs"), 3,
+                        scheduler_args=["--max-num-seqs", "32"])
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(fleet: FleetStack) -> dict[str, Received]:
+    received = asyncio.run(run_workload(fleet.gateway.address, WORKLOAD))  # type: ignore[union-attr]
+    fleet.assert_no_leak()
+    return received
+
+
+def run_with_fault(fleet: FleetStack, fault, at_chunk: int = 150) -> dict[str, Received]:  # type: ignore[no-untyped-def]
+    fired = []
+
+    def on_chunk(total: int) -> None:
+        if total >= at_chunk and not fired:
+            fired.append(total)
+            fault()
+
+    received = asyncio.run(run_workload(fleet.gateway.address, WORKLOAD, on_chunk))  # type: ignore[union-attr]
+    assert fired, "the workload ended before the fault was injected"
+    return received
+
+
+def migrated(stats: scheduler_pb2.GetStatsResponse) -> int:
+    return sum(r.num_migrated_out for r in stats.replicas)
+
+
+def test_worker_kill_loses_nothing(fleet: FleetStack, baseline: dict[str, Received]):
+    before = migrated(fleet.stats())
+    victim = fleet.workers[0]
+    received = run_with_fault(fleet, victim.kill)
+    assert_same_outputs(baseline, received)
+    stats = fleet.stats()
+    assert migrated(stats) > before, "the kill moved no request: it came too late"
+    fleet.assert_no_leak()
+    # The killed worker comes back at the same address and takes requests again.
+    victim.start()
+    fleet.wait_for(lambda s: len(fleet.ready_replicas(s)) == 3, "the restarted worker ready")
+
+
+def test_drain_loses_nothing(fleet: FleetStack, baseline: dict[str, Received]):
+    target = fleet.workers[1].address
+
+    def drain() -> None:
+        with grpc.insecure_channel(fleet.scheduler.address) as channel:  # type: ignore[union-attr]
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).DrainWorker(
+                scheduler_pb2.DrainWorkerRequest(address=target), timeout=5
+            )
+        assert reply.num_requests > 0
+
+    received = run_with_fault(fleet, drain)
+    assert_same_outputs(baseline, received)
+    stats = fleet.wait_for(
+        lambda s: target not in {r.address for r in s.replicas}, "the drained replica to leave"
+    )
+    assert len(fleet.ready_replicas(stats)) == 2
+    fleet.assert_no_leak()
+    # A drained worker that keeps running cannot slip back in by renewing its lease.
+    with (
+        grpc.insecure_channel(fleet.scheduler.address) as channel,  # type: ignore[union-attr]
+        pytest.raises(grpc.RpcError) as info,
+    ):
+        scheduler_pb2_grpc.SchedulerStub(channel).RegisterWorker(
+            scheduler_pb2.RegisterWorkerRequest(address=target), timeout=5
+        )
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_worker_joins_mid_run_and_takes_requests(fleet: FleetStack, baseline):  # type: ignore[no-untyped-def]
+    joined: list[str] = []
+    received = run_with_fault(
+        fleet, lambda: joined.append(fleet.add_worker(wait=False).address), at_chunk=50
+    )
+    assert_same_outputs(baseline, received)
+    fleet.wait_for(
+        lambda s: any(r.address == joined[0] and r.state == READY for r in s.replicas),
+        "the new worker ready",
+    )
+    # New requests reach it (round robin over a cold cache would too; cache_aware sends a
+    # prompt with no cached prefix to the least loaded replica, and the new one is idle).
+    asyncio.run(run_workload(fleet.gateway.address, mixed_workload(16, seed=7)))  # type: ignore[union-attr]
+    stats = fleet.stats()
+    newcomer = next(r for r in stats.replicas if r.address == joined[0])
+    assert newcomer.num_steps > 0
+    fleet.assert_no_leak()
+
+
+def test_scheduler_restart_loses_nothing(fleet: FleetStack, baseline: dict[str, Received]):
+    scheduler = fleet.scheduler
+    assert scheduler is not None
+
+    def restart() -> None:
+        scheduler.kill()
+        scheduler.start(wait=False)
+
+    received = run_with_fault(fleet, restart)
+    assert_same_outputs(baseline, received)
+    # The workers were not restarted: they registered again by themselves.
+    stats = fleet.wait_for(lambda s: len(fleet.ready_replicas(s)) >= 2, "workers back")
+    assert all(w.popen is not None and w.popen.poll() is None for w in fleet.workers[2:])
+    assert len(fleet.ready_replicas(stats)) >= 2
+    fleet.assert_no_leak()
+
+
+@pytest.fixture(scope="module")
+def faulty_fleet(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FleetStack]:
+    """Two workers with no swap space and a small cache (multi-sequence groups must be
+    preempted by recompute), and a scheduler whose replica step raises once, mid-run."""
+    stack = start_fleet(
+        str(tiny_model_dir), tmp_path_factory.mktemp("faulty-fleet-logs"), 2,
+        scheduler_args=["--max-num-seqs", "32", "--num-cpu-blocks-override", "0",
+                        "--num-gpu-blocks-override", "48"],
+        env={"LLMSERVE_FAILPOINTS": "replica.finish_step=1+60"},
+    )
+    yield stack
+    stack.stop()
+
+
+def test_step_failure_and_zero_swap_lose_nothing(
+    faulty_fleet: FleetStack, baseline: dict[str, Received]
+):
+    received = asyncio.run(run_workload(faulty_fleet.gateway.address, WORKLOAD))  # type: ignore[union-attr]
+    assert_same_outputs(baseline, received)
+    stats = faulty_fleet.stats()
+    assert sum(r.num_preemptions for r in stats.replicas) > 0, "no memory pressure"
+    failed = [r for r in stats.replicas if r.num_migrated_out > 0]
+    assert len(failed) == 1, stats  # exactly one replica's step raised
+    scheduler_log = faulty_fleet.scheduler.log.read_text()  # type: ignore[union-attr]
+    assert "failpoint replica.finish_step fired" in scheduler_log
+    faulty_fleet.assert_no_leak()
+    # The replica whose step failed is ready again and serves the next requests.
+    steps_before = failed[0].num_steps
+    faulty_fleet.wait_for(lambda s: len(faulty_fleet.ready_replicas(s)) == 2, "both ready")
+    asyncio.run(run_workload(faulty_fleet.gateway.address, mixed_workload(24, seed=3)))  # type: ignore[union-attr]
+    after = next(r for r in faulty_fleet.stats().replicas if r.replica_id == failed[0].replica_id)
+    assert after.num_steps > steps_before
+    faulty_fleet.assert_no_leak()

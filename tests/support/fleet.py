@@ -1,0 +1,251 @@
+"""A fleet stack for failure tests: N workers, a scheduler and a gateway as real processes on
+loopback, each of which a test can kill, restart or add to, plus a mixed streaming workload
+whose every token and logprob is recorded as the client receives it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from llmserve.client import build_request
+from llmserve.grpc_utils import channel_options
+from llmserve.supervisor import free_ports
+from llmserve.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.support.stack import wait_healthy
+
+WORKER_ARGS = ["--kv-cache-memory", "0.02", "--swap-space", "0.02", "--num-threads", "1"]
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    address: str
+    log: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: bool = True) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "llmserve.cli", *self.args],
+            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=self.env,
+        )
+        if wait:
+            wait_healthy(self.address, self.popen, self.name, self.log)
+
+    def kill(self) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait()
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+@dataclass
+class FleetStack:
+    model: str
+    log_dir: Path
+    scheduler_args: list[str]
+    env: dict[str, str]
+    workers: list[Proc] = field(default_factory=list)
+    scheduler: Proc | None = None
+    gateway: Proc | None = None
+
+    def add_worker(self, wait: bool = True) -> Proc:
+        port, metrics_port = free_ports(2)
+        assert self.scheduler is not None
+        index = len(self.workers)
+        proc = Proc(
+            f"worker-{index}",
+            ["worker", "--model", self.model, "--port", str(port),
+             "--metrics-port", str(metrics_port), "--scheduler", self.scheduler.address,
+             *WORKER_ARGS],
+            f"127.0.0.1:{port}",
+            self.log_dir / f"worker-{index}.log",
+            self.env,
+        )
+        self.workers.append(proc)
+        proc.start(wait)
+        return proc
+
+    def stats(self) -> scheduler_pb2.GetStatsResponse:
+        assert self.scheduler is not None
+        with grpc.insecure_channel(self.scheduler.address) as channel:
+            return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=5
+            )
+
+    def wait_for(self, predicate: Callable[[scheduler_pb2.GetStatsResponse], bool],
+                 what: str, timeout_s: float = 60.0) -> scheduler_pb2.GetStatsResponse:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                stats = self.stats()
+                if predicate(stats):
+                    return stats
+            except grpc.RpcError:
+                stats = None
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; last stats: {stats}")
+            time.sleep(0.2)
+
+    def ready_replicas(self, stats: scheduler_pb2.GetStatsResponse) -> list[scheduler_pb2.ReplicaStats]:
+        return [r for r in stats.replicas if r.state == scheduler_pb2.WORKER_STATE_READY]
+
+    def assert_no_leak(self) -> None:
+        """Every ready replica ends with free == total blocks (device and host)."""
+        def idle(stats: scheduler_pb2.GetStatsResponse) -> bool:
+            return stats.num_unfinished_requests == 0 and all(
+                r.gpu_blocks_free == r.gpu_blocks_total and r.cpu_blocks_free == r.cpu_blocks_total
+                for r in self.ready_replicas(stats)
+            )
+        stats = self.wait_for(idle, "every block free", timeout_s=30)
+        assert self.ready_replicas(stats), stats
+
+    def stop(self) -> None:
+        for proc in [self.gateway, self.scheduler, *self.workers]:
+            if proc is not None:
+                proc.stop()
+
+
+def start_fleet(model: str, log_dir: Path, num_workers: int, *,
+                scheduler_args: list[str] = (), env: dict[str, str] | None = None  # type: ignore[assignment]
+                ) -> FleetStack:
+    """Scheduler first (workers register with it), then the workers, then the gateway."""
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    sched_port, sched_metrics, gw_port, http_port = free_ports(4)
+    stack = FleetStack(model, log_dir, list(scheduler_args), base_env)
+    stack.scheduler = Proc(
+        "scheduler",
+        ["scheduler", "--port", str(sched_port), "--metrics-port", str(sched_metrics),
+         "--worker-lease-s", "3", "--health-interval-s", "0.5", *scheduler_args],
+        f"127.0.0.1:{sched_port}", log_dir / "scheduler.log", base_env,
+    )
+    try:
+        stack.scheduler.start(wait=False)
+        for _ in range(num_workers):
+            stack.add_worker()
+        stack.wait_for(lambda s: len(stack.ready_replicas(s)) == num_workers, "workers ready")
+        wait_healthy(stack.scheduler.address, stack.scheduler.popen, "scheduler",  # type: ignore[arg-type]
+                     stack.scheduler.log)
+        stack.gateway = Proc(
+            "gateway",
+            ["gateway", "--model", model, "--port", str(gw_port), "--http-port", str(http_port),
+             "--scheduler", stack.scheduler.address],
+            f"127.0.0.1:{gw_port}", log_dir / "gateway.log", base_env,
+        )
+        stack.gateway.start()
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+# -- the workload ------------------------------------------------------------------------------
+
+@dataclass
+class Received:
+    """One request as its client saw it: per choice, the token ids and logprobs in order."""
+
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    finish_reasons: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+
+def mixed_workload(count: int, seed: int = 0) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
+    """`count` requests: greedy, seeded sampling, n=2, best_of=3, one beam search; some with
+    logprobs. Prompts are token ids, several sharing a prefix."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(100, 20000) for _ in range(32)]
+    requests: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+    for i in range(count):
+        prefix = shared[: rng.choice((0, 16, 32))]
+        prompt = prefix + [rng.randrange(100, 20000) for _ in range(rng.randrange(4, 24))]
+        kind = i % 6
+        params: dict = {"max_tokens": rng.randrange(12, 32), "ignore_eos": True}  # type: ignore[type-arg]
+        if kind in (0, 1):
+            params["temperature"] = 0.0
+        elif kind == 2:
+            params.update(temperature=0.8, seed=1000 + i)
+        elif kind == 3:
+            params.update(temperature=0.9, seed=2000 + i, n=2)
+        elif kind == 4:
+            params.update(temperature=0.7, seed=3000 + i, best_of=3)
+        else:
+            params.update(temperature=0.6, seed=4000 + i, top_k=50)
+        if i == 5:
+            params = {"max_tokens": 16, "ignore_eos": True, "temperature": 0.0,
+                      "use_beam_search": True, "best_of": 2}
+        if i % 4 == 1:
+            params["logprobs"] = 2
+        requests.append((f"req-{i}", {"prompt": prompt, **params}))
+    return requests
+
+
+async def run_workload(
+    gateway: str, requests: list[tuple[str, dict]],  # type: ignore[type-arg]
+    on_chunk: Callable[[int], None] | None = None,
+) -> dict[str, Received]:
+    """Stream every request at once through the gateway's gRPC API; `on_chunk(total)` after
+    each response received (the test's trigger for a fault)."""
+    received: dict[str, Received] = {}
+    total = 0
+    async with grpc.aio.insecure_channel(gateway, options=channel_options()) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def one(request_id: str, spec: dict) -> None:  # type: ignore[type-arg]
+            nonlocal total
+            spec = dict(spec)
+            prompt = spec.pop("prompt")
+            got = received[request_id] = Received()
+            call = stub.Generate(build_request(prompt, request_id=request_id, **spec), timeout=300)
+            async for response in call:
+                for choice in response.choices:
+                    got.token_ids.setdefault(choice.index, []).extend(choice.token_ids)
+                    got.logprobs.setdefault(choice.index, []).extend(
+                        lp.token.logprob for lp in choice.logprobs
+                    )
+                    if choice.finish_reason:
+                        got.finish_reasons[choice.index] = choice.finish_reason
+                if response.HasField("usage"):
+                    got.completion_tokens = response.usage.completion_tokens
+                total += 1
+                if on_chunk is not None:
+                    on_chunk(total)
+
+        await asyncio.gather(*(one(rid, spec) for rid, spec in requests))
+    return received
+
+
+def assert_same_outputs(expected: dict[str, Received], actual: dict[str, Received]) -> None:
+    """Token ids equal exactly; logprobs to 1e-3 (a continuation is recomputed by a prefill on
+    another worker, whose float sums are ordered differently from the decode steps')."""
+    assert expected.keys() == actual.keys()
+    for request_id, want in expected.items():
+        got = actual[request_id]
+        assert got.token_ids == want.token_ids, request_id
+        assert got.finish_reasons == want.finish_reasons, request_id
+        assert got.completion_tokens == want.completion_tokens, request_id
+        for index, logprobs in want.logprobs.items():
+            assert len(got.logprobs[index]) == len(logprobs), request_id
+            for a, b in zip(got.logprobs[index], logprobs, strict=True):
+                assert abs(a - b) < 1e-3, (request_id, index, a, b)
