@@ -65,6 +65,7 @@ class FleetStack:
     log_dir: Path
     scheduler_args: list[str]
     env: dict[str, str]
+    worker_args: list[str] = field(default_factory=lambda: list(WORKER_ARGS))
     workers: list[Proc] = field(default_factory=list)
     scheduler: Proc | None = None
     gateway: Proc | None = None
@@ -77,7 +78,7 @@ class FleetStack:
             f"worker-{index}",
             ["worker", "--model", self.model, "--port", str(port),
              "--metrics-port", str(metrics_port), "--scheduler", self.scheduler.address,
-             *WORKER_ARGS],
+             *self.worker_args],
             f"127.0.0.1:{port}",
             self.log_dir / f"worker-{index}.log",
             self.env,
@@ -127,12 +128,14 @@ class FleetStack:
 
 
 def start_fleet(model: str, log_dir: Path, num_workers: int, *,
-                scheduler_args: list[str] = (), env: dict[str, str] | None = None  # type: ignore[assignment]
-                ) -> FleetStack:
+                scheduler_args: list[str] = (),  # type: ignore[assignment]
+                worker_args: list[str] = WORKER_ARGS,  # noqa: B006 (never mutated)
+                env: dict[str, str] | None = None) -> FleetStack:
     """Scheduler first (workers register with it), then the workers, then the gateway."""
+    log_dir.mkdir(parents=True, exist_ok=True)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     sched_port, sched_metrics, gw_port, http_port = free_ports(4)
-    stack = FleetStack(model, log_dir, list(scheduler_args), base_env)
+    stack = FleetStack(model, log_dir, list(scheduler_args), base_env, list(worker_args))
     stack.scheduler = Proc(
         "scheduler",
         ["scheduler", "--port", str(sched_port), "--metrics-port", str(sched_metrics),
