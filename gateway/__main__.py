@@ -26,6 +26,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="require 'Authorization: Bearer KEY' on the HTTP API")
     p.add_argument("--max-pending-requests", type=int, default=1024,
                    help="requests in flight before new ones are refused (HTTP 503)")
+    p.add_argument("--scheduler-reconnect-timeout-s", type=float, default=60.0,
+                   help="when the scheduler stream breaks, requests in flight wait this long "
+                   "for it to come back (they are re-submitted and continue), then fail 503")
     args = p.parse_args(argv)
     if args.metrics_port is not None and args.metrics_port == args.http_port:
         p.error("--metrics-port: the HTTP port already serves /metrics")
@@ -48,6 +51,7 @@ def main(argv: list[str]) -> int:
         api_key=args.api_key,
         max_pending_requests=args.max_pending_requests,
         max_message_bytes=args.max_message_bytes,
+        scheduler_reconnect_timeout_s=args.scheduler_reconnect_timeout_s,
     )
     asyncio.run(serve(config))
     return 0

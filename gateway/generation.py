@@ -8,6 +8,7 @@ choice has stopped), logprobs with token text, usage and timings.
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -25,7 +26,7 @@ from gateway.stop import StopStringMatcher
 from gateway.tokenization import PromptError, Tokenization
 from llmserve.grpc_utils import RequestError, invalid_argument
 from llmserve.logs import get_logger
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.telemetry import current_traceparent
 from llmserve.v1 import common_pb2, scheduler_pb2
 
@@ -135,6 +136,8 @@ class GenerationCore:
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.created = int(time.time())
+        # Seeds for requests that sample without one (with_admission_seed).
+        self._seed_rng = random.Random()
 
     # -- validation and tokenization ---------------------------------------------------------
 
@@ -209,7 +212,8 @@ class GenerationCore:
         """Stream updates until every choice is finished. Closing the iterator aborts."""
         if inp.text.stop and not inp.text.detokenize:
             raise invalid_argument("stop", "stop strings need detokenize")
-        params = inp.params
+        # The span shows the client's seed; the assigned one stays internal (logs only).
+        params = with_admission_seed(inp.params, self._seed_rng)
         with tracer.start_as_current_span(
             f"{inp.operation} {self.model_name}", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
@@ -247,6 +251,7 @@ class GenerationCore:
             prompt_tokens=len(inp.prompt.token_ids),
             max_tokens=params.max_tokens,
             n=params.n,
+            seed=params.seed,
         )
         stream = self.scheduler.submit(
             inp.request_id, inp.prompt.token_ids, params, self.tokenization.eos_token_id,

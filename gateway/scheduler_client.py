@@ -1,8 +1,13 @@
 """The gateway's one long-lived Connect stream to the scheduler, multiplexing many requests.
 
 `submit()` sends AddRequest and yields that request's SchedulerMessages until it finishes;
-closing the iterator early (client cancel, stop string) sends Abort. If the stream breaks, every
-request in flight gets an UNAVAILABLE error and the client reconnects in the background.
+closing the iterator early (client cancel, stop string) sends Abort.
+
+The stream breaking does not fail the requests in flight. The client keeps, per request, its
+AddRequest and everything the scheduler sent for it; it reconnects in the background and sends
+every unfinished request again, with a Continuation holding the tokens already received when
+its choices stream, so the restarted scheduler sends only what is new and the consumers simply
+go on. A request that waits longer than `reconnect_timeout_s` for a scheduler fails UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,18 +28,89 @@ from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 log = get_logger(__name__)
 
 _RECONNECT_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+# gRPC's own reconnect backoff (used while channel_ready() waits) would grow to 120 s; a
+# restarting scheduler should be found within about a second of it listening again.
+_CHANNEL_BACKOFF = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+DEFAULT_RECONNECT_TIMEOUT_S = 60.0
+
+_Inbox = asyncio.Queue[scheduler_pb2.SchedulerMessage]
+_Outbox = asyncio.Queue[scheduler_pb2.GatewayMessage | None]
+
+
+@dataclass(slots=True, eq=False)
+class _InFlight:
+    """A submitted request as this gateway knows it: enough to send it again."""
+
+    add: scheduler_pb2.AddRequest
+    inbox: _Inbox
+    # Choices stream as they grow (no best_of > n, no beam search), so a re-submission can
+    # continue them; the others restart from the prompt (their seed makes that reproduce).
+    streams_choices: bool
+    # Everything received so far, per choice index.
+    choices: dict[int, scheduler_pb2.ContinuedChoice] = field(default_factory=dict)
+    prompt_logprobs_received: bool = False
+    # Its last message (finished output or error) was received: never sent again.
+    done: bool = False
+    # While it waits for a scheduler: fails it when the wait exceeds the timeout.
+    expiry: asyncio.TimerHandle | None = None
+
+    def record(self, output: scheduler_pb2.RequestOutput) -> None:
+        if output.prompt_logprobs:
+            self.prompt_logprobs_received = True
+        self.done = output.finished
+        if not self.streams_choices:
+            return  # choices arrive only with the last message
+        for delta in output.choices:
+            choice = self.choices.get(delta.index)
+            if choice is None:
+                choice = self.choices[delta.index] = scheduler_pb2.ContinuedChoice(
+                    index=delta.index
+                )
+            choice.token_ids.extend(delta.token_ids)
+            choice.logprobs.extend(delta.logprobs)
+            choice.cumulative_logprob = delta.cumulative_logprob
+            if delta.finish_reason:
+                choice.finish_reason = delta.finish_reason
+            if delta.HasField("stop_token_id"):
+                choice.stop_token_id = delta.stop_token_id
+
+    def resubmission(self) -> scheduler_pb2.AddRequest:
+        add = scheduler_pb2.AddRequest()
+        add.CopyFrom(self.add)
+        if self.choices:
+            add.continuation.choices.extend(self.choices[i] for i in sorted(self.choices))
+        return add
+
+    def stop_waiting(self) -> None:
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
 
 
 class SchedulerClient:
     """Owns the Connect stream; safe to use from many concurrent request handlers."""
 
-    def __init__(self, address: str, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        max_message_bytes: int,
+        reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
+    ) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self._channel = grpc.aio.insecure_channel(
+            address, options=[*channel_options(max_message_bytes), *_CHANNEL_BACKOFF]
+        )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self._outbox: asyncio.Queue[scheduler_pb2.GatewayMessage | None] = asyncio.Queue()
-        self._inboxes: dict[str, asyncio.Queue[scheduler_pb2.SchedulerMessage]] = {}
+        # The live stream's outgoing queue; None while there is no stream.
+        self._outbox: _Outbox | None = None
+        self._requests: dict[str, _InFlight] = {}
         self._connected = asyncio.Event()
+        self._ever_connected = False
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -55,24 +132,26 @@ class SchedulerClient:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for request in self._requests.values():
+            request.stop_waiting()
         await self._channel.close()
 
-    async def _outgoing(self) -> AsyncIterator[scheduler_pb2.GatewayMessage]:
-        while True:
-            message = await self._outbox.get()
-            if message is None:
-                return
+    # -- the stream ----------------------------------------------------------------------------
+
+    @staticmethod
+    async def _outgoing(outbox: _Outbox) -> AsyncIterator[scheduler_pb2.GatewayMessage]:
+        while (message := await outbox.get()) is not None:
             yield message
 
     async def _run(self) -> None:
         attempt = 0
         while True:
+            outbox: _Outbox = asyncio.Queue()
             try:
                 await self._channel.channel_ready()
-                call = self._stub.Connect(self._outgoing())
-                self._connected.set()
+                call = self._stub.Connect(self._outgoing(outbox))
+                self._on_connected(outbox, attempt)
                 attempt = 0
-                log.info("connected to scheduler", address=self.address)
                 async for message in call:
                     self._dispatch(message)
                 raise grpc.aio.AioRpcError(
@@ -83,35 +162,86 @@ class SchedulerClient:
                 raise
             except grpc.aio.AioRpcError as exc:
                 was_connected = self._connected.is_set()
-                self._connected.clear()
-                self._fail_all(f"scheduler stream lost: {exc.details() or exc.code().name}")
-                self._outbox = asyncio.Queue()
+                self._on_disconnected(outbox)
                 delay = _RECONNECT_DELAYS_S[min(attempt, len(_RECONNECT_DELAYS_S) - 1)]
                 attempt += 1
                 log.warning(
-                    "scheduler unavailable, retrying" if not was_connected
-                    else "scheduler stream lost, reconnecting",
+                    "scheduler stream lost, reconnecting" if was_connected
+                    else "scheduler unavailable, retrying",
                     address=self.address, retry_in_s=delay, code=exc.code().name,
+                    details=exc.details(), requests_waiting=self._num_unfinished(),
                 )
                 await asyncio.sleep(delay)
+
+    def _on_connected(self, outbox: _Outbox, attempt: int) -> None:
+        """Adopt a new stream and send every unfinished request on it."""
+        self._outbox = outbox
+        self._connected.set()
+        resent = continued = 0
+        for request in self._requests.values():
+            if request.done:
+                continue
+            request.stop_waiting()
+            add = request.resubmission()
+            outbox.put_nowait(scheduler_pb2.GatewayMessage(add=add))
+            resent += 1
+            continued += add.HasField("continuation")
+        if self._ever_connected:
+            log.info("reconnected to scheduler", address=self.address, attempts=attempt + 1,
+                     resubmitted=resent, continued=continued)
+        else:
+            log.info("connected to scheduler", address=self.address)
+        self._ever_connected = True
+
+    def _on_disconnected(self, outbox: _Outbox) -> None:
+        """Keep every request; each waits for the next stream, up to the timeout."""
+        self._connected.clear()
+        self._outbox = None
+        outbox.put_nowait(None)  # ends the dead call's request iterator
+        for request in self._requests.values():
+            if not request.done and request.expiry is None:
+                self._wait_for_scheduler(request)
+
+    def _wait_for_scheduler(self, request: _InFlight) -> None:
+        request.expiry = asyncio.get_running_loop().call_later(
+            self.reconnect_timeout_s, self._expire, request
+        )
+
+    def _expire(self, request: _InFlight) -> None:
+        request.expiry = None
+        if request.done:
+            return
+        request.done = True
+        request.inbox.put_nowait(
+            scheduler_pb2.SchedulerMessage(
+                error=scheduler_pb2.RequestError(
+                    request_id=request.add.request_id,
+                    code=grpc.StatusCode.UNAVAILABLE.value[0],
+                    message=f"the scheduler at {self.address} did not come back within "
+                    f"{self.reconnect_timeout_s:g} s (--scheduler-reconnect-timeout-s)",
+                )
+            )
+        )
+
+    def _num_unfinished(self) -> int:
+        return sum(not r.done for r in self._requests.values())
 
     def _dispatch(self, message: scheduler_pb2.SchedulerMessage) -> None:
         kind = message.WhichOneof("kind")
         request_id = message.output.request_id if kind == "output" else message.error.request_id
-        inbox = self._inboxes.get(request_id)
-        if inbox is not None:
-            inbox.put_nowait(message)
+        request = self._requests.get(request_id)
+        if request is None or request.done:
+            return
+        if kind == "output":
+            output = message.output
+            if request.prompt_logprobs_received and output.prompt_logprobs:
+                del output.prompt_logprobs[:]  # sent again after a re-submission
+            request.record(output)
+        else:
+            request.done = True
+        request.inbox.put_nowait(message)
 
-    def _fail_all(self, reason: str) -> None:
-        for request_id, inbox in self._inboxes.items():
-            inbox.put_nowait(
-                scheduler_pb2.SchedulerMessage(
-                    error=scheduler_pb2.RequestError(
-                        request_id=request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
-                        message=reason,
-                    )
-                )
-            )
+    # -- requests ------------------------------------------------------------------------------
 
     async def submit(
         self,
@@ -121,18 +251,18 @@ class SchedulerClient:
         eos_token_id: int | None,
         traceparent: str = "",
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
-        """Yield the request's outputs until the finished one; raise RequestError on failure."""
-        if not self._connected.is_set():
+        """Yield the request's outputs until the finished one; raise RequestError on failure.
+
+        While the scheduler is away (it was reached before), the request waits for it."""
+        if not self._ever_connected:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE, f"scheduler at {self.address} is not reachable"
             )
-        if request_id in self._inboxes:
+        if request_id in self._requests:
             raise RequestError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already running",
                 "request_id",
             )
-        inbox: asyncio.Queue[scheduler_pb2.SchedulerMessage] = asyncio.Queue()
-        self._inboxes[request_id] = inbox
         add = scheduler_pb2.AddRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -141,21 +271,29 @@ class SchedulerClient:
         )
         if eos_token_id is not None:
             add.eos_token_id = eos_token_id
-        finished = False
-        try:
+        request = _InFlight(add, asyncio.Queue(), params.streams_choices)
+        self._requests[request_id] = request
+        if self._outbox is not None:
             self._outbox.put_nowait(scheduler_pb2.GatewayMessage(add=add))
-            while not finished:
-                message = await inbox.get()
+        else:
+            self._wait_for_scheduler(request)
+        try:
+            while True:
+                message = await request.inbox.get()
                 if message.WhichOneof("kind") == "error":
-                    finished = True
                     error = message.error
-                    code = _status_code(error.code)
-                    raise RequestError(code, error.message, error.field or None)
-                finished = message.output.finished
+                    raise RequestError(
+                        _status_code(error.code), error.message, error.field or None
+                    )
                 yield message.output
+                if message.output.finished:
+                    return
         finally:
-            del self._inboxes[request_id]
-            if not finished and self._connected.is_set():
+            del self._requests[request_id]
+            request.stop_waiting()
+            # Not finished (client gone, stop strings): stop it. Without a stream there is
+            # nothing to stop: leaving the in-flight set keeps it from being sent again.
+            if not request.done and self._outbox is not None:
                 self._outbox.put_nowait(
                     scheduler_pb2.GatewayMessage(
                         abort=scheduler_pb2.AbortRequest(request_id=request_id)

@@ -28,6 +28,7 @@ class GatewayConfig:
     api_key: str | None = None
     max_pending_requests: int = 1024
     max_message_bytes: int = 64 * 1024 * 1024
+    scheduler_reconnect_timeout_s: float = 60.0
 
 
 def model_context_length(source: ModelSource) -> int:
@@ -48,7 +49,9 @@ async def serve(config: GatewayConfig) -> None:
     max_model_len = await asyncio.to_thread(model_context_length, source)
     if config.max_model_len is not None:
         max_model_len = min(max_model_len, config.max_model_len)
-    scheduler = SchedulerClient(config.scheduler_address, config.max_message_bytes)
+    scheduler = SchedulerClient(
+        config.scheduler_address, config.max_message_bytes, config.scheduler_reconnect_timeout_s
+    )
     scheduler.start()
     core = GenerationCore(config.served_model_name, tokenization, scheduler, max_model_len)
 

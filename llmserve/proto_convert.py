@@ -8,6 +8,7 @@ nothing else. Logprobs travel as float32 (the sampler's precision); everything e
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
@@ -21,7 +22,7 @@ from llmserve.steps import (
     StepResult,
     TokenLogprob,
 )
-from llmserve.v1 import common_pb2, worker_pb2
+from llmserve.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 EarlyStopping = bool | Literal["never"]
 _EARLY_STOPPING_TO_PROTO: dict[EarlyStopping, common_pb2.EarlyStopping] = {
@@ -346,3 +347,99 @@ def step_result_from_proto(msg: worker_pb2.ExecuteResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id, outputs=outputs, forward_ns=msg.forward_ns, sample_ns=msg.sample_ns
     )
+
+
+# --- continuation (AddRequest.continuation, a re-submission after a scheduler restart) -------
+
+_FINISH_REASON_NAMES: dict[int, str] = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_IGNORED: "ignored",
+}
+_FINISH_REASON_VALUES = {name: value for value, name in _FINISH_REASON_NAMES.items()}
+
+
+class ContinuationError(ValueError):
+    """An AddRequest.continuation that cannot be continued; `field` names the offending part."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(slots=True)
+class ContinuedChoice:
+    """One choice of a re-submitted request, as its gateway had streamed it (scheduler.proto)."""
+
+    index: int
+    # Every token id the choice has generated so far.
+    token_ids: list[int]
+    # One (chosen token, top alternatives) pair per token; empty unless logprobs were requested.
+    logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]]
+    cumulative_logprob: float
+    # "stop" | "length" | "abort" | "ignored" when the choice had finished; None otherwise.
+    finish_reason: str | None = None
+    # The stop token id that finished the choice, if one did.
+    stop_token_id: int | None = None
+
+
+def continuation_to_proto(choices: Iterable[ContinuedChoice]) -> scheduler_pb2.Continuation:
+    msg = scheduler_pb2.Continuation()
+    for c in choices:
+        entry = msg.choices.add(
+            index=c.index, token_ids=c.token_ids, cumulative_logprob=c.cumulative_logprob
+        )
+        for token, top in c.logprobs:
+            lp = entry.logprobs.add(token=token_logprob_to_proto(token))
+            _add_token_logprobs(lp.top, top)
+        if c.finish_reason is not None:
+            entry.finish_reason = _FINISH_REASON_VALUES[c.finish_reason]
+        if c.stop_token_id is not None:
+            entry.stop_token_id = c.stop_token_id
+    return msg
+
+
+def continuation_from_proto(
+    msg: scheduler_pb2.Continuation, params: SamplingParams
+) -> list[ContinuedChoice]:
+    """The choices of a continuation, sorted by index, checked against the
+    request's `params`. Raises ContinuationError naming the offending field."""
+    if msg.choices and not params.streams_choices:
+        raise ContinuationError(
+            "continuation", "only requests whose choices stream (best_of == n, no beam search) "
+            "can continue; re-submit the others without a continuation",
+        )
+    choices: dict[int, ContinuedChoice] = {}
+    for c in msg.choices:
+        if c.index >= params.n or c.index in choices:
+            problem = "appears twice" if c.index in choices else f"is not below n={params.n}"
+            raise ContinuationError("continuation.choices.index", f"{c.index} {problem}")
+        token_ids = list(c.token_ids)
+        if len(token_ids) > params.max_tokens:
+            raise ContinuationError(
+                "continuation.choices.token_ids",
+                f"choice {c.index} has {len(token_ids)} tokens, more than max_tokens="
+                f"{params.max_tokens}",
+            )
+        want_logprobs = len(token_ids) if params.logprobs is not None else 0
+        if len(c.logprobs) != want_logprobs:
+            raise ContinuationError(
+                "continuation.choices.logprobs",
+                f"choice {c.index} has {len(c.logprobs)} logprobs for {len(token_ids)} tokens"
+                + ("" if want_logprobs else " (the request asked for none)"),
+            )
+        if c.finish_reason and c.finish_reason not in _FINISH_REASON_NAMES:
+            raise ContinuationError(
+                "continuation.choices.finish_reason", f"unknown value {c.finish_reason}"
+            )
+        choices[c.index] = ContinuedChoice(
+            index=c.index,
+            token_ids=token_ids,
+            logprobs=[(token_logprob_from_proto(lp.token), _token_logprobs(lp.top))
+                      for lp in c.logprobs],
+            cumulative_logprob=c.cumulative_logprob,
+            finish_reason=_FINISH_REASON_NAMES.get(c.finish_reason),
+            stop_token_id=c.stop_token_id if c.HasField("stop_token_id") else None,
+        )
+    return [choices[i] for i in sorted(choices)]

@@ -6,6 +6,8 @@ the scheduler and workers only ever see token ids.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -68,6 +70,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 
+    @property
+    def streams_choices(self) -> bool:
+        """Whether choices can be sent as they grow: every sampled sequence is returned (no
+        best_of > n, no beam search). Otherwise the returned choices are known only at the end."""
+        return not self.use_beam_search and self.num_sampled == self.n
+
     def _validate(self) -> None:
         def fail(name: str, message: str) -> None:
             raise SamplingParamsError(name, message)
@@ -114,3 +122,17 @@ class SamplingParams:
                 fail("top_p", "top_p / top_k / min_p cannot be used with use_beam_search")
         elif self.is_greedy and self.best_of > 1:
             fail("best_of", "must be 1 for greedy sampling (temperature 0)")
+
+
+def with_admission_seed(params: SamplingParams, rng: random.Random) -> SamplingParams:
+    """`params` with a random 63-bit seed when the request samples at random and brought none.
+
+    A seeded request's output depends only on its seed and its tokens so far (the workers'
+    streams are counter-based), so a request seeded at admission continues with the same tokens
+    when it is re-submitted after a scheduler restart or moved to another worker. Greedy and
+    beam search requests are deterministic already and come back unchanged (the same object).
+    The gateway and the scheduler both call this; the seed stays internal (never echoed).
+    """
+    if params.seed is not None or params.is_greedy or params.use_beam_search:
+        return params
+    return dataclasses.replace(params, seed=rng.getrandbits(63))

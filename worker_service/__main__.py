@@ -11,6 +11,7 @@ from llmserve.logs import get_logger
 from llmserve.service_main import add_common_flags, serve_until_signal, start_service
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.config import GiB, WorkerConfig
+from worker_service.membership import LeaseKeeper, WorkerDrain
 
 log = get_logger(__name__)
 
@@ -49,12 +50,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--scheduler",
         default=None,
-        help="scheduler host:port to join with RegisterWorker (retried until it answers)",
+        help="scheduler host:port to join with RegisterWorker, renewing the lease it grants "
+        "for the worker's life; SIGTERM also asks it to DrainWorker",
     )
     p.add_argument(
         "--advertise-address",
         default=None,
         help="host:port the scheduler should dial (default: --host:--port)",
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=60.0,
+        help="on SIGTERM, wait at most this long for the scheduler to move or finish this "
+        "worker's requests, then exit (a second SIGTERM exits at once). Kubernetes: set "
+        "terminationGracePeriodSeconds above it, or the kubelet kills the worker mid-drain",
     )
     return p.parse_args(argv)
 
@@ -78,7 +88,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
     from worker_service.server import WorkerServicer
     from worker_service.worker import Worker
 
@@ -108,9 +118,8 @@ async def serve(args: argparse.Namespace) -> None:
         block_bytes=worker.get_cache_block_size_bytes(),
     )
     server, health = create_server([SERVICE_NAME], args.max_message_bytes)
-    worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(worker, num_gpu, num_cpu, model_thread), server
-    )
+    servicer = WorkerServicer(worker, num_gpu, num_cpu, model_thread)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     address = f"{args.host}:{args.port}"
     server.add_insecure_port(address)
     await server.start()
@@ -122,46 +131,24 @@ async def serve(args: argparse.Namespace) -> None:
         device=str(worker.device),
         dtype=str(worker.dtype),
     )
+    advertised = args.advertise_address or address
+    lease_task = None
     if args.scheduler:
-        advertised = args.advertise_address or address
-        asyncio.create_task(register_with_scheduler(args.scheduler, advertised))
-    await serve_until_signal(server)
-
-
-async def register_with_scheduler(scheduler: str, advertised: str) -> None:
-    """Join the scheduler as a replica; retry while it is not up yet."""
-    import grpc
-
-    from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-
-    delay = 0.5
-    async with grpc.aio.insecure_channel(scheduler) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        while True:
-            try:
-                reply = await stub.RegisterWorker(
-                    scheduler_pb2.RegisterWorkerRequest(address=advertised), timeout=5
-                )
-                log.info(
-                    "registered with scheduler",
-                    scheduler=scheduler,
-                    replica=reply.replica_id,
-                    advertised=advertised,
-                )
-                return
-            except grpc.aio.AioRpcError as exc:
-                log.warning(
-                    "scheduler not reachable, retrying",
-                    scheduler=scheduler,
-                    code=exc.code().name,
-                    retry_in_s=delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        lease_task = asyncio.create_task(LeaseKeeper(args.scheduler, advertised).run())
+    drain = WorkerDrain(
+        server,
+        health,
+        servicer,
+        timeout_s=args.drain_timeout_s,
+        scheduler=args.scheduler,
+        advertised=advertised,
+        lease_task=lease_task,
+    )
+    await serve_until_signal(server, drain.run)
+    return drain.exit_code
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     start_service("worker", args)
-    asyncio.run(serve(args))
-    return 0
+    return asyncio.run(serve(args))

@@ -2,11 +2,17 @@
 
 The model runs on one dedicated thread (the one that loaded it, see `Worker`) so the event loop
 keeps answering health checks and Info while a forward pass is in flight.
+
+A scheduler may come back (restarted) and run the handshake again on a worker that is already
+initialized: Info, InitializeCache (same sizes keep the cache, other sizes reallocate it), then
+a new Execute stream. The sequence state of the old stream is dropped when that stream ends,
+however it ends. While draining (see `worker_service.membership`), new streams are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +49,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The single-thread executor that constructed and loaded `worker` (see Worker).
         self._model_thread = model_thread
         self._stream_open = False
+        self.draining = False
+        # When the last step finished or the stream opened (time.monotonic()), and an event
+        # set at each of these and when the stream closes: what the drain waits on.
+        self._last_activity = time.monotonic()
+        self._activity = asyncio.Event()
+
+    @property
+    def stream_open(self) -> bool:
+        return self._stream_open
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, quiet_s: float) -> str:
+        """Return once the scheduler holds nothing here: the Execute stream is closed, or no
+        sequence state is left and no step came for `quiet_s` (see worker_service.membership)."""
+        while True:
+            self._activity.clear()
+            if not self._stream_open:
+                return "execute stream closed"
+            idle_s = time.monotonic() - self._last_activity
+            if self.worker.num_sequences == 0 and idle_s >= quiet_s:
+                return "no sequences and no steps"
+            # With sequences left, only a step or the stream's end can change the answer.
+            timeout = max(quiet_s - idle_s, 0.0) if self.worker.num_sequences == 0 else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._activity.wait(), timeout)
+
+    def _touch(self) -> None:
+        self._last_activity = time.monotonic()
+        self._activity.set()
 
     async def _on_model_thread(self, fn, *args):  # type: ignore[no-untyped-def]
         loop = asyncio.get_running_loop()
@@ -100,8 +137,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "cannot reallocate the KV cache while an Execute stream is open",
                 )
+            # Also drops all sequence state (a new cache holds none).
             await self._on_model_thread(self.worker.initialize_cache, *wanted)
-            self.worker.runner.states.clear()
             self.allocated = wanted
             metrics.KV_BLOCKS.labels("gpu").set(wanted[0])
             metrics.KV_BLOCKS.labels("cpu").set(wanted[1])
@@ -117,6 +154,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.ExecuteRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.ExecuteResult]:
+        if self.draining:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE, "this worker is draining and takes no new stream"
+            )
         if self._stream_open:
             raise RequestError(
                 grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is already open"
@@ -126,6 +167,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache must be called first"
             )
         self._stream_open = True
+        self._touch()
         log.info("execute stream opened", peer=context.peer())
         try:
             async for message in request_iterator:
@@ -134,11 +176,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     result = await self._execute_traced(step, message.traceparent)
                 else:
                     result = await self._on_model_thread(self._execute, step)
+                self._touch()
                 yield step_result_to_proto(result)
         finally:
-            # Whatever ended the stream, the scheduler resends every sequence as new.
-            self.worker.runner.states.clear()
+            # Whatever ended the stream, the scheduler resends every sequence as new. Cleared
+            # on the model thread: a step of this stream may still be running there (a
+            # cancelled await does not stop it), and any step of a later stream queues behind.
+            self._model_thread.submit(self.worker.runner.states.clear)
             self._stream_open = False
+            self._touch()
             log.info("execute stream closed")
 
     async def _execute_traced(self, step, traceparent: str):  # type: ignore[no-untyped-def]

@@ -1,0 +1,491 @@
+"""SchedulerClient across a scheduler restart, against a fake scheduler served over real gRPC.
+
+The fake generates token ids from a formula, one token per choice each time the test calls
+`step()`, so what a client has received at any moment is known exactly. "Restarting" the
+scheduler stops its gRPC server (every stream breaks) and serves a fresh fake, with no memory
+of the old one, on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from gateway.generation import GenerationCore, GenerationInput, Prompt
+from gateway.scheduler_client import SchedulerClient
+from gateway.tokenization import Tokenization
+from llmserve.grpc_utils import RequestError
+from llmserve.proto_convert import continuation_from_proto, sampling_params_from_proto
+from llmserve.sampling_params import SamplingParams
+from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+STOP_TOKEN = 2
+
+
+def token_at(prompt: list[int], seq: int, position: int) -> int:
+    return (sum(prompt) * 31 + seq * 17 + position * 7) % 97 + 3
+
+
+def logprob_of(token: int) -> float:
+    return -(token % 5) / 4.0
+
+
+def choice_length(params: SamplingParams, seq: int) -> int:
+    return params.max_tokens - seq  # choices end at different steps
+
+
+@dataclass
+class _Seq:
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    cumulative: float = 0.0
+    finished: bool = False
+
+
+@dataclass
+class _FakeRequest:
+    add: scheduler_pb2.AddRequest
+    params: SamplingParams
+    seqs: list[_Seq]
+    outbox: asyncio.Queue[scheduler_pb2.SchedulerMessage | None]
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Choice `i` of a prompt is token_at(prompt, i, 0), token_at(prompt, i, 1), ...; it has
+    max_tokens - i tokens and ends with STOP_TOKEN (finish STOP) when i is odd, by LENGTH
+    otherwise. Non-streaming requests (best_of > n) answer the best n of best_of at the end."""
+
+    def __init__(self) -> None:
+        self.adds: list[scheduler_pb2.AddRequest] = []
+        self.aborts: list[str] = []
+        self.requests: dict[str, _FakeRequest] = {}
+        self.connected = asyncio.Event()
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[scheduler_pb2.GatewayMessage], context: object
+    ) -> AsyncIterator[scheduler_pb2.SchedulerMessage]:
+        outbox: asyncio.Queue[scheduler_pb2.SchedulerMessage | None] = asyncio.Queue()
+
+        async def read() -> None:
+            async for message in request_iterator:
+                if message.WhichOneof("kind") == "add":
+                    self._add(message.add, outbox)
+                else:
+                    self.aborts.append(message.abort.request_id)
+                    self.requests.pop(message.abort.request_id, None)
+
+        reader = asyncio.create_task(read())
+        self.connected.set()
+        try:
+            while (message := await outbox.get()) is not None:
+                yield message
+        finally:
+            reader.cancel()
+
+    def _add(self, add: scheduler_pb2.AddRequest, outbox: asyncio.Queue) -> None:
+        self.adds.append(add)
+        params = sampling_params_from_proto(add.sampling_params)
+        seqs = [_Seq(i) for i in range(params.num_sampled)]
+        for c in continuation_from_proto(add.continuation, params):
+            seqs[c.index] = _Seq(c.index, c.token_ids, c.cumulative_logprob, bool(c.finish_reason))
+        request = _FakeRequest(add, params, seqs, outbox)
+        self.requests[add.request_id] = request
+        if params.prompt_logprobs is not None:  # sent again on a re-submission, as may happen
+            out = scheduler_pb2.RequestOutput(request_id=add.request_id)
+            for position in range(1, len(add.prompt_token_ids)):
+                out.prompt_logprobs.add(position=position).token.token_id = (
+                    add.prompt_token_ids[position]
+                )
+            outbox.put_nowait(scheduler_pb2.SchedulerMessage(output=out))
+
+    def step(self) -> None:
+        """One token for every unfinished choice of every request; one message per request."""
+        for request_id, request in list(self.requests.items()):
+            out = scheduler_pb2.RequestOutput(request_id=request_id)
+            for seq in request.seqs:
+                if not seq.finished:
+                    delta = self._advance(request, seq)
+                    if request.params.streams_choices:
+                        out.choices.append(delta)
+            out.finished = all(s.finished for s in request.seqs)
+            if out.finished:
+                del self.requests[request_id]
+                if not request.params.streams_choices:
+                    out.choices.extend(_final_choices(request))
+            if out.choices or out.finished:
+                request.outbox.put_nowait(scheduler_pb2.SchedulerMessage(output=out))
+
+    def _advance(self, request: _FakeRequest, seq: _Seq) -> scheduler_pb2.ChoiceDelta:
+        params = request.params
+        length = choice_length(params, seq.index)
+        last = len(seq.tokens) == length - 1
+        stop = last and seq.index % 2 == 1
+        token = STOP_TOKEN if stop else token_at(list(request.add.prompt_token_ids),
+                                                 seq.index, len(seq.tokens))
+        seq.tokens.append(token)
+        seq.cumulative += logprob_of(token)
+        seq.finished = last
+        delta = scheduler_pb2.ChoiceDelta(
+            index=seq.index, token_ids=[token], cumulative_logprob=seq.cumulative
+        )
+        if params.logprobs is not None:
+            delta.logprobs.add(token=common_pb2.TokenLogprob(
+                token_id=token, logprob=logprob_of(token), rank=1))
+        if last:
+            delta.finish_reason = (
+                common_pb2.FINISH_REASON_STOP if stop else common_pb2.FINISH_REASON_LENGTH
+            )
+            if stop:
+                delta.stop_token_id = STOP_TOKEN
+        return delta
+
+
+def _final_choices(request: _FakeRequest) -> list[scheduler_pb2.ChoiceDelta]:
+    best = sorted(request.seqs, key=lambda s: s.cumulative, reverse=True)[: request.params.n]
+    return [
+        scheduler_pb2.ChoiceDelta(index=rank, token_ids=s.tokens, cumulative_logprob=s.cumulative)
+        for rank, s in enumerate(best)
+    ]
+
+
+class FakeServer:
+    """A FakeScheduler behind a real gRPC server that can be stopped and served again."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.fake = FakeScheduler()
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.fake = FakeScheduler()  # a restarted scheduler remembers nothing
+        self._server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.fake, self._server)
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self._server.start()
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        await self._server.stop(None)
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for `condition` (set by other tasks); the bound only catches a hang."""
+    async with asyncio.timeout(30):
+        while not condition():
+            await asyncio.sleep(0.01)
+    assert condition(), what
+
+
+@dataclass
+class Received:
+    """What a consumer of `submit()` saw, flattened per choice."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    finish: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+    prompt_logprob_messages: int = 0
+    messages: int = 0
+    finished: bool = False
+    error: RequestError | None = None
+
+
+async def consume(stream: AsyncIterator[scheduler_pb2.RequestOutput], got: Received) -> None:
+    try:
+        async for out in stream:
+            got.messages += 1
+            got.prompt_logprob_messages += bool(out.prompt_logprobs)
+            for c in out.choices:
+                got.tokens.setdefault(c.index, []).extend(c.token_ids)
+                got.logprobs.setdefault(c.index, []).extend(lp.token.logprob for lp in c.logprobs)
+                if c.finish_reason:
+                    stop = c.stop_token_id if c.HasField("stop_token_id") else None
+                    got.finish[c.index] = (c.finish_reason, stop)
+            got.finished = out.finished
+    except RequestError as exc:
+        got.error = exc
+
+
+REQUESTS = {
+    "single": SamplingParams(temperature=0.0, max_tokens=6),
+    "pair-logprobs": SamplingParams(n=2, temperature=0.7, seed=5, max_tokens=7, logprobs=1,
+                                    prompt_logprobs=0),
+    "best-of": SamplingParams(n=1, best_of=2, temperature=0.7, seed=9, max_tokens=5),
+}
+PROMPTS = {"single": [11, 12, 13], "pair-logprobs": [21, 22], "best-of": [31, 32, 33, 34]}
+
+
+def run(test: Callable[[FakeServer, SchedulerClient], Awaitable[None]],
+        reconnect_timeout_s: float = 60.0) -> None:
+    async def main() -> None:
+        server = FakeServer()
+        await server.start()
+        client = SchedulerClient(server.address, 1 << 20, reconnect_timeout_s)
+        client.start()
+        try:
+            await client.wait_connected(30)
+            await test(server, client)
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(main())
+
+
+async def start_requests(client: SchedulerClient) -> dict[str, Received]:
+    got = {name: Received() for name in REQUESTS}
+    for name, params in REQUESTS.items():
+        stream = client.submit(name, PROMPTS[name], params, eos_token_id=None)
+        asyncio.create_task(consume(stream, got[name]))
+    return got
+
+
+async def run_to_end(server: FakeServer, got: dict[str, Received]) -> None:
+    while not all(g.finished or g.error for g in got.values()):
+        server.fake.step()
+        await asyncio.sleep(0.01)
+
+
+def reference_run() -> dict[str, Received]:
+    result: dict[str, Received] = {}
+
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        got = await start_requests(client)
+        await until(lambda: len(server.fake.requests) == len(REQUESTS), "all added")
+        await run_to_end(server, got)
+        result.update(got)
+
+    run(test)
+    return result
+
+
+def test_restart_mid_stream_gives_the_uninterrupted_stream():
+    expected = reference_run()
+    sent_again: list[scheduler_pb2.AddRequest] = []
+    delivered: dict[str, dict[int, list[int]]] = {}
+
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        got = await start_requests(client)
+        await until(lambda: len(server.fake.requests) == len(REQUESTS), "all added")
+        for step in range(3):
+            server.fake.step()
+            await until(lambda s=step: got["single"].messages == s + 1, "step delivered")
+        await until(lambda: got["pair-logprobs"].messages == 4, "prompt logprobs + 3 steps")
+        delivered.update({name: {i: list(t) for i, t in g.tokens.items()}
+                          for name, g in got.items()})
+        await server.stop()
+        await until(lambda: not client.connected, "stream loss noticed")
+        await server.start()
+        await until(lambda: len(server.fake.adds) == len(REQUESTS), "all sent again")
+        sent_again.extend(server.fake.adds)
+        await run_to_end(server, got)
+        assert [g.error for g in got.values()] == [None] * len(got)
+        for name, g in got.items():
+            assert g.tokens == expected[name].tokens, name
+            assert g.logprobs == expected[name].logprobs, name
+            assert g.finish == expected[name].finish, name
+            assert g.prompt_logprob_messages == expected[name].prompt_logprob_messages, name
+
+    run(test)
+    by_id = {add.request_id: add for add in sent_again}
+    # Streaming requests continue with exactly what their consumer received (3 tokens each).
+    assert delivered["single"] == {0: [token_at(PROMPTS["single"], 0, k) for k in range(3)]}
+    single = by_id["single"].continuation
+    assert [(c.index, list(c.token_ids)) for c in single.choices] == [(0, delivered["single"][0])]
+    pair = by_id["pair-logprobs"].continuation
+    assert [(c.index, list(c.token_ids)) for c in pair.choices] == sorted(
+        delivered["pair-logprobs"].items())
+    assert [len(c.logprobs) for c in pair.choices] == [3, 3]
+    assert pair.choices[1].cumulative_logprob == pytest.approx(
+        sum(logprob_of(t) for t in delivered["pair-logprobs"][1]))
+    # best_of > n streams nothing: it starts over from the prompt.
+    assert delivered["best-of"] == {}
+    assert not by_id["best-of"].HasField("continuation")
+    for add in sent_again:
+        assert list(add.prompt_token_ids) == PROMPTS[add.request_id]
+        assert sampling_params_from_proto(add.sampling_params) == REQUESTS[add.request_id]
+
+
+def test_finished_choice_is_continued_as_finished():
+    sent_again: list[scheduler_pb2.AddRequest] = []
+
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        params = SamplingParams(n=2, temperature=0.7, seed=1, max_tokens=3)
+        got = Received()
+        task = asyncio.create_task(consume(client.submit("r", [5, 6], params, None), got))
+        await until(lambda: "r" in server.fake.requests, "added")
+        for _ in range(2):  # choice 1 (2 tokens) finishes with the stop token
+            server.fake.step()
+        await until(lambda: 1 in got.finish, "choice 1 finished")
+        await server.stop()
+        await server.start()
+        await until(lambda: len(server.fake.adds) == 1, "sent again")
+        sent_again.extend(server.fake.adds)
+        server.fake.step()
+        await task
+        assert got.tokens == {0: [token_at([5, 6], 0, k) for k in range(3)],
+                              1: [token_at([5, 6], 1, 0), STOP_TOKEN]}
+
+    run(test)
+    choices = sent_again[0].continuation.choices
+    assert [c.finish_reason for c in choices] == [0, common_pb2.FINISH_REASON_STOP]
+    assert choices[1].stop_token_id == STOP_TOKEN
+    assert not choices[0].HasField("stop_token_id")
+
+
+def test_scheduler_that_does_not_come_back_fails_with_unavailable():
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        got = Received()
+        task = asyncio.create_task(
+            consume(client.submit("r", [1, 2], REQUESTS["single"], None), got))
+        await until(lambda: "r" in server.fake.requests, "added")
+        server.fake.step()
+        await until(lambda: got.messages == 1, "first token")
+        await server.stop()
+        await task
+        assert got.error is not None
+        assert got.error.code == grpc.StatusCode.UNAVAILABLE
+        assert "did not come back within 0.3 s" in str(got.error)
+        # A request that arrives while the scheduler is away waits, then fails the same way.
+        late = Received()
+        await consume(client.submit("late", [3], REQUESTS["single"], None), late)
+        assert late.error is not None and late.error.code == grpc.StatusCode.UNAVAILABLE
+        await server.start()
+        await until(lambda: client.connected, "reconnected")
+        assert server.fake.adds == []  # failed requests are not sent again
+
+    run(test, reconnect_timeout_s=0.3)
+
+
+def test_requests_aborted_while_disconnected_are_not_sent_again():
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        kept, dropped = Received(), Received()
+        kept_task = asyncio.create_task(
+            consume(client.submit("kept", [1, 2], REQUESTS["single"], None), kept))
+        dropped_stream = client.submit("dropped", [3, 4], REQUESTS["single"], None)
+        dropped_task = asyncio.create_task(consume(dropped_stream, dropped))
+        await until(lambda: len(server.fake.requests) == 2, "added")
+        server.fake.step()
+        await until(lambda: kept.messages == dropped.messages == 1, "first tokens")
+        await server.stop()
+        await until(lambda: not client.connected, "stream loss noticed")
+        dropped_task.cancel()  # the client goes away while the scheduler is down
+        await asyncio.gather(dropped_task, return_exceptions=True)
+        await dropped_stream.aclose()
+        await server.start()
+        await until(lambda: len(server.fake.adds) == 1, "sent again")
+        assert [a.request_id for a in server.fake.adds] == ["kept"]
+        while not kept.finished:
+            server.fake.step()
+            await asyncio.sleep(0.01)
+        await kept_task
+        assert server.fake.aborts == []  # nothing to abort on the new scheduler
+
+    run(test)
+
+
+def test_request_submitted_while_disconnected_is_sent_on_reconnect():
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        await server.stop()
+        await until(lambda: not client.connected, "stream loss noticed")
+        got = Received()
+        task = asyncio.create_task(consume(client.submit("r", [7], REQUESTS["single"], None), got))
+        await server.start()
+        await until(lambda: "r" in server.fake.requests, "sent once connected")
+        while not got.finished:
+            server.fake.step()
+            await asyncio.sleep(0.01)
+        await task
+        assert got.tokens == {0: [token_at([7], 0, k) for k in range(6)]}
+        assert not server.fake.adds[0].HasField("continuation")
+
+    run(test)
+
+
+def test_error_from_the_new_scheduler_is_delivered():
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        got = Received()
+        task = asyncio.create_task(consume(client.submit("r", [1], REQUESTS["single"], None), got))
+        await until(lambda: "r" in server.fake.requests, "added")
+        await server.stop()
+        await server.start()
+        await until(lambda: "r" in server.fake.requests, "sent again")
+        request = server.fake.requests.pop("r")
+        request.outbox.put_nowait(scheduler_pb2.SchedulerMessage(error=scheduler_pb2.RequestError(
+            request_id="r", code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            message="continuation.choices.index: 3 is not below n=1",
+            field="continuation.choices.index")))
+        await task
+        assert got.error is not None and got.error.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert got.error.field == "continuation.choices.index"
+
+    run(test)
+
+
+# -- through GenerationCore: text, seeds ---------------------------------------------------------
+
+
+def test_generation_text_is_unchanged_by_a_restart_and_sampling_gets_a_seed(smollm2_tokenizer):
+    prompt = Prompt([101, 102, 103])
+    cases = {
+        "greedy": SamplingParams(temperature=0.0, max_tokens=8),
+        "sampled": SamplingParams(n=2, temperature=0.8, max_tokens=8),
+        "seeded": SamplingParams(temperature=0.8, seed=42, max_tokens=8),
+        "beam": SamplingParams(n=1, best_of=2, use_beam_search=True, temperature=0.0,
+                               max_tokens=8),
+    }
+
+    def outputs(restart: bool) -> tuple[dict[str, dict[int, tuple[str, list[int]]]], list]:
+        text: dict[str, dict[int, str]] = {name: {} for name in cases}
+        tokens: dict[str, dict[int, list[int]]] = {name: {} for name in cases}
+        updates = dict.fromkeys(cases, 0)
+        adds: list[scheduler_pb2.AddRequest] = []
+
+        async def test(server: FakeServer, client: SchedulerClient) -> None:
+            core = GenerationCore("m", Tokenization(smollm2_tokenizer), client, 4096)
+
+            async def one(name: str) -> None:
+                inp = GenerationInput(name, prompt, cases[name])
+                async for update in core.generate(inp):
+                    updates[name] += 1
+                    for c in update.choices:
+                        text[name][c.index] = text[name].get(c.index, "") + c.text
+                        tokens[name].setdefault(c.index, []).extend(c.token_ids)
+
+            tasks = [asyncio.create_task(one(name)) for name in cases]
+            await until(lambda: len(server.fake.requests) == len(cases), "all added")
+            adds.extend(server.fake.adds)
+            for step in range(3):
+                server.fake.step()
+                await until(lambda s=step: updates["greedy"] == s + 1, "step delivered")
+            if restart:
+                await server.stop()
+                await server.start()
+                await until(lambda: len(server.fake.requests) == len(cases), "all sent again")
+            while server.fake.requests:
+                server.fake.step()
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*tasks)
+
+        run(test)
+        merged = {name: {i: (text[name][i], tokens[name][i]) for i in text[name]}
+                  for name in cases}
+        return merged, adds
+
+    expected, adds = outputs(restart=False)
+    got, _ = outputs(restart=True)
+    assert got == expected
+    assert [len(expected[name]) for name in cases] == [1, 2, 1, 1]
+    assert len(expected["greedy"][0][1]) == 8
+    seeds = {a.request_id: (a.sampling_params.seed if a.sampling_params.HasField("seed")
+                            else None) for a in adds}
+    assert seeds["greedy"] is None and seeds["beam"] is None
+    assert seeds["seeded"] == 42
+    assert seeds["sampled"] is not None and 0 <= seeds["sampled"] < 2**63

@@ -1,0 +1,154 @@
+"""The worker's lease loop and DrainWorker call against a real in-process gRPC Scheduler
+(a fake servicer on a loopback port: it records calls and grants what the test says)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+from structlog.testing import capture_logs
+
+from llmserve.supervisor import free_port
+from worker_service.membership import (
+    DRAIN_ATTEMPTS,
+    LeaseKeeper,
+    renew_interval_s,
+    request_drain,
+    retry_delay_s,
+)
+
+from .fake_scheduler import FakeScheduler, serve, until
+
+WORKER = "127.0.0.1:50999"
+
+
+class RecordingSleep:
+    """asyncio.sleep that records each wait the keeper chose."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        await asyncio.sleep(seconds)
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro_fn())
+
+
+def test_renew_interval_is_a_third_of_the_lease_or_the_default():
+    assert renew_interval_s(30_000) == pytest.approx(10.0)
+    assert renew_interval_s(300) == pytest.approx(0.1)
+    assert renew_interval_s(0) == 10.0  # an older scheduler grants no lease
+
+
+def test_retry_backoff_doubles_and_is_capped_by_five_seconds_and_the_interval():
+    assert [retry_delay_s(n, 10.0) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert [retry_delay_s(n, 1.5) for n in range(1, 5)] == [0.5, 1.0, 1.5, 1.5]
+
+
+def test_keeper_renews_every_third_of_the_lease_and_logs_only_the_first_registration():
+    async def body() -> None:
+        fake = FakeScheduler(replica_id=4, lease_ms=300)
+        server = await serve(fake, port := free_port())
+        sleep = RecordingSleep()
+        keeper = LeaseKeeper(f"127.0.0.1:{port}", WORKER, sleep=sleep)
+        with capture_logs() as logs:
+            task = asyncio.create_task(keeper.run())
+            await until(lambda: keeper.registrations >= 4)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await server.stop(0)
+        assert set(fake.registered) == {WORKER}
+        assert keeper.lease is not None and keeper.lease.replica_id == 4
+        assert sleep.waits[:3] == [pytest.approx(0.1)] * 3
+        events = [e["event"] for e in logs]
+        assert events.count("registered with scheduler") == 1
+        assert "scheduler not reachable; retrying with backoff" not in events
+
+    run(body)
+
+
+def test_keeper_re_registers_with_a_restarted_scheduler_within_one_interval():
+    async def body() -> None:
+        port = free_port()
+        first = FakeScheduler(replica_id=0, lease_ms=1500)  # renew every 0.5 s
+        server = await serve(first, port)
+        sleep = RecordingSleep()
+        keeper = LeaseKeeper(f"127.0.0.1:{port}", WORKER, sleep=sleep)
+        with capture_logs() as logs:
+            task = asyncio.create_task(keeper.run())
+            await until(lambda: bool(first.registered))
+            await server.stop(0)  # the scheduler goes away ...
+            await until(lambda: sum(e["event"] == "registration failed again" for e in logs) >= 2)
+            second = FakeScheduler(replica_id=9, lease_ms=1500)  # ... and comes back, empty
+            server = await serve(second, port)
+            await until(lambda: keeper.registrations == 2)  # the reply reached the keeper
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await server.stop(0)
+        assert second.registered[0] == WORKER
+        assert keeper.lease is not None and keeper.lease.replica_id == 9
+        # No wait the keeper chose, renewal or retry, was longer than one renewal interval,
+        # so the restarted scheduler heard from it within one interval of coming back.
+        assert sleep.waits and max(sleep.waits) <= renew_interval_s(1500)
+        events = [e["event"] for e in logs]
+        # State changes are logged once each, not once per attempt.
+        assert events.count("scheduler not reachable; retrying with backoff") == 1
+        assert events.count("registered with scheduler") == 2
+        again = [e for e in logs if e["event"] == "registered with scheduler"][1]
+        assert again["replica"] == 9 and again["failed_attempts"] >= 3
+
+    run(body)
+
+
+def test_keeper_uses_the_default_interval_when_the_scheduler_grants_no_lease():
+    async def body() -> None:
+        fake = FakeScheduler(replica_id=1, lease_ms=0)
+        server = await serve(fake, port := free_port())
+        waits: list[float] = []
+
+        async def record(seconds: float) -> None:
+            waits.append(seconds)
+            await asyncio.Event().wait()  # never returns; the task is cancelled
+
+        task = asyncio.create_task(LeaseKeeper(f"127.0.0.1:{port}", WORKER, sleep=record).run())
+        await until(lambda: bool(waits))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await server.stop(0)
+        assert waits == [10.0]
+
+    run(body)
+
+
+def test_request_drain_returns_the_schedulers_answer():
+    async def body() -> None:
+        fake = FakeScheduler(replica_id=2, lease_ms=0)
+        server = await serve(fake, port := free_port())
+        reply = await request_drain(f"127.0.0.1:{port}", WORKER)
+        await server.stop(0)
+        assert reply is not None and (reply.replica_id, reply.num_requests) == (2, 3)
+        assert fake.drained == [WORKER]
+
+    run(body)
+
+
+def test_request_drain_gives_up_at_once_on_a_refusal_and_retries_when_unavailable():
+    async def body() -> None:
+        refusing = FakeScheduler(0, 0, drain_code=grpc.StatusCode.NOT_FOUND)
+        server = await serve(refusing, port := free_port())
+        assert await request_drain(f"127.0.0.1:{port}", WORKER) is None
+        await server.stop(0)
+        assert refusing.drained == [WORKER]
+
+        busy = FakeScheduler(0, 0, drain_code=grpc.StatusCode.UNAVAILABLE)
+        server = await serve(busy, port)
+        assert await request_drain(f"127.0.0.1:{port}", WORKER) is None
+        await server.stop(0)
+        assert busy.drained == [WORKER] * DRAIN_ATTEMPTS
+
+    run(body)

@@ -1,0 +1,279 @@
+"""A worker's place in the fleet: its lease with the scheduler, and its drain on SIGTERM.
+
+Lease. `LeaseKeeper.run` calls RegisterWorker and then calls it again every third of the
+granted lease, for the worker's whole life, so that a restarted scheduler re-learns the worker
+within one renewal interval. A third leaves room for two failed renewals (each bounded by its
+own deadline) before the lease lapses. A scheduler that grants no lease (lease_ms 0, an older
+one) is renewed every `DEFAULT_RENEW_INTERVAL_S`, which it treats as a harmless re-add of the
+same address. While the scheduler does not answer, the keeper retries with exponential backoff,
+never waiting longer than the renewal interval, on a fresh channel each time (a channel that
+saw its server go away may otherwise wait out gRPC's own reconnect backoff, up to two minutes).
+
+Drain. `WorkerDrain.run` is what SIGTERM (or a first Ctrl-C) does: health turns NOT_SERVING
+at once; the lease stops being renewed (a renewal after the drain would re-add the replica); if
+the worker knows its scheduler it asks for DrainWorker; then it waits until the scheduler holds
+nothing on it, bounded by the drain timeout. "Nothing on it" is the first of:
+  - no Execute stream is open: the scheduler dropped the drained replica (or never connected,
+    or went away), so no sequence of it lives here;
+  - the stream is open but the worker holds no sequence state and no step arrived for
+    `DRAIN_QUIET_S`: an idle replica of a scheduler that does not close drained streams.
+    Should the scheduler route a request here just then, the worker's exit is a worker loss to
+    it, and the request moves to another replica by recompute: a pause, not an error.
+A second SIGTERM or SIGINT during the drain stops the worker at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health
+
+from llmserve.grpc_utils import channel_options
+from llmserve.logs import get_logger
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = get_logger(__name__)
+
+# Renewal interval when the scheduler grants no lease (lease_ms == 0).
+DEFAULT_RENEW_INTERVAL_S = 10.0
+# Renew when this fraction of the lease has passed.
+RENEW_FRACTION = 1 / 3
+# Retry backoff while the scheduler does not answer: first delay and cap.
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 5.0
+# Deadline of one RegisterWorker call (also capped by the renewal interval, at least 1 s).
+REGISTER_TIMEOUT_S = 5.0
+# DrainWorker: attempts, and the deadline of each.
+DRAIN_ATTEMPTS = 3
+DRAIN_CALL_TIMEOUT_S = 2.0
+# An open but idle stream with no sequence state counts as drained after this long.
+DRAIN_QUIET_S = 2.0
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+def renew_interval_s(lease_ms: int) -> float:
+    """Seconds between renewals of a lease of `lease_ms` (0: the scheduler grants none)."""
+    if lease_ms <= 0:
+        return DEFAULT_RENEW_INTERVAL_S
+    return lease_ms / 1000 * RENEW_FRACTION
+
+
+def retry_delay_s(failures: int, interval_s: float) -> float:
+    """Wait after the `failures`-th failed call in a row: doubling from RETRY_FIRST_S, capped
+    at RETRY_MAX_S and at the renewal interval (retrying less often would let a lease lapse
+    that one more attempt could have kept)."""
+    return min(RETRY_FIRST_S * 2 ** (failures - 1), RETRY_MAX_S, interval_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What the scheduler granted at the last successful registration."""
+
+    replica_id: int
+    lease_ms: int
+    granted_at: float  # time.monotonic()
+
+
+class LeaseKeeper:
+    """Keeps this worker registered with `scheduler` as `advertised` (see the module doc).
+
+    `run()` never returns; cancel its task to stop renewing. `sleep` is injectable so tests
+    can record the waits the keeper chooses."""
+
+    def __init__(self, scheduler: str, advertised: str, sleep: Sleep = asyncio.sleep) -> None:
+        self.scheduler = scheduler
+        self.advertised = advertised
+        self.lease: Lease | None = None
+        self.registrations = 0  # successful RegisterWorker calls
+        self._sleep = sleep
+        self._failures = 0
+        self._lapse_logged = False
+
+    @property
+    def interval_s(self) -> float:
+        return renew_interval_s(self.lease.lease_ms if self.lease else 0)
+
+    async def run(self) -> None:
+        request = scheduler_pb2.RegisterWorkerRequest(address=self.advertised)
+        while True:
+            async with grpc.aio.insecure_channel(self.scheduler, options=channel_options()) as ch:
+                stub = scheduler_pb2_grpc.SchedulerStub(ch)
+                while True:
+                    timeout = min(REGISTER_TIMEOUT_S, max(self.interval_s, 1.0))
+                    try:
+                        reply = await stub.RegisterWorker(request, timeout=timeout)
+                    except grpc.aio.AioRpcError as exc:
+                        self._failed(exc)
+                        break  # a fresh channel for the next attempt
+                    self._granted(reply)
+                    await self._sleep(self.interval_s)
+            await self._sleep(retry_delay_s(self._failures, self.interval_s))
+
+    def _granted(self, reply: scheduler_pb2.RegisterWorkerResponse) -> None:
+        previous, self.lease = self.lease, Lease(reply.replica_id, reply.lease_ms, time.monotonic())
+        self.registrations += 1
+        changed = previous is None or (previous.replica_id, previous.lease_ms) != (
+            reply.replica_id,
+            reply.lease_ms,
+        )
+        if self._failures or changed:
+            log.info(
+                "registered with scheduler",
+                scheduler=self.scheduler,
+                advertised=self.advertised,
+                replica=reply.replica_id,
+                lease_ms=reply.lease_ms,
+                renew_every_s=round(self.interval_s, 3),
+                failed_attempts=self._failures,
+            )
+        self._failures = 0
+        self._lapse_logged = False
+
+    def _failed(self, exc: grpc.aio.AioRpcError) -> None:
+        self._failures += 1
+        fields = dict(scheduler=self.scheduler, code=exc.code().name, reason=exc.details())
+        if self._failures == 1:
+            log.warning("scheduler not reachable; retrying with backoff", **fields)
+        else:
+            log.debug("registration failed again", attempt=self._failures, **fields)
+        lease = self.lease
+        if (
+            lease is not None
+            and lease.lease_ms > 0
+            and not self._lapse_logged
+            and time.monotonic() - lease.granted_at > lease.lease_ms / 1000
+        ):
+            self._lapse_logged = True
+            log.warning(
+                "lease lapsed: the scheduler counts this worker as lost until it answers again",
+                scheduler=self.scheduler,
+                lease_ms=lease.lease_ms,
+            )
+
+
+class DrainTarget(Protocol):
+    """What the drain watches: the Worker servicer's stream and sequence state."""
+
+    @property
+    def stream_open(self) -> bool: ...
+
+    def start_draining(self) -> None:
+        """Refuse new Execute streams from now on."""
+
+    async def wait_idle(self, quiet_s: float) -> str:
+        """Return (the reason) once the scheduler holds nothing on this worker."""
+
+
+async def request_drain(scheduler: str, address: str) -> scheduler_pb2.DrainWorkerResponse | None:
+    """DrainWorker(address), retried briefly; None when the scheduler did not take it."""
+    async with grpc.aio.insecure_channel(scheduler, options=channel_options()) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        for attempt in range(1, DRAIN_ATTEMPTS + 1):
+            try:
+                reply = await stub.DrainWorker(
+                    scheduler_pb2.DrainWorkerRequest(address=address),
+                    timeout=DRAIN_CALL_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as exc:
+                retryable = exc.code() in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                )
+                log.warning(
+                    "DrainWorker failed",
+                    scheduler=scheduler,
+                    code=exc.code().name,
+                    reason=exc.details(),
+                    attempt=attempt,
+                    will_retry=retryable and attempt < DRAIN_ATTEMPTS,
+                )
+                if not retryable:
+                    return None
+                await asyncio.sleep(retry_delay_s(attempt, RETRY_MAX_S))
+                continue
+            log.info(
+                "scheduler is draining this worker",
+                replica=reply.replica_id,
+                num_requests=reply.num_requests,
+            )
+            return reply
+    return None
+
+
+class WorkerDrain:
+    """The worker's reaction to SIGTERM; pass `run` to `serve_until_signal` as `on_stop`.
+
+    `exit_code` afterwards: 0 drained, 1 timed out or cut short by a second signal."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        health_servicer: health.aio.HealthServicer,
+        target: DrainTarget,
+        *,
+        timeout_s: float,
+        scheduler: str | None = None,
+        advertised: str = "",
+        lease_task: asyncio.Task[None] | None = None,
+        quiet_s: float = DRAIN_QUIET_S,
+    ) -> None:
+        self.server = server
+        self.health_servicer = health_servicer
+        self.target = target
+        self.timeout_s = timeout_s
+        self.scheduler = scheduler
+        self.advertised = advertised
+        self.lease_task = lease_task
+        self.quiet_s = quiet_s
+        self.exit_code = 0
+
+    async def run(self) -> None:
+        started = time.monotonic()
+        forced = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, forced.set)
+        # NOT_SERVING for every service name, and it stays so whatever sets SERVING later.
+        await self.health_servicer.enter_graceful_shutdown()
+        self.target.start_draining()
+        log.info("draining", timeout_s=self.timeout_s, scheduler=self.scheduler)
+        if self.lease_task is not None:
+            self.lease_task.cancel()
+            await asyncio.gather(self.lease_task, return_exceptions=True)
+        idle = asyncio.create_task(self._settle())
+        cut = asyncio.create_task(forced.wait())
+        done, _ = await asyncio.wait(
+            {idle, cut}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in (idle, cut):
+            task.cancel()
+        await asyncio.gather(idle, cut, return_exceptions=True)
+        waited_s = round(time.monotonic() - started, 3)
+        if idle in done:
+            log.info("drained", reason=idle.result(), waited_s=waited_s)
+        elif cut in done:
+            self.exit_code = 1
+            log.warning("second signal: stopping without waiting for the drain", waited_s=waited_s)
+        else:
+            self.exit_code = 1
+            log.warning(
+                "drain timed out; stopping with sequences still here (the scheduler moves them)",
+                timeout_s=self.timeout_s,
+                stream_open=self.target.stream_open,
+            )
+        # Nothing the scheduler needs is left in flight; do not wait out a grace period.
+        await self.server.stop(grace=0)
+
+    async def _settle(self) -> str:
+        # The scheduler hears of the drain before the worker looks idle: an idle worker that
+        # vanished unannounced would count as lost, not drained.
+        if self.scheduler:
+            await request_drain(self.scheduler, self.advertised)
+        return await self.target.wait_idle(self.quiet_s)
