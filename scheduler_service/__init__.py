@@ -6,7 +6,6 @@ from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
 from scheduler_service.config import CacheConfig, ConfigError, PreemptionMode, SchedulerConfig
 from scheduler_service.engine import EngineStalledError, LLMEngine, RequestError
 from scheduler_service.outputs import CompletionOutput, RequestOutput, WorkerOutputError
-from scheduler_service.policy import SwapSpaceExhaustedError
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import (
     PreemptedGroup,
@@ -51,6 +50,5 @@ __all__ = [
     "Sequence",
     "SequenceGroup",
     "SequenceStatus",
-    "SwapSpaceExhaustedError",
     "WorkerOutputError",
 ]

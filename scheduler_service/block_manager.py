@@ -52,9 +52,11 @@ class BlockSpaceManager:
     # -- allocation of waiting sequences ----------------------------------------------------
 
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        required = sum(
-            s.get_num_logical_blocks() for s in seq_group.get_seqs(SequenceStatus.WAITING)
-        )
+        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
+        required = sum(s.get_num_logical_blocks() for s in seqs)
+        if self.enable_caching and len(seqs) > 1:
+            # Siblings share the prompt's full blocks (`allocate` finds them by hash).
+            required -= (len(seqs) - 1) * (seqs[0].num_prompt_tokens // self.block_size)
         if self.num_total_gpu_blocks - required < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.gpu.get_num_free_blocks() - required >= self.watermark_blocks:

@@ -29,8 +29,7 @@ class SchedulerConfig:
     (decodes first). When off, an iteration runs either whole prompts or decodes, prompts
     first (the prefill-first policy), and `max_num_batched_tokens` must fit `max_model_len`.
     `preemption_mode`: None picks RECOMPUTE for groups with one live sequence and SWAP for
-    the others; RECOMPUTE forced on a group with several live sequences still swaps, since
-    their shared blocks cannot be recomputed as one prompt.
+    the others; a SWAP that the host swap space cannot take recomputes instead.
     """
 
     max_num_seqs: int = 256

@@ -13,10 +13,11 @@ import time
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import Executor, StepInput, StepResult
 from scheduler_service.config import CacheConfig, SchedulerConfig
-from scheduler_service.outputs import CompletionOutput, OutputProcessor, RequestOutput
+from scheduler_service.migration import GroupSnapshot, rebuild_group, snapshot_group
+from scheduler_service.outputs import CompletionOutput, OutputProcessor, RequestOutput, final_output
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, SchedulerStats
-from scheduler_service.sequence import Sequence, SequenceGroup
+from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.step_builder import StepBuilder
 
 
@@ -54,6 +55,8 @@ class LLMEngine:
         self._processor = OutputProcessor(self.scheduler, self._seq_counter)
         self._generate_counter = itertools.count()
         self.last_step_input: StepInput | None = None
+        # Imported requests with nothing left to run: their final outputs go out next step.
+        self._finished_on_import: list[RequestOutput] = []
 
     # -- requests -------------------------------------------------------------------------
 
@@ -78,6 +81,7 @@ class LLMEngine:
             raise RequestError("sampling_params", "must be a SamplingParams")
         if eos_token_id is not None and eos_token_id < 0:
             raise RequestError("eos_token_id", f"must be non-negative, got {eos_token_id}")
+        self._check_num_seqs(sampling_params)
         seq = Sequence(
             next(self._seq_counter),
             list(prompt_token_ids),
@@ -87,12 +91,96 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.scheduler.add_seq_group(SequenceGroup(request_id, [seq], sampling_params, arrival))
 
+    def _check_num_seqs(self, params: SamplingParams) -> None:
+        max_seqs = self.scheduler_config.max_num_seqs
+        if params.num_sampled > max_seqs:
+            name = "n" if params.use_beam_search else "best_of"
+            raise RequestError(
+                f"sampling_params.{name}",
+                f"{params.num_sampled} sequences can never run at once on this replica "
+                f"(max_num_seqs={max_seqs})",
+            )
+
+    def check_admissible(self, snapshot: GroupSnapshot) -> None:
+        """Raise `RequestError` if this replica can never run the request: more sequences
+        than `max_num_seqs`, a prompt over `max_model_len`, or more KV blocks than the cache
+        holds (less the watermark)."""
+        self._check_num_seqs(snapshot.sampling_params)
+        max_len = self.scheduler_config.max_model_len
+        prompt_len = len(snapshot.prompt_token_ids)
+        if prompt_len > max_len:
+            raise RequestError(
+                "prompt",
+                f"prompt has {prompt_len} tokens, more than max_model_len ({max_len})",
+            )
+        bs = self.cache_config.block_size
+        unfinished = [s for s in snapshot.seqs if s.finish_reason is None] or [None]
+        lengths = [prompt_len + (len(s.output_token_ids) if s else 0) for s in unfinished]
+        if len(set(lengths)) > 1:
+            raise RequestError(
+                "seqs", "the unfinished sequences of a request must have the same length"
+            )
+        # Siblings share the prompt's full blocks through the prefix cache (or not at all).
+        shared = prompt_len // bs if self.cache_config.enable_prefix_caching else 0
+        needed = shared + sum(-(-n // bs) - shared for n in lengths)
+        bm = self.scheduler.block_manager
+        if bm.num_total_gpu_blocks - needed < bm.watermark_blocks:
+            raise RequestError(
+                "prompt",
+                f"the request needs {needed} KV blocks, more than the cache can ever hold "
+                f"({bm.num_total_gpu_blocks} blocks, watermark {bm.watermark_blocks})",
+            )
+
+    def import_request(self, snapshot: GroupSnapshot) -> None:
+        """Queue a request moved here (or a new one, as a snapshot with no sequences). Its
+        unfinished sequences are recomputed, by arrival order among the waiting requests.
+        Raises `RequestError` if the id is in use or `check_admissible` refuses it."""
+        request_id = snapshot.request_id
+        if not request_id:
+            raise RequestError("request_id", "must be a non-empty string")
+        if self.scheduler.get_seq_group(request_id) is not None or any(
+            o.request_id == request_id for o in self._finished_on_import
+        ):
+            raise RequestError("request_id", f"{request_id!r} is already in use")
+        if not snapshot.prompt_token_ids:
+            raise RequestError("prompt_token_ids", "must not be empty")
+        self.check_admissible(snapshot)
+        group = rebuild_group(
+            snapshot, lambda: next(self._seq_counter), self.cache_config.block_size
+        )
+        for seq in group.get_unfinished_seqs():
+            if (
+                seq.get_output_len() >= snapshot.sampling_params.max_tokens
+                or seq.get_len() >= self.scheduler_config.max_model_len
+            ):
+                seq.status = SequenceStatus.LENGTH_CAPPED
+        if group.is_finished():
+            self._finished_on_import.append(final_output(group))
+            return
+        self.scheduler.add_seq_group(group, by_arrival=True)
+
+    def export_requests(self, request_ids: list[str] | None = None) -> list[GroupSnapshot]:
+        """Take unfinished requests out of this engine (all of them by default; unknown ids
+        are skipped) and return their snapshots. Their blocks are freed and no output is
+        emitted for them. Also valid between `begin_step` and `finish_step`: the step's
+        results for these requests are then ignored."""
+        scheduler = self.scheduler
+        ids = scheduler.unfinished_request_ids() if request_ids is None else request_ids
+        snapshots = []
+        for request_id in ids:
+            group = scheduler.get_seq_group(request_id)
+            if group is None:
+                continue
+            snapshots.append(snapshot_group(group))
+            scheduler.abort_seq_group(request_id)  # frees its blocks; no output follows
+        return snapshots
+
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks. False if it is unknown or already finished."""
         return self.scheduler.abort_seq_group(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs()
+        return self.scheduler.has_unfinished_seqs() or bool(self._finished_on_import)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
@@ -124,7 +212,11 @@ class LLMEngine:
         if result is None:
             result = StepResult(step_input.step_id)
         self.scheduler.on_step_executed(sched_out)
-        return self._processor.process(sched_out, result)
+        outputs = self._processor.process(sched_out, result)
+        if self._finished_on_import:
+            outputs.extend(self._finished_on_import)
+            self._finished_on_import = []
+        return outputs
 
     def unfinished_request_ids(self) -> list[str]:
         return self.scheduler.unfinished_request_ids()

@@ -11,10 +11,6 @@ from scheduler_service.config import PreemptionMode
 from scheduler_service.sequence import SequenceGroup
 
 
-class SwapSpaceExhaustedError(RuntimeError):
-    """A multi-sequence group had to be preempted but the host swap space is full."""
-
-
 @dataclass(slots=True)
 class SchedulingBudget:
     """Tokens and sequences one step may still take on (`max_num_batched_tokens`,
@@ -31,16 +27,14 @@ class SchedulingBudget:
 
 
 def preemption_mode(forced: PreemptionMode | None, seq_group: SequenceGroup) -> PreemptionMode:
-    """RECOMPUTE for a group with one live sequence, SWAP otherwise, unless `forced` says so.
+    """`forced` if set; otherwise RECOMPUTE for a group with one live sequence and SWAP for
+    one with several (their shared blocks make recomputing them cost more than a copy).
 
-    Forcing RECOMPUTE on a group with several live sequences still swaps: their shared blocks
-    cannot be recomputed as one prompt.
+    A SWAP the host swap space cannot take becomes a RECOMPUTE (`Scheduler._preempt`):
+    siblings are recomputed together, sharing the prompt's blocks through the prefix cache.
     """
-    num_live = len(seq_group.get_unfinished_seqs())
-    if forced is PreemptionMode.RECOMPUTE and num_live == 1:
-        return PreemptionMode.RECOMPUTE
-    if forced is PreemptionMode.SWAP:
-        return PreemptionMode.SWAP
+    if forced is not None:
+        return forced
     if seq_group.get_max_num_running_seqs() == 1:
         return PreemptionMode.RECOMPUTE
     return PreemptionMode.SWAP

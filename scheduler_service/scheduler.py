@@ -19,7 +19,7 @@ from collections import deque
 
 from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
 from scheduler_service.config import CacheConfig, PreemptionMode, SchedulerConfig
-from scheduler_service.policy import SchedulingBudget, SwapSpaceExhaustedError, preemption_mode
+from scheduler_service.policy import SchedulingBudget, preemption_mode
 from scheduler_service.scheduler_outputs import (
     PreemptedGroup,
     ScheduledGroup,
@@ -34,7 +34,6 @@ __all__ = [
     "Scheduler",
     "SchedulerOutputs",
     "SchedulerStats",
-    "SwapSpaceExhaustedError",
 ]
 
 _RUNNING = SequenceStatus.RUNNING
@@ -66,10 +65,17 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------------------
 
-    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+    def add_seq_group(self, seq_group: SequenceGroup, by_arrival: bool = False) -> None:
+        """Queue a group last, or (`by_arrival`, for a group moved here) after the waiting
+        groups that arrived before it."""
         assert seq_group.request_id not in self._groups, "duplicate request id"
         self._groups[seq_group.request_id] = seq_group
-        self.waiting.append(seq_group)
+        waiting = self.waiting
+        position = len(waiting)
+        if by_arrival:
+            while position and waiting[position - 1].arrival_time > seq_group.arrival_time:
+                position -= 1
+        waiting.insert(position, seq_group)
 
     def get_seq_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)
@@ -253,8 +259,10 @@ class Scheduler:
         can_append = self.block_manager.can_append_slots
         preempted: set[str] = set()
         for seq_group in prefills:
-            seq = next(s for s in seq_group.seqs if s.status == _RUNNING)
-            chunk = min(seq.get_len() - seq.num_computed_tokens, budget.remaining_tokens)
+            seqs = seq_group.get_seqs(_RUNNING)
+            seq = seqs[0]  # siblings are equally long and equally computed
+            chunk = min(seq.get_len() - seq.num_computed_tokens,
+                        budget.remaining_tokens // len(seqs))
             if chunk <= 0:
                 continue
             if not can_append(seq_group):
@@ -274,14 +282,15 @@ class Scheduler:
             if budget.num_seqs + num_new_seqs > budget.max_seqs:
                 break
             seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
-            uncomputed = sum(s.get_len() - s.num_computed_tokens for s in seqs)
-            if uncomputed > len(seqs):  # a prompt swapped out mid-prefill
-                chunk = min(uncomputed, budget.remaining_tokens)
+            # Siblings are always equally long and equally computed.
+            uncomputed = seqs[0].get_len() - seqs[0].num_computed_tokens
+            if uncomputed > 1:  # swapped out mid-prefill
+                chunk = min(uncomputed, budget.remaining_tokens // len(seqs))
                 if chunk <= 0:
                     break
             else:
                 chunk = 1
-                if uncomputed > budget.remaining_tokens:
+                if len(seqs) > budget.remaining_tokens:
                     break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(bm.swap_in(seq_group).items())
@@ -298,8 +307,9 @@ class Scheduler:
         now: float | None = None
         while self.waiting:
             seq_group = self.waiting[0]
+            # One sequence, or (a group preempted by recompute or moved from another replica)
+            # several siblings of equal length that share the prompt's blocks.
             seqs = seq_group.get_seqs(SequenceStatus.WAITING)
-            assert len(seqs) == 1, "a waiting group holds one sequence"
             seq = seqs[0]
             num_tokens = seq.get_len()
             if num_tokens > config.max_model_len:
@@ -325,19 +335,25 @@ class Scheduler:
             num_new_seqs = seq_group.get_max_num_running_seqs()
             if budget.num_seqs + num_new_seqs > budget.max_seqs:
                 break
-            if budget.remaining_tokens <= 0 or (
-                not chunked and num_tokens > budget.remaining_tokens
+            share = budget.remaining_tokens // len(seqs)
+            # Without chunking a prompt runs whole; siblings that together exceed the token
+            # budget run alone in a step (they fit the budget one by one).
+            if share <= 0 or (
+                not chunked and num_tokens > share and budget.num_tokens > 0
             ):
                 break
             self.waiting.popleft()
             bm.allocate(seq_group)
+            computed = 0
             if seq_group.sampling_params.prompt_logprobs is None:
                 # Prompt logprobs need every prompt position computed, so no cache reuse.
-                seq.num_computed_tokens = bm.get_num_computed_tokens(seq)
-            seq.status = _RUNNING
-            chunk = num_tokens - seq.num_computed_tokens
+                computed = min(bm.get_num_computed_tokens(s) for s in seqs)
+            for s in seqs:
+                s.num_computed_tokens = computed
+                s.status = _RUNNING
+            chunk = num_tokens - computed
             if chunked:
-                chunk = min(chunk, budget.remaining_tokens)
+                chunk = min(chunk, share)
             budget.num_seqs += num_new_seqs
             self.running.append(seq_group)
             self._schedule(seq_group, chunk, budget, out)
@@ -360,21 +376,15 @@ class Scheduler:
 
     def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
         mode = preemption_mode(self.scheduler_config.preemption_mode, seq_group)
-        bm = self.block_manager
-        if mode is PreemptionMode.SWAP and not bm.can_swap_out(seq_group):
-            if len(seq_group.get_unfinished_seqs()) != 1:
-                raise SwapSpaceExhaustedError(
-                    f"request {seq_group.request_id}: no host swap space left to preempt it; "
-                    "increase num_cpu_blocks"
-                )
-            mode = PreemptionMode.RECOMPUTE
+        if mode is PreemptionMode.SWAP and not self.block_manager.can_swap_out(seq_group):
+            mode = PreemptionMode.RECOMPUTE  # no host swap space left: recompute instead
         if mode is PreemptionMode.RECOMPUTE:
             for seq in seq_group.get_seqs(_RUNNING):
                 self.free_seq(seq)
                 seq.reset_for_recompute()
             self.waiting.appendleft(seq_group)
         else:
-            out.blocks_to_swap_out.extend(bm.swap_out(seq_group).items())
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq_group).items())
             for seq in seq_group.get_seqs(_RUNNING):
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(seq_group)
