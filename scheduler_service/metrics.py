@@ -123,7 +123,8 @@ MIGRATIONS = Counter(
     ["cause"],
 )
 DRAIN_SECONDS = Histogram(
-    "llmserve_worker_drain_seconds", "From a drain's start to its replica's last request",
+    "llmserve_worker_drain_seconds",
+    "From a drain's start to its replica's last request",
     buckets=_LATENCY_BUCKETS,
 )
 ROUTING_DECISIONS = Counter(

@@ -88,8 +88,14 @@ def snapshot_from_choices(
         sampling_params=params,
         eos_token_id=eos_token_id,
         arrival_time=arrival_time,
-        seqs=[replace(s, output_token_ids=list(s.output_token_ids),
-                      output_logprobs=list(s.output_logprobs)) for s in seqs],
+        seqs=[
+            replace(
+                s,
+                output_token_ids=list(s.output_token_ids),
+                output_logprobs=list(s.output_logprobs),
+            )
+            for s in seqs
+        ],
         has_sampled=bool(seqs),
         next_seq_index=max((s.seq_index for s in seqs), default=-1) + 1,
     )
@@ -138,8 +144,9 @@ def rebuild_group(
         if record.finish_reason is not None:
             seq.status = _STATUS_OF_REASON[FinishReason(record.finish_reason)]
         seqs.append(seq)
-    group = SequenceGroup(snapshot.request_id, seqs, snapshot.sampling_params,
-                          snapshot.arrival_time)
+    group = SequenceGroup(
+        snapshot.request_id, seqs, snapshot.sampling_params, snapshot.arrival_time
+    )
     if snapshot.metrics is not None:
         group.metrics = replace(snapshot.metrics)
     group.prompt_logprobs = list(snapshot.prompt_logprobs)

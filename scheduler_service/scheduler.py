@@ -261,8 +261,9 @@ class Scheduler:
         for seq_group in prefills:
             seqs = seq_group.get_seqs(_RUNNING)
             seq = seqs[0]  # siblings are equally long and equally computed
-            chunk = min(seq.get_len() - seq.num_computed_tokens,
-                        budget.remaining_tokens // len(seqs))
+            chunk = min(
+                seq.get_len() - seq.num_computed_tokens, budget.remaining_tokens // len(seqs)
+            )
             if chunk <= 0:
                 continue
             if not can_append(seq_group):
@@ -338,9 +339,7 @@ class Scheduler:
             share = budget.remaining_tokens // len(seqs)
             # Without chunking a prompt runs whole; siblings that together exceed the token
             # budget run alone in a step (they fit the budget one by one).
-            if share <= 0 or (
-                not chunked and num_tokens > share and budget.num_tokens > 0
-            ):
+            if share <= 0 or (not chunked and num_tokens > share and budget.num_tokens > 0):
                 break
             self.waiting.popleft()
             bm.allocate(seq_group)
