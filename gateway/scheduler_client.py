@@ -155,7 +155,9 @@ class SchedulerClient:
                 async for message in call:
                     self._dispatch(message)
                 raise grpc.aio.AioRpcError(
-                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
                     "scheduler closed the stream",
                 )
             except asyncio.CancelledError:
@@ -166,10 +168,14 @@ class SchedulerClient:
                 delay = _RECONNECT_DELAYS_S[min(attempt, len(_RECONNECT_DELAYS_S) - 1)]
                 attempt += 1
                 log.warning(
-                    "scheduler stream lost, reconnecting" if was_connected
+                    "scheduler stream lost, reconnecting"
+                    if was_connected
                     else "scheduler unavailable, retrying",
-                    address=self.address, retry_in_s=delay, code=exc.code().name,
-                    details=exc.details(), requests_waiting=self._num_unfinished(),
+                    address=self.address,
+                    retry_in_s=delay,
+                    code=exc.code().name,
+                    details=exc.details(),
+                    requests_waiting=self._num_unfinished(),
                 )
                 await asyncio.sleep(delay)
 
@@ -187,8 +193,13 @@ class SchedulerClient:
             resent += 1
             continued += add.HasField("continuation")
         if self._ever_connected:
-            log.info("reconnected to scheduler", address=self.address, attempts=attempt + 1,
-                     resubmitted=resent, continued=continued)
+            log.info(
+                "reconnected to scheduler",
+                address=self.address,
+                attempts=attempt + 1,
+                resubmitted=resent,
+                continued=continued,
+            )
         else:
             log.info("connected to scheduler", address=self.address)
         self._ever_connected = True
@@ -260,7 +271,8 @@ class SchedulerClient:
             )
         if request_id in self._requests:
             raise RequestError(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already running",
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id: {request_id!r} is already running",
                 "request_id",
             )
         add = scheduler_pb2.AddRequest(
@@ -282,9 +294,7 @@ class SchedulerClient:
                 message = await request.inbox.get()
                 if message.WhichOneof("kind") == "error":
                     error = message.error
-                    raise RequestError(
-                        _status_code(error.code), error.message, error.field or None
-                    )
+                    raise RequestError(_status_code(error.code), error.message, error.field or None)
                 yield message.output
                 if message.output.finished:
                     return

@@ -351,13 +351,14 @@ def step_result_from_proto(msg: worker_pb2.ExecuteResult) -> StepResult:
 
 # --- continuation (AddRequest.continuation, a re-submission after a scheduler restart) -------
 
-_FINISH_REASON_NAMES: dict[int, str] = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_IGNORED: "ignored",
+# The scheduler's finish reasons (scheduler_service.sequence.FinishReason values) on the wire.
+FINISH_REASON_TO_PROTO: dict[str, int] = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "ignored": common_pb2.FINISH_REASON_IGNORED,
 }
-_FINISH_REASON_VALUES = {name: value for value, name in _FINISH_REASON_NAMES.items()}
+FINISH_REASON_FROM_PROTO = {value: name for name, value in FINISH_REASON_TO_PROTO.items()}
 
 
 class ContinuationError(ValueError):
@@ -394,7 +395,7 @@ def continuation_to_proto(choices: Iterable[ContinuedChoice]) -> scheduler_pb2.C
             lp = entry.logprobs.add(token=token_logprob_to_proto(token))
             _add_token_logprobs(lp.top, top)
         if c.finish_reason is not None:
-            entry.finish_reason = _FINISH_REASON_VALUES[c.finish_reason]
+            entry.finish_reason = FINISH_REASON_TO_PROTO[c.finish_reason]
         if c.stop_token_id is not None:
             entry.stop_token_id = c.stop_token_id
     return msg
@@ -407,7 +408,8 @@ def continuation_from_proto(
     request's `params`. Raises ContinuationError naming the offending field."""
     if msg.choices and not params.streams_choices:
         raise ContinuationError(
-            "continuation", "only requests whose choices stream (best_of == n, no beam search) "
+            "continuation",
+            "only requests whose choices stream (best_of == n, no beam search) "
             "can continue; re-submit the others without a continuation",
         )
     choices: dict[int, ContinuedChoice] = {}
@@ -429,17 +431,18 @@ def continuation_from_proto(
                 f"choice {c.index} has {len(c.logprobs)} logprobs for {len(token_ids)} tokens"
                 + ("" if want_logprobs else " (the request asked for none)"),
             )
-        if c.finish_reason and c.finish_reason not in _FINISH_REASON_NAMES:
+        if c.finish_reason and c.finish_reason not in FINISH_REASON_FROM_PROTO:
             raise ContinuationError(
                 "continuation.choices.finish_reason", f"unknown value {c.finish_reason}"
             )
         choices[c.index] = ContinuedChoice(
             index=c.index,
             token_ids=token_ids,
-            logprobs=[(token_logprob_from_proto(lp.token), _token_logprobs(lp.top))
-                      for lp in c.logprobs],
+            logprobs=[
+                (token_logprob_from_proto(lp.token), _token_logprobs(lp.top)) for lp in c.logprobs
+            ],
             cumulative_logprob=c.cumulative_logprob,
-            finish_reason=_FINISH_REASON_NAMES.get(c.finish_reason),
+            finish_reason=FINISH_REASON_FROM_PROTO.get(c.finish_reason),
             stop_token_id=c.stop_token_id if c.HasField("stop_token_id") else None,
         )
     return [choices[i] for i in sorted(choices)]

@@ -83,16 +83,11 @@ def check_stop(seq: Sequence, params: SamplingParams, max_model_len: int) -> Non
         seq.status = SequenceStatus.LENGTH_CAPPED
 
 
-def _streams(params: SamplingParams) -> bool:
-    """Whether choices can be emitted as they grow (every sampled sequence is returned)."""
-    return not params.use_beam_search and params.num_sampled == params.n
-
-
 def select_final_seqs(seq_group: SequenceGroup) -> list[Sequence]:
     """The n returned sequences, in choice-index order."""
     params = seq_group.sampling_params
     seqs = seq_group.seqs
-    if _streams(params):
+    if params.streams_choices:
         return sorted(seqs, key=lambda s: s.seq_index)
     if params.use_beam_search:
         lp = params.length_penalty
@@ -103,7 +98,7 @@ def select_final_seqs(seq_group: SequenceGroup) -> list[Sequence]:
 def final_output(seq_group: SequenceGroup) -> RequestOutput:
     """The complete output of a request (all tokens of every returned choice)."""
     params = seq_group.sampling_params
-    streams = _streams(params)
+    streams = params.streams_choices
     choices = []
     for rank, seq in enumerate(select_final_seqs(seq_group)):
         choices.append(
@@ -311,7 +306,7 @@ class OutputProcessor:
     ) -> RequestOutput | None:
         params = seq_group.sampling_params
         choices: list[CompletionOutput] = []
-        if not _streams(params):
+        if not params.streams_choices:
             if finished:
                 output = final_output(seq_group)
                 output.prompt_logprobs = prompt_logprobs

@@ -24,12 +24,14 @@ import grpc
 from llmserve.grpc_utils import RequestError
 from llmserve.logs import get_logger
 from llmserve.proto_convert import (
+    FINISH_REASON_TO_PROTO,
+    ContinuationError,
+    continuation_from_proto,
     sampling_params_from_proto,
-    token_logprob_from_proto,
     token_logprob_to_proto,
 )
 from llmserve.sampling_params import SamplingParams, SamplingParamsError, with_admission_seed
-from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.engine import RequestError as EngineRequestError
 from scheduler_service.fleet import DrainedError, Fleet, FleetConfig
@@ -39,14 +41,6 @@ from scheduler_service.sequence import FinishReason, RequestMetrics, SampleLogpr
 from scheduler_service.tracing import end_request_trace, start_request_trace, trace_id_of
 
 log = get_logger(__name__)
-
-_FINISH_REASONS = {
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-    FinishReason.IGNORED: common_pb2.FINISH_REASON_IGNORED,
-}
-_FROM_PROTO_FINISH = {v: k for k, v in _FINISH_REASONS.items()}
 
 
 @dataclass(eq=False)
@@ -303,42 +297,21 @@ def _continued_choices(
     continuation: scheduler_pb2.Continuation, params: SamplingParams
 ) -> dict[int, SequenceSnapshot]:
     """The gateway's record of a request re-submitted after a scheduler restart."""
-    if continuation.choices and not params.streams_choices:
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "continuation: only requests whose choices stream (no best_of > n, no beam "
-            "search) can be continued; re-submit the others without one",
-            "continuation",
+    try:
+        choices = continuation_from_proto(continuation, params)
+    except ContinuationError as exc:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
+    return {
+        c.index: SequenceSnapshot(
+            c.index,
+            c.token_ids,
+            [SampleLogprobs(token, top) for token, top in c.logprobs],
+            c.cumulative_logprob,
+            None if c.finish_reason is None else FinishReason(c.finish_reason),
+            c.stop_token_id,
         )
-    sent: dict[int, SequenceSnapshot] = {}
-    for choice in continuation.choices:
-        if choice.index >= params.n or choice.index in sent:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"continuation.choices: index {choice.index} is repeated or not below n",
-                "continuation.choices",
-            )
-        if choice.logprobs and len(choice.logprobs) != len(choice.token_ids):
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "continuation.choices.logprobs: one entry per token id, or none",
-                "continuation.choices.logprobs",
-            )
-        logprobs = [
-            SampleLogprobs(
-                token_logprob_from_proto(lp.token), [token_logprob_from_proto(t) for t in lp.top]
-            )
-            for lp in choice.logprobs
-        ]
-        sent[choice.index] = SequenceSnapshot(
-            choice.index,
-            list(choice.token_ids),
-            logprobs,
-            choice.cumulative_logprob,
-            _FROM_PROTO_FINISH.get(choice.finish_reason),
-            choice.stop_token_id if choice.HasField("stop_token_id") else None,
-        )
-    return sent
+        for c in choices
+    }
 
 
 def _error_message(request_id: str, exc: Exception) -> scheduler_pb2.SchedulerMessage:
@@ -363,7 +336,7 @@ def _choice_to_proto(choice: CompletionOutput) -> scheduler_pb2.ChoiceDelta:
         cumulative_logprob=choice.cumulative_logprob,
     )
     if choice.finish_reason is not None:
-        msg.finish_reason = _FINISH_REASONS[choice.finish_reason]
+        msg.finish_reason = FINISH_REASON_TO_PROTO[choice.finish_reason]
     if choice.stop_token_id is not None:
         msg.stop_token_id = choice.stop_token_id
     for lp in choice.logprobs or ():

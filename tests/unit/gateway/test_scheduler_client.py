@@ -97,9 +97,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if params.prompt_logprobs is not None:  # sent again on a re-submission, as may happen
             out = scheduler_pb2.RequestOutput(request_id=add.request_id)
             for position in range(1, len(add.prompt_token_ids)):
-                out.prompt_logprobs.add(position=position).token.token_id = (
-                    add.prompt_token_ids[position]
-                )
+                out.prompt_logprobs.add(position=position).token.token_id = add.prompt_token_ids[
+                    position
+                ]
             outbox.put_nowait(scheduler_pb2.SchedulerMessage(output=out))
 
     def step(self) -> None:
@@ -124,8 +124,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         length = choice_length(params, seq.index)
         last = len(seq.tokens) == length - 1
         stop = last and seq.index % 2 == 1
-        token = STOP_TOKEN if stop else token_at(list(request.add.prompt_token_ids),
-                                                 seq.index, len(seq.tokens))
+        token = (
+            STOP_TOKEN
+            if stop
+            else token_at(list(request.add.prompt_token_ids), seq.index, len(seq.tokens))
+        )
         seq.tokens.append(token)
         seq.cumulative += logprob_of(token)
         seq.finished = last
@@ -133,8 +136,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             index=seq.index, token_ids=[token], cumulative_logprob=seq.cumulative
         )
         if params.logprobs is not None:
-            delta.logprobs.add(token=common_pb2.TokenLogprob(
-                token_id=token, logprob=logprob_of(token), rank=1))
+            delta.logprobs.add(
+                token=common_pb2.TokenLogprob(token_id=token, logprob=logprob_of(token), rank=1)
+            )
         if last:
             delta.finish_reason = (
                 common_pb2.FINISH_REASON_STOP if stop else common_pb2.FINISH_REASON_LENGTH
@@ -215,15 +219,18 @@ async def consume(stream: AsyncIterator[scheduler_pb2.RequestOutput], got: Recei
 
 REQUESTS = {
     "single": SamplingParams(temperature=0.0, max_tokens=6),
-    "pair-logprobs": SamplingParams(n=2, temperature=0.7, seed=5, max_tokens=7, logprobs=1,
-                                    prompt_logprobs=0),
+    "pair-logprobs": SamplingParams(
+        n=2, temperature=0.7, seed=5, max_tokens=7, logprobs=1, prompt_logprobs=0
+    ),
     "best-of": SamplingParams(n=1, best_of=2, temperature=0.7, seed=9, max_tokens=5),
 }
 PROMPTS = {"single": [11, 12, 13], "pair-logprobs": [21, 22], "best-of": [31, 32, 33, 34]}
 
 
-def run(test: Callable[[FakeServer, SchedulerClient], Awaitable[None]],
-        reconnect_timeout_s: float = 60.0) -> None:
+def run(
+    test: Callable[[FakeServer, SchedulerClient], Awaitable[None]],
+    reconnect_timeout_s: float = 60.0,
+) -> None:
     async def main() -> None:
         server = FakeServer()
         await server.start()
@@ -278,8 +285,9 @@ def test_restart_mid_stream_gives_the_uninterrupted_stream():
             server.fake.step()
             await until(lambda s=step: got["single"].messages == s + 1, "step delivered")
         await until(lambda: got["pair-logprobs"].messages == 4, "prompt logprobs + 3 steps")
-        delivered.update({name: {i: list(t) for i, t in g.tokens.items()}
-                          for name, g in got.items()})
+        delivered.update(
+            {name: {i: list(t) for i, t in g.tokens.items()} for name, g in got.items()}
+        )
         await server.stop()
         await until(lambda: not client.connected, "stream loss noticed")
         await server.start()
@@ -301,10 +309,12 @@ def test_restart_mid_stream_gives_the_uninterrupted_stream():
     assert [(c.index, list(c.token_ids)) for c in single.choices] == [(0, delivered["single"][0])]
     pair = by_id["pair-logprobs"].continuation
     assert [(c.index, list(c.token_ids)) for c in pair.choices] == sorted(
-        delivered["pair-logprobs"].items())
+        delivered["pair-logprobs"].items()
+    )
     assert [len(c.logprobs) for c in pair.choices] == [3, 3]
     assert pair.choices[1].cumulative_logprob == pytest.approx(
-        sum(logprob_of(t) for t in delivered["pair-logprobs"][1]))
+        sum(logprob_of(t) for t in delivered["pair-logprobs"][1])
+    )
     # best_of > n streams nothing: it starts over from the prompt.
     assert delivered["best-of"] == {}
     assert not by_id["best-of"].HasField("continuation")
@@ -330,8 +340,10 @@ def test_finished_choice_is_continued_as_finished():
         sent_again.extend(server.fake.adds)
         server.fake.step()
         await task
-        assert got.tokens == {0: [token_at([5, 6], 0, k) for k in range(3)],
-                              1: [token_at([5, 6], 1, 0), STOP_TOKEN]}
+        assert got.tokens == {
+            0: [token_at([5, 6], 0, k) for k in range(3)],
+            1: [token_at([5, 6], 1, 0), STOP_TOKEN],
+        }
 
     run(test)
     choices = sent_again[0].continuation.choices
@@ -344,7 +356,8 @@ def test_scheduler_that_does_not_come_back_fails_with_unavailable():
     async def test(server: FakeServer, client: SchedulerClient) -> None:
         got = Received()
         task = asyncio.create_task(
-            consume(client.submit("r", [1, 2], REQUESTS["single"], None), got))
+            consume(client.submit("r", [1, 2], REQUESTS["single"], None), got)
+        )
         await until(lambda: "r" in server.fake.requests, "added")
         server.fake.step()
         await until(lambda: got.messages == 1, "first token")
@@ -368,7 +381,8 @@ def test_requests_aborted_while_disconnected_are_not_sent_again():
     async def test(server: FakeServer, client: SchedulerClient) -> None:
         kept, dropped = Received(), Received()
         kept_task = asyncio.create_task(
-            consume(client.submit("kept", [1, 2], REQUESTS["single"], None), kept))
+            consume(client.submit("kept", [1, 2], REQUESTS["single"], None), kept)
+        )
         dropped_stream = client.submit("dropped", [3, 4], REQUESTS["single"], None)
         dropped_task = asyncio.create_task(consume(dropped_stream, dropped))
         await until(lambda: len(server.fake.requests) == 2, "added")
@@ -418,10 +432,16 @@ def test_error_from_the_new_scheduler_is_delivered():
         await server.start()
         await until(lambda: "r" in server.fake.requests, "sent again")
         request = server.fake.requests.pop("r")
-        request.outbox.put_nowait(scheduler_pb2.SchedulerMessage(error=scheduler_pb2.RequestError(
-            request_id="r", code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-            message="continuation.choices.index: 3 is not below n=1",
-            field="continuation.choices.index")))
+        request.outbox.put_nowait(
+            scheduler_pb2.SchedulerMessage(
+                error=scheduler_pb2.RequestError(
+                    request_id="r",
+                    code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                    message="continuation.choices.index: 3 is not below n=1",
+                    field="continuation.choices.index",
+                )
+            )
+        )
         await task
         assert got.error is not None and got.error.code == grpc.StatusCode.INVALID_ARGUMENT
         assert got.error.field == "continuation.choices.index"
@@ -438,8 +458,7 @@ def test_generation_text_is_unchanged_by_a_restart_and_sampling_gets_a_seed(smol
         "greedy": SamplingParams(temperature=0.0, max_tokens=8),
         "sampled": SamplingParams(n=2, temperature=0.8, max_tokens=8),
         "seeded": SamplingParams(temperature=0.8, seed=42, max_tokens=8),
-        "beam": SamplingParams(n=1, best_of=2, use_beam_search=True, temperature=0.0,
-                               max_tokens=8),
+        "beam": SamplingParams(n=1, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=8),
     }
 
     def outputs(restart: bool) -> tuple[dict[str, dict[int, tuple[str, list[int]]]], list]:
@@ -475,8 +494,7 @@ def test_generation_text_is_unchanged_by_a_restart_and_sampling_gets_a_seed(smol
             await asyncio.gather(*tasks)
 
         run(test)
-        merged = {name: {i: (text[name][i], tokens[name][i]) for i in text[name]}
-                  for name in cases}
+        merged = {name: {i: (text[name][i], tokens[name][i]) for i in text[name]} for name in cases}
         return merged, adds
 
     expected, adds = outputs(restart=False)
@@ -484,8 +502,10 @@ def test_generation_text_is_unchanged_by_a_restart_and_sampling_gets_a_seed(smol
     assert got == expected
     assert [len(expected[name]) for name in cases] == [1, 2, 1, 1]
     assert len(expected["greedy"][0][1]) == 8
-    seeds = {a.request_id: (a.sampling_params.seed if a.sampling_params.HasField("seed")
-                            else None) for a in adds}
+    seeds = {
+        a.request_id: (a.sampling_params.seed if a.sampling_params.HasField("seed") else None)
+        for a in adds
+    }
     assert seeds["greedy"] is None and seeds["beam"] is None
     assert seeds["seeded"] == 42
     assert seeds["sampled"] is not None and 0 <= seeds["sampled"] < 2**63
