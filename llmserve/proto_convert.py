@@ -352,7 +352,7 @@ def step_result_from_proto(msg: worker_pb2.ExecuteResult) -> StepResult:
 # --- continuation (AddRequest.continuation, a re-submission after a scheduler restart) -------
 
 # The scheduler's finish reasons (scheduler_service.sequence.FinishReason values) on the wire.
-FINISH_REASON_TO_PROTO: dict[str, int] = {
+FINISH_REASON_TO_PROTO: dict[str, common_pb2.FinishReason] = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,

@@ -13,7 +13,12 @@ import time
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import Executor, StepInput, StepResult
 from scheduler_service.config import CacheConfig, SchedulerConfig
-from scheduler_service.migration import GroupSnapshot, rebuild_group, snapshot_group
+from scheduler_service.migration import (
+    GroupSnapshot,
+    SequenceSnapshot,
+    rebuild_group,
+    snapshot_group,
+)
 from scheduler_service.outputs import CompletionOutput, OutputProcessor, RequestOutput, final_output
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, SchedulerStats
@@ -114,7 +119,9 @@ class LLMEngine:
                 f"prompt has {prompt_len} tokens, more than max_model_len ({max_len})",
             )
         bs = self.cache_config.block_size
-        unfinished = [s for s in snapshot.seqs if s.finish_reason is None] or [None]
+        unfinished: list[SequenceSnapshot | None] = [
+            s for s in snapshot.seqs if s.finish_reason is None
+        ] or [None]
         lengths = [prompt_len + (len(s.output_token_ids) if s else 0) for s in unfinished]
         if len(set(lengths)) > 1:
             raise RequestError(

@@ -371,7 +371,7 @@ def _output_to_proto(route: _Route, output: RequestOutput) -> scheduler_pb2.Requ
             top=[token_logprob_to_proto(t) for t in p.top],
         )
     if output.finished:
-        msg.usage.prompt_tokens = route.num_prompt_tokens
+        msg.usage.prompt_tokens = len(route.prompt_token_ids)
         msg.usage.completion_tokens = route.num_output_tokens
         if output.metrics is not None:
             msg.metrics.CopyFrom(_metrics_to_proto(output.metrics))

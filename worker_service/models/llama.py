@@ -43,12 +43,15 @@ def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     rows take 41 ms instead of F.linear's 88 ms in float32 (F.linear goes to MKL there) and
     24 instead of 36 ms in bfloat16, where F.linear re-lays its weights out on every call.
     bfloat16 results are bit-identical to F.linear; float32 ones differ in summation order.
+
+    oneDNN's bfloat16 path needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on an AVX2-only CPU
+    it refuses to pack bfloat16 weights, so bfloat16 keeps F.linear there.
     """
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def packed_matmul(
