@@ -4,6 +4,7 @@ a prefix-cache hit and shuffled block ids."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
-from worker_service.attention import AttentionSpec, get_backend_class
+from worker_service.attention import AttentionBackendError, AttentionSpec, get_backend_class
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 48
+# Unset on a CUDA host (tests/conftest.py sets it only where there is no CUDA device).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PROMPTS = {
     0: [5, 17, 33, 2, 9, 41, 77, 12, 3, 99, 64],
     1: [8, 8, 21],
@@ -134,7 +137,17 @@ def test_triton_backend_matches_torch_greedy(tiny_llama_dir: Path) -> None:
     assert triton_logprobs == pytest.approx(torch_logprobs, abs=1e-4)
 
 
-def test_auto_picks_the_native_kernels_on_cpu_and_triton_is_selectable() -> None:
+def test_auto_picks_the_native_kernels_on_cpu_and_triton_when_interpreted() -> None:
     cpu = AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 32)
     assert get_backend_class("auto", cpu).name == "cpu"
-    assert get_backend_class("triton", cpu).name == "triton"  # interpreted here
+    if INTERPRETED:
+        assert get_backend_class("triton", cpu).name == "triton"
+    else:  # a CUDA host: compiled kernels refuse CPU tensors
+        with pytest.raises(AttentionBackendError, match="TRITON_INTERPRET=1"):
+            get_backend_class("triton", cpu)
+
+
+@pytest.mark.gpu
+def test_auto_picks_triton_on_cuda() -> None:
+    cuda = AttentionSpec(torch.device("cuda"), torch.bfloat16, 4, 2, 32)
+    assert get_backend_class("auto", cuda).name == "triton"
