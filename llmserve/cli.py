@@ -28,6 +28,8 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")
     p.add_argument("--dtype", default=None, help="worker dtype (float32, bfloat16, float16)")
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="per worker, GiB (CPU)")
+    p.add_argument("--swap-space", type=float, default=None, help="per worker, GiB")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -57,7 +59,9 @@ def _run_up(argv: list[str]) -> int:
         grpc_port=args.grpc_port,
         http_port=args.http_port,
         host=args.host,
-        worker_args=_passthrough(args, ["dtype", "block-size", "log-level"]),
+        worker_args=_passthrough(
+            args, ["dtype", "block-size", "kv-cache-memory", "swap-space", "log-level"]
+        ),
         scheduler_args=_passthrough(
             args,
             ["block-size", "num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens",
@@ -70,15 +74,16 @@ def _run_up(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ["up", *_SERVICES, "generate"]
+    commands = ["up", *_SERVICES, "generate", "drain"]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(
-            "usage: llmserve {up,worker,scheduler,gateway,generate} [options]\n\n"
+            "usage: llmserve {up,worker,scheduler,gateway,generate,drain} [options]\n\n"
             "  up         run the whole stack on this machine (default model: SmolLM2)\n"
             "  worker     run one worker service\n"
             "  scheduler  run the scheduler service\n"
             "  gateway    run the gateway (gRPC + OpenAI HTTP)\n"
-            "  generate   stream a completion from a running gateway\n\n"
+            "  generate   stream a completion from a running gateway\n"
+            "  drain      take a worker out of the fleet without failing a request\n\n"
             "`llmserve COMMAND --help` lists a command's options.",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )
@@ -90,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         from llmserve.generate_cli import main as generate_main
 
         return generate_main(rest)
+    if command == "drain":
+        from llmserve.drain_cli import main as drain_main
+
+        return drain_main(rest)
     module = importlib.import_module(_SERVICES[command])
     return int(module.main(rest) or 0)
 

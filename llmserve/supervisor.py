@@ -1,7 +1,11 @@
 """`llmserve up`: the whole stack on one machine, as separate processes on loopback.
 
 Workers start first, then the scheduler (pointed at them), then the gateway. Each child's
-output is prefixed with its name. Ctrl-C or SIGTERM stops every child, gateway first.
+output is prefixed with its name. Once the stack is up, a child that dies is started again on
+the same ports, as a Deployment would, with a backoff that grows while it keeps dying: the
+scheduler takes a restarted worker back at its address (and moves a dead worker's requests to
+the others meanwhile), and the gateway re-submits its requests to a restarted scheduler.
+Ctrl-C or SIGTERM stops every child, gateway first.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,27 +110,40 @@ async def _pump(name: str, stream: asyncio.StreamReader) -> None:
         sys.stderr.buffer.flush()
 
 
+# Seconds before the n-th restart in a row of a child that keeps dying (the last repeats).
+_RESTART_DELAYS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# A child that ran this long before dying starts its backoff over.
+_STABLE_AFTER_S = 60.0
+
+
 class Stack:
-    """Starts, watches and stops the child processes of `llmserve up`."""
+    """Starts, watches, restarts and stops the child processes of `llmserve up`."""
 
     def __init__(self, specs: list[ServiceSpec]) -> None:
         self.specs = specs
         self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.restarts: dict[str, int] = {spec.name: 0 for spec in specs}
         self._pumps: list[asyncio.Task[None]] = []
+        self._watchers: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._env = dict(os.environ)
+        self._env.setdefault("PYTHONUNBUFFERED", "1")
+
+    async def _spawn(self, spec: ServiceSpec) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "llmserve.cli", *spec.args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env=self._env, start_new_session=True,
+        )
+        self.procs[spec.name] = proc
+        assert proc.stdout is not None
+        self._pumps.append(asyncio.create_task(_pump(spec.name, proc.stdout)))
+        log.info("starting", service=spec.name, address=spec.grpc_address, pid=proc.pid)
+        return proc
 
     async def start(self, timeout_s: float) -> None:
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
         for spec in self.specs:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "llmserve.cli", *spec.args,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                env=env, start_new_session=True,
-            )
-            self.procs[spec.name] = proc
-            assert proc.stdout is not None
-            self._pumps.append(asyncio.create_task(_pump(spec.name, proc.stdout)))
-            log.info("starting", service=spec.name, address=spec.grpc_address, pid=proc.pid)
+            proc = await self._spawn(spec)
             await self._wait_healthy(spec, proc, timeout_s)
 
     async def _wait_healthy(
@@ -141,14 +159,47 @@ class Stack:
         health.result()
         log.info("healthy", service=spec.name, address=spec.grpc_address)
 
-    async def wait_any_exit(self) -> str:
-        waits = {asyncio.create_task(p.wait()): name for name, p in self.procs.items()}
-        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        return waits[next(iter(done))]
+    def supervise(self, timeout_s: float) -> None:
+        """From now on, restart every child that exits (until `stop`)."""
+        for spec in self.specs:
+            self._watchers.append(
+                asyncio.create_task(self._watch(spec, timeout_s), name=f"watch-{spec.name}")
+            )
+
+    async def _watch(self, spec: ServiceSpec, timeout_s: float) -> None:
+        failures_in_a_row = 0
+        while True:
+            proc = self.procs[spec.name]
+            started = time.monotonic()
+            code = await proc.wait()
+            if self._stopping:
+                return
+            if time.monotonic() - started >= _STABLE_AFTER_S:
+                failures_in_a_row = 0
+            delay = _RESTART_DELAYS_S[min(failures_in_a_row, len(_RESTART_DELAYS_S) - 1)]
+            failures_in_a_row += 1
+            self.restarts[spec.name] += 1
+            log.warning(
+                "service exited; restarting it",
+                service=spec.name,
+                exit_code=code,
+                restart=self.restarts[spec.name],
+                delay_s=delay,
+            )
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            proc = await self._spawn(spec)
+            try:
+                await self._wait_healthy(spec, proc, timeout_s)
+            except (RuntimeError, TimeoutError) as exc:
+                log.warning("restarted service did not come up", service=spec.name, error=str(exc))
 
     async def stop(self, grace_s: float = 10.0) -> None:
+        self._stopping = True
+        for watcher in self._watchers:
+            watcher.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
             if proc.returncode is not None:
@@ -180,24 +231,21 @@ async def run_stack(config: StackConfig) -> int:
             return 130
         stopper.cancel()
         start.result()
+        workers = ", ".join(s.grpc_address for s in stack.specs if s.name.startswith("worker"))
+        scheduler = next(s.grpc_address for s in stack.specs if s.name == "scheduler")
         print(
             f"llmserve is up with model {config.model!r}\n"
             f"  gRPC   (llmserve.v1.Generation): {config.host}:{config.grpc_port}\n"
             f"  OpenAI HTTP API:                 http://{config.host}:{config.http_port}/v1\n"
             f"  metrics:                         http://{config.host}:{config.http_port}/metrics\n"
+            f"  scheduler: {scheduler}, workers: {workers}\n"
+            f"    (llmserve drain --scheduler {scheduler} WORKER takes one out)\n"
             f"Try: llmserve generate --chat 'What is the capital of France?'\n"
             f"Ctrl-C stops everything.",
             flush=True,
         )
-        exit_wait = asyncio.create_task(stack.wait_any_exit())
-        stopper = asyncio.create_task(stop.wait())
-        waiters: set[asyncio.Task[Any]] = {exit_wait, stopper}
-        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if exit_wait in done:
-            log.error("a service exited; stopping the stack", service=exit_wait.result())
-            return 1
-        stopper.cancel()
-        exit_wait.cancel()
+        stack.supervise(config.startup_timeout_s)
+        await stop.wait()
         return 0
     except Exception as exc:
         log.error("stack failed to start", error=str(exc))

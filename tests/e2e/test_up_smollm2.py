@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmserve.client import Client
+from llmserve.client import AsyncClient, Client
 from llmserve.supervisor import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -52,3 +54,94 @@ def test_up_answers_the_capital_of_france(tmp_path: Path):
         grpc.FutureTimeoutError
     ):
         grpc.channel_ready_future(channel).result(timeout=2)
+
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "List three uses of copper.",
+    "Explain what a compiler does.",
+    "Describe a sunrise in the mountains.",
+    "What is photosynthesis?",
+    "Give two tips for learning a language.",
+    "Why is the sky blue?",
+    "Name three planets and one fact about each.",
+]
+
+
+def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path, int]:
+    grpc_port, http_port = free_port(), free_port()
+    log = tmp_path / "up.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmserve.cli", "up", "--grpc-port", str(grpc_port),
+         "--http-port", str(http_port), *extra],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.monotonic() + 600
+    while "llmserve is up" not in log.read_text(errors="replace"):
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(1)
+    return proc, log, grpc_port
+
+
+def _worker_pids(log: Path) -> list[int]:
+    """The pids `llmserve up` logged for its worker processes, in start order."""
+    pids = []
+    for line in log.read_text(errors="replace").splitlines():
+        if '"event": "starting"' in line and '"service": "worker-' in line:
+            pids.append(json.loads(line[line.index("{"):])["pid"])
+    return pids
+
+
+async def _stream_all(port: int, on_token) -> list[str]:  # type: ignore[no-untyped-def]
+    """16 greedy streams at once (each prompt twice); returns each stream's text."""
+    async with AsyncClient(f"127.0.0.1:{port}", timeout_s=600) as client:
+        async def one(i: int) -> str:
+            parts = []
+            messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+            async for chunk in client.generate(messages=messages, temperature=0.0,
+                                               max_tokens=40, ignore_eos=True):
+                parts.append(chunk.text)
+                on_token()
+            return "".join(parts)
+
+        return list(await asyncio.gather(*(one(i) for i in range(16))))
+
+
+def test_up_survives_a_worker_kill_with_the_same_text(tmp_path: Path):
+    """The issue's user-level check: SIGKILL of one worker of `llmserve up --workers 2` during
+    16 streaming greedy requests (float32); all 16 complete with the undisturbed text, and
+    `up` starts the worker again instead of stopping the stack."""
+    proc, log, port = _start_up(
+        tmp_path, "--workers", "2", "--dtype", "float32",
+        "--kv-cache-memory", "0.5", "--swap-space", "0.5",
+    )
+    try:
+        undisturbed = asyncio.run(_stream_all(port, lambda: None))
+        victim = _worker_pids(log)[0]
+        tokens = 0
+
+        def kill_after_some_tokens() -> None:
+            nonlocal tokens
+            tokens += 1
+            if tokens == 16 * 8:  # every stream is about a fifth of the way in
+                os.kill(victim, signal.SIGKILL)
+
+        disturbed = asyncio.run(_stream_all(port, kill_after_some_tokens))
+        assert tokens >= 16 * 8, "the kill never happened"
+        assert disturbed == undisturbed
+        assert proc.poll() is None, "llmserve up stopped when a worker died"
+        deadline = time.monotonic() + 300
+        while len(_worker_pids(log)) < 3:  # the restarted worker logs "starting" again
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        assert "service exited; restarting it" in log.read_text(errors="replace")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-4000:]

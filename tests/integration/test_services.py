@@ -221,12 +221,19 @@ def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path)
         stdout=scheduler_log.open("wb"), stderr=subprocess.STDOUT,
     )
     worker = None
+    scheduler_address = f"127.0.0.1:{scheduler_port}"
     try:
-        wait_healthy(f"127.0.0.1:{scheduler_port}", scheduler, "scheduler", scheduler_log)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while "worker not reachable, retrying" not in scheduler_log.read_text():
+            assert scheduler.poll() is None, scheduler_log.read_text()
             assert time.monotonic() < deadline, scheduler_log.read_text()
             time.sleep(0.2)
+        # Up, but with no ready worker it cannot serve, and its health says so.
+        with grpc.insecure_channel(scheduler_address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
         worker_log = tmp_path / "worker.log"
         worker = subprocess.Popen(
             [sys.executable, "-m", "llmserve.cli", "worker", "--model", str(tiny_model_dir),
@@ -240,6 +247,7 @@ def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path)
             while not stub.GetStats(scheduler_pb2.GetStatsRequest()).replicas[0].healthy:
                 assert time.monotonic() < deadline, scheduler_log.read_text()
                 time.sleep(0.3)
+        wait_healthy(scheduler_address, scheduler, "scheduler", scheduler_log, timeout_s=30)
     finally:
         for proc in (worker, scheduler):
             if proc is not None:
@@ -247,8 +255,14 @@ def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path)
                 proc.wait(timeout=15)
 
 
-def test_worker_lost_mid_stream_gives_unavailable(tiny_model_dir: Path, tmp_path: Path):
-    running = start_stack(str(tiny_model_dir), tmp_path)
+def test_worker_lost_with_no_other_fails_unavailable_after_the_wait(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """A lost worker's requests wait for another replica (`--no-worker-timeout-s`), then fail
+    UNAVAILABLE with a message that says so."""
+    running = start_stack(
+        str(tiny_model_dir), tmp_path, scheduler_args=["--no-worker-timeout-s", "2"]
+    )
     try:
         with Client(running.gateway, timeout_s=60) as client:
             request = build_request("Never ending", temperature=0.0, max_tokens=400,
@@ -260,7 +274,7 @@ def test_worker_lost_mid_stream_gives_unavailable(tiny_model_dir: Path, tmp_path
                 for _ in stream:
                     pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "unavailable" in info.value.details()
+        assert "no worker became available within 2 s" in info.value.details()
     finally:
         running.stop()
 
