@@ -44,7 +44,12 @@ from scheduler_service.outputs import RequestOutput
 from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState, WorkerLostError
 from scheduler_service.routing import Candidate, RoutingPolicy
 from scheduler_service.routing import Router as RoutingRouter
-from scheduler_service.tracing import RequestTrace, end_request_trace, record_migration
+from scheduler_service.tracing import (
+    RequestTrace,
+    end_request_trace,
+    record_migration,
+    record_routing,
+)
 
 log = get_logger(__name__)
 
@@ -267,6 +272,7 @@ class Fleet:
             return
         self.location[key] = target
         metrics.record_routing(self.config.routing.value, decision.cached_tokens > 0)
+        record_routing(trace, target.address, self.config.routing.value, decision.cached_tokens)
         if source is not None:
             record_migration(trace, source.address, target.address, cause)
             metrics.MIGRATIONS.labels(cause).inc()

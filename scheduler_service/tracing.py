@@ -73,6 +73,18 @@ def start_request_trace(key: str, traceparent: str, num_prompt_tokens: int) -> R
     return RequestTrace(span)
 
 
+def record_routing(
+    trace: RequestTrace | None, worker: str, policy: str, cached_tokens: int
+) -> None:
+    """Event `routed`: the replica the routing policy picked, and how much of the prompt is
+    cached there."""
+    if trace is None:
+        return
+    trace.span.add_event(
+        "routed", {"worker": worker, "policy": policy, "cached_tokens": cached_tokens}
+    )
+
+
 def record_migration(trace: RequestTrace | None, source: str, target: str, cause: str) -> None:
     """Event `migrated` naming both workers; the request is queued again on the target."""
     if trace is None:

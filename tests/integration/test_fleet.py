@@ -21,7 +21,9 @@ from tests.support.fleet import (
     FleetStack,
     Received,
     assert_same_outputs,
+    http_workload,
     mixed_workload,
+    run_http_workload,
     run_workload,
     start_fleet,
 )
@@ -29,6 +31,7 @@ from tests.support.fleet import (
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WORKLOAD = mixed_workload(64)
+HTTP_WORKLOAD = http_workload(12)
 READY = scheduler_pb2.WORKER_STATE_READY
 
 
@@ -47,7 +50,8 @@ def baseline(fleet: FleetStack) -> dict[str, Received]:
     return received
 
 
-def run_with_fault(fleet: FleetStack, fault, at_chunk: int = 150) -> dict[str, Received]:  # type: ignore[no-untyped-def]
+async def run_with_fault_async(fleet: FleetStack, fault, at_chunk: int = 150) -> dict[str, Received]:  # type: ignore[no-untyped-def]
+    """The workload, with `fault()` called once `at_chunk` responses have arrived."""
     fired = []
 
     def on_chunk(total: int) -> None:
@@ -55,9 +59,13 @@ def run_with_fault(fleet: FleetStack, fault, at_chunk: int = 150) -> dict[str, R
             fired.append(total)
             fault()
 
-    received = asyncio.run(run_workload(fleet.gateway.address, WORKLOAD, on_chunk))  # type: ignore[union-attr]
+    received = await run_workload(fleet.gateway.address, WORKLOAD, on_chunk)  # type: ignore[union-attr]
     assert fired, "the workload ended before the fault was injected"
     return received
+
+
+def run_with_fault(fleet: FleetStack, fault, at_chunk: int = 150) -> dict[str, Received]:  # type: ignore[no-untyped-def]
+    return asyncio.run(run_with_fault_async(fleet, fault, at_chunk))
 
 
 LOSS_CAUSES = ("stream", "health", "lease", "watchdog")
@@ -146,13 +154,23 @@ def test_worker_joins_mid_run_and_takes_requests(fleet: FleetStack, baseline):  
 def test_scheduler_restart_loses_nothing(fleet: FleetStack, baseline: dict[str, Received]):
     scheduler = fleet.scheduler
     assert scheduler is not None
+    http_undisturbed = asyncio.run(run_http_workload(fleet.http_port, HTTP_WORKLOAD))
 
     def restart() -> None:
         scheduler.kill()
         scheduler.start(wait=False)
 
-    received = run_with_fault(fleet, restart)
+    async def grpc_and_http() -> tuple[dict[str, Received], dict]:  # type: ignore[type-arg]
+        return await asyncio.gather(  # type: ignore[return-value]
+            run_with_fault_async(fleet, restart),
+            run_http_workload(fleet.http_port, HTTP_WORKLOAD),
+        )
+
+    received, http_received = asyncio.run(grpc_and_http())
     assert_same_outputs(baseline, received)
+    # OpenAI streams went through the same restart (they were in flight: the gRPC workload
+    # took longer than the restart, and both started together).
+    assert http_received == http_undisturbed
     # The workers were not restarted: they registered again by themselves.
     stats = fleet.wait_for(lambda s: len(fleet.ready_replicas(s)) >= 2, "workers back")
     assert all(w.popen is not None and w.popen.poll() is None for w in fleet.workers[2:])

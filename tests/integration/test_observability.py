@@ -292,12 +292,17 @@ def test_request_span_lifecycle_events(observed: Observed) -> None:
     events = _events(request)
     assert [e.name for e in request.events] == [
         "queued",
+        "routed",
         "scheduled",
         "prefix_cache_hit",
         "first_token",
         "finished",
     ]
     assert events["prefix_cache_hit"] == {"blocks": 4}
+    # The one worker, picked by the default policy, which already held those 4 blocks.
+    assert events["routed"]["policy"] == "cache_aware"
+    assert events["routed"]["cached_tokens"] == 4 * BLOCK_SIZE
+    assert events["routed"]["worker"].startswith("127.0.0.1:")
     assert events["finished"] == {"reason": "length"}
 
 
