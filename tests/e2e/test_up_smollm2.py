@@ -21,37 +21,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def test_up_answers_the_capital_of_france(tmp_path: Path):
-    grpc_port, http_port = free_port(), free_port()
-    log = tmp_path / "up.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "up", "--grpc-port", str(grpc_port),
-         "--http-port", str(http_port)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc, log, grpc_port = _start_up(tmp_path)
     try:
-        deadline = time.monotonic() + 600
-        while "llmserve is up" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(1)
         with Client(f"127.0.0.1:{grpc_port}", timeout_s=300) as client:
             answer = client.complete(
                 messages=[{"role": "user", "content": "What is the capital of France?"}],
-                temperature=0.0, max_tokens=48,
+                temperature=0.0,
+                max_tokens=48,
             )
         assert "Paris" in answer.text, answer.text
         assert answer.finish_reasons[0] in ("stop", "length")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _interrupt(proc)
     assert proc.returncode == 0, log.read_text()[-4000:]
     # Ctrl-C stopped every child: nothing listens on the gateway port any more.
-    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel, pytest.raises(
-        grpc.FutureTimeoutError
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
+        pytest.raises(grpc.FutureTimeoutError),
     ):
         grpc.channel_ready_future(channel).result(timeout=2)
 
@@ -72,9 +58,19 @@ def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Pat
     grpc_port, http_port = free_port(), free_port()
     log = tmp_path / "up.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "up", "--grpc-port", str(grpc_port),
-         "--http-port", str(http_port), *extra],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "up",
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            *extra,
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     deadline = time.monotonic() + 600
@@ -85,23 +81,35 @@ def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Pat
     return proc, log, grpc_port
 
 
+def _interrupt(proc: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C, as a user stops `llmserve up`."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _worker_pids(log: Path) -> list[int]:
     """The pids `llmserve up` logged for its worker processes, in start order."""
     pids = []
     for line in log.read_text(errors="replace").splitlines():
         if '"event": "starting"' in line and '"service": "worker-' in line:
-            pids.append(json.loads(line[line.index("{"):])["pid"])
+            pids.append(json.loads(line[line.index("{") :])["pid"])
     return pids
 
 
 async def _stream_all(port: int, on_token) -> list[str]:  # type: ignore[no-untyped-def]
     """16 greedy streams at once (each prompt twice); returns each stream's text."""
     async with AsyncClient(f"127.0.0.1:{port}", timeout_s=600) as client:
+
         async def one(i: int) -> str:
             parts = []
             messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-            async for chunk in client.generate(messages=messages, temperature=0.0,
-                                               max_tokens=40, ignore_eos=True):
+            async for chunk in client.generate(
+                messages=messages, temperature=0.0, max_tokens=40, ignore_eos=True
+            ):
                 parts.append(chunk.text)
                 on_token()
             return "".join(parts)
@@ -114,8 +122,15 @@ def test_up_survives_a_worker_kill_with_the_same_text(tmp_path: Path):
     16 streaming greedy requests (float32); all 16 complete with the undisturbed text, and
     `up` starts the worker again instead of stopping the stack."""
     proc, log, port = _start_up(
-        tmp_path, "--workers", "2", "--dtype", "float32",
-        "--kv-cache-memory", "0.5", "--swap-space", "0.5",
+        tmp_path,
+        "--workers",
+        "2",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "0.5",
+        "--swap-space",
+        "0.5",
     )
     try:
         undisturbed = asyncio.run(_stream_all(port, lambda: None))
@@ -138,10 +153,5 @@ def test_up_survives_a_worker_kill_with_the_same_text(tmp_path: Path):
             time.sleep(1)
         assert "service exited; restarting it" in log.read_text(errors="replace")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _interrupt(proc)
     assert proc.returncode == 0, log.read_text()[-4000:]
