@@ -59,8 +59,9 @@ ENV PATH=/opt/llmserve/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     LLMSERVE_KERNEL_CACHE=/var/cache/llmserve/kernels \
     LLMSERVE_HOST=0.0.0.0
-# Writable: the compiled CPU kernels survive restarts when a volume is mounted here.
-VOLUME /var/cache/llmserve
+# /var/cache/llmserve is writable by the service user: mount a volume there to keep the
+# compiled CPU kernels across restarts (no VOLUME line: every container of the gateway and
+# the scheduler would leave an anonymous volume behind).
 USER 10001:10001
 # Which port to probe: each service's compose/k8s definition sets LLMSERVE_PORT; the default
 # is the gateway's gRPC port.

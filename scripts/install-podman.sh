@@ -7,9 +7,12 @@ missing=""
 for tool in podman runc mmdebstrap; do
 	command -v "$tool" >/dev/null || missing="$missing $tool"
 done
+# Service names resolve on compose networks through CNI's dnsname plugin.
+[ -e /usr/lib/cni/dnsname ] || missing="$missing dnsname"
 [ -z "$missing" ] && exit 0
 echo "installing:$missing" >&2
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 apt-get install -y -q --no-install-recommends podman buildah runc mmdebstrap uidmap \
-	slirp4netns fuse-overlayfs containernetworking-plugins ca-certificates
+	slirp4netns fuse-overlayfs containernetworking-plugins \
+	golang-github-containernetworking-plugin-dnsname ca-certificates

@@ -104,12 +104,17 @@ def build_stand_ins(jaeger_image: str, prometheus_image: str) -> None:
     )
 
 
+def podman_volumes() -> list[str]:
+    return podman("volume", "ls", "--format", "{{.Name}}").stdout.split()
+
+
 class ComposeProject:
     """One podman-compose project of docker-compose.yml, with the test's variables."""
 
     def __init__(self, name: str, variables: dict[str, str]) -> None:
         self.name = name
         self.env = engine_env(**variables)
+        self.volumes_before: set[str] = set()
 
     def compose(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
         files = [arg for name in COMPOSE_FILES for arg in ("-f", str(ROOT / name))]

@@ -23,6 +23,7 @@ from tests.deploy.podman import (
     ensure_base_image,
     ensure_wheelhouse,
     get_json,
+    podman_volumes,
     post_json,
     wait_until,
 )
@@ -70,6 +71,7 @@ def stack() -> Iterator[Stack]:
     # One build, through compose (BASE_IMAGE from the environment); the other services use
     # the same image tag.
     project.compose("build", "gateway", timeout=1800)
+    project.volumes_before = set(podman_volumes())
     try:
         project.compose("up", "-d")
         yield Stack(
@@ -189,4 +191,6 @@ def test_down_leaves_nothing_running(stack: Stack):
     stack.project.compose("down", "-v", "-t", "10", timeout=300)
     assert stack.project.containers() == []
     assert stack.project.volumes() == []
+    # Nor an anonymous volume (an image's VOLUME line would leave one per container).
+    assert set(podman_volumes()) <= stack.project.volumes_before
     assert stack.project.networks() == []

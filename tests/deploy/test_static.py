@@ -252,3 +252,17 @@ def test_containers_are_locked_down_and_probed_on_their_ports(overlay):
     assert scheduler.env["LLMSERVE_WORKER_DNS"] == f"worker:{worker.env['LLMSERVE_PORT']}"
     gpus = worker.spec["resources"]["limits"].get("nvidia.com/gpu")
     assert gpus == ("1" if name == "gpu" else None)
+
+
+def test_installed_package_ships_every_cpu_kernel_source():
+    # An editable install reads the sources from the checkout; the image's regular install
+    # has only package-data, and without vec.h every worker fell back to the torch backend.
+    import tomllib
+    from fnmatch import fnmatch
+
+    from kernels.cpu.build import HEADERS, SOURCES
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
+    for name in (*SOURCES, *HEADERS):
+        assert any(fnmatch(f"cpu/{name}", glob) for glob in globs), name
