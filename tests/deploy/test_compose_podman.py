@@ -84,7 +84,7 @@ def stack() -> Iterator[Stack]:
         if project.containers():
             for service in ("worker", "scheduler", "gateway"):
                 print(f"--- {service} ---\n{project.logs(service)[-4000:]}")
-        project.compose("down", "-v", "-t", "10", timeout=300)
+        project.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
 
 
 def test_ready_once_a_worker_is_ready(stack: Stack):
@@ -188,7 +188,7 @@ def test_every_prometheus_target_is_up(stack: Stack):
 
 
 def test_down_leaves_nothing_running(stack: Stack):
-    stack.project.compose("down", "-v", "-t", "10", timeout=300)
+    stack.project.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
     assert stack.project.containers() == []
     assert stack.project.volumes() == []
     # Nor an anonymous volume (an image's VOLUME line would leave one per container).

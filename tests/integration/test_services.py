@@ -222,11 +222,16 @@ def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path)
     )
     worker = None
     try:
-        wait_healthy(f"127.0.0.1:{scheduler_port}", scheduler, "scheduler", scheduler_log)
+        # Not wait_healthy: the scheduler is NOT_SERVING until a worker is ready.
         deadline = time.monotonic() + 30
         while "worker not reachable, retrying" not in scheduler_log.read_text():
             assert time.monotonic() < deadline, scheduler_log.read_text()
             time.sleep(0.2)
+        with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
         worker_log = tmp_path / "worker.log"
         worker = subprocess.Popen(
             [sys.executable, "-m", "llmserve.cli", "worker", "--model", str(tiny_model_dir),
@@ -240,6 +245,8 @@ def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path)
             while not stub.GetStats(scheduler_pb2.GetStatsRequest()).replicas[0].healthy:
                 assert time.monotonic() < deadline, scheduler_log.read_text()
                 time.sleep(0.3)
+        # With a ready worker, the scheduler reports SERVING.
+        wait_healthy(f"127.0.0.1:{scheduler_port}", scheduler, "scheduler", scheduler_log)
     finally:
         for proc in (worker, scheduler):
             if proc is not None:
