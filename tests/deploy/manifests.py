@@ -56,7 +56,7 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 def kubectl() -> str:
     path = shutil.which("kubectl")
-    assert path is not None, "kubectl is needed to render deploy/k8s (.ci/run installs it)"
+    assert path is not None, "kubectl (with its built-in kustomize) is needed to render deploy/k8s"
     return path
 
 
