@@ -160,9 +160,13 @@ class Scheduler:
         budget = SchedulingBudget(config.max_num_batched_tokens, config.max_num_seqs)
         out = SchedulerOutputs()
         if not config.enable_chunked_prefill and not self.swapped:
+            # Running groups sit this step out but keep their places: prompts are admitted
+            # only into the room they leave under max_num_seqs (as in the seed's step 1).
+            budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
             self._schedule_waiting(budget, out)
             if out.scheduled or out.ignored:
                 return self._finish(out, budget)
+            budget.num_seqs = 0  # the running stage counts the running groups itself
         self._schedule_running(budget, out)
         if not out.preempted:
             self._schedule_swapped(budget, out)
