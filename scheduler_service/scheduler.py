@@ -70,12 +70,10 @@ class Scheduler:
         groups that arrived before it."""
         assert seq_group.request_id not in self._groups, "duplicate request id"
         self._groups[seq_group.request_id] = seq_group
-        waiting = self.waiting
-        position = len(waiting)
         if by_arrival:
-            while position and waiting[position - 1].arrival_time > seq_group.arrival_time:
-                position -= 1
-        waiting.insert(position, seq_group)
+            _insert_by_arrival(self.waiting, seq_group)
+        else:
+            self.waiting.append(seq_group)
 
     def get_seq_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)
@@ -302,7 +300,7 @@ class Scheduler:
             for seq in seqs:
                 seq.status = _RUNNING
             budget.num_seqs += num_new_seqs
-            self.running.append(seq_group)
+            _insert_by_arrival(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)
 
     def _schedule_waiting(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
@@ -358,7 +356,7 @@ class Scheduler:
             if chunked:
                 chunk = min(chunk, share)
             budget.num_seqs += num_new_seqs
-            self.running.append(seq_group)
+            _insert_by_arrival(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)
             # Running and swapped groups went through here first, so only admissions are new.
             if seq_group.metrics.first_scheduled_time is None:
@@ -390,6 +388,28 @@ class Scheduler:
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq_group).items())
             for seq in seq_group.get_seqs(_RUNNING):
                 seq.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(seq_group)
+            _insert_by_arrival(self.swapped, seq_group, ahead_of_ties=True)
         self.num_preemptions[mode] += 1
         out.preempted.append(PreemptedGroup(seq_group.request_id, mode))
+
+
+def _insert_by_arrival(
+    queue: deque[SequenceGroup], seq_group: SequenceGroup, ahead_of_ties: bool = False
+) -> None:
+    """Put `seq_group` after the groups that arrived before it, and after (or, with
+    `ahead_of_ties`, before) those that arrived at the same time.
+
+    `running` and `swapped` are kept in arrival order so that preemption, which takes victims
+    from the end of `running`, always takes the latest arrival, however groups came back
+    (swap-in, re-admission after recompute, a move from another replica). Victims are swapped
+    out latest first, so `ahead_of_ties` keeps equal arrivals in their running order. Groups
+    mostly arrive last, so the walk from the end is short.
+    """
+    arrival = seq_group.arrival_time
+    position = len(queue)
+    while position and (
+        queue[position - 1].arrival_time > arrival
+        or (ahead_of_ties and queue[position - 1].arrival_time == arrival)
+    ):
+        position -= 1
+    queue.insert(position, seq_group)
