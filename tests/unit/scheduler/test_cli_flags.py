@@ -25,6 +25,8 @@ def test_up_passes_block_size_to_the_workers_and_only_flags_the_scheduler_takes(
         return 0
 
     monkeypatch.setattr(llmserve.supervisor, "run_stack", fake_run_stack)
+    # Configuring the process's logging would change what later tests capture.
+    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
     argv = ["up", "--block-size", "8", "--num-gpu-blocks-override", "40", "--max-num-seqs", "4"]
     assert cli.main(argv) == 0
     (config,) = seen
