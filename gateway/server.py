@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from grpc_health.v1.health import HealthServicer
+
+from gateway.readiness import SchedulerReadiness
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
 from llmserve.model_spec import ModelSource, resolve_model
@@ -55,28 +58,48 @@ async def serve(config: GatewayConfig) -> None:
     scheduler.start()
     core = GenerationCore(config.served_model_name, tokenization, scheduler, max_model_len)
 
+    readiness = SchedulerReadiness(config.scheduler_address, lambda: scheduler.connected)
+    readiness.start()
+
     server, health = create_server([SERVICE_NAME], config.max_message_bytes)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), server)
     address = f"{config.host}:{config.grpc_port}"
     server.add_insecure_port(address)
+    await set_serving(health, [SERVICE_NAME], False)
     await server.start()
+    health_task = asyncio.create_task(_follow_readiness(readiness, health), name="gateway-health")
 
     http_task = None
     if config.http_port:
         from gateway.openai_api import serve_http
 
-        http_task = asyncio.create_task(serve_http(core, config))
+        http_task = asyncio.create_task(serve_http(core, config, readiness.not_ready_reason))
 
-    log.info("waiting for the scheduler", address=config.scheduler_address)
-    await scheduler.wait_connected(timeout_s=3600)
-    await set_serving(health, [SERVICE_NAME])
-    log.info("gateway serving", grpc=address, http_port=config.http_port,
-             model=config.served_model_name, max_model_len=max_model_len)
+    log.info("gateway listening", grpc=address, http_port=config.http_port,
+             model=config.served_model_name, max_model_len=max_model_len,
+             scheduler=config.scheduler_address)
 
     async def on_stop() -> None:
-        if http_task is not None:
-            http_task.cancel()
-            await asyncio.gather(http_task, return_exceptions=True)
+        # Draining: probes see NOT_SERVING / 503 at once, so traffic stops coming here.
+        readiness.drain()
+        await health.enter_graceful_shutdown()
+        for task in (health_task, http_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await readiness.close()
         await scheduler.close()
 
     await serve_until_signal(server, on_stop)
+
+
+async def _follow_readiness(readiness: SchedulerReadiness, health: HealthServicer) -> None:
+    """Mirror readiness onto the gateway's gRPC health (polled: it has two inputs, the
+    scheduler's health and the Connect stream, and a check every half second is cheap)."""
+    serving: bool | None = None
+    while True:
+        if readiness.ready != serving:
+            serving = readiness.ready
+            await set_serving(health, [SERVICE_NAME], serving)
+            log.info("gateway readiness", ready=serving, reason=readiness.not_ready_reason())
+        await asyncio.sleep(0.5)

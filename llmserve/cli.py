@@ -1,4 +1,4 @@
-"""The `llmserve` command: `up` (the whole stack), one service each, and `generate`."""
+"""The `llmserve` command: `up` (the whole stack), one service each, `generate` and `health`."""
 
 from __future__ import annotations
 
@@ -73,16 +73,17 @@ def _run_up(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ["up", *_SERVICES, "generate", "drain"]
+    commands = ["up", *_SERVICES, "generate", "drain", "health"]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(
-            "usage: llmserve {up,worker,scheduler,gateway,generate,drain} [options]\n\n"
+            "usage: llmserve {up,worker,scheduler,gateway,generate,drain,health} [options]\n\n"
             "  up         run the whole stack on this machine (default model: SmolLM2)\n"
             "  worker     run one worker service\n"
             "  scheduler  run the scheduler service\n"
             "  gateway    run the gateway (gRPC + OpenAI HTTP)\n"
             "  generate   stream a completion from a running gateway\n"
-            "  drain      take a worker out of the fleet without failing a request\n\n"
+            "  drain      take a worker out of the fleet without failing a request\n"
+            "  health     check a service's gRPC health (exit 0 when SERVING)\n\n"
             "`llmserve COMMAND --help` lists a command's options.",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )
@@ -98,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         from llmserve.drain_cli import main as drain_main
 
         return drain_main(rest)
+    if command == "health":
+        from llmserve.health_cli import main as health_main
+
+        return health_main(rest)
     module = importlib.import_module(_SERVICES[command])
     return int(module.main(rest) or 0)
 

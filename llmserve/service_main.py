@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import os
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -31,8 +30,8 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     )
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("LLMSERVE_LOG_LEVEL", "INFO"),
-        help="DEBUG, INFO, WARNING or ERROR (default: $LLMSERVE_LOG_LEVEL or INFO)",
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR",
     )
     parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
                         help="JSON log lines (default: when stderr is not a terminal)")

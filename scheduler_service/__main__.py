@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from llmserve.config_env import parse_service_args
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
 from llmserve.service_main import add_common_flags, serve_until_signal, start_service
@@ -91,7 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="running requests of a draining worker may finish there for this long before "
         "they move",
     )
-    return p.parse_args(argv)
+    return parse_service_args(p, argv, build_fleet_config)
 
 
 def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -144,7 +145,14 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     router.start([w.strip() for w in args.workers.split(",") if w.strip()])
     log.info("scheduler listening", address=address, workers=args.workers)
-    await serve_until_signal(server, router.stop)
+
+    async def on_stop() -> None:
+        # NOT_SERVING from the first moment of the drain, for good: no later ready change
+        # of the fleet may turn it back to SERVING.
+        await health.enter_graceful_shutdown()
+        await router.stop()
+
+    await serve_until_signal(server, on_stop)
 
 
 def main(argv: list[str]) -> int:

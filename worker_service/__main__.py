@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
+from llmserve.config_env import parse_service_args
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
 from llmserve.service_main import add_common_flags, serve_until_signal, start_service
@@ -66,7 +68,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "worker's requests, then exit (a second SIGTERM exits at once). Kubernetes: set "
         "terminationGracePeriodSeconds above it, or the kubelet kills the worker mid-drain",
     )
-    return p.parse_args(argv)
+    return parse_service_args(p, argv, validate)
+
+
+def validate(args: argparse.Namespace) -> None:
+    """What --check-config checks beyond the parser: the config's own rules and the model."""
+    from llmserve.model_spec import ModelNotFoundError, resolve_model
+
+    build_config(args)
+    try:
+        resolve_model(args.model)
+    except ModelNotFoundError as exc:
+        raise ValueError(f"model: {exc}") from None
 
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
@@ -131,7 +144,7 @@ async def serve(args: argparse.Namespace) -> int:
         device=str(worker.device),
         dtype=str(worker.dtype),
     )
-    advertised = args.advertise_address or address
+    advertised = args.advertise_address or advertise_address(args.host, args.port)
     lease_task = None
     if args.scheduler:
         lease_task = asyncio.create_task(LeaseKeeper(args.scheduler, advertised).run())
@@ -146,6 +159,14 @@ async def serve(args: argparse.Namespace) -> int:
     )
     await serve_until_signal(server, drain.run)
     return drain.exit_code
+
+
+def advertise_address(host: str, port: int) -> str:
+    """The address a scheduler dials to reach this worker: the listen address, unless that
+    is a wildcard (a container listening on 0.0.0.0), then this host's own address."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
 
 
 def main(argv: list[str]) -> int:

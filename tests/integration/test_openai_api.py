@@ -391,8 +391,10 @@ def test_api_key_missing_or_wrong_is_401(stack: RunningStack) -> None:
     wrong = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
-    # Health stays open for probes.
+    # Health and readiness stay open for probes.
     assert httpx.get(stack.http_url + "/health").status_code == 200
+    ready = httpx.get(stack.http_url + "/ready")
+    assert (ready.status_code, ready.json()) == (200, {"status": "ok"})
 
 
 # -- load and disconnect -------------------------------------------------------------------------

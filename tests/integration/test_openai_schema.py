@@ -45,6 +45,7 @@ def api_schema(schema_stack: RunningStack) -> BaseSchema:
 # a test below keeps the list equal to the document.
 OPERATIONS = [
     ("GET", "/health"),
+    ("GET", "/ready"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),

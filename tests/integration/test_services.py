@@ -223,6 +223,7 @@ def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path)
     worker = None
     scheduler_address = f"127.0.0.1:{scheduler_port}"
     try:
+        # Not wait_healthy: the scheduler is NOT_SERVING until a worker is ready.
         deadline = time.monotonic() + 60
         while "worker not reachable, retrying" not in scheduler_log.read_text():
             assert scheduler.poll() is None, scheduler_log.read_text()
@@ -247,7 +248,16 @@ def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path)
             while not stub.GetStats(scheduler_pb2.GetStatsRequest()).replicas[0].healthy:
                 assert time.monotonic() < deadline, scheduler_log.read_text()
                 time.sleep(0.3)
+        # With a ready worker, the scheduler reports SERVING; SIGTERM turns it NOT_SERVING
+        # before the server goes away (probes see the drain, not just a refused connection).
         wait_healthy(scheduler_address, scheduler, "scheduler", scheduler_log, timeout_s=30)
+        with grpc.insecure_channel(scheduler_address) as channel:
+            updates = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=""), timeout=30
+            )
+            assert next(updates).status == health_pb2.HealthCheckResponse.SERVING
+            scheduler.terminate()
+            assert next(updates).status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         for proc in (worker, scheduler):
             if proc is not None:

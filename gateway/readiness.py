@@ -1,0 +1,83 @@
+"""Whether the gateway can serve: its scheduler is connected and has a ready worker.
+
+The scheduler reports SERVING on grpc.health.v1 only while at least one worker replica is
+ready, so the gateway watches that status (a Health.Watch stream, re-opened when it breaks)
+instead of asking the scheduler on every probe. The gateway's own gRPC health and its HTTP
+`/ready` follow the result; `/health` stays liveness only, so that an orchestrator restarts a
+gateway that is stuck, not every gateway whenever the scheduler restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve.grpc_utils import channel_options
+from llmserve.logs import get_logger
+from llmserve.v1 import scheduler_pb2
+
+log = get_logger(__name__)
+
+SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+# Pause before re-opening a broken Watch stream: short, since readiness lags by this much.
+RETRY_S = 1.0
+
+
+class SchedulerReadiness:
+    """Follows the scheduler's health; `ready` combines it with the Connect stream's state."""
+
+    def __init__(
+        self, address: str, is_connected: Callable[[], bool], retry_s: float = RETRY_S
+    ) -> None:
+        self.address = address
+        self._is_connected = is_connected
+        self._retry_s = retry_s
+        self._scheduler_serving = False
+        self._draining = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="scheduler-health")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def drain(self) -> None:
+        """Not ready from now on, whatever the scheduler says (SIGTERM)."""
+        self._draining = True
+
+    def not_ready_reason(self) -> str | None:
+        """None when ready; otherwise why not, for `/ready`'s answer."""
+        if self._draining:
+            return "draining"
+        if not self._is_connected():
+            return "scheduler unavailable"
+        if not self._scheduler_serving:
+            return "no ready worker"
+        return None
+
+    @property
+    def ready(self) -> bool:
+        return self.not_ready_reason() is None
+
+    async def _run(self) -> None:
+        request = health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(self.address, options=channel_options()) as ch:
+                    async for reply in health_pb2_grpc.HealthStub(ch).Watch(request):
+                        serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                        if serving != self._scheduler_serving:
+                            log.info("scheduler health", address=self.address, serving=serving)
+                        self._scheduler_serving = serving
+            except grpc.aio.AioRpcError as exc:
+                log.debug("scheduler health watch broke", code=exc.code().name)
+            self._scheduler_serving = False
+            await asyncio.sleep(self._retry_s)

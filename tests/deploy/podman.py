@@ -1,0 +1,193 @@
+"""podman and podman-compose for the deploy test: images, the stack's project, its cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.deploy.manifests import ROOT
+
+CONTAINERS_CONF = ROOT / "deploy" / "podman" / "containers.conf"
+BASE_IMAGE = "localhost/llmserve-base:bookworm"
+WHEELHOUSE = ROOT / "deploy" / "wheelhouse"
+COMPOSE_FILES = ("docker-compose.yml", "tests/deploy/compose.test.yml")
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF), **extra}
+
+
+def run(
+    command: list[str], env: dict[str, str] | None = None, timeout: float = 900, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        command, env=env or engine_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
+            f"{result.stderr[-5000:]}"
+        )
+    return result
+
+
+def podman(
+    *args: str, timeout: float = 900, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return run(["podman", *args], timeout=timeout, check=check)
+
+
+def image_exists(name: str) -> bool:
+    return podman("image", "exists", name, check=False).returncode == 0
+
+
+def ensure_base_image() -> None:
+    """A Python 3.11 base from Debian's packages (no image registry is reachable here);
+    built once per machine, then reused like any pulled base."""
+    if image_exists(BASE_IMAGE):
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        tar = Path(scratch) / "base.tar"
+        run(
+            [
+                "mmdebstrap",
+                "--variant=apt",
+                "--include=python3,python3-venv,ca-certificates",
+                "bookworm",
+                str(tar),
+            ],
+            timeout=900,
+        )
+        podman("import", str(tar), BASE_IMAGE)
+
+
+def ensure_wheelhouse() -> None:
+    """The image installs from local wheels: pip inside a build reaches no index here."""
+    if not list(WHEELHOUSE.glob("torch-*.whl")):
+        run(["scripts/wheelhouse.sh"], env={**os.environ, "PYTHON": sys.executable}, timeout=1200)
+
+
+def build_stand_ins(jaeger_image: str, prometheus_image: str) -> None:
+    """Local images under the public Jaeger and Prometheus names, so the compose file runs
+    as users run it."""
+    with tempfile.TemporaryDirectory() as context:
+        import rotel
+
+        shutil.copy(Path(rotel.__file__).parent / "rotel-agent", Path(context) / "rotel-agent")
+        podman(
+            "build",
+            "-t",
+            jaeger_image,
+            "--build-arg",
+            f"BASE_IMAGE={BASE_IMAGE}",
+            "-f",
+            str(ROOT / "tests/deploy/images/otlp-collector.Dockerfile"),
+            context,
+        )
+    podman(
+        "build",
+        "-t",
+        prometheus_image,
+        "--build-arg",
+        f"BASE_IMAGE={BASE_IMAGE}",
+        "-f",
+        str(ROOT / "tests/deploy/images/prometheus.Dockerfile"),
+        str(ROOT / "tests/deploy/images"),
+    )
+
+
+def podman_volumes() -> list[str]:
+    return podman("volume", "ls", "--format", "{{.Name}}").stdout.split()
+
+
+class ComposeProject:
+    """One podman-compose project of docker-compose.yml, with the test's variables."""
+
+    def __init__(self, name: str, variables: dict[str, str]) -> None:
+        self.name = name
+        self.env = engine_env(**variables)
+        self.volumes_before: set[str] = set()
+
+    def compose(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+        files = [arg for name in COMPOSE_FILES for arg in ("-f", str(ROOT / name))]
+        return run(
+            [sys.executable, "-m", "podman_compose", "-p", self.name, *files, *args],
+            env=self.env,
+            timeout=timeout,
+        )
+
+    def containers(self, *filters: str) -> list[dict[str, Any]]:
+        result = podman(
+            "ps",
+            "-a",
+            "--format",
+            "json",
+            "--filter",
+            f"label=io.podman.compose.project={self.name}",
+            *filters,
+        )
+        return json.loads(result.stdout or "[]")
+
+    def container_of(self, service: str) -> list[str]:
+        return sorted(
+            c["Names"][0]
+            for c in self.containers()
+            if c.get("Labels", {}).get("com.docker.compose.service") == service
+        )
+
+    def logs(self, service: str) -> str:
+        return "\n".join(
+            podman("logs", name, check=False).stdout + podman("logs", name, check=False).stderr
+            for name in self.container_of(service)
+        )
+
+    def volumes(self) -> list[str]:
+        result = podman(
+            "volume",
+            "ls",
+            "--format",
+            "{{.Name}}",
+            "--filter",
+            f"label=io.podman.compose.project={self.name}",
+        )
+        return result.stdout.split()
+
+    def networks(self) -> list[str]:
+        names = podman("network", "ls", "--format", "{{.Name}}").stdout.split()
+        return [name for name in names if name.startswith(self.name)]
+
+
+def get_json(url: str, timeout: float = 10) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float = 2.0) -> Any:
+    """Poll `predicate` until it returns something truthy; errors count as not yet."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the service may not answer yet
+            last_error = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"{what} not within {timeout_s:.0f} s (last error: {last_error})")

@@ -1,0 +1,196 @@
+"""docker-compose.yml for real, under podman (`make test-deploy`): the image built on a base
+from Debian's packages, the stack up, requests over HTTP and gRPC, two workers both serving,
+traces at the collector standing in for Jaeger, every Prometheus target up, and `down`
+leaving nothing behind. The tests run in file order against one stack."""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from llmserve.client import Client
+from llmserve.supervisor import free_ports
+from tests.deploy.manifests import load_compose
+from tests.deploy.podman import (
+    BASE_IMAGE,
+    ComposeProject,
+    build_stand_ins,
+    ensure_base_image,
+    ensure_wheelhouse,
+    get_json,
+    podman_volumes,
+    post_json,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.deploy, pytest.mark.timeout(2400)]
+
+IMAGE = "localhost/llmserve:deploy-test"
+STARTUP_S = 600
+
+
+@dataclass
+class Stack:
+    project: ComposeProject
+    http: str
+    grpc: str
+    prometheus: str
+
+    def prometheus_query(self, query: str) -> list[dict]:
+        url = f"{self.prometheus}/api/v1/query?query={urllib.parse.quote(query)}"
+        return get_json(url)["data"]["result"]
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    services = load_compose("docker-compose.yml")["services"]
+    ensure_base_image()
+    ensure_wheelhouse()
+    build_stand_ins(services["jaeger"]["image"], services["prometheus"]["image"])
+    http, grpc_port, prometheus, jaeger_ui = free_ports(4)
+    project = ComposeProject(
+        f"llmserve-deploy-test-{os.getpid()}",
+        {
+            "BASE_IMAGE": BASE_IMAGE,
+            "LLMSERVE_IMAGE": IMAGE,
+            "PUBLISH_HOST": "127.0.0.1",
+            "LLMSERVE_HTTP_PUBLISH": str(http),
+            "LLMSERVE_GRPC_PUBLISH": str(grpc_port),
+            "PROMETHEUS_PUBLISH": str(prometheus),
+            "JAEGER_UI_PUBLISH": str(jaeger_ui),
+            # Small KV caches: two workers and the rest share this machine's memory.
+            "LLMSERVE_KV_CACHE_MEMORY": "0.25",
+            "LLMSERVE_SWAP_SPACE": "0.25",
+        },
+    )
+    # One build, through compose (BASE_IMAGE from the environment); the other services use
+    # the same image tag.
+    project.compose("build", "gateway", timeout=1800)
+    project.volumes_before = set(podman_volumes())
+    try:
+        project.compose("up", "-d")
+        yield Stack(
+            project,
+            f"http://127.0.0.1:{http}",
+            f"127.0.0.1:{grpc_port}",
+            f"http://127.0.0.1:{prometheus}",
+        )
+    finally:
+        if project.containers():
+            for service in ("worker", "scheduler", "gateway"):
+                print(f"--- {service} ---\n{project.logs(service)[-4000:]}")
+        project.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
+
+
+def test_ready_once_a_worker_is_ready(stack: Stack):
+    def ready() -> bool:
+        return get_json(stack.http + "/ready") == {"status": "ok"}
+
+    wait_until(ready, STARTUP_S, "gateway /ready")
+    assert get_json(stack.http + "/health") == {"status": "ok"}
+
+
+def test_chat_completion_over_http(stack: Stack):
+    reply = post_json(
+        stack.http + "/v1/chat/completions",
+        {
+            "model": "smollm2",
+            "max_tokens": 16,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        },
+    )
+    assert reply["object"] == "chat.completion"
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+    assert reply["usage"]["completion_tokens"] > 0
+
+
+def test_generate_over_grpc(stack: Stack):
+    with Client(stack.grpc, timeout_s=120) as client:
+        completion = client.complete(
+            "The three primary colors are", max_tokens=8, temperature=0.0, ignore_eos=True
+        )
+    assert completion.completion_tokens == 8
+    assert completion.text.strip()
+
+
+def test_two_workers_both_serve(stack: Stack):
+    stack.project.compose("up", "-d", "--scale", "worker=2")
+    assert len(stack.project.container_of("worker")) == 2
+
+    def two_ready() -> bool:
+        ready = stack.prometheus_query('llmserve_workers{state="ready"}')
+        return bool(ready) and float(ready[0]["value"][1]) == 2
+
+    wait_until(two_ready, STARTUP_S, "the scheduler has two ready workers")
+
+    def steps_by_worker() -> dict[str, float]:
+        return {
+            sample["metric"]["instance"]: float(sample["value"][1])
+            for sample in stack.prometheus_query("llmserve_worker_steps_total")
+        }
+
+    before = steps_by_worker()
+
+    def complete(i: int) -> int:
+        reply = post_json(
+            stack.http + "/v1/completions",
+            {
+                "model": "smollm2",
+                "prompt": f"Request {i}: count from {i} to {i + 20}:",
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        return int(reply["usage"]["completion_tokens"])
+
+    def both_stepped() -> bool:
+        # Concurrent requests: the router weighs load, so each worker takes some.
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(complete, range(8))) == [24] * 8
+        after = wait_until(
+            lambda: len(steps_by_worker()) == 2 and steps_by_worker(), 30, "both workers scraped"
+        )
+        return all(after[w] > before.get(w, 0.0) for w in after)
+
+    assert wait_until(both_stepped, 300, "steps on both workers", interval_s=0)
+
+
+def test_traces_reach_the_collector(stack: Stack):
+    def services_seen() -> set[str]:
+        log = stack.project.logs("jaeger")
+        names = {"llmserve-gateway", "llmserve-scheduler", "llmserve-worker"}
+        return {name for name in names if f"service.name: Str({name})" in log}
+
+    seen = wait_until(
+        lambda: len(services_seen()) == 3 and services_seen(),
+        60,
+        "spans of every service at the collector",
+    )
+    assert seen == {"llmserve-gateway", "llmserve-scheduler", "llmserve-worker"}
+    assert "Name           : scheduler.request" in stack.project.logs("jaeger")
+
+
+def test_every_prometheus_target_is_up(stack: Stack):
+    def targets() -> list[dict]:
+        active = get_json(stack.prometheus + "/api/v1/targets")["data"]["activeTargets"]
+        return active if all(t["health"] == "up" for t in active) else []
+
+    active = wait_until(targets, 60, "every target up")
+    jobs = sorted(t["labels"]["job"] for t in active)
+    assert jobs == ["llmserve-gateway", "llmserve-scheduler", "llmserve-worker", "llmserve-worker"]
+
+
+def test_down_leaves_nothing_running(stack: Stack):
+    stack.project.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
+    assert stack.project.containers() == []
+    assert stack.project.volumes() == []
+    # Nor an anonymous volume (an image's VOLUME line would leave one per container).
+    assert set(podman_volumes()) <= stack.project.volumes_before
+    assert stack.project.networks() == []

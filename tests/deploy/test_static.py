@@ -1,0 +1,268 @@
+"""Static checks of the deploy files, fast and without podman: schemas, rendering, and every
+container's configuration through the real CLI's --check-config."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.manifests import (
+    OVERLAYS,
+    ROOT,
+    interpolate,
+    llmserve_containers,
+    load_compose,
+    render_overlay,
+)
+
+COMPOSE_SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"
+SERVICES = ("worker", "scheduler", "gateway")
+K8S_VERSION = "1.30.0"
+
+
+def image_env() -> dict[str, str]:
+    """The LLMSERVE_* variables the Dockerfile's ENV sets in every container."""
+    return dict(re.findall(r"(LLMSERVE_\w+)=(\S+)", (ROOT / "Dockerfile").read_text()))
+
+
+def check_config(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LLMSERVE_", "OTEL_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", *args, "--check-config"],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# -- compose ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.gpu.yml"])
+def test_compose_file_validates_against_the_compose_spec(name: str):
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    # The spec declares draft-07 under an address jsonschema does not know by that name.
+    jsonschema.Draft7Validator(schema).validate(yaml.safe_load((ROOT / name).read_text()))
+
+
+def test_compose_variables_interpolate_like_compose():
+    assert interpolate("${A:-x}/${B}", {"A": "a"}) == "a/"
+    assert interpolate({"k": ["${A:-x}"]}, {}) == {"k": ["x"]}
+
+
+@pytest.mark.parametrize(
+    "files",
+    [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")],
+    ids=["compose", "compose-with-cuda-override"],
+)
+@pytest.mark.parametrize("service", SERVICES)
+def test_compose_service_configuration_passes_check_config(files: tuple[str, ...], service: str):
+    spec = load_compose(*files)["services"][service]
+    env = {**image_env(), **{k: str(v) for k, v in spec["environment"].items()}}
+    result = check_config(spec["command"], env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"llmserve {service}: configuration ok"
+
+
+def test_compose_addresses_agree_with_the_ports_services_listen_on():
+    services = load_compose("docker-compose.yml")["services"]
+    port = {name: services[name]["environment"]["LLMSERVE_PORT"] for name in SERVICES}
+    assert services["scheduler"]["environment"]["LLMSERVE_WORKER_DNS"] == f"worker:{port['worker']}"
+    assert (
+        services["gateway"]["environment"]["LLMSERVE_SCHEDULER"] == f"scheduler:{port['scheduler']}"
+    )
+    for name in SERVICES:
+        assert services[name]["healthcheck"]["test"] == [
+            "CMD",
+            "llmserve",
+            "health",
+            f"127.0.0.1:{port[name]}",
+        ]
+    assert services["gateway"]["ports"] == ["0.0.0.0:8000:8000", "0.0.0.0:50051:50051"]
+    # Published worker ports would collide as soon as there are two replicas.
+    assert "ports" not in services["worker"]
+    otlp = {services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] for name in SERVICES}
+    assert otlp == {"http://jaeger:4317"}
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port():
+    services = load_compose("docker-compose.yml")["services"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {
+        (sd["names"][0], sd["port"])
+        for job in config["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+    }
+    expected = {
+        ("worker", int(services["worker"]["environment"]["LLMSERVE_METRICS_PORT"])),
+        ("scheduler", int(services["scheduler"]["environment"]["LLMSERVE_METRICS_PORT"])),
+        ("gateway", int(services["gateway"]["environment"]["LLMSERVE_HTTP_PORT"])),
+    }
+    assert targets == expected
+
+
+def test_gpu_override_reserves_nvidia_devices_and_builds_the_cuda_image():
+    worker = load_compose("docker-compose.yml", "docker-compose.gpu.yml")["services"]["worker"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert worker["build"]["target"] == "cuda"
+    assert worker["environment"]["LLMSERVE_DEVICE"] == "cuda"
+
+
+def _metric_names() -> set[str]:
+    """Every sample name the services export, as Prometheus sees it."""
+    from prometheus_client import REGISTRY
+
+    import gateway.metrics  # noqa: F401
+    import scheduler_service.metrics  # noqa: F401
+    import worker_service.metrics  # noqa: F401
+
+    names = set()
+    for family in REGISTRY.collect():
+        names.add(family.name)
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+        names.update(family.name + s for s in suffixes.get(family.type, []))
+    return names
+
+
+def test_grafana_dashboard_queries_only_metrics_that_exist():
+    dashboard = json.loads(
+        (ROOT / "deploy" / "grafana" / "dashboards" / "llmserve.json").read_text()
+    )
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    for topic in (
+        "Throughput",
+        "Time to first token",
+        "Time per output token",
+        "Queue",
+        "KV cache usage",
+        "Prefix cache hit rate",
+        "Preemptions",
+    ):
+        assert any(title.startswith(topic) for title in titles), topic
+    known = _metric_names()
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\bllmserve_\w+", target["expr"])
+    }
+    assert used, "no llmserve metric queried"
+    assert used <= known, used - known
+
+
+# -- Dockerfile and the one install list ------------------------------------------------------
+
+
+def test_image_installs_through_the_same_script_as_make_setup():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "scripts/install.sh $(BIN)/python dev --editable" in makefile
+    assert "pip install" not in makefile
+    assert "scripts/install.sh /opt/llmserve/bin/python" in dockerfile
+    assert "pip install" not in dockerfile
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
+    assert re.search(r"^USER 10001:10001$", dockerfile, re.M)
+    assert 'CMD llmserve health "127.0.0.1:${LLMSERVE_PORT:-50051}"' in dockerfile
+    assert re.search(r"^FROM runtime AS cuda$", dockerfile, re.M)
+
+
+# -- Kubernetes -------------------------------------------------------------------------------
+
+
+# ids: a test whose keywords include "gpu" is skipped without CUDA (tests/conftest.py).
+@pytest.fixture(scope="module", params=OVERLAYS, ids=[f"{o}-overlay" for o in OVERLAYS])
+def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render_overlay(request.param)
+
+
+def test_overlay_objects_validate_against_kubernetes_1_30(overlay):
+    name, objects = overlay
+    kinds = [obj["kind"] for obj in objects]
+    for kind in (
+        "Namespace",
+        "ConfigMap",
+        "Secret",
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    ):
+        assert kind in kinds, (name, kind)
+    for obj in objects:
+        if obj["apiVersion"].startswith("keda.sh/"):
+            continue  # a CRD: no schema in Kubernetes' API; checked below
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_worker_autoscaler_scales_the_worker_deployment_on_serving_metrics(overlay):
+    _, objects = overlay
+    [scaled] = [obj for obj in objects if obj["kind"] == "ScaledObject"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "worker"
+    queries = " ".join(t["metadata"]["query"] for t in scaled["spec"]["triggers"])
+    assert "llmserve_requests_waiting" in queries
+    assert "llmserve_kv_cache_usage_ratio" in queries
+    assert "llmserve_kv_cache_usage_ratio" in _metric_names()
+
+
+def test_every_container_passes_check_config(overlay):
+    _, objects = overlay
+    containers = list(llmserve_containers(objects))
+    assert sorted(c.workload for c in containers) == ["gateway", "scheduler", "worker"]
+    for container in containers:
+        result = check_config(container.args, container.env)
+        assert result.returncode == 0, (container.workload, result.stderr)
+
+
+def test_containers_are_locked_down_and_probed_on_their_ports(overlay):
+    name, objects = overlay
+    deployments = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Deployment"}
+    assert deployments["scheduler"]["spec"]["replicas"] == 1
+    assert deployments["scheduler"]["spec"]["strategy"] == {"type": "Recreate"}
+    for container in llmserve_containers(objects):
+        pod = deployments[container.workload]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert container.spec["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container.spec["resources"]["requests"] and container.spec["resources"]["limits"]
+        assert container.spec["readinessProbe"]["grpc"]["port"] == int(
+            container.env["LLMSERVE_PORT"]
+        )
+        assert "preStop" in container.spec["lifecycle"]
+        assert pod["terminationGracePeriodSeconds"] > 0
+    worker = next(c for c in llmserve_containers(objects) if c.workload == "worker")
+    assert worker.spec["startupProbe"]["grpc"]["port"] == int(worker.env["LLMSERVE_PORT"])
+    drain_s = float(worker.env["LLMSERVE_DRAIN_TIMEOUT_S"])
+    assert (
+        deployments["worker"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s
+    )
+    services = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Service"}
+    assert services["worker"]["spec"]["clusterIP"] == "None"
+    scheduler = next(c for c in llmserve_containers(objects) if c.workload == "scheduler")
+    assert scheduler.env["LLMSERVE_WORKER_DNS"] == f"worker:{worker.env['LLMSERVE_PORT']}"
+    gpus = worker.spec["resources"]["limits"].get("nvidia.com/gpu")
+    assert gpus == ("1" if name == "gpu" else None)
+
+
+def test_installed_package_ships_every_cpu_kernel_source():
+    # An editable install reads the sources from the checkout; the image's regular install
+    # has only package-data, and without vec.h every worker fell back to the torch backend.
+    import tomllib
+    from fnmatch import fnmatch
+
+    from kernels.cpu.build import HEADERS, SOURCES
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
+    for name in (*SOURCES, *HEADERS):
+        assert any(fnmatch(f"cpu/{name}", glob) for glob in globs), name

@@ -1,0 +1,63 @@
+"""The gateway's readiness follows the scheduler's gRPC health, over real gRPC on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from gateway.readiness import SCHEDULER_SERVICE, SchedulerReadiness
+from llmserve.grpc_utils import create_server, set_serving
+from llmserve.supervisor import free_port
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def test_ready_only_while_connected_and_the_scheduler_serves():
+    async def main() -> None:
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        connected = {"value": True}
+        readiness = SchedulerReadiness(address, lambda: connected["value"], retry_s=0.1)
+        readiness.start()
+        try:
+            # Nothing listens yet.
+            await asyncio.sleep(0.3)
+            assert readiness.not_ready_reason() == "no ready worker"
+
+            server, health = create_server([SCHEDULER_SERVICE])
+            server.add_insecure_port(address)
+            await set_serving(health, [SCHEDULER_SERVICE], False)
+            await server.start()
+            await asyncio.sleep(0.3)
+            assert readiness.not_ready_reason() == "no ready worker"
+
+            await set_serving(health, [SCHEDULER_SERVICE], True)  # a worker became ready
+            await wait_for(lambda: readiness.ready)
+
+            connected["value"] = False  # the Connect stream broke
+            assert readiness.not_ready_reason() == "scheduler unavailable"
+            connected["value"] = True
+            assert readiness.ready
+
+            await server.stop(grace=None)  # the scheduler went away
+            await wait_for(lambda: not readiness.ready)
+            assert readiness.not_ready_reason() == "no ready worker"
+
+            server, health = create_server([SCHEDULER_SERVICE])
+            server.add_insecure_port(address)
+            await set_serving(health, [SCHEDULER_SERVICE], True)
+            await server.start()
+            await wait_for(lambda: readiness.ready)  # the watch is re-opened
+
+            readiness.drain()
+            assert readiness.not_ready_reason() == "draining"
+            await server.stop(grace=None)
+        finally:
+            await readiness.close()
+
+    asyncio.run(main())
