@@ -19,7 +19,7 @@ from collections import deque
 
 from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
 from scheduler_service.config import CacheConfig, PreemptionMode, SchedulerConfig
-from scheduler_service.policy import SchedulingBudget, preemption_mode
+from scheduler_service.policy import SchedulingBudget, insert_by_arrival, preemption_mode
 from scheduler_service.scheduler_outputs import (
     PreemptedGroup,
     ScheduledGroup,
@@ -71,7 +71,7 @@ class Scheduler:
         assert seq_group.request_id not in self._groups, "duplicate request id"
         self._groups[seq_group.request_id] = seq_group
         if by_arrival:
-            _insert_by_arrival(self.waiting, seq_group)
+            insert_by_arrival(self.waiting, seq_group)
         else:
             self.waiting.append(seq_group)
 
@@ -300,7 +300,7 @@ class Scheduler:
             for seq in seqs:
                 seq.status = _RUNNING
             budget.num_seqs += num_new_seqs
-            _insert_by_arrival(self.running, seq_group)
+            insert_by_arrival(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)
 
     def _schedule_waiting(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
@@ -356,7 +356,7 @@ class Scheduler:
             if chunked:
                 chunk = min(chunk, share)
             budget.num_seqs += num_new_seqs
-            _insert_by_arrival(self.running, seq_group)
+            insert_by_arrival(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)
             # Running and swapped groups went through here first, so only admissions are new.
             if seq_group.metrics.first_scheduled_time is None:
@@ -388,28 +388,6 @@ class Scheduler:
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq_group).items())
             for seq in seq_group.get_seqs(_RUNNING):
                 seq.status = SequenceStatus.SWAPPED
-            _insert_by_arrival(self.swapped, seq_group, ahead_of_ties=True)
+            insert_by_arrival(self.swapped, seq_group, ahead_of_ties=True)
         self.num_preemptions[mode] += 1
         out.preempted.append(PreemptedGroup(seq_group.request_id, mode))
-
-
-def _insert_by_arrival(
-    queue: deque[SequenceGroup], seq_group: SequenceGroup, ahead_of_ties: bool = False
-) -> None:
-    """Put `seq_group` after the groups that arrived before it, and after (or, with
-    `ahead_of_ties`, before) those that arrived at the same time.
-
-    `running` and `swapped` are kept in arrival order so that preemption, which takes victims
-    from the end of `running`, always takes the latest arrival, however groups came back
-    (swap-in, re-admission after recompute, a move from another replica). Victims are swapped
-    out latest first, so `ahead_of_ties` keeps equal arrivals in their running order. Groups
-    mostly arrive last, so the walk from the end is short.
-    """
-    arrival = seq_group.arrival_time
-    position = len(queue)
-    while position and (
-        queue[position - 1].arrival_time > arrival
-        or (ahead_of_ties and queue[position - 1].arrival_time == arrival)
-    ):
-        position -= 1
-    queue.insert(position, seq_group)
