@@ -27,7 +27,7 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")
     p.add_argument("--dtype", default=None, help="worker dtype (float32, bfloat16, float16)")
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (workers)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="per worker, GiB (CPU)")
     p.add_argument("--swap-space", type=float, default=None, help="per worker, GiB")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -64,8 +64,7 @@ def _run_up(argv: list[str]) -> int:
         ),
         scheduler_args=_passthrough(
             args,
-            ["block-size", "num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens",
-             "log-level"],
+            ["num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens", "log-level"],
         ),
         gateway_args=_passthrough(args, ["log-level"]),
     )

@@ -29,11 +29,6 @@ class ModelSource:
     path: str  # directory or hub id
     gguf_file: str | None = None
 
-    @property
-    def served_name(self) -> str:
-        """The name clients use for this model (`model` in the OpenAI API)."""
-        return self.spec
-
     def pretrained_kwargs(self) -> dict[str, str]:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 

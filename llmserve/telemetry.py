@@ -105,9 +105,3 @@ def context_from_metadata(metadata: object) -> otel_context.Context:
         return otel_context.get_current()
     carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}  # type: ignore[attr-defined]
     return _propagator.extract(carrier)
-
-
-def metadata_with_trace() -> tuple[tuple[str, str], ...]:
-    """gRPC metadata carrying the current trace context."""
-    traceparent = current_traceparent()
-    return (("traceparent", traceparent),) if traceparent else ()

@@ -38,13 +38,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--watermark", type=float, default=0.01)
+    # No --block-size: each replica takes its worker's block size from Info, the one source.
     p.add_argument(
-        "--block-size",
+        "--num-gpu-blocks-override",
         type=int,
         default=None,
-        help="accepted for symmetry with the worker; the worker's block size is used",
+        help="device KV blocks to ask each worker for, in place of what it offers",
     )
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--num-cpu-blocks-override", type=int, default=None)
     fleet = p.add_argument_group("fleet", "worker membership, failure handling and routing")
     fleet.add_argument(

@@ -1,10 +1,12 @@
-"""Scheduling policy: the per-step budget, and how a group is preempted.
+"""Scheduling policy: the per-step budget, the order of the queues, and how a group is
+preempted.
 
 Decisions only; the `Scheduler` moves groups between its queues and the block manager.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from scheduler_service.config import PreemptionMode
@@ -38,3 +40,25 @@ def preemption_mode(forced: PreemptionMode | None, seq_group: SequenceGroup) -> 
     if seq_group.get_max_num_running_seqs() == 1:
         return PreemptionMode.RECOMPUTE
     return PreemptionMode.SWAP
+
+
+def insert_by_arrival(
+    queue: deque[SequenceGroup], seq_group: SequenceGroup, ahead_of_ties: bool = False
+) -> None:
+    """Put `seq_group` after the groups that arrived before it, and after (or, with
+    `ahead_of_ties`, before) those that arrived at the same time.
+
+    `running` and `swapped` are kept in arrival order so that preemption, which takes victims
+    from the end of `running`, always takes the latest arrival, however groups came back
+    (swap-in, re-admission after recompute, a move from another replica). Victims are swapped
+    out latest first, so `ahead_of_ties` keeps equal arrivals in their running order. Groups
+    mostly arrive last, so the walk from the end is short.
+    """
+    arrival = seq_group.arrival_time
+    position = len(queue)
+    while position and (
+        queue[position - 1].arrival_time > arrival
+        or (ahead_of_ties and queue[position - 1].arrival_time == arrival)
+    ):
+        position -= 1
+    queue.insert(position, seq_group)

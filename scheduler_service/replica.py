@@ -322,12 +322,13 @@ class Replica:
     async def _connect(self) -> None:
         info = await self._stub.Info(worker_pb2.InfoRequest(), timeout=10)
         cfg = self.config
-        num_gpu = info.num_gpu_blocks_available
-        if cfg.num_gpu_blocks_override is not None:
-            num_gpu = min(num_gpu, cfg.num_gpu_blocks_override)
-        num_cpu = info.num_cpu_blocks_available
-        if cfg.num_cpu_blocks_override is not None:
-            num_cpu = min(num_cpu, cfg.num_cpu_blocks_override)
+        # An override replaces the worker's count, larger or smaller (as in vLLM).
+        num_gpu = cfg.num_gpu_blocks_override
+        if num_gpu is None:
+            num_gpu = info.num_gpu_blocks_available
+        num_cpu = cfg.num_cpu_blocks_override
+        if num_cpu is None:
+            num_cpu = info.num_cpu_blocks_available
         reply = await self._stub.InitializeCache(
             worker_pb2.InitializeCacheRequest(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu),
             timeout=120,

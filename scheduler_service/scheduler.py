@@ -19,7 +19,7 @@ from collections import deque
 
 from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
 from scheduler_service.config import CacheConfig, PreemptionMode, SchedulerConfig
-from scheduler_service.policy import SchedulingBudget, preemption_mode
+from scheduler_service.policy import SchedulingBudget, insert_by_arrival, preemption_mode
 from scheduler_service.scheduler_outputs import (
     PreemptedGroup,
     ScheduledGroup,
@@ -70,12 +70,10 @@ class Scheduler:
         groups that arrived before it."""
         assert seq_group.request_id not in self._groups, "duplicate request id"
         self._groups[seq_group.request_id] = seq_group
-        waiting = self.waiting
-        position = len(waiting)
         if by_arrival:
-            while position and waiting[position - 1].arrival_time > seq_group.arrival_time:
-                position -= 1
-        waiting.insert(position, seq_group)
+            insert_by_arrival(self.waiting, seq_group)
+        else:
+            self.waiting.append(seq_group)
 
     def get_seq_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)
@@ -160,9 +158,13 @@ class Scheduler:
         budget = SchedulingBudget(config.max_num_batched_tokens, config.max_num_seqs)
         out = SchedulerOutputs()
         if not config.enable_chunked_prefill and not self.swapped:
+            # Running groups sit this step out but keep their places: prompts are admitted
+            # only into the room they leave under max_num_seqs (as in the seed's step 1).
+            budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
             self._schedule_waiting(budget, out)
             if out.scheduled or out.ignored:
                 return self._finish(out, budget)
+            budget.num_seqs = 0  # the running stage counts the running groups itself
         self._schedule_running(budget, out)
         if not out.preempted:
             self._schedule_swapped(budget, out)
@@ -298,7 +300,7 @@ class Scheduler:
             for seq in seqs:
                 seq.status = _RUNNING
             budget.num_seqs += num_new_seqs
-            self.running.append(seq_group)
+            insert_by_arrival(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)
 
     def _schedule_waiting(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
@@ -354,7 +356,7 @@ class Scheduler:
             if chunked:
                 chunk = min(chunk, share)
             budget.num_seqs += num_new_seqs
-            self.running.append(seq_group)
+            insert_by_arrival(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)
             # Running and swapped groups went through here first, so only admissions are new.
             if seq_group.metrics.first_scheduled_time is None:
@@ -386,6 +388,6 @@ class Scheduler:
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq_group).items())
             for seq in seq_group.get_seqs(_RUNNING):
                 seq.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(seq_group)
+            insert_by_arrival(self.swapped, seq_group, ahead_of_ties=True)
         self.num_preemptions[mode] += 1
         out.preempted.append(PreemptedGroup(seq_group.request_id, mode))

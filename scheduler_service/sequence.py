@@ -104,9 +104,6 @@ class Sequence:
     def get_len(self) -> int:
         return len(self.token_ids)
 
-    def get_token_ids(self) -> list[int]:
-        return self.token_ids
-
     def get_prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
 
@@ -115,9 +112,6 @@ class Sequence:
 
     def get_output_len(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    def get_last_token_id(self) -> int:
-        return self.token_ids[-1]
 
     def append_token_id(self, token_id: int, logprobs: dict[int, float]) -> None:
         """Append a sampled token; `logprobs` maps token ids to logprobs and holds `token_id`."""
@@ -133,9 +127,6 @@ class Sequence:
         """Append a sampled token without keeping its logprobs (the request did not ask)."""
         self.token_ids.append(token.token_id)
         self.cumulative_logprob += token.logprob
-
-    def get_num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
 
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0

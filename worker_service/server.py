@@ -116,20 +116,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 "num_gpu_blocks: must be at least 1",
                 "num_gpu_blocks",
             )
-        if request.num_gpu_blocks > self.num_gpu_blocks_available:
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"num_gpu_blocks: {request.num_gpu_blocks} requested, "
-                f"{self.num_gpu_blocks_available} fit in this worker's KV memory",
-                "num_gpu_blocks",
-            )
-        if request.num_cpu_blocks > self.num_cpu_blocks_available:
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"num_cpu_blocks: {request.num_cpu_blocks} requested, "
-                f"{self.num_cpu_blocks_available} fit in this worker's swap space",
-                "num_cpu_blocks",
-            )
+        self._check_holds_max_model_len(request.num_gpu_blocks)
         start = time.perf_counter_ns()
         if wanted != self.allocated:
             if self._stream_open:
@@ -137,8 +124,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "cannot reallocate the KV cache while an Execute stream is open",
                 )
-            # Also drops all sequence state (a new cache holds none).
-            await self._on_model_thread(self.worker.initialize_cache, *wanted)
+            # More blocks than fit in the configured KV memory are allowed: the scheduler's
+            # num_gpu_blocks_override replaces the profiled count, as in vLLM. An allocation
+            # that the memory cannot hold fails below instead.
+            if (
+                wanted[0] > self.num_gpu_blocks_available
+                or wanted[1] > self.num_cpu_blocks_available
+            ):
+                log.warning(
+                    "kv cache larger than profiled",
+                    num_gpu_blocks=wanted[0],
+                    num_gpu_blocks_available=self.num_gpu_blocks_available,
+                    num_cpu_blocks=wanted[1],
+                    num_cpu_blocks_available=self.num_cpu_blocks_available,
+                )
+            try:
+                # Also drops all sequence state (a new cache holds none).
+                await self._on_model_thread(self.worker.initialize_cache, *wanted)
+            except RuntimeError as exc:  # torch.OutOfMemoryError, or the CPU allocator's
+                raise RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"num_gpu_blocks: allocating {wanted[0]} device and {wanted[1]} host "
+                    f"blocks failed: {exc}",
+                    "num_gpu_blocks",
+                ) from exc
             self.allocated = wanted
             metrics.KV_BLOCKS.labels("gpu").set(wanted[0])
             metrics.KV_BLOCKS.labels("cpu").set(wanted[1])
@@ -148,6 +157,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_cpu_blocks=wanted[1],
             init_ns=time.perf_counter_ns() - start,
         )
+
+    def _check_holds_max_model_len(self, num_gpu_blocks: int) -> None:
+        """Refuse a cache that cannot hold one sequence of max_model_len: a request allowed
+        to grow that long could then never fit. Checked here, at start-up, because the worker
+        knows both the model's length and the block size (vLLM's worker checks it too)."""
+        info = self.worker.model_info
+        needed = -(-info.max_model_len // info.block_size)
+        if num_gpu_blocks < needed:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_gpu_blocks: {num_gpu_blocks} blocks of {info.block_size} tokens cannot "
+                f"hold one sequence of max_model_len ({info.max_model_len} tokens, {needed} "
+                "blocks); give the worker more KV cache memory, lower its --max-model-len, or "
+                "raise --num-gpu-blocks-override",
+                "num_gpu_blocks",
+            )
 
     async def Execute(
         self,

@@ -64,9 +64,11 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitializeCache(self, request, context):
-        """Allocates the paged KV cache. The scheduler may ask for fewer blocks than Info offers
-        (num_gpu_blocks_override). Calling it again with other sizes reallocates (and drops all
-        sequence state); with the same sizes it is a no-op.
+        """Allocates the paged KV cache. The scheduler asks for the blocks Info offers, or for its
+        num_gpu_blocks_override / num_cpu_blocks_override, fewer or more. INVALID_ARGUMENT when
+        num_gpu_blocks cannot hold one sequence of max_model_len; RESOURCE_EXHAUSTED when the
+        memory cannot hold the blocks. Calling it again with other sizes reallocates (and drops
+        all sequence state); with the same sizes it is a no-op.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,8 +63,10 @@ def stack() -> Iterator[Stack]:
             "LLMSERVE_GRPC_PUBLISH": str(grpc_port),
             "PROMETHEUS_PUBLISH": str(prometheus),
             "JAEGER_UI_PUBLISH": str(jaeger_ui),
-            # Small KV caches: two workers and the rest share this machine's memory.
-            "LLMSERVE_KV_CACHE_MEMORY": "0.25",
+            # Small KV caches: two workers and the rest share this machine's memory. Each must
+            # still hold one 8192-token SmolLM2 sequence in float32 (0.35 GiB), or the worker
+            # refuses it at start-up.
+            "LLMSERVE_KV_CACHE_MEMORY": "0.375",
             "LLMSERVE_SWAP_SPACE": "0.25",
         },
     )

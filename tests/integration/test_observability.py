@@ -139,7 +139,8 @@ def observed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     stack = start_stack(
         str(tiny_model_dir),
         tmp,
-        worker_args=["--block-size", str(BLOCK_SIZE)],
+        # The 8-block cache holds one sequence of 128 tokens, no more (else it is refused).
+        worker_args=["--block-size", str(BLOCK_SIZE), "--max-model-len", str(8 * BLOCK_SIZE)],
         scheduler_args=["--num-gpu-blocks-override", str(GPU_BLOCKS)],
         env=env,
         envs={"worker": {"LLMSERVE_LOG_LEVEL": "DEBUG"}},

@@ -367,7 +367,8 @@ def test_swap_preemption_on_a_tiny_cache_completes(tiny_model_dir: Path, tmp_pat
     # Two identical prompts on 4 blocks of 4 tokens: one request is swapped out and must come
     # back after the other finishes, even when a scheduling round in between runs nothing.
     running = start_stack(
-        str(tiny_model_dir), tmp_path, worker_args=["--block-size", "4"],
+        # 4 blocks hold one sequence of 16 tokens, no more (a longer max_model_len is refused).
+        str(tiny_model_dir), tmp_path, worker_args=["--block-size", "4", "--max-model-len", "16"],
         scheduler_args=["--num-gpu-blocks-override", "4", "--preemption-mode", "swap"],
     )
     try:

@@ -18,7 +18,6 @@ one without this package importing the optional ones eagerly.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,8 +170,6 @@ class PagedKernelBackend(AttentionBackend):
             )
         return out
 
-
-BackendFactory = Callable[[int, int, int, float], AttentionBackend]
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
 # Optional backends live in modules imported on first use (they may need CUDA, Triton or a

@@ -205,3 +205,27 @@ def test_abort_frees_blocks_in_every_queue():
     assert s.block_manager.get_num_free_gpu_blocks() == 8
     assert not s.has_unfinished_seqs()
     s.block_manager.check_invariants()
+
+
+def test_prefill_first_admits_prompts_only_into_room_left_by_running_groups():
+    s = make_scheduler(gpu=32, max_seqs=2, chunked=False)
+    a, b = make_seq_group("a", [1, 2, 3]), make_seq_group("b", [4, 5])
+    s.add_seq_group(a)
+    s.add_seq_group(b)
+    run_step(s, s.schedule())
+    c, d = make_seq_group("c", [6, 7, 8]), make_seq_group("d", [9])
+    s.add_seq_group(c)
+    s.add_seq_group(d)
+    out = s.schedule()
+    # a and b fill max_num_seqs = 2: no prompt is admitted, the running groups decode.
+    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
+        ("a", 1),
+        ("b", 1),
+    ]
+    assert list(s.running) == [a, b] and list(s.waiting) == [c, d]
+    run_step(s, out)
+    s.abort_seq_group("a")
+    out = s.schedule()
+    # One place is free: c's whole prompt runs alone; d still waits.
+    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [("c", 3)]
+    assert list(s.running) == [b, c] and list(s.waiting) == [d]

@@ -48,10 +48,14 @@ class Served:
 
 
 @asynccontextmanager
-async def served_worker(model_dir: Path) -> AsyncIterator[Served]:
+async def served_worker(model_dir: Path, max_model_len: int = 64) -> AsyncIterator[Served]:
+    """A worker offering 64 device and 16 host blocks; caches from max_model_len / BLOCK_SIZE
+    blocks up are accepted."""
     model_thread = ThreadPoolExecutor(max_workers=1)
     loop = asyncio.get_running_loop()
-    config = WorkerConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_threads=1)
+    config = WorkerConfig(
+        model=str(model_dir), block_size=BLOCK_SIZE, num_threads=1, max_model_len=max_model_len
+    )
     worker = await loop.run_in_executor(model_thread, Worker, config)
     await loop.run_in_executor(model_thread, worker.load_model)
     servicer = WorkerServicer(worker, 64, 16, model_thread)
@@ -106,9 +110,13 @@ async def health_status(address: str) -> int:
     return reply.status
 
 
-def run(tiny_llama: tuple[Path, object], body: Callable[[Served], Awaitable[None]]) -> None:
+def run(
+    tiny_llama: tuple[Path, object],
+    body: Callable[[Served], Awaitable[None]],
+    max_model_len: int = 64,
+) -> None:
     async def main() -> None:
-        async with served_worker(tiny_llama[0]) as served:
+        async with served_worker(tiny_llama[0], max_model_len) as served:
             await body(served)
 
     asyncio.run(main())

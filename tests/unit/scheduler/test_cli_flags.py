@@ -1,0 +1,38 @@
+"""The scheduler has one source for its block size (each worker's Info): it takes no
+--block-size, and `llmserve up` passes that flag to the workers only."""
+
+from __future__ import annotations
+
+import pytest
+
+import llmserve.supervisor
+from llmserve import cli
+from scheduler_service.__main__ import parse_args
+
+
+def test_the_scheduler_takes_no_block_size(capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--block-size", "16"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --block-size 16" in capsys.readouterr().err
+
+
+def test_up_passes_block_size_to_the_workers_and_only_flags_the_scheduler_takes(monkeypatch):
+    seen = []
+
+    async def fake_run_stack(config):  # type: ignore[no-untyped-def]
+        seen.append(config)
+        return 0
+
+    monkeypatch.setattr(llmserve.supervisor, "run_stack", fake_run_stack)
+    # Configuring the process's logging would change what later tests capture.
+    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
+    argv = ["up", "--block-size", "8", "--num-gpu-blocks-override", "40", "--max-num-seqs", "4"]
+    assert cli.main(argv) == 0
+    (config,) = seen
+    assert config.worker_args[:2] == ["--block-size", "8"]
+    assert config.scheduler_args == [
+        "--num-gpu-blocks-override", "40", "--max-num-seqs", "4", "--log-level", "INFO",
+    ]  # fmt: skip
+    args = parse_args(config.scheduler_args)
+    assert (args.num_gpu_blocks_override, args.max_num_seqs) == (40, 4)
