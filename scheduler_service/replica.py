@@ -21,6 +21,7 @@ back.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -45,6 +46,11 @@ from scheduler_service.tracing import ReplicaTracer, RequestTrace, end_step_span
 log = get_logger(__name__)
 
 _RETRY_DELAYS_S = (0.5, 1.0, 2.0, 5.0)
+_REFUSALS = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
 _IDLE_STEPS_BEFORE_SLEEP = 3
 
 
@@ -288,6 +294,9 @@ class Replica:
             except asyncio.CancelledError:
                 raise
             except (grpc.aio.AioRpcError, WorkerLostError) as exc:
+                # A worker that answers but refuses the cache it is asked for (too small for
+                # max_model_len, more than its memory holds) is misconfigured, not unreachable.
+                refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _REFUSALS
                 if isinstance(exc, grpc.aio.AioRpcError):
                     exc = WorkerLostError("stream", exc.details() or exc.code().name)
                 exc = self._lost or exc
@@ -298,8 +307,11 @@ class Replica:
                 self._set_state(ReplicaState.LOST)
                 delay = _RETRY_DELAYS_S[min(attempt, len(_RETRY_DELAYS_S) - 1)]
                 attempt += 1
-                log.warning(
-                    "worker not reachable, retrying",
+                log.log(
+                    logging.ERROR if refused else logging.WARNING,
+                    "worker refused its configuration, retrying"
+                    if refused
+                    else "worker not reachable, retrying",
                     replica=self.replica_id,
                     address=self.address,
                     reason=str(exc),

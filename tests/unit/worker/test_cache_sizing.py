@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import structlog.testing
 
 from llmserve.v1 import worker_pb2
 from scheduler_service.config import SchedulerConfig
@@ -108,9 +109,14 @@ def test_a_replica_whose_cache_is_refused_never_becomes_ready(tiny_llama):
     async def body(w: Served) -> None:
         owner = Owner()
         replica = Replica(0, w.address, replica_config(num_gpu_blocks_override=15), owner)
-        replica.start()
-        await until(lambda: owner.states)
+        with structlog.testing.capture_logs() as logs:
+            replica.start()
+            await until(lambda: owner.states)
         assert owner.states == [ReplicaState.LOST]
+        # Logged as the configuration error it is, with the worker's reason.
+        (refusal,) = [e for e in logs if e["event"].startswith("worker refused")]
+        assert refusal["log_level"] == "error"
+        assert refusal["reason"].startswith("num_gpu_blocks: 15 blocks of 4 tokens")
         assert replica.engine is None and w.servicer.allocated == (0, 0)
         await replica.stop()
 
