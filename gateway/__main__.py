@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from llmserve.config_env import parse_service_args
+from llmserve.limits import add_limit_flags, limits_from_args
 from llmserve.logs import get_logger
 from llmserve.service_main import add_common_flags, start_service
 
@@ -26,10 +27,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on the HTTP API")
     p.add_argument("--max-pending-requests", type=int, default=1024,
-                   help="requests in flight before new ones are refused (HTTP 503)")
+                   help="generation requests in flight (HTTP and gRPC) before new ones are "
+                   "refused at once: HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED")
+    p.add_argument("--request-timeout-s", type=float, default=None,
+                   help="a request still running after this long is aborted (504 / "
+                   "DEADLINE_EXCEEDED) and its blocks freed; a gRPC deadline may be shorter")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM: health turns NOT_SERVING, new requests get 503 / "
+                   "UNAVAILABLE, and those in flight have this long to finish")
     p.add_argument("--scheduler-reconnect-timeout-s", type=float, default=60.0,
                    help="when the scheduler stream breaks, requests in flight wait this long "
                    "for it to come back (they are re-submitted and continue), then fail 503")
+    add_limit_flags(p)
     return parse_service_args(p, argv, validate)
 
 
@@ -37,6 +46,9 @@ def validate(args: argparse.Namespace) -> None:
     """What --check-config checks beyond the parser."""
     from llmserve.model_spec import ModelNotFoundError, resolve_model
 
+    limits_from_args(args)  # each limit at least 1
+    if args.max_pending_requests < 1:
+        raise ValueError("--max-pending-requests: must be at least 1")
     if args.metrics_port is not None and args.metrics_port == args.http_port:
         raise ValueError("--metrics-port: the HTTP port already serves /metrics")
     try:
@@ -63,6 +75,9 @@ def main(argv: list[str]) -> int:
         max_pending_requests=args.max_pending_requests,
         max_message_bytes=args.max_message_bytes,
         scheduler_reconnect_timeout_s=args.scheduler_reconnect_timeout_s,
+        limits=limits_from_args(args),
+        request_timeout_s=args.request_timeout_s,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
     asyncio.run(serve(config))
     return 0

@@ -8,6 +8,7 @@ choice has stopped), logprobs with token text, usage and timings.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import uuid
@@ -20,11 +21,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from gateway import metrics
+from gateway.admission import Admission
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.scheduler_client import SchedulerClient
 from gateway.stop import StopStringMatcher
 from gateway.tokenization import PromptError, Tokenization
+from llmserve.errors import FieldError
 from llmserve.grpc_utils import RequestError, invalid_argument
+from llmserve.limits import RequestLimits, check_prompt_tokens, check_sampling, check_stop
 from llmserve.logs import get_logger
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.telemetry import current_traceparent
@@ -63,6 +67,9 @@ class GenerationInput:
     text: TextOptions = field(default_factory=TextOptions)
     # For spans and logs.
     operation: str = "text_completion"
+    # Seconds the request may take in all (the client's deadline, or the gateway's
+    # --request-timeout-s); None: no limit. Passed on to the scheduler, which aborts it then.
+    timeout_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -130,11 +137,17 @@ class GenerationCore:
         tokenization: Tokenization,
         scheduler: SchedulerClient,
         max_model_len: int,
+        limits: RequestLimits | None = None,
+        admission: Admission | None = None,
+        request_timeout_s: float | None = None,
     ) -> None:
         self.model_name = model_name
         self.tokenization = tokenization
         self.scheduler = scheduler
         self.max_model_len = max_model_len
+        self.limits = limits or RequestLimits()
+        self.admission = admission or Admission(1024)
+        self.request_timeout_s = request_timeout_s
         self.created = int(time.time())
         # Seeds for requests that sample without one (with_admission_seed).
         self._seed_rng = random.Random()
@@ -152,7 +165,43 @@ class GenerationCore:
     def prompt_from_text(self, text: str, field_name: str = "prompt") -> Prompt:
         if not isinstance(text, str) or not text:
             raise invalid_argument(field_name, "must be a non-empty string")
+        check_unicode(text, field_name)
         return self._checked(Prompt(self.tokenization.encode(text), text), field_name)
+
+    async def aprompt_from_text(self, text: str, field_name: str = "prompt") -> Prompt:
+        """prompt_from_text; a long text is tokenized in a thread, so that the event loop
+        goes on serving the other streams meanwhile."""
+        if isinstance(text, str) and len(text) > _INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.prompt_from_text, text, field_name)
+        return self.prompt_from_text(text, field_name)
+
+    async def aprompt_from_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        field_name: str = "messages",
+    ) -> Prompt:
+        """prompt_from_chat, in a thread when the messages are long (see aprompt_from_text)."""
+        size = sum(len(m.get("content") or "") for m in messages
+                   if isinstance(m.get("content"), str))
+        if size > _INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(
+                self.prompt_from_chat, messages, add_generation_prompt, field_name
+            )
+        return self.prompt_from_chat(messages, add_generation_prompt, field_name)
+
+    def check_limits(
+        self, params: SamplingParams, stop: Sequence[str], names: dict[str, str],
+        stop_field: str = "stop",
+    ) -> None:
+        """The server's per-request limits (llmserve.limits); FieldError naming the field."""
+        check_sampling(self.limits, params, names)
+        check_stop(self.limits, stop, stop_field)
+
+    def timeout_for(self, client_timeout_s: float | None) -> float | None:
+        """The request's time limit: the client's, capped by --request-timeout-s."""
+        limits = [t for t in (client_timeout_s, self.request_timeout_s) if t is not None]
+        return min(limits) if limits else None
 
     def prompt_from_ids(self, token_ids: Sequence[int], field_name: str = "prompt") -> Prompt:
         ids = list(token_ids)
@@ -176,10 +225,15 @@ class GenerationCore:
             )
         except PromptError as exc:
             raise invalid_argument(exc.field, str(exc).split(": ", 1)[-1]) from exc
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if isinstance(content, str):
+                check_unicode(content, f"{field_name}[{i}].content")
         ids = self.tokenization.encode(text, add_special_tokens=False)
         return self._checked(Prompt(ids, text), field_name)
 
     def _checked(self, prompt: Prompt, field_name: str) -> Prompt:
+        check_prompt_tokens(self.limits, len(prompt.token_ids), field_name)
         if len(prompt.token_ids) >= self.max_model_len:
             raise invalid_argument(
                 field_name,
@@ -255,7 +309,7 @@ class GenerationCore:
         )
         stream = self.scheduler.submit(
             inp.request_id, inp.prompt.token_ids, params, self.tokenization.eos_token_id,
-            current_traceparent(),
+            current_traceparent(), timeout_s=inp.timeout_s,
         )
         try:
             first = True
@@ -347,6 +401,21 @@ class GenerationCore:
             if p.position < len(entries):
                 entries[p.position] = self._logprob_entry(p.token, p.top)
         return entries
+
+
+# Texts longer than this are tokenized in a thread (about a millisecond of tokenizing).
+_INLINE_TOKENIZE_CHARS = 4096
+
+
+def check_unicode(text: str, field_name: str) -> None:
+    """Text from JSON may hold lone surrogates ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FieldError(
+            field_name,
+            f"is not valid Unicode: a lone surrogate {text[exc.start]!r} at position {exc.start}",
+        ) from None
 
 
 def _set_request_attributes(span: trace.Span, inp: GenerationInput, model: str) -> None:

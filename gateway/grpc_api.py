@@ -29,14 +29,20 @@ _FINISH_TO_PROTO = {
 }
 
 
+_SAMPLING_NAMES = {
+    name: f"sampling_params.{name}"
+    for name in ("n", "best_of", "max_tokens", "logprobs", "prompt_logprobs", "stop_token_ids")
+}
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, core: GenerationCore) -> None:
         self.core = core
 
-    def _prompt(self, request: generation_pb2.GenerateRequest) -> Prompt:
+    async def _prompt(self, request: generation_pb2.GenerateRequest) -> Prompt:
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return self.core.prompt_from_text(request.text, "text")
+            return await self.core.aprompt_from_text(request.text, "text")
         if kind == "token_ids":
             return self.core.prompt_from_ids(list(request.token_ids.ids), "token_ids.ids")
         if kind == "chat":
@@ -48,15 +54,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
                 for m in request.chat.messages
             ]
-            return self.core.prompt_from_chat(messages, add_gen, "chat.messages")
+            return await self.core.aprompt_from_chat(messages, add_gen, "chat.messages")
         raise invalid_argument("prompt", "set one of text, token_ids or chat")
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         core = self.core
+        with core.admission.slot():
+            async for response in self._generate(request, context):
+                yield response
+
+    async def _generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        core = self.core
         core.check_model(request.model)
-        prompt = self._prompt(request)
+        prompt = await self._prompt(request)
         sp = request.sampling_params
         try:
             params = sampling_params_from_proto(
@@ -65,8 +79,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except SamplingParamsError as exc:
             raise invalid_argument(f"sampling_params.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
         core.check_max_tokens(prompt, params.max_tokens, "sampling_params.max_tokens")
-        if any(not s for s in request.stop):
-            raise invalid_argument("stop", "stop strings must not be empty")
+        core.check_limits(params, request.stop, _SAMPLING_NAMES)
         options = TextOptions(
             stop=tuple(request.stop),
             include_stop_str_in_output=request.include_stop_str_in_output,
@@ -76,7 +89,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             detokenize=request.detokenize if request.HasField("detokenize") else True,
         )
         request_id = request.request_id or core.new_request_id("grpc")
-        inp = GenerationInput(request_id, prompt, params, options)
+        inp = GenerationInput(request_id, prompt, params, options,
+                              timeout_s=core.timeout_for(context.time_remaining()))
         parent = context_from_metadata(context.invocation_metadata())
         first = True
         async for update in core.generate(inp, parent):

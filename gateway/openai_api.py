@@ -9,7 +9,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -20,6 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import metrics
+from gateway.admission import (
+    RETRY_AFTER_S,
+    AdmissionMiddleware,
+    BodyLimitMiddleware,
+    retry_after_header,
+)
 from gateway.generation import (
     ChoiceUpdate,
     GenerationCore,
@@ -39,7 +45,9 @@ from gateway.openai_protocol import (
     HealthStatus,
     ModelList,
 )
+from llmserve.errors import ApiError, http_error
 from llmserve.grpc_utils import RequestError, invalid_argument, status_for
+from llmserve.limits import check_prompt_count
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.telemetry import context_from_metadata
 
@@ -60,30 +68,31 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
 
 
 def _from_exception(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, ApiError):
+        err = http_error(exc)
+        response = error_response(err.status, err.message, err.kind, err.param, err.code)
+        response.headers.update({k.decode(): v.decode() for k, v in retry_after_header(exc)})
+        return response
     code, message = status_for(exc)
     status, kind = _HTTP_STATUS.get(code, (500, "internal_error"))
     param = getattr(exc, "field", None)
     if isinstance(exc, SamplingParamsError):
         param = exc.field
-    return error_response(status, message, kind, param,
-                          "model_not_found" if code == grpc.StatusCode.NOT_FOUND else None)
+    response = error_response(status, message, kind, param,
+                              "model_not_found" if code == grpc.StatusCode.NOT_FOUND else None)
+    if status == 429:  # the scheduler's queue is full
+        response.headers["retry-after"] = str(int(RETRY_AFTER_S))
+    return response
 
 
-class _Overload:
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
+class _Auth:
+    """API key check for /v1/ paths, as plain ASGI: Starlette's `@app.middleware("http")`
+    would relay every chunk of a streamed response through a memory stream and an extra
+    task, which the gateway paid on each token."""
 
-
-class _AuthAndLoad:
-    """API key and overload checks for /v1/ paths, as plain ASGI: Starlette's
-    `@app.middleware("http")` would relay every chunk of a streamed response through a memory
-    stream and an extra task, which the gateway paid on each token."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, overload: _Overload) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
-        self.overload = overload
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
@@ -99,18 +108,13 @@ class _AuthAndLoad:
             if given != [self.authorization]:
                 return error_response(401, "Incorrect or missing API key (Authorization: Bearer)",
                                       "invalid_request_error", None, "invalid_api_key")
-        if self.overload.in_flight >= self.overload.limit:
-            return error_response(503, "the server is overloaded; retry later",
-                                  "service_unavailable")
         return None
 
 
 def build_app(core: GenerationCore, api_key: str | None = None,
-              max_pending_requests: int = 1024,
               not_ready_reason: Callable[[], str | None] | None = None) -> FastAPI:
     app = FastAPI(title="llmserve", version="0.1.0",
                   description="OpenAI-compatible API of the llmserve gateway")
-    overload = _Overload(max_pending_requests)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -124,6 +128,7 @@ def build_app(core: GenerationCore, api_key: str | None = None,
     # answering: every 400 was logged as a crash and the connection could be reset.
     @app.exception_handler(RequestError)
     @app.exception_handler(SamplingParamsError)
+    @app.exception_handler(ApiError)
     async def _client_error(request: Request, exc: Exception) -> JSONResponse:
         return _from_exception(exc)
 
@@ -131,7 +136,10 @@ def build_app(core: GenerationCore, api_key: str | None = None,
     async def _any(request: Request, exc: Exception) -> JSONResponse:
         return _from_exception(exc)
 
-    app.add_middleware(_AuthAndLoad, api_key=api_key, overload=overload)
+    # Added last runs first: the key, then the body's size, then admission.
+    app.add_middleware(AdmissionMiddleware, admission=core.admission)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=core.limits.max_body_bytes)
+    app.add_middleware(_Auth, api_key=api_key)
 
     @app.get("/health", response_model=None,
              responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus}})
@@ -167,7 +175,7 @@ def build_app(core: GenerationCore, api_key: str | None = None,
         core.check_model(body.model)
         if body.suffix:
             raise invalid_argument("suffix", "is not supported")
-        prompts = _completion_prompts(core, body.prompt)
+        prompts = await _completion_prompts(core, body.prompt)
         inputs = []
         for i, prompt in enumerate(prompts):
             params = _sampling_params(core, body, prompt, body.max_tokens, "max_tokens",
@@ -175,8 +183,9 @@ def build_app(core: GenerationCore, api_key: str | None = None,
                                       body.logprobs if body.echo and body.logprobs is not None
                                       else None)
             inputs.append(GenerationInput(f"cmpl-{uuid.uuid4().hex}-{i}", prompt, params,
-                                          _text_options(body), "text_completion"))
-        return await _respond(core, overload, request, body, inputs, chat=False)
+                                          _text_options(core, body, params), "text_completion",
+                                          core.timeout_for(None)))
+        return await _respond(core, request, body, inputs, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None,
               responses=_generation_responses(ChatCompletionResponse))
@@ -190,7 +199,7 @@ def build_app(core: GenerationCore, api_key: str | None = None,
             {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
             for m in body.messages
         ]
-        prompt = core.prompt_from_chat(messages, body.add_generation_prompt, "messages")
+        prompt = await core.aprompt_from_chat(messages, body.add_generation_prompt, "messages")
         max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, field = body.max_tokens, "max_tokens"
@@ -199,8 +208,8 @@ def build_app(core: GenerationCore, api_key: str | None = None,
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(core, body, prompt, max_tokens, field, logprobs, None)
         inp = GenerationInput(f"chatcmpl-{uuid.uuid4().hex}", prompt, params,
-                              _text_options(body), "chat")
-        return await _respond(core, overload, request, body, [inp], chat=True)
+                              _text_options(core, body, params), "chat", core.timeout_for(None))
+        return await _respond(core, request, body, [inp], chat=True)
 
     _drop_default_422(app)
     return app
@@ -280,24 +289,27 @@ def _param_name(loc: Any) -> str | None:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
-def _completion_prompts(core: GenerationCore, prompt: Any) -> list[Prompt]:
+async def _completion_prompts(core: GenerationCore, prompt: Any) -> list[Prompt]:
     if isinstance(prompt, str):
-        return [core.prompt_from_text(prompt)]
+        return [await core.aprompt_from_text(prompt)]
     if not prompt:
         raise invalid_argument("prompt", "must not be empty")
     if all(isinstance(p, int) for p in prompt):
         return [core.prompt_from_ids(prompt)]
+    check_prompt_count(core.limits, len(prompt))
     if all(isinstance(p, str) for p in prompt):
-        return [core.prompt_from_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [await core.aprompt_from_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     if all(isinstance(p, list) for p in prompt):
         return [core.prompt_from_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     raise invalid_argument("prompt", "must be a string, a list of strings, or token ids")
 
 
-def _text_options(body: CompletionRequest | ChatCompletionRequest) -> TextOptions:
+def _text_options(core: GenerationCore, body: CompletionRequest | ChatCompletionRequest,
+                  params: SamplingParams) -> TextOptions:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if any(not s for s in stop):
-        raise invalid_argument("stop", "stop strings must not be empty")
+    names = {"logprobs": "top_logprobs" if isinstance(body, ChatCompletionRequest)
+             else "logprobs"}
+    core.check_limits(params, stop, names)
     return TextOptions(tuple(stop), body.include_stop_str_in_output, body.skip_special_tokens)
 
 
@@ -349,7 +361,7 @@ def _sampling_params(
 
 
 async def _merged(core: GenerationCore, inputs: list[GenerationInput], parent: Any
-                  ) -> AsyncIterator[tuple[int, GenerationUpdate]]:
+                  ) -> AsyncGenerator[tuple[int, GenerationUpdate], None]:
     """Updates of several requests (one per prompt) as they come, tagged with the prompt index."""
     if len(inputs) == 1:
         async for update in core.generate(inputs[0], parent):
@@ -382,7 +394,7 @@ async def _merged(core: GenerationCore, inputs: list[GenerationInput], parent: A
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _respond(core: GenerationCore, overload: _Overload, request: Request,
+async def _respond(core: GenerationCore, request: Request,
                    body: CompletionRequest | ChatCompletionRequest,
                    inputs: list[GenerationInput], chat: bool) -> Response:
     parent = context_from_metadata(list(request.headers.items()))
@@ -393,24 +405,39 @@ async def _respond(core: GenerationCore, overload: _Overload, request: Request,
         core, response_id, created, inputs, echo=getattr(body, "echo", False))
     metrics.REQUESTS.labels("chat" if chat else "completions", "stream" if body.stream
                             else "full").inc()
-    overload.in_flight += 1
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        updates = _merged(core, inputs, parent)
+        # The first update decides the status: a refusal (a full queue: 429) or an error
+        # before any token is an HTTP error, not an error event after a 200.
+        try:
+            first = await anext(updates)
+        except BaseException:
+            await updates.aclose()
+            raise
         return StreamingResponse(
-            _stream(core, overload, inputs, parent, shaper, n, include_usage),
+            _stream(_prepend(first, updates), shaper, n, include_usage),
             media_type="text/event-stream",
         )
+    collect = asyncio.create_task(_collect(core, inputs, parent, shaper, n))
+    while not collect.done():
+        done, _ = await asyncio.wait({collect}, timeout=1.0)
+        if not done and await request.is_disconnected():
+            collect.cancel()  # closes the generators: the requests are aborted
+            await asyncio.gather(collect, return_exceptions=True)
+            return Response(status_code=499)
+    return JSONResponse(collect.result())
+
+
+async def _prepend(first: tuple[int, GenerationUpdate],
+                   rest: AsyncGenerator[tuple[int, GenerationUpdate], None]
+                   ) -> AsyncGenerator[tuple[int, GenerationUpdate], None]:
     try:
-        collect = asyncio.create_task(_collect(core, inputs, parent, shaper, n))
-        while not collect.done():
-            done, _ = await asyncio.wait({collect}, timeout=1.0)
-            if not done and await request.is_disconnected():
-                collect.cancel()  # closes the generators: the requests are aborted
-                await asyncio.gather(collect, return_exceptions=True)
-                return Response(status_code=499)
-        return JSONResponse(collect.result())
+        yield first
+        async for item in rest:
+            yield item
     finally:
-        overload.in_flight -= 1
+        await rest.aclose()
 
 
 async def _collect(core: GenerationCore, inputs: list[GenerationInput], parent: Any,
@@ -429,12 +456,11 @@ async def _collect(core: GenerationCore, inputs: list[GenerationInput], parent: 
     return shaper.full(choices, prompt_logprobs, n, usage)
 
 
-async def _stream(core: GenerationCore, overload: _Overload, inputs: list[GenerationInput],
-                  parent: Any, shaper: _Shaper, n: int, include_usage: bool
-                  ) -> AsyncIterator[str]:
+async def _stream(updates: AsyncGenerator[tuple[int, GenerationUpdate], None], shaper: _Shaper,
+                  n: int, include_usage: bool) -> AsyncIterator[str]:
     usage = [0, 0]
     try:
-        async for i, update in _merged(core, inputs, parent):
+        async for i, update in updates:
             for chunk in shaper.chunks(i, n, update, include_usage):
                 yield f"data: {json.dumps(chunk)}\n\n"
             if update.usage is not None:
@@ -443,12 +469,12 @@ async def _stream(core: GenerationCore, overload: _Overload, inputs: list[Genera
         if include_usage:
             yield f"data: {json.dumps(shaper.usage_chunk(usage))}\n\n"
         yield "data: [DONE]\n\n"
-    except RequestError as exc:
+    except (RequestError, ApiError) as exc:
         error = json.loads(bytes(_from_exception(exc).body))
         yield f"data: {json.dumps(error)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        overload.in_flight -= 1
+        await updates.aclose()
 
 
 def _usage(usage: list[int]) -> dict[str, int]:
@@ -627,7 +653,7 @@ async def serve_http(core: GenerationCore, config: Any,
                      not_ready_reason: Callable[[], str | None] | None = None) -> None:
     import uvicorn
 
-    app = build_app(core, config.api_key, config.max_pending_requests, not_ready_reason)
+    app = build_app(core, config.api_key, not_ready_reason)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.http_port, log_config=None, access_log=False,
         lifespan="off",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from llmserve.errors import DeadlineExceededError
 from llmserve.grpc_utils import RequestError, channel_options
 from llmserve.logs import get_logger
 from llmserve.proto_convert import sampling_params_to_proto
@@ -261,10 +262,13 @@ class SchedulerClient:
         params: SamplingParams,
         eos_token_id: int | None,
         traceparent: str = "",
+        timeout_s: float | None = None,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
         """Yield the request's outputs until the finished one; raise RequestError on failure.
 
-        While the scheduler is away (it was reached before), the request waits for it."""
+        While the scheduler is away (it was reached before), the request waits for it.
+        With `timeout_s`, the scheduler is told the time left and the request fails with
+        DeadlineExceededError (here or there, whichever notices first) when it runs out."""
         if not self._ever_connected:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE, f"scheduler at {self.address} is not reachable"
@@ -283,6 +287,10 @@ class SchedulerClient:
         )
         if eos_token_id is not None:
             add.eos_token_id = eos_token_id
+        deadline = None
+        if timeout_s is not None:
+            add.timeout_ms = max(1, min(int(timeout_s * 1000), 2**32 - 1))
+            deadline = asyncio.get_running_loop().time() + timeout_s
         request = _InFlight(add, asyncio.Queue(), params.streams_choices)
         self._requests[request_id] = request
         if self._outbox is not None:
@@ -291,7 +299,7 @@ class SchedulerClient:
             self._wait_for_scheduler(request)
         try:
             while True:
-                message = await request.inbox.get()
+                message = await _next(request.inbox, deadline, timeout_s)
                 if message.WhichOneof("kind") == "error":
                     error = message.error
                     raise RequestError(_status_code(error.code), error.message, error.field or None)
@@ -309,6 +317,20 @@ class SchedulerClient:
                         abort=scheduler_pb2.AbortRequest(request_id=request_id)
                     )
                 )
+
+
+async def _next(
+    inbox: _Inbox, deadline: float | None, timeout_s: float | None
+) -> scheduler_pb2.SchedulerMessage:
+    if deadline is None:
+        return await inbox.get()
+    left = deadline - asyncio.get_running_loop().time()
+    try:
+        return await asyncio.wait_for(inbox.get(), max(left, 0.0))
+    except TimeoutError:
+        raise DeadlineExceededError(
+            f"the request did not finish within its time limit of {timeout_s:g} s"
+        ) from None
 
 
 def _status_code(value: int) -> grpc.StatusCode:

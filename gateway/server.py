@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from grpc_health.v1.health import HealthServicer
 
+from gateway.admission import Admission
 from gateway.readiness import SchedulerReadiness
 from llmserve.grpc_utils import create_server, set_serving
+from llmserve.limits import RequestLimits
 from llmserve.logs import get_logger
 from llmserve.model_spec import ModelSource, resolve_model
 from llmserve.service_main import serve_until_signal
@@ -29,9 +31,16 @@ class GatewayConfig:
     served_model_name: str = "smollm2"
     max_model_len: int | None = None
     api_key: str | None = None
+    # Generation requests in flight (HTTP and gRPC together) before new ones get 429 /
+    # RESOURCE_EXHAUSTED.
     max_pending_requests: int = 1024
     max_message_bytes: int = 64 * 1024 * 1024
     scheduler_reconnect_timeout_s: float = 60.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Longest a request may take (None: no limit); a gRPC client's deadline may be shorter.
+    request_timeout_s: float | None = None
+    # On SIGTERM, requests in flight have this long to finish before the gateway exits.
+    shutdown_grace_s: float = 30.0
 
 
 def model_context_length(source: ModelSource) -> int:
@@ -56,7 +65,9 @@ async def serve(config: GatewayConfig) -> None:
         config.scheduler_address, config.max_message_bytes, config.scheduler_reconnect_timeout_s
     )
     scheduler.start()
-    core = GenerationCore(config.served_model_name, tokenization, scheduler, max_model_len)
+    admission = Admission(config.max_pending_requests)
+    core = GenerationCore(config.served_model_name, tokenization, scheduler, max_model_len,
+                          config.limits, admission, config.request_timeout_s)
 
     readiness = SchedulerReadiness(config.scheduler_address, lambda: scheduler.connected)
     readiness.start()
@@ -80,9 +91,16 @@ async def serve(config: GatewayConfig) -> None:
              scheduler=config.scheduler_address)
 
     async def on_stop() -> None:
-        # Draining: probes see NOT_SERVING / 503 at once, so traffic stops coming here.
+        # Draining: probes see NOT_SERVING / 503 at once, so traffic stops coming here; new
+        # requests are refused (503 / UNAVAILABLE) and those in flight may finish.
         readiness.drain()
         await health.enter_graceful_shutdown()
+        admission.start_draining()
+        in_flight = admission.in_flight
+        log.info("draining", in_flight=in_flight, grace_s=config.shutdown_grace_s)
+        drained = await admission.wait_idle(config.shutdown_grace_s)
+        log.info("drained" if drained else "grace period over; cutting the rest",
+                 finished=in_flight - admission.in_flight, cut=admission.in_flight)
         for task in (health_task, http_task):
             if task is not None:
                 task.cancel()

@@ -121,3 +121,7 @@ def main(argv: list[str]) -> int:
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
+    except (ValueError, OSError) as exc:
+        # An invalid flag value (SamplingParamsError names it), a bad --input file.
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

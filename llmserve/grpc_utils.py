@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmserve.errors import ApiError, grpc_status
 from llmserve.logs import get_logger
 from llmserve.sampling_params import SamplingParamsError
 
@@ -36,6 +37,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a servicer exception maps to."""
     if isinstance(exc, RequestError):
         return exc.code, str(exc)
+    if isinstance(exc, ApiError):
+        return grpc_status(exc)
     if isinstance(exc, SamplingParamsError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ValueError):

@@ -81,6 +81,7 @@ class SamplingParams:
             raise SamplingParamsError(name, message)
 
         assert self.best_of is not None
+        _check_wire_ranges(self)
         if self.n < 1:
             fail("n", f"must be at least 1, got {self.n}")
         if self.best_of < self.n:
@@ -122,6 +123,24 @@ class SamplingParams:
                 fail("top_p", "top_p / top_k / min_p cannot be used with use_beam_search")
         elif self.is_greedy and self.best_of > 1:
             fail("best_of", "must be 1 for greedy sampling (temperature 0)")
+
+
+_UINT32_MAX = 2**32 - 1
+_UINT32_FIELDS = ("n", "best_of", "top_k", "max_tokens", "min_tokens")
+
+
+def _check_wire_ranges(params: SamplingParams) -> None:
+    """Integers must fit their proto fields (uint32, int64 for the seed): a value that does not
+    would fail only when the request is sent on, after a client was told 200."""
+    for name in _UINT32_FIELDS:
+        value = getattr(params, name)
+        if value is not None and value > _UINT32_MAX:
+            raise SamplingParamsError(name, f"must be at most {_UINT32_MAX}, got {value}")
+    if params.seed is not None and not -(2**63) <= params.seed < 2**63:
+        raise SamplingParamsError("seed", f"must fit in 64 bits (signed), got {params.seed}")
+    bad = next((t for t in params.stop_token_ids if t > _UINT32_MAX), None)
+    if bad is not None:
+        raise SamplingParamsError("stop_token_ids", f"token id {bad} is not a token id")
 
 
 def with_admission_seed(params: SamplingParams, rng: random.Random) -> SamplingParams:

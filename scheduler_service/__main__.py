@@ -10,6 +10,7 @@ from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
 from llmserve.service_main import add_common_flags, serve_until_signal, start_service
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_service.admission import DEFAULT_MAX_WAITING_REQUESTS, SchedulerAdmission, drain
 from scheduler_service.config import PreemptionMode, SchedulerConfig
 
 log = get_logger(__name__)
@@ -46,6 +47,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="device KV blocks to ask each worker for, in place of what it offers",
     )
     p.add_argument("--num-cpu-blocks-override", type=int, default=None)
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="requests admitted but not yet running (all workers); beyond it a new request "
+        "is refused at once with RESOURCE_EXHAUSTED (the gateway's 429)",
+    )
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: health turns NOT_SERVING, new requests get UNAVAILABLE, and those "
+        "in flight have this long to finish",
+    )
     fleet = p.add_argument_group("fleet", "worker membership, failure handling and routing")
     fleet.add_argument(
         "--worker-dns",
@@ -137,7 +152,9 @@ async def serve(args: argparse.Namespace) -> None:
         # SERVING only while at least one worker replica is ready to take requests.
         asyncio.get_running_loop().create_task(set_serving(health, [SERVICE_NAME], ready))
 
-    router = Router(build_fleet_config(args), on_ready_change)
+    router = Router(
+        build_fleet_config(args), on_ready_change, SchedulerAdmission(args.max_waiting_requests)
+    )
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router), server)
     address = f"{args.host}:{args.port}"
     server.add_insecure_port(address)
@@ -150,6 +167,15 @@ async def serve(args: argparse.Namespace) -> None:
         # NOT_SERVING from the first moment of the drain, for good: no later ready change
         # of the fleet may turn it back to SERVING.
         await health.enter_graceful_shutdown()
+        router.admission.draining = True
+        log.info("draining", requests=len(router.routes), grace_s=args.shutdown_grace_s)
+        finished, left = await drain(lambda: len(router.routes), args.shutdown_grace_s)
+        log.info(
+            "drained" if not left else "grace period over; aborting the rest",
+            finished=finished,
+            aborted=left,
+            refused_while_draining=router.admission.num_refused,
+        )
         await router.stop()
 
     await serve_until_signal(server, on_stop)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from llmserve.errors import ApiError, grpc_status
 from llmserve.grpc_utils import RequestError
 from llmserve.logs import get_logger
 from llmserve.proto_convert import (
@@ -33,6 +34,7 @@ from llmserve.proto_convert import (
 from llmserve.sampling_params import SamplingParams, SamplingParamsError, with_admission_seed
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_service import metrics
+from scheduler_service.admission import SchedulerAdmission, arm_deadline
 from scheduler_service.engine import RequestError as EngineRequestError
 from scheduler_service.fleet import DrainedError, Fleet, FleetConfig
 from scheduler_service.migration import GroupSnapshot, SequenceSnapshot, snapshot_from_choices
@@ -77,8 +79,10 @@ class _Route:
 class Router:
     """Admits gateway requests, hands them to the fleet, routes their outputs back."""
 
-    def __init__(self, config: FleetConfig, on_ready_change=lambda ready: None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config: FleetConfig, on_ready_change=lambda ready: None,  # type: ignore[no-untyped-def]
+                 admission: SchedulerAdmission | None = None) -> None:
         self.fleet = Fleet(config, self, on_ready_change)
+        self.admission = admission or SchedulerAdmission()
         self.routes: dict[str, _Route] = {}
         self.streams: set[GatewayStream] = set()
         self._stream_ids = itertools.count()
@@ -106,7 +110,7 @@ class Router:
         """Queue a request, or answer it at once with a RequestError."""
         try:
             self._add(stream, add)
-        except (RequestError, SamplingParamsError, EngineRequestError) as exc:
+        except (RequestError, ApiError, SamplingParamsError, EngineRequestError) as exc:
             stream.outbox.put_nowait(_error_message(add.request_id, exc))
 
     def _add(self, stream: GatewayStream, add: scheduler_pb2.AddRequest) -> None:
@@ -124,6 +128,7 @@ class Router:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "sampling_params: required", "sampling_params"
             )
+        self.admission.check(self.fleet, add.HasField("continuation"))
         params = with_admission_seed(sampling_params_from_proto(add.sampling_params), self._seeds)
         key = stream.key(add.request_id)
         route = _Route(
@@ -147,6 +152,8 @@ class Router:
             raise
         stream.request_ids.add(add.request_id)
         self.routes[key] = route
+        if add.timeout_ms:
+            arm_deadline(add.timeout_ms, key, route, self._expire)
         log.info(
             "request queued",
             request_id=add.request_id,
@@ -170,6 +177,14 @@ class Router:
         self.routes.pop(key, None)
         stream.request_ids.discard(request_id)
         self.fleet.abort(key)
+
+    def _expire(self, key: str, route: object) -> None:
+        """A request's deadline passed: free its blocks and tell its gateway."""
+        if self.routes.get(key) is not route:
+            return
+        self.fleet.abort(key)
+        self.fail_request(key, grpc.StatusCode.DEADLINE_EXCEEDED,
+                          "the request's deadline passed before it finished")
 
     # -- FleetOwner ------------------------------------------------------------------------------
 
@@ -317,6 +332,8 @@ def _continued_choices(
 def _error_message(request_id: str, exc: Exception) -> scheduler_pb2.SchedulerMessage:
     if isinstance(exc, RequestError):
         code, field_name = exc.code, exc.field or ""
+    elif isinstance(exc, ApiError):
+        code, field_name = grpc_status(exc)[0], exc.field or ""
     else:
         code = grpc.StatusCode.INVALID_ARGUMENT
         field_name = getattr(exc, "field", "")
