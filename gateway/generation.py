@@ -20,13 +20,13 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from gateway import metrics
-from gateway.detokenizer import IncrementalDetokenizer
 from gateway.scheduler_client import SchedulerClient
-from gateway.stop import StopStringMatcher
 from gateway.tokenization import PromptError, Tokenization
+from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.grpc_utils import RequestError, invalid_argument
 from llmserve.logs import get_logger
 from llmserve.sampling_params import SamplingParams, with_admission_seed
+from llmserve.stop_strings import StopStringMatcher
 from llmserve.telemetry import current_traceparent
 from llmserve.v1 import common_pb2, scheduler_pb2
 

@@ -164,7 +164,7 @@ class LLMEngine:
         if group.is_finished():
             self._finished_on_import.append(final_output(group))
             return
-        self.scheduler.add_seq_group(group, by_arrival=True)
+        self.scheduler.add_seq_group(group)
 
     def export_requests(self, request_ids: list[str] | None = None) -> list[GroupSnapshot]:
         """Take unfinished requests out of this engine (all of them by default; unknown ids
@@ -179,12 +179,17 @@ class LLMEngine:
             if group is None:
                 continue
             snapshots.append(snapshot_group(group))
-            scheduler.abort_seq_group(request_id)  # frees its blocks; no output follows
+            freed: list[int] = []
+            scheduler.abort_seq_group(request_id, freed)  # frees its blocks; no output follows
+            self._builder.add_freed(freed)
         return snapshots
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks. False if it is unknown or already finished."""
-        return self.scheduler.abort_seq_group(request_id) is not None
+        freed: list[int] = []
+        aborted = self.scheduler.abort_seq_group(request_id, freed) is not None
+        self._builder.add_freed(freed)
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs() or bool(self._finished_on_import)
@@ -219,7 +224,8 @@ class LLMEngine:
         if result is None:
             result = StepResult(step_input.step_id)
         self.scheduler.on_step_executed(sched_out)
-        outputs = self._processor.process(sched_out, result)
+        outputs, events = self._processor.process(sched_out, result)
+        self._builder.add_events(events)
         if self._finished_on_import:
             outputs.extend(self._finished_on_import)
             self._finished_on_import = []
