@@ -175,7 +175,8 @@ def build_app(core: GenerationCore, api_key: str | None = None,
                                       body.logprobs if body.echo and body.logprobs is not None
                                       else None)
             inputs.append(GenerationInput(f"cmpl-{uuid.uuid4().hex}-{i}", prompt, params,
-                                          _text_options(body), "text_completion"))
+                                          _text_options(body), "text_completion",
+                                          body.priority))
         return await _respond(core, overload, request, body, inputs, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None,
@@ -199,7 +200,7 @@ def build_app(core: GenerationCore, api_key: str | None = None,
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(core, body, prompt, max_tokens, field, logprobs, None)
         inp = GenerationInput(f"chatcmpl-{uuid.uuid4().hex}", prompt, params,
-                              _text_options(body), "chat")
+                              _text_options(body), "chat", body.priority)
         return await _respond(core, overload, request, body, [inp], chat=True)
 
     _drop_default_422(app)

@@ -36,6 +36,7 @@ from scheduler_service.messages import (
 )
 from scheduler_service.migration import GroupSnapshot, SequenceSnapshot, snapshot_from_choices
 from scheduler_service.outputs import RequestOutput
+from scheduler_service.text_stops import StopStrings
 from scheduler_service.tracing import end_request_trace, start_request_trace, trace_id_of
 
 log = get_logger(__name__)
@@ -70,6 +71,8 @@ class _Route:
     step_failures: int = 0
     # From the gateway's traceparent, for log lines (None when the request is not traced).
     trace_id: str | None = None
+    priority: int = 0
+    stop_strings: StopStrings | None = None
 
 
 class Router:
@@ -132,6 +135,10 @@ class Router:
             add.eos_token_id if add.HasField("eos_token_id") else None,
             time.monotonic(),
             trace_id=trace_id_of(add.traceparent),
+            priority=add.priority,
+            stop_strings=StopStrings(tuple(add.stop), not add.decode_special_tokens)
+            if add.stop
+            else None,
         )
         if add.HasField("continuation"):
             route.sent = continued_choices(add.continuation, params)
@@ -161,6 +168,8 @@ class Router:
             route.eos_token_id,
             route.arrival_time,
             list(route.sent.values()),
+            route.priority,
+            route.stop_strings,
         )
 
     def abort(self, stream: GatewayStream, request_id: str) -> None:
@@ -247,6 +256,7 @@ class Router:
                 m.first_token_time,
                 m.finished_time,
                 route.num_output_tokens,
+                route.priority,
             )
 
     # -- stats ---------------------------------------------------------------------------------
