@@ -2,8 +2,13 @@
 
 `GenerationCore.prepare_*` validate and tokenize (errors name the field); `generate()` sends
 the request to the scheduler and turns its token deltas into text deltas per choice:
-incremental detokenization, stop strings (the request is aborted in the scheduler once every
-choice has stopped), logprobs with token text, usage and timings.
+incremental detokenization, stop strings, logprobs with token text, usage and timings.
+
+Stop strings are sent to the scheduler, which finishes each choice at the token that completes
+one (scheduler_service/text_stops.py says why there). Here the same text is matched again only
+to shape it: cut at the stop string (or after it, `include_stop_str_in_output`), with the text
+that could begin a stop string held back until it is decided. A choice the gateway sees stop
+takes no further tokens, text or usage.
 """
 
 from __future__ import annotations
@@ -22,15 +27,15 @@ from opentelemetry import trace
 
 from gateway import metrics
 from gateway.admission import Admission
-from gateway.detokenizer import IncrementalDetokenizer
 from gateway.scheduler_client import SchedulerClient
-from gateway.stop import StopStringMatcher
 from gateway.tokenization import PromptError, Tokenization
+from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.errors import FieldError
 from llmserve.grpc_utils import RequestError, invalid_argument
 from llmserve.limits import RequestLimits, check_prompt_tokens, check_sampling, check_stop
 from llmserve.logs import get_logger
 from llmserve.sampling_params import SamplingParams, with_admission_seed
+from llmserve.stop_strings import StopStringMatcher
 from llmserve.telemetry import current_traceparent
 from llmserve.v1 import common_pb2, scheduler_pb2
 
@@ -70,6 +75,23 @@ class GenerationInput:
     # Seconds the request may take in all (the client's deadline, or the gateway's
     # --request-timeout-s); None: no limit. Passed on to the scheduler, which aborts it then.
     timeout_s: float | None = None
+    # Scheduling priority: lower is served first (vLLM's convention).
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        check_priority(self.priority)
+
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def check_priority(priority: object, field_name: str = "priority") -> int:
+    """`priority` as sent by a client: an integer that fits the protos' int32."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise FieldError(field_name, f"must be an integer, got {priority!r}")
+    if not INT32_MIN <= priority <= INT32_MAX:
+        raise FieldError(field_name, f"must be in [{INT32_MIN}, {INT32_MAX}], got {priority}")
+    return priority
 
 
 @dataclass(slots=True)
@@ -306,10 +328,12 @@ class GenerationCore:
             max_tokens=params.max_tokens,
             n=params.n,
             seed=params.seed,
+            priority=inp.priority,
         )
         stream = self.scheduler.submit(
             inp.request_id, inp.prompt.token_ids, params, self.tokenization.eos_token_id,
-            current_traceparent(), timeout_s=inp.timeout_s,
+            current_traceparent(), inp.priority, inp.text.stop,
+            not inp.text.skip_special_tokens, timeout_s=inp.timeout_s,
         )
         try:
             first = True
@@ -361,7 +385,7 @@ class GenerationCore:
         self, state: _ChoiceState, delta: scheduler_pb2.ChoiceDelta
     ) -> ChoiceUpdate | None:
         if state.done:
-            return None  # stopped by a stop string; the scheduler did not know yet
+            return None  # already finished here (the scheduler stops it in the same step)
         token_ids = list(delta.token_ids)
         state.num_tokens += len(token_ids)
         finish = _FINISH_NAMES.get(delta.finish_reason)

@@ -89,7 +89,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             detokenize=request.detokenize if request.HasField("detokenize") else True,
         )
         request_id = request.request_id or core.new_request_id("grpc")
-        inp = GenerationInput(request_id, prompt, params, options,
+        inp = GenerationInput(request_id, prompt, params, options, priority=request.priority,
                               timeout_s=core.timeout_for(context.time_remaining()))
         parent = context_from_metadata(context.invocation_metadata())
         first = True

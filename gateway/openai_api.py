@@ -184,7 +184,8 @@ def build_app(core: GenerationCore, api_key: str | None = None,
                                       else None)
             inputs.append(GenerationInput(f"cmpl-{uuid.uuid4().hex}-{i}", prompt, params,
                                           _text_options(core, body, params), "text_completion",
-                                          core.timeout_for(None)))
+                                          timeout_s=core.timeout_for(None),
+                                          priority=body.priority))
         return await _respond(core, request, body, inputs, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None,
@@ -208,7 +209,8 @@ def build_app(core: GenerationCore, api_key: str | None = None,
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(core, body, prompt, max_tokens, field, logprobs, None)
         inp = GenerationInput(f"chatcmpl-{uuid.uuid4().hex}", prompt, params,
-                              _text_options(core, body, params), "chat", core.timeout_for(None))
+                              _text_options(core, body, params), "chat",
+                              timeout_s=core.timeout_for(None), priority=body.priority)
         return await _respond(core, request, body, [inp], chat=True)
 
     _drop_default_422(app)

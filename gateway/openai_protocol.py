@@ -41,6 +41,8 @@ class _SamplingFields(BaseModel):
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Lower is served first; checked as an int32 by GenerationInput (a FieldError naming it).
+    priority: int = 0
 
 
 class CompletionRequest(_SamplingFields):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -262,9 +262,14 @@ class SchedulerClient:
         params: SamplingParams,
         eos_token_id: int | None,
         traceparent: str = "",
+        priority: int = 0,
+        stop: Sequence[str] = (),
+        decode_special_tokens: bool = False,
         timeout_s: float | None = None,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
         """Yield the request's outputs until the finished one; raise RequestError on failure.
+        With `stop` strings the scheduler finishes each choice at the token that completes one
+        (its text decoded with special tokens when `decode_special_tokens`).
 
         While the scheduler is away (it was reached before), the request waits for it.
         With `timeout_s`, the scheduler is told the time left and the request fails with
@@ -284,6 +289,9 @@ class SchedulerClient:
             prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params_to_proto(params),
             traceparent=traceparent,
+            priority=priority,
+            stop=list(stop),
+            decode_special_tokens=decode_special_tokens and bool(stop),
         )
         if eos_token_id is not None:
             add.eos_token_id = eos_token_id

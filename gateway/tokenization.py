@@ -5,11 +5,10 @@ The gateway owns text; the scheduler and workers only see the token ids produced
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llmserve.model_spec import ModelSource
+from llmserve.model_spec import ModelSource, load_tokenizer
 
 
 class PromptError(ValueError):
@@ -18,14 +17,6 @@ class PromptError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
-
-
-@functools.lru_cache(maxsize=8)
-def load_tokenizer(source: ModelSource) -> Any:
-    """The Hugging Face tokenizer for `source`, loaded once per process (loading takes seconds)."""
-    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
-
-    return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
 
 
 class Tokenization:

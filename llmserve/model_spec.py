@@ -1,15 +1,18 @@
 """Resolve a model spec (alias, local directory, GGUF file, hub id) into `from_pretrained` args.
 
-Shared by the worker (weights) and the gateway (tokenizer) so both read the same files.
+Shared by the worker (weights), the gateway (tokenizer) and the scheduler (a tokenizer for
+stop strings) so all read the same files.
 Resolution never touches the network; a hub id is passed through and loads only when a hub
 (or the local HF cache) can serve it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL = "smollm2"
 
@@ -63,3 +66,11 @@ def resolve_model(spec: str) -> ModelSource:
         raise ModelNotFoundError(f"model path {spec!r} is neither a directory nor a .gguf file")
     # Anything else is taken as a hub id ("org/name"); loading it needs a hub or a local cache.
     return ModelSource(spec, spec)
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(source: ModelSource) -> Any:
+    """The Hugging Face tokenizer for `source`, loaded once per process (loading takes seconds)."""
+    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
+
+    return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())

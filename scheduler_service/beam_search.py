@@ -11,13 +11,11 @@ carries its best extension); beams with no continuing extension are freed.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 from llmserve.steps import SequenceOutput, TokenLogprob
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.scheduler_outputs import WorkerEvents
 from scheduler_service.sequence import SampleLogprobs, Sequence, SequenceGroup, SequenceStatus
-
-if TYPE_CHECKING:
-    from scheduler_service.scheduler import Scheduler
 
 
 def _stop_early(
@@ -54,11 +52,11 @@ def process_beam_group(
     seq_group: SequenceGroup,
     sampled: list[tuple[Sequence, SequenceOutput]],
     scheduler: Scheduler,
+    events: WorkerEvents,
     seq_counter: itertools.count[int],
     max_model_len: int,
 ) -> None:
-    from scheduler_service.outputs import check_stop
-
+    """Select the group's beams after a step; forks and frees go to `events`."""
     params = seq_group.sampling_params
     beam_width = params.num_sampled
     lp = params.length_penalty
@@ -85,13 +83,13 @@ def process_beam_group(
         child = parent.fork(next(seq_counter), seq_group.next_seq_index)
         seq_group.next_seq_index += 1
         _append(child, sample, top, keep_logprobs)
-        check_stop(child, params, max_model_len)
+        child.check_stop(params, max_model_len)
         extensions.append((child, parent))
     for parent, _ in sampled:
         ext = parent_ext.get(parent.seq_id)
         if ext is not None:
             _append(parent, *ext, keep_logprobs)
-            check_stop(parent, params, max_model_len)
+            parent.check_stop(params, max_model_len)
             extensions.append((parent, parent))
 
     def beam_key(seq: Sequence) -> float:
@@ -119,11 +117,11 @@ def process_beam_group(
         if seq is not parent and seq.seq_id in kept_ids:
             seq_group.add(seq)
             if not seq.is_finished():
-                scheduler.fork_seq(parent, seq)
+                scheduler.fork_seq(parent, seq, events.forks)
     for seq in dropped:
         if seq.status < SequenceStatus.STOPPED:
             seq.status = SequenceStatus.ABORTED
-        scheduler.free_seq(seq)
+        scheduler.free_seq(seq, events.freed_seq_ids)
         seq_group.remove(seq.seq_id)
     for seq in kept_finished:
-        scheduler.free_seq(seq)
+        scheduler.free_seq(seq, events.freed_seq_ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import Executor, StepInput, StepResult
@@ -24,6 +25,9 @@ from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, SchedulerStats
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.step_builder import StepBuilder
+from scheduler_service.text_stops import StopStrings, TokenizerLoader
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 class RequestError(ValueError):
@@ -50,7 +54,10 @@ class LLMEngine:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         executor: Executor,
+        tokenizer: TokenizerLoader | None = None,
     ) -> None:
+        """`tokenizer` loads the model's tokenizer: called once, when the first request with
+        stop strings arrives (None: such requests are refused)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.executor = executor
@@ -62,6 +69,8 @@ class LLMEngine:
         self.last_step_input: StepInput | None = None
         # Imported requests with nothing left to run: their final outputs go out next step.
         self._finished_on_import: list[RequestOutput] = []
+        self._load_tokenizer = tokenizer
+        self._tokenizer: Any = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -72,6 +81,8 @@ class LLMEngine:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         eos_token_id: int | None = None,
+        priority: int = 0,
+        stop_strings: StopStrings | None = None,
     ) -> None:
         """Queue a request. Raises `RequestError` (naming the field) on bad input."""
         if not isinstance(request_id, str) or not request_id:
@@ -87,6 +98,7 @@ class LLMEngine:
         if eos_token_id is not None and eos_token_id < 0:
             raise RequestError("eos_token_id", f"must be non-negative, got {eos_token_id}")
         self._check_num_seqs(sampling_params)
+        _check_priority(priority)
         seq = Sequence(
             next(self._seq_counter),
             list(prompt_token_ids),
@@ -94,7 +106,30 @@ class LLMEngine:
             eos_token_id,
         )
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.scheduler.add_seq_group(SequenceGroup(request_id, [seq], sampling_params, arrival))
+        group = SequenceGroup(
+            request_id, [seq], sampling_params, arrival, priority, stop_strings or None
+        )
+        self._start_text_stops(group)
+        self.scheduler.add_seq_group(group)
+
+    def _start_text_stops(self, group: SequenceGroup) -> None:
+        """Start decoding the unfinished sequences of a group that has stop strings."""
+        stops = group.stop_strings
+        if stops is None:
+            return
+        if not stops.strings or any(not s for s in stops.strings):
+            raise RequestError("stop", "stop strings must not be empty")
+        if self._tokenizer is None:
+            if self._load_tokenizer is None:
+                raise RequestError("stop", "this scheduler has no tokenizer to match stop strings")
+            try:
+                self._tokenizer = self._load_tokenizer()
+            except Exception as exc:  # the model's tokenizer files are not reachable here
+                raise RequestError(
+                    "stop", f"the model's tokenizer cannot be loaded to match stop strings: {exc}"
+                ) from exc
+        for seq in group.get_unfinished_seqs():
+            seq.start_text_stop(self._tokenizer, stops)
 
     def _check_num_seqs(self, params: SamplingParams) -> None:
         max_seqs = self.scheduler_config.max_num_seqs
@@ -151,6 +186,7 @@ class LLMEngine:
             raise RequestError("request_id", f"{request_id!r} is already in use")
         if not snapshot.prompt_token_ids:
             raise RequestError("prompt_token_ids", "must not be empty")
+        _check_priority(snapshot.priority)
         self.check_admissible(snapshot)
         group = rebuild_group(
             snapshot, lambda: next(self._seq_counter), self.cache_config.block_size
@@ -164,7 +200,8 @@ class LLMEngine:
         if group.is_finished():
             self._finished_on_import.append(final_output(group))
             return
-        self.scheduler.add_seq_group(group, by_arrival=True)
+        self._start_text_stops(group)
+        self.scheduler.add_seq_group(group)
 
     def export_requests(self, request_ids: list[str] | None = None) -> list[GroupSnapshot]:
         """Take unfinished requests out of this engine (all of them by default; unknown ids
@@ -179,12 +216,17 @@ class LLMEngine:
             if group is None:
                 continue
             snapshots.append(snapshot_group(group))
-            scheduler.abort_seq_group(request_id)  # frees its blocks; no output follows
+            freed: list[int] = []
+            scheduler.abort_seq_group(request_id, freed)  # frees its blocks; no output follows
+            self._builder.add_freed(freed)
         return snapshots
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks. False if it is unknown or already finished."""
-        return self.scheduler.abort_seq_group(request_id) is not None
+        freed: list[int] = []
+        aborted = self.scheduler.abort_seq_group(request_id, freed) is not None
+        self._builder.add_freed(freed)
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs() or bool(self._finished_on_import)
@@ -219,7 +261,8 @@ class LLMEngine:
         if result is None:
             result = StepResult(step_input.step_id)
         self.scheduler.on_step_executed(sched_out)
-        outputs = self._processor.process(sched_out, result)
+        outputs, events = self._processor.process(sched_out, result)
+        self._builder.add_events(events)
         if self._finished_on_import:
             outputs.extend(self._finished_on_import)
             self._finished_on_import = []
@@ -266,6 +309,11 @@ class LLMEngine:
                 if delta.finished:
                     pending.discard(delta.request_id)
         return [results[i] for i in ids]
+
+
+def _check_priority(priority: int) -> None:
+    if not isinstance(priority, int) or not INT32_MIN <= priority <= INT32_MAX:
+        raise RequestError("priority", f"must be a 32-bit integer, got {priority!r}")
 
 
 def _accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

@@ -85,7 +85,7 @@ class _Member:
 
 
 class FleetOwner(Protocol):
-    """What the fleet needs from the router of gateway requests (see server.Router)."""
+    """What the fleet needs from the router of gateway requests (see router.Router)."""
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """A step's deltas, for the requests' gateways."""

@@ -49,6 +49,25 @@ QUEUE_SECONDS = Histogram(
     "llmserve_request_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS
 )
 FINISHED = Counter("llmserve_requests_finished", "Finished requests", ["finish_reason"])
+# Per priority (label: the value, or "<-10" / ">10" beyond, so clients cannot add series).
+TTFT_BY_PRIORITY_SECONDS = Histogram(
+    "llmserve_time_to_first_token_by_priority_seconds",
+    "Arrival to first token, by request priority (lower is served first)",
+    ["priority"],
+    buckets=_LATENCY_BUCKETS,
+)
+FINISHED_BY_PRIORITY = Counter(
+    "llmserve_requests_finished_by_priority", "Finished requests, by priority", ["priority"]
+)
+_PRIORITY_LABEL_LIMIT = 10
+
+
+def priority_label(priority: int) -> str:
+    if priority < -_PRIORITY_LABEL_LIMIT:
+        return f"<-{_PRIORITY_LABEL_LIMIT}"
+    if priority > _PRIORITY_LABEL_LIMIT:
+        return f">{_PRIORITY_LABEL_LIMIT}"
+    return str(priority)
 
 # Cumulative scheduler counters are mirrored into Prometheus counters by their increase.
 _last: dict[tuple[Counter, tuple[str, ...]], float] = {}
@@ -102,13 +121,17 @@ def record_finished(
     first_token: float | None,
     finished: float,
     num_output_tokens: int,
+    priority: int = 0,
 ) -> None:
     FINISHED.labels(finish_reason).inc()
+    label = priority_label(priority)
+    FINISHED_BY_PRIORITY.labels(label).inc()
     E2E_SECONDS.observe(finished - arrival)
     if first_scheduled is not None:
         QUEUE_SECONDS.observe(first_scheduled - arrival)
     if first_token is not None:
         TTFT_SECONDS.observe(first_token - arrival)
+        TTFT_BY_PRIORITY_SECONDS.labels(label).observe(first_token - arrival)
         if num_output_tokens > 1:
             TPOT_SECONDS.observe((finished - first_token) / (num_output_tokens - 1))
 

@@ -1,7 +1,7 @@
 """Moving a request between replicas: what survives the move, and how it is rebuilt.
 
 A `GroupSnapshot` is everything the scheduler knows about a request that does not depend on
-a worker: the prompt, the parameters, every generated token with its logprobs, the finish
+a worker: the prompt, the parameters, the priority and stop strings, every generated token with its logprobs, the finish
 state of each sequence, the prompt logprobs already sent and the request's timings. No block
 ids and no sequence ids: the target replica gives the sequences new ids and recomputes their
 KV cache (as a recompute preemption would), reusing its own prefix cache where it can.
@@ -29,6 +29,7 @@ from scheduler_service.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
+from scheduler_service.text_stops import StopStrings
 
 _STATUS_OF_REASON: dict[FinishReason, SequenceStatus] = {
     reason: status for status, reason in FINISH_REASONS.items()
@@ -68,6 +69,10 @@ class GroupSnapshot:
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     # Timings so far (first scheduled, first token), so TTFT is measured once per request.
     metrics: RequestMetrics | None = None
+    # Lower is served first.
+    priority: int = 0
+    # The request's stop strings (None: none); the target decodes the output again for them.
+    stop_strings: StopStrings | None = None
 
 
 def snapshot_from_choices(
@@ -77,6 +82,8 @@ def snapshot_from_choices(
     eos_token_id: int | None,
     arrival_time: float,
     choices: list[SequenceSnapshot],
+    priority: int = 0,
+    stop_strings: StopStrings | None = None,
 ) -> GroupSnapshot:
     """The snapshot of a request whose choices stream (`params.streams_choices`), from what
     its client has been sent: one `SequenceSnapshot` per choice, indexed by choice index.
@@ -98,6 +105,8 @@ def snapshot_from_choices(
         ],
         has_sampled=bool(seqs),
         next_seq_index=max((s.seq_index for s in seqs), default=-1) + 1,
+        priority=priority,
+        stop_strings=stop_strings,
     )
 
 
@@ -124,6 +133,8 @@ def snapshot_group(seq_group: SequenceGroup) -> GroupSnapshot:
         next_seq_index=seq_group.next_seq_index,
         prompt_logprobs=list(seq_group.prompt_logprobs),
         metrics=replace(seq_group.metrics),
+        priority=seq_group.priority,
+        stop_strings=seq_group.stop_strings,
     )
 
 
@@ -131,7 +142,8 @@ def rebuild_group(
     snapshot: GroupSnapshot, new_seq_id: Callable[[], int], block_size: int
 ) -> SequenceGroup:
     """A `SequenceGroup` from `snapshot`: new sequence ids (from `new_seq_id()`), unfinished
-    sequences WAITING with nothing computed, finished ones kept as they were."""
+    sequences WAITING with nothing computed, finished ones kept as they were. Stop strings
+    are not started here (the engine does it, with its tokenizer)."""
     prompt = snapshot.prompt_token_ids
     records = snapshot.seqs or [SequenceSnapshot(0, [], [], 0.0, None, None)]
     seqs: list[Sequence] = []
@@ -145,7 +157,12 @@ def rebuild_group(
             seq.status = _STATUS_OF_REASON[FinishReason(record.finish_reason)]
         seqs.append(seq)
     group = SequenceGroup(
-        snapshot.request_id, seqs, snapshot.sampling_params, snapshot.arrival_time
+        snapshot.request_id,
+        seqs,
+        snapshot.sampling_params,
+        snapshot.arrival_time,
+        snapshot.priority,
+        snapshot.stop_strings,
     )
     if snapshot.metrics is not None:
         group.metrics = replace(snapshot.metrics)

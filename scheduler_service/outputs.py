@@ -1,8 +1,10 @@
 """Request outputs, and turning a worker's sampled tokens into sequence updates.
 
 `OutputProcessor.process` appends sampled tokens, forks n > 1 children at the first sample,
-runs beam search selection, applies token-level stops, frees finished sequences, and emits
-one `RequestOutput` delta per request that has something new.
+runs beam search selection, applies stops (`Sequence.check_stop`: tokens, stop strings,
+lengths), frees finished sequences, and emits one `RequestOutput` delta per request that has
+something new. The forks and frees it made go back to the engine in `WorkerEvents`, for the
+next step's diff.
 """
 
 from __future__ import annotations
@@ -11,11 +13,10 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob, SequenceOutput, StepResult
 from scheduler_service.beam_search import process_beam_group
 from scheduler_service.scheduler import Scheduler
-from scheduler_service.scheduler_outputs import SchedulerOutputs
+from scheduler_service.scheduler_outputs import SchedulerOutputs, WorkerEvents
 from scheduler_service.sequence import (
     FINISH_REASONS,
     FinishReason,
@@ -64,23 +65,6 @@ class RequestOutput:
     # Why the request was ignored (finish reason IGNORED), e.g. a prompt over max_model_len.
     ignore_reason: str | None = None
     metrics: RequestMetrics | None = None
-
-
-def check_stop(seq: Sequence, params: SamplingParams, max_model_len: int) -> None:
-    """Token-level stops after `seq` appended a token."""
-    token_ids = seq.token_ids
-    token_id = token_ids[-1]
-    num_tokens = len(token_ids)
-    output_len = num_tokens - seq.num_prompt_tokens
-    if output_len >= params.min_tokens and (
-        (token_id == seq.eos_token_id and not params.ignore_eos)
-        or token_id in params.stop_token_ids
-    ):
-        seq.status = SequenceStatus.STOPPED
-        seq.stop_token_id = token_id
-        return
-    if output_len >= params.max_tokens or num_tokens >= max_model_len:
-        seq.status = SequenceStatus.LENGTH_CAPPED
 
 
 def select_final_seqs(seq_group: SequenceGroup) -> list[Sequence]:
@@ -133,8 +117,13 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.seq_counter = seq_counter
         self.max_model_len = scheduler.scheduler_config.max_model_len
+        self._events = WorkerEvents()
 
-    def process(self, sched_out: SchedulerOutputs, result: StepResult) -> list[RequestOutput]:
+    def process(
+        self, sched_out: SchedulerOutputs, result: StepResult
+    ) -> tuple[list[RequestOutput], WorkerEvents]:
+        """The step's deltas, and the forks and frees the worker must hear of."""
+        self._events = events = WorkerEvents()
         by_seq = {o.seq_id: o for o in result.outputs}
         request_outputs: list[RequestOutput] = []
         finished_groups: list[SequenceGroup] = []
@@ -159,7 +148,7 @@ class OutputProcessor:
         for seq_group in sched_out.ignored:
             request_outputs.append(self._ignored_output(seq_group))
         self.scheduler.free_finished_seq_groups(finished_groups)
-        return request_outputs
+        return request_outputs, events
 
     def _process_single(
         self, seq_group: SequenceGroup, by_seq: dict[int, SequenceOutput], now: float
@@ -182,12 +171,12 @@ class OutputProcessor:
             seq.append_sample(SampleLogprobs(sample, out.top_logprobs))
         else:
             seq.append_token(sample)
-        check_stop(seq, params, self.max_model_len)
+        seq.check_stop(params, self.max_model_len)
         seq_group.has_sampled = True
         status = seq.status
         finished = status >= SequenceStatus.STOPPED
         if finished:
-            self.scheduler.free_seq(seq)
+            self.scheduler.free_seq(seq, self._events.freed_seq_ids)
             metrics.finished_time = now
         choice = CompletionOutput(
             seq.seq_index,
@@ -230,7 +219,12 @@ class OutputProcessor:
                 seq_group.metrics.first_token_time = now
             if seq_group.sampling_params.use_beam_search:
                 process_beam_group(
-                    seq_group, sampled, self.scheduler, self.seq_counter, self.max_model_len
+                    seq_group,
+                    sampled,
+                    self.scheduler,
+                    self._events,
+                    self.seq_counter,
+                    self.max_model_len,
                 )
             else:
                 self._process_sampling_group(seq_group, sampled)
@@ -285,17 +279,17 @@ class OutputProcessor:
                         child.append_sample(SampleLogprobs(sample, out.top_logprobs))
                     else:
                         child.append_token(sample)
-                    check_stop(child, params, self.max_model_len)
+                    child.check_stop(params, self.max_model_len)
                     seq_group.add(child)
                     if not child.is_finished():
-                        scheduler.fork_seq(seq, child)
+                        scheduler.fork_seq(seq, child, self._events.forks)
             if keep_logprobs:
                 seq.append_sample(SampleLogprobs(samples[0], out.top_logprobs))
             else:
                 seq.append_token(samples[0])
-            check_stop(seq, params, self.max_model_len)
+            seq.check_stop(params, self.max_model_len)
             if seq.status >= SequenceStatus.STOPPED:
-                scheduler.free_seq(seq)
+                scheduler.free_seq(seq, self._events.freed_seq_ids)
 
     def _delta(
         self,

@@ -42,23 +42,25 @@ def preemption_mode(forced: PreemptionMode | None, seq_group: SequenceGroup) -> 
     return PreemptionMode.SWAP
 
 
-def insert_by_arrival(
+def insert_in_order(
     queue: deque[SequenceGroup], seq_group: SequenceGroup, ahead_of_ties: bool = False
 ) -> None:
-    """Put `seq_group` after the groups that arrived before it, and after (or, with
-    `ahead_of_ties`, before) those that arrived at the same time.
+    """Put `seq_group` after the groups that come before it in (priority, arrival) order
+    (`SequenceGroup.order_key`), and after (or, with `ahead_of_ties`, before) its equals.
 
-    `running` and `swapped` are kept in arrival order so that preemption, which takes victims
-    from the end of `running`, always takes the latest arrival, however groups came back
-    (swap-in, re-admission after recompute, a move from another replica). Victims are swapped
-    out latest first, so `ahead_of_ties` keeps equal arrivals in their running order. Groups
-    mostly arrive last, so the walk from the end is short.
+    Every queue is kept in this order. Admission takes `waiting` from the front, so the
+    highest priority comes first and arrival breaks ties; preemption takes victims from the
+    end of `running`, so it always takes the latest arrival of the lowest priority, however
+    groups came back (swap-in, re-admission after recompute, a move from another replica).
+    Victims are swapped out latest first and go back to `waiting` ahead of their equals, so
+    `ahead_of_ties` keeps equal groups in their running order. Groups mostly arrive last, so
+    the walk from the end is short.
     """
-    arrival = seq_group.arrival_time
+    key = seq_group.order_key()
     position = len(queue)
     while position and (
-        queue[position - 1].arrival_time > arrival
-        or (ahead_of_ties and queue[position - 1].arrival_time == arrival)
+        queue[position - 1].order_key() > key
+        or (ahead_of_ties and queue[position - 1].order_key() == key)
     ):
         position -= 1
     queue.insert(position, seq_group)

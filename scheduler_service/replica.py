@@ -41,6 +41,7 @@ from scheduler_service.config import CacheConfig, SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.outputs import RequestOutput
+from scheduler_service.text_stops import tokenizer_loader
 from scheduler_service.tracing import ReplicaTracer, RequestTrace, end_step_span, step_traceparent
 
 log = get_logger(__name__)
@@ -360,7 +361,9 @@ class Replica:
         # An idle loop sleeps on _wake: a stream that ends meanwhile wakes it to reconnect,
         # rather than failing the next request that arrives.
         self._stream.on_close(self._wake.set)
-        self.engine = LLMEngine(scheduler_config, cache_config, _unused_executor)
+        self.engine = LLMEngine(
+            scheduler_config, cache_config, _unused_executor, tokenizer_loader(info.model)
+        )
         self.tracer = ReplicaTracer(self.replica_id, info.block_size)
         log.info(
             "replica ready",

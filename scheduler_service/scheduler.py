@@ -1,15 +1,21 @@
 """The iteration scheduler: which sequences run next, and where their blocks go.
 
-`schedule()` is a short sequence of stages. With chunked prefill (the default):
+Every queue is kept in (priority, arrival) order: lower priority values first (vLLM's
+convention, default 0), then earlier arrivals (`policy.insert_in_order`). `schedule()` is a
+short sequence of stages. With chunked prefill (the default):
 
-  1. `_schedule_running`: decodes of running groups first, preempting the latest-arrived
-     groups when blocks run out; then the next chunks of partially prefilled prompts.
-  2. `_schedule_swapped`: swapped groups come back, oldest first (skipped after a preemption).
-  3. `_schedule_waiting`: new prompts, FCFS, while blocks and budgets last (skipped after a
-     preemption or while any group is still swapped out).
+  0. `_preempt_for_priority`: a waiting group that cannot be admitted takes the place of
+     running groups of lower priority (the last ones).
+  1. `_schedule_running`: decodes of running groups first, preempting the last groups (lowest
+     priority, latest arrival) when blocks run out; then the next chunks of partially
+     prefilled prompts.
+  2. `_schedule_swapped`: swapped groups come back in order (skipped after a preemption in
+     stage 1, and stopped at a group of lower priority than the first waiting one).
+  3. `_schedule_waiting`: new prompts in order, while blocks and budgets last (skipped after a
+     preemption in stage 1, or while a group of equal or higher priority is swapped out).
 
 Without chunked prefill (the prefill-first policy) an iteration runs either whole prompts
-(stage 3 alone, when it admits anything) or the decode stages 1 and 2.
+(stage 3 alone, after stage 0, when it admits anything) or the decode stages 1 and 2.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections import deque
 
 from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
 from scheduler_service.config import CacheConfig, PreemptionMode, SchedulerConfig
-from scheduler_service.policy import SchedulingBudget, insert_by_arrival, preemption_mode
+from scheduler_service.policy import SchedulingBudget, insert_in_order, preemption_mode
 from scheduler_service.scheduler_outputs import (
     PreemptedGroup,
     ScheduledGroup,
@@ -56,30 +62,26 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self._groups: dict[str, SequenceGroup] = {}
-        # Worker-visible events since the engine last drained them.
-        self.freed_seq_ids: list[int] = []
-        self.forks: list[tuple[Sequence, Sequence]] = []
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self.num_ignored = 0
         self._num_steps = 0
 
     # -- requests -------------------------------------------------------------------------
 
-    def add_seq_group(self, seq_group: SequenceGroup, by_arrival: bool = False) -> None:
-        """Queue a group last, or (`by_arrival`, for a group moved here) after the waiting
-        groups that arrived before it."""
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        """Queue a group among the waiting ones, in (priority, arrival) order."""
         assert seq_group.request_id not in self._groups, "duplicate request id"
         self._groups[seq_group.request_id] = seq_group
-        if by_arrival:
-            insert_by_arrival(self.waiting, seq_group)
-        else:
-            self.waiting.append(seq_group)
+        insert_in_order(self.waiting, seq_group)
 
     def get_seq_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)
 
-    def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
-        """Finish every sequence of the request as ABORTED and free its blocks."""
+    def abort_seq_group(
+        self, request_id: str, freed: list[int] | None = None
+    ) -> SequenceGroup | None:
+        """Finish every sequence of the request as ABORTED and free its blocks (adding the
+        freed sequences' ids to `freed`)."""
         seq_group = self._groups.pop(request_id, None)
         if seq_group is None:
             return None
@@ -87,10 +89,10 @@ class Scheduler:
             if seq_group in queue:
                 queue.remove(seq_group)
                 break
+        freed = [] if freed is None else freed
         for seq in seq_group.get_unfinished_seqs():
             seq.status = SequenceStatus.ABORTED
-            self.free_seq(seq)
-        self.forks = [f for f in self.forks if f[1].status < SequenceStatus.STOPPED]
+            self.free_seq(seq, freed)
         return seq_group
 
     def has_unfinished_seqs(self) -> bool:
@@ -104,14 +106,18 @@ class Scheduler:
 
     # -- called by output processing ------------------------------------------------------
 
-    def free_seq(self, seq: Sequence) -> None:
+    def free_seq(self, seq: Sequence, freed: list[int]) -> None:
+        """Free the sequence's blocks, if it holds any, and add its id to `freed`."""
         if self.block_manager.has_table(seq):
             self.block_manager.free(seq)
-            self.freed_seq_ids.append(seq.seq_id)
+            freed.append(seq.seq_id)
 
-    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+    def fork_seq(
+        self, parent: Sequence, child: Sequence, forks: list[tuple[Sequence, Sequence]]
+    ) -> None:
+        """Share the parent's blocks with the child, and add the pair to `forks`."""
         self.block_manager.fork(parent, child)
-        self.forks.append((parent, child))
+        forks.append((parent, child))
 
     def free_finished_seq_groups(self, finished: list[SequenceGroup]) -> None:
         """Forget the groups that finished this step and drop them from `running` (output
@@ -157,7 +163,8 @@ class Scheduler:
         config = self.scheduler_config
         budget = SchedulingBudget(config.max_num_batched_tokens, config.max_num_seqs)
         out = SchedulerOutputs()
-        if not config.enable_chunked_prefill and not self.swapped:
+        self._preempt_for_priority(out)
+        if not config.enable_chunked_prefill and self._may_admit():
             # Running groups sit this step out but keep their places: prompts are admitted
             # only into the room they leave under max_num_seqs (as in the seed's step 1).
             budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
@@ -165,12 +172,45 @@ class Scheduler:
             if out.scheduled or out.ignored:
                 return self._finish(out, budget)
             budget.num_seqs = 0  # the running stage counts the running groups itself
+        num_preempted = len(out.preempted)
         self._schedule_running(budget, out)
-        if not out.preempted:
+        preempted = len(out.preempted) > num_preempted
+        if not preempted:
             self._schedule_swapped(budget, out)
-        if config.enable_chunked_prefill and not out.preempted and not self.swapped:
+        if config.enable_chunked_prefill and not preempted and self._may_admit():
             self._schedule_waiting(budget, out)
         return self._finish(out, budget)
+
+    def _may_admit(self) -> bool:
+        """Swapped groups come back before new prompts are admitted, unless the first waiting
+        group has a higher priority than every swapped one."""
+        swapped = self.swapped
+        return not swapped or bool(self.waiting and self.waiting[0].priority < swapped[0].priority)
+
+    def _preempt_for_priority(self, out: SchedulerOutputs) -> None:
+        """While the first waiting group cannot be admitted (no blocks, or no room under
+        `max_num_seqs`), preempt the last running group if its priority is lower: the latest
+        arrival of the lowest priority goes first, and equal or higher priorities never go for
+        it. Costs nothing while the last running group's priority is not lower."""
+        waiting, running = self.waiting, self.running
+        if not waiting or not running or running[-1].priority <= waiting[0].priority:
+            return
+        head = waiting[0]
+        if head.get_seqs(SequenceStatus.WAITING)[0].get_len() > self.scheduler_config.max_model_len:
+            return  # it will be ignored, not admitted
+        bm = self.block_manager
+        max_seqs = self.scheduler_config.max_num_seqs
+        needed = head.get_max_num_running_seqs()
+        num_seqs = sum(g.get_max_num_running_seqs() for g in running)
+        while running and running[-1].priority > head.priority:
+            can_allocate = bm.can_allocate(head)
+            if can_allocate is AllocStatus.NEVER:
+                return
+            if can_allocate is AllocStatus.OK and num_seqs + needed <= max_seqs:
+                return
+            victim = running.pop()
+            num_seqs -= victim.get_max_num_running_seqs()
+            self._preempt(victim, out)
 
     def _finish(self, out: SchedulerOutputs, budget: SchedulingBudget) -> SchedulerOutputs:
         out.num_batched_tokens = budget.num_tokens
@@ -279,6 +319,8 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped:
             seq_group = self.swapped[0]
+            if self.waiting and self.waiting[0].priority < seq_group.priority:
+                break  # the blocks go to the waiting group of higher priority first
             if not bm.can_swap_in(seq_group):
                 break
             num_new_seqs = seq_group.get_max_num_running_seqs()
@@ -300,7 +342,7 @@ class Scheduler:
             for seq in seqs:
                 seq.status = _RUNNING
             budget.num_seqs += num_new_seqs
-            insert_by_arrival(self.running, seq_group)
+            insert_in_order(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)
 
     def _schedule_waiting(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
@@ -356,7 +398,7 @@ class Scheduler:
             if chunked:
                 chunk = min(chunk, share)
             budget.num_seqs += num_new_seqs
-            insert_by_arrival(self.running, seq_group)
+            insert_in_order(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)
             # Running and swapped groups went through here first, so only admissions are new.
             if seq_group.metrics.first_scheduled_time is None:
@@ -367,7 +409,7 @@ class Scheduler:
         self.waiting.popleft()
         for seq in seq_group.seqs:
             seq.status = SequenceStatus.IGNORED
-            self.free_seq(seq)
+            self.free_seq(seq, out.freed_seq_ids)
         seq_group.ignore_reason = reason
         self._groups.pop(seq_group.request_id, None)
         self.num_ignored += 1
@@ -381,13 +423,13 @@ class Scheduler:
             mode = PreemptionMode.RECOMPUTE  # no host swap space left: recompute instead
         if mode is PreemptionMode.RECOMPUTE:
             for seq in seq_group.get_seqs(_RUNNING):
-                self.free_seq(seq)
+                self.free_seq(seq, out.freed_seq_ids)
                 seq.reset_for_recompute()
-            self.waiting.appendleft(seq_group)
+            insert_in_order(self.waiting, seq_group, ahead_of_ties=True)
         else:
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq_group).items())
             for seq in seq_group.get_seqs(_RUNNING):
                 seq.status = SequenceStatus.SWAPPED
-            insert_by_arrival(self.swapped, seq_group, ahead_of_ties=True)
+            insert_in_order(self.swapped, seq_group, ahead_of_ties=True)
         self.num_preemptions[mode] += 1
         out.preempted.append(PreemptedGroup(seq_group.request_id, mode))

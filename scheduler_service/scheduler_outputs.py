@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_service.config import PreemptionMode
-from scheduler_service.sequence import SequenceGroup
+from scheduler_service.sequence import Sequence, SequenceGroup
 
 
 @dataclass(slots=True)
@@ -32,6 +32,8 @@ class SchedulerOutputs:
     # Finished as IGNORED this step (never ran); `seq_group.ignore_reason` says why.
     ignored: list[SequenceGroup] = field(default_factory=list)
     preempted: list[PreemptedGroup] = field(default_factory=list)
+    # Sequences whose blocks this step's scheduling freed (preempted by recompute, ignored).
+    freed_seq_ids: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
@@ -40,6 +42,15 @@ class SchedulerOutputs:
             or self.blocks_to_swap_out
             or self.blocks_to_copy
         )
+
+
+@dataclass(slots=True)
+class WorkerEvents:
+    """What output processing did that the worker must hear of in the next step: sequences
+    forked (parent, child) and sequences whose blocks were freed."""
+
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    freed_seq_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
+from typing import Any
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob, TokenLogprob
+from scheduler_service.text_stops import StopStrings, TextStop
 
 
 class SequenceStatus(IntEnum):
@@ -27,7 +29,7 @@ class SequenceStatus(IntEnum):
 class FinishReason(StrEnum):
     """Why a sequence stopped, as reported to clients."""
 
-    STOP = "stop"  # EOS or a stop token id
+    STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
     IGNORED = "ignored"  # never scheduled: prompt too long for the model or the cache
@@ -70,6 +72,7 @@ class Sequence:
         "num_computed_tokens",
         "status",
         "stop_token_id",
+        "text_stop",
         "_block_hashes",
     )
 
@@ -97,6 +100,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         # The stop token that finished this sequence (EOS or one of stop_token_ids).
         self.stop_token_id: int | None = None
+        # Decoded text and stop-string state; None unless the request has stop strings.
+        self.text_stop: TextStop | None = None
         self._block_hashes: list[int] = []
 
     # -- tokens ---------------------------------------------------------------------------
@@ -127,6 +132,32 @@ class Sequence:
         """Append a sampled token without keeping its logprobs (the request did not ask)."""
         self.token_ids.append(token.token_id)
         self.cumulative_logprob += token.logprob
+
+    def check_stop(self, params: SamplingParams, max_model_len: int) -> None:
+        """Finish the sequence if the token it just appended stops it: EOS or a stop token id
+        (from `min_tokens` on), a stop string its text now holds, or a length limit."""
+        token_ids = self.token_ids
+        token_id = token_ids[-1]
+        num_tokens = len(token_ids)
+        output_len = num_tokens - self.num_prompt_tokens
+        if output_len >= params.min_tokens and (
+            (token_id == self.eos_token_id and not params.ignore_eos)
+            or token_id in params.stop_token_ids
+        ):
+            self.status = SequenceStatus.STOPPED
+            self.stop_token_id = token_id
+            return
+        if self.text_stop is not None and self.text_stop.add((token_id,)) is not None:
+            self.status = SequenceStatus.STOPPED
+            return
+        if output_len >= params.max_tokens or num_tokens >= max_model_len:
+            self.status = SequenceStatus.LENGTH_CAPPED
+
+    def start_text_stop(self, tokenizer: Any, stops: StopStrings) -> None:
+        """Start decoding this sequence's text for `stops` (its output so far included)."""
+        self.text_stop = TextStop.start(tokenizer, stops, self.get_prompt_token_ids())
+        if self.get_output_len():
+            self.text_stop.add(self.get_output_token_ids())
 
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0
@@ -183,6 +214,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.stop_token_id = None
+        child.text_stop = None if self.text_stop is None else self.text_stop.fork()
         child._block_hashes = list(self._block_hashes)
         return child
 
@@ -214,6 +246,8 @@ class SequenceGroup:
         "has_sampled",
         "next_seq_index",
         "ignore_reason",
+        "priority",
+        "stop_strings",
     )
 
     def __init__(
@@ -222,8 +256,15 @@ class SequenceGroup:
         seqs: list[Sequence],
         sampling_params: SamplingParams,
         arrival_time: float,
+        priority: int = 0,
+        stop_strings: StopStrings | None = None,
     ) -> None:
         self.request_id = request_id
+        # Lower is served first (vLLM's convention); queues are kept in (priority, arrival)
+        # order (`order_key`).
+        self.priority = priority
+        # Matched by each sequence's `text_stop` once the engine has started them.
+        self.stop_strings = stop_strings
         self.seqs: list[Sequence] = list(seqs)
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time)
@@ -239,6 +280,10 @@ class SequenceGroup:
     @property
     def arrival_time(self) -> float:
         return self.metrics.arrival_time
+
+    def order_key(self) -> tuple[int, float]:
+        """Queues are sorted by this: higher priority (lower value) first, then arrival."""
+        return (self.priority, self.metrics.arrival_time)
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:

@@ -2,14 +2,16 @@
 
 A `StepInput` carries only what changed since the worker last saw each sequence (see
 `llmserve.steps`): new sequences whole, known ones as appended tokens and block-table edits,
-forks, and frees.
+forks, and frees. The engine hands over the forks and frees as they happen: output
+processing's (`add_events`), aborts' and exports' (`add_freed`), and the scheduling
+decision's own (`SchedulerOutputs.freed_seq_ids`, read by `build`).
 """
 
 from __future__ import annotations
 
 from llmserve.steps import CachedSequence, Fork, NewSequence, StepInput
 from scheduler_service.scheduler import Scheduler
-from scheduler_service.scheduler_outputs import SchedulerOutputs
+from scheduler_service.scheduler_outputs import SchedulerOutputs, WorkerEvents
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
@@ -27,7 +29,19 @@ class StepBuilder:
         # Frees held back one step because a fork in the same step copies from that sequence
         # (the worker applies frees before forks).
         self._deferred_frees: list[int] = []
+        # Forks and frees handed over since the last step.
+        self._forks: list[tuple[Sequence, Sequence]] = []
+        self._freed: list[int] = []
         self._step_id = 0
+
+    def add_events(self, events: WorkerEvents) -> None:
+        """Output processing's forks and frees, for the next step."""
+        self._forks.extend(events.forks)
+        self._freed.extend(events.freed_seq_ids)
+
+    def add_freed(self, seq_ids: list[int]) -> None:
+        """Sequences freed between steps (aborted, exported), for the next step."""
+        self._freed.extend(seq_ids)
 
     def build(self, sched_out: SchedulerOutputs) -> StepInput:
         step = StepInput(
@@ -38,19 +52,19 @@ class StepBuilder:
         )
         self._step_id += 1
         fork_parents = self._add_forks(step)
+        self._freed.extend(sched_out.freed_seq_ids)
         self._add_frees(step, fork_parents)
         self._add_sequences(step, sched_out)
         return step
 
     def _add_forks(self, step: StepInput) -> set[int]:
         """Forks since the last step whose child still lives; returns the parents' ids."""
-        scheduler = self.scheduler
         fork_parents: set[int] = set()
-        if not scheduler.forks:
+        if not self._forks:
             return fork_parents
-        bm = scheduler.block_manager
+        bm = self.scheduler.block_manager
         views = self.views
-        forks, scheduler.forks = scheduler.forks, []
+        forks, self._forks = self._forks, []
         for parent, child in forks:
             if not bm.has_table(child):
                 continue
@@ -61,12 +75,11 @@ class StepBuilder:
         return fork_parents
 
     def _add_frees(self, step: StepInput, fork_parents: set[int]) -> None:
-        scheduler = self.scheduler
-        if not (scheduler.freed_seq_ids or self._deferred_frees):
+        if not (self._freed or self._deferred_frees):
             return
         views = self.views
-        freed = self._deferred_frees + scheduler.freed_seq_ids
-        scheduler.freed_seq_ids = []
+        freed = self._deferred_frees + self._freed
+        self._freed = []
         self._deferred_frees = []
         for seq_id in freed:
             if seq_id in fork_parents:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from llmserve.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 TEXTS = [
     "Hello world",

@@ -40,7 +40,7 @@ def test_arrival_order_survives_swap_in_plus_recompute_the_latest_arrival_is_pre
     parent = c.seqs[0]
     child = parent.fork(999, 1)
     c.add(child)
-    s.fork_seq(parent, child)
+    s.fork_seq(parent, child, [])
 
     # b takes a block for its 5th token; c (last, wanting one per sequence) is swapped out.
     out = step_until_preemption(s)

@@ -153,7 +153,7 @@ def test_preemption_recompute_for_single_sequence_groups():
     assert [(p.request_id, p.mode) for p in out.preempted] == [("b", PreemptionMode.RECOMPUTE)]
     assert [x.seq_group.request_id for x in out.scheduled] == ["a"]
     assert b.seqs[0].status is SequenceStatus.WAITING and b.seqs[0].num_computed_tokens == 0
-    assert s.freed_seq_ids == [b.seqs[0].seq_id]
+    assert out.freed_seq_ids == [b.seqs[0].seq_id]
     assert list(s.waiting) == [b]
     assert s.get_stats().num_preemptions_recompute == 1
     s.block_manager.check_invariants()
@@ -170,7 +170,7 @@ def test_preemption_swap_for_multi_sequence_groups_and_swapped_first():
     parent = b.seqs[0]
     child = parent.fork(999, 1)
     b.add(child)
-    s.fork_seq(parent, child)
+    s.fork_seq(parent, child, [])
     out = s.schedule()  # a needs 1 block, b needs 2; 2 free -> b is swapped out
     assert [(p.request_id, p.mode) for p in out.preempted] == [("b", PreemptionMode.SWAP)]
     assert out.blocks_to_swap_out == [(1, 0)]  # the shared block moves once

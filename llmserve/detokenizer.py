@@ -38,6 +38,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._text_parts: list[str] = []
 
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent copy (a forked beam continues from its parent's text)."""
+        twin = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+        twin.__dict__.update(self.__dict__)
+        twin._ids = list(self._ids)
+        twin._text_parts = list(self._text_parts)
+        return twin
+
     @property
     def output_token_ids(self) -> list[int]:
         return self._ids[self._num_context :]

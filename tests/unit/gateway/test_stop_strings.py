@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.stop import StopCheck, StopStringMatcher
+from llmserve.detokenizer import IncrementalDetokenizer
+from llmserve.stop_strings import StopCheck, StopStringMatcher
 
 
 def _run(matcher: StopStringMatcher, deltas: list[str]) -> list[StopCheck]:

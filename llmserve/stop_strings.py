@@ -1,4 +1,5 @@
-"""Stop strings over streamed text.
+"""Stop strings over streamed text (the scheduler stops sequences with it, the gateway shapes
+their text with it).
 
 Text that could be the beginning of a stop string is held back until the next delta decides
 it, so a client never sees the start of a stop string that is then cut off. A match is found
@@ -32,6 +33,13 @@ class StopStringMatcher:
         self._include = include_stop_str_in_output
         self._pending = ""  # held back: a suffix that is a prefix of some stop string
         self.matched: str | None = None
+
+    def copy(self) -> StopStringMatcher:
+        """An independent copy (a forked beam continues from its parent's state)."""
+        twin = StopStringMatcher.__new__(StopStringMatcher)
+        twin._stops, twin._include = self._stops, self._include
+        twin._pending, twin.matched = self._pending, self.matched
+        return twin
 
     @property
     def held_back(self) -> str:

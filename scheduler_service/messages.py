@@ -1,0 +1,124 @@
+"""The Connect stream's messages: engine outputs to protos, and a gateway's record back."""
+
+from __future__ import annotations
+
+import grpc
+
+from llmserve.errors import ApiError, grpc_status
+from llmserve.grpc_utils import RequestError
+from llmserve.proto_convert import (
+    FINISH_REASON_TO_PROTO,
+    ContinuationError,
+    continuation_from_proto,
+    token_logprob_to_proto,
+)
+from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.v1 import scheduler_pb2
+from scheduler_service.migration import SequenceSnapshot
+from scheduler_service.outputs import CompletionOutput, RequestOutput
+from scheduler_service.sequence import FinishReason, RequestMetrics, SampleLogprobs
+
+
+def record_sent(sent: dict[int, SequenceSnapshot], choices: list[CompletionOutput]) -> None:
+    """Add a streamed delta to what the gateway has been sent."""
+    for choice in choices:
+        record = sent.get(choice.index)
+        if record is None:
+            record = sent[choice.index] = SequenceSnapshot(choice.index, [], [], 0.0, None, None)
+        record.output_token_ids.extend(choice.token_ids)
+        if choice.logprobs is not None:
+            record.output_logprobs.extend(choice.logprobs)
+        record.cumulative_logprob = choice.cumulative_logprob
+        record.finish_reason = choice.finish_reason
+        record.stop_token_id = choice.stop_token_id
+
+
+def continued_choices(
+    continuation: scheduler_pb2.Continuation, params: SamplingParams
+) -> dict[int, SequenceSnapshot]:
+    """The gateway's record of a request re-submitted after a scheduler restart."""
+    try:
+        choices = continuation_from_proto(continuation, params)
+    except ContinuationError as exc:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
+    return {
+        c.index: SequenceSnapshot(
+            c.index,
+            c.token_ids,
+            [SampleLogprobs(token, top) for token, top in c.logprobs],
+            c.cumulative_logprob,
+            None if c.finish_reason is None else FinishReason(c.finish_reason),
+            c.stop_token_id,
+        )
+        for c in choices
+    }
+
+
+def error_message(request_id: str, exc: Exception) -> scheduler_pb2.SchedulerMessage:
+    if isinstance(exc, RequestError):
+        code, field_name = exc.code, exc.field or ""
+    elif isinstance(exc, ApiError):
+        code, field_name = grpc_status(exc)[0], exc.field or ""
+    else:
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        field_name = getattr(exc, "field", "")
+        if isinstance(exc, SamplingParamsError):
+            field_name = f"sampling_params.{exc.field}"
+    return scheduler_pb2.SchedulerMessage(
+        error=scheduler_pb2.RequestError(
+            request_id=request_id, code=code.value[0], message=str(exc), field=field_name
+        )
+    )
+
+
+def _choice_to_proto(choice: CompletionOutput) -> scheduler_pb2.ChoiceDelta:
+    msg = scheduler_pb2.ChoiceDelta(
+        index=choice.index,
+        token_ids=choice.token_ids,
+        cumulative_logprob=choice.cumulative_logprob,
+    )
+    if choice.finish_reason is not None:
+        msg.finish_reason = FINISH_REASON_TO_PROTO[choice.finish_reason]
+    if choice.stop_token_id is not None:
+        msg.stop_token_id = choice.stop_token_id
+    for lp in choice.logprobs or ():
+        msg.logprobs.add(
+            token=token_logprob_to_proto(lp.token),
+            top=[token_logprob_to_proto(t) for t in lp.top],
+        )
+    return msg
+
+
+def _metrics_to_proto(m: RequestMetrics) -> scheduler_pb2.RequestMetrics:
+    def ns(t: float | None) -> int:
+        return 0 if t is None else max(int((t - m.arrival_time) * 1e9), 0)
+
+    return scheduler_pb2.RequestMetrics(
+        queue_ns=ns(m.first_scheduled_time),
+        first_token_ns=ns(m.first_token_time),
+        e2e_ns=ns(m.finished_time),
+    )
+
+
+def output_to_proto(
+    request_id: str, num_prompt_tokens: int, num_output_tokens: int, output: RequestOutput
+) -> scheduler_pb2.RequestOutput:
+    """A delta for the gateway; a finished one carries usage (`num_output_tokens`, the
+    request's returned tokens) and timings."""
+    msg = scheduler_pb2.RequestOutput(
+        request_id=request_id,
+        choices=[_choice_to_proto(c) for c in output.outputs],
+        finished=output.finished,
+    )
+    for p in output.prompt_logprobs or ():
+        msg.prompt_logprobs.add(
+            position=p.position,
+            token=token_logprob_to_proto(p.token),
+            top=[token_logprob_to_proto(t) for t in p.top],
+        )
+    if output.finished:
+        msg.usage.prompt_tokens = num_prompt_tokens
+        msg.usage.completion_tokens = num_output_tokens
+        if output.metrics is not None:
+            msg.metrics.CopyFrom(_metrics_to_proto(output.metrics))
+    return msg
