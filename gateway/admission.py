@@ -29,6 +29,10 @@ log = get_logger(__name__)
 IN_FLIGHT = Gauge(
     "llmserve_gateway_requests_in_flight", "Generation requests admitted and not yet complete"
 )
+# The scheduler client's per-request state (inboxes); back to 0 whenever nothing runs.
+SCHEDULER_REQUESTS = Gauge(
+    "llmserve_gateway_scheduler_requests", "Requests the gateway holds state for at the scheduler"
+)
 # Seconds a refused client is told to wait (Retry-After): about one request's time.
 RETRY_AFTER_S = 1.0
 

@@ -119,6 +119,11 @@ class SchedulerClient:
         return self._stub
 
     @property
+    def num_requests(self) -> int:
+        """Requests with state here (an inbox): submitted and not yet closed."""
+        return len(self._requests)
+
+    @property
     def connected(self) -> bool:
         return self._connected.is_set()
 

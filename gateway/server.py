@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from grpc_health.v1.health import HealthServicer
 
-from gateway.admission import Admission
+from gateway.admission import SCHEDULER_REQUESTS, Admission
 from gateway.readiness import SchedulerReadiness
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.limits import RequestLimits
@@ -66,6 +66,7 @@ async def serve(config: GatewayConfig) -> None:
     )
     scheduler.start()
     admission = Admission(config.max_pending_requests)
+    SCHEDULER_REQUESTS.set_function(lambda: scheduler.num_requests)
     core = GenerationCore(config.served_model_name, tokenization, scheduler, max_model_len,
                           config.limits, admission, config.request_timeout_s)
 
