@@ -1,4 +1,5 @@
-"""Scheduler and KV cache configuration: frozen, validated once, passed down explicitly."""
+"""Scheduler, KV cache and replica configuration: frozen, validated once, passed down
+explicitly."""
 
 from __future__ import annotations
 
@@ -78,3 +79,25 @@ class CacheConfig:
             raise ConfigError("num_cpu_blocks", f"must be >= 0, got {self.num_cpu_blocks}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    """What the scheduler service decides for every replica (the worker decides the rest)."""
+
+    scheduler: SchedulerConfig
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    num_cpu_blocks_override: int | None = None
+    max_message_bytes: int = 64 * 1024 * 1024
+    # A step whose result has not come back after this long marks the worker lost. None: the
+    # larger of `watchdog_floor_s` and `watchdog_factor` times the slowest step seen so far.
+    step_watchdog_s: float | None = None
+    watchdog_floor_s: float = 30.0
+    watchdog_factor: float = 20.0
+    # Health checks of a connected worker; this many failures in a row mark it lost.
+    health_interval_s: float = 2.0
+    health_failures: int = 3
+    # Drain policy: running requests may finish on a draining replica for this long, then move.
+    drain_grace_s: float = 10.0

@@ -276,8 +276,10 @@ class LLMEngine:
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams],
         eos_token_id: int | None = None,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Run the prompts to completion; returns their final outputs in prompt order.
+        `priorities`: one per prompt (default 0 each).
 
         Meant for offline use: other requests in the engine keep running, but their deltas
         are not returned.
@@ -289,8 +291,13 @@ class LLMEngine:
         else:
             params_list = [params] * len(prompts)
         ids = [f"generate-{next(self._generate_counter)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(request_id, prompt, p, eos_token_id=eos_token_id)
+        if priorities is not None and len(priorities) != len(prompts):
+            raise RequestError(
+                "priorities", f"{len(priorities)} priorities for {len(prompts)} prompts"
+            )
+        for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params_list, strict=True)):
+            priority = 0 if priorities is None else priorities[i]
+            self.add_request(request_id, prompt, p, eos_token_id=eos_token_id, priority=priority)
         results: dict[str, RequestOutput] = {}
         pending = set(ids)
         idle_steps = 0

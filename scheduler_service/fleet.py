@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.logs import get_logger
 from scheduler_service import metrics
+from scheduler_service.discovery import answers_health, resolve_workers
 from scheduler_service.engine import RequestError as EngineRequestError
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.outputs import RequestOutput
@@ -199,27 +198,15 @@ class Fleet:
 
     async def _forget_gone_drained(self) -> None:
         for address in list(self.drained):
-            try:
-                async with grpc.aio.insecure_channel(address) as channel:
-                    await health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(), timeout=1.0
-                    )
-            except grpc.aio.AioRpcError:
+            if not await answers_health(address):
                 log.info("drained worker is gone; its address may join again", address=address)
                 del self.drained[address]
                 if address in self.static:
                     self.add(address, STATIC)
 
     async def _watch_dns(self) -> None:
-        host, _, port = self.config.worker_dns.rpartition(":")
-        loop = asyncio.get_running_loop()
         while True:
-            try:
-                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-                found = {f"{info[4][0]}:{port}" for info in infos}
-            except OSError as exc:  # NXDOMAIN while no replica exists is normal
-                log.debug("worker DNS lookup failed", name=host, error=str(exc))
-                found = set()
+            found = await resolve_workers(self.config.worker_dns)
             for address in sorted(found - self.drained.keys()):
                 member = self.members.get(address)
                 if member is None or DNS not in member.sources:

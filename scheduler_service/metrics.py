@@ -69,6 +69,7 @@ def priority_label(priority: int) -> str:
         return f">{_PRIORITY_LABEL_LIMIT}"
     return str(priority)
 
+
 # Cumulative scheduler counters are mirrored into Prometheus counters by their increase.
 _last: dict[tuple[Counter, tuple[str, ...]], float] = {}
 

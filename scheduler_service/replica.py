@@ -23,148 +23,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
-from enum import IntEnum
-from typing import Protocol
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from llmserve import failpoints
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
-from llmserve.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
+from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_service import metrics
-from scheduler_service.config import CacheConfig, SchedulerConfig
+from scheduler_service.config import ReplicaConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.migration import GroupSnapshot
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.replica_owner import ReplicaOwner, ReplicaState
 from scheduler_service.text_stops import tokenizer_loader
 from scheduler_service.tracing import ReplicaTracer, RequestTrace, end_step_span, step_traceparent
+from scheduler_service.worker_link import (
+    REFUSALS,
+    UNUSED_EXECUTOR,
+    ExecuteStream,
+    StepWatchdog,
+    WorkerLostError,
+    open_worker,
+    watch_health,
+)
+
+__all__ = ["Replica", "ReplicaConfig", "ReplicaOwner", "ReplicaState", "WorkerLostError"]
 
 log = get_logger(__name__)
 
 _RETRY_DELAYS_S = (0.5, 1.0, 2.0, 5.0)
-_REFUSALS = (
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-)
 _IDLE_STEPS_BEFORE_SLEEP = 3
-
-
-class ReplicaState(IntEnum):
-    """Values equal the proto's WorkerState."""
-
-    JOINING = scheduler_pb2.WORKER_STATE_JOINING
-    READY = scheduler_pb2.WORKER_STATE_READY
-    DRAINING = scheduler_pb2.WORKER_STATE_DRAINING
-    LOST = scheduler_pb2.WORKER_STATE_LOST
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaConfig:
-    """What the scheduler service decides for every replica (the worker decides the rest)."""
-
-    scheduler: SchedulerConfig
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    num_cpu_blocks_override: int | None = None
-    max_message_bytes: int = 64 * 1024 * 1024
-    # A step whose result has not come back after this long marks the worker lost. None: the
-    # larger of `watchdog_floor_s` and `watchdog_factor` times the slowest step seen so far.
-    step_watchdog_s: float | None = None
-    watchdog_floor_s: float = 30.0
-    watchdog_factor: float = 20.0
-    # Health checks of a connected worker; this many failures in a row mark it lost.
-    health_interval_s: float = 2.0
-    health_failures: int = 3
-    # Drain policy: running requests may finish on a draining replica for this long, then move.
-    drain_grace_s: float = 10.0
-
-
-class WorkerLostError(RuntimeError):
-    """The worker cannot run this replica's steps any more. `cause` labels the migration."""
-
-    def __init__(self, cause: str, message: str) -> None:
-        super().__init__(message)
-        self.cause = cause
-
-
-class _ExecuteStream:
-    """The bidi Execute stream: one request message out, one result back, in order."""
-
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
-        self._outbox: asyncio.Queue[worker_pb2.ExecuteRequest | None] = asyncio.Queue()
-        self._call = stub.Execute(self._requests())
-
-    async def _requests(self) -> AsyncIterator[worker_pb2.ExecuteRequest]:
-        while (message := await self._outbox.get()) is not None:
-            yield message
-
-    async def execute(
-        self, request: worker_pb2.ExecuteRequest, timeout_s: float
-    ) -> worker_pb2.ExecuteResult:
-        self._outbox.put_nowait(request)
-        try:
-            result = await asyncio.wait_for(self._call.read(), timeout_s)
-        except TimeoutError:
-            self.close()
-            raise WorkerLostError(
-                "watchdog", f"no step result within the {timeout_s:.1f} s watchdog"
-            ) from None
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerLostError("stream", exc.details() or exc.code().name) from exc
-        if result is grpc.aio.EOF:
-            raise WorkerLostError("stream", "the worker closed the Execute stream")
-        return result
-
-    @property
-    def closed(self) -> bool:
-        return self._call.done()
-
-    def on_close(self, callback: Callable[[], None]) -> None:
-        self._call.add_done_callback(lambda _call: callback())
-
-    def close(self) -> None:
-        self._outbox.put_nowait(None)
-        self._call.cancel()
-
-
-class ReplicaOwner(Protocol):
-    """What a replica reports to (the fleet's router). All calls come from the event loop."""
-
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """A step's deltas."""
-
-    def on_evicted(
-        self,
-        replica: Replica,
-        snapshots: list[GroupSnapshot],
-        traces: dict[str, RequestTrace | None],
-        cause: str,
-    ) -> None:
-        """Requests leave the replica in a consistent state: place them elsewhere."""
-
-    def on_step_failed(
-        self,
-        replica: Replica,
-        request_ids: list[str],
-        in_step: list[str],
-        error: BaseException,
-        traces: dict[str, RequestTrace | None],
-    ) -> None:
-        """A step raised: `request_ids` were on the replica, `in_step` in the failed step."""
-
-    def on_state(self, replica: Replica) -> None:
-        """`replica.state` changed."""
-
-    def on_drained(self, replica: Replica) -> None:
-        """The replica finished draining (or its worker went away while draining): its loop
-        has ended and it holds no request."""
 
 
 class Replica:
@@ -186,7 +76,7 @@ class Replica:
         self.tracer: ReplicaTracer | None = None
         self.info: worker_pb2.InfoResponse | None = None
         self.state = ReplicaState.JOINING
-        self._stream: _ExecuteStream | None = None
+        self._stream: ExecuteStream | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -197,7 +87,7 @@ class Replica:
         self._in_step: list[str] = []
         self.num_steps = 0
         self.num_migrated_out = 0
-        self._slowest_step_s = 0.0
+        self._watchdog = StepWatchdog(config)
 
     @property
     def healthy(self) -> bool:
@@ -219,7 +109,14 @@ class Replica:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"replica-{self.replica_id}")
         self._health_task = asyncio.create_task(
-            self._watch_health(), name=f"replica-{self.replica_id}-health"
+            watch_health(
+                self._health,
+                self.config,
+                lambda: self._stream is not None,
+                self.mark_lost,
+                self._on_not_serving,
+            ),
+            name=f"replica-{self.replica_id}-health",
         )
 
     async def stop(self, cause: str = "removed") -> None:
@@ -297,7 +194,7 @@ class Replica:
             except (grpc.aio.AioRpcError, WorkerLostError) as exc:
                 # A worker that answers but refuses the cache it is asked for (too small for
                 # max_model_len, more than its memory holds) is misconfigured, not unreachable.
-                refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _REFUSALS
+                refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() in REFUSALS
                 if isinstance(exc, grpc.aio.AioRpcError):
                     exc = WorkerLostError("stream", exc.details() or exc.code().name)
                 exc = self._lost or exc
@@ -333,36 +230,15 @@ class Replica:
         self.owner.on_drained(self)
 
     async def _connect(self) -> None:
-        info = await self._stub.Info(worker_pb2.InfoRequest(), timeout=10)
-        cfg = self.config
-        # An override replaces the worker's count, larger or smaller (as in vLLM).
-        num_gpu = cfg.num_gpu_blocks_override
-        if num_gpu is None:
-            num_gpu = info.num_gpu_blocks_available
-        num_cpu = cfg.num_cpu_blocks_override
-        if num_cpu is None:
-            num_cpu = info.num_cpu_blocks_available
-        reply = await self._stub.InitializeCache(
-            worker_pb2.InitializeCacheRequest(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu),
-            timeout=120,
-        )
-        scheduler_config = replace(
-            cfg.scheduler, max_model_len=min(cfg.scheduler.max_model_len, info.max_model_len)
-        )
-        cache_config = CacheConfig(
-            block_size=info.block_size,
-            num_gpu_blocks=reply.num_gpu_blocks,
-            num_cpu_blocks=reply.num_cpu_blocks,
-            watermark=cfg.watermark,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-        )
+        link = await open_worker(self._stub, self.config)
+        info, scheduler_config, cache_config = link.info, link.scheduler, link.cache
         self.info = info
-        self._stream = _ExecuteStream(self._stub)
+        self._stream = ExecuteStream(self._stub)
         # An idle loop sleeps on _wake: a stream that ends meanwhile wakes it to reconnect,
         # rather than failing the next request that arrives.
         self._stream.on_close(self._wake.set)
         self.engine = LLMEngine(
-            scheduler_config, cache_config, _unused_executor, tokenizer_loader(info.model)
+            scheduler_config, cache_config, UNUSED_EXECUTOR, tokenizer_loader(info.model)
         )
         self.tracer = ReplicaTracer(self.replica_id, info.block_size)
         log.info(
@@ -370,19 +246,13 @@ class Replica:
             replica=self.replica_id,
             address=self.address,
             model=info.model,
-            num_gpu_blocks=reply.num_gpu_blocks,
-            num_cpu_blocks=reply.num_cpu_blocks,
+            num_gpu_blocks=cache_config.num_gpu_blocks,
+            num_cpu_blocks=cache_config.num_cpu_blocks,
             block_size=info.block_size,
             max_model_len=scheduler_config.max_model_len,
         )
         if self.state is not ReplicaState.DRAINING:
             self._set_state(ReplicaState.READY)
-
-    def _watchdog_s(self) -> float:
-        cfg = self.config
-        if cfg.step_watchdog_s is not None:
-            return cfg.step_watchdog_s
-        return max(cfg.watchdog_floor_s, cfg.watchdog_factor * self._slowest_step_s)
 
     async def _step_loop(self) -> None:
         assert self.engine is not None and self._stream is not None and self.tracer is not None
@@ -416,7 +286,7 @@ class Replica:
                 request = step_input_to_proto(step_input)
                 request.traceparent = step_traceparent(step_span)
                 try:
-                    reply = await stream.execute(request, self._watchdog_s())
+                    reply = await stream.execute(request, self._watchdog.timeout_s())
                 except BaseException as exc:
                     end_step_span(step_span, 0, 0, exc)
                     raise
@@ -428,7 +298,7 @@ class Replica:
             end_step_span(step_span, *((result.forward_ns, result.sample_ns) if result else (0, 0)))
             self.num_steps += 1
             seconds = time.perf_counter() - started
-            self._slowest_step_s = max(self._slowest_step_s, seconds)
+            self._watchdog.observe(seconds)
             metrics.record_step(self.replica_id, engine.get_stats(), step_input, result, seconds)
             if outputs:
                 self.owner.on_outputs(outputs)
@@ -495,37 +365,7 @@ class Replica:
 
     # -- health ------------------------------------------------------------------------------------
 
-    async def _watch_health(self) -> None:
-        """While connected: NOT_SERVING starts a drain (a worker told to stop); failed checks
-        in a row mark the worker lost (hung, or gone without closing its stream)."""
-        failures = 0
-        serving = health_pb2.HealthCheckResponse.SERVING
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            if self._stream is None:
-                failures = 0
-                continue
-            try:
-                reply = await self._health.Check(
-                    health_pb2.HealthCheckRequest(), timeout=self.config.health_interval_s
-                )
-            except grpc.aio.AioRpcError as exc:
-                failures += 1
-                if failures >= self.config.health_failures:
-                    self.mark_lost("health", f"{failures} failed health checks: {exc.code().name}")
-                    failures = 0
-                continue
-            failures = 0
-            if reply.status != serving and self.state is ReplicaState.READY:
-                log.info("worker reports NOT_SERVING; draining it", replica=self.replica_id)
-                self.drain()
-
-
-class _UnusedExecutor:
-    """The service drives steps itself (begin_step / finish_step), never `LLMEngine.step`."""
-
-    def execute(self, step):  # type: ignore[no-untyped-def]
-        raise AssertionError("the scheduler service executes steps over gRPC")
-
-
-_unused_executor = _UnusedExecutor()
+    def _on_not_serving(self) -> None:
+        if self.state is ReplicaState.READY:
+            log.info("worker reports NOT_SERVING; draining it", replica=self.replica_id)
+            self.drain()

@@ -233,6 +233,37 @@ def test_stop_string_is_cut_or_kept(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed if c.choices) == head
 
 
+def test_n3_stop_string_stops_one_choice_the_others_complete(client: openai.OpenAI,
+                                                            stack: RunningStack) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "n": 3, "temperature": 1.0,
+                              "seed": 11, "max_tokens": 24, "logprobs": 0,
+                              "extra_body": {"ignore_eos": True}}
+    reference = {c.index: c.text for c in client.completions.create(**kwargs).choices}
+    # A stop string from the middle of one choice's text that no other choice contains.
+    picked = next(
+        (i, text[start:start + 3])
+        for i, text in reference.items()
+        for start in range(len(text) // 3, len(text) - 3)
+        if text[start:start + 3].strip() and text.index(text[start:start + 3]) == start
+        and all(text[start:start + 3] not in other for j, other in reference.items() if j != i)
+    )
+    index, stop = picked
+    cut = client.completions.create(stop=[stop], **kwargs)
+    choices = {c.index: c for c in cut.choices}
+    assert choices[index].text == reference[index][:reference[index].index(stop)]
+    assert choices[index].finish_reason == "stop"
+    tokens = {i: c.logprobs.tokens for i, c in choices.items() if c.logprobs is not None}
+    # The stopped choice ends with the token that completed the stop string.
+    assert stop in "".join(tokens[index]) and stop not in "".join(tokens[index][:-1])
+    for i, text in reference.items():
+        if i != index:
+            assert choices[i].text == text and choices[i].finish_reason == "length"
+            assert len(tokens[i]) == 24
+    assert cut.usage is not None
+    assert cut.usage.completion_tokens == sum(len(t) for t in tokens.values())
+    _wait_all_blocks_free(stack)
+
+
 def test_seed_reproducible_alone_and_in_a_batch(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
         return client.completions.create(prompt=PROMPT, model=MODEL, temperature=1.0,
@@ -346,6 +377,8 @@ def test_chat_seed_reproducible(client: openai.OpenAI) -> None:
     ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 100_000},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "priority": 2**31}, "priority"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "priority": -(2**31) - 1}, "priority"),
 ])
 def test_invalid_parameter_is_400_naming_it(http: httpx.Client, path: str,
                                             body: dict[str, Any], param: str) -> None:

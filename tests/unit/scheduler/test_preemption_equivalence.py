@@ -44,7 +44,14 @@ def workload(num: int, seed: int = 1234):
     return prompts, params
 
 
-def run(num_gpu_blocks: int, num_cpu_blocks: int, chunked: bool, caching: bool, num: int = 200):
+def run(
+    num_gpu_blocks: int,
+    num_cpu_blocks: int,
+    chunked: bool,
+    caching: bool,
+    num: int = 200,
+    priorities: bool = False,
+):
     cache = CacheConfig(
         BLOCK, num_gpu_blocks, num_cpu_blocks, watermark=0.0, enable_prefix_caching=caching
     )
@@ -57,7 +64,9 @@ def run(num_gpu_blocks: int, num_cpu_blocks: int, chunked: bool, caching: bool, 
     model = FakeModel(num_gpu_blocks, num_cpu_blocks, BLOCK)
     engine = LLMEngine(sched, cache, model)
     prompts, params = workload(num)
-    outputs = engine.generate(prompts, params, eos_token_id=EOS)
+    # With priorities, requests of higher priority also preempt running ones of lower.
+    levels = [(i * 7) % 3 - 1 for i in range(num)] if priorities else None
+    outputs = engine.generate(prompts, params, eos_token_id=EOS, priorities=levels)
     bm = engine.scheduler.block_manager
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == num_gpu_blocks
@@ -102,4 +111,11 @@ def test_tiny_cache_equals_ample_cache_prefill_first_without_caching():
     tiny, stats, _, _ = run(40, 400, chunked=False, caching=False, num=120)
     assert stats.num_preemptions_swap >= 5
     assert stats.num_preemptions_recompute >= 5
+    assert tiny == ample
+
+
+def test_tiny_cache_with_priorities_equals_ample_cache_without():
+    ample, _, _, _ = run(4000, 8, chunked=True, caching=True, num=120)
+    tiny, stats, _, _ = run(40, 400, chunked=True, caching=True, num=120, priorities=True)
+    assert stats.num_preemptions_swap + stats.num_preemptions_recompute >= 10
     assert tiny == ample

@@ -1,5 +1,5 @@
-"""Random add / step / abort sequences (forks come from n > 1 and beam search) keep the block
-manager consistent after every step, and free every block once all requests finish."""
+"""Random add / step / abort sequences (forks come from n > 1 and beam search, preemptions
+from memory pressure and from priorities) keep the block manager consistent after every step, and free every block once all requests finish."""
 
 from __future__ import annotations
 
@@ -39,11 +39,15 @@ class EngineMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.live: list[str] = []
 
-    @rule(prompt=st.lists(st.integers(1, 8), min_size=1, max_size=20), params=PARAMS)
-    def add(self, prompt, params):
+    @rule(
+        prompt=st.lists(st.integers(1, 8), min_size=1, max_size=20),
+        params=PARAMS,
+        priority=st.integers(-2, 2),
+    )
+    def add(self, prompt, params, priority):
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        self.engine.add_request(request_id, prompt, params, eos_token_id=0)
+        self.engine.add_request(request_id, prompt, params, eos_token_id=0, priority=priority)
         self.live.append(request_id)
 
     @rule()

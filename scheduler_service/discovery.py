@@ -1,0 +1,37 @@
+"""Finding workers: DNS names that list them, and whether an address still answers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve.logs import get_logger
+
+log = get_logger(__name__)
+
+
+async def resolve_workers(name: str) -> set[str]:
+    """The "ip:port" addresses that `name` ("host:port") resolves to; empty if none."""
+    host, _, port = name.rpartition(":")
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError as exc:  # NXDOMAIN while no replica exists is normal
+        log.debug("worker DNS lookup failed", name=host, error=str(exc))
+        return set()
+    return {f"{info[4][0]}:{port}" for info in infos}
+
+
+async def answers_health(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether a process answers health checks at `address` (whatever its status)."""
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+    except grpc.aio.AioRpcError:
+        return False
+    return True

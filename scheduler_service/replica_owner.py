@@ -1,0 +1,56 @@
+"""What a replica is to the fleet: the states it goes through, and the owner it reports to."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import TYPE_CHECKING, Protocol
+
+from llmserve.v1 import scheduler_pb2
+from scheduler_service.migration import GroupSnapshot
+from scheduler_service.outputs import RequestOutput
+from scheduler_service.tracing import RequestTrace
+
+if TYPE_CHECKING:
+    from scheduler_service.replica import Replica
+
+
+class ReplicaState(IntEnum):
+    """Values equal the proto's WorkerState."""
+
+    JOINING = scheduler_pb2.WORKER_STATE_JOINING
+    READY = scheduler_pb2.WORKER_STATE_READY
+    DRAINING = scheduler_pb2.WORKER_STATE_DRAINING
+    LOST = scheduler_pb2.WORKER_STATE_LOST
+
+
+class ReplicaOwner(Protocol):
+    """What a replica reports to (the fleet's router). All calls come from the event loop."""
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A step's deltas."""
+
+    def on_evicted(
+        self,
+        replica: Replica,
+        snapshots: list[GroupSnapshot],
+        traces: dict[str, RequestTrace | None],
+        cause: str,
+    ) -> None:
+        """Requests leave the replica in a consistent state: place them elsewhere."""
+
+    def on_step_failed(
+        self,
+        replica: Replica,
+        request_ids: list[str],
+        in_step: list[str],
+        error: BaseException,
+        traces: dict[str, RequestTrace | None],
+    ) -> None:
+        """A step raised: `request_ids` were on the replica, `in_step` in the failed step."""
+
+    def on_state(self, replica: Replica) -> None:
+        """`replica.state` changed."""
+
+    def on_drained(self, replica: Replica) -> None:
+        """The replica finished draining (or its worker went away while draining): its loop
+        has ended and it holds no request."""
