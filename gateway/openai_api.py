@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import metrics
@@ -131,6 +132,14 @@ def build_app(core: GenerationCore, api_key: str | None = None,
     @app.exception_handler(ApiError)
     async def _client_error(request: Request, exc: Exception) -> JSONResponse:
         return _from_exception(exc)
+
+    # FastAPI's own refusals (a body it cannot parse, such as JSON nested too deep) in the
+    # OpenAI error shape too.
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        param = "body" if exc.status_code == 400 else None
+        message = f"body: {exc.detail}" if param else str(exc.detail)
+        return error_response(exc.status_code, message, "invalid_request_error", param)
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception) -> JSONResponse:

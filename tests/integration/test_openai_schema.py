@@ -1,6 +1,7 @@
 """Property-based test of the OpenAI-compatible API: schemathesis generates requests from the
 gateway's own OpenAPI document and checks that no response is a 5xx and every response
-conforms to the documented status codes, content types and schemas."""
+conforms to the documented status codes, content types and schemas; bodies that break the
+schema (schemathesis' negative mode) and raw malformed bodies get a 4xx, never a 5xx."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from schemathesis import Case
+from schemathesis import Case, GenerationMode
 from schemathesis.schemas import BaseSchema
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -91,3 +93,61 @@ def test_api_conforms_and_never_5xx(api_schema: BaseSchema, method: str, path: s
     print(method, path, dict(statuses))
     # Some generated requests got through validation, so success bodies were checked too.
     assert statuses[200] > 0, dict(statuses)
+
+
+# -- malformed bodies --------------------------------------------------------------------------
+
+GENERATION_OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+
+
+@pytest.mark.parametrize(("method", "path"), GENERATION_OPERATIONS)
+def test_bodies_that_break_the_schema_are_4xx(api_schema: BaseSchema, method: str,
+                                               path: str) -> None:
+    """schemathesis' negative mode: bodies that violate the documented schema (wrong types,
+    missing required fields, out-of-range values) are refused with a 4xx error body."""
+    operation = api_schema[path][method]
+    statuses: Counter[int] = Counter()
+
+    @given(case=operation.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def check(case: Case) -> None:
+        case = _shortened(case)
+        response = case.call(timeout=60)
+        statuses[response.status_code] += 1
+        assert response.status_code < 500, f"{case.body!r} -> {response.text}"
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert error["message"] and error["type"], response.text
+
+    check()
+    print(method, path, dict(statuses))
+    assert statuses[400] > 0, dict(statuses)
+
+
+RAW_BODIES = [
+    b"",
+    b"{",
+    b"not json",
+    b"[]",
+    b"null",
+    b'"a string"',
+    b'{"prompt": "hi", "max_tokens": NaN}',
+    b'{"prompt": "hi", "max_tokens": 1e400}',
+    b'{"prompt": "hi", "temperature": "hot"}',
+    b'{"prompt": "\\ud800", "max_tokens": 2}',
+    b'{"prompt": "hi", "seed": 18446744073709551616, "max_tokens": 2}',
+    b'{"prompt": "hi", "top_k": 8589934592, "max_tokens": 2}',
+    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"prompt": "hi", "max_tokens": 2, "stream": "maybe"}',
+    b"\xff\xfe\x00garbage",
+]
+
+
+@pytest.mark.parametrize("body", RAW_BODIES, ids=range(len(RAW_BODIES)))
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_malformed_raw_bodies_are_400(schema_stack: RunningStack, path: str, body: bytes) -> None:
+    response = httpx.post(schema_stack.http_url + path, content=body, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, (body[:80], response.status_code, response.text[:500])
+    assert response.json()["error"]["message"], response.text
