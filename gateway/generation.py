@@ -28,9 +28,9 @@ from gateway import metrics
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenization import PromptError, Tokenization
 from llmserve.detokenizer import IncrementalDetokenizer
-from llmserve.errors import FieldError
 from llmserve.grpc_utils import RequestError, invalid_argument
 from llmserve.logs import get_logger
+from llmserve.priority import check_priority
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.stop_strings import StopStringMatcher
 from llmserve.telemetry import current_traceparent
@@ -74,18 +74,6 @@ class GenerationInput:
 
     def __post_init__(self) -> None:
         check_priority(self.priority)
-
-
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-
-def check_priority(priority: object, field_name: str = "priority") -> int:
-    """`priority` as sent by a client: an integer that fits the protos' int32."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise FieldError(field_name, f"must be an integer, got {priority!r}")
-    if not INT32_MIN <= priority <= INT32_MAX:
-        raise FieldError(field_name, f"must be in [{INT32_MIN}, {INT32_MAX}], got {priority}")
-    return priority
 
 
 @dataclass(slots=True)

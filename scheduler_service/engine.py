@@ -11,6 +11,8 @@ import itertools
 import time
 from typing import Any
 
+from llmserve.errors import FieldError
+from llmserve.priority import check_priority
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import Executor, StepInput, StepResult
 from scheduler_service.config import CacheConfig, SchedulerConfig
@@ -26,8 +28,6 @@ from scheduler_service.scheduler_outputs import SchedulerOutputs, SchedulerStats
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.step_builder import StepBuilder
 from scheduler_service.text_stops import StopStrings, TokenizerLoader
-
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 class RequestError(ValueError):
@@ -319,8 +319,10 @@ class LLMEngine:
 
 
 def _check_priority(priority: int) -> None:
-    if not isinstance(priority, int) or not INT32_MIN <= priority <= INT32_MAX:
-        raise RequestError("priority", f"must be a 32-bit integer, got {priority!r}")
+    try:
+        check_priority(priority)
+    except FieldError as exc:
+        raise RequestError(exc.field or "priority", exc.detail) from None
 
 
 def _accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
