@@ -64,13 +64,15 @@ def build_request(
     request_id: str = "",
     model: str = "",
     echo: bool = False,
+    priority: int = 0,
     **sampling: Any,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from a text prompt, token ids or chat messages, and SamplingParams
-    keywords (temperature, max_tokens, n, seed, ...). max_tokens defaults to the context left."""
+    keywords (temperature, max_tokens, n, seed, ...). max_tokens defaults to the context left.
+    `priority`: lower is served first."""
     request = generation_pb2.GenerateRequest(
         request_id=request_id, model=model, stop=list(stop),
-        include_stop_str_in_output=include_stop_str_in_output, echo=echo,
+        include_stop_str_in_output=include_stop_str_in_output, echo=echo, priority=priority,
     )
     if messages is not None:
         request.chat.messages.extend(
