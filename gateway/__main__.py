@@ -35,7 +35,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """What --check-config checks beyond the parser."""
-    from llmserve.model_spec import ModelNotFoundError, resolve_model
+    from llmserve.errors import ModelNotFoundError
+    from llmserve.model_spec import resolve_model
 
     if args.metrics_port is not None and args.metrics_port == args.http_port:
         raise ValueError("--metrics-port: the HTTP port already serves /metrics")

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -23,8 +22,8 @@ from gateway import metrics
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.scheduler_client import SchedulerClient
 from gateway.stop import StopStringMatcher
-from gateway.tokenization import PromptError, Tokenization
-from llmserve.grpc_utils import RequestError, invalid_argument
+from gateway.tokenization import Tokenization
+from llmserve.errors import FieldError, ModelNotFoundError
 from llmserve.logs import get_logger
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.telemetry import current_traceparent
@@ -143,25 +142,24 @@ class GenerationCore:
 
     def check_model(self, model: str | None, field_name: str = "model") -> None:
         if model and model != self.model_name:
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
+            raise ModelNotFoundError(
                 f"{field_name}: model {model!r} is not served here (serving {self.model_name!r})",
                 field_name,
             )
 
     def prompt_from_text(self, text: str, field_name: str = "prompt") -> Prompt:
         if not isinstance(text, str) or not text:
-            raise invalid_argument(field_name, "must be a non-empty string")
+            raise FieldError(field_name, "must be a non-empty string")
         return self._checked(Prompt(self.tokenization.encode(text), text), field_name)
 
     def prompt_from_ids(self, token_ids: Sequence[int], field_name: str = "prompt") -> Prompt:
         ids = list(token_ids)
         if not ids:
-            raise invalid_argument(field_name, "must contain at least one token id")
+            raise FieldError(field_name, "must contain at least one token id")
         vocab = self.tokenization.vocab_size
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise invalid_argument(field_name, f"token id {bad!r} is outside [0, {vocab})")
+            raise FieldError(field_name, f"token id {bad!r} is outside [0, {vocab})")
         return self._checked(Prompt(ids), field_name)
 
     def prompt_from_chat(
@@ -170,18 +168,15 @@ class GenerationCore:
         add_generation_prompt: bool = True,
         field_name: str = "messages",
     ) -> Prompt:
-        try:
-            text = self.tokenization.render_chat(
-                messages, add_generation_prompt=add_generation_prompt, field_name=field_name
-            )
-        except PromptError as exc:
-            raise invalid_argument(exc.field, str(exc).split(": ", 1)[-1]) from exc
+        text = self.tokenization.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, field_name=field_name
+        )
         ids = self.tokenization.encode(text, add_special_tokens=False)
         return self._checked(Prompt(ids, text), field_name)
 
     def _checked(self, prompt: Prompt, field_name: str) -> Prompt:
         if len(prompt.token_ids) >= self.max_model_len:
-            raise invalid_argument(
+            raise FieldError(
                 field_name,
                 f"the prompt has {len(prompt.token_ids)} tokens; this model's context is "
                 f"{self.max_model_len} tokens, so the prompt must be shorter",
@@ -194,7 +189,7 @@ class GenerationCore:
     def check_max_tokens(self, prompt: Prompt, max_tokens: int, field_name: str) -> None:
         left = self.max_tokens_left(prompt)
         if max_tokens > left:
-            raise invalid_argument(
+            raise FieldError(
                 field_name,
                 f"{max_tokens} requested, but the prompt ({len(prompt.token_ids)} tokens) leaves "
                 f"{left} of the model's {self.max_model_len}-token context",
@@ -211,7 +206,7 @@ class GenerationCore:
     ) -> AsyncIterator[GenerationUpdate]:
         """Stream updates until every choice is finished. Closing the iterator aborts."""
         if inp.text.stop and not inp.text.detokenize:
-            raise invalid_argument("stop", "stop strings need detokenize")
+            raise FieldError("stop", "stop strings need detokenize")
         # The span shows the client's seed; the assigned one stays internal (logs only).
         params = with_admission_seed(inp.params, self._seed_rng)
         with tracer.start_as_current_span(
