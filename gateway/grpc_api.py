@@ -19,13 +19,7 @@ from gateway.generation import (
 from llmserve.errors import FieldError
 from llmserve.proto_convert import sampling_params_from_proto
 from llmserve.telemetry import context_from_metadata
-from llmserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
-_FINISH_TO_PROTO = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
+from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -132,11 +126,11 @@ def _logprob(entry: LogprobEntry) -> generation_pb2.TextOutputLogprob:
 
 
 def _choice(c: ChoiceUpdate) -> generation_pb2.Choice:
-    msg = generation_pb2.Choice(index=c.index, text=c.text, token_ids=c.token_ids)
+    msg = generation_pb2.Choice(
+        index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason
+    )
     if c.logprobs:
         msg.logprobs.extend(_logprob(e) for e in c.logprobs)
-    if c.finish_reason:
-        msg.finish_reason = _FINISH_TO_PROTO[c.finish_reason]
     if isinstance(c.stop_reason, str):
         msg.stop_string = c.stop_reason
     elif isinstance(c.stop_reason, int):
@@ -151,7 +145,9 @@ def _response(request_id: str, update: GenerationUpdate) -> generation_pb2.Gener
     if update.usage is not None:
         response.usage.prompt_tokens = update.usage.prompt_tokens
         response.usage.completion_tokens = update.usage.completion_tokens
-        response.timings.first_token_ns = update.first_token_ns
-        response.timings.e2e_ns = update.e2e_ns
-        response.timings.queue_ns = update.queue_ns
+    if update.metrics is not None:
+        m = update.metrics
+        response.timings.first_token_ns = m.first_token_ns
+        response.timings.e2e_ns = m.e2e_ns
+        response.timings.queue_ns = m.queue_ns
     return response

@@ -7,6 +7,7 @@ import abc
 from typing import Any
 
 from gateway.generation import ChoiceUpdate, GenerationCore, GenerationInput, LogprobEntry, Usage
+from llmserve.v1 import common_pb2
 
 PromptLogprobs = list[LogprobEntry | None]
 
@@ -16,9 +17,16 @@ def usage_dict(usage: Usage) -> dict[str, int]:
             "total_tokens": usage.total_tokens}
 
 
-def openai_finish(reason: str | None) -> str | None:
-    # OpenAI has no "abort"; a request only ends that way when its client went away.
-    return reason
+# common.proto's FinishReason as OpenAI's `finish_reason`: the one mapping. OpenAI has no
+# "abort" (vLLM sends it; a request only ends that way when its client went away) and no
+# "ignored" (a prompt too long to ever run: its output is empty, as for a length stop).
+_OPENAI_FINISH: dict[int, str | None] = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_IGNORED: "length",
+}
 
 
 class Shaper(abc.ABC):
@@ -78,7 +86,7 @@ class Shaper(abc.ABC):
 
 
 def _ending(c: ChoiceUpdate) -> dict[str, Any]:
-    return {"finish_reason": openai_finish(c.finish_reason), "stop_reason": c.stop_reason}
+    return {"finish_reason": _OPENAI_FINISH[c.finish_reason], "stop_reason": c.stop_reason}
 
 
 class CompletionShaper(Shaper):
