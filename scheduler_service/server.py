@@ -271,6 +271,9 @@ class Router:
             entry.prefix_cache_queries = s.prefix_cache_queries
             entry.prefix_cache_hits = s.prefix_cache_hits
             entry.num_preemptions = s.num_preemptions_recompute + s.num_preemptions_swap
+            entry.max_model_len = engine.scheduler_config.model_len
+        lens = [r.max_model_len for r in reply.replicas if r.max_model_len]
+        reply.max_model_len = min(lens, default=0)
         return reply
 
 
