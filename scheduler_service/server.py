@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from llmserve.continuation import continuation_from_proto
 from llmserve.errors import (
     AlreadyExistsError,
     ApiError,
@@ -30,7 +31,6 @@ from llmserve.errors import (
 from llmserve.logs import get_logger
 from llmserve.proto_convert import (
     FINISH_REASON_TO_PROTO,
-    continuation_from_proto,
     sampling_params_from_proto,
     token_logprob_to_proto,
 )
