@@ -5,13 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from llmserve.errors import FieldError
 
-class ConfigError(ValueError):
-    """A configuration value is invalid. `field` names it."""
 
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+class ConfigError(FieldError):
+    """A configuration value is invalid: the one FieldError shape (`field`, `detail`)."""
 
 
 class PreemptionMode(Enum):
