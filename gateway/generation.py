@@ -26,6 +26,7 @@ from gateway.stop import StopStringMatcher
 from gateway.tokenization import Tokenization
 from llmserve.errors import FieldError, ModelNotFoundError, UnavailableError
 from llmserve.logs import get_logger
+from llmserve.proto_convert import finish_reason_name
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.telemetry import current_traceparent
 from llmserve.v1 import common_pb2, scheduler_pb2
@@ -274,7 +275,7 @@ class GenerationCore:
                         first_token_ns = time.perf_counter_ns() - start
                         span.add_event("first_token")
                     if choice.finish_reason:
-                        finish_reasons.append(finish_reason_name(choice.finish_reason))
+                        finish_reasons.append(finish_reason_name(choice.finish_reason) or "")
                     update.choices.append(choice)
                 # The scheduler stops every choice (stop strings included) and sends the
                 # request's usage and timings with its last output.
@@ -365,11 +366,6 @@ def _set_request_attributes(span: trace.Span, inp: GenerationInput, model: str) 
     })
     if p.seed is not None:
         span.set_attribute("gen_ai.request.seed", p.seed)
-
-
-def finish_reason_name(reason: common_pb2.FinishReason) -> str:
-    """"stop" for FINISH_REASON_STOP: the name in logs, spans and metric labels."""
-    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 def _set_response_attributes(

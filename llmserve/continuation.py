@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 from llmserve.errors import FieldError
 from llmserve.proto_convert import (
-    FINISH_REASON_FROM_PROTO,
+    finish_reason_name,
     token_logprob_from_proto,
     token_logprobs,
 )
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import TokenLogprob
-from llmserve.v1 import scheduler_pb2
+from llmserve.v1 import common_pb2, scheduler_pb2
 
 
 @dataclass(slots=True)
@@ -62,7 +62,7 @@ def continuation_from_proto(
                 f"choice {c.index} has {len(c.logprobs)} logprobs for {len(token_ids)} tokens"
                 + ("" if want_logprobs else " (the request asked for none)"),
             )
-        if c.finish_reason and c.finish_reason not in FINISH_REASON_FROM_PROTO:
+        if c.finish_reason not in common_pb2.FinishReason.values():
             raise FieldError(
                 "continuation.choices.finish_reason", f"unknown value {c.finish_reason}"
             )
@@ -73,7 +73,7 @@ def continuation_from_proto(
                 (token_logprob_from_proto(lp.token), token_logprobs(lp.top)) for lp in c.logprobs
             ],
             cumulative_logprob=c.cumulative_logprob,
-            finish_reason=FINISH_REASON_FROM_PROTO.get(c.finish_reason),
+            finish_reason=finish_reason_name(c.finish_reason),
             stop_token_id=c.stop_token_id if c.HasField("stop_token_id") else None,
         )
     return [choices[i] for i in sorted(choices)]

@@ -363,11 +363,19 @@ def step_result_from_proto(msg: worker_pb2.ExecuteResult) -> StepResult:
 
 # --- finish reasons -----------------------------------------------------------------------
 
-# The scheduler's finish reasons (scheduler_service.sequence.FinishReason values) on the wire.
-FINISH_REASON_TO_PROTO: dict[str, common_pb2.FinishReason] = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "ignored": common_pb2.FINISH_REASON_IGNORED,
-}
-FINISH_REASON_FROM_PROTO = {value: name for name, value in FINISH_REASON_TO_PROTO.items()}
+# common.proto's FinishReason is the one list. Its names, lower-cased without the prefix, are
+# the names the scheduler (scheduler_service.sequence.FinishReason), logs and metrics use.
+_FINISH_PREFIX = "FINISH_REASON_"
+
+
+def finish_reason_to_proto(name: str) -> common_pb2.FinishReason:
+    """`"stop"` -> FINISH_REASON_STOP. Raises ValueError for a name the proto lacks."""
+    return common_pb2.FinishReason.Value(_FINISH_PREFIX + name.upper())
+
+
+def finish_reason_name(value: int) -> str | None:
+    """FINISH_REASON_STOP -> `"stop"`; None for UNSPECIFIED (not finished). Raises ValueError
+    for a number the proto lacks."""
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return common_pb2.FinishReason.Name(value).removeprefix(_FINISH_PREFIX).lower()

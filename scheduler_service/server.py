@@ -30,7 +30,7 @@ from llmserve.errors import (
 )
 from llmserve.logs import get_logger
 from llmserve.proto_convert import (
-    FINISH_REASON_TO_PROTO,
+    finish_reason_to_proto,
     sampling_params_from_proto,
     token_logprob_to_proto,
 )
@@ -325,7 +325,7 @@ def _choice_to_proto(choice: CompletionOutput) -> scheduler_pb2.ChoiceDelta:
         cumulative_logprob=choice.cumulative_logprob,
     )
     if choice.finish_reason is not None:
-        msg.finish_reason = FINISH_REASON_TO_PROTO[choice.finish_reason]
+        msg.finish_reason = finish_reason_to_proto(choice.finish_reason)
     if choice.stop_token_id is not None:
         msg.stop_token_id = choice.stop_token_id
     for lp in choice.logprobs or ():
