@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -34,12 +35,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
         def wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
+                async with _mapped_errors(context, method):
                     return await fn(request, context)
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, method, exc)
 
             return wrapped
 
@@ -50,13 +47,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 return wrap_unary(fn)
 
             async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
+                async with _mapped_errors(context, method):
                     async for item in fn(request, context):
                         yield item
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, method, exc)
 
             return wrapped
 
@@ -85,6 +78,17 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 handler.response_serializer,
             )
         return handler
+
+
+@contextlib.asynccontextmanager
+async def _mapped_errors(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    """Aborts the call with the status `errors.grpc_status` gives an escaping exception."""
+    try:
+        yield
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as exc:
+        await _abort(context, method, exc)
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
