@@ -53,30 +53,18 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return wrapped
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                wrap_stream(handler.stream_stream),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
+        kinds = (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, wrap_unary),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, wrap_stream),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, wrap_unary),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, wrap_stream),
+        )
+        for kind, make_handler, wrap in kinds:
+            fn = getattr(handler, kind)
+            if fn:
+                return make_handler(
+                    wrap(fn), handler.request_deserializer, handler.response_serializer
+                )
         return handler
 
 
