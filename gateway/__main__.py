@@ -21,8 +21,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="model spec (for the tokenizer)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients use for the model (default: the model spec)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on the HTTP API")
     p.add_argument("--max-pending-requests", type=int, default=1024,
@@ -35,7 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """What --check-config checks beyond the parser."""
-    from llmserve.model_spec import ModelNotFoundError, resolve_model
+    from llmserve.errors import ModelNotFoundError
+    from llmserve.model_spec import resolve_model
 
     if args.metrics_port is not None and args.metrics_port == args.http_port:
         raise ValueError("--metrics-port: the HTTP port already serves /metrics")
@@ -57,7 +56,6 @@ def main(argv: list[str]) -> int:
         scheduler_address=args.scheduler,
         model=args.model,
         served_model_name=args.served_model_name or args.model,
-        max_model_len=args.max_model_len,
         # Empty (an unset `LLMSERVE_API_KEY: ${KEY:-}` in compose) means no key, not "".
         api_key=args.api_key or None,
         max_pending_requests=args.max_pending_requests,

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from llmserve.grpc_utils import RequestError, channel_options
+from llmserve.errors import AlreadyExistsError, UnavailableError, from_status_value
+from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.proto_convert import sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams
@@ -265,21 +266,16 @@ class SchedulerClient:
         stop: Sequence[str] = (),
         decode_special_tokens: bool = False,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
-        """Yield the request's outputs until the finished one; raise RequestError on failure.
-        With `stop` strings the scheduler finishes each choice at the token that completes one
-        (its text decoded with special tokens when `decode_special_tokens`).
+        """Yield the request's outputs until the finished one; raise the scheduler's error
+        (an ApiError with its status code) on failure. With `stop` strings the scheduler
+        finishes each choice at the token that completes one (its text decoded with special
+        tokens when `decode_special_tokens`).
 
         While the scheduler is away (it was reached before), the request waits for it."""
         if not self._ever_connected:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE, f"scheduler at {self.address} is not reachable"
-            )
+            raise UnavailableError(f"scheduler at {self.address} is not reachable")
         if request_id in self._requests:
-            raise RequestError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id: {request_id!r} is already running",
-                "request_id",
-            )
+            raise AlreadyExistsError(f"request_id: {request_id!r} is already running", "request_id")
         add = scheduler_pb2.AddRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -302,7 +298,7 @@ class SchedulerClient:
                 message = await request.inbox.get()
                 if message.WhichOneof("kind") == "error":
                     error = message.error
-                    raise RequestError(_status_code(error.code), error.message, error.field or None)
+                    raise from_status_value(error.code, error.message, error.field or None)
                 yield message.output
                 if message.output.finished:
                     return
@@ -318,9 +314,3 @@ class SchedulerClient:
                     )
                 )
 
-
-def _status_code(value: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN
