@@ -7,7 +7,7 @@ own usage and timings, or a RequestError turned into the matching ApiError."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,8 @@ class FakeScheduler:
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        eos_token_id: int | None, traceparent: str = "",
+        eos_token_id: int | None, traceparent: str = "", priority: int = 0,
+        stop: Sequence[str] = (), decode_special_tokens: bool = False,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
         self.submitted.append(Submitted(request_id, prompt_token_ids, params))
         if isinstance(self.error, BaseException):
