@@ -41,7 +41,9 @@ from gateway.openai_protocol import (
 )
 from llmserve.grpc_utils import RequestError, invalid_argument, status_for
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.security import KeySet, installed
 from llmserve.telemetry import context_from_metadata
+from llmserve.tls import uvicorn_ssl
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -80,9 +82,9 @@ class _AuthAndLoad:
     `@app.middleware("http")` would relay every chunk of a streamed response through a memory
     stream and an extra task, which the gateway paid on each token."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, overload: _Overload) -> None:
+    def __init__(self, app: ASGIApp, api_keys: KeySet, overload: _Overload) -> None:
         self.app = app
-        self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
+        self.api_keys = api_keys
         self.overload = overload
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -94,9 +96,9 @@ class _AuthAndLoad:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
-        if self.authorization is not None:
+        if len(self.api_keys):
             given = [v for k, v in scope["headers"] if k == b"authorization"]
-            if given != [self.authorization]:
+            if len(given) != 1 or not self.api_keys.accepts_authorization(given[0]):
                 return error_response(401, "Incorrect or missing API key (Authorization: Bearer)",
                                       "invalid_request_error", None, "invalid_api_key")
         if self.overload.in_flight >= self.overload.limit:
@@ -105,7 +107,7 @@ class _AuthAndLoad:
         return None
 
 
-def build_app(core: GenerationCore, api_key: str | None = None,
+def build_app(core: GenerationCore, api_keys: KeySet | None = None,
               max_pending_requests: int = 1024,
               not_ready_reason: Callable[[], str | None] | None = None) -> FastAPI:
     app = FastAPI(title="llmserve", version="0.1.0",
@@ -131,7 +133,7 @@ def build_app(core: GenerationCore, api_key: str | None = None,
     async def _any(request: Request, exc: Exception) -> JSONResponse:
         return _from_exception(exc)
 
-    app.add_middleware(_AuthAndLoad, api_key=api_key, overload=overload)
+    app.add_middleware(_AuthAndLoad, api_keys=api_keys or KeySet(), overload=overload)
 
     @app.get("/health", response_model=None,
              responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus}})
@@ -627,10 +629,11 @@ async def serve_http(core: GenerationCore, config: Any,
                      not_ready_reason: Callable[[], str | None] | None = None) -> None:
     import uvicorn
 
-    app = build_app(core, config.api_key, config.max_pending_requests, not_ready_reason)
+    app = build_app(core, config.api_keys, config.max_pending_requests, not_ready_reason)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.http_port, log_config=None, access_log=False,
         lifespan="off",
+        **uvicorn_ssl(installed().tls, config.tls_require_client_cert),
     ))
     # The process owns SIGINT/SIGTERM (llmserve.service_main); uvicorn must not take them over.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]

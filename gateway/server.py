@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from grpc_health.v1.health import HealthServicer
 
 from gateway.readiness import SchedulerReadiness
+from llmserve import security
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
 from llmserve.model_spec import ModelSource, resolve_model
+from llmserve.security import AuthInterceptor, KeySet
 from llmserve.service_main import serve_until_signal
 from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -28,7 +30,8 @@ class GatewayConfig:
     model: str = "smollm2"
     served_model_name: str = "smollm2"
     max_model_len: int | None = None
-    api_key: str | None = None
+    api_keys: KeySet = field(default_factory=KeySet)  # empty: no key required
+    tls_require_client_cert: bool = True
     max_pending_requests: int = 1024
     max_message_bytes: int = 64 * 1024 * 1024
     scheduler_reconnect_timeout_s: float = 60.0
@@ -61,10 +64,11 @@ async def serve(config: GatewayConfig) -> None:
     readiness = SchedulerReadiness(config.scheduler_address, lambda: scheduler.connected)
     readiness.start()
 
-    server, health = create_server([SERVICE_NAME], config.max_message_bytes)
+    auth = [AuthInterceptor(config.api_keys, [SERVICE_NAME])] if len(config.api_keys) else []
+    server, health = create_server([SERVICE_NAME], config.max_message_bytes, auth)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), server)
     address = f"{config.host}:{config.grpc_port}"
-    server.add_insecure_port(address)
+    security.add_port(server, address, config.tls_require_client_cert)
     await set_serving(health, [SERVICE_NAME], False)
     await server.start()
     health_task = asyncio.create_task(_follow_readiness(readiness, health), name="gateway-health")

@@ -36,6 +36,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve import security
 from llmserve.logs import get_logger
 from scheduler_service import metrics
 from scheduler_service.engine import RequestError as EngineRequestError
@@ -200,7 +201,7 @@ class Fleet:
     async def _forget_gone_drained(self) -> None:
         for address in list(self.drained):
             try:
-                async with grpc.aio.insecure_channel(address) as channel:
+                async with security.aio_channel(address) as channel:
                     await health_pb2_grpc.HealthStub(channel).Check(
                         health_pb2.HealthCheckRequest(), timeout=1.0
                     )
