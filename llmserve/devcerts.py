@@ -40,22 +40,24 @@ def _names(name: str, namespace: str) -> list[str]:
             f"{name}.{namespace}.svc.cluster.local", "localhost"]
 
 
-def _write(path: Path, data: bytes, secret: bool = False) -> None:
+def _write(path: Path, data: bytes, mode: int = 0o644) -> None:
     path.write_bytes(data)
-    if secret:
-        os.chmod(path, 0o600)
+    os.chmod(path, mode)
 
 
 class DevCA:
     """A self-signed CA that issues leaf certificates (ECDSA P-256)."""
 
-    def __init__(self, common_name: str = "llmserve dev CA", days: int = 365) -> None:
+    def __init__(
+        self, common_name: str = "llmserve dev CA", days: int = 365, key_mode: int = 0o600
+    ) -> None:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import NameOID
 
         self.days = days
+        self.key_mode = key_mode
         self.key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
         now = datetime.datetime.now(datetime.UTC)
@@ -82,7 +84,7 @@ class DevCA:
     def write(self, out: Path) -> Path:
         """ca.pem and ca.key under `out`; returns the certificate's path."""
         _write(out / "ca.pem", _pem(self.cert))
-        _write(out / "ca.key", _key_pem(self.key), secret=True)
+        _write(out / "ca.key", _key_pem(self.key), 0o600)
         return out / "ca.pem"
 
     def issue(self, out: Path, name: str, dns: list[str], ips: tuple[str, ...] = ("127.0.0.1",)
@@ -118,7 +120,7 @@ class DevCA:
         )
         issued = Issued(out / f"{name}.pem", out / f"{name}.key")
         _write(issued.cert, _pem(cert))
-        _write(issued.key, _key_pem(key), secret=True)
+        _write(issued.key, _key_pem(key), self.key_mode)
         return issued
 
 
@@ -140,10 +142,13 @@ def _key_pem(key: Any) -> bytes:
     )
 
 
-def make_dev_pki(out: Path, days: int = 365, namespace: str = NAMESPACE) -> dict[str, Issued]:
-    """The CA and one certificate for each service and for a client, written under `out`."""
+def make_dev_pki(
+    out: Path, days: int = 365, namespace: str = NAMESPACE, readable_keys: bool = False
+) -> dict[str, Issued]:
+    """The CA and one certificate for each service and for a client, written under `out`
+    (keys 0600, or 0644 with `readable_keys`)."""
     out.mkdir(parents=True, exist_ok=True)
-    ca = DevCA(days=days)
+    ca = DevCA(days=days, key_mode=0o644 if readable_keys else 0o600)
     ca.write(out)
     return {name: ca.issue(out, name, _names(name, namespace)) for name in (*SERVICES, CLIENT)}
 
@@ -154,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("outdir", type=Path)
     p.add_argument("--days", type=int, default=365, help="validity of the CA and certificates")
     p.add_argument("--namespace", default=NAMESPACE, help="Kubernetes namespace in the names")
+    p.add_argument("--readable-keys", action="store_true",
+                   help="service keys readable by all (0644), for bind mounts into containers "
+                   "that run as another user (compose); development only")
     args = p.parse_args(argv)
-    issued = make_dev_pki(args.outdir, args.days, args.namespace)
+    issued = make_dev_pki(args.outdir, args.days, args.namespace, args.readable_keys)
     print(f"CA: {args.outdir / 'ca.pem'}")
     for name, files in issued.items():
         print(f"{name}: {files.cert} {files.key}")
