@@ -43,7 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """What --check-config checks beyond the parser."""
-    from llmserve.model_spec import ModelNotFoundError, resolve_model
+    from llmserve.errors import ModelNotFoundError
+    from llmserve.model_spec import resolve_model
     from llmserve.security import api_keys_from_args
     from llmserve.service_main import check_security
 

@@ -16,17 +16,10 @@ from gateway.generation import (
     TextOptions,
     TokenInfo,
 )
-from llmserve.grpc_utils import invalid_argument
+from llmserve.errors import FieldError
 from llmserve.proto_convert import sampling_params_from_proto
-from llmserve.sampling_params import SamplingParamsError
 from llmserve.telemetry import context_from_metadata
-from llmserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
-_FINISH_TO_PROTO = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
+from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -49,7 +42,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 for m in request.chat.messages
             ]
             return self.core.prompt_from_chat(messages, add_gen, "chat.messages")
-        raise invalid_argument("prompt", "set one of text, token_ids or chat")
+        raise FieldError("prompt", "set one of text, token_ids or chat")
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -58,15 +51,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         core.check_model(request.model)
         prompt = self._prompt(request)
         sp = request.sampling_params
-        try:
-            params = sampling_params_from_proto(
-                sp, default_max_tokens=core.max_tokens_left(prompt)
-            )
-        except SamplingParamsError as exc:
-            raise invalid_argument(f"sampling_params.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
+        params = sampling_params_from_proto(sp, default_max_tokens=core.max_tokens_left(prompt))
         core.check_max_tokens(prompt, params.max_tokens, "sampling_params.max_tokens")
         if any(not s for s in request.stop):
-            raise invalid_argument("stop", "stop strings must not be empty")
+            raise FieldError("stop", "stop strings must not be empty")
         options = TextOptions(
             stop=tuple(request.stop),
             include_stop_str_in_output=request.include_stop_str_in_output,
@@ -107,7 +95,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             ids = self.core.prompt_from_chat(messages, True, "chat.messages").token_ids
         else:
-            raise invalid_argument("input", "set text or chat")
+            raise FieldError("input", "set text or chat")
         reply = generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.core.max_model_len)
         if request.return_token_strings:
             reply.token_strings.extend(tokenization.token_strings(ids))
@@ -138,11 +126,11 @@ def _logprob(entry: LogprobEntry) -> generation_pb2.TextOutputLogprob:
 
 
 def _choice(c: ChoiceUpdate) -> generation_pb2.Choice:
-    msg = generation_pb2.Choice(index=c.index, text=c.text, token_ids=c.token_ids)
+    msg = generation_pb2.Choice(
+        index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason
+    )
     if c.logprobs:
         msg.logprobs.extend(_logprob(e) for e in c.logprobs)
-    if c.finish_reason:
-        msg.finish_reason = _FINISH_TO_PROTO[c.finish_reason]
     if isinstance(c.stop_reason, str):
         msg.stop_string = c.stop_reason
     elif isinstance(c.stop_reason, int):
@@ -157,7 +145,9 @@ def _response(request_id: str, update: GenerationUpdate) -> generation_pb2.Gener
     if update.usage is not None:
         response.usage.prompt_tokens = update.usage.prompt_tokens
         response.usage.completion_tokens = update.usage.completion_tokens
-        response.timings.first_token_ns = update.first_token_ns
-        response.timings.e2e_ns = update.e2e_ns
-        response.timings.queue_ns = update.queue_ns
+    if update.metrics is not None:
+        m = update.metrics
+        response.timings.first_token_ns = m.first_token_ns
+        response.timings.e2e_ns = m.e2e_ns
+        response.timings.queue_ns = m.queue_ns
     return response

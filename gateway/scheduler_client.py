@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from llmserve import security
-from llmserve.grpc_utils import RequestError, channel_options
+from llmserve.errors import AlreadyExistsError, UnavailableError, from_status_value
+from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.proto_convert import sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams
@@ -263,19 +264,14 @@ class SchedulerClient:
         eos_token_id: int | None,
         traceparent: str = "",
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
-        """Yield the request's outputs until the finished one; raise RequestError on failure.
+        """Yield the request's outputs until the finished one; raise the scheduler's error
+        (an ApiError with its status code) on failure.
 
         While the scheduler is away (it was reached before), the request waits for it."""
         if not self._ever_connected:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE, f"scheduler at {self.address} is not reachable"
-            )
+            raise UnavailableError(f"scheduler at {self.address} is not reachable")
         if request_id in self._requests:
-            raise RequestError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id: {request_id!r} is already running",
-                "request_id",
-            )
+            raise AlreadyExistsError(f"request_id: {request_id!r} is already running", "request_id")
         add = scheduler_pb2.AddRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -295,7 +291,7 @@ class SchedulerClient:
                 message = await request.inbox.get()
                 if message.WhichOneof("kind") == "error":
                     error = message.error
-                    raise RequestError(_status_code(error.code), error.message, error.field or None)
+                    raise from_status_value(error.code, error.message, error.field or None)
                 yield message.output
                 if message.output.finished:
                     return
@@ -311,9 +307,3 @@ class SchedulerClient:
                     )
                 )
 
-
-def _status_code(value: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN

@@ -12,38 +12,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llmserve import security
+from llmserve.errors import grpc_status
 from llmserve.logs import get_logger
-from llmserve.sampling_params import SamplingParamsError
 
 log = get_logger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-class RequestError(Exception):
-    """A client mistake or a refused request, mapped to a gRPC status by the interceptor."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
-
-
-def invalid_argument(field: str, message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}", field)
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status a servicer exception maps to."""
-    if isinstance(exc, RequestError):
-        return exc.code, str(exc)
-    if isinstance(exc, SamplingParamsError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, LookupError):
-        return grpc.StatusCode.NOT_FOUND, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -115,7 +89,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
-    code, message = status_for(exc)
+    code, message = grpc_status(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("rpc failed", method=method)
     else:

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.errors import FieldError
+from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
     CachedSequence,
     Fork,
@@ -71,16 +72,28 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
 
 
 def sampling_params_from_proto(
-    msg: common_pb2.SamplingParams, *, default_max_tokens: int | None = None
+    msg: common_pb2.SamplingParams,
+    *,
+    default_max_tokens: int | None = None,
+    field_name: str = "sampling_params",
 ) -> SamplingParams:
     """Absent optional fields take SamplingParams' defaults (max_tokens: `default_max_tokens`
-    when given, e.g. the context left). Raises SamplingParamsError naming an invalid field."""
+    when given, e.g. the context left). Raises FieldError naming the invalid field under
+    `field_name`, the message's field in its request ("sampling_params.top_p")."""
+    try:
+        return _sampling_params_from_proto(msg, default_max_tokens)
+    except FieldError as exc:
+        raise FieldError(f"{field_name}.{exc.field}", exc.detail) from exc
 
+
+def _sampling_params_from_proto(
+    msg: common_pb2.SamplingParams, default_max_tokens: int | None
+) -> SamplingParams:
     def opt(name: str, default: Any) -> Any:
         return getattr(msg, name) if msg.HasField(name) else default
 
     if msg.early_stopping not in _EARLY_STOPPING_FROM_PROTO:
-        raise SamplingParamsError("early_stopping", f"unknown value {msg.early_stopping}")
+        raise FieldError("early_stopping", f"unknown value {msg.early_stopping}")
     max_tokens_default = _DEFAULTS.max_tokens if default_max_tokens is None else default_max_tokens
     return SamplingParams(
         n=opt("n", _DEFAULTS.n),
@@ -361,14 +374,6 @@ FINISH_REASON_TO_PROTO: dict[str, common_pb2.FinishReason] = {
 FINISH_REASON_FROM_PROTO = {value: name for name, value in FINISH_REASON_TO_PROTO.items()}
 
 
-class ContinuationError(ValueError):
-    """An AddRequest.continuation that cannot be continued; `field` names the offending part."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-
-
 @dataclass(slots=True)
 class ContinuedChoice:
     """One choice of a re-submitted request, as its gateway had streamed it (scheduler.proto)."""
@@ -405,9 +410,9 @@ def continuation_from_proto(
     msg: scheduler_pb2.Continuation, params: SamplingParams
 ) -> list[ContinuedChoice]:
     """The choices of a continuation, sorted by index, checked against the
-    request's `params`. Raises ContinuationError naming the offending field."""
+    request's `params`. Raises FieldError naming the offending field."""
     if msg.choices and not params.streams_choices:
-        raise ContinuationError(
+        raise FieldError(
             "continuation",
             "only requests whose choices stream (best_of == n, no beam search) "
             "can continue; re-submit the others without a continuation",
@@ -416,23 +421,23 @@ def continuation_from_proto(
     for c in msg.choices:
         if c.index >= params.n or c.index in choices:
             problem = "appears twice" if c.index in choices else f"is not below n={params.n}"
-            raise ContinuationError("continuation.choices.index", f"{c.index} {problem}")
+            raise FieldError("continuation.choices.index", f"{c.index} {problem}")
         token_ids = list(c.token_ids)
         if len(token_ids) > params.max_tokens:
-            raise ContinuationError(
+            raise FieldError(
                 "continuation.choices.token_ids",
                 f"choice {c.index} has {len(token_ids)} tokens, more than max_tokens="
                 f"{params.max_tokens}",
             )
         want_logprobs = len(token_ids) if params.logprobs is not None else 0
         if len(c.logprobs) != want_logprobs:
-            raise ContinuationError(
+            raise FieldError(
                 "continuation.choices.logprobs",
                 f"choice {c.index} has {len(c.logprobs)} logprobs for {len(token_ids)} tokens"
                 + ("" if want_logprobs else " (the request asked for none)"),
             )
         if c.finish_reason and c.finish_reason not in FINISH_REASON_FROM_PROTO:
-            raise ContinuationError(
+            raise FieldError(
                 "continuation.choices.finish_reason", f"unknown value {c.finish_reason}"
             )
         choices[c.index] = ContinuedChoice(

@@ -11,16 +11,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llmserve.errors import FieldError
+
 # Sampling with temperature below this is treated as greedy (argmax), as vLLM does.
 GREEDY_EPSILON = 1e-5
-
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is invalid. `field` names it, for the API layers' error messages."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +71,8 @@ class SamplingParams:
         return not self.use_beam_search and self.num_sampled == self.n
 
     def _validate(self) -> None:
-        def fail(name: str, message: str) -> None:
-            raise SamplingParamsError(name, message)
+        def fail(name: str, detail: str) -> None:
+            raise FieldError(name, detail)
 
         assert self.best_of is not None
         if self.n < 1:

@@ -37,9 +37,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve import security
+from llmserve.errors import (
+    ApiError,
+    FailedPreconditionError,
+    FieldError,
+    InternalError,
+    NotFoundError,
+    UnavailableError,
+)
 from llmserve.logs import get_logger
 from scheduler_service import metrics
-from scheduler_service.engine import RequestError as EngineRequestError
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState, WorkerLostError
@@ -91,7 +98,7 @@ class FleetOwner(Protocol):
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """A step's deltas, for the requests' gateways."""
 
-    def fail_request(self, key: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
+    def fail_request(self, key: str, error: ApiError) -> None:
         """The request cannot go on: answer its gateway with this error and forget it."""
 
     def is_routed(self, key: str) -> bool:
@@ -233,7 +240,7 @@ class Fleet:
     def drain(self, address: str) -> tuple[Replica, int]:
         member = self.members.get(address)
         if member is None:
-            raise LookupError(f"address: no worker {address!r} in the fleet")
+            raise NotFoundError(f"address: no worker {address!r} in the fleet", "address")
         return member.replica, member.replica.drain()
 
     # -- placement -------------------------------------------------------------------------------
@@ -313,11 +320,9 @@ class Fleet:
     ) -> None:
         try:
             self.place(snapshot, trace, source, cause)
-        except EngineRequestError as exc:
-            end_request_trace(trace, str(exc))
-            self.owner.fail_request(
-                snapshot.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field
-            )
+        except FieldError as exc:
+            end_request_trace(trace, exc.message)
+            self.owner.fail_request(snapshot.request_id, exc)
 
     def _expire_pending(self, now: float) -> None:
         for key, pending in list(self.pending.items()):
@@ -328,7 +333,7 @@ class Fleet:
                     f"({len(self.members)} known, none ready)"
                 )
                 end_request_trace(pending.trace, message)
-                self.owner.fail_request(key, grpc.StatusCode.UNAVAILABLE, message)
+                self.owner.fail_request(key, UnavailableError(message))
 
     # -- ReplicaOwner ------------------------------------------------------------------------
 
@@ -372,7 +377,7 @@ class Fleet:
             if failures >= self.config.max_step_failures:
                 message = f"the request failed {failures} scheduler steps; last error: {error}"
                 end_request_trace(trace, message)
-                self.owner.fail_request(key, grpc.StatusCode.INTERNAL, message)
+                self.owner.fail_request(key, InternalError(message))
                 continue
             self._place_or_fail(snapshot, trace, replica, "step_failed")
 
@@ -401,11 +406,12 @@ class Fleet:
             self._on_ready_change(ready)
 
 
-class DrainedError(RuntimeError):
+class DrainedError(FailedPreconditionError):
     """A drained worker tried to register again while still running."""
 
     def __init__(self, address: str) -> None:
         super().__init__(
             f"address: worker {address} was drained; it rejoins once restarted "
-            "(after it stops answering health checks)"
+            "(after it stops answering health checks)",
+            "address",
         )

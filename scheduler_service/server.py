@@ -21,20 +21,23 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from llmserve.grpc_utils import RequestError
+from llmserve.errors import (
+    AlreadyExistsError,
+    ApiError,
+    FieldError,
+    grpc_status,
+)
 from llmserve.logs import get_logger
 from llmserve.proto_convert import (
     FINISH_REASON_TO_PROTO,
-    ContinuationError,
     continuation_from_proto,
     sampling_params_from_proto,
     token_logprob_to_proto,
 )
-from llmserve.sampling_params import SamplingParams, SamplingParamsError, with_admission_seed
+from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_service import metrics
-from scheduler_service.engine import RequestError as EngineRequestError
-from scheduler_service.fleet import DrainedError, Fleet, FleetConfig
+from scheduler_service.fleet import Fleet, FleetConfig
 from scheduler_service.migration import GroupSnapshot, SequenceSnapshot, snapshot_from_choices
 from scheduler_service.outputs import CompletionOutput, RequestOutput
 from scheduler_service.sequence import FinishReason, RequestMetrics, SampleLogprobs
@@ -106,24 +109,18 @@ class Router:
         """Queue a request, or answer it at once with a RequestError."""
         try:
             self._add(stream, add)
-        except (RequestError, SamplingParamsError, EngineRequestError) as exc:
+        except ApiError as exc:
             stream.outbox.put_nowait(_error_message(add.request_id, exc))
 
     def _add(self, stream: GatewayStream, add: scheduler_pb2.AddRequest) -> None:
         if not add.request_id:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty", "request_id"
-            )
+            raise FieldError("request_id", "must not be empty")
         if add.request_id in stream.request_ids:
-            raise RequestError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id: {add.request_id!r} is already running",
-                "request_id",
+            raise AlreadyExistsError(
+                f"request_id: {add.request_id!r} is already running", "request_id"
             )
         if not add.HasField("sampling_params"):
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, "sampling_params: required", "sampling_params"
-            )
+            raise FieldError("sampling_params", "required")
         params = with_admission_seed(sampling_params_from_proto(add.sampling_params), self._seeds)
         key = stream.key(add.request_id)
         route = _Route(
@@ -142,7 +139,7 @@ class Router:
         trace = start_request_trace(key, add.traceparent, len(route.prompt_token_ids))
         try:
             self.fleet.place(snapshot, trace)
-        except EngineRequestError:
+        except ApiError:
             end_request_trace(trace, "refused")
             raise
         stream.request_ids.add(add.request_id)
@@ -187,16 +184,19 @@ class Router:
         route.step_failures += 1
         return route.step_failures
 
-    def fail_request(self, key: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
+    def fail_request(self, key: str, error: ApiError) -> None:
         route = self.routes.pop(key, None)
         if route is None:
             return
         route.stream.request_ids.discard(route.request_id)
         self.fleet.finished(key)
-        route.stream.outbox.put_nowait(
-            _error_message(route.request_id, RequestError(code, message, field or None))
+        route.stream.outbox.put_nowait(_error_message(route.request_id, error))
+        log.warning(
+            "request failed",
+            request_id=route.request_id,
+            code=error.grpc_code.name,
+            error=error.message,
         )
-        log.warning("request failed", request_id=route.request_id, code=code.name, error=message)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -206,12 +206,7 @@ class Router:
             route.num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
             if output.ignore_reason is not None:
                 message = _error_message(
-                    route.request_id,
-                    RequestError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"prompt: {output.ignore_reason}",
-                        "prompt",
-                    ),
+                    route.request_id, FieldError("prompt", output.ignore_reason)
                 )
             else:
                 if route.params.streams_choices:
@@ -297,10 +292,7 @@ def _continued_choices(
     continuation: scheduler_pb2.Continuation, params: SamplingParams
 ) -> dict[int, SequenceSnapshot]:
     """The gateway's record of a request re-submitted after a scheduler restart."""
-    try:
-        choices = continuation_from_proto(continuation, params)
-    except ContinuationError as exc:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
+    choices = continuation_from_proto(continuation, params)
     return {
         c.index: SequenceSnapshot(
             c.index,
@@ -314,17 +306,11 @@ def _continued_choices(
     }
 
 
-def _error_message(request_id: str, exc: Exception) -> scheduler_pb2.SchedulerMessage:
-    if isinstance(exc, RequestError):
-        code, field_name = exc.code, exc.field or ""
-    else:
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        field_name = getattr(exc, "field", "")
-        if isinstance(exc, SamplingParamsError):
-            field_name = f"sampling_params.{exc.field}"
+def _error_message(request_id: str, exc: ApiError) -> scheduler_pb2.SchedulerMessage:
+    code, message = grpc_status(exc)
     return scheduler_pb2.SchedulerMessage(
         error=scheduler_pb2.RequestError(
-            request_id=request_id, code=code.value[0], message=str(exc), field=field_name
+            request_id=request_id, code=code.value[0], message=message, field=exc.field or ""
         )
     )
 
@@ -381,11 +367,7 @@ def _output_to_proto(route: _Route, output: RequestOutput) -> scheduler_pb2.Requ
 def _check_address(address: str) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"address: must be host:port, got {address!r}",
-            "address",
-        )
+        raise FieldError("address", f"must be host:port, got {address!r}")
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -398,10 +380,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RegisterWorkerResponse:
         _check_address(request.address)
-        try:
-            replica = self.router.fleet.register(request.address)
-        except DrainedError as exc:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "address") from exc
+        replica = self.router.fleet.register(request.address)
         return scheduler_pb2.RegisterWorkerResponse(
             replica_id=replica.replica_id,
             lease_ms=int(self.router.fleet.config.lease_s * 1000),
@@ -411,10 +390,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.DrainWorkerRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.DrainWorkerResponse:
         _check_address(request.address)
-        try:
-            replica, num_requests = self.router.fleet.drain(request.address)
-        except LookupError as exc:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc), "address") from exc
+        replica, num_requests = self.router.fleet.drain(request.address)
         log.info("drain requested", address=request.address, requests=num_requests)
         return scheduler_pb2.DrainWorkerResponse(
             replica_id=replica.replica_id, num_requests=num_requests

@@ -79,7 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """What --check-config checks beyond the parser: the config's own rules and the model."""
-    from llmserve.model_spec import ModelNotFoundError, resolve_model
+    from llmserve.errors import ModelNotFoundError
+    from llmserve.model_spec import resolve_model
 
     build_config(args)
     check_security(args)

@@ -128,16 +128,14 @@ class ChoiceDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.OutputLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("queue_ns", "first_token_ns", "e2e_ns", "num_preemptions")
+    __slots__ = ("queue_ns", "first_token_ns", "e2e_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     E2E_NS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     first_token_ns: int
     e2e_ns: int
-    num_preemptions: int
-    def __init__(self, queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    def __init__(self, queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "choices", "prompt_logprobs", "finished", "usage", "metrics")
