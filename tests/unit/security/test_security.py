@@ -160,8 +160,23 @@ def test_internal_token_guards_the_service_and_leaves_health_open():
             assert await codes(address, Security(internal_tokens=("old",))) == passed
             assert await codes(address, Security(internal_tokens=("wrong",))) == refused
             assert await codes(address, Security()) == refused
+            # The blocking channel of the operator commands (llmserve drain) sends it too.
+            assert await asyncio.to_thread(blocking_stats, address, ("new",)) == "OK"
+            assert await asyncio.to_thread(blocking_stats, address, ()) == "UNAUTHENTICATED"
 
     asyncio.run(run())
+
+
+def blocking_stats(address: str, tokens: tuple[str, ...]) -> str:
+    security.install(Security(internal_tokens=tokens))
+    with security.channel(address) as channel:
+        try:
+            scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=5
+            )
+        except grpc.RpcError as exc:
+            return str(exc.code().name)  # type: ignore[attr-defined]
+    return "OK"
 
 
 def _security(pki: Path, name: str) -> Security:
