@@ -113,11 +113,12 @@ def _restore_installed() -> Iterator[None]:
 
 
 @asynccontextmanager
-async def serving(server_security: Security) -> AsyncIterator[str]:
+async def serving(server_security: Security, require_client_cert: bool = True
+                  ) -> AsyncIterator[str]:
     security.install(server_security)
     server, health = create_server([SCHEDULER], interceptors=security.internal_auth([SCHEDULER]))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(_Scheduler(), server)
-    port = security.add_port(server, "127.0.0.1:0")
+    port = security.add_port(server, "127.0.0.1:0", require_client_cert)
     await server.start()
     try:
         yield f"127.0.0.1:{port}"
@@ -208,6 +209,26 @@ def test_mutual_tls_refuses_a_peer_without_a_certificate_of_the_ca(tmp_path: Pat
                         health_pb2.HealthCheckRequest(), timeout=5
                     )
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(run())
+
+
+def test_gateway_may_let_clients_in_without_a_certificate(tmp_path: Path):
+    # --no-tls-require-client-cert: TLS, but a client needs only to trust the CA.
+    make_dev_pki(tmp_path)
+
+    async def run() -> None:
+        async with serving(_security(tmp_path, "gateway"), require_client_cert=False) as address:
+            async with grpc.aio.secure_channel(
+                address, grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes())
+            ) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert set((await codes(address, Security())).values()) == {
+                grpc.StatusCode.UNAVAILABLE  # still no plaintext
+            }
 
     asyncio.run(run())
 
