@@ -21,8 +21,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="model spec (for the tokenizer)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients use for the model (default: the model spec)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--api-key", default=None,
                    help="require 'authorization: Bearer KEY' on the HTTP and gRPC APIs; shows "
                    "in `ps`, so prefer --api-key-file, LLMSERVE_API_KEY or LLMSERVE_API_KEYS")
@@ -71,7 +69,6 @@ def main(argv: list[str]) -> int:
         scheduler_address=args.scheduler,
         model=args.model,
         served_model_name=args.served_model_name or args.model,
-        max_model_len=args.max_model_len,
         # Empty (an unset `LLMSERVE_API_KEY: ${KEY:-}` in compose) means no key, not "".
         api_keys=api_keys_from_args(args),
         tls_require_client_cert=args.tls_require_client_cert,

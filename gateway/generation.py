@@ -24,8 +24,9 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.scheduler_client import SchedulerClient
 from gateway.stop import StopStringMatcher
 from gateway.tokenization import Tokenization
-from llmserve.errors import FieldError, ModelNotFoundError
+from llmserve.errors import FieldError, ModelNotFoundError, UnavailableError
 from llmserve.logs import get_logger
+from llmserve.proto_convert import finish_reason_name
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.telemetry import current_traceparent
 from llmserve.v1 import common_pb2, scheduler_pb2
@@ -121,11 +122,13 @@ class GenerationCore:
         model_name: str,
         tokenization: Tokenization,
         scheduler: SchedulerClient,
-        max_model_len: int,
+        max_model_len: int | None = None,
     ) -> None:
         self.model_name = model_name
         self.tokenization = tokenization
         self.scheduler = scheduler
+        # The scheduler's (GetStatsResponse.max_model_len), learned once a worker has
+        # connected there (gateway.readiness); None until then.
         self.max_model_len = max_model_len
         self.created = int(time.time())
         # Seeds for requests that sample without one (with_admission_seed).
@@ -167,17 +170,27 @@ class GenerationCore:
         ids = self.tokenization.encode(text, add_special_tokens=False)
         return self._checked(Prompt(ids, text), field_name)
 
+    @property
+    def context_len(self) -> int:
+        """`max_model_len`; UNAVAILABLE until the scheduler has told it."""
+        if self.max_model_len is None:
+            raise UnavailableError(
+                "the scheduler has no connected worker yet, so the model's context length "
+                "is not known; retry later"
+            )
+        return self.max_model_len
+
     def _checked(self, prompt: Prompt, field_name: str) -> Prompt:
-        if len(prompt.token_ids) >= self.max_model_len:
+        if len(prompt.token_ids) >= self.context_len:
             raise FieldError(
                 field_name,
                 f"the prompt has {len(prompt.token_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens, so the prompt must be shorter",
+                f"{self.context_len} tokens, so the prompt must be shorter",
             )
         return prompt
 
     def max_tokens_left(self, prompt: Prompt) -> int:
-        return self.max_model_len - len(prompt.token_ids)
+        return self.context_len - len(prompt.token_ids)
 
     def check_max_tokens(self, prompt: Prompt, max_tokens: int, field_name: str) -> None:
         left = self.max_tokens_left(prompt)
@@ -185,7 +198,7 @@ class GenerationCore:
             raise FieldError(
                 field_name,
                 f"{max_tokens} requested, but the prompt ({len(prompt.token_ids)} tokens) leaves "
-                f"{left} of the model's {self.max_model_len}-token context",
+                f"{left} of the model's {self.context_len}-token context",
             )
 
     @staticmethod
@@ -262,7 +275,7 @@ class GenerationCore:
                         first_token_ns = time.perf_counter_ns() - start
                         span.add_event("first_token")
                     if choice.finish_reason:
-                        finish_reasons.append(finish_reason_name(choice.finish_reason))
+                        finish_reasons.append(finish_reason_name(choice.finish_reason) or "")
                     update.choices.append(choice)
                 # The scheduler stops every choice (stop strings included) and sends the
                 # request's usage and timings with its last output.
@@ -353,11 +366,6 @@ def _set_request_attributes(span: trace.Span, inp: GenerationInput, model: str) 
     })
     if p.seed is not None:
         span.set_attribute("gen_ai.request.seed", p.seed)
-
-
-def finish_reason_name(reason: common_pb2.FinishReason) -> str:
-    """"stop" for FINISH_REASON_STOP: the name in logs, spans and metric labels."""
-    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 def _set_response_attributes(

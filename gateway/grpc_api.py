@@ -96,7 +96,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ids = self.core.prompt_from_chat(messages, True, "chat.messages").token_ids
         else:
             raise FieldError("input", "set text or chat")
-        reply = generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.core.max_model_len)
+        reply = generation_pb2.TokenizeResponse(
+            token_ids=ids, max_model_len=self.core.max_model_len or 0
+        )
         if request.return_token_strings:
             reply.token_strings.extend(tokenization.token_strings(ids))
         return reply
@@ -108,7 +110,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ListModelsResponse(models=[
             generation_pb2.ModelInfo(
                 id=core.model_name, owned_by="llmserve", created=core.created,
-                max_model_len=core.max_model_len,
+                max_model_len=core.max_model_len or 0,
             )
         ])
 

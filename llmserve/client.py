@@ -20,18 +20,11 @@ from typing import Any
 import grpc
 
 from llmserve.grpc_utils import channel_options
-from llmserve.proto_convert import sampling_params_to_proto
+from llmserve.proto_convert import finish_reason_name, sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams
 from llmserve.security import SyncBearer, aio_bearer
 from llmserve.tls import ClientTls
-from llmserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
-_FINISH = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_IGNORED: "ignored",
-}
+from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
 
 @dataclass(slots=True)
@@ -97,7 +90,7 @@ def build_request(
 
 def _chunks(response: generation_pb2.GenerateResponse) -> list[Chunk]:
     return [
-        Chunk(c.index, c.text, list(c.token_ids), _FINISH.get(c.finish_reason))
+        Chunk(c.index, c.text, list(c.token_ids), finish_reason_name(c.finish_reason))
         for c in response.choices
     ]
 

@@ -152,11 +152,6 @@ def from_status_value(value: int, message: str, field: str | None = None) -> Api
     return from_status(code, message, field)
 
 
-def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
-    """`from_status` for a failed call."""
-    return from_status(exc.code(), exc.details() or "")
-
-
 @dataclass(frozen=True, slots=True)
 class HttpError:
     """What an HTTP response carries for an exception."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -35,12 +36,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
         def wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
+                async with _mapped_errors(context, method):
                     return await fn(request, context)
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, method, exc)
 
             return wrapped
 
@@ -51,41 +48,36 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 return wrap_unary(fn)
 
             async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
+                async with _mapped_errors(context, method):
                     async for item in fn(request, context):
                         yield item
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, method, exc)
 
             return wrapped
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                wrap_stream(handler.stream_stream),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
+        kinds = (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, wrap_unary),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, wrap_stream),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, wrap_unary),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, wrap_stream),
+        )
+        for kind, make_handler, wrap in kinds:
+            fn = getattr(handler, kind)
+            if fn:
+                return make_handler(
+                    wrap(fn), handler.request_deserializer, handler.response_serializer
+                )
         return handler
+
+
+@contextlib.asynccontextmanager
+async def _mapped_errors(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    """Aborts the call with the status `errors.grpc_status` gives an escaping exception."""
+    try:
+        yield
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as exc:
+        await _abort(context, method, exc)
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:

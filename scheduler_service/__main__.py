@@ -37,8 +37,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=8192,
-        help="cap on prompt + output tokens (the worker's model limit also applies)",
+        default=None,
+        help="lower every worker's max_model_len to this (default: the worker's, which its "
+        "model and cache decide); a worker whose own is smaller is refused",
     )
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto")

@@ -104,7 +104,7 @@ class LLMEngine:
         than `max_num_seqs`, a prompt over `max_model_len`, or more KV blocks than the cache
         holds (less the watermark)."""
         self._check_num_seqs(snapshot.sampling_params)
-        max_len = self.scheduler_config.max_model_len
+        max_len = self.scheduler_config.model_len
         prompt_len = len(snapshot.prompt_token_ids)
         if prompt_len > max_len:
             raise FieldError(
@@ -151,7 +151,7 @@ class LLMEngine:
         for seq in group.get_unfinished_seqs():
             if (
                 seq.get_output_len() >= snapshot.sampling_params.max_tokens
-                or seq.get_len() >= self.scheduler_config.max_model_len
+                or seq.get_len() >= self.scheduler_config.model_len
             ):
                 seq.status = SequenceStatus.LENGTH_CAPPED
         if group.is_finished():

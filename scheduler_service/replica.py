@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
 
@@ -37,7 +37,7 @@ from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
 from llmserve.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from scheduler_service import metrics
-from scheduler_service.config import CacheConfig, SchedulerConfig
+from scheduler_service.config import CacheConfig, ConfigError, SchedulerConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.outputs import RequestOutput
@@ -293,10 +293,15 @@ class Replica:
                 break  # drained: nothing left on the replica
             except asyncio.CancelledError:
                 raise
-            except (grpc.aio.AioRpcError, WorkerLostError) as exc:
+            except (grpc.aio.AioRpcError, WorkerLostError, ConfigError) as exc:
                 # A worker that answers but refuses the cache it is asked for (too small for
-                # max_model_len, more than its memory holds) is misconfigured, not unreachable.
-                refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _REFUSALS
+                # max_model_len, more than its memory holds), or whose max_model_len is below
+                # our --max-model-len, is misconfigured, not unreachable.
+                refused = isinstance(exc, ConfigError) or (
+                    isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _REFUSALS
+                )
+                if isinstance(exc, ConfigError):
+                    exc = WorkerLostError("config", str(exc))
                 if isinstance(exc, grpc.aio.AioRpcError):
                     exc = WorkerLostError("stream", exc.details() or exc.code().name)
                 exc = self._lost or exc
@@ -334,6 +339,8 @@ class Replica:
     async def _connect(self) -> None:
         info = await self._stub.Info(worker_pb2.InfoRequest(), timeout=10)
         cfg = self.config
+        # max_model_len: the worker's model and cache decide it; ours may only lower it.
+        scheduler_config = cfg.scheduler.with_worker_max_model_len(info.max_model_len)
         # An override replaces the worker's count, larger or smaller (as in vLLM).
         num_gpu = cfg.num_gpu_blocks_override
         if num_gpu is None:
@@ -344,9 +351,6 @@ class Replica:
         reply = await self._stub.InitializeCache(
             worker_pb2.InitializeCacheRequest(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu),
             timeout=120,
-        )
-        scheduler_config = replace(
-            cfg.scheduler, max_model_len=min(cfg.scheduler.max_model_len, info.max_model_len)
         )
         cache_config = CacheConfig(
             block_size=info.block_size,
@@ -370,7 +374,7 @@ class Replica:
             num_gpu_blocks=reply.num_gpu_blocks,
             num_cpu_blocks=reply.num_cpu_blocks,
             block_size=info.block_size,
-            max_model_len=scheduler_config.max_model_len,
+            max_model_len=scheduler_config.model_len,
         )
         if self.state is not ReplicaState.DRAINING:
             self._set_state(ReplicaState.READY)

@@ -315,11 +315,11 @@ class Scheduler:
             seqs = seq_group.get_seqs(SequenceStatus.WAITING)
             seq = seqs[0]
             num_tokens = seq.get_len()
-            if num_tokens > config.max_model_len:
+            if num_tokens > config.model_len:
                 self._ignore(
                     seq_group,
                     f"prompt has {num_tokens} tokens, more than max_model_len "
-                    f"({config.max_model_len})",
+                    f"({config.model_len})",
                     out,
                 )
                 continue

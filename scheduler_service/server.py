@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from llmserve.continuation import continuation_from_proto
 from llmserve.errors import (
     AlreadyExistsError,
     ApiError,
@@ -29,8 +30,7 @@ from llmserve.errors import (
 )
 from llmserve.logs import get_logger
 from llmserve.proto_convert import (
-    FINISH_REASON_TO_PROTO,
-    continuation_from_proto,
+    finish_reason_to_proto,
     sampling_params_from_proto,
     token_logprob_to_proto,
 )
@@ -271,6 +271,9 @@ class Router:
             entry.prefix_cache_queries = s.prefix_cache_queries
             entry.prefix_cache_hits = s.prefix_cache_hits
             entry.num_preemptions = s.num_preemptions_recompute + s.num_preemptions_swap
+            entry.max_model_len = engine.scheduler_config.model_len
+        lens = [r.max_model_len for r in reply.replicas if r.max_model_len]
+        reply.max_model_len = min(lens, default=0)
         return reply
 
 
@@ -322,7 +325,7 @@ def _choice_to_proto(choice: CompletionOutput) -> scheduler_pb2.ChoiceDelta:
         cumulative_logprob=choice.cumulative_logprob,
     )
     if choice.finish_reason is not None:
-        msg.finish_reason = FINISH_REASON_TO_PROTO[choice.finish_reason]
+        msg.finish_reason = finish_reason_to_proto(choice.finish_reason)
     if choice.stop_token_id is not None:
         msg.stop_token_id = choice.stop_token_id
     for lp in choice.logprobs or ():

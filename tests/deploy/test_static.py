@@ -63,6 +63,7 @@ def test_compose_variables_interpolate_like_compose():
     assert interpolate({"k": ["${A:-x}"]}, {}) == {"k": ["x"]}
 
 
+@pytest.mark.services
 @pytest.mark.parametrize(
     "files",
     [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")],
@@ -314,6 +315,7 @@ def test_worker_autoscaler_scales_the_worker_deployment_on_serving_metrics(overl
     assert "llmserve_kv_cache_usage_ratio" in _metric_names()
 
 
+@pytest.mark.services
 def test_every_container_passes_check_config(overlay):
     _, objects = overlay
     containers = list(llmserve_containers(objects))

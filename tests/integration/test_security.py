@@ -27,6 +27,8 @@ from llmserve.v1 import (
 )
 from tests.support.stack import RunningStack, start_stack
 
+pytestmark = [pytest.mark.e2e, pytest.mark.services]
+
 KEYS = ("first-key-0123456789", "second-key-9876543210")
 TOKEN = "internal-token-abcdef"
 

@@ -22,6 +22,8 @@ from tests.support.stack import RunningStack, start_stack, wait_healthy
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
+pytestmark = [pytest.mark.e2e, pytest.mark.services]
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time",

@@ -18,8 +18,9 @@ import pytest
 from gateway.generation import GenerationCore, GenerationInput, Prompt
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenization import Tokenization
+from llmserve.continuation import continuation_from_proto
 from llmserve.errors import ApiError
-from llmserve.proto_convert import continuation_from_proto, sampling_params_from_proto
+from llmserve.proto_convert import sampling_params_from_proto
 from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
