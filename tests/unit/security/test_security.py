@@ -262,3 +262,20 @@ def test_server_certificate_reloads_when_its_files_change(tmp_path: Path):
             )
 
     asyncio.run(run())
+
+
+def test_services_dial_and_bind_only_through_llmserve_security():
+    # One place applies TLS and the internal token; a channel or port opened elsewhere would
+    # be a plaintext, unauthenticated hop (the public client builds its own, from its flags).
+    root = Path(__file__).resolve().parents[3]
+    allowed = {root / "llmserve" / "security.py", root / "llmserve" / "client.py"}
+    found = [
+        f"{path.relative_to(root)}:{n}"
+        for package in ("llmserve", "gateway", "scheduler_service", "worker_service")
+        for path in sorted((root / package).rglob("*.py"))
+        if path not in allowed and "v1" not in path.parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "insecure_channel(" in line or "add_insecure_port(" in line
+        or "secure_channel(" in line or "add_secure_port(" in line
+    ]
+    assert found == []
