@@ -7,6 +7,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.http_errors import error_response
 from llmserve.errors import UnauthenticatedError, UnavailableError
+from llmserve.security import KeySet
 
 
 class InFlight:
@@ -22,9 +23,9 @@ class AuthAndLoad:
     `@app.middleware("http")` would relay every chunk of a streamed response through a memory
     stream and an extra task, which the gateway paid on each token."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, in_flight: InFlight) -> None:
+    def __init__(self, app: ASGIApp, api_keys: KeySet, in_flight: InFlight) -> None:
         self.app = app
-        self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
+        self.api_keys = api_keys  # empty: no key required
         self.in_flight = in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -36,9 +37,9 @@ class AuthAndLoad:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
-        if self.authorization is not None:
+        if len(self.api_keys):
             given = [v for k, v in scope["headers"] if k == b"authorization"]
-            if given != [self.authorization]:
+            if len(given) != 1 or not self.api_keys.accepts_authorization(given[0]):
                 return error_response(
                     UnauthenticatedError("Incorrect or missing API key (Authorization: Bearer)")
                 )

@@ -31,7 +31,9 @@ from gateway.openai_protocol import (
 from gateway.openai_requests import chat_input, completion_inputs
 from gateway.openai_responses import respond
 from gateway.openai_shapers import ChatShaper, CompletionShaper, Shaper
+from llmserve.security import KeySet, installed
 from llmserve.telemetry import context_from_metadata
+from llmserve.tls import uvicorn_ssl
 
 router = APIRouter()
 _HEALTH: dict[int | str, dict[str, Any]] = {
@@ -39,7 +41,7 @@ _HEALTH: dict[int | str, dict[str, Any]] = {
 }
 
 
-def build_app(core: GenerationCore, api_key: str | None = None,
+def build_app(core: GenerationCore, api_keys: KeySet | None = None,
               max_pending_requests: int = 1024,
               not_ready_reason: Callable[[], str | None] | None = None) -> FastAPI:
     """The ASGI app. `not_ready_reason` answers /ready (None: ready); without it, /ready
@@ -52,7 +54,7 @@ def build_app(core: GenerationCore, api_key: str | None = None,
     app.state.not_ready_reason = not_ready_reason or (
         lambda: None if core.scheduler.connected else "scheduler unavailable")
     install_error_handlers(app)
-    app.add_middleware(AuthAndLoad, api_key=api_key, in_flight=in_flight)
+    app.add_middleware(AuthAndLoad, api_keys=api_keys or KeySet(), in_flight=in_flight)
     app.include_router(router)
     return app
 
@@ -122,10 +124,11 @@ async def serve_http(core: GenerationCore, config: Any,
                      not_ready_reason: Callable[[], str | None] | None = None) -> None:
     import uvicorn
 
-    app = build_app(core, config.api_key, config.max_pending_requests, not_ready_reason)
+    app = build_app(core, config.api_keys, config.max_pending_requests, not_ready_reason)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.http_port, log_config=None, access_log=False,
         lifespan="off",
+        **uvicorn_ssl(installed().tls, config.tls_require_client_cert),
     ))
     # The process owns SIGINT/SIGTERM (llmserve.service_main); uvicorn must not take them over.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve import security
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -80,7 +81,7 @@ class SchedulerReadiness:
         request = health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.address, options=channel_options()) as ch:
+                async with security.aio_channel(self.address, options=channel_options()) as ch:
                     async for reply in health_pb2_grpc.HealthStub(ch).Watch(request):
                         serving = reply.status == health_pb2.HealthCheckResponse.SERVING
                         if serving != self._scheduler_serving:

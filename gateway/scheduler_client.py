@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from llmserve import security
 from llmserve.errors import AlreadyExistsError, UnavailableError, from_status_value
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
@@ -103,7 +104,7 @@ class SchedulerClient:
     ) -> None:
         self.address = address
         self.reconnect_timeout_s = reconnect_timeout_s
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = security.aio_channel(
             address, options=[*channel_options(max_message_bytes), *_CHANNEL_BACKOFF]
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)

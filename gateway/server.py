@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from grpc_health.v1.health import HealthServicer
 
 from gateway.readiness import SchedulerReadiness
+from llmserve import security
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
 from llmserve.model_spec import resolve_model
+from llmserve.security import AuthInterceptor, KeySet
 from llmserve.service_main import serve_until_signal
 from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -27,7 +29,8 @@ class GatewayConfig:
     scheduler_address: str = "127.0.0.1:50071"
     model: str = "smollm2"
     served_model_name: str = "smollm2"
-    api_key: str | None = None
+    api_keys: KeySet = field(default_factory=KeySet)  # empty: no key required
+    tls_require_client_cert: bool = True
     max_pending_requests: int = 1024
     max_message_bytes: int = 64 * 1024 * 1024
     scheduler_reconnect_timeout_s: float = 60.0
@@ -57,10 +60,11 @@ async def serve(config: GatewayConfig) -> None:
     )
     readiness.start()
 
-    server, health = create_server([SERVICE_NAME], config.max_message_bytes)
+    auth = [AuthInterceptor(config.api_keys, [SERVICE_NAME])] if len(config.api_keys) else []
+    server, health = create_server([SERVICE_NAME], config.max_message_bytes, auth)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), server)
     address = f"{config.host}:{config.grpc_port}"
-    server.add_insecure_port(address)
+    security.add_port(server, address, config.tls_require_client_cert)
     await set_serving(health, [SERVICE_NAME], False)
     await server.start()
     health_task = asyncio.create_task(_follow_readiness(readiness, health), name="gateway-health")

@@ -6,6 +6,9 @@
 
     with Client("localhost:50051") as client:
         print(client.complete("Hello", max_tokens=16).text)
+
+`api_key` is sent as `authorization: Bearer KEY` on every call; `tls` (llmserve.tls.ClientTls)
+dials over TLS, with a client certificate when the gateway requires one.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import grpc
 from llmserve.grpc_utils import channel_options
 from llmserve.proto_convert import finish_reason_name, sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams
+from llmserve.security import SyncBearer, aio_bearer
+from llmserve.tls import ClientTls
 from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -118,8 +123,16 @@ class _Collector:
 
 class AsyncClient:
     def __init__(self, address: str = "localhost:50051", *, timeout_s: float | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+                 max_message_bytes: int = 64 * 1024 * 1024, api_key: str | None = None,
+                 tls: ClientTls | None = None) -> None:
+        options = channel_options(max_message_bytes)
+        interceptors = aio_bearer(api_key) if api_key else []
+        self._channel = (
+            grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+            if tls is None
+            else grpc.aio.secure_channel(address, tls.credentials(), options=options,
+                                         interceptors=interceptors)
+        )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -169,8 +182,15 @@ class Client:
     """Blocking client over the same API."""
 
     def __init__(self, address: str = "localhost:50051", *, timeout_s: float | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+                 max_message_bytes: int = 64 * 1024 * 1024, api_key: str | None = None,
+                 tls: ClientTls | None = None) -> None:
+        options = channel_options(max_message_bytes)
+        channel = (
+            grpc.insecure_channel(address, options=options)
+            if tls is None
+            else grpc.secure_channel(address, tls.credentials(), options=options)
+        )
+        self._channel = grpc.intercept_channel(channel, SyncBearer(api_key)) if api_key else channel
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self.timeout_s = timeout_s
 

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmserve import security
 from llmserve.errors import grpc_status
 from llmserve.logs import get_logger
 
@@ -150,9 +151,10 @@ async def set_serving(
 
 
 async def wait_for_health(address: str, timeout_s: float = 60.0, service: str = "") -> None:
-    """Poll grpc.health.v1 at `address` until SERVING. Raises TimeoutError."""
+    """Poll grpc.health.v1 at `address` until SERVING (with this process's credentials,
+    llmserve.security). Raises TimeoutError."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with security.aio_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

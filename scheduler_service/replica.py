@@ -27,7 +27,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from llmserve import failpoints
+from llmserve import failpoints, security
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
@@ -67,7 +67,7 @@ class Replica:
         self.address = address
         self.config = config
         self.owner = owner
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = security.aio_channel(
             address, options=channel_options(config.max_message_bytes)
         )
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)

@@ -19,6 +19,7 @@ from gateway.openai_api import build_app
 from gateway.tokenization import Tokenization
 from llmserve.errors import from_status_value
 from llmserve.sampling_params import SamplingParams
+from llmserve.security import KeySet
 from llmserve.v1 import common_pb2, scheduler_pb2
 
 MODEL = "tiny"
@@ -81,10 +82,11 @@ class FakeScheduler:
 @pytest.fixture
 def make_client(smollm2_tokenizer: Any) -> Callable[..., tuple[TestClient, FakeScheduler]]:
     def make(scheduler: FakeScheduler, max_model_len: int | None = MAX_MODEL_LEN,
-             api_key: str | None = None) -> tuple[TestClient, FakeScheduler]:
+             api_keys: tuple[str, ...] = ()) -> tuple[TestClient, FakeScheduler]:
         core = GenerationCore(MODEL, Tokenization(smollm2_tokenizer), scheduler,  # type: ignore[arg-type]
                               max_model_len)
-        return TestClient(build_app(core, api_key=api_key), raise_server_exceptions=False), \
+        return TestClient(build_app(core, api_keys=KeySet(api_keys)),
+                          raise_server_exceptions=False), \
             scheduler
 
     return make
@@ -241,7 +243,9 @@ def test_models_and_probes(make_client: Any) -> None:
 
 
 def test_api_key(make_client: Any) -> None:
-    client, _ = make_client(FakeScheduler([1]), api_key="k")
+    client, _ = make_client(FakeScheduler([1]), api_keys=("k", "other"))
     assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer kk"}).status_code == 401
     assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert client.get("/v1/models", headers={"Authorization": "Bearer other"}).status_code == 200
     assert client.get("/health").status_code == 200
