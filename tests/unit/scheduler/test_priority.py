@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from llmserve.errors import FieldError
+from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.migration import rebuild_group, snapshot_group
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.text_stops import StopStrings
