@@ -23,8 +23,9 @@ serve: setup
 test: setup
 	$(BIN)/python -m pytest -m "not gpu and not deploy" $(PYTEST_ARGS)
 
+# In-process tests only: nothing marked `services` (starts processes) or `slow`.
 test-fast: setup
-	$(BIN)/python -m pytest -m "not gpu and not slow and not deploy" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not slow and not deploy and not services" $(PYTEST_ARGS)
 
 # Builds the image on a Debian base and runs docker-compose.yml under podman (README,
 # "Compose"); installs podman, runc and mmdebstrap when missing (needs root and apt).

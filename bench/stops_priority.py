@@ -11,8 +11,9 @@ is measured is the scheduler's decisions on a real model's steps, without the ne
      the gateway (the same detokenizer and matcher) and aborts a request once every choice has
      stopped, so a stopped choice keeps decoding until its last sibling stops.
    Both modes sample the same tokens (seeded), so their returned texts must be equal: checked.
-   Reported per mode: wall time, steps, step time, sequences per step, tokens the worker
-   decoded, tokens returned, and returned tokens per second.
+   Reported per mode: wall time, steps, step time, sequences per step and in all
+   (`sequence_steps`, the worker's work), decode tokens computed, KV blocks held, tokens
+   returned, and returned tokens per second.
 
 2. TTFT by priority under overload. Requests arrive (Poisson) faster than `max_num_seqs`
    lets them be served; a third of them priority 0, the rest 1 and 2. Run once with those
@@ -159,7 +160,8 @@ def run_stops(
         "step_ms_p50": round(1e3 * statistics.median(step_s), 2),
         "seqs_per_step_mean": round(statistics.mean(batch), 2),
         "kv_blocks_used_mean": round(statistics.mean(blocks_used), 1),
-        "decoded_tokens": decoded,
+        "sequence_steps": sum(batch),
+        "decode_tokens_computed": decoded,
         "returned_tokens": returned,
         "returned_tokens_per_s": round(returned / elapsed, 1),
         "texts": {f"{k[0]}/{k[1]}": s["text"] for k, s in sorted(choices.items())},
@@ -251,6 +253,7 @@ def main() -> None:
     torch.manual_seed(0)
     tokenizer = load_tokenizer(resolve_model(args.model))
     worker = Worker(WorkerConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    worker.load_model()
     result: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "threads": args.threads}
     # Warm-up (first-call costs), then each mode twice, alternating; the second pair is kept.
     run_stops(worker, tokenizer, "scheduler", 2, 8, args.num_gpu_blocks)

@@ -22,10 +22,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="model spec (for the tokenizer)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients use for the model (default: the model spec)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on the HTTP API")
+                   help="require 'authorization: Bearer KEY' on the HTTP and gRPC APIs; shows "
+                   "in `ps`, so prefer --api-key-file, LLMSERVE_API_KEY or LLMSERVE_API_KEYS")
+    p.add_argument("--api-key-file", default=None,
+                   help="API keys, one a line ('#' lines are comments); any key given by "
+                   "--api-key, this file or LLMSERVE_API_KEYS (comma-separated) is accepted")
+    p.add_argument("--tls-require-client-cert", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="with TLS, API clients too must present a certificate signed by "
+                   "--tls-ca (--no-tls-require-client-cert: keys alone, over TLS)")
     p.add_argument("--max-pending-requests", type=int, default=1024,
                    help="generation requests in flight (HTTP and gRPC) before new ones are "
                    "refused at once: HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED")
@@ -44,8 +50,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """What --check-config checks beyond the parser."""
-    from llmserve.model_spec import ModelNotFoundError, resolve_model
+    from llmserve.errors import ModelNotFoundError
+    from llmserve.model_spec import resolve_model
+    from llmserve.security import api_keys_from_args
+    from llmserve.service_main import check_security
 
+    check_security(args)
+    api_keys_from_args(args)
     limits_from_args(args)  # each limit at least 1
     if args.max_pending_requests < 1:
         raise ValueError("--max-pending-requests: must be at least 1")
@@ -59,6 +70,7 @@ def validate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     from gateway.server import GatewayConfig, serve
+    from llmserve.security import api_keys_from_args
 
     args = parse_args(argv)
     start_service("gateway", args)
@@ -69,9 +81,9 @@ def main(argv: list[str]) -> int:
         scheduler_address=args.scheduler,
         model=args.model,
         served_model_name=args.served_model_name or args.model,
-        max_model_len=args.max_model_len,
         # Empty (an unset `LLMSERVE_API_KEY: ${KEY:-}` in compose) means no key, not "".
-        api_key=args.api_key or None,
+        api_keys=api_keys_from_args(args),
+        tls_require_client_cert=args.tls_require_client_cert,
         max_pending_requests=args.max_pending_requests,
         max_message_bytes=args.max_message_bytes,
         scheduler_reconnect_timeout_s=args.scheduler_reconnect_timeout_s,

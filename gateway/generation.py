@@ -2,7 +2,9 @@
 
 `GenerationCore.prepare_*` validate and tokenize (errors name the field); `generate()` sends
 the request to the scheduler and turns its token deltas into text deltas per choice:
-incremental detokenization, stop strings, logprobs with token text, usage and timings.
+incremental detokenization, stop strings, logprobs with token text. Usage and timings are
+the scheduler's, carried from its last message; finish reasons stay common.proto's
+FinishReason until an API shapes them.
 
 Stop strings are sent to the scheduler, which finishes each choice at the token that completes
 one (scheduler_service/text_stops.py says why there). Here the same text is matched again only
@@ -21,19 +23,19 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from gateway import metrics
 from gateway.admission import Admission
 from gateway.scheduler_client import SchedulerClient
-from gateway.tokenization import PromptError, Tokenization
+from gateway.tokenization import Tokenization
 from llmserve.detokenizer import IncrementalDetokenizer
-from llmserve.errors import FieldError
-from llmserve.grpc_utils import RequestError, invalid_argument
+from llmserve.errors import FieldError, ModelNotFoundError, UnavailableError
 from llmserve.limits import RequestLimits, check_prompt_tokens, check_sampling, check_stop
 from llmserve.logs import get_logger
+from llmserve.priority import check_priority
+from llmserve.proto_convert import finish_reason_name
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.stop_strings import StopStringMatcher
 from llmserve.telemetry import current_traceparent
@@ -41,14 +43,6 @@ from llmserve.v1 import common_pb2, scheduler_pb2
 
 tracer = trace.get_tracer("llmserve.gateway")
 log = get_logger(__name__)
-
-_FINISH_NAMES = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_IGNORED: "length",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class TextOptions:
@@ -82,18 +76,6 @@ class GenerationInput:
         check_priority(self.priority)
 
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-
-def check_priority(priority: object, field_name: str = "priority") -> int:
-    """`priority` as sent by a client: an integer that fits the protos' int32."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise FieldError(field_name, f"must be an integer, got {priority!r}")
-    if not INT32_MIN <= priority <= INT32_MAX:
-        raise FieldError(field_name, f"must be in [{INT32_MIN}, {INT32_MAX}], got {priority}")
-    return priority
-
-
 @dataclass(slots=True)
 class TokenInfo:
     token_id: int
@@ -114,14 +96,16 @@ class ChoiceUpdate:
     text: str
     token_ids: list[int]
     logprobs: list[LogprobEntry] | None = None
-    # "stop" | "length" | "abort" on the choice's last update.
-    finish_reason: str | None = None
+    # Set on the choice's last update; FINISH_REASON_UNSPECIFIED (0) before.
+    finish_reason: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
     # The stop string or stop token id that ended the choice (None for EOS / length).
     stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)
 class Usage:
+    """Tokens of a request, as the scheduler counted them (common.proto's Usage)."""
+
     prompt_tokens: int
     completion_tokens: int
 
@@ -136,17 +120,15 @@ class GenerationUpdate:
     # Per prompt position (None for the first); in the first update when requested.
     prompt_logprobs: list[LogprobEntry | None] | None = None
     finished: bool = False
+    # On the last update: the scheduler's count and timings (scheduler.proto RequestMetrics).
     usage: Usage | None = None
-    first_token_ns: int = 0
-    e2e_ns: int = 0
-    queue_ns: int = 0
+    metrics: scheduler_pb2.RequestMetrics | None = None
 
 
 @dataclass(slots=True)
 class _ChoiceState:
     detokenizer: IncrementalDetokenizer | None
     matcher: StopStringMatcher | None
-    num_tokens: int = 0
     done: bool = False
 
 
@@ -158,7 +140,7 @@ class GenerationCore:
         model_name: str,
         tokenization: Tokenization,
         scheduler: SchedulerClient,
-        max_model_len: int,
+        max_model_len: int | None = None,
         limits: RequestLimits | None = None,
         admission: Admission | None = None,
         request_timeout_s: float | None = None,
@@ -166,6 +148,8 @@ class GenerationCore:
         self.model_name = model_name
         self.tokenization = tokenization
         self.scheduler = scheduler
+        # The scheduler's (GetStatsResponse.max_model_len), learned once a worker has
+        # connected there (gateway.readiness); None until then.
         self.max_model_len = max_model_len
         self.limits = limits or RequestLimits()
         self.admission = admission or Admission(1024)
@@ -178,15 +162,14 @@ class GenerationCore:
 
     def check_model(self, model: str | None, field_name: str = "model") -> None:
         if model and model != self.model_name:
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
+            raise ModelNotFoundError(
                 f"{field_name}: model {model!r} is not served here (serving {self.model_name!r})",
                 field_name,
             )
 
     def prompt_from_text(self, text: str, field_name: str = "prompt") -> Prompt:
         if not isinstance(text, str) or not text:
-            raise invalid_argument(field_name, "must be a non-empty string")
+            raise FieldError(field_name, "must be a non-empty string")
         check_unicode(text, field_name)
         return self._checked(Prompt(self.tokenization.encode(text), text), field_name)
 
@@ -228,11 +211,11 @@ class GenerationCore:
     def prompt_from_ids(self, token_ids: Sequence[int], field_name: str = "prompt") -> Prompt:
         ids = list(token_ids)
         if not ids:
-            raise invalid_argument(field_name, "must contain at least one token id")
+            raise FieldError(field_name, "must contain at least one token id")
         vocab = self.tokenization.vocab_size
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise invalid_argument(field_name, f"token id {bad!r} is outside [0, {vocab})")
+            raise FieldError(field_name, f"token id {bad!r} is outside [0, {vocab})")
         return self._checked(Prompt(ids), field_name)
 
     def prompt_from_chat(
@@ -241,39 +224,46 @@ class GenerationCore:
         add_generation_prompt: bool = True,
         field_name: str = "messages",
     ) -> Prompt:
-        try:
-            text = self.tokenization.render_chat(
-                messages, add_generation_prompt=add_generation_prompt, field_name=field_name
-            )
-        except PromptError as exc:
-            raise invalid_argument(exc.field, str(exc).split(": ", 1)[-1]) from exc
         for i, message in enumerate(messages):
             content = message.get("content")
             if isinstance(content, str):
                 check_unicode(content, f"{field_name}[{i}].content")
+        text = self.tokenization.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, field_name=field_name
+        )
         ids = self.tokenization.encode(text, add_special_tokens=False)
         return self._checked(Prompt(ids, text), field_name)
 
+    @property
+    def context_len(self) -> int:
+        """`max_model_len`; UNAVAILABLE until the scheduler has told it."""
+        if self.max_model_len is None:
+            raise UnavailableError(
+                "the scheduler has no connected worker yet, so the model's context length "
+                "is not known; retry later"
+            )
+        return self.max_model_len
+
     def _checked(self, prompt: Prompt, field_name: str) -> Prompt:
         check_prompt_tokens(self.limits, len(prompt.token_ids), field_name)
-        if len(prompt.token_ids) >= self.max_model_len:
-            raise invalid_argument(
+        if len(prompt.token_ids) >= self.context_len:
+            raise FieldError(
                 field_name,
                 f"the prompt has {len(prompt.token_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens, so the prompt must be shorter",
+                f"{self.context_len} tokens, so the prompt must be shorter",
             )
         return prompt
 
     def max_tokens_left(self, prompt: Prompt) -> int:
-        return self.max_model_len - len(prompt.token_ids)
+        return self.context_len - len(prompt.token_ids)
 
     def check_max_tokens(self, prompt: Prompt, max_tokens: int, field_name: str) -> None:
         left = self.max_tokens_left(prompt)
         if max_tokens > left:
-            raise invalid_argument(
+            raise FieldError(
                 field_name,
                 f"{max_tokens} requested, but the prompt ({len(prompt.token_ids)} tokens) leaves "
-                f"{left} of the model's {self.max_model_len}-token context",
+                f"{left} of the model's {self.context_len}-token context",
             )
 
     @staticmethod
@@ -287,7 +277,7 @@ class GenerationCore:
     ) -> AsyncIterator[GenerationUpdate]:
         """Stream updates until every choice is finished. Closing the iterator aborts."""
         if inp.text.stop and not inp.text.detokenize:
-            raise invalid_argument("stop", "stop strings need detokenize")
+            raise FieldError("stop", "stop strings need detokenize")
         # The span shows the client's seed; the assigned one stays internal (logs only).
         params = with_admission_seed(inp.params, self._seed_rng)
         with tracer.start_as_current_span(
@@ -300,6 +290,8 @@ class GenerationCore:
     async def _generate(
         self, inp: GenerationInput, params: SamplingParams, span: trace.Span
     ) -> AsyncIterator[GenerationUpdate]:
+        # The gateway's own clock feeds only its latency histograms (what a client sees, the
+        # scheduler hop included); what the client is told is the scheduler's count.
         start = time.perf_counter_ns()
         first_token_ns = 0
         tokenizer = self.tokenization.tokenizer
@@ -350,35 +342,32 @@ class GenerationCore:
                         first_token_ns = time.perf_counter_ns() - start
                         span.add_event("first_token")
                     if choice.finish_reason:
-                        finish_reasons.append(choice.finish_reason)
+                        finish_reasons.append(finish_reason_name(choice.finish_reason) or "")
                     update.choices.append(choice)
-                all_done = all(s.done for s in states)
-                if out.finished or all_done:
+                # The scheduler stops every choice (stop strings included) and sends the
+                # request's usage and timings with its last output.
+                if out.finished:
                     update.finished = True
-                    update.usage = Usage(
-                        len(inp.prompt.token_ids), sum(s.num_tokens for s in states)
-                    )
-                    update.first_token_ns = first_token_ns
-                    update.e2e_ns = time.perf_counter_ns() - start
-                    update.queue_ns = out.metrics.queue_ns
-                    _set_response_attributes(span, update, finish_reasons, first_token_ns)
+                    update.usage = Usage(out.usage.prompt_tokens, out.usage.completion_tokens)
+                    update.metrics = out.metrics
+                    _set_response_attributes(span, update, finish_reasons)
                     metrics.record_finished(
-                        finish_reasons, update.usage.prompt_tokens,
-                        update.usage.completion_tokens, first_token_ns, update.e2e_ns,
+                        finish_reasons, update.usage, first_token_ns,
+                        time.perf_counter_ns() - start,
                     )
                     rlog.info(
                         "request finished",
                         finish_reasons=finish_reasons,
                         completion_tokens=update.usage.completion_tokens,
-                        time_to_first_token_s=first_token_ns / 1e9,
-                        e2e_s=update.e2e_ns / 1e9,
+                        time_to_first_token_s=out.metrics.first_token_ns / 1e9,
+                        e2e_s=out.metrics.e2e_ns / 1e9,
                     )
                     yield update
                     return
                 if update.choices or update.prompt_logprobs:
                     yield update
         finally:
-            # Sends Abort when the request is not finished (client gone, stop strings).
+            # Sends Abort when the request is not finished (the client went away).
             await stream.aclose()
 
     def _choice_update(
@@ -387,8 +376,7 @@ class GenerationCore:
         if state.done:
             return None  # already finished here (the scheduler stops it in the same step)
         token_ids = list(delta.token_ids)
-        state.num_tokens += len(token_ids)
-        finish = _FINISH_NAMES.get(delta.finish_reason)
+        finish = delta.finish_reason
         choice = ChoiceUpdate(delta.index, "", token_ids, finish_reason=finish)
         if delta.HasField("stop_token_id") and delta.stop_token_id != self.tokenization.eos_token_id:
             choice.stop_reason = delta.stop_token_id  # EOS is the normal end: no stop reason
@@ -402,11 +390,12 @@ class GenerationCore:
                 check = state.matcher.feed(text)
                 text = check.text
                 if check.stop is not None:
-                    choice.finish_reason, choice.stop_reason = "stop", check.stop
+                    choice.finish_reason = common_pb2.FINISH_REASON_STOP
+                    choice.stop_reason = check.stop
                 elif finish:
                     text += state.matcher.flush()
             choice.text = text
-        state.done = choice.finish_reason is not None
+        state.done = choice.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         return choice
 
     def _token_info(self, t: common_pb2.TokenLogprob) -> TokenInfo:
@@ -462,13 +451,13 @@ def _set_request_attributes(span: trace.Span, inp: GenerationInput, model: str) 
 
 
 def _set_response_attributes(
-    span: trace.Span, update: GenerationUpdate, finish_reasons: list[str], first_token_ns: int
+    span: trace.Span, update: GenerationUpdate, finish_reasons: list[str]
 ) -> None:
     if not span.is_recording():
         return
-    assert update.usage is not None
+    assert update.usage is not None and update.metrics is not None
     span.set_attributes({
         "gen_ai.response.finish_reasons": finish_reasons,
         "gen_ai.usage.output_tokens": update.usage.completion_tokens,
-        "llmserve.time_to_first_token_s": first_token_ns / 1e9,
+        "llmserve.time_to_first_token_s": update.metrics.first_token_ns / 1e9,
     })

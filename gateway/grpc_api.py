@@ -16,18 +16,10 @@ from gateway.generation import (
     TextOptions,
     TokenInfo,
 )
-from llmserve.grpc_utils import invalid_argument
+from llmserve.errors import FieldError
 from llmserve.proto_convert import sampling_params_from_proto
-from llmserve.sampling_params import SamplingParamsError
 from llmserve.telemetry import context_from_metadata
-from llmserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
-_FINISH_TO_PROTO = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
-
+from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
 _SAMPLING_NAMES = {
     name: f"sampling_params.{name}"
@@ -55,7 +47,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 for m in request.chat.messages
             ]
             return await self.core.aprompt_from_chat(messages, add_gen, "chat.messages")
-        raise invalid_argument("prompt", "set one of text, token_ids or chat")
+        raise FieldError("prompt", "set one of text, token_ids or chat")
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -72,12 +64,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         core.check_model(request.model)
         prompt = await self._prompt(request)
         sp = request.sampling_params
-        try:
-            params = sampling_params_from_proto(
-                sp, default_max_tokens=core.max_tokens_left(prompt)
-            )
-        except SamplingParamsError as exc:
-            raise invalid_argument(f"sampling_params.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
+        params = sampling_params_from_proto(sp, default_max_tokens=core.max_tokens_left(prompt))
         core.check_max_tokens(prompt, params.max_tokens, "sampling_params.max_tokens")
         core.check_limits(params, request.stop, _SAMPLING_NAMES)
         options = TextOptions(
@@ -121,8 +108,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             ids = self.core.prompt_from_chat(messages, True, "chat.messages").token_ids
         else:
-            raise invalid_argument("input", "set text or chat")
-        reply = generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.core.max_model_len)
+            raise FieldError("input", "set text or chat")
+        reply = generation_pb2.TokenizeResponse(
+            token_ids=ids, max_model_len=self.core.max_model_len or 0
+        )
         if request.return_token_strings:
             reply.token_strings.extend(tokenization.token_strings(ids))
         return reply
@@ -134,7 +123,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ListModelsResponse(models=[
             generation_pb2.ModelInfo(
                 id=core.model_name, owned_by="llmserve", created=core.created,
-                max_model_len=core.max_model_len,
+                max_model_len=core.max_model_len or 0,
             )
         ])
 
@@ -152,11 +141,11 @@ def _logprob(entry: LogprobEntry) -> generation_pb2.TextOutputLogprob:
 
 
 def _choice(c: ChoiceUpdate) -> generation_pb2.Choice:
-    msg = generation_pb2.Choice(index=c.index, text=c.text, token_ids=c.token_ids)
+    msg = generation_pb2.Choice(
+        index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason
+    )
     if c.logprobs:
         msg.logprobs.extend(_logprob(e) for e in c.logprobs)
-    if c.finish_reason:
-        msg.finish_reason = _FINISH_TO_PROTO[c.finish_reason]
     if isinstance(c.stop_reason, str):
         msg.stop_string = c.stop_reason
     elif isinstance(c.stop_reason, int):
@@ -171,7 +160,9 @@ def _response(request_id: str, update: GenerationUpdate) -> generation_pb2.Gener
     if update.usage is not None:
         response.usage.prompt_tokens = update.usage.prompt_tokens
         response.usage.completion_tokens = update.usage.completion_tokens
-        response.timings.first_token_ns = update.first_token_ns
-        response.timings.e2e_ns = update.e2e_ns
-        response.timings.queue_ns = update.queue_ns
+    if update.metrics is not None:
+        m = update.metrics
+        response.timings.first_token_ns = m.first_token_ns
+        response.timings.e2e_ns = m.e2e_ns
+        response.timings.queue_ns = m.queue_ns
     return response

@@ -1,12 +1,18 @@
 """The gateway's Prometheus metrics (served at /metrics on the HTTP port).
 
-Latencies here are what a client sees (tokenization, the scheduler hop and detokenization
-included); the scheduler's own histograms measure from its arrival time.
+Latencies here are what a client sees, on the gateway's clock (the scheduler hop and
+detokenization included); the scheduler's own histograms, and the timings a client is sent,
+measure from its arrival there. Token counts are the scheduler's.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Histogram
+
+if TYPE_CHECKING:
+    from gateway.generation import Usage
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -37,15 +43,12 @@ E2E_SECONDS = Histogram(
 
 
 def record_finished(
-    finish_reasons: list[str],
-    prompt_tokens: int,
-    completion_tokens: int,
-    first_token_ns: int,
-    e2e_ns: int,
+    finish_reasons: list[str], usage: Usage, first_token_ns: int, e2e_ns: int
 ) -> None:
     FINISHED.labels(",".join(sorted(set(finish_reasons))) or "unknown").inc()
-    PROMPT_TOKENS.inc(prompt_tokens)
-    GENERATION_TOKENS.inc(completion_tokens)
+    PROMPT_TOKENS.inc(usage.prompt_tokens)
+    GENERATION_TOKENS.inc(usage.completion_tokens)
+    completion_tokens = usage.completion_tokens
     E2E_SECONDS.observe(e2e_ns / 1e9)
     if first_token_ns:
         TTFT_SECONDS.observe(first_token_ns / 1e9)

@@ -171,7 +171,7 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int
+    max_model_len: int | None
 
 
 class ModelList(BaseModel):

@@ -16,9 +16,10 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve import security
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
-from llmserve.v1 import scheduler_pb2
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger(__name__)
 
@@ -28,14 +29,23 @@ RETRY_S = 1.0
 
 
 class SchedulerReadiness:
-    """Follows the scheduler's health; `ready` combines it with the Connect stream's state."""
+    """Follows the scheduler's health; `ready` combines it with the Connect stream's state.
+
+    Each time the scheduler turns SERVING (a worker is ready there), the gateway asks it for
+    the model's max_model_len (GetStats) and hands it to `on_max_model_len`: the scheduler
+    decides it from its workers, the gateway only learns it."""
 
     def __init__(
-        self, address: str, is_connected: Callable[[], bool], retry_s: float = RETRY_S
+        self,
+        address: str,
+        is_connected: Callable[[], bool],
+        retry_s: float = RETRY_S,
+        on_max_model_len: Callable[[int], None] | None = None,
     ) -> None:
         self.address = address
         self._is_connected = is_connected
         self._retry_s = retry_s
+        self._on_max_model_len = on_max_model_len
         self._scheduler_serving = False
         self._draining = False
         self._task: asyncio.Task[None] | None = None
@@ -71,13 +81,24 @@ class SchedulerReadiness:
         request = health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.address, options=channel_options()) as ch:
+                async with security.aio_channel(self.address, options=channel_options()) as ch:
                     async for reply in health_pb2_grpc.HealthStub(ch).Watch(request):
                         serving = reply.status == health_pb2.HealthCheckResponse.SERVING
                         if serving != self._scheduler_serving:
                             log.info("scheduler health", address=self.address, serving=serving)
+                            if serving:
+                                await self._learn_max_model_len(ch)
                         self._scheduler_serving = serving
             except grpc.aio.AioRpcError as exc:
                 log.debug("scheduler health watch broke", code=exc.code().name)
             self._scheduler_serving = False
             await asyncio.sleep(self._retry_s)
+
+    async def _learn_max_model_len(self, channel: grpc.aio.Channel) -> None:
+        if self._on_max_model_len is None:
+            return
+        stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+            scheduler_pb2.GetStatsRequest(), timeout=10
+        )
+        if stats.max_model_len:
+            self._on_max_model_len(stats.max_model_len)

@@ -19,8 +19,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from llmserve.errors import DeadlineExceededError
-from llmserve.grpc_utils import RequestError, channel_options
+from llmserve import security
+from llmserve.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    UnavailableError,
+    from_status_value,
+)
+from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.proto_convert import sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams
@@ -103,7 +109,7 @@ class SchedulerClient:
     ) -> None:
         self.address = address
         self.reconnect_timeout_s = reconnect_timeout_s
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = security.aio_channel(
             address, options=[*channel_options(max_message_bytes), *_CHANNEL_BACKOFF]
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
@@ -272,23 +278,18 @@ class SchedulerClient:
         decode_special_tokens: bool = False,
         timeout_s: float | None = None,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
-        """Yield the request's outputs until the finished one; raise RequestError on failure.
-        With `stop` strings the scheduler finishes each choice at the token that completes one
-        (its text decoded with special tokens when `decode_special_tokens`).
+        """Yield the request's outputs until the finished one; raise the scheduler's error
+        (an ApiError with its status code) on failure. With `stop` strings the scheduler
+        finishes each choice at the token that completes one (its text decoded with special
+        tokens when `decode_special_tokens`).
 
         While the scheduler is away (it was reached before), the request waits for it.
         With `timeout_s`, the scheduler is told the time left and the request fails with
         DeadlineExceededError (here or there, whichever notices first) when it runs out."""
         if not self._ever_connected:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE, f"scheduler at {self.address} is not reachable"
-            )
+            raise UnavailableError(f"scheduler at {self.address} is not reachable")
         if request_id in self._requests:
-            raise RequestError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id: {request_id!r} is already running",
-                "request_id",
-            )
+            raise AlreadyExistsError(f"request_id: {request_id!r} is already running", "request_id")
         add = scheduler_pb2.AddRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -315,7 +316,7 @@ class SchedulerClient:
                 message = await _next(request.inbox, deadline, timeout_s)
                 if message.WhichOneof("kind") == "error":
                     error = message.error
-                    raise RequestError(_status_code(error.code), error.message, error.field or None)
+                    raise from_status_value(error.code, error.message, error.field or None)
                 yield message.output
                 if message.output.finished:
                     return
@@ -345,9 +346,3 @@ async def _next(
             f"the request did not finish within its time limit of {timeout_s:g} s"
         ) from None
 
-
-def _status_code(value: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN

@@ -9,10 +9,12 @@ from grpc_health.v1.health import HealthServicer
 
 from gateway.admission import SCHEDULER_REQUESTS, Admission
 from gateway.readiness import SchedulerReadiness
+from llmserve import security
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.limits import RequestLimits
 from llmserve.logs import get_logger
-from llmserve.model_spec import ModelSource, resolve_model
+from llmserve.model_spec import resolve_model
+from llmserve.security import AuthInterceptor, KeySet
 from llmserve.service_main import serve_until_signal
 from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -29,8 +31,8 @@ class GatewayConfig:
     scheduler_address: str = "127.0.0.1:50071"
     model: str = "smollm2"
     served_model_name: str = "smollm2"
-    max_model_len: int | None = None
-    api_key: str | None = None
+    api_keys: KeySet = field(default_factory=KeySet)  # empty: no key required
+    tls_require_client_cert: bool = True
     # Generation requests in flight (HTTP and gRPC together) before new ones get 429 /
     # RESOURCE_EXHAUSTED.
     max_pending_requests: int = 1024
@@ -43,13 +45,6 @@ class GatewayConfig:
     shutdown_grace_s: float = 30.0
 
 
-def model_context_length(source: ModelSource) -> int:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(source.path, **source.pretrained_kwargs())
-    return int(getattr(config, "max_position_embeddings", 2048))
-
-
 async def serve(config: GatewayConfig) -> None:
     from gateway.generation import GenerationCore
     from gateway.grpc_api import GenerationServicer
@@ -58,25 +53,31 @@ async def serve(config: GatewayConfig) -> None:
 
     source = resolve_model(config.model)
     tokenization = await asyncio.to_thread(Tokenization.for_model, source)
-    max_model_len = await asyncio.to_thread(model_context_length, source)
-    if config.max_model_len is not None:
-        max_model_len = min(max_model_len, config.max_model_len)
     scheduler = SchedulerClient(
         config.scheduler_address, config.max_message_bytes, config.scheduler_reconnect_timeout_s
     )
     scheduler.start()
     admission = Admission(config.max_pending_requests)
     SCHEDULER_REQUESTS.set_function(lambda: scheduler.num_requests)
-    core = GenerationCore(config.served_model_name, tokenization, scheduler, max_model_len,
-                          config.limits, admission, config.request_timeout_s)
+    core = GenerationCore(config.served_model_name, tokenization, scheduler,
+                          limits=config.limits, admission=admission,
+                          request_timeout_s=config.request_timeout_s)
 
-    readiness = SchedulerReadiness(config.scheduler_address, lambda: scheduler.connected)
+    def learned(max_model_len: int) -> None:
+        if max_model_len != core.max_model_len:
+            log.info("max_model_len from the scheduler", max_model_len=max_model_len)
+        core.max_model_len = max_model_len
+
+    readiness = SchedulerReadiness(
+        config.scheduler_address, lambda: scheduler.connected, on_max_model_len=learned
+    )
     readiness.start()
 
-    server, health = create_server([SERVICE_NAME], config.max_message_bytes)
+    auth = [AuthInterceptor(config.api_keys, [SERVICE_NAME])] if len(config.api_keys) else []
+    server, health = create_server([SERVICE_NAME], config.max_message_bytes, auth)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), server)
     address = f"{config.host}:{config.grpc_port}"
-    server.add_insecure_port(address)
+    security.add_port(server, address, config.tls_require_client_cert)
     await set_serving(health, [SERVICE_NAME], False)
     await server.start()
     health_task = asyncio.create_task(_follow_readiness(readiness, health), name="gateway-health")
@@ -88,7 +89,7 @@ async def serve(config: GatewayConfig) -> None:
         http_task = asyncio.create_task(serve_http(core, config, readiness.not_ready_reason))
 
     log.info("gateway listening", grpc=address, http_port=config.http_port,
-             model=config.served_model_name, max_model_len=max_model_len,
+             model=config.served_model_name,
              scheduler=config.scheduler_address)
 
     async def on_stop() -> None:

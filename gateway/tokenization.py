@@ -1,6 +1,7 @@
 """The model's tokenizer on the gateway: load it once per model, encode prompts, render chats.
 
-The gateway owns text; the scheduler and workers only see the token ids produced here.
+The gateway owns prompts and their text; the scheduler decodes outputs only to find stop
+strings (scheduler_service/text_stops.py), and workers see token ids alone.
 """
 
 from __future__ import annotations
@@ -8,15 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from llmserve.errors import FieldError
 from llmserve.model_spec import ModelSource, load_tokenizer
-
-
-class PromptError(ValueError):
-    """A prompt or chat message is unusable. `field` names it for INVALID_ARGUMENT / HTTP 400."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 class Tokenization:
@@ -57,13 +51,13 @@ class Tokenization:
         """The chat template's text for `messages` ({role, content[, name]} each)."""
         checked = _check_messages(messages, field_name)
         if not getattr(self.tokenizer, "chat_template", None):
-            raise PromptError(field_name, "this model has no chat template; send a text prompt")
+            raise FieldError(field_name, "this model has no chat template; send a text prompt")
         try:
             text = self.tokenizer.apply_chat_template(
                 checked, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # jinja raises TemplateError / exceptions the template raises
-            raise PromptError(
+            raise FieldError(
                 field_name, f"the chat template rejected the messages: {exc}"
             ) from exc
         assert isinstance(text, str)
@@ -86,14 +80,14 @@ class Tokenization:
 
 def _check_messages(messages: Sequence[Mapping[str, Any]], field_name: str) -> list[dict[str, str]]:
     if not messages:
-        raise PromptError(field_name, "must contain at least one message")
+        raise FieldError(field_name, "must contain at least one message")
     checked = []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
-            raise PromptError(f"{field_name}[{i}].role", "must be a non-empty string")
+            raise FieldError(f"{field_name}[{i}].role", "must be a non-empty string")
         if not isinstance(content, str):
-            raise PromptError(f"{field_name}[{i}].content", "must be a string")
+            raise FieldError(f"{field_name}[{i}].content", "must be a string")
         entry = {"role": role, "content": content}
         name = message.get("name")
         if name:

@@ -1,5 +1,6 @@
 """llmserve: shared runtime (config, telemetry, client SDK, CLI) and the scheduler/worker contract."""
 
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.errors import ApiError, FieldError
+from llmserve.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "SamplingParamsError"]
+__all__ = ["ApiError", "FieldError", "SamplingParams"]

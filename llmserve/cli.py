@@ -8,6 +8,7 @@ import importlib
 import sys
 
 from llmserve.logs import configure_logging
+from llmserve.security import add_security_flags, install, security_from_args
 
 _SERVICES = {
     "worker": "worker_service.__main__",
@@ -34,6 +35,11 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--api-key-file", default=None,
+                   help="the gateway's API keys, one a line (LLMSERVE_API_KEYS also works)")
+    # --tls-cert/--tls-key/--tls-ca (one certificate for every service: they all listen on
+    # loopback) and --internal-token-file, passed to every service.
+    add_security_flags(p)
     return p
 
 
@@ -46,13 +52,22 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
     return out
 
 
+_SECURITY_FLAGS = ["tls-cert", "tls-key", "tls-ca", "tls-server-name", "internal-token-file"]
+
+
 def _run_up(argv: list[str]) -> int:
     from llmserve.supervisor import StackConfig, run_stack
 
     args = _up_parser().parse_args(argv)
     if args.workers < 1:
         _up_parser().error("--workers must be at least 1")
+    try:
+        # `up` itself dials every service's health with the same credentials.
+        install(security_from_args(args))
+    except ValueError as exc:
+        _up_parser().error(str(exc))
     configure_logging("llmserve-up", args.log_level)
+    secured = _passthrough(args, _SECURITY_FLAGS)
     config = StackConfig(
         model=args.model,
         num_workers=args.workers,
@@ -61,12 +76,13 @@ def _run_up(argv: list[str]) -> int:
         host=args.host,
         worker_args=_passthrough(
             args, ["dtype", "block-size", "kv-cache-memory", "swap-space", "log-level"]
-        ),
+        ) + secured,
         scheduler_args=_passthrough(
             args,
             ["num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens", "log-level"],
-        ),
-        gateway_args=_passthrough(args, ["log-level"]),
+        ) + secured,
+        gateway_args=_passthrough(args, ["log-level", "api-key-file"]) + secured,
+        https=args.tls_cert is not None,
     )
     return asyncio.run(run_stack(config))
 

@@ -6,6 +6,9 @@
 
     with Client("localhost:50051") as client:
         print(client.complete("Hello", max_tokens=16).text)
+
+`api_key` is sent as `authorization: Bearer KEY` on every call; `tls` (llmserve.tls.ClientTls)
+dials over TLS, with a client certificate when the gateway requires one.
 """
 
 from __future__ import annotations
@@ -17,16 +20,11 @@ from typing import Any
 import grpc
 
 from llmserve.grpc_utils import channel_options
-from llmserve.proto_convert import sampling_params_to_proto
+from llmserve.proto_convert import finish_reason_name, sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams
-from llmserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
-_FINISH = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_IGNORED: "ignored",
-}
+from llmserve.security import SyncBearer, aio_bearer
+from llmserve.tls import ClientTls
+from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
 
 @dataclass(slots=True)
@@ -64,13 +62,15 @@ def build_request(
     request_id: str = "",
     model: str = "",
     echo: bool = False,
+    priority: int = 0,
     **sampling: Any,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from a text prompt, token ids or chat messages, and SamplingParams
-    keywords (temperature, max_tokens, n, seed, ...). max_tokens defaults to the context left."""
+    keywords (temperature, max_tokens, n, seed, ...). max_tokens defaults to the context left.
+    `priority`: lower is served first."""
     request = generation_pb2.GenerateRequest(
         request_id=request_id, model=model, stop=list(stop),
-        include_stop_str_in_output=include_stop_str_in_output, echo=echo,
+        include_stop_str_in_output=include_stop_str_in_output, echo=echo, priority=priority,
     )
     if messages is not None:
         request.chat.messages.extend(
@@ -92,7 +92,7 @@ def build_request(
 
 def _chunks(response: generation_pb2.GenerateResponse) -> list[Chunk]:
     return [
-        Chunk(c.index, c.text, list(c.token_ids), _FINISH.get(c.finish_reason))
+        Chunk(c.index, c.text, list(c.token_ids), finish_reason_name(c.finish_reason))
         for c in response.choices
     ]
 
@@ -123,8 +123,16 @@ class _Collector:
 
 class AsyncClient:
     def __init__(self, address: str = "localhost:50051", *, timeout_s: float | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+                 max_message_bytes: int = 64 * 1024 * 1024, api_key: str | None = None,
+                 tls: ClientTls | None = None) -> None:
+        options = channel_options(max_message_bytes)
+        interceptors = aio_bearer(api_key) if api_key else []
+        self._channel = (
+            grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+            if tls is None
+            else grpc.aio.secure_channel(address, tls.credentials(), options=options,
+                                         interceptors=interceptors)
+        )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -174,8 +182,15 @@ class Client:
     """Blocking client over the same API."""
 
     def __init__(self, address: str = "localhost:50051", *, timeout_s: float | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+                 max_message_bytes: int = 64 * 1024 * 1024, api_key: str | None = None,
+                 tls: ClientTls | None = None) -> None:
+        options = channel_options(max_message_bytes)
+        channel = (
+            grpc.insecure_channel(address, options=options)
+            if tls is None
+            else grpc.secure_channel(address, tls.credentials(), options=options)
+        )
+        self._channel = grpc.intercept_channel(channel, SyncBearer(api_key)) if api_key else channel
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self.timeout_s = timeout_s
 

@@ -4,6 +4,9 @@ The scheduler stops routing to the worker, moves its waiting and swapped request
 other workers at once, lets its running requests finish there for `--drain-grace-s`, then
 moves the rest; once the replica is empty it leaves the fleet (see `Replica.drain`). SIGTERM
 on a worker process does the same from the worker's side.
+
+DrainWorker is an internal call: give the scheduler's credential (the --tls-* flags and
+--internal-token-file, or their LLMSERVE_* variables).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 
 import grpc
 
+from llmserve import security
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -27,7 +31,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--wait", action="store_true", help="return once the worker has left the fleet"
     )
     p.add_argument("--timeout-s", type=float, default=600.0, help="the longest --wait waits")
-    return p.parse_args(argv)
+    return security.parse_cli_security(p, argv)
 
 
 def _wait_gone(
@@ -45,7 +49,7 @@ def _wait_gone(
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    with grpc.insecure_channel(args.scheduler) as channel:
+    with security.channel(args.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         try:
             reply = stub.DrainWorker(

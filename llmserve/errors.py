@@ -51,6 +51,21 @@ class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
 
 
+class AlreadyExistsError(ApiError):
+    """The request names something that already exists (a request id in use)."""
+
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+    http_status = 409
+
+
+class FailedPreconditionError(ApiError):
+    """The service is not in a state that allows the call (a stream already open, a cache
+    not yet allocated, a drained worker registering again)."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 400
+
+
 class UnauthenticatedError(ApiError):
     """No credential, or a wrong one."""
 
@@ -59,12 +74,16 @@ class UnauthenticatedError(ApiError):
     code = "invalid_api_key"
 
 
-class OverloadedError(ApiError):
-    """Admission refused: a queue or in-flight limit is full. Retry after `retry_after_s`."""
+class ResourceExhaustedError(ApiError):
+    """A resource the request needs cannot be had (memory for a KV cache)."""
 
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
     kind = "rate_limit_error"
+
+
+class OverloadedError(ResourceExhaustedError):
+    """Admission refused: a queue or in-flight limit is full. Retry after `retry_after_s`."""
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
@@ -87,6 +106,52 @@ class DeadlineExceededError(ApiError):
     kind = "timeout_error"
 
 
+class InternalError(ApiError):
+    """An internal failure the client is told about with its message: one relayed from a
+    service we called (see `from_status`), or a request the scheduler gave up on. Unexpected
+    exceptions are not wrapped: they escape as whatever they are, and map to INTERNAL too."""
+
+    grpc_code = grpc.StatusCode.INTERNAL
+    http_status = 500
+    kind = "internal_error"
+
+
+# The class a status relayed from another llmserve service becomes: the inverse of
+# `grpc_status` for our own classes. FieldError and ModelNotFoundError come back as their
+# bases (the message is already built; the field travels beside it).
+_BY_CODE: dict[grpc.StatusCode, type[ApiError]] = {
+    cls.grpc_code: cls
+    for cls in (
+        ApiError,
+        NotFoundError,
+        AlreadyExistsError,
+        FailedPreconditionError,
+        UnauthenticatedError,
+        ResourceExhaustedError,
+        UnavailableError,
+        DeadlineExceededError,
+        InternalError,
+    )
+}
+
+
+def from_status(code: grpc.StatusCode, message: str, field: str | None = None) -> ApiError:
+    """The ApiError for a gRPC status received from another service, code kept. A code we
+    never send (UNKNOWN, CANCELLED, ...) is an internal failure over there."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return InternalError(f"{code.name}: {message}", field)
+    if cls is ResourceExhaustedError:
+        return OverloadedError(message)
+    return cls(message, field)
+
+
+def from_status_value(value: int, message: str, field: str | None = None) -> ApiError:
+    """`from_status` for a code sent as its number (scheduler.proto's RequestError.code)."""
+    code = next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.UNKNOWN)
+    return from_status(code, message, field)
+
+
 @dataclass(frozen=True, slots=True)
 class HttpError:
     """What an HTTP response carries for an exception."""
@@ -99,10 +164,12 @@ class HttpError:
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and message for an exception escaping a servicer."""
+    """The gRPC status and message for an exception escaping a servicer. An internal
+    failure's message names the exception and its text: our gRPC peers are our own services,
+    which log it (the scheduler logs why a worker's step failed)."""
     if isinstance(exc, ApiError):
         return exc.grpc_code, exc.message
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
 def http_error(exc: BaseException) -> HttpError:

@@ -3,6 +3,9 @@ through the stack (`--input prompts.jsonl --output out.jsonl`, with a progress b
 
 Each input line is {"prompt": "..."} or {"messages": [...]} with optional per-line sampling
 fields (max_tokens, temperature, seed, n, stop, ...) that override the flags.
+
+The API key comes from --api-key-file or LLMSERVE_API_KEY (no flag for the key itself: a
+command line shows in `ps`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,10 @@ from typing import Any
 import grpc
 
 from llmserve.client import AsyncClient, Client
+from llmserve.security import read_secrets
+from llmserve.tls import ClientTls
+
+CLIENT_API_KEY_ENV = "LLMSERVE_API_KEY"
 
 _SAMPLING_FIELDS = {
     "n", "best_of", "use_beam_search", "length_penalty", "temperature", "top_p", "top_k",
@@ -39,12 +47,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--input", type=Path, help="JSONL file of prompts")
     p.add_argument("--output", type=Path, help="JSONL file for the results (with --input)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (--input)")
+    p.add_argument("--api-key-file", default=None,
+                   help=f"file whose first key is sent (default: ${CLIENT_API_KEY_ENV})")
+    p.add_argument("--tls-ca", default=None, help="dial over TLS, checking the gateway against it")
+    p.add_argument("--tls-cert", default=None, help="client certificate (with --tls-ca)")
+    p.add_argument("--tls-key", default=None, help="its private key")
     args = p.parse_args(argv)
+    try:
+        args.connection = _connection(args)
+    except ValueError as exc:
+        p.error(str(exc))
     if (args.prompt is None) == (args.input is None):
         p.error("give either a prompt or --input")
     if args.input is not None and args.output is None:
         p.error("--input needs --output")
     return args
+
+
+def _connection(args: argparse.Namespace) -> dict[str, Any]:
+    """The client's api_key and tls arguments, from the flags and the environment."""
+    key = os.environ.get(CLIENT_API_KEY_ENV) or None
+    if args.api_key_file:
+        keys = read_secrets(args.api_key_file)
+        if not keys:
+            raise ValueError(f"--api-key-file: no key in {args.api_key_file}")
+        key = keys[0]
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_ca is None and args.tls_cert is not None:
+        raise ValueError("--tls-cert: needs --tls-ca")
+    tls = None
+    if args.tls_ca is not None:
+        tls = ClientTls(Path(args.tls_ca), *(Path(p) if p else None for p in (args.tls_cert, args.tls_key)))
+    return {"api_key": key, "tls": tls}
 
 
 def _sampling(args: argparse.Namespace, line: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -66,7 +101,7 @@ def _stream_one(args: argparse.Namespace) -> int:
         prompt = None
     else:
         prompt = args.prompt
-    with Client(args.address) as client:
+    with Client(args.address, **args.connection) as client:
         for chunk in client.generate(prompt, **kwargs):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -82,7 +117,7 @@ async def _run_file(args: argparse.Namespace) -> int:
     semaphore = asyncio.Semaphore(max(1, args.concurrency))
     failures = 0
 
-    async with AsyncClient(args.address) as client:
+    async with AsyncClient(args.address, **args.connection) as client:
         progress = tqdm(total=len(lines), unit="req", file=sys.stderr)
 
         async def one(i: int, line: dict[str, Any]) -> None:

@@ -3,49 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve.errors import ApiError, grpc_status
+from llmserve import security
+from llmserve.errors import grpc_status
 from llmserve.logs import get_logger
-from llmserve.sampling_params import SamplingParamsError
 
 log = get_logger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-class RequestError(Exception):
-    """A client mistake or a refused request, mapped to a gRPC status by the interceptor."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
-
-
-def invalid_argument(field: str, message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}", field)
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status a servicer exception maps to."""
-    if isinstance(exc, RequestError):
-        return exc.code, str(exc)
-    if isinstance(exc, ApiError):
-        return grpc_status(exc)
-    if isinstance(exc, SamplingParamsError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, LookupError):
-        return grpc.StatusCode.NOT_FOUND, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -63,12 +36,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
         def wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
+                async with _mapped_errors(context, method):
                     return await fn(request, context)
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, method, exc)
 
             return wrapped
 
@@ -79,45 +48,40 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 return wrap_unary(fn)
 
             async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
+                async with _mapped_errors(context, method):
                     async for item in fn(request, context):
                         yield item
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, method, exc)
 
             return wrapped
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                wrap_stream(handler.stream_stream),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
+        kinds = (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, wrap_unary),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, wrap_stream),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, wrap_unary),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, wrap_stream),
+        )
+        for kind, make_handler, wrap in kinds:
+            fn = getattr(handler, kind)
+            if fn:
+                return make_handler(
+                    wrap(fn), handler.request_deserializer, handler.response_serializer
+                )
         return handler
 
 
+@contextlib.asynccontextmanager
+async def _mapped_errors(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    """Aborts the call with the status `errors.grpc_status` gives an escaping exception."""
+    try:
+        yield
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as exc:
+        await _abort(context, method, exc)
+
+
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
-    code, message = status_for(exc)
+    code, message = grpc_status(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("rpc failed", method=method)
     else:
@@ -187,9 +151,10 @@ async def set_serving(
 
 
 async def wait_for_health(address: str, timeout_s: float = 60.0, service: str = "") -> None:
-    """Poll grpc.health.v1 at `address` until SERVING. Raises TimeoutError."""
+    """Poll grpc.health.v1 at `address` until SERVING (with this process's credentials,
+    llmserve.security). Raises TimeoutError."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with security.aio_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

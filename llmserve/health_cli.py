@@ -1,6 +1,7 @@
 """`llmserve health ADDRESS`: one grpc.health.v1 Check, for container HEALTHCHECKs and scripts.
 
-Exits 0 when the service answers SERVING, 1 when it answers anything else or not at all,
+With TLS, it dials with the --tls-* flags, which default to the container's LLMSERVE_TLS_*
+variables (health needs no token). Exits 0 when the service answers SERVING, 1 when it answers anything else or not at all,
 with one line saying which. The image's HEALTHCHECK runs it against the container's own port.
 """
 
@@ -12,10 +13,12 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve import security
+
 
 def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool, str]:
     """(serving, what the service answered) for one Check call."""
-    with grpc.insecure_channel(address) as channel:
+    with security.channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -31,7 +34,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("address", help="host:port of a worker, scheduler or gateway")
     p.add_argument("--service", default="", help="service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
-    args = p.parse_args(argv)
+    args = security.parse_cli_security(p, argv)
     serving, status = check(args.address, args.service, args.timeout)
     print(f"{args.address}: {status}", file=sys.stdout if serving else sys.stderr)
     return 0 if serving else 1

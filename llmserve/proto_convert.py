@@ -8,10 +8,10 @@ nothing else. Logprobs travel as float32 (the sampler's precision); everything e
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.errors import FieldError
+from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
     CachedSequence,
     Fork,
@@ -22,7 +22,7 @@ from llmserve.steps import (
     StepResult,
     TokenLogprob,
 )
-from llmserve.v1 import common_pb2, scheduler_pb2, worker_pb2
+from llmserve.v1 import common_pb2, worker_pb2
 
 EarlyStopping = bool | Literal["never"]
 _EARLY_STOPPING_TO_PROTO: dict[EarlyStopping, common_pb2.EarlyStopping] = {
@@ -71,16 +71,28 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
 
 
 def sampling_params_from_proto(
-    msg: common_pb2.SamplingParams, *, default_max_tokens: int | None = None
+    msg: common_pb2.SamplingParams,
+    *,
+    default_max_tokens: int | None = None,
+    field_name: str = "sampling_params",
 ) -> SamplingParams:
     """Absent optional fields take SamplingParams' defaults (max_tokens: `default_max_tokens`
-    when given, e.g. the context left). Raises SamplingParamsError naming an invalid field."""
+    when given, e.g. the context left). Raises FieldError naming the invalid field under
+    `field_name`, the message's field in its request ("sampling_params.top_p")."""
+    try:
+        return _sampling_params_from_proto(msg, default_max_tokens)
+    except FieldError as exc:
+        raise FieldError(f"{field_name}.{exc.field}", exc.detail) from exc
 
+
+def _sampling_params_from_proto(
+    msg: common_pb2.SamplingParams, default_max_tokens: int | None
+) -> SamplingParams:
     def opt(name: str, default: Any) -> Any:
         return getattr(msg, name) if msg.HasField(name) else default
 
     if msg.early_stopping not in _EARLY_STOPPING_FROM_PROTO:
-        raise SamplingParamsError("early_stopping", f"unknown value {msg.early_stopping}")
+        raise FieldError("early_stopping", f"unknown value {msg.early_stopping}")
     max_tokens_default = _DEFAULTS.max_tokens if default_max_tokens is None else default_max_tokens
     return SamplingParams(
         n=opt("n", _DEFAULTS.n),
@@ -108,12 +120,12 @@ def sampling_params_from_proto(
 # --- logprobs -------------------------------------------------------------------------------
 
 
-def _add_token_logprobs(field: Any, items: Iterable[TokenLogprob]) -> None:
+def add_token_logprobs(field: Any, items: Iterable[TokenLogprob]) -> None:
     for t in items:
         field.add(token_id=t.token_id, logprob=t.logprob, rank=t.rank)
 
 
-def _token_logprobs(field: Iterable[common_pb2.TokenLogprob]) -> list[TokenLogprob]:
+def token_logprobs(field: Iterable[common_pb2.TokenLogprob]) -> list[TokenLogprob]:
     return [TokenLogprob(t.token_id, t.logprob, t.rank) for t in field]
 
 
@@ -131,12 +143,12 @@ def _add_prompt_logprobs(field: Any, items: Iterable[PromptLogprob]) -> None:
         entry.token.token_id = p.token.token_id
         entry.token.logprob = p.token.logprob
         entry.token.rank = p.token.rank
-        _add_token_logprobs(entry.top, p.top)
+        add_token_logprobs(entry.top, p.top)
 
 
 def prompt_logprob_from_proto(msg: common_pb2.PromptLogprob) -> PromptLogprob:
     return PromptLogprob(
-        msg.position, token_logprob_from_proto(msg.token), _token_logprobs(msg.top)
+        msg.position, token_logprob_from_proto(msg.token), token_logprobs(msg.top)
     )
 
 
@@ -349,100 +361,21 @@ def step_result_from_proto(msg: worker_pb2.ExecuteResult) -> StepResult:
     )
 
 
-# --- continuation (AddRequest.continuation, a re-submission after a scheduler restart) -------
+# --- finish reasons -----------------------------------------------------------------------
 
-# The scheduler's finish reasons (scheduler_service.sequence.FinishReason values) on the wire.
-FINISH_REASON_TO_PROTO: dict[str, common_pb2.FinishReason] = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "ignored": common_pb2.FINISH_REASON_IGNORED,
-}
-FINISH_REASON_FROM_PROTO = {value: name for name, value in FINISH_REASON_TO_PROTO.items()}
+# common.proto's FinishReason is the one list. Its names, lower-cased without the prefix, are
+# the names the scheduler (scheduler_service.sequence.FinishReason), logs and metrics use.
+_FINISH_PREFIX = "FINISH_REASON_"
 
 
-class ContinuationError(ValueError):
-    """An AddRequest.continuation that cannot be continued; `field` names the offending part."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+def finish_reason_to_proto(name: str) -> common_pb2.FinishReason:
+    """`"stop"` -> FINISH_REASON_STOP. Raises ValueError for a name the proto lacks."""
+    return common_pb2.FinishReason.Value(_FINISH_PREFIX + name.upper())
 
 
-@dataclass(slots=True)
-class ContinuedChoice:
-    """One choice of a re-submitted request, as its gateway had streamed it (scheduler.proto)."""
-
-    index: int
-    # Every token id the choice has generated so far.
-    token_ids: list[int]
-    # One (chosen token, top alternatives) pair per token; empty unless logprobs were requested.
-    logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]]
-    cumulative_logprob: float
-    # "stop" | "length" | "abort" | "ignored" when the choice had finished; None otherwise.
-    finish_reason: str | None = None
-    # The stop token id that finished the choice, if one did.
-    stop_token_id: int | None = None
-
-
-def continuation_to_proto(choices: Iterable[ContinuedChoice]) -> scheduler_pb2.Continuation:
-    msg = scheduler_pb2.Continuation()
-    for c in choices:
-        entry = msg.choices.add(
-            index=c.index, token_ids=c.token_ids, cumulative_logprob=c.cumulative_logprob
-        )
-        for token, top in c.logprobs:
-            lp = entry.logprobs.add(token=token_logprob_to_proto(token))
-            _add_token_logprobs(lp.top, top)
-        if c.finish_reason is not None:
-            entry.finish_reason = FINISH_REASON_TO_PROTO[c.finish_reason]
-        if c.stop_token_id is not None:
-            entry.stop_token_id = c.stop_token_id
-    return msg
-
-
-def continuation_from_proto(
-    msg: scheduler_pb2.Continuation, params: SamplingParams
-) -> list[ContinuedChoice]:
-    """The choices of a continuation, sorted by index, checked against the
-    request's `params`. Raises ContinuationError naming the offending field."""
-    if msg.choices and not params.streams_choices:
-        raise ContinuationError(
-            "continuation",
-            "only requests whose choices stream (best_of == n, no beam search) "
-            "can continue; re-submit the others without a continuation",
-        )
-    choices: dict[int, ContinuedChoice] = {}
-    for c in msg.choices:
-        if c.index >= params.n or c.index in choices:
-            problem = "appears twice" if c.index in choices else f"is not below n={params.n}"
-            raise ContinuationError("continuation.choices.index", f"{c.index} {problem}")
-        token_ids = list(c.token_ids)
-        if len(token_ids) > params.max_tokens:
-            raise ContinuationError(
-                "continuation.choices.token_ids",
-                f"choice {c.index} has {len(token_ids)} tokens, more than max_tokens="
-                f"{params.max_tokens}",
-            )
-        want_logprobs = len(token_ids) if params.logprobs is not None else 0
-        if len(c.logprobs) != want_logprobs:
-            raise ContinuationError(
-                "continuation.choices.logprobs",
-                f"choice {c.index} has {len(c.logprobs)} logprobs for {len(token_ids)} tokens"
-                + ("" if want_logprobs else " (the request asked for none)"),
-            )
-        if c.finish_reason and c.finish_reason not in FINISH_REASON_FROM_PROTO:
-            raise ContinuationError(
-                "continuation.choices.finish_reason", f"unknown value {c.finish_reason}"
-            )
-        choices[c.index] = ContinuedChoice(
-            index=c.index,
-            token_ids=token_ids,
-            logprobs=[
-                (token_logprob_from_proto(lp.token), _token_logprobs(lp.top)) for lp in c.logprobs
-            ],
-            cumulative_logprob=c.cumulative_logprob,
-            finish_reason=FINISH_REASON_FROM_PROTO.get(c.finish_reason),
-            stop_token_id=c.stop_token_id if c.HasField("stop_token_id") else None,
-        )
-    return [choices[i] for i in sorted(choices)]
+def finish_reason_name(value: int) -> str | None:
+    """FINISH_REASON_STOP -> `"stop"`; None for UNSPECIFIED (not finished). Raises ValueError
+    for a number the proto lacks."""
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return common_pb2.FinishReason.Name(value).removeprefix(_FINISH_PREFIX).lower()

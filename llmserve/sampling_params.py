@@ -11,16 +11,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llmserve.errors import FieldError
+
 # Sampling with temperature below this is treated as greedy (argmax), as vLLM does.
 GREEDY_EPSILON = 1e-5
-
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is invalid. `field` names it, for the API layers' error messages."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +71,8 @@ class SamplingParams:
         return not self.use_beam_search and self.num_sampled == self.n
 
     def _validate(self) -> None:
-        def fail(name: str, message: str) -> None:
-            raise SamplingParamsError(name, message)
+        def fail(name: str, detail: str) -> None:
+            raise FieldError(name, detail)
 
         assert self.best_of is not None
         _check_wire_ranges(self)
@@ -135,12 +129,12 @@ def _check_wire_ranges(params: SamplingParams) -> None:
     for name in _UINT32_FIELDS:
         value = getattr(params, name)
         if value is not None and value > _UINT32_MAX:
-            raise SamplingParamsError(name, f"must be at most {_UINT32_MAX}, got {value}")
+            raise FieldError(name, f"must be at most {_UINT32_MAX}, got {value}")
     if params.seed is not None and not -(2**63) <= params.seed < 2**63:
-        raise SamplingParamsError("seed", f"must fit in 64 bits (signed), got {params.seed}")
+        raise FieldError("seed", f"must fit in 64 bits (signed), got {params.seed}")
     bad = next((t for t in params.stop_token_ids if t > _UINT32_MAX), None)
     if bad is not None:
-        raise SamplingParamsError("stop_token_ids", f"token id {bad} is not a token id")
+        raise FieldError("stop_token_ids", f"token id {bad} is not a token id")
 
 
 def with_admission_seed(params: SamplingParams, rng: random.Random) -> SamplingParams:

@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from llmserve.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES
 from llmserve.logs import configure_logging, get_logger
+from llmserve.security import add_security_flags, install, security_from_args
 from llmserve.telemetry import setup_tracing, shutdown_tracing
 
 log = get_logger(__name__)
@@ -35,15 +36,26 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     )
     parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
                         help="JSON log lines (default: when stderr is not a terminal)")
+    add_security_flags(parser)
 
 
 def start_service(service: str, args: argparse.Namespace) -> None:
-    """Logging, tracing and the metrics endpoint, from the parsed common flags."""
+    """Logging, credentials, tracing and the metrics endpoint, from the parsed common flags
+    (the service's `validate` has already checked the credentials: see `check_security`)."""
     configure_logging(service, args.log_level, args.log_json)
+    security = security_from_args(args)
+    install(security)
+    log.info("security", tls=security.tls is not None,
+             internal_token=bool(security.internal_tokens))
     setup_tracing(f"llmserve-{service}")
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host)
         log.info("metrics endpoint", url=f"http://{args.host}:{args.metrics_port}/metrics")
+
+
+def check_security(args: argparse.Namespace) -> None:
+    """For each service's `validate`: ValueError naming the flag of a bad credential."""
+    security_from_args(args)
 
 
 def freeze_startup_heap() -> None:

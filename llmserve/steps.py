@@ -2,7 +2,7 @@
 
 `StepInput` is what the scheduler decided for one iteration; `StepResult` is what the worker
 sampled. Both are plain dataclasses so in-process tests and benchmarks pass them directly;
-the services send their proto form (conversions live beside these types once the protos exist).
+the services send their proto form (worker.proto; llmserve/proto_convert.py converts).
 
 A step is a *diff*. A sequence's prompt and sampling params cross once, as a `NewSequence`;
 afterwards a `CachedSequence` carries only the tokens the scheduler appended since the worker
@@ -134,7 +134,8 @@ class SequenceOutput:
     samples: list[TokenLogprob]
     # Top `logprobs` alternatives of this step's distribution (empty when not requested).
     top_logprobs: list[TokenLogprob] = field(default_factory=list)
-    # Prompt positions computed in this step, when prompt_logprobs was requested.
+    # Prompt positions computed since the sequence last sampled (earlier prefill chunks' are
+    # held back until it does), when prompt_logprobs was requested.
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
 

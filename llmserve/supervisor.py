@@ -63,6 +63,7 @@ class StackConfig:
     scheduler_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 600.0
+    https: bool = False  # the gateway serves HTTPS (only for the banner)
 
 
 def plan_stack(config: StackConfig) -> list[ServiceSpec]:
@@ -233,11 +234,12 @@ async def run_stack(config: StackConfig) -> int:
         start.result()
         workers = ", ".join(s.grpc_address for s in stack.specs if s.name.startswith("worker"))
         scheduler = next(s.grpc_address for s in stack.specs if s.name == "scheduler")
+        http = "https" if config.https else "http"
         print(
             f"llmserve is up with model {config.model!r}\n"
             f"  gRPC   (llmserve.v1.Generation): {config.host}:{config.grpc_port}\n"
-            f"  OpenAI HTTP API:                 http://{config.host}:{config.http_port}/v1\n"
-            f"  metrics:                         http://{config.host}:{config.http_port}/metrics\n"
+            f"  OpenAI HTTP API:                 {http}://{config.host}:{config.http_port}/v1\n"
+            f"  metrics:                         {http}://{config.host}:{config.http_port}/metrics\n"
             f"  scheduler: {scheduler}, workers: {workers}\n"
             f"    (llmserve drain --scheduler {scheduler} WORKER takes one out)\n"
             f"Try: llmserve generate --chat 'What is the capital of France?'\n"

@@ -1,10 +1,10 @@
 """scheduler_service: sequences, paged block manager, iteration scheduler and step loop."""
 
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.sampling_params import SamplingParams
 from scheduler_service.block_allocator import BlockAllocator, Device, LRUEvictor
 from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
 from scheduler_service.config import CacheConfig, ConfigError, PreemptionMode, SchedulerConfig
-from scheduler_service.engine import EngineStalledError, LLMEngine, RequestError
+from scheduler_service.engine import EngineStalledError, LLMEngine
 from scheduler_service.outputs import CompletionOutput, RequestOutput, WorkerOutputError
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import (
@@ -36,12 +36,10 @@ __all__ = [
     "LRUEvictor",
     "PreemptedGroup",
     "PreemptionMode",
-    "RequestError",
     "RequestMetrics",
     "RequestOutput",
     "SampleLogprobs",
     "SamplingParams",
-    "SamplingParamsError",
     "ScheduledGroup",
     "Scheduler",
     "SchedulerConfig",

@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from llmserve import security
 from llmserve.config_env import parse_service_args
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
-from llmserve.service_main import add_common_flags, serve_until_signal, start_service
+from llmserve.service_main import (
+    add_common_flags,
+    check_security,
+    serve_until_signal,
+    start_service,
+)
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_service.admission import DEFAULT_MAX_WAITING_REQUESTS, SchedulerAdmission, drain
 from scheduler_service.config import PreemptionMode, SchedulerConfig
@@ -32,8 +38,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=8192,
-        help="cap on prompt + output tokens (the worker's model limit also applies)",
+        default=None,
+        help="lower every worker's max_model_len to this (default: the worker's, which its "
+        "model and cache decide); a worker whose own is smaller is refused",
     )
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto")
@@ -107,7 +114,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="running requests of a draining worker may finish there for this long before "
         "they move",
     )
-    return parse_service_args(p, argv, build_fleet_config)
+    return parse_service_args(p, argv, validate)
+
+
+def validate(args: argparse.Namespace) -> None:
+    """What --check-config checks beyond the parser."""
+    check_security(args)
+    build_fleet_config(args)
 
 
 def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -146,7 +159,9 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
 async def serve(args: argparse.Namespace) -> None:
     from scheduler_service.server import Router, SchedulerServicer
 
-    server, health = create_server([SERVICE_NAME], args.max_message_bytes)
+    server, health = create_server(
+        [SERVICE_NAME], args.max_message_bytes, security.internal_auth([SERVICE_NAME])
+    )
 
     def on_ready_change(ready: bool) -> None:
         # SERVING only while at least one worker replica is ready to take requests.
@@ -157,7 +172,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router), server)
     address = f"{args.host}:{args.port}"
-    server.add_insecure_port(address)
+    security.add_port(server, address)
     await set_serving(health, [SERVICE_NAME], False)
     await server.start()
     router.start([w.strip() for w in args.workers.split(",") if w.strip()])

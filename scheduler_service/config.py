@@ -3,16 +3,14 @@ explicitly."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
+from llmserve.errors import FieldError
 
-class ConfigError(ValueError):
-    """A configuration value is invalid. `field` names it."""
 
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+class ConfigError(FieldError):
+    """A configuration value is invalid: the one FieldError shape (`field`, `detail`)."""
 
 
 class PreemptionMode(Enum):
@@ -31,18 +29,21 @@ class SchedulerConfig:
     first (the prefill-first policy), and `max_num_batched_tokens` must fit `max_model_len`.
     `preemption_mode`: None picks RECOMPUTE for groups with one live sequence and SWAP for
     the others; a SWAP that the host swap space cannot take recomputes instead.
+    `max_model_len`: the longest prompt + output. The worker's model and cache decide it: a
+    replica takes its worker's (`with_worker_max_model_len`), and a value set here may only
+    lower it. An engine needs it decided (in-process engines set it themselves).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
-        if self.max_model_len < 1:
+        if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len", f"must be at least 1, got {self.max_model_len}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
@@ -50,12 +51,35 @@ class SchedulerConfig:
                 f"must be at least max_num_seqs ({self.max_num_seqs}), "
                 f"got {self.max_num_batched_tokens}",
             )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ConfigError(
                 "max_num_batched_tokens",
                 f"must be at least max_model_len ({self.max_model_len}) without chunked "
                 f"prefill, got {self.max_num_batched_tokens}",
             )
+
+    @property
+    def model_len(self) -> int:
+        """`max_model_len`, decided (an engine refuses a config without it)."""
+        if self.max_model_len is None:
+            raise ConfigError("max_model_len", "not decided: a replica takes its worker's")
+        return self.max_model_len
+
+    def with_worker_max_model_len(self, worker_max_model_len: int) -> SchedulerConfig:
+        """This config with `max_model_len` decided from the worker's (InfoResponse): the
+        worker's, or ours when set and not larger. Raises ConfigError when ours is larger."""
+        cap = self.max_model_len
+        if cap is not None and cap > worker_max_model_len:
+            raise ConfigError(
+                "max_model_len",
+                f"--max-model-len {cap} is more than the worker's model and cache allow "
+                f"({worker_max_model_len}); it may only lower it",
+            )
+        return replace(self, max_model_len=worker_max_model_len if cap is None else cap)
 
 
 @dataclass(frozen=True, slots=True)

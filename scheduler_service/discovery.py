@@ -8,6 +8,7 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve import security
 from llmserve.logs import get_logger
 
 log = get_logger(__name__)
@@ -28,7 +29,7 @@ async def resolve_workers(name: str) -> set[str]:
 async def answers_health(address: str, timeout_s: float = 1.0) -> bool:
     """Whether a process answers health checks at `address` (whatever its status)."""
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with security.aio_channel(address) as channel:
             await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout_s
             )

@@ -11,6 +11,8 @@ import itertools
 import time
 from typing import Any
 
+from llmserve.errors import FieldError
+from llmserve.priority import check_priority
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import Executor, StepInput, StepResult
 from scheduler_service.config import CacheConfig, SchedulerConfig
@@ -26,16 +28,6 @@ from scheduler_service.scheduler_outputs import SchedulerOutputs, SchedulerStats
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.step_builder import StepBuilder
 from scheduler_service.text_stops import StopStrings, TokenizerLoader
-
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-
-class RequestError(ValueError):
-    """A request argument is invalid. `field` names it; the engine state is unchanged."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 class EngineStalledError(RuntimeError):
@@ -84,21 +76,21 @@ class LLMEngine:
         priority: int = 0,
         stop_strings: StopStrings | None = None,
     ) -> None:
-        """Queue a request. Raises `RequestError` (naming the field) on bad input."""
+        """Queue a request. Raises `FieldError` (naming the field) on bad input."""
         if not isinstance(request_id, str) or not request_id:
-            raise RequestError("request_id", "must be a non-empty string")
+            raise FieldError("request_id", "must be a non-empty string")
         if self.scheduler.get_seq_group(request_id) is not None:
-            raise RequestError("request_id", f"{request_id!r} is already in use")
+            raise FieldError("request_id", f"{request_id!r} is already in use")
         if not prompt_token_ids:
-            raise RequestError("prompt_token_ids", "must not be empty")
+            raise FieldError("prompt_token_ids", "must not be empty")
         if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
-            raise RequestError("prompt_token_ids", "must be non-negative integers")
+            raise FieldError("prompt_token_ids", "must be non-negative integers")
         if not isinstance(sampling_params, SamplingParams):
-            raise RequestError("sampling_params", "must be a SamplingParams")
+            raise FieldError("sampling_params", "must be a SamplingParams")
         if eos_token_id is not None and eos_token_id < 0:
-            raise RequestError("eos_token_id", f"must be non-negative, got {eos_token_id}")
+            raise FieldError("eos_token_id", f"must be non-negative, got {eos_token_id}")
         self._check_num_seqs(sampling_params)
-        _check_priority(priority)
+        check_priority(priority)
         seq = Sequence(
             next(self._seq_counter),
             list(prompt_token_ids),
@@ -118,14 +110,14 @@ class LLMEngine:
         if stops is None:
             return
         if not stops.strings or any(not s for s in stops.strings):
-            raise RequestError("stop", "stop strings must not be empty")
+            raise FieldError("stop", "stop strings must not be empty")
         if self._tokenizer is None:
             if self._load_tokenizer is None:
-                raise RequestError("stop", "this scheduler has no tokenizer to match stop strings")
+                raise FieldError("stop", "this scheduler has no tokenizer to match stop strings")
             try:
                 self._tokenizer = self._load_tokenizer()
             except Exception as exc:  # the model's tokenizer files are not reachable here
-                raise RequestError(
+                raise FieldError(
                     "stop", f"the model's tokenizer cannot be loaded to match stop strings: {exc}"
                 ) from exc
         for seq in group.get_unfinished_seqs():
@@ -135,21 +127,21 @@ class LLMEngine:
         max_seqs = self.scheduler_config.max_num_seqs
         if params.num_sampled > max_seqs:
             name = "n" if params.use_beam_search else "best_of"
-            raise RequestError(
+            raise FieldError(
                 f"sampling_params.{name}",
                 f"{params.num_sampled} sequences can never run at once on this replica "
                 f"(max_num_seqs={max_seqs})",
             )
 
     def check_admissible(self, snapshot: GroupSnapshot) -> None:
-        """Raise `RequestError` if this replica can never run the request: more sequences
+        """Raise `FieldError` if this replica can never run the request: more sequences
         than `max_num_seqs`, a prompt over `max_model_len`, or more KV blocks than the cache
         holds (less the watermark)."""
         self._check_num_seqs(snapshot.sampling_params)
-        max_len = self.scheduler_config.max_model_len
+        max_len = self.scheduler_config.model_len
         prompt_len = len(snapshot.prompt_token_ids)
         if prompt_len > max_len:
-            raise RequestError(
+            raise FieldError(
                 "prompt",
                 f"prompt has {prompt_len} tokens, more than max_model_len ({max_len})",
             )
@@ -159,7 +151,7 @@ class LLMEngine:
         ] or [None]
         lengths = [prompt_len + (len(s.output_token_ids) if s else 0) for s in unfinished]
         if len(set(lengths)) > 1:
-            raise RequestError(
+            raise FieldError(
                 "seqs", "the unfinished sequences of a request must have the same length"
             )
         # Siblings share the prompt's full blocks through the prefix cache (or not at all).
@@ -167,7 +159,7 @@ class LLMEngine:
         needed = shared + sum(-(-n // bs) - shared for n in lengths)
         bm = self.scheduler.block_manager
         if bm.num_total_gpu_blocks - needed < bm.watermark_blocks:
-            raise RequestError(
+            raise FieldError(
                 "prompt",
                 f"the request needs {needed} KV blocks, more than the cache can ever hold "
                 f"({bm.num_total_gpu_blocks} blocks, watermark {bm.watermark_blocks})",
@@ -176,17 +168,17 @@ class LLMEngine:
     def import_request(self, snapshot: GroupSnapshot) -> None:
         """Queue a request moved here (or a new one, as a snapshot with no sequences). Its
         unfinished sequences are recomputed, by arrival order among the waiting requests.
-        Raises `RequestError` if the id is in use or `check_admissible` refuses it."""
+        Raises `FieldError` if the id is in use or `check_admissible` refuses it."""
         request_id = snapshot.request_id
         if not request_id:
-            raise RequestError("request_id", "must be a non-empty string")
+            raise FieldError("request_id", "must be a non-empty string")
         if self.scheduler.get_seq_group(request_id) is not None or any(
             o.request_id == request_id for o in self._finished_on_import
         ):
-            raise RequestError("request_id", f"{request_id!r} is already in use")
+            raise FieldError("request_id", f"{request_id!r} is already in use")
         if not snapshot.prompt_token_ids:
-            raise RequestError("prompt_token_ids", "must not be empty")
-        _check_priority(snapshot.priority)
+            raise FieldError("prompt_token_ids", "must not be empty")
+        check_priority(snapshot.priority)
         self.check_admissible(snapshot)
         group = rebuild_group(
             snapshot, lambda: next(self._seq_counter), self.cache_config.block_size
@@ -194,7 +186,7 @@ class LLMEngine:
         for seq in group.get_unfinished_seqs():
             if (
                 seq.get_output_len() >= snapshot.sampling_params.max_tokens
-                or seq.get_len() >= self.scheduler_config.max_model_len
+                or seq.get_len() >= self.scheduler_config.model_len
             ):
                 seq.status = SequenceStatus.LENGTH_CAPPED
         if group.is_finished():
@@ -286,13 +278,13 @@ class LLMEngine:
         """
         if isinstance(params, list):
             if len(params) != len(prompts):
-                raise RequestError("params", f"{len(params)} params for {len(prompts)} prompts")
+                raise FieldError("params", f"{len(params)} params for {len(prompts)} prompts")
             params_list = params
         else:
             params_list = [params] * len(prompts)
         ids = [f"generate-{next(self._generate_counter)}" for _ in prompts]
         if priorities is not None and len(priorities) != len(prompts):
-            raise RequestError(
+            raise FieldError(
                 "priorities", f"{len(priorities)} priorities for {len(prompts)} prompts"
             )
         for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params_list, strict=True)):
@@ -316,11 +308,6 @@ class LLMEngine:
                 if delta.finished:
                     pending.discard(delta.request_id)
         return [results[i] for i in ids]
-
-
-def _check_priority(priority: int) -> None:
-    if not isinstance(priority, int) or not INT32_MIN <= priority <= INT32_MAX:
-        raise RequestError("priority", f"must be a 32-bit integer, got {priority!r}")
 
 
 def _accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

@@ -32,12 +32,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import grpc
-
+from llmserve.errors import (
+    ApiError,
+    FailedPreconditionError,
+    FieldError,
+    InternalError,
+    NotFoundError,
+    UnavailableError,
+)
 from llmserve.logs import get_logger
 from scheduler_service import metrics
 from scheduler_service.discovery import answers_health, resolve_workers
-from scheduler_service.engine import RequestError as EngineRequestError
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState, WorkerLostError
@@ -89,7 +94,7 @@ class FleetOwner(Protocol):
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """A step's deltas, for the requests' gateways."""
 
-    def fail_request(self, key: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
+    def fail_request(self, key: str, error: ApiError) -> None:
         """The request cannot go on: answer its gateway with this error and forget it."""
 
     def is_routed(self, key: str) -> bool:
@@ -219,7 +224,7 @@ class Fleet:
     def drain(self, address: str) -> tuple[Replica, int]:
         member = self.members.get(address)
         if member is None:
-            raise LookupError(f"address: no worker {address!r} in the fleet")
+            raise NotFoundError(f"address: no worker {address!r} in the fleet", "address")
         return member.replica, member.replica.drain()
 
     # -- placement -------------------------------------------------------------------------------
@@ -299,11 +304,9 @@ class Fleet:
     ) -> None:
         try:
             self.place(snapshot, trace, source, cause)
-        except EngineRequestError as exc:
-            end_request_trace(trace, str(exc))
-            self.owner.fail_request(
-                snapshot.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field
-            )
+        except FieldError as exc:
+            end_request_trace(trace, exc.message)
+            self.owner.fail_request(snapshot.request_id, exc)
 
     def _expire_pending(self, now: float) -> None:
         for key, pending in list(self.pending.items()):
@@ -314,7 +317,7 @@ class Fleet:
                     f"({len(self.members)} known, none ready)"
                 )
                 end_request_trace(pending.trace, message)
-                self.owner.fail_request(key, grpc.StatusCode.UNAVAILABLE, message)
+                self.owner.fail_request(key, UnavailableError(message))
 
     # -- ReplicaOwner ------------------------------------------------------------------------
 
@@ -358,7 +361,7 @@ class Fleet:
             if failures >= self.config.max_step_failures:
                 message = f"the request failed {failures} scheduler steps; last error: {error}"
                 end_request_trace(trace, message)
-                self.owner.fail_request(key, grpc.StatusCode.INTERNAL, message)
+                self.owner.fail_request(key, InternalError(message))
                 continue
             self._place_or_fail(snapshot, trace, replica, "step_failed")
 
@@ -387,11 +390,12 @@ class Fleet:
             self._on_ready_change(ready)
 
 
-class DrainedError(RuntimeError):
+class DrainedError(FailedPreconditionError):
     """A drained worker tried to register again while still running."""
 
     def __init__(self, address: str) -> None:
         super().__init__(
             f"address: worker {address} was drained; it rejoins once restarted "
-            "(after it stops answering health checks)"
+            "(after it stops answering health checks)",
+            "address",
         )

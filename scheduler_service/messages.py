@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import grpc
-
+from llmserve.continuation import continuation_from_proto
 from llmserve.errors import ApiError, grpc_status
-from llmserve.grpc_utils import RequestError
-from llmserve.proto_convert import (
-    FINISH_REASON_TO_PROTO,
-    ContinuationError,
-    continuation_from_proto,
-    token_logprob_to_proto,
-)
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.proto_convert import finish_reason_to_proto, token_logprob_to_proto
+from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import scheduler_pb2
 from scheduler_service.migration import SequenceSnapshot
 from scheduler_service.outputs import CompletionOutput, RequestOutput
@@ -37,10 +30,7 @@ def continued_choices(
     continuation: scheduler_pb2.Continuation, params: SamplingParams
 ) -> dict[int, SequenceSnapshot]:
     """The gateway's record of a request re-submitted after a scheduler restart."""
-    try:
-        choices = continuation_from_proto(continuation, params)
-    except ContinuationError as exc:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from exc
+    choices = continuation_from_proto(continuation, params)
     return {
         c.index: SequenceSnapshot(
             c.index,
@@ -54,19 +44,11 @@ def continued_choices(
     }
 
 
-def error_message(request_id: str, exc: Exception) -> scheduler_pb2.SchedulerMessage:
-    if isinstance(exc, RequestError):
-        code, field_name = exc.code, exc.field or ""
-    elif isinstance(exc, ApiError):
-        code, field_name = grpc_status(exc)[0], exc.field or ""
-    else:
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        field_name = getattr(exc, "field", "")
-        if isinstance(exc, SamplingParamsError):
-            field_name = f"sampling_params.{exc.field}"
+def error_message(request_id: str, exc: ApiError) -> scheduler_pb2.SchedulerMessage:
+    code, message = grpc_status(exc)
     return scheduler_pb2.SchedulerMessage(
         error=scheduler_pb2.RequestError(
-            request_id=request_id, code=code.value[0], message=str(exc), field=field_name
+            request_id=request_id, code=code.value[0], message=message, field=exc.field or ""
         )
     )
 
@@ -78,7 +60,7 @@ def _choice_to_proto(choice: CompletionOutput) -> scheduler_pb2.ChoiceDelta:
         cumulative_logprob=choice.cumulative_logprob,
     )
     if choice.finish_reason is not None:
-        msg.finish_reason = FINISH_REASON_TO_PROTO[choice.finish_reason]
+        msg.finish_reason = finish_reason_to_proto(choice.finish_reason)
     if choice.stop_token_id is not None:
         msg.stop_token_id = choice.stop_token_id
     for lp in choice.logprobs or ():

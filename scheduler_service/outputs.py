@@ -116,7 +116,7 @@ class OutputProcessor:
     def __init__(self, scheduler: Scheduler, seq_counter: itertools.count[int]) -> None:
         self.scheduler = scheduler
         self.seq_counter = seq_counter
-        self.max_model_len = scheduler.scheduler_config.max_model_len
+        self.max_model_len = scheduler.scheduler_config.model_len
         self._events = WorkerEvents()
 
     def process(

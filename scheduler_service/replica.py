@@ -27,13 +27,13 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from llmserve import failpoints
+from llmserve import failpoints, security
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_service import metrics
-from scheduler_service.config import ReplicaConfig
+from scheduler_service.config import ConfigError, ReplicaConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.replica_owner import ReplicaOwner, ReplicaState
@@ -67,7 +67,7 @@ class Replica:
         self.address = address
         self.config = config
         self.owner = owner
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = security.aio_channel(
             address, options=channel_options(config.max_message_bytes)
         )
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
@@ -191,10 +191,15 @@ class Replica:
                 break  # drained: nothing left on the replica
             except asyncio.CancelledError:
                 raise
-            except (grpc.aio.AioRpcError, WorkerLostError) as exc:
+            except (grpc.aio.AioRpcError, WorkerLostError, ConfigError) as exc:
                 # A worker that answers but refuses the cache it is asked for (too small for
-                # max_model_len, more than its memory holds) is misconfigured, not unreachable.
-                refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() in REFUSALS
+                # max_model_len, more than its memory holds), or whose max_model_len is below
+                # our --max-model-len, is misconfigured, not unreachable.
+                refused = isinstance(exc, ConfigError) or (
+                    isinstance(exc, grpc.aio.AioRpcError) and exc.code() in REFUSALS
+                )
+                if isinstance(exc, ConfigError):
+                    exc = WorkerLostError("config", str(exc))
                 if isinstance(exc, grpc.aio.AioRpcError):
                     exc = WorkerLostError("stream", exc.details() or exc.code().name)
                 exc = self._lost or exc
@@ -249,7 +254,7 @@ class Replica:
             num_gpu_blocks=cache_config.num_gpu_blocks,
             num_cpu_blocks=cache_config.num_cpu_blocks,
             block_size=info.block_size,
-            max_model_len=scheduler_config.max_model_len,
+            max_model_len=scheduler_config.model_len,
         )
         if self.state is not ReplicaState.DRAINING:
             self._set_state(ReplicaState.READY)

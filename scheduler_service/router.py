@@ -18,17 +18,13 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
-from llmserve.errors import ApiError
-from llmserve.grpc_utils import RequestError
+from llmserve.errors import AlreadyExistsError, ApiError, DeadlineExceededError, FieldError
 from llmserve.logs import get_logger
 from llmserve.proto_convert import sampling_params_from_proto
-from llmserve.sampling_params import SamplingParams, SamplingParamsError, with_admission_seed
+from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.v1 import scheduler_pb2
 from scheduler_service import metrics
 from scheduler_service.admission import SchedulerAdmission, arm_deadline
-from scheduler_service.engine import RequestError as EngineRequestError
 from scheduler_service.fleet import Fleet, FleetConfig
 from scheduler_service.messages import (
     continued_choices,
@@ -111,24 +107,18 @@ class Router:
         """Queue a request, or answer it at once with a RequestError."""
         try:
             self._add(stream, add)
-        except (RequestError, ApiError, SamplingParamsError, EngineRequestError) as exc:
+        except ApiError as exc:
             stream.outbox.put_nowait(error_message(add.request_id, exc))
 
     def _add(self, stream: GatewayStream, add: scheduler_pb2.AddRequest) -> None:
         if not add.request_id:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty", "request_id"
-            )
+            raise FieldError("request_id", "must not be empty")
         if add.request_id in stream.request_ids:
-            raise RequestError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id: {add.request_id!r} is already running",
-                "request_id",
+            raise AlreadyExistsError(
+                f"request_id: {add.request_id!r} is already running", "request_id"
             )
         if not add.HasField("sampling_params"):
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, "sampling_params: required", "sampling_params"
-            )
+            raise FieldError("sampling_params", "required")
         self.admission.check(self.fleet, add.HasField("continuation"))
         params = with_admission_seed(sampling_params_from_proto(add.sampling_params), self._seeds)
         key = stream.key(add.request_id)
@@ -152,7 +142,7 @@ class Router:
         trace = start_request_trace(key, add.traceparent, len(route.prompt_token_ids))
         try:
             self.fleet.place(snapshot, trace)
-        except EngineRequestError:
+        except ApiError:
             end_request_trace(trace, "refused")
             raise
         stream.request_ids.add(add.request_id)
@@ -190,8 +180,9 @@ class Router:
         if self.routes.get(key) is not route:
             return
         self.fleet.abort(key)
-        self.fail_request(key, grpc.StatusCode.DEADLINE_EXCEEDED,
-                          "the request's deadline passed before it finished")
+        self.fail_request(
+            key, DeadlineExceededError("the request's deadline passed before it finished")
+        )
 
     # -- FleetOwner ------------------------------------------------------------------------------
 
@@ -209,16 +200,19 @@ class Router:
         route.step_failures += 1
         return route.step_failures
 
-    def fail_request(self, key: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
+    def fail_request(self, key: str, error: ApiError) -> None:
         route = self.routes.pop(key, None)
         if route is None:
             return
         route.stream.request_ids.discard(route.request_id)
         self.fleet.finished(key)
-        route.stream.outbox.put_nowait(
-            error_message(route.request_id, RequestError(code, message, field or None))
+        route.stream.outbox.put_nowait(error_message(route.request_id, error))
+        log.warning(
+            "request failed",
+            request_id=route.request_id,
+            code=error.grpc_code.name,
+            error=error.message,
         )
-        log.warning("request failed", request_id=route.request_id, code=code.name, error=message)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -228,12 +222,7 @@ class Router:
             route.num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
             if output.ignore_reason is not None:
                 message = error_message(
-                    route.request_id,
-                    RequestError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"prompt: {output.ignore_reason}",
-                        "prompt",
-                    ),
+                    route.request_id, FieldError("prompt", output.ignore_reason)
                 )
             else:
                 if route.params.streams_choices:
@@ -306,4 +295,7 @@ class Router:
             entry.prefix_cache_queries = s.prefix_cache_queries
             entry.prefix_cache_hits = s.prefix_cache_hits
             entry.num_preemptions = s.num_preemptions_recompute + s.num_preemptions_swap
+            entry.max_model_len = engine.scheduler_config.model_len
+        lens = [r.max_model_len for r in reply.replicas if r.max_model_len]
+        reply.max_model_len = min(lens, default=0)
         return reply

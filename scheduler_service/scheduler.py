@@ -91,7 +91,7 @@ class Scheduler(SchedulerQueues):
         if not waiting or not running or running[-1].priority <= waiting[0].priority:
             return
         head = waiting[0]
-        if head.get_seqs(SequenceStatus.WAITING)[0].get_len() > self.scheduler_config.max_model_len:
+        if head.get_seqs(SequenceStatus.WAITING)[0].get_len() > self.scheduler_config.model_len:
             return  # it will be ignored, not admitted
         bm = self.block_manager
         max_seqs = self.scheduler_config.max_num_seqs
@@ -252,11 +252,11 @@ class Scheduler(SchedulerQueues):
             seqs = seq_group.get_seqs(SequenceStatus.WAITING)
             seq = seqs[0]
             num_tokens = seq.get_len()
-            if num_tokens > config.max_model_len:
+            if num_tokens > config.model_len:
                 self._ignore(
                     seq_group,
                     f"prompt has {num_tokens} tokens, more than max_model_len "
-                    f"({config.max_model_len})",
+                    f"({config.model_len})",
                     out,
                 )
                 continue

@@ -7,10 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from llmserve.grpc_utils import RequestError
+from llmserve.errors import FieldError
 from llmserve.logs import get_logger
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler_service.fleet import DrainedError
 from scheduler_service.router import GatewayStream, Router
 
 __all__ = ["Router", "SchedulerServicer"]
@@ -21,11 +20,7 @@ log = get_logger(__name__)
 def _check_address(address: str) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"address: must be host:port, got {address!r}",
-            "address",
-        )
+        raise FieldError("address", f"must be host:port, got {address!r}")
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -38,10 +33,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RegisterWorkerResponse:
         _check_address(request.address)
-        try:
-            replica = self.router.fleet.register(request.address)
-        except DrainedError as exc:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc), "address") from exc
+        replica = self.router.fleet.register(request.address)
         return scheduler_pb2.RegisterWorkerResponse(
             replica_id=replica.replica_id,
             lease_ms=int(self.router.fleet.config.lease_s * 1000),
@@ -51,10 +43,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.DrainWorkerRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.DrainWorkerResponse:
         _check_address(request.address)
-        try:
-            replica, num_requests = self.router.fleet.drain(request.address)
-        except LookupError as exc:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc), "address") from exc
+        replica, num_requests = self.router.fleet.drain(request.address)
         log.info("drain requested", address=request.address, requests=num_requests)
         return scheduler_pb2.DrainWorkerResponse(
             replica_id=replica.replica_id, num_requests=num_requests

@@ -6,7 +6,7 @@ blocks) until its siblings finish, best_of and beam search would rank candidates
 the stop, and usage would count it. So, as vLLM's engine does in its output processor, the
 scheduler detokenizes the output of each sequence of a request that has stop strings
 (`AddRequest.stop`), with the tokenizer of the model its workers serve (loaded once per model,
-on the first request that needs it) and the gateway's own `IncrementalDetokenizer` and
+when the first request that needs it arrives: the scheduler's loop waits for that one load) and the gateway's own `IncrementalDetokenizer` and
 `StopStringMatcher` (llmserve/). The token that completes a stop string finishes its sequence
 (STOPPED, no stop token id): its blocks are freed in the same step, and it is the last token
 returned, counted and ranked (cumulative logprob over the returned tokens). The gateway matches

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -86,8 +86,10 @@ class WorkerLink:
 
 async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> WorkerLink:
     """Initialize the worker's cache. Raises grpc.aio.AioRpcError if it does not answer or
-    refuses (`REFUSALS`)."""
+    refuses (`REFUSALS`), ConfigError if our --max-model-len is above the worker's."""
     info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
+    # max_model_len: the worker's model and cache decide it; ours may only lower it.
+    scheduler_config = cfg.scheduler.with_worker_max_model_len(info.max_model_len)
     # An override replaces the worker's count, larger or smaller (as in vLLM).
     num_gpu = cfg.num_gpu_blocks_override
     if num_gpu is None:
@@ -98,9 +100,6 @@ async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> W
     reply = await stub.InitializeCache(
         worker_pb2.InitializeCacheRequest(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu),
         timeout=120,
-    )
-    scheduler_config = replace(
-        cfg.scheduler, max_model_len=min(cfg.scheduler.max_model_len, info.max_model_len)
     )
     cache_config = CacheConfig(
         block_size=info.block_size,

@@ -7,10 +7,16 @@ import asyncio
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
+from llmserve import security
 from llmserve.config_env import parse_service_args
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
-from llmserve.service_main import add_common_flags, serve_until_signal, start_service
+from llmserve.service_main import (
+    add_common_flags,
+    check_security,
+    serve_until_signal,
+    start_service,
+)
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.config import GiB, WorkerConfig
 from worker_service.membership import LeaseKeeper, WorkerDrain
@@ -73,9 +79,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """What --check-config checks beyond the parser: the config's own rules and the model."""
-    from llmserve.model_spec import ModelNotFoundError, resolve_model
+    from llmserve.errors import ModelNotFoundError
+    from llmserve.model_spec import resolve_model
 
     build_config(args)
+    check_security(args)
     try:
         resolve_model(args.model)
     except ModelNotFoundError as exc:
@@ -130,11 +138,13 @@ async def serve(args: argparse.Namespace) -> int:
         num_cpu_blocks=num_cpu,
         block_bytes=worker.get_cache_block_size_bytes(),
     )
-    server, health = create_server([SERVICE_NAME], args.max_message_bytes)
+    server, health = create_server(
+        [SERVICE_NAME], args.max_message_bytes, security.internal_auth([SERVICE_NAME])
+    )
     servicer = WorkerServicer(worker, num_gpu, num_cpu, model_thread)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     address = f"{args.host}:{args.port}"
-    server.add_insecure_port(address)
+    security.add_port(server, address)
     await server.start()
     await set_serving(health, [SERVICE_NAME])
     log.info(

@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from llmserve.errors import FieldError
+
 GiB = 1 << 30
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -21,12 +23,8 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class WorkerConfigError(ValueError):
-    """A worker option is invalid. `field` names it."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+class WorkerConfigError(FieldError):
+    """A worker option is invalid: the one FieldError shape (`field`, `detail`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health
 
+from llmserve import security
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -103,7 +104,7 @@ class LeaseKeeper:
     async def run(self) -> None:
         request = scheduler_pb2.RegisterWorkerRequest(address=self.advertised)
         while True:
-            async with grpc.aio.insecure_channel(self.scheduler, options=channel_options()) as ch:
+            async with security.aio_channel(self.scheduler, options=channel_options()) as ch:
                 stub = scheduler_pb2_grpc.SchedulerStub(ch)
                 while True:
                     timeout = min(REGISTER_TIMEOUT_S, max(self.interval_s, 1.0))
@@ -173,7 +174,7 @@ class DrainTarget(Protocol):
 
 async def request_drain(scheduler: str, address: str) -> scheduler_pb2.DrainWorkerResponse | None:
     """DrainWorker(address), retried briefly; None when the scheduler did not take it."""
-    async with grpc.aio.insecure_channel(scheduler, options=channel_options()) as channel:
+    async with security.aio_channel(scheduler, options=channel_options()) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         for attempt in range(1, DRAIN_ATTEMPTS + 1):
             try:

@@ -20,7 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
-from llmserve.grpc_utils import RequestError
+from llmserve.errors import (
+    FailedPreconditionError,
+    FieldError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_from_proto, step_result_to_proto
 from llmserve.telemetry import context_from_traceparent
@@ -111,18 +116,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.InitializeCacheResponse:
         wanted = (request.num_gpu_blocks, request.num_cpu_blocks)
         if request.num_gpu_blocks < 1:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "num_gpu_blocks: must be at least 1",
-                "num_gpu_blocks",
-            )
+            raise FieldError("num_gpu_blocks", "must be at least 1")
         self._check_holds_max_model_len(request.num_gpu_blocks)
         start = time.perf_counter_ns()
         if wanted != self.allocated:
             if self._stream_open:
-                raise RequestError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "cannot reallocate the KV cache while an Execute stream is open",
+                raise FailedPreconditionError(
+                    "cannot reallocate the KV cache while an Execute stream is open"
                 )
             # More blocks than fit in the configured KV memory are allowed: the scheduler's
             # num_gpu_blocks_override replaces the profiled count, as in vLLM. An allocation
@@ -142,8 +142,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 # Also drops all sequence state (a new cache holds none).
                 await self._on_model_thread(self.worker.initialize_cache, *wanted)
             except RuntimeError as exc:  # torch.OutOfMemoryError, or the CPU allocator's
-                raise RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise ResourceExhaustedError(
                     f"num_gpu_blocks: allocating {wanted[0]} device and {wanted[1]} host "
                     f"blocks failed: {exc}",
                     "num_gpu_blocks",
@@ -165,13 +164,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         info = self.worker.model_info
         needed = -(-info.max_model_len // info.block_size)
         if num_gpu_blocks < needed:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"num_gpu_blocks: {num_gpu_blocks} blocks of {info.block_size} tokens cannot "
+            raise FieldError(
+                "num_gpu_blocks",
+                f"{num_gpu_blocks} blocks of {info.block_size} tokens cannot "
                 f"hold one sequence of max_model_len ({info.max_model_len} tokens, {needed} "
                 "blocks); give the worker more KV cache memory, lower its --max-model-len, or "
                 "raise --num-gpu-blocks-override",
-                "num_gpu_blocks",
             )
 
     async def Execute(
@@ -180,17 +178,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.ExecuteResult]:
         if self.draining:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE, "this worker is draining and takes no new stream"
-            )
+            raise UnavailableError("this worker is draining and takes no new stream")
         if self._stream_open:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is already open"
-            )
+            raise FailedPreconditionError("another Execute stream is already open")
         if self.allocated == (0, 0):
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache must be called first"
-            )
+            raise FailedPreconditionError("InitializeCache must be called first")
         self._stream_open = True
         self._touch()
         log.info("execute stream opened", peer=context.peer())

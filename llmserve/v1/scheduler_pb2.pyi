@@ -134,16 +134,14 @@ class ChoiceDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.OutputLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("queue_ns", "first_token_ns", "e2e_ns", "num_preemptions")
+    __slots__ = ("queue_ns", "first_token_ns", "e2e_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     E2E_NS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     first_token_ns: int
     e2e_ns: int
-    num_preemptions: int
-    def __init__(self, queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    def __init__(self, queue_ns: _Optional[int] = ..., first_token_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "choices", "prompt_logprobs", "finished", "usage", "metrics")
@@ -178,7 +176,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy", "state", "num_migrated_out")
+    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy", "state", "num_migrated_out", "max_model_len")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +193,7 @@ class ReplicaStats(_message.Message):
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATED_OUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     address: str
     num_waiting: int
@@ -211,14 +210,17 @@ class ReplicaStats(_message.Message):
     healthy: bool
     state: WorkerState
     num_migrated_out: int
-    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("replicas", "num_unfinished_requests", "num_gateways")
+    __slots__ = ("replicas", "num_unfinished_requests", "num_gateways", "max_model_len")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     NUM_UNFINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_GATEWAYS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
     num_unfinished_requests: int
     num_gateways: int
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., num_unfinished_requests: _Optional[int] = ..., num_gateways: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., num_unfinished_requests: _Optional[int] = ..., num_gateways: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...

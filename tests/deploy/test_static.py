@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -48,7 +49,9 @@ def check_config(args: list[str], env: dict[str, str]) -> subprocess.CompletedPr
 # -- compose ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.gpu.yml"])
+@pytest.mark.parametrize(
+    "name", ["docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.mtls.yml"]
+)
 def test_compose_file_validates_against_the_compose_spec(name: str):
     schema = json.loads(COMPOSE_SCHEMA.read_text())
     # The spec declares draft-07 under an address jsonschema does not know by that name.
@@ -60,6 +63,7 @@ def test_compose_variables_interpolate_like_compose():
     assert interpolate({"k": ["${A:-x}"]}, {}) == {"k": ["x"]}
 
 
+@pytest.mark.services
 @pytest.mark.parametrize(
     "files",
     [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")],
@@ -109,6 +113,101 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port():
         ("gateway", int(services["gateway"]["environment"]["LLMSERVE_HTTP_PORT"])),
     }
     assert targets == expected
+
+
+# -- the mTLS variant: docker-compose.mtls.yml, deploy/k8s/components/mtls --------------------
+
+TLS_DIR = "/etc/llmserve/tls"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stands in for the mounted certificates: llmserve.devcerts' files, under both the names
+    compose mounts (NAME.pem) and those of a Kubernetes TLS Secret (tls.crt, ca.crt)."""
+    from llmserve.devcerts import make_dev_pki
+
+    out = tmp_path_factory.mktemp("certs")
+    make_dev_pki(out)
+    (out / "api-keys").write_text("a-key\n")
+    for src, dst in (("gateway.pem", "tls.crt"), ("gateway.key", "tls.key"), ("ca.pem", "ca.crt")):
+        (out / dst).write_bytes((out / src).read_bytes())
+    return out
+
+
+def _mounted(env: dict[str, str], certs: Path) -> dict[str, str]:
+    return {k: v.replace(TLS_DIR, str(certs)) for k, v in env.items()}
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_mtls_override_gives_every_service_its_certificate_and_passes_check_config(
+    service: str, certs: Path
+):
+    spec = load_compose("docker-compose.yml", "docker-compose.mtls.yml")["services"][service]
+    env = {k: str(v) for k, v in spec["environment"].items()}
+    assert env["LLMSERVE_TLS_CERT"] == f"{TLS_DIR}/{service}.pem"
+    assert env["LLMSERVE_TLS_KEY"] == f"{TLS_DIR}/{service}.key"
+    assert env["LLMSERVE_TLS_CA"] == f"{TLS_DIR}/ca.pem"
+    assert f"./certs:{TLS_DIR}:ro" in spec["volumes"]
+    result = check_config(spec["command"], {**image_env(), **_mounted(env, certs)})
+    assert result.returncode == 0, result.stderr
+    # The same configuration without its certificate files is refused, naming the flag.
+    missing = check_config(spec["command"], {**image_env(), **env})
+    assert missing.returncode == 2 and "--tls-" in missing.stderr, missing.stderr
+
+
+def test_mtls_override_keeps_the_base_volumes_and_scrapes_the_gateway_with_a_certificate():
+    base = load_compose("docker-compose.yml")["services"]
+    mtls = load_compose("docker-compose.yml", "docker-compose.mtls.yml")["services"]
+    # Compose merges volumes by target; the merged lists must still hold the base's mounts.
+    assert set(base["worker"]["volumes"]) <= set(mtls["worker"]["volumes"])
+    config = "/etc/prometheus/prometheus.yml:ro"
+    kept = {v for v in base["prometheus"]["volumes"] if not v.endswith(config)}
+    assert kept <= set(mtls["prometheus"]["volumes"])
+    assert f"./deploy/prometheus/prometheus-mtls.yml:{config}" in mtls["prometheus"]["volumes"]
+    assert mtls["scheduler"]["environment"]["LLMSERVE_TLS_SERVER_NAME"] == "worker"
+    plain = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    secured = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus-mtls.yml").read_text())
+    jobs = {job["job_name"]: job for job in secured["scrape_configs"]}
+    gateway = jobs["llmserve-gateway"]
+    assert gateway["scheme"] == "https"
+    assert gateway["tls_config"]["cert_file"] == f"{TLS_DIR}/client.pem"
+    # Apart from the gateway's TLS, the same targets as the plain configuration.
+    stripped = [{k: v for k, v in job.items() if k not in ("scheme", "tls_config")}
+                for job in secured["scrape_configs"]]
+    assert stripped == plain["scrape_configs"]
+
+
+def test_mtls_component_renders_validates_and_passes_check_config(certs: Path):
+    objects = render_overlay("cpu-mtls")
+    for obj in objects:
+        if not obj["apiVersion"].startswith("keda.sh/"):
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    deployments = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Deployment"}
+    containers = list(llmserve_containers(objects))
+    assert sorted(c.workload for c in containers) == ["gateway", "scheduler", "worker"]
+    for container in containers:
+        pod = deployments[container.workload]["spec"]["template"]["spec"]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert secrets == {"tls": f"llmserve-tls-{container.workload}"}
+        assert {"name": "tls", "mountPath": TLS_DIR, "readOnly": True} in container.spec[
+            "volumeMounts"
+        ]
+        assert container.env["LLMSERVE_TLS_CERT"] == f"{TLS_DIR}/tls.crt"
+        # The kubelet cannot present a client certificate: no gRPC or HTTP probe is left, and
+        # readiness asks `llmserve health` on the container's own port.
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            spec = container.spec.get(probe, {})
+            assert "grpc" not in spec and "httpGet" not in spec, (container.workload, probe)
+        assert container.spec["readinessProbe"]["exec"]["command"] == [
+            "llmserve", "health", f"127.0.0.1:{container.env['LLMSERVE_PORT']}"
+        ]
+        result = check_config(container.args, _mounted(container.env, certs))
+        assert result.returncode == 0, (container.workload, result.stderr)
+    gateway = next(c for c in containers if c.workload == "gateway")
+    annotations = deployments["gateway"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == gateway.env["LLMSERVE_METRICS_PORT"]
+    scheduler = next(c for c in containers if c.workload == "scheduler")
+    assert scheduler.env["LLMSERVE_TLS_SERVER_NAME"] == "worker"
 
 
 def test_gpu_override_reserves_nvidia_devices_and_builds_the_cuda_image():
@@ -216,6 +315,7 @@ def test_worker_autoscaler_scales_the_worker_deployment_on_serving_metrics(overl
     assert "llmserve_kv_cache_usage_ratio" in _metric_names()
 
 
+@pytest.mark.services
 def test_every_container_passes_check_config(overlay):
     _, objects = overlay
     containers = list(llmserve_containers(objects))

@@ -17,7 +17,7 @@ import pytest
 from llmserve.client import AsyncClient, Client
 from llmserve.supervisor import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.services]
 
 
 def test_up_answers_the_capital_of_france(tmp_path: Path):

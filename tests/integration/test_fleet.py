@@ -28,7 +28,7 @@ from tests.support.fleet import (
     start_fleet,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 WORKLOAD = mixed_workload(64)
 HTTP_WORKLOAD = http_workload(12)

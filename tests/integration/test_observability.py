@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmserve.supervisor import free_ports
 from tests.support.stack import start_stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 BLOCK_SIZE = 16
 GPU_BLOCKS = 8

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.support.stack import RunningStack, start_stack
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.services]
 
 MODEL = "tiny"
 API_KEY = "sk-test-key"

@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.support.stack import RunningStack, start_stack
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.services]
 
 MODEL = "tiny"
 

@@ -22,6 +22,8 @@ from tests.support.stack import RunningStack, start_stack, wait_healthy
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
+pytestmark = [pytest.mark.e2e, pytest.mark.services]
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time",
@@ -388,5 +390,49 @@ def test_swap_preemption_on_a_tiny_cache_completes(tiny_model_dir: Path, tmp_pat
                 scheduler_pb2.GetStatsRequest()).replicas[0]
         assert stats.num_preemptions >= 1
         assert stats.gpu_blocks_free == stats.gpu_blocks_total
+    finally:
+        running.stop()
+
+
+def test_a_high_priority_request_preempts_a_running_one_through_the_services(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    # One sequence at a time: a priority-0 request that arrives while a priority-5 one runs
+    # takes its place, finishes first, and the preempted one still completes as it would have.
+    running = start_stack(str(tiny_model_dir), tmp_path, scheduler_args=["--max-num-seqs", "1"])
+    low_prompt, high_prompt = [5, 6, 7, 8, 9], [10, 11, 12]
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    try:
+        async def run() -> tuple[list[int], list[int], list[int], list[str]]:
+            async with AsyncClient(running.gateway, timeout_s=120) as client:
+                alone = await client.complete(low_prompt, max_tokens=64, **greedy)
+                order: list[str] = []
+                started = asyncio.Event()
+
+                async def low() -> list[int]:
+                    tokens: list[int] = []
+                    async for chunk in client.generate(
+                        low_prompt, max_tokens=64, priority=5, **greedy
+                    ):
+                        tokens.extend(chunk.token_ids)
+                        started.set()
+                    order.append("low")
+                    return tokens
+
+                async def high() -> list[int]:
+                    await started.wait()
+                    done = await client.complete(high_prompt, max_tokens=4, priority=0, **greedy)
+                    order.append("high")
+                    return done.token_ids[0]
+
+                low_tokens, high_tokens = await asyncio.gather(low(), high())
+            return alone.token_ids[0], low_tokens, high_tokens, order
+
+        alone, low_tokens, high_tokens, order = asyncio.run(run())
+        assert order == ["high", "low"]
+        assert low_tokens == alone and len(high_tokens) == 4
+        stats = first_replica(running.scheduler)
+        assert stats.num_preemptions >= 1
+        assert wait_all_blocks_free(running) == (stats.gpu_blocks_total, stats.gpu_blocks_total)
     finally:
         running.stop()

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmserve.sampling_params import SamplingParams
 from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
 from scheduler_service.config import PreemptionMode
+from tests.support.models import load_hf, save_tiny_model
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
@@ -33,24 +33,8 @@ def tiny(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Worker, Any]:
     """A worker on each CPU attention backend (native kernels, plain torch), and HF's model."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        eos_token_id=1,
-    )
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(8.0)  # sharp distributions: no greedy near-ties
-    path = tmp_path_factory.mktemp("tiny") / "llama"
-    hf.save_pretrained(path)
-    hf.generation_config.eos_token_id = None
+    path = save_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    hf = load_hf(path)
     worker = Worker(
         WorkerConfig(
             model=str(path), block_size=BLOCK, num_threads=1, attention_backend=request.param

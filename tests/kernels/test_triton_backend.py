@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
+from tests.support.models import save_tiny_model
 from worker_service.attention import AttentionBackendError, AttentionSpec, get_backend_class
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
@@ -32,23 +32,10 @@ PREFIX_HIT = PROMPTS[2][:16] + [60, 61, 62]
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
+    # LlamaConfig's own special token ids, as this test has always used.
+    return save_tiny_model(
+        "llama", tmp_path_factory.mktemp("tiny") / "llama", bos_token_id=1, eos_token_id=2
     )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # wider logits: no near-ties for greedy decoding to flip on
-        model.get_output_embeddings().weight.mul_(8.0)
-    path = tmp_path_factory.mktemp("tiny") / "llama"
-    model.save_pretrained(path)
-    return path
 
 
 def make_worker(path: Path, backend: str) -> Worker:

@@ -47,9 +47,14 @@ class RunningStack:
 
 
 def wait_healthy(address: str, proc: subprocess.Popen[bytes], name: str, log: Path,
-                 timeout_s: float = 180.0) -> None:
+                 timeout_s: float = 180.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    """`credentials`: for services that serve TLS only."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with (
+        grpc.insecure_channel(address) if credentials is None
+        else grpc.secure_channel(address, credentials)
+    ) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -73,6 +78,7 @@ def start_stack(
     gateway_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     envs: dict[str, dict[str, str]] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> RunningStack:
     """Start worker, scheduler and gateway (in that order) and wait until each is SERVING."""
     picked = free_ports(6)
@@ -109,7 +115,7 @@ def start_stack(
             )
             address = {"worker": stack.worker, "scheduler": stack.scheduler,
                        "gateway": stack.gateway}[name]
-            wait_healthy(address, stack.procs[name], name, log)
+            wait_healthy(address, stack.procs[name], name, log, credentials=credentials)
     except BaseException:
         stack.stop()
         raise

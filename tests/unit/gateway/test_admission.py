@@ -12,7 +12,7 @@ import pytest
 from gateway.admission import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from llmserve.errors import FieldError, OverloadedError, UnavailableError
 from llmserve.limits import RequestLimits, check_prompt_count, check_sampling, check_stop
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.sampling_params import SamplingParams
 
 
 def test_admission_refuses_beyond_the_limit_and_frees_on_release() -> None:
@@ -117,7 +117,7 @@ def test_stop_and_prompt_count_limits() -> None:
     ({"max_tokens": 2**32}, "max_tokens"), ({"stop_token_ids": (2**32,)}, "stop_token_ids"),
 ])
 def test_integers_too_large_for_the_protos_are_refused(kwargs: dict, field: str) -> None:  # type: ignore[type-arg]
-    with pytest.raises(SamplingParamsError) as caught:
+    with pytest.raises(FieldError) as caught:
         SamplingParams(**kwargs)
     assert caught.value.field == field
 

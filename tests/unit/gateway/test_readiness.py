@@ -8,6 +8,7 @@ from collections.abc import Callable
 from gateway.readiness import SCHEDULER_SERVICE, SchedulerReadiness
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.supervisor import free_port
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
 async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -59,5 +60,50 @@ def test_ready_only_while_connected_and_the_scheduler_serves():
             await server.stop(grace=None)
         finally:
             await readiness.close()
+
+    asyncio.run(main())
+
+
+class _Stats(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self) -> None:
+        self.max_model_len = 0
+
+    async def GetStats(self, request, context):  # type: ignore[no-untyped-def]
+        return scheduler_pb2.GetStatsResponse(max_model_len=self.max_model_len)
+
+
+def test_max_model_len_is_learned_from_the_scheduler_when_it_serves():
+    """The gateway never decides max_model_len: it asks the scheduler each time the scheduler
+    turns SERVING, and is ready only once it knows it."""
+
+    async def main() -> None:
+        address = f"127.0.0.1:{free_port()}"
+        learned: list[int] = []
+        readiness = SchedulerReadiness(
+            address, lambda: True, retry_s=0.1, on_max_model_len=learned.append
+        )
+        stats = _Stats()
+        server, health = create_server([SCHEDULER_SERVICE])
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(stats, server)
+        server.add_insecure_port(address)
+        await set_serving(health, [SCHEDULER_SERVICE], False)
+        await server.start()
+        readiness.start()
+        try:
+            stats.max_model_len = 96
+            await set_serving(health, [SCHEDULER_SERVICE], True)
+            await wait_for(lambda: readiness.ready)
+            assert learned == [96]
+
+            # The worker went and another came, with a shorter context.
+            await set_serving(health, [SCHEDULER_SERVICE], False)
+            await wait_for(lambda: not readiness.ready)
+            stats.max_model_len = 48
+            await set_serving(health, [SCHEDULER_SERVICE], True)
+            await wait_for(lambda: readiness.ready)
+            assert learned == [96, 48]
+        finally:
+            await readiness.close()
+            await server.stop(grace=None)
 
     asyncio.run(main())

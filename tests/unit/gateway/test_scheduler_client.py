@@ -18,8 +18,9 @@ import pytest
 from gateway.generation import GenerationCore, GenerationInput, Prompt
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenization import Tokenization
-from llmserve.grpc_utils import RequestError
-from llmserve.proto_convert import continuation_from_proto, sampling_params_from_proto
+from llmserve.continuation import continuation_from_proto
+from llmserve.errors import ApiError
+from llmserve.proto_convert import sampling_params_from_proto
 from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -198,7 +199,7 @@ class Received:
     prompt_logprob_messages: int = 0
     messages: int = 0
     finished: bool = False
-    error: RequestError | None = None
+    error: ApiError | None = None
 
 
 async def consume(stream: AsyncIterator[scheduler_pb2.RequestOutput], got: Received) -> None:
@@ -213,7 +214,7 @@ async def consume(stream: AsyncIterator[scheduler_pb2.RequestOutput], got: Recei
                     stop = c.stop_token_id if c.HasField("stop_token_id") else None
                     got.finish[c.index] = (c.finish_reason, stop)
             got.finished = out.finished
-    except RequestError as exc:
+    except ApiError as exc:
         got.error = exc
 
 
@@ -364,12 +365,12 @@ def test_scheduler_that_does_not_come_back_fails_with_unavailable():
         await server.stop()
         await task
         assert got.error is not None
-        assert got.error.code == grpc.StatusCode.UNAVAILABLE
+        assert got.error.grpc_code == grpc.StatusCode.UNAVAILABLE
         assert "did not come back within 0.3 s" in str(got.error)
         # A request that arrives while the scheduler is away waits, then fails the same way.
         late = Received()
         await consume(client.submit("late", [3], REQUESTS["single"], None), late)
-        assert late.error is not None and late.error.code == grpc.StatusCode.UNAVAILABLE
+        assert late.error is not None and late.error.grpc_code == grpc.StatusCode.UNAVAILABLE
         await server.start()
         await until(lambda: client.connected, "reconnected")
         assert server.fake.adds == []  # failed requests are not sent again
@@ -443,7 +444,7 @@ def test_error_from_the_new_scheduler_is_delivered():
             )
         )
         await task
-        assert got.error is not None and got.error.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert got.error is not None and got.error.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
         assert got.error.field == "continuation.choices.index"
 
     run(test)

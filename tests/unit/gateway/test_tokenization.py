@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.tokenization import PromptError, Tokenization, load_tokenizer
+from gateway.tokenization import Tokenization, load_tokenizer
+from llmserve.errors import FieldError
 from llmserve.model_spec import resolve_model
 
 SYSTEM = (
@@ -63,12 +64,12 @@ def test_explicit_system_message_replaces_the_default(tok: Tokenization) -> None
     ],
 )
 def test_bad_messages_name_the_field(tok: Tokenization, messages: list, field: str) -> None:
-    with pytest.raises(PromptError) as info:
+    with pytest.raises(FieldError) as info:
         tok.render_chat(messages)
     assert info.value.field == field
 
 
 def test_model_without_chat_template(sentencepiece_tokenizer: Any) -> None:
-    with pytest.raises(PromptError, match="no chat template") as info:
+    with pytest.raises(FieldError, match="no chat template") as info:
         Tokenization(sentencepiece_tokenizer).encode_chat([{"role": "user", "content": "x"}])
     assert info.value.field == "messages"

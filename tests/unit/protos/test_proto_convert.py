@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmserve.errors import FieldError
 from llmserve.proto_convert import (
     sampling_params_from_proto,
     sampling_params_to_proto,
@@ -14,7 +15,7 @@ from llmserve.proto_convert import (
     step_result_from_proto,
     step_result_to_proto,
 )
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
     CachedSequence,
     Fork,
@@ -138,12 +139,13 @@ def test_absent_optional_sampling_fields_take_the_defaults() -> None:
 
 
 def test_invalid_sampling_params_name_the_field() -> None:
-    with pytest.raises(SamplingParamsError) as info:
+    with pytest.raises(FieldError) as info:
         sampling_params_from_proto(common_pb2.SamplingParams(n=3, best_of=2))
-    assert info.value.field == "best_of"
-    with pytest.raises(SamplingParamsError) as info:
-        sampling_params_from_proto(common_pb2.SamplingParams(early_stopping=7))
-    assert info.value.field == "early_stopping"
+    assert info.value.field == "sampling_params.best_of"
+    assert info.value.message.startswith("sampling_params.best_of: ")
+    with pytest.raises(FieldError) as info:
+        sampling_params_from_proto(common_pb2.SamplingParams(early_stopping=7), field_name="sp")
+    assert info.value.field == "sp.early_stopping"
 
 
 def test_inconsistent_columns_are_rejected() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from llmserve import protogen
 
 
@@ -12,6 +14,7 @@ def test_stubs_match_fresh_generation() -> None:
     assert protogen.stale_files() == []
 
 
+@pytest.mark.services
 def test_check_cli_passes() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "llmserve.protogen", "--check"],

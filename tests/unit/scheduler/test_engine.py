@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import pytest
 
+from llmserve.errors import FieldError
 from llmserve.steps import SequenceOutput, StepInput, StepResult, TokenLogprob
 from scheduler_service import (
     CacheConfig,
     FinishReason,
     LLMEngine,
-    RequestError,
     SamplingParams,
     SchedulerConfig,
 )
@@ -80,13 +80,13 @@ def test_steps_are_diffs():
 def test_bad_requests_raise_typed_errors_naming_the_field():
     engine = make_engine(Scripted([1]))
     engine.add_request("a", [1], SamplingParams())
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(FieldError) as e:
         engine.add_request("a", [1], SamplingParams())
     assert e.value.field == "request_id"
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(FieldError) as e:
         engine.add_request("b", [], SamplingParams())
     assert e.value.field == "prompt_token_ids"
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(FieldError) as e:
         engine.add_request("c", [1, -2], SamplingParams())
     assert e.value.field == "prompt_token_ids"
     assert engine.get_num_unfinished_requests() == 1

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from scheduler_service import CacheConfig, LLMEngine, RequestError, SamplingParams, SchedulerConfig
+from llmserve.errors import FieldError
+from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.engine import _accumulate
 from scheduler_service.migration import SequenceSnapshot, snapshot_from_choices
 from scheduler_service.outputs import RequestOutput
@@ -205,10 +206,10 @@ def test_an_imported_request_with_every_choice_finished_completes_at_the_next_st
 def test_more_sequences_than_max_num_seqs_is_refused_and_others_run(params, field):
     engine = make_engine(200, 0)  # max_num_seqs=48
     engine.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(FieldError) as info:
         engine.add_request("big", [1, 2, 3], params)
     assert info.value.field == field
-    with pytest.raises(RequestError):
+    with pytest.raises(FieldError):
         engine.import_request(snapshot_from_choices("big", [1, 2, 3], params, None, 0.0, []))
     outputs = engine.generate([[4, 5]], SamplingParams(max_tokens=2, temperature=0.0))
     assert outputs[0].finished
@@ -220,17 +221,17 @@ def test_more_sequences_than_max_num_seqs_is_refused_and_others_run(params, fiel
 def test_import_refuses_what_the_replica_can_never_run():
     engine = make_engine(8, 0)  # 8 blocks of 4 tokens; max_model_len 128
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(FieldError) as info:
         engine.import_request(snapshot_from_choices("long", [1] * 129, params, None, 0.0, []))
     assert info.value.field == "prompt" and "max_model_len" in str(info.value)
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(FieldError) as info:
         engine.import_request(snapshot_from_choices("big", [1] * 40, params, None, 0.0, []))
     assert info.value.field == "prompt" and "KV blocks" in str(info.value)
     uneven = [
         SequenceSnapshot(0, [3, 4], [], -1.0, None, None),
         SequenceSnapshot(1, [3], [], -1.0, None, None),
     ]
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(FieldError) as info:
         engine.import_request(
             snapshot_from_choices(
                 "uneven", [1, 2], SamplingParams(n=2, max_tokens=4), None, 0.0, uneven

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
+from llmserve.errors import FieldError
 from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.engine import RequestError
 from scheduler_service.migration import rebuild_group, snapshot_group
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.text_stops import StopStrings
@@ -190,7 +190,7 @@ def test_migration_snapshots_carry_priority_and_stop_strings():
 @pytest.mark.parametrize("priority", [2**31, -(2**31) - 1, 1.5, "1"])
 def test_priority_must_be_an_int32(priority):
     engine = make_engine()
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(FieldError) as info:
         engine.add_request("x", [1, 2], SamplingParams(), priority=priority)
     assert info.value.field == "priority"
     assert not engine.has_unfinished_requests()

@@ -204,7 +204,7 @@ def test_requests_without_stop_strings_never_load_the_tokenizer():
 
 
 def test_a_tokenizer_that_cannot_load_refuses_the_request_naming_stop():
-    from scheduler_service.engine import RequestError
+    from llmserve.errors import FieldError
 
     def broken() -> Any:
         raise OSError("no tokenizer files here")
@@ -215,7 +215,7 @@ def test_a_tokenizer_that_cannot_load_refuses_the_request_naming_stop():
         FakeModel(16, 8, BLOCK, vocab_size=VOCAB),
         broken,
     )
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(FieldError) as info:
         engine.add_request("x", PROMPT, SamplingParams(), stop_strings=StopStrings(("a",)))
     assert info.value.field == "stop" and "no tokenizer files" in str(info.value)
     assert not engine.has_unfinished_requests()

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from .factories import load_hf, save_tiny_model
+from tests.support.models import KINDS, load_hf, save_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
-    return {kind: save_tiny_model(kind, root) for kind in ("llama", "llama3", "qwen2", "mistral")}
+    return {kind: save_tiny_model(kind, root / kind) for kind in KINDS}
 
 
 @pytest.fixture(scope="session")

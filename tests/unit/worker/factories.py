@@ -1,4 +1,5 @@
-"""Factories for worker tests: tiny random HF models, workers over them, hand-built steps."""
+"""Factories for worker tests: workers over tiny models (tests/support/models.py), hand-built
+steps."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
@@ -14,60 +14,6 @@ from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
 BLOCK_SIZE = 4
-VOCAB = 128
-
-_COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    eos_token_id=1,
-    bos_token_id=0,
-)
-
-
-def tiny_config(kind: str) -> Any:
-    if kind == "llama":
-        return LlamaConfig(**_COMMON, tie_word_embeddings=False)
-    if kind == "llama3":
-        return LlamaConfig(
-            **_COMMON,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
-    if kind == "qwen2":
-        return Qwen2Config(**_COMMON, tie_word_embeddings=True)
-    if kind == "mistral":
-        return MistralConfig(**{**_COMMON, "num_key_value_heads": 1}, sliding_window=None)
-    raise ValueError(kind)
-
-
-def save_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
-    """A randomly initialised model of `kind`, saved with save_pretrained (like a checkpoint)."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
-    # Random init keeps logits near-uniform; widen them so greedy ties cannot happen.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    path = directory / kind
-    model.save_pretrained(path)
-    return path
-
-
-def load_hf(path: Path) -> Any:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
-    return model
 
 
 def make_worker(

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from tests.support.models import load_hf, tiny_config
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.models import UnsupportedModelError
 from worker_service.models.llama import pack_weight, packed_linear_available, packed_matmul
 from worker_service.models.rope import inverse_frequencies
 
-from .factories import GreedyDriver, hf_greedy, load_hf, make_worker, tiny_config
+from .factories import GreedyDriver, hf_greedy, make_worker
 
 PROMPTS = {
     0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38],

@@ -1,0 +1,146 @@
+"""Errors of the OpenAI-compatible API: every exception becomes OpenAI's error body through
+`llmserve.errors.http_error`, and the OpenAPI document lists those bodies."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.admission import RETRY_AFTER_S
+from gateway.openai_protocol import ErrorBody, ErrorResponse
+from llmserve.errors import ApiError, FieldError, http_error
+from llmserve.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """OpenAI's `{"error": {...}}` for an exception (an internal failure is logged here)."""
+    if not isinstance(exc, ApiError):
+        log.error("request failed", exc_info=exc)
+    e = http_error(exc)
+    return ErrorResponse(
+        error=ErrorBody(message=e.message, type=e.kind, param=e.param, code=e.code)
+    ).model_dump()
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status = http_error(exc).status
+    headers = None
+    if status == 429:  # a refusal that says when to come back
+        retry_after = getattr(exc, "retry_after_s", RETRY_AFTER_S)
+        headers = {"retry-after": str(max(1, math.ceil(retry_after)))}
+    return JSONResponse(error_body(exc), status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    # Client mistakes are answered by the inner exception middleware. A handler registered for
+    # `Exception` alone runs in Starlette's outermost middleware, which re-raises after
+    # answering: every 400 was logged as a crash and the connection could be reset.
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _framework_error)
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(Exception, api_error)
+    _drop_default_422(app)
+
+
+async def _framework_error(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's own refusals (a body it cannot parse, such as JSON nested too deep)."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400:
+        return error_response(FieldError("body", str(exc.detail)))
+    return JSONResponse(
+        ErrorResponse(error=ErrorBody(message=str(exc.detail), type="invalid_request_error",
+                                      param=None, code=None)).model_dump(),
+        status_code=exc.status_code,
+    )
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """Pydantic's first complaint, as a FieldError on the field the client named."""
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    param = param_name(first.get("loc", ()))
+    detail = first.get("msg", "invalid request")
+    if param is None:
+        return error_response(ApiError(f"body: {detail}"))
+    return error_response(FieldError(param, detail))
+
+
+def param_name(loc: Any) -> str | None:
+    """`messages[0].role` from pydantic's ("body", "messages", 0, "role"). Parts after a
+    field that are not field names (union members such as "str" or "list[int]") are dropped:
+    the client named the field, not our union."""
+    name = ""
+    for part in loc:
+        if part == "body" and not name:
+            continue
+        if isinstance(part, int):
+            if not name:
+                break  # a position in malformed JSON, not a field
+            name += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part.islower() and \
+                part not in _TYPE_TAGS:
+            name += f".{part}" if name else part
+        else:
+            break
+    return name or None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+# -- OpenAPI document -------------------------------------------------------------------------
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
+            for status in statuses}
+
+
+_ERROR_TEXT = {
+    400: "Invalid request; `error.param` names the field",
+    401: "Missing or wrong API key (with --api-key)",
+    404: "The model is not served here",
+    409: "A request with this id is already running",
+    429: "Too many requests",
+    503: "Overloaded (--max-pending-requests) or the scheduler is unavailable",
+}
+
+
+def generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
+    ok: dict[int | str, dict[str, Any]] = {200: {
+        "model": model,
+        "description": "The full response, or with `stream: true` server-sent events "
+                       "(`data: <chunk>` lines, then `data: [DONE]`)",
+        # Before OpenAPI 3.2 the schema of an event stream describes one event.
+        "content": {"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string",
+                                    "description": "a JSON chunk, an error, or [DONE]"}},
+        }}},
+    }}
+    return {**ok, **error_responses(400, 401, 404, 409, 429, 503)}
+
+
+def _drop_default_422(app: FastAPI) -> None:
+    """Validation errors are answered 400 in OpenAI's shape, not FastAPI's 422."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            for operations in build()["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

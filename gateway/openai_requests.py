@@ -1,0 +1,129 @@
+"""OpenAI request bodies -> GenerationInputs: prompts, text options and sampling parameters,
+with errors naming the field the client sent."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from gateway.generation import GenerationCore, GenerationInput, Prompt, TextOptions
+from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from llmserve.errors import FieldError
+from llmserve.limits import check_prompt_count
+from llmserve.sampling_params import SamplingParams
+
+
+async def completion_inputs(core: GenerationCore, body: CompletionRequest
+                            ) -> list[GenerationInput]:
+    """One input per prompt of a /v1/completions body; ids `cmpl-<hex>-<prompt index>`."""
+    core.check_model(body.model)
+    if body.suffix:
+        raise FieldError("suffix", "is not supported")
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    inputs = []
+    for i, prompt in enumerate(await _completion_prompts(core, body.prompt)):
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = _sampling_params(core, body, prompt, body.max_tokens, "max_tokens",
+                                  body.logprobs, prompt_logprobs)
+        inputs.append(GenerationInput(f"{response_id}-{i}", prompt, params,
+                                      _text_options(core, body, params), "text_completion",
+                                      timeout_s=core.timeout_for(None),
+                                      priority=body.priority))
+    return inputs
+
+
+async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> GenerationInput:
+    """The input of a /v1/chat/completions body; id `chatcmpl-<hex>`."""
+    core.check_model(body.model)
+    if body.tools:
+        raise FieldError("tools", "tool calling is not supported")
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise FieldError("response_format", "only {'type': 'text'} is supported")
+    messages = [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        for m in body.messages
+    ]
+    prompt = await core.aprompt_from_chat(messages, body.add_generation_prompt, "messages")
+    max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, field = body.max_tokens, "max_tokens"
+    if body.top_logprobs is not None and not body.logprobs:
+        raise FieldError("top_logprobs", "needs logprobs: true")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = _sampling_params(core, body, prompt, max_tokens, field, logprobs, None)
+    return GenerationInput(f"chatcmpl-{uuid.uuid4().hex}", prompt, params,
+                           _text_options(core, body, params), "chat",
+                           timeout_s=core.timeout_for(None), priority=body.priority)
+
+
+async def _completion_prompts(core: GenerationCore, prompt: Any) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [await core.aprompt_from_text(prompt)]
+    if not prompt:
+        raise FieldError("prompt", "must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [core.prompt_from_ids(prompt)]
+    check_prompt_count(core.limits, len(prompt))
+    if all(isinstance(p, str) for p in prompt):
+        return [await core.aprompt_from_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        return [core.prompt_from_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise FieldError("prompt", "must be a string, a list of strings, or token ids")
+
+
+def _text_options(core: GenerationCore, body: CompletionRequest | ChatCompletionRequest,
+                  params: SamplingParams) -> TextOptions:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    names = {"logprobs": "top_logprobs" if isinstance(body, ChatCompletionRequest)
+             else "logprobs"}
+    core.check_limits(params, stop, names)
+    return TextOptions(tuple(stop), body.include_stop_str_in_output, body.skip_special_tokens)
+
+
+def _sampling_params(
+    core: GenerationCore,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompt: Prompt,
+    max_tokens: int | None,
+    max_tokens_field: str,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> SamplingParams:
+    if body.logit_bias:
+        raise FieldError("logit_bias", "is not supported")
+    if max_tokens is None:
+        max_tokens = core.max_tokens_left(prompt)
+    top_k = body.top_k or 0
+    if top_k == -1:
+        top_k = 0
+    kwargs: dict[str, Any] = {
+        "n": body.n, "best_of": body.best_of, "use_beam_search": body.use_beam_search,
+        "length_penalty": body.length_penalty,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": top_k,
+        "min_p": body.min_p or 0.0,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "repetition_penalty": body.repetition_penalty or 1.0,
+        "seed": body.seed, "max_tokens": max_tokens, "min_tokens": body.min_tokens,
+        "stop_token_ids": tuple(body.stop_token_ids or ()), "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+    }
+    try:
+        params = SamplingParams(**kwargs)
+    except FieldError as exc:
+        raise FieldError(_client_field(exc.field, body, max_tokens_field), exc.detail) from exc
+    core.check_max_tokens(prompt, params.max_tokens, max_tokens_field)
+    return params
+
+
+def _client_field(name: str | None, body: CompletionRequest | ChatCompletionRequest,
+                  max_tokens_field: str) -> str:
+    """The body's field behind a SamplingParams field."""
+    if name == "max_tokens":
+        return max_tokens_field
+    if name == "best_of" and body.best_of is None:
+        return "n"  # best_of defaults to n; the client only sent n
+    if name == "logprobs" and isinstance(body, ChatCompletionRequest):
+        return "top_logprobs"
+    return name or "body"
