@@ -15,7 +15,6 @@ takes no further tokens, text or usage.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 import uuid
@@ -28,8 +27,9 @@ from opentelemetry import trace
 
 from gateway import metrics
 from gateway.admission import Admission
+from gateway.request_spans import set_request_attributes, set_response_attributes
 from gateway.scheduler_client import SchedulerClient
-from gateway.tokenization import Tokenization
+from gateway.tokenization import Tokenization, check_unicode
 from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.errors import FieldError, ModelNotFoundError, UnavailableError
 from llmserve.limits import RequestLimits, check_prompt_tokens, check_sampling, check_stop
@@ -173,28 +173,6 @@ class GenerationCore:
         check_unicode(text, field_name)
         return self._checked(Prompt(self.tokenization.encode(text), text), field_name)
 
-    async def aprompt_from_text(self, text: str, field_name: str = "prompt") -> Prompt:
-        """prompt_from_text; a long text is tokenized in a thread, so that the event loop
-        goes on serving the other streams meanwhile."""
-        if isinstance(text, str) and len(text) > _INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(self.prompt_from_text, text, field_name)
-        return self.prompt_from_text(text, field_name)
-
-    async def aprompt_from_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
-        field_name: str = "messages",
-    ) -> Prompt:
-        """prompt_from_chat, in a thread when the messages are long (see aprompt_from_text)."""
-        size = sum(len(m.get("content") or "") for m in messages
-                   if isinstance(m.get("content"), str))
-        if size > _INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(
-                self.prompt_from_chat, messages, add_generation_prompt, field_name
-            )
-        return self.prompt_from_chat(messages, add_generation_prompt, field_name)
-
     def check_limits(
         self, params: SamplingParams, stop: Sequence[str], names: dict[str, str],
         stop_field: str = "stop",
@@ -224,10 +202,6 @@ class GenerationCore:
         add_generation_prompt: bool = True,
         field_name: str = "messages",
     ) -> Prompt:
-        for i, message in enumerate(messages):
-            content = message.get("content")
-            if isinstance(content, str):
-                check_unicode(content, f"{field_name}[{i}].content")
         text = self.tokenization.render_chat(
             messages, add_generation_prompt=add_generation_prompt, field_name=field_name
         )
@@ -283,7 +257,7 @@ class GenerationCore:
         with tracer.start_as_current_span(
             f"{inp.operation} {self.model_name}", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
-            _set_request_attributes(span, inp, self.model_name)
+            set_request_attributes(span, inp, self.model_name)
             async for update in self._generate(inp, params, span):
                 yield update
 
@@ -350,7 +324,7 @@ class GenerationCore:
                     update.finished = True
                     update.usage = Usage(out.usage.prompt_tokens, out.usage.completion_tokens)
                     update.metrics = out.metrics
-                    _set_response_attributes(span, update, finish_reasons)
+                    set_response_attributes(span, update, finish_reasons)
                     metrics.record_finished(
                         finish_reasons, update.usage, first_token_ns,
                         time.perf_counter_ns() - start,
@@ -415,49 +389,3 @@ class GenerationCore:
                 entries[p.position] = self._logprob_entry(p.token, p.top)
         return entries
 
-
-# Texts longer than this are tokenized in a thread (about a millisecond of tokenizing).
-_INLINE_TOKENIZE_CHARS = 4096
-
-
-def check_unicode(text: str, field_name: str) -> None:
-    """Text from JSON may hold lone surrogates ("\\ud800"), which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise FieldError(
-            field_name,
-            f"is not valid Unicode: a lone surrogate {text[exc.start]!r} at position {exc.start}",
-        ) from None
-
-
-def _set_request_attributes(span: trace.Span, inp: GenerationInput, model: str) -> None:
-    if not span.is_recording():
-        return
-    p = inp.params
-    span.set_attributes({
-        "gen_ai.operation.name": inp.operation,
-        "gen_ai.system": "llmserve",
-        "gen_ai.request.model": model,
-        "gen_ai.request.max_tokens": p.max_tokens,
-        "gen_ai.request.temperature": p.temperature,
-        "gen_ai.request.top_p": p.top_p,
-        "gen_ai.request.choice.count": p.n,
-        "gen_ai.usage.input_tokens": len(inp.prompt.token_ids),
-        "llmserve.request_id": inp.request_id,
-    })
-    if p.seed is not None:
-        span.set_attribute("gen_ai.request.seed", p.seed)
-
-
-def _set_response_attributes(
-    span: trace.Span, update: GenerationUpdate, finish_reasons: list[str]
-) -> None:
-    if not span.is_recording():
-        return
-    assert update.usage is not None and update.metrics is not None
-    span.set_attributes({
-        "gen_ai.response.finish_reasons": finish_reasons,
-        "gen_ai.usage.output_tokens": update.usage.completion_tokens,
-        "llmserve.time_to_first_token_s": update.metrics.first_token_ns / 1e9,
-    })

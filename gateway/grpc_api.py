@@ -16,6 +16,7 @@ from gateway.generation import (
     TextOptions,
     TokenInfo,
 )
+from gateway.prompts import chat_prompt, text_prompt
 from llmserve.errors import FieldError
 from llmserve.proto_convert import sampling_params_from_proto
 from llmserve.telemetry import context_from_metadata
@@ -34,7 +35,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _prompt(self, request: generation_pb2.GenerateRequest) -> Prompt:
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return await self.core.aprompt_from_text(request.text, "text")
+            return await text_prompt(self.core, request.text, "text")
         if kind == "token_ids":
             return self.core.prompt_from_ids(list(request.token_ids.ids), "token_ids.ids")
         if kind == "chat":
@@ -46,7 +47,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
                 for m in request.chat.messages
             ]
-            return await self.core.aprompt_from_chat(messages, add_gen, "chat.messages")
+            return await chat_prompt(self.core, messages, add_gen, "chat.messages")
         raise FieldError("prompt", "set one of text, token_ids or chat")
 
     async def Generate(

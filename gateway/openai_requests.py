@@ -8,6 +8,7 @@ from typing import Any
 
 from gateway.generation import GenerationCore, GenerationInput, Prompt, TextOptions
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.prompts import chat_prompt, text_prompt
 from llmserve.errors import FieldError
 from llmserve.limits import check_prompt_count
 from llmserve.sampling_params import SamplingParams
@@ -43,7 +44,7 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
         {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
         for m in body.messages
     ]
-    prompt = await core.aprompt_from_chat(messages, body.add_generation_prompt, "messages")
+    prompt = await chat_prompt(core, messages, body.add_generation_prompt, "messages")
     max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, field = body.max_tokens, "max_tokens"
@@ -58,14 +59,14 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
 
 async def _completion_prompts(core: GenerationCore, prompt: Any) -> list[Prompt]:
     if isinstance(prompt, str):
-        return [await core.aprompt_from_text(prompt)]
+        return [await text_prompt(core, prompt)]
     if not prompt:
         raise FieldError("prompt", "must not be empty")
     if all(isinstance(p, int) for p in prompt):
         return [core.prompt_from_ids(prompt)]
     check_prompt_count(core.limits, len(prompt))
     if all(isinstance(p, str) for p in prompt):
-        return [await core.aprompt_from_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [await text_prompt(core, p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     if all(isinstance(p, list) for p in prompt):
         return [core.prompt_from_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     raise FieldError("prompt", "must be a string, a list of strings, or token ids")

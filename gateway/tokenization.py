@@ -88,9 +88,21 @@ def _check_messages(messages: Sequence[Mapping[str, Any]], field_name: str) -> l
             raise FieldError(f"{field_name}[{i}].role", "must be a non-empty string")
         if not isinstance(content, str):
             raise FieldError(f"{field_name}[{i}].content", "must be a string")
+        check_unicode(content, f"{field_name}[{i}].content")
         entry = {"role": role, "content": content}
         name = message.get("name")
         if name:
             entry["name"] = str(name)
         checked.append(entry)
     return checked
+
+
+def check_unicode(text: str, field_name: str) -> None:
+    """Text from JSON may hold lone surrogates ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FieldError(
+            field_name,
+            f"is not valid Unicode: a lone surrogate {text[exc.start]!r} at position {exc.start}",
+        ) from None

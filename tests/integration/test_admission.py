@@ -27,7 +27,7 @@ from tests.support.hardening import (
 )
 from tests.support.stack import RunningStack, start_stack
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.services]
 
 QUEUE_LIMIT = 8
 # Sequences a step may run: with the queue limit, at most 4 + 8 requests are admitted at once.

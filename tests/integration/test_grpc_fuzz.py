@@ -21,7 +21,7 @@ from llmserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.support.hardening import blocks, gateway_gauges, is_idle, wait_idle
 from tests.support.stack import RunningStack, start_stack
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.services]
 
 MODEL = "tiny"
 UINT32 = 2**32 - 1

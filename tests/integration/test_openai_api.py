@@ -476,19 +476,22 @@ def test_client_disconnect_aborts_and_frees_blocks(stack: RunningStack,
     _wait_all_blocks_free(stack)
 
 
-def test_overload_is_503(stack: RunningStack, http: httpx.Client) -> None:
+def test_overload_is_429_with_retry_after(stack: RunningStack, http: httpx.Client) -> None:
     _wait_all_blocks_free(stack)
     streams = [_long_stream(http) for _ in range(MAX_PENDING)]
     try:
         for s in streams:
             assert s.__enter__().status_code == 200
-        error = assert_error(http.post("/v1/completions", json={
-            "model": MODEL, "prompt": PROMPT, "max_tokens": 2}), 503)
-        assert error["type"] == "service_unavailable"
+        refused = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        error = assert_error(refused, 429)
+        assert error["type"] == "rate_limit_error"
+        assert "--max-pending-requests" in error["message"]
+        assert int(refused.headers["retry-after"]) >= 1
         client = openai.OpenAI(base_url=stack.http_url + "/v1", api_key=API_KEY, max_retries=0)
-        with pytest.raises(openai.InternalServerError) as info:
+        with pytest.raises(openai.RateLimitError) as info:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
-        assert info.value.status_code == 503
+        assert info.value.status_code == 429
     finally:
         for s in streams:
             s.__exit__(None, None, None)
@@ -498,7 +501,7 @@ def test_overload_is_503(stack: RunningStack, http: httpx.Client) -> None:
     while True:
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
                                                        "max_tokens": 2})
-        if response.status_code != 503 or time.monotonic() > deadline:
+        if response.status_code != 429 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     assert response.status_code == 200, response.text

@@ -17,7 +17,7 @@ from llmserve.v1 import generation_pb2_grpc
 from tests.support.hardening import blocks, grpc_request, http_body, is_idle, wait_idle
 from tests.support.stack import RunningStack, start_stack
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.services]
 
 STREAMS = 16
 TOKENS = 400  # long enough to be in flight through the checks below (context: 512)

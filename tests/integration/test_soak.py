@@ -38,7 +38,7 @@ from tests.support.hardening import (
 )
 from tests.support.stack import RunningStack, start_stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 REQUESTS = 2000
 CONCURRENCY = 64
