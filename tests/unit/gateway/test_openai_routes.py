@@ -250,3 +250,15 @@ def test_api_key(make_client: Any) -> None:
     assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
     assert client.get("/v1/models", headers={"Authorization": "Bearer other"}).status_code == 200
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_full_scheduler_queue_is_429_with_retry_after(make_client: Any, stream: bool) -> None:
+    """RESOURCE_EXHAUSTED from the scheduler (--max-waiting-requests) is the status line, with
+    Retry-After, streamed or not: a stream's first update is awaited before its 200."""
+    client, _ = make_client(FakeScheduler([1], error=(8, "the scheduler has 8 requests waiting",
+                                                      None)))
+    r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+    assert r.status_code == 429
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_error"
