@@ -363,7 +363,7 @@ def test_chat_seed_reproducible(client: openai.OpenAI) -> None:
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),
-    ("/v1/completions", {"prompt": PROMPT, "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": [""]}, "stop[0]"),
     ("/v1/completions", {"prompt": PROMPT, "best_of": 1, "n": 2, "temperature": 1},
      "best_of"),
     ("/v1/completions", {"prompt": 5}, "prompt"),
