@@ -1,4 +1,5 @@
-"""Finding workers: DNS names that list them, and whether an address still answers."""
+"""Finding workers: DNS names that list them, whether an address still answers, and the
+refusal of a drained worker that registers again while it still runs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve import security
+from llmserve.errors import FailedPreconditionError
 from llmserve.logs import get_logger
 
 log = get_logger(__name__)
@@ -36,3 +38,14 @@ async def answers_health(address: str, timeout_s: float = 1.0) -> bool:
     except grpc.aio.AioRpcError:
         return False
     return True
+
+
+class DrainedError(FailedPreconditionError):
+    """A drained worker tried to register again while still running."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(
+            f"address: worker {address} was drained; it rejoins once restarted "
+            "(after it stops answering health checks)",
+            "address",
+        )

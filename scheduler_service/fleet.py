@@ -34,7 +34,6 @@ from typing import Protocol
 
 from llmserve.errors import (
     ApiError,
-    FailedPreconditionError,
     FieldError,
     InternalError,
     NotFoundError,
@@ -42,7 +41,7 @@ from llmserve.errors import (
 )
 from llmserve.logs import get_logger
 from scheduler_service import metrics
-from scheduler_service.discovery import answers_health, resolve_workers
+from scheduler_service.discovery import DrainedError, answers_health, resolve_workers
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState, WorkerLostError
@@ -388,14 +387,3 @@ class Fleet:
         if ready != self._ready:
             self._ready = ready
             self._on_ready_change(ready)
-
-
-class DrainedError(FailedPreconditionError):
-    """A drained worker tried to register again while still running."""
-
-    def __init__(self, address: str) -> None:
-        super().__init__(
-            f"address: worker {address} was drained; it rejoins once restarted "
-            "(after it stops answering health checks)",
-            "address",
-        )
