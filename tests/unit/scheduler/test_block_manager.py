@@ -4,6 +4,7 @@ from scheduler_service import (
     AllocStatus,
     BlockSpaceManager,
     LRUEvictor,
+    Sequence,
     SequenceStatus,
 )
 
@@ -29,7 +30,9 @@ def test_watermark_never_vs_later():
     assert bm.can_allocate(make_seq_group("v", list(range(28)))) is AllocStatus.OK
 
 
-def test_copy_on_write_of_shared_last_block():
+def _computed_parent_and_fork() -> tuple[BlockSpaceManager, Sequence, Sequence]:
+    """A 6-token prompt (blocks 0 and 1 of 8, block size 4) fully computed, then forked:
+    parent and child share both blocks."""
     bm = BlockSpaceManager(4, 8, 4, watermark=0.0, enable_caching=False)
     g = make_seq_group("a", [1, 2, 3, 4, 5, 6])
     parent = g.seqs[0]
@@ -39,6 +42,11 @@ def test_copy_on_write_of_shared_last_block():
     child = parent.fork(77, 1)
     bm.fork(parent, child)
     g.add(child)
+    return bm, parent, child
+
+
+def test_copy_on_write_of_shared_last_block():
+    bm, parent, child = _computed_parent_and_fork()
     assert bm.get_block_table(child) == [0, 1]
     parent.append_token_id(9, {9: -1.0})
     child.append_token_id(8, {8: -1.0})
@@ -54,14 +62,7 @@ def test_copy_on_write_of_shared_last_block():
 
 
 def test_append_slots_adds_copies_to_the_callers_list():
-    bm = BlockSpaceManager(4, 8, 4, watermark=0.0, enable_caching=False)
-    g = make_seq_group("a", [1, 2, 3, 4, 5, 6])
-    parent = g.seqs[0]
-    bm.allocate(g)
-    parent.status = SequenceStatus.RUNNING
-    parent.num_computed_tokens = 6
-    child = parent.fork(77, 1)
-    bm.fork(parent, child)
+    bm, parent, child = _computed_parent_and_fork()
     parent.append_token_id(9, {9: -1.0})
     assert not bm.has_dirty_tables()
     copies = [(5, 6)]

@@ -35,6 +35,11 @@ def run_step(s, out, token=7):
                 sg.seq_group.has_sampled = True
 
 
+def chunks(out):
+    """(request id, tokens scheduled) of each scheduled group, in schedule order."""
+    return [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled]
+
+
 def test_prompt_over_max_model_len_is_ignored_with_a_reason():
     s = make_scheduler(max_len=8)
     g = make_seq_group("long", list(range(9)))
@@ -65,30 +70,18 @@ def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
     s.add_seq_group(short)
     s.add_seq_group(long)
     out = s.schedule()
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("short", 3),
-        ("long", 5),
-    ]
+    assert chunks(out) == [("short", 3), ("long", 5)]
     assert out.num_batched_tokens == 8
     run_step(s, out)
     out = s.schedule()
     # The decode of "short" first, then the next 7 prompt tokens of "long".
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("short", 1),
-        ("long", 7),
-    ]
+    assert chunks(out) == [("short", 1), ("long", 7)]
     run_step(s, out)
     out = s.schedule()
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("short", 1),
-        ("long", 7),
-    ]
+    assert chunks(out) == [("short", 1), ("long", 7)]
     run_step(s, out)
     out = s.schedule()
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("short", 1),
-        ("long", 1),
-    ]
+    assert chunks(out) == [("short", 1), ("long", 1)]
     assert long.seqs[0].get_output_len() == 0  # the last prompt token, then it samples
     run_step(s, out)
     assert long.seqs[0].get_output_len() == 1
@@ -103,13 +96,10 @@ def test_prefill_first_policy_runs_prompts_alone():
     b = make_seq_group("b", [4, 5])
     s.add_seq_group(b)
     out = s.schedule()
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [("b", 2)]
+    assert chunks(out) == [("b", 2)]
     run_step(s, out)
     out = s.schedule()
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("a", 1),
-        ("b", 1),
-    ]
+    assert chunks(out) == [("a", 1), ("b", 1)]
 
 
 def test_budgets_max_num_seqs_and_tokens():
@@ -119,19 +109,11 @@ def test_budgets_max_num_seqs_and_tokens():
         s.add_seq_group(g)
     out = s.schedule()
     # 4 + 4 tokens, then 2 of the third prompt; the token budget is full.
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("r0", 4),
-        ("r1", 4),
-        ("r2", 2),
-    ]
+    assert chunks(out) == [("r0", 4), ("r1", 4), ("r2", 2)]
     run_step(s, out)
     out = s.schedule()
     # max_num_seqs = 3: r3 waits although tokens are left.
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("r0", 1),
-        ("r1", 1),
-        ("r2", 2),
-    ]
+    assert chunks(out) == [("r0", 1), ("r1", 1), ("r2", 2)]
     assert len(s.waiting) == 2
     best_of = make_seq_group("bo", [1], params=SamplingParams(n=2, temperature=1.0))
     s2 = make_scheduler(gpu=64, max_seqs=3, max_tokens=10)
@@ -218,14 +200,11 @@ def test_prefill_first_admits_prompts_only_into_room_left_by_running_groups():
     s.add_seq_group(d)
     out = s.schedule()
     # a and b fill max_num_seqs = 2: no prompt is admitted, the running groups decode.
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [
-        ("a", 1),
-        ("b", 1),
-    ]
+    assert chunks(out) == [("a", 1), ("b", 1)]
     assert list(s.running) == [a, b] and list(s.waiting) == [c, d]
     run_step(s, out)
     s.abort_seq_group("a")
     out = s.schedule()
     # One place is free: c's whole prompt runs alone; d still waits.
-    assert [(x.seq_group.request_id, x.token_chunk_size) for x in out.scheduled] == [("c", 3)]
+    assert chunks(out) == [("c", 3)]
     assert list(s.running) == [b, c] and list(s.waiting) == [d]
