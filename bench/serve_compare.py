@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import psutil  # installed with accelerate
 
-from llmserve.supervisor import free_ports
+from llmserve.supervisor import free_ports, stop_process
 
 BENCH = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -141,12 +141,7 @@ def run_client(command: list[str], max_duration: float) -> None:
     try:
         client.wait(timeout=max_duration + 300)
     except (subprocess.TimeoutExpired, KeyboardInterrupt, SystemExit):
-        client.send_signal(signal.SIGTERM)
-        try:
-            client.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            client.kill()
-            client.wait()
+        stop_process(client, grace_s=120)
         if sys.exc_info()[0] is not subprocess.TimeoutExpired:
             raise
 

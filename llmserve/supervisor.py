@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,19 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], grace_s: float, sig: signal.Signals = signal.SIGTERM
+) -> None:
+    """Send `sig` to a child started with Popen and wait up to `grace_s` for it to exit; kill
+    it when it does not."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from llmserve.client import AsyncClient, Client
-from llmserve.supervisor import free_port
+from llmserve.supervisor import free_port, stop_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.services]
 
@@ -83,12 +83,7 @@ def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Pat
 
 def _interrupt(proc: subprocess.Popen[bytes]) -> None:
     """Ctrl-C, as a user stops `llmserve up`."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc, grace_s=60, sig=signal.SIGINT)
 
 
 def _worker_pids(log: Path) -> list[int]:

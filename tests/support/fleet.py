@@ -21,7 +21,7 @@ import httpx
 
 from llmserve.client import build_request
 from llmserve.grpc_utils import channel_options
-from llmserve.supervisor import free_ports
+from llmserve.supervisor import free_ports, stop_process
 from llmserve.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.stack import wait_healthy
 
@@ -53,12 +53,7 @@ class Proc:
     def stop(self) -> None:
         if self.popen is None or self.popen.poll() is not None:
             return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
+        stop_process(self.popen, grace_s=20)
 
 
 @dataclass

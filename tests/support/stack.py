@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmserve.supervisor import free_ports
+from llmserve.supervisor import free_ports, stop_process
 
 
 @dataclass
@@ -38,12 +37,7 @@ class RunningStack:
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, grace_s=15)
 
 
 def wait_healthy(address: str, proc: subprocess.Popen[bytes], name: str, log: Path,
