@@ -91,3 +91,35 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.dtype == expected.dtype
     assert not actual.isnan().any(), "kernel output has NaN (read past the context?)"
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[expected.dtype])
+
+
+# KV heads of the random attention cases; queries_per_kv sets the query heads.
+NUM_KV_HEADS = 2
+
+
+def make_attention_case(
+    seq_lens: list[int],
+    num_query_rows: int,
+    *,
+    queries_per_kv: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+) -> tuple[PagedCache, torch.Tensor]:
+    """A random paged cache for `seq_lens` and `num_query_rows` random query rows
+    ([num_query_rows, NUM_KV_HEADS * queries_per_kv, head_dim]), from one seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = make_paged_cache(
+        seq_lens,
+        block_size=block_size,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+        generator=generator,
+    )
+    num_heads = NUM_KV_HEADS * queries_per_kv
+    query = torch.randn(num_query_rows, num_heads, head_dim, generator=generator).to(dtype)
+    return cache, query.to(device)

@@ -10,12 +10,11 @@ from kernels import paged_attention, reference
 from tests.kernels.paged import (
     DTYPES,
     assert_close,
+    make_attention_case,
     make_paged_cache,
     random_lens,
     skip_unsupported,
 )
-
-NUM_KV_HEADS = 2
 
 
 def run_decode(
@@ -30,19 +29,16 @@ def run_decode(
     **kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, reference output) for one random batch."""
-    generator = torch.Generator().manual_seed(seed)
-    cache = make_paged_cache(
+    cache, query = make_attention_case(  # query: [num_seqs, num_heads, head_dim]
         seq_lens,
+        len(seq_lens),
+        queries_per_kv=queries_per_kv,
         block_size=block_size,
-        num_kv_heads=NUM_KV_HEADS,
         head_dim=head_dim,
         dtype=dtype,
         device=device,
-        generator=generator,
+        seed=seed,
     )
-    num_heads = NUM_KV_HEADS * queries_per_kv
-    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(dtype)
-    query = query.to(device)  # [num_seqs, num_heads, head_dim]
     scale = head_dim**-0.5
     args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, scale)
     return (
@@ -131,17 +127,10 @@ def test_decode_writes_into_out_from_strided_query(device: str) -> None:
 
 
 def test_decode_rejects_bad_arguments(device: str) -> None:
-    generator = torch.Generator().manual_seed(0)
-    cache = make_paged_cache(
-        [4],
-        block_size=8,
-        num_kv_heads=2,
-        head_dim=64,
-        dtype=torch.float32,
-        device=device,
-        generator=generator,
+    cache, query = make_attention_case(  # query: [1, 4, 64]
+        [4], 1, queries_per_kv=2, block_size=8, head_dim=64, dtype=torch.float32, device=device,
+        seed=0,
     )
-    query = torch.randn(1, 4, 64, device=device)
     good = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, 0.1)
 
     with pytest.raises(kernels.KernelArgumentError, match="block_tables: dtype"):

@@ -7,9 +7,12 @@ import torch
 
 import kernels
 from kernels import reference
-from tests.kernels.paged import DTYPES, assert_close, make_paged_cache, skip_unsupported
-
-NUM_KV_HEADS = 2
+from tests.kernels.paged import (
+    DTYPES,
+    assert_close,
+    make_attention_case,
+    skip_unsupported,
+)
 
 
 def run_prefill(
@@ -24,19 +27,16 @@ def run_prefill(
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, reference output): sequence s has query_lens[s] new tokens at its end."""
-    generator = torch.Generator().manual_seed(seed)
-    cache = make_paged_cache(
+    cache, query = make_attention_case(  # query: [num_tokens, num_heads, head_dim]
         seq_lens,
+        sum(query_lens),
+        queries_per_kv=queries_per_kv,
         block_size=block_size,
-        num_kv_heads=NUM_KV_HEADS,
         head_dim=head_dim,
         dtype=dtype,
         device=device,
-        generator=generator,
+        seed=seed,
     )
-    num_heads = NUM_KV_HEADS * queries_per_kv
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
-    query = query.to(device)  # [num_tokens, num_heads, head_dim]
     starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32).to(device)  # [num_seqs+1]
     args = (
         query,
@@ -113,18 +113,10 @@ def test_chunked_prefill_equals_whole_prompt(device: str) -> None:
 
 
 def test_prefill_of_one_token_equals_decode(device: str) -> None:
-    generator = torch.Generator().manual_seed(5)
-    seq_lens = [10, 77]
-    cache = make_paged_cache(
-        seq_lens,
-        block_size=16,
-        num_kv_heads=2,
-        head_dim=64,
-        dtype=torch.float32,
-        device=device,
-        generator=generator,
+    cache, query = make_attention_case(  # query: [2, 16, 64], one row per sequence
+        [10, 77], 2, queries_per_kv=8, block_size=16, head_dim=64, dtype=torch.float32,
+        device=device, seed=5,
     )
-    query = torch.randn(2, 16, 64, generator=generator).to(device)
     starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
     caches = (cache.key_cache, cache.value_cache, cache.block_tables)
     prefill = kernels.prefill_attention(query, *caches, starts, cache.seq_lens, 0.1)
@@ -133,17 +125,10 @@ def test_prefill_of_one_token_equals_decode(device: str) -> None:
 
 
 def test_prefill_rejects_bad_arguments(device: str) -> None:
-    generator = torch.Generator().manual_seed(0)
-    cache = make_paged_cache(
-        [4],
-        block_size=8,
-        num_kv_heads=2,
-        head_dim=64,
-        dtype=torch.float32,
-        device=device,
-        generator=generator,
+    cache, query = make_attention_case(  # query: [4, 4, 64]
+        [4], 4, queries_per_kv=2, block_size=8, head_dim=64, dtype=torch.float32, device=device,
+        seed=0,
     )
-    query = torch.randn(4, 4, 64, device=device)
     caches = (cache.key_cache, cache.value_cache, cache.block_tables)
     starts = torch.tensor([0, 4], dtype=torch.int32, device=device)
     with pytest.raises(kernels.KernelArgumentError, match="query_start_loc: dtype"):
