@@ -355,23 +355,10 @@ def test_prefix_cache_counters(observed: Observed) -> None:
 
 
 def test_preemption_counters(observed: Observed) -> None:
-    recompute = _delta(
-        observed,
-        "scheduler",
-        "llmserve_preemptions_total",
-        "mid",
-        "after",
-        replica="0",
-        mode="recompute",
-    )
-    swap = _delta(
-        observed,
-        "scheduler",
-        "llmserve_preemptions_total",
-        "mid",
-        "after",
-        replica="0",
-        mode="swap",
+    recompute, swap = (
+        _delta(observed, "scheduler", "llmserve_preemptions_total", "mid", "after",
+               replica="0", mode=mode)
+        for mode in ("recompute", "swap")
     )
     assert recompute >= 1  # how many depends on when the concurrent requests arrive
     assert swap == 0  # single-sequence requests are always recomputed

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -74,19 +75,30 @@ def _shortened(case: Case) -> Case:
     return case
 
 
+# Reproducible runs: a fixed example order, no example database, no time limit per example.
+_SETTINGS: dict[str, Any] = dict(
+    deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+
+
+def _call_never_5xx(case: Case, statuses: Counter[int]) -> tuple[Case, Any]:
+    """Send `case` (long strings shortened), count its status, and check it is not a 5xx."""
+    case = _shortened(case)
+    response = case.call(timeout=60)
+    statuses[response.status_code] += 1
+    assert response.status_code < 500, f"{case.body!r} -> {response.text}"
+    return case, response
+
+
 @pytest.mark.parametrize(("method", "path"), OPERATIONS)
 def test_api_conforms_and_never_5xx(api_schema: BaseSchema, method: str, path: str) -> None:
     operation = api_schema[path][method]
     statuses: Counter[int] = Counter()
 
     @given(case=operation.as_strategy())
-    @settings(max_examples=30, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=30, **_SETTINGS)
     def check(case: Case) -> None:
-        case = _shortened(case)
-        response = case.call(timeout=60)
-        statuses[response.status_code] += 1
-        assert response.status_code < 500, f"{case.body!r} -> {response.text}"
+        case, response = _call_never_5xx(case, statuses)
         case.validate_response(response, checks=CHECKS)
 
     check()
@@ -109,13 +121,9 @@ def test_bodies_that_break_the_schema_are_4xx(api_schema: BaseSchema, method: st
     statuses: Counter[int] = Counter()
 
     @given(case=operation.as_strategy(generation_mode=GenerationMode.NEGATIVE))
-    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=40, **_SETTINGS)
     def check(case: Case) -> None:
-        case = _shortened(case)
-        response = case.call(timeout=60)
-        statuses[response.status_code] += 1
-        assert response.status_code < 500, f"{case.body!r} -> {response.text}"
+        case, response = _call_never_5xx(case, statuses)
         if response.status_code >= 400:
             error = response.json()["error"]
             assert error["message"] and error["type"], response.text

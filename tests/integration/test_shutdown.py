@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,16 @@ async def _one_grpc(address: str) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+async def _finish(
+    streams: _Streams, running: asyncio.Task[None], proc: subprocess.Popen[bytes]
+) -> dict[str, Any]:
+    """Wait for the streams, then for the signalled process: what each stream got, and its
+    exit status."""
+    await running
+    exit_status = await asyncio.to_thread(proc.wait, 120)
+    return {"tokens": streams.tokens, "finished": streams.finished, "exit": exit_status}
+
+
 async def _one_http(url: str) -> httpx.Response:
     async with httpx.AsyncClient(timeout=60) as http:
         return await http.post(url + "/v1/completions", json=http_body(PROMPT, 4))
@@ -117,10 +128,7 @@ def test_sigterm_on_the_gateway_finishes_every_stream_then_exits_0(
             await _wait_not_serving(stack.gateway)
             seen["draining_grpc"] = await _one_grpc(stack.gateway)
             seen["draining_http"] = await _one_http(stack.http_url)
-            await running
-            seen["tokens"], seen["finished"] = streams.tokens, streams.finished
-            seen["exit"] = await asyncio.to_thread(gateway.wait, 120)
-            return seen
+            return seen | await _finish(streams, running, gateway)
 
         seen = asyncio.run(scenario())
         assert seen["full_grpc"] == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -155,10 +163,7 @@ def test_sigterm_on_the_scheduler_drains_its_requests_then_exits_0(
             scheduler.send_signal(signal.SIGTERM)
             await _wait_not_serving(stack.scheduler)
             seen: dict[str, Any] = {"draining_grpc": await _one_grpc(stack.gateway)}
-            await running
-            seen["tokens"], seen["finished"] = streams.tokens, streams.finished
-            seen["exit"] = await asyncio.to_thread(scheduler.wait, 120)
-            return seen
+            return seen | await _finish(streams, running, scheduler)
 
         seen = asyncio.run(scenario())
         assert seen["draining_grpc"] == grpc.StatusCode.UNAVAILABLE

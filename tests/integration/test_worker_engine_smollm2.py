@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
-from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service import LLMEngine
 from scheduler_service.config import PreemptionMode
+from tests.support.engines import engine_on_worker
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
@@ -67,17 +68,8 @@ def make_engine(
     budget: int = 2048,
     preemption: PreemptionMode | None = None,
 ) -> LLMEngine:
-    worker.initialize_cache(gpu, cpu)
-    return LLMEngine(
-        SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=budget,
-            max_model_len=2048,
-            preemption_mode=preemption,
-        ),
-        CacheConfig(BLOCK, gpu, cpu, watermark=0.0),
-        worker,
-    )
+    return engine_on_worker(worker, gpu_blocks=gpu, cpu_blocks=cpu, batched_tokens=budget,
+                            max_model_len=2048, preemption=preemption)
 
 
 def finish(engine: LLMEngine, worker: Worker) -> None:

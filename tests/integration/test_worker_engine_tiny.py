@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
-from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service import LLMEngine
 from scheduler_service.config import PreemptionMode
+from tests.support.engines import engine_on_worker
 from tests.support.models import load_hf, save_tiny_model
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
@@ -54,18 +55,9 @@ def make_engine(
     prefix: bool = True,
     preemption: PreemptionMode | None = None,
 ) -> LLMEngine:
-    worker.initialize_cache(gpu_blocks, cpu_blocks)
-    return LLMEngine(
-        SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=batched_tokens,
-            max_model_len=256,
-            enable_chunked_prefill=chunked,
-            preemption_mode=preemption,
-        ),
-        CacheConfig(BLOCK, gpu_blocks, cpu_blocks, watermark=0.0, enable_prefix_caching=prefix),
-        worker,
-    )
+    return engine_on_worker(worker, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
+                            batched_tokens=batched_tokens, max_model_len=256, chunked=chunked,
+                            prefix=prefix, preemption=preemption)
 
 
 def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:

@@ -102,6 +102,14 @@ def first_step(seq_id: int = 1) -> StepInput:
     return StepInput(0, new_seqs=[new_seq(seq_id, PROMPT, [0, 1])])
 
 
+async def holding_one_sequence(w: Served) -> Stream:
+    """A worker with a cache, and a stream on which it holds one sequence (a first step)."""
+    await w.stub.InitializeCache(worker_pb2.InitializeCacheRequest(num_gpu_blocks=32))
+    stream = Stream(w.stub)
+    await stream.step(first_step())
+    return stream
+
+
 async def health_status(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
@@ -190,9 +198,7 @@ def test_drain_with_a_scheduler_waits_for_the_stream_to_end(tiny_llama):
         keeper = LeaseKeeper(f"127.0.0.1:{port}", w.address)
         lease_task = asyncio.create_task(keeper.run())
         await until(lambda: keeper.registrations >= 1)
-        await w.stub.InitializeCache(worker_pb2.InitializeCacheRequest(num_gpu_blocks=32))
-        stream = Stream(w.stub)
-        await stream.step(first_step())
+        stream = await holding_one_sequence(w)
         drain = WorkerDrain(
             w.server,
             w.health,
@@ -222,9 +228,7 @@ def test_drain_with_a_scheduler_waits_for_the_stream_to_end(tiny_llama):
 
 def test_drain_of_a_static_worker_ends_when_idle_and_refuses_new_streams(tiny_llama):
     async def body(w: Served) -> None:
-        await w.stub.InitializeCache(worker_pb2.InitializeCacheRequest(num_gpu_blocks=32))
-        stream = Stream(w.stub)
-        await stream.step(first_step())
+        stream = await holding_one_sequence(w)
         drain = WorkerDrain(w.server, w.health, w.servicer, timeout_s=120, quiet_s=0.2)
         draining = asyncio.create_task(drain.run())
         await until(lambda: w.servicer.draining)
@@ -250,9 +254,7 @@ def test_a_draining_worker_refuses_a_new_execute_stream(tiny_llama):
 
 def test_drain_times_out_with_a_sequence_still_held(tiny_llama):
     async def body(w: Served) -> None:
-        await w.stub.InitializeCache(worker_pb2.InitializeCacheRequest(num_gpu_blocks=32))
-        stream = Stream(w.stub)
-        await stream.step(first_step())
+        _held = await holding_one_sequence(w)  # open while the drain runs
         drain = WorkerDrain(w.server, w.health, w.servicer, timeout_s=0.5, quiet_s=0.0)
         await drain.run()
         assert drain.exit_code == 1
@@ -264,9 +266,7 @@ def test_drain_times_out_with_a_sequence_still_held(tiny_llama):
 
 def test_a_second_signal_cuts_the_drain_short(tiny_llama):
     async def body(w: Served) -> None:
-        await w.stub.InitializeCache(worker_pb2.InitializeCacheRequest(num_gpu_blocks=32))
-        stream = Stream(w.stub)
-        await stream.step(first_step())
+        _held = await holding_one_sequence(w)  # open while the drain runs
         drain = WorkerDrain(w.server, w.health, w.servicer, timeout_s=120, quiet_s=0.0)
         draining = asyncio.create_task(drain.run())
         await until(lambda: w.servicer.draining)  # its signal handlers are installed by now

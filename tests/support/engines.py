@@ -1,0 +1,41 @@
+"""An in-process engine over a real worker: the scheduler's LLMEngine driving a `Worker`
+directly, for tests that compare outputs without the services around them."""
+
+from __future__ import annotations
+
+from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.config import PreemptionMode
+from worker_service.worker import Worker
+
+
+def engine_on_worker(
+    worker: Worker,
+    *,
+    gpu_blocks: int,
+    cpu_blocks: int,
+    batched_tokens: int,
+    max_model_len: int,
+    chunked: bool = True,
+    prefix: bool = True,
+    preemption: PreemptionMode | None = None,
+) -> LLMEngine:
+    """Initialize the worker's cache with these block counts and return an engine over it
+    (max_num_seqs 16, no watermark, the worker's block size)."""
+    worker.initialize_cache(gpu_blocks, cpu_blocks)
+    return LLMEngine(
+        SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+            preemption_mode=preemption,
+        ),
+        CacheConfig(
+            worker.config.block_size,
+            gpu_blocks,
+            cpu_blocks,
+            watermark=0.0,
+            enable_prefix_caching=prefix,
+        ),
+        worker,
+    )
