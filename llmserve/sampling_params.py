@@ -1,7 +1,7 @@
 """Token-level sampling parameters, shared by the scheduler, the workers and the gateway.
 
-Text-level options (stop strings, detokenization) belong to the gateway and are not here:
-the scheduler and workers only ever see token ids.
+Text-level options are not here: the gateway shapes the text, the scheduler matches stop
+strings (they travel beside these parameters, in AddRequest), and workers see token ids only.
 """
 
 from __future__ import annotations
