@@ -1,0 +1,162 @@
+"""llama.cpp's own server, built here from source, and GGUFs of the embedded model for it.
+
+`llama_server()` builds `llama-server` and `llama-quantize` on first use from the llama.cpp
+sources vendored in the `llama-cpp-python` source distribution (fetched with pip from the
+package index this machine uses), with CMake, Ninja and the system compiler: Release,
+`GGML_NATIVE=ON` (tuned for this CPU, as our kernels are with -march=native), and
+`LLAMA_USE_PREBUILT_UI=OFF`, without which the build tries to download its web UI. About 12
+minutes on 2 cores; the binaries are cached under `$LLMSERVE_BENCH_CACHE` (default
+`~/.cache/llmserve/bench`), keyed by the sdist's version.
+
+`gguf_for(dtype)` requantizes the embedded SmolLM2 Q4_1 GGUF to F32 or BF16 with
+`llama-quantize --allow-requantize`, so both servers read the same weights (dequantized from
+the same Q4_1 file) at the same width.
+
+    .venv/bin/python bench/llama_cpp.py          # build (if needed) and print the paths
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+SDIST_PACKAGE = "llama-cpp-python"
+TARGETS = ("llama-server", "llama-quantize")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LLMSERVE_BENCH_CACHE") or Path.home() / ".cache" / "llmserve" / "bench"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _log(message: str) -> None:
+    print(f"[llama.cpp] {message}", file=sys.stderr, flush=True)
+
+
+def _tool(name: str) -> str:
+    """cmake / ninja from PATH, else from this venv (pip install cmake ninja)."""
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", name], check=True)
+        found = shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        raise RuntimeError(f"{name} is needed to build llama.cpp and could not be installed")
+    return found
+
+
+def _sdist() -> Path:
+    downloads = cache_dir() / "sdist"
+    existing = sorted(downloads.glob("llama_cpp_python-*.tar.gz"))
+    if existing:
+        return existing[-1]
+    downloads.mkdir(exist_ok=True)
+    _log(f"fetching the {SDIST_PACKAGE} source distribution")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            SDIST_PACKAGE,
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "--no-build-isolation",
+            "-d",
+            str(downloads),
+        ],
+        check=True,
+    )
+    return sorted(downloads.glob("llama_cpp_python-*.tar.gz"))[-1]
+
+
+def llama_server() -> tuple[Path, Path]:
+    """Paths of `llama-server` and `llama-quantize`, built on first use."""
+    sdist = _sdist()
+    version = sdist.name.removesuffix(".tar.gz").split("-", 1)[1]
+    bin_dir = cache_dir() / f"llama.cpp-{version}" / "bin"
+    binaries = tuple(bin_dir / name for name in TARGETS)
+    if all(path.exists() for path in binaries):
+        return binaries[0], binaries[1]
+    source_root = cache_dir() / f"llama.cpp-{version}" / "src"
+    if not (source_root / "CMakeLists.txt").exists():
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as scratch:
+            with tarfile.open(sdist) as archive:
+                archive.extractall(scratch, filter="data")
+            (top,) = Path(scratch).iterdir()
+            shutil.rmtree(source_root, ignore_errors=True)
+            source_root.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(top / "vendor" / "llama.cpp"), source_root)
+    build = source_root.parent / "build"
+    _log(f"building {', '.join(TARGETS)} in {build} (about 12 minutes on 2 cores)")
+    subprocess.run(
+        [
+            _tool("cmake"),
+            "-S",
+            str(source_root),
+            "-B",
+            str(build),
+            "-G",
+            "Ninja",
+            f"-DCMAKE_MAKE_PROGRAM={_tool('ninja')}",
+            *CMAKE_FLAGS,
+        ],
+        check=True,
+    )
+    subprocess.run(
+        [_tool("cmake"), "--build", str(build), "--target", *TARGETS, "-j", str(os.cpu_count())],
+        check=True,
+    )
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in TARGETS:
+        shutil.copy2(build / "bin" / name, bin_dir / name)
+    return binaries[0], binaries[1]
+
+
+def embedded_gguf() -> Path:
+    from llmserve.model_spec import DEFAULT_MODEL, resolve_model
+
+    source = resolve_model(DEFAULT_MODEL)
+    assert source.gguf_file is not None
+    return Path(source.path) / source.gguf_file
+
+
+def gguf_for(dtype: str) -> Path:
+    """The embedded model requantized to `dtype` (float32 or bfloat16) for llama-server."""
+    kind = GGUF_TYPES[dtype]
+    target = cache_dir() / f"SmolLM2-135M-Instruct.{kind}.gguf"
+    if target.exists():
+        return target
+    _, quantize = llama_server()
+    partial = target.with_suffix(".partial")
+    subprocess.run(
+        [str(quantize), "--allow-requantize", str(embedded_gguf()), str(partial), kind],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    os.replace(partial, target)
+    return target
+
+
+if __name__ == "__main__":
+    server, quantize = llama_server()
+    print(server)
+    print(quantize)
+    for name in GGUF_TYPES:
+        print(gguf_for(name))
