@@ -41,6 +41,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=["auto", "torch", "onednn"],
         help="matmuls: onednn prepacks the weights (CPU); auto = onednn with the cpu backend",
     )
+    p.add_argument(
+        "--native-decode-max-batch",
+        type=int,
+        default=16,
+        help="decode steps of up to this many sequences run as one native call (cpu backend); "
+        "0 = per-layer path only",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="CPU KV cache size, GiB")
@@ -97,6 +104,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         device=args.device,
         attention_backend=args.attention_backend,
         linear_impl=args.linear_impl,
+        native_decode_max_batch=args.native_decode_max_batch,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),

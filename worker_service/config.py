@@ -44,6 +44,10 @@ class WorkerConfig:
     # bfloat16). `auto` takes onednn with the native `cpu` attention backend, where it can
     # run, and torch otherwise, so the `torch` backend stays the plain-torch reference.
     linear_impl: LinearImplName = "auto"
+    # Pure decode steps of up to this many sequences run every layer in one native call
+    # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off. Larger steps
+    # and prefills keep the per-layer path and its (prepacked) matmuls.
+    native_decode_max_batch: int = 16
     block_size: int = 16
     # Caps the model's own max_position_embeddings (None = the model's limit).
     max_model_len: int | None = None
@@ -77,6 +81,8 @@ class WorkerConfig:
             raise WorkerConfigError(
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.native_decode_max_batch < 0:
+            raise WorkerConfigError("native_decode_max_batch", "must be non-negative")
         if self.kv_cache_memory_bytes <= 0:
             raise WorkerConfigError("kv_cache_memory_bytes", "must be positive")
         if self.swap_space_bytes < 0:

@@ -17,7 +17,12 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.model_runner import ModelRunner
-from worker_service.models.llama import LlamaModel, ModelArchConfig, packed_linear_available
+from worker_service.models.llama import (
+    LlamaModel,
+    ModelArchConfig,
+    native_decode_unsupported_reason,
+    packed_linear_available,
+)
 from worker_service.sampler import Sampler
 
 log = get_logger(__name__)
@@ -98,11 +103,15 @@ class Worker:
         # The native CPU backend brings the fused elementwise kernels and the prepacked
         # matmuls along; `torch` stays plain torch throughout, as the reference.
         packed = self._use_packed_linear(backend_cls.name)
+        native_decode = backend_cls.name == "cpu" and (
+            native_decode_unsupported_reason(arch, self.dtype) is None
+        )
         self._model = LlamaModel.from_hf(
             hf_model,
             max_positions=max_len,
             fused_ops=backend_cls.name == "cpu",
             packed_linear=packed,
+            native_decode_max_batch=self.config.native_decode_max_batch if native_decode else 0,
         )
         eos = _eos_ids(hf_model)
         self._info = ModelInfo(

@@ -76,14 +76,14 @@ def paged_attention_decode(
             key_cache.shape[2],
             key_cache.shape[1],
             scale,
-            _kv_heads_per_item(num_seqs, key_cache.shape[2]),
+            kv_heads_per_item(num_seqs, key_cache.shape[2]),
             query.stride(0),
         )
         _check_status(status, query, key_cache)
     return out
 
 
-def _kv_heads_per_item(num_seqs: int, num_kv_heads: int) -> int:
+def kv_heads_per_item(num_seqs: int, num_kv_heads: int) -> int:
     """All of a sequence's heads in one work item reads each block as one contiguous run;
     split by head only when there are too few sequences to keep every thread busy."""
     return num_kv_heads if num_seqs >= 4 * torch.get_num_threads() else 1

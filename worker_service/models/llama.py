@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
+from kernels.cpu.attention import kv_heads_per_item
+from kernels.cpu.decode import DecodeLayer, DecodeShape, DecodeStep
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.rope import (
     UnsupportedModelError,
@@ -161,12 +163,27 @@ class LlamaModel:
         max_positions: int,
         fused_ops: bool = False,
         packed_linear: bool = False,
+        native_decode_max_batch: int = 0,
     ) -> None:
         self.arch = arch
         # CPU only: RMSNorm, rotary and SiLU-and-multiply through kernels.cpu (see forward).
         self.fused_ops = fused_ops
         self.packed_linear = packed_linear
         self.linear: Callable[..., torch.Tensor] = F.linear
+        inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.cos, self.sin = cos_sin_table(inv_freq, max_positions, embed.dtype, embed.device)
+        # CPU only: pure decode steps of up to this many tokens run as one native call
+        # (kernels/cpu/decode.cpp) on the weights in their plain layout, which it keeps even
+        # when the other steps' matmuls use prepacked copies (float32: twice the weight memory).
+        self.native_decode_max_batch = 0
+        self.decode_step: DecodeStep | None = None
+        if native_decode_max_batch > 0:
+            if not fused_ops:
+                raise ValueError("the native decode step needs the native CPU ops (fused_ops)")
+            self.decode_step = _native_decode_step(
+                arch, embed, layers, final_norm, lm_head, self.cos, self.sin
+            )
+            self.native_decode_max_batch = native_decode_max_batch
         if packed_linear:
             if not packed_linear_available(embed.device, embed.dtype):
                 raise ValueError(
@@ -183,8 +200,6 @@ class LlamaModel:
         self.lm_head = lm_head
         self.dtype = embed.dtype
         self.device = embed.device
-        inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
-        self.cos, self.sin = cos_sin_table(inv_freq, max_positions, self.dtype, self.device)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
 
@@ -195,6 +210,7 @@ class LlamaModel:
         max_positions: int,
         fused_ops: bool = False,
         packed_linear: bool = False,
+        native_decode_max_batch: int = 0,
     ) -> LlamaModel:
         """Take (fuse, not copy where possible) the weights of a transformers Llama-family model."""
         arch = ModelArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
@@ -225,6 +241,7 @@ class LlamaModel:
             max_positions=max_positions,
             fused_ops=fused_ops,
             packed_linear=packed_linear,
+            native_decode_max_batch=native_decode_max_batch,
         )
 
     def forward(
@@ -240,6 +257,21 @@ class LlamaModel:
         linear = self.linear
         if self.fused_ops:  # the native ops below run unchecked: validate their inputs once
             self._check_native_inputs(input_ids, positions)
+        if (
+            self.decode_step is not None
+            and metadata.num_prefills == 0
+            and 0 < num_tokens <= self.native_decode_max_batch
+            and logit_rows.shape[0] == num_tokens  # every row samples, in order
+        ):
+            self.decode_step.bind_caches(kv_caches)
+            return self.decode_step.run(
+                input_ids,
+                positions,
+                metadata.slot_mapping,
+                metadata.decode_block_tables,
+                metadata.decode_seq_lens,
+                kv_heads_per_item(num_tokens, self.arch.num_kv_heads),
+            )
         rotate = self._native_rotary if self.fused_ops else self._torch_rotary(positions)
         backend.begin_step(metadata)
         residual = None
@@ -341,3 +373,46 @@ class LlamaModel:
             linear(x, weights.gate_up)
             linear(act, weights.down)
         linear(x, self.lm_head)
+
+
+def _native_decode_step(
+    arch: ModelArchConfig,
+    embed: torch.Tensor,  # [vocab, hidden]
+    layers: list[LayerWeights],  # plain [out, in] weights, before any packing
+    final_norm: torch.Tensor,  # [hidden]
+    lm_head: torch.Tensor,  # [vocab, hidden]
+    cos: torch.Tensor,  # [max_positions, head_dim]
+    sin: torch.Tensor,  # [max_positions, head_dim]
+) -> DecodeStep:
+    shape = DecodeShape(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        vocab_size=arch.vocab_size,
+        rms_norm_eps=arch.rms_norm_eps,
+    )
+    plain = [
+        DecodeLayer(w.input_norm, w.qkv, w.qkv_bias, w.o, w.post_norm, w.gate_up, w.down)
+        for w in layers
+    ]
+    contiguous = [t.contiguous() for t in (embed, final_norm, lm_head, cos, sin)]
+    return DecodeStep(shape, plain, *contiguous)
+
+
+def native_decode_unsupported_reason(arch: ModelArchConfig, dtype: torch.dtype) -> str | None:
+    """Why the native decode step cannot run this model, or None."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} (float32 or bfloat16 only)"
+    return DecodeShape(
+        arch.num_layers,
+        arch.hidden_size,
+        arch.intermediate_size,
+        arch.num_heads,
+        arch.num_kv_heads,
+        arch.head_dim,
+        arch.vocab_size,
+        arch.rms_norm_eps,
+    ).unsupported_reason()

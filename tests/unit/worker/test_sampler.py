@@ -7,7 +7,7 @@ import math
 import torch
 
 from llmserve.sampling_params import SamplingParams
-from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
+from worker_service.sampler import Sampler, SamplingRow, _top_k_top_p, prompt_logprobs
 
 V = 10
 EOS = 9
@@ -151,3 +151,54 @@ def test_bfloat16_logits_sample_as_their_float32_values() -> None:
         got = Sampler(V, (EOS,), native_reductions=native).sample(logits, rows)
         want = Sampler(V, (EOS,), native_reductions=native).sample(logits.float(), rows)
         assert got == want, native
+
+
+def test_draws_follow_the_distribution() -> None:
+    # p = softmax(log [0.5, 0.3, 0.15, 0.05]): counts of 4000 draws within 5 sigma of each.
+    probs = [0.5, 0.3, 0.15, 0.05]
+    logits = torch.tensor([[math.log(p) for p in probs] + [-math.inf] * (V - 4)])
+    s = sampler()
+    params = SamplingParams(temperature=1.0)
+    counts = [0] * V
+    for _ in range(4000):
+        counts[s.sample(logits, [row(params)])[0].samples[0].token_id] += 1
+    assert sum(counts[4:]) == 0
+    for token, p in enumerate(probs):
+        sigma = math.sqrt(4000 * p * (1 - p))
+        assert abs(counts[token] - 4000 * p) <= 5 * sigma, (token, counts)
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The tokens top-k then top-p keep, by their definition: sort the whole row."""
+    order = logits.argsort(descending=True).tolist()
+    kept = order[:top_k] if top_k > 0 else order
+    probs = torch.softmax(logits[kept], dim=-1).tolist()
+    nucleus, mass = [], 0.0
+    for token, p in zip(kept, probs, strict=True):
+        if mass >= top_p:
+            break
+        nucleus.append(token)
+        mass += p
+    return set(nucleus)
+
+
+def test_top_k_top_p_keep_the_same_tokens_whether_the_nucleus_is_narrow_or_wide() -> None:
+    # 1000 tokens: a peaked row (nucleus inside the first ranked tokens), a flat one (the
+    # nucleus is most of the vocabulary: the full-sort fallback), and top_k rows beside them.
+    vocab = 1000
+    gen = torch.Generator().manual_seed(3)
+    peaked = torch.randn(vocab, generator=gen) * 6
+    flat = torch.randn(vocab, generator=gen) * 0.1
+    cases = [(peaked, 0, 0.9), (flat, 0, 0.9), (peaked, 50, 0.95), (flat, 600, 0.5)]
+    s = Sampler(vocab, (EOS,), seed=0)
+    for logits, top_k, top_p in cases:
+        params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+        allowed = _sorted_top_k_top_p(logits, top_k, top_p)
+        drawn = {s.sample(logits[None], [row(params)])[0].samples[0].token_id for _ in range(200)}
+        assert drawn <= allowed, (top_k, top_p)
+    # All four rows in one batch filter exactly as each does alone.
+    batch = torch.stack([c[0] for c in cases])
+    filtered = _top_k_top_p(batch, [c[1] for c in cases], [c[2] for c in cases])
+    for i, (logits, top_k, top_p) in enumerate(cases):
+        kept = set(torch.isfinite(filtered[i]).nonzero()[:, 0].tolist())
+        assert kept == _sorted_top_k_top_p(logits, top_k, top_p), i

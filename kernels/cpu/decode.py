@@ -1,0 +1,204 @@
+"""A whole decode step in one native call (decode.cpp), and its projections on their own.
+
+`DecodeStep` holds the raw pointers of a Llama-family model's weights, laid out once, and of
+its KV caches, rebound when the caches change; `run` computes the logits of n decode tokens
+(one per sequence, each attending to its paged context) with a single ctypes call. The
+tensors it points into must outlive it: it keeps references to them.
+
+`linear_rows` is the projection kernel of that step, exposed for tests and benchmarks:
+`x @ weight.T + bias`, reading each weight row once for all rows of x.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels._checks import KernelArgumentError
+from kernels.cpu.attention import DTYPE_CODES
+from kernels.cpu.build import library
+
+# Fields per layer in the pointer table, in decode.cpp's LayerField order.
+_LAYER_FIELDS = 9
+# Index of the block size in the dims array (decode.cpp's Dim order).
+_BLOCK_SIZE_DIM = 7
+
+
+def linear_rows(
+    x: torch.Tensor,  # [n, in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:  # [n, out] = x @ weight.T + bias, in x's dtype
+    for name, tensor, ndim in (("x", x, 2), ("weight", weight, 2), ("bias", bias, 1)):
+        if tensor is None:
+            continue
+        if tensor.dim() != ndim or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise KernelArgumentError(name, f"expected a contiguous {ndim}-d CPU tensor")
+        if tensor.dtype != x.dtype or x.dtype not in DTYPE_CODES:
+            raise KernelArgumentError(name, f"dtype {tensor.dtype}: expected float32 or bfloat16")
+    if weight.shape[1] != x.shape[1] or x.shape[1] % 8:
+        raise KernelArgumentError(
+            "weight", f"in features {weight.shape[1]} vs x's {x.shape[1]} (a multiple of 8)"
+        )
+    if bias is not None and bias.shape[0] != weight.shape[0]:
+        raise KernelArgumentError("bias", f"size {bias.shape[0]} != {weight.shape[0]} outputs")
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    library().llmserve_linear_rows(
+        DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        weight.shape[0],
+    )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLayer:
+    """One layer's weights in their plain [out, in] layout (not prepacked)."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q + 2 * kv, hidden]
+    qkv_bias: torch.Tensor | None  # [q + 2 * kv]
+    o: torch.Tensor  # [hidden, q]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeShape:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+
+    def unsupported_reason(self) -> str | None:
+        widths = {
+            "hidden size": self.hidden_size,
+            "intermediate size": self.intermediate_size,
+            "query width": self.num_heads * self.head_dim,
+        }
+        odd = [f"{name} {value}" for name, value in widths.items() if value % 8]
+        return f"{', '.join(odd)} not a multiple of 8" if odd else None
+
+
+class DecodeStep:
+    """The native decode step of one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        shape: DecodeShape,
+        layers: Sequence[DecodeLayer],
+        embed: torch.Tensor,  # [vocab, hidden]
+        final_norm: torch.Tensor,  # [hidden]
+        lm_head: torch.Tensor,  # [vocab, hidden]
+        cos: torch.Tensor,  # [max_positions, head_dim]
+        sin: torch.Tensor,  # [max_positions, head_dim]
+    ) -> None:
+        reason = shape.unsupported_reason()
+        if reason is not None:
+            raise KernelArgumentError("shape", reason)
+        tensors = [embed, final_norm, lm_head, cos, sin]
+        for layer in layers:
+            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up]
+            tensors += [layer.down] + ([layer.qkv_bias] if layer.qkv_bias is not None else [])
+        if any(t.dtype != embed.dtype or not t.is_contiguous() for t in tensors):
+            raise KernelArgumentError("weights", "all must be contiguous, of the embedding dtype")
+        if embed.dtype not in DTYPE_CODES or embed.device.type != "cpu":
+            raise KernelArgumentError("weights", f"CPU float32 or bfloat16, not {embed.dtype}")
+        self.shape = shape
+        self.dtype = embed.dtype
+        self._tensors = tensors  # kept alive: the pointer table points into them
+        self._layers = list(layers)
+        self._globals = [t.data_ptr() for t in (embed, final_norm, lm_head, cos, sin)]
+        dims = (
+            shape.num_layers,
+            shape.hidden_size,
+            shape.intermediate_size,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.vocab_size,
+            0,  # block size: set by bind_caches
+        )
+        self._dims = (ctypes.c_int64 * len(dims))(*dims)
+        self._table: ctypes.Array[ctypes.c_void_p] | None = None
+        self._bound: tuple[int, ...] = ()
+
+    def bind_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point the layers at these K/V caches (each [blocks, block_size, kv_heads, dim])."""
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if key == self._bound:
+            return
+        if len(kv_caches) != len(self._layers):
+            raise KernelArgumentError(
+                "kv_caches", f"{len(kv_caches)} layers, expected {len(self._layers)}"
+            )
+        pointers: list[int | None] = []
+        for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
+            bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
+            pointers += [
+                layer.input_norm.data_ptr(),
+                layer.qkv.data_ptr(),
+                bias,
+                layer.o.data_ptr(),
+                layer.post_norm.data_ptr(),
+                layer.gate_up.data_ptr(),
+                layer.down.data_ptr(),
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+            ]
+        assert len(pointers) == _LAYER_FIELDS * len(self._layers)
+        self._dims[_BLOCK_SIZE_DIM] = kv_caches[0][0].shape[1]
+        self._table = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._bound = key
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [n] int64
+        positions: torch.Tensor,  # [n] int64, each < max_positions
+        slots: torch.Tensor,  # [n] int64 flat cache slots of the new tokens
+        block_tables: torch.Tensor,  # [n, max_blocks] int32, rows contiguous
+        seq_lens: torch.Tensor,  # [n] int32, including the new token
+        kv_heads_per_item: int,
+    ) -> torch.Tensor:  # [n, vocab] logits in the model dtype
+        """Unchecked beyond the table's binding: the model runner built every index."""
+        assert self._table is not None, "bind_caches() first"
+        n = input_ids.shape[0]
+        logits = torch.empty(n, self.shape.vocab_size, dtype=self.dtype)
+        embed, final_norm, lm_head, cos, sin = self._globals
+        status = library().llmserve_decode_step(
+            DTYPE_CODES[self.dtype],
+            self._dims,
+            self.shape.rms_norm_eps,
+            self.shape.head_dim**-0.5,
+            self._table,
+            embed,
+            final_norm,
+            lm_head,
+            cos,
+            sin,
+            input_ids.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            n,
+            kv_heads_per_item,
+            logits.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"llmserve_decode_step failed with status {status}")
+        return logits

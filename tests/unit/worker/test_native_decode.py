@@ -1,0 +1,120 @@
+"""The native decode step (kernels/cpu/decode.cpp): one call per step for pure decode batches,
+against the per-layer path of the same worker and against torch's matmul."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import KernelArgumentError
+from kernels.cpu.decode import DecodeShape, linear_rows
+from tests.support.models import KINDS, save_tiny_model
+from worker_service.worker import Worker
+
+from .factories import GreedyDriver, make_worker
+
+PROMPTS = {0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 1: [2, 71, 82], 2: [11, 12, 13, 14, 15]}
+
+
+def _count_native_steps(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the batch size of every step the native decode call runs."""
+    step = worker.model.decode_step
+    assert step is not None
+    calls: list[int] = []
+    run = step.run
+
+    def counted(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(input_ids.shape[0])
+        return run(input_ids, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(step, "run", counted)
+    return calls
+
+
+def _greedy_with_logprobs(worker: Worker, steps: int) -> dict[int, list[tuple[int, float]]]:
+    driver = GreedyDriver(worker)
+    seen: dict[int, list[tuple[int, float]]] = {seq_id: [] for seq_id in PROMPTS}
+    execute = worker.execute
+
+    def recording(step):  # type: ignore[no-untyped-def]
+        result = execute(step)
+        for out in result.outputs:
+            seen[out.seq_id].append((out.samples[0].token_id, out.samples[0].logprob))
+        return result
+
+    worker.execute = recording  # type: ignore[method-assign]
+    driver.run_greedy(PROMPTS, max_new_tokens=steps)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_decode_matches_the_per_layer_path(
+    kind: str, dtype: str, tiny_model_dir: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native = make_worker(tiny_model_dir[kind], dtype=dtype)
+    per_layer = make_worker(tiny_model_dir[kind], dtype=dtype, native_decode_max_batch=0)
+    assert per_layer.model.decode_step is None
+    calls = _count_native_steps(native, monkeypatch)
+    got = _greedy_with_logprobs(native, steps=12)
+    want = _greedy_with_logprobs(per_layer, steps=12)
+    assert calls == [len(PROMPTS)] * 11  # every decode step, none of the prefill
+    tolerance = 1e-4 if dtype == "float32" else 0.1
+    for seq_id in PROMPTS:
+        assert [t for t, _ in got[seq_id]] == [t for t, _ in want[seq_id]], (kind, seq_id)
+        for (_, a), (_, b) in zip(got[seq_id], want[seq_id], strict=True):
+            assert abs(a - b) <= tolerance, (kind, seq_id, a, b)
+
+
+def test_batches_over_the_limit_take_the_per_layer_path(
+    tiny_model_dir: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = make_worker(tiny_model_dir["llama"], native_decode_max_batch=2)
+    calls = _count_native_steps(worker, monkeypatch)
+    _greedy_with_logprobs(worker, steps=4)
+    assert calls == []  # three sequences decode together: over the limit of 2
+
+
+def test_shapes_the_step_cannot_run_keep_the_per_layer_path(tmp_path: Path) -> None:
+    assert DecodeShape(2, 64, 100, 4, 2, 16, 128, 1e-6).unsupported_reason() == (
+        "intermediate size 100 not a multiple of 8"
+    )
+    path = save_tiny_model("llama", tmp_path / "odd", intermediate_size=100)
+    assert make_worker(path).model.decode_step is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+@pytest.mark.parametrize("out_features", [4, 13, 96])
+def test_linear_rows_matches_f_linear_float32(rows: int, out_features: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 100 + out_features)
+    x = torch.randn(rows, 72, generator=gen)
+    weight = torch.randn(out_features, 72, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    want = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(linear_rows(x, weight, bias).double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear_rows(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_rows_bfloat16_rounds_the_float32_sum_once() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    weight = torch.randn(21, 64, generator=gen).bfloat16()
+    exact = (x.double() @ weight.double().T).float()
+    got = linear_rows(x, weight)
+    assert got.dtype == torch.bfloat16
+    # Within half a bfloat16 step of the exact sum (a step is at most |x| * 2^-7), plus
+    # float32 summation noise; rounding the inputs' product to bfloat16 first would not be.
+    half_step = exact.abs() * 2.0**-8
+    assert bool(((got.float() - exact).abs() <= half_step + 1e-4).all())
+
+
+def test_linear_rows_names_bad_arguments() -> None:
+    with pytest.raises(KernelArgumentError, match="weight"):
+        linear_rows(torch.randn(2, 12), torch.randn(5, 12))  # 12 is not a multiple of 8
+    with pytest.raises(KernelArgumentError, match="bias"):
+        linear_rows(torch.randn(2, 16), torch.randn(5, 16), torch.randn(4))
+    with pytest.raises(KernelArgumentError, match="weight"):
+        linear_rows(torch.randn(2, 16), torch.randn(5, 16).bfloat16())
