@@ -158,7 +158,8 @@ void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* s
 // whatever the storage type (bfloat16 logits are read as they are, never copied to float32).
 template <typename T>
 void argmax_logsumexp(const T* logits, int64_t n, int64_t vocab, int64_t* argmax, float* lse) {
-#pragma omp parallel for if (n * vocab >= kParallelElements)
+  // One row per thread: a single row (batch 1) stays on the calling thread.
+#pragma omp parallel for if (n > 1 && n * vocab >= kParallelElements)
   for (int64_t r = 0; r < n; ++r) {
     const T* row = logits + r * vocab;
     const float neg_inf = -std::numeric_limits<float>::infinity();
