@@ -85,12 +85,25 @@ inline float hsum8(v8 v) {
 }
 
 constexpr int kTileRows = 4;  // weight rows per tile: 4 independent loads per step of k
+// Tiles ahead that the projections prefetch. A tile's rows are a few kilobytes, too short
+// for the hardware prefetcher to ramp up on: without this a core streams bfloat16 weights at
+// about half the rate it reaches with it (measured on the 2-core AMD EPYC: 5.6 -> 10 GB/s).
+constexpr int kPrefetchTiles = 2;
 
-// out[m][r] = dot(x[m], w[r]) for M tokens and R weight rows; k runs over all of `in`.
+// out[m][r] = dot(x[m], w[r]) for M tokens and R weight rows; k runs over all of `in`. Each
+// step of k also prefetches the next bytes of `ahead` (the weights a later tile reads), as
+// many as it consumes, unless `ahead` is null.
 template <int R, int M, typename W>
-inline void dot_tile(const float* x, int64_t in, const W* w, float out[M][R]) {
+inline void dot_tile(const float* x, int64_t in, const W* w, const char* ahead, const char* end,
+                     float out[M][R]) {
+  constexpr int64_t kStepBytes = R * 8 * sizeof(W);
   v8 acc[M][R] = {};
   for (int64_t k = 0; k < in; k += 8) {
+    if (ahead != nullptr) {
+      for (int64_t b = 0; b < kStepBytes; b += 64)
+        if (ahead + b < end) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      ahead += kStepBytes;
+    }
     v8 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load8(w + r * in + k);
     for (int m = 0; m < M; ++m) {
@@ -102,11 +115,14 @@ inline void dot_tile(const float* x, int64_t in, const W* w, float out[M][R]) {
     for (int r = 0; r < R; ++r) out[m][r] = hsum8(acc[m][r]);
 }
 
-// Weight rows [row, row + R) against every token: pairs of tokens, then the odd one.
+// Weight rows [row, row + R) against every token: pairs of tokens, then the odd one. The
+// first pass over the tile prefetches the tile kPrefetchTiles ahead.
 template <int R, typename T>
 inline void rows_tile(const float* x, int64_t n, int64_t in, const T* weight, const T* bias,
                       T* out, int64_t out_features, int64_t row) {
   const T* w = weight + row * in;
+  const char* end = reinterpret_cast<const char*>(weight + out_features * in);
+  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchTiles * R * in);
   float sums[2][R];
   auto emit = [&](int64_t m, int count) {
     for (int t = 0; t < count; ++t)
@@ -117,11 +133,11 @@ inline void rows_tile(const float* x, int64_t n, int64_t in, const T* weight, co
   };
   int64_t m = 0;
   for (; m + 2 <= n; m += 2) {
-    dot_tile<R, 2>(x + m * in, in, w, sums);
+    dot_tile<R, 2>(x + m * in, in, w, m == 0 ? ahead : nullptr, end, sums);
     emit(m, 2);
   }
   if (m < n) {
-    dot_tile<R, 1>(x + m * in, in, w, sums);
+    dot_tile<R, 1>(x + m * in, in, w, m == 0 ? ahead : nullptr, end, sums);
     emit(m, 1);
   }
 }
