@@ -38,8 +38,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--linear-impl",
         default="auto",
-        choices=["auto", "torch", "onednn"],
-        help="matmuls: onednn prepacks the weights (CPU); auto = onednn with the cpu backend",
+        choices=["auto", "torch", "onednn", "native"],
+        help="matmuls: onednn prepacks the weights (CPU); native = kernels/cpu projections; "
+        "auto = onednn with the cpu backend where oneDNN runs the dtype, else native there",
     )
     p.add_argument(
         "--native-decode-max-batch",

@@ -14,7 +14,7 @@ GiB = 1 << 30
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "cpu", "triton", "torch"]
-LinearImplName = Literal["auto", "torch", "onednn"]
+LinearImplName = Literal["auto", "torch", "onednn", "native"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -40,9 +40,12 @@ class WorkerConfig:
     dtype: DtypeName = "auto"
     device: DeviceName = "auto"
     attention_backend: AttentionBackendName = "auto"
-    # Matmuls: `torch` (F.linear), or `onednn` (weights prepacked once at load; CPU float32 /
-    # bfloat16). `auto` takes onednn with the native `cpu` attention backend, where it can
-    # run, and torch otherwise, so the `torch` backend stays the plain-torch reference.
+    # Matmuls: `torch` (F.linear), `onednn` (weights prepacked once at load; CPU float32 /
+    # bfloat16 where oneDNN supports it), or `native` (kernels/cpu/decode.cpp's projections,
+    # which widen bfloat16 in registers: on CPUs without AVX-512 they run bfloat16 matmuls
+    # several times faster than F.linear). `auto` takes onednn with the native `cpu` attention
+    # backend where it can run, else native there, and torch otherwise, so the `torch`
+    # backend stays the plain-torch reference.
     linear_impl: LinearImplName = "auto"
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off. Larger steps
@@ -73,9 +76,9 @@ class WorkerConfig:
             raise WorkerConfigError(
                 "attention_backend", f"must be auto|cpu|triton|torch, got {self.attention_backend}"
             )
-        if self.linear_impl not in ("auto", "torch", "onednn"):
+        if self.linear_impl not in ("auto", "torch", "onednn", "native"):
             raise WorkerConfigError(
-                "linear_impl", f"must be auto|torch|onednn, got {self.linear_impl}"
+                "linear_impl", f"must be auto|torch|onednn|native, got {self.linear_impl}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise WorkerConfigError(

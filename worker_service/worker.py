@@ -102,7 +102,7 @@ class Worker:
         hf_model = hf_model.to(device=self.device, dtype=self.dtype)
         # The native CPU backend brings the fused elementwise kernels and the prepacked
         # matmuls along; `torch` stays plain torch throughout, as the reference.
-        packed = self._use_packed_linear(backend_cls.name)
+        linear_impl = self._linear_impl(backend_cls.name, arch)
         native_decode = backend_cls.name == "cpu" and (
             native_decode_unsupported_reason(arch, self.dtype) is None
         )
@@ -110,7 +110,8 @@ class Worker:
             hf_model,
             max_positions=max_len,
             fused_ops=backend_cls.name == "cpu",
-            packed_linear=packed,
+            packed_linear=linear_impl == "onednn",
+            native_linear=linear_impl == "native",
             native_decode_max_batch=self.config.native_decode_max_batch if native_decode else 0,
         )
         eos = _eos_ids(hf_model)
@@ -125,7 +126,7 @@ class Worker:
             eos_token_id=eos[0] if eos else None,
             eos_token_ids=eos,
             attention_backend=backend_cls.name,
-            linear_impl="onednn" if packed else "torch",
+            linear_impl=linear_impl,
             num_threads=torch.get_num_threads(),
         )
         backend: AttentionBackend = backend_cls(
@@ -136,15 +137,28 @@ class Worker:
         )
         self._runner = ModelRunner(self._model, backend, sampler, self.config.block_size)
 
-    def _use_packed_linear(self, attention_backend: str) -> bool:
+    def _linear_impl(self, attention_backend: str, arch: ModelArchConfig) -> str:
+        """The matmul implementation (`linear_impl`) this worker runs."""
         impl = self.config.linear_impl
-        available = packed_linear_available(self.device, self.dtype)
-        if impl == "onednn" and not available:
+        onednn = packed_linear_available(self.device, self.dtype)
+        native_reason = (
+            f"it runs on the CPU only, not {self.device}"
+            if self.device.type != "cpu"
+            else native_decode_unsupported_reason(arch, self.dtype)
+        )
+        if impl == "onednn" and not onednn:
             raise WorkerConfigError(
                 "linear_impl",
-                f"onednn needs the CPU and float32 or bfloat16, not {self.device} {self.dtype}",
+                f"onednn needs the CPU and float32 or bfloat16 that oneDNN supports here, not "
+                f"{self.device} {self.dtype}",
             )
-        return impl == "onednn" or (impl == "auto" and attention_backend == "cpu" and available)
+        if impl == "native" and native_reason is not None:
+            raise WorkerConfigError("linear_impl", f"native cannot run this model: {native_reason}")
+        if impl != "auto":
+            return impl
+        if attention_backend != "cpu":
+            return "torch"
+        return "onednn" if onednn else "torch" if native_reason is not None else "native"
 
     @property
     def model_info(self) -> ModelInfo:

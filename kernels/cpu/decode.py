@@ -31,7 +31,28 @@ def linear_rows(
     x: torch.Tensor,  # [n, in]
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
+    check: bool = True,
 ) -> torch.Tensor:  # [n, out] = x @ weight.T + bias, in x's dtype
+    """`check=False` skips the argument checks, for the model's per-layer path, whose
+    weights were checked at load (`native_linear_unsupported_reason`) and whose activations
+    it makes itself."""
+    if check:
+        _check_linear(x, weight, bias)
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    library().llmserve_linear_rows(
+        DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        weight.shape[0],
+    )
+    return out
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     for name, tensor, ndim in (("x", x, 2), ("weight", weight, 2), ("bias", bias, 1)):
         if tensor is None:
             continue
@@ -45,18 +66,6 @@ def linear_rows(
         )
     if bias is not None and bias.shape[0] != weight.shape[0]:
         raise KernelArgumentError("bias", f"size {bias.shape[0]} != {weight.shape[0]} outputs")
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    library().llmserve_linear_rows(
-        DTYPE_CODES[x.dtype],
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        weight.shape[0],
-    )
-    return out
 
 
 @dataclass(frozen=True, slots=True)

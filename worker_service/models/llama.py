@@ -6,8 +6,9 @@ q/k/v and gate/up are fused into one matmul each, and attention goes through an
 backend) the elementwise steps between matmuls (residual add + RMSNorm, rotary, SiLU-and-
 multiply) are single C++ calls from `kernels.cpu`. With `packed_linear` the weights are
 reordered once, at load, into oneDNN's blocked layout and every matmul runs through oneDNN
-(see `packed_linear_available`). Weights are taken from a loaded `transformers` model; the
-elementwise arithmetic follows the reference order, so fp32 greedy output matches HF token
+(see `packed_linear_available`); with `native_linear` through `kernels.cpu.decode.linear_rows`,
+which reads bfloat16 weights as they are (the choice where oneDNN cannot run bfloat16).
+Weights are taken from a loaded `transformers` model; the elementwise arithmetic follows the reference order, so fp32 greedy output matches HF token
 for token (packed fp32 matmuls sum in oneDNN's order, not MKL's: logits differ by ~1e-6).
 """
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu.attention import kv_heads_per_item
-from kernels.cpu.decode import DecodeLayer, DecodeShape, DecodeStep
+from kernels.cpu.decode import DecodeLayer, DecodeShape, DecodeStep, linear_rows
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.rope import (
     UnsupportedModelError,
@@ -62,6 +63,14 @@ def packed_matmul(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [rows, out]
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def native_matmul(
+    x: torch.Tensor,  # [rows, in]
+    weight: torch.Tensor,  # [out, in], checked at load
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [rows, out]
+    return linear_rows(x.contiguous(), weight, bias, check=False)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -163,6 +172,7 @@ class LlamaModel:
         max_positions: int,
         fused_ops: bool = False,
         packed_linear: bool = False,
+        native_linear: bool = False,
         native_decode_max_batch: int = 0,
     ) -> None:
         self.arch = arch
@@ -194,6 +204,16 @@ class LlamaModel:
                 w.qkv, w.o, w.gate_up, w.down = map(pack_weight, (w.qkv, w.o, w.gate_up, w.down))
             lm_head = pack_weight(lm_head)  # a copy: the embedding (often the same tensor) stays
             self.linear = packed_matmul
+        elif native_linear:
+            reason = native_decode_unsupported_reason(arch, embed.dtype)
+            if reason is not None or embed.device.type != "cpu":
+                raise ValueError(f"native linear layers cannot run this model: {reason}")
+            for w in layers:
+                w.qkv, w.o, w.gate_up, w.down = (
+                    t.contiguous() for t in (w.qkv, w.o, w.gate_up, w.down)
+                )
+            lm_head = lm_head.contiguous()
+            self.linear = native_matmul
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
@@ -210,6 +230,7 @@ class LlamaModel:
         max_positions: int,
         fused_ops: bool = False,
         packed_linear: bool = False,
+        native_linear: bool = False,
         native_decode_max_batch: int = 0,
     ) -> LlamaModel:
         """Take (fuse, not copy where possible) the weights of a transformers Llama-family model."""
@@ -241,6 +262,7 @@ class LlamaModel:
             max_positions=max_positions,
             fused_ops=fused_ops,
             packed_linear=packed_linear,
+            native_linear=native_linear,
             native_decode_max_batch=native_decode_max_batch,
         )
 

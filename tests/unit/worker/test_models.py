@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from tests.support.models import load_hf, tiny_config
+from tests.support.models import load_hf, save_tiny_model, tiny_config
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.models import UnsupportedModelError
 from worker_service.models.llama import pack_weight, packed_linear_available, packed_matmul
@@ -24,7 +24,7 @@ PROMPTS = {
 }
 
 
-@pytest.mark.parametrize("linear_impl", ["torch", "onednn"])
+@pytest.mark.parametrize("linear_impl", ["torch", "onednn", "native"])
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
 def test_tiny_checkpoint_matches_hf_greedy(
     kind: str, linear_impl: str, tiny_model_dir: dict[str, Path]
@@ -72,6 +72,20 @@ def test_linear_impl_auto_follows_the_attention_backend(tiny_model_dir: dict[str
     # Explicit onednn under the reference attention backend is allowed.
     worker = make_worker(path, attention_backend="torch", linear_impl="onednn")
     assert worker.model.packed_linear
+    # bfloat16: oneDNN where this CPU lets it pack bfloat16 weights, the native kernels else.
+    expected = (
+        "onednn" if packed_linear_available(torch.device("cpu"), torch.bfloat16) else "native"
+    )
+    bf16 = make_worker(path, dtype="bfloat16", attention_backend="cpu")
+    assert bf16.model_info.linear_impl == expected
+
+
+def test_native_linear_refuses_shapes_it_cannot_run_naming_the_option(tmp_path: Path) -> None:
+    path = save_tiny_model("llama", tmp_path / "odd", intermediate_size=100)
+    with pytest.raises(WorkerConfigError, match="linear_impl: native cannot") as info:
+        make_worker(path, linear_impl="native")
+    assert info.value.field == "linear_impl"
+    assert make_worker(path, dtype="bfloat16").model_info.linear_impl in ("onednn", "torch")
 
 
 def test_bad_linear_impl_is_named() -> None:

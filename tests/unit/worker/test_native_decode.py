@@ -98,9 +98,10 @@ def test_linear_rows_matches_f_linear_float32(rows: int, out_features: int) -> N
     torch.testing.assert_close(linear_rows(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_rows_bfloat16_rounds_the_float32_sum_once() -> None:
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(3, 64, generator=gen).bfloat16()
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])  # 3 and 17 widen each weight tile once
+def test_linear_rows_bfloat16_rounds_the_float32_sum_once(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
     weight = torch.randn(21, 64, generator=gen).bfloat16()
     exact = (x.double() @ weight.double().T).float()
     got = linear_rows(x, weight)
