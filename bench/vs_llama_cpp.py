@@ -35,7 +35,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -262,8 +262,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             gguf_for(dtype)  # builds llama-server on first use, then requantizes once
     (args.out_dir / "runs").mkdir(parents=True, exist_ok=True)
     load = wait_for_quiet(args.max_load, args.load_patience)
+    workloads = [w for s, w in WORKLOADS.items() if s in args.workloads]
     result: dict[str, Any] = {
         "command": shown([sys.executable, *sys.argv]),
+        "workloads": {
+            w.streams: {**asdict(w), "num_prompts": scaled(w, args.scale)} for w in workloads
+        },
+        "llama_server": {
+            "binary": str(llama_server()[0]) if "llama.cpp" in args.servers else None,
+            "gguf": {d: str(gguf_for(d)) for d in args.dtypes if "llama.cpp" in args.servers},
+        },
         "bandwidth": {**memory_bandwidth(args.threads), "load_before": load},
         "floor": {},
         "runs": {},
@@ -272,7 +280,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nbytes = weight_bytes(args.hf_model, dtype)
         ms = nbytes / (result["bandwidth"]["gb_per_s"] * 1e9) * 1000
         result["floor"][dtype] = {"bytes": nbytes, "ms": ms}
-    workloads = [w for s, w in WORKLOADS.items() if s in args.workloads]
     try:
         for w in workloads:
             for dtype in args.dtypes:
