@@ -148,6 +148,25 @@ def memory_bandwidth(threads: int, runs: int = 5) -> dict[str, Any]:
     }
 
 
+def run_path(args: argparse.Namespace, server: str, streams: int, dtype: str) -> Path:
+    """serve.py's --out prefix for one run (no dot in the name: it appends .json / .png)."""
+    return args.out_dir / "runs" / f"{server.replace('.', '-')}-{streams}-{dtype}"
+
+
+def same_text(args: argparse.Namespace, streams: int, dtype: str) -> str | None:
+    """How many completed responses are identical: greedy decoding of the same weights, so
+    they should mostly match (a near-tie may flip with a different summation order)."""
+    texts = []
+    for name in SERVERS:
+        path = run_path(args, name, streams, dtype).with_suffix(".json")
+        if not path.exists():
+            return None
+        requests = json.loads(path.read_text())["requests"]
+        texts.append([r["text"] if r["status"] == "completed" else None for r in requests])
+    both = [(a, b) for a, b in zip(*texts, strict=True) if a and b]
+    return f"{sum(a == b for a, b in both)}/{len(both)}"
+
+
 def fmt(s: dict[str, Any] | None, key: str) -> str:
     if not s or "error" in s:
         return "-"
@@ -198,6 +217,11 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             extra = s.get("notes", []) + ([s["error"]] if "error" in s else [])
             load = f"load before / others' cores {s.get('contention', '?')}"
             notes.append(f"- {streams} streams, {name} ({dtype}): {'; '.join([load, *extra])}")
+        if result["same_text"].get(key):
+            notes.append(
+                f"- {streams} streams ({dtype}): {result['same_text'][key]} completed responses "
+                "identical between the two servers"
+            )
     workloads = [
         f"{w.streams} streams: {w.text}"
         + (f" (x{args.scale}: {scaled(w, args.scale)} requests)" if args.scale != 1 else "")
@@ -275,6 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bandwidth": {**memory_bandwidth(args.threads), "load_before": load},
         "floor": {},
         "runs": {},
+        "same_text": {},
     }
     for dtype in args.dtypes:
         nbytes = weight_bytes(args.hf_model, dtype)
@@ -286,10 +311,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runs = result["runs"].setdefault(f"{w.streams}-{dtype}", {})
                 for name in args.servers:
                     server = server_for(name, w, dtype, args)
-                    out = args.out_dir / "runs" / f"{name}-{w.streams}-{dtype}"
+                    out = run_path(args, name, w.streams, dtype)
                     client = client_for(server, w, out, args)
                     env = {"LLMSERVE_NUM_THREADS": str(args.threads)} if name == "llmserve" else {}
                     runs[name] = measure_server(server, client, out.with_suffix(".json"), args, env)
+                if len(runs) == len(SERVERS):
+                    result["same_text"][f"{w.streams}-{dtype}"] = same_text(args, w.streams, dtype)
     except (KeyboardInterrupt, SystemExit):
         print("stopped; reporting the runs that finished")
     result["ratios"] = {key: ratio(runs) for key, runs in result["runs"].items()}
