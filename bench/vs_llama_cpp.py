@@ -127,24 +127,33 @@ def weight_bytes(hf_model: Path, dtype: str) -> int:
 
 
 def memory_bandwidth(threads: int, runs: int = 5) -> dict[str, Any]:
-    """Read bandwidth of a plain pass over memory: x.sum() over 1 GiB, best of `runs`."""
+    """Read bandwidth of a plain pass over memory: x.sum() over 1 GiB, best of `runs` (the
+    floor's figure: a decode step reads its weights). A copy into a second 1 GiB tensor is
+    measured too, for reference (read + write bytes over its time)."""
     import torch
 
     torch.set_num_threads(threads)
     x = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, touched (no lazy zero pages)
-    x.sum()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
+    y = torch.zeros_like(x)
     nbytes = x.numel() * x.element_size()
-    del x
+
+    def best(step: Any) -> list[float]:
+        step()
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return times
+
+    read_s, copy_s = best(x.sum), best(lambda: y.copy_(x))
     return {
         "method": f"torch x.sum() over a 1 GiB float32 tensor, {threads} threads, best of {runs}",
         "bytes": nbytes,
-        "seconds": times,
-        "gb_per_s": nbytes / min(times) / 1e9,
+        "seconds": read_s,
+        "gb_per_s": nbytes / min(read_s) / 1e9,
+        "copy_seconds": copy_s,
+        "copy_gb_per_s": 2 * nbytes / min(copy_s) / 1e9,
     }
 
 
