@@ -216,7 +216,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         "| llama.cpp tok/s | llama.cpp TPOT p50 ms | llama.cpp TTFT p50 ms "
         "| llmserve / llama.cpp tok/s |\n|---|---|---|---|---|---|---|---|---|"
     )
-    rows, notes = [], []
+    rows, notes, bw = [], [], result["bandwidth"]
     for key, runs in result["runs"].items():
         streams, dtype = key.split("-", 1)
         cells = [fmt(runs.get(n), k) for n in SERVERS for k in ("tok/s", "tpot_ms", "ttft_ms")]
@@ -247,7 +247,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             header,
             *rows,
             "",
-            f"Single-stream weight-read floor (bandwidth: {result['bandwidth']['method']}):",
+            f"Single-stream weight-read floor (bandwidth: {bw['method']}; for reference, a "
+            f"1 GiB copy moved {bw['copy_gb_per_s']:.1f} GB/s read + write):",
             *floor_lines(result),
             "",
             "Runs (load before: 1-minute load average at the server's start; others' cores: CPU "
