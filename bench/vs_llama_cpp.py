@@ -7,7 +7,7 @@ average must fall under --max-load. Then a markdown table is printed and written
 figure of every run in a JSON beside it (<out-dir>/vs-llama-cpp.{md,json}; serve.py's own
 per-request JSONs and plots under <out-dir>/runs/).
 
-    .venv/bin/python bench/vs_llama_cpp.py                       # the full table, ~1 hour
+    .venv/bin/python bench/vs_llama_cpp.py    # the full table: ~25 min on a quiet machine
     .venv/bin/python bench/vs_llama_cpp.py --workloads 1 --dtypes float32 --scale 0.25
 
 Workloads (streaming /v1/completions, greedy, ignore_eos, the same seeded random-token prompts
