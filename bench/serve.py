@@ -3,8 +3,11 @@
 A seeded workload (fixed or uniformly random input/output lengths) is sent as streaming
 requests, either at a Poisson request rate or with a cap on concurrency, after --warmup
 requests that are not measured. Reported: request throughput, output tokens/s, TTFT / TPOT /
-ITL / E2E percentiles. Output tokens are counted by re-tokenizing each response's text with
---tokenizer, so every server is counted the same way.
+ITL / E2E percentiles. A request's output tokens are the `usage.completion_tokens` its stream
+reported, from whichever chunk carried it (a chunk without choices, as the OpenAI API sends
+for `stream_options.include_usage`, or the last choice's chunk, as llama-server sends), else
+its text re-tokenized with --tokenizer; the JSON records which, per request. --include-usage
+asks the server for usage.
 
 The run ends when every request has finished, after --max-duration seconds, or on SIGINT /
 SIGTERM; the JSON (and plot) is written in every case, with what finished and what did not
@@ -38,6 +41,7 @@ from serve_report import (
     StopReason,
     count_output_tokens,
     plot,
+    record_usage,
     summarize,
 )
 
@@ -87,6 +91,8 @@ def request_body(args: argparse.Namespace, item: WorkItem, extras: list[str]) ->
         "stream": True,
         "temperature": args.temperature,
     }
+    if args.include_usage:
+        body["stream_options"] = {"include_usage": True}
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": item.prompt}]
     else:
@@ -132,6 +138,7 @@ async def one_request(
                     result.error = json.dumps(chunk["error"])[:300]
                     result.status = RequestStatus.FAILED
                     return
+                record_usage(result, chunk)
                 text = chunk_text(chunk, args.endpoint)
                 if not text:
                     continue
@@ -289,6 +296,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="send only OpenAI API fields: vLLM extras asked for (--ignore-eos) are left out, "
         "and the report says so; for servers that reject them",
+    )
+    p.add_argument(
+        "--include-usage",
+        action="store_true",
+        help="send stream_options.include_usage, so output tokens are the server's own count",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent first")

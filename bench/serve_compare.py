@@ -159,22 +159,45 @@ def our_cpu_s() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
+def ensure_hf_model(path: Path) -> None:
+    """The embedded model as a plain HF directory (weights and tokenizer), exported once."""
+    if not (path / "config.json").is_file():
+        export = [sys.executable, str(BENCH / "export_hf_model.py"), "--out", str(path)]
+        subprocess.run(export, check=True)  # float32; each server casts to --dtype
+
+
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     server = make_server(name, args)
+    client = client_command(server, args)
+    return measure_server(server, client, args.out_dir / f"serve-{name}.json", args)
+
+
+def measure_server(
+    server: Server,
+    client: list[str],
+    result_path: Path,
+    args: argparse.Namespace,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Wait for a quiet machine, start `server` (log: <log_dir>/<result name>.log, `env` added
+    to ours), run the serve.py `client` command that writes `result_path`, stop the server.
+    Uses args.max_load, load_patience, log_dir, start_timeout and max_duration. Returns the
+    run's summary with the commands and the load during it."""
     load_before = wait_for_quiet(args.max_load, args.load_patience)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = args.log_dir / f"serve-{name}.log"
-    client = client_command(server, args)
+    log_path = args.log_dir / f"{result_path.stem}.log"
     print(f"== {server.label} (load {load_before:.2f}); log: {log_path}")
-    print("   $ " + shown(server.command))
+    prefix = "".join(f"{k}={v} " for k, v in (env or {}).items())
+    print("   $ " + prefix + shown(server.command))
     print("   $ " + shown(client))
     started, busy, ours = time.monotonic(), busy_cpu_s(), our_cpu_s()
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(server.command, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            server.command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     try:
         wait_healthy(proc, server.health_url, args.start_timeout)
         print(f"   healthy after {time.monotonic() - started:.0f} s")
-        result_path = args.out_dir / f"serve-{name}.json"
         result_path.unlink(missing_ok=True)
         run_client(client, args.max_duration)
         if not result_path.exists():
@@ -188,7 +211,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     # What other people's jobs took from the 2 cores while this server ran, in cores.
     others = (busy_cpu_s() - busy) - (our_cpu_s() - ours)
     summary["contention"] = f"{load_before:.2f} / {others / (time.monotonic() - started):.2f}"
-    summary["commands"] = [shown(server.command), shown(client)]
+    summary["commands"] = [prefix + shown(server.command), shown(client)]
     return summary
 
 
@@ -315,9 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # `timeout` and kill send SIGTERM: unwind like Ctrl-C, so the servers are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if not (args.hf_model / "config.json").is_file():
-        export = [sys.executable, str(BENCH / "export_hf_model.py"), "--out", str(args.hf_model)]
-        subprocess.run(export, check=True)  # float32; each server casts to --dtype
+    ensure_hf_model(args.hf_model)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summaries = {}
     for name in args.servers:

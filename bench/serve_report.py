@@ -38,7 +38,15 @@ class RequestResult:
     # Arrival times of the content chunks after the first, relative to the start.
     chunk_times: list[float] = field(default_factory=list)
     text: str = ""
+    # `usage.completion_tokens` from the stream when the server sent one, else None.
+    usage_tokens: int | None = None
+    # Where the server put its usage: "usage_without_choices" (its own final chunk, as the
+    # OpenAI API and our gateway do) or "usage_with_choices" (beside the last choice, as
+    # llama-server does on /v1/completions); "" when none came.
+    usage_chunk: str = ""
     output_tokens: int = 0
+    # How output_tokens was counted: "usage" (the server's own count) or "retokenized".
+    counted_by: str = ""
     error: str = ""
 
     @property
@@ -78,11 +86,27 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     }
 
 
+def record_usage(result: RequestResult, chunk: dict[str, Any]) -> None:
+    """Keep `usage.completion_tokens` from a stream chunk, whichever shape carries it: a chunk
+    with no choices (OpenAI's `stream_options.include_usage`), or the last chunk with a choice
+    beside it (llama-server). Content chunks with `"usage": null` change nothing."""
+    usage = chunk.get("usage")
+    if not isinstance(usage, dict) or not isinstance(usage.get("completion_tokens"), int):
+        return
+    result.usage_tokens = usage["completion_tokens"]
+    result.usage_chunk = "usage_with_choices" if chunk.get("choices") else "usage_without_choices"
+
+
 def count_output_tokens(results: list[RequestResult], tokenizer: Any) -> None:
-    """Re-tokenize what each request streamed, so every server is counted the same way."""
+    """Each request's output tokens: the server's own count where its stream reported usage
+    (exact, whatever its detokenizer merged into one chunk), else the streamed text
+    re-tokenized with `tokenizer` (a request cut off by the run's end has no usage)."""
     for r in results:
-        if r.text:
+        if r.usage_tokens is not None:
+            r.output_tokens, r.counted_by = r.usage_tokens, "usage"
+        elif r.text:
             r.output_tokens = len(tokenizer(r.text, add_special_tokens=False)["input_ids"])
+            r.counted_by = "retokenized"
 
 
 def summarize(
@@ -123,6 +147,7 @@ def summarize(
             "max_concurrency": args.max_concurrency,
             "seed": args.seed,
             "ignore_eos": args.ignore_eos,
+            "include_usage": getattr(args, "include_usage", False),
             "extras_sent": extras["sent"],
             "extras_left_out": extras["left_out"],
             "temperature": args.temperature,
@@ -140,6 +165,13 @@ def summarize(
         "with_first_token": len(first),
         "without_first_token": len(results) - len(first),
         "errors": sorted({r.error for r in results if r.error})[:5],
+        "output_tokens_counted_by": {
+            way: sum(r.counted_by == way for r in results) for way in ("usage", "retokenized")
+        },
+        "usage_chunks": {
+            shape: sum(r.usage_chunk == shape for r in results)
+            for shape in ("usage_without_choices", "usage_with_choices")
+        },
         "total_input_tokens": input_tokens,
         "total_output_tokens": tokens_completed + tokens_unfinished,
         "output_tokens_completed": tokens_completed,

@@ -1,0 +1,341 @@
+"""llmserve vs llama.cpp's `llama-server`: issue #18's three workloads, in bfloat16 and float32.
+
+For each dtype and workload the two servers run back to back, each started on a free loopback
+port, waited for (/health 200), measured with bench/serve.py (one unmeasured warm-up request,
+then the workload, bounded by --max-duration) and stopped. Before each run the 1-minute load
+average must fall under --max-load. Then a markdown table is printed and written, with every
+figure of every run in a JSON beside it (<out-dir>/vs-llama-cpp.{md,json}; serve.py's own
+per-request JSONs and plots under <out-dir>/runs/).
+
+    .venv/bin/python bench/vs_llama_cpp.py    # the full table: ~25 min on a quiet machine
+    .venv/bin/python bench/vs_llama_cpp.py --workloads 1 --dtypes float32 --scale 0.25
+
+Workloads (streaming /v1/completions, greedy, ignore_eos, the same seeded random-token prompts
+for both servers; --scale shrinks the request counts for smoke runs):
+  64 streams: 128 requests, input 32-256 tokens, output 16-128;
+  16 streams: 48 requests, input 128, output 64;
+   1 stream:   8 requests, input 128, output 128.
+
+Same conditions: the same weights (the embedded SmolLM2 GGUF; llama-server reads it
+requantized to F32/BF16 by bench/llama_cpp.py), 2 compute threads each (--threads), as many
+sequences in flight as the workload's streams. Output tokens are each server's own
+`usage.completion_tokens` (serve.py --include-usage reads it from whichever chunk carries it).
+
+The single-stream weight-read floor: the bytes a decode step must read (every linear weight,
+lm_head included, plus one embedding row, at the dtype; norms are left out, < 0.1%) over the
+memory bandwidth measured here: torch `x.sum()` over a 1 GiB float32 tensor with --threads
+threads, best of 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from llama_cpp import gguf_for, llama_server
+from serve_compare import (
+    BENCH,
+    BIN,
+    Server,
+    ensure_hf_model,
+    measure_server,
+    shown,
+    wait_for_quiet,
+)
+
+from llmserve.supervisor import free_ports
+
+SERVERS = ("llmserve", "llama.cpp")
+DTYPES = ("bfloat16", "float32")
+MODEL = "smollm2"  # the `model` every request names; llama-server answers to it (--alias)
+CTX_PER_SLOT = 512  # llama-server splits -c across its slots: 256 in + 128 out, with room
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    streams: int
+    num_prompts: int
+    input_len: int
+    output_len: int
+    random_ratio: float  # serve.py: lengths uniform in [len * (1 - r), len]
+    text: str
+
+
+WORKLOADS = {
+    64: Workload(64, 128, 256, 128, 1 - 32 / 256, "128 requests, input 32-256, output 16-128"),
+    16: Workload(16, 48, 128, 64, 0.0, "48 requests, input 128, output 64"),
+    1: Workload(1, 8, 128, 128, 0.0, "8 requests, input 128, output 128"),
+}
+
+
+def server_for(name: str, w: Workload, dtype: str, args: argparse.Namespace) -> Server:
+    port, grpc_port = free_ports(2)
+    if name == "llmserve":
+        command = [str(BIN / "llmserve"), "up", "--model", MODEL, "--dtype", dtype,
+                   "--grpc-port", str(grpc_port), "--http-port", str(port),
+                   "--max-num-seqs", str(max(64, w.streams))]  # fmt: skip
+        return Server(name, f"llmserve ({dtype})", command, port, MODEL)
+    binary, _ = llama_server()
+    command = [str(binary), "-m", str(gguf_for(dtype)), "--host", "127.0.0.1",
+               "--port", str(port), "-np", str(w.streams), "-c", str(w.streams * CTX_PER_SLOT),
+               "-t", str(args.threads), "-tb", str(args.threads), "--no-webui",
+               "--alias", MODEL]  # fmt: skip
+    return Server(name, f"llama-server ({dtype})", command, port, MODEL)
+
+
+def client_for(server: Server, w: Workload, out: Path, args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable, str(BENCH / "serve.py"), "--base-url", server.base_url,
+        "--model", server.model, "--tokenizer", str(args.hf_model), "--endpoint", "completions",
+        "--num-prompts", str(scaled(w, args.scale)), "--input-len", str(w.input_len),
+        "--output-len", str(w.output_len), "--random-ratio", str(w.random_ratio),
+        "--max-concurrency", str(w.streams), "--seed", str(args.seed), "--ignore-eos",
+        "--include-usage", "--warmup", "1", "--max-duration", str(args.max_duration),
+        "--request-timeout", str(args.max_duration), "--label", server.label, "--out", str(out),
+    ]  # fmt: skip
+
+
+def scaled(w: Workload, scale: float) -> int:
+    return max(1, round(w.num_prompts * scale))
+
+
+def weight_bytes(hf_model: Path, dtype: str) -> int:
+    """Bytes one decode step reads: each linear layer's weight (and bias) once, lm_head
+    included even when it shares the embedding's tensor, plus one embedding row."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_model)
+    with torch.device("meta"):  # shapes only, nothing allocated
+        model = AutoModelForCausalLM.from_config(config)
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    tensors = {
+        id(p): p.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+        for p in (m.weight, m.bias)
+        if p is not None
+    }
+    return (sum(tensors.values()) + config.hidden_size) * itemsize
+
+
+def memory_bandwidth(threads: int, runs: int = 5) -> dict[str, Any]:
+    """Read bandwidth of a plain pass over memory: x.sum() over 1 GiB, best of `runs` (the
+    floor's figure: a decode step reads its weights). A copy into a second 1 GiB tensor is
+    measured too, for reference (read + write bytes over its time)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, touched (no lazy zero pages)
+    y = torch.zeros_like(x)
+    nbytes = x.numel() * x.element_size()
+
+    def best(step: Any) -> list[float]:
+        step()
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return times
+
+    read_s, copy_s = best(x.sum), best(lambda: y.copy_(x))
+    return {
+        "method": f"torch x.sum() over a 1 GiB float32 tensor, {threads} threads, best of {runs}",
+        "bytes": nbytes,
+        "seconds": read_s,
+        "gb_per_s": nbytes / min(read_s) / 1e9,
+        "copy_seconds": copy_s,
+        "copy_gb_per_s": 2 * nbytes / min(copy_s) / 1e9,
+    }
+
+
+def run_path(args: argparse.Namespace, server: str, streams: int, dtype: str) -> Path:
+    """serve.py's --out prefix for one run (no dot in the name: it appends .json / .png)."""
+    return args.out_dir / "runs" / f"{server.replace('.', '-')}-{streams}-{dtype}"
+
+
+def same_text(args: argparse.Namespace, streams: int, dtype: str) -> str | None:
+    """How many completed responses are identical: greedy decoding of the same weights, so
+    they should mostly match (a near-tie may flip with a different summation order)."""
+    texts = []
+    for name in SERVERS:
+        path = run_path(args, name, streams, dtype).with_suffix(".json")
+        if not path.exists():
+            return None
+        requests = json.loads(path.read_text())["requests"]
+        texts.append([r["text"] if r["status"] == "completed" else None for r in requests])
+    both = [(a, b) for a, b in zip(*texts, strict=True) if a and b]
+    return f"{sum(a == b for a, b in both)}/{len(both)}"
+
+
+def fmt(s: dict[str, Any] | None, key: str) -> str:
+    if not s or "error" in s:
+        return "-"
+    if key == "tok/s":
+        return f"{s['output_tokens_per_s']:.1f}"
+    return f"{s[key].get('p50', 0):.1f}" if s.get(key) else "-"
+
+
+def ratio(runs: dict[str, dict[str, Any]]) -> float | None:
+    ours, peer = runs.get("llmserve", {}), runs.get("llama.cpp", {})
+    if ours.get("output_tokens_per_s") and peer.get("output_tokens_per_s"):
+        return float(ours["output_tokens_per_s"] / peer["output_tokens_per_s"])
+    return None
+
+
+def floor_lines(result: dict[str, Any]) -> list[str]:
+    bw = result["bandwidth"]
+    lines = []
+    for dtype, floor in result["floor"].items():
+        ours = result["runs"].get(f"1-{dtype}", {}).get("llmserve", {})
+        tpot = ours.get("tpot_ms", {}).get("p50")
+        versus = (
+            f"llmserve's median single-stream TPOT {tpot:.1f} ms is {tpot / floor['ms']:.2f}x "
+            "the floor (target <= 1.5x)"
+            if tpot
+            else "no llmserve single-stream run"
+        )
+        lines.append(
+            f"- {dtype}: {floor['bytes'] / 1e6:.1f} MB of weights per decode step / "
+            f"{bw['gb_per_s']:.1f} GB/s = {floor['ms']:.2f} ms per token; {versus}."
+        )
+    return lines
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    header = (
+        "| streams | dtype | llmserve tok/s | llmserve TPOT p50 ms | llmserve TTFT p50 ms "
+        "| llama.cpp tok/s | llama.cpp TPOT p50 ms | llama.cpp TTFT p50 ms "
+        "| llmserve / llama.cpp tok/s |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    rows, notes, bw = [], [], result["bandwidth"]
+    for key, runs in result["runs"].items():
+        streams, dtype = key.split("-", 1)
+        cells = [fmt(runs.get(n), k) for n in SERVERS for k in ("tok/s", "tpot_ms", "ttft_ms")]
+        r = ratio(runs)
+        rows.append(f"| {streams} | {dtype} | {' | '.join(cells)} | {f'{r:.2f}x' if r else '-'} |")
+        for name, s in runs.items():
+            extra = s.get("notes", []) + ([s["error"]] if "error" in s else [])
+            load = f"load before / others' cores {s.get('contention', '?')}"
+            notes.append(f"- {streams} streams, {name} ({dtype}): {'; '.join([load, *extra])}")
+        if result["same_text"].get(key):
+            notes.append(
+                f"- {streams} streams ({dtype}): {result['same_text'][key]} completed responses "
+                "identical between the two servers"
+            )
+    workloads = [
+        f"{w.streams} streams: {w.text}"
+        + (f" (x{args.scale}: {scaled(w, args.scale)} requests)" if args.scale != 1 else "")
+        for w in WORKLOADS.values()
+        if w.streams in args.workloads
+    ]
+    commands = [c for runs in result["runs"].values() for s in runs.values() for c in s["commands"]]
+    return "\n".join(
+        [
+            "Streaming /v1/completions, greedy, ignore_eos, the same seeded random-token prompts "
+            f"for both servers, seed {args.seed}; {'; '.join(workloads)}. "
+            "Output tokens: each server's usage.completion_tokens. TPOT and TTFT are medians.",
+            "",
+            header,
+            *rows,
+            "",
+            f"Single-stream weight-read floor (bandwidth: {bw['method']}; for reference, a "
+            f"1 GiB copy moved {bw['copy_gb_per_s']:.1f} GB/s read + write):",
+            *floor_lines(result),
+            "",
+            "Runs (load before: 1-minute load average at the server's start; others' cores: CPU "
+            f"time other jobs took while it ran, in cores of {os.cpu_count()}):",
+            *notes,
+            "",
+            "```",
+            "$ " + shown([sys.executable, *sys.argv]),
+            *("$ " + c for c in commands),
+            "```",
+        ]
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", nargs="+", type=int, choices=list(WORKLOADS),
+                   default=list(WORKLOADS), help="streams in flight")  # fmt: skip
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument("--scale", type=float, default=1.0, help="request counts x this (smoke runs)")
+    p.add_argument("--threads", type=int, default=2, help="compute threads of each server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-duration", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--hf-model", type=Path, default=Path("/tmp/bench/smollm2-hf"),
+                   help="tokenizer and config (exported from the embedded model if missing)")  # fmt: skip
+    p.add_argument("--out-dir", type=Path, default=BENCH / "results" / "vs-llama-cpp")
+    p.add_argument("--log-dir", type=Path, default=Path("/tmp/bench/logs"))
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--max-load", type=float, default=1.0, help="wait for a lower 1-min load")
+    p.add_argument("--load-patience", type=float, default=600.0, help="seconds to wait for it")
+    args = p.parse_args(argv)
+    if args.scale <= 0:
+        p.error("--scale: must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    # `timeout` and kill send SIGTERM: unwind like Ctrl-C, so the servers are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ensure_hf_model(args.hf_model)
+    if "llama.cpp" in args.servers:
+        for dtype in args.dtypes:
+            gguf_for(dtype)  # builds llama-server on first use, then requantizes once
+    (args.out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    load = wait_for_quiet(args.max_load, args.load_patience)
+    workloads = [w for s, w in WORKLOADS.items() if s in args.workloads]
+    result: dict[str, Any] = {
+        "command": shown([sys.executable, *sys.argv]),
+        "workloads": {
+            w.streams: {**asdict(w), "num_prompts": scaled(w, args.scale)} for w in workloads
+        },
+        "llama_server": {
+            "binary": str(llama_server()[0]) if "llama.cpp" in args.servers else None,
+            "gguf": {d: str(gguf_for(d)) for d in args.dtypes if "llama.cpp" in args.servers},
+        },
+        "bandwidth": {**memory_bandwidth(args.threads), "load_before": load},
+        "floor": {},
+        "runs": {},
+        "same_text": {},
+    }
+    for dtype in args.dtypes:
+        nbytes = weight_bytes(args.hf_model, dtype)
+        ms = nbytes / (result["bandwidth"]["gb_per_s"] * 1e9) * 1000
+        result["floor"][dtype] = {"bytes": nbytes, "ms": ms}
+    try:
+        for w in workloads:
+            for dtype in args.dtypes:
+                runs = result["runs"].setdefault(f"{w.streams}-{dtype}", {})
+                for name in args.servers:
+                    server = server_for(name, w, dtype, args)
+                    out = run_path(args, name, w.streams, dtype)
+                    client = client_for(server, w, out, args)
+                    env = {"LLMSERVE_NUM_THREADS": str(args.threads)} if name == "llmserve" else {}
+                    runs[name] = measure_server(server, client, out.with_suffix(".json"), args, env)
+                if len(runs) == len(SERVERS):
+                    result["same_text"][f"{w.streams}-{dtype}"] = same_text(args, w.streams, dtype)
+    except (KeyboardInterrupt, SystemExit):
+        print("stopped; reporting the runs that finished")
+    result["ratios"] = {key: ratio(runs) for key, runs in result["runs"].items()}
+    text = report(result, args)
+    (args.out_dir / "vs-llama-cpp.md").write_text(text + "\n")
+    (args.out_dir / "vs-llama-cpp.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
