@@ -25,7 +25,7 @@ HERE = Path(__file__).parent
 COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
 # Per source: extra flags. ops.cpp mirrors torch's rounding, so no multiply-add contraction.
 SOURCES = {"paged_attention.cpp": (), "ops.cpp": ("-ffp-contract=off",), "decode.cpp": ()}
-HEADERS = ("vec.h",)
+HEADERS = ("vec.h", "pool.h")
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -142,30 +142,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_argmax_logsumexp": [i32, ptr, i64, i64, ptr, ptr],
         # dtype, x, n, in, weight, bias (or NULL), out, out features
         "llmserve_linear_rows": [i32, ptr, i64, i64, ptr, ptr, ptr, i64],
+        # threads
+        "llmserve_set_num_threads": [i32],
         # dtype, dims, eps, scale, layer pointers, embed, final norm, lm head, cos, sin,
-        # input ids, positions, slots, block tables, table stride, seq lens, n,
-        # kv heads per work item, logits
-        "llmserve_decode_step": [
-            i32,
-            ptr,
-            f32,
-            f32,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-            i64,
-            i64,
-            ptr,
-        ],
+        # input ids, positions, slots, block tables, table stride, seq lens, n, logits
+        "llmserve_decode_step": [i32, ptr, f32, f32, *[ptr] * 10, i64, ptr, i64, ptr],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)

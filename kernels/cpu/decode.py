@@ -27,6 +27,15 @@ _LAYER_FIELDS = 9
 _BLOCK_SIZE_DIM = 7
 
 
+def set_num_threads(threads: int) -> None:
+    """Threads of `linear_rows` and `DecodeStep` (default: every core of the machine). They
+    split work without waiting for a thread that another process keeps off its core (see
+    pool.h), unlike torch's OpenMP loops."""
+    if threads < 1:
+        raise KernelArgumentError("threads", f"must be positive, got {threads}")
+    library().llmserve_set_num_threads(threads)
+
+
 def linear_rows(
     x: torch.Tensor,  # [n, in]
     weight: torch.Tensor,  # [out, in]
@@ -97,6 +106,7 @@ class DecodeShape:
             "hidden size": self.hidden_size,
             "intermediate size": self.intermediate_size,
             "query width": self.num_heads * self.head_dim,
+            "head size": self.head_dim,
         }
         odd = [f"{name} {value}" for name, value in widths.items() if value % 8]
         return f"{', '.join(odd)} not a multiple of 8" if odd else None
@@ -184,7 +194,6 @@ class DecodeStep:
         slots: torch.Tensor,  # [n] int64 flat cache slots of the new tokens
         block_tables: torch.Tensor,  # [n, max_blocks] int32, rows contiguous
         seq_lens: torch.Tensor,  # [n] int32, including the new token
-        kv_heads_per_item: int,
     ) -> torch.Tensor:  # [n, vocab] logits in the model dtype
         """Unchecked beyond the table's binding: the model runner built every index."""
         assert self._table is not None, "bind_caches() first"
@@ -209,7 +218,6 @@ class DecodeStep:
             block_tables.stride(0),
             seq_lens.data_ptr(),
             n,
-            kv_heads_per_item,
             logits.data_ptr(),
         )
         if status != 0:

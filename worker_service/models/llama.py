@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
-from kernels.cpu.attention import kv_heads_per_item
-from kernels.cpu.decode import DecodeLayer, DecodeShape, DecodeStep, linear_rows
+from kernels.cpu.decode import DecodeLayer, DecodeShape, DecodeStep, linear_rows, set_num_threads
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.rope import (
     UnsupportedModelError,
@@ -187,6 +186,8 @@ class LlamaModel:
         # when the other steps' matmuls use prepacked copies (float32: twice the weight memory).
         self.native_decode_max_batch = 0
         self.decode_step: DecodeStep | None = None
+        if native_decode_max_batch > 0 or native_linear:
+            set_num_threads(torch.get_num_threads())
         if native_decode_max_batch > 0:
             if not fused_ops:
                 raise ValueError("the native decode step needs the native CPU ops (fused_ops)")
@@ -292,7 +293,6 @@ class LlamaModel:
                 metadata.slot_mapping,
                 metadata.decode_block_tables,
                 metadata.decode_seq_lens,
-                kv_heads_per_item(num_tokens, self.arch.num_kv_heads),
             )
         rotate = self._native_rotary if self.fused_ops else self._torch_rotary(positions)
         backend.begin_step(metadata)

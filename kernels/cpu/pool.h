@@ -1,0 +1,125 @@
+// A fork/join for small parallel loops that never waits for a thread that has not started.
+//
+// An OpenMP parallel-for ends in a barrier that every thread of the team must reach. When
+// another process holds a core (the gateway and the scheduler share the machine with the
+// worker), a team thread may not run for a scheduler time slice, several milliseconds, and
+// the barrier waits for it: a decode step has ~150 such loops, and measured on the 2-core
+// machine under load one step took 750 ms with two threads instead of 30 ms with one.
+//
+// Here the calling thread publishes the loop and runs chunks itself; helper threads claim
+// chunks too, one at a time, by compare-and-swap on a ticket that holds the loop's
+// generation and its next chunk. The caller waits only for chunks a helper has claimed (one
+// each at most): a helper that wakes late finds nothing left, or a newer generation, and
+// claims nothing. Helpers spin briefly for the next loop, then sleep on a condition variable.
+
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <immintrin.h>
+
+namespace llmserve {
+
+class ChunkPool {
+ public:
+  // Runs body(chunk) for chunk in [0, chunks) on up to `threads` threads (the caller and
+  // threads - 1 helpers), returning when all have run. One loop at a time: callers serialize.
+  template <typename Body>
+  void run(int64_t chunks, int threads, Body& body) {
+    if (chunks <= 0) return;
+    if (threads <= 1 || chunks == 1) {
+      for (int64_t c = 0; c < chunks; ++c) body(c);
+      return;
+    }
+    std::lock_guard<std::mutex> one_loop(loop_mutex_);
+    ensure_helpers(threads - 1);
+    body_ = &body;
+    call_ = [](void* b, int64_t c) { (*static_cast<Body*>(b))(c); };
+    chunks_.store(chunks, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t generation = ++generation_;
+    // seq_cst: the ticket's store must not pass the load of sleepers_ (see helper_loop).
+    ticket_.store(generation << kIndexBits);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(wake_mutex_);
+      wake_.notify_all();
+    }
+    int64_t mine = 0;
+    while (claim_and_run(generation)) ++mine;
+    while (done_.load(std::memory_order_acquire) + mine < chunks) _mm_pause();
+  }
+
+  static ChunkPool& instance() {
+    static ChunkPool* pool = new ChunkPool();  // never destroyed: helpers outlive statics
+    return *pool;
+  }
+
+ private:
+  static constexpr int kIndexBits = 32;
+  static constexpr uint64_t kIndexMask = (uint64_t(1) << kIndexBits) - 1;
+  static constexpr int kSpins = 20000;  // ~50 us of polling before a helper sleeps
+
+  // Claims the next chunk of `generation`'s loop and runs it; false when none is left (or a
+  // newer loop replaced it). A successful claim means the caller of that loop is still
+  // waiting for this chunk, so its body and chunk count are still the ones published.
+  bool claim_and_run(uint64_t generation) {
+    uint64_t ticket = ticket_.load(std::memory_order_acquire);
+    for (;;) {
+      if ((ticket >> kIndexBits) != generation) return false;
+      const int64_t index = int64_t(ticket & kIndexMask);
+      if (index >= chunks_.load(std::memory_order_relaxed)) return false;
+      if (ticket_.compare_exchange_weak(ticket, ticket + 1, std::memory_order_acq_rel)) {
+        call_(body_, index);
+        return true;
+      }
+    }
+  }
+
+  void helper_loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t generation = ticket_.load(std::memory_order_acquire) >> kIndexBits;
+      for (int spin = 0; generation == seen && spin < kSpins; ++spin) {
+        _mm_pause();
+        generation = ticket_.load(std::memory_order_acquire) >> kIndexBits;
+      }
+      if (generation == seen) {
+        std::unique_lock<std::mutex> lock(wake_mutex_);
+        sleepers_.fetch_add(1);  // then the ticket is read again, under the lock
+        wake_.wait(lock, [&] {
+          return (ticket_.load(std::memory_order_acquire) >> kIndexBits) != seen;
+        });
+        sleepers_.fetch_sub(1);
+        continue;
+      }
+      seen = generation;
+      while (claim_and_run(generation)) done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void ensure_helpers(int count) {
+    while (int(helpers_.size()) < count) {
+      helpers_.emplace_back([this] { helper_loop(); });
+      helpers_.back().detach();
+    }
+  }
+
+  std::mutex loop_mutex_;
+  std::vector<std::thread> helpers_;
+  uint64_t generation_ = 0;
+  std::atomic<uint64_t> ticket_{0};  // generation << 32 | next chunk index
+  std::atomic<int64_t> chunks_{0};
+  std::atomic<int64_t> done_{0};  // chunks finished by helpers
+  void* body_ = nullptr;
+  void (*call_)(void*, int64_t) = nullptr;
+  std::atomic<int> sleepers_{0};
+  std::mutex wake_mutex_;
+  std::condition_variable wake_;
+};
+
+}  // namespace llmserve
