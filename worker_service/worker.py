@@ -267,7 +267,9 @@ class Worker:
         self.cache_engine.swap_out(step.blocks_to_swap_out)
         self.cache_engine.swap_in(step.blocks_to_swap_in)
         self.cache_engine.copy_blocks(step.blocks_to_copy)
-        return runner.run(scheduled, self._kv_caches, step.step_id)
+        result = runner.run(scheduled, self._kv_caches, step.step_id)
+        runner.remember_samples(scheduled, result)
+        return result
 
     @property
     def num_sequences(self) -> int:
