@@ -294,6 +294,11 @@ class LLMEngine:
             self._finished_on_import = []
         return outputs
 
+    @property
+    def last_num_generated(self) -> int:
+        """Sequences that got a token in the last finished step."""
+        return self._processor.num_generated
+
     def unfinished_request_ids(self) -> list[str]:
         return self.scheduler.unfinished_request_ids()
 

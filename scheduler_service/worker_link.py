@@ -49,7 +49,18 @@ class ExecuteStream:
     async def execute(
         self, request: worker_pb2.ExecuteRequest, timeout_s: float
     ) -> worker_pb2.ExecuteResult:
+        """Send one step and wait for its result."""
+        self.send(request)
+        return await self.receive(timeout_s)
+
+    def send(self, request: worker_pb2.ExecuteRequest) -> None:
+        """Queue one step for the worker; its result comes back, in order, from `receive`.
+        Asynchronous scheduling sends the next step before the previous result is read."""
         self._outbox.put_nowait(request)
+
+    async def receive(self, timeout_s: float) -> worker_pb2.ExecuteResult:
+        """The result of the oldest step sent and not yet received. Raises WorkerLostError
+        when none comes within `timeout_s` (the watchdog) or the stream ends."""
         try:
             result = await asyncio.wait_for(self._call.read(), timeout_s)
         except TimeoutError:

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import rule
 
 from llmserve.model_spec import load_tokenizer, resolve_model
-
 from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.continuation import PipelinedStepper
 from scheduler_service.outputs import RequestOutput
@@ -20,8 +19,8 @@ from scheduler_service.sequence import FinishReason
 from scheduler_service.text_stops import StopStrings
 
 from .fake_model import FakeModel
-from .test_stop_strings import PROMPT, make_engine, pick_stop, reference
 from .test_stateful import EngineMachine
+from .test_stop_strings import PROMPT, make_engine, pick_stop, reference
 
 BLOCK = 4
 EOS = 0
@@ -43,7 +42,11 @@ def workload(num: int, seed: int):
         elif kind == 1:
             p = SamplingParams(n=2, max_tokens=max_tokens)
         elif kind == 2:
-            p = SamplingParams(max_tokens=max_tokens, stop_token_ids=list(range(1, 9)), min_tokens=min(2, max_tokens))
+            p = SamplingParams(
+                max_tokens=max_tokens,
+                stop_token_ids=list(range(1, 9)),
+                min_tokens=min(2, max_tokens),
+            )
         elif kind == 3:
             p = SamplingParams(n=2, best_of=3, max_tokens=max_tokens)
         else:
