@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -28,6 +29,7 @@ from llmserve.errors import (
 )
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_from_proto, step_result_to_proto
+from llmserve.steps import StepInput
 from llmserve.telemetry import context_from_traceparent
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service import metrics
@@ -186,16 +188,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_open = True
         self._touch()
         log.info("execute stream opened", peer=context.peer())
+        inbox: asyncio.Queue[_Received | None] = asyncio.Queue()
+        reader = asyncio.create_task(_read_steps(request_iterator, inbox))
+        gap = _ForwardGap()
         try:
-            async for message in request_iterator:
-                step = step_input_from_proto(message)
-                if message.traceparent:
-                    result = await self._execute_traced(step, message.traceparent)
+            while (received := await inbox.get()) is not None:
+                if isinstance(received.step, BaseException):
+                    raise received.step
+                if received.traceparent:
+                    result = await self._execute_traced(received.step, received.traceparent)
                 else:
-                    result = await self._on_model_thread(self._execute, step)
+                    result = await self._on_model_thread(self._execute, received.step)
+                gap.observe(received.arrived_ns, self.worker.last_forward_ns)
                 self._touch()
                 yield step_result_to_proto(result)
         finally:
+            reader.cancel()
             # Whatever ended the stream, the scheduler resends every sequence as new. Cleared
             # on the model thread: a step of this stream may still be running there (a
             # cancelled await does not stop it), and any step of a later stream queues behind.
@@ -231,3 +239,53 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         result = self.worker.execute(step)
         metrics.observe_step(step.num_scheduled_tokens, result.forward_ns, result.sample_ns)
         return result
+
+
+@dataclass(slots=True)
+class _Received:
+    """A step as it arrived on the Execute stream (or why it could not be read)."""
+
+    step: StepInput | BaseException
+    traceparent: str
+    arrived_ns: int  # time.perf_counter_ns() when it was read off the stream
+
+
+async def _read_steps(
+    requests: AsyncIterator[worker_pb2.ExecuteRequest], inbox: asyncio.Queue[_Received | None]
+) -> None:
+    """Read steps as they arrive, while earlier ones run (asynchronous scheduling sends the
+    next step before the previous result is back), converting them off the model's path.
+    Ends the inbox with None when the stream ends; a step that fails to convert, or a broken
+    stream, is handed on as its exception."""
+    try:
+        async for message in requests:
+            arrived = time.perf_counter_ns()
+            step: StepInput | BaseException
+            try:
+                step = step_input_from_proto(message)
+            except Exception as exc:  # the Execute loop raises it in order
+                step = exc
+            inbox.put_nowait(_Received(step, message.traceparent, arrived))
+    except Exception as exc:  # the stream broke; the Execute loop ends with it
+        inbox.put_nowait(_Received(exc, "", time.perf_counter_ns()))
+    finally:
+        inbox.put_nowait(None)
+
+
+class _ForwardGap:
+    """Observes `llmserve_worker_forward_gap_seconds` between consecutive steps of a stream:
+    from the end of one step's forward pass to the start of the next one's."""
+
+    def __init__(self) -> None:
+        self._prev_end_ns: int | None = None
+
+    def observe(self, arrived_ns: int, forward: tuple[int, int] | None) -> None:
+        """`arrived_ns`: when this step was read; `forward`: its forward pass (start, end)."""
+        if forward is None:
+            self._prev_end_ns = None  # nothing computed: no forward to measure from
+            return
+        start, end = forward
+        prev_end = self._prev_end_ns
+        if prev_end is not None:
+            metrics.observe_forward_gap((start - prev_end) / 1e9, queued=arrived_ns <= prev_end)
+        self._prev_end_ns = end
