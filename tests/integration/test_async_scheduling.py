@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import httpx
@@ -108,8 +107,12 @@ def test_async_and_sync_scheduling_stream_the_same_tokens(
     for request_id, _, _ in REQUESTS:
         got, want = pipelined[request_id], synchronous[request_id]
         if request_id == ABORTED:
-            # The client's cancel lands after as many chunks in both; what it read is the same.
-            assert got[0] == want[0] and len(want[0][0]) >= ABORT_AFTER_CHUNKS - 1
+            # What the client read before it cancelled: the same tokens (a chunk may carry
+            # more than one when the client lags, so the lengths may differ).
+            a, b = got[0][0], want[0][0]
+            assert min(len(a), len(b)) >= ABORT_AFTER_CHUNKS
+            assert a[: len(b)] == b[: len(a)]
+            assert not got[1] and not want[1]  # cancelled, never finished
             continue
         assert got == want, request_id
     stop_reasons = synchronous[STOPPED][1]
