@@ -29,7 +29,7 @@ from llmserve.errors import (
 )
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_from_proto, step_result_to_proto
-from llmserve.steps import StepInput
+from llmserve.steps import StepInput, StepResult
 from llmserve.telemetry import context_from_traceparent
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service import metrics
@@ -191,19 +191,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         inbox: asyncio.Queue[_Received | None] = asyncio.Queue()
         reader = asyncio.create_task(_read_steps(request_iterator, inbox))
         gap = _ForwardGap()
+        task: asyncio.Future[tuple[StepResult, tuple[int, int] | None]] | None = None
         try:
-            while (received := await inbox.get()) is not None:
-                if isinstance(received.step, BaseException):
-                    raise received.step
-                if received.traceparent:
-                    result = await self._execute_traced(received.step, received.traceparent)
-                else:
-                    result = await self._on_model_thread(self._execute, received.step)
-                gap.observe(received.arrived_ns, self.worker.last_forward_ns)
+            item = await inbox.get()
+            task = None if item is None else self._start(item)
+            while task is not None and item is not None:
+                arrived_ns = item.arrived_ns
+                result, forward = await task
+                gap.observe(arrived_ns, forward)
                 self._touch()
+                # A step already here (asynchronous scheduling sent it early) starts on the
+                # model thread before this result goes out, so encoding and sending the result
+                # do not hold up the next forward pass.
+                task = None
+                ahead = not inbox.empty()
+                if ahead:
+                    item = inbox.get_nowait()
+                    if item is not None and not isinstance(item.step, BaseException):
+                        task = self._start(item)
                 yield step_result_to_proto(result)
+                if task is None:
+                    if not ahead:
+                        item = await inbox.get()
+                    if item is not None:
+                        task = self._start(item)  # raises what a broken step carries
         finally:
             reader.cancel()
+            if task is not None:
+                task.cancel()  # the step itself finishes on the model thread
             # Whatever ended the stream, the scheduler resends every sequence as new. Cleared
             # on the model thread: a step of this stream may still be running there (a
             # cancelled await does not stop it), and any step of a later stream queues behind.
@@ -211,6 +226,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._stream_open = False
             self._touch()
             log.info("execute stream closed")
+
+    def _start(
+        self, received: _Received
+    ) -> asyncio.Future[tuple[StepResult, tuple[int, int] | None]]:
+        """Start running a received step; raises the exception a broken one carries."""
+        if isinstance(received.step, BaseException):
+            raise received.step
+        if received.traceparent:
+            return asyncio.ensure_future(self._execute_traced(received.step, received.traceparent))
+        # Submitted to the model thread now (awaiting `_on_model_thread` would submit later).
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self._model_thread, self._execute, received.step)
 
     async def _execute_traced(self, step, traceparent: str):  # type: ignore[no-untyped-def]
         """One step inside an `execute` span, the child of the scheduler's step span."""
@@ -223,7 +250,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     step_id=step.step_id,
                     request_ids=sorted({s.request_id for s in step.new_seqs}),
                 )
-            result = await self._on_model_thread(self._execute, step)
+            result, forward = await self._on_model_thread(self._execute, step)
             if span.is_recording():
                 span.set_attributes(
                     {
@@ -233,12 +260,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         "llmserve.worker.sample_s": result.sample_ns / 1e9,
                     }
                 )
-            return result
+            return result, forward
 
     def _execute(self, step):  # type: ignore[no-untyped-def]
+        """On the model thread: the step's result and its forward pass's (start, end)."""
         result = self.worker.execute(step)
         metrics.observe_step(step.num_scheduled_tokens, result.forward_ns, result.sample_ns)
-        return result
+        return result, self.worker.last_forward_ns
 
 
 @dataclass(slots=True)

@@ -23,6 +23,11 @@ from tests.support.fleet import FleetStack, start_fleet
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 MODEL = "smollm2"
+# A long lease: the first request with stop strings loads the tokenizer on the scheduler's
+# event loop, which on a loaded machine can stall it longer than the fleet harness's 3 s.
+SCHEDULER_ARGS = ["--worker-lease-s", "120"]
+WORKER_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "0.1", "--swap-space", "0.02",
+               "--num-threads", "1"]
 ABORTED = "abort-me"
 ABORT_AFTER_CHUNKS = 5
 STOPPED = "stop-strings"
@@ -40,7 +45,7 @@ REQUESTS: list[tuple[str, str, dict]] = [  # type: ignore[type-arg]
 
 def start(tmp_path_factory: pytest.TempPathFactory, flag: str) -> FleetStack:
     return start_fleet(MODEL, tmp_path_factory.mktemp(flag.strip("-")), 1,
-                       scheduler_args=[flag])
+                       scheduler_args=[flag, *SCHEDULER_ARGS], worker_args=WORKER_ARGS)
 
 
 @pytest.fixture(scope="module")
