@@ -62,7 +62,10 @@ class ExecuteStream:
         """The result of the oldest step sent and not yet received. Raises WorkerLostError
         when none comes within `timeout_s` (the watchdog) or the stream ends."""
         try:
-            result = await asyncio.wait_for(self._call.read(), timeout_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that
+            # lands as the read completes, and `Replica.stop` relies on cancelling this await.
+            async with asyncio.timeout(timeout_s):
+                result = await self._call.read()
         except TimeoutError:
             self.close()
             raise WorkerLostError(
