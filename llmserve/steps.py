@@ -22,6 +22,13 @@ The worker applies a step in this order:
 A scheduled sequence computes tokens `[num_computed, num_computed + num_scheduled_tokens)` of
 its known tokens, then `num_computed += num_scheduled_tokens`. It samples iff afterwards
 `num_computed == len(token_ids)` (a prefill chunk that stops short samples nothing).
+
+Asynchronous scheduling sends step N+1 before step N's result is back. A sequence that samples
+in step N then continues in step N+1 with `new_token_ids == [SAMPLED_TOKEN]`: the worker
+substitutes the token it sampled for that sequence in the last step that scheduled it. It is
+an error (the worker refuses the step) if that step sampled nothing for the sequence, or if
+the placeholder is not the update's only new token. The scheduler learns the real token from
+step N's result and never sends it again.
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from llmserve.sampling_params import SamplingParams
+
+# Placeholder in `CachedSequence.new_token_ids`: "the token you sampled for this sequence in
+# the previous step". The largest uint32, so the proto carries it unchanged; no vocabulary is
+# that large.
+SAMPLED_TOKEN = 0xFFFFFFFF
 
 
 @dataclass(slots=True)
@@ -57,7 +69,8 @@ class CachedSequence:
     """Update for a sequence the worker already holds."""
 
     seq_id: int
-    # Tokens appended by the scheduler since the worker last saw this sequence (usually one).
+    # Tokens appended by the scheduler since the worker last saw this sequence (usually one),
+    # or `[SAMPLED_TOKEN]` (a continuation step of asynchronous scheduling).
     new_token_ids: list[int]
     # The block table from index `block_offset` on is replaced by `block_ids` (an append when
     # block_offset == old length; copy-on-write or swap-in rewrite earlier entries).

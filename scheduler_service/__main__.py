@@ -46,6 +46,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--watermark", type=float, default=0.01)
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each decode step to the worker before the previous step's result is back, "
+        "so the worker does not wait for the round trip and the scheduling (outputs are the "
+        "same either way)",
+    )
     # No --block-size: each replica takes its worker's block size from Info, the one source.
     p.add_argument(
         "--num-gpu-blocks-override",
@@ -145,6 +153,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
         step_watchdog_s=args.step_watchdog_s,
         health_interval_s=args.health_interval_s,
         drain_grace_s=args.drain_grace_s,
+        async_scheduling=args.async_scheduling,
     )
     return FleetConfig(
         replica,

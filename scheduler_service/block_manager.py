@@ -165,6 +165,30 @@ class BlockSpaceManager:
                     gpu.promote(block_id, seq.block_hash(i), (i + 1) * bs)
         return copies
 
+    # -- asynchronous scheduling ----------------------------------------------------------
+
+    def can_reserve_lookahead(self, seqs: list[Sequence]) -> bool:
+        """Whether each of `seqs` can get a slot for the token it is sampling now (position
+        `len(token_ids)`) without a copy-on-write, from the free device blocks."""
+        bs = self.block_size
+        tables = self._tables
+        needed = 0
+        for seq in seqs:
+            table = tables[seq.seq_id]
+            position = len(seq.token_ids)
+            if position // bs < len(table) and self._must_copy(table[position // bs]):
+                return False
+            needed += max(0, position // bs + 1 - len(table))
+        return needed <= self.gpu.get_num_free_blocks()
+
+    def reserve_lookahead(self, seq: Sequence) -> None:
+        """Extend `seq`'s table to hold one token more than it knows (checked by
+        `can_reserve_lookahead`). `append_slots`, once the token is appended, finds the room
+        and only marks full blocks for the prefix cache."""
+        table = self._tables[seq.seq_id]
+        while len(table) * self.block_size <= len(seq.token_ids):
+            table.append(self.gpu.allocate())
+
     def _mark_dirty(self, seq_id: int, index: int) -> None:
         old = self._dirty_from.get(seq_id)
         if old is None or index < old:

@@ -125,3 +125,5 @@ class ReplicaConfig:
     health_failures: int = 3
     # Drain policy: running requests may finish on a draining replica for this long, then move.
     drain_grace_s: float = 10.0
+    # Send a step's continuation before its result is back (scheduler_service/continuation.py).
+    async_scheduling: bool = True

@@ -16,6 +16,11 @@ from llmserve.priority import check_priority
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import Executor, StepInput, StepResult
 from scheduler_service.config import CacheConfig, SchedulerConfig
+from scheduler_service.continuation import (
+    PipelinedStepper,
+    commit_continuation,
+    plan_continuation,
+)
 from scheduler_service.migration import (
     GroupSnapshot,
     SequenceSnapshot,
@@ -59,6 +64,10 @@ class LLMEngine:
         self._processor = OutputProcessor(self.scheduler, self._seq_counter)
         self._generate_counter = itertools.count()
         self.last_step_input: StepInput | None = None
+        # Steps begun and not finished (at most two: a step and its continuation), and the
+        # continuation not yet committed (`scheduler_service.continuation`).
+        self._num_in_flight = 0
+        self._continuation: tuple[SchedulerOutputs, int] | None = None
         # Imported requests with nothing left to run: their final outputs go out next step.
         self._finished_on_import: list[RequestOutput] = []
         self._load_tokenizer = tokenizer
@@ -241,10 +250,29 @@ class LLMEngine:
         """First half of `step()`: schedule and build the diff. A caller that executes steps
         itself (the gRPC service awaits a remote worker) runs the step in between, then calls
         `finish_step`. Nothing else may touch the engine in between."""
+        assert self._num_in_flight == 0, "a synchronous step waits for the steps in flight"
         sched_out = self.scheduler.schedule()
         step_input = self._builder.build(sched_out)
         self.last_step_input = step_input
+        self._num_in_flight = 1
         return sched_out, step_input
+
+    def begin_continuation(
+        self, prev: SchedulerOutputs
+    ) -> tuple[SchedulerOutputs, StepInput] | None:
+        """Asynchronous scheduling: the step after `prev`, the one step in flight, built
+        before `prev`'s result is back (`scheduler_service.continuation`); None when the
+        next step must wait for that result. Run it after `prev`; finish `prev` first."""
+        if self._num_in_flight != 1 or self._builder.has_pending_forks():
+            return None
+        cont = plan_continuation(self.scheduler, prev)
+        if cont is None:
+            return None
+        step_input = self._builder.build_continuation(cont)
+        self.last_step_input = step_input
+        self._num_in_flight = 2
+        self._continuation = (cont, step_input.step_id)
+        return cont, step_input
 
     def finish_step(
         self, sched_out: SchedulerOutputs, step_input: StepInput, result: StepResult | None
@@ -255,10 +283,21 @@ class LLMEngine:
         self.scheduler.on_step_executed(sched_out)
         outputs, events = self._processor.process(sched_out, result)
         self._builder.add_events(events)
+        self._num_in_flight -= 1
+        if self._continuation is not None:
+            cont, cont_step_id = self._continuation
+            assert cont_step_id == step_input.step_id + 1, "steps finish in order"
+            self._continuation = None
+            commit_continuation(self.scheduler, cont)
         if self._finished_on_import:
             outputs.extend(self._finished_on_import)
             self._finished_on_import = []
         return outputs
+
+    @property
+    def last_num_generated(self) -> int:
+        """Sequences that got a token in the last finished step."""
+        return self._processor.num_generated
 
     def unfinished_request_ids(self) -> list[str]:
         return self.scheduler.unfinished_request_ids()
@@ -269,9 +308,11 @@ class LLMEngine:
         params: SamplingParams | list[SamplingParams],
         eos_token_id: int | None = None,
         priorities: list[int] | None = None,
+        async_scheduling: bool = False,
     ) -> list[RequestOutput]:
         """Run the prompts to completion; returns their final outputs in prompt order.
-        `priorities`: one per prompt (default 0 each).
+        `priorities`: one per prompt (default 0 each). `async_scheduling`: build each step
+        before the previous one's result is processed where possible (`PipelinedStepper`).
 
         Meant for offline use: other requests in the engine keep running, but their deltas
         are not returned.
@@ -293,8 +334,9 @@ class LLMEngine:
         results: dict[str, RequestOutput] = {}
         pending = set(ids)
         idle_steps = 0
-        while pending:
-            deltas = self.step()
+        stepper = PipelinedStepper(self) if async_scheduling else None
+        while pending or (stepper is not None and stepper.in_flight):
+            deltas = self.step() if stepper is None else stepper.step()
             progressed = bool(deltas) or not (
                 self.last_step_input is None or self.last_step_input.is_empty()
             )

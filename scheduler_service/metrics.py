@@ -100,7 +100,10 @@ def record_step(
     step: StepInput,
     result: StepResult | None,
     seconds: float,
+    num_generated: int | None = None,
 ) -> None:
+    """`num_generated`: sequences that got a token (default: those the worker sampled for,
+    which with asynchronous scheduling counts outputs dropped for finished sequences)."""
     record_stats(replica_id, stats)
     r = str(replica_id)
     if step.is_empty():
@@ -112,7 +115,9 @@ def record_step(
     PROMPT_TOKENS.labels(r).inc(step.num_scheduled_tokens - decode_tokens)
     if result is not None:
         WORKER_FORWARD_SECONDS.labels(r).observe(result.forward_ns / 1e9)
-        GENERATION_TOKENS.labels(r).inc(sum(1 for o in result.outputs if o.samples))
+        if num_generated is None:
+            num_generated = sum(1 for o in result.outputs if o.samples)
+        GENERATION_TOKENS.labels(r).inc(num_generated)
 
 
 def record_finished(

@@ -118,12 +118,16 @@ class OutputProcessor:
         self.seq_counter = seq_counter
         self.max_model_len = scheduler.scheduler_config.model_len
         self._events = WorkerEvents()
+        # Samples the last `process` appended (a continuation step's outputs for sequences
+        # that finished meanwhile are dropped, and not counted).
+        self.num_generated = 0
 
     def process(
         self, sched_out: SchedulerOutputs, result: StepResult
     ) -> tuple[list[RequestOutput], WorkerEvents]:
         """The step's deltas, and the forks and frees the worker must hear of."""
         self._events = events = WorkerEvents()
+        self.num_generated = 0
         by_seq = {o.seq_id: o for o in result.outputs}
         request_outputs: list[RequestOutput] = []
         finished_groups: list[SequenceGroup] = []
@@ -164,6 +168,7 @@ class OutputProcessor:
         metrics = seq_group.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+        self.num_generated += 1
         params = seq_group.sampling_params
         sample = out.samples[0]
         want_logprobs = params.logprobs is not None
@@ -214,6 +219,7 @@ class OutputProcessor:
         if not sampled and new_prompt_logprobs is None:
             return None
         num_seqs_before = len(seq_group.seqs)
+        self.num_generated += len(sampled)
         if sampled:
             if seq_group.metrics.first_token_time is None:
                 seq_group.metrics.first_token_time = now

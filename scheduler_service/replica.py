@@ -1,14 +1,15 @@
 """One worker replica as the scheduler service sees it: its engine, its Execute stream, its life.
 
 The replica's loop runs on the event loop: schedule (a millisecond or two), send the step,
-await the result, process outputs, hand the deltas to the router. It sleeps while idle and
-wakes when a request arrives.
+await the result, process outputs, hand the deltas to the router. With asynchronous
+scheduling the next step is sent before the result is awaited, where it can be
+(`replica_steps.StepPipeline`). It sleeps while idle and wakes when a request arrives.
 
 A replica never takes its requests down with it. Whatever ends its loop hands the requests it
 holds to the fleet (`on_evicted`), which places them on other replicas, where they continue by
 recompute with every token generated so far:
 - the worker is lost: its Execute stream breaks, a step outlives the watchdog, or the fleet
-  marks it lost (failed health checks, lapsed lease). The engine's state is consistent (a step
+  marks it lost (failed health checks, lapsed lease). The engine's state is consistent (steps
   in flight never ran as far as the scheduler is concerned), so it is exported as it is;
 - a step raises (a bug, an injected fault): the engine may be half-updated, so the router's
   record of what each client received is what continues (`cause="step_failed"`);
@@ -27,18 +28,18 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from llmserve import failpoints, security
+from llmserve import security
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
-from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.config import ConfigError, ReplicaConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.replica_owner import ReplicaOwner, ReplicaState
+from scheduler_service.replica_steps import StepPipeline
 from scheduler_service.text_stops import tokenizer_loader
-from scheduler_service.tracing import ReplicaTracer, RequestTrace, end_step_span, step_traceparent
+from scheduler_service.tracing import ReplicaTracer, RequestTrace
 from scheduler_service.worker_link import (
     REFUSALS,
     UNUSED_EXECUTOR,
@@ -83,7 +84,8 @@ class Replica:
         self._lost: WorkerLostError | None = None
         self._drain_deadline: float | None = None
         self.drain_started: float | None = None
-        # Request ids of the step in flight (between begin_step and finish_step).
+        # Request ids of the steps in flight (between begin_step and finish_step; two steps
+        # with asynchronous scheduling).
         self._in_step: list[str] = []
         self.num_steps = 0
         self.num_migrated_out = 0
@@ -261,53 +263,43 @@ class Replica:
 
     async def _step_loop(self) -> None:
         assert self.engine is not None and self._stream is not None and self.tracer is not None
-        engine, stream, tracer = self.engine, self._stream, self.tracer
-        block_manager = engine.scheduler.block_manager
+        engine, stream = self.engine, self._stream
+        steps = StepPipeline(
+            self.replica_id,
+            self.address,
+            engine,
+            stream,
+            self.tracer,
+            self._watchdog,
+            self.config.async_scheduling,
+        )
         idle_steps = 0
         while True:
             if self.state is ReplicaState.DRAINING:
                 self._drain_step(engine)
                 if not engine.has_unfinished_requests():
-                    return
-            if not engine.has_unfinished_requests():
-                self._wake.clear()
-                metrics.record_stats(self.replica_id, engine.get_stats())
-                await self._wake.wait()
-            if self._lost is not None:
-                raise self._lost
-            if stream.closed:
-                raise WorkerLostError("stream", "the worker closed the Execute stream")
-            if not engine.has_unfinished_requests():
-                continue  # woken by a drain or an abort with nothing left to run
-            started = time.perf_counter()
-            started_ns = time.time_ns()
-            free_before = block_manager.get_num_free_gpu_blocks()
-            sched_out, step_input = engine.begin_step()
-            self._in_step = [s.seq_group.request_id for s in sched_out.scheduled]
-            step_span = tracer.step_span(engine, sched_out, step_input, started_ns, free_before)
-            if step_input.is_empty():
-                result = None
-            else:
-                request = step_input_to_proto(step_input)
-                request.traceparent = step_traceparent(step_span)
-                try:
-                    reply = await stream.execute(request, self._watchdog.timeout_s())
-                except BaseException as exc:
-                    end_step_span(step_span, 0, 0, exc)
-                    raise
-                result = step_result_from_proto(reply)
-            failpoints.check("replica.finish_step", self.address)
-            outputs = engine.finish_step(sched_out, step_input, result)
-            self._in_step = []
-            tracer.on_outputs(outputs)
-            end_step_span(step_span, *((result.forward_ns, result.sample_ns) if result else (0, 0)))
+                    return  # steps still in flight hold only finished sequences
+            if not steps.in_flight:
+                if not engine.has_unfinished_requests():
+                    self._wake.clear()
+                    metrics.record_stats(self.replica_id, engine.get_stats())
+                    await self._wake.wait()
+                if self._lost is not None:
+                    raise self._lost
+                if stream.closed:
+                    raise WorkerLostError("stream", "the worker closed the Execute stream")
+                if not engine.has_unfinished_requests():
+                    continue  # woken by a drain or an abort with nothing left to run
+                steps.begin()
+            # With one step in flight, send the next before its result is back, if it can be.
+            steps.try_continue()
+            self._in_step = steps.request_ids()
+            outputs, empty = await steps.finish_oldest()
+            self._in_step = steps.request_ids()
             self.num_steps += 1
-            seconds = time.perf_counter() - started
-            self._watchdog.observe(seconds)
-            metrics.record_step(self.replica_id, engine.get_stats(), step_input, result, seconds)
             if outputs:
                 self.owner.on_outputs(outputs)
-            if step_input.is_empty() and not outputs:
+            if empty and not outputs:
                 # An empty step can be followed by a productive one (frees held back a step,
                 # blocks released by the previous step), so only several empty steps in a row
                 # mean that nothing can run until a request arrives or is aborted.

@@ -52,9 +52,13 @@ class Scheduler(SchedulerQueues):
 
     # -- scheduling -------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutputs:
+    def advance_clock(self) -> None:
+        """One more step: the block manager's LRU clock moves on."""
         self._num_steps += 1
         self.block_manager.now = float(self._num_steps)
+
+    def schedule(self) -> SchedulerOutputs:
+        self.advance_clock()
         config = self.scheduler_config
         budget = SchedulingBudget(config.max_num_batched_tokens, config.max_num_seqs)
         out = SchedulerOutputs()

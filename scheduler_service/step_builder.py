@@ -9,7 +9,7 @@ decision's own (`SchedulerOutputs.freed_seq_ids`, read by `build`).
 
 from __future__ import annotations
 
-from llmserve.steps import CachedSequence, Fork, NewSequence, StepInput
+from llmserve.steps import SAMPLED_TOKEN, CachedSequence, Fork, NewSequence, StepInput
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, WorkerEvents
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -43,6 +43,10 @@ class StepBuilder:
         """Sequences freed between steps (aborted, exported), for the next step."""
         self._freed.extend(seq_ids)
 
+    def has_pending_forks(self) -> bool:
+        """Whether forks wait for the next step (a continuation step carries none)."""
+        return bool(self._forks)
+
     def build(self, sched_out: SchedulerOutputs) -> StepInput:
         step = StepInput(
             step_id=self._step_id,
@@ -55,6 +59,35 @@ class StepBuilder:
         self._freed.extend(sched_out.freed_seq_ids)
         self._add_frees(step, fork_parents)
         self._add_sequences(step, sched_out)
+        return step
+
+    def build_continuation(self, cont: SchedulerOutputs) -> StepInput:
+        """The diff of a continuation step (`scheduler_service.continuation`): each scheduled
+        sequence computes the token the step in flight samples for it, named by the
+        placeholder `SAMPLED_TOKEN`; the worker will hold one token more than the scheduler
+        until that step's result is in."""
+        step = StepInput(step_id=self._step_id)
+        self._step_id += 1
+        self._add_frees(step, self._add_forks(step))
+        bm = self.scheduler.block_manager
+        tables = bm.block_tables
+        views = self.views
+        for scheduled in cont.scheduled:
+            for seq in scheduled.seq_group.seqs:
+                if seq.status != _RUNNING:
+                    continue
+                seq_id = seq.seq_id
+                view = views[seq_id]
+                known_tokens, known_blocks = view
+                assert known_tokens == len(seq.token_ids), "continued twice without a result"
+                table = tables[seq_id]
+                dirty = bm.pop_dirty_from(seq_id)
+                offset = known_blocks if dirty is None or dirty > known_blocks else dirty
+                step.cached_seqs.append(
+                    CachedSequence(seq_id, [SAMPLED_TOKEN], offset, table[offset:], 1)
+                )
+                view[0] = known_tokens + 1
+                view[1] = len(table)
         return step
 
     def _add_forks(self, step: StepInput) -> set[int]:

@@ -49,9 +49,23 @@ class ExecuteStream:
     async def execute(
         self, request: worker_pb2.ExecuteRequest, timeout_s: float
     ) -> worker_pb2.ExecuteResult:
+        """Send one step and wait for its result."""
+        self.send(request)
+        return await self.receive(timeout_s)
+
+    def send(self, request: worker_pb2.ExecuteRequest) -> None:
+        """Queue one step for the worker; its result comes back, in order, from `receive`.
+        Asynchronous scheduling sends the next step before the previous result is read."""
         self._outbox.put_nowait(request)
+
+    async def receive(self, timeout_s: float) -> worker_pb2.ExecuteResult:
+        """The result of the oldest step sent and not yet received. Raises WorkerLostError
+        when none comes within `timeout_s` (the watchdog) or the stream ends."""
         try:
-            result = await asyncio.wait_for(self._call.read(), timeout_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that
+            # lands as the read completes, and `Replica.stop` relies on cancelling this await.
+            async with asyncio.timeout(timeout_s):
+                result = await self._call.read()
         except TimeoutError:
             self.close()
             raise WorkerLostError(

@@ -16,6 +16,19 @@ FORWARD_SECONDS = Histogram(
 SAMPLE_SECONDS = Histogram(
     "llmserve_worker_sample_seconds", "Sampler time per step", buckets=_TIME_BUCKETS
 )
+# The worker's idle time between forward passes at steady decode: from the end of one step's
+# forward pass (the model call, before sampling) to the start of the next step's (preparing
+# its inputs), on the same Execute stream. `next_step="queued"`: the next step had arrived by
+# the time the forward pass ended, so the gap is the worker's own overhead (sampling, result
+# encoding, applying the next step); asynchronous scheduling makes this the usual case.
+# `next_step="awaited"`: the worker waited for it (the result's trip to the scheduler, output
+# processing, scheduling, the next step's trip; and idle time when no request is running).
+FORWARD_GAP_SECONDS = Histogram(
+    "llmserve_worker_forward_gap_seconds",
+    "Time from the end of one step's forward pass to the start of the next step's",
+    ["next_step"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0),
+)
 KV_BLOCKS = Gauge("llmserve_worker_kv_blocks", "KV cache blocks allocated", ["device"])
 
 
@@ -24,3 +37,7 @@ def observe_step(num_tokens: int, forward_ns: int, sample_ns: int) -> None:
     TOKENS.inc(num_tokens)
     FORWARD_SECONDS.observe(forward_ns / 1e9)
     SAMPLE_SECONDS.observe(sample_ns / 1e9)
+
+
+def observe_forward_gap(seconds: float, queued: bool) -> None:
+    FORWARD_GAP_SECONDS.labels("queued" if queued else "awaited").observe(seconds)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.steps import PromptLogprob, SequenceOutput, StepInput, StepResult
+from llmserve.steps import SAMPLED_TOKEN, PromptLogprob, SequenceOutput, StepInput, StepResult
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.llama import LlamaModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
@@ -36,6 +36,9 @@ class SequenceState:
     params: SamplingParams
     # Prompt logprobs of chunks that did not sample yet; sent with the first sample.
     pending_prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # The token the last step that scheduled this sequence sampled for it (None: it sampled
+    # nothing, or several); what a `SAMPLED_TOKEN` placeholder stands for.
+    last_sampled: int | None = None
 
     def fork(self, child_seq_id: int, child_seq_index: int) -> SequenceState:
         return SequenceState(
@@ -105,7 +108,10 @@ class ModelRunner:
                 )
         for cached in step.cached_seqs:
             state = self._state(cached.seq_id)
-            state.token_ids.extend(cached.new_token_ids)
+            new_tokens = cached.new_token_ids
+            if SAMPLED_TOKEN in new_tokens:
+                new_tokens = [self._take_sampled(state, new_tokens)]
+            state.token_ids.extend(new_tokens)
             del state.block_ids[cached.block_offset :]
             state.block_ids.extend(cached.block_ids)
             if cached.num_scheduled_tokens:
@@ -120,6 +126,33 @@ class ModelRunner:
             if s.start + s.count > len(s.state.block_ids) * self.block_size:
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
         return scheduled
+
+    @staticmethod
+    def _take_sampled(state: SequenceState, new_tokens: list[int]) -> int:
+        """The token a `SAMPLED_TOKEN` placeholder stands for (asynchronous scheduling)."""
+        if len(new_tokens) != 1:
+            raise StateError(
+                f"seq {state.seq_id}: the sampled-token placeholder must be the only new token, "
+                f"got {len(new_tokens)} new tokens"
+            )
+        token = state.last_sampled
+        if token is None:
+            raise StateError(
+                f"seq {state.seq_id}: the step names the token sampled in the previous step, "
+                "but that step sampled nothing for this sequence"
+            )
+        state.last_sampled = None
+        return token
+
+    def remember_samples(self, scheduled: list[_Scheduled], result: StepResult) -> None:
+        """Keep what each scheduled sequence sampled in this step, for the next step's
+        placeholders (a sequence that sampled nothing, or several tokens, keeps none)."""
+        for s in scheduled:
+            s.state.last_sampled = None
+        states = self.states
+        for out in result.outputs:
+            if len(out.samples) == 1:
+                states[out.seq_id].last_sampled = out.samples[0].token_id
 
     def _state(self, seq_id: int) -> SequenceState:
         state = self.states.get(seq_id)

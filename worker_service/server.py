@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -28,6 +29,7 @@ from llmserve.errors import (
 )
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_from_proto, step_result_to_proto
+from llmserve.steps import StepInput, StepResult
 from llmserve.telemetry import context_from_traceparent
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service import metrics
@@ -186,16 +188,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_open = True
         self._touch()
         log.info("execute stream opened", peer=context.peer())
+        inbox: asyncio.Queue[_Received | None] = asyncio.Queue()
+        reader = asyncio.create_task(_read_steps(request_iterator, inbox))
+        gap = _ForwardGap()
+        task: asyncio.Future[tuple[StepResult, tuple[int, int] | None]] | None = None
         try:
-            async for message in request_iterator:
-                step = step_input_from_proto(message)
-                if message.traceparent:
-                    result = await self._execute_traced(step, message.traceparent)
-                else:
-                    result = await self._on_model_thread(self._execute, step)
+            item = await inbox.get()
+            task = None if item is None else self._start(item)
+            while task is not None and item is not None:
+                arrived_ns = item.arrived_ns
+                result, forward = await task
+                gap.observe(arrived_ns, forward)
                 self._touch()
+                # A step already here (asynchronous scheduling sent it early) starts on the
+                # model thread before this result goes out, so encoding and sending the result
+                # do not hold up the next forward pass.
+                task = None
+                ahead = not inbox.empty()
+                if ahead:
+                    item = inbox.get_nowait()
+                    if item is not None and not isinstance(item.step, BaseException):
+                        task = self._start(item)
                 yield step_result_to_proto(result)
+                if task is None:
+                    if not ahead:
+                        item = await inbox.get()
+                    if item is not None:
+                        task = self._start(item)  # raises what a broken step carries
         finally:
+            reader.cancel()
+            if task is not None:
+                task.cancel()  # the step itself finishes on the model thread
             # Whatever ended the stream, the scheduler resends every sequence as new. Cleared
             # on the model thread: a step of this stream may still be running there (a
             # cancelled await does not stop it), and any step of a later stream queues behind.
@@ -203,6 +226,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._stream_open = False
             self._touch()
             log.info("execute stream closed")
+
+    def _start(
+        self, received: _Received
+    ) -> asyncio.Future[tuple[StepResult, tuple[int, int] | None]]:
+        """Start running a received step; raises the exception a broken one carries."""
+        if isinstance(received.step, BaseException):
+            raise received.step
+        if received.traceparent:
+            return asyncio.ensure_future(self._execute_traced(received.step, received.traceparent))
+        # Submitted to the model thread now (awaiting `_on_model_thread` would submit later).
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self._model_thread, self._execute, received.step)
 
     async def _execute_traced(self, step, traceparent: str):  # type: ignore[no-untyped-def]
         """One step inside an `execute` span, the child of the scheduler's step span."""
@@ -215,7 +250,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     step_id=step.step_id,
                     request_ids=sorted({s.request_id for s in step.new_seqs}),
                 )
-            result = await self._on_model_thread(self._execute, step)
+            result, forward = await self._on_model_thread(self._execute, step)
             if span.is_recording():
                 span.set_attributes(
                     {
@@ -225,9 +260,60 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         "llmserve.worker.sample_s": result.sample_ns / 1e9,
                     }
                 )
-            return result
+            return result, forward
 
     def _execute(self, step):  # type: ignore[no-untyped-def]
+        """On the model thread: the step's result and its forward pass's (start, end)."""
         result = self.worker.execute(step)
         metrics.observe_step(step.num_scheduled_tokens, result.forward_ns, result.sample_ns)
-        return result
+        return result, self.worker.last_forward_ns
+
+
+@dataclass(slots=True)
+class _Received:
+    """A step as it arrived on the Execute stream (or why it could not be read)."""
+
+    step: StepInput | BaseException
+    traceparent: str
+    arrived_ns: int  # time.perf_counter_ns() when it was read off the stream
+
+
+async def _read_steps(
+    requests: AsyncIterator[worker_pb2.ExecuteRequest], inbox: asyncio.Queue[_Received | None]
+) -> None:
+    """Read steps as they arrive, while earlier ones run (asynchronous scheduling sends the
+    next step before the previous result is back), converting them off the model's path.
+    Ends the inbox with None when the stream ends; a step that fails to convert, or a broken
+    stream, is handed on as its exception."""
+    try:
+        async for message in requests:
+            arrived = time.perf_counter_ns()
+            step: StepInput | BaseException
+            try:
+                step = step_input_from_proto(message)
+            except Exception as exc:  # the Execute loop raises it in order
+                step = exc
+            inbox.put_nowait(_Received(step, message.traceparent, arrived))
+    except Exception as exc:  # the stream broke; the Execute loop ends with it
+        inbox.put_nowait(_Received(exc, "", time.perf_counter_ns()))
+    finally:
+        inbox.put_nowait(None)
+
+
+class _ForwardGap:
+    """Observes `llmserve_worker_forward_gap_seconds` between consecutive steps of a stream:
+    from the end of one step's forward pass to the start of the next one's."""
+
+    def __init__(self) -> None:
+        self._prev_end_ns: int | None = None
+
+    def observe(self, arrived_ns: int, forward: tuple[int, int] | None) -> None:
+        """`arrived_ns`: when this step was read; `forward`: its forward pass (start, end)."""
+        if forward is None:
+            self._prev_end_ns = None  # nothing computed: no forward to measure from
+            return
+        start, end = forward
+        prev_end = self._prev_end_ns
+        if prev_end is not None:
+            metrics.observe_forward_gap((start - prev_end) / 1e9, queued=arrived_ns <= prev_end)
+        self._prev_end_ns = end

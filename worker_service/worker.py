@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,9 @@ class Worker:
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self._thread = threading.get_ident()
         self._warned_thread = False
+        # The last step's forward pass as (start, end) in time.perf_counter_ns(); None when it
+        # computed nothing. The server measures the gap between forward passes from it.
+        self.last_forward_ns: tuple[int, int] | None = None
         self._model: LlamaModel | None = None
         self._info: ModelInfo | None = None
         self._runner: ModelRunner | None = None
@@ -290,7 +294,12 @@ class Worker:
         self.cache_engine.swap_out(step.blocks_to_swap_out)
         self.cache_engine.swap_in(step.blocks_to_swap_in)
         self.cache_engine.copy_blocks(step.blocks_to_copy)
-        return runner.run(scheduled, self._kv_caches, step.step_id)
+        start = time.perf_counter_ns()
+        result = runner.run(scheduled, self._kv_caches, step.step_id)
+        # The forward pass (input preparation and the model call) starts `run`; sampling follows.
+        self.last_forward_ns = (start, start + result.forward_ns) if scheduled else None
+        runner.remember_samples(scheduled, result)
+        return result
 
     @property
     def num_sequences(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
+    SAMPLED_TOKEN,
     PromptLogprob,
     SequenceOutput,
     StepInput,
@@ -35,6 +36,8 @@ class _SeqState:
     num_computed: int
     table: list[int]
     params: SamplingParams
+    # What the last step that scheduled it sampled (for SAMPLED_TOKEN), if it sampled one.
+    last_sampled: int | None = None
 
 
 class FakeModel:
@@ -50,6 +53,7 @@ class FakeModel:
         self.seqs: dict[int, _SeqState] = {}
         self.num_steps = 0
         self.num_computed_tokens = 0
+        self.num_placeholders = 0
 
     # -- the model's "distribution" -------------------------------------------------------
 
@@ -108,7 +112,13 @@ class FakeModel:
             )
         for upd in step.cached_seqs:
             st = self.seqs[upd.seq_id]
-            st.tokens.extend(upd.new_token_ids)
+            if SAMPLED_TOKEN in upd.new_token_ids:
+                assert upd.new_token_ids == [SAMPLED_TOKEN], "placeholder not alone"
+                assert st.last_sampled is not None, f"seq {upd.seq_id} sampled nothing"
+                st.tokens.append(st.last_sampled)
+                self.num_placeholders += 1
+            else:
+                st.tokens.extend(upd.new_token_ids)
             assert upd.block_offset <= len(st.table)
             st.table[upd.block_offset :] = upd.block_ids
         for src, dst in step.blocks_to_swap_out:
@@ -135,6 +145,8 @@ class FakeModel:
             st.num_computed += num
             assert st.num_computed <= len(st.tokens)
             out = self._outputs(seq_id, st, start)
+            samples = [] if out is None else out.samples
+            st.last_sampled = samples[0].token_id if len(samples) == 1 else None
             if out is not None:
                 outputs.append(out)
         return StepResult(step.step_id, outputs)

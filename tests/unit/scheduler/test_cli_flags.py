@@ -36,3 +36,23 @@ def test_up_passes_block_size_to_the_workers_and_only_flags_the_scheduler_takes(
     ]  # fmt: skip
     args = parse_args(config.scheduler_args)
     assert (args.num_gpu_blocks_override, args.max_num_seqs) == (40, 4)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], None, True),
+        (["--no-async-scheduling"], None, False),
+        (["--async-scheduling"], "false", True),  # the flag wins over the variable
+        ([], "false", False),
+    ],
+)
+def test_async_scheduling_flows_from_flag_or_env_into_the_replica_config(
+    monkeypatch, argv, env, expected
+):
+    from scheduler_service.__main__ import build_fleet_config
+
+    monkeypatch.delenv("LLMSERVE_ASYNC_SCHEDULING", raising=False)
+    if env is not None:
+        monkeypatch.setenv("LLMSERVE_ASYNC_SCHEDULING", env)
+    assert build_fleet_config(parse_args(argv)).replica.async_scheduling is expected

@@ -1,0 +1,121 @@
+"""Asynchronous scheduling: the next step, decided before the previous step's result is back.
+
+While step N runs on the worker, the engine can build step N+1 as a *continuation*: every
+sequence that samples in N computes one more token, the one N samples, which the step names
+with the placeholder `llmserve.steps.SAMPLED_TOKEN` (the worker fills it in). The KV slot for
+that token is reserved now (`BlockSpaceManager.reserve_lookahead`); the token itself is
+appended when N's result arrives, as in synchronous scheduling.
+
+Only a step whose outcome cannot change what N+1 schedules is continued
+(`plan_continuation`): nothing waiting or swapped (admissions, swaps and preemptions happen
+only at synchronous steps), every running group scheduled in N and sampling there, no beam
+search and no fork at a first sample, no sequence reaching max_tokens or max_model_len in N,
+and free blocks for the reserved slots. Anything that N's result does change (a stop, an
+abort, an export) takes effect one step later: a sequence that finished in N is computed in
+N+1 too, and its output there is dropped, because output processing only reads sequences that
+are still running. Its blocks are freed at once: the worker runs steps in order, so N+1's
+write into them happens before any later step that reuses them.
+
+`PipelinedStepper` drives an in-process engine this way, one step ahead at most.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.scheduler_outputs import ScheduledGroup, SchedulerOutputs
+from scheduler_service.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from llmserve.steps import StepInput, StepResult
+    from scheduler_service.engine import LLMEngine
+    from scheduler_service.outputs import RequestOutput
+
+_RUNNING = SequenceStatus.RUNNING
+
+
+def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> SchedulerOutputs | None:
+    """The continuation of `prev` (the step in flight), with its slots reserved; None when
+    `prev`'s result may change what runs next, or the blocks are short."""
+    if scheduler.waiting or scheduler.swapped or not prev.scheduled:
+        return None
+    config = scheduler.scheduler_config
+    model_len = config.model_len
+    groups = []
+    seqs: list[Sequence] = []
+    for scheduled in prev.scheduled:
+        group = scheduled.seq_group
+        params = group.sampling_params
+        running = [s for s in group.seqs if s.status == _RUNNING]
+        if not running:
+            continue  # finished or aborted since `prev` was scheduled
+        if params.use_beam_search or (params.num_sampled > 1 and not group.has_sampled):
+            return None
+        chunk = scheduled.token_chunk_size
+        for seq in running:
+            num_tokens = len(seq.token_ids)
+            if seq.num_computed_tokens + chunk != num_tokens:
+                return None  # a prefill chunk short of the end samples nothing
+            if (
+                num_tokens + 1 >= model_len
+                or num_tokens + 1 - seq.num_prompt_tokens >= params.max_tokens
+            ):
+                return None  # finishes in `prev` for sure: the next step is synchronous
+        groups.append(group)
+        seqs.extend(running)
+    if len(groups) != len(scheduler.running) or len(seqs) > config.max_num_batched_tokens:
+        return None  # a running group was left out of `prev` (budget): schedule normally
+    bm = scheduler.block_manager
+    if not bm.can_reserve_lookahead(seqs):
+        return None
+    for seq in seqs:
+        bm.reserve_lookahead(seq)
+    scheduler.advance_clock()
+    return SchedulerOutputs(
+        scheduled=[ScheduledGroup(g, 1) for g in groups], num_batched_tokens=len(seqs)
+    )
+
+
+def commit_continuation(scheduler: Scheduler, cont: SchedulerOutputs) -> None:
+    """After the previous step's tokens are appended: what `schedule()` would have done for
+    the continuation's sequences that still run (their slots are reserved, so this only marks
+    newly full blocks for the prefix cache)."""
+    copies: list[tuple[int, int]] = []
+    append_slots = scheduler.block_manager.append_slots
+    for scheduled in cont.scheduled:
+        for seq in scheduled.seq_group.seqs:
+            if seq.status == _RUNNING:
+                append_slots(seq, copies)
+    assert not copies, "a continuation step never copies on write"
+
+
+class PipelinedStepper:
+    """Runs an engine's steps one ahead of their results: the next step is built (and, for a
+    remote worker, sent) before the previous one is processed. The engine's executor runs
+    each step when it is built; `step()` returns the oldest step's outputs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._in_flight: deque[tuple[SchedulerOutputs, StepInput, StepResult | None]] = deque()
+        self.num_continuations = 0
+
+    def _submit(self, sched_out: SchedulerOutputs, step_input: StepInput) -> None:
+        result = None if step_input.is_empty() else self.engine.executor.execute(step_input)
+        self._in_flight.append((sched_out, step_input, result))
+
+    def step(self) -> list[RequestOutput]:
+        engine = self.engine
+        if not self._in_flight:
+            self._submit(*engine.begin_step())
+        if len(self._in_flight) == 1:
+            cont = engine.begin_continuation(self._in_flight[0][0])
+            if cont is not None:
+                self.num_continuations += 1
+                self._submit(*cont)
+        return engine.finish_step(*self._in_flight.popleft())
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)

@@ -1,0 +1,239 @@
+"""Asynchronous scheduling (continuation steps, `PipelinedStepper`) gives exactly the outputs of
+synchronous scheduling, as streamed deltas, under preemption, stops, aborts and n > 1; it
+frees every block; it streams nothing past a stop; and it does run steps ahead (the fake
+model counts the placeholders it filled in)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import rule
+
+from llmserve.model_spec import load_tokenizer, resolve_model
+from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.continuation import PipelinedStepper
+from scheduler_service.outputs import RequestOutput
+from scheduler_service.sequence import FinishReason
+from scheduler_service.text_stops import StopStrings
+
+from .fake_model import FakeModel
+from .test_stateful import EngineMachine
+from .test_stop_strings import PROMPT, make_engine, pick_stop, reference
+
+BLOCK = 4
+EOS = 0
+
+
+def workload(num: int, seed: int):
+    """Prompts and params: greedy, sampled n > 1 (a fork at the first sample), best_of,
+    stop token ids, min_tokens, logprobs; max_tokens up to 40 so that decodes run long."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 64) for _ in range(8)]
+    prompts, params = [], []
+    for i in range(num):
+        body = [rng.randrange(1, 64) for _ in range(rng.randrange(1, 20))]
+        prompts.append(shared + body if i % 3 == 0 else body)
+        max_tokens = rng.randrange(1, 40)
+        kind = i % 5
+        if kind == 0:
+            p = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)
+        elif kind == 1:
+            p = SamplingParams(n=2, max_tokens=max_tokens)
+        elif kind == 2:
+            p = SamplingParams(
+                max_tokens=max_tokens,
+                stop_token_ids=list(range(1, 9)),
+                min_tokens=min(2, max_tokens),
+            )
+        elif kind == 3:
+            p = SamplingParams(n=2, best_of=3, max_tokens=max_tokens)
+        else:
+            p = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params.append(p)
+    return prompts, params
+
+
+def drive(
+    num_gpu_blocks: int,
+    pipelined: bool,
+    num: int = 60,
+    seed: int = 7,
+    abort_after: dict[int, int] | None = None,
+) -> tuple[dict[str, dict[int, tuple[list[int], FinishReason | None]]], LLMEngine, FakeModel]:
+    """Requests arrive a few at a time (one batch per step while any remain); request i is
+    aborted once it has streamed `abort_after[i]` tokens. Returns per request, per choice
+    index, the streamed tokens and finish reason, with the engine and model."""
+    cache = CacheConfig(BLOCK, num_gpu_blocks, 200, watermark=0.0, enable_prefix_caching=True)
+    sched = SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=64, max_model_len=96)
+    model = FakeModel(num_gpu_blocks, 200, BLOCK)
+    engine = LLMEngine(sched, cache, model)
+    stepper = PipelinedStepper(engine) if pipelined else None
+    prompts, params = workload(num, seed)
+    abort_after = abort_after or {}
+    streamed: dict[str, dict[int, tuple[list[int], FinishReason | None]]] = {}
+    finished: set[str] = set()
+    next_request = 0
+    for _ in range(20000):
+        if next_request < num:  # a burst of arrivals every step, while they last
+            for i in range(next_request, min(num, next_request + 4)):
+                engine.add_request(f"r{i}", prompts[i], params[i], eos_token_id=EOS)
+            next_request = min(num, next_request + 4)
+        in_flight = stepper is not None and stepper.in_flight
+        if not engine.has_unfinished_requests() and not in_flight:
+            break
+        deltas: list[RequestOutput] = engine.step() if stepper is None else stepper.step()
+        for delta in deltas:
+            assert delta.request_id not in finished, "a delta after the request finished"
+            choices = streamed.setdefault(delta.request_id, {})
+            for c in delta.outputs:
+                tokens, reason = choices.get(c.index, ([], None))
+                assert reason is None, "a token streamed past a stop"
+                choices[c.index] = (tokens + c.token_ids, c.finish_reason)
+            if delta.finished:
+                finished.add(delta.request_id)
+            index = int(delta.request_id[1:])
+            limit = abort_after.get(index)
+            if (
+                limit is not None
+                and not delta.finished
+                and sum(len(t) for t, _ in choices.values()) >= limit
+            ):
+                assert engine.abort_request(delta.request_id)
+                finished.add(delta.request_id)
+    else:
+        raise AssertionError("the engine did not finish")
+    engine.step()  # the last frees reach the worker
+    bm = engine.scheduler.block_manager
+    bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == num_gpu_blocks
+    assert bm.get_num_free_cpu_blocks() == 200
+    assert model.seqs == {}
+    return streamed, engine, model
+
+
+@pytest.mark.parametrize("num_gpu_blocks", [400, 60])
+def test_pipelined_streams_equal_synchronous_ones(num_gpu_blocks):
+    aborts = {5: 2, 6: 4, 7: 1, 9: 5, 14: 7, 24: 3}  # streamed requests
+    sync, sync_engine, _ = drive(num_gpu_blocks, pipelined=False, abort_after=aborts)
+    pipe, pipe_engine, model = drive(num_gpu_blocks, pipelined=True, abort_after=aborts)
+    assert pipe == sync
+    assert model.num_placeholders > 50  # many decode steps ran ahead of their results
+    num_aborted = 0
+    for i, limit in aborts.items():
+        choices = sync[f"r{i}"].values()
+        total = sum(len(t) for t, _ in choices)
+        if all(r is None for _, r in choices):  # aborted, not finished before the limit
+            num_aborted += 1
+            assert limit <= total <= limit + 1  # n=2 streams two tokens per step
+    assert num_aborted >= 3
+    reasons = {r for choices in sync.values() for _, r in choices.values()}
+    assert {FinishReason.STOP, FinishReason.LENGTH} <= reasons
+    if num_gpu_blocks == 60:
+        stats = pipe_engine.get_stats()
+        assert stats.num_preemptions_recompute + stats.num_preemptions_swap >= 5
+
+
+def test_generate_pipelined_equals_synchronous_with_max_model_len():
+    def run(pipelined: bool):
+        cache = CacheConfig(BLOCK, 30, 30, watermark=0.0, enable_prefix_caching=True)
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=24)
+        model = FakeModel(30, 30, BLOCK)
+        engine = LLMEngine(sched, cache, model)
+        prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11] * 13, [12, 13]]
+        params = SamplingParams(n=2, max_tokens=50, ignore_eos=True)
+        outs = engine.generate(prompts, params, eos_token_id=EOS, async_scheduling=pipelined)
+        engine.step()
+        assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == 30
+        return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], model
+
+    sync, _ = run(False)
+    pipe, model = run(True)
+    assert pipe == sync
+    assert model.num_placeholders > 0
+    for choices, prompt_len in zip(sync, [3, 7, 13, 2], strict=True):
+        for tokens, reason in choices:
+            assert reason is FinishReason.LENGTH and prompt_len + len(tokens) == 24
+
+
+def test_no_continuation_while_requests_wait():
+    cache = CacheConfig(BLOCK, 40, 0, watermark=0.0)
+    engine = LLMEngine(
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64),
+        cache,
+        FakeModel(40, 0, BLOCK),
+    )
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
+    sched_out, step = engine.begin_step()
+    engine.finish_step(sched_out, step, engine.executor.execute(step))
+    sched_out, step = engine.begin_step()
+    assert engine.begin_continuation(sched_out) is not None  # decoding alone: runs ahead
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=3))
+    engine.executor.execute(step)
+    assert engine.begin_continuation(sched_out) is None  # one step ahead at most
+
+
+def test_no_token_streamed_past_a_stop_string():
+    tok = load_tokenizer(resolve_model("smollm2"))
+    params = SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=3)
+    ref = reference(tok, params)
+    picked = pick_stop(tok, [c.token_ids for c in ref.outputs], 1)
+    assert picked is not None
+    stop, _ = picked
+    results = []
+    for pipelined in (False, True):
+        engine, model = make_engine(tok)
+        engine.add_request("s", PROMPT, params, stop_strings=StopStrings([stop]))
+        stepper = PipelinedStepper(engine) if pipelined else None
+        streamed: dict[int, list[int]] = {}
+        reasons: dict[int, FinishReason | None] = {}
+        while engine.has_unfinished_requests() or (stepper and stepper.in_flight):
+            for delta in engine.step() if stepper is None else stepper.step():
+                for c in delta.outputs:
+                    assert reasons.get(c.index) is None, "a token streamed past a stop"
+                    streamed.setdefault(c.index, []).extend(c.token_ids)
+                    reasons[c.index] = c.finish_reason
+        engine.step()
+        assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == 64
+        results.append((streamed, reasons, model.num_placeholders))
+    assert results[1][:2] == results[0][:2]
+    assert results[0][1][1] is FinishReason.STOP
+    assert results[1][2] > 0
+
+
+class PipelinedEngineMachine(EngineMachine):
+    """The stateful add / step / abort machine, stepping one step ahead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stepper = PipelinedStepper(self.engine)
+
+    @rule()
+    def step(self):
+        for out in self.stepper.step():
+            if out.finished and out.request_id in self.live:
+                self.live.remove(out.request_id)
+
+    def teardown(self):
+        engine = self.engine
+        for _ in range(2000):
+            if not engine.has_unfinished_requests() and not self.stepper.in_flight:
+                break
+            self.step()
+            engine.scheduler.block_manager.check_invariants()
+        assert not engine.has_unfinished_requests() and not self.stepper.in_flight
+        engine.step()  # flush the last frees to the worker
+        bm = engine.scheduler.block_manager
+        assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+        assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
+        assert engine.executor.seqs == {}
+
+
+PipelinedEngineMachine.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPipelinedEngineMachine = PipelinedEngineMachine.TestCase
