@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,11 +179,13 @@ def measure_server(
     result_path: Path,
     args: argparse.Namespace,
     env: dict[str, str] | None = None,
+    probe: Callable[[int], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Wait for a quiet machine, start `server` (log: <log_dir>/<result name>.log, `env` added
     to ours), run the serve.py `client` command that writes `result_path`, stop the server.
     Uses args.max_load, load_patience, log_dir, start_timeout and max_duration. Returns the
-    run's summary with the commands and the load during it."""
+    run's summary with the commands and the load during it, and under "probe" what
+    `probe(server pid)` returned after the client finished (the server still up)."""
     load_before = wait_for_quiet(args.max_load, args.load_patience)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     log_path = args.log_dir / f"{result_path.stem}.log"
@@ -203,6 +206,8 @@ def measure_server(
         if not result_path.exists():
             raise RuntimeError("serve.py wrote no result")
         summary = json.loads(result_path.read_text())["summary"]
+        if probe is not None:
+            summary["probe"] = probe(proc.pid)
     except (RuntimeError, TimeoutError) as exc:
         print(f"   failed: {exc}")
         summary = {"label": server.label, "error": str(exc)}

@@ -157,6 +157,75 @@ def memory_bandwidth(threads: int, runs: int = 5) -> dict[str, Any]:
     }
 
 
+# The worker's histograms read after an llmserve run (worker_service/metrics.py).
+_GAP = "llmserve_worker_forward_gap_seconds"
+_TIMES = ("llmserve_worker_forward_seconds", "llmserve_worker_sample_seconds")
+
+
+def worker_metrics(server_pid: int) -> dict[str, Any]:
+    """Where a worker's step time went during the run (the warm-up request included): mean
+    forward pass and sampler time per step, and the forward gap (end of one forward pass to
+    the start of the next, issue #18's target < 0.5 ms with asynchronous scheduling) for
+    steps whose successor was already queued and for steps that waited for it. Read from
+    the `llmserve up` worker's /metrics (its --metrics-port, from its command line)."""
+    import httpx
+    import psutil
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for child in psutil.Process(server_pid).children(recursive=True):
+        command = child.cmdline()
+        if "worker" in command and "--metrics-port" in command:
+            port = command[command.index("--metrics-port") + 1]
+            break
+    else:
+        return {"error": "no worker process with --metrics-port"}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+    def value(name: str, **labels: str) -> float:
+        return sum(
+            s.value for s in samples if s.name == name and labels.items() <= s.labels.items()
+        )
+
+    out: dict[str, Any] = {}
+    for name in _TIMES:
+        count = value(f"{name}_count")
+        out[name.removeprefix("llmserve_worker_") + "_mean_ms"] = (
+            1000 * value(f"{name}_sum") / count if count else None
+        )
+    for next_step in ("queued", "awaited"):
+        count = value(f"{_GAP}_count", next_step=next_step)
+        under = value(f"{_GAP}_bucket", next_step=next_step, le="0.0005")
+        out[f"gap_{next_step}"] = {
+            "steps": int(count),
+            "mean_ms": 1000 * value(f"{_GAP}_sum", next_step=next_step) / count if count else None,
+            "share_under_0.5ms": under / count if count else None,
+        }
+    return out
+
+
+def gap_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, runs in result["runs"].items():
+        m = runs.get("llmserve", {}).get("probe")
+        if not m or "error" in m:
+            continue
+        streams, dtype = key.split("-", 1)
+        parts = [
+            f"forward {m['forward_seconds_mean_ms']:.1f} ms, sampler "
+            f"{m['sample_seconds_mean_ms']:.2f} ms per step (means)"
+        ]
+        for next_step in ("queued", "awaited"):
+            g = m[f"gap_{next_step}"]
+            if g["steps"]:
+                parts.append(
+                    f"gap, next step {next_step}: {g['steps']} steps, mean {g['mean_ms']:.2f} ms, "
+                    f"{100 * g['share_under_0.5ms']:.0f}% under 0.5 ms"
+                )
+        lines.append(f"- {streams} streams ({dtype}): {'; '.join(parts)}")
+    return lines
+
+
 def run_path(args: argparse.Namespace, server: str, streams: int, dtype: str) -> Path:
     """serve.py's --out prefix for one run (no dot in the name: it appends .json / .png)."""
     return args.out_dir / "runs" / f"{server.replace('.', '-')}-{streams}-{dtype}"
@@ -251,6 +320,11 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             f"1 GiB copy moved {bw['copy_gb_per_s']:.1f} GB/s read + write):",
             *floor_lines(result),
             "",
+            "llmserve's worker, per step (its /metrics after the run; the gap runs from the end "
+            "of one forward pass to the start of the next, sampling included; 'queued': the next "
+            "step had arrived when the forward pass ended):",
+            *gap_lines(result),
+            "",
             "Runs (load before: 1-minute load average at the server's start; others' cores: CPU "
             f"time other jobs took while it ran, in cores of {os.cpu_count()}):",
             *notes,
@@ -324,7 +398,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     out = run_path(args, name, w.streams, dtype)
                     client = client_for(server, w, out, args)
                     env = {"LLMSERVE_NUM_THREADS": str(args.threads)} if name == "llmserve" else {}
-                    runs[name] = measure_server(server, client, out.with_suffix(".json"), args, env)
+                    probe = worker_metrics if name == "llmserve" else None
+                    runs[name] = measure_server(
+                        server, client, out.with_suffix(".json"), args, env, probe
+                    )
                 if len(runs) == len(SERVERS):
                     result["same_text"][f"{w.streams}-{dtype}"] = same_text(args, w.streams, dtype)
     except (KeyboardInterrupt, SystemExit):

@@ -57,7 +57,7 @@ class Worker:
     `initialize_cache(gpu, cpu)`, then `execute(step)` per iteration (an `Executor`).
 
     On CPU, construct it and call every method on one thread. The OpenMP thread count that
-    torch and the C++ kernels use is a per-thread setting, and libgomp, once more of its
+    torch uses (the C++ kernels have threads of their own, pool.h) is a per-thread setting, and libgomp, once more of its
     threads exist than cores (a second thread that ran a parallel region brings its own
     team), stops spin-waiting at barriers and sleeps instead: a bfloat16 SmolLM2 decode step
     at batch 16 went from 25 to 31 ms when the model was loaded on one thread and run on

@@ -5,7 +5,7 @@ machine's CPU (`-march=native`) and cached under `$LLMSERVE_KERNEL_CACHE` (defau
 `~/.cache/llmserve/kernels`), keyed by the sources, the flags, the compiler and the CPU, so a
 change to any of them rebuilds it (a few seconds). Several processes may build at once: each
 writes its own file and the last rename wins. The library is loaded with ctypes; calls
-release the GIL, and its OpenMP loops run on the libgomp that torch has already loaded.
+release the GIL, and its parallel loops run on its own threads (pool.h), never OpenMP's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
-COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20")
+COMMON_FLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-std=c++20")
 # Per source: extra flags. ops.cpp mirrors torch's rounding, so no multiply-add contraction.
 SOURCES = {"paged_attention.cpp": (), "ops.cpp": ("-ffp-contract=off",), "decode.cpp": ()}
 HEADERS = ("vec.h", "pool.h")
@@ -102,7 +102,7 @@ def _build() -> Path:
             _run([compiler, *COMMON_FLAGS, *flags, "-c", str(HERE / name), "-o", str(obj)])
             objects.append(str(obj))
         linked = Path(scratch) / target.name
-        _run([compiler, "-shared", "-fopenmp", *objects, "-o", str(linked)])
+        _run([compiler, "-shared", "-pthread", *objects, "-o", str(linked)])
         os.replace(linked, target)  # atomic: a concurrent build's file is equally good
     return target
 

@@ -2,7 +2,7 @@
 //
 // At decode batch sizes (a few tokens) a forward pass is mostly overhead when each operation
 // is its own call: per layer ten or so torch or ctypes calls, each with Python dispatch,
-// argument checks, an allocation and an OpenMP fork/join, against a few hundred microseconds
+// argument checks, an allocation and a fork/join of threads, against a few hundred microseconds
 // of actual work. Here one call runs every layer: embedding lookup, RMSNorm with the
 // residual add, the q/k/v, output, gate/up and down projections, rotary embedding, the K/V
 // cache write, paged attention, SiLU-and-multiply, the final norm and the LM head, with
@@ -162,9 +162,6 @@ inline void rows_tile(const float* x, int64_t n, int64_t in, const T* weight, co
   tile_times_rows<R>(x, n, in, w, ahead, end, bias, out, out_features, row);
 }
 
-// Threads the projections and attention run on (the caller and helpers of ChunkPool).
-std::atomic<int> num_threads{int(std::max(1u, std::thread::hardware_concurrency()))};
-
 // Tiles per chunk of work: 64 rows, a few tens of kilobytes of weights per claim.
 constexpr int64_t kTilesPerChunk = 16;
 
@@ -179,7 +176,7 @@ void linear_rows(const float* x, int64_t n, int64_t in, const T* weight, const T
     for (int64_t tile = c * kTilesPerChunk; tile < end; ++tile)
       rows_tile<kTileRows>(x, n, in, weight, bias, out, out_features, tile * kTileRows);
   };
-  ChunkPool::instance().run((tiles + kTilesPerChunk - 1) / kTilesPerChunk, num_threads, chunk);
+  ChunkPool::instance().run((tiles + kTilesPerChunk - 1) / kTilesPerChunk, pool_threads, chunk);
   for (int64_t row = tiles * kTileRows; row < out_features; ++row)
     rows_tile<1>(x, n, in, weight, bias, out, out_features, row);
 }
@@ -261,7 +258,7 @@ void attend(const T* qkv, int64_t qkv_stride, const T* key_cache, const T* value
                    kv_heads * dim, h, group, dim, scale, out + (i * d[kHeads] + h * group) * dim);
   };
   const bool parallel = work * kv_heads * dim >= kParallelWork;
-  ChunkPool::instance().run(n * kv_heads, parallel ? int(num_threads) : 1, item);
+  ChunkPool::instance().run(n * kv_heads, parallel ? int(pool_threads) : 1, item);
 }
 
 // Activations of one step, reused from call to call on the calling thread.
@@ -371,14 +368,15 @@ int llmserve_decode_step(int dtype, const int64_t* dims, float eps, float scale,
   return -1;
 }
 
-// out[n, out_features] = x[n, in] @ weight[out_features, in]^T (+ bias): the projections of
-// llmserve_decode_step on their own, for tests and benchmarks.
-// The threads of the projections and the attention (the worker's --num-threads).
+// The threads of every parallel loop of this library (the worker's --num-threads).
 int llmserve_set_num_threads(int threads) {
   if (threads < 1) return -1;
-  num_threads = threads;
+  pool_threads = threads;
   return 0;
 }
+
+// out[n, out_features] = x[n, in] @ weight[out_features, in]^T (+ bias): the projections of
+// llmserve_decode_step on their own, for tests and benchmarks.
 
 int llmserve_linear_rows(int dtype, const void* x, int64_t n, int64_t in, const void* weight,
                          const void* bias, void* out, int64_t out_features) {

@@ -21,8 +21,7 @@
 #include <cstring>
 #include <limits>
 
-#include <omp.h>
-
+#include "pool.h"
 #include "vec.h"
 
 namespace {
@@ -77,18 +76,19 @@ void rms_norm_row(const T* x, const T* weight, T* out, int64_t hidden, float eps
 template <typename T>
 void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t n, int64_t hidden,
               float eps) {
-#pragma omp parallel for if (n * hidden >= kParallelElements)
-  for (int64_t r = 0; r < n; ++r) {
-    const T* src = x + r * hidden;
-    if (residual != nullptr) {  // residual += x first; the norm reads the sum
-      T* res = residual + r * hidden;
-      int64_t i = 0;
-      for (; i + kLanes <= hidden; i += kLanes) store(res + i, load(res + i) + load(src + i));
-      for (; i < hidden; ++i) store_scalar(res + i, to_float(res[i]) + to_float(src[i]));
-      src = res;
+  parallel_for(n, n * hidden >= kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* src = x + r * hidden;
+      if (residual != nullptr) {  // residual += x first; the norm reads the sum
+        T* res = residual + r * hidden;
+        int64_t i = 0;
+        for (; i + kLanes <= hidden; i += kLanes) store(res + i, load(res + i) + load(src + i));
+        for (; i < hidden; ++i) store_scalar(res + i, to_float(res[i]) + to_float(src[i]));
+        src = res;
+      }
+      rms_norm_row(src, weight, out + r * hidden, hidden, eps);
     }
-    rms_norm_row(src, weight, out + r * hidden, hidden, eps);
-  }
+  });
 }
 
 // out_i = x_i cos_i + rot(x)_i sin_i with rot(x) = (-x[half:], x[:half]); each product and
@@ -97,47 +97,49 @@ template <typename T>
 void rotary(T* qkv, int64_t row_stride, const int64_t* positions, const T* cos, const T* sin,
             int64_t n, int64_t num_heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel for if (n * num_heads * head_dim >= kParallelElements)
-  for (int64_t r = 0; r < n; ++r) {
-    const T* c = cos + positions[r] * head_dim;
-    const T* s = sin + positions[r] * head_dim;
-    for (int64_t h = 0; h < num_heads; ++h) {
-      T* x = qkv + r * row_stride + h * head_dim;
-      for (int64_t i0 = 0; i0 < half; i0 += kLanes) {
-        const int64_t m = std::min<int64_t>(kLanes, half - i0);
-        const vfloat lo = load_partial(x + i0, m, 0.0f);
-        const vfloat hi = load_partial(x + half + i0, m, 0.0f);
-        const T* T_ptr = nullptr;
-        const vfloat lo_cos = round_to(lo * load_partial(c + i0, m, 0.0f), T_ptr);
-        const vfloat lo_sin = round_to(-hi * load_partial(s + i0, m, 0.0f), T_ptr);
-        const vfloat hi_cos = round_to(hi * load_partial(c + half + i0, m, 0.0f), T_ptr);
-        const vfloat hi_sin = round_to(lo * load_partial(s + half + i0, m, 0.0f), T_ptr);
-        store_partial(x + i0, lo_cos + lo_sin, m);
-        store_partial(x + half + i0, hi_cos + hi_sin, m);
+  parallel_for(n, n * num_heads * head_dim >= kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + positions[r] * head_dim;
+      const T* s = sin + positions[r] * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* x = qkv + r * row_stride + h * head_dim;
+        for (int64_t i0 = 0; i0 < half; i0 += kLanes) {
+          const int64_t m = std::min<int64_t>(kLanes, half - i0);
+          const vfloat lo = load_partial(x + i0, m, 0.0f);
+          const vfloat hi = load_partial(x + half + i0, m, 0.0f);
+          const T* T_ptr = nullptr;
+          const vfloat lo_cos = round_to(lo * load_partial(c + i0, m, 0.0f), T_ptr);
+          const vfloat lo_sin = round_to(-hi * load_partial(s + i0, m, 0.0f), T_ptr);
+          const vfloat hi_cos = round_to(hi * load_partial(c + half + i0, m, 0.0f), T_ptr);
+          const vfloat hi_sin = round_to(lo * load_partial(s + half + i0, m, 0.0f), T_ptr);
+          store_partial(x + i0, lo_cos + lo_sin, m);
+          store_partial(x + half + i0, hi_cos + hi_sin, m);
+        }
       }
     }
-  }
+  });
 }
 
 // silu(g) = g * sigmoid(g), rounded to T, times up, rounded to T.
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
-#pragma omp parallel for if (n * inter >= kParallelElements)
-  for (int64_t r = 0; r < n; ++r) {
-    const T* gate = gate_up + r * 2 * inter;
-    const T* up = gate + inter;
-    T* dst = out + r * inter;
-    const T* T_ptr = nullptr;
-    for (int64_t i = 0; i < inter; i += kLanes) {
-      const int64_t m = std::min<int64_t>(kLanes, inter - i);
-      const vfloat g = load_partial(gate + i, m, 0.0f);
-      // sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below.
-      const vfloat e = exp_nonpositive(g < 0.0f ? g : -g);
-      const vfloat sigmoid = (g < 0.0f ? e : splat(1.0f)) / (1.0f + e);
-      const vfloat silu = round_to(g * sigmoid, T_ptr);
-      store_partial(dst + i, silu * load_partial(up + i, m, 0.0f), m);
+  parallel_for(n, n * inter >= kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * inter;
+      const T* up = gate + inter;
+      T* dst = out + r * inter;
+      const T* T_ptr = nullptr;
+      for (int64_t i = 0; i < inter; i += kLanes) {
+        const int64_t m = std::min<int64_t>(kLanes, inter - i);
+        const vfloat g = load_partial(gate + i, m, 0.0f);
+        // sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+        const vfloat e = exp_nonpositive(g < 0.0f ? g : -g);
+        const vfloat sigmoid = (g < 0.0f ? e : splat(1.0f)) / (1.0f + e);
+        const vfloat silu = round_to(g * sigmoid, T_ptr);
+        store_partial(dst + i, silu * load_partial(up + i, m, 0.0f), m);
+      }
     }
-  }
+  });
 }
 
 // Copies each token's key and value rows (row_elems values, rows row_stride apart, e.g. views
@@ -145,13 +147,14 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
 template <typename T>
 void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* slots, int64_t n,
               int64_t row_elems, T* key_cache, T* value_cache) {
-#pragma omp parallel for if (n * row_elems >= kParallelElements)
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t slot = slots[i];
-    if (slot < 0) continue;
-    std::memcpy(key_cache + slot * row_elems, key + i * row_stride, row_elems * sizeof(T));
-    std::memcpy(value_cache + slot * row_elems, value + i * row_stride, row_elems * sizeof(T));
-  }
+  parallel_for(n, n * row_elems >= kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;
+      std::memcpy(key_cache + slot * row_elems, key + i * row_stride, row_elems * sizeof(T));
+      std::memcpy(value_cache + slot * row_elems, value + i * row_stride, row_elems * sizeof(T));
+    }
+  });
 }
 
 // First index of the row's maximum (NaN never wins) and log(sum(exp(row))), in float32
@@ -159,31 +162,32 @@ void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* s
 template <typename T>
 void argmax_logsumexp(const T* logits, int64_t n, int64_t vocab, int64_t* argmax, float* lse) {
   // One row per thread: a single row (batch 1) stays on the calling thread.
-#pragma omp parallel for if (n > 1 && n * vocab >= kParallelElements)
-  for (int64_t r = 0; r < n; ++r) {
-    const T* row = logits + r * vocab;
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    vfloat best = splat(neg_inf);
-    int64_t i = 0;
-    for (; i + kLanes <= vocab; i += kLanes) {
-      const vfloat v = load(row + i);
-      best = v > best ? v : best;
+  parallel_for(n, n > 1 && n * vocab >= kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = logits + r * vocab;
+      const float neg_inf = -std::numeric_limits<float>::infinity();
+      vfloat best = splat(neg_inf);
+      int64_t i = 0;
+      for (; i + kLanes <= vocab; i += kLanes) {
+        const vfloat v = load(row + i);
+        best = v > best ? v : best;
+      }
+      float top = hmax(best);
+      for (; i < vocab; ++i) top = std::max(top, to_float(row[i]));
+      int64_t index = 0;
+      while (index < vocab && !(to_float(row[index]) == top)) ++index;
+      argmax[r] = index < vocab ? index : 0;
+      if (std::isinf(top)) {  // all -inf (or +inf present): no finite normalizer
+        lse[r] = top;
+        continue;
+      }
+      vfloat total = vfloat{};
+      for (i = 0; i + kLanes <= vocab; i += kLanes) total += exp_nonpositive(load(row + i) - top);
+      float tail = 0.0f;
+      for (; i < vocab; ++i) tail += exp_nonpositive(to_float(row[i]) - top);
+      lse[r] = top + std::log(hsum(total) + tail);
     }
-    float top = hmax(best);
-    for (; i < vocab; ++i) top = std::max(top, to_float(row[i]));
-    int64_t index = 0;
-    while (index < vocab && !(to_float(row[index]) == top)) ++index;
-    argmax[r] = index < vocab ? index : 0;
-    if (std::isinf(top)) {  // all -inf (or +inf present): no finite normalizer
-      lse[r] = top;
-      continue;
-    }
-    vfloat total = vfloat{};
-    for (i = 0; i + kLanes <= vocab; i += kLanes) total += exp_nonpositive(load(row + i) - top);
-    float tail = 0.0f;
-    for (; i < vocab; ++i) tail += exp_nonpositive(to_float(row[i]) - top);
-    lse[r] = top + std::log(hsum(total) + tail);
-  }
+  });
 }
 
 }  // namespace

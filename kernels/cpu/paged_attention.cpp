@@ -7,9 +7,9 @@
 // once per layer (decode attention is bound by that traffic).
 //
 // Arithmetic is fp32 whatever the storage type (float or bfloat16), with the vectors of
-// vec.h. The library is built by kernels/cpu/__init__.py with -march=native and OpenMP;
-// OpenMP resolves to the libgomp that torch has already loaded, so these loops share torch's
-// thread pool instead of competing with it.
+// vec.h. The library is built by kernels/cpu/build.py with -march=native. Work items run on
+// the library's ChunkPool (pool.h), the threads of every other loop here: one pool, whose
+// loops never wait for a thread that another process keeps off its core.
 //
 // Entry points (extern "C", called through ctypes):
 //   llmserve_paged_decode   one query token per sequence, attending to its whole context.
@@ -24,8 +24,8 @@
 #include <vector>
 
 #include <immintrin.h>
-#include <omp.h>
 
+#include "pool.h"
 #include "vec.h"
 
 namespace {
@@ -257,21 +257,22 @@ void decode(const DecodeArgs& a) {
     out[1] = (item % chunks) * per_item;
     out[2] = std::min(out[1] + per_item, a.num_kv_heads);
   };
-  // Items go round-robin so that each thread knows which item it takes next and can start
-  // loading that item's first key block before it gets there.
-#pragma omp parallel
-  {
-    DecodeScratch scratch;
-    const int64_t threads = omp_get_num_threads();
+  // Items go round-robin, one lane of every threads-th item per thread, so that each lane
+  // knows which item it takes next and can start loading that item's first key block before
+  // it gets there. (Lanes are the pool's chunks: a thread that is late runs none.)
+  const int64_t threads = std::min<int64_t>(pool_threads, items);
+  auto lane = [&](int64_t first) {
+    thread_local DecodeScratch scratch;
     int64_t current[3], next[3];
-    for (int64_t item = omp_get_thread_num(); item < items; item += threads) {
+    for (int64_t item = first; item < items; item += threads) {
       describe(item, current);
       const bool has_next = item + threads < items && a.seq_lens[(item + threads) / chunks] > 0;
       if (has_next) describe(item + threads, next);
       decode_range<T, NV>(a, current[0], current[1], current[2], has_next ? next : nullptr,
                           scratch);
     }
-  }
+  };
+  ChunkPool::instance().run(threads, int(threads), lane);
 }
 
 // ---- prefill -------------------------------------------------------------------------------
@@ -439,19 +440,18 @@ void prefill(const PrefillArgs& a) {
     tile_start[size_t(s + 1)] = tile_start[size_t(s)] + (q_len + kQueryTile - 1) / kQueryTile;
   }
   const int64_t items = tile_start[size_t(a.num_seqs)] * a.num_kv_heads;
-#pragma omp parallel
-  {
-    PrefillScratch scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = items - 1; item >= 0; --item) {
-      const int64_t flat_tile = item / a.num_kv_heads;
-      const int64_t kv_head = item % a.num_kv_heads;
-      const int64_t seq = int64_t(std::upper_bound(tile_start.begin(), tile_start.end(),
-                                                   flat_tile) -
-                                  tile_start.begin() - 1);
-      prefill_tile<T, NV>(a, seq, kv_head, flat_tile - tile_start[size_t(seq)], scratch);
-    }
-  }
+  // Claimed in order, so the largest items go first.
+  auto item_at = [&](int64_t claim) {
+    thread_local PrefillScratch scratch;
+    const int64_t item = items - 1 - claim;
+    const int64_t flat_tile = item / a.num_kv_heads;
+    const int64_t kv_head = item % a.num_kv_heads;
+    const int64_t seq = int64_t(std::upper_bound(tile_start.begin(), tile_start.end(),
+                                                 flat_tile) -
+                                tile_start.begin() - 1);
+    prefill_tile<T, NV>(a, seq, kv_head, flat_tile - tile_start[size_t(seq)], scratch);
+  };
+  ChunkPool::instance().run(items, pool_threads, item_at);
 }
 
 // ---- dispatch ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -121,5 +122,19 @@ class ChunkPool {
   std::mutex wake_mutex_;
   std::condition_variable wake_;
 };
+
+// Threads of every parallel loop in this library, the caller included (llmserve_set_num_threads).
+inline std::atomic<int> pool_threads{int(std::max(1u, std::thread::hardware_concurrency()))};
+
+// body(begin, end) over [0, n) in chunks of about four per thread, on the pool's threads when
+// `parallel`, else on the calling thread alone.
+template <typename Body>
+void parallel_for(int64_t n, bool parallel, Body&& body) {
+  if (n <= 0) return;
+  const int threads = parallel ? pool_threads.load(std::memory_order_relaxed) : 1;
+  const int64_t grain = std::max<int64_t>(1, n / (4 * int64_t(threads)));
+  auto chunk = [&](int64_t c) { body(c * grain, std::min(n, (c + 1) * grain)); };
+  ChunkPool::instance().run((n + grain - 1) / grain, threads, chunk);
+}
 
 }  // namespace llmserve

@@ -186,8 +186,8 @@ class LlamaModel:
         # when the other steps' matmuls use prepacked copies (float32: twice the weight memory).
         self.native_decode_max_batch = 0
         self.decode_step: DecodeStep | None = None
-        if native_decode_max_batch > 0 or native_linear:
-            set_num_threads(torch.get_num_threads())
+        if fused_ops or native_decode_max_batch > 0 or native_linear:
+            set_num_threads(torch.get_num_threads())  # the C++ kernels' own threads (pool.h)
         if native_decode_max_batch > 0:
             if not fused_ops:
                 raise ValueError("the native decode step needs the native CPU ops (fused_ops)")
