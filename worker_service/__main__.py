@@ -61,7 +61,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="largest step the CUDA profile run must fit",
     )
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of torch and of the C++ kernels (default: every core)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--scheduler",

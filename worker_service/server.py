@@ -1,7 +1,9 @@
 """The Worker gRPC service: a thin layer over `Worker` (proto -> step -> one call -> proto).
 
 The model runs on one dedicated thread (the one that loaded it, see `Worker`) so the event loop
-keeps answering health checks and Info while a forward pass is in flight.
+keeps answering health checks and Info while a forward pass is in flight. Steps that arrive
+while one runs (asynchronous scheduling sends them ahead) follow it on that thread directly
+(`_StepChain`); the loop converts steps and sends results beside them.
 
 A scheduler may come back (restarted) and run the handshake again on a worker that is already
 initialized: Info, InitializeCache (same sizes keep the cache, other sizes reallocate it), then
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -188,61 +192,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_open = True
         self._touch()
         log.info("execute stream opened", peer=context.peer())
-        inbox: asyncio.Queue[_Received | None] = asyncio.Queue()
-        reader = asyncio.create_task(_read_steps(request_iterator, inbox))
+        chain = _StepChain(self._model_thread, self._execute, asyncio.get_running_loop())
+        reader = asyncio.create_task(_read_steps(request_iterator, chain.submit))
         gap = _ForwardGap()
-        task: asyncio.Future[tuple[StepResult, tuple[int, int] | None]] | None = None
         try:
-            item = await inbox.get()
-            task = None if item is None else self._start(item)
-            while task is not None and item is not None:
-                arrived_ns = item.arrived_ns
-                result, forward = await task
-                gap.observe(arrived_ns, forward)
+            while (outcome := await chain.outcomes.get()) is not None:
+                if isinstance(outcome.result, BaseException):
+                    raise outcome.result
+                result, forward = outcome.result
+                gap.observe(outcome.arrived_ns, forward)
                 self._touch()
-                # A step already here (asynchronous scheduling sent it early) starts on the
-                # model thread before this result goes out, so encoding and sending the result
-                # do not hold up the next forward pass.
-                task = None
-                ahead = not inbox.empty()
-                if ahead:
-                    item = inbox.get_nowait()
-                    if item is not None and not isinstance(item.step, BaseException):
-                        task = self._start(item)
                 yield step_result_to_proto(result)
-                if task is None:
-                    if not ahead:
-                        item = await inbox.get()
-                    if item is not None:
-                        task = self._start(item)  # raises what a broken step carries
         finally:
             reader.cancel()
-            if task is not None:
-                task.cancel()  # the step itself finishes on the model thread
+            chain.close()  # a step running now finishes on the model thread; no later one starts
             # Whatever ended the stream, the scheduler resends every sequence as new. Cleared
-            # on the model thread: a step of this stream may still be running there (a
-            # cancelled await does not stop it), and any step of a later stream queues behind.
+            # on the model thread: a step of this stream may still be running there, and any
+            # step of a later stream queues behind.
             self._model_thread.submit(self.worker.runner.states.clear)
             self._stream_open = False
             self._touch()
             log.info("execute stream closed")
 
-    def _start(
-        self, received: _Received
-    ) -> asyncio.Future[tuple[StepResult, tuple[int, int] | None]]:
-        """Start running a received step; raises the exception a broken one carries."""
-        if isinstance(received.step, BaseException):
-            raise received.step
-        if received.traceparent:
-            return asyncio.ensure_future(self._execute_traced(received.step, received.traceparent))
-        # Submitted to the model thread now (awaiting `_on_model_thread` would submit later).
-        loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._model_thread, self._execute, received.step)
-
-    async def _execute_traced(self, step, traceparent: str):  # type: ignore[no-untyped-def]
-        """One step inside an `execute` span, the child of the scheduler's step span."""
+    def _execute(self, received: _Received) -> tuple[StepResult, tuple[int, int] | None]:
+        """On the model thread: the step's result and its forward pass's (start, end), inside
+        an `execute` span (the child of the scheduler's step span) when the step carries a
+        traceparent; raises what a step that could not be read carries."""
+        step = received.step
+        if isinstance(step, BaseException):
+            raise step
+        if not received.traceparent:
+            return self._execute_step(step)
         with tracer.start_as_current_span(
-            "execute", context=context_from_traceparent(traceparent), kind=trace.SpanKind.SERVER
+            "execute",
+            context=context_from_traceparent(received.traceparent),
+            kind=trace.SpanKind.SERVER,
         ) as span:
             if step.new_seqs:
                 log.debug(
@@ -250,7 +234,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     step_id=step.step_id,
                     request_ids=sorted({s.request_id for s in step.new_seqs}),
                 )
-            result, forward = await self._on_model_thread(self._execute, step)
+            result, forward = self._execute_step(step)
             if span.is_recording():
                 span.set_attributes(
                     {
@@ -262,8 +246,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 )
             return result, forward
 
-    def _execute(self, step):  # type: ignore[no-untyped-def]
-        """On the model thread: the step's result and its forward pass's (start, end)."""
+    def _execute_step(self, step: StepInput) -> tuple[StepResult, tuple[int, int] | None]:
         result = self.worker.execute(step)
         metrics.observe_step(step.num_scheduled_tokens, result.forward_ns, result.sample_ns)
         return result, self.worker.last_forward_ns
@@ -279,25 +262,95 @@ class _Received:
 
 
 async def _read_steps(
-    requests: AsyncIterator[worker_pb2.ExecuteRequest], inbox: asyncio.Queue[_Received | None]
+    requests: AsyncIterator[worker_pb2.ExecuteRequest], submit: Callable[[_Received | None], None]
 ) -> None:
     """Read steps as they arrive, while earlier ones run (asynchronous scheduling sends the
     next step before the previous result is back), converting them off the model's path.
-    Ends the inbox with None when the stream ends; a step that fails to convert, or a broken
-    stream, is handed on as its exception."""
+    Ends with None when the stream ends; a step that fails to convert, or a broken stream, is
+    handed on as its exception."""
     try:
         async for message in requests:
             arrived = time.perf_counter_ns()
             step: StepInput | BaseException
             try:
                 step = step_input_from_proto(message)
-            except Exception as exc:  # the Execute loop raises it in order
+            except Exception as exc:  # raised in order, when its turn comes
                 step = exc
-            inbox.put_nowait(_Received(step, message.traceparent, arrived))
+            submit(_Received(step, message.traceparent, arrived))
     except Exception as exc:  # the stream broke; the Execute loop ends with it
-        inbox.put_nowait(_Received(exc, "", time.perf_counter_ns()))
+        submit(_Received(exc, "", time.perf_counter_ns()))
     finally:
-        inbox.put_nowait(None)
+        submit(None)
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """A step's result and forward pass (start, end), or what it raised."""
+
+    result: tuple[StepResult, tuple[int, int] | None] | BaseException
+    arrived_ns: int
+
+
+class _StepChain:
+    """One Execute stream's steps, run in order on the model thread, back to back: a step that
+    arrived while the previous one ran starts on the model thread right after it, without a
+    trip through the event loop. (Measured with the stack on 2 cores, the loop took ~0.3 ms to
+    see a result and the model thread ~0.45 ms more to see the next step it was handed.)
+    Outcomes go to `outcomes` in order, then None once the steps end; a step that raises ends
+    the chain, so no later step runs."""
+
+    def __init__(
+        self,
+        model_thread: ThreadPoolExecutor,
+        execute: Callable[[_Received], tuple[StepResult, tuple[int, int] | None]],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.outcomes: asyncio.Queue[_Outcome | None] = asyncio.Queue()
+        self._model_thread = model_thread
+        self._execute = execute
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: deque[_Received | None] = deque()
+        self._running = False  # a `_drain` is queued or running on the model thread
+        self._closed = False
+
+    def submit(self, received: _Received | None) -> None:
+        """On the loop: queue a step (None: no more steps)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._pending.append(received)
+            if self._running:
+                return
+            self._running = True
+        self._model_thread.submit(self._drain)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._pending.clear()
+
+    def _drain(self) -> None:
+        """On the model thread: run queued steps until none is left."""
+        while True:
+            with self._lock:
+                if self._closed or not self._pending:
+                    self._running = False
+                    return
+                received = self._pending.popleft()
+            if received is None:
+                self._post(None)
+                continue
+            try:
+                outcome = _Outcome(self._execute(received), received.arrived_ns)
+            except BaseException as exc:  # handed to the Execute loop, which raises it
+                outcome = _Outcome(exc, received.arrived_ns)
+                self.close()
+            self._post(outcome)
+
+    def _post(self, outcome: _Outcome | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody waits
+            self._loop.call_soon_threadsafe(self.outcomes.put_nowait, outcome)
 
 
 class _ForwardGap:
