@@ -2,15 +2,16 @@
 
 Per row (one sequence that samples this step) the pipeline is: raw log-softmax (what logprobs
 report) -> min-tokens EOS suppression -> repetition / frequency / presence penalties ->
-greedy argmax | beam candidates (top 2 x width) | temperature, top-k, top-p, min-p, then one
-uniform draw per sample placed on the cumulative distribution (inverse CDF), which draws
-from `probs`. Top-k / top-p rank only the best few hundred tokens (a partial top-k) unless a
-row's nucleus is wider; at batch 1 a draw costs a fraction of a millisecond.
+greedy argmax | beam candidates (top 2 x width) | temperature, top-k, top-p, min-p, then a
+draw from `probs`: for unseeded rows one uniform per sample placed on the cumulative
+distribution (inverse CDF), for seeded rows an exponential race (see `_sample_random`). Top-k /
+top-p rank only the best few hundred tokens (a partial top-k) unless a row's nucleus is wider;
+at batch 1 a draw costs a fraction of a millisecond.
 
-Seeded rows draw their uniform from a stream derived from (seed, seq_index, number of tokens
-so far), so a seeded sequence samples the same token whatever else is in the batch and
-whichever step it runs in. At a request's first sample with best_of > 1, sample j uses seq_index j: the
-same stream sequence j would have used.
+Seeded rows draw from a stream derived from (seed, seq_index, number of tokens so far), so a
+seeded sequence samples the same token whatever else is in the batch and whichever step it
+runs in. At a request's first sample with best_of > 1, sample j uses seq_index j: the same
+stream sequence j would have used.
 """
 
 from __future__ import annotations
@@ -180,33 +181,43 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in rows], device=device)[:, None]
         if bool((min_p > 0).any()):
             probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
-        # One uniform draw per sample, from the row's own stream when it brings a seed, placed
-        # on the cumulative distribution: the first token whose cumulative probability
-        # exceeds it (a token of probability 0 is never picked).
+        # Rows without a seed: one uniform per sample from the shared stream, placed on the
+        # cumulative distribution (the first token whose cumulative probability exceeds it; a
+        # token of probability 0 is never picked). Cheap: one cumsum for the batch.
+        # Rows with a seed: an exponential race, argmax(p / E) with one E per token from the
+        # row's own stream. Both draw from `probs`, but the race's winner survives the last-bit
+        # differences between a decode step and the recompute that continues a migrated or
+        # restarted request elsewhere, where a CDF boundary does not: in a near-uniform row
+        # its margin is one token's probability, and such rows flipped there.
         sample_rows: list[int] = []
-        uniforms: list[float] = []
-        unseeded: list[int] = []  # positions in `uniforms` drawn from the shared stream
+        seeded: dict[int, int] = {}  # position in sample_rows -> token
+        unseeded: list[int] = []
         for i, r in enumerate(rows):
             for j in range(r.num_samples):
+                position = len(sample_rows)
                 sample_rows.append(i)
                 if r.params.seed is None:
-                    unseeded.append(len(uniforms))
-                    uniforms.append(0.0)
+                    unseeded.append(position)
                     continue
                 index = r.seq_index if r.num_samples == 1 else j
                 gen = torch.Generator().manual_seed(
                     stream_seed(r.params.seed, index, len(r.token_ids))
                 )
-                uniforms.append(float(torch.rand(1, generator=gen)))
+                race = torch.empty(probs.shape[1]).exponential_(generator=gen).to(device)
+                seeded[position] = int((probs[i] / race).argmax())
+        drawn = [0] * len(sample_rows)
+        for position, token in seeded.items():
+            drawn[position] = token
         if unseeded:
-            shared = torch.rand(len(unseeded), generator=self.generator).tolist()
-            for position, u in zip(unseeded, shared, strict=True):
-                uniforms[position] = u
-        cdf = probs.cumsum(dim=-1)[sample_rows]  # [num_samples, vocab]
-        targets = torch.tensor(uniforms, device=device)[:, None] * cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+            cdf = probs.cumsum(dim=-1)[[sample_rows[k] for k in unseeded]]  # [n, vocab]
+            uniforms = torch.rand(len(unseeded), generator=self.generator).to(device)
+            targets = uniforms[:, None] * cdf[:, -1:]
+            picked = torch.searchsorted(cdf, targets, right=True)[:, 0]
+            picked = picked.clamp_(max=cdf.shape[1] - 1)
+            for position, token in zip(unseeded, picked.tolist(), strict=True):
+                drawn[position] = token
         out: list[list[int]] = [[] for _ in rows]
-        for i, t in zip(sample_rows, drawn.tolist(), strict=True):
+        for i, t in zip(sample_rows, drawn, strict=True):
             out[i].append(t)
         return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
@@ -153,14 +154,15 @@ def test_bfloat16_logits_sample_as_their_float32_values() -> None:
         assert got == want, native
 
 
-def test_draws_follow_the_distribution() -> None:
+@pytest.mark.parametrize("seeded", [False, True])  # inverse CDF / exponential race
+def test_draws_follow_the_distribution(seeded: bool) -> None:
     # p = softmax(log [0.5, 0.3, 0.15, 0.05]): counts of 4000 draws within 5 sigma of each.
     probs = [0.5, 0.3, 0.15, 0.05]
     logits = torch.tensor([[math.log(p) for p in probs] + [-math.inf] * (V - 4)])
     s = sampler()
-    params = SamplingParams(temperature=1.0)
     counts = [0] * V
-    for _ in range(4000):
+    for i in range(4000):
+        params = SamplingParams(temperature=1.0, seed=i if seeded else None)
         counts[s.sample(logits, [row(params)])[0].samples[0].token_id] += 1
     assert sum(counts[4:]) == 0
     for token, p in enumerate(probs):
