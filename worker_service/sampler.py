@@ -190,7 +190,7 @@ class Sampler:
         # restarted request elsewhere, where a CDF boundary does not: in a near-uniform row
         # its margin is one token's probability, and such rows flipped there.
         sample_rows: list[int] = []
-        seeded: dict[int, int] = {}  # position in sample_rows -> token
+        drawn: list[int] = []  # per sample; unseeded ones filled in below
         unseeded: list[int] = []
         for i, r in enumerate(rows):
             for j in range(r.num_samples):
@@ -198,16 +198,14 @@ class Sampler:
                 sample_rows.append(i)
                 if r.params.seed is None:
                     unseeded.append(position)
+                    drawn.append(0)
                     continue
                 index = r.seq_index if r.num_samples == 1 else j
                 gen = torch.Generator().manual_seed(
                     stream_seed(r.params.seed, index, len(r.token_ids))
                 )
                 race = torch.empty(probs.shape[1]).exponential_(generator=gen).to(device)
-                seeded[position] = int((probs[i] / race).argmax())
-        drawn = [0] * len(sample_rows)
-        for position, token in seeded.items():
-            drawn[position] = token
+                drawn.append(int((probs[i] / race).argmax()))
         if unseeded:
             cdf = probs.cumsum(dim=-1)[[sample_rows[k] for k in unseeded]]  # [n, vocab]
             uniforms = torch.rand(len(unseeded), generator=self.generator).to(device)

@@ -28,9 +28,9 @@ _BLOCK_SIZE_DIM = 7
 
 
 def set_num_threads(threads: int) -> None:
-    """Threads of `linear_rows` and `DecodeStep` (default: every core of the machine). They
-    split work without waiting for a thread that another process keeps off its core (see
-    pool.h), unlike torch's OpenMP loops."""
+    """Threads of every parallel loop of the C++ kernels (default: every core of the
+    machine). They split work without waiting for a thread that another process keeps off
+    its core (see pool.h), unlike torch's OpenMP loops."""
     if threads < 1:
         raise KernelArgumentError("threads", f"must be positive, got {threads}")
     library().llmserve_set_num_threads(threads)
