@@ -192,8 +192,8 @@ constexpr int64_t kParallelWork = 1 << 16;
 
 // Paged attention of one decode token's query heads that share `kv_head`, in float32:
 // scores q.k * scale for the len cached tokens, softmax, then the probability-weighted sum
-// of the values, rounded to T. 8-lane vectors throughout (no spills on AVX2, where the
-// 16-lane kernel of paged_attention.cpp keeps its accumulators on the stack).
+// of the values, rounded to T. 8-lane vectors for the dot products and the weighted sum
+// (head dims are multiples of 8), vec.h's for the exponentials.
 template <typename T>
 void attend_kv_head(const T* query /* [group, dim] */, const T* key_cache, const T* value_cache,
                     const int32_t* table, int64_t len, int64_t block_size, int64_t token_stride,

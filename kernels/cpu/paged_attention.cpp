@@ -42,7 +42,7 @@ inline void prefetch_row(const T* row) {
 }
 
 // Scores one query head against key rows: `partial(row)` is a vector whose lanes sum to
-// q . k (scaled by `post`), so 16 rows reduce to 16 scores with one reduce16.
+// q . k (scaled by `post`), so kLanes rows reduce to kLanes scores with one reduce_lanes.
 template <typename T, int NV>
 struct KeyDot {
   vfloat q[NV];
@@ -90,7 +90,7 @@ inline void score_rows(const KeyDot<T, NV>& dot, const T* rows, int64_t stride, 
     const int m = int(std::min<int64_t>(kLanes, n - o0));
     vfloat parts[kLanes];
     for (int t = 0; t < kLanes; ++t) parts[t] = t < m ? dot.partial(rows + (o0 + t) * stride) : vfloat{};
-    const vfloat s = reduce16(parts) * dot.post;
+    const vfloat s = reduce_lanes(parts) * dot.post;
     if (m == kLanes) {
       store(scores + o0, s);
       running_max = std::max(running_max, hmax(s));
@@ -165,7 +165,7 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
   vfloat* acc_all = scratch.acc.data();
   float* scores = scratch.scores.data();
 
-  // Pass 1: scores[head * len + t] = q_head . k_t, 16 keys at a time per query head (the
+  // Pass 1: scores[head * len + t] = q_head . k_t, kLanes keys at a time per query head (the
   // head's rows of a block stay in L1 across the group's query heads).
   for (int64_t start = 0, b = 0; start < len; start += a.block_size, ++b) {
     const int64_t n = std::min(a.block_size, len - start);
@@ -295,8 +295,8 @@ struct PrefillArgs {
 };
 
 constexpr int kQueryTile = 32;  // query tokens per work item (times the group's heads)
-constexpr int kKeyVectors = 4;  // key chunk: kKeyVectors * kLanes keys per softmax update
-constexpr int kKeyChunk = kKeyVectors * kLanes;
+constexpr int kKeyChunk = 64;  // keys per softmax update
+constexpr int kKeyVectors = kKeyChunk / kLanes;  // independent score accumulators
 
 // Per-thread scratch for prefill tiles; grows to the largest tile once.
 struct PrefillScratch {
@@ -375,7 +375,7 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
       for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = 0.0f;
       for (int d = 0; d < kHeadDim; ++d) vt[j * kHeadDim + d] = 0.0f;
     }
-    const vint lane = vint{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vint lane = lane_indices();
     for (int64_t qv = 0; qv < vectors; ++qv) {
       const int64_t q_pos = context + first + qv / group;
       if (k0 > q_pos) continue;  // the whole chunk is in this query's future
@@ -459,26 +459,25 @@ void prefill(const PrefillArgs& a) {
 template <template <typename, int> class F, typename Args>
 int dispatch(int dtype, int64_t head_dim, const Args& args) {
   // dtype: 0 = float32, 1 = bfloat16. Returns 0 on success, -1 for an unsupported shape.
-#define LLMSERVE_CASE(T, NV)           \
-  if (head_dim == NV * kLanes) {       \
-    F<T, NV>::run(args);               \
-    return 0;                          \
+#define LLMSERVE_CASE(T, HEAD_DIM)        \
+  if (head_dim == HEAD_DIM) {             \
+    F<T, HEAD_DIM / kLanes>::run(args);   \
+    return 0;                             \
   }
+#define LLMSERVE_CASES(T) \
+  LLMSERVE_CASE(T, 16)    \
+  LLMSERVE_CASE(T, 32)    \
+  LLMSERVE_CASE(T, 64)    \
+  LLMSERVE_CASE(T, 96)    \
+  LLMSERVE_CASE(T, 128)   \
+  LLMSERVE_CASE(T, 256)
+  // The head dims of kernels/cpu/attention.py's SUPPORTED_HEAD_DIMS (multiples of kLanes).
   if (dtype == 0) {
-    LLMSERVE_CASE(float, 1)
-    LLMSERVE_CASE(float, 2)
-    LLMSERVE_CASE(float, 4)
-    LLMSERVE_CASE(float, 6)
-    LLMSERVE_CASE(float, 8)
-    LLMSERVE_CASE(float, 16)
+    LLMSERVE_CASES(float)
   } else if (dtype == 1) {
-    LLMSERVE_CASE(bf16, 1)
-    LLMSERVE_CASE(bf16, 2)
-    LLMSERVE_CASE(bf16, 4)
-    LLMSERVE_CASE(bf16, 6)
-    LLMSERVE_CASE(bf16, 8)
-    LLMSERVE_CASE(bf16, 16)
+    LLMSERVE_CASES(bf16)
   }
+#undef LLMSERVE_CASES
 #undef LLMSERVE_CASE
   return -1;
 }
