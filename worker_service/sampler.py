@@ -53,6 +53,30 @@ class SamplingRow:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def suppresses_stops(self) -> bool:
+        """Below min_tokens: its stop tokens (and EOS) cannot be sampled."""
+        return self.num_output_tokens < self.params.min_tokens
+
+    @property
+    def penalized(self) -> bool:
+        p = self.params
+        return (
+            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        )
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Takes the argmax of its raw logits and reports that token's logprob alone."""
+        p = self.params
+        return (
+            p.is_greedy
+            and not p.use_beam_search
+            and not p.logprobs
+            and not self.suppresses_stops
+            and not self.penalized
+        )
+
+    @property
     def num_samples(self) -> int:
         if self.params.use_beam_search:
             return 2 * self.params.num_sampled
@@ -90,7 +114,15 @@ class Sampler:
         (a greedy batch never copies them to float32); other paths convert what they use."""
         # Raw logprobs are logits - logsumexp: only the entries reported are ever formed.
         if self.native_reductions:
-            best_token, lse = cpu_kernels.argmax_logsumexp(logits)  # [num_rows] each
+            best_token, lse, top = cpu_kernels.argmax_logsumexp(logits)  # [num_rows] each
+            if all(r.plain_greedy for r in rows):
+                # The usual decode step: each row's token is its argmax, of rank 1 and logprob
+                # max - log-sum-exp, so nothing more reads the logits (~0.1 ms less at batch 1
+                # than the general path's indexing).
+                return [
+                    SampleResult([TokenLogprob(t, logprob, 1)], [])
+                    for t, logprob in zip(best_token.tolist(), (top - lse).tolist(), strict=True)
+                ]
         else:
             logits = logits.float()
             best_token, lse = logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
@@ -130,14 +162,8 @@ class Sampler:
     ) -> torch.Tensor:  # [num_rows, vocab]: `logits` itself, or a float32 copy
         """Min-tokens EOS suppression and repetition/frequency/presence penalties."""
         vocab = self.vocab_size
-        suppress = [(i, r) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
-        penalized = [
-            i
-            for i, r in enumerate(rows)
-            if r.params.repetition_penalty != 1.0
-            or r.params.frequency_penalty != 0.0
-            or r.params.presence_penalty != 0.0
-        ]
+        suppress = [(i, r) for i, r in enumerate(rows) if r.suppresses_stops]
+        penalized = [i for i, r in enumerate(rows) if r.penalized]
         if not suppress and not penalized:
             return logits
         logits = logits.to(torch.float32, copy=True)

@@ -139,7 +139,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         # dtype, key, value, row stride, slots, n, row elems, key cache, value cache
         "llmserve_write_kv": [i32, ptr, ptr, i64, ptr, i64, i64, ptr, ptr],
         # dtype, logits, n, vocab, argmax out, lse out
-        "llmserve_argmax_logsumexp": [i32, ptr, i64, i64, ptr, ptr],
+        "llmserve_argmax_logsumexp": [i32, ptr, i64, i64, ptr, ptr, ptr],
         # dtype, x, n, in, weight, bias (or NULL), out, out features
         "llmserve_linear_rows": [i32, ptr, i64, i64, ptr, ptr, ptr, i64],
         # threads

@@ -13,7 +13,7 @@
 //   llmserve_rotary           rotary embedding in place on the first heads of each row
 //   llmserve_silu_mul         out = silu(gate) * up, gate and up side by side in one row
 //   llmserve_write_kv         store the step's keys and values in their cache slots
-//   llmserve_argmax_logsumexp per row of logits: first argmax and log-sum-exp (float32)
+//   llmserve_argmax_logsumexp per row of logits: maximum, first argmax, log-sum-exp (float32)
 
 #include <algorithm>
 #include <cmath>
@@ -157,16 +157,17 @@ void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* s
   });
 }
 
-// First index of the row's maximum (NaN never wins) and log(sum(exp(row))), in float32
-// whatever the storage type (bfloat16 logits are read as they are, never copied to float32).
+// Per row: its maximum, the first index holding it (NaN never wins), and log(sum(exp(row))),
+// in float32 whatever the storage type (bfloat16 logits are read as they are, never copied
+// to float32). Two passes: the maximum, then the index and the sum of exponentials together.
 template <typename T>
-void argmax_logsumexp(const T* logits, int64_t n, int64_t vocab, int64_t* argmax, float* lse) {
+void argmax_logsumexp(const T* logits, int64_t n, int64_t vocab, int64_t* argmax, float* lse,
+                      float* max) {
   // One row per thread: a single row (batch 1) stays on the calling thread.
   parallel_for(n, n > 1 && n * vocab >= kParallelElements, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = logits + r * vocab;
-      const float neg_inf = -std::numeric_limits<float>::infinity();
-      vfloat best = splat(neg_inf);
+      vfloat best = splat(-std::numeric_limits<float>::infinity());
       int64_t i = 0;
       for (; i + kLanes <= vocab; i += kLanes) {
         const vfloat v = load(row + i);
@@ -174,18 +175,29 @@ void argmax_logsumexp(const T* logits, int64_t n, int64_t vocab, int64_t* argmax
       }
       float top = hmax(best);
       for (; i < vocab; ++i) top = std::max(top, to_float(row[i]));
-      int64_t index = 0;
-      while (index < vocab && !(to_float(row[index]) == top)) ++index;
-      argmax[r] = index < vocab ? index : 0;
-      if (std::isinf(top)) {  // all -inf (or +inf present): no finite normalizer
-        lse[r] = top;
-        continue;
-      }
+      // All -inf, or +inf present: no finite normalizer, and log-sum-exp is the maximum.
+      const bool finite = !std::isinf(top);
+      const vfloat vtop = splat(top);
+      const vint none = vint{} + int32_t(vocab);
+      vint first = none;  // per lane: the first index holding the maximum
+      vint index = lane_indices();
       vfloat total = vfloat{};
-      for (i = 0; i + kLanes <= vocab; i += kLanes) total += exp_nonpositive(load(row + i) - top);
+      for (i = 0; i + kLanes <= vocab; i += kLanes, index += kLanes) {
+        const vfloat v = load(row + i);
+        first = ((v == vtop) & (first == none)) ? index : first;
+        if (finite) total += exp_nonpositive(v - vtop);
+      }
+      int64_t found = vocab;
+      for (int lane = 0; lane < kLanes; ++lane) found = std::min<int64_t>(found, first[lane]);
       float tail = 0.0f;
-      for (; i < vocab; ++i) tail += exp_nonpositive(to_float(row[i]) - top);
-      lse[r] = top + std::log(hsum(total) + tail);
+      for (; i < vocab; ++i) {
+        const float v = to_float(row[i]);
+        if (v == top) found = std::min(found, i);
+        if (finite) tail += exp_nonpositive(v - top);
+      }
+      argmax[r] = found < vocab ? found : 0;
+      lse[r] = finite ? top + std::log(hsum(total) + tail) : top;
+      max[r] = top;
     }
   });
 }
@@ -251,11 +263,11 @@ int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row
 }
 
 int llmserve_argmax_logsumexp(int dtype, const void* logits, int64_t n, int64_t vocab,
-                              int64_t* argmax, float* lse) {
+                              int64_t* argmax, float* lse, float* max) {
   if (dtype == 0) {
-    argmax_logsumexp(static_cast<const float*>(logits), n, vocab, argmax, lse);
+    argmax_logsumexp(static_cast<const float*>(logits), n, vocab, argmax, lse, max);
   } else if (dtype == 1) {
-    argmax_logsumexp(static_cast<const bf16*>(logits), n, vocab, argmax, lse);
+    argmax_logsumexp(static_cast<const bf16*>(logits), n, vocab, argmax, lse, max);
   } else {
     return -1;
   }

@@ -153,10 +153,12 @@ def _check_write_kv(
 
 def argmax_logsumexp(
     logits: torch.Tensor,  # [n, vocab] float32 or bfloat16
-) -> tuple[torch.Tensor, torch.Tensor]:  # [n] int64 first argmax, [n] float32 log-sum-exp
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the first argmax ([n] int64), log-sum-exp and maximum ([n] float32 each)."""
     _check("logits", logits, 2)
     argmax = torch.empty(logits.shape[0], dtype=torch.int64)
     lse = torch.empty(logits.shape[0], dtype=torch.float32)
+    top = torch.empty(logits.shape[0], dtype=torch.float32)
     if logits.shape[0] and logits.shape[1]:
         library().llmserve_argmax_logsumexp(
             DTYPE_CODES[logits.dtype],
@@ -164,8 +166,9 @@ def argmax_logsumexp(
             *logits.shape,
             argmax.data_ptr(),
             lse.data_ptr(),
+            top.data_ptr(),
         )
-    return argmax, lse
+    return argmax, lse, top
 
 
 def _check(

@@ -213,13 +213,18 @@ def test_argmax_logsumexp_matches_torch_and_takes_the_first_maximum(dtype: torch
     logits[1, 10] = logits[1, 500] = 100.0  # a tie: the first index wins, as in torch
     logits[2] = float("-inf")
     logits[2, 7] = 0.0  # a single finite entry
-    argmax, lse = cpu_kernels.argmax_logsumexp(logits)
-    assert lse.dtype == torch.float32
-    assert argmax.tolist() == logits.argmax(dim=-1).tolist()
-    assert argmax[1] == 10
+    logits[3, 1001] = 100.0  # the maximum past the last whole vector
+    logits[4, 1000] = logits[4, 1002] = 100.0  # a tie there
+    logits[5, 600] = float("nan")  # NaN never wins
+    argmax, lse, top = cpu_kernels.argmax_logsumexp(logits)
+    assert lse.dtype == top.dtype == torch.float32
+    assert argmax.tolist()[:5] == logits[:5].argmax(dim=-1).tolist()
+    assert argmax.tolist()[1:5] == [10, 7, 1001, 1000]
+    assert argmax[5] == logits[5].nan_to_num(nan=float("-inf")).argmax()
+    assert top.tolist() == logits.float().nan_to_num(nan=float("-inf")).max(dim=-1).values.tolist()
     # bfloat16 rows are read as they are: the reference is torch on their float32 values.
-    expected = torch.logsumexp(logits.float(), dim=-1)
-    torch.testing.assert_close(lse, expected, atol=2e-6, rtol=2e-6)
+    expected = torch.logsumexp(logits[:5].float(), dim=-1)
+    torch.testing.assert_close(lse[:5], expected, atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

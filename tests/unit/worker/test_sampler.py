@@ -154,6 +154,40 @@ def test_bfloat16_logits_sample_as_their_float32_values() -> None:
         assert got == want, native
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_batch_of_plain_greedy_rows_samples_what_the_general_path_does(
+    dtype: torch.dtype,
+) -> None:
+    """With native reductions a batch whose rows all take their argmax skips the general path
+    (token, logprob and rank from the row reductions alone): its rows must get what they get
+    beside a row that forces the general path, and what torch's path gives."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, V, generator=gen) * 3).to(dtype)
+    logits[1, 2] = logits[1, 6] = 50.0  # a tie: the first index wins
+    plain = [
+        row(SamplingParams(temperature=0.0)),
+        row(SamplingParams(temperature=0.0, logprobs=0)),
+        row(SamplingParams(temperature=0.0, min_tokens=1), [1, 2, 3, 4]),  # min_tokens reached
+    ]
+    assert all(r.plain_greedy for r in plain)
+    forcing = row(SamplingParams(temperature=0.0, logprobs=1))
+    assert not forcing.plain_greedy
+    native = Sampler(V, (EOS,), native_reductions=True)
+    fast = native.sample(logits[:3], plain)
+    general = native.sample(logits, [*plain, forcing])[:3]
+    reference = Sampler(V, (EOS,)).sample(logits[:3], plain)
+    assert fast == general
+    assert [r.samples[0].token_id for r in fast] == logits[:3].float().argmax(-1).tolist()
+    assert fast[1].samples[0].token_id == 2
+    for got, want in zip(fast, reference, strict=True):
+        assert (got.samples[0].token_id, got.samples[0].rank) == (
+            want.samples[0].token_id,
+            want.samples[0].rank,
+        )
+        assert math.isclose(got.samples[0].logprob, want.samples[0].logprob, abs_tol=1e-5)
+        assert got.top_logprobs == want.top_logprobs == []
+
+
 @pytest.mark.parametrize("seeded", [False, True])  # inverse CDF / exponential race
 def test_draws_follow_the_distribution(seeded: bool) -> None:
     # p = softmax(log [0.5, 0.3, 0.15, 0.05]): counts of 4000 draws within 5 sigma of each.
