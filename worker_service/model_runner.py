@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.cpu.decode import ArgmaxLogprobs
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import SAMPLED_TOKEN, PromptLogprob, SequenceOutput, StepInput, StepResult
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
@@ -186,7 +187,7 @@ class ModelRunner:
         for s in scheduled:
             s.state.num_computed += s.count
         t1 = time.perf_counter_ns()
-        result.outputs = self._sample(logits, inputs)
+        result.outputs = self._sample(logits, inputs, self.model.argmax_logprobs)
         result.forward_ns = t1 - t0
         result.sample_ns = time.perf_counter_ns() - t1
         return result
@@ -329,7 +330,12 @@ class ModelRunner:
             prompt_items=[],
         )
 
-    def _sample(self, logits: torch.Tensor, inputs: _PreparedInputs) -> list[SequenceOutput]:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        inputs: _PreparedInputs,
+        argmax: ArgmaxLogprobs | None,  # of every logits row, when the forward found them
+    ) -> list[SequenceOutput]:
         outputs: dict[int, SequenceOutput] = {}
         if inputs.sample_items:
             rows = [
@@ -342,8 +348,9 @@ class ModelRunner:
             sample_logits = logits
             if sample_rows != list(range(logits.shape[0])):  # else every logits row samples
                 sample_logits = logits[torch.tensor(sample_rows, device=logits.device)]
+                argmax = None
             for (s, _), res in zip(
-                inputs.sample_items, self.sampler.sample(sample_logits, rows), strict=True
+                inputs.sample_items, self.sampler.sample(sample_logits, rows, argmax), strict=True
             ):
                 outputs[s.order] = SequenceOutput(s.state.seq_id, res.samples, res.top_logprobs)
         for s, first_row, n, first_pos in inputs.prompt_items:

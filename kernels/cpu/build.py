@@ -138,15 +138,16 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_silu_mul": [i32, ptr, ptr, i64, i64],
         # dtype, key, value, row stride, slots, n, row elems, key cache, value cache
         "llmserve_write_kv": [i32, ptr, ptr, i64, ptr, i64, i64, ptr, ptr],
-        # dtype, logits, n, vocab, argmax out, lse out
+        # dtype, logits, n, vocab, argmax out, lse out, max out
         "llmserve_argmax_logsumexp": [i32, ptr, i64, i64, ptr, ptr, ptr],
         # dtype, x, n, in, weight, bias (or NULL), out, out features
         "llmserve_linear_rows": [i32, ptr, i64, i64, ptr, ptr, ptr, i64],
         # threads
         "llmserve_set_num_threads": [i32],
         # dtype, dims, eps, scale, layer pointers, embed, final norm, lm head, cos, sin,
-        # input ids, positions, slots, block tables, table stride, seq lens, n, logits
-        "llmserve_decode_step": [i32, ptr, f32, f32, *[ptr] * 10, i64, ptr, i64, ptr],
+        # input ids, positions, slots, block tables, table stride, seq lens, n, logits,
+        # argmax out (or NULL), argmax logprob out
+        "llmserve_decode_step": [i32, ptr, f32, f32, *[ptr] * 10, i64, ptr, i64, ptr, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)

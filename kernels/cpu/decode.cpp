@@ -37,6 +37,8 @@ int llmserve_rotary(int dtype, void* qkv, int64_t row_stride, const int64_t* pos
                     const void* cos, const void* sin, int64_t n, int64_t num_heads,
                     int64_t head_dim);
 int llmserve_silu_mul(int dtype, const void* gate_up, void* out, int64_t n, int64_t inter);
+int llmserve_argmax_logsumexp(int dtype, const void* logits, int64_t n, int64_t vocab,
+                              int64_t* argmax, float* lse, float* max);
 int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
                       void* value_cache);
@@ -295,6 +297,8 @@ struct StepArgs {
   const int32_t* seq_lens;
   int64_t n;
   void* logits;
+  int64_t* argmax;        // [n] or null: each row's first argmax
+  float* argmax_logprob;  // [n]: its logprob, max - log-sum-exp in float32
 };
 
 template <typename T>
@@ -343,6 +347,15 @@ int decode_step(const StepArgs& a, int dtype) {
   llmserve_rms_norm(dtype, proj, residual, a.final_norm, normed, n, hidden, a.eps);
   linear(normed, n, hidden, static_cast<const T*>(a.lm_head), static_cast<const T*>(nullptr),
          static_cast<T*>(a.logits), d[kVocab]);
+  if (a.argmax != nullptr) {
+    // The sampler's row reductions, while the logits are still in cache: a greedy step needs
+    // nothing else of them.
+    thread_local std::vector<float> lse, top;
+    lse.resize(size_t(n));
+    top.resize(size_t(n));
+    llmserve_argmax_logsumexp(dtype, a.logits, n, d[kVocab], a.argmax, lse.data(), top.data());
+    for (int64_t i = 0; i < n; ++i) a.argmax_logprob[i] = top[size_t(i)] - lse[size_t(i)];
+  }
   return 0;
 }
 
@@ -350,19 +363,22 @@ int decode_step(const StepArgs& a, int dtype) {
 
 extern "C" {
 
-// Returns 0, or -1 for an unsupported dtype or shape (widths not multiples of 8).
+// Returns 0, or -1 for an unsupported dtype or shape (widths not multiples of 8). With
+// `argmax` (else null), also each row's first argmax and its logprob, as
+// llmserve_argmax_logsumexp gives them.
 int llmserve_decode_step(int dtype, const int64_t* dims, float eps, float scale,
                          const void* const* layers, const void* embed, const void* final_norm,
                          const void* lm_head, const void* cos, const void* sin,
                          const int64_t* input_ids, const int64_t* positions,
                          const int64_t* slots, const int32_t* block_tables, int64_t table_stride,
-                         const int32_t* seq_lens, int64_t n, void* logits) {
+                         const int32_t* seq_lens, int64_t n, void* logits, int64_t* argmax,
+                         float* argmax_logprob) {
   const int64_t q_size = dims[kHeads] * dims[kHeadDim];
   if (dims[kHidden] % 8 || dims[kInter] % 8 || q_size % 8 || dims[kHeadDim] % 8) return -1;
   const StepArgs args{dims,      eps,       scale,        layers,       embed,
                       final_norm, lm_head,  cos,          sin,          input_ids,
                       positions, slots,     block_tables, table_stride, seq_lens,
-                      n,         logits};
+                      n,         logits,    argmax,       argmax_logprob};
   if (dtype == 0) return decode_step<float>(args, dtype);
   if (dtype == 1) return decode_step<bf16>(args, dtype);
   return -1;

@@ -2,7 +2,8 @@
 
 `DecodeStep` holds the raw pointers of a Llama-family model's weights, laid out once, and of
 its KV caches, rebound when the caches change; `run` computes the logits of n decode tokens
-(one per sequence, each attending to its paged context) with a single ctypes call. The
+(one per sequence, each attending to its paged context) with a single ctypes call, and each
+row's argmax with its logprob (`ArgmaxLogprobs`) while those logits are still in cache. The
 tensors it points into must outlive it: it keeps references to them.
 
 `linear_rows` is the projection kernel of that step, exposed for tests and benchmarks:
@@ -75,6 +76,15 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         )
     if bias is not None and bias.shape[0] != weight.shape[0]:
         raise KernelArgumentError("bias", f"size {bias.shape[0]} != {weight.shape[0]} outputs")
+
+
+@dataclass(frozen=True, slots=True)
+class ArgmaxLogprobs:
+    """Per logits row: the first argmax and its logprob (max - log-sum-exp, float32), as
+    `kernels.cpu.argmax_logsumexp` gives them; all a greedy sampler needs of the logits."""
+
+    tokens: list[int]
+    logprobs: list[float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +163,9 @@ class DecodeStep:
         )
         self._dims = (ctypes.c_int64 * len(dims))(*dims)
         self._table: ctypes.Array[ctypes.c_void_p] | None = None
+        # Each row's argmax and its logprob, written by the step; grown to the largest batch.
+        self._argmax: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
+        self._argmax_logprob: ctypes.Array[ctypes.c_float] = (ctypes.c_float * 0)()
         self._bound_list: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._bound_first = 0
 
@@ -194,10 +207,13 @@ class DecodeStep:
         slots: torch.Tensor,  # [n] int64 flat cache slots of the new tokens
         block_tables: torch.Tensor,  # [n, max_blocks] int32, rows contiguous
         seq_lens: torch.Tensor,  # [n] int32, including the new token
-    ) -> torch.Tensor:  # [n, vocab] logits in the model dtype
+    ) -> tuple[torch.Tensor, ArgmaxLogprobs]:  # [n, vocab] logits in the model dtype
         """Unchecked beyond the table's binding: the model runner built every index."""
         assert self._table is not None, "bind_caches() first"
         n = input_ids.shape[0]
+        if len(self._argmax) < n:
+            self._argmax = (ctypes.c_int64 * n)()
+            self._argmax_logprob = (ctypes.c_float * n)()
         logits = torch.empty(n, self.shape.vocab_size, dtype=self.dtype)
         embed, final_norm, lm_head, cos, sin = self._globals
         status = library().llmserve_decode_step(
@@ -219,7 +235,9 @@ class DecodeStep:
             seq_lens.data_ptr(),
             n,
             logits.data_ptr(),
+            self._argmax,
+            self._argmax_logprob,
         )
         if status != 0:
             raise RuntimeError(f"llmserve_decode_step failed with status {status}")
-        return logits
+        return logits, ArgmaxLogprobs(self._argmax[:n], self._argmax_logprob[:n])

@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
-from kernels.cpu.decode import DecodeLayer, DecodeShape, DecodeStep, linear_rows, set_num_threads
+from kernels.cpu.decode import (
+    ArgmaxLogprobs,
+    DecodeLayer,
+    DecodeShape,
+    DecodeStep,
+    linear_rows,
+    set_num_threads,
+)
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.rope import (
     UnsupportedModelError,
@@ -186,6 +193,9 @@ class LlamaModel:
         # when the other steps' matmuls use prepacked copies (float32: twice the weight memory).
         self.native_decode_max_batch = 0
         self.decode_step: DecodeStep | None = None
+        # Each row's argmax and its logprob when the last forward ran the native decode step
+        # (which finds them while the logits are in cache), else None.
+        self.argmax_logprobs: ArgmaxLogprobs | None = None
         if fused_ops or native_decode_max_batch > 0 or native_linear:
             set_num_threads(torch.get_num_threads())  # the C++ kernels' own threads (pool.h)
         if native_decode_max_batch > 0:
@@ -278,6 +288,7 @@ class LlamaModel:
     ) -> torch.Tensor:  # [num_logit_rows, vocab] in the model dtype (the sampler upcasts)
         num_tokens = input_ids.shape[0]
         linear = self.linear
+        self.argmax_logprobs = None
         if self.fused_ops:  # the native ops below run unchecked: validate their inputs once
             self._check_native_inputs(input_ids, positions)
         if (
@@ -287,13 +298,14 @@ class LlamaModel:
             and logit_rows.shape[0] == num_tokens  # every row samples, in order
         ):
             self.decode_step.bind_caches(kv_caches)
-            return self.decode_step.run(
+            logits, self.argmax_logprobs = self.decode_step.run(
                 input_ids,
                 positions,
                 metadata.slot_mapping,
                 metadata.decode_block_tables,
                 metadata.decode_seq_lens,
             )
+            return logits
         rotate = self._native_rotary if self.fused_ops else self._torch_rotary(positions)
         backend.begin_step(metadata)
         residual = None

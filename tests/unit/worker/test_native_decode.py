@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import KernelArgumentError
-from kernels.cpu.decode import DecodeShape, linear_rows
+from kernels.cpu import argmax_logsumexp
+from kernels.cpu.decode import ArgmaxLogprobs, DecodeShape, linear_rows
 from tests.support.models import KINDS, save_tiny_model
 from worker_service.worker import Worker
 
@@ -20,15 +21,20 @@ PROMPTS = {0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 1: [2, 71, 82], 2: [11, 1
 
 
 def _count_native_steps(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Records the batch size of every step the native decode call runs."""
+    """Records the batch size of every step the native decode call runs, and checks the
+    argmax and logprob it finds per row against `argmax_logsumexp` on its logits."""
     step = worker.model.decode_step
     assert step is not None
     calls: list[int] = []
     run = step.run
 
-    def counted(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+    def counted(input_ids: torch.Tensor, *args: object) -> tuple[torch.Tensor, ArgmaxLogprobs]:
         calls.append(input_ids.shape[0])
-        return run(input_ids, *args)  # type: ignore[arg-type]
+        logits, argmax = run(input_ids, *args)  # type: ignore[arg-type]
+        best, lse, top = argmax_logsumexp(logits)
+        assert argmax.tokens == best.tolist()
+        assert argmax.logprobs == (top - lse).tolist()
+        return logits, argmax
 
     monkeypatch.setattr(step, "run", counted)
     return calls
