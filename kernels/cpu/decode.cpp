@@ -18,7 +18,8 @@
 // path up to the order of summation (float32 logits differ by ~1e-6).
 //
 // Entry point (extern "C", called through ctypes; dtype 0 = float32, 1 = bfloat16):
-//   llmserve_decode_step   every layer and the LM head for n tokens, one per sequence
+//   llmserve_decode_step   every layer and the LM head for n tokens, one per sequence, and
+//                          optionally each row's argmax and its logprob
 
 #include <algorithm>
 #include <cstdint>
