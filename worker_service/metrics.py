@@ -19,8 +19,9 @@ SAMPLE_SECONDS = Histogram(
 # The worker's idle time between forward passes at steady decode: from the end of one step's
 # forward pass (the model call, before sampling) to the start of the next step's (preparing
 # its inputs), on the same Execute stream. `next_step="queued"`: the next step had arrived by
-# the time the forward pass ended, so the gap is the worker's own overhead (sampling, result
-# encoding, applying the next step); asynchronous scheduling makes this the usual case.
+# the time the forward pass ended, so the gap is the worker's own overhead (sampling, handing
+# the result to the relay thread, applying the next step: the result is encoded and sent on
+# the event loop's thread); asynchronous scheduling makes this the usual case.
 # `next_step="awaited"`: the worker waited for it (the result's trip to the scheduler, output
 # processing, scheduling, the next step's trip; and idle time when no request is running).
 FORWARD_GAP_SECONDS = Histogram(

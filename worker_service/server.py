@@ -297,8 +297,8 @@ class _StepChain:
     arrived while the previous one ran starts on the model thread right after it, without a
     trip through the event loop. (Measured with the stack on 2 cores, the loop took ~0.3 ms to
     see a result and the model thread ~0.45 ms more to see the next step it was handed.)
-    Outcomes go to `outcomes` in order, then None once the steps end; a step that raises ends
-    the chain, so no later step runs."""
+    Outcomes go to `outcomes` in order (through a relay thread, see __init__), then None once
+    the steps end; a step that raises ends the chain, so no later step runs."""
 
     def __init__(
         self,
