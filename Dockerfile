@@ -20,12 +20,13 @@ RUN if ! command -v g++ >/dev/null; then \
     fi \
     && python3 -m venv --help >/dev/null
 
-FROM runtime-base AS build
+# The dependencies alone, in the virtual environment the image runs.
+FROM runtime-base AS deps
 ARG TORCH_INDEX_URL=""
 WORKDIR /src
 RUN python3 -m venv /opt/llmserve
-# Dependencies first, from pyproject.toml and scripts/install.sh alone, so that a source
-# change does not reinstall them. A wheelhouse (deploy/wheelhouse/*.whl) replaces the index.
+# From pyproject.toml and scripts/install.sh alone, so that a source change does not
+# reinstall them. A wheelhouse (deploy/wheelhouse/*.whl) replaces the index.
 COPY pyproject.toml README.md ./
 COPY scripts/ scripts/
 COPY deploy/wheelhouse/ /wheels/
@@ -34,6 +35,9 @@ RUN if ls /wheels/*.whl >/dev/null 2>&1; then \
     fi \
     && PIP_NO_CACHE_DIR=1 TORCH_INDEX_URL="$TORCH_INDEX_URL" \
         scripts/install.sh /opt/llmserve/bin/python "" --deps-only
+
+# The project as a wheel: the runtime stage installs it without the sources.
+FROM deps AS build
 COPY llmserve/ llmserve/
 COPY scheduler_service/ scheduler_service/
 COPY worker_service/ worker_service/
@@ -42,8 +46,7 @@ COPY kernels/ kernels/
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then \
         export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels; \
     fi \
-    && PIP_NO_CACHE_DIR=1 scripts/install.sh /opt/llmserve/bin/python "" --project-only \
-    && /opt/llmserve/bin/llmserve worker --check-config
+    && PIP_NO_CACHE_DIR=1 scripts/install.sh /opt/llmserve/bin/python "" --wheel /dist
 
 FROM runtime-base AS runtime
 # A fixed numeric uid: Kubernetes' runAsNonRoot can only verify a numeric USER. Written into
@@ -52,7 +55,17 @@ RUN echo "llmserve:x:10001:10001:llmserve:/home/llmserve:/usr/sbin/nologin" >> /
     && echo "llmserve:x:10001:" >> /etc/group \
     && mkdir -p /home/llmserve /var/cache/llmserve \
     && chown 10001:10001 /home/llmserve /var/cache/llmserve
-COPY --from=build /opt/llmserve /opt/llmserve
+# Two layers: the dependencies (gigabytes, torch above all), then the project (under a
+# megabyte). A source change rebuilds only the second, so a rebuild neither copies nor stores
+# the first again; one COPY of the whole built environment would make every rebuild a new
+# multi-gigabyte layer.
+COPY --from=deps /opt/llmserve /opt/llmserve
+COPY --from=build /dist/ /tmp/dist/
+COPY scripts/install.sh /tmp/dist/
+RUN PIP_NO_INDEX=1 PIP_NO_CACHE_DIR=1 \
+        /tmp/dist/install.sh /opt/llmserve/bin/python "" --project-only /tmp/dist/*.whl \
+    && rm -rf /tmp/dist \
+    && /opt/llmserve/bin/llmserve worker --check-config
 ENV PATH=/opt/llmserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HOME=/home/llmserve \

@@ -49,6 +49,20 @@ def image_exists(name: str) -> bool:
     return podman("image", "exists", name, check=False).returncode == 0
 
 
+def image_id(name: str) -> str | None:
+    result = podman("image", "inspect", "--format", "{{.Id}}", name, check=False)
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def remove_replaced_image(name: str, previous_id: str | None) -> None:
+    """After a rebuild moved `name` to a new image, remove the one it was on, with the layers
+    that only it used. Every source change gives a new image: kept, they fill the disk of a
+    machine that runs this test once per commit."""
+    if previous_id is not None and image_id(name) != previous_id:
+        # A container left by an interrupted run may still hold it: then it stays.
+        podman("rmi", previous_id, check=False)
+
+
 def ensure_base_image() -> None:
     """A Python 3.11 base from Debian's packages (no image registry is reachable here);
     built once per machine, then reused like any pulled base."""

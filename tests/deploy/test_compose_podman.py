@@ -23,8 +23,10 @@ from tests.deploy.podman import (
     ensure_base_image,
     ensure_wheelhouse,
     get_json,
+    image_id,
     podman_volumes,
     post_json,
+    remove_replaced_image,
     wait_until,
 )
 
@@ -72,7 +74,9 @@ def stack() -> Iterator[Stack]:
     )
     # One build, through compose (BASE_IMAGE from the environment); the other services use
     # the same image tag.
+    previous_image = image_id(IMAGE)
     project.compose("build", "gateway", timeout=1800)
+    remove_replaced_image(IMAGE, previous_image)
     project.volumes_before = set(podman_volumes())
     try:
         project.compose("up", "-d")

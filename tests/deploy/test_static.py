@@ -276,6 +276,36 @@ def test_image_installs_through_the_same_script_as_make_setup():
     assert re.search(r"^FROM runtime AS cuda$", dockerfile, re.M)
 
 
+def dockerfile_stages() -> dict[str, list[str]]:
+    """Each named stage's instructions, continuation lines joined."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        if match := re.match(r"FROM \S+ AS (\S+)$", line):
+            current = stages.setdefault(match[1], [])
+        elif line.strip() and not line.startswith("#"):
+            current.append(line)
+    return stages
+
+
+def test_a_source_change_leaves_the_dependency_layer_of_the_image_as_it_was():
+    # The runtime image takes its multi-gigabyte environment from the `deps` stage, which
+    # reads only the install list: a rebuild after a source change reuses that layer instead
+    # of storing another copy of torch (repeated builds once filled a CI machine's disk).
+    stages = dockerfile_stages()
+    copied = [line.split()[1:-1] for line in stages["deps"] if line.startswith("COPY")]
+    assert sorted(source for sources in copied for source in sources) == [
+        "README.md",
+        "deploy/wheelhouse/",
+        "pyproject.toml",
+        "scripts/",
+    ]
+    runtime_copies = [line for line in stages["runtime"] if line.startswith("COPY --from=")]
+    assert runtime_copies[0] == "COPY --from=deps /opt/llmserve /opt/llmserve"
+    assert not any("--from=build /opt/llmserve" in line for line in runtime_copies)
+
+
 # -- Kubernetes -------------------------------------------------------------------------------
 
 
