@@ -31,6 +31,11 @@ def unsupported_reason(
     """Why these kernels cannot run a model of this shape, or None when they can."""
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} (supported: float32, bfloat16)"
+    return unsupported_shape_reason(num_heads, num_kv_heads, head_dim)
+
+
+def unsupported_shape_reason(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why these kernels cannot attend over heads of this shape in any dtype, or None."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim {head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
     if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
@@ -76,17 +81,11 @@ def paged_attention_decode(
             key_cache.shape[2],
             key_cache.shape[1],
             scale,
-            kv_heads_per_item(num_seqs, key_cache.shape[2]),
+            0,  # kv heads per work item: the kernel picks (paged_attention.cpp, DecodeArgs)
             query.stride(0),
         )
         _check_status(status, query, key_cache)
     return out
-
-
-def kv_heads_per_item(num_seqs: int, num_kv_heads: int) -> int:
-    """All of a sequence's heads in one work item reads each block as one contiguous run;
-    split by head only when there are too few sequences to keep every thread busy."""
-    return num_kv_heads if num_seqs >= 4 * torch.get_num_threads() else 1
 
 
 def prefill_attention(

@@ -13,9 +13,9 @@
 // tile of output rows stays in L1 while every token's row of activations passes over it) and
 // accumulates in float32, 8 lanes at a time with fused multiply-adds. bfloat16 weights are
 // widened in registers (a shift), so they cost half the memory traffic of float32 ones.
-// Attention reads K/V by block table like paged_attention.cpp, with 8-lane vectors; the
-// elementwise steps reuse the kernels of ops.cpp. The results are those of the per-operation
-// path up to the order of summation (float32 logits differ by ~1e-6).
+// Attention is paged_attention.cpp's decode kernel and the elementwise steps are ops.cpp's,
+// the kernels of the per-operation path: the results are that path's up to the order of
+// summation in the projections (float32 logits differ by ~1e-6).
 //
 // Entry point (extern "C", called through ctypes; dtype 0 = float32, 1 = bfloat16):
 //   llmserve_decode_step   every layer and the LM head for n tokens, one per sequence, and
@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include <immintrin.h>
@@ -40,6 +39,12 @@ int llmserve_rotary(int dtype, void* qkv, int64_t row_stride, const int64_t* pos
 int llmserve_silu_mul(int dtype, const void* gate_up, void* out, int64_t n, int64_t inter);
 int llmserve_argmax_logsumexp(int dtype, const void* logits, int64_t n, int64_t vocab,
                               int64_t* argmax, float* lse, float* max);
+int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const void* key_cache,
+                          const void* value_cache, const int32_t* block_tables,
+                          int64_t table_stride, const int32_t* seq_lens, void* out,
+                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t block_size, float scale, int64_t kv_heads_per_item,
+                          int64_t query_stride);
 int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
                       void* value_cache);
@@ -189,81 +194,6 @@ enum Dim { kLayers, kHidden, kInter, kHeads, kKvHeads, kHeadDim, kVocab, kBlockS
 enum LayerField { kInNorm, kQkv, kQkvBias, kO, kPostNorm, kGateUp, kDown, kKeyCache, kValueCache,
                   kNumLayerFields };
 
-// Below this many cached values (tokens x kv heads x head dim) read by a step's attention,
-// it runs on the calling thread: a fork/join costs more than the reads.
-constexpr int64_t kParallelWork = 1 << 16;
-
-// Paged attention of one decode token's query heads that share `kv_head`, in float32:
-// scores q.k * scale for the len cached tokens, softmax, then the probability-weighted sum
-// of the values, rounded to T. 8-lane vectors for the dot products and the weighted sum
-// (head dims are multiples of 8), vec.h's for the exponentials.
-template <typename T>
-void attend_kv_head(const T* query /* [group, dim] */, const T* key_cache, const T* value_cache,
-                    const int32_t* table, int64_t len, int64_t block_size, int64_t token_stride,
-                    int64_t kv_head, int64_t group, int64_t dim, float scale,
-                    T* out /* [group, dim] */) {
-  thread_local std::vector<float> scratch;
-  scratch.resize(size_t(group * (dim + len + 16) + dim));
-  float* q = scratch.data();                  // [group, dim]
-  float* scores = q + group * dim;            // [group, len + 16]
-  float* acc = scores + group * (len + 16);   // [dim]
-  const int64_t row = len + 16;
-  for (int64_t i = 0; i < group * dim; ++i) q[i] = to_float(query[i]) * scale;
-  auto token = [&](const T* cache, int64_t t) {
-    return cache + (int64_t(table[t / block_size]) * block_size + t % block_size) * token_stride +
-           kv_head * dim;
-  };
-  for (int64_t t = 0; t < len; ++t) {
-    const T* k = token(key_cache, t);
-    for (int64_t g = 0; g < group; ++g) {
-      v8 sum = {};
-      for (int64_t d = 0; d < dim; d += 8) sum = fma8(load8(q + g * dim + d), load8(k + d), sum);
-      scores[g * row + t] = hsum8(sum);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* p = scores + g * row;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) top = std::max(top, p[t]);
-    for (int64_t t = len; t < row; ++t) p[t] = top;  // padding: exp(0), never summed
-    float total = 0.0f;
-    for (int64_t t = 0; t < len; t += kLanes) {
-      const vfloat e = exp_nonpositive(load(p + t) - top);
-      store(p + t, e);
-      for (int64_t i = 0; i < kLanes && t + i < len; ++i) total += e[i];
-    }
-    for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
-      const T* v = token(value_cache, t);
-      const v8 weight = v8{} + p[t];
-      for (int64_t d = 0; d < dim; d += 8) {
-        const v8 a = fma8(weight, load8(v + d), load8(acc + d));
-        std::memcpy(acc + d, &a, sizeof a);
-      }
-    }
-    const float inv = 1.0f / total;
-    for (int64_t d = 0; d < dim; ++d) store_scalar(out + g * dim + d, acc[d] * inv);
-  }
-}
-
-// Every decode token's attention: one work item per (token, kv head).
-template <typename T>
-void attend(const T* qkv, int64_t qkv_stride, const T* key_cache, const T* value_cache,
-            const int32_t* tables, int64_t table_stride, const int32_t* seq_lens, int64_t n,
-            const int64_t* d, float scale, T* out) {
-  const int64_t kv_heads = d[kKvHeads], dim = d[kHeadDim], group = d[kHeads] / kv_heads;
-  int64_t work = 0;  // cached tokens read: split across threads only when it pays
-  for (int64_t i = 0; i < n; ++i) work += seq_lens[i];
-  auto item = [&](int64_t index) {
-    const int64_t i = index / kv_heads, h = index % kv_heads;
-    attend_kv_head(qkv + i * qkv_stride + h * group * dim, key_cache, value_cache,
-                   tables + i * table_stride, int64_t(seq_lens[i]), d[kBlockSize],
-                   kv_heads * dim, h, group, dim, scale, out + (i * d[kHeads] + h * group) * dim);
-  };
-  const bool parallel = work * kv_heads * dim >= kParallelWork;
-  ChunkPool::instance().run(n * kv_heads, parallel ? int(pool_threads) : 1, item);
-}
-
 // Activations of one step, reused from call to call on the calling thread.
 struct Buffers {
   std::vector<float> x32;  // the current matmul input, widened to float32
@@ -333,9 +263,11 @@ int decode_step(const StepArgs& a, int dtype) {
                     head_dim);
     llmserve_write_kv(dtype, qkv + q_size, qkv + q_size + kv_size, qkv_size, a.slots, n, kv_size,
                       const_cast<void*>(p[kKeyCache]), const_cast<void*>(p[kValueCache]));
-    attend(qkv, qkv_size, static_cast<const T*>(p[kKeyCache]),
-           static_cast<const T*>(p[kValueCache]), a.block_tables, a.table_stride, a.seq_lens, n,
-           d, a.scale, attn);
+    // The queries are read in place from the qkv rows (query stride qkv_size).
+    const int status = llmserve_paged_decode(
+        dtype, head_dim, qkv, p[kKeyCache], p[kValueCache], a.block_tables, a.table_stride,
+        a.seq_lens, attn, n, d[kHeads], d[kKvHeads], d[kBlockSize], a.scale, 0, qkv_size);
+    if (status != 0) return status;
     linear(attn, n, q_size, static_cast<const T*>(p[kO]), static_cast<const T*>(nullptr), proj,
            hidden);
     llmserve_rms_norm(dtype, proj, residual, p[kPostNorm], normed, n, hidden, a.eps);

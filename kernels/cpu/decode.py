@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._checks import KernelArgumentError
-from kernels.cpu.attention import DTYPE_CODES
+from kernels.cpu.attention import DTYPE_CODES, unsupported_shape_reason
 from kernels.cpu.build import library
 
 # Fields per layer in the pointer table, in decode.cpp's LayerField order.
@@ -119,7 +119,10 @@ class DecodeShape:
             "head size": self.head_dim,
         }
         odd = [f"{name} {value}" for name, value in widths.items() if value % 8]
-        return f"{', '.join(odd)} not a multiple of 8" if odd else None
+        if odd:
+            return f"{', '.join(odd)} not a multiple of 8"
+        # Its attention is the paged decode kernel's.
+        return unsupported_shape_reason(self.num_heads, self.num_kv_heads, self.head_dim)
 
 
 class DecodeStep:

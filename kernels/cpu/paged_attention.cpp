@@ -118,7 +118,10 @@ struct DecodeArgs {
   int64_t num_kv_heads;
   int64_t block_size;
   float scale;
-  int64_t kv_heads_per_item;  // work split: a sequence's kv heads in chunks of this many
+  // Work split: a sequence's kv heads in chunks of this many; 0 picks all of them (each
+  // block one contiguous run) when there are sequences enough to keep every thread busy,
+  // else one.
+  int64_t kv_heads_per_item;
   int64_t query_stride;       // elements between query rows (heads are contiguous in a row)
 };
 
@@ -249,7 +252,10 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
 
 template <typename T, int NV>
 void decode(const DecodeArgs& a) {
-  const int64_t per_item = std::max<int64_t>(1, std::min(a.kv_heads_per_item, a.num_kv_heads));
+  const int64_t chosen = a.kv_heads_per_item > 0                        ? a.kv_heads_per_item
+                         : a.num_seqs >= 4 * int64_t(pool_threads) ? a.num_kv_heads
+                                                                   : 1;
+  const int64_t per_item = std::min(chosen, a.num_kv_heads);
   const int64_t chunks = (a.num_kv_heads + per_item - 1) / per_item;
   const int64_t items = a.num_seqs * chunks;
   auto describe = [&](int64_t item, int64_t* out) {  // seq, first and end kv head

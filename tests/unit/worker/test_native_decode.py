@@ -88,6 +88,12 @@ def test_shapes_the_step_cannot_run_keep_the_per_layer_path(tmp_path: Path) -> N
     assert DecodeShape(2, 64, 100, 4, 2, 16, 128, 1e-6).unsupported_reason() == (
         "intermediate size 100 not a multiple of 8"
     )
+    # Its attention is the paged decode kernel, compiled for a fixed set of head sizes.
+    reason = DecodeShape(2, 96, 128, 4, 2, 24, 128, 1e-6).unsupported_reason()
+    assert reason is not None and reason.startswith("head_dim 24 ")
+    assert "20 query heads over 1 kv heads" in str(
+        DecodeShape(2, 1280, 128, 20, 1, 64, 128, 1e-6).unsupported_reason()
+    )
     path = save_tiny_model("llama", tmp_path / "odd", intermediate_size=100)
     assert make_worker(path).model.decode_step is None
 
