@@ -55,8 +55,8 @@ RUN echo "llmserve:x:10001:10001:llmserve:/home/llmserve:/usr/sbin/nologin" >> /
     && echo "llmserve:x:10001:" >> /etc/group \
     && mkdir -p /home/llmserve /var/cache/llmserve \
     && chown 10001:10001 /home/llmserve /var/cache/llmserve
-# Two layers: the dependencies (gigabytes, torch above all), then the project (under a
-# megabyte). A source change rebuilds only the second, so a rebuild neither copies nor stores
+# Two layers: the dependencies (gigabytes, torch above all), then the project (a few
+# megabytes). A source change rebuilds only the second, so a rebuild neither copies nor stores
 # the first again; one COPY of the whole built environment would make every rebuild a new
 # multi-gigabyte layer.
 COPY --from=deps /opt/llmserve /opt/llmserve
