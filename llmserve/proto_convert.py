@@ -11,16 +11,19 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from llmserve.errors import FieldError
+from llmserve.grammar.spec import GrammarKind, GrammarSpec
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
     CachedSequence,
     Fork,
+    MaskKind,
     NewSequence,
     PromptLogprob,
     SequenceOutput,
     StepInput,
     StepResult,
     TokenLogprob,
+    TokenMask,
 )
 from llmserve.v1 import common_pb2, worker_pb2
 
@@ -147,9 +150,7 @@ def _add_prompt_logprobs(field: Any, items: Iterable[PromptLogprob]) -> None:
 
 
 def prompt_logprob_from_proto(msg: common_pb2.PromptLogprob) -> PromptLogprob:
-    return PromptLogprob(
-        msg.position, token_logprob_from_proto(msg.token), token_logprobs(msg.top)
-    )
+    return PromptLogprob(msg.position, token_logprob_from_proto(msg.token), token_logprobs(msg.top))
 
 
 # --- ragged columns -------------------------------------------------------------------------
@@ -256,6 +257,14 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
     _set_mapping(msg.blocks_to_swap_out, step.blocks_to_swap_out)
     _set_mapping(msg.blocks_to_swap_in, step.blocks_to_swap_in)
     _set_mapping(msg.blocks_to_copy, step.blocks_to_copy)
+    for m in step.token_masks:
+        msg.token_masks.add(
+            seq_id=m.seq_id,
+            kind=int(m.kind),
+            vocab_size=m.vocab_size,
+            token_ids=m.token_ids,
+            bitmap=m.bitmap,
+        )
     return msg
 
 
@@ -283,7 +292,35 @@ def step_input_from_proto(msg: worker_pb2.ExecuteRequest) -> StepInput:
         blocks_to_swap_out=_mapping(msg.blocks_to_swap_out),
         blocks_to_swap_in=_mapping(msg.blocks_to_swap_in),
         blocks_to_copy=_mapping(msg.blocks_to_copy),
+        token_masks=[_token_mask(m) for m in msg.token_masks],
     )
+
+
+def _token_mask(msg: worker_pb2.TokenMask) -> TokenMask:
+    try:
+        kind = MaskKind(msg.kind)
+    except ValueError:
+        raise ValueError(f"token mask of seq {msg.seq_id}: unknown kind {msg.kind}") from None
+    return TokenMask(msg.seq_id, kind, msg.vocab_size, list(msg.token_ids), msg.bitmap)
+
+
+# --- grammars ------------------------------------------------------------------------------
+
+
+def grammar_to_proto(spec: GrammarSpec) -> common_pb2.Grammar:
+    return common_pb2.Grammar(kind=int(spec.kind), source=spec.source, field=spec.field)
+
+
+def grammar_from_proto(msg: common_pb2.Grammar, field: str = "grammar") -> GrammarSpec:
+    """Raises FieldError (naming `msg.field`, else `field`) for an unknown kind."""
+    name = msg.field or field
+    try:
+        kind = GrammarKind(msg.kind)
+    except ValueError:
+        raise FieldError(f"{name}.kind", f"unknown grammar kind {msg.kind}") from None
+    if kind != GrammarKind.JSON_OBJECT and not msg.source:
+        raise FieldError(f"{name}.source", "must not be empty")
+    return GrammarSpec(kind, msg.source, name)
 
 
 # --- step result ----------------------------------------------------------------------------

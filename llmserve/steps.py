@@ -34,6 +34,7 @@ step N's result and never sends it again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Protocol
 
 from llmserve.sampling_params import SamplingParams
@@ -88,6 +89,39 @@ class Fork:
     child_seq_index: int
 
 
+class MaskKind(IntEnum):
+    """How a `TokenMask` lists the allowed tokens (values match proto TokenMaskKind)."""
+
+    ALLOW = 1  # token_ids are the allowed tokens
+    DENY = 2  # every token below vocab_size is allowed except token_ids
+    BITMAP = 3  # bit i of bitmap (byte i // 8, bit i % 8, little-endian) allows token i
+
+
+@dataclass(slots=True)
+class TokenMask:
+    """The tokens one sequence may sample in this step (structured output). The scheduler
+    picks the smallest encoding; a sequence with no mask may sample any token. Tokens at or
+    above `vocab_size` (a model's padded vocabulary) are never allowed."""
+
+    seq_id: int
+    kind: MaskKind
+    vocab_size: int
+    token_ids: list[int] = field(default_factory=list)
+    bitmap: bytes = b""
+
+    def allowed_ids(self) -> list[int]:
+        """The allowed token ids, ascending (for tests and small masks)."""
+        if self.kind == MaskKind.ALLOW:
+            return sorted(self.token_ids)
+        if self.kind == MaskKind.DENY:
+            denied = set(self.token_ids)
+            return [t for t in range(self.vocab_size) if t not in denied]
+        bits = self.bitmap
+        return [
+            t for t in range(min(self.vocab_size, 8 * len(bits))) if bits[t >> 3] >> (t & 7) & 1
+        ]
+
+
 @dataclass(slots=True)
 class StepInput:
     step_id: int
@@ -99,6 +133,8 @@ class StepInput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Allowed tokens of the constrained sequences that sample in this step.
+    token_masks: list[TokenMask] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

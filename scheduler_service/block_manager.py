@@ -246,8 +246,13 @@ class BlockSpaceManager:
 
     def can_swap_in(self, seq_group: SequenceGroup) -> bool:
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
-        # One more block per sequence for the token it appends when it resumes.
-        required = self._unique_blocks(seqs) + len(seqs)
+        # One more block per sequence for the token it appends when it resumes, or as many
+        # as the tokens appended while it was out need (a grammar's forced tokens).
+        bs = self.block_size
+        tables = self._tables
+        required = self._unique_blocks(seqs) + sum(
+            max(1, -(-seq.get_len() // bs) - len(tables[seq.seq_id])) for seq in seqs
+        )
         return self.gpu.get_num_free_blocks() - required >= self.watermark_blocks
 
     def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:

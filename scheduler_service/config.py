@@ -39,6 +39,9 @@ class SchedulerConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode | None = None
+    # Structured output: where the grammar allows exactly one continuation, append its
+    # tokens as inputs of the next step instead of sampling them one step at a time.
+    enable_forced_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -9,7 +9,8 @@ appended when N's result arrives, as in synchronous scheduling.
 Only a step whose outcome cannot change what N+1 schedules is continued
 (`plan_continuation`): nothing waiting or swapped (admissions, swaps and preemptions happen
 only at synchronous steps), every running group scheduled in N and sampling there, no beam
-search and no fork at a first sample, no sequence reaching max_tokens or max_model_len in N,
+search and no fork at a first sample, no constrained (grammar) group, whose next token mask
+depends on the token N samples, no sequence reaching max_tokens or max_model_len in N,
 and free blocks for the reserved slots. Anything that N's result does change (a stop, an
 abort, an export) takes effect one step later: a sequence that finished in N is computed in
 N+1 too, and its output there is dropped, because output processing only reads sequences that
@@ -53,6 +54,8 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
             continue  # finished or aborted since `prev` was scheduled
         if params.use_beam_search or (params.num_sampled > 1 and not group.has_sampled):
             return None
+        if group.grammar is not None:
+            return None  # its next mask needs the token `prev` samples
         chunk = scheduled.token_chunk_size
         for seq in running:
             num_tokens = len(seq.token_ids)

@@ -12,6 +12,8 @@ import time
 from typing import Any
 
 from llmserve.errors import FieldError
+from llmserve.grammar.cache import GrammarCache
+from llmserve.grammar.spec import GrammarSpec
 from llmserve.priority import check_priority
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import Executor, StepInput, StepResult
@@ -21,6 +23,7 @@ from scheduler_service.continuation import (
     commit_continuation,
     plan_continuation,
 )
+from scheduler_service.grammar import GrammarCompiler, SequenceGrammar, default_grammar_cache
 from scheduler_service.migration import (
     GroupSnapshot,
     SequenceSnapshot,
@@ -52,9 +55,11 @@ class LLMEngine:
         cache_config: CacheConfig,
         executor: Executor,
         tokenizer: TokenizerLoader | None = None,
+        grammar_cache: GrammarCache | None = None,
     ) -> None:
         """`tokenizer` loads the model's tokenizer: called once, when the first request with
-        stop strings arrives (None: such requests are refused)."""
+        stop strings or a grammar arrives (None: such requests are refused).
+        `grammar_cache`: compiled grammars, shared by the replicas (default: the process's)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.executor = executor
@@ -72,6 +77,13 @@ class LLMEngine:
         self._finished_on_import: list[RequestOutput] = []
         self._load_tokenizer = tokenizer
         self._tokenizer: Any = None
+        self._grammars = (
+            None
+            if tokenizer is None
+            else GrammarCompiler(tokenizer, grammar_cache or default_grammar_cache())
+        )
+        # Constrained groups whose grammar may still fail to compile (checked every step).
+        self._compiling: dict[str, SequenceGroup] = {}
 
     # -- requests -------------------------------------------------------------------------
 
@@ -84,8 +96,10 @@ class LLMEngine:
         eos_token_id: int | None = None,
         priority: int = 0,
         stop_strings: StopStrings | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> None:
-        """Queue a request. Raises `FieldError` (naming the field) on bad input."""
+        """Queue a request. Raises `FieldError` (naming the field) on bad input. A `grammar`
+        is compiled in the background; one that fails finishes the request (ABORT)."""
         if not isinstance(request_id, str) or not request_id:
             raise FieldError("request_id", "must be a non-empty string")
         if self.scheduler.get_seq_group(request_id) is not None:
@@ -108,9 +122,10 @@ class LLMEngine:
         )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(
-            request_id, [seq], sampling_params, arrival, priority, stop_strings or None
+            request_id, [seq], sampling_params, arrival, priority, stop_strings or None, grammar
         )
         self._start_text_stops(group)
+        self._start_grammars(group)
         self.scheduler.add_seq_group(group)
 
     def _start_text_stops(self, group: SequenceGroup) -> None:
@@ -131,6 +146,47 @@ class LLMEngine:
                 ) from exc
         for seq in group.get_unfinished_seqs():
             seq.start_text_stop(self._tokenizer, stops)
+
+    def _start_grammars(self, group: SequenceGroup) -> None:
+        """Give each unfinished sequence of a constrained group a matcher that replays its
+        output so far (nothing for a new request) once the grammar is compiled."""
+        spec = group.grammar
+        if spec is None:
+            return
+        if self._grammars is None:
+            raise FieldError(spec.field, "this scheduler has no tokenizer to compile grammars")
+        compiled = self._grammars.submit(spec)
+        for seq in group.get_unfinished_seqs():
+            seq.grammar = SequenceGrammar(compiled, seq.get_output_token_ids())
+        self._compiling[group.request_id] = group
+
+    def _finish_failed_grammars(self) -> None:
+        """Finish (ABORT) the groups whose grammar failed to compile; their final outputs go
+        out with this step's."""
+        if not self._compiling:
+            return
+        for request_id, group in list(self._compiling.items()):
+            seqs = group.get_unfinished_seqs()
+            if not seqs:
+                del self._compiling[request_id]
+                continue
+            grammar = seqs[0].grammar
+            if grammar is None or not grammar.is_ready():
+                continue
+            del self._compiling[request_id]
+            if grammar.failure() is not None:
+                self._abort_failed_grammars([group])
+
+    def _abort_failed_grammars(self, groups: list[SequenceGroup]) -> None:
+        """Finish (ABORT) groups whose grammar did not compile; blocks freed at once (a step
+        already built for them writes into them before any later step reuses them), final
+        outputs with the next step's."""
+        for group in groups:
+            self._compiling.pop(group.request_id, None)
+            freed: list[int] = []
+            if self.scheduler.abort_seq_group(group.request_id, freed) is not None:
+                self._builder.add_freed(freed)
+                self._finished_on_import.append(final_output(group))
 
     def _check_num_seqs(self, params: SamplingParams) -> None:
         max_seqs = self.scheduler_config.max_num_seqs
@@ -202,6 +258,7 @@ class LLMEngine:
             self._finished_on_import.append(final_output(group))
             return
         self._start_text_stops(group)
+        self._start_grammars(group)
         self.scheduler.add_seq_group(group)
 
     def export_requests(self, request_ids: list[str] | None = None) -> list[GroupSnapshot]:
@@ -251,8 +308,12 @@ class LLMEngine:
         itself (the gRPC service awaits a remote worker) runs the step in between, then calls
         `finish_step`. Nothing else may touch the engine in between."""
         assert self._num_in_flight == 0, "a synchronous step waits for the steps in flight"
+        self._finish_failed_grammars()
         sched_out = self.scheduler.schedule()
         step_input = self._builder.build(sched_out)
+        if self._builder.grammar_failures:
+            self._abort_failed_grammars(self._builder.grammar_failures)
+            self._builder.grammar_failures = []
         self.last_step_input = step_input
         self._num_in_flight = 1
         return sched_out, step_input

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from llmserve.grammar.spec import GrammarSpec
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob
 from scheduler_service.sequence import (
@@ -73,6 +74,9 @@ class GroupSnapshot:
     priority: int = 0
     # The request's stop strings (None: none); the target decodes the output again for them.
     stop_strings: StopStrings | None = None
+    # What the output must match (None: free text); the target replays the output through a
+    # fresh matcher per sequence.
+    grammar: GrammarSpec | None = None
 
 
 def snapshot_from_choices(
@@ -84,6 +88,7 @@ def snapshot_from_choices(
     choices: list[SequenceSnapshot],
     priority: int = 0,
     stop_strings: StopStrings | None = None,
+    grammar: GrammarSpec | None = None,
 ) -> GroupSnapshot:
     """The snapshot of a request whose choices stream (`params.streams_choices`), from what
     its client has been sent: one `SequenceSnapshot` per choice, indexed by choice index.
@@ -107,6 +112,7 @@ def snapshot_from_choices(
         next_seq_index=max((s.seq_index for s in seqs), default=-1) + 1,
         priority=priority,
         stop_strings=stop_strings,
+        grammar=grammar,
     )
 
 
@@ -135,6 +141,7 @@ def snapshot_group(seq_group: SequenceGroup) -> GroupSnapshot:
         metrics=replace(seq_group.metrics),
         priority=seq_group.priority,
         stop_strings=seq_group.stop_strings,
+        grammar=seq_group.grammar,
     )
 
 
@@ -163,6 +170,7 @@ def rebuild_group(
         snapshot.arrival_time,
         snapshot.priority,
         snapshot.stop_strings,
+        snapshot.grammar,
     )
     if snapshot.metrics is not None:
         group.metrics = replace(snapshot.metrics)

@@ -13,7 +13,9 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from llmserve.steps import PromptLogprob, SequenceOutput, StepResult
+from llmserve.grammar.backend import GrammarError
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import PromptLogprob, SequenceOutput, StepResult, TokenLogprob
 from scheduler_service.beam_search import process_beam_group
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, WorkerEvents
@@ -117,10 +119,46 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.seq_counter = seq_counter
         self.max_model_len = scheduler.scheduler_config.model_len
+        self.force_tokens = scheduler.scheduler_config.enable_forced_tokens
         self._events = WorkerEvents()
         # Samples the last `process` appended (a continuation step's outputs for sequences
         # that finished meanwhile are dropped, and not counted).
         self.num_generated = 0
+        # Tokens appended because the grammar forced them (structured output), in total.
+        self.num_forced_tokens = 0
+        # Tokens each sequence gained in this step beyond its sample (forced ones).
+        self._num_forced: dict[int, int] = {}
+
+    def _append_forced(self, seq: Sequence, params: SamplingParams) -> int:
+        """Append the tokens the grammar allows as the only continuation of a running
+        constrained sequence: they are inputs of its next step, not samples (logprob 0, rank
+        1: certain under the grammar). Returns how many; each goes through `check_stop`.
+
+        Only single-sequence requests get forced tokens: siblings (n > 1, best_of, beam
+        search) run in lockstep, one chunk size per group, so they must stay equally long."""
+        grammar = seq.grammar
+        if grammar is None or not self.force_tokens or seq.status != _RUNNING:
+            return 0
+        try:
+            forced = grammar.forced_tokens()
+        except GrammarError:
+            return 0
+        keep_logprobs = params.logprobs is not None
+        count = 0
+        for token_id in forced:
+            token = TokenLogprob(token_id, 0.0, 1)
+            if keep_logprobs:
+                seq.append_sample(SampleLogprobs(token))
+            else:
+                seq.append_token(token)
+            count += 1
+            seq.check_stop(params, self.max_model_len)
+            if seq.status != _RUNNING:
+                break
+        if count:
+            self.num_forced_tokens += count
+            self._num_forced[seq.seq_id] = count
+        return count
 
     def process(
         self, sched_out: SchedulerOutputs, result: StepResult
@@ -128,6 +166,8 @@ class OutputProcessor:
         """The step's deltas, and the forks and frees the worker must hear of."""
         self._events = events = WorkerEvents()
         self.num_generated = 0
+        if self._num_forced:
+            self._num_forced = {}
         by_seq = {o.seq_id: o for o in result.outputs}
         request_outputs: list[RequestOutput] = []
         finished_groups: list[SequenceGroup] = []
@@ -177,6 +217,7 @@ class OutputProcessor:
         else:
             seq.append_token(sample)
         seq.check_stop(params, self.max_model_len)
+        forced = self._append_forced(seq, params) if seq.grammar is not None else 0
         seq_group.has_sampled = True
         status = seq.status
         finished = status >= SequenceStatus.STOPPED
@@ -185,9 +226,9 @@ class OutputProcessor:
             metrics.finished_time = now
         choice = CompletionOutput(
             seq.seq_index,
-            [sample.token_id],
+            seq.token_ids[-1 - forced :] if forced else [sample.token_id],
             seq.cumulative_logprob,
-            [seq.output_logprobs[-1]] if want_logprobs else None,
+            seq.output_logprobs[-1 - forced :] if want_logprobs else None,
             FINISH_REASONS.get(status),
             seq.stop_token_id,
         )
@@ -315,13 +356,15 @@ class OutputProcessor:
                 return None
         else:
             want_logprobs = params.logprobs is not None
+            num_forced = self._num_forced
             for seq in changed:
+                new = 1 + num_forced.get(seq.seq_id, 0)
                 choices.append(
                     CompletionOutput(
                         seq.seq_index,
-                        [seq.token_ids[-1]],
+                        seq.token_ids[-new:],
                         seq.cumulative_logprob,
-                        [seq.output_logprobs[-1]] if want_logprobs else None,
+                        seq.output_logprobs[-new:] if want_logprobs else None,
                         FINISH_REASONS.get(seq.status),
                         seq.stop_token_id,
                     )

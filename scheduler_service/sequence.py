@@ -6,8 +6,11 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any
 
+from llmserve.grammar.backend import GrammarError
+from llmserve.grammar.spec import GrammarSpec
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob, TokenLogprob
+from scheduler_service.grammar import SequenceGrammar
 from scheduler_service.text_stops import StopStrings, TextStop
 
 
@@ -73,6 +76,7 @@ class Sequence:
         "status",
         "stop_token_id",
         "text_stop",
+        "grammar",
         "_block_hashes",
     )
 
@@ -102,6 +106,8 @@ class Sequence:
         self.stop_token_id: int | None = None
         # Decoded text and stop-string state; None unless the request has stop strings.
         self.text_stop: TextStop | None = None
+        # The grammar's matcher (structured output); None for unconstrained requests.
+        self.grammar: SequenceGrammar | None = None
         self._block_hashes: list[int] = []
 
     # -- tokens ---------------------------------------------------------------------------
@@ -135,17 +141,26 @@ class Sequence:
 
     def check_stop(self, params: SamplingParams, max_model_len: int) -> None:
         """Finish the sequence if the token it just appended stops it: EOS or a stop token id
-        (from `min_tokens` on), a stop string its text now holds, or a length limit."""
+        (from `min_tokens` on), a completed grammar, a stop string its text now holds, or a
+        length limit. A constrained sequence's matcher advances over the token first; a token
+        the grammar refuses (a mask that was not applied) aborts the sequence."""
         token_ids = self.token_ids
         token_id = token_ids[-1]
         num_tokens = len(token_ids)
         output_len = num_tokens - self.num_prompt_tokens
+        grammar = self.grammar
+        if grammar is not None and not _grammar_accepts(grammar, token_id):
+            self.status = SequenceStatus.ABORTED
+            return
         if output_len >= params.min_tokens and (
             (token_id == self.eos_token_id and not params.ignore_eos)
             or token_id in params.stop_token_ids
         ):
             self.status = SequenceStatus.STOPPED
             self.stop_token_id = token_id
+            return
+        if grammar is not None and grammar.is_terminated():
+            self.status = SequenceStatus.STOPPED
             return
         if self.text_stop is not None and self.text_stop.add((token_id,)) is not None:
             self.status = SequenceStatus.STOPPED
@@ -215,6 +230,7 @@ class Sequence:
         child.status = self.status
         child.stop_token_id = None
         child.text_stop = None if self.text_stop is None else self.text_stop.fork()
+        child.grammar = None if self.grammar is None else self.grammar.fork()
         child._block_hashes = list(self._block_hashes)
         return child
 
@@ -223,6 +239,13 @@ class Sequence:
             f"Sequence(id={self.seq_id}, status={self.status.name}, len={self.get_len()}, "
             f"computed={self.num_computed_tokens})"
         )
+
+
+def _grammar_accepts(grammar: SequenceGrammar, token_id: int) -> bool:
+    try:
+        return grammar.accept(token_id)
+    except GrammarError:  # it never compiled: the engine finishes the request
+        return False
 
 
 @dataclass(slots=True)
@@ -248,6 +271,7 @@ class SequenceGroup:
         "ignore_reason",
         "priority",
         "stop_strings",
+        "grammar",
     )
 
     def __init__(
@@ -258,8 +282,11 @@ class SequenceGroup:
         arrival_time: float,
         priority: int = 0,
         stop_strings: StopStrings | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> None:
         self.request_id = request_id
+        # What every sequence's output must match (each holds its own matcher).
+        self.grammar = grammar
         # Lower is served first (vLLM's convention); queues are kept in (priority, arrival)
         # order (`order_key`).
         self.priority = priority

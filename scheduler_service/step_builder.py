@@ -9,7 +9,11 @@ decision's own (`SchedulerOutputs.freed_seq_ids`, read by `build`).
 
 from __future__ import annotations
 
+import time
+
+from llmserve.grammar.backend import GrammarError
 from llmserve.steps import SAMPLED_TOKEN, CachedSequence, Fork, NewSequence, StepInput
+from scheduler_service.grammar import GrammarTimings
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, WorkerEvents
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -33,6 +37,12 @@ class StepBuilder:
         self._forks: list[tuple[Sequence, Sequence]] = []
         self._freed: list[int] = []
         self._step_id = 0
+        # Time spent computing token masks (the worker waits for it: masks travel with the
+        # step), and how many.
+        self.grammar_timings = GrammarTimings()
+        # Groups whose grammar failed to compile when their first mask was needed: the
+        # engine aborts them right after the build (their rows' samples are then ignored).
+        self.grammar_failures: list[SequenceGroup] = []
 
     def add_events(self, events: WorkerEvents) -> None:
         """Output processing's forks and frees, for the next step."""
@@ -58,8 +68,27 @@ class StepBuilder:
         fork_parents = self._add_forks(step)
         self._freed.extend(sched_out.freed_seq_ids)
         self._add_frees(step, fork_parents)
-        self._add_sequences(step, sched_out)
+        constrained = self._add_sequences(step, sched_out)
+        if constrained:
+            self._add_masks(step, constrained)
         return step
+
+    def _add_masks(
+        self, step: StepInput, constrained: list[tuple[Sequence, SequenceGroup]]
+    ) -> None:
+        """The allowed tokens of each constrained sequence that samples in this step. The
+        first one waits for its grammar to compile (prefill ran meanwhile)."""
+        timings = self.grammar_timings
+        start = time.perf_counter()
+        for seq, group in constrained:
+            assert seq.grammar is not None
+            try:
+                step.token_masks.append(seq.grammar.mask(seq.seq_id))
+            except GrammarError:
+                if group not in self.grammar_failures:
+                    self.grammar_failures.append(group)
+        timings.mask_seconds += time.perf_counter() - start
+        timings.num_masks += len(step.token_masks)
 
     def build_continuation(self, cont: SchedulerOutputs) -> StepInput:
         """The diff of a continuation step (`scheduler_service.continuation`): each scheduled
@@ -120,22 +149,28 @@ class StepBuilder:
             elif views.pop(seq_id, None) is not None:
                 step.freed_seq_ids.append(seq_id)
 
-    def _add_sequences(self, step: StepInput, sched_out: SchedulerOutputs) -> None:
+    def _add_sequences(
+        self, step: StepInput, sched_out: SchedulerOutputs
+    ) -> list[tuple[Sequence, SequenceGroup]]:
         """A `NewSequence` for each scheduled sequence the worker does not hold, a
         `CachedSequence` (new tokens, table edits) for the others. Runs for every running
-        sequence every step, hence the locals."""
+        sequence every step, hence the locals. Returns the constrained sequences that sample
+        in this step."""
         bm = self.scheduler.block_manager
         tables = bm.block_tables
         pop_dirty_from = bm.pop_dirty_from
         any_dirty = bm.has_dirty_tables()
         views = self.views
         cached_seqs = step.cached_seqs
+        constrained: list[tuple[Sequence, SequenceGroup]] = []
         for scheduled in sched_out.scheduled:
             seq_group = scheduled.seq_group
             chunk = scheduled.token_chunk_size
             for seq in seq_group.seqs:
                 if seq.status != _RUNNING:
                     continue
+                if seq.grammar is not None and seq.num_computed_tokens + chunk == seq.get_len():
+                    constrained.append((seq, seq_group))
                 seq_id = seq.seq_id
                 table = tables[seq_id]
                 tokens = seq.token_ids
@@ -160,6 +195,7 @@ class StepBuilder:
                 )
                 view[0] = len(tokens)
                 view[1] = len(table)
+        return constrained
 
     @staticmethod
     def _new_seq(

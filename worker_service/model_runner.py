@@ -17,7 +17,14 @@ import torch
 
 from kernels.cpu.decode import ArgmaxLogprobs
 from llmserve.sampling_params import SamplingParams
-from llmserve.steps import SAMPLED_TOKEN, PromptLogprob, SequenceOutput, StepInput, StepResult
+from llmserve.steps import (
+    SAMPLED_TOKEN,
+    PromptLogprob,
+    SequenceOutput,
+    StepInput,
+    StepResult,
+    TokenMask,
+)
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.llama import LlamaModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
@@ -82,11 +89,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.states: dict[int, SequenceState] = {}
+        # The current step's allowed tokens per constrained sequence (structured output).
+        self.token_masks: dict[int, TokenMask] = {}
 
     def apply_updates(self, step: StepInput) -> list[_Scheduled]:
         """Steps 1-4 of the contract (free, fork, register, update); returns what to compute."""
         for seq_id in step.freed_seq_ids:
             self.states.pop(seq_id, None)
+        self.token_masks = {m.seq_id: m for m in step.token_masks}
         for fork in step.forks:
             parent = self._state(fork.parent_seq_id)
             self.states[fork.child_seq_id] = parent.fork(fork.child_seq_id, fork.child_seq_index)
@@ -340,7 +350,11 @@ class ModelRunner:
         if inputs.sample_items:
             rows = [
                 SamplingRow(
-                    s.state.params, s.state.seq_index, s.state.token_ids, s.state.num_prompt_tokens
+                    s.state.params,
+                    s.state.seq_index,
+                    s.state.token_ids,
+                    s.state.num_prompt_tokens,
+                    self.token_masks.get(s.state.seq_id),
                 )
                 for s, _ in inputs.sample_items
             ]

@@ -1,7 +1,8 @@
 """Turns logits into tokens, vectorized over the batch.
 
 Per row (one sequence that samples this step) the pipeline is: raw log-softmax (what logprobs
-report) -> min-tokens EOS suppression -> repetition / frequency / presence penalties ->
+report) -> the grammar's token mask (structured output: disallowed tokens get -inf) ->
+min-tokens EOS suppression -> repetition / frequency / presence penalties ->
 greedy argmax | beam candidates (top 2 x width) | temperature, top-k, top-p, min-p, then a
 draw from `probs`: for unseeded rows one uniform per sample placed on the cumulative
 distribution (inverse CDF), for seeded rows an exponential race (see `_sample_random`). Top-k /
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels import cpu as cpu_kernels
 from kernels.cpu.decode import ArgmaxLogprobs
 from llmserve.sampling_params import SamplingParams
-from llmserve.steps import PromptLogprob, TokenLogprob
+from llmserve.steps import MaskKind, PromptLogprob, TokenLogprob, TokenMask
 
 _MASK64 = (1 << 64) - 1
 
@@ -48,6 +50,8 @@ class SamplingRow:
     seq_index: int
     token_ids: list[int]  # prompt + outputs so far
     num_prompt_tokens: int
+    # The tokens it may sample (structured output); None: any.
+    token_mask: TokenMask | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -75,6 +79,7 @@ class SamplingRow:
             and not p.logprobs
             and not self.suppresses_stops
             and not self.penalized
+            and self.token_mask is None
         )
 
     @property
@@ -162,13 +167,18 @@ class Sampler:
         logits: torch.Tensor,  # [num_rows, vocab]
         rows: list[SamplingRow],
     ) -> torch.Tensor:  # [num_rows, vocab]: `logits` itself, or a float32 copy
-        """Min-tokens EOS suppression and repetition/frequency/presence penalties."""
+        """Token masks, min-tokens EOS suppression and repetition/frequency/presence
+        penalties."""
         vocab = self.vocab_size
+        masked = [(i, r.token_mask) for i, r in enumerate(rows) if r.token_mask is not None]
         suppress = [(i, r) for i, r in enumerate(rows) if r.suppresses_stops]
         penalized = [i for i, r in enumerate(rows) if r.penalized]
-        if not suppress and not penalized:
+        if not suppress and not penalized and not masked:
             return logits
         logits = logits.to(torch.float32, copy=True)
+        for i, mask in masked:
+            allowed = allowed_tokens(mask, logits.shape[-1]).to(logits.device)  # [vocab]
+            logits[i].masked_fill_(~allowed, float("-inf"))
         for i, r in suppress:
             stops = list(r.params.stop_token_ids) + (
                 [] if r.params.ignore_eos else list(self.eos_token_ids)
@@ -287,6 +297,26 @@ class Sampler:
         for i, t, lp, rank in zip(flat_rows, flat_tokens, chosen_list, ranks, strict=True):
             results[i].samples.append(TokenLogprob(t, lp, rank))
         return results
+
+
+def allowed_tokens(mask: TokenMask, vocab: int) -> torch.Tensor:  # [vocab] bool
+    """The tokens `mask` allows, as a boolean row over the model's `vocab` logits. A mask
+    that allows nothing is a scheduler bug: refused rather than turned into NaNs."""
+    limit = min(mask.vocab_size, vocab)
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    if mask.kind == MaskKind.ALLOW:
+        ids = [t for t in mask.token_ids if t < limit]
+        allowed[ids] = True
+    elif mask.kind == MaskKind.DENY:
+        allowed[:limit] = True
+        allowed[[t for t in mask.token_ids if t < limit]] = False
+    else:
+        bits = np.unpackbits(np.frombuffer(mask.bitmap, dtype=np.uint8), bitorder="little")
+        n = min(limit, bits.shape[0])
+        allowed[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
+    if not bool(allowed.any()):
+        raise ValueError(f"the token mask of seq {mask.seq_id} allows no token")
+    return allowed
 
 
 def _argmax_results(argmax: ArgmaxLogprobs) -> list[SampleResult]:

@@ -20,6 +20,16 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_IGNORED: _ClassVar[FinishReason]
+
+class GrammarKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_KIND_UNSPECIFIED: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_JSON_SCHEMA: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_JSON_OBJECT: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_REGEX: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_CHOICE: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_LARK: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_GBNF: _ClassVar[GrammarKind]
 EARLY_STOPPING_UNSPECIFIED: EarlyStopping
 EARLY_STOPPING_TRUE: EarlyStopping
 EARLY_STOPPING_NEVER: EarlyStopping
@@ -28,6 +38,13 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_IGNORED: FinishReason
+GRAMMAR_KIND_UNSPECIFIED: GrammarKind
+GRAMMAR_KIND_JSON_SCHEMA: GrammarKind
+GRAMMAR_KIND_JSON_OBJECT: GrammarKind
+GRAMMAR_KIND_REGEX: GrammarKind
+GRAMMAR_KIND_CHOICE: GrammarKind
+GRAMMAR_KIND_LARK: GrammarKind
+GRAMMAR_KIND_GBNF: GrammarKind
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "best_of", "use_beam_search", "length_penalty", "early_stopping", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
@@ -106,3 +123,13 @@ class Usage(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "source", "field")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    kind: GrammarKind
+    source: str
+    field: str
+    def __init__(self, kind: _Optional[_Union[GrammarKind, str]] = ..., source: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...

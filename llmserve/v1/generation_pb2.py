@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmserve.v1 import common_pb2 as llmserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/v1/generation.proto\x12\x0bllmserve.v1\x1a\x18llmserve/v1/common.proto\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"p\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x95\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.llmserve.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x11.llmserve.v1.ChatH\x00\x12\x34\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x17\n\ndetokenize\x18\n \x01(\x08H\x02\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x0b \x01(\x08\x12\x0c\n\x04user\x18\x0c \x01(\t\x12\x10\n\x08priority\x18\r \x01(\x05\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenize\"R\n\x10TextTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"m\n\x11TextOutputLogprob\x12,\n\x05token\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.TextTokenLogprob\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.llmserve.v1.TextTokenLogprob\"\xdb\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.llmserve.v1.TextOutputLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"_\n\nPromptInfo\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.llmserve.v1.TextOutputLogprob\"C\n\x07Timings\x12\x16\n\x0e\x66irst_token_ns\x18\x01 \x01(\x04\x12\x0e\n\x06\x65\x32\x65_ns\x18\x02 \x01(\x04\x12\x10\n\x08queue_ns\x18\x03 \x01(\x04\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x13.llmserve.v1.Choice\x12\'\n\x06prompt\x18\x03 \x01(\x0b\x32\x17.llmserve.v1.PromptInfo\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.llmserve.v1.Timings\"\xb2\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.llmserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14return_token_strings\x18\x05 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"S\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rtoken_strings\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo2\xef\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/v1/generation.proto\x12\x0bllmserve.v1\x1a\x18llmserve/v1/common.proto\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"p\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbc\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.llmserve.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x11.llmserve.v1.ChatH\x00\x12\x34\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x17\n\ndetokenize\x18\n \x01(\x08H\x02\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x0b \x01(\x08\x12\x0c\n\x04user\x18\x0c \x01(\t\x12\x10\n\x08priority\x18\r \x01(\x05\x12%\n\x07grammar\x18\x0e \x01(\x0b\x32\x14.llmserve.v1.GrammarB\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenize\"R\n\x10TextTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"m\n\x11TextOutputLogprob\x12,\n\x05token\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.TextTokenLogprob\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.llmserve.v1.TextTokenLogprob\"\xdb\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.llmserve.v1.TextOutputLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"_\n\nPromptInfo\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.llmserve.v1.TextOutputLogprob\"C\n\x07Timings\x12\x16\n\x0e\x66irst_token_ns\x18\x01 \x01(\x04\x12\x0e\n\x06\x65\x32\x65_ns\x18\x02 \x01(\x04\x12\x10\n\x08queue_ns\x18\x03 \x01(\x04\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x13.llmserve.v1.Choice\x12\'\n\x06prompt\x18\x03 \x01(\x0b\x32\x17.llmserve.v1.PromptInfo\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.llmserve.v1.Timings\"\xb2\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.llmserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14return_token_strings\x18\x05 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"S\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rtoken_strings\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo2\xef\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,29 +39,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=259
   _globals['_TOKENIDS']._serialized_end=282
   _globals['_GENERATEREQUEST']._serialized_start=285
-  _globals['_GENERATEREQUEST']._serialized_end=690
-  _globals['_TEXTTOKENLOGPROB']._serialized_start=692
-  _globals['_TEXTTOKENLOGPROB']._serialized_end=774
-  _globals['_TEXTOUTPUTLOGPROB']._serialized_start=776
-  _globals['_TEXTOUTPUTLOGPROB']._serialized_end=885
-  _globals['_CHOICE']._serialized_start=888
-  _globals['_CHOICE']._serialized_end=1107
-  _globals['_PROMPTINFO']._serialized_start=1109
-  _globals['_PROMPTINFO']._serialized_end=1204
-  _globals['_TIMINGS']._serialized_start=1206
-  _globals['_TIMINGS']._serialized_end=1273
-  _globals['_GENERATERESPONSE']._serialized_start=1276
-  _globals['_GENERATERESPONSE']._serialized_end=1467
-  _globals['_TOKENIZEREQUEST']._serialized_start=1470
-  _globals['_TOKENIZEREQUEST']._serialized_end=1648
-  _globals['_TOKENIZERESPONSE']._serialized_start=1650
-  _globals['_TOKENIZERESPONSE']._serialized_end=1733
-  _globals['_LISTMODELSREQUEST']._serialized_start=1735
-  _globals['_LISTMODELSREQUEST']._serialized_end=1754
-  _globals['_MODELINFO']._serialized_start=1756
-  _globals['_MODELINFO']._serialized_end=1837
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1839
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1899
-  _globals['_GENERATION']._serialized_start=1902
-  _globals['_GENERATION']._serialized_end=2141
+  _globals['_GENERATEREQUEST']._serialized_end=729
+  _globals['_TEXTTOKENLOGPROB']._serialized_start=731
+  _globals['_TEXTTOKENLOGPROB']._serialized_end=813
+  _globals['_TEXTOUTPUTLOGPROB']._serialized_start=815
+  _globals['_TEXTOUTPUTLOGPROB']._serialized_end=924
+  _globals['_CHOICE']._serialized_start=927
+  _globals['_CHOICE']._serialized_end=1146
+  _globals['_PROMPTINFO']._serialized_start=1148
+  _globals['_PROMPTINFO']._serialized_end=1243
+  _globals['_TIMINGS']._serialized_start=1245
+  _globals['_TIMINGS']._serialized_end=1312
+  _globals['_GENERATERESPONSE']._serialized_start=1315
+  _globals['_GENERATERESPONSE']._serialized_end=1506
+  _globals['_TOKENIZEREQUEST']._serialized_start=1509
+  _globals['_TOKENIZEREQUEST']._serialized_end=1687
+  _globals['_TOKENIZERESPONSE']._serialized_start=1689
+  _globals['_TOKENIZERESPONSE']._serialized_end=1772
+  _globals['_LISTMODELSREQUEST']._serialized_start=1774
+  _globals['_LISTMODELSREQUEST']._serialized_end=1793
+  _globals['_MODELINFO']._serialized_start=1795
+  _globals['_MODELINFO']._serialized_end=1876
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1878
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1938
+  _globals['_GENERATION']._serialized_start=1941
+  _globals['_GENERATION']._serialized_end=2180
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling_params", "stop", "include_stop_str_in_output", "skip_special_tokens", "detokenize", "echo", "user", "priority")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling_params", "stop", "include_stop_str_in_output", "skip_special_tokens", "detokenize", "echo", "user", "priority", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class GenerateRequest(_message.Message):
     ECHO_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -59,7 +60,8 @@ class GenerateRequest(_message.Message):
     echo: bool
     user: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., detokenize: _Optional[bool] = ..., echo: _Optional[bool] = ..., user: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    grammar: _common_pb2.Grammar
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., detokenize: _Optional[bool] = ..., echo: _Optional[bool] = ..., user: _Optional[str] = ..., priority: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ...) -> None: ...
 
 class TextTokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "rank")

@@ -58,7 +58,7 @@ class GatewayMessage(_message.Message):
     def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "traceparent", "continuation", "stop", "decode_special_tokens", "timeout_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "traceparent", "continuation", "stop", "decode_special_tokens", "timeout_ms", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class AddRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     DECODE_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -79,7 +80,8 @@ class AddRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     decode_special_tokens: bool
     timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., decode_special_tokens: _Optional[bool] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    grammar: _common_pb2.Grammar
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., decode_special_tokens: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("choices",)

@@ -1,11 +1,23 @@
 from llmserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenMaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_MASK_KIND_UNSPECIFIED: _ClassVar[TokenMaskKind]
+    TOKEN_MASK_KIND_ALLOW: _ClassVar[TokenMaskKind]
+    TOKEN_MASK_KIND_DENY: _ClassVar[TokenMaskKind]
+    TOKEN_MASK_KIND_BITMAP: _ClassVar[TokenMaskKind]
+TOKEN_MASK_KIND_UNSPECIFIED: TokenMaskKind
+TOKEN_MASK_KIND_ALLOW: TokenMaskKind
+TOKEN_MASK_KIND_DENY: TokenMaskKind
+TOKEN_MASK_KIND_BITMAP: TokenMaskKind
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -116,7 +128,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent")
+    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent", "token_masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +138,7 @@ class ExecuteRequest(_message.Message):
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cached_seqs: CachedSequences
@@ -135,7 +148,22 @@ class ExecuteRequest(_message.Message):
     blocks_to_swap_in: BlockMapping
     blocks_to_copy: BlockMapping
     traceparent: str
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+
+class TokenMask(_message.Message):
+    __slots__ = ("seq_id", "kind", "vocab_size", "token_ids", "bitmap")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BITMAP_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    kind: TokenMaskKind
+    vocab_size: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bitmap: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., kind: _Optional[_Union[TokenMaskKind, str]] = ..., vocab_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., bitmap: _Optional[bytes] = ...) -> None: ...
 
 class SequenceOutputs(_message.Message):
     __slots__ = ("seq_ids", "num_samples", "sample_token_ids", "sample_logprobs", "sample_ranks", "num_top_logprobs", "top_token_ids", "top_logprobs", "top_ranks")

@@ -19,12 +19,14 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
     CachedSequence,
     Fork,
+    MaskKind,
     NewSequence,
     PromptLogprob,
     SequenceOutput,
     StepInput,
     StepResult,
     TokenLogprob,
+    TokenMask,
 )
 from llmserve.v1 import common_pb2, worker_pb2
 
@@ -79,6 +81,19 @@ new_seq = st.builds(
     sampling_params=sampling_params,
 )
 cached_seq = st.builds(CachedSequence, st.integers(0, 2**63), ids, u32, ids, small)
+token_mask = st.one_of(
+    st.builds(
+        TokenMask, st.integers(0, 2**63), st.sampled_from([MaskKind.ALLOW, MaskKind.DENY]), u32, ids
+    ),
+    st.builds(
+        TokenMask,
+        st.integers(0, 2**63),
+        st.just(MaskKind.BITMAP),
+        u32,
+        st.just([]),
+        st.binary(max_size=64),
+    ),
+)
 step_input = st.builds(
     StepInput,
     step_id=st.integers(0, 2**64 - 1),
@@ -89,6 +104,7 @@ step_input = st.builds(
     blocks_to_swap_out=pairs,
     blocks_to_swap_in=pairs,
     blocks_to_copy=pairs,
+    token_masks=st.lists(token_mask, max_size=3),
 )
 prompt_logprob = st.builds(PromptLogprob, small, token_logprob, st.lists(token_logprob, max_size=3))
 
@@ -207,3 +223,22 @@ def test_decode_step_and_result_bytes_for_256_sequences() -> None:
     # each way (seq id 3, token 3, block offset 4, three one-byte counts) plus packing overhead.
     assert step_input_to_proto(decode_step(256, 1000)).ByteSize() == 3097
     assert step_result_to_proto(decode_result(256)).ByteSize() == 2847
+
+
+def test_a_token_mask_of_unknown_kind_is_refused() -> None:
+    msg = step_input_to_proto(StepInput(1))
+    msg.token_masks.add(seq_id=3, kind=9, vocab_size=10)
+    with pytest.raises(ValueError, match="unknown kind"):
+        step_input_from_proto(msg)
+
+
+def test_grammar_round_trip_and_unknown_kind() -> None:
+    from llmserve.grammar.spec import GrammarSpec
+    from llmserve.proto_convert import grammar_from_proto, grammar_to_proto
+
+    spec = GrammarSpec.regex("[0-9]+", "structured_outputs.regex")
+    assert grammar_from_proto(_wire(grammar_to_proto(spec))) == spec
+    with pytest.raises(FieldError, match="grammar.kind"):
+        grammar_from_proto(common_pb2.Grammar(kind=42, source="x"))
+    with pytest.raises(FieldError, match="response_format.source"):
+        grammar_from_proto(common_pb2.Grammar(kind=1, field="response_format"))

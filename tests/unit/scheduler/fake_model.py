@@ -18,6 +18,7 @@ from llmserve.steps import (
     StepInput,
     StepResult,
     TokenLogprob,
+    TokenMask,
 )
 
 _MASK = (1 << 61) - 1
@@ -54,6 +55,7 @@ class FakeModel:
         self.num_steps = 0
         self.num_computed_tokens = 0
         self.num_placeholders = 0
+        self.num_masked_rows = 0
 
     # -- the model's "distribution" -------------------------------------------------------
 
@@ -69,8 +71,12 @@ class FakeModel:
             for j in range(k)
         ]
 
-    def _sample(self, h: int, seq_index: int) -> TokenLogprob:
-        token = _mix(h, 1000 + seq_index) % self.vocab_size
+    def _sample(self, h: int, seq_index: int, allowed: list[int] | None = None) -> TokenLogprob:
+        """A token drawn from the whole vocabulary, or from `allowed` (a token mask)."""
+        if allowed is None:
+            token = _mix(h, 1000 + seq_index) % self.vocab_size
+        else:
+            token = allowed[_mix(h, 1000 + seq_index) % len(allowed)]
         return TokenLogprob(token, self._logprob(h, token), 1)
 
     def _beam_candidates(self, h: int, width: int) -> list[TokenLogprob]:
@@ -86,6 +92,8 @@ class FakeModel:
 
     def execute(self, step: StepInput) -> StepResult:
         self.num_steps += 1
+        masks = {m.seq_id: m for m in step.token_masks}
+        self.num_masked_rows += len(masks)
         for seq_id in step.freed_seq_ids:
             del self.seqs[seq_id]
         for fork in step.forks:
@@ -144,11 +152,12 @@ class FakeModel:
             start = st.num_computed
             st.num_computed += num
             assert st.num_computed <= len(st.tokens)
-            out = self._outputs(seq_id, st, start)
+            out = self._outputs(seq_id, st, start, masks.pop(seq_id, None))
             samples = [] if out is None else out.samples
             st.last_sampled = samples[0].token_id if len(samples) == 1 else None
             if out is not None:
                 outputs.append(out)
+        assert not masks, f"token masks for sequences that do not sample: {sorted(masks)}"
         return StepResult(step.step_id, outputs)
 
     def _context_hash(self, st: _SeqState, length: int) -> int:
@@ -159,7 +168,9 @@ class FakeModel:
             h = _mix(h, -1 if slot is None else slot)
         return h
 
-    def _outputs(self, seq_id: int, st: _SeqState, start: int) -> SequenceOutput | None:
+    def _outputs(
+        self, seq_id: int, st: _SeqState, start: int, mask: TokenMask | None = None
+    ) -> SequenceOutput | None:
         params = st.params
         prompt_lps: list[PromptLogprob] = []
         if params.prompt_logprobs is not None:
@@ -177,11 +188,16 @@ class FakeModel:
             return SequenceOutput(seq_id, [], [], prompt_lps) if prompt_lps else None
         h = self._context_hash(st, len(st.tokens))
         first = len(st.tokens) == st.num_prompt_tokens
+        allowed = None
+        if mask is not None:
+            allowed = [t for t in mask.allowed_ids() if t < self.vocab_size]
+            assert allowed, f"the mask of seq {seq_id} allows nothing"
         if params.use_beam_search:
+            assert allowed is None, "the fake model has no masked beam search"
             samples = self._beam_candidates(h, 2 * params.num_sampled)
         elif first and params.num_sampled > 1:
-            samples = [self._sample(h, i) for i in range(params.num_sampled)]
+            samples = [self._sample(h, i, allowed) for i in range(params.num_sampled)]
         else:
-            samples = [self._sample(h, st.seq_index)]
+            samples = [self._sample(h, st.seq_index, allowed)]
         top = self._top(h, params.logprobs) if params.logprobs else []
         return SequenceOutput(seq_id, samples, top, prompt_lps)

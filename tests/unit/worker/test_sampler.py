@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
+from llmserve.steps import MaskKind, TokenMask
 from worker_service.sampler import Sampler, SamplingRow, _top_k_top_p, prompt_logprobs
 
 V = 10
@@ -238,3 +239,68 @@ def test_top_k_top_p_keep_the_same_tokens_whether_the_nucleus_is_narrow_or_wide(
     for i, (logits, top_k, top_p) in enumerate(cases):
         kept = set(torch.isfinite(filtered[i]).nonzero()[:, 0].tolist())
         assert kept == _sorted_top_k_top_p(logits, top_k, top_p), i
+
+
+# -- token masks (structured output) ---------------------------------------------------------
+
+
+def masked(params: SamplingParams, mask: TokenMask) -> SamplingRow:
+    return SamplingRow(params, 0, [1, 2, 3], 3, mask)
+
+
+def bitmap_of(ids: list[int]) -> bytes:
+    b = bytearray(4)
+    for t in ids:
+        b[t >> 3] |= 1 << (t & 7)
+    return bytes(b)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        TokenMask(0, MaskKind.ALLOW, V, [2, 5]),
+        TokenMask(0, MaskKind.DENY, V, [0, 1, 3, 4, 6, 7, 8, 9]),
+        TokenMask(0, MaskKind.BITMAP, V, bitmap=bitmap_of([2, 5])),
+    ],
+)
+def test_every_mask_encoding_limits_greedy_and_random_draws(mask: TokenMask) -> None:
+    logits = torch.tensor([logits_row(1.0, 9.0, 2.0, 8.0, 0.0, 1.5)])  # argmax 1, masked out
+    (greedy,) = sampler().sample(logits, [masked(SamplingParams(temperature=0.0), mask)])
+    assert greedy.samples[0].token_id == 2
+    s = sampler()
+    drawn = {
+        s.sample(logits, [masked(SamplingParams(temperature=5.0), mask)])[0].samples[0].token_id
+        for _ in range(60)
+    }
+    assert drawn == {2, 5}
+    # Logprobs stay those of the raw distribution (as for every other adjustment).
+    assert math.isclose(
+        greedy.samples[0].logprob, torch.log_softmax(logits[0], -1)[2].item(), abs_tol=1e-6
+    )
+
+
+def test_mask_applies_before_penalties_and_top_k() -> None:
+    # Token 1 is the best but masked; top_k=1 must then keep token 3 (the best allowed), not
+    # drop every allowed token because the unmasked best was outside the mask.
+    logits = torch.tensor([logits_row(1.0, 9.0, 2.0, 8.0)])
+    mask = TokenMask(0, MaskKind.ALLOW, V, [2, 3])
+    params = SamplingParams(temperature=1.0, top_k=1, repetition_penalty=1.5, seed=3)
+    for _ in range(5):
+        (res,) = sampler().sample(logits, [masked(params, mask)])
+        assert res.samples[0].token_id == 3
+
+
+def test_tokens_beyond_the_grammar_vocabulary_are_refused() -> None:
+    # A model's padded vocabulary: the grammar knows 4 tokens, the logits have 10.
+    logits = torch.tensor([logits_row(0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 9.0)])
+    mask = TokenMask(0, MaskKind.DENY, 4, [])
+    (res,) = sampler().sample(logits, [masked(SamplingParams(temperature=0.0), mask)])
+    assert res.samples[0].token_id == 3
+
+
+def test_a_mask_that_allows_nothing_is_refused() -> None:
+    logits = torch.tensor([logits_row(1.0)])
+    with pytest.raises(ValueError, match="allows no token"):
+        sampler().sample(
+            logits, [masked(SamplingParams(temperature=0.0), TokenMask(0, MaskKind.ALLOW, V, []))]
+        )

@@ -1,0 +1,139 @@
+"""Grammar state owned by the scheduler (structured output).
+
+Each sequence of a constrained request holds a `SequenceGrammar`: a matcher advanced on every
+token the scheduler appends to the sequence (sampled or forced), copied when the sequence
+forks, and rebuilt by replaying the sequence's output when the request is imported (migration,
+recompute elsewhere, a re-submitted continuation after a scheduler restart). So a killed
+worker, a preemption or a restart never lose the grammar's position: it is a function of the
+tokens, and the scheduler holds every token.
+
+Compilation runs in a background thread (`GrammarCompiler`): prefill starts at once and the
+grammar is waited for only when the sequence first samples. Tokens appended before it is
+ready (a continuation's) are kept and replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from llmserve.grammar.backend import CompiledGrammar, GrammarError, GrammarMatcher
+from llmserve.grammar.cache import GrammarCache
+from llmserve.grammar.masks import encode_mask
+from llmserve.grammar.spec import GrammarSpec
+from llmserve.steps import TokenMask
+
+
+class GrammarCompiler:
+    """Compiles specs off the scheduler's loop, through one cache for the whole fleet."""
+
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], Any],
+        cache: GrammarCache,
+        on_error: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.cache = cache
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._on_error = on_error
+
+    def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        return self._pool.submit(self._compile, spec)
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        try:
+            tokenizer = self._load_tokenizer()
+        except Exception as exc:  # the model's tokenizer files are not reachable here
+            self._on_error()
+            raise GrammarError(
+                spec.field, f"the model's tokenizer cannot be loaded: {exc}"
+            ) from exc
+        try:
+            return self.cache.get(tokenizer, spec)
+        except GrammarError:
+            self._on_error()
+            raise
+
+
+class GrammarTimings:
+    """Mask computation time, for metrics and for what the worker waits on."""
+
+    __slots__ = ("mask_seconds", "num_masks", "num_forced")
+
+    def __init__(self) -> None:
+        self.mask_seconds = 0.0
+        self.num_masks = 0
+        self.num_forced = 0
+
+
+class SequenceGrammar:
+    """One sequence's matcher, or (until compilation ends) the tokens it will replay."""
+
+    __slots__ = ("_compiled", "_matcher", "_pending")
+
+    def __init__(self, compiled: Future[CompiledGrammar], replay: list[int]) -> None:
+        self._compiled = compiled
+        self._matcher: GrammarMatcher | None = None
+        self._pending = list(replay)
+
+    def is_ready(self) -> bool:
+        return self._matcher is not None or self._compiled.done()
+
+    def failure(self) -> BaseException | None:
+        """Why the grammar did not compile (None: it did). Call once `is_ready()`."""
+        return None if self._matcher is not None else self._compiled.exception()
+
+    def matcher(self) -> GrammarMatcher:
+        """The matcher, after waiting for compilation and replaying what came before it.
+        Raises `GrammarError` when the grammar does not compile or refuses the replay."""
+        if self._matcher is None:
+            matcher = self._compiled.result().matcher()
+            for token_id in self._pending:
+                if not matcher.accept(token_id):
+                    raise GrammarError(
+                        "grammar", f"the output so far does not match: {matcher.error()}"
+                    )
+            self._pending = []
+            self._matcher = matcher
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over an appended token. False: the grammar refuses it."""
+        if self._matcher is None and not self._compiled.done():
+            self._pending.append(token_id)
+            return True
+        return self.matcher().accept(token_id)
+
+    def is_terminated(self) -> bool:
+        return self._matcher is not None and self._matcher.is_terminated()
+
+    def error(self) -> str:
+        return "" if self._matcher is None else self._matcher.error()
+
+    def mask(self, seq_id: int) -> TokenMask:
+        return encode_mask(seq_id, self.matcher().bitmask(), self._compiled.result().vocab_size)
+
+    def forced_tokens(self) -> list[int]:
+        return self.matcher().forced_tokens()
+
+    def fork(self) -> SequenceGrammar:
+        child = SequenceGrammar(self._compiled, self._pending)
+        if self._matcher is not None:
+            child._matcher = self._matcher.copy()
+        return child
+
+
+_default_cache: GrammarCache | None = None
+
+
+def default_grammar_cache() -> GrammarCache:
+    """The process's compile cache (llguidance), shared by every replica: a grammar is
+    compiled once per tokenizer for the whole fleet."""
+    global _default_cache
+    if _default_cache is None:
+        from llmserve.grammar.llguidance_backend import LLGuidanceBackend
+
+        _default_cache = GrammarCache(LLGuidanceBackend)
+    return _default_cache

