@@ -30,8 +30,10 @@ from gateway.admission import Admission
 from gateway.request_spans import set_request_attributes, set_response_attributes
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenization import Tokenization, check_unicode
+from gateway.tools import ToolRequest
 from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.errors import FieldError, ModelNotFoundError, UnavailableError
+from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import RequestLimits, check_prompt_tokens, check_sampling, check_stop
 from llmserve.logs import get_logger
 from llmserve.priority import check_priority
@@ -71,6 +73,10 @@ class GenerationInput:
     timeout_s: float | None = None
     # Scheduling priority: lower is served first (vLLM's convention).
     priority: int = 0
+    # What the output must match (structured output); checked at admission.
+    grammar: GrammarSpec | None = None
+    # Chat tools in the generic format (their envelope is `grammar`); None: no tool calls.
+    tools: ToolRequest | None = None
 
     def __post_init__(self) -> None:
         check_priority(self.priority)
@@ -299,7 +305,7 @@ class GenerationCore:
         stream = self.scheduler.submit(
             inp.request_id, inp.prompt.token_ids, params, self.tokenization.eos_token_id,
             current_traceparent(), inp.priority, inp.text.stop,
-            not inp.text.skip_special_tokens, timeout_s=inp.timeout_s,
+            not inp.text.skip_special_tokens, timeout_s=inp.timeout_s, grammar=inp.grammar,
         )
         try:
             first = True

@@ -17,8 +17,9 @@ from gateway.generation import (
     TokenInfo,
 )
 from gateway.prompts import chat_prompt, text_prompt
+from gateway.structured_outputs import check_admissible
 from llmserve.errors import FieldError
-from llmserve.proto_convert import sampling_params_from_proto
+from llmserve.proto_convert import grammar_from_proto, sampling_params_from_proto
 from llmserve.telemetry import context_from_metadata
 from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -76,9 +77,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
             detokenize=request.detokenize if request.HasField("detokenize") else True,
         )
+        grammar = None
+        if request.HasField("grammar"):
+            grammar = grammar_from_proto(request.grammar, "grammar")
+            await check_admissible(grammar, core.limits)
         request_id = request.request_id or core.new_request_id("grpc")
         inp = GenerationInput(request_id, prompt, params, options, priority=request.priority,
-                              timeout_s=core.timeout_for(context.time_remaining()))
+                              timeout_s=core.timeout_for(context.time_remaining()),
+                              grammar=grammar)
         parent = context_from_metadata(context.invocation_metadata())
         first = True
         async for update in core.generate(inp, parent):

@@ -43,6 +43,11 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     # Lower is served first; checked as an int32 by GenerationInput (a FieldError naming it).
     priority: int = 0
+    # Structured output: OpenAI's response_format ({"type": "json_object"} or
+    # {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}) and vLLM's
+    # structured_outputs (one of json, regex, choice, grammar).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -64,6 +69,10 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls ({"id", "type": "function", "function": {"name",
+    # "arguments"}}), and the call a "tool" turn answers.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -81,7 +90,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ErrorBody(BaseModel):
@@ -146,7 +156,8 @@ class ChatChoiceLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

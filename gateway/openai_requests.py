@@ -7,9 +7,12 @@ import uuid
 from typing import Any
 
 from gateway.generation import GenerationCore, GenerationInput, Prompt, TextOptions
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.prompts import chat_prompt, text_prompt
+from gateway.structured_outputs import check_admissible, grammar_of
+from gateway.tools import parse_tools, render_messages
 from llmserve.errors import FieldError
+from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import check_prompt_count
 from llmserve.sampling_params import SamplingParams
 
@@ -20,6 +23,8 @@ async def completion_inputs(core: GenerationCore, body: CompletionRequest
     core.check_model(body.model)
     if body.suffix:
         raise FieldError("suffix", "is not supported")
+    grammar = await _checked_grammar(core, grammar_of(body.response_format,
+                                                      body.structured_outputs))
     response_id = f"cmpl-{uuid.uuid4().hex}"
     inputs = []
     for i, prompt in enumerate(await _completion_prompts(core, body.prompt)):
@@ -29,21 +34,22 @@ async def completion_inputs(core: GenerationCore, body: CompletionRequest
         inputs.append(GenerationInput(f"{response_id}-{i}", prompt, params,
                                       _text_options(core, body, params), "text_completion",
                                       timeout_s=core.timeout_for(None),
-                                      priority=body.priority))
+                                      priority=body.priority, grammar=grammar))
     return inputs
 
 
 async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> GenerationInput:
     """The input of a /v1/chat/completions body; id `chatcmpl-<hex>`."""
     core.check_model(body.model)
-    if body.tools:
-        raise FieldError("tools", "tool calling is not supported")
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise FieldError("response_format", "only {'type': 'text'} is supported")
-    messages = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-        for m in body.messages
-    ]
+    tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, core.limits)
+    grammar = grammar_of(body.response_format, body.structured_outputs)
+    if tools is not None:
+        if grammar is not None:
+            raise FieldError(grammar.field, "cannot be combined with tools (unless "
+                             "tool_choice is none)")
+        grammar = tools.grammar()
+    grammar = await _checked_grammar(core, grammar)
+    messages = render_messages([_message(m) for m in body.messages], tools)
     prompt = await chat_prompt(core, messages, body.add_generation_prompt, "messages")
     max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
@@ -54,7 +60,26 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
     params = _sampling_params(core, body, prompt, max_tokens, field, logprobs, None)
     return GenerationInput(f"chatcmpl-{uuid.uuid4().hex}", prompt, params,
                            _text_options(core, body, params), "chat",
-                           timeout_s=core.timeout_for(None), priority=body.priority)
+                           timeout_s=core.timeout_for(None), priority=body.priority,
+                           grammar=grammar, tools=tools)
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+async def _checked_grammar(core: GenerationCore, spec: GrammarSpec | None
+                           ) -> GrammarSpec | None:
+    if spec is not None:
+        await check_admissible(spec, core.limits)
+    return spec
 
 
 async def _completion_prompts(core: GenerationCore, prompt: Any) -> list[Prompt]:

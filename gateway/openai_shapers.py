@@ -7,6 +7,7 @@ import abc
 from typing import Any
 
 from gateway.generation import ChoiceUpdate, GenerationCore, GenerationInput, LogprobEntry, Usage
+from gateway.tools import ToolCallDelta, ToolCallStream
 from llmserve.v1 import common_pb2
 
 PromptLogprobs = list[LogprobEntry | None]
@@ -16,6 +17,9 @@ def usage_dict(usage: Usage) -> dict[str, int]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens}
 
+
+# A chat choice that stopped after tool calls (OpenAI's name; the scheduler's reason is STOP).
+TOOL_CALLS_FINISH = "tool_calls"
 
 # common.proto's FinishReason as OpenAI's `finish_reason`: the one mapping. OpenAI has no
 # "abort" (vLLM sends it; a request only ends that way when its client went away) and no
@@ -48,7 +52,8 @@ class Shaper(abc.ABC):
         """SSE chunks for one update of prompt `i`, one per choice."""
         out = []
         for c in choices:
-            choice = {**self.chunk_choice(i, c, prompt_logprobs), **_ending(c)}
+            choice = {**self.chunk_choice(i, c, prompt_logprobs),
+                      **self.ending(i * self.n + c.index, c)}
             chunk = {**self.envelope(self.chunk_name), "choices": [choice]}
             if include_usage:
                 chunk["usage"] = None
@@ -70,9 +75,13 @@ class Shaper(abc.ABC):
                                   [t for p in parts for t in p.token_ids], logprobs)
             i = key // self.n
             result.append({**self.full_choice(i, key, joined, prompt_logprobs.get(i)),
-                           **_ending(parts[-1])})
+                           **self.ending(key, parts[-1])})
         return {**self.envelope(self.object_name), "choices": result,
                 "usage": usage_dict(usage)}
+
+    def ending(self, key: int, c: ChoiceUpdate) -> dict[str, Any]:
+        """The finish and stop reasons of choice `key` (after its text was shaped)."""
+        return _ending(c)
 
     @abc.abstractmethod
     def chunk_choice(self, i: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
@@ -174,3 +183,51 @@ def _chat_logprobs(entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
     return {"content": [
         {**token(e.token), "top_logprobs": [token(t) for t in e.top]} for e in entries
     ]}
+
+
+class ToolChatShaper(ChatShaper):
+    """A chat with tools (the generic envelope, gateway/tools.py): calls come out as
+    `message.tool_calls` / streamed `delta.tool_calls`, text answers as content, and a
+    choice that made calls finishes with "tool_calls"."""
+
+    def __init__(self, core: GenerationCore, response_id: str, created: int, n: int) -> None:
+        super().__init__(core, response_id, created, n)
+        self.streams: dict[int, ToolCallStream] = {}
+
+    def chunk_choice(self, i: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
+                     ) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if c.index not in self.started:
+            self.started.add(c.index)
+            delta["role"] = "assistant"
+        content, calls = self.streams.setdefault(c.index, ToolCallStream()).feed(c.text)
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [_call_delta(d) for d in calls]
+        return {"index": c.index, "delta": delta, "logprobs": _chat_logprobs(c.logprobs)}
+
+    def full_choice(self, i: int, key: int, c: ChoiceUpdate,
+                    prompt_logprobs: PromptLogprobs | None) -> dict[str, Any]:
+        stream = self.streams[key] = ToolCallStream()
+        content, _ = stream.feed(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if stream.calls:
+            message["tool_calls"] = stream.calls
+        elif not content:
+            message["content"] = ""
+        return {"index": key, "message": message, "logprobs": _chat_logprobs(c.logprobs)}
+
+    def ending(self, key: int, c: ChoiceUpdate) -> dict[str, Any]:
+        out = _ending(c)
+        stream = self.streams.get(key)  # a chat has one prompt: key == choice index
+        if c.finish_reason == common_pb2.FINISH_REASON_STOP and stream and stream.calls:
+            out["finish_reason"] = TOOL_CALLS_FINISH
+        return out
+
+
+def _call_delta(d: ToolCallDelta) -> dict[str, Any]:
+    if d.id is None:
+        return {"index": d.index, "function": {"arguments": d.arguments}}
+    return {"index": d.index, "id": d.id, "type": "function",
+            "function": {"name": d.name, "arguments": d.arguments}}

@@ -42,6 +42,13 @@ class RequestLimits:
     max_prompts_per_request: int = 32
     # Bytes of one HTTP request body.
     max_body_bytes: int = 4 * 1024 * 1024
+    # Structured output: bytes of a grammar (a JSON schema, regex, choice list, Lark or GBNF
+    # text, or the schema built from `tools`), tools per request, and the milliseconds its
+    # admission check (a compile without the tokenizer) may take before the request is
+    # refused with 429.
+    max_grammar_bytes: int = 64 * 1024
+    max_tools: int = 64
+    max_grammar_check_ms: int = 2000
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -45,6 +45,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--forced-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="structured output: append the tokens a grammar forces as inputs of the next "
+        "step instead of sampling them one at a time",
+    )
     p.add_argument("--watermark", type=float, default=0.01)
     p.add_argument(
         "--async-scheduling",
@@ -144,6 +151,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
             max_model_len=args.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             preemption_mode=mode,
+            enable_forced_tokens=args.forced_tokens,
         ),
         watermark=args.watermark,
         enable_prefix_caching=args.enable_prefix_caching,

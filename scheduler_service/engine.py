@@ -147,6 +147,11 @@ class LLMEngine:
         for seq in group.get_unfinished_seqs():
             seq.start_text_stop(self._tokenizer, stops)
 
+    def warm_grammars(self) -> None:
+        """Prepare grammar compilation (the tokenizer and its backend) in the background."""
+        if self._grammars is not None:
+            self._grammars.warm()
+
     def _start_grammars(self, group: SequenceGroup) -> None:
         """Give each unfinished sequence of a constrained group a matcher that replays its
         output so far (nothing for a new request) once the grammar is compiled."""

@@ -14,6 +14,7 @@ ready (a continuation's) are kept and replayed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -38,6 +39,16 @@ class GrammarCompiler:
         self.cache = cache
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._on_error = on_error
+
+    def warm(self) -> None:
+        """Load the tokenizer and build its backend in the background now, so the first
+        constrained request does not wait for them (seconds) on the scheduler's loop."""
+        self._pool.submit(self._warm)
+
+    def _warm(self) -> None:
+        # A failure is reported by the first request that needs the tokenizer.
+        with contextlib.suppress(Exception):
+            self.cache.backend(self._load_tokenizer())
 
     def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
         return self._pool.submit(self._compile, spec)

@@ -247,6 +247,7 @@ class Replica:
         self.engine = LLMEngine(
             scheduler_config, cache_config, UNUSED_EXECUTOR, tokenizer_loader(info.model)
         )
+        self.engine.warm_grammars()
         self.tracer = ReplicaTracer(self.replica_id, info.block_size)
         log.info(
             "replica ready",

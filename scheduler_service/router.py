@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from llmserve.errors import AlreadyExistsError, ApiError, DeadlineExceededError, FieldError
+from llmserve.grammar.spec import GrammarSpec
 from llmserve.logs import get_logger
-from llmserve.proto_convert import sampling_params_from_proto
+from llmserve.proto_convert import grammar_from_proto, sampling_params_from_proto
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.v1 import scheduler_pb2
 from scheduler_service import metrics
@@ -71,6 +72,7 @@ class _Route:
     trace_id: str | None = None
     priority: int = 0
     stop_strings: StopStrings | None = None
+    grammar: GrammarSpec | None = None
 
 
 class Router:
@@ -134,6 +136,7 @@ class Router:
             stop_strings=StopStrings(tuple(add.stop), not add.decode_special_tokens)
             if add.stop
             else None,
+            grammar=grammar_from_proto(add.grammar) if add.HasField("grammar") else None,
         )
         if add.HasField("continuation"):
             route.sent = continued_choices(add.continuation, params)
@@ -167,6 +170,7 @@ class Router:
             list(route.sent.values()),
             route.priority,
             route.stop_strings,
+            route.grammar,
         )
 
     def abort(self, stream: GatewayStream, request_id: str) -> None:

@@ -18,6 +18,7 @@ from gateway.generation import GenerationCore
 from gateway.openai_api import build_app
 from gateway.tokenization import Tokenization
 from llmserve.errors import from_status_value
+from llmserve.grammar.spec import GrammarSpec
 from llmserve.sampling_params import SamplingParams
 from llmserve.security import KeySet
 from llmserve.v1 import common_pb2, scheduler_pb2
@@ -31,6 +32,7 @@ class Submitted:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    grammar: GrammarSpec | None = None
 
 
 @dataclass
@@ -53,9 +55,9 @@ class FakeScheduler:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         eos_token_id: int | None, traceparent: str = "", priority: int = 0,
         stop: Sequence[str] = (), decode_special_tokens: bool = False,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, grammar: GrammarSpec | None = None,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
-        self.submitted.append(Submitted(request_id, prompt_token_ids, params))
+        self.submitted.append(Submitted(request_id, prompt_token_ids, params, grammar))
         if isinstance(self.error, BaseException):
             raise self.error
         if self.error is not None:

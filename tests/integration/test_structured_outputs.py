@@ -1,0 +1,242 @@
+"""Structured output and tool calling through the official OpenAI SDK, against a live stack
+(worker on the embedded SmolLM2, scheduler, gateway as real processes). Every output is
+checked against its schema with `jsonschema`, greedy and at temperature 1.0."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from enum import StrEnum
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.support.stack import RunningStack, start_stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
+
+MODEL = "smollm2"
+WORKER_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "0.1", "--num-threads", "1"]
+SAMPLINGS = [pytest.param({"temperature": 0.0}, id="greedy"),
+             pytest.param({"temperature": 1.0, "seed": 3}, id="t1")]
+
+
+class Colour(StrEnum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=24)
+    zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    favourite: Colour
+    address: Address
+    hobbies: list[str] = Field(max_length=3)
+    nickname: str | None = Field(max_length=16)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 30}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris? Use a tool."}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    running = start_stack(MODEL, tmp_path_factory.mktemp("structured-logs"),
+                          worker_args=WORKER_ARGS)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: RunningStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0,
+                         timeout=300)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_parse_with_a_pydantic_model(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
+    completion = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person who lives in Lyon as JSON."}],
+        response_format=Person, max_tokens=400, **sampling,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Person)
+    jsonschema.validate(json.loads(choice.message.content), Person.model_json_schema())
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_json_object(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give a JSON object with a name."}],
+        response_format={"type": "json_object"}, max_tokens=300, **sampling,
+    )
+    choice = completion.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # cut by max_tokens: still a prefix of an object
+        assert choice.finish_reason == "length"
+        assert choice.message.content.startswith("{")
+
+
+def stream_tool_calls(client: openai.OpenAI, **kwargs: Any) -> tuple[dict[int, dict], str, str]:
+    calls: dict[int, dict] = {}
+    content, finish = "", ""
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, stream=True,
+                                            max_tokens=200, tools=[WEATHER, TIME], **kwargs)
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                if tc.id is not None:
+                    assert call["id"] is None, "id sent twice"
+                    call["id"] = tc.id
+                    assert tc.type == "function"
+                if tc.function.name is not None:
+                    assert call["name"] is None, "name sent twice"
+                    call["name"] = tc.function.name
+                call["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return calls, content, finish
+
+
+def check_call(call: dict[str, Any]) -> None:
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call["name"]]
+    assert call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_streamed_required_tool_call(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
+    calls, content, finish = stream_tool_calls(client, tool_choice="required", **sampling)
+    assert finish == "tool_calls" and content == ""
+    assert calls
+    for call in calls.values():
+        check_call(call)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_streamed_named_tool_call(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
+    calls, _, finish = stream_tool_calls(
+        client, tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False, **sampling)
+    assert finish == "tool_calls"
+    assert [c["name"] for c in calls.values()] == ["get_time"]
+    check_call(calls[0])
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_auto_gives_text_or_a_call(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
+    completion = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=200,
+        **sampling)
+    choice = completion.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        for tc in choice.message.tool_calls:
+            check_call({"id": tc.id, "name": tc.function.name,
+                        "arguments": tc.function.arguments})
+    else:
+        assert choice.finish_reason in ("stop", "length")
+        assert isinstance(choice.message.content, str)
+
+
+def test_tool_results_are_rendered_into_the_prompt(client: openai.OpenAI) -> None:
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather",
+                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]
+    completion = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=60, temperature=0.0)
+    assert completion.usage.prompt_tokens > 60  # the tool schema, the call and its result
+    assert completion.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_regex_and_choice_through_extra_body(client: openai.OpenAI,
+                                             sampling: dict[str, Any]) -> None:
+    regex = r"[0-9]{3}-[A-Z]{2}"
+    out = client.completions.create(
+        model=MODEL, prompt="A code:", max_tokens=20,
+        extra_body={"structured_outputs": {"regex": regex}}, **sampling)
+    assert re.fullmatch(regex, out.choices[0].text)
+    assert out.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=10,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe not"]}}, **sampling)
+    assert chat.choices[0].message.content in ("yes", "no", "maybe not")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"not": {}}}}}}},
+         "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "format": "bogus-format"}}}},
+         "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                     "schema": [1, 2]}}},
+         "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: nothing_defined"}},
+         "structured_outputs.grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                              "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+    ],
+)
+def test_bad_grammars_are_400_naming_the_field(client: openai.OpenAI, body: dict[str, Any],
+                                               param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
+                                       extra_body=body)
+    assert exc.value.body["param"] == param, exc.value.body
