@@ -21,8 +21,9 @@ from llmserve.limits import RequestLimits
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar")
 
 
-def grammar_of(response_format: dict[str, Any] | None,
-               structured_outputs: dict[str, Any] | None) -> GrammarSpec | None:
+def grammar_of(
+    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+) -> GrammarSpec | None:
     """The request's grammar (None: free text). Raises FieldError naming the field."""
     spec = _from_response_format(response_format)
     extra = _from_structured_outputs(structured_outputs)
@@ -71,8 +72,9 @@ def _from_structured_outputs(so: dict[str, Any] | None) -> GrammarSpec | None:
     if not given:
         return None
     if len(given) > 1:
-        raise FieldError("structured_outputs", f"one of {', '.join(_STRUCTURED_KEYS)}, got "
-                         f"{', '.join(given)}")
+        raise FieldError(
+            "structured_outputs", f"one of {', '.join(_STRUCTURED_KEYS)}, got {', '.join(given)}"
+        )
     key = given[0]
     field = f"structured_outputs.{key}"
     value = so[key]
@@ -90,14 +92,20 @@ async def check_admissible(spec: GrammarSpec, limits: RequestLimits) -> None:
     meanwhile), bounded by --max-grammar-check-ms (429: the server is busy with it)."""
     size = len(spec.source.encode())
     if size > limits.max_grammar_bytes:
-        raise FieldError(spec.field, f"{size} bytes is over this server's limit of "
-                         f"{limits.max_grammar_bytes} (--max-grammar-bytes)")
+        raise FieldError(
+            spec.field,
+            f"{size} bytes is over this server's limit of "
+            f"{limits.max_grammar_bytes} (--max-grammar-bytes)",
+        )
     try:
-        await asyncio.wait_for(asyncio.to_thread(check_grammar, spec),
-                               limits.max_grammar_check_ms / 1000)
+        await asyncio.wait_for(
+            asyncio.to_thread(check_grammar, spec), limits.max_grammar_check_ms / 1000
+        )
     except GrammarError as exc:
         raise FieldError(exc.field, exc.detail) from None
     except TimeoutError:
         raise ResourceExhaustedError(
             f"{spec.field}: the grammar took longer than {limits.max_grammar_check_ms} ms to "
-            "check (--max-grammar-check-ms)", spec.field) from None
+            "check (--max-grammar-check-ms)",
+            spec.field,
+        ) from None

@@ -97,8 +97,10 @@ def parse_tools(
             raise FieldError("tool_choice", "needs tools")
         return None
     if len(tools) > limits.max_tools:
-        raise FieldError("tools", f"{len(tools)} tools is over this server's limit of "
-                         f"{limits.max_tools} (--max-tools)")
+        raise FieldError(
+            "tools",
+            f"{len(tools)} tools is over this server's limit of {limits.max_tools} (--max-tools)",
+        )
     parsed = tuple(_tool(i, t) for i, t in enumerate(tools))
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
@@ -147,8 +149,9 @@ def _choice(tool_choice: Any, names: list[str]) -> tuple[str, bool]:
 # -- prompts ----------------------------------------------------------------------------------
 
 
-def render_messages(messages: list[dict[str, Any]], request: ToolRequest | None
-                    ) -> list[dict[str, Any]]:
+def render_messages(
+    messages: list[dict[str, Any]], request: ToolRequest | None
+) -> list[dict[str, Any]]:
     """Messages as a template without tools can render them: the tools in the system
     prompt, an assistant's tool calls as the envelope it would have written, a tool's result
     as a user turn naming the call."""
@@ -156,15 +159,22 @@ def render_messages(messages: list[dict[str, Any]], request: ToolRequest | None
     for m in messages:
         calls = m.get("tool_calls")
         if m["role"] == "assistant" and calls:
-            envelope = {"tool_calls": [
-                {"name": c["function"]["name"], "arguments": _arguments(c["function"])}
-                for c in calls
-            ]}
-            out.append({"role": "assistant",
-                        "content": json.dumps(envelope, separators=(", ", ": "))})
+            envelope = {
+                "tool_calls": [
+                    {"name": c["function"]["name"], "arguments": _arguments(c["function"])}
+                    for c in calls
+                ]
+            }
+            out.append(
+                {"role": "assistant", "content": json.dumps(envelope, separators=(", ", ": "))}
+            )
         elif m["role"] == "tool":
-            out.append({"role": "user", "content": f"Result of tool call "
-                        f"{m.get('tool_call_id') or ''}: {m['content']}"})
+            out.append(
+                {
+                    "role": "user",
+                    "content": f"Result of tool call {m.get('tool_call_id') or ''}: {m['content']}",
+                }
+            )
         else:
             out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")})
     if request is not None:
@@ -268,8 +278,9 @@ class ToolCallStream:
         name = self.text[self.pos : end]
         self.pos = end + len('", "arguments": ')
         call_id = new_call_id()
-        self.calls.append({"id": call_id, "type": "function",
-                           "function": {"name": name, "arguments": ""}})
+        self.calls.append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        )
         self.state = "arguments"
         self.depth, self.in_string, self.escaped = 0, False, False
         return ToolCallDelta(len(self.calls) - 1, "", call_id, name)

@@ -21,8 +21,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 MODEL = "smollm2"
 WORKER_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "0.1", "--num-threads", "1"]
-SAMPLINGS = [pytest.param({"temperature": 0.0}, id="greedy"),
-             pytest.param({"temperature": 1.0, "seed": 3}, id="t1")]
+SAMPLINGS = [
+    pytest.param({"temperature": 0.0}, id="greedy"),
+    pytest.param({"temperature": 1.0, "seed": 3}, id="t1"),
+]
 
 
 class Colour(StrEnum):
@@ -79,16 +81,18 @@ ASK = [{"role": "user", "content": "What is the weather in Paris? Use a tool."}]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    running = start_stack(MODEL, tmp_path_factory.mktemp("structured-logs"),
-                          worker_args=WORKER_ARGS)
+    running = start_stack(
+        MODEL, tmp_path_factory.mktemp("structured-logs"), worker_args=WORKER_ARGS
+    )
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="module")
 def client(stack: RunningStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0,
-                         timeout=300)
+    return openai.OpenAI(
+        base_url=stack.http_url + "/v1", api_key="none", max_retries=0, timeout=300
+    )
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
@@ -96,7 +100,9 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI, sampling: dict[str, 
     completion = client.chat.completions.parse(
         model=MODEL,
         messages=[{"role": "user", "content": "Describe a person who lives in Lyon as JSON."}],
-        response_format=Person, max_tokens=400, **sampling,
+        response_format=Person,
+        max_tokens=400,
+        **sampling,
     )
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
@@ -107,8 +113,11 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI, sampling: dict[str, 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_json_object(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
     completion = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Give a JSON object with a name."}],
-        response_format={"type": "json_object"}, max_tokens=300, **sampling,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give a JSON object with a name."}],
+        response_format={"type": "json_object"},
+        max_tokens=300,
+        **sampling,
     )
     choice = completion.choices[0]
     if choice.finish_reason == "stop":
@@ -121,8 +130,9 @@ def test_json_object(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
 def stream_tool_calls(client: openai.OpenAI, **kwargs: Any) -> tuple[dict[int, dict], str, str]:
     calls: dict[int, dict] = {}
     content, finish = "", ""
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, stream=True,
-                                            max_tokens=200, tools=[WEATHER, TIME], **kwargs)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, stream=True, max_tokens=200, tools=[WEATHER, TIME], **kwargs
+    )
     for chunk in stream:
         for choice in chunk.choices:
             delta = choice.delta
@@ -159,8 +169,11 @@ def test_streamed_required_tool_call(client: openai.OpenAI, sampling: dict[str, 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_streamed_named_tool_call(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
     calls, _, finish = stream_tool_calls(
-        client, tool_choice={"type": "function", "function": {"name": "get_time"}},
-        parallel_tool_calls=False, **sampling)
+        client,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+        **sampling,
+    )
     assert finish == "tool_calls"
     assert [c["name"] for c in calls.values()] == ["get_time"]
     check_call(calls[0])
@@ -169,14 +182,18 @@ def test_streamed_named_tool_call(client: openai.OpenAI, sampling: dict[str, Any
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_auto_gives_text_or_a_call(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
     completion = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=200,
-        **sampling)
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        max_tokens=200,
+        **sampling,
+    )
     choice = completion.choices[0]
     if choice.message.tool_calls:
         assert choice.finish_reason == "tool_calls"
         for tc in choice.message.tool_calls:
-            check_call({"id": tc.id, "name": tc.function.name,
-                        "arguments": tc.function.arguments})
+            check_call({"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments})
     else:
         assert choice.finish_reason in ("stop", "length")
         assert isinstance(choice.message.content, str)
@@ -185,58 +202,105 @@ def test_auto_gives_text_or_a_call(client: openai.OpenAI, sampling: dict[str, An
 def test_tool_results_are_rendered_into_the_prompt(client: openai.OpenAI) -> None:
     messages = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather",
-                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
     ]
     completion = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=60, temperature=0.0)
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=60, temperature=0.0
+    )
     assert completion.usage.prompt_tokens > 60  # the tool schema, the call and its result
     assert completion.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_regex_and_choice_through_extra_body(client: openai.OpenAI,
-                                             sampling: dict[str, Any]) -> None:
+def test_regex_and_choice_through_extra_body(
+    client: openai.OpenAI, sampling: dict[str, Any]
+) -> None:
     regex = r"[0-9]{3}-[A-Z]{2}"
     out = client.completions.create(
-        model=MODEL, prompt="A code:", max_tokens=20,
-        extra_body={"structured_outputs": {"regex": regex}}, **sampling)
+        model=MODEL,
+        prompt="A code:",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": regex}},
+        **sampling,
+    )
     assert re.fullmatch(regex, out.choices[0].text)
     assert out.choices[0].finish_reason == "stop"
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=10,
-        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe not"]}}, **sampling)
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=10,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe not"]}},
+        **sampling,
+    )
     assert chat.choices[0].message.content in ("yes", "no", "maybe not")
 
 
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object", "properties": {"a": {"not": {}}}}}}},
-         "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "string", "format": "bogus-format"}}}},
-         "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-                                                                     "schema": [1, 2]}}},
-         "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"not": {}}}},
+                    },
+                }
+            },
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "string", "format": "bogus-format"},
+                    },
+                }
+            },
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": [1, 2]},
+                }
+            },
+            "response_format",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
-        ({"structured_outputs": {"grammar": "start: nothing_defined"}},
-         "structured_outputs.grammar"),
+        (
+            {"structured_outputs": {"grammar": "start: nothing_defined"}},
+            "structured_outputs.grammar",
+        ),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function",
-                                              "function": {"name": "nope"}}},
-         "tool_choice.function.name"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
     ],
 )
-def test_bad_grammars_are_400_naming_the_field(client: openai.OpenAI, body: dict[str, Any],
-                                               param: str) -> None:
+def test_bad_grammars_are_400_naming_the_field(
+    client: openai.OpenAI, body: dict[str, Any], param: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
-                                       extra_body=body)
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=body)
     assert exc.value.body["param"] == param, exc.value.body

@@ -31,14 +31,17 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def scripted(tokenizer: Any, text: str) -> FakeScheduler:
-    return FakeScheduler(tokenizer.encode(text, add_special_tokens=False),
-                         finish=common_pb2.FINISH_REASON_STOP)
+    return FakeScheduler(
+        tokenizer.encode(text, add_special_tokens=False), finish=common_pb2.FINISH_REASON_STOP
+    )
 
 
 def test_required_call_comes_back_as_tool_calls(make_client: Any, smollm2_tokenizer: Any) -> None:
     client, scheduler = make_client(scripted(smollm2_tokenizer, CALLS), 4096)
-    r = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required"},
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
@@ -61,13 +64,21 @@ def test_streamed_call_sends_id_and_name_once_then_fragments(
     make_client: Any, smollm2_tokenizer: Any
 ) -> None:
     client, _ = make_client(scripted(smollm2_tokenizer, CALLS), 4096)
-    r = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": ASK, "tools": [WEATHER], "stream": True,
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": ASK,
+            "tools": [WEATHER],
+            "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+    )
     assert r.status_code == 200, r.text
     chunks = sse(r)
-    pieces = [tc for c in chunks for ch in c["choices"]
-              for tc in ch["delta"].get("tool_calls") or []]
+    pieces = [
+        tc for c in chunks for ch in c["choices"] for tc in ch["delta"].get("tool_calls") or []
+    ]
     headers = [p for p in pieces if "id" in p]
     assert len(headers) == 1 and headers[0]["function"]["name"] == "get_weather"
     fragments = [p["function"]["arguments"] for p in pieces]
@@ -80,8 +91,10 @@ def test_streamed_call_sends_id_and_name_once_then_fragments(
 def test_auto_text_answer_is_content(make_client: Any, smollm2_tokenizer: Any) -> None:
     text = '{"content": "It is sunny \\u00e9 \\"today\\""}'
     client, scheduler = make_client(scripted(smollm2_tokenizer, text), 4096)
-    r = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": ASK, "tools": [WEATHER], "stream": True})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "tools": [WEATHER], "stream": True},
+    )
     chunks = sse(r)
     content = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
     assert content == 'It is sunny é "today"'
@@ -92,57 +105,91 @@ def test_auto_text_answer_is_content(make_client: Any, smollm2_tokenizer: Any) -
 
 def test_tool_choice_none_is_free_text(make_client: Any, smollm2_tokenizer: Any) -> None:
     client, scheduler = make_client(scripted(smollm2_tokenizer, "Hello"), 4096)
-    r = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "none"})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "none"},
+    )
     assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
     assert scheduler.submitted[0].grammar is None
 
 
-def test_history_with_calls_and_results_is_rendered(make_client: Any,
-                                                    smollm2_tokenizer: Any) -> None:
+def test_history_with_calls_and_results_is_rendered(
+    make_client: Any, smollm2_tokenizer: Any
+) -> None:
     client, scheduler = make_client(scripted(smollm2_tokenizer, '{"content": "18 C"}'), 4096)
-    messages = [*ASK,
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_9", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "call_9", "content": "18 degrees"}]
-    r = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": messages, "tools": [WEATHER]})
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_9",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_9", "content": "18 degrees"},
+    ]
+    r = client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": [WEATHER]}
+    )
     assert r.status_code == 200, r.text
     prompt = smollm2_tokenizer.decode(scheduler.submitted[0].prompt_token_ids)
     assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}' in prompt
     assert "call_9" in prompt and "18 degrees" in prompt
 
 
-def test_structured_outputs_reach_the_scheduler_as_grammars(make_client: Any,
-                                                            smollm2_tokenizer: Any) -> None:
+def test_structured_outputs_reach_the_scheduler_as_grammars(
+    make_client: Any, smollm2_tokenizer: Any
+) -> None:
     client, scheduler = make_client(scripted(smollm2_tokenizer, "yes"), 4096)
-    r = client.post("/v1/completions", json={
-        "model": MODEL, "prompt": "Q", "structured_outputs": {"choice": ["yes", "no"]}})
+    r = client.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "Q", "structured_outputs": {"choice": ["yes", "no"]}},
+    )
     assert r.status_code == 200, r.text
-    r = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": ASK, "response_format": {"type": "json_object"}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "response_format": {"type": "json_object"}},
+    )
     assert r.status_code == 200, r.text
     kinds = [(s.grammar.kind, s.grammar.field) for s in scheduler.submitted]
-    assert kinds == [(GrammarKind.CHOICE, "structured_outputs.choice"),
-                     (GrammarKind.JSON_OBJECT, "response_format")]
+    assert kinds == [
+        (GrammarKind.CHOICE, "structured_outputs.choice"),
+        (GrammarKind.JSON_OBJECT, "response_format"),
+    ]
 
 
 def test_limits_name_field_and_flag(make_client: Any, smollm2_tokenizer: Any) -> None:
     client, scheduler = make_client(scripted(smollm2_tokenizer, "x"), 4096)
     many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(65)]
-    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK,
-                                                  "tools": many})
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": many})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "tools" and "--max-tools" in r.json()["error"]["message"]
     big = {"type": "object", "description": "x" * 70_000}
-    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK,
-                    "response_format": {"type": "json_schema",
-                                        "json_schema": {"name": "big", "schema": big}}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": ASK,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "big", "schema": big},
+            },
+        },
+    )
     assert r.status_code == 400
     assert "--max-grammar-bytes" in r.json()["error"]["message"]
-    r = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": ASK, "tools": [WEATHER],
-        "response_format": {"type": "json_object"}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": ASK,
+            "tools": [WEATHER],
+            "response_format": {"type": "json_object"},
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     assert scheduler.submitted == []
