@@ -19,8 +19,9 @@ from typing import Any
 
 import grpc
 
+from llmserve.grammar.spec import GrammarSpec
 from llmserve.grpc_utils import channel_options
-from llmserve.proto_convert import finish_reason_name, sampling_params_to_proto
+from llmserve.proto_convert import finish_reason_name, grammar_to_proto, sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams
 from llmserve.security import SyncBearer, aio_bearer
 from llmserve.tls import ClientTls
@@ -63,11 +64,12 @@ def build_request(
     model: str = "",
     echo: bool = False,
     priority: int = 0,
+    grammar: GrammarSpec | None = None,
     **sampling: Any,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from a text prompt, token ids or chat messages, and SamplingParams
     keywords (temperature, max_tokens, n, seed, ...). max_tokens defaults to the context left.
-    `priority`: lower is served first."""
+    `priority`: lower is served first. `grammar`: what the output must match."""
     request = generation_pb2.GenerateRequest(
         request_id=request_id, model=model, stop=list(stop),
         include_stop_str_in_output=include_stop_str_in_output, echo=echo, priority=priority,
@@ -87,6 +89,8 @@ def build_request(
     if not has_max_tokens:
         params.ClearField("max_tokens")
     request.sampling_params.CopyFrom(params)
+    if grammar is not None:
+        request.grammar.CopyFrom(grammar_to_proto(grammar))
     return request
 
 
