@@ -361,6 +361,16 @@ class LLMEngine:
         return outputs
 
     @property
+    def num_forced_tokens(self) -> int:
+        """Tokens grammars have forced so far (structured output)."""
+        return self._processor.num_forced_tokens
+
+    @property
+    def last_mask_seconds(self) -> float:
+        """Time the last built step spent computing token masks."""
+        return self._builder.grammar_timings.last_step_seconds
+
+    @property
     def last_num_generated(self) -> int:
         """Sequences that got a token in the last finished step."""
         return self._processor.num_generated

@@ -69,14 +69,15 @@ class GrammarCompiler:
 
 
 class GrammarTimings:
-    """Mask computation time, for metrics and for what the worker waits on."""
+    """Mask computation time: the worker waits for it (masks travel with their step)."""
 
-    __slots__ = ("mask_seconds", "num_masks", "num_forced")
+    __slots__ = ("mask_seconds", "num_masks", "last_step_seconds")
 
     def __init__(self) -> None:
+        # Totals, and the last step's time (0.0 when it had no constrained row).
         self.mask_seconds = 0.0
         self.num_masks = 0
-        self.num_forced = 0
+        self.last_step_seconds = 0.0
 
 
 class SequenceGrammar:
@@ -91,6 +92,12 @@ class SequenceGrammar:
 
     def is_ready(self) -> bool:
         return self._matcher is not None or self._compiled.done()
+
+    def compile_seconds(self) -> float | None:
+        """How long its grammar took to compile (None while compiling, or if it failed)."""
+        if not self._compiled.done() or self._compiled.exception() is not None:
+            return None
+        return self._compiled.result().compile_seconds
 
     def failure(self) -> BaseException | None:
         """Why the grammar did not compile (None: it did). Call once `is_ready()`."""
@@ -145,6 +152,7 @@ def default_grammar_cache() -> GrammarCache:
     global _default_cache
     if _default_cache is None:
         from llmserve.grammar.llguidance_backend import LLGuidanceBackend
+        from scheduler_service import metrics
 
-        _default_cache = GrammarCache(LLGuidanceBackend)
+        _default_cache = GrammarCache(LLGuidanceBackend, on_compile=metrics.record_grammar_compile)
     return _default_cache

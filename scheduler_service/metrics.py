@@ -142,6 +142,49 @@ def record_finished(
             TPOT_SECONDS.observe((finished - first_token) / (num_output_tokens - 1))
 
 
+# -- structured output ----------------------------------------------------------------------------
+
+GRAMMAR_COMPILE_SECONDS = Histogram(
+    "llmserve_grammar_compile_seconds",
+    "Compiling a grammar for the model's tokenizer (compile-cache misses), off the TTFT path",
+    buckets=_STEP_BUCKETS,
+)
+GRAMMAR_ERRORS = Counter(
+    "llmserve_grammar_errors",
+    "Grammars that failed on the scheduler (the gateway refuses most at admission)",
+    ["stage"],
+)
+GRAMMAR_MASK_SECONDS = Histogram(
+    "llmserve_grammar_mask_seconds",
+    "Computing one step's token masks (the worker waits for it: masks travel with the step)",
+    _R,
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+)
+GRAMMAR_MASKED_ROWS = Counter("llmserve_grammar_masked_rows", "Rows sampled under a mask", _R)
+GRAMMAR_FORCED_TOKENS = Counter(
+    "llmserve_grammar_forced_tokens",
+    "Tokens a grammar forced, appended as inputs instead of sampled one step each",
+    _R,
+)
+
+
+def record_grammar_compile(seconds: float, ok: bool) -> None:
+    if ok:
+        GRAMMAR_COMPILE_SECONDS.observe(seconds)
+    else:
+        GRAMMAR_ERRORS.labels("compile").inc()
+
+
+def record_grammar_step(
+    replica_id: int, step: StepInput, mask_seconds: float, total_forced_tokens: int
+) -> None:
+    r = str(replica_id)
+    if step.token_masks:
+        GRAMMAR_MASK_SECONDS.labels(r).observe(mask_seconds)
+        GRAMMAR_MASKED_ROWS.labels(r).inc(len(step.token_masks))
+    _advance(GRAMMAR_FORCED_TOKENS, (r,), total_forced_tokens)
+
+
 # -- the fleet ------------------------------------------------------------------------------------
 
 WORKERS = Gauge("llmserve_workers", "Worker replicas by state", ["state"])

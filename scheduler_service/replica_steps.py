@@ -35,6 +35,7 @@ class _Step:
     span: Span | None
     request_ids: list[str]
     sent: float  # perf_counter at send (or at begin, for an empty step)
+    mask_seconds: float = 0.0  # building its token masks (structured output)
 
 
 class StepPipeline:
@@ -102,7 +103,16 @@ class StepPipeline:
             request = step_input_to_proto(step_input)
             request.traceparent = step_traceparent(span)
             self.stream.send(request)
-        self._steps.append(_Step(sched_out, step_input, span, ids, time.perf_counter()))
+        self._steps.append(
+            _Step(
+                sched_out,
+                step_input,
+                span,
+                ids,
+                time.perf_counter(),
+                self.engine.last_mask_seconds if step_input.token_masks else 0.0,
+            )
+        )
 
     async def finish_oldest(self) -> tuple[list[RequestOutput], bool]:
         """Receive the oldest step's result and finish it. Returns its outputs and whether
@@ -134,5 +144,11 @@ class StepPipeline:
             result,
             seconds,
             engine.last_num_generated,
+        )
+        metrics.record_grammar_step(
+            self.replica_id,
+            step.step_input,
+            step.mask_seconds,
+            engine.num_forced_tokens,
         )
         return outputs, step.step_input.is_empty()

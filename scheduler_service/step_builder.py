@@ -69,6 +69,7 @@ class StepBuilder:
         self._freed.extend(sched_out.freed_seq_ids)
         self._add_frees(step, fork_parents)
         constrained = self._add_sequences(step, sched_out)
+        self.grammar_timings.last_step_seconds = 0.0
         if constrained:
             self._add_masks(step, constrained)
         return step
@@ -87,7 +88,9 @@ class StepBuilder:
             except GrammarError:
                 if group not in self.grammar_failures:
                     self.grammar_failures.append(group)
-        timings.mask_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        timings.last_step_seconds = seconds
+        timings.mask_seconds += seconds
         timings.num_masks += len(step.token_masks)
 
     def build_continuation(self, cont: SchedulerOutputs) -> StepInput:

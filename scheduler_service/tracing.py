@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-from llmserve.steps import StepInput
+from llmserve.steps import StepInput, TokenMask
 from llmserve.telemetry import context_from_traceparent, current_traceparent
 from scheduler_service.config import PreemptionMode
 from scheduler_service.engine import LLMEngine
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.scheduler_outputs import SchedulerOutputs
-from scheduler_service.sequence import SequenceStatus
+from scheduler_service.sequence import SequenceGroup, SequenceStatus
 
 tracer = trace.get_tracer("llmserve.scheduler")
 
@@ -57,6 +57,8 @@ class RequestTrace:
     span: Span
     state: str = _QUEUED
     num_output_tokens: int = 0
+    # Structured output: whether its first constrained sample has been recorded.
+    constrained: bool = False
 
 
 def start_request_trace(key: str, traceparent: str, num_prompt_tokens: int) -> RequestTrace | None:
@@ -155,6 +157,7 @@ class ReplicaTracer:
         links: list[Link] = []
         parent: Span | None = None
         num_prefill = num_decode = num_seqs = 0
+        masks = {m.seq_id: m for m in step_input.token_masks}
         for scheduled in sched_out.scheduled:
             group = scheduled.seq_group
             running = group.num_seqs(_RUNNING_STATUS)
@@ -175,6 +178,8 @@ class ReplicaTracer:
             elif entry.state == _SWAPPED:
                 entry.span.add_event("swapped_in")
             entry.state = _RUNNING
+            if masks and not entry.constrained:
+                _record_first_constrained(entry, group, masks)
             if parent is None:
                 parent = entry.span
             links.append(Link(entry.span.get_span_context()))
@@ -238,6 +243,25 @@ class ReplicaTracer:
                     }
                 )
                 entry.span.end()
+
+
+def _record_first_constrained(
+    entry: RequestTrace, group: SequenceGroup, masks: dict[int, TokenMask]
+) -> None:
+    """Events `grammar_compiled` (how long the compile took, off the TTFT path) and
+    `first_constrained_sample` (the first mask sent for the request)."""
+    mask = next((masks[s.seq_id] for s in group.seqs if s.seq_id in masks), None)
+    if mask is None:
+        return
+    entry.constrained = True
+    grammar = group.seqs[0].grammar
+    compile_seconds = grammar.compile_seconds() if grammar is not None else None
+    if compile_seconds is not None:
+        entry.span.add_event("grammar_compiled", {"seconds": compile_seconds})
+    entry.span.add_event(
+        "first_constrained_sample",
+        {"mask_kind": mask.kind.name.lower(), "mask_tokens": len(mask.token_ids)},
+    )
 
 
 def step_traceparent(span: Span | None) -> str:

@@ -51,6 +51,8 @@ class CompiledGrammar(ABC):
 
     # Tokens of the tokenizer it was compiled for (a mask's length).
     vocab_size: int
+    # Seconds its compilation took (set by the cache).
+    compile_seconds: float = 0.0
 
     @abstractmethod
     def matcher(self) -> GrammarMatcher: ...

@@ -62,7 +62,10 @@ class GrammarCache:
                 entry = backend.compile(spec)
             except GrammarError as exc:
                 entry = exc
-            self._on_compile(time.perf_counter() - start, not isinstance(entry, GrammarError))
+            seconds = time.perf_counter() - start
+            if not isinstance(entry, GrammarError):
+                entry.compile_seconds = seconds
+            self._on_compile(seconds, not isinstance(entry, GrammarError))
             with self._lock:
                 self.misses += 1
                 self._entries[key] = entry

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from enum import StrEnum
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -304,3 +305,21 @@ def test_bad_grammars_are_400_naming_the_field(
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=body)
     assert exc.value.body["param"] == param, exc.value.body
+
+
+def test_scheduler_metrics_count_grammar_work(client: openai.OpenAI, stack: RunningStack) -> None:
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is it raining?"}], max_tokens=10,
+        temperature=0.0, extra_body={"structured_outputs": {"choice": ["it is raining now",
+                                                                       "it is dry now"]}})
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['scheduler']}/metrics").text
+
+    def value(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
+
+    assert value("llmserve_grammar_compile_seconds_count") >= 1
+    assert value("llmserve_grammar_mask_seconds_count") >= 1
+    assert value("llmserve_grammar_masked_rows_total") >= 1
+    # "it is " is forced once the grammar has seen "it": both choices share it.
+    assert value("llmserve_grammar_forced_tokens_total") >= 1

@@ -165,3 +165,39 @@ def test_swap_preemption_events(exporter: InMemorySpanExporter) -> None:
     ]
     assert len(swapped) == 1
     assert swapped[0].attributes["llmserve.step.preemptions"] == 1
+
+
+def test_grammar_events_at_the_first_constrained_sample(exporter: InMemorySpanExporter) -> None:
+    from llmserve.grammar.cache import GrammarCache
+    from llmserve.grammar.llguidance_backend import LLGuidanceBackend
+    from llmserve.grammar.spec import GrammarSpec
+    from tests.support.grammar import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    engine = LLMEngine(
+        SchedulerConfig(8, 64, 64, True),
+        CacheConfig(BLOCK, 32, 16, watermark=0.0),
+        FakeModel(32, 16, BLOCK, vocab_size=len(tok)),
+        tokenizer=lambda: tok,
+        grammar_cache=GrammarCache(LLGuidanceBackend),
+    )
+    tracer = ReplicaTracer(0, BLOCK)
+    spec = GrammarSpec.choice(["yes", "no"], "structured_outputs.choice")
+    engine.add_request("g", [5, 6, 7], SamplingParams(max_tokens=8), grammar=spec)
+    tracer.attach("g", start_request_trace("g", SAMPLED, 3))
+    run(engine, tracer)
+    (span,) = by_name(exporter, "scheduler.request")
+    names = [e.name for e in span.events]
+    assert names == [
+        "queued",
+        "scheduled",
+        "grammar_compiled",
+        "first_constrained_sample",
+        "first_token",
+        "finished",
+    ]
+    assert span.events[2].attributes["seconds"] > 0
+    # The first mask allows every vocabulary token that spells a prefix of a choice.
+    prefixes = {w[:i] for w in ("yes", "no") for i in range(1, len(w) + 1)}
+    expected = len(prefixes & set(tok.get_vocab()))
+    assert dict(span.events[3].attributes) == {"mask_kind": "allow", "mask_tokens": expected}
