@@ -150,9 +150,14 @@ class Sampler:
         if beam:
             width2 = max(rows[i].num_samples for i in beam)
             beam_logits = adjusted[beam].float()
-            ranked = torch.log_softmax(beam_logits, dim=-1).topk(width2, dim=-1).indices.tolist()
-            for i, cands in zip(beam, ranked, strict=True):
-                tokens[i] = cands[: rows[i].num_samples]
+            top = torch.log_softmax(beam_logits, dim=-1).topk(width2, dim=-1)
+            ranked, scores = top.indices.tolist(), top.values.tolist()
+            for i, cands, vals in zip(beam, ranked, scores, strict=True):
+                cands = cands[: rows[i].num_samples]
+                if rows[i].token_mask is not None:
+                    # Fewer allowed tokens than candidates: the rest would be masked ones.
+                    cands = [t for t, v in zip(cands, vals, strict=False) if v != float("-inf")]
+                tokens[i] = cands
         if random:
             for i, drawn in zip(
                 random,

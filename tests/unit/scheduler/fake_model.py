@@ -79,9 +79,14 @@ class FakeModel:
             token = allowed[_mix(h, 1000 + seq_index) % len(allowed)]
         return TokenLogprob(token, self._logprob(h, token), 1)
 
-    def _beam_candidates(self, h: int, width: int) -> list[TokenLogprob]:
+    def _beam_candidates(
+        self, h: int, width: int, allowed: list[int] | None = None
+    ) -> list[TokenLogprob]:
         base = h % self.vocab_size
-        cands = [(base + 3 * j) % self.vocab_size for j in range(width)]
+        if allowed is not None:  # under a mask: the best allowed tokens, maybe fewer
+            cands = sorted(allowed, key=lambda t: -self._logprob(h, t))[:width]
+        else:
+            cands = [(base + 3 * j) % self.vocab_size for j in range(width)]
         out = [TokenLogprob(t, self._logprob(h, t), 0) for t in cands]
         out.sort(key=lambda c: -c.logprob)
         for rank, c in enumerate(out):
@@ -193,8 +198,7 @@ class FakeModel:
             allowed = [t for t in mask.allowed_ids() if t < self.vocab_size]
             assert allowed, f"the mask of seq {seq_id} allows nothing"
         if params.use_beam_search:
-            assert allowed is None, "the fake model has no masked beam search"
-            samples = self._beam_candidates(h, 2 * params.num_sampled)
+            samples = self._beam_candidates(h, 2 * params.num_sampled, allowed)
         elif first and params.num_sampled > 1:
             samples = [self._sample(h, i, allowed) for i in range(params.num_sampled)]
         else:

@@ -213,3 +213,20 @@ def test_max_tokens_cuts_a_constrained_output_with_length(tok, cache):
     assert len(choice.token_ids) == 4
     assert tok.decode(choice.token_ids).startswith('{"color": ')
     assert_empty(engine)
+
+
+def test_beam_search_keeps_a_matcher_per_beam(tok, cache):
+    engine = make_engine(tok, cache)
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=60)
+    results = run(
+        engine,
+        [("beam", [5, 6, 7], params, REGEX), ("beam-json", [8, 9], params, SCHEMA)],
+        tok.eos_token_id,
+    )
+    for request_id, spec in (("beam", REGEX), ("beam-json", SCHEMA)):
+        choices = results[request_id].outputs
+        assert len(choices) == 2
+        for choice in choices:
+            assert choice.finish_reason == FinishReason.STOP, (request_id, choice)
+            assert_matches(tok, spec, choice.token_ids)
+    assert_empty(engine)

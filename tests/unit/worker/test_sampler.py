@@ -304,3 +304,12 @@ def test_a_mask_that_allows_nothing_is_refused() -> None:
         sampler().sample(
             logits, [masked(SamplingParams(temperature=0.0), TokenMask(0, MaskKind.ALLOW, V, []))]
         )
+
+
+def test_beam_candidates_under_a_mask_are_only_allowed_tokens() -> None:
+    logits = torch.tensor([logits_row(1.0, 9.0, 2.0, 8.0)])
+    params = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0.0)
+    row = SamplingRow(params, 0, [1, 2, 3], 3, TokenMask(0, MaskKind.ALLOW, V, [0, 2, 5]))
+    (res,) = sampler().sample(logits, [row])
+    # Four candidates wanted (2 x width), three tokens allowed, best first.
+    assert [s.token_id for s in res.samples] == [2, 0, 5]
