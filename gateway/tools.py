@@ -231,7 +231,8 @@ class ToolCallStream:
     def feed(self, new: str) -> tuple[str, list[ToolCallDelta]]:
         """Content text and call deltas the new text completes."""
         self.text += new
-        content, deltas = "", []
+        content = ""
+        deltas: list[ToolCallDelta] = []
         while True:
             step = getattr(self, f"_{self.state}")()
             if step is None:

@@ -308,7 +308,8 @@ def _token_mask(msg: worker_pb2.TokenMask) -> TokenMask:
 
 
 def grammar_to_proto(spec: GrammarSpec) -> common_pb2.Grammar:
-    return common_pb2.Grammar(kind=int(spec.kind), source=spec.source, field=spec.field)
+    kind = common_pb2.GrammarKind.Value(f"GRAMMAR_KIND_{spec.kind.name}")
+    return common_pb2.Grammar(kind=kind, source=spec.source, field=spec.field)
 
 
 def grammar_from_proto(msg: common_pb2.Grammar, field: str = "grammar") -> GrammarSpec:

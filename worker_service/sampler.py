@@ -150,8 +150,8 @@ class Sampler:
         if beam:
             width2 = max(rows[i].num_samples for i in beam)
             beam_logits = adjusted[beam].float()
-            top = torch.log_softmax(beam_logits, dim=-1).topk(width2, dim=-1)
-            ranked, scores = top.indices.tolist(), top.values.tolist()
+            beam_top = torch.log_softmax(beam_logits, dim=-1).topk(width2, dim=-1)
+            ranked, scores = beam_top.indices.tolist(), beam_top.values.tolist()
             for i, cands, vals in zip(beam, ranked, scores, strict=True):
                 cands = cands[: rows[i].num_samples]
                 if rows[i].token_mask is not None:

@@ -15,8 +15,15 @@ from llmserve.grammar.backend import CompiledGrammar, GrammarBackend, GrammarErr
 from llmserve.grammar.spec import GrammarKind, GrammarSpec
 
 # JSON as most models write it (and as json.dumps does): ", " and ": ", no other whitespace.
-# A fixed layout also makes a constrained stream's bytes depend on the tokens alone.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A fixed layout also makes a constrained stream's bytes depend on the tokens alone. Applied
+# over the schema's own "x-guidance" options, so a client cannot turn on "lenient" (features
+# silently ignored) or change the layout the tool-call parser relies on.
+_JSON_OPTIONS: Any = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": False,
+}
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -25,12 +32,10 @@ def grammar_text(spec: GrammarSpec) -> str:
     try:
         if kind == GrammarKind.JSON_SCHEMA:
             return LLMatcher.grammar_from_json_schema(
-                json.loads(spec.source), defaults=dict(_JSON_OPTIONS)
+                json.loads(spec.source), overrides=_JSON_OPTIONS
             )
         if kind == GrammarKind.JSON_OBJECT:
-            return LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, defaults=dict(_JSON_OPTIONS)
-            )
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
         if kind == GrammarKind.REGEX:
             return LLMatcher.grammar_from_regex(spec.source)
         if kind == GrammarKind.CHOICE:

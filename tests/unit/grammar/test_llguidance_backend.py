@@ -101,6 +101,18 @@ def test_choice_regex_lark_gbnf(backend, tok):
             ),
             "cannot be enforced",
         ),
+        # The schema's own llguidance options cannot relax it.
+        (
+            GrammarSpec.json_schema(
+                {
+                    "type": "object",
+                    "x-guidance": {"lenient": True},
+                    "properties": {"x": {"not": {}}},
+                },
+                "response_format",
+            ),
+            "cannot be enforced",
+        ),
         (GrammarSpec.regex("[a-", "structured_outputs.regex"), "cannot be compiled"),
         (
             GrammarSpec.grammar("start: undefined_rule", "structured_outputs.grammar"),
