@@ -38,13 +38,24 @@ def cache():
 
 
 def make_engine(
-    tok, cache, num_gpu_blocks=512, num_cpu_blocks=256, forced=True, mode=None, model_len=256
+    tok,
+    cache,
+    num_gpu_blocks=512,
+    num_cpu_blocks=256,
+    forced=True,
+    mode=None,
+    model_len=256,
+    chunked=True,
+    caching=True,
 ):
-    cache_config = CacheConfig(BLOCK, num_gpu_blocks, num_cpu_blocks, watermark=0.0)
+    cache_config = CacheConfig(
+        BLOCK, num_gpu_blocks, num_cpu_blocks, watermark=0.0, enable_prefix_caching=caching
+    )
     sched = SchedulerConfig(
         max_num_seqs=16,
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=64 if chunked else 256,
         max_model_len=model_len,
+        enable_chunked_prefill=chunked,
         enable_forced_tokens=forced,
         preemption_mode=mode,
     )
@@ -113,8 +124,9 @@ def summary(results):
     }
 
 
-def test_every_output_matches_its_grammar(tok, cache):
-    engine = make_engine(tok, cache)
+@pytest.mark.parametrize(("chunked", "caching"), [(True, True), (False, True), (True, False)])
+def test_every_output_matches_its_grammar(tok, cache, chunked, caching):
+    engine = make_engine(tok, cache, chunked=chunked, caching=caching)
     requests = workload(tok)
     results = run(engine, requests, tok.eos_token_id)
     assert_empty(engine)
@@ -230,3 +242,48 @@ def test_beam_search_keeps_a_matcher_per_beam(tok, cache):
             assert choice.finish_reason == FinishReason.STOP, (request_id, choice)
             assert_matches(tok, spec, choice.token_ids)
     assert_empty(engine)
+
+
+def test_a_continuation_after_a_scheduler_restart_replays_the_grammar(tok, cache):
+    """What a gateway re-submits after a restart (the tokens it streamed) continues in a fresh
+    engine through fresh matchers, to the same output."""
+    from scheduler_service.migration import SequenceSnapshot, snapshot_from_choices
+
+    requests = [r for r in workload(tok) if r[2].streams_choices]
+    expected = summary(run(make_engine(tok, cache), requests, tok.eos_token_id))
+    before = make_engine(tok, cache)
+    for request_id, prompt, params, spec in requests:
+        before.add_request(request_id, prompt, params, eos_token_id=tok.eos_token_id, grammar=spec)
+    results: dict[str, RequestOutput] = {}
+    for _ in range(6):
+        for delta in before.step():
+            results[delta.request_id] = _accumulate(results.get(delta.request_id), delta)
+    after = make_engine(tok, cache)  # the restarted scheduler: no state but the gateway's
+    resumed = 0
+    for request_id, prompt, params, spec in requests:
+        sent = results.get(request_id)
+        if sent is not None and sent.finished:
+            continue  # its client has it all: nothing to re-submit
+        choices = [
+            SequenceSnapshot(
+                c.index,
+                list(c.token_ids),
+                list(c.logprobs or []),
+                c.cumulative_logprob,
+                c.finish_reason,
+                c.stop_token_id,
+            )
+            for c in (sent.outputs if sent else [])
+        ]
+        resumed += any(c.output_token_ids and c.finish_reason is None for c in choices)
+        after.import_request(
+            snapshot_from_choices(
+                request_id, prompt, params, tok.eos_token_id, 0.0, choices, 0, None, spec
+            )
+        )
+    assert resumed >= 3, "the restart came too late to cut any output"
+    while after.has_unfinished_requests():
+        for delta in after.step():
+            results[delta.request_id] = _accumulate(results.get(delta.request_id), delta)
+    assert summary(results) == expected
+    assert_empty(after)
