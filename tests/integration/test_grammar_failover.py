@@ -70,7 +70,7 @@ def workload() -> list[tuple[str, dict[str, Any]]]:
     requests = []
     for i in range(16):
         spec, prompt = GRAMMARS[i % len(GRAMMARS)]
-        params: dict[str, Any] = {"max_tokens": 200}
+        params: dict[str, Any] = {"max_tokens": 120}
         if i % 2:
             params.update(temperature=1.0, seed=100 + i)
         else:
@@ -165,3 +165,4 @@ def test_scheduler_restart_mid_json(fleet: FleetStack, baseline: dict[str, Recei
     assert_same_outputs(baseline, received)
     fleet.wait_for(lambda s: len(fleet.ready_replicas(s)) == 2, "workers back")
     fleet.assert_no_leak()
+
