@@ -17,6 +17,7 @@ from llmserve.grammar.spec import GrammarSpec
 from llmserve.priority import check_priority
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import Executor, StepInput, StepResult
+from scheduler_service import metrics
 from scheduler_service.config import CacheConfig, SchedulerConfig
 from scheduler_service.continuation import (
     PipelinedStepper,
@@ -80,7 +81,11 @@ class LLMEngine:
         self._grammars = (
             None
             if tokenizer is None
-            else GrammarCompiler(tokenizer, grammar_cache or default_grammar_cache())
+            else GrammarCompiler(
+                tokenizer,
+                grammar_cache or default_grammar_cache(),
+                on_error=metrics.record_grammar_setup_error,
+            )
         )
         # Constrained groups whose grammar may still fail to compile (checked every step).
         self._compiling: dict[str, SequenceGroup] = {}

@@ -35,6 +35,7 @@ class GrammarCompiler:
         cache: GrammarCache,
         on_error: Callable[[], None] = lambda: None,
     ) -> None:
+        """`on_error()` observes failures outside the cache's compiles (tokenizer loads)."""
         self._load_tokenizer = load_tokenizer
         self.cache = cache
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
@@ -64,8 +65,10 @@ class GrammarCompiler:
         try:
             return self.cache.get(tokenizer, spec)
         except GrammarError:
+            raise  # the cache counted it
+        except Exception as exc:  # the backend refused the tokenizer (not a fast one), ...
             self._on_error()
-            raise
+            raise GrammarError(spec.field, f"cannot be compiled for this model: {exc}") from exc
 
 
 class GrammarTimings:

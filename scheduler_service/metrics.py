@@ -175,6 +175,10 @@ def record_grammar_compile(seconds: float, ok: bool) -> None:
         GRAMMAR_ERRORS.labels("compile").inc()
 
 
+def record_grammar_setup_error() -> None:
+    GRAMMAR_ERRORS.labels("setup").inc()
+
+
 def record_grammar_step(
     replica_id: int, step: StepInput, mask_seconds: float, total_forced_tokens: int
 ) -> None:

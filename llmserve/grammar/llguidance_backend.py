@@ -53,7 +53,11 @@ def check_grammar(spec: GrammarSpec) -> None:
     """Admission check without a tokenizer (the gateway's): raises `GrammarError` for a
     malformed grammar or an unenforceable schema feature. Costs a grammar compile, not the
     token-level one, so it stays cheap."""
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_text(spec))
+    text = grammar_text(spec)
+    try:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(text)
+    except Exception as exc:  # any input the validator chokes on is the client's to fix
+        raise GrammarError(spec.field, f"cannot be compiled: {exc}") from exc
     if is_error:
         raise GrammarError(spec.field, _explain(messages))
 

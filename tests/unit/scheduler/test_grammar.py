@@ -287,3 +287,28 @@ def test_a_continuation_after_a_scheduler_restart_replays_the_grammar(tok, cache
             results[delta.request_id] = _accumulate(results.get(delta.request_id), delta)
     assert summary(results) == expected
     assert_empty(after)
+
+
+def test_a_tokenizer_that_cannot_be_loaded_finishes_the_request(cache):
+    def broken():
+        raise OSError("tokenizer files not found")
+
+    engine = LLMEngine(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(BLOCK, 32, 8, watermark=0.0),
+        FakeModel(32, 8, BLOCK, vocab_size=100),
+        tokenizer=broken,
+        grammar_cache=cache,
+    )
+    results = run(
+        engine,
+        [
+            ("g", [5, 6, 7], SamplingParams(max_tokens=5), CHOICE),
+            ("free", [5, 6, 8], SamplingParams(max_tokens=3, ignore_eos=True), None),
+        ],
+        None,
+    )
+    assert results["g"].outputs[0].finish_reason == FinishReason.ABORT
+    assert results["g"].outputs[0].token_ids == []
+    assert len(results["free"].outputs[0].token_ids) == 3
+    assert_empty(engine)
