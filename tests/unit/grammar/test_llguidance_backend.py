@@ -183,3 +183,20 @@ def test_mask_encodings_are_the_smallest_and_round_trip():
     m = encode_mask(5, bitmap(half), vocab)
     assert m.kind == MaskKind.BITMAP and m.allowed_ids() == half
     assert len(m.bitmap) == 125
+
+
+@pytest.mark.parametrize("vocab", [31, 33, 1000, 1001, 49152, 49153])
+@pytest.mark.parametrize("density", [0.001, 0.02, 0.5, 0.98, 0.999])
+def test_mask_encoding_lists_exactly_the_set_bits(vocab, density):
+    import random
+
+    rng = random.Random(vocab * 1000 + int(density * 1000))
+    size = (vocab + 31) // 32 * 4
+    bitmask = bytearray(size)
+    for t in range(size * 8):  # bits past the vocabulary too: they must be ignored
+        if rng.random() < density:
+            bitmask[t >> 3] |= 1 << (t & 7)
+    expected = [t for t in range(vocab) if bitmask[t >> 3] >> (t & 7) & 1]
+    mask = encode_mask(7, bytes(bitmask), vocab)
+    assert mask.allowed_ids() == expected
+    assert mask.seq_id == 7 and mask.vocab_size == vocab
