@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from enum import StrEnum
 from typing import Any
 
+import grpc
 import httpx
 import jsonschema
 import openai
@@ -309,17 +310,47 @@ def test_bad_grammars_are_400_naming_the_field(
 
 def test_scheduler_metrics_count_grammar_work(client: openai.OpenAI, stack: RunningStack) -> None:
     client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Is it raining?"}], max_tokens=10,
-        temperature=0.0, extra_body={"structured_outputs": {"choice": ["it is raining now",
-                                                                       "it is dry now"]}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is it raining?"}],
+        max_tokens=10,
+        temperature=0.0,
+        extra_body={"structured_outputs": {"choice": ["it is raining now", "it is dry now"]}},
+    )
     text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['scheduler']}/metrics").text
 
     def value(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name) and not line.startswith("#"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name) and not line.startswith("#")
+        )
 
     assert value("llmserve_grammar_compile_seconds_count") >= 1
     assert value("llmserve_grammar_mask_seconds_count") >= 1
     assert value("llmserve_grammar_masked_rows_total") >= 1
     # "it is " is forced once the grammar has seen "it": both choices share it.
     assert value("llmserve_grammar_forced_tokens_total") >= 1
+
+
+def test_grpc_generate_takes_a_grammar_and_refuses_a_bad_one(stack: RunningStack) -> None:
+    from llmserve.client import build_request
+    from llmserve.grammar.spec import GrammarKind, GrammarSpec
+    from llmserve.grpc_utils import channel_options
+    from llmserve.v1 import common_pb2, generation_pb2_grpc
+
+    with grpc.insecure_channel(stack.gateway, options=channel_options()) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        good = GrammarSpec(GrammarKind.REGEX, "[0-9]{4}", "")
+        responses = list(
+            stub.Generate(
+                build_request("Year:", max_tokens=10, temperature=0.0, grammar=good), timeout=120
+            )
+        )
+        text = "".join(c.text for r in responses for c in r.choices)
+        assert re.fullmatch("[0-9]{4}", text), text
+        assert responses[-1].choices[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        bad = GrammarSpec(GrammarKind.REGEX, "[0-", "")
+        with pytest.raises(grpc.RpcError) as exc:
+            list(stub.Generate(build_request("Year:", max_tokens=10, grammar=bad), timeout=60))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "grammar" in exc.value.details()
