@@ -42,6 +42,18 @@ E2E_SECONDS = Histogram(
 )
 
 
+GRAMMAR_CHECKS = Histogram(
+    "llmserve_gateway_grammar_check_seconds",
+    "Admission check of a request's grammar (a compile without the tokenizer)",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+GRAMMAR_REFUSED = Counter(
+    "llmserve_gateway_grammar_refused",
+    "Requests refused at admission for their grammar, by reason (invalid, too_large, slow)",
+    ["reason"],
+)
+
+
 def record_finished(
     finish_reasons: list[str], usage: Usage, first_token_ns: int, e2e_ns: int
 ) -> None:

@@ -10,8 +10,10 @@ the time-to-first-token path (the prompt prefills meanwhile).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
+from gateway import metrics
 from llmserve.errors import FieldError, ResourceExhaustedError
 from llmserve.grammar.backend import GrammarError
 from llmserve.grammar.llguidance_backend import check_grammar
@@ -92,20 +94,26 @@ async def check_admissible(spec: GrammarSpec, limits: RequestLimits) -> None:
     meanwhile), bounded by --max-grammar-check-ms (429: the server is busy with it)."""
     size = len(spec.source.encode())
     if size > limits.max_grammar_bytes:
+        metrics.GRAMMAR_REFUSED.labels("too_large").inc()
         raise FieldError(
             spec.field,
             f"{size} bytes is over this server's limit of "
             f"{limits.max_grammar_bytes} (--max-grammar-bytes)",
         )
+    start = time.perf_counter()
     try:
         await asyncio.wait_for(
             asyncio.to_thread(check_grammar, spec), limits.max_grammar_check_ms / 1000
         )
     except GrammarError as exc:
+        metrics.GRAMMAR_REFUSED.labels("invalid").inc()
         raise FieldError(exc.field, exc.detail) from None
     except TimeoutError:
+        metrics.GRAMMAR_REFUSED.labels("slow").inc()
         raise ResourceExhaustedError(
             f"{spec.field}: the grammar took longer than {limits.max_grammar_check_ms} ms to "
             "check (--max-grammar-check-ms)",
             spec.field,
         ) from None
+    finally:
+        metrics.GRAMMAR_CHECKS.observe(time.perf_counter() - start)

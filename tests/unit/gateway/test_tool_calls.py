@@ -193,3 +193,25 @@ def test_limits_name_field_and_flag(make_client: Any, smollm2_tokenizer: Any) ->
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     assert scheduler.submitted == []
+
+
+def test_a_grammar_check_over_its_time_limit_is_429(monkeypatch: Any) -> None:
+    import asyncio
+    import time
+
+    import pytest
+
+    from gateway import structured_outputs
+    from llmserve.errors import ResourceExhaustedError
+    from llmserve.grammar.spec import GrammarSpec
+    from llmserve.limits import RequestLimits
+
+    monkeypatch.setattr(structured_outputs, "check_grammar", lambda spec: time.sleep(0.3))
+    spec = GrammarSpec.regex("[0-9]+", "structured_outputs.regex")
+    with pytest.raises(ResourceExhaustedError) as exc:
+        asyncio.run(
+            structured_outputs.check_admissible(spec, RequestLimits(max_grammar_check_ms=20))
+        )
+    assert exc.value.http_status == 429
+    assert exc.value.field == "structured_outputs.regex"
+    assert "--max-grammar-check-ms" in exc.value.message
