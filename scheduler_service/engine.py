@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from llmserve.errors import FieldError
+from llmserve.grammar.backend import CompiledGrammar
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.priority import check_priority
@@ -169,6 +171,20 @@ class LLMEngine:
         for seq in group.get_unfinished_seqs():
             seq.grammar = SequenceGrammar(compiled, seq.get_output_token_ids())
         self._compiling[group.request_id] = group
+
+    def grammar_compiles_due(self) -> list[Future[CompiledGrammar]]:
+        """Compilations the next step may wait for: those of groups whose prompt could finish
+        prefilling in it. A caller with an event loop awaits them before `begin_step`, so the
+        wait does not block the loop (the step builder would otherwise block on them)."""
+        budget = self.scheduler_config.max_num_batched_tokens
+        due = []
+        for group in self._compiling.values():
+            seqs = group.get_unfinished_seqs()
+            if not seqs or seqs[0].grammar is None or seqs[0].grammar.is_ready():
+                continue
+            if seqs[0].get_len() - seqs[0].num_computed_tokens <= budget:
+                due.append(seqs[0].grammar.compiled)
+        return due
 
     def _finish_failed_grammars(self) -> None:
         """Finish (ABORT) the groups whose grammar failed to compile; their final outputs go

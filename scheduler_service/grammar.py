@@ -93,6 +93,10 @@ class SequenceGrammar:
         self._matcher: GrammarMatcher | None = None
         self._pending = list(replay)
 
+    @property
+    def compiled(self) -> Future[CompiledGrammar]:
+        return self._compiled
+
     def is_ready(self) -> bool:
         return self._matcher is not None or self._compiled.done()
 

@@ -22,6 +22,7 @@ back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -291,6 +292,14 @@ class Replica:
                     raise WorkerLostError("stream", "the worker closed the Execute stream")
                 if not engine.has_unfinished_requests():
                     continue  # woken by a drain or an abort with nothing left to run
+                # A grammar a request is about to sample under compiles off the event loop;
+                # this replica waits for it here, the others keep running.
+                due = engine.grammar_compiles_due()
+                if due:
+                    for compiled in due:
+                        with contextlib.suppress(Exception):  # a failure ends its request
+                            await asyncio.wrap_future(compiled)
+                    continue  # the replica may have changed meanwhile: check it again
                 steps.begin()
             # With one step in flight, send the next before its result is back, if it can be.
             steps.try_continue()

@@ -312,3 +312,39 @@ def test_a_tokenizer_that_cannot_be_loaded_finishes_the_request(cache):
     assert results["g"].outputs[0].token_ids == []
     assert len(results["free"].outputs[0].token_ids) == 3
     assert_empty(engine)
+
+
+def test_compiles_due_are_those_the_next_step_may_sample_under(tok):
+    import threading
+
+    release = threading.Event()
+
+    class SlowBackend(LLGuidanceBackend):
+        def compile(self, spec):
+            release.wait(5)
+            return super().compile(spec)
+
+    engine = LLMEngine(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128),
+        CacheConfig(BLOCK, 64, 8, watermark=0.0),
+        FakeModel(64, 8, BLOCK, vocab_size=len(tok)),
+        tokenizer=lambda: tok,
+        grammar_cache=GrammarCache(SlowBackend),
+    )
+    engine.add_request("short", [5] * 10, SamplingParams(max_tokens=8), grammar=CHOICE)
+    engine.add_request("long", [6] * 40, SamplingParams(max_tokens=8), grammar=REGEX)
+    due = engine.grammar_compiles_due()
+    # The long prompt needs three 16-token steps before it samples: not due yet.
+    assert len(due) == 1 and not due[0].done()
+    release.set()
+    due[0].result(timeout=30)
+    results: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for future in engine.grammar_compiles_due():
+            future.result(timeout=30)
+        for delta in engine.step():
+            results[delta.request_id] = _accumulate(results.get(delta.request_id), delta)
+    assert_matches(tok, CHOICE, results["short"].outputs[0].token_ids)
+    assert_matches(tok, REGEX, results["long"].outputs[0].token_ids)
+    assert engine.grammar_compiles_due() == []
+    assert_empty(engine)
