@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from llmserve.logs import configure_logging
 from llmserve.security import add_security_flags, install, security_from_args
@@ -128,7 +130,19 @@ def main(argv: list[str] | None = None) -> int:
         # passive in bfloat16; in float32, beside oneDNN's matmuls, 560 / 480 ms.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     module = importlib.import_module(_SERVICES[command])
-    return int(module.main(rest) or 0)
+    _end_service_process(int(module.main(rest) or 0))
+
+
+def _end_service_process(code: int) -> NoReturn:
+    """A service has stopped: run the exit handlers (telemetry and log flushes), then leave
+    without tearing the interpreter down. The teardown did nothing a stopped service needs
+    and printed hundreds of nanobind "leaked" lines about Triton's native module, which
+    torch loads in every process that touches torch._dynamo (transformers does), Triton
+    kernels used or not."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
