@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         # threads took the cores from them: a 128-token prefill took 530 ms spinning, 430 ms
         # passive in bfloat16; in float32, beside oneDNN's matmuls, 560 / 480 ms.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if command in ("gateway", "scheduler"):
+        from llmserve.service_main import keep_triton_out
+
+        keep_triton_out()  # they run no kernel (a worker decides once it knows its device)
     module = importlib.import_module(_SERVICES[command])
     _end_service_process(int(module.main(rest) or 0))
 

@@ -14,6 +14,7 @@ from llmserve.logs import get_logger
 from llmserve.service_main import (
     add_common_flags,
     check_security,
+    keep_triton_out,
     serve_until_signal,
     start_service,
 )
@@ -185,6 +186,14 @@ async def serve(args: argparse.Namespace) -> int:
     return drain.exit_code
 
 
+def _may_use_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device == "cuda"
+
+
 def advertise_address(host: str, port: int) -> str:
     """The address a scheduler dials to reach this worker: the listen address, unless that
     is a wildcard (a container listening on 0.0.0.0), then this host's own address."""
@@ -195,5 +204,7 @@ def advertise_address(host: str, port: int) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.attention_backend != "triton" and not _may_use_cuda(args.device):
+        keep_triton_out()
     start_service("worker", args)
     return asyncio.run(serve(args))

@@ -3,6 +3,7 @@ repeated over and over (issue 32: hundreds of nanobind lines buried the drain an
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,6 +32,16 @@ def _shape(line: str) -> str:
     return re.sub(r"\d+", "N", line)
 
 
+def _service_pids(log: Path) -> dict[str, int]:
+    """The pid `llmserve up` logged for each service it started."""
+    pids = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"event": "starting"' in line and '"pid": ' in line:
+            entry = json.loads(line[line.index("{") :])
+            pids[entry["service"]] = entry["pid"]
+    return pids
+
+
 def test_up_serves_and_stops_on_sigterm_without_noise(tmp_path: Path):
     model = build_tiny_llama(tmp_path / "tiny")
     grpc_port, http_port = free_port(), free_port()
@@ -50,6 +61,13 @@ def test_up_serves_and_stops_on_sigterm_without_noise(tmp_path: Path):
         with Client(f"127.0.0.1:{grpc_port}", timeout_s=120) as client:
             answer = client.complete(prompt="Hello there", max_tokens=8, temperature=0.0)
         assert len(answer.token_ids[0]) == 8
+        # No service of a CPU stack has Triton's native library mapped (torch would load it
+        # through torch._dynamo if it were importable).
+        pids = _service_pids(log)
+        assert sorted(pids) == ["gateway", "scheduler", "worker-0"]
+        for service, pid in pids.items():
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "libtriton" not in maps, service
     finally:
         stop_process(proc, grace_s=60, sig=signal.SIGTERM)
     output = log.read_text(errors="replace")
