@@ -128,8 +128,9 @@ class DecodeGraphs:
         write, empty contexts), so capturing leaves the cache as it was."""
         device = self.model.device
         pool = torch.cuda.graph_pool_handle()
+        # One side stream for every warm-up: the allocator caches memory per stream.
+        stream = torch.cuda.Stream(device)
         for batch in reversed(self.sizes):
-            stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 self._forward(batch)

@@ -42,17 +42,19 @@ def test_device_use_stays_under_the_utilization(hf16: Any, enforce_eager: bool) 
     cache takes most of what the utilization allows beyond the model."""
     utilization = 0.4
     worker, num_gpu = profiled_worker(hf16, utilization, enforce_eager=enforce_eager)
-    worker.initialize_cache(num_gpu, 0)
-    worker._profile_run()  # the largest step the scheduler may send, on top of the cache
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    budget = utilization * total
-    cache_bytes = num_gpu * worker.get_cache_block_size_bytes()
-    assert total - free <= budget
-    assert cache_bytes >= budget - 3 * (1 << 30)
-    assert (worker.graph_memory_bytes > 0) == (not enforce_eager)
-    del worker
-    torch.cuda.empty_cache()
+    try:
+        worker.initialize_cache(num_gpu, 0)
+        worker._profile_run()  # the largest step the scheduler may send, on top of the cache
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        budget = utilization * total
+        cache_bytes = num_gpu * worker.get_cache_block_size_bytes()
+        assert total - free <= budget
+        assert cache_bytes >= budget - 3 * (1 << 30)
+        assert (worker.graph_memory_bytes > 0) == (not enforce_eager)
+    finally:  # a failure's traceback would otherwise keep the cache for the next test
+        del worker
+        torch.cuda.empty_cache()
 
 
 def test_blocks_follow_the_utilization(hf16: Any) -> None:
