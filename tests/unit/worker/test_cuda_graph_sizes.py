@@ -1,5 +1,5 @@
-"""Which decode batch sizes the worker captures as CUDA graphs (the capture itself runs in
-tests/integration/test_gpu_smollm2.py, on a GPU)."""
+"""Which decode batch sizes the worker captures as CUDA graphs, and the flag that turns them
+off (the capture itself runs on a GPU: tests/integration/test_gpu_smollm2.py)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,10 @@ def test_capture_sizes(max_batch: int, sizes: list[int]) -> None:
 def test_256_sequences_take_35_graphs() -> None:
     sizes = capture_sizes(256)
     assert len(sizes) == 35 and sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256
+
+
+def test_enforce_eager_reaches_the_worker_config() -> None:
+    from worker_service.__main__ import build_config, parse_args
+
+    assert build_config(parse_args([])).enforce_eager is False
+    assert build_config(parse_args(["--enforce-eager"])).enforce_eager is True
