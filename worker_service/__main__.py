@@ -56,6 +56,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--swap-space", type=float, default=4.0, help="host swap space, GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=2048,
@@ -117,6 +122,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),
         swap_space_bytes=int(args.swap_space * GiB),
         gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         num_threads=args.num_threads,

@@ -19,6 +19,7 @@ from kernels.cpu.decode import ArgmaxLogprobs
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import SAMPLED_TOKEN, PromptLogprob, SequenceOutput, StepInput, StepResult
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.models.llama import LlamaModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
 
@@ -82,6 +83,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.states: dict[int, SequenceState] = {}
+        # Captured decode forwards (CUDA); None runs every step eagerly. Set by the worker.
+        self.decode_graphs: DecodeGraphs | None = None
 
     def apply_updates(self, step: StepInput) -> list[_Scheduled]:
         """Steps 1-4 of the contract (free, fork, register, update); returns what to compute."""
@@ -176,14 +179,20 @@ class ModelRunner:
         # Prefill-first layout; stable so the step order survives within each part.
         layout = sorted(scheduled, key=lambda s: s.count == 1)
         inputs = self._prepare(layout, num_blocks=kv_caches[0][0].shape[0] if kv_caches else 0)
-        logits = self.model.forward(
-            inputs.input_ids,
-            inputs.positions,
-            kv_caches,
-            inputs.metadata,
-            self.backend,
-            inputs.logit_rows,
-        )  # [num_logit_rows, vocab]
+        logits = None  # [num_logit_rows, vocab]
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run(
+                inputs.input_ids, inputs.positions, inputs.metadata, inputs.logit_rows
+            )
+        if logits is None:
+            logits = self.model.forward(
+                inputs.input_ids,
+                inputs.positions,
+                kv_caches,
+                inputs.metadata,
+                self.backend,
+                inputs.logit_rows,
+            )
         for s in scheduled:
             s.state.num_computed += s.count
         t1 = time.perf_counter_ns()
