@@ -260,12 +260,22 @@ class GenerationCore:
             raise FieldError("stop", "stop strings need detokenize")
         # The span shows the client's seed; the assigned one stays internal (logs only).
         params = with_admission_seed(inp.params, self._seed_rng)
-        with tracer.start_as_current_span(
+        # The span is never made current: this generator may be closed (a client went away)
+        # from another task, where detaching a current-span token fails and OpenTelemetry
+        # logs "Failed to detach context" with a traceback.
+        span = tracer.start_span(
             f"{inp.operation} {self.model_name}", context=parent, kind=trace.SpanKind.SERVER
-        ) as span:
+        )
+        try:
             set_request_attributes(span, inp, self.model_name)
             async for update in self._generate(inp, params, span):
                 yield update
+        except Exception as exc:  # as start_as_current_span records: errors, not GeneratorExit
+            span.record_exception(exc)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            span.end()
 
     async def _generate(
         self, inp: GenerationInput, params: SamplingParams, span: trace.Span
@@ -304,7 +314,7 @@ class GenerationCore:
         )
         stream = self.scheduler.submit(
             inp.request_id, inp.prompt.token_ids, params, self.tokenization.eos_token_id,
-            current_traceparent(), inp.priority, inp.text.stop,
+            current_traceparent(span), inp.priority, inp.text.stop,
             not inp.text.skip_special_tokens, timeout_s=inp.timeout_s, grammar=inp.grammar,
         )
         try:

@@ -122,8 +122,9 @@ async def _respond(request: Request, body: CompletionRequest | ChatCompletionReq
                          parent)
 
 
-async def serve_http(core: GenerationCore, config: Any,
-                     not_ready_reason: Callable[[], str | None] | None = None) -> None:
+def http_server(core: GenerationCore, config: Any,
+                not_ready_reason: Callable[[], str | None] | None = None) -> Any:
+    """The HTTP server (a `uvicorn.Server`: `serve()` runs it, `started` says it listens)."""
     import uvicorn
 
     app = build_app(core, config.api_keys, not_ready_reason)
@@ -134,4 +135,4 @@ async def serve_http(core: GenerationCore, config: Any,
     ))
     # The process owns SIGINT/SIGTERM (llmserve.service_main); uvicorn must not take them over.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-    await server.serve()
+    return server

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grpc_health.v1.health import HealthServicer
@@ -78,15 +79,26 @@ async def serve(config: GatewayConfig) -> None:
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), server)
     address = f"{config.host}:{config.grpc_port}"
     security.add_port(server, address, config.tls_require_client_cert)
+    published = PublishedReadiness()
+    http = None
+    if config.http_port:
+        # Imported before either port opens: importing the HTTP stack takes seconds of the
+        # event loop, during which gRPC could not answer.
+        from gateway.openai_api import http_server
+
+        http = http_server(core, config, published.not_ready_reason)
     await set_serving(health, [SERVICE_NAME], False)
     await server.start()
-    health_task = asyncio.create_task(_follow_readiness(readiness, health), name="gateway-health")
+    http_task = None if http is None else asyncio.create_task(http.serve(), name="gateway-http")
 
-    http_task = None
-    if config.http_port:
-        from gateway.openai_api import serve_http
+    def reason() -> str | None:
+        if http is not None and not http.started:
+            return "starting: the HTTP port is not open yet"
+        return readiness.not_ready_reason()
 
-        http_task = asyncio.create_task(serve_http(core, config, readiness.not_ready_reason))
+    health_task = asyncio.create_task(
+        published.follow(reason, health), name="gateway-readiness"
+    )
 
     log.info("gateway listening", grpc=address, http_port=config.http_port,
              model=config.served_model_name,
@@ -97,6 +109,7 @@ async def serve(config: GatewayConfig) -> None:
         # requests are refused (503 / UNAVAILABLE) and those in flight may finish.
         readiness.drain()
         await health.enter_graceful_shutdown()
+        published.drain()
         admission.start_draining()
         in_flight = admission.in_flight
         log.info("draining", in_flight=in_flight, grace_s=config.shutdown_grace_s)
@@ -113,13 +126,30 @@ async def serve(config: GatewayConfig) -> None:
     await serve_until_signal(server, on_stop)
 
 
-async def _follow_readiness(readiness: SchedulerReadiness, health: HealthServicer) -> None:
-    """Mirror readiness onto the gateway's gRPC health (polled: it has two inputs, the
-    scheduler's health and the Connect stream, and a check every half second is cheap)."""
-    serving: bool | None = None
-    while True:
-        if readiness.ready != serving:
-            serving = readiness.ready
-            await set_serving(health, [SERVICE_NAME], serving)
-            log.info("gateway readiness", ready=serving, reason=readiness.not_ready_reason())
-        await asyncio.sleep(0.5)
+class PublishedReadiness:
+    """The gateway's one readiness: gRPC health and HTTP `/ready` both answer from it, and it
+    changes gRPC first, so whoever sees `/ready` say ok finds gRPC SERVING too. Neither says
+    ready before both ports listen."""
+
+    def __init__(self) -> None:
+        self._reason: str | None = "starting"
+
+    def not_ready_reason(self) -> str | None:
+        """None when ready (HTTP `/ready`'s answer)."""
+        return self._reason
+
+    def drain(self) -> None:
+        """`/ready` says 503 at once (gRPC health has been set NOT_SERVING)."""
+        self._reason = "draining"
+
+    async def follow(self, reason: Callable[[], str | None], health: HealthServicer) -> None:
+        """Publish `reason()`, polled: it has several inputs (the ports, the scheduler's
+        health, the Connect stream), and a check every 0.2 s is cheap."""
+        while True:
+            now = reason()
+            if now != self._reason:
+                if (now is None) != (self._reason is None):
+                    await set_serving(health, [SERVICE_NAME], now is None)
+                    log.info("gateway readiness", ready=now is None, reason=now)
+                self._reason = now
+            await asyncio.sleep(0.2)

@@ -1,14 +1,13 @@
 """Argument checks shared by the kernel wrappers.
 
 User mistakes (a wrong shape, dtype or device) raise `KernelArgumentError` naming the argument,
-so callers can map them to INVALID_ARGUMENT; asserts stay for internal invariants.
+so callers can map them to INVALID_ARGUMENT; asserts stay for internal invariants. The C++
+kernels (kernels.cpu) share these checks, so this module does not import Triton.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-from triton.runtime.interpreter import InterpretedFunction
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -65,7 +64,7 @@ def check_device(
             raise KernelArgumentError(
                 name, f"on {tensor.device}, expected {device} (like {first_name})"
             )
-    if device.type != "cuda" and not isinstance(kernel, InterpretedFunction):
+    if device.type != "cuda" and not is_interpreted(kernel):
         raise KernelArgumentError(
             first_name,
             f"tensors on {device} need the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -120,8 +119,11 @@ def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def is_interpreted(kernel: object) -> bool:
+    """Whether a Triton kernel runs under the interpreter (only asked of Triton kernels)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
     return isinstance(kernel, InterpretedFunction)
 
 
 def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return 1 << (max(int(n), 1) - 1).bit_length()

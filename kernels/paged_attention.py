@@ -18,17 +18,16 @@ partition take a single pass that writes the output directly.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from kernels._checks import (
     FLOAT_DTYPES,
     KernelArgumentError,
     check_block_tables,
     check_device,
-    check_dim,
     check_dtype,
     check_inner_contiguous,
     check_ndim,
@@ -38,165 +37,27 @@ from kernels._checks import (
     is_interpreted,
     next_power_of_2,
 )
-
-DEFAULT_PARTITION_SIZE = 512
-# Partitions are halved down to this size while the grid is too small to fill the device.
-MIN_PARTITION_SIZE = 128
-# Programs per streaming multiprocessor that the split-K grid aims for.
-PROGRAMS_PER_SM = 2
-# Context tokens per inner-loop step: K/V tiles of [TILE_TOKENS, head_dim].
-MAX_TILE_TOKENS = 64
-# tl.dot needs at least 16 rows on tensor cores; small GQA groups are padded up to it.
-MIN_DOT_ROWS = 16
-# Partitions merged per step of the reduction (bounds its register use for very long contexts).
-REDUCE_CHUNK = 16
-LOG2E = 1.4426950408889634
+from kernels.paged_decode_kernels import (
+    DEFAULT_PARTITION_SIZE,
+    LOG2E,
+    MAX_TILE_TOKENS,
+    MIN_DOT_ROWS,
+    MIN_PARTITION_SIZE,
+    PROGRAMS_PER_SM,
+    REDUCE_CHUNK,
+    _paged_attention_decode_kernel,
+    _paged_attention_reduce_kernel,
+)
 
 
-@triton.jit
-def _paged_attention_decode_kernel(
-    out_ptr,  # [num_seqs, num_heads, head_dim] (single pass only)
-    partial_out_ptr,  # [num_seqs, num_heads, num_partitions, head_dim] fp32 (split only)
-    max_logits_ptr,  # [num_seqs, num_heads, num_partitions] fp32, log2 domain (split only)
-    exp_sums_ptr,  # [num_seqs, num_heads, num_partitions] fp32 (split only)
-    query_ptr,  # [num_seqs, num_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens_ptr,  # [num_seqs] int32
-    qk_scale,  # softmax scale * log2(e)
-    num_heads,
-    num_partitions,
-    stride_os,
-    stride_oh,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_bts,
-    QUERIES_PER_KV: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,  # QUERIES_PER_KV padded to a power of 2 >= 16
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_TOKENS: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    part = tl.program_id(2)
+@dataclass(frozen=True, slots=True)
+class DecodeLaunchConfig:
+    """How the decode kernel is launched: context tokens per inner-loop tile, warps per
+    program, software-pipelining depth (None: Triton's default)."""
 
-    seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION_SIZE
-    end = tl.minimum(start + PARTITION_SIZE, seq_len)
-    num_tiles = tl.cdiv(tl.maximum(end - start, 0), TILE_TOKENS)
-
-    rows = tl.arange(0, GROUP_ROWS)  # [GROUP_ROWS]
-    dims = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
-    heads = kv_head * QUERIES_PER_KV + rows  # [GROUP_ROWS]
-    row_mask = rows < QUERIES_PER_KV
-    dim_mask = dims < HEAD_DIM
-
-    q_ptrs = query_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [GROUP_ROWS, D]
-
-    m_i = tl.full([GROUP_ROWS], float("-inf"), tl.float32)  # running max, log2 domain
-    l_i = tl.zeros([GROUP_ROWS], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([GROUP_ROWS, HEAD_DIM_PAD], tl.float32)  # unnormalized output
-
-    block_table_row = block_tables_ptr + seq * stride_bts
-    for tile in range(0, num_tiles):
-        tokens = start + tile * TILE_TOKENS + tl.arange(0, TILE_TOKENS)  # [TILE_TOKENS]
-        token_mask = tokens < end
-        blocks = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0)
-        blocks = blocks.to(tl.int64)
-        offsets = tokens % BLOCK_SIZE
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-
-        k_rows = blocks * stride_kb + offsets * stride_kt + kv_head * stride_kh
-        k = tl.load(key_cache_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))  # [GROUP_ROWS, TILE]
-
-        # Each tile holds at least one valid token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
-        v = tl.load(value_cache_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    out_mask = row_mask[:, None] & dim_mask[None, :]
-    if SPLIT:
-        stats = (seq * num_heads + heads) * num_partitions + part  # [GROUP_ROWS]
-        tl.store(max_logits_ptr + stats, m_i, mask=row_mask)
-        tl.store(exp_sums_ptr + stats, l_i, mask=row_mask)
-        partial_ptrs = partial_out_ptr + stats[:, None] * HEAD_DIM + dims[None, :]
-        tl.store(partial_ptrs, acc, mask=out_mask)
-    else:
-        # An empty context (seq_len 0) yields zeros rather than NaN.
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _paged_attention_reduce_kernel(
-    out_ptr,  # [num_seqs, num_heads, head_dim]
-    partial_out_ptr,  # [num_seqs, num_heads, num_partitions, head_dim] fp32
-    max_logits_ptr,  # [num_seqs, num_heads, num_partitions] fp32, log2 domain
-    exp_sums_ptr,  # [num_seqs, num_heads, num_partitions] fp32
-    seq_lens_ptr,  # [num_seqs] int32
-    num_heads,
-    num_partitions,
-    stride_os,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
-    PARTITIONS_PAD: tl.constexpr,  # num_partitions padded to a power of 2
-    REDUCE_CHUNK: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # Partitions past the end of this sequence were never written.
-    used = tl.cdiv(seq_len, PARTITION_SIZE)
-    stats_base = (seq * num_heads + head) * num_partitions
-
-    parts = tl.arange(0, PARTITIONS_PAD)  # [PARTITIONS_PAD]
-    part_mask = parts < used
-    m = tl.load(max_logits_ptr + stats_base + parts, mask=part_mask, other=float("-inf"))
-    l_part = tl.load(exp_sums_ptr + stats_base + parts, mask=part_mask, other=0.0)
-    m_max = tl.max(m, 0)
-    weights = tl.where(part_mask, tl.exp2(m - m_max), 0.0)
-    denom = tl.sum(weights * l_part, 0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dims < HEAD_DIM
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    for chunk in range(0, tl.cdiv(used, REDUCE_CHUNK)):
-        cparts = chunk * REDUCE_CHUNK + tl.arange(0, REDUCE_CHUNK)  # [REDUCE_CHUNK]
-        cmask = cparts < used
-        cm = tl.load(max_logits_ptr + stats_base + cparts, mask=cmask, other=float("-inf"))
-        cw = tl.where(cmask, tl.exp2(cm - m_max), 0.0)
-        partial_ptrs = partial_out_ptr + (stats_base + cparts)[:, None] * HEAD_DIM + dims[None, :]
-        partial = tl.load(partial_ptrs, mask=cmask[:, None] & dim_mask[None, :], other=0.0)
-        acc += tl.sum(cw[:, None] * partial, 0)
-
-    out = acc / denom
-    out_ptrs = out_ptr + seq * stride_os + head * stride_oh + dims
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    tile_tokens: int = MAX_TILE_TOKENS
+    num_warps: int = 4
+    num_stages: int | None = None
 
 
 @functools.cache
@@ -237,6 +98,7 @@ def paged_attention_decode(
     *,
     max_seq_len: int | None = None,
     partition_size: int | None = None,
+    launch: DecodeLaunchConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -248,116 +110,242 @@ def paged_attention_decode(
     max_seq_len, when the caller knows it, bounds the split-K grid; otherwise the block-table
     width is used (no device sync). partition_size is the split-K partition length in tokens, a
     power of 2 (default: `choose_partition_size`); contexts within one partition take a single
-    pass without the reduction.
+    pass without the reduction. launch overrides the kernel's launch configuration (tuning).
+
+    One call = `DecodePlan` + `DecodePlan.run`; callers that attend over the same sequences
+    once per layer build the plan once (see `DecodePlan`).
     """
     check_ndim("query", query, 3, "[num_seqs, num_heads, head_dim]")
     check_dtype("query", query, FLOAT_DTYPES)
-    check_inner_contiguous("query", query)
+    check_ndim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = check_paged_cache(key_cache, value_cache, query, "query")
-    check_dim("key_cache", key_cache, 3, head_dim, "head_dim of query")
-    if num_heads % num_kv_heads != 0:
-        raise KernelArgumentError(
-            "query", f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-        )
     check_block_tables(block_tables, num_seqs)
     check_seq_lens(seq_lens, num_seqs)
-    out = check_out(out, query)
-    if partition_size is not None and (
-        partition_size <= 0 or partition_size & (partition_size - 1)
-    ):
-        raise KernelArgumentError("partition_size", f"{partition_size} is not a power of 2")
-    check_device(
-        _paged_attention_decode_kernel,
-        {
-            "query": query,
-            "key_cache": key_cache,
-            "value_cache": value_cache,
-            "block_tables": block_tables,
-            "seq_lens": seq_lens,
-            "out": out,
-        },
-    )
-    if num_seqs == 0:
-        return out
-
-    queries_per_kv = num_heads // num_kv_heads
-    max_context = block_tables.shape[1] * block_size
-    if max_seq_len is not None:
-        max_context = min(max_context, max_seq_len)
-    if partition_size is None:
-        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_context, query.device)
-    num_partitions = max(triton.cdiv(max_context, partition_size), 1)
-    split = num_partitions > 1
-    head_dim_pad = next_power_of_2(max(head_dim, 16))
-    tile_tokens = min(MAX_TILE_TOKENS, partition_size)
-    constants = dict(
-        QUERIES_PER_KV=queries_per_kv,
-        GROUP_ROWS=next_power_of_2(max(queries_per_kv, MIN_DOT_ROWS)),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size,
-        TILE_TOKENS=max(tile_tokens, 16),
-        PARTITION_SIZE=partition_size,
-        DOT_PRECISION=dot_precision(query.dtype),
-    )
-    if split:
-        stats_shape = (num_seqs, num_heads, num_partitions)
-        max_logits = torch.empty(stats_shape, dtype=torch.float32, device=query.device)
-        exp_sums = torch.empty(stats_shape, dtype=torch.float32, device=query.device)
-        partial_out = torch.empty(
-            (*stats_shape, head_dim), dtype=torch.float32, device=query.device
-        )
-    else:
-        max_logits = exp_sums = partial_out = out  # unused by the single-pass variant
-
-    _paged_attention_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        out,
-        partial_out,
-        max_logits,
-        exp_sums,
-        query,
-        key_cache,
-        value_cache,
+    plan = DecodePlan(
         block_tables,
         seq_lens,
-        scale * LOG2E,
-        num_heads,
-        num_partitions,
-        out.stride(0),
-        out.stride(1),
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_tables.stride(0),
-        SPLIT=split,
-        num_warps=4,
-        **constants,
+        num_heads=num_heads,
+        num_kv_heads=key_cache.shape[2],
+        head_dim=head_dim,
+        block_size=key_cache.shape[1],
+        dtype=query.dtype,
+        scale=scale,
+        max_seq_len=max_seq_len,
+        partition_size=partition_size,
+        launch=launch,
     )
-    if split:
-        _paged_attention_reduce_kernel[(num_seqs, num_heads)](
+    return plan.run(query, key_cache, value_cache, out)
+
+
+class DecodePlan:
+    """One decode step's attention launch, checked and sized once for all layers.
+
+    The model attends over the same sequences (block tables, lengths) in every layer; only
+    the queries, the layer's caches and the output change. The plan checks the step's
+    arguments, chooses the partitioning and launch configuration, and allocates the split-K
+    scratch once; `run` checks only what a layer can change (shapes, dtype, device, strides)
+    and launches. After the first launch it keeps Triton's compiled kernel and launches it
+    directly, skipping the JIT's per-call argument binding and cache lookup, for as long as
+    the arguments keep the specialization it was compiled for (16-byte aligned pointers and
+    the same strides).
+    """
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        scale: float,
+        max_seq_len: int | None = None,
+        partition_size: int | None = None,
+        launch: DecodeLaunchConfig | None = None,
+    ) -> None:
+        num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1
+        check_block_tables(block_tables, num_seqs)
+        check_seq_lens(seq_lens, num_seqs)
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise KernelArgumentError(
+                "query", f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
+        if partition_size is not None and (
+            partition_size <= 0 or partition_size & (partition_size - 1)
+        ):
+            raise KernelArgumentError("partition_size", f"{partition_size} is not a power of 2")
+        device = block_tables.device
+        check_device(
+            _paged_attention_decode_kernel,
+            {"block_tables": block_tables, "seq_lens": seq_lens},
+        )
+        self.block_tables = block_tables
+        self.seq_lens = seq_lens
+        self.num_seqs, self.num_heads, self.num_kv_heads = num_seqs, num_heads, num_kv_heads
+        self.head_dim, self.block_size, self.dtype, self.device = (
+            head_dim,
+            block_size,
+            dtype,
+            device,
+        )
+        self.qk_scale = scale * LOG2E
+        max_context = block_tables.shape[1] * block_size
+        if max_seq_len is not None:
+            max_context = min(max_context, max_seq_len)
+        if partition_size is None:
+            partition_size = choose_partition_size(num_seqs, num_kv_heads, max_context, device)
+        self.num_partitions = max(triton.cdiv(max_context, partition_size), 1)
+        self.split = self.num_partitions > 1
+        self.launch = launch = launch or DecodeLaunchConfig()
+        queries_per_kv = num_heads // num_kv_heads
+        head_dim_pad = next_power_of_2(max(head_dim, 16))
+        self.decode_constants = (
+            queries_per_kv,  # QUERIES_PER_KV
+            next_power_of_2(max(queries_per_kv, MIN_DOT_ROWS)),  # GROUP_ROWS
+            head_dim,  # HEAD_DIM
+            head_dim_pad,  # HEAD_DIM_PAD
+            block_size,  # BLOCK_SIZE
+            max(min(launch.tile_tokens, partition_size), 16),  # TILE_TOKENS
+            partition_size,  # PARTITION_SIZE
+            self.split,  # SPLIT
+            dot_precision(dtype),  # DOT_PRECISION
+        )
+        self.reduce_constants = (
+            head_dim,  # HEAD_DIM
+            head_dim_pad,  # HEAD_DIM_PAD
+            partition_size,  # PARTITION_SIZE
+            next_power_of_2(self.num_partitions),  # PARTITIONS_PAD
+            REDUCE_CHUNK,  # REDUCE_CHUNK
+        )
+        if self.split:
+            stats_shape = (num_seqs, num_heads, self.num_partitions)
+            # [num_seqs, num_heads, num_partitions] fp32, shared by every layer's launch
+            self.max_logits = torch.empty(stats_shape, dtype=torch.float32, device=device)
+            self.exp_sums = torch.empty(stats_shape, dtype=torch.float32, device=device)
+            # [num_seqs, num_heads, num_partitions, head_dim] fp32
+            self.partial_out = torch.empty(
+                (*stats_shape, head_dim), dtype=torch.float32, device=device
+            )
+        self._query_shape = (num_seqs, num_heads, head_dim)
+        self._cache_tail = (block_size, num_kv_heads, head_dim)
+        # The compiled kernels and the strides they were launched with (see the docstring).
+        self._compiled: tuple[object, object | None] | None = None
+        self._compiled_key: tuple[int, ...] | None = None
+
+    def run(
+        self,
+        query: torch.Tensor,  # [num_seqs, num_heads, head_dim], rows may be strided
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    ) -> torch.Tensor:  # out
+        if query.shape != self._query_shape:
+            check_ndim("query", query, 3, "[num_seqs, num_heads, head_dim]")
+            raise KernelArgumentError(
+                "query", f"shape {tuple(query.shape)}, expected {self._query_shape} (the plan's)"
+            )
+        if query.dtype != self.dtype:
+            check_dtype("query", query, (self.dtype,))
+        check_inner_contiguous("query", query)
+        if key_cache.shape[1:] != self._cache_tail:
+            check_ndim(
+                "key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]"
+            )
+            raise KernelArgumentError(
+                "key_cache",
+                f"shape {tuple(key_cache.shape)}, expected [num_blocks, {self._cache_tail}]",
+            )
+        check_paged_cache(key_cache, value_cache, query, "query")
+        out = check_out(out, query)
+        if not (
+            query.device == key_cache.device == value_cache.device == out.device == self.device
+        ):
+            check_device(
+                _paged_attention_decode_kernel,
+                {
+                    "block_tables": self.block_tables,
+                    "query": query,
+                    "key_cache": key_cache,
+                    "value_cache": value_cache,
+                    "out": out,
+                },
+            )
+        if self.num_seqs == 0:
+            return out
+        partial_out = self.partial_out if self.split else out
+        max_logits = self.max_logits if self.split else out
+        exp_sums = self.exp_sums if self.split else out
+        decode_args = (
             out,
             partial_out,
             max_logits,
             exp_sums,
-            seq_lens,
-            num_heads,
-            num_partitions,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            PARTITION_SIZE=partition_size,
-            PARTITIONS_PAD=next_power_of_2(num_partitions),
-            REDUCE_CHUNK=REDUCE_CHUNK,
-            num_warps=4,
+            query,
+            key_cache,
+            value_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.qk_scale,
+            self.num_heads,
+            self.num_partitions,
+            *out.stride()[:2],
+            *query.stride()[:2],
+            *key_cache.stride()[:3],
+            *value_cache.stride()[:3],
+            self.block_tables.stride(0),
         )
-    return out
+        reduce_args = (
+            out,
+            partial_out,
+            max_logits,
+            exp_sums,
+            self.seq_lens,
+            self.num_heads,
+            self.num_partitions,
+            *out.stride()[:2],
+        )
+        # Pointer alignment and strides decide Triton's specialization of the compiled code.
+        key = (
+            *(t.data_ptr() % 16 == 0 for t in (query, key_cache, value_cache, out)),
+            *decode_args[12:],
+        )
+        if self._compiled is not None and key == self._compiled_key:
+            decode, reduce = self._compiled
+            decode[(self.num_seqs, self.num_kv_heads, self.num_partitions)](  # type: ignore[index]
+                *decode_args, *self.decode_constants
+            )
+            if reduce is not None:
+                reduce[(self.num_seqs, self.num_heads, 1)](  # type: ignore[index]
+                    *reduce_args, *self.reduce_constants
+                )
+            return out
+        self._launch_jit(decode_args, reduce_args, key)
+        return out
+
+    def _launch_jit(
+        self, decode_args: tuple[object, ...], reduce_args: tuple[object, ...], key: tuple
+    ) -> None:
+        """Launch through Triton's JIT (compiling on first use); keep what it compiled."""
+        launch = self.launch
+        decode = _paged_attention_decode_kernel[
+            (self.num_seqs, self.num_kv_heads, self.num_partitions)
+        ](
+            *decode_args,
+            *self.decode_constants,
+            num_warps=launch.num_warps,
+            **({"num_stages": launch.num_stages} if launch.num_stages else {}),
+        )
+        reduce = None
+        if self.split:
+            reduce = _paged_attention_reduce_kernel[(self.num_seqs, self.num_heads)](
+                *reduce_args, *self.reduce_constants, num_warps=4
+            )
+        # The interpreter returns no compiled kernel: it keeps going through the JIT.
+        if hasattr(decode, "run") and (reduce is None or hasattr(reduce, "run")):
+            self._compiled = (decode, reduce)
+            self._compiled_key = key
 
 
 def supports_device(device: torch.device) -> bool:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from llmserve.logs import configure_logging
 from llmserve.security import add_security_flags, install, security_from_args
@@ -29,6 +31,12 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")
     p.add_argument("--dtype", default=None, help="worker dtype (float32, bfloat16, float16)")
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                   help="worker device; on CUDA each worker gets a GPU of its own")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="per worker, the fraction of its GPU it may use (CUDA)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="workers run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (workers)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="per worker, GiB (CPU)")
     p.add_argument("--swap-space", type=float, default=None, help="per worker, GiB")
@@ -68,6 +76,13 @@ def _run_up(argv: list[str]) -> int:
     except ValueError as exc:
         _up_parser().error(str(exc))
     configure_logging("llmserve-up", args.log_level)
+    from llmserve.supervisor import DeviceAssignmentError, assign_cuda_devices, visible_cuda_devices
+
+    try:
+        visible = [] if args.device == "cpu" else visible_cuda_devices()
+        devices = assign_cuda_devices(args.workers, visible)
+    except DeviceAssignmentError as exc:
+        _up_parser().error(str(exc))
     secured = _passthrough(args, _SECURITY_FLAGS)
     config = StackConfig(
         model=args.model,
@@ -76,8 +91,11 @@ def _run_up(argv: list[str]) -> int:
         http_port=args.http_port,
         host=args.host,
         worker_args=_passthrough(
-            args, ["dtype", "block-size", "kv-cache-memory", "swap-space", "log-level"]
-        ) + secured,
+            args,
+            ["dtype", "device", "gpu-memory-utilization", "block-size", "kv-cache-memory",
+             "swap-space", "log-level"],
+        ) + (["--enforce-eager"] if args.enforce_eager else []) + secured,
+        worker_devices=devices,
         scheduler_args=_passthrough(
             args,
             ["num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens", "log-level"],
@@ -127,8 +145,24 @@ def main(argv: list[str] | None = None) -> int:
         # threads took the cores from them: a 128-token prefill took 530 ms spinning, 430 ms
         # passive in bfloat16; in float32, beside oneDNN's matmuls, 560 / 480 ms.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if command in ("gateway", "scheduler"):
+        from llmserve.service_main import keep_triton_out
+
+        keep_triton_out()  # they run no kernel (a worker decides once it knows its device)
     module = importlib.import_module(_SERVICES[command])
-    return int(module.main(rest) or 0)
+    _end_service_process(int(module.main(rest) or 0))
+
+
+def _end_service_process(code: int) -> NoReturn:
+    """A service has stopped: run the exit handlers (telemetry and log flushes), then leave
+    without tearing the interpreter down. The teardown did nothing a stopped service needs
+    and printed hundreds of nanobind "leaked" lines about Triton's native module, which
+    torch loads in every process that touches torch._dynamo (transformers does), Triton
+    kernels used or not."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

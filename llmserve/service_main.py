@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import gc
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -51,6 +52,15 @@ def start_service(service: str, args: argparse.Namespace) -> None:
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host)
         log.info("metrics endpoint", url=f"http://{args.host}:{args.metrics_port}/metrics")
+
+
+def keep_triton_out() -> None:
+    """For a process that runs no Triton kernel (the gateway, the scheduler, a CPU worker):
+    Triton looks absent, as with a CPU-only install of torch. Otherwise torch imports it by
+    itself (torch._dynamo, which transformers touches) and nanobind reports hundreds of its
+    objects as leaked at exit. Call before anything imports torch's compiler stack."""
+    if "triton" not in sys.modules:
+        sys.modules["triton"] = None  # type: ignore[assignment]  # imports fail, find_spec: None
 
 
 def check_security(args: argparse.Namespace) -> None:

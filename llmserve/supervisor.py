@@ -64,6 +64,45 @@ class ServiceSpec:
     name: str
     args: list[str]  # arguments to `python -m llmserve.cli`
     grpc_address: str
+    # Set in this child's environment on top of ours (a worker's CUDA_VISIBLE_DEVICES).
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class DeviceAssignmentError(ValueError):
+    """`llmserve up` cannot give its workers the devices they need."""
+
+
+def assign_cuda_devices(num_workers: int, visible: list[str]) -> list[str | None]:
+    """The CUDA device each worker gets (its CUDA_VISIBLE_DEVICES), from the devices this
+    machine shows (`visible`, CUDA_VISIBLE_DEVICES order). None: no CUDA here, leave it.
+
+    Each worker gets a device of its own. Workers never share one: a worker's memory
+    profile gives its KV cache what is left of --gpu-memory-utilization of the whole device
+    after everything else on it, the first worker's cache included, so a second worker on
+    the same device would find no room. More workers than devices is refused."""
+    if not visible:
+        return [None] * num_workers
+    if num_workers > len(visible):
+        raise DeviceAssignmentError(
+            f"--workers {num_workers} needs {num_workers} CUDA devices, this machine shows "
+            f"{len(visible)} ({','.join(visible)}): workers do not share a device (each one's "
+            "KV cache takes what its memory profile leaves of the whole device); run at most "
+            f"{len(visible)} workers, or --device cpu"
+        )
+    return list(visible[:num_workers])
+
+
+def visible_cuda_devices() -> list[str]:
+    """The CUDA devices a child would see: CUDA_VISIBLE_DEVICES' entries, else every device
+    torch counts (no torch or no CUDA: none)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        import torch
+    except ImportError:
+        return []
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +117,8 @@ class StackConfig:
     gateway_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 600.0
     https: bool = False  # the gateway serves HTTPS (only for the banner)
+    # Worker i runs with CUDA_VISIBLE_DEVICES=worker_devices[i] (None or absent: unchanged).
+    worker_devices: list[str | None] = field(default_factory=list)
 
 
 def plan_stack(config: StackConfig) -> list[ServiceSpec]:
@@ -88,12 +129,14 @@ def plan_stack(config: StackConfig) -> list[ServiceSpec]:
         port = free_port()
         address = f"{LOOPBACK}:{port}"
         worker_addresses.append(address)
+        device = config.worker_devices[index] if index < len(config.worker_devices) else None
         specs.append(
             ServiceSpec(
                 f"worker-{index}",
                 ["worker", "--model", config.model, "--host", LOOPBACK, "--port", str(port),
                  "--metrics-port", str(free_port()), *config.worker_args],
                 address,
+                {"CUDA_VISIBLE_DEVICES": device} if device is not None else {},
             )
         )
     scheduler_port = free_port()
@@ -148,12 +191,14 @@ class Stack:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llmserve.cli", *spec.args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env=self._env, start_new_session=True,
+            env={**self._env, **spec.env}, start_new_session=True,
         )
         self.procs[spec.name] = proc
         assert proc.stdout is not None
         self._pumps.append(asyncio.create_task(_pump(spec.name, proc.stdout)))
-        log.info("starting", service=spec.name, address=spec.grpc_address, pid=proc.pid)
+        log.info(
+            "starting", service=spec.name, address=spec.grpc_address, pid=proc.pid, **spec.env
+        )
         return proc
 
     async def start(self, timeout_s: float) -> None:

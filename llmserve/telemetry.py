@@ -79,10 +79,11 @@ def shutdown_tracing() -> None:
         _provider = None
 
 
-def current_traceparent() -> str:
-    """The current span's context as a W3C traceparent ("" when there is none)."""
+def current_traceparent(span: trace.Span | None = None) -> str:
+    """`span`'s context (by default the current span's) as a W3C traceparent ("" when there
+    is none)."""
     carrier: dict[str, str] = {}
-    _propagator.inject(carrier)
+    _propagator.inject(carrier, None if span is None else trace.set_span_in_context(span))
     return carrier.get("traceparent", "")
 
 

@@ -45,6 +45,7 @@ from scheduler_service.discovery import DrainedError, answers_health, resolve_wo
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState, WorkerLostError
+from scheduler_service.replica_owner import ReplicaCounters
 from scheduler_service.routing import Candidate, RoutingPolicy
 from scheduler_service.routing import Router as RoutingRouter
 from scheduler_service.tracing import (
@@ -128,6 +129,9 @@ class Fleet:
         self._leases: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = False
+        # Removed replicas: those still stopping, and the counters of those stopped.
+        self._leaving: set[Replica] = set()
+        self._departed = ReplicaCounters()
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -150,6 +154,23 @@ class Fleet:
     @property
     def replicas(self) -> list[Replica]:
         return [m.replica for m in self.members.values()]
+
+    def totals(self) -> ReplicaCounters:
+        """Counters over every replica the fleet has had, removed ones included."""
+        totals = self._departed
+        for replica in [*self.replicas, *self._leaving]:
+            totals = totals.add(replica.counters())
+        return totals
+
+    def _retire(self, replica: Replica, cause: str) -> None:
+        """Stop a replica that left the fleet; its counters stay in `totals`."""
+        self._leaving.add(replica)
+
+        def stopped(_: asyncio.Task[None]) -> None:
+            self._leaving.discard(replica)
+            self._departed = self._departed.add(replica.counters())
+
+        asyncio.create_task(replica.stop(cause)).add_done_callback(stopped)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -181,7 +202,7 @@ class Fleet:
         if not member.sources:
             log.warning("replica removed", replica=member.replica.replica_id, cause=cause)
             del self.members[address]
-            asyncio.create_task(member.replica.stop(cause))
+            self._retire(member.replica, cause)
             self._record_states()
 
     async def _housekeeping(self) -> None:
@@ -375,7 +396,7 @@ class Fleet:
             del self.members[replica.address]
             self.drained[replica.address] = time.monotonic()
             self._leases.pop(replica.address, None)
-            asyncio.create_task(replica.stop("drain"))
+            self._retire(replica, "drain")
         if replica.drain_started is not None:
             metrics.DRAIN_SECONDS.observe(time.monotonic() - replica.drain_started)
         self._record_states()

@@ -37,7 +37,7 @@ from scheduler_service import metrics
 from scheduler_service.config import ConfigError, ReplicaConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.migration import GroupSnapshot
-from scheduler_service.replica_owner import ReplicaOwner, ReplicaState
+from scheduler_service.replica_owner import ReplicaCounters, ReplicaOwner, ReplicaState
 from scheduler_service.replica_steps import StepPipeline
 from scheduler_service.text_stops import tokenizer_loader
 from scheduler_service.tracing import ReplicaTracer, RequestTrace
@@ -90,7 +90,16 @@ class Replica:
         self._in_step: list[str] = []
         self.num_steps = 0
         self.num_migrated_out = 0
+        # The engine counters of the engines this replica has dropped (failed steps).
+        self._dropped_engines = ReplicaCounters()
         self._watchdog = StepWatchdog(config)
+
+    def counters(self) -> ReplicaCounters:
+        """Since the replica was added, across engine replacements."""
+        own = ReplicaCounters(num_steps=self.num_steps, num_migrated_out=self.num_migrated_out)
+        if self.engine is not None:
+            own = own.add(ReplicaCounters.of_engine(self.engine.get_stats()))
+        return own.add(self._dropped_engines)
 
     @property
     def healthy(self) -> bool:
@@ -364,6 +373,9 @@ class Replica:
         self.owner.on_step_failed(self, keys, in_step, exc, traces)
 
     def _reset(self) -> None:
+        if self.engine is not None:
+            engine_counters = ReplicaCounters.of_engine(self.engine.get_stats())
+            self._dropped_engines = self._dropped_engines.add(engine_counters)
         self.engine = None
         self.tracer = None
         if self._stream is not None:

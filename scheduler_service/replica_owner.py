@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import astuple, dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Protocol
 
 from llmserve.v1 import scheduler_pb2
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.outputs import RequestOutput
+from scheduler_service.scheduler_outputs import SchedulerStats
 from scheduler_service.tracing import RequestTrace
 
 if TYPE_CHECKING:
@@ -54,3 +56,27 @@ class ReplicaOwner(Protocol):
     def on_drained(self, replica: Replica) -> None:
         """The replica finished draining (or its worker went away while draining): its loop
         has ended and it holds no request."""
+
+
+@dataclass(slots=True)
+class ReplicaCounters:
+    """What replicas have done since the scheduler started. A replica's survive its engine
+    being replaced (after a failed step); the fleet's survive a replica's removal."""
+
+    num_steps: int = 0
+    num_migrated_out: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def add(self, other: ReplicaCounters) -> ReplicaCounters:
+        return ReplicaCounters(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @classmethod
+    def of_engine(cls, stats: SchedulerStats) -> ReplicaCounters:
+        """The counters an engine keeps itself (reset when the engine is replaced)."""
+        return cls(
+            num_preemptions=stats.num_preemptions_recompute + stats.num_preemptions_swap,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+        )

@@ -78,8 +78,12 @@ class _Route:
 class Router:
     """Admits gateway requests, hands them to the fleet, routes their outputs back."""
 
-    def __init__(self, config: FleetConfig, on_ready_change=lambda ready: None,  # type: ignore[no-untyped-def]
-                 admission: SchedulerAdmission | None = None) -> None:
+    def __init__(
+        self,
+        config: FleetConfig,
+        on_ready_change=lambda ready: None,  # type: ignore[no-untyped-def]
+        admission: SchedulerAdmission | None = None,
+    ) -> None:
         self.fleet = Fleet(config, self, on_ready_change)
         self.admission = admission or SchedulerAdmission()
         self.routes: dict[str, _Route] = {}
@@ -274,13 +278,17 @@ class Router:
             num_unfinished_requests=len(self.routes), num_gateways=len(self.streams)
         )
         for replica in self.fleet.replicas:
+            counters = replica.counters()
             entry = reply.replicas.add(
                 replica_id=replica.replica_id,
                 address=replica.address,
                 healthy=replica.healthy,
-                num_steps=replica.num_steps,
+                num_steps=counters.num_steps,
                 state=int(replica.state),
-                num_migrated_out=replica.num_migrated_out,
+                num_migrated_out=counters.num_migrated_out,
+                prefix_cache_queries=counters.prefix_cache_queries,
+                prefix_cache_hits=counters.prefix_cache_hits,
+                num_preemptions=counters.num_preemptions,
             )
             engine = replica.engine
             if engine is None:
@@ -296,10 +304,13 @@ class Router:
             entry.gpu_blocks_total = engine.cache_config.num_gpu_blocks
             entry.cpu_blocks_free = bm.get_num_free_cpu_blocks()
             entry.cpu_blocks_total = engine.cache_config.num_cpu_blocks
-            entry.prefix_cache_queries = s.prefix_cache_queries
-            entry.prefix_cache_hits = s.prefix_cache_hits
-            entry.num_preemptions = s.num_preemptions_recompute + s.num_preemptions_swap
             entry.max_model_len = engine.scheduler_config.model_len
         lens = [r.max_model_len for r in reply.replicas if r.max_model_len]
         reply.max_model_len = min(lens, default=0)
+        totals = self.fleet.totals()
+        reply.totals.num_steps = totals.num_steps
+        reply.totals.num_migrated_out = totals.num_migrated_out
+        reply.totals.num_preemptions = totals.num_preemptions
+        reply.totals.prefix_cache_queries = totals.prefix_cache_queries
+        reply.totals.prefix_cache_hits = totals.prefix_cache_hits
         return reply

@@ -14,6 +14,7 @@ from llmserve.logs import get_logger
 from llmserve.service_main import (
     add_common_flags,
     check_security,
+    keep_triton_out,
     serve_until_signal,
     start_service,
 )
@@ -54,6 +55,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="CPU KV cache size, GiB")
     p.add_argument("--swap-space", type=float, default=4.0, help="host swap space, GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -116,6 +122,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),
         swap_space_bytes=int(args.swap_space * GiB),
         gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         num_threads=args.num_threads,
@@ -185,6 +192,14 @@ async def serve(args: argparse.Namespace) -> int:
     return drain.exit_code
 
 
+def _may_use_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device == "cuda"
+
+
 def advertise_address(host: str, port: int) -> str:
     """The address a scheduler dials to reach this worker: the listen address, unless that
     is a wildcard (a container listening on 0.0.0.0), then this host's own address."""
@@ -195,5 +210,7 @@ def advertise_address(host: str, port: int) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.attention_backend != "triton" and not _may_use_cuda(args.device):
+        keep_triton_out()
     start_service("worker", args)
     return asyncio.run(serve(args))

@@ -57,6 +57,9 @@ class WorkerConfig:
     kv_cache_memory_bytes: int = 2 * GiB
     swap_space_bytes: int = 4 * GiB
     gpu_memory_utilization: float = 0.9
+    # CUDA: decode steps replay CUDA graphs captured per batch size (worker_service/
+    # cuda_graphs.py) up to max_num_seqs; True runs every step eagerly.
+    enforce_eager: bool = False
     # Shape of the CUDA profile run (the scheduler's budgets).
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256

@@ -85,8 +85,9 @@ class Lease:
 class LeaseKeeper:
     """Keeps this worker registered with `scheduler` as `advertised` (see the module doc).
 
-    `run()` never returns; cancel its task to stop renewing. `sleep` is injectable so tests
-    can record the waits the keeper chooses."""
+    `run()` returns only when the scheduler refuses the worker because it drained it
+    (FAILED_PRECONDITION: renewing would be refused every interval); otherwise cancel its task
+    to stop renewing. `sleep` is injectable so tests can record the waits the keeper chooses."""
 
     def __init__(self, scheduler: str, advertised: str, sleep: Sleep = asyncio.sleep) -> None:
         self.scheduler = scheduler
@@ -111,6 +112,13 @@ class LeaseKeeper:
                     try:
                         reply = await stub.RegisterWorker(request, timeout=timeout)
                     except grpc.aio.AioRpcError as exc:
+                        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                            log.info(
+                                "the scheduler drained this worker; registration stops",
+                                scheduler=self.scheduler,
+                                reason=exc.details(),
+                            )
+                            return
                         self._failed(exc)
                         break  # a fresh channel for the next attempt
                     self._granted(reply)

@@ -26,6 +26,7 @@ from llmserve.steps import (
     TokenMask,
 )
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.models.llama import LlamaModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
 
@@ -91,6 +92,8 @@ class ModelRunner:
         self.states: dict[int, SequenceState] = {}
         # The current step's allowed tokens per constrained sequence (structured output).
         self.token_masks: dict[int, TokenMask] = {}
+        # Captured decode forwards (CUDA); None runs every step eagerly. Set by the worker.
+        self.decode_graphs: DecodeGraphs | None = None
 
     def apply_updates(self, step: StepInput) -> list[_Scheduled]:
         """Steps 1-4 of the contract (free, fork, register, update); returns what to compute."""
@@ -186,14 +189,20 @@ class ModelRunner:
         # Prefill-first layout; stable so the step order survives within each part.
         layout = sorted(scheduled, key=lambda s: s.count == 1)
         inputs = self._prepare(layout, num_blocks=kv_caches[0][0].shape[0] if kv_caches else 0)
-        logits = self.model.forward(
-            inputs.input_ids,
-            inputs.positions,
-            kv_caches,
-            inputs.metadata,
-            self.backend,
-            inputs.logit_rows,
-        )  # [num_logit_rows, vocab]
+        logits = None  # [num_logit_rows, vocab]
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run(
+                inputs.input_ids, inputs.positions, inputs.metadata, inputs.logit_rows
+            )
+        if logits is None:
+            logits = self.model.forward(
+                inputs.input_ids,
+                inputs.positions,
+                kv_caches,
+                inputs.metadata,
+                self.backend,
+                inputs.logit_rows,
+            )
         for s in scheduled:
             s.state.num_computed += s.count
         t1 = time.perf_counter_ns()

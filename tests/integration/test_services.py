@@ -436,3 +436,58 @@ def test_a_high_priority_request_preempts_a_running_one_through_the_services(
         assert wait_all_blocks_free(running) == (stats.gpu_blocks_total, stats.gpu_blocks_total)
     finally:
         running.stop()
+
+
+def test_gateway_readiness_is_one_state_over_grpc_and_http(
+    stack: RunningStack, tiny_model_dir: Path, tmp_path: Path
+):
+    """A second gateway on the running scheduler, both ports polled from its first moment:
+    `/ready` never says ok while gRPC health refuses, times out or says NOT_SERVING."""
+    import httpx
+
+    grpc_port, http_port = free_ports(2)
+    log = tmp_path / "gateway.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmserve.cli", "gateway", "--model", str(tiny_model_dir),
+         "--port", str(grpc_port), "--http-port", str(http_port), "--scheduler", stack.scheduler],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )
+    samples: list[tuple[bool, str]] = []  # (/ready ok, gRPC health right after it)
+    try:
+        with httpx.Client() as http:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    http_ok = http.get(f"http://127.0.0.1:{http_port}/ready", timeout=1)
+                    ready = http_ok.status_code == 200
+                except httpx.HTTPError:
+                    ready = False
+                # A new connection per check, as a probe makes: a long-lived channel whose
+                # first connect was refused backs off for seconds and answers UNAVAILABLE
+                # meanwhile without trying (that was the "gRPC answers 4 s after /ready").
+                with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                    try:
+                        reply = health_pb2_grpc.HealthStub(channel).Check(
+                            health_pb2.HealthCheckRequest(), timeout=1
+                        )
+                        grpc_state = health_pb2.HealthCheckResponse.ServingStatus.Name(
+                            reply.status
+                        )
+                    except grpc.RpcError as exc:
+                        grpc_state = exc.code().name
+                samples.append((ready, grpc_state))
+                if ready and sum(r for r, _ in samples) >= 5:
+                    break
+                time.sleep(0.02)
+    finally:
+        stop_process_quietly(proc)
+    assert any(ready for ready, _ in samples), (samples[-5:], log.read_text()[-2000:])
+    assert not samples[0][0], "ready at the first poll: the start was not observed"
+    mismatched = [s for s in samples if s[0] and s[1] != "SERVING"]
+    assert mismatched == [], mismatched
+
+
+def stop_process_quietly(proc: subprocess.Popen[bytes]) -> None:
+    from llmserve.supervisor import stop_process
+
+    stop_process(proc, grace_s=15)

@@ -128,7 +128,13 @@ def test_decode_writes_into_out_from_strided_query(device: str) -> None:
 
 def test_decode_rejects_bad_arguments(device: str) -> None:
     cache, query = make_attention_case(  # query: [1, 4, 64]
-        [4], 1, queries_per_kv=2, block_size=8, head_dim=64, dtype=torch.float32, device=device,
+        [4],
+        1,
+        queries_per_kv=2,
+        block_size=8,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
         seed=0,
     )
     good = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, 0.1)
@@ -164,3 +170,62 @@ def test_partition_size_shrinks_until_the_grid_fills_the_device(
     # 4 x 8 x 8 partitions of 256 = 256 programs.
     assert paged_attention.choose_partition_size(4, 8, 2048, cuda) == 256
     assert paged_attention.choose_partition_size(1, 8, 2048, torch.device("cpu")) == 512
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partition_size", [512, 64], ids=["single-pass", "split-k"])
+def test_one_plan_serves_every_layer(device: str, dtype: torch.dtype, partition_size: int) -> None:
+    """A `DecodePlan` made once runs over several layers' caches and queries (each against
+    the reference), through the kept compiled kernel after the first launch on CUDA, and over
+    row-strided queries (views of a fused QKV row)."""
+    skip_unsupported(device, dtype)
+    seq_lens = [1, 40, 300]
+    cache0, query0 = make_attention_case(
+        seq_lens, 3, queries_per_kv=4, block_size=16, head_dim=64, dtype=dtype,
+        device=device, seed=0,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:  # new values where t has any (the same poison)
+        new = torch.randn(t.shape, generator=generator).to(dtype=t.dtype, device=t.device)
+        return torch.where(t.isnan(), t, new)
+
+    layers = [(cache0.key_cache, cache0.value_cache, query0)] + [
+        (fresh(cache0.key_cache), fresh(cache0.value_cache), fresh(query0)) for _ in range(2)
+    ]
+    plan = paged_attention.DecodePlan(
+        cache0.block_tables,
+        cache0.seq_lens,
+        num_heads=query0.shape[1],
+        num_kv_heads=cache0.key_cache.shape[2],
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        scale=64**-0.5,
+        partition_size=partition_size,
+    )
+    for i, (key_cache, value_cache, query) in enumerate(layers):
+        if i == 2:  # queries as the first heads of wider rows
+            wide = torch.randn(3, query.shape[1] + 5, 64, dtype=dtype, device=device)
+            wide[:, : query.shape[1]] = query
+            query = wide[:, : query.shape[1]]
+        out = torch.full_like(query, float("nan")).contiguous()
+        args = (query, key_cache, value_cache, cache0.block_tables, cache0.seq_lens)
+        plan.run(*args[:3], out)
+        assert_close(out, reference.paged_attention_decode(*args, 64**-0.5))
+
+
+def test_plan_refuses_a_query_of_another_shape(device: str) -> None:
+    cache, query = make_attention_case(
+        [5, 9], 2, queries_per_kv=2, block_size=16, head_dim=64, dtype=torch.float32,
+        device=device, seed=0,
+    )  # fmt: skip
+    plan = paged_attention.DecodePlan(
+        cache.block_tables, cache.seq_lens, num_heads=query.shape[1],
+        num_kv_heads=cache.key_cache.shape[2], head_dim=64, block_size=16,
+        dtype=torch.float32, scale=0.125,
+    )  # fmt: skip
+    with pytest.raises(kernels.KernelArgumentError, match="query"):
+        plan.run(query[:1], cache.key_cache, cache.value_cache)
+    with pytest.raises(kernels.KernelArgumentError, match="query"):
+        plan.run(query.half(), cache.key_cache, cache.value_cache)

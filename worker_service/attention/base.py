@@ -158,17 +158,28 @@ class PagedKernelBackend(AttentionBackend):
                 max_query_len=metadata.max_prefill_query_len,
             )
         if metadata.num_decodes:
-            self.decode_attention(
-                query[n_pre:],
-                key_cache,
-                value_cache,
-                metadata.decode_block_tables,
-                metadata.decode_seq_lens,
-                self.scale,
-                out=out[n_pre:],
-                max_seq_len=metadata.max_decode_seq_len,
-            )
+            self.decode(query[n_pre:], key_cache, value_cache, out[n_pre:], metadata)
         return out
+
+    def decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        out: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> None:
+        """The decode tokens' attention, written into `out` (one layer)."""
+        self.decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            metadata.decode_block_tables,
+            metadata.decode_seq_lens,
+            self.scale,
+            out=out,
+            max_seq_len=metadata.max_decode_seq_len,
+        )
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}

@@ -4,7 +4,8 @@ Per layer: `reshape_and_cache` writes the step's keys/values into their slots, t
 tokens (prompt chunks, causal over their cached prefix) go through `prefill_attention` and the
 decode tokens through `paged_attention_decode`, each writing into its rows of one output tensor.
 Both kernels read keys/values from the paged cache by block table, so nothing is gathered or
-padded per step.
+padded per step. The decode launch is planned once per step (`kernels.DecodePlan`: checks,
+partitioning, scratch, the compiled kernel) and only launched per layer.
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before this
 module is imported); that is how the backend is tested without a GPU.
@@ -12,8 +13,16 @@ module is imported); that is how the backend is tested without a GPU.
 
 from __future__ import annotations
 
+import torch
+
 import kernels
-from worker_service.attention.base import AttentionSpec, PagedKernelBackend, register_backend
+from kernels.paged_attention import DecodePlan
+from worker_service.attention.base import (
+    AttentionMetadata,
+    AttentionSpec,
+    PagedKernelBackend,
+    register_backend,
+)
 
 
 @register_backend
@@ -24,6 +33,41 @@ class TritonAttentionBackend(PagedKernelBackend):
     write_cache = staticmethod(kernels.reshape_and_cache)
     prefill_attention = staticmethod(kernels.prefill_attention)
     decode_attention = staticmethod(kernels.paged_attention_decode)
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self._plan: DecodePlan | None = None
+        self._plan_metadata: AttentionMetadata | None = None
+
+    def begin_step(self, metadata: AttentionMetadata) -> None:
+        # The plan is made at the step's first decode (layer 0), which brings the dtype.
+        self._plan, self._plan_metadata = None, metadata
+
+    def decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        out: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> None:
+        if metadata is not self._plan_metadata:  # begin_step was not called for this step
+            super().decode(query, key_cache, value_cache, out, metadata)
+            return
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = DecodePlan(
+                metadata.decode_block_tables,
+                metadata.decode_seq_lens,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                block_size=metadata.block_size,
+                dtype=query.dtype,
+                scale=self.scale,
+                max_seq_len=metadata.max_decode_seq_len,
+            )
+        plan.run(query, key_cache, value_cache, out)
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:

@@ -13,7 +13,8 @@ HANG_GUARD_S = 30.0  # only bounds a broken test; nothing asserts on durations
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
-    """Grants `lease_ms` as replica `replica_id`; DrainWorker answers `drain_code` or OK."""
+    """Grants `lease_ms` as replica `replica_id` (or, after `refuse_registrations`, refuses as
+    the real scheduler refuses a drained worker); DrainWorker answers `drain_code` or OK."""
 
     def __init__(self, replica_id: int, lease_ms: int, drain_code: grpc.StatusCode | None = None):
         self.replica_id = replica_id
@@ -21,9 +22,12 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.drain_code = drain_code
         self.registered: list[str] = []
         self.drained: list[str] = []
+        self.refuse_registrations = False
 
     async def RegisterWorker(self, request, context):  # type: ignore[no-untyped-def]
         self.registered.append(request.address)
+        if self.refuse_registrations:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "address: drained")
         return scheduler_pb2.RegisterWorkerResponse(
             replica_id=self.replica_id, lease_ms=self.lease_ms
         )

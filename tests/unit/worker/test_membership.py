@@ -105,6 +105,28 @@ def test_keeper_re_registers_with_a_restarted_scheduler_within_one_interval():
     run(body)
 
 
+def test_keeper_stops_once_the_scheduler_refuses_it_as_drained():
+    async def body() -> None:
+        fake = FakeScheduler(replica_id=2, lease_ms=300)  # renew every 0.1 s
+        server = await serve(fake, port := free_port())
+        keeper = LeaseKeeper(f"127.0.0.1:{port}", WORKER)
+        with capture_logs() as logs:
+            task = asyncio.create_task(keeper.run())
+            await until(lambda: keeper.registrations >= 1)
+            fake.refuse_registrations = True
+            async with asyncio.timeout(10):
+                await task  # returns by itself
+            attempts = len(fake.registered)
+            await asyncio.sleep(0.5)  # five renewal intervals: no further attempt
+        await server.stop(0)
+        assert len(fake.registered) == attempts
+        events = [e["event"] for e in logs]
+        assert events.count("the scheduler drained this worker; registration stops") == 1
+        assert "scheduler not reachable; retrying with backoff" not in events
+
+    run(body)
+
+
 def test_keeper_uses_the_default_interval_when_the_scheduler_grants_no_lease():
     async def body() -> None:
         fake = FakeScheduler(replica_id=1, lease_ms=0)

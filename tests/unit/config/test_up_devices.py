@@ -1,0 +1,83 @@
+"""`llmserve up --workers N` on CUDA: one device per worker, or a refusal."""
+
+from __future__ import annotations
+
+import pytest
+
+import llmserve.supervisor
+from llmserve import cli
+from llmserve.supervisor import (
+    DeviceAssignmentError,
+    StackConfig,
+    assign_cuda_devices,
+    plan_stack,
+)
+
+
+def test_each_worker_gets_a_device_of_its_own() -> None:
+    assert assign_cuda_devices(2, ["3", "5", "6"]) == ["3", "5"]
+    assert assign_cuda_devices(3, ["3", "5", "6"]) == ["3", "5", "6"]
+
+
+def test_without_cuda_workers_are_left_alone() -> None:
+    assert assign_cuda_devices(3, []) == [None, None, None]
+
+
+def test_more_workers_than_devices_is_refused() -> None:
+    with pytest.raises(DeviceAssignmentError, match="--workers 3 needs 3 CUDA devices"):
+        assign_cuda_devices(3, ["0", "1"])
+
+
+def test_the_plan_sets_each_workers_visible_device() -> None:
+    specs = plan_stack(StackConfig(num_workers=2, worker_devices=["1", "0"]))
+    workers = [s for s in specs if s.name.startswith("worker-")]
+    assert [w.env for w in workers] == [
+        {"CUDA_VISIBLE_DEVICES": "1"},
+        {"CUDA_VISIBLE_DEVICES": "0"},
+    ]
+    others = [s for s in specs if not s.name.startswith("worker-")]
+    assert all(s.env == {} for s in others)
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> list[StackConfig]:
+    seen: list[StackConfig] = []
+
+    async def fake_run_stack(config: StackConfig) -> int:
+        seen.append(config)
+        return 0
+
+    monkeypatch.setattr(llmserve.supervisor, "run_stack", fake_run_stack)
+    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
+    return seen
+
+
+def test_up_refuses_to_share_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, captured: list[StackConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["up", "--workers", "2"])
+    assert exited.value.code == 2
+    assert "--workers 2 needs 2 CUDA devices, this machine shows 1" in capsys.readouterr().err
+    assert captured == []
+
+
+def test_up_pins_workers_and_passes_gpu_flags(
+    monkeypatch: pytest.MonkeyPatch, captured: list[StackConfig]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    argv = ["up", "--workers", "2", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
+    assert cli.main(argv) == 0
+    (config,) = captured
+    assert config.worker_devices == ["2", "3"]
+    assert config.worker_args[:3] == ["--gpu-memory-utilization", "0.5", "--log-level"]
+    assert "--enforce-eager" in config.worker_args
+
+
+def test_up_on_cpu_ignores_gpus(
+    monkeypatch: pytest.MonkeyPatch, captured: list[StackConfig]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert cli.main(["up", "--workers", "2", "--device", "cpu"]) == 0
+    assert captured[0].worker_devices == [None, None]

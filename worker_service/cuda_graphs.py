@@ -1,0 +1,182 @@
+"""CUDA graphs for decode steps: one captured forward per decode batch size.
+
+A decode step of a small model is hundreds of short kernel launches (SmolLM2: 30 layers of
+norms, matmuls, rotary, cache write, attention), and on a GPU the host's launch time, not the
+device, sets the step time. `DecodeGraphs` captures the model's forward once per batch size in
+`capture_sizes` (1, 2, 4, 8, then every multiple of 8 up to the largest batch) over static
+input buffers, and a decode step of `n` sequences replays the smallest captured size >= n with
+its inputs copied into the first `n` rows.
+
+Padding rows write no cache slot (slot -1) and attend to an empty context (length 0: the
+decode kernel writes zeros for them); their logits are dropped. Captured kernels read the
+block tables at their full width (`max_model_len` tokens) and split contexts as if every
+sequence could be that long, so the split-K partitioning of a replay can differ from an eager
+step's (float sums in another order; greedy output is compared in tests/integration).
+
+The graphs hold the KV cache tensors they were captured with: capture after the cache is
+allocated, and again whenever it is replaced. All graphs share one memory pool, captured from
+the largest batch down, so their activations cost about what the largest one needs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker_service.attention.base import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from worker_service.models.llama import LlamaModel
+
+# Batch sizes captured below 8; from 8 on, every multiple of this step.
+SMALL_SIZES = (1, 2, 4)
+SIZE_STEP = 8
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Decode batch sizes to capture, ascending: 1, 2, 4, 8, 16, ... up to `max_batch`
+    (itself included when it is not a multiple of 8)."""
+    if max_batch < 1:
+        return []
+    sizes = [s for s in SMALL_SIZES if s < max_batch]
+    sizes += list(range(SIZE_STEP, max_batch, SIZE_STEP))
+    return sizes + [max_batch]
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [batch, vocab], written by every replay
+
+
+class DecodeGraphs:
+    """Captured decode forwards of one model over one KV cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+    ) -> None:
+        device = model.device
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(max_batch)
+        self.max_blocks = -(-max_model_len // block_size)
+        n = max_batch
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(n, dtype=torch.int64)  # [max_batch]
+        self.positions = zeros(n, dtype=torch.int64)  # [max_batch]
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)  # [max_batch]
+        self.seq_lens = zeros(n, dtype=torch.int32)  # [max_batch]
+        self.block_tables = zeros(n, self.max_blocks, dtype=torch.int32)  # [max_batch, max_blocks]
+        self.logit_rows = torch.arange(n, dtype=torch.int64, device=device)  # [max_batch]
+        self._empty_i32 = zeros(0, dtype=torch.int32)
+        self._start_loc = zeros(1, dtype=torch.int32)
+        self.graphs: dict[int, _Graph] = {}
+        self.replays = 0  # steps served by a graph (tests and logs)
+
+    def _metadata(self, batch: int) -> AttentionMetadata:
+        """Decode-only metadata over the first `batch` rows of the static buffers."""
+        empty = self._empty_i32
+        return AttentionMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decodes=batch,
+            slot_mapping=self.slot_mapping[:batch],
+            prefill_query_start_loc=self._start_loc,
+            prefill_query_lens=empty,
+            prefill_context_lens=empty,
+            prefill_seq_lens=empty,
+            prefill_block_tables=self.block_tables[:0],
+            max_prefill_query_len=0,
+            max_prefill_seq_len=0,
+            prefill_no_context=True,
+            decode_seq_lens=self.seq_lens[:batch],
+            decode_block_tables=self.block_tables[:batch],
+            max_decode_seq_len=self.max_model_len,
+            block_size=self.block_size,
+        )
+
+    def _forward(self, batch: int) -> torch.Tensor:  # [batch, vocab]
+        return self.model.forward(
+            self.input_ids[:batch],
+            self.positions[:batch],
+            self.kv_caches,
+            self._metadata(batch),
+            self.backend,
+            self.logit_rows[:batch],
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, into one shared memory pool. Each size runs
+        once eagerly first, so that Triton compiles its kernel variants (scalar arguments
+        of 1 specialize them) outside the capture. The inputs are padding rows only (no cache
+        write, empty contexts), so capturing leaves the cache as it was."""
+        device = self.model.device
+        pool = torch.cuda.graph_pool_handle()
+        # One side stream for every warm-up: the allocator caches memory per stream.
+        stream = torch.cuda.Stream(device)
+        for batch in reversed(self.sizes):
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self._forward(batch)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(batch)
+            self.graphs[batch] = _Graph(graph, logits)
+        torch.cuda.synchronize(device)
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured batch size a step of `num_seqs` decodes replays, or None (too many)."""
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        metadata: AttentionMetadata,
+        logit_rows: torch.Tensor,  # [num_logit_rows] int64
+    ) -> torch.Tensor | None:  # [num_tokens, vocab], or None: run this step eagerly
+        """Replay the graph for a decode-only step in which every row samples, in order;
+        None when the step is not one (prefills, fewer logit rows, too many sequences, or
+        block tables wider than the captured ones)."""
+        n = metadata.num_decodes
+        tables = metadata.decode_block_tables  # [n, width]
+        if (
+            metadata.num_prefills
+            or n == 0
+            or logit_rows.shape[0] != n
+            or tables.shape[1] > self.max_blocks
+        ):
+            return None
+        batch = self.padded_size(n)
+        if batch is None or batch not in self.graphs:
+            return None
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        self.seq_lens[:n].copy_(metadata.decode_seq_lens)
+        self.block_tables[:n, : tables.shape[1]].copy_(tables)
+        if batch > n:
+            self.slot_mapping[n:batch].fill_(-1)
+            self.seq_lens[n:batch].fill_(0)
+        entry = self.graphs[batch]
+        entry.graph.replay()
+        self.replays += 1
+        return entry.logits[:n]
