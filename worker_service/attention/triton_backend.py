@@ -29,4 +29,9 @@ class TritonAttentionBackend(PagedKernelBackend):
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
         if not kernels.supports_device(spec.device):
             return f"the Triton kernels cannot run on {spec.device} (CPU needs TRITON_INTERPRET=1)"
+        # Not implemented in the Triton kernels yet (the `torch` and `cpu` backends have them).
+        if spec.sliding_window is not None:
+            return f"sliding-window attention (window {spec.sliding_window}) is not implemented"
+        if spec.softcap is not None:
+            return f"attention logit soft-capping ({spec.softcap}) is not implemented"
         return None
