@@ -19,7 +19,7 @@ from kernels.cpu.decode import ArgmaxLogprobs
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import SAMPLED_TOKEN, PromptLogprob, SequenceOutput, StepInput, StepResult
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
-from worker_service.models.llama import LlamaModel
+from worker_service.models.decoder import DecoderModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
 
 
@@ -74,7 +74,7 @@ class ModelRunner:
     """Runs steps of one model over one KV cache."""
 
     def __init__(
-        self, model: LlamaModel, backend: AttentionBackend, sampler: Sampler, block_size: int
+        self, model: DecoderModel, backend: AttentionBackend, sampler: Sampler, block_size: int
     ) -> None:
         self.model = model
         self.backend = backend
