@@ -20,10 +20,7 @@ from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.model_runner import ModelRunner
 from worker_service.models import DecoderModel, ModelArchConfig, model_from_hf, read_arch
 from worker_service.models.linear import packed_linear_available
-from worker_service.models.native import (
-    native_decode_unsupported_reason,
-    native_linear_unsupported_reason,
-)
+from worker_service.models.native import native_linear_unsupported_reason
 from worker_service.sampler import Sampler
 
 log = get_logger(__name__)
@@ -111,9 +108,9 @@ class Worker:
         # The native CPU backend brings the fused elementwise kernels and the prepacked
         # matmuls along; `torch` stays plain torch throughout, as the reference.
         linear_impl = self._linear_impl(backend_cls.name, arch)
-        native_decode = backend_cls.name == "cpu" and (
-            native_decode_unsupported_reason(arch, self.dtype) is None
-        )
+        # The model takes the native decode step where it can run it (models/native.py)
+        # and says why not otherwise: those models decode on the per-layer path.
+        native_decode = backend_cls.name == "cpu"
         self._model = model_from_hf(
             hf_model,
             max_positions=max_len,
@@ -122,6 +119,8 @@ class Worker:
             native_linear=linear_impl == "native",
             native_decode_max_batch=self.config.native_decode_max_batch if native_decode else 0,
         )
+        if self._model.native_decode_refused is not None:
+            log.info("native decode step off", reason=self._model.native_decode_refused)
         eos = _eos_ids(hf_model)
         self._info = ModelInfo(
             model=self.config.model,
