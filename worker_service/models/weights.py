@@ -83,7 +83,7 @@ def norm_weight(module: Any | None) -> torch.Tensor | None:
     return None if module is None else module.weight.detach()
 
 
-def read_attention(attn: Any) -> dict[str, torch.Tensor | None]:
+def read_attention(attn: Any) -> dict[str, Any]:  # LayerWeights fields
     """q/k/v fused into one projection (or taken fused: Phi-3's qkv_proj), o, and q/k norms."""
     if hasattr(attn, "qkv_proj"):
         qkv, qkv_bias = _w(attn.qkv_proj), _b(attn.qkv_proj)
