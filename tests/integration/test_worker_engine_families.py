@@ -86,3 +86,17 @@ def test_prefix_cache_hits_keep_greedy_exact(family: tuple[Worker, Any, Any]) ->
     got = [o.outputs[0].token_ids for o in first + rest]
     assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     assert_all_free(engine, worker)
+
+
+# Families whose elementwise steps are Llama's (RMSNorm, full rotary, SwiGLU): the cpu
+# backend runs them through the fused C++ ops; the others through plain torch.
+FUSED_ON_CPU = {"GraniteForCausalLM", "SmolLM3ForCausalLM", "MixtralForCausalLM"}
+
+
+def test_cpu_backend_fuses_the_elementwise_ops_where_the_family_allows(
+    family: tuple[Worker, Any, Any],
+) -> None:
+    worker = family[0]
+    on_cpu = worker.model_info.attention_backend == "cpu"
+    assert worker.model.fused_ops == (on_cpu and worker.model_info.architecture in FUSED_ON_CPU)
+    assert worker.model.native_decode is None  # no family here is a plain Llama

@@ -111,8 +111,20 @@ class ModelArchConfig:
 
     @property
     def is_plain(self) -> bool:
-        """A Llama-style model: what the native decode step and fused CPU ops run."""
+        """A Llama-style model: what the native decode step runs."""
         return not self.plain_blockers()
+
+    def fused_blockers(self) -> list[str]:
+        """The features the fused CPU elementwise ops (RMSNorm with the weight applied after
+        the cast, full-width rotary on the q/k rows of the fused projection before any q/k
+        norm, SiLU-and-multiply) cannot compute; the rest of the decoder runs around them."""
+        checks = {
+            f"norm kind {self.norm!r}": self.norm != "rms",
+            f"q/k norm {self.qk_norm!r}": self.qk_norm is not None,
+            f"activation {self.activation!r}": self.activation != "silu",
+            "partial rotary": any(r.rotary_dim != self.head_dim for r in self.ropes),
+        }
+        return [name for name, present in checks.items() if present]
 
     def plain_blockers(self) -> list[str]:
         """The features of this model that are not Llama's, by name."""

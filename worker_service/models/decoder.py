@@ -7,13 +7,14 @@ attention (q/k norms, rotary unless NoPE, the layer's sliding window) -> (output
 residual add -> (pre-MLP norm) -> dense or sparse MLP -> (output norm) -> residual add; what
 each family has of these is declared in its `ModelArchConfig` (see `registry`).
 
-CPU fast paths, for models whose features are Llama's (`arch.is_plain`), as before the
-families came: with `fused_ops` the residual add + RMSNorm, rotary and SiLU-and-multiply are
-single C++ calls from `kernels.cpu`; with `packed_linear` every matmul runs through oneDNN on
+CPU fast paths: with `fused_ops` the residual add + RMSNorm, rotary and SiLU-and-multiply are
+single C++ calls from `kernels.cpu` (for models without the features those kernels lack,
+`arch.fused_blockers`: Gemma/OLMo norms, q/k norms, GeGLU, partial rotary; such models take
+the plain torch elementwise path); with `packed_linear` every matmul runs through oneDNN on
 weights prepacked at load; with `native_linear` through `kernels.cpu.decode.linear_rows`; and
 pure decode steps of up to `native_decode_max_batch` tokens run as one native call
-(`native.NativeDecode`). Other models take the plain torch elementwise path (the matmul
-choice still applies), and the native decode step refuses them (the per-layer path runs).
+(`native.NativeDecode`) for Llama-style models (`arch.is_plain`); the native step refuses the
+others by feature name and they decode on the per-layer path.
 The elementwise arithmetic follows each reference's order, so float32 greedy output matches
 transformers token for token.
 """
@@ -63,8 +64,8 @@ class DecoderModel:
         native_decode_max_batch: int = 0,
     ) -> None:
         self.arch = arch
-        # CPU only, Llama-style models only: RMSNorm, rotary and SiLU-and-multiply in C++.
-        self.fused_ops = fused_ops and arch.is_plain
+        # CPU only: RMSNorm, rotary and SiLU-and-multiply in C++ where the model's are those.
+        self.fused_ops = fused_ops and not arch.fused_blockers()
         self.packed_linear = packed_linear
         self.linear: Callable[..., torch.Tensor] = F.linear
         # One cos/sin table per distinct rotary spec; layers index them (`LayerKind.rope`).
