@@ -39,7 +39,12 @@ def moe_mlp(
     token_of = order // spec.top_k  # [num_pairs]
     counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
     rows = x[token_of]  # [num_pairs, hidden]
-    out = torch.empty(rows.shape[0], x.shape[1], dtype=torch.promote_types(x.dtype, weights.dtype))
+    out = torch.empty(  # [num_pairs, hidden], float32 when the weights are (Mixtral)
+        rows.shape[0],
+        x.shape[1],
+        dtype=torch.promote_types(x.dtype, weights.dtype),
+        device=x.device,
+    )
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
