@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
-from kernels.cpu.decode import ArgmaxLogprobs, set_num_threads
+from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep, set_num_threads
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.arch import ModelArchConfig
 from worker_service.models.blocks import gated_activation, rms_norm, softcap
@@ -137,7 +137,8 @@ class DecoderModel:
                     setattr(w, name, convert(tensor))
 
     @property
-    def decode_step(self) -> Any:
+    def decode_step(self) -> DecodeStep | None:
+        """The native decode step, when this model runs one."""
         return None if self.native_decode is None else self.native_decode.step
 
     def forward(
