@@ -157,3 +157,22 @@ def test_multimodal_gemma3_serves_its_text_model(tmp_path: Path) -> None:
     info = worker.model_info
     assert info.architecture == "Gemma3ForConditionalGeneration"
     assert worker.model.arch.num_layers == 6 and worker.model.arch.qk_norm == "head"
+
+
+@pytest.mark.parametrize("linear_impl", ["onednn", "native"])
+@pytest.mark.parametrize("kind", ["gemma2", "phi3", "qwen3_moe", "granite"])
+def test_families_with_every_matmul_implementation(
+    kind: str, linear_impl: str, tmp_path: Path
+) -> None:
+    from tests.support.models import load_hf
+
+    from .factories import GreedyDriver, hf_greedy
+
+    path = save_tiny_model(kind, tmp_path / kind)
+    hf = load_hf(path)
+    worker = make_worker(path, attention_backend="cpu", linear_impl=linear_impl)
+    assert worker.model_info.linear_impl == linear_impl
+    prompts = {0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 1: [2, 71, 82]}
+    outputs = GreedyDriver(worker).run_greedy(prompts, max_new_tokens=12)
+    for seq_id, prompt in prompts.items():
+        assert outputs[seq_id] == hf_greedy(hf, prompt, 12), (kind, seq_id)
