@@ -44,6 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scheduler-reconnect-timeout-s", type=float, default=60.0,
                    help="when the scheduler stream breaks, requests in flight wait this long "
                    "for it to come back (they are re-submitted and continue), then fail 503")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the tokenizer's (a model "
+                   "without one answers chat requests with 400)")
     add_limit_flags(p)
     return parse_service_args(p, argv, validate)
 
@@ -66,6 +69,16 @@ def validate(args: argparse.Namespace) -> None:
         resolve_model(args.model)
     except ModelNotFoundError as exc:
         raise ValueError(f"model: {exc}") from None
+    if args.chat_template is not None:
+        read_chat_template(args.chat_template)
+
+
+def read_chat_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"--chat-template: cannot read {path!r}: {exc.strerror}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -90,6 +103,9 @@ def main(argv: list[str]) -> int:
         limits=limits_from_args(args),
         request_timeout_s=args.request_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
+        chat_template=None if args.chat_template is None else read_chat_template(
+            args.chat_template
+        ),
     )
     asyncio.run(serve(config))
     return 0

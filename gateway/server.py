@@ -44,6 +44,8 @@ class GatewayConfig:
     request_timeout_s: float | None = None
     # On SIGTERM, requests in flight have this long to finish before the gateway exits.
     shutdown_grace_s: float = 30.0
+    # A Jinja chat template replacing the tokenizer's (read from --chat-template FILE).
+    chat_template: str | None = None
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -53,7 +55,7 @@ async def serve(config: GatewayConfig) -> None:
     from gateway.tokenization import Tokenization
 
     source = resolve_model(config.model)
-    tokenization = await asyncio.to_thread(Tokenization.for_model, source)
+    tokenization = await asyncio.to_thread(Tokenization.for_model, source, config.chat_template)
     scheduler = SchedulerClient(
         config.scheduler_address, config.max_message_bytes, config.scheduler_reconnect_timeout_s
     )

@@ -16,12 +16,14 @@ from llmserve.model_spec import ModelSource, load_tokenizer
 class Tokenization:
     """Prompt-side text operations on one tokenizer."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        # A Jinja chat template that replaces the tokenizer's own (`--chat-template FILE`).
+        self.chat_template = chat_template
 
     @classmethod
-    def for_model(cls, source: ModelSource) -> Tokenization:
-        return cls(load_tokenizer(source))
+    def for_model(cls, source: ModelSource, chat_template: str | None = None) -> Tokenization:
+        return cls(load_tokenizer(source), chat_template)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -50,11 +52,19 @@ class Tokenization:
     ) -> str:
         """The chat template's text for `messages` ({role, content[, name]} each)."""
         checked = _check_messages(messages, field_name)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise FieldError(field_name, "this model has no chat template; send a text prompt")
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise FieldError(
+                field_name,
+                "this model has no chat template (a base model?): send a text prompt to the "
+                "completions API, or start the server with --chat-template FILE",
+            )
         try:
             text = self.tokenizer.apply_chat_template(
-                checked, tokenize=False, add_generation_prompt=add_generation_prompt
+                checked,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
             )
         except Exception as exc:  # jinja raises TemplateError / exceptions the template raises
             raise FieldError(

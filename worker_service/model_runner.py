@@ -27,7 +27,7 @@ from llmserve.steps import (
 )
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.cuda_graphs import DecodeGraphs
-from worker_service.models.llama import LlamaModel
+from worker_service.models.decoder import DecoderModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
 
 
@@ -82,7 +82,7 @@ class ModelRunner:
     """Runs steps of one model over one KV cache."""
 
     def __init__(
-        self, model: LlamaModel, backend: AttentionBackend, sampler: Sampler, block_size: int
+        self, model: DecoderModel, backend: AttentionBackend, sampler: Sampler, block_size: int
     ) -> None:
         self.model = model
         self.backend = backend

@@ -19,12 +19,9 @@ from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.model_runner import ModelRunner
-from worker_service.models.llama import (
-    LlamaModel,
-    ModelArchConfig,
-    native_decode_unsupported_reason,
-    packed_linear_available,
-)
+from worker_service.models import DecoderModel, ModelArchConfig, model_from_hf, read_arch
+from worker_service.models.linear import packed_linear_available
+from worker_service.models.native import native_linear_unsupported_reason
 from worker_service.sampler import Sampler
 
 log = get_logger(__name__)
@@ -81,7 +78,7 @@ class Worker:
         # The last step's forward pass as (start, end) in time.perf_counter_ns(); None when it
         # computed nothing. The server measures the gap between forward passes from it.
         self.last_forward_ns: tuple[int, int] | None = None
-        self._model: LlamaModel | None = None
+        self._model: DecoderModel | None = None
         self._info: ModelInfo | None = None
         self._runner: ModelRunner | None = None
         self.cache_engine: CacheEngine | None = None
@@ -102,24 +99,28 @@ class Worker:
     def load_from_hf(self, hf_model: Any) -> None:
         """Take the weights of an already-loaded transformers model (tests, benchmarks)."""
         self._check_thread()
-        arch = ModelArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
+        arch = read_arch(hf_model.config, type(hf_model).__name__)
         max_len = arch.max_position_embeddings
-        if arch.sliding_window is not None:
-            max_len = min(max_len, arch.sliding_window)  # full attention is exact up to here
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
         spec = AttentionSpec(
-            self.device, self.dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim
+            self.device,
+            self.dtype,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            sliding_window=arch.sliding_window,
+            softcap=arch.attn_softcap,
         )
         backend_cls = get_backend_class(self.config.attention_backend, spec)
         hf_model = hf_model.to(device=self.device, dtype=self.dtype)
         # The native CPU backend brings the fused elementwise kernels and the prepacked
         # matmuls along; `torch` stays plain torch throughout, as the reference.
         linear_impl = self._linear_impl(backend_cls.name, arch)
-        native_decode = backend_cls.name == "cpu" and (
-            native_decode_unsupported_reason(arch, self.dtype) is None
-        )
-        self._model = LlamaModel.from_hf(
+        # The model takes the native decode step where it can run it (models/native.py)
+        # and says why not otherwise: those models decode on the per-layer path.
+        native_decode = backend_cls.name == "cpu"
+        self._model = model_from_hf(
             hf_model,
             max_positions=max_len,
             fused_ops=backend_cls.name == "cpu",
@@ -127,6 +128,8 @@ class Worker:
             native_linear=linear_impl == "native",
             native_decode_max_batch=self.config.native_decode_max_batch if native_decode else 0,
         )
+        if self._model.native_decode_refused is not None:
+            log.info("native decode step off", reason=self._model.native_decode_refused)
         eos = _eos_ids(hf_model)
         self._info = ModelInfo(
             model=self.config.model,
@@ -143,7 +146,7 @@ class Worker:
             num_threads=torch.get_num_threads(),
         )
         backend: AttentionBackend = backend_cls(
-            arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.scale, arch.attn_softcap
         )
         sampler = Sampler(
             arch.vocab_size, eos, seed=self.config.seed, native_reductions=backend_cls.name == "cpu"
@@ -157,7 +160,7 @@ class Worker:
         native_reason = (
             f"it runs on the CPU only, not {self.device}"
             if self.device.type != "cpu"
-            else native_decode_unsupported_reason(arch, self.dtype)
+            else native_linear_unsupported_reason(arch, self.dtype)
         )
         if impl == "onednn" and not onednn:
             raise WorkerConfigError(
@@ -180,7 +183,7 @@ class Worker:
         return self._info
 
     @property
-    def model(self) -> LlamaModel:
+    def model(self) -> DecoderModel:
         if self._model is None:
             raise WorkerNotReadyError("load_model() first")
         return self._model

@@ -52,9 +52,14 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     check: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **_: object,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Each sequence's single query token attends to its first seq_lens[i] cached tokens."""
+    """Each sequence's single query token attends to its first seq_lens[i] cached tokens
+    (the last `sliding_window` of them when given); scores soft-capped when `softcap`."""
+    if check:
+        _check_window(sliding_window, softcap)
     if check:
         _check_common(query, key_cache, value_cache, block_tables)
         check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
@@ -83,6 +88,8 @@ def paged_attention_decode(
             scale,
             0,  # kv heads per work item: the kernel picks (paged_attention.cpp, DecodeArgs)
             query.stride(0),
+            sliding_window or 0,
+            softcap or 0.0,
         )
         _check_status(status, query, key_cache)
     return out
@@ -98,9 +105,14 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     check: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **_: object,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Query tokens at positions seq_len - q_len .. seq_len - 1, causal over the cache."""
+    """Query tokens at positions seq_len - q_len .. seq_len - 1, causal over the cache (and
+    within `sliding_window` positions when given); scores soft-capped when `softcap`."""
+    if check:
+        _check_window(sliding_window, softcap)
     num_seqs = block_tables.shape[0]
     if check:
         _check_common(query, key_cache, value_cache, block_tables)
@@ -130,6 +142,8 @@ def prefill_attention(
             key_cache.shape[1],
             scale,
             query.stride(0),
+            sliding_window or 0,
+            softcap or 0.0,
         )
         _check_status(status, query, key_cache)
     return out
@@ -177,6 +191,13 @@ def _check_common(
         raise KernelArgumentError(
             "block_tables", f"must be int32 with unit-stride rows, got {block_tables.dtype}"
         )
+
+
+def _check_window(sliding_window: int | None, softcap: float | None) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise KernelArgumentError("sliding_window", f"must be positive, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise KernelArgumentError("softcap", f"must be positive, got {softcap}")
 
 
 def _int32(tensor: torch.Tensor) -> torch.Tensor:

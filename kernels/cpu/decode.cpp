@@ -44,7 +44,7 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
                           int64_t table_stride, const int32_t* seq_lens, void* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t block_size, float scale, int64_t kv_heads_per_item,
-                          int64_t query_stride);
+                          int64_t query_stride, int64_t window, float softcap);
 int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
                       void* value_cache);
@@ -266,7 +266,8 @@ int decode_step(const StepArgs& a, int dtype) {
     // The queries are read in place from the qkv rows (query stride qkv_size).
     const int status = llmserve_paged_decode(
         dtype, head_dim, qkv, p[kKeyCache], p[kValueCache], a.block_tables, a.table_stride,
-        a.seq_lens, attn, n, d[kHeads], d[kKvHeads], d[kBlockSize], a.scale, 0, qkv_size);
+        a.seq_lens, attn, n, d[kHeads], d[kKvHeads], d[kBlockSize], a.scale, 0, qkv_size,
+        /*window=*/0, /*softcap=*/0.0f);
     if (status != 0) return status;
     linear(attn, n, q_size, static_cast<const T*>(p[kO]), static_cast<const T*>(nullptr), proj,
            hidden);

@@ -15,6 +15,10 @@
 //   llmserve_paged_decode   one query token per sequence, attending to its whole context.
 //   llmserve_paged_prefill  a chunk of query tokens per sequence at positions
 //                           context_len .. seq_len - 1, causal over the cached context.
+//
+// Both take a sliding window (0 = none: a query at position p sees keys p - window < k <= p)
+// and a soft-cap (0 = none: a scaled score s becomes softcap * tanh(s / softcap) before the
+// softmax), per call, so each layer passes its own window.
 
 #include <algorithm>
 #include <cmath>
@@ -123,6 +127,8 @@ struct DecodeArgs {
   // else one.
   int64_t kv_heads_per_item;
   int64_t query_stride;       // elements between query rows (heads are contiguous in a row)
+  int64_t window;             // sliding window, 0 = none
+  float softcap;              // 0 = none
 };
 
 struct DecodeScratch {
@@ -161,6 +167,9 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
     for (int64_t i = 0; i < heads * kHeadDim; ++i) store_scalar(out + i, 0.0f);
     return;
   }
+  // Keys before `lo` are outside the window: their blocks are neither scored nor summed.
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+  const int64_t first_block = lo / a.block_size;
   scratch.acc.assign(size_t(heads * NV), vfloat{});
   scratch.scores.resize(size_t(heads * len));
   scratch.max.assign(size_t(heads), -std::numeric_limits<float>::infinity());
@@ -170,7 +179,7 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
 
   // Pass 1: scores[head * len + t] = q_head . k_t, kLanes keys at a time per query head (the
   // head's rows of a block stay in L1 across the group's query heads).
-  for (int64_t start = 0, b = 0; start < len; start += a.block_size, ++b) {
+  for (int64_t b = first_block, start = b * a.block_size; start < len; start += a.block_size, ++b) {
     const int64_t n = std::min(a.block_size, len - start);
     const int64_t block = int64_t(table[b]) * block_stride;
     const int64_t next = start + a.block_size < len ? int64_t(table[b + 1]) * block_stride : -1;
@@ -190,12 +199,26 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
     }
   }
 
+  // With a window or a soft-cap, the maximum is retaken over the window's capped scores
+  // (pass 1's counts the whole first block, uncapped).
+  if (a.window > 0 || a.softcap > 0.0f) {
+    for (int64_t i = 0; i < heads; ++i) {
+      float* row = scores + i * len;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t = lo; t < len; ++t) {
+        if (a.softcap > 0.0f) row[t] = std::tanh(row[t] / a.softcap) * a.softcap;
+        m = std::max(m, row[t]);
+      }
+      scratch.max[size_t(i)] = m;
+    }
+  }
+
   // Softmax numerators in place; keep 1 / their sum.
   for (int64_t i = 0; i < heads; ++i) {
     float* row = scores + i * len;
     const float m = scratch.max[size_t(i)];
     vfloat total = vfloat{};
-    int64_t t = 0;
+    int64_t t = lo;
     for (; t + kLanes <= len; t += kLanes) {
       const vfloat e = exp_nonpositive(load(row + t) - m);
       store(row + t, e);
@@ -210,7 +233,7 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
   }
 
   // Pass 2: out_head = sum_t p_head,t v_t / sum_t p_head,t
-  for (int64_t start = 0, b = 0; start < len; start += a.block_size, ++b) {
+  for (int64_t b = first_block, start = b * a.block_size; start < len; start += a.block_size, ++b) {
     const int64_t n = std::min(a.block_size, len - start);
     const int64_t block = int64_t(table[b]) * block_stride;
     const int64_t next = start + a.block_size < len ? int64_t(table[b + 1]) * block_stride : -1;
@@ -227,7 +250,7 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
       vfloat acc[kMaxGroup][NV];
       for (int64_t g = 0; g < group; ++g)
         for (int c = 0; c < NV; ++c) acc[g][c] = acc_all[(h * group + g) * NV + c];
-      for (int64_t o = 0; o < n; ++o) {
+      for (int64_t o = std::max<int64_t>(0, lo - start); o < n; ++o) {
         const int64_t row = o * token_stride + h * kHeadDim;
         if (next >= 0) prefetch_row<T, NV>(values + next + row);
         vfloat v[NV];
@@ -298,6 +321,8 @@ struct PrefillArgs {
   int64_t block_size;
   float scale;
   int64_t query_stride;  // elements between query rows (heads are contiguous in a row)
+  int64_t window;        // sliding window, 0 = none
+  float softcap;         // 0 = none
 };
 
 constexpr int kQueryTile = 32;  // query tokens per work item (times the group's heads)
@@ -362,11 +387,14 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
     run_sum[qv] = 0.0f;
   }
 
-  // Keys visible to the tile's last query token: positions 0 .. context + first + rows - 1.
+  // Keys visible to the tile's last query token: positions 0 .. context + first + rows - 1;
+  // with a window, from the first query's oldest key in the window on.
   const int64_t key_end = context + first + rows;
+  const int64_t key_begin =
+      a.window > 0 ? std::max<int64_t>(0, context + first - a.window + 1) : 0;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   alignas(64) float p[kKeyChunk];
-  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyChunk) {
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyChunk) {
     const int64_t n = std::min<int64_t>(kKeyChunk, key_end - k0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = k0 + j;
@@ -385,6 +413,8 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
     for (int64_t qv = 0; qv < vectors; ++qv) {
       const int64_t q_pos = context + first + qv / group;
       if (k0 > q_pos) continue;  // the whole chunk is in this query's future
+      // The whole chunk is older than this query's window.
+      if (a.window > 0 && k0 + n - 1 <= q_pos - a.window) continue;
       // Key vectors of the chunk this query sees at all (the rest are wholly in its future).
       const int live = int(std::min<int64_t>(kKeyVectors, (q_pos - k0) / kLanes + 1));
       const float* qrow = q + qv * kHeadDim;
@@ -395,9 +425,19 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
           if (v < live) s[v] += qd * load(kt + d * kKeyChunk + v * kLanes);
         }
       }
+      if (a.softcap > 0.0f) {
+        for (int v = 0; v < live; ++v) {
+          alignas(64) float lanes[kLanes];
+          store(lanes, s[v]);
+          for (int l = 0; l < kLanes; ++l) lanes[l] = std::tanh(lanes[l] / a.softcap) * a.softcap;
+          s[v] = load(lanes);
+        }
+      }
+      const int32_t oldest = a.window > 0 ? int32_t(q_pos - a.window) : -1;
       vfloat chunk_max = splat(neg_inf);
       for (int v = 0; v < kKeyVectors; ++v) {
-        const vint visible = lane + int32_t(k0 + v * kLanes) <= int32_t(q_pos);
+        const vint key = lane + int32_t(k0 + v * kLanes);
+        const vint visible = (key <= int32_t(q_pos)) & (key > oldest);
         s[v] = v < live ? (visible ? s[v] : splat(neg_inf)) : splat(neg_inf);
         chunk_max = s[v] > chunk_max ? s[v] : chunk_max;
       }
@@ -507,10 +547,11 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
                           int64_t table_stride, const int32_t* seq_lens, void* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t block_size, float scale, int64_t kv_heads_per_item,
-                          int64_t query_stride) {
+                          int64_t query_stride, int64_t window, float softcap) {
   const DecodeArgs args{query,      key_cache, value_cache,       block_tables, table_stride,
                         seq_lens,   out,       num_seqs,          num_heads,    num_kv_heads,
-                        block_size, scale,     kv_heads_per_item, query_stride};
+                        block_size, scale,     kv_heads_per_item, query_stride, window,
+                        softcap};
   return dispatch<DecodeOp>(dtype, head_dim, args);
 }
 
@@ -519,10 +560,12 @@ int llmserve_paged_prefill(int dtype, int64_t head_dim, const void* query, const
                            int64_t table_stride, const int32_t* query_start_loc,
                            const int32_t* seq_lens, void* out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                           float scale, int64_t query_stride) {
-  const PrefillArgs args{query,           key_cache, value_cache, block_tables, table_stride,
-                         query_start_loc, seq_lens,  out,         num_seqs,     num_heads,
-                         num_kv_heads,    block_size, scale,      query_stride};
+                           float scale, int64_t query_stride, int64_t window,
+                           float softcap) {
+  const PrefillArgs args{query,           key_cache,  value_cache, block_tables, table_stride,
+                         query_start_loc, seq_lens,   out,         num_seqs,     num_heads,
+                         num_kv_heads,    block_size, scale,       query_stride, window,
+                         softcap};
   return dispatch<PrefillOp>(dtype, head_dim, args);
 }
 

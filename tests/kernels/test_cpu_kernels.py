@@ -158,7 +158,7 @@ OP_DTYPES = [
 @pytest.mark.parametrize(("dtype", "tol"), OP_DTYPES)
 @pytest.mark.parametrize("hidden", [576, 64, 40])  # SmolLM2, a tiny model, a ragged tail
 def test_rms_norm_matches_the_model_reference(dtype: torch.dtype, tol: float, hidden: int) -> None:
-    from worker_service.models.llama import rms_norm
+    from worker_service.models.blocks import rms_norm
 
     gen = torch.Generator().manual_seed(hidden)
     x = (torch.randn(70, hidden, generator=gen) * 3).to(dtype)

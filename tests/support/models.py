@@ -1,7 +1,13 @@
 """The one factory of tiny random models for tests, saved with `save_pretrained` (no network).
 
 `save_tiny_model(kind, ...)` builds every architecture the worker supports from one shared
-config; `build_tiny_llama` is the Llama the service tests run, with SmolLM2's real tokenizer.
+config (`KINDS`: the Llama family; `FAMILY_KINDS`: one model per other family, each with
+the features that family is about switched on: explicit head_dim, sliding windows smaller
+than prompt + output, soft-caps, NoPE layers, experts...). After init every parameter is
+perturbed (transformers sets biases to 0 and norms to their neutral value, which would hide
+a wrong bias or norm formula), the router weights are sharpened (so near-ties cannot flip
+routing) and the output embedding is widened (so greedy near-ties cannot flip tokens).
+`build_tiny_llama` is the Llama the service tests run, with SmolLM2's real tokenizer.
 """
 
 from __future__ import annotations
@@ -13,6 +19,22 @@ from llmserve.model_spec import resolve_model
 
 VOCAB = 128
 KINDS = ("llama", "llama3", "qwen2", "mistral")
+FAMILY_KINDS = (
+    "qwen3",
+    "gemma3",
+    "gemma3_mm",
+    "gemma2",
+    "phi3",
+    "olmo2",
+    "granite",
+    "smollm3",
+    "qwen3_moe",
+    "mixtral",
+)
+# A window smaller than the test prompts plus their outputs, so that it matters.
+WINDOW = 8
+_SIX = dict(num_hidden_layers=6)
+_GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB,
@@ -51,6 +73,124 @@ def tiny_config(kind: str, **overrides: Any) -> Any:
         return Qwen2Config(**{"tie_word_embeddings": True, **common})
     if kind == "mistral":
         return MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None)
+    return _family_config(kind, {**_COMMON, **_SIX, **overrides})
+
+
+def _family_config(kind: str, common: dict[str, Any]) -> Any:
+    import transformers as tf
+
+    if kind == "qwen3":
+        return tf.Qwen3Config(
+            **common,
+            head_dim=32,
+            attention_bias=True,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=3,
+            tie_word_embeddings=True,
+        )
+    if kind in ("gemma3", "gemma3_mm"):
+        text = tf.Gemma3TextConfig(
+            **common,
+            head_dim=32,
+            sliding_window=WINDOW,
+            layer_types=_GEMMA3_TYPES,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=20.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+        if kind == "gemma3":
+            return text
+        vision = tf.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        return tf.Gemma3Config(
+            text_config=text.to_dict(),
+            vision_config=vision.to_dict(),
+            mm_tokens_per_image=4,
+            image_token_index=VOCAB - 1,
+            boi_token_index=VOCAB - 2,
+            eoi_token_index=VOCAB - 3,
+        )
+    if kind == "gemma2":
+        return tf.Gemma2Config(
+            **common,
+            head_dim=32,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=20.0,
+            tie_word_embeddings=False,
+        )
+    if kind == "phi3":
+        rotary_pairs = int(32 * 0.75) // 2
+        return tf.Phi3Config(
+            **{**common, "hidden_size": 128},
+            sliding_window=12,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(rotary_pairs)],
+                "long_factor": [2.0 + 0.5 * i for i in range(rotary_pairs)],
+                "original_max_position_embeddings": 64,
+            },
+            original_max_position_embeddings=64,
+            pad_token_id=0,
+        )
+    if kind == "olmo2":
+        return tf.Olmo2Config(
+            **common, attention_bias=True, tie_word_embeddings=False, pad_token_id=0
+        )
+    if kind == "granite":
+        return tf.GraniteConfig(
+            **common,
+            embedding_multiplier=6.0,
+            attention_multiplier=0.09,
+            residual_multiplier=0.4,
+            logits_scaling=2.0,
+            tie_word_embeddings=True,
+        )
+    if kind == "smollm3":
+        return tf.SmolLM3Config(
+            **common,
+            no_rope_layers=[1, 1, 1, 0, 1, 0],
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        )
+    if kind == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0, 3],
+            tie_word_embeddings=False,
+        )
+    if kind == "mixtral":
+        return tf.MixtralConfig(
+            **common,
+            head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+        )
     raise ValueError(kind)
 
 
@@ -66,9 +206,45 @@ def save_tiny_model(
     model = AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32)
     if sharpen:
         with torch.no_grad():
-            model.get_output_embeddings().weight.mul_(8.0)
+            perturb(model)
+            widen_logits(model, 8.0)
     model.save_pretrained(path)
     return path
+
+
+def widen_logits(model: Any, factor: float) -> None:
+    """Multiply the logits by about `factor`. With tied embeddings the shared matrix is
+    shrunk instead (x 0.1) and the final norm widened (x 10 * factor): a tied random model
+    whose embeddings outweigh its blocks only ever repeats its last input token, which no
+    bug in the blocks could change."""
+    out = model.get_output_embeddings().weight
+    if out.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+        out.mul_(factor)
+        return
+    out.mul_(0.1)
+    inner = model.model
+    norm = getattr(inner, "language_model", inner).norm.weight
+    if "Gemma" in type(model).__name__:  # the norm scales by (1 + weight)
+        norm.copy_((1.0 + norm) * 10 * factor - 1.0)
+    else:
+        norm.mul_(10 * factor)
+
+
+def perturb(model: Any) -> None:
+    """Move every parameter off its init: norm weights by N(0, 0.2), biases by N(0, 0.02)
+    (larger ones, added in every layer, make every output the same token), matrices by
+    N(0, 0.05); sharpen routers (x 40) so top-k picks are never near-ties."""
+    import torch
+
+    for name, param in model.named_parameters():
+        if name.endswith(".bias"):
+            param.add_(torch.randn_like(param) * 0.02)
+        elif param.dim() == 1:
+            param.add_(torch.randn_like(param) * 0.2)
+        else:
+            param.add_(torch.randn_like(param) * 0.05)
+        if name.endswith("mlp.gate.weight"):
+            param.mul_(40.0)
 
 
 def load_hf(path: Path) -> Any:

@@ -33,6 +33,10 @@ class AttentionSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # The smallest sliding window of any layer (None: every layer attends to all keys), and
+    # the attention-score soft-cap (None: none): what not every backend implements.
+    sliding_window: int | None = None
+    softcap: float | None = None
 
 
 @dataclass(slots=True)
@@ -79,12 +83,21 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        softcap: float | None = None,
+    ) -> None:
         assert num_heads % num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Scores (after `scale`) become softcap * tanh(score / softcap) before the softmax.
+        self.softcap = softcap
 
     def begin_step(self, metadata: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Called once per step before the first layer."""
@@ -98,8 +111,11 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write key/value into their slots, then attend every query to its sequence."""
+        """Write key/value into their slots, then attend every query to its sequence: to
+        every earlier key, or with `sliding_window` to the keys less than that many
+        positions behind it (the query's own included)."""
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
@@ -140,7 +156,17 @@ class PagedKernelBackend(AttentionBackend):
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        # Only backends whose kernels take these get them (`unsupported_reason` refuses the
+        # models that need them elsewhere).
+        extra: dict[str, Any] = {}
+        if sliding_window is not None:
+            extra["sliding_window"] = sliding_window
+        if self.softcap is not None:
+            extra["softcap"] = self.softcap
+        if key.stride() != value.stride():  # the kernels take one row stride for both
+            key, value = key.contiguous(), value.contiguous()
         self.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         # query may be a row-strided view (of a fused QKV projection); out is contiguous.
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -156,9 +182,10 @@ class PagedKernelBackend(AttentionBackend):
                 self.scale,
                 out=out[:n_pre],
                 max_query_len=metadata.max_prefill_query_len,
+                **extra,
             )
         if metadata.num_decodes:
-            self.decode(query[n_pre:], key_cache, value_cache, out[n_pre:], metadata)
+            self.decode(query[n_pre:], key_cache, value_cache, out[n_pre:], metadata, extra)
         return out
 
     def decode(
@@ -168,6 +195,7 @@ class PagedKernelBackend(AttentionBackend):
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         out: torch.Tensor,  # [num_decodes, num_heads, head_dim]
         metadata: AttentionMetadata,
+        extra: dict[str, Any] | None = None,  # sliding_window / softcap, for kernels that take them
     ) -> None:
         """The decode tokens' attention, written into `out` (one layer)."""
         self.decode_attention(
@@ -179,6 +207,7 @@ class PagedKernelBackend(AttentionBackend):
             self.scale,
             out=out,
             max_seq_len=metadata.max_decode_seq_len,
+            **(extra or {}),
         )
 
 

@@ -4,7 +4,10 @@ Prefills (query length > 1) run as one padded SDPA call over `[num_prefills, max
 queries; when some prefill attends to a cached prefix its keys are gathered from the cache by
 block table, otherwise the step's own keys are used directly. Decodes gather each sequence's
 keys/values by block table into `[num_decodes, max_seq_len]` and run one SDPA call with GQA.
-Index tensors and masks are built once per step in `begin_step` and shared by all layers.
+Index tensors and masks are built once per step in `begin_step` and shared by all layers
+(a sliding window's masks once per step and window). With soft-capping the scores are
+computed explicitly (matmul, scale, cap * tanh(s / cap), mask, float32 softmax), as the
+transformers reference does, since SDPA cannot cap them.
 """
 
 from __future__ import annotations
@@ -70,9 +73,12 @@ class TorchAttentionBackend(AttentionBackend):
                     metadata.prefill_block_tables, metadata.block_size, key_len
                 )
             keys = torch.arange(key_len, device=device)
-            # Query i of a sequence sees key j iff j <= context + i (causal over the prefix).
-            # Padded query rows still see key 0, so no row is fully masked.
-            allowed = keys[None, None, :] <= (context[:, None, None] + offsets[None, :, None])
+            # Query i of a sequence sits at position context + i and sees key j iff
+            # j <= context + i (causal over the prefix). Padded query rows still see key 0
+            # (and with a window, keys near their padded position), so no row is empty.
+            self._prefill_query_pos = context[:, None] + offsets[None, :]  # [num_prefills, q_max]
+            self._prefill_keys = keys
+            allowed = keys[None, None, :] <= self._prefill_query_pos[:, :, None]
             self._prefill_mask = allowed[:, None]  # [num_prefills, 1, q_max, key_len]
         if metadata.num_decodes:
             seq_max = metadata.max_decode_seq_len
@@ -82,6 +88,27 @@ class TorchAttentionBackend(AttentionBackend):
             keys = torch.arange(seq_max, device=device)
             mask = keys[None, :] < metadata.decode_seq_lens[:, None]
             self._decode_mask = mask[:, None, None, :]  # [num_decodes, 1, 1, seq_max]
+            self._decode_keys = keys
+            self._decode_seq_lens = metadata.decode_seq_lens
+        self._window_masks: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _prefill_window_mask(self, window: int) -> torch.Tensor:  # [P, 1, q_max, key_len]
+        mask = self._window_masks.get(("prefill", window))
+        if mask is None:
+            recent = self._prefill_keys[None, None, :] > (
+                self._prefill_query_pos[:, :, None] - window
+            )
+            mask = self._prefill_mask & recent[:, None]
+            self._window_masks["prefill", window] = mask
+        return mask
+
+    def _decode_window_mask(self, window: int) -> torch.Tensor:  # [D, 1, 1, seq_max]
+        mask = self._window_masks.get(("decode", window))
+        if mask is None:
+            recent = self._decode_keys[None, :] > (self._decode_seq_lens[:, None] - 1 - window)
+            mask = self._decode_mask & recent[:, None, None, :]
+            self._window_masks["decode", window] = mask
+        return mask
 
     def forward(
         self,
@@ -91,6 +118,7 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         write_to_cache(
             key, value, key_cache, value_cache, metadata.slot_mapping, self._all_slots_valid
@@ -98,9 +126,15 @@ class TorchAttentionBackend(AttentionBackend):
         n_pre = metadata.num_prefill_tokens
         parts = []
         if metadata.num_prefills:
-            parts.append(self._prefill(query[:n_pre], key, value, key_cache, value_cache, metadata))
+            parts.append(
+                self._prefill(
+                    query[:n_pre], key, value, key_cache, value_cache, metadata, sliding_window
+                )
+            )
         if metadata.num_decodes:
-            parts.append(self._decode(query[n_pre:], key_cache, value_cache, metadata))
+            parts.append(
+                self._decode(query[n_pre:], key_cache, value_cache, metadata, sliding_window)
+            )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _prefill(
@@ -111,6 +145,7 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        window: int | None,
     ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
         num_prefills, q_max = self._prefill_rows.shape
         q = query[self._prefill_rows]  # [num_prefills, q_max, num_heads, head_dim]
@@ -123,18 +158,38 @@ class TorchAttentionBackend(AttentionBackend):
             v = value_cache.view(flat).index_select(0, self._prefill_slots)
             k = k.view(num_prefills, -1, self.num_kv_heads, self.head_dim)
             v = v.view(num_prefills, -1, self.num_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            # Without a cached prefix, padded keys sit after every real query: plain causal
-            # masking is exact and lets the kernel skip the upper triangle.
-            attn_mask=None if self._prefill_slots is None else self._prefill_mask,
-            is_causal=self._prefill_slots is None,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+        # Without a cached prefix or window, padded keys sit after every real query: plain
+        # causal masking is exact and lets the kernel skip the upper triangle.
+        causal = self._prefill_slots is None and window is None
+        mask = self._prefill_mask if window is None else self._prefill_window_mask(window)
+        out = self._attend(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None if causal else mask
         )  # [num_prefills, num_heads, q_max, head_dim]
         return out.transpose(1, 2)[self._prefill_valid]
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [batch, num_heads, queries, head_dim]
+        k: torch.Tensor,  # [batch, num_kv_heads, keys, head_dim]
+        v: torch.Tensor,  # [batch, num_kv_heads, keys, head_dim]
+        mask: torch.Tensor | None,  # [batch, 1, queries, keys] bool; None = causal
+    ) -> torch.Tensor:  # [batch, num_heads, queries, head_dim]
+        gqa = self.num_heads != self.num_kv_heads
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa
+            )
+        if gqa:
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            n_q, n_k = scores.shape[-2:]
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
     def _decode(
         self,
@@ -142,6 +197,7 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        window: int | None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         num_decodes = query.shape[0]
         flat = (-1, self.num_kv_heads, self.head_dim)
@@ -149,12 +205,6 @@ class TorchAttentionBackend(AttentionBackend):
         v = value_cache.view(flat).index_select(0, self._decode_slots)
         k = k.view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            query[:, :, None, :],
-            k,
-            v,
-            attn_mask=self._decode_mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [num_decodes, num_heads, 1, head_dim]
+        mask = self._decode_mask if window is None else self._decode_window_mask(window)
+        out = self._attend(query[:, :, None, :], k, v, mask)  # [num_decodes, num_heads, 1, dim]
         return out[:, :, 0, :]

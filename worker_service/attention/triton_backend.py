@@ -13,6 +13,8 @@ module is imported); that is how the backend is tested without a GPU.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import kernels
@@ -50,7 +52,10 @@ class TritonAttentionBackend(PagedKernelBackend):
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         out: torch.Tensor,  # [num_decodes, num_heads, head_dim]
         metadata: AttentionMetadata,
+        extra: dict[str, Any] | None = None,
     ) -> None:
+        # unsupported_reason refuses the models that need a window or a soft-cap here.
+        assert not extra, f"the Triton decode kernel takes no {sorted(extra or {})}"
         if metadata is not self._plan_metadata:  # begin_step was not called for this step
             super().decode(query, key_cache, value_cache, out, metadata)
             return
@@ -73,4 +78,9 @@ class TritonAttentionBackend(PagedKernelBackend):
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
         if not kernels.supports_device(spec.device):
             return f"the Triton kernels cannot run on {spec.device} (CPU needs TRITON_INTERPRET=1)"
+        # Not implemented in the Triton kernels yet (the `torch` and `cpu` backends have them).
+        if spec.sliding_window is not None:
+            return f"sliding-window attention (window {spec.sliding_window}) is not implemented"
+        if spec.softcap is not None:
+            return f"attention logit soft-capping ({spec.softcap}) is not implemented"
         return None

@@ -62,6 +62,12 @@ def test_defaults_pass(service: str):
             "neither a directory nor a .gguf file",
         ),
         (
+            ["gateway", "--chat-template", "/nonexistent/template.jinja"],
+            {},
+            "llmserve gateway: invalid configuration: --chat-template: cannot read "
+            "'/nonexistent/template.jinja': No such file or directory",
+        ),
+        (
             ["gateway", "--no-such-flag"],
             {},
             "llmserve gateway: invalid configuration: unrecognized arguments: --no-such-flag",

@@ -73,3 +73,13 @@ def test_model_without_chat_template(sentencepiece_tokenizer: Any) -> None:
     with pytest.raises(FieldError, match="no chat template") as info:
         Tokenization(sentencepiece_tokenizer).encode_chat([{"role": "user", "content": "x"}])
     assert info.value.field == "messages"
+
+
+def test_a_given_chat_template_serves_a_model_without_one(sentencepiece_tokenizer: Any) -> None:
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}A:"
+    tok = Tokenization(sentencepiece_tokenizer, chat_template=template)
+    messages = [{"role": "user", "content": "hello"}]
+    assert tok.render_chat(messages) == "[user] hello\nA:"
+    assert tok.encode_chat(messages) == tok.encode("[user] hello\nA:", add_special_tokens=False)
+    with pytest.raises(FieldError, match="--chat-template FILE"):
+        Tokenization(sentencepiece_tokenizer).render_chat(messages)

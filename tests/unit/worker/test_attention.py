@@ -20,23 +20,46 @@ BS, H, KVH, D = 4, 6, 2, 32
 CPU_SPEC = AttentionSpec(torch.device("cpu"), torch.float32, H, KVH, D)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int) -> torch.Tensor:
-    """One sequence: q [n, H, D] at positions context.., k/v [context + n, KVH, D]."""
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context: int,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One sequence: q [n, H, D] at positions context.., k/v [context + n, KVH, D]; a query
+    at p sees keys p - window < j <= p; scores capped to softcap * tanh(s / softcap)."""
     k = k.repeat_interleave(H // KVH, dim=1)
     v = v.repeat_interleave(H // KVH, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     n, total = q.shape[0], k.shape[0]
-    allowed = torch.arange(total)[None, :] <= context + torch.arange(n)[:, None]
+    query_pos = context + torch.arange(n)[:, None]
+    keys = torch.arange(total)[None, :]
+    allowed = keys <= query_pos
+    if window is not None:
+        allowed &= keys > query_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+# (context already cached, new tokens): prefills (one from scratch, two over a cached
+# prefix, one long enough for several key chunks of the native kernel), then decodes.
+SEQS = [(0, 7), (5, 6), (70, 9), (9, 1), (3, 1), (14, 1), (90, 1)]
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(None, None), (3, None), (None, 0.7), (5, 0.5), (40, None)]
+)
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-def test_mixed_batch_of_chunks_prefix_hits_and_decodes(backend_name: str) -> None:
+def test_mixed_batch_of_chunks_prefix_hits_and_decodes(
+    backend_name: str, window: int | None, softcap: float | None
+) -> None:
     torch.manual_seed(0)
-    # (context already cached, new tokens): two prefills (one over a prefix), three decodes.
-    seqs = [(0, 7), (5, 6), (9, 1), (3, 1), (14, 1)]
-    num_blocks = 40
+    seqs = SEQS
+    num_blocks = 80
     key_cache = torch.zeros(num_blocks, BS, KVH, D)
     value_cache = torch.zeros(num_blocks, BS, KVH, D)
     perm = torch.randperm(num_blocks).tolist()
@@ -45,7 +68,8 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes(backend_name: str) -> Non
         nb = -(-(context + n) // BS)
         tables.append(perm[next_block : next_block + nb])
         next_block += nb
-        full_k.append(torch.randn(context + n, KVH, D))
+        # Scaled up so that soft-capping changes the scores a lot.
+        full_k.append(torch.randn(context + n, KVH, D) * 3)
         full_v.append(torch.randn(context + n, KVH, D))
         for pos in range(context):  # the cached prefix
             blk, off = tables[-1][pos // BS], pos % BS
@@ -56,26 +80,35 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes(backend_name: str) -> Non
     ]
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    pre = seqs[:2]
+    pre = [s for s in seqs if s[1] > 1]
+    dec = seqs[len(pre) :]
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    starts = [0]
+    for _, n in pre:
+        starts.append(starts[-1] + n)
     meta = AttentionMetadata(
-        num_prefills=2,
-        num_prefill_tokens=13,
-        num_decodes=3,
+        num_prefills=len(pre),
+        num_prefill_tokens=starts[-1],
+        num_decodes=len(dec),
         slot_mapping=torch.tensor(slots),
-        prefill_query_start_loc=torch.tensor([0, 7, 13], dtype=torch.int32),
-        prefill_query_lens=torch.tensor([n for _, n in pre], dtype=torch.int32),
-        prefill_context_lens=torch.tensor([c for c, _ in pre], dtype=torch.int32),
-        prefill_seq_lens=torch.tensor([c + n for c, n in pre], dtype=torch.int32),
-        prefill_block_tables=padded[:2],
-        max_prefill_query_len=7,
-        max_prefill_seq_len=11,
+        prefill_query_start_loc=i32(starts),
+        prefill_query_lens=i32([n for _, n in pre]),
+        prefill_context_lens=i32([c for c, _ in pre]),
+        prefill_seq_lens=i32([c + n for c, n in pre]),
+        prefill_block_tables=padded[: len(pre)],
+        max_prefill_query_len=max(n for _, n in pre),
+        max_prefill_seq_len=max(c + n for c, n in pre),
         prefill_no_context=False,
-        decode_seq_lens=torch.tensor([c + n for c, n in seqs[2:]], dtype=torch.int32),
-        decode_block_tables=padded[2:],
-        max_decode_seq_len=15,
+        decode_seq_lens=i32([c + n for c, n in dec]),
+        decode_block_tables=padded[len(pre) :],
+        max_decode_seq_len=max(c + n for c, n in dec),
         block_size=BS,
     )
-    backend = get_backend_class(backend_name, CPU_SPEC)(H, KVH, D, D**-0.5)
+    spec = replace(CPU_SPEC, sliding_window=window, softcap=softcap)
+    backend = get_backend_class(backend_name, spec)(H, KVH, D, D**-0.5, softcap)
     backend.begin_step(meta)
     out = backend.forward(
         torch.cat(queries),
@@ -84,10 +117,11 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes(backend_name: str) -> Non
         key_cache,
         value_cache,
         meta,
+        sliding_window=window,
     )
     expected = torch.cat(
         [
-            reference(q, k, v, c)
+            reference(q, k, v, c, window, softcap)
             for q, k, v, (c, _) in zip(queries, full_k, full_v, seqs, strict=True)
         ]
     )
@@ -96,6 +130,58 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes(backend_name: str) -> Non
     flat_k = key_cache.view(-1, KVH, D)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
     assert torch.equal(flat_k[torch.tensor(slots)], new_k)
+    if window is not None or softcap is not None:  # the features change the result
+        plain = torch.cat(
+            [
+                reference(q, k, v, c)
+                for q, k, v, (c, _) in zip(queries, full_k, full_v, seqs, strict=True)
+            ]
+        )
+        assert not torch.allclose(out, plain, atol=1e-3)
+
+
+def test_no_context_prefill_with_a_window_and_softcap() -> None:
+    """The torch backend's path without a cached prefix (keys from the step itself)."""
+    torch.manual_seed(1)
+    n = 13
+    q, k, v = torch.randn(n, H, D), torch.randn(n, KVH, D) * 3, torch.randn(n, KVH, D)
+    table = torch.arange(4, dtype=torch.int32)[None]
+    meta = AttentionMetadata(
+        num_prefills=1,
+        num_prefill_tokens=n,
+        num_decodes=0,
+        slot_mapping=torch.arange(n),
+        prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        prefill_query_lens=torch.tensor([n], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([0], dtype=torch.int32),
+        prefill_seq_lens=torch.tensor([n], dtype=torch.int32),
+        prefill_block_tables=table,
+        max_prefill_query_len=n,
+        max_prefill_seq_len=n,
+        prefill_no_context=True,
+        decode_seq_lens=torch.zeros(0, dtype=torch.int32),
+        decode_block_tables=torch.zeros(0, 4, dtype=torch.int32),
+        max_decode_seq_len=0,
+        block_size=BS,
+    )
+    for name in ("torch", "cpu"):
+        backend = get_backend_class(name, CPU_SPEC)(H, KVH, D, D**-0.5, 0.6)
+        backend.begin_step(meta)
+        cache = torch.zeros(4, BS, KVH, D), torch.zeros(4, BS, KVH, D)
+        out = backend.forward(q, k, v, *cache, meta, sliding_window=4)
+        torch.testing.assert_close(out, reference(q, k, v, 0, 4, 0.6), atol=1e-5, rtol=1e-5)
+
+
+def test_triton_refuses_windows_and_softcaps_by_name() -> None:
+    from worker_service.attention.triton_backend import TritonAttentionBackend
+
+    cuda = replace(CPU_SPEC, device=torch.device("cuda"))
+    window = TritonAttentionBackend.unsupported_reason(replace(cuda, sliding_window=512))
+    softcap = TritonAttentionBackend.unsupported_reason(replace(cuda, softcap=50.0))
+    if not __import__("kernels").supports_device(torch.device("cuda")):
+        pytest.skip("no CUDA device: the device check answers first")
+    assert window is not None and "sliding-window" in window
+    assert softcap is not None and "soft-capping" in softcap
 
 
 def test_auto_is_the_native_backend_on_cpu_and_torch_where_it_cannot_run() -> None:

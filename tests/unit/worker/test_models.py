@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from tests.support.models import load_hf, save_tiny_model, tiny_config
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.models import UnsupportedModelError
-from worker_service.models.llama import pack_weight, packed_linear_available, packed_matmul
+from worker_service.models.linear import pack_weight, packed_linear_available, packed_matmul
 from worker_service.models.rope import inverse_frequencies
 
 from .factories import GreedyDriver, hf_greedy, make_worker
@@ -113,14 +113,14 @@ def test_unsupported_architecture_fails_at_load_listing_supported(tmp_path: Path
         tmp_path
     )
     with pytest.raises(
-        UnsupportedModelError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+        UnsupportedModelError, match="'GPT2LMHeadModel'.*supported: .*Gemma3ForCausalLM"
     ):
         make_worker(tmp_path)
 
 
 def test_unsupported_rope_type_is_named() -> None:
-    with pytest.raises(UnsupportedModelError, match="'yarn'"):
-        inverse_frequencies(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
+        inverse_frequencies(16, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
 
 
 def test_model_info(tiny_model_dir: dict[str, Path]) -> None:

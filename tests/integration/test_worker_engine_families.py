@@ -1,0 +1,102 @@
+"""Every model family through the scheduler and a real worker, against HF generate.
+
+One tiny random model per family (tests/support/models.py: perturbed parameters, explicit
+head_dim where the family allows it, sliding windows smaller than prompt + output, tied and
+untied embeddings), on the `torch` and `cpu` attention backends; greedy output must equal
+`generate(do_sample=False)` token for token in float32, also with chunked prefill, recompute
+preemption and prefix-cache hits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from scheduler_service.config import PreemptionMode
+from tests.integration.test_worker_engine_tiny import (
+    BLOCK,
+    GREEDY,
+    NEW_TOKENS,
+    PROMPTS,
+    assert_all_free,
+    hf_greedy,
+    make_engine,
+)
+from tests.support.models import FAMILY_KINDS, WINDOW, load_hf, save_tiny_model
+from worker_service.config import WorkerConfig
+from worker_service.worker import Worker
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(kind, backend) for kind in FAMILY_KINDS for backend in ("torch", "cpu")],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
+def family(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Worker, Any, list[list[int]]]:
+    kind, backend = request.param
+    path = save_tiny_model(kind, tmp_path_factory.mktemp(kind) / kind)
+    hf = load_hf(path)
+    worker = Worker(
+        WorkerConfig(model=str(path), block_size=BLOCK, num_threads=1, attention_backend=backend)
+    )
+    worker.load_model()
+    assert worker.model_info.attention_backend == backend
+    assert worker.model_info.architecture == type(hf).__name__
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+    return worker, hf, expected
+
+
+def test_windows_are_smaller_than_the_longest_sequence(family: tuple[Worker, Any, Any]) -> None:
+    arch = family[0].model.arch
+    if arch.sliding_window is not None:
+        assert arch.sliding_window <= WINDOW + 4 < max(map(len, PROMPTS)) + NEW_TOKENS
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        dict(),
+        dict(batched_tokens=16),  # chunked prefill mixed with decodes
+        dict(gpu_blocks=14, preemption=PreemptionMode.RECOMPUTE),
+    ],
+    ids=["plain", "chunked", "recompute"],
+)
+def test_greedy_batch_matches_hf(
+    family: tuple[Worker, Any, list[list[int]]], setup: dict[str, Any]
+) -> None:
+    worker, _, expected = family
+    engine = make_engine(worker, **setup)
+    outputs = engine.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    if "preemption" in setup:
+        assert engine.get_stats().num_preemptions_recompute > 0
+    assert_all_free(engine, worker)
+
+
+def test_prefix_cache_hits_keep_greedy_exact(family: tuple[Worker, Any, Any]) -> None:
+    worker, hf, _ = family
+    shared = PROMPTS[2] + PROMPTS[0]  # 34 tokens: 8 full blocks shared
+    prompts = [shared + [7, 8, 9], shared + [100], shared[:20] + [3, 3]]
+    engine = make_engine(worker)
+    first = engine.generate(prompts[:1], GREEDY)
+    rest = engine.generate(prompts[1:], GREEDY)
+    assert engine.get_stats().prefix_cache_hits > 0
+    got = [o.outputs[0].token_ids for o in first + rest]
+    assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert_all_free(engine, worker)
+
+
+# Families whose elementwise steps are Llama's (RMSNorm, full rotary, SwiGLU): the cpu
+# backend runs them through the fused C++ ops; the others through plain torch.
+FUSED_ON_CPU = {"GraniteForCausalLM", "SmolLM3ForCausalLM", "MixtralForCausalLM"}
+
+
+def test_cpu_backend_fuses_the_elementwise_ops_where_the_family_allows(
+    family: tuple[Worker, Any, Any],
+) -> None:
+    worker = family[0]
+    on_cpu = worker.model_info.attention_backend == "cpu"
+    assert worker.model.fused_ops == (on_cpu and worker.model_info.architecture in FUSED_ON_CPU)
+    assert worker.model.native_decode is None  # no family here is a plain Llama

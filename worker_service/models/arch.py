@@ -1,0 +1,237 @@
+"""What the worker knows about a model's architecture: one frozen `ModelArchConfig`, read
+from a transformers config by the family's module (see `registry`).
+
+The fields are the features families differ in (norm kind, q/k norms, norm placement,
+activation, multipliers, soft-capping, per-layer attention), so that one decoder
+(`decoder.DecoderModel`) runs them all. `read_common` reads the fields every family shares
+and refuses what no family here implements, naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from worker_service.models.rope import RopeSpec, UnsupportedModelError, read_rope_spec
+
+# How an RMSNorm applies its weight. "rms": weight * normalized.to(dtype) (Llama);
+# "rms_f32": (weight * normalized).to(dtype) (OLMo 2); "gemma": (normalized * (1 + weight))
+# in float32, then cast (Gemma 2 and 3).
+NormKind = Literal["rms", "rms_f32", "gemma"]
+# "head": one [head_dim] norm per head after the projection (Qwen3, Gemma 3); "full": one
+# norm over the whole q (or k) projection (OLMo 2).
+QKNorm = Literal["head", "full"] | None
+# SwiGLU (silu) or GeGLU with tanh-approximated gelu (Gemma).
+Activation = Literal["silu", "gelu_tanh"]
+
+_ACTIVATIONS: dict[str, Activation] = {
+    "silu": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKind:
+    """How one layer attends."""
+
+    sliding_window: int | None  # keys with query_pos - key_pos < window; None = all
+    rope: int | None  # index into ModelArchConfig.ropes; None = no rotary (NoPE)
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A sparse MLP: `num_experts` SwiGLU experts of `intermediate_size`, top-k routing."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    # Renormalise the top-k probabilities to sum to 1 (Mixtral always, Qwen3-MoE by flag).
+    norm_topk_prob: bool
+    # Layers that keep a dense MLP of the model's intermediate_size.
+    dense_layers: frozenset[int] = frozenset()
+    # Cast the routing weights to the model dtype before scaling expert outputs (Qwen3-MoE);
+    # Mixtral scales in float32.
+    round_weights: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArchConfig:
+    """The shape and features of a decoder-only model, read from a transformers config."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    ropes: tuple[RopeSpec, ...]  # the distinct rotary tables; layers index them
+    layers: tuple[LayerKind, ...]
+    norm: NormKind = "rms"
+    qk_norm: QKNorm = None
+    activation: Activation = "silu"
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    embed_scale: float | None = None  # embeddings times this (Granite, Gemma)
+    # Gemma rounds its embedding scale to the weight dtype before multiplying.
+    round_embed_scale: bool = False
+    residual_scale: float | None = None  # each block's output times this (Granite)
+    logits_divisor: float | None = None  # logits / this (Granite's logits_scaling)
+    moe: MoeSpec | None = None
+    # Norms on block outputs (Gemma's post-attention/post-feedforward norms, OLMo 2's only
+    # norms) and whether blocks have input norms (OLMo 2: none).
+    output_norms: bool = False
+    input_norms: bool = True
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
+    @property
+    def rope(self) -> RopeSpec:
+        """The first rotary table (the only one for most families)."""
+        return self.ropes[0]
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        return tuple(sorted({k.sliding_window for k in self.layers if k.sliding_window}))
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The smallest window of any layer, or None when every layer attends to all keys."""
+        windows = self.sliding_windows
+        return windows[0] if windows else None
+
+    @property
+    def is_plain(self) -> bool:
+        """A Llama-style model: what the native decode step runs."""
+        return not self.plain_blockers()
+
+    def fused_blockers(self) -> list[str]:
+        """The features the fused CPU elementwise ops (RMSNorm with the weight applied after
+        the cast, full-width rotary on the q/k rows of the fused projection before any q/k
+        norm, SiLU-and-multiply) cannot compute; the rest of the decoder runs around them."""
+        checks = {
+            f"norm kind {self.norm!r}": self.norm != "rms",
+            f"q/k norm {self.qk_norm!r}": self.qk_norm is not None,
+            f"activation {self.activation!r}": self.activation != "silu",
+            "partial rotary": any(r.rotary_dim != self.head_dim for r in self.ropes),
+        }
+        return [name for name, present in checks.items() if present]
+
+    def plain_blockers(self) -> list[str]:
+        """The features of this model that are not Llama's, by name."""
+        checks = {
+            f"norm kind {self.norm!r}": self.norm != "rms",
+            f"q/k norm {self.qk_norm!r}": self.qk_norm is not None,
+            f"activation {self.activation!r}": self.activation != "silu",
+            "attention scale": self.attention_scale is not None
+            and not math.isclose(self.attention_scale, self.head_dim**-0.5),
+            "attention soft-capping": self.attn_softcap is not None,
+            "final logit soft-capping": self.final_softcap is not None,
+            "embedding scale": self.embed_scale is not None,
+            "residual multiplier": self.residual_scale is not None,
+            "logits scaling": self.logits_divisor is not None,
+            "mixture of experts": self.moe is not None,
+            "block output norms": self.output_norms,
+            "blocks without input norms": not self.input_norms,
+            "sliding window": self.sliding_window is not None,
+            "NoPE layers": any(k.rope is None for k in self.layers),
+            "several rotary tables": len(self.ropes) > 1,
+            "partial rotary": any(r.rotary_dim != self.head_dim for r in self.ropes),
+            "rotary attention factor": any(r.needs_scaled_table for r in self.ropes),
+        }
+        return [name for name, present in checks.items() if present]
+
+
+def read_activation(config: Any, *names: str) -> Activation:
+    """The MLP activation under the first of `names` the config has."""
+    value = next((getattr(config, n) for n in names if getattr(config, n, None)), "silu")
+    if value not in _ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"activation {value!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
+        )
+    return _ACTIVATIONS[value]
+
+
+def read_layer_kinds(
+    config: Any,
+    num_layers: int,
+    rope_of_type: dict[str, int] | None = None,
+    use_rope: list[bool] | None = None,
+    windows: bool = True,
+) -> tuple[LayerKind, ...]:
+    """Per-layer attention: `layer_types` when the config has them (a layer of type
+    `sliding_attention` gets `sliding_window`), else the model-wide `sliding_window` on every
+    layer (Mistral, Phi-3, Mixtral). `rope_of_type` maps a layer type to its rotary table;
+    `use_rope[i]` False makes layer i a NoPE layer; `windows` False turns windows off."""
+    window = (getattr(config, "sliding_window", None) or None) if windows else None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        types = ["sliding_attention" if window else "full_attention"] * num_layers
+    else:
+        types = list(layer_types)
+        if len(types) != num_layers:
+            raise UnsupportedModelError(
+                f"layer_types has {len(types)} entries for {num_layers} layers"
+            )
+    unknown = sorted({t for t in types if t not in _LAYER_TYPES})
+    if unknown:
+        raise UnsupportedModelError(
+            f"layer types {unknown} are not supported; supported: {', '.join(_LAYER_TYPES)}"
+        )
+    kinds = []
+    for i, kind in enumerate(types):
+        rope: int | None = (rope_of_type or {}).get(kind, 0)
+        if use_rope is not None and not use_rope[i]:
+            rope = None
+        sliding = window if kind == "sliding_attention" else None
+        kinds.append(LayerKind(sliding_window=sliding, rope=rope))
+    return tuple(kinds)
+
+
+def read_common(
+    config: Any, architecture: str, *, rope_params: dict[str, Any] | None = None, **features: Any
+) -> ModelArchConfig:
+    """The fields every family shares, plus `features` (ModelArchConfig's other fields).
+    `layers`/`ropes` default to one rotary table and `read_layer_kinds`."""
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_layers = config.num_hidden_layers
+    if "ropes" not in features:
+        params = rope_params if rope_params is not None else _rope_parameters(config)
+        features["ropes"] = (read_rope_spec(params, head_dim, config),)
+    if "layers" not in features:
+        features["layers"] = read_layer_kinds(config, num_layers)
+    if "activation" not in features:
+        features["activation"] = read_activation(config, "hidden_act")
+    return ModelArchConfig(
+        architecture=architecture,
+        num_layers=num_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        **features,
+    )
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's rope parameters as one dict (transformers 5's `rope_parameters`, or the
+    older `rope_theta` + `rope_scaling`)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    return params

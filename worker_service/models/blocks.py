@@ -1,0 +1,40 @@
+"""The elementwise building blocks families differ in, in plain torch, each in the order of
+operations (and dtypes) of its transformers reference, which keeps greedy output token-equal."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_service.models.arch import Activation, NormKind
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., dim]
+    weight: torch.Tensor,  # [dim]
+    eps: float,
+    kind: NormKind = "rms",
+) -> torch.Tensor:  # [..., dim] in x's dtype
+    """Normalize in float32; apply the weight as the family does (see `arch.NormKind`)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == "rms":
+        return weight * x32.to(x.dtype)
+    if kind == "rms_f32":
+        return (weight * x32).to(x.dtype)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_activation(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate]: gate, then up
+    activation: Activation,
+) -> torch.Tensor:  # [num_tokens, intermediate]
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), in the reference's order (divide, tanh, multiply)."""
+    return torch.tanh(x / cap) * cap

@@ -1,0 +1,305 @@
+"""One decoder for every family, over a flat batch of tokens and the paged KV cache.
+
+Every linear layer runs once per step over all tokens of all sequences (`[num_tokens, ...]`),
+q/k/v and gate/up are fused into one matmul each, and attention goes through an
+`AttentionBackend` that reads and writes the paged KV cache. A layer is: (input norm) ->
+attention (q/k norms, rotary unless NoPE, the layer's sliding window) -> (output norm) ->
+residual add -> (pre-MLP norm) -> dense or sparse MLP -> (output norm) -> residual add; what
+each family has of these is declared in its `ModelArchConfig` (see `registry`).
+
+CPU fast paths: with `fused_ops` the residual add + RMSNorm, rotary and SiLU-and-multiply are
+single C++ calls from `kernels.cpu` (for models without the features those kernels lack,
+`arch.fused_blockers`: Gemma/OLMo norms, q/k norms, GeGLU, partial rotary; such models take
+the plain torch elementwise path); with `packed_linear` every matmul runs through oneDNN on
+weights prepacked at load; with `native_linear` through `kernels.cpu.decode.linear_rows`; and
+pure decode steps of up to `native_decode_max_batch` tokens run as one native call
+(`native.NativeDecode`) for Llama-style models (`arch.is_plain`); the native step refuses the
+others by feature name and they decode on the per-layer path.
+The elementwise arithmetic follows each reference's order, so float32 greedy output matches
+transformers token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import ops as cpu_ops
+from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep, set_num_threads
+from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.models.arch import ModelArchConfig
+from worker_service.models.blocks import gated_activation, rms_norm, softcap
+from worker_service.models.linear import (
+    native_matmul,
+    pack_weight,
+    packed_linear_available,
+    packed_matmul,
+)
+from worker_service.models.moe import moe_mlp
+from worker_service.models.native import NativeDecode, native_decode_unsupported_reason
+from worker_service.models.rope import apply_rotary, cos_sin_for
+from worker_service.models.weights import LayerWeights
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+class DecoderModel:
+    """Forward pass of a decoder-only causal LM over the paged cache. Not an nn.Module: plain
+    weight tensors keep per-layer Python overhead to a handful of calls."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        embed: torch.Tensor,  # [vocab, hidden]
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,  # [hidden]
+        lm_head: torch.Tensor,  # [vocab, hidden]
+        max_positions: int,
+        fused_ops: bool = False,
+        packed_linear: bool = False,
+        native_linear: bool = False,
+        native_decode_max_batch: int = 0,
+    ) -> None:
+        self.arch = arch
+        # CPU only: RMSNorm, rotary and SiLU-and-multiply in C++ where the model's are those.
+        self.fused_ops = fused_ops and not arch.fused_blockers()
+        self.packed_linear = packed_linear
+        self.linear: Callable[..., torch.Tensor] = F.linear
+        # One cos/sin table per distinct rotary spec; layers index them (`LayerKind.rope`).
+        self.rope_tables = [
+            cos_sin_for(spec, max_positions, embed.dtype, embed.device) for spec in arch.ropes
+        ]
+        self.cos, self.sin = self.rope_tables[0]
+        self.native_decode: NativeDecode | None = None
+        # Why decode steps run per layer although the native step was asked for, or None.
+        self.native_decode_refused: str | None = None
+        # Each row's argmax and its logprob when the last forward ran the native decode step
+        # (which finds them while the logits are in cache), else None.
+        self.argmax_logprobs: ArgmaxLogprobs | None = None
+        if fused_ops or native_decode_max_batch > 0 or native_linear:
+            set_num_threads(torch.get_num_threads())  # the C++ kernels' own threads (pool.h)
+        if native_decode_max_batch > 0:
+            if not fused_ops:
+                raise ValueError("the native decode step needs the native CPU ops (fused_ops)")
+            # A model it cannot run decodes on the per-layer path (native.py).
+            self.native_decode_refused = native_decode_unsupported_reason(arch, embed.dtype, layers)
+            if self.native_decode_refused is None:
+                self.native_decode = NativeDecode(
+                    arch,
+                    embed,
+                    layers,
+                    final_norm,
+                    lm_head,
+                    self.cos,
+                    self.sin,
+                    native_decode_max_batch,
+                )
+        if packed_linear:
+            if not packed_linear_available(embed.device, embed.dtype):
+                raise ValueError(
+                    f"packed linear layers need oneDNN on the CPU in float32 or bfloat16, "
+                    f"not {embed.device} {embed.dtype}"
+                )
+            self._convert_projections(layers, pack_weight)
+            lm_head = pack_weight(lm_head)  # a copy: the embedding (often the same tensor) stays
+            self.linear = packed_matmul
+        elif native_linear:
+            self._convert_projections(layers, lambda t: t.contiguous())
+            lm_head = lm_head.contiguous()
+            self.linear = native_matmul
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self._embed_scale: Any = None
+        if arch.embed_scale is not None:
+            self._embed_scale = (
+                torch.tensor(arch.embed_scale).to(embed.dtype)
+                if arch.round_embed_scale
+                else arch.embed_scale
+            )
+
+    @staticmethod
+    def _convert_projections(
+        layers: list[LayerWeights], convert: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        for w in layers:
+            for name in _PROJECTIONS:
+                tensor = getattr(w, name)
+                if tensor is not None:
+                    setattr(w, name, convert(tensor))
+
+    @property
+    def decode_step(self) -> DecodeStep | None:
+        """The native decode step, when this model runs one."""
+        return None if self.native_decode is None else self.native_decode.step
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer K, V caches
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        logit_rows: torch.Tensor,  # [num_logit_rows] int64, token rows that need logits
+    ) -> torch.Tensor:  # [num_logit_rows, vocab] in the model dtype (the sampler upcasts)
+        self.argmax_logprobs = None
+        if self.fused_ops:  # the native ops below run unchecked: validate their inputs once
+            self._check_native_inputs(input_ids, positions)
+        if self.native_decode is not None and self.native_decode.accepts(metadata, logit_rows):
+            logits, self.argmax_logprobs = self.native_decode.run(
+                input_ids, positions, kv_caches, metadata
+            )
+            return logits
+        arch = self.arch
+        rotations = self._rotations(positions)
+        backend.begin_step(metadata)
+        x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        if self._embed_scale is not None:
+            x = x * self._embed_scale
+        delta: torch.Tensor | None = None  # the last block's output, not yet added to x
+        for i, (weights, (key_cache, value_cache)) in enumerate(
+            zip(self.layers, kv_caches, strict=True)
+        ):
+            kind = arch.layers[i]
+            h, x = self._add_norm(delta, x, weights.input_norm)
+            q, k, v = self._qkv(h, weights, positions, rotations[kind.rope], kind.rope)
+            attn = backend.forward(
+                q, k, v, key_cache, value_cache, metadata, sliding_window=kind.sliding_window
+            )
+            o = self.linear(attn.reshape(-1, self.q_size), weights.o, weights.o_bias)
+            delta = self._block_output(o, weights.attn_out_norm)
+            h, x = self._add_norm(delta, x, weights.post_norm)
+            delta = self._block_output(self._mlp(h, weights, i), weights.mlp_out_norm)
+        assert delta is not None
+        selected, _ = self._add_norm(delta[logit_rows], x[logit_rows], self.final_norm)
+        logits = self.linear(selected, self.lm_head)
+        if arch.logits_divisor is not None:
+            logits = logits / arch.logits_divisor
+        if arch.final_softcap is not None:
+            logits = softcap(logits, arch.final_softcap)
+        return logits
+
+    def _check_native_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Once per forward, what the unchecked native calls rely on: the rotary tables cover
+        every position, and activations are contiguous CPU tensors of a supported dtype (they
+        are: the model makes them, from its own weights)."""
+        if positions.dtype != torch.int64 or positions.shape != input_ids.shape:
+            raise ValueError(f"positions: expected [{input_ids.shape[0]}] int64")
+        if not positions.is_contiguous():
+            raise ValueError("positions: must be contiguous")
+        cpu_ops.check_positions(positions, self.cos.shape[0])
+
+    def _rotations(
+        self, positions: torch.Tensor
+    ) -> dict[int | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per rotary table, this step's cos/sin rows ([num_tokens, 1, rotary_dim] each);
+        None for NoPE layers and for the fused path, which indexes the table itself."""
+        rotations: dict[int | None, tuple[torch.Tensor, torch.Tensor] | None] = {None: None}
+        for index, (cos, sin) in enumerate(self.rope_tables):
+            rotations[index] = (
+                None if self.fused_ops else (cos[positions][:, None, :], sin[positions][:, None, :])
+            )
+        return rotations
+
+    def _add_norm(
+        self,
+        delta: torch.Tensor | None,  # [num_tokens, hidden]; None before the first layer
+        x: torch.Tensor,  # [num_tokens, hidden], the residual stream
+        weight: torch.Tensor | None,  # [hidden]; None: no norm here (OLMo 2)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + delta), and x + delta
+        arch = self.arch
+        if self.fused_ops and weight is not None:
+            if delta is None:
+                return cpu_ops.rms_norm(x, weight, arch.rms_norm_eps, check=False), x
+            # x += delta in place (x is the model's own residual stream)
+            normed = cpu_ops.rms_norm(delta, weight, arch.rms_norm_eps, residual=x, check=False)
+            return normed, x
+        if delta is not None:
+            x = x + delta
+        if weight is None:
+            return x, x
+        return rms_norm(x, weight, arch.rms_norm_eps, arch.norm), x
+
+    def _block_output(
+        self, out: torch.Tensor, norm: torch.Tensor | None
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        arch = self.arch
+        if norm is not None:
+            out = rms_norm(out, norm, arch.rms_norm_eps, arch.norm)
+        if arch.residual_scale is not None:
+            out = out * arch.residual_scale
+        return out
+
+    def _qkv(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        weights: LayerWeights,
+        positions: torch.Tensor,  # [num_tokens] int64
+        rotation: tuple[torch.Tensor, torch.Tensor] | None,
+        rope: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [tokens, heads, head_dim] each
+        arch = self.arch
+        qkv = self.linear(h, weights.qkv, weights.qkv_bias)
+        n = qkv.shape[0]
+        if self.fused_ops and rope is not None:
+            cos, sin = self.rope_tables[rope]
+            heads = arch.num_heads + arch.num_kv_heads  # q and k lead each row
+            cpu_ops.rotary_(qkv, positions, cos, sin, heads, check=False)
+            rotation = None
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if arch.qk_norm == "full":
+            assert weights.q_norm is not None and weights.k_norm is not None
+            q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
+            k = rms_norm(k, weights.k_norm, arch.rms_norm_eps, arch.norm)
+        q = q.view(n, arch.num_heads, arch.head_dim)
+        k = k.view(n, arch.num_kv_heads, arch.head_dim)
+        v = v.view(n, arch.num_kv_heads, arch.head_dim)
+        if arch.qk_norm == "head":
+            assert weights.q_norm is not None and weights.k_norm is not None
+            q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
+            k = rms_norm(k, weights.k_norm, arch.rms_norm_eps, arch.norm)
+        if rotation is not None:
+            cos, sin = rotation
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def _mlp(self, h: torch.Tensor, weights: LayerWeights, index: int) -> torch.Tensor:
+        arch = self.arch
+        if weights.moe is not None:
+            assert arch.moe is not None
+            return moe_mlp(h, weights.moe, arch.moe, arch.activation)
+        gate_up = self.linear(h, weights.gate_up, weights.gate_up_bias)
+        if self.fused_ops:
+            act = cpu_ops.silu_mul(gate_up, check=False)
+        else:
+            act = gated_activation(gate_up, arch.activation)
+        return self.linear(act, weights.down, weights.down_bias)
+
+    def linear_layers_only(self, num_tokens: int) -> None:
+        """Run just the dense matmuls of one forward over `num_tokens` tokens (bench
+        reference), with the model's own matmul implementation."""
+        arch, linear = self.arch, self.linear
+
+        def zeros(width: int) -> torch.Tensor:  # [num_tokens, width]
+            return torch.zeros(num_tokens, width, dtype=self.dtype, device=self.device)
+
+        x, attn, act = zeros(arch.hidden_size), zeros(self.q_size), zeros(arch.intermediate_size)
+        for weights in self.layers:
+            linear(x, weights.qkv, weights.qkv_bias)
+            linear(attn, weights.o)
+            if weights.gate_up is not None and weights.down is not None:
+                linear(x, weights.gate_up)
+                linear(act, weights.down)
+        linear(x, self.lm_head)
+
+
+# The name the worker used before the families came.
+LlamaModel = DecoderModel

@@ -1,0 +1,59 @@
+"""Sparse MLP: a softmax router picks the top-k experts of each token; the experts run
+grouped (the step's (token, expert) pairs sorted by expert, one matmul pair per active
+expert), so the Python loop is over the few experts in use, never over tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_service.models.arch import Activation, MoeSpec
+from worker_service.models.blocks import gated_activation
+from worker_service.models.weights import MoeWeights
+
+
+def route(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    router: torch.Tensor,  # [num_experts, hidden]
+    spec: MoeSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k] weights (float32), expert ids
+    """Softmax over all experts in float32, top-k, renormalised when `norm_topk_prob`."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def moe_mlp(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w: MoeWeights,
+    spec: MoeSpec,
+    activation: Activation,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    weights, experts = route(x, w.router, spec)
+    if spec.round_weights:  # Qwen3-MoE casts the routing weights to the model dtype first
+        weights = weights.to(x.dtype)
+    flat = experts.reshape(-1)  # [num_tokens * top_k], token t's picks at t * top_k ...
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending
+    token_of = order // spec.top_k  # [num_pairs]
+    counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
+    rows = x[token_of]  # [num_pairs, hidden]
+    out = torch.empty(  # [num_pairs, hidden], float32 when the weights are (Mixtral)
+        rows.shape[0],
+        x.shape[1],
+        dtype=torch.promote_types(x.dtype, weights.dtype),
+        device=x.device,
+    )
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        h = gated_activation(F.linear(rows[start:end], w.gate_up[expert]), activation)
+        out[start:end] = F.linear(h, w.down[expert]) * weights.reshape(-1)[order[start:end], None]
+        start = end
+    final = torch.zeros_like(x)
+    # Each token's rows arrive in ascending expert order, as in the reference's loop.
+    final.index_add_(0, token_of, out.to(x.dtype))
+    return final

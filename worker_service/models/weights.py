@@ -1,0 +1,161 @@
+"""Per-layer weight containers and the readers that take them from transformers modules.
+
+Families map their modules onto these fields (see `registry.Family`); shared readers cover
+the common module names (q_proj/k_proj/v_proj/o_proj, gate_proj/up_proj/down_proj, fused
+qkv_proj/gate_up_proj, experts stored as fused 3-D tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class MoeWeights:
+    router: torch.Tensor  # [num_experts, hidden]
+    gate_up: torch.Tensor  # [num_experts, 2 * moe_intermediate, hidden]: gate rows, up rows
+    down: torch.Tensor  # [num_experts, hidden, moe_intermediate]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer. Norm names say where a norm sits: `input_norm` before attention,
+    `attn_out_norm` on the attention output, `post_norm` before the MLP (Llama's
+    post_attention_layernorm), `mlp_out_norm` on the MLP output."""
+
+    input_norm: torch.Tensor | None  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor | None  # [hidden]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in an MoE layer
+    down: torch.Tensor | None  # [hidden, intermediate]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    gate_up_bias: torch.Tensor | None = None  # [2 * intermediate]
+    down_bias: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim] per head, or [num_heads * head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim] per head, or [num_kv_heads * head_dim]
+    attn_out_norm: torch.Tensor | None = None  # [hidden]
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]
+    moe: MoeWeights | None = None
+
+    @property
+    def has_extras(self) -> bool:
+        """Weights beyond a Llama layer's (what the native decode step cannot run)."""
+        return any(
+            t is not None
+            for t in (
+                self.o_bias,
+                self.gate_up_bias,
+                self.down_bias,
+                self.q_norm,
+                self.k_norm,
+                self.attn_out_norm,
+                self.mlp_out_norm,
+                self.moe,
+            )
+        ) or (self.input_norm is None or self.post_norm is None or self.gate_up is None)
+
+
+def _w(module: Any) -> torch.Tensor:
+    return module.weight.detach()
+
+
+def _b(module: Any) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    return None if bias is None else bias.detach()
+
+
+def _cat_bias(*modules: Any) -> torch.Tensor | None:
+    biases = [getattr(m, "bias", None) for m in modules]
+    if all(b is None for b in biases):
+        return None
+    filled = [
+        b if b is not None else torch.zeros_like(m.weight[:, 0])
+        for b, m in zip(biases, modules, strict=True)
+    ]
+    return torch.cat(filled).detach()
+
+
+def norm_weight(module: Any | None) -> torch.Tensor | None:
+    return None if module is None else module.weight.detach()
+
+
+def read_attention(attn: Any) -> dict[str, Any]:  # LayerWeights fields
+    """q/k/v fused into one projection (or taken fused: Phi-3's qkv_proj), o, and q/k norms."""
+    if hasattr(attn, "qkv_proj"):
+        qkv, qkv_bias = _w(attn.qkv_proj), _b(attn.qkv_proj)
+    else:
+        qkv = torch.cat([_w(attn.q_proj), _w(attn.k_proj), _w(attn.v_proj)])
+        qkv_bias = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+    return dict(
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o=_w(attn.o_proj),
+        o_bias=_b(attn.o_proj),
+        q_norm=norm_weight(getattr(attn, "q_norm", None)),
+        k_norm=norm_weight(getattr(attn, "k_norm", None)),
+    )
+
+
+def read_dense_mlp(mlp: Any) -> dict[str, torch.Tensor | None]:
+    """gate and up fused into one projection (or taken fused: Phi-3's gate_up_proj)."""
+    if hasattr(mlp, "gate_up_proj") and hasattr(mlp.gate_up_proj, "weight"):
+        gate_up, gate_up_bias = _w(mlp.gate_up_proj), _b(mlp.gate_up_proj)
+    else:
+        gate_up = torch.cat([_w(mlp.gate_proj), _w(mlp.up_proj)])
+        gate_up_bias = _cat_bias(mlp.gate_proj, mlp.up_proj)
+    return dict(
+        gate_up=gate_up,
+        gate_up_bias=gate_up_bias,
+        down=_w(mlp.down_proj),
+        down_bias=_b(mlp.down_proj),
+    )
+
+
+def read_moe(block: Any, router: Any) -> MoeWeights:
+    """Experts stored as transformers 5 stores them: `gate_up_proj` [experts, 2 * inter,
+    hidden] and `down_proj` [experts, hidden, inter] parameters of one module."""
+    experts = block.experts
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+        raise ValueError(
+            f"experts: expected fused 3-D gate_up_proj/down_proj, got "
+            f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
+        )
+    if getattr(experts, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return MoeWeights(
+        router=router.weight.detach(), gate_up=gate_up.contiguous(), down=down.contiguous()
+    )
+
+
+def read_layer(
+    layer: Any,
+    *,
+    input_norm: str | None = "input_layernorm",
+    attn_out_norm: str | None = None,
+    post_norm: str | None = "post_attention_layernorm",
+    mlp_out_norm: str | None = None,
+    moe: MoeWeights | None = None,
+) -> LayerWeights:
+    """A layer whose norms have these module names (None: the layer has no such norm)."""
+
+    def norm(name: str | None) -> torch.Tensor | None:
+        return None if name is None else _w(getattr(layer, name))
+
+    mlp = {} if moe is not None else read_dense_mlp(layer.mlp)
+    return LayerWeights(
+        input_norm=norm(input_norm),
+        post_norm=norm(post_norm),
+        attn_out_norm=norm(attn_out_norm),
+        mlp_out_norm=norm(mlp_out_norm),
+        gate_up=mlp.get("gate_up"),
+        down=mlp.get("down"),
+        gate_up_bias=mlp.get("gate_up_bias"),
+        down_bias=mlp.get("down_bias"),
+        moe=moe,
+        **read_attention(layer.self_attn),
+    )
