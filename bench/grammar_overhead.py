@@ -32,24 +32,10 @@ from llmserve.limits import RequestLimits
 from llmserve.model_spec import load_tokenizer, resolve_model
 from llmserve.steps import MaskKind, SequenceOutput, StepInput, StepResult, TokenLogprob
 from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from tests.support.grammar import BOUNDED_SCHEMA
+from tests.support.grammar import BOUNDED_SCHEMA, WEATHER_TOOL
 
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"enum": ["Paris", "Lyon", "Nice"]},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                },
-                "required": ["city", "days"],
-                "additionalProperties": False,
-            },
-        },
-    },
+    WEATHER_TOOL,
     {
         "type": "function",
         "function": {

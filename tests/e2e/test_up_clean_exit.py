@@ -4,20 +4,16 @@ repeated over and over (issue 32: hundreds of nanobind lines buried the drain an
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from llmserve.client import Client
-from llmserve.supervisor import free_port, stop_process
 from tests.support.models import build_tiny_llama
+from tests.support.up import interrupt, start_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.services]
 
@@ -44,20 +40,8 @@ def _service_pids(log: Path) -> dict[str, int]:
 
 def test_up_serves_and_stops_on_sigterm_without_noise(tmp_path: Path):
     model = build_tiny_llama(tmp_path / "tiny")
-    grpc_port, http_port = free_port(), free_port()
-    log = tmp_path / "up.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "up", "--model", str(model),
-         "--grpc-port", str(grpc_port), "--http-port", str(http_port)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    proc, log, grpc_port, _ = start_up(tmp_path, "--model", str(model), timeout_s=300)
     try:
-        deadline = time.monotonic() + 300
-        while "llmserve is up" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.5)
         with Client(f"127.0.0.1:{grpc_port}", timeout_s=120) as client:
             answer = client.complete(prompt="Hello there", max_tokens=8, temperature=0.0)
         assert len(answer.token_ids[0]) == 8
@@ -69,7 +53,7 @@ def test_up_serves_and_stops_on_sigterm_without_noise(tmp_path: Path):
             maps = Path(f"/proc/{pid}/maps").read_text()
             assert "libtriton" not in maps, service
     finally:
-        stop_process(proc, grace_s=60, sig=signal.SIGTERM)
+        interrupt(proc, signal.SIGTERM)
     output = log.read_text(errors="replace")
     assert proc.returncode == 0, output[-4000:]
     assert "Traceback" not in output, output[-4000:]

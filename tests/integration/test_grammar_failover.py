@@ -20,7 +20,7 @@ from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import RequestLimits
 from llmserve.v1 import common_pb2
 from tests.support.fleet import FleetStack, Received, assert_same_outputs, run_workload, start_fleet
-from tests.support.grammar import BOUNDED_SCHEMA, smollm2_tokenizer
+from tests.support.grammar import BOUNDED_SCHEMA, WEATHER_TOOL, smollm2_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
@@ -37,23 +37,7 @@ WORKER_ARGS = [
 ]
 # Lease long enough for a loaded machine; the health checks still see a killed worker at once.
 SCHEDULER_ARGS = ["--worker-lease-s", "60"]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"enum": ["Paris", "Lyon", "Nice"]},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                },
-                "required": ["city", "days"],
-                "additionalProperties": False,
-            },
-        },
-    }
-]
+TOOLS = [WEATHER_TOOL]
 TOOL_GRAMMAR = parse_tools(TOOLS, "required", False, RequestLimits()).grammar()
 GRAMMARS: list[tuple[GrammarSpec, str]] = [
     (GrammarSpec.json_schema(BOUNDED_SCHEMA, "response_format"), "Describe a box as JSON:"),

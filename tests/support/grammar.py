@@ -10,6 +10,23 @@ import pytest
 
 from llmserve.model_spec import load_tokenizer, resolve_model
 
+# A tool whose arguments are bounded (an enum and a small integer).
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Lyon", "Nice"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
 # Every field bounded: enums, small integers, booleans, a fixed-shape string, a short array.
 BOUNDED_SCHEMA: dict[str, Any] = {
     "type": "object",
