@@ -12,6 +12,8 @@ used, printed hundreds of nanobind leak lines at every worker exit).
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,3 +46,17 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'kernels' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+class _Package(types.ModuleType):
+    """`kernels.prefill_attention` is the function, as with an eager import: importing the
+    submodule of the same name binds the submodule on its package, and this puts the
+    function there instead."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

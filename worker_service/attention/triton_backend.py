@@ -36,8 +36,15 @@ class TritonAttentionBackend(PagedKernelBackend):
     prefill_attention = staticmethod(kernels.prefill_attention)
     decode_attention = staticmethod(kernels.paged_attention_decode)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, softcap)
         self._plan: DecodePlan | None = None
         self._plan_metadata: AttentionMetadata | None = None
 
