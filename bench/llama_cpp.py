@@ -77,7 +77,6 @@ def _sdist() -> Path:
             "--no-binary",
             ":all:",
             "--no-deps",
-            "--no-build-isolation",
             "-d",
             str(downloads),
         ],
