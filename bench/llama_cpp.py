@@ -8,7 +8,7 @@ package index this machine uses), with CMake, Ninja and the system compiler: Rel
 minutes on 2 cores; the binaries are cached under `$LLMSERVE_BENCH_CACHE` (default
 `~/.cache/llmserve/bench`), keyed by the sdist's version.
 
-`gguf_for(dtype)` requantizes the embedded SmolLM2 Q4_1 GGUF to F32 or BF16 with
+`gguf_for(dtype, spec)` requantizes a model's GGUF (default: the embedded SmolLM2 Q4_1) to F32 or BF16 with
 `llama-quantize --allow-requantize`, so both servers read the same weights (dequantized from
 the same Q4_1 file) at the same width.
 
@@ -128,24 +128,28 @@ def llama_server() -> tuple[Path, Path]:
     return binaries[0], binaries[1]
 
 
-def embedded_gguf() -> Path:
-    from llmserve.model_spec import DEFAULT_MODEL, resolve_model
+def model_gguf(spec: str = "smollm2") -> Path:
+    """The GGUF file behind an llmserve model spec (default: the embedded SmolLM2)."""
+    from llmserve.model_spec import resolve_model
 
-    source = resolve_model(DEFAULT_MODEL)
-    assert source.gguf_file is not None
+    source = resolve_model(spec)
+    if source.gguf_file is None:
+        raise ValueError(f"model {spec!r} is not a GGUF file")
     return Path(source.path) / source.gguf_file
 
 
-def gguf_for(dtype: str) -> Path:
-    """The embedded model requantized to `dtype` (float32 or bfloat16) for llama-server."""
+def gguf_for(dtype: str, spec: str = "smollm2") -> Path:
+    """The model's GGUF requantized to `dtype` (float32 or bfloat16) for llama-server."""
     kind = GGUF_TYPES[dtype]
-    target = cache_dir() / f"SmolLM2-135M-Instruct.{kind}.gguf"
+    source = model_gguf(spec)
+    stem = source.name.split(".")[0]  # SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct
+    target = cache_dir() / f"{stem}.{kind}.gguf"
     if target.exists():
         return target
     _, quantize = llama_server()
     partial = target.with_suffix(".partial")
     subprocess.run(
-        [str(quantize), "--allow-requantize", str(embedded_gguf()), str(partial), kind],
+        [str(quantize), "--allow-requantize", str(source), str(partial), kind],
         check=True,
         stdout=subprocess.DEVNULL,
     )

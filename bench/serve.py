@@ -99,7 +99,17 @@ def request_body(args: argparse.Namespace, item: WorkItem, extras: list[str]) ->
         body["prompt"] = item.prompt
     for name in extras:
         body[name] = True  # every extra in _VLLM_EXTRAS is a boolean switch
+    if args.response_format is not None:
+        body["response_format"] = json.loads(json.dumps(args.response_format))  # a copy
     return body
+
+
+def make_cold(bodies: list[dict[str, Any]], tag: str) -> None:
+    """Give each body's json_schema a description of its own, so no two requests share a
+    compiled grammar (the compile caches key on the schema's text): every one is cold."""
+    for i, body in enumerate(bodies):
+        schema = body["response_format"]["json_schema"].setdefault("schema", {})
+        schema["description"] = f"{tag} request {i}"
 
 
 def chunk_text(chunk: dict[str, Any], endpoint: str) -> str:
@@ -302,6 +312,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="send stream_options.include_usage, so output tokens are the server's own count",
     )
+    p.add_argument(
+        "--response-format",
+        type=lambda path: json.loads(Path(path).read_text()),
+        default=None,
+        help="a JSON file holding an OpenAI `response_format` object sent with every request",
+    )
+    p.add_argument(
+        "--cold-grammars",
+        action="store_true",
+        help="with a json_schema --response-format: a distinct schema per request (every "
+        "grammar compiled on its request's path)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent first")
     p.add_argument(
@@ -314,7 +336,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--label", default="server")
     p.add_argument("--out", type=Path, required=True, help="path prefix for .json and .png")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.cold_grammars and (args.response_format or {}).get("type") != "json_schema":
+        p.error("--cold-grammars: needs a json_schema --response-format")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -330,6 +355,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extras = requested_extras(args)
     bodies = [request_body(args, item, extras["sent"]) for item in items]
     warmup_bodies = [request_body(args, item, extras["sent"]) for item in warmup_items]
+    if args.cold_grammars:
+        make_cold(bodies, f"seed {args.seed}")
+        make_cold(warmup_bodies, f"warm-up, seed {args.seed}")
     outcome = asyncio.run(run_workload(args, bodies, warmup_bodies))
     count_output_tokens(outcome.results, tokenizer)
     summary = summarize(args, [i.prompt_tokens for i in items], outcome, extras)

@@ -160,10 +160,12 @@ def our_cpu_s() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
-def ensure_hf_model(path: Path) -> None:
-    """The embedded model as a plain HF directory (weights and tokenizer), exported once."""
+def ensure_hf_model(path: Path, spec: str = "smollm2") -> None:
+    """A model spec (default: the embedded model) as a plain HF directory (weights and
+    tokenizer), exported once."""
     if not (path / "config.json").is_file():
-        export = [sys.executable, str(BENCH / "export_hf_model.py"), "--out", str(path)]
+        export = [sys.executable, str(BENCH / "export_hf_model.py"), "--model", spec,
+                  "--out", str(path)]  # fmt: skip
         subprocess.run(export, check=True)  # float32; each server casts to --dtype
 
 

