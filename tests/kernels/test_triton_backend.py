@@ -1,7 +1,8 @@
 """The worker with `--attention-backend triton` (interpreted on CPU) samples the same greedy
 tokens as with the torch backend, through batched prefill, chunked prefill mixed with decodes,
-a prefix-cache hit and shuffled block ids; tiny Gemma 2 / Gemma 3 models (sliding windows
-shorter than the sequences, soft-capped scores) sample HF's greedy tokens."""
+a prefix-cache hit and shuffled block ids; the tiny models of the families with sliding
+windows shorter than the sequences (and Gemma 2's soft-capped scores) sample HF's greedy
+tokens."""
 
 from __future__ import annotations
 
@@ -143,11 +144,23 @@ def test_auto_picks_triton_on_cuda() -> None:
     assert get_backend_class("auto", cuda).name == "triton"
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+# Gemma 2 (every other layer windowed, scores soft-capped) and Gemma 3 (two windowed layers
+# in three, query_pre_attn_scalar) run in the default suite; the other windowed families
+# (tests/support/models.py) are slow.
+WINDOWED_KINDS = [
+    "gemma2",
+    "gemma3",
+    *(
+        pytest.param(kind, marks=pytest.mark.slow)
+        for kind in ("gemma3_mm", "qwen3", "phi3", "smollm3", "mixtral")
+    ),
+]
+
+
+@pytest.mark.parametrize("kind", WINDOWED_KINDS)
 def test_windowed_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
-    """Gemma 2 (every other layer windowed, scores soft-capped) and Gemma 3 (two windowed
-    layers in three, query_pre_attn_scalar) through the engine with chunked prefill mixed
-    with decodes: greedy tokens equal HF's in float32."""
+    """Through the engine with chunked prefill mixed with decodes, greedy tokens equal HF's
+    in float32."""
     path = save_tiny_model(kind, tmp_path / kind)
     hf = load_hf(path)
     worker = Worker(
@@ -155,12 +168,12 @@ def test_windowed_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
     )
     worker.load_model()
     assert worker.model_info.attention_backend == "triton"
-    assert worker.model.arch.sliding_window == WINDOW
+    window = worker.model.arch.sliding_window
+    assert window in (WINDOW, 12)  # phi3's is 12
     prompts = ENGINE_PROMPTS[:3]  # 13, 3 and 21 tokens
     new_tokens = 8
-    # Every sequence outgrows the window of 8: two in their prompt, one while decoding.
-    assert [len(p) > WINDOW for p in prompts] == [True, False, True]
-    assert all(len(p) + new_tokens > WINDOW for p in prompts)
+    # Prompts of 13 and 21 tokens outgrow either window.
+    assert sum(len(p) > window for p in prompts) == 2
     engine = make_engine(worker, batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     outputs = engine.generate(prompts, params)
