@@ -106,6 +106,22 @@ def test_decode_window_and_softcap_change_the_result(device: str) -> None:
     torch.testing.assert_close(windowed[:2], plain[:2], atol=2e-5, rtol=2e-5)
 
 
+def test_decode_padding_rows_give_zeros_with_a_window(device: str) -> None:
+    """CUDA-graph padding rows attend to an empty context (length 0): zeros, not NaN."""
+    cache, query = make_attention_case(
+        [0, 30, 0], 3, queries_per_kv=2, block_size=8, head_dim=HEAD_DIM,
+        dtype=torch.float32, device=device, seed=5,
+    )  # fmt: skip
+    args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, SCALE)
+    for partition_size in (512, 16):
+        out = kernels.paged_attention_decode(
+            *args, partition_size=partition_size, sliding_window=20, softcap=SOFTCAP
+        )
+        assert torch.equal(out[0::2], torch.zeros_like(out[0::2]))
+        expected = reference.paged_attention_decode(*args, sliding_window=20, softcap=SOFTCAP)
+        assert_close(out[1], expected[1])
+
+
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 def test_one_plan_runs_layers_with_and_without_a_window(device: str, softcap: float | None) -> None:
     """Layers alternate a window and full attention (as Gemma 2 does) over one plan."""
