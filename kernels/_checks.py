@@ -7,6 +7,8 @@ kernels (kernels.cpu) share these checks, so this module does not import Triton.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -116,6 +118,24 @@ def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     check_same_dtype("out", out, like, "query")
     check_inner_contiguous("out", out)
     return out
+
+
+def check_window_softcap(sliding_window: int | None, softcap: float | None) -> tuple[int, float]:
+    """The window and soft-cap of an attention call, with 0 for "none" (a window of None or 0
+    sees every earlier key; a soft-cap of None is off). A window counts tokens, the query's own
+    included; a soft-cap must be a positive, finite number."""
+    window = 0 if sliding_window is None else sliding_window
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise KernelArgumentError(
+            "sliding_window", f"must be a non-negative integer or None, got {sliding_window!r}"
+        )
+    if softcap is None:
+        return window, 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+        raise KernelArgumentError("softcap", f"must be a number or None, got {softcap!r}")
+    if not (softcap > 0 and math.isfinite(softcap)):
+        raise KernelArgumentError("softcap", f"must be positive and finite, got {softcap}")
+    return window, float(softcap)
 
 
 def is_interpreted(kernel: object) -> bool:

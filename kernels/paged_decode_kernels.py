@@ -1,8 +1,15 @@
 """The Triton programs of paged decode attention; `kernels.paged_attention` launches them
-(layout, algorithm and the wrappers are described there)."""
+(layout, algorithm and the wrappers are described there). Also the pieces the prefill kernel
+shares with them: the log2-domain soft-cap and the dot precision per dtype.
+
+Sliding windows and soft-capping are compile-time switches (`USE_WINDOW`, `USE_SOFTCAP`): the
+plain variant compiles without them. They are tested under the Triton interpreter only; their
+compiled code on a GPU (and its speed) is untested so far.
+"""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -20,6 +27,22 @@ REDUCE_CHUNK = 16
 LOG2E = 1.4426950408889634
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs keep full precision (Triton would otherwise use TF32 on tensor cores)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _soft_cap(scores, cap):
+    """cap * tanh(scores / cap), elementwise. Scores in the log2 domain (scaled by log2(e))
+    take cap * log2(e): the result is then the log2-domain value of the capped score.
+    tanh from exp2 of -2|x|, which stays in (0, 1] (the interpreter has no libdevice tanh)."""
+    x = scores / cap
+    t = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+    tanh = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(x < 0, -tanh, tanh)
+
+
 @triton.jit
 def _paged_attention_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim] (single pass only)
@@ -34,6 +57,8 @@ def _paged_attention_decode_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_heads,
     num_partitions,
+    window,  # sliding window in tokens (read when USE_WINDOW)
+    softcap,  # soft-cap * log2(e) (read when USE_SOFTCAP)
     stride_os,
     stride_oh,
     stride_qs,
@@ -54,6 +79,8 @@ def _paged_attention_decode_kernel(
     PARTITION_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -62,6 +89,11 @@ def _paged_attention_decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     start = part * PARTITION_SIZE
     end = tl.minimum(start + PARTITION_SIZE, seq_len)
+    if USE_WINDOW:
+        # The query (position seq_len - 1) sees keys from seq_len - window on: the tiles start
+        # there, so blocks before the window are never loaded, and a partition wholly before
+        # it runs no tile and leaves empty statistics (max -inf, sum 0) for the reduction.
+        start = tl.maximum(start, seq_len - window)
     num_tiles = tl.cdiv(tl.maximum(end - start, 0), TILE_TOKENS)
 
     rows = tl.arange(0, GROUP_ROWS)  # [GROUP_ROWS]
@@ -89,6 +121,8 @@ def _paged_attention_decode_kernel(
         k_rows = blocks * stride_kb + offsets * stride_kt + kv_head * stride_kh
         k = tl.load(key_cache_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFTCAP:
+            scores = _soft_cap(scores, softcap)
         scores = tl.where(token_mask[None, :], scores, float("-inf"))  # [GROUP_ROWS, TILE]
 
         # Each tile holds at least one valid token, so m_new is finite.

@@ -3,12 +3,18 @@
 Each sequence contributes `q_len` new query tokens at positions `seq_len - q_len .. seq_len - 1`;
 the tokens before them (an earlier chunk of a chunked prefill, or a prefix-cache hit) and the
 new tokens themselves are read from the paged cache, so `reshape_and_cache` must have written
-the new K/V first. Attention is causal: the token at position p sees keys 0..p.
+the new K/V first. Attention is causal: the token at position p sees keys 0..p, or with a
+sliding window only keys p - window < k <= p. A soft-cap turns each scaled score s into
+cap * tanh(s / cap) before the softmax.
 
 One program handles (query tile, sequence, KV head). Its rows are BLOCK_QUERIES new tokens times
 the query heads of that KV head (row r is token r // GROUP_ROWS, head r % GROUP_ROWS), so each K/V
 tile loaded serves the whole GQA group. Online softmax over key tiles of BLOCK_KEYS tokens, in
-fp32, with the key loop stopping at the last position the tile's final token can see.
+fp32, with the key loop stopping at the last position the tile's final token can see and, with
+a window, starting at the key tile of the first position its first token can see.
+
+Windows and soft-caps are compile-time variants (`USE_WINDOW`, `USE_SOFTCAP`), tested under the
+Triton interpreter only: their compiled code on a GPU is untested so far.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from kernels._checks import (
     check_out,
     check_paged_cache,
     check_seq_lens,
+    check_window_softcap,
     next_power_of_2,
 )
-from kernels.paged_attention import LOG2E, dot_precision
+from kernels.paged_decode_kernels import LOG2E, _soft_cap, dot_precision
 
 # Rows of one query tile (new tokens x padded GQA group).
 BLOCK_ROWS = 64
@@ -48,6 +55,8 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in tokens (read when USE_WINDOW)
+    softcap,  # soft-cap * log2(e) (read when USE_SOFTCAP)
     stride_ot,
     stride_oh,
     stride_qt,
@@ -67,6 +76,8 @@ def _prefill_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -97,8 +108,12 @@ def _prefill_attention_kernel(
     # Keys this tile can see: up to the position of its last token; none for an empty tile.
     kv_end = tl.minimum(seq_len, context_len + tile_first + BLOCK_QUERIES)
     kv_end = tl.where(tile_first < q_len, kv_end, 0)
+    # With a window, key tiles wholly before the window of the tile's first token are skipped.
+    first_key_tile = 0
+    if USE_WINDOW:
+        first_key_tile = tl.maximum(context_len + tile_first - window + 1, 0) // BLOCK_KEYS
     block_table_row = block_tables_ptr + seq * stride_bts
-    for key_tile in range(0, tl.cdiv(kv_end, BLOCK_KEYS)):
+    for key_tile in range(first_key_tile, tl.cdiv(kv_end, BLOCK_KEYS)):
         keys = key_tile * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)  # [BLOCK_KEYS] positions
         key_mask = keys < kv_end
         blocks = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
@@ -109,13 +124,22 @@ def _prefill_attention_kernel(
         k_rows = blocks * stride_kb + offsets * stride_kt + kv_head * stride_kh
         k = tl.load(key_cache_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFTCAP:
+            scores = _soft_cap(scores, softcap)
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
+        if USE_WINDOW:
+            visible = visible & (keys[None, :] > positions[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))  # [ROWS, BLOCK_KEYS]
 
-        # Key 0 is visible to every row and lies in the first tile, so m_new stays finite.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_ref = m_new
+        if USE_WINDOW:
+            # A row may see no key of this tile yet (its window starts later): its maximum
+            # stays -inf, and 0 stands in so that alpha and p are 0 rather than NaN. Without a
+            # window, key 0 is visible to every row and lies in the first tile.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v_rows = blocks * stride_vb + offsets * stride_vt + kv_head * stride_vh
@@ -139,6 +163,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     *,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged context.
 
@@ -150,7 +176,11 @@ def prefill_attention(
     sequence (cached prefix + new tokens). Returns out: [num_tokens, num_heads, head_dim].
 
     max_query_len sizes the grid; pass it to avoid a device sync (it is computed otherwise).
+    sliding_window (None or 0: every earlier key) limits each token to the last sliding_window
+    keys up to its own; softcap (None: off) turns each scaled score s into
+    softcap * tanh(s / softcap) before the softmax.
     """
+    window, softcap_value = check_window_softcap(sliding_window, softcap)
     check_ndim("query", query, 3, "[num_tokens, num_heads, head_dim]")
     check_dtype("query", query, FLOAT_DTYPES)
     check_inner_contiguous("query", query)
@@ -200,6 +230,8 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         scale * LOG2E,
+        window,
+        softcap_value * LOG2E,  # caps log2-domain scores as softcap caps scaled ones
         out.stride(0),
         out.stride(1),
         query.stride(0),
@@ -219,6 +251,8 @@ def prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_KEYS=BLOCK_KEYS,
         DOT_PRECISION=dot_precision(query.dtype),
+        USE_SOFTCAP=softcap_value > 0,
+        USE_WINDOW=window > 0,
         num_warps=4,
     )
     return out

@@ -20,9 +20,17 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 
 def attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal_offset: int
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    causal_offset: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of query tokens at positions causal_offset + i over keys 0..causal_offset + i.
+    """Attention of query tokens at positions causal_offset + i over keys 0..causal_offset + i
+    (with a sliding window w, only the keys after position causal_offset + i - w); with a
+    soft-cap c, each scaled score s becomes c * tanh(s / c) before the softmax.
 
     query: [q_len, num_heads, head_dim]; key/value: [kv_len, num_kv_heads, head_dim].
     Returns [q_len, num_heads, head_dim] in fp32.
@@ -33,9 +41,14 @@ def attend(
     k = key.float().repeat_interleave(group, dim=1)  # [kv_len, num_heads, head_dim]
     v = value.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale  # [heads, q_len, kv_len]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = causal_offset + torch.arange(q_len, device=query.device)
     k_pos = torch.arange(kv_len, device=query.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    hidden = k_pos[None, :] > q_pos[:, None]  # [q_len, kv_len]
+    if sliding_window:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+    scores = scores.masked_fill(hidden[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
@@ -51,8 +64,11 @@ def paged_attention_decode(
     *,
     max_seq_len: int | None = None,
     partition_size: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference for kernels.paged_attention_decode (max_seq_len / partition_size are ignored).
+    """Reference for kernels.paged_attention_decode (max_seq_len / partition_size are ignored):
+    sliding_window (None or 0: every key) and softcap (None: off) as in `attend`.
 
     query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks_per_seq]; seq_lens: [num_seqs].
@@ -65,7 +81,10 @@ def paged_attention_decode(
             continue
         key = gather_context(key_cache, block_tables[seq], length)
         value = gather_context(value_cache, block_tables[seq], length)
-        out[seq] = attend(query[seq : seq + 1], key, value, scale, length - 1)[0].to(out.dtype)
+        result = attend(
+            query[seq : seq + 1], key, value, scale, length - 1, sliding_window, softcap
+        )
+        out[seq] = result[0].to(out.dtype)
     return out
 
 
@@ -80,8 +99,11 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     *,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference for kernels.prefill_attention (max_query_len is ignored).
+    """Reference for kernels.prefill_attention (max_query_len is ignored): sliding_window
+    (None or 0: every earlier key) and softcap (None: off) as in `attend`.
 
     query: [num_tokens, num_heads, head_dim]; query_start_loc: [num_seqs + 1];
     seq_lens: [num_seqs] (cached prefix + new tokens).
@@ -96,7 +118,9 @@ def prefill_attention(
         key = gather_context(key_cache, block_tables[seq], length)
         value = gather_context(value_cache, block_tables[seq], length)
         context_len = length - (q_end - q_start)
-        result = attend(query[q_start:q_end], key, value, scale, context_len)
+        result = attend(
+            query[q_start:q_end], key, value, scale, context_len, sliding_window, softcap
+        )
         out[q_start:q_end] = result.to(out.dtype)
     return out
 

@@ -17,6 +17,7 @@ from kernels._checks import (
     check_dtype,
     check_ndim,
     check_same_dtype,
+    check_window_softcap,
 )
 from kernels.cpu.build import library
 
@@ -59,7 +60,7 @@ def paged_attention_decode(
     """Each sequence's single query token attends to its first seq_lens[i] cached tokens
     (the last `sliding_window` of them when given); scores soft-capped when `softcap`."""
     if check:
-        _check_window(sliding_window, softcap)
+        check_window_softcap(sliding_window, softcap)
     if check:
         _check_common(query, key_cache, value_cache, block_tables)
         check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
@@ -112,7 +113,7 @@ def prefill_attention(
     """Query tokens at positions seq_len - q_len .. seq_len - 1, causal over the cache (and
     within `sliding_window` positions when given); scores soft-capped when `softcap`."""
     if check:
-        _check_window(sliding_window, softcap)
+        check_window_softcap(sliding_window, softcap)
     num_seqs = block_tables.shape[0]
     if check:
         _check_common(query, key_cache, value_cache, block_tables)
@@ -191,13 +192,6 @@ def _check_common(
         raise KernelArgumentError(
             "block_tables", f"must be int32 with unit-stride rows, got {block_tables.dtype}"
         )
-
-
-def _check_window(sliding_window: int | None, softcap: float | None) -> None:
-    if sliding_window is not None and sliding_window < 1:
-        raise KernelArgumentError("sliding_window", f"must be positive, got {sliding_window}")
-    if softcap is not None and not softcap > 0:
-        raise KernelArgumentError("softcap", f"must be positive, got {softcap}")
 
 
 def _int32(tensor: torch.Tensor) -> torch.Tensor:

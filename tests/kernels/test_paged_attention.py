@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import paged_attention, reference
+from kernels import decode_plan, paged_attention, reference
 from tests.kernels.paged import (
     DTYPES,
     assert_close,
@@ -161,7 +161,7 @@ def test_decode_pads_head_dims_that_are_not_powers_of_2(device: str) -> None:
 def test_partition_size_shrinks_until_the_grid_fills_the_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(paged_attention, "_sm_count", lambda index: 100)
+    monkeypatch.setattr(decode_plan, "_sm_count", lambda index: 100)
     cuda = torch.device("cuda")
     # 200 programs wanted: 64 x 8 x 4 partitions of 512 already suffice.
     assert paged_attention.choose_partition_size(64, 8, 2048, cuda) == 512

@@ -1,6 +1,8 @@
 """The worker with `--attention-backend triton` (interpreted on CPU) samples the same greedy
 tokens as with the torch backend, through batched prefill, chunked prefill mixed with decodes,
-a prefix-cache hit and shuffled block ids."""
+a prefix-cache hit and shuffled block ids; the tiny models of the families with sliding
+windows shorter than the sequences (and Gemma 2's soft-capped scores) sample HF's greedy
+tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import torch
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
-from tests.support.models import save_tiny_model
+from tests.integration.test_worker_engine_tiny import PROMPTS as ENGINE_PROMPTS
+from tests.integration.test_worker_engine_tiny import hf_greedy, make_engine
+from tests.support.models import WINDOW, load_hf, save_tiny_model
 from worker_service.attention import AttentionBackendError, AttentionSpec, get_backend_class
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
@@ -138,3 +142,41 @@ def test_auto_picks_the_native_kernels_on_cpu_and_triton_when_interpreted() -> N
 def test_auto_picks_triton_on_cuda() -> None:
     cuda = AttentionSpec(torch.device("cuda"), torch.bfloat16, 4, 2, 32)
     assert get_backend_class("auto", cuda).name == "triton"
+
+
+# Gemma 2 (every other layer windowed, scores soft-capped) and Gemma 3 (two windowed layers
+# in three, query_pre_attn_scalar) run in the default suite; the other windowed families
+# (tests/support/models.py) are slow.
+WINDOWED_KINDS = [
+    "gemma2",
+    "gemma3",
+    *(
+        pytest.param(kind, marks=pytest.mark.slow)
+        for kind in ("gemma3_mm", "qwen3", "phi3", "smollm3", "mixtral")
+    ),
+]
+
+
+@pytest.mark.parametrize("kind", WINDOWED_KINDS)
+def test_windowed_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
+    """Through the engine with chunked prefill mixed with decodes, greedy tokens equal HF's
+    in float32."""
+    path = save_tiny_model(kind, tmp_path / kind)
+    hf = load_hf(path)
+    worker = Worker(
+        WorkerConfig(model=str(path), block_size=4, num_threads=1, attention_backend="triton")
+    )
+    worker.load_model()
+    assert worker.model_info.attention_backend == "triton"
+    window = worker.model.arch.sliding_window
+    assert window in (WINDOW, 12)  # phi3's is 12
+    prompts = ENGINE_PROMPTS[:3]  # 13, 3 and 21 tokens
+    new_tokens = 8
+    # Prompts of 13 and 21 tokens outgrow either window.
+    assert sum(len(p) > window for p in prompts) == 2
+    engine = make_engine(worker, batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        hf_greedy(hf, p, new_tokens) for p in prompts
+    ]

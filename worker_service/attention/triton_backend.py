@@ -5,7 +5,8 @@ tokens (prompt chunks, causal over their cached prefix) go through `prefill_atte
 decode tokens through `paged_attention_decode`, each writing into its rows of one output tensor.
 Both kernels read keys/values from the paged cache by block table, so nothing is gathered or
 padded per step. The decode launch is planned once per step (`kernels.DecodePlan`: checks,
-partitioning, scratch, the compiled kernel) and only launched per layer.
+partitioning, scratch, the compiled kernel) and only launched per layer. Sliding windows (per
+layer) and attention soft-capping (per model) are arguments of both kernels.
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before this
 module is imported); that is how the backend is tested without a GPU.
@@ -53,11 +54,11 @@ class TritonAttentionBackend(PagedKernelBackend):
         metadata: AttentionMetadata,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        # unsupported_reason refuses the models that need a window or a soft-cap here.
-        assert not extra, f"the Triton decode kernel takes no {sorted(extra or {})}"
         if metadata is not self._plan_metadata:  # begin_step was not called for this step
-            super().decode(query, key_cache, value_cache, out, metadata)
+            super().decode(query, key_cache, value_cache, out, metadata, extra)
             return
+        # The soft-cap is the model's (self.softcap); only the window changes per layer.
+        window = (extra or {}).get("sliding_window")
         plan = self._plan
         if plan is None:
             plan = self._plan = DecodePlan(
@@ -70,16 +71,12 @@ class TritonAttentionBackend(PagedKernelBackend):
                 dtype=query.dtype,
                 scale=self.scale,
                 max_seq_len=metadata.max_decode_seq_len,
+                softcap=self.softcap,
             )
-        plan.run(query, key_cache, value_cache, out)
+        plan.run(query, key_cache, value_cache, out, sliding_window=window)
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
-        # Not implemented in the Triton kernels yet (the `torch` and `cpu` backends have them).
-        if spec.sliding_window is not None:
-            return f"sliding-window attention (window {spec.sliding_window}) is not implemented"
-        if spec.softcap is not None:
-            return f"attention logit soft-capping ({spec.softcap}) is not implemented"
         if not kernels.supports_device(spec.device):
             return f"the Triton kernels cannot run on {spec.device} (CPU needs TRITON_INTERPRET=1)"
         return None
