@@ -287,3 +287,34 @@ def test_llama3_json_calls_come_back_whole(smollm2_tokenizer: Any) -> None:
     assert args == [{"city": "Nice"}, {"city": "Lyon"}]
     prompt = smollm2_tokenizer.decode(scheduler.submitted[0].prompt_token_ids)
     assert "Functions you can call:\n" + json.dumps(WEATHER) in prompt
+
+
+def test_hermes_history_is_rendered_by_the_template(smollm2_tokenizer: Any) -> None:
+    client, scheduler = template_client(smollm2_tokenizer, "hermes", "It is 18 C.")
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_9",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_9", "content": "18 degrees"},
+    ]
+    r = client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": [WEATHER]}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "It is 18 C."
+    prompt = smollm2_tokenizer.decode(scheduler.submitted[0].prompt_token_ids)
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call>\n<|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n18 degrees\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    ) in prompt
