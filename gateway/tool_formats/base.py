@@ -17,7 +17,6 @@ from typing import Any
 
 from gateway.tools import Tool, ToolRequest
 from llmserve.errors import FieldError
-from llmserve.grammar.llguidance_backend import JSON_OPTIONS
 from llmserve.grammar.spec import GrammarSpec
 
 # The request field a tool grammar's errors name.
@@ -107,6 +106,9 @@ def any_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
 def lark_json(schema: dict[str, Any]) -> str:
     """A Lark `%json` item for `schema`, in the backend's fixed JSON layout (the parsers
     rely on it as much as the JSON_SCHEMA grammars do)."""
+    # Imported here: the flag's choices (`llmserve up`) need this package, not llguidance.
+    from llmserve.grammar.llguidance_backend import JSON_OPTIONS
+
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
