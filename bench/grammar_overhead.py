@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.tool_formats import FORMATS
 from gateway.tools import parse_tools
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.llguidance_backend import LLGuidanceBackend
@@ -82,8 +83,8 @@ def schemas() -> list[GrammarSpec]:
         GrammarSpec.json_schema(BOUNDED_SCHEMA, "response_format"),
         GrammarSpec.json_schema(person, "response_format"),
         GrammarSpec.json_object("response_format"),
-        parse_tools(TOOLS, "required", True, limits).grammar(),
-        parse_tools(TOOLS, "auto", True, limits).grammar(),
+        FORMATS["generic"].grammar(parse_tools(TOOLS, "required", True, limits)),
+        FORMATS["generic"].grammar(parse_tools(TOOLS, "auto", True, limits)),
         GrammarSpec.regex(r"[0-9]{3}-[A-Z]{3}-[0-9]{2}", "r"),
         GrammarSpec.choice(["yes, certainly", "no, never", "perhaps"], "c"),
         GrammarSpec.grammar('start: "x" NUM\nNUM: /[0-9]+/', "g"),
@@ -203,7 +204,9 @@ def main() -> None:
     )
     workloads = {
         "json_schema": GrammarSpec.json_schema(BOUNDED_SCHEMA, "response_format"),
-        "tool_call": parse_tools(TOOLS, "required", False, RequestLimits()).grammar(),
+        "tool_call": FORMATS["generic"].grammar(
+            parse_tools(TOOLS, "required", False, RequestLimits())
+        ),
     }
     for name, spec in workloads.items():
         on = run_streams(tok, args.streams, True, spec)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from gateway.tool_formats import TOOL_PARSERS
 from llmserve.config_env import parse_service_args
 from llmserve.limits import add_limit_flags, limits_from_args
 from llmserve.logs import get_logger
@@ -47,6 +48,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the tokenizer's (a model "
                    "without one answers chat requests with 400)")
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
+                   help="how chats with tools are prompted and their calls parsed: hermes "
+                   "(<tool_call> blocks: Hermes, Qwen), llama3_json (Llama 3.x JSON calls), "
+                   "generic (tools in the system prompt, a JSON envelope), or auto: read off "
+                   "the chat template (one that never uses `tools` gets generic)")
     add_limit_flags(p)
     return parse_service_args(p, argv, validate)
 
@@ -69,8 +75,23 @@ def validate(args: argparse.Namespace) -> None:
         resolve_model(args.model)
     except ModelNotFoundError as exc:
         raise ValueError(f"model: {exc}") from None
-    if args.chat_template is not None:
-        read_chat_template(args.chat_template)
+    template = None if args.chat_template is None else read_chat_template(args.chat_template)
+    check_tool_call_parser(args.tool_call_parser, template, args.model)
+
+
+def check_tool_call_parser(name: str, template: str | None, model: str) -> None:
+    """ValueError naming --tool-call-parser when a template-native format meets a chat
+    template (the --chat-template one, else the model's) that never renders tools."""
+    from gateway.tokenization import Tokenization
+    from gateway.tool_formats import tool_format
+    from llmserve.model_spec import load_tokenizer, resolve_model
+
+    if name in ("auto", "generic"):
+        return  # any template will do
+    if template is not None:
+        tool_format(name, template)
+    else:
+        Tokenization(load_tokenizer(resolve_model(model)), None, name)
 
 
 def read_chat_template(path: str) -> str:
@@ -106,6 +127,7 @@ def main(argv: list[str]) -> int:
         chat_template=None if args.chat_template is None else read_chat_template(
             args.chat_template
         ),
+        tool_call_parser=args.tool_call_parser,
     )
     asyncio.run(serve(config))
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +74,7 @@ class GenerationInput:
     priority: int = 0
     # What the output must match (structured output); checked at admission.
     grammar: GrammarSpec | None = None
-    # Chat tools in the generic format (their envelope is `grammar`); None: no tool calls.
+    # Chat tools (the tool format's grammar is `grammar`); None: no tool calls.
     tools: ToolRequest | None = None
 
     def __post_init__(self) -> None:
@@ -207,9 +206,11 @@ class GenerationCore:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         field_name: str = "messages",
+        tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
         text = self.tokenization.render_chat(
-            messages, add_generation_prompt=add_generation_prompt, field_name=field_name
+            messages, add_generation_prompt=add_generation_prompt, field_name=field_name,
+            tools=tools,
         )
         ids = self.tokenization.encode(text, add_special_tokens=False)
         return self._checked(Prompt(ids, text), field_name)
@@ -245,10 +246,6 @@ class GenerationCore:
                 f"{max_tokens} requested, but the prompt ({len(prompt.token_ids)} tokens) leaves "
                 f"{left} of the model's {self.context_len}-token context",
             )
-
-    @staticmethod
-    def new_request_id(prefix: str = "req") -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
 
     # -- generation ----------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -81,7 +82,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if request.HasField("grammar"):
             grammar = grammar_from_proto(request.grammar, "grammar")
             await check_admissible(grammar, core.limits)
-        request_id = request.request_id or core.new_request_id("grpc")
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         inp = GenerationInput(request_id, prompt, params, options, priority=request.priority,
                               timeout_s=core.timeout_for(context.time_remaining()),
                               grammar=grammar)

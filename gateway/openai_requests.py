@@ -10,7 +10,7 @@ from gateway.generation import GenerationCore, GenerationInput, Prompt, TextOpti
 from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.prompts import chat_prompt, text_prompt
 from gateway.structured_outputs import check_admissible, grammar_of
-from gateway.tools import parse_tools, render_messages
+from gateway.tools import parse_tools
 from llmserve.errors import FieldError
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import check_prompt_count
@@ -42,15 +42,17 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
     """The input of a /v1/chat/completions body; id `chatcmpl-<hex>`."""
     core.check_model(body.model)
     tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, core.limits)
+    fmt = core.tokenization.tool_format
     grammar = grammar_of(body.response_format, body.structured_outputs)
     if tools is not None:
         if grammar is not None:
             raise FieldError(grammar.field, "cannot be combined with tools (unless "
                              "tool_choice is none)")
-        grammar = tools.grammar()
+        grammar = fmt.grammar(tools)
     grammar = await _checked_grammar(core, grammar)
-    messages = render_messages([_message(m) for m in body.messages], tools)
-    prompt = await chat_prompt(core, messages, body.add_generation_prompt, "messages")
+    messages, template_tools = fmt.render([_message(m) for m in body.messages], tools)
+    prompt = await chat_prompt(core, messages, body.add_generation_prompt, "messages",
+                               template_tools)
     max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, field = body.max_tokens, "max_tokens"

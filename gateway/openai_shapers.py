@@ -7,7 +7,7 @@ import abc
 from typing import Any
 
 from gateway.generation import ChoiceUpdate, GenerationCore, GenerationInput, LogprobEntry, Usage
-from gateway.tools import ToolCallDelta, ToolCallStream
+from gateway.tool_formats import CallParser, ToolCallDelta
 from llmserve.v1 import common_pb2
 
 PromptLogprobs = list[LogprobEntry | None]
@@ -186,13 +186,14 @@ def _chat_logprobs(entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
 
 
 class ToolChatShaper(ChatShaper):
-    """A chat with tools (the generic envelope, gateway/tools.py): calls come out as
-    `message.tool_calls` / streamed `delta.tool_calls`, text answers as content, and a
-    choice that made calls finishes with "tool_calls"."""
+    """A chat with tools: the tool format's parser (gateway/tool_formats/) turns the output
+    into `message.tool_calls` / streamed `delta.tool_calls` and content, and a choice that
+    made calls finishes with "tool_calls"."""
 
     def __init__(self, core: GenerationCore, response_id: str, created: int, n: int) -> None:
         super().__init__(core, response_id, created, n)
-        self.streams: dict[int, ToolCallStream] = {}
+        self.parsers: dict[int, CallParser] = {}
+        self.format = core.tokenization.tool_format
 
     def chunk_choice(self, i: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
                      ) -> dict[str, Any]:
@@ -200,7 +201,11 @@ class ToolChatShaper(ChatShaper):
         if c.index not in self.started:
             self.started.add(c.index)
             delta["role"] = "assistant"
-        content, calls = self.streams.setdefault(c.index, ToolCallStream()).feed(c.text)
+        parser = self.parsers.setdefault(c.index, self.format.parser())
+        content, calls = parser.feed(c.text)
+        if c.finish_reason:
+            held, more = parser.finish()
+            content, calls = content + held, calls + more
         if content:
             delta["content"] = content
         if calls:
@@ -209,19 +214,19 @@ class ToolChatShaper(ChatShaper):
 
     def full_choice(self, i: int, key: int, c: ChoiceUpdate,
                     prompt_logprobs: PromptLogprobs | None) -> dict[str, Any]:
-        stream = self.streams[key] = ToolCallStream()
-        content, _ = stream.feed(c.text)
+        parser = self.parsers[key] = self.format.parser()
+        content = parser.feed(c.text)[0] + parser.finish()[0]
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if stream.calls:
-            message["tool_calls"] = stream.calls
+        if parser.calls:
+            message["tool_calls"] = parser.calls
         elif not content:
             message["content"] = ""
         return {"index": key, "message": message, "logprobs": _chat_logprobs(c.logprobs)}
 
     def ending(self, key: int, c: ChoiceUpdate) -> dict[str, Any]:
         out = _ending(c)
-        stream = self.streams.get(key)  # a chat has one prompt: key == choice index
-        if c.finish_reason == common_pb2.FINISH_REASON_STOP and stream and stream.calls:
+        parser = self.parsers.get(key)  # a chat has one prompt: key == choice index
+        if c.finish_reason == common_pb2.FINISH_REASON_STOP and parser and parser.calls:
             out["finish_reason"] = TOOL_CALLS_FINISH
         return out
 

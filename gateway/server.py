@@ -46,6 +46,8 @@ class GatewayConfig:
     shutdown_grace_s: float = 30.0
     # A Jinja chat template replacing the tokenizer's (read from --chat-template FILE).
     chat_template: str | None = None
+    # --tool-call-parser: a format of gateway/tool_formats/, or "auto" (read off the template).
+    tool_call_parser: str = "auto"
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -55,7 +57,10 @@ async def serve(config: GatewayConfig) -> None:
     from gateway.tokenization import Tokenization
 
     source = resolve_model(config.model)
-    tokenization = await asyncio.to_thread(Tokenization.for_model, source, config.chat_template)
+    tokenization = await asyncio.to_thread(
+        Tokenization.for_model, source, config.chat_template, config.tool_call_parser
+    )
+    log.info("tool calls", format=tokenization.tool_format.name)
     scheduler = SchedulerClient(
         config.scheduler_address, config.max_message_bytes, config.scheduler_reconnect_timeout_s
     )

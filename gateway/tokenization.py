@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.tool_formats import tool_format
 from llmserve.errors import FieldError
 from llmserve.model_spec import ModelSource, load_tokenizer
 
@@ -16,14 +17,27 @@ from llmserve.model_spec import ModelSource, load_tokenizer
 class Tokenization:
     """Prompt-side text operations on one tokenizer."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, chat_template: str | None = None, tool_parser: str = "auto"
+    ) -> None:
         self.tokenizer = tokenizer
         # A Jinja chat template that replaces the tokenizer's own (`--chat-template FILE`).
         self.chat_template = chat_template
+        # How chats with tools are rendered and their calls read back (--tool-call-parser).
+        self.tool_format = tool_format(tool_parser, self.template_source())
 
     @classmethod
-    def for_model(cls, source: ModelSource, chat_template: str | None = None) -> Tokenization:
-        return cls(load_tokenizer(source), chat_template)
+    def for_model(
+        cls, source: ModelSource, chat_template: str | None = None, tool_parser: str = "auto"
+    ) -> Tokenization:
+        return cls(load_tokenizer(source), chat_template, tool_parser)
+
+    def template_source(self) -> str | None:
+        """The chat template in use (a model's named templates, joined)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            return "\n".join(str(t) for t in template.values())
+        return template
 
     @property
     def eos_token_id(self) -> int | None:
@@ -49,8 +63,10 @@ class Tokenization:
         *,
         add_generation_prompt: bool = True,
         field_name: str = "messages",
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat template's text for `messages` ({role, content[, name]} each)."""
+        """The chat template's text for `messages` ({role, content[, name, tool_calls,
+        tool_call_id]} each) and `tools` (for templates that render them)."""
         checked = _check_messages(messages, field_name)
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
@@ -65,6 +81,7 @@ class Tokenization:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=template,
+                tools=tools,
             )
         except Exception as exc:  # jinja raises TemplateError / exceptions the template raises
             raise FieldError(
@@ -88,7 +105,7 @@ class Tokenization:
         return self.encode(text, add_special_tokens=False)
 
 
-def _check_messages(messages: Sequence[Mapping[str, Any]], field_name: str) -> list[dict[str, str]]:
+def _check_messages(messages: Sequence[Mapping[str, Any]], field_name: str) -> list[dict[str, Any]]:
     if not messages:
         raise FieldError(field_name, "must contain at least one message")
     checked = []
@@ -99,10 +116,14 @@ def _check_messages(messages: Sequence[Mapping[str, Any]], field_name: str) -> l
         if not isinstance(content, str):
             raise FieldError(f"{field_name}[{i}].content", "must be a string")
         check_unicode(content, f"{field_name}[{i}].content")
-        entry = {"role": role, "content": content}
+        entry: dict[str, Any] = {"role": role, "content": content}
         name = message.get("name")
         if name:
             entry["name"] = str(name)
+        # Set only by a tool format whose template renders calls and their results.
+        for key in ("tool_calls", "tool_call_id"):
+            if message.get(key):
+                entry[key] = message[key]
         checked.append(entry)
     return checked
 

@@ -48,6 +48,11 @@ def _up_parser() -> argparse.ArgumentParser:
                    help="the gateway's API keys, one a line (LLMSERVE_API_KEYS also works)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template for models without one (base models)")
+    from gateway.tool_formats import TOOL_PARSERS
+
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="the gateway's tool-call format (default: auto, read off the chat "
+                   "template); see `llmserve gateway --help`")
     # --tls-cert/--tls-key/--tls-ca (one certificate for every service: they all listen on
     # loopback) and --internal-token-file, passed to every service.
     add_security_flags(p)
@@ -102,7 +107,9 @@ def _run_up(argv: list[str]) -> int:
             args,
             ["num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens", "log-level"],
         ) + secured,
-        gateway_args=_passthrough(args, ["log-level", "api-key-file", "chat-template"]) + secured,
+        gateway_args=_passthrough(
+            args, ["log-level", "api-key-file", "chat-template", "tool-call-parser"]
+        ) + secured,
         https=args.tls_cert is not None,
     )
     return asyncio.run(run_stack(config))

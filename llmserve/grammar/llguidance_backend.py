@@ -18,7 +18,7 @@ from llmserve.grammar.spec import GrammarKind, GrammarSpec
 # A fixed layout also makes a constrained stream's bytes depend on the tokens alone. Applied
 # over the schema's own "x-guidance" options, so a client cannot turn on "lenient" (features
 # silently ignored) or change the layout the tool-call parser relies on.
-_JSON_OPTIONS: Any = {
+JSON_OPTIONS: Any = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
@@ -32,10 +32,10 @@ def grammar_text(spec: GrammarSpec) -> str:
     try:
         if kind == GrammarKind.JSON_SCHEMA:
             return LLMatcher.grammar_from_json_schema(
-                json.loads(spec.source), overrides=_JSON_OPTIONS
+                json.loads(spec.source), overrides=JSON_OPTIONS
             )
         if kind == GrammarKind.JSON_OBJECT:
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if kind == GrammarKind.REGEX:
             return LLMatcher.grammar_from_regex(spec.source)
         if kind == GrammarKind.CHOICE:

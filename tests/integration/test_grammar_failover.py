@@ -15,6 +15,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from gateway.tool_formats import FORMATS
 from gateway.tools import parse_tools
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import RequestLimits
@@ -38,7 +39,9 @@ WORKER_ARGS = [
 # Lease long enough for a loaded machine; the health checks still see a killed worker at once.
 SCHEDULER_ARGS = ["--worker-lease-s", "60"]
 TOOLS = [WEATHER_TOOL]
-TOOL_GRAMMAR = parse_tools(TOOLS, "required", False, RequestLimits()).grammar()
+TOOL_GRAMMAR = FORMATS["generic"].grammar(
+    parse_tools(TOOLS, "required", False, RequestLimits())
+)
 GRAMMARS: list[tuple[GrammarSpec, str]] = [
     (GrammarSpec.json_schema(BOUNDED_SCHEMA, "response_format"), "Describe a box as JSON:"),
     (TOOL_GRAMMAR, "Call a tool to get the weather in France:"),

@@ -68,6 +68,20 @@ def test_defaults_pass(service: str):
             "'/nonexistent/template.jinja': No such file or directory",
         ),
         (
+            ["gateway"],
+            {"LLMSERVE_TOOL_CALL_PARSER": "mistral"},
+            "llmserve gateway: invalid configuration: LLMSERVE_TOOL_CALL_PARSER: invalid choice "
+            "'mistral' (choose from auto, generic, hermes, llama3_json)",
+        ),
+        (
+            # SmolLM2's own template never renders tools.
+            ["gateway", "--tool-call-parser", "hermes"],
+            {},
+            "llmserve gateway: invalid configuration: --tool-call-parser: hermes needs a chat "
+            "template that renders tools (this one never uses `tools`); use generic, or give "
+            "such a template with --chat-template",
+        ),
+        (
             ["gateway", "--no-such-flag"],
             {},
             "llmserve gateway: invalid configuration: unrecognized arguments: --no-such-flag",
@@ -81,6 +95,23 @@ def test_a_bad_configuration_is_one_line_and_exit_2(
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr == message + "\n"
+
+
+def test_a_template_native_format_with_its_template_passes():
+    from tests.support.templates import template_path
+
+    for parser, template in (("hermes", "hermes"), ("llama3_json", "llama3"), ("auto", "llama3")):
+        result = run_cli(
+            "gateway", "--check-config", "--tool-call-parser", parser,
+            "--chat-template", str(template_path(template)),
+        )
+        assert result.returncode == 0, result.stderr
+
+
+def test_up_refuses_an_unknown_tool_call_parser():
+    result = run_cli("up", "--tool-call-parser", "mistral")
+    assert result.returncode == 2
+    assert "argument --tool-call-parser: invalid choice: 'mistral'" in result.stderr
 
 
 def test_flag_wins_over_variable_in_the_real_cli():

@@ -215,3 +215,106 @@ def test_a_grammar_check_over_its_time_limit_is_429(monkeypatch: Any) -> None:
     assert exc.value.http_status == 429
     assert exc.value.field == "structured_outputs.regex"
     assert "--max-grammar-check-ms" in exc.value.message
+
+
+def template_client(tokenizer: Any, template: str, text: str) -> tuple[Any, FakeScheduler]:
+    """A gateway whose chat template is one of tests/support/templates (its tool format is
+    read off it), answering with `text`."""
+    from fastapi.testclient import TestClient
+
+    from gateway.generation import GenerationCore
+    from gateway.openai_api import build_app
+    from gateway.tokenization import Tokenization
+    from tests.support.templates import template_text
+
+    scheduler = scripted(tokenizer, text)
+    core = GenerationCore(MODEL, Tokenization(tokenizer, template_text(template)), scheduler, 4096)  # type: ignore[arg-type]
+    return TestClient(build_app(core), raise_server_exceptions=False), scheduler
+
+
+def test_hermes_stream_sends_text_then_the_call(smollm2_tokenizer: Any) -> None:
+    text = (
+        "Checking.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris \\"left\\""}}\n</tool_call>'
+    )
+    client, scheduler = template_client(smollm2_tokenizer, "hermes", text)
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "tools": [WEATHER], "stream": True},
+    )
+    assert r.status_code == 200, r.text
+    chunks = sse(r)
+    deltas = [ch["delta"] for c in chunks for ch in c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking."
+    pieces = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert [p["function"]["name"] for p in pieces if "id" in p] == ["get_weather"]
+    assert json.loads("".join(p["function"]["arguments"] for p in pieces)) == {
+        "city": 'Paris "left"'
+    }
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # The template rendered the tools itself; the grammar is the Hermes one.
+    prompt = smollm2_tokenizer.decode(scheduler.submitted[0].prompt_token_ids)
+    assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in prompt
+    grammar = scheduler.submitted[0].grammar
+    assert grammar.kind == GrammarKind.LARK and "<tool_call>" in grammar.source
+
+
+def test_a_broken_block_is_text_not_an_error(smollm2_tokenizer: Any) -> None:
+    text = "<tool_call>\nno call here\n</tool_call>"
+    client, _ = template_client(smollm2_tokenizer, "hermes", text)
+    r = client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": [WEATHER]}
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": text}
+    assert choice["finish_reason"] == "stop"
+
+
+def test_llama3_json_calls_come_back_whole(smollm2_tokenizer: Any) -> None:
+    text = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Nice"}}; '
+        '{"name": "get_weather", "parameters": {"city": "Lyon"}}'
+    )
+    client, scheduler = template_client(smollm2_tokenizer, "llama3", text)
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required"},
+    )
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    args = [json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert args == [{"city": "Nice"}, {"city": "Lyon"}]
+    prompt = smollm2_tokenizer.decode(scheduler.submitted[0].prompt_token_ids)
+    assert "Functions you can call:\n" + json.dumps(WEATHER) in prompt
+
+
+def test_hermes_history_is_rendered_by_the_template(smollm2_tokenizer: Any) -> None:
+    client, scheduler = template_client(smollm2_tokenizer, "hermes", "It is 18 C.")
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_9",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_9", "content": "18 degrees"},
+    ]
+    r = client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": [WEATHER]}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "It is 18 C."
+    prompt = smollm2_tokenizer.decode(scheduler.submitted[0].prompt_token_ids)
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call>\n<|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n18 degrees\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    ) in prompt
