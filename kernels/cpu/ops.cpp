@@ -1,4 +1,5 @@
-// Fused elementwise ops of the Llama decoder for CPUs, and the sampler's row reductions.
+// Fused elementwise ops of the decoder for CPUs (the norms of every family, rotary, SiLU- and
+// GELU-and-multiply, soft-capping), and the sampler's row reductions.
 //
 // Each op replaces a chain of torch calls that costs more in dispatch and in passes over
 // memory than in arithmetic at decode batch sizes (tens of tokens). They keep torch's
