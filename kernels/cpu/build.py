@@ -25,7 +25,7 @@ HERE = Path(__file__).parent
 COMMON_FLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-std=c++20")
 # Per source: extra flags. ops.cpp mirrors torch's rounding, so no multiply-add contraction.
 SOURCES = {"paged_attention.cpp": (), "ops.cpp": ("-ffp-contract=off",), "decode.cpp": ()}
-HEADERS = ("vec.h", "pool.h")
+HEADERS = ("vec.h", "pool.h", "linear.h")
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -132,10 +132,15 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_paged_prefill": [*common, ptr, ptr, ptr, *shape, i64, i64, f32],
         # dtype, x, residual (or NULL), weight, out, n, hidden, eps
         "llmserve_rms_norm": [i32, ptr, ptr, ptr, ptr, i64, i64, f32],
+        # dtype, norm kind, then as llmserve_rms_norm
+        "llmserve_norm": [i32, i32, ptr, ptr, ptr, ptr, i64, i64, f32],
         # dtype, qkv, row stride, positions, cos, sin, n, heads, head_dim
         "llmserve_rotary": [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
         # dtype, gate_up, out, n, intermediate size
         "llmserve_silu_mul": [i32, ptr, ptr, i64, i64],
+        "llmserve_gelu_tanh_mul": [i32, ptr, ptr, i64, i64],
+        # dtype, x (in place), count, cap
+        "llmserve_softcap": [i32, ptr, i64, f32],
         # dtype, key, value, row stride, slots, n, row elems, key cache, value cache
         "llmserve_write_kv": [i32, ptr, ptr, i64, ptr, i64, i64, ptr, ptr],
         # dtype, logits, n, vocab, argmax out, lse out, max out
@@ -144,10 +149,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_linear_rows": [i32, ptr, i64, i64, ptr, ptr, ptr, i64],
         # threads
         "llmserve_set_num_threads": [i32],
-        # dtype, dims, eps, scale, layer pointers, embed, final norm, lm head, cos, sin,
+        # dtype, dims, params, layer pointers, layer windows, embed, final norm, lm head,
         # input ids, positions, slots, block tables, table stride, seq lens, n, logits,
         # argmax out (or NULL), argmax logprob out
-        "llmserve_decode_step": [i32, ptr, f32, f32, *[ptr] * 10, i64, ptr, i64, ptr, ptr, ptr],
+        "llmserve_decode_step": [i32, *[ptr] * 11, i64, ptr, i64, ptr, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)

@@ -1,7 +1,8 @@
 """A whole decode step in one native call (decode.cpp), and its projections on their own.
 
-`DecodeStep` holds the raw pointers of a Llama-family model's weights, laid out once, and of
-its KV caches, rebound when the caches change; `run` computes the logits of n decode tokens
+`DecodeStep` holds the raw pointers of a dense model's weights (`DecodeLayer`; its
+model-wide features in `DecodeShape`), laid out once, and of its KV caches, rebound when the
+caches change; `run` computes the logits of n decode tokens
 (one per sequence, each attending to its paged context) with a single ctypes call, and each
 row's argmax with its logprob (`ArgmaxLogprobs`) while those logits are still in cache. The
 tensors it points into must outlive it: it keeps references to them.
@@ -23,7 +24,11 @@ from kernels.cpu.attention import DTYPE_CODES, unsupported_shape_reason
 from kernels.cpu.build import library
 
 # Fields per layer in the pointer table, in decode.cpp's LayerField order.
-_LAYER_FIELDS = 9
+_LAYER_FIELDS = 18
+# decode.cpp's codes of the model-wide features (ops.cpp's NormKind, QkNorm, Activation).
+_NORMS = {"rms": 0, "rms_f32": 1, "gemma": 2}
+_QK_NORMS: dict[str | None, int] = {None: 0, "head": 1, "full": 2}
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # Index of the block size in the dims array (decode.cpp's Dim order).
 _BLOCK_SIZE_DIM = 7
 
@@ -89,19 +94,59 @@ class ArgmaxLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class DecodeLayer:
-    """One layer's weights in their plain [out, in] layout (not prepacked)."""
+    """One layer's weights in their plain [out, in] layout (not prepacked); None where the
+    layer has no such weight, and no cos/sin in a NoPE layer."""
 
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor | None  # [hidden]
     qkv: torch.Tensor  # [q + 2 * kv, hidden]
     qkv_bias: torch.Tensor | None  # [q + 2 * kv]
     o: torch.Tensor  # [hidden, q]
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor | None  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    gate_up_bias: torch.Tensor | None = None  # [2 * intermediate]
+    down_bias: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim] (per head) or [q] (full width)
+    k_norm: torch.Tensor | None = None  # [head_dim] (per head) or [kv] (full width)
+    attn_out_norm: torch.Tensor | None = None  # [hidden]
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]
+    cos: torch.Tensor | None = None  # [max_positions, rotary_dim]
+    sin: torch.Tensor | None = None  # [max_positions, rotary_dim]
+    sliding_window: int | None = None  # keys with query_pos - key_pos < window; None = all
+
+    def pointers(self) -> list[int | None]:
+        """Its tensors' addresses in decode.cpp's LayerField order, before the caches."""
+        return [None if t is None else t.data_ptr() for t in self._all()]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in self._all() if t is not None]
+
+    def _all(self) -> tuple[torch.Tensor | None, ...]:
+        return (
+            self.input_norm,
+            self.qkv,
+            self.qkv_bias,
+            self.q_norm,
+            self.k_norm,
+            self.o,
+            self.o_bias,
+            self.attn_out_norm,
+            self.post_norm,
+            self.gate_up,
+            self.gate_up_bias,
+            self.down,
+            self.down_bias,
+            self.mlp_out_norm,
+            self.cos,
+            self.sin,
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeShape:
+    """A model's sizes and its model-wide features (the names are arch.py's)."""
+
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -110,6 +155,16 @@ class DecodeShape:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
+    rotary_dim: int | None = None  # leading dims of each head that rotate; None: all
+    norm: str = "rms"  # how every norm applies its weight: rms | rms_f32 | gemma
+    qk_norm: str | None = None  # None | head (one norm per head) | full (over q, over k)
+    activation: str = "silu"  # silu | gelu_tanh
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    embed_scale: float | None = None  # embeddings times this (already in the model dtype)
+    residual_scale: float | None = None  # each block's output times this
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    logits_divisor: float | None = None  # logits / this
 
     def unsupported_reason(self) -> str | None:
         widths = {
@@ -121,8 +176,47 @@ class DecodeShape:
         odd = [f"{name} {value}" for name, value in widths.items() if value % 8]
         if odd:
             return f"{', '.join(odd)} not a multiple of 8"
+        rotary = self.head_dim if self.rotary_dim is None else self.rotary_dim
+        if rotary % 2 or not 0 < rotary <= self.head_dim:
+            return f"rotary dims {rotary}: even, at most head_dim {self.head_dim}"
+        for name, value, codes in (
+            ("norm", self.norm, _NORMS),
+            ("qk_norm", self.qk_norm, _QK_NORMS),
+            ("activation", self.activation, _ACTIVATIONS),
+        ):
+            if value not in codes:
+                return f"{name} {value!r}: one of {', '.join(map(repr, codes))}"
         # Its attention is the paged decode kernel's.
         return unsupported_shape_reason(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def dims(self) -> list[int]:
+        """decode.cpp's Dim order; the block size (set by bind_caches) is 0."""
+        return [
+            self.num_layers,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.vocab_size,
+            0,
+            self.head_dim if self.rotary_dim is None else self.rotary_dim,
+            _NORMS[self.norm],
+            _QK_NORMS[self.qk_norm],
+            _ACTIVATIONS[self.activation],
+        ]
+
+    def params(self) -> list[float]:
+        """decode.cpp's Param order; 0 for an absent multiplier, divisor or cap."""
+        scale = self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+        optional = (
+            self.embed_scale,
+            self.residual_scale,
+            self.attn_softcap,
+            self.final_softcap,
+            self.logits_divisor,
+        )
+        return [self.rms_norm_eps, scale, *(0.0 if v is None else v for v in optional)]
 
 
 class DecodeStep:
@@ -135,16 +229,15 @@ class DecodeStep:
         embed: torch.Tensor,  # [vocab, hidden]
         final_norm: torch.Tensor,  # [hidden]
         lm_head: torch.Tensor,  # [vocab, hidden]
-        cos: torch.Tensor,  # [max_positions, head_dim]
-        sin: torch.Tensor,  # [max_positions, head_dim]
     ) -> None:
         reason = shape.unsupported_reason()
         if reason is not None:
             raise KernelArgumentError("shape", reason)
-        tensors = [embed, final_norm, lm_head, cos, sin]
+        if len(layers) != shape.num_layers:
+            raise KernelArgumentError("layers", f"{len(layers)}, expected {shape.num_layers}")
+        tensors = [embed, final_norm, lm_head]
         for layer in layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up]
-            tensors += [layer.down] + ([layer.qkv_bias] if layer.qkv_bias is not None else [])
+            tensors += layer.tensors()
         if any(t.dtype != embed.dtype or not t.is_contiguous() for t in tensors):
             raise KernelArgumentError("weights", "all must be contiguous, of the embedding dtype")
         if embed.dtype not in DTYPE_CODES or embed.device.type != "cpu":
@@ -153,18 +246,12 @@ class DecodeStep:
         self.dtype = embed.dtype
         self._tensors = tensors  # kept alive: the pointer table points into them
         self._layers = list(layers)
-        self._globals = [t.data_ptr() for t in (embed, final_norm, lm_head, cos, sin)]
-        dims = (
-            shape.num_layers,
-            shape.hidden_size,
-            shape.intermediate_size,
-            shape.num_heads,
-            shape.num_kv_heads,
-            shape.head_dim,
-            shape.vocab_size,
-            0,  # block size: set by bind_caches
-        )
+        self._globals = [t.data_ptr() for t in (embed, final_norm, lm_head)]
+        dims, params = shape.dims(), shape.params()
         self._dims = (ctypes.c_int64 * len(dims))(*dims)
+        self._params = (ctypes.c_float * len(params))(*params)
+        windows = [layer.sliding_window or 0 for layer in layers]
+        self._windows = (ctypes.c_int64 * len(windows))(*windows)
         self._table: ctypes.Array[ctypes.c_void_p] | None = None
         # Each row's argmax and its logprob, written by the step; grown to the largest batch.
         self._argmax: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
@@ -186,18 +273,7 @@ class DecodeStep:
             )
         pointers: list[int | None] = []
         for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
-            bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
-            pointers += [
-                layer.input_norm.data_ptr(),
-                layer.qkv.data_ptr(),
-                bias,
-                layer.o.data_ptr(),
-                layer.post_norm.data_ptr(),
-                layer.gate_up.data_ptr(),
-                layer.down.data_ptr(),
-                key_cache.data_ptr(),
-                value_cache.data_ptr(),
-            ]
+            pointers += [*layer.pointers(), key_cache.data_ptr(), value_cache.data_ptr()]
         assert len(pointers) == _LAYER_FIELDS * len(self._layers)
         self._dims[_BLOCK_SIZE_DIM] = kv_caches[0][0].shape[1]
         self._table = (ctypes.c_void_p * len(pointers))(*pointers)
@@ -218,18 +294,16 @@ class DecodeStep:
             self._argmax = (ctypes.c_int64 * n)()
             self._argmax_logprob = (ctypes.c_float * n)()
         logits = torch.empty(n, self.shape.vocab_size, dtype=self.dtype)
-        embed, final_norm, lm_head, cos, sin = self._globals
+        embed, final_norm, lm_head = self._globals
         status = library().llmserve_decode_step(
             DTYPE_CODES[self.dtype],
             self._dims,
-            self.shape.rms_norm_eps,
-            self.shape.head_dim**-0.5,
+            self._params,
             self._table,
+            self._windows,
             embed,
             final_norm,
             lm_head,
-            cos,
-            sin,
             input_ids.data_ptr(),
             positions.data_ptr(),
             slots.data_ptr(),

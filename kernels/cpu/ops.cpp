@@ -1,4 +1,5 @@
-// Fused elementwise ops of the Llama decoder for CPUs, and the sampler's row reductions.
+// Fused elementwise ops of the decoder for CPUs (the norms of every family, rotary, SiLU- and
+// GELU-and-multiply, soft-capping), and the sampler's row reductions.
 //
 // Each op replaces a chain of torch calls that costs more in dispatch and in passes over
 // memory than in arithmetic at decode batch sizes (tens of tokens). They keep torch's
@@ -8,10 +9,12 @@
 // order of summation in the RMSNorm mean and the exp in SiLU (last-bit differences).
 //
 // Entry points (extern "C", called through ctypes; dtype 0 = float32, 1 = bfloat16):
-//   llmserve_rms_norm         out = weight * normalize(x)
-//   llmserve_add_rms_norm     residual += x, then out = weight * normalize(residual)
+//   llmserve_rms_norm         (residual += x, then) out = weight * normalize(x or residual)
+//   llmserve_norm             the same with the weight applied as OLMo 2 or Gemma do
 //   llmserve_rotary           rotary embedding in place on the first heads of each row
 //   llmserve_silu_mul         out = silu(gate) * up, gate and up side by side in one row
+//   llmserve_gelu_tanh_mul    out = gelu_tanh(gate) * up, likewise (GeGLU)
+//   llmserve_softcap          x = tanh(x / cap) * cap in place
 //   llmserve_write_kv         store the step's keys and values in their cache slots
 //   llmserve_argmax_logsumexp per row of logits: maximum, first argmax, log-sum-exp (float32)
 
@@ -20,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "pool.h"
 #include "vec.h"
@@ -48,9 +52,12 @@ inline void store_partial(T* dst, vfloat v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) store_scalar(dst + i, v[i]);
 }
 
-// x32 = x * rsqrt(mean(x^2) + eps) in float32, rounded to T, then weight * that rounded to T:
-// the reference order (normalize in float32, scale in the model dtype).
-template <typename T>
+// How a norm applies its weight to x32 = x * rsqrt(mean(x^2) + eps) (float32), each in its
+// reference's order: kRms: weight * x32 rounded to T (Llama); kRmsF32: weight * x32 in
+// float32 (OLMo 2); kGemma: x32 * (1 + weight) in float32 (Gemma). The result is rounded to T.
+enum NormKind { kRms = 0, kRmsF32 = 1, kGemma = 2 };
+
+template <int Kind, typename T>
 void rms_norm_row(const T* x, const T* weight, T* out, int64_t hidden, float eps) {
   vfloat squares = vfloat{};
   int64_t i = 0;
@@ -62,18 +69,20 @@ void rms_norm_row(const T* x, const T* weight, T* out, int64_t hidden, float eps
   for (; i < hidden; ++i) tail += to_float(x[i]) * to_float(x[i]);
   const float mean = (hsum(squares) + tail) / float(hidden);
   const float inv = 1.0f / std::sqrt(mean + eps);
-  for (i = 0; i + kLanes <= hidden; i += kLanes) {
-    const vfloat normed = round_to(load(x + i) * inv, out);
-    store(out + i, load(weight + i) * normed);
-  }
-  for (; i < hidden; ++i) {
-    float normed = to_float(x[i]) * inv;
-    if constexpr (sizeof(T) == 2) normed = round_to(splat(normed), out)[0];
-    store_scalar(out + i, to_float(weight[i]) * normed);
+  for (i = 0; i < hidden; i += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, hidden - i);
+    const vfloat normed = load_partial(x + i, m, 0.0f) * inv;
+    const vfloat w = load_partial(weight + i, m, 0.0f);
+    if constexpr (Kind == kRms)
+      store_partial(out + i, w * round_to(normed, out), m);
+    else if constexpr (Kind == kRmsF32)
+      store_partial(out + i, w * normed, m);
+    else
+      store_partial(out + i, normed * (1.0f + w), m);
   }
 }
 
-template <typename T>
+template <int Kind, typename T>
 void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t n, int64_t hidden,
               float eps) {
   parallel_for(n, n * hidden >= kParallelElements, [&](int64_t begin, int64_t end) {
@@ -86,9 +95,24 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t n, int64
         for (; i < hidden; ++i) store_scalar(res + i, to_float(res[i]) + to_float(src[i]));
         src = res;
       }
-      rms_norm_row(src, weight, out + r * hidden, hidden, eps);
+      rms_norm_row<Kind>(src, weight, out + r * hidden, hidden, eps);
     }
   });
+}
+
+template <typename T>
+int norm_of_kind(int kind, const void* x, void* residual, const void* weight, void* out,
+                 int64_t n, int64_t hidden, float eps) {
+  auto run = [&](auto tag) {
+    rms_norm<decltype(tag)::value>(static_cast<const T*>(x), static_cast<T*>(residual),
+                                   static_cast<const T*>(weight), static_cast<T*>(out), n,
+                                   hidden, eps);
+  };
+  if (kind == kRms) run(std::integral_constant<int, kRms>{});
+  else if (kind == kRmsF32) run(std::integral_constant<int, kRmsF32>{});
+  else if (kind == kGemma) run(std::integral_constant<int, kGemma>{});
+  else return -1;
+  return 0;
 }
 
 // out_i = x_i cos_i + rot(x)_i sin_i with rot(x) = (-x[half:], x[:half]); each product and
@@ -138,6 +162,43 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
         const vfloat silu = round_to(g * sigmoid, T_ptr);
         store_partial(dst + i, silu * load_partial(up + i, m, 0.0f), m);
       }
+    }
+  });
+}
+
+// gelu(g) with the tanh approximation, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) in
+// torch's order, rounded to T, times up, rounded to T.
+template <typename T>
+void gelu_tanh_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  parallel_for(n, n * inter >= kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * inter;
+      const T* up = gate + inter;
+      const T* T_ptr = nullptr;
+      for (int64_t i = 0; i < inter; i += kLanes) {
+        const int64_t m = std::min<int64_t>(kLanes, inter - i);
+        const vfloat g = load_partial(gate + i, m, 0.0f);
+        const vfloat inner = kBeta * (g + kKappa * (g * g * g));
+        const vfloat gelu = round_to(0.5f * g * (1.0f + tanh_any(inner)), T_ptr);
+        store_partial(out + r * inter + i, gelu * load_partial(up + i, m, 0.0f), m);
+      }
+    }
+  });
+}
+
+// x = tanh(x / cap) * cap in place, each step rounded to T (torch's `tanh(x / cap) * cap`).
+template <typename T>
+void softcap(T* x, int64_t count, float cap) {
+  const T* T_ptr = nullptr;
+  const int64_t chunks = (count + kParallelElements - 1) / kParallelElements;
+  parallel_for(chunks, chunks > 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * kParallelElements; i < std::min(count, end * kParallelElements);
+         i += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, count - i);
+      const vfloat scaled = round_to(load_partial(x + i, m, 0.0f) / cap, T_ptr);
+      store_partial(x + i, round_to(tanh_any(scaled), T_ptr) * cap, m);
     }
   });
 }
@@ -206,18 +267,17 @@ void argmax_logsumexp(const T* logits, int64_t n, int64_t vocab, int64_t* argmax
 
 extern "C" {
 
+// kind: NormKind (0 Llama, 1 OLMo 2, 2 Gemma).
+int llmserve_norm(int dtype, int kind, const void* x, void* residual, const void* weight,
+                  void* out, int64_t n, int64_t hidden, float eps) {
+  if (dtype == 0) return norm_of_kind<float>(kind, x, residual, weight, out, n, hidden, eps);
+  if (dtype == 1) return norm_of_kind<bf16>(kind, x, residual, weight, out, n, hidden, eps);
+  return -1;
+}
+
 int llmserve_rms_norm(int dtype, const void* x, void* residual, const void* weight, void* out,
                       int64_t n, int64_t hidden, float eps) {
-  if (dtype == 0) {
-    rms_norm(static_cast<const float*>(x), static_cast<float*>(residual),
-             static_cast<const float*>(weight), static_cast<float*>(out), n, hidden, eps);
-  } else if (dtype == 1) {
-    rms_norm(static_cast<const bf16*>(x), static_cast<bf16*>(residual),
-             static_cast<const bf16*>(weight), static_cast<bf16*>(out), n, hidden, eps);
-  } else {
-    return -1;
-  }
-  return 0;
+  return llmserve_norm(dtype, kRms, x, residual, weight, out, n, hidden, eps);
 }
 
 int llmserve_rotary(int dtype, void* qkv, int64_t row_stride, const int64_t* positions,
@@ -241,6 +301,29 @@ int llmserve_silu_mul(int dtype, const void* gate_up, void* out, int64_t n, int6
     silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), n, inter);
   } else if (dtype == 1) {
     silu_mul(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), n, inter);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+int llmserve_gelu_tanh_mul(int dtype, const void* gate_up, void* out, int64_t n,
+                           int64_t inter) {
+  if (dtype == 0) {
+    gelu_tanh_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), n, inter);
+  } else if (dtype == 1) {
+    gelu_tanh_mul(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), n, inter);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+int llmserve_softcap(int dtype, void* x, int64_t count, float cap) {
+  if (dtype == 0) {
+    softcap(static_cast<float*>(x), count, cap);
+  } else if (dtype == 1) {
+    softcap(static_cast<bf16*>(x), count, cap);
   } else {
     return -1;
   }

@@ -198,6 +198,17 @@ inline vfloat exp_any(vfloat x) {
   return x <= 0.0f ? small : 1.0f / small;
 }
 
+// tanh(x), vectorized: an odd polynomial (to x^7) below |x| = 1/16, where it is exact to
+// float precision, else sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) (a few float ulps).
+inline vfloat tanh_any(vfloat x) {
+  const vfloat magnitude = x < 0.0f ? -x : x;
+  const vfloat e = exp_nonpositive(-2.0f * magnitude);
+  const vfloat wide = (1.0f - e) / (1.0f + e);
+  const vfloat x2 = x * x;
+  const vfloat odd = x * (1.0f + x2 * (-1.0f / 3 + x2 * (2.0f / 15 + x2 * (-17.0f / 315))));
+  return magnitude < 0.0625f ? odd : (x < 0.0f ? -wide : wide);
+}
+
 // bfloat16 rounding (nearest even) of 16 floats at once; NaN stays NaN. With AVX512-BF16 one
 // instruction does it, but that instruction flushes float32 subnormals (|x| < 2^-126) to
 // zero where torch keeps them; they do not occur in activations.

@@ -4,7 +4,9 @@ One tiny random model per family (tests/support/models.py: perturbed parameters,
 head_dim where the family allows it, sliding windows smaller than prompt + output, tied and
 untied embeddings), on the `torch` and `cpu` attention backends; greedy output must equal
 `generate(do_sample=False)` token for token in float32, also with chunked prefill, recompute
-preemption and prefix-cache hits."""
+preemption and prefix-cache hits. On `cpu` the dense families' decode steps run as one native
+call (models/native.py), and the tests check that they did; the experts families decode per
+layer."""
 
 from __future__ import annotations
 
@@ -64,12 +66,17 @@ def test_windows_are_smaller_than_the_longest_sequence(family: tuple[Worker, Any
     ids=["plain", "chunked", "recompute"],
 )
 def test_greedy_batch_matches_hf(
-    family: tuple[Worker, Any, list[list[int]]], setup: dict[str, Any]
+    family: tuple[Worker, Any, list[list[int]]],
+    setup: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     worker, _, expected = family
+    native_steps = _count_native_steps(worker, monkeypatch)
     engine = make_engine(worker, **setup)
     outputs = engine.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+    # Most steps after the prefills are pure decodes: on `cpu` the native step ran them.
+    assert (len(native_steps) > NEW_TOKENS // 2) == _runs_native(worker)
     if "preemption" in setup:
         assert engine.get_stats().num_preemptions_recompute > 0
     assert_all_free(engine, worker)
@@ -88,6 +95,30 @@ def test_prefix_cache_hits_keep_greedy_exact(family: tuple[Worker, Any, Any]) ->
     assert_all_free(engine, worker)
 
 
+# Families with experts: their decode steps stay on the per-layer path (models/native.py).
+EXPERTS = {"Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+
+
+def _runs_native(worker: Worker) -> bool:
+    info = worker.model_info
+    return info.attention_backend == "cpu" and info.architecture not in EXPERTS
+
+
+def _count_native_steps(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The batch size of every native decode step from now on (none without the step)."""
+    calls: list[int] = []
+    step = worker.model.decode_step
+    if step is not None:
+        run = step.run
+
+        def counted(input_ids: Any, *args: Any) -> Any:
+            calls.append(input_ids.shape[0])
+            return run(input_ids, *args)
+
+        monkeypatch.setattr(step, "run", counted)
+    return calls
+
+
 # Families whose elementwise steps are Llama's (RMSNorm, full rotary, SwiGLU): the cpu
 # backend runs them through the fused C++ ops; the others through plain torch.
 FUSED_ON_CPU = {"GraniteForCausalLM", "SmolLM3ForCausalLM", "MixtralForCausalLM"}
@@ -99,4 +130,15 @@ def test_cpu_backend_fuses_the_elementwise_ops_where_the_family_allows(
     worker = family[0]
     on_cpu = worker.model_info.attention_backend == "cpu"
     assert worker.model.fused_ops == (on_cpu and worker.model_info.architecture in FUSED_ON_CPU)
-    assert worker.model.native_decode is None  # no family here is a plain Llama
+
+
+def test_cpu_backend_selects_the_native_step_for_dense_families(
+    family: tuple[Worker, Any, Any],
+) -> None:
+    model = family[0].model
+    assert (model.decode_step is not None) == _runs_native(family[0])
+    on_cpu = family[0].model_info.attention_backend == "cpu"
+    if on_cpu and family[0].model_info.architecture in EXPERTS:
+        assert "mixture of experts" in (model.native_decode_refused or "")
+    else:
+        assert model.native_decode_refused is None

@@ -9,7 +9,6 @@ and refuses what no family here implements, naming it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -109,11 +108,6 @@ class ModelArchConfig:
         windows = self.sliding_windows
         return windows[0] if windows else None
 
-    @property
-    def is_plain(self) -> bool:
-        """A Llama-style model: what the native decode step runs."""
-        return not self.plain_blockers()
-
     def fused_blockers(self) -> list[str]:
         """The features the fused CPU elementwise ops (RMSNorm with the weight applied after
         the cast, full-width rotary on the q/k rows of the fused projection before any q/k
@@ -126,27 +120,12 @@ class ModelArchConfig:
         }
         return [name for name, present in checks.items() if present]
 
-    def plain_blockers(self) -> list[str]:
-        """The features of this model that are not Llama's, by name."""
+    def native_blockers(self) -> list[str]:
+        """The features of this model that the native decode step (kernels/cpu/decode.cpp)
+        does not run, by name: such a model decodes on the per-layer path."""
         checks = {
-            f"norm kind {self.norm!r}": self.norm != "rms",
-            f"q/k norm {self.qk_norm!r}": self.qk_norm is not None,
-            f"activation {self.activation!r}": self.activation != "silu",
-            "attention scale": self.attention_scale is not None
-            and not math.isclose(self.attention_scale, self.head_dim**-0.5),
-            "attention soft-capping": self.attn_softcap is not None,
-            "final logit soft-capping": self.final_softcap is not None,
-            "embedding scale": self.embed_scale is not None,
-            "residual multiplier": self.residual_scale is not None,
-            "logits scaling": self.logits_divisor is not None,
             "mixture of experts": self.moe is not None,
-            "block output norms": self.output_norms,
-            "blocks without input norms": not self.input_norms,
-            "sliding window": self.sliding_window is not None,
-            "NoPE layers": any(k.rope is None for k in self.layers),
-            "several rotary tables": len(self.ropes) > 1,
-            "partial rotary": any(r.rotary_dim != self.head_dim for r in self.ropes),
-            "rotary attention factor": any(r.needs_scaled_table for r in self.ropes),
+            "rotary tables of different widths": len({r.rotary_dim for r in self.ropes}) > 1,
         }
         return [name for name, present in checks.items() if present]
 

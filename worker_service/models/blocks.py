@@ -38,3 +38,13 @@ def gated_activation(
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap), in the reference's order (divide, tanh, multiply)."""
     return torch.tanh(x / cap) * cap
+
+
+def embedding_multiplier(
+    embed_scale: float | None, round_to_dtype: bool, dtype: torch.dtype
+) -> float | None:
+    """The factor the embeddings are multiplied by: `embed_scale`, first rounded to the
+    weight dtype where the family does (Gemma multiplies by a tensor of its dtype)."""
+    if embed_scale is None or not round_to_dtype:
+        return embed_scale
+    return float(torch.tensor(embed_scale, dtype=torch.float64).to(dtype))

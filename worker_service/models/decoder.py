@@ -13,8 +13,8 @@ single C++ calls from `kernels.cpu` (for models without the features those kerne
 the plain torch elementwise path); with `packed_linear` every matmul runs through oneDNN on
 weights prepacked at load; with `native_linear` through `kernels.cpu.decode.linear_rows`; and
 pure decode steps of up to `native_decode_max_batch` tokens run as one native call
-(`native.NativeDecode`) for Llama-style models (`arch.is_plain`); the native step refuses the
-others by feature name and they decode on the per-layer path.
+(`native.NativeDecode`) for every dense family; it refuses the others
+(`arch.native_blockers`: experts) by feature name and they decode on the per-layer path.
 The elementwise arithmetic follows each reference's order, so float32 greedy output matches
 transformers token for token.
 """
@@ -22,7 +22,6 @@ transformers token for token.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,12 @@ from kernels.cpu import ops as cpu_ops
 from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep, set_num_threads
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.arch import ModelArchConfig
-from worker_service.models.blocks import gated_activation, rms_norm, softcap
+from worker_service.models.blocks import (
+    embedding_multiplier,
+    gated_activation,
+    rms_norm,
+    softcap,
+)
 from worker_service.models.linear import (
     native_matmul,
     pack_weight,
@@ -85,7 +89,7 @@ class DecoderModel:
             if not fused_ops:
                 raise ValueError("the native decode step needs the native CPU ops (fused_ops)")
             # A model it cannot run decodes on the per-layer path (native.py).
-            self.native_decode_refused = native_decode_unsupported_reason(arch, embed.dtype, layers)
+            self.native_decode_refused = native_decode_unsupported_reason(arch, embed.dtype)
             if self.native_decode_refused is None:
                 self.native_decode = NativeDecode(
                     arch,
@@ -93,8 +97,7 @@ class DecoderModel:
                     layers,
                     final_norm,
                     lm_head,
-                    self.cos,
-                    self.sin,
+                    self.rope_tables,
                     native_decode_max_batch,
                 )
         if packed_linear:
@@ -118,13 +121,9 @@ class DecoderModel:
         self.device = embed.device
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self._embed_scale: Any = None
-        if arch.embed_scale is not None:
-            self._embed_scale = (
-                torch.tensor(arch.embed_scale).to(embed.dtype)
-                if arch.round_embed_scale
-                else arch.embed_scale
-            )
+        self._embed_scale = embedding_multiplier(
+            arch.embed_scale, arch.round_embed_scale, self.dtype
+        )
 
     @staticmethod
     def _convert_projections(

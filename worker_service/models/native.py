@@ -1,11 +1,19 @@
 """The native whole-model decode step (kernels/cpu/decode.cpp) for the models it can run.
 
-decode.cpp implements a Llama layer: RMSNorm with the weight applied after the cast, fused
-q/k/v (optional bias), full rotary from one table, attention over every cached key with the
-scale head_dim ** -0.5, SwiGLU, no soft-capping. A model with any other feature (the names
-in `ModelArchConfig.plain_blockers`: q/k norms, Gemma norms, sliding windows, NoPE layers,
-experts, multipliers...) is refused here by name and runs its decode steps on the per-layer
-path, whose attention is the `cpu` backend's paged kernel: that is the documented fallback.
+decode.cpp runs every dense family here: Llama-style layers, Qwen3 (per-head q/k norms),
+Gemma 2 and 3 ((1 + w) norms in float32, four norms a layer, GeGLU, scaled embeddings,
+query_pre_attn_scalar, soft-capped scores and logits, per-layer windows and rotary tables),
+SmolLM3 (NoPE layers), Granite (multipliers), OLMo 2 (full-width q/k norms, output norms
+only) and Phi-3 (partial rotary, longrope tables), each step with the per-layer path's
+rounding points. What it does not run (`ModelArchConfig.native_blockers`) is refused here by
+name and decodes on the per-layer path, whose attention is the `cpu` backend's paged kernel.
+
+Mixture-of-experts models (Qwen3-MoE, Mixtral) stay on the per-layer path: decode.cpp has
+no routed expert MLP (router, top-k, renormalised weights, one matmul per chosen expert), and
+the expert MLP is a large share of their per-layer step, measured on the tiny test models at
+context 256 (bench/native_decode.py, bench/RESULTS.md "Native decode step per family"):
+27-39% for Qwen3-MoE and 61-66% for Mixtral at batch 1-16. A native step without it would
+save only the rest, and the dense families came first.
 """
 
 from __future__ import annotations
@@ -17,10 +25,11 @@ import torch
 from kernels.cpu.decode import ArgmaxLogprobs, DecodeLayer, DecodeShape, DecodeStep
 from worker_service.attention.base import AttentionMetadata
 from worker_service.models.arch import ModelArchConfig
+from worker_service.models.blocks import embedding_multiplier
 from worker_service.models.weights import LayerWeights
 
 
-def _shape(arch: ModelArchConfig) -> DecodeShape:
+def _shape(arch: ModelArchConfig, dtype: torch.dtype) -> DecodeShape:
     return DecodeShape(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -30,24 +39,28 @@ def _shape(arch: ModelArchConfig) -> DecodeShape:
         head_dim=arch.head_dim,
         vocab_size=arch.vocab_size,
         rms_norm_eps=arch.rms_norm_eps,
+        rotary_dim=arch.rope.rotary_dim,
+        norm=arch.norm,
+        qk_norm=arch.qk_norm,
+        activation=arch.activation,
+        attention_scale=arch.scale,
+        embed_scale=embedding_multiplier(arch.embed_scale, arch.round_embed_scale, dtype),
+        residual_scale=arch.residual_scale,
+        attn_softcap=arch.attn_softcap,
+        final_softcap=arch.final_softcap,
+        logits_divisor=arch.logits_divisor,
     )
 
 
-def native_decode_unsupported_reason(
-    arch: ModelArchConfig,
-    dtype: torch.dtype,
-    layers: Sequence[LayerWeights] | None = None,
-) -> str | None:
+def native_decode_unsupported_reason(arch: ModelArchConfig, dtype: torch.dtype) -> str | None:
     """Why the native decode step (and the native linear kernel, which shares its shape
     rules) cannot run this model, or None."""
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (float32 or bfloat16 only)"
-    blockers = arch.plain_blockers()
+    blockers = arch.native_blockers()
     if blockers:
-        return f"{arch.architecture} has {', '.join(blockers)} (a Llama layer only)"
-    if layers is not None and any(w.has_extras for w in layers):
-        return f"{arch.architecture} has projection biases beyond q/k/v (a Llama layer only)"
-    return _shape(arch).unsupported_reason()
+        return f"{arch.architecture} has {', '.join(blockers)} (dense layers only)"
+    return _shape(arch, dtype).unsupported_reason()
 
 
 def native_linear_unsupported_reason(arch: ModelArchConfig, dtype: torch.dtype) -> str | None:
@@ -63,6 +76,32 @@ def native_linear_unsupported_reason(arch: ModelArchConfig, dtype: torch.dtype) 
     return f"{', '.join(odd)} not a multiple of 8" if odd else None
 
 
+def _decode_layer(
+    w: LayerWeights, window: int | None, rotation: tuple[torch.Tensor, torch.Tensor] | None
+) -> DecodeLayer:
+    assert w.gate_up is not None and w.down is not None, "a dense layer"
+    cos, sin = rotation if rotation is not None else (None, None)
+    return DecodeLayer(
+        input_norm=w.input_norm,
+        qkv=w.qkv,
+        qkv_bias=w.qkv_bias,
+        o=w.o,
+        post_norm=w.post_norm,
+        gate_up=w.gate_up,
+        down=w.down,
+        o_bias=w.o_bias,
+        gate_up_bias=w.gate_up_bias,
+        down_bias=w.down_bias,
+        q_norm=w.q_norm,
+        k_norm=w.k_norm,
+        attn_out_norm=w.attn_out_norm,
+        mlp_out_norm=w.mlp_out_norm,
+        cos=cos,
+        sin=sin,
+        sliding_window=window,
+    )
+
+
 class NativeDecode:
     """Pure decode steps of up to `max_batch` tokens as one native call, on the weights in
     their plain layout, which it keeps even when the other steps' matmuls use prepacked
@@ -75,19 +114,16 @@ class NativeDecode:
         layers: list[LayerWeights],  # plain [out, in] weights, before any packing
         final_norm: torch.Tensor,  # [hidden]
         lm_head: torch.Tensor,  # [vocab, hidden]
-        cos: torch.Tensor,  # [max_positions, head_dim]
-        sin: torch.Tensor,  # [max_positions, head_dim]
+        rope_tables: Sequence[tuple[torch.Tensor, torch.Tensor]],  # [max_positions, rotary_dim]
         max_batch: int,
     ) -> None:
-        plain = []
-        for w in layers:
-            assert w.input_norm is not None and w.post_norm is not None
-            assert w.gate_up is not None and w.down is not None
-            plain.append(
-                DecodeLayer(w.input_norm, w.qkv, w.qkv_bias, w.o, w.post_norm, w.gate_up, w.down)
-            )
-        contiguous = [t.contiguous() for t in (embed, final_norm, lm_head, cos, sin)]
-        self.step = DecodeStep(_shape(arch), plain, *contiguous)
+        tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in rope_tables]
+        plain = [
+            _decode_layer(w, kind.sliding_window, None if kind.rope is None else tables[kind.rope])
+            for w, kind in zip(layers, arch.layers, strict=True)
+        ]
+        contiguous = [t.contiguous() for t in (embed, final_norm, lm_head)]
+        self.step = DecodeStep(_shape(arch, embed.dtype), plain, *contiguous)
         self.max_batch = max_batch
 
     def accepts(self, metadata: AttentionMetadata, logit_rows: torch.Tensor) -> bool:

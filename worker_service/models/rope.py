@@ -35,12 +35,6 @@ class RopeSpec:
         params = self.params
         return str(params.get("rope_type", params.get("type", "default")))
 
-    @property
-    def needs_scaled_table(self) -> bool:
-        """Whether cos/sin carry an attention factor or vary per position band (yarn,
-        longrope): what the native decode step's tables do not model."""
-        return self.rope_type in ("yarn", "longrope")
-
 
 def read_rope_spec(params: dict[str, Any], head_dim: int, config: Any) -> RopeSpec:
     """A `RopeSpec` from one rope-parameters dict; refuses unknown rope types by name."""

@@ -41,23 +41,6 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
     moe: MoeWeights | None = None
 
-    @property
-    def has_extras(self) -> bool:
-        """Weights beyond a Llama layer's (what the native decode step cannot run)."""
-        return any(
-            t is not None
-            for t in (
-                self.o_bias,
-                self.gate_up_bias,
-                self.down_bias,
-                self.q_norm,
-                self.k_norm,
-                self.attn_out_norm,
-                self.mlp_out_norm,
-                self.moe,
-            )
-        ) or (self.input_norm is None or self.post_norm is None or self.gate_up is None)
-
 
 def _w(module: Any) -> torch.Tensor:
     return module.weight.detach()

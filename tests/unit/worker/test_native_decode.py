@@ -1,5 +1,7 @@
 """The native decode step (kernels/cpu/decode.cpp): one call per step for pure decode batches,
-against the per-layer path of the same worker and against torch's matmul."""
+against the per-layer path of the same worker and against torch's matmul, for the Llama kinds
+and every dense family (their tiny models have windows shorter than these sequences, soft-caps,
+NoPE layers, partial rotary...)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,24 @@ import torch.nn.functional as F
 from kernels import KernelArgumentError
 from kernels.cpu import argmax_logsumexp
 from kernels.cpu.decode import ArgmaxLogprobs, DecodeShape, linear_rows
-from tests.support.models import KINDS, save_tiny_model
+from tests.support.models import FAMILY_KINDS, KINDS, save_tiny_model
 from worker_service.worker import Worker
 
 from .factories import GreedyDriver, make_worker
 
 PROMPTS = {0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 1: [2, 71, 82], 2: [11, 12, 13, 14, 15]}
+# The families whose decode steps stay on the per-layer path (models/native.py).
+MOE_KINDS = ("qwen3_moe", "mixtral")
+DENSE_FAMILIES = [kind for kind in FAMILY_KINDS if kind not in MOE_KINDS]
+
+
+@pytest.fixture(scope="module")
+def model_dir(
+    tiny_model_dir: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    families = {kind: save_tiny_model(kind, root / kind) for kind in FAMILY_KINDS}
+    return {**tiny_model_dir, **families}
 
 
 def _count_native_steps(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -57,12 +71,12 @@ def _greedy_with_logprobs(worker: Worker, steps: int) -> dict[int, list[tuple[in
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, *DENSE_FAMILIES])
 def test_native_decode_matches_the_per_layer_path(
-    kind: str, dtype: str, tiny_model_dir: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    kind: str, dtype: str, model_dir: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    native = make_worker(tiny_model_dir[kind], dtype=dtype)
-    per_layer = make_worker(tiny_model_dir[kind], dtype=dtype, native_decode_max_batch=0)
+    native = make_worker(model_dir[kind], dtype=dtype)
+    per_layer = make_worker(model_dir[kind], dtype=dtype, native_decode_max_batch=0)
     assert per_layer.model.decode_step is None
     calls = _count_native_steps(native, monkeypatch)
     got = _greedy_with_logprobs(native, steps=12)
@@ -70,9 +84,24 @@ def test_native_decode_matches_the_per_layer_path(
     assert calls == [len(PROMPTS)] * 11  # every decode step, none of the prefill
     tolerance = 1e-4 if dtype == "float32" else 0.1
     for seq_id in PROMPTS:
-        assert [t for t, _ in got[seq_id]] == [t for t, _ in want[seq_id]], (kind, seq_id)
-        for (_, a), (_, b) in zip(got[seq_id], want[seq_id], strict=True):
+        pairs = list(zip(got[seq_id], want[seq_id], strict=True))
+        if dtype == "bfloat16":
+            # A bfloat16 near-tie may pick another token (both the best within the
+            # tolerance); the sequences differ from there on, so the comparison stops.
+            split = next((i for i, (a, b) in enumerate(pairs) if a[0] != b[0]), len(pairs))
+            assert split >= len(pairs) // 2, (kind, seq_id, pairs)
+            pairs = pairs[: split + 1]
+        else:
+            assert [a[0] for a, _ in pairs] == [b[0] for _, b in pairs], (kind, seq_id)
+        for (_, a), (_, b) in pairs:
             assert abs(a - b) <= tolerance, (kind, seq_id, a, b)
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_experts_decode_per_layer_saying_why(kind: str, model_dir: dict[str, Path]) -> None:
+    worker = make_worker(model_dir[kind])
+    assert worker.model.decode_step is None
+    assert "mixture of experts" in (worker.model.native_decode_refused or "")
 
 
 def test_batches_over_the_limit_take_the_per_layer_path(

@@ -1,0 +1,228 @@
+"""The native decode step (kernels/cpu/decode.cpp) against the per-layer path, one feature at a
+time, on a tiny random model whose caches hold contexts longer than its sliding window.
+
+Each case builds the same weights twice: a `DecoderModel` that takes the native step and one
+that decodes per layer (the `cpu` backend's paged kernel, torch or fused elementwise ops).
+Their logits for one decode step of three sequences must agree; and the feature must matter:
+the native logits without it differ by far more than that tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+import torch
+
+from worker_service.attention import AttentionMetadata, AttentionSpec, get_backend_class
+from worker_service.models.arch import LayerKind, ModelArchConfig
+from worker_service.models.decoder import DecoderModel
+from worker_service.models.rope import RopeSpec
+from worker_service.models.weights import LayerWeights
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 64, 96, 4, 2, 32, 128, 3
+BLOCK, MAX_POSITIONS, WINDOW = 16, 128, 8
+CONTEXTS = [5, 23, 40]  # tokens cached before the step; two exceed the window
+# Per dtype: how far native and per-layer logits may differ (summation order; bfloat16
+# roundings), and how far a feature must move them to count as exercised.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.1}
+MATTERS = 0.5
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _rope(rotary_dim: int = HEAD_DIM, theta: float = 10000.0) -> RopeSpec:
+    return RopeSpec(theta, (), rotary_dim, MAX_POSITIONS)
+
+
+def _arch(**features: Any) -> ModelArchConfig:
+    defaults: dict[str, Any] = dict(
+        ropes=(_rope(),), layers=(LayerKind(sliding_window=None, rope=0),) * LAYERS
+    )
+    return ModelArchConfig(
+        "Tiny",
+        LAYERS,
+        HIDDEN,
+        INTER,
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        VOCAB,
+        1e-6,
+        MAX_POSITIONS,
+        **{**defaults, **features},
+    )
+
+
+def _windowed() -> tuple[LayerKind, ...]:
+    return (LayerKind(WINDOW, 0), LayerKind(None, 0), LayerKind(WINDOW, 0))
+
+
+# name -> (the arch with the feature, the same arch without it)
+CASES: dict[str, tuple[ModelArchConfig, ModelArchConfig]] = {
+    "window": (_arch(layers=_windowed()), _arch()),
+    "attn_softcap": (_arch(attn_softcap=0.3), _arch()),
+    "final_softcap": (_arch(final_softcap=1.5), _arch()),
+    "nope": (
+        _arch(layers=(LayerKind(None, 0), LayerKind(None, None), LayerKind(None, 0))),
+        _arch(),
+    ),
+    "partial_rotary": (_arch(ropes=(_rope(16),)), _arch()),
+    "two_rotary_tables": (
+        _arch(ropes=(_rope(), _rope(theta=50.0)), layers=(LayerKind(WINDOW, 1),) * LAYERS),
+        _arch(layers=(LayerKind(WINDOW, 0),) * LAYERS),
+    ),
+    "qk_norm_head": (_arch(qk_norm="head"), _arch()),
+    "gemma": (
+        _arch(
+            norm="gemma",
+            qk_norm="head",
+            activation="gelu_tanh",
+            output_norms=True,
+            attention_scale=24**-0.5,
+            embed_scale=HIDDEN**0.5,
+            round_embed_scale=True,
+            layers=_windowed(),
+        ),
+        _arch(layers=_windowed()),
+    ),
+    "olmo2": (_arch(norm="rms_f32", qk_norm="full", input_norms=False, output_norms=True), _arch()),
+    "granite": (
+        _arch(embed_scale=6.0, attention_scale=0.09, residual_scale=0.4, logits_divisor=0.5),
+        _arch(),
+    ),
+}
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]
+
+
+def _weights(arch: ModelArchConfig, dtype: torch.dtype, gen: torch.Generator) -> Weights:
+    def randn(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    def norm(width: int) -> torch.Tensor:  # off its neutral value, as tests/support does
+        neutral = 0.0 if arch.norm == "gemma" else 1.0
+        return (neutral + torch.randn(width, generator=gen) * 0.2).to(dtype)
+
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    qk_width = {"head": (HEAD_DIM, HEAD_DIM), "full": (q, kv), None: None}[arch.qk_norm]
+    layers = []
+    for _ in range(arch.num_layers):
+        layers.append(
+            LayerWeights(
+                input_norm=norm(HIDDEN) if arch.input_norms else None,
+                qkv=randn(q + 2 * kv, HIDDEN),
+                qkv_bias=randn(q + 2 * kv, scale=0.02),
+                o=randn(HIDDEN, q),
+                post_norm=norm(HIDDEN) if arch.input_norms else None,
+                gate_up=randn(2 * INTER, HIDDEN),
+                down=randn(HIDDEN, INTER),
+                o_bias=randn(HIDDEN, scale=0.02),
+                q_norm=None if qk_width is None else norm(qk_width[0]),
+                k_norm=None if qk_width is None else norm(qk_width[1]),
+                attn_out_norm=norm(HIDDEN) if arch.output_norms else None,
+                mlp_out_norm=norm(HIDDEN) if arch.output_norms else None,
+            )
+        )
+    return Weights(randn(VOCAB, HIDDEN, scale=1.0), layers, norm(HIDDEN), randn(VOCAB, HIDDEN))
+
+
+@dataclass
+class DecodeBatch:
+    input_ids: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    metadata: AttentionMetadata
+    caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [blocks, BLOCK, kv, head_dim]
+
+
+def _batch(dtype: torch.dtype, gen: torch.Generator) -> DecodeBatch:
+    """One new token per sequence after CONTEXTS random cached keys and values, in shuffled
+    blocks; unowned slots hold NaN so that reading one shows."""
+    per_seq = [c // BLOCK + 1 for c in CONTEXTS]
+    order = torch.randperm(sum(per_seq) + 2, generator=gen).tolist()
+    tables, slots = [], []
+    for context, count in zip(CONTEXTS, per_seq, strict=True):
+        table, order = order[:count], order[count:]
+        tables.append(table + [0] * (max(per_seq) - count))
+        slots.append(table[context // BLOCK] * BLOCK + context % BLOCK)
+    num_blocks = sum(per_seq) + 2
+    caches = []
+    for _ in range(LAYERS):
+        pair = []
+        for _ in range(2):
+            cache = torch.full((num_blocks, BLOCK, KV_HEADS, HEAD_DIM), float("nan"))
+            for table, context in zip(tables, CONTEXTS, strict=True):
+                for t in range(context):
+                    block = table[t // BLOCK]
+                    cache[block, t % BLOCK] = torch.randn(KV_HEADS, HEAD_DIM, generator=gen)
+            pair.append(cache.to(dtype))
+        caches.append((pair[0], pair[1]))
+    lens = torch.tensor([c + 1 for c in CONTEXTS], dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=len(CONTEXTS),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+        prefill_query_lens=empty,
+        prefill_context_lens=empty,
+        prefill_seq_lens=empty,
+        prefill_block_tables=torch.zeros(0, max(per_seq), dtype=torch.int32),
+        max_prefill_query_len=0,
+        max_prefill_seq_len=0,
+        prefill_no_context=True,
+        decode_seq_lens=lens,
+        decode_block_tables=torch.tensor(tables, dtype=torch.int32),
+        max_decode_seq_len=int(lens.max()),
+        block_size=BLOCK,
+    )
+    ids = torch.randint(0, VOCAB, (len(CONTEXTS),), generator=gen)
+    return DecodeBatch(ids, torch.tensor(CONTEXTS), metadata, caches)
+
+
+def _logits(arch: ModelArchConfig, w: Weights, batch: DecodeBatch, native: bool) -> torch.Tensor:
+    """One decode step's logits ([n, vocab], float32) on fresh copies of the caches."""
+    model = DecoderModel(
+        arch,
+        w.embed,
+        [replace(layer) for layer in w.layers],
+        w.final_norm,
+        w.lm_head,
+        MAX_POSITIONS,
+        fused_ops=True,
+        native_decode_max_batch=16 if native else 0,
+    )
+    assert (model.decode_step is not None) == native, model.native_decode_refused
+    spec = AttentionSpec(torch.device("cpu"), w.embed.dtype, HEADS, KV_HEADS, HEAD_DIM)
+    backend = get_backend_class("cpu", spec)(
+        HEADS, KV_HEADS, HEAD_DIM, arch.scale, arch.attn_softcap
+    )
+    caches = [(k.clone(), v.clone()) for k, v in batch.caches]
+    rows = torch.arange(len(CONTEXTS))
+    logits = model.forward(batch.input_ids, batch.positions, caches, batch.metadata, backend, rows)
+    assert (model.argmax_logprobs is not None) == native  # the native step ran, or not
+    return logits.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_step_equals_the_per_layer_path(case: str, dtype: torch.dtype) -> None:
+    with_feature, without = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    weights = _weights(with_feature, dtype, gen)
+    batch = _batch(dtype, gen)
+    native = _logits(with_feature, weights, batch, native=True)
+    per_layer = _logits(with_feature, weights, batch, native=False)
+    assert bool(native.isfinite().all())
+    difference = (native - per_layer).abs().max().item()
+    assert difference <= TOLERANCE[dtype], (case, difference)
+    # The feature changes the logits: a step that ignored it would fail above.
+    plain = _logits(without, weights, batch, native=True)
+    assert (native - plain).abs().max().item() > MATTERS, case
