@@ -46,9 +46,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--native-decode-max-batch",
         type=int,
-        default=16,
+        default=None,
         help="decode steps of up to this many sequences run as one native call (cpu backend); "
-        "0 = per-layer path only",
+        "0 = per-layer path only; default 16, or 4 for models with a large LM head (see "
+        "worker_service/models/native.py)",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)

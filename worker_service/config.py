@@ -48,9 +48,10 @@ class WorkerConfig:
     # backend stays the plain-torch reference.
     linear_impl: LinearImplName = "auto"
     # Pure decode steps of up to this many sequences run every layer in one native call
-    # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off. Larger steps
-    # and prefills keep the per-layer path and its (prepacked) matmuls.
-    native_decode_max_batch: int = 16
+    # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks
+    # the model's measured default (models/native.py: default_native_max_batch). Larger
+    # steps and prefills keep the per-layer path and its (prepacked) matmuls.
+    native_decode_max_batch: int | None = None
     block_size: int = 16
     # Caps the model's own max_position_embeddings (None = the model's limit).
     max_model_len: int | None = None
@@ -87,7 +88,7 @@ class WorkerConfig:
             raise WorkerConfigError(
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.native_decode_max_batch < 0:
+        if self.native_decode_max_batch is not None and self.native_decode_max_batch < 0:
             raise WorkerConfigError("native_decode_max_batch", "must be non-negative")
         if self.kv_cache_memory_bytes <= 0:
             raise WorkerConfigError("kv_cache_memory_bytes", "must be positive")

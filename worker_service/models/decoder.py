@@ -43,7 +43,11 @@ from worker_service.models.linear import (
     packed_matmul,
 )
 from worker_service.models.moe import moe_mlp
-from worker_service.models.native import NativeDecode, native_decode_unsupported_reason
+from worker_service.models.native import (
+    NativeDecode,
+    default_native_max_batch,
+    native_decode_unsupported_reason,
+)
 from worker_service.models.rope import apply_rotary, cos_sin_for
 from worker_service.models.weights import LayerWeights
 
@@ -65,7 +69,7 @@ class DecoderModel:
         fused_ops: bool = False,
         packed_linear: bool = False,
         native_linear: bool = False,
-        native_decode_max_batch: int = 0,
+        native_decode_max_batch: int | None = 0,
     ) -> None:
         self.arch = arch
         # CPU only: RMSNorm, rotary and SiLU-and-multiply in C++ where the model's are those.
@@ -83,6 +87,8 @@ class DecoderModel:
         # Each row's argmax and its logprob when the last forward ran the native decode step
         # (which finds them while the logits are in cache), else None.
         self.argmax_logprobs: ArgmaxLogprobs | None = None
+        if native_decode_max_batch is None:
+            native_decode_max_batch = default_native_max_batch(arch)
         if fused_ops or native_decode_max_batch > 0 or native_linear:
             set_num_threads(torch.get_num_threads())  # the C++ kernels' own threads (pool.h)
         if native_decode_max_batch > 0:

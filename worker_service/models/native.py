@@ -28,6 +28,23 @@ from worker_service.models.arch import ModelArchConfig
 from worker_service.models.blocks import embedding_multiplier
 from worker_service.models.weights import LayerWeights
 
+# The native step's projections read each weight row once for every token, which beats
+# oneDNN's prepacked matmuls on small batches but not on large batches over a large LM head:
+# Gemma 3 270M (262144 x 640 head weights) took 0.88x the per-layer step's time at 1
+# sequence, 0.93x at 4, 1.12x at 8 and 1.38x at 16 (float32; bench/RESULTS.md, "Native
+# decode step per family"), while SmolLM2 (49152 x 576) gains through 16. Models whose head
+# holds more weights than this take the native step only up to SMALL_NATIVE_BATCH sequences.
+LARGE_HEAD_WEIGHTS = 64 * 2**20
+SMALL_NATIVE_BATCH = 4
+NATIVE_BATCH = 16
+
+
+def default_native_max_batch(arch: ModelArchConfig) -> int:
+    """The worker's default `native_decode_max_batch` for this model (see above)."""
+    if arch.vocab_size * arch.hidden_size > LARGE_HEAD_WEIGHTS:
+        return SMALL_NATIVE_BATCH
+    return NATIVE_BATCH
+
 
 def _shape(arch: ModelArchConfig, dtype: torch.dtype) -> DecodeShape:
     return DecodeShape(

@@ -6,6 +6,7 @@ NoPE layers, partial rotary...)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from kernels import KernelArgumentError
 from kernels.cpu import argmax_logsumexp
 from kernels.cpu.decode import ArgmaxLogprobs, DecodeShape, linear_rows
 from tests.support.models import FAMILY_KINDS, KINDS, save_tiny_model
+from worker_service.models.native import default_native_max_batch
 from worker_service.worker import Worker
 
 from .factories import GreedyDriver, make_worker
@@ -111,6 +113,17 @@ def test_batches_over_the_limit_take_the_per_layer_path(
     calls = _count_native_steps(worker, monkeypatch)
     _greedy_with_logprobs(worker, steps=4)
     assert calls == []  # three sequences decode together: over the limit of 2
+
+
+def test_default_native_batch_follows_the_lm_head_size(tiny_model_dir: dict[str, Path]) -> None:
+    # Measured (bench/RESULTS.md): SmolLM2's 49152 x 576 head gains from the native step
+    # through 16 sequences; Gemma 3 270M's 262144 x 640 head loses to oneDNN from 8 on.
+    smollm2 = SimpleNamespace(vocab_size=49152, hidden_size=576)
+    gemma3_270m = SimpleNamespace(vocab_size=262144, hidden_size=640)
+    assert default_native_max_batch(smollm2) == 16  # type: ignore[arg-type]
+    assert default_native_max_batch(gemma3_270m) == 4  # type: ignore[arg-type]
+    worker = make_worker(tiny_model_dir["llama"])  # no flag: the model's default
+    assert worker.model.native_decode is not None and worker.model.native_decode.max_batch == 16
 
 
 def test_shapes_the_step_cannot_run_keep_the_per_layer_path(tmp_path: Path) -> None:
