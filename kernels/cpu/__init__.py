@@ -1,7 +1,7 @@
 """Native CPU kernels: paged attention and the decoder's fused elementwise ops, in C++.
 
-`paged_attention.cpp` reads K/V straight from the paged cache (decode, and prefill over a
-cached prefix); `ops.cpp` fuses RMSNorm, rotary embedding, SiLU-and-multiply and the sampler's
+`paged_attention.cpp` (decode) and `paged_prefill.cpp` (prefill over a cached prefix) read
+K/V straight from the paged cache; `decode.cpp` runs a whole decode step; `ops.cpp` fuses RMSNorm, rotary embedding, SiLU-and-multiply and the sampler's
 argmax / log-sum-exp. `build.py` compiles them for this CPU on first use.
 """
 

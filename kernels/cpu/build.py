@@ -24,8 +24,13 @@ from typing import Any
 HERE = Path(__file__).parent
 COMMON_FLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-std=c++20")
 # Per source: extra flags. ops.cpp mirrors torch's rounding, so no multiply-add contraction.
-SOURCES = {"paged_attention.cpp": (), "ops.cpp": ("-ffp-contract=off",), "decode.cpp": ()}
-HEADERS = ("vec.h", "pool.h", "linear.h")
+SOURCES = {
+    "paged_attention.cpp": (),
+    "paged_prefill.cpp": (),
+    "ops.cpp": ("-ffp-contract=off",),
+    "decode.cpp": (),
+}
+HEADERS = ("vec.h", "pool.h", "linear.h", "attention.h")
 
 
 class NativeKernelUnavailable(RuntimeError):

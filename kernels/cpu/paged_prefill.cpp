@@ -1,0 +1,243 @@
+// Paged prefill attention for CPUs: a chunk of query tokens per sequence at positions
+// context_len .. seq_len - 1, causal over its cached context (chunked prefill, prefix-cache
+// hits), read straight from the KV blocks. Layout, arithmetic, windows and soft-caps as in
+// paged_attention.cpp (decode), whose key scoring it shares (attention.h).
+//
+// Entry point (extern "C", called through ctypes): llmserve_paged_prefill.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "attention.h"
+#include "pool.h"
+#include "vec.h"
+
+namespace {
+
+using namespace llmserve;
+using namespace llmserve::attention;
+
+// ---- prefill -------------------------------------------------------------------------------
+
+struct PrefillArgs {
+  const void* query;  // [num_tokens, num_heads, head_dim], sequences back to back
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_seqs, table_stride]
+  int64_t table_stride;
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const int32_t* seq_lens;         // [num_seqs], cached context + this chunk
+  void* out;                       // [num_tokens, num_heads, head_dim]
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t block_size;
+  float scale;
+  int64_t query_stride;  // elements between query rows (heads are contiguous in a row)
+  int64_t window;        // sliding window, 0 = none
+  float softcap;         // 0 = none
+};
+
+constexpr int kQueryTile = 32;  // query tokens per work item (times the group's heads)
+constexpr int kKeyChunk = 64;  // keys per softmax update
+constexpr int kKeyVectors = kKeyChunk / kLanes;  // independent score accumulators
+
+// Per-thread scratch for prefill tiles; grows to the largest tile once.
+struct PrefillScratch {
+  std::vector<float> query;  // [vectors, head_dim], pre-scaled
+  std::vector<vfloat> acc;   // [vectors, NV]
+  std::vector<float> run_max;
+  std::vector<float> run_sum;
+  std::vector<float> keys;    // [head_dim, kKeyChunk]: the key chunk, transposed
+  std::vector<float> values;  // [kKeyChunk, head_dim]
+};
+
+// Flash-style: for a tile of query tokens and one kv head, walk chunks of kKeyChunk keys with
+// an online softmax. Each chunk is loaded once (transposed for the scores, row-major for the
+// values) and used by every query vector of the tile, so the inner loops are broadcast
+// multiply-adds with no horizontal sums, kKeyVectors independent accumulators for the scores,
+// and one max / rescale per chunk.
+template <typename T, int NV>
+void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t tile,
+                  PrefillScratch& scratch) {
+  constexpr int kHeadDim = NV * kLanes;
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t q_begin = a.query_start_loc[seq];
+  const int64_t q_len = a.query_start_loc[seq + 1] - q_begin;
+  const int64_t seq_len = a.seq_lens[seq];
+  const int64_t context = seq_len - q_len;
+  const int64_t first = tile * kQueryTile;  // within the chunk
+  const int64_t rows = std::min<int64_t>(kQueryTile, q_len - first);
+  const int64_t token_stride = a.num_kv_heads * kHeadDim;
+  const int64_t block_stride = a.block_size * token_stride;
+  const int32_t* table = a.block_tables + seq * a.table_stride;
+  const T* keys = static_cast<const T*>(a.key_cache) + kv_head * kHeadDim;
+  const T* values = static_cast<const T*>(a.value_cache) + kv_head * kHeadDim;
+
+  const int64_t vectors = rows * group;  // query vector r * group + g
+  scratch.query.resize(size_t(vectors * kHeadDim));
+  scratch.acc.resize(size_t(vectors * NV));
+  scratch.run_max.resize(size_t(vectors));
+  scratch.run_sum.resize(size_t(vectors));
+  scratch.keys.resize(size_t(kHeadDim * kKeyChunk));
+  scratch.values.resize(size_t(kKeyChunk * kHeadDim));
+  float* q = scratch.query.data();
+  vfloat* acc = scratch.acc.data();
+  float* run_max = scratch.run_max.data();
+  float* run_sum = scratch.run_sum.data();
+  float* kt = scratch.keys.data();    // kt[d * kKeyChunk + j]
+  float* vt = scratch.values.data();  // vt[j * kHeadDim + d]
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = static_cast<const T*>(a.query) + (q_begin + first + r) * a.query_stride +
+                   kv_head * group * kHeadDim;
+    for (int64_t i = 0; i < group * kHeadDim; ++i) {
+      q[r * group * kHeadDim + i] = to_float(src[i]) * a.scale;
+    }
+  }
+  for (int64_t qv = 0; qv < vectors; ++qv) {
+    for (int c = 0; c < NV; ++c) acc[qv * NV + c] = vfloat{};
+    run_max[qv] = -std::numeric_limits<float>::infinity();
+    run_sum[qv] = 0.0f;
+  }
+
+  // Keys visible to the tile's last query token: positions 0 .. context + first + rows - 1;
+  // with a window, from the first query's oldest key in the window on.
+  const int64_t key_end = context + first + rows;
+  const int64_t key_begin =
+      a.window > 0 ? std::max<int64_t>(0, context + first - a.window + 1) : 0;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  alignas(64) float p[kKeyChunk];
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyChunk) {
+    const int64_t n = std::min<int64_t>(kKeyChunk, key_end - k0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = k0 + j;
+      const int64_t offset = int64_t(table[pos / a.block_size]) * block_stride +
+                             (pos % a.block_size) * token_stride;
+      const T* krow = keys + offset;
+      const T* vrow = values + offset;
+      for (int c = 0; c < NV; ++c) store(vt + j * kHeadDim + c * kLanes, load(vrow + c * kLanes));
+      for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = to_float(krow[d]);
+    }
+    for (int64_t j = n; j < kKeyChunk; ++j) {
+      for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = 0.0f;
+      for (int d = 0; d < kHeadDim; ++d) vt[j * kHeadDim + d] = 0.0f;
+    }
+    const vint lane = lane_indices();
+    for (int64_t qv = 0; qv < vectors; ++qv) {
+      const int64_t q_pos = context + first + qv / group;
+      if (k0 > q_pos) continue;  // the whole chunk is in this query's future
+      // The whole chunk is older than this query's window.
+      if (a.window > 0 && k0 + n - 1 <= q_pos - a.window) continue;
+      // Key vectors of the chunk this query sees at all (the rest are wholly in its future).
+      const int live = int(std::min<int64_t>(kKeyVectors, (q_pos - k0) / kLanes + 1));
+      const float* qrow = q + qv * kHeadDim;
+      vfloat s[kKeyVectors] = {};
+      for (int d = 0; d < kHeadDim; ++d) {
+        const vfloat qd = splat(qrow[d]);
+        for (int v = 0; v < kKeyVectors; ++v) {
+          if (v < live) s[v] += qd * load(kt + d * kKeyChunk + v * kLanes);
+        }
+      }
+      if (a.softcap > 0.0f) {
+        for (int v = 0; v < live; ++v) {
+          alignas(64) float lanes[kLanes];
+          store(lanes, s[v]);
+          for (int l = 0; l < kLanes; ++l) lanes[l] = std::tanh(lanes[l] / a.softcap) * a.softcap;
+          s[v] = load(lanes);
+        }
+      }
+      const int32_t oldest = a.window > 0 ? int32_t(q_pos - a.window) : -1;
+      vfloat chunk_max = splat(neg_inf);
+      for (int v = 0; v < kKeyVectors; ++v) {
+        const vint key = lane + int32_t(k0 + v * kLanes);
+        const vint visible = (key <= int32_t(q_pos)) & (key > oldest);
+        s[v] = v < live ? (visible ? s[v] : splat(neg_inf)) : splat(neg_inf);
+        chunk_max = s[v] > chunk_max ? s[v] : chunk_max;
+      }
+      const float new_max = std::max(run_max[qv], hmax(chunk_max));
+      const float correction = exp_nonpositive(run_max[qv] - new_max);
+      vfloat total = vfloat{};
+      for (int v = 0; v < kKeyVectors; ++v) {
+        const vfloat e = exp_nonpositive(s[v] - new_max);
+        store(p + v * kLanes, e);
+        total += e;
+      }
+      run_sum[qv] = run_sum[qv] * correction + hsum(total);
+      run_max[qv] = new_max;
+      vfloat o[NV];
+      for (int c = 0; c < NV; ++c) o[c] = acc[qv * NV + c] * correction;
+      const int64_t keys_seen = std::min<int64_t>(n, int64_t(live) * kLanes);
+      for (int64_t j = 0; j < keys_seen; ++j) {
+        const vfloat pj = splat(p[j]);
+        for (int c = 0; c < NV; ++c) o[c] += pj * load(vt + j * kHeadDim + c * kLanes);
+      }
+      for (int c = 0; c < NV; ++c) acc[qv * NV + c] = o[c];
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = static_cast<T*>(a.out) +
+             ((q_begin + first + r) * a.num_heads + kv_head * group) * kHeadDim;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t qv = r * group + g;
+      const float inv = 1.0f / run_sum[qv];
+      for (int c = 0; c < NV; ++c) {
+        const vfloat v = acc[qv * NV + c] * inv;
+        store(dst + g * kHeadDim + c * kLanes, v);
+      }
+    }
+  }
+}
+
+template <typename T, int NV>
+void prefill(const PrefillArgs& a) {
+  // Work items are (query tile, kv head); tiles of later queries see more keys, so they are
+  // handed out dynamically, last (largest) first.
+  std::vector<int64_t> tile_start(size_t(a.num_seqs + 1), 0);
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    tile_start[size_t(s + 1)] = tile_start[size_t(s)] + (q_len + kQueryTile - 1) / kQueryTile;
+  }
+  const int64_t items = tile_start[size_t(a.num_seqs)] * a.num_kv_heads;
+  // Claimed in order, so the largest items go first.
+  auto item_at = [&](int64_t claim) {
+    thread_local PrefillScratch scratch;
+    const int64_t item = items - 1 - claim;
+    const int64_t flat_tile = item / a.num_kv_heads;
+    const int64_t kv_head = item % a.num_kv_heads;
+    const int64_t seq = int64_t(std::upper_bound(tile_start.begin(), tile_start.end(),
+                                                 flat_tile) -
+                                tile_start.begin() - 1);
+    prefill_tile<T, NV>(a, seq, kv_head, flat_tile - tile_start[size_t(seq)], scratch);
+  };
+  ChunkPool::instance().run(items, pool_threads, item_at);
+}
+
+template <typename T, int NV>
+struct PrefillOp {
+  static void run(const PrefillArgs& a) { prefill<T, NV>(a); }
+};
+
+}  // namespace
+
+extern "C" {
+
+int llmserve_paged_prefill(int dtype, int64_t head_dim, const void* query, const void* key_cache,
+                           const void* value_cache, const int32_t* block_tables,
+                           int64_t table_stride, const int32_t* query_start_loc,
+                           const int32_t* seq_lens, void* out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                           float scale, int64_t query_stride, int64_t window,
+                           float softcap) {
+  const PrefillArgs args{query,           key_cache,  value_cache, block_tables, table_stride,
+                         query_start_loc, seq_lens,   out,         num_seqs,     num_heads,
+                         num_kv_heads,    block_size, scale,       query_stride, window,
+                         softcap};
+  return dispatch<PrefillOp>(dtype, head_dim, args);
+}
+
+}  // extern "C"
