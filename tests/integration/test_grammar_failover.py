@@ -173,8 +173,8 @@ SMALL_CACHE_WORKER_ARGS = [
     "1",
 ]
 SMALL_CACHE_SCHEDULER_ARGS = [*SCHEDULER_ARGS, "--num-gpu-blocks-override", "8"]
-# Longer than BOUNDED_SCHEMA's objects, and bounded: 60 to 90 tokens (126 with max_tokens and
-# the prompt, below max_model_len).
+# Longer than BOUNDED_SCHEMA's objects, and bounded: 60 to 90 tokens, below max_tokens (110,
+# which the longest prompt, 10 tokens, leaves room for under max_model_len).
 LONG_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -200,7 +200,7 @@ def preemption_workload() -> list[tuple[str, dict[str, Any]]]:
     requests = []
     for i in range(16):
         spec, prompt = PREEMPTION_GRAMMARS[i % 2]
-        params: dict[str, Any] = {"max_tokens": 120}
+        params: dict[str, Any] = {"max_tokens": 110}
         if i % 4 >= 2:
             params.update(temperature=1.0, seed=300 + i)
         else:
