@@ -151,7 +151,8 @@ GRAMMAR_COMPILE_SECONDS = Histogram(
 )
 GRAMMAR_ERRORS = Counter(
     "llmserve_grammar_errors",
-    "Grammars that failed on the scheduler (the gateway refuses most at admission)",
+    "Grammars that failed on the scheduler (the gateway refuses most at admission), by stage "
+    "(compile, setup, refused_token)",
     ["stage"],
 )
 GRAMMAR_MASK_SECONDS = Histogram(
@@ -178,6 +179,12 @@ def record_grammar_compile(seconds: float, ok: bool) -> None:
 
 def record_grammar_setup_error() -> None:
     GRAMMAR_ERRORS.labels("setup").inc()
+
+
+def record_grammar_refused_token() -> None:
+    """A sampled token the grammar refused (a mask that was not applied): its sequence is
+    aborted."""
+    GRAMMAR_ERRORS.labels("refused_token").inc()
 
 
 def record_grammar_step(
