@@ -12,18 +12,17 @@ from typing import Any, Literal
 
 from llmserve.errors import FieldError
 from llmserve.grammar.spec import GrammarKind, GrammarSpec
+from llmserve.proto_masks import add_masks, token_mask_from_proto
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
     CachedSequence,
     Fork,
-    MaskKind,
     NewSequence,
     PromptLogprob,
     SequenceOutput,
     StepInput,
     StepResult,
     TokenLogprob,
-    TokenMask,
 )
 from llmserve.v1 import common_pb2, worker_pb2
 
@@ -257,14 +256,9 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
     _set_mapping(msg.blocks_to_swap_out, step.blocks_to_swap_out)
     _set_mapping(msg.blocks_to_swap_in, step.blocks_to_swap_in)
     _set_mapping(msg.blocks_to_copy, step.blocks_to_copy)
-    for m in step.token_masks:
-        msg.token_masks.add(
-            seq_id=m.seq_id,
-            kind=int(m.kind),
-            vocab_size=m.vocab_size,
-            token_ids=m.token_ids,
-            bitmap=m.bitmap,
-        )
+    add_masks(msg.token_masks, step.token_masks)
+    if step.deferred_mask_seq_ids:
+        msg.deferred_mask_seq_ids.extend(step.deferred_mask_seq_ids)
     return msg
 
 
@@ -292,16 +286,9 @@ def step_input_from_proto(msg: worker_pb2.ExecuteRequest) -> StepInput:
         blocks_to_swap_out=_mapping(msg.blocks_to_swap_out),
         blocks_to_swap_in=_mapping(msg.blocks_to_swap_in),
         blocks_to_copy=_mapping(msg.blocks_to_copy),
-        token_masks=[_token_mask(m) for m in msg.token_masks],
+        token_masks=[token_mask_from_proto(m) for m in msg.token_masks],
+        deferred_mask_seq_ids=list(msg.deferred_mask_seq_ids),
     )
-
-
-def _token_mask(msg: worker_pb2.TokenMask) -> TokenMask:
-    try:
-        kind = MaskKind(msg.kind)
-    except ValueError:
-        raise ValueError(f"token mask of seq {msg.seq_id}: unknown kind {msg.kind}") from None
-    return TokenMask(msg.seq_id, kind, msg.vocab_size, list(msg.token_ids), msg.bitmap)
 
 
 # --- grammars ------------------------------------------------------------------------------
@@ -373,7 +360,10 @@ def _outputs(msg: worker_pb2.SequenceOutputs) -> list[SequenceOutput]:
 
 def step_result_to_proto(result: StepResult) -> worker_pb2.ExecuteResult:
     msg = worker_pb2.ExecuteResult(
-        step_id=result.step_id, forward_ns=result.forward_ns, sample_ns=result.sample_ns
+        step_id=result.step_id,
+        forward_ns=result.forward_ns,
+        sample_ns=result.sample_ns,
+        mask_wait_ns=result.mask_wait_ns,
     )
     _set_outputs(msg.outputs, result.outputs)
     for o in result.outputs:
@@ -395,7 +385,11 @@ def step_result_from_proto(msg: worker_pb2.ExecuteResult) -> StepResult:
                 prompt_logprob_from_proto(p) for p in entry.prompt_logprobs
             ]
     return StepResult(
-        step_id=msg.step_id, outputs=outputs, forward_ns=msg.forward_ns, sample_ns=msg.sample_ns
+        step_id=msg.step_id,
+        outputs=outputs,
+        forward_ns=msg.forward_ns,
+        sample_ns=msg.sample_ns,
+        mask_wait_ns=msg.mask_wait_ns,
     )
 
 

@@ -135,6 +135,9 @@ class StepInput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Allowed tokens of the constrained sequences that sample in this step.
     token_masks: list[TokenMask] = field(default_factory=list)
+    # Constrained sequences sampling in this step whose masks follow the step (computed while
+    # the worker runs its forward pass); the worker waits for them before sampling.
+    deferred_mask_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -194,6 +197,8 @@ class StepResult:
     outputs: list[SequenceOutput] = field(default_factory=list)
     forward_ns: int = 0
     sample_ns: int = 0
+    # Time waiting for the step's deferred masks after the forward pass (not in sample_ns).
+    mask_wait_ns: int = 0
 
 
 class Executor(Protocol):

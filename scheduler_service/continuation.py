@@ -9,13 +9,22 @@ appended when N's result arrives, as in synchronous scheduling.
 Only a step whose outcome cannot change what N+1 schedules is continued
 (`plan_continuation`): nothing waiting or swapped (admissions, swaps and preemptions happen
 only at synchronous steps), every running group scheduled in N and sampling there, no beam
-search and no fork at a first sample, no constrained (grammar) group, whose next token mask
-depends on the token N samples, no sequence reaching max_tokens or max_model_len in N,
+search and no fork at a first sample, no sequence reaching max_tokens or max_model_len in N,
 and free blocks for the reserved slots. Anything that N's result does change (a stop, an
 abort, an export) takes effect one step later: a sequence that finished in N is computed in
 N+1 too, and its output there is dropped, because output processing only reads sequences that
 are still running. Its blocks are freed at once: the worker runs steps in order, so N+1's
 write into them happens before any later step that reuses them.
+
+Constrained (grammar) sequences are continued too. The mask of an N+1 row depends on the
+token N samples, so N+1 goes out with its constrained rows deferred and their masks are
+computed once N's result is processed, while the worker runs N+1's forward pass
+(`LLMEngine.compute_masks`). When N's token makes the grammar force more tokens, they are
+appended after N+1 was built: N+1 still computes N's token (its K/V is right), but its sample
+for that row sits where the first forced token goes, so the row gets no mask and its sample
+is dropped (output processing skips a sequence with uncomputed tokens). That row is not
+continued past N+1 (its forced tokens are inputs, not a single sampled token, which the
+placeholder cannot name), so the step after N+1 is synchronous and sends them.
 
 `PipelinedStepper` drives an in-process engine this way, one step ahead at most.
 """
@@ -54,13 +63,13 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
             continue  # finished or aborted since `prev` was scheduled
         if params.use_beam_search or (params.num_sampled > 1 and not group.has_sampled):
             return None
-        if group.grammar is not None:
-            return None  # its next mask needs the token `prev` samples
         chunk = scheduled.token_chunk_size
         for seq in running:
             num_tokens = len(seq.token_ids)
             if seq.num_computed_tokens + chunk != num_tokens:
-                return None  # a prefill chunk short of the end samples nothing
+                # A prefill chunk short of the end samples nothing; a constrained sequence
+                # whose grammar forced tokens after `prev` was built has them to send.
+                return None
             if (
                 num_tokens + 1 >= model_len
                 or num_tokens + 1 - seq.num_prompt_tokens >= params.max_tokens
@@ -84,40 +93,52 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
 def commit_continuation(scheduler: Scheduler, cont: SchedulerOutputs) -> None:
     """After the previous step's tokens are appended: what `schedule()` would have done for
     the continuation's sequences that still run (their slots are reserved, so this only marks
-    newly full blocks for the prefix cache)."""
+    newly full blocks for the prefix cache). A sequence that got forced tokens besides its
+    sample is left to the next `schedule()`, which finds (or preempts for) their slots."""
     copies: list[tuple[int, int]] = []
     append_slots = scheduler.block_manager.append_slots
     for scheduled in cont.scheduled:
         for seq in scheduled.seq_group.seqs:
-            if seq.status == _RUNNING:
+            if seq.status == _RUNNING and len(seq.token_ids) == seq.num_computed_tokens + 1:
                 append_slots(seq, copies)
     assert not copies, "a continuation step never copies on write"
 
 
 class PipelinedStepper:
-    """Runs an engine's steps one ahead of their results: the next step is built (and, for a
-    remote worker, sent) before the previous one is processed. The engine's executor runs
-    each step when it is built; `step()` returns the oldest step's outputs."""
+    """Runs an engine's steps one ahead of their results: the next step is built before the
+    previous one is processed. The in-process executor runs a step at once, so a step runs
+    when its masks can be computed: at once for a step begun alone, after the previous step is
+    finished for a continuation (its constrained rows' masks need that step's tokens); a
+    remote worker would start it earlier. `step()` returns the oldest step's outputs."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._in_flight: deque[tuple[SchedulerOutputs, StepInput, StepResult | None]] = deque()
+        # [scheduling decision, step, result (None until run, or for an empty step)]
+        self._in_flight: deque[tuple[SchedulerOutputs, StepInput, list[StepResult | None]]] = (
+            deque()
+        )
         self.num_continuations = 0
 
-    def _submit(self, sched_out: SchedulerOutputs, step_input: StepInput) -> None:
-        result = None if step_input.is_empty() else self.engine.executor.execute(step_input)
-        self._in_flight.append((sched_out, step_input, result))
+    def _run(self, step_input: StepInput) -> StepResult | None:
+        self.engine.attach_masks(step_input)
+        return None if step_input.is_empty() else self.engine.executor.execute(step_input)
 
     def step(self) -> list[RequestOutput]:
         engine = self.engine
         if not self._in_flight:
-            self._submit(*engine.begin_step())
+            sched_out, step_input = engine.begin_step()
+            self._in_flight.append((sched_out, step_input, [self._run(step_input)]))
         if len(self._in_flight) == 1:
             cont = engine.begin_continuation(self._in_flight[0][0])
             if cont is not None:
                 self.num_continuations += 1
-                self._submit(*cont)
-        return engine.finish_step(*self._in_flight.popleft())
+                self._in_flight.append((*cont, [None]))
+        sched_out, step_input, (result,) = self._in_flight.popleft()
+        outputs = engine.finish_step(sched_out, step_input, result)
+        if self._in_flight:
+            _, cont_input, cont_result = self._in_flight[0]
+            cont_result[0] = self._run(cont_input)
+        return outputs
 
     @property
     def in_flight(self) -> int:

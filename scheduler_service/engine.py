@@ -18,7 +18,7 @@ from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.priority import check_priority
 from llmserve.sampling_params import SamplingParams
-from llmserve.steps import Executor, StepInput, StepResult
+from llmserve.steps import Executor, StepInput, StepResult, TokenMask
 from scheduler_service import metrics
 from scheduler_service.config import CacheConfig, SchedulerConfig
 from scheduler_service.continuation import (
@@ -326,8 +326,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns a delta for each request with something new."""
         sched_out, step_input = self.begin_step()
+        self.attach_masks(step_input)
         result = None if step_input.is_empty() else self.executor.execute(step_input)
         return self.finish_step(sched_out, step_input, result)
+
+    def compute_masks(self, step_id: int) -> tuple[list[TokenMask], float]:
+        """The token masks of a built step's constrained rows (`StepInput.deferred_mask_seq_ids`)
+        and the seconds they took. Call it once per such step: for a step built by
+        `begin_step`, any time before its `finish_step` (the gRPC service runs it off the event
+        loop while the worker runs the forward pass); for a continuation, after the previous
+        step's `finish_step` (the masks depend on the token it sampled). Nothing may advance
+        the step's grammars meanwhile; other engine calls may run."""
+        return self._builder.masks(step_id)
+
+    def attach_masks(self, step_input: StepInput) -> None:
+        """For an executor in process: compute the step's deferred masks and put them in the
+        step itself, so it carries no deferred rows."""
+        if step_input.deferred_mask_seq_ids:
+            step_input.token_masks.extend(self.compute_masks(step_input.step_id)[0])
+            step_input.deferred_mask_seq_ids = []
 
     def begin_step(self) -> tuple[SchedulerOutputs, StepInput]:
         """First half of `step()`: schedule and build the diff. A caller that executes steps
@@ -337,9 +354,6 @@ class LLMEngine:
         self._finish_failed_grammars()
         sched_out = self.scheduler.schedule()
         step_input = self._builder.build(sched_out)
-        if self._builder.grammar_failures:
-            self._abort_failed_grammars(self._builder.grammar_failures)
-            self._builder.grammar_failures = []
         self.last_step_input = step_input
         self._num_in_flight = 1
         return sched_out, step_input
@@ -367,6 +381,9 @@ class LLMEngine:
         """Second half of `step()`: `result` is the executed step's (None when it was empty)."""
         if result is None:
             result = StepResult(step_input.step_id)
+        if self._builder.grammar_failures:  # found computing this step's masks
+            self._abort_failed_grammars(self._builder.grammar_failures)
+            self._builder.grammar_failures = []
         self.scheduler.on_step_executed(sched_out)
         outputs, events = self._processor.process(sched_out, result)
         self._builder.add_events(events)
@@ -388,7 +405,7 @@ class LLMEngine:
 
     @property
     def last_mask_seconds(self) -> float:
-        """Time the last built step spent computing token masks."""
+        """Time the last `compute_masks` took."""
         return self._builder.grammar_timings.last_step_seconds
 
     @property

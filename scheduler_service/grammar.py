@@ -125,11 +125,17 @@ class SequenceGrammar:
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
-        """Advance over an appended token. False: the grammar refuses it."""
+        """Advance over an appended token. False: the grammar refuses it (counted in
+        `llmserve_grammar_errors{stage="refused_token"}`; the sequence is then aborted)."""
         if self._matcher is None and not self._compiled.done():
             self._pending.append(token_id)
             return True
-        return self.matcher().accept(token_id)
+        if self.matcher().accept(token_id):
+            return True
+        from scheduler_service import metrics
+
+        metrics.record_grammar_refused_token()
+        return False
 
     def is_terminated(self) -> bool:
         return self._matcher is not None and self._matcher.is_terminated()

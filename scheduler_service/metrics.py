@@ -151,12 +151,14 @@ GRAMMAR_COMPILE_SECONDS = Histogram(
 )
 GRAMMAR_ERRORS = Counter(
     "llmserve_grammar_errors",
-    "Grammars that failed on the scheduler (the gateway refuses most at admission)",
+    "Grammars that failed on the scheduler (the gateway refuses most at admission), by stage "
+    "(compile, setup, refused_token)",
     ["stage"],
 )
 GRAMMAR_MASK_SECONDS = Histogram(
     "llmserve_grammar_mask_seconds",
-    "Computing one step's token masks (the worker waits for it: masks travel with the step)",
+    "Computing one step's token masks (while the worker runs its forward pass; what the "
+    "worker still waits for is llmserve_worker_mask_wait_seconds)",
     _R,
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
 )
@@ -179,13 +181,20 @@ def record_grammar_setup_error() -> None:
     GRAMMAR_ERRORS.labels("setup").inc()
 
 
+def record_grammar_refused_token() -> None:
+    """A sampled token the grammar refused (a mask that was not applied): its sequence is
+    aborted."""
+    GRAMMAR_ERRORS.labels("refused_token").inc()
+
+
 def record_grammar_step(
-    replica_id: int, step: StepInput, mask_seconds: float, total_forced_tokens: int
+    replica_id: int, num_masks: int, mask_seconds: float, total_forced_tokens: int
 ) -> None:
+    """A finished step's `num_masks` token masks (computed in `mask_seconds`)."""
     r = str(replica_id)
-    if step.token_masks:
+    if num_masks:
         GRAMMAR_MASK_SECONDS.labels(r).observe(mask_seconds)
-        GRAMMAR_MASKED_ROWS.labels(r).inc(len(step.token_masks))
+        GRAMMAR_MASKED_ROWS.labels(r).inc(num_masks)
     _advance(GRAMMAR_FORCED_TOKENS, (r,), total_forced_tokens)
 
 

@@ -7,10 +7,17 @@ without waiting for N's result to travel back, be processed and the next step to
 scheduled. Results are received and finished in order; each step keeps its own trace span,
 metrics and watchdog timing (a step's time runs from when the worker can start it: its send,
 or the previous result, whichever is later).
+
+A step with constrained rows (structured output) goes out with them deferred; their masks are
+computed off the event loop while the worker runs the step's forward pass and follow on the
+same stream (`_send_masks`): at once for a step begun alone, once the previous step is
+finished for a continuation (its masks need that step's tokens). A step is finished only
+after its masks went out, so nothing advances those grammars while they are computed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -19,6 +26,7 @@ from opentelemetry.trace import Span
 
 from llmserve import failpoints
 from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
+from llmserve.proto_masks import step_masks_to_proto
 from llmserve.steps import StepInput
 from scheduler_service import metrics
 from scheduler_service.engine import LLMEngine
@@ -35,7 +43,10 @@ class _Step:
     span: Span | None
     request_ids: list[str]
     sent: float  # perf_counter at send (or at begin, for an empty step)
-    mask_seconds: float = 0.0  # building its token masks (structured output)
+    # Computing and sending its deferred masks (structured output); resolves to the seconds
+    # the computation took and how many masks went out. None: none started (no deferred
+    # rows, or waiting for the previous step).
+    masks: asyncio.Future[tuple[float, int]] | None = None
 
 
 class StepPipeline:
@@ -103,34 +114,50 @@ class StepPipeline:
             request = step_input_to_proto(step_input)
             request.traceparent = step_traceparent(span)
             self.stream.send(request)
-        self._steps.append(
-            _Step(
-                sched_out,
-                step_input,
-                span,
-                ids,
-                time.perf_counter(),
-                self.engine.last_mask_seconds if step_input.token_masks else 0.0,
-            )
-        )
+        step = _Step(sched_out, step_input, span, ids, time.perf_counter())
+        if not self._steps:  # else a continuation: its masks wait for the step before it
+            self._start_masks(step)
+        self._steps.append(step)
+
+    def _start_masks(self, step: _Step) -> None:
+        if step.step_input.deferred_mask_seq_ids:
+            step.masks = asyncio.ensure_future(self._send_masks(step))
+
+    async def _send_masks(self, step: _Step) -> tuple[float, int]:
+        """Compute the step's deferred masks on a thread (the loop meanwhile sends the step
+        and goes on) and send them after it. Returns the seconds the computation took and the
+        number of masks."""
+        step_id = step.step_input.step_id
+        loop = asyncio.get_running_loop()
+        masks, seconds = await loop.run_in_executor(None, self.engine.compute_masks, step_id)
+        self.stream.send(step_masks_to_proto(step_id, masks))
+        self.tracer.on_masks(step.sched_out, masks)
+        return seconds, len(masks)
 
     async def finish_oldest(self) -> tuple[list[RequestOutput], bool]:
         """Receive the oldest step's result and finish it. Returns its outputs and whether
         the step was empty."""
         step = self._steps[0]
         result = None
-        if not step.step_input.is_empty():
-            try:
+        mask_seconds, num_masks = 0.0, len(step.step_input.token_masks)
+        try:
+            if step.masks is not None:
+                mask_seconds, num_masks = await step.masks
+            if not step.step_input.is_empty():
                 reply = await self.stream.receive(self.watchdog.timeout_s())
-            except BaseException as exc:
-                for pending in self._steps:
-                    end_step_span(pending.span, 0, 0, exc)
-                raise
-            result = step_result_from_proto(reply)
+                result = step_result_from_proto(reply)
+        except BaseException as exc:
+            for pending in self._steps:
+                end_step_span(pending.span, 0, 0, exc)
+                if pending.masks is not None and pending is not step:
+                    pending.masks.cancel()
+            raise
         failpoints.check("replica.finish_step", self.address)
         self._steps.popleft()
         engine = self.engine
         outputs = engine.finish_step(step.sched_out, step.step_input, result)
+        if self._steps:  # a continuation: its masks can be computed now
+            self._start_masks(self._steps[0])
         self.tracer.on_outputs(outputs)
         end_step_span(step.span, *((result.forward_ns, result.sample_ns) if result else (0, 0)))
         now = time.perf_counter()
@@ -147,8 +174,8 @@ class StepPipeline:
         )
         metrics.record_grammar_step(
             self.replica_id,
-            step.step_input,
-            step.mask_seconds,
+            num_masks,
+            mask_seconds,
             engine.num_forced_tokens,
         )
         return outputs, step.step_input.is_empty()

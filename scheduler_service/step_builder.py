@@ -12,7 +12,14 @@ from __future__ import annotations
 import time
 
 from llmserve.grammar.backend import GrammarError
-from llmserve.steps import SAMPLED_TOKEN, CachedSequence, Fork, NewSequence, StepInput
+from llmserve.steps import (
+    SAMPLED_TOKEN,
+    CachedSequence,
+    Fork,
+    NewSequence,
+    StepInput,
+    TokenMask,
+)
 from scheduler_service.grammar import GrammarTimings
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, WorkerEvents
@@ -37,12 +44,14 @@ class StepBuilder:
         self._forks: list[tuple[Sequence, Sequence]] = []
         self._freed: list[int] = []
         self._step_id = 0
-        # Time spent computing token masks (the worker waits for it: masks travel with the
-        # step), and how many.
+        # Time spent computing token masks, and how many.
         self.grammar_timings = GrammarTimings()
         # Groups whose grammar failed to compile when their first mask was needed: the
-        # engine aborts them right after the build (their rows' samples are then ignored).
+        # engine aborts them before it processes the step (their samples are then ignored).
         self.grammar_failures: list[SequenceGroup] = []
+        # Per step id: its constrained rows (sequence, group, chunk), whose masks `masks`
+        # computes after the step is built (and sent).
+        self._mask_rows: dict[int, list[tuple[Sequence, SequenceGroup, int]]] = {}
 
     def add_events(self, events: WorkerEvents) -> None:
         """Output processing's forks and frees, for the next step."""
@@ -68,30 +77,43 @@ class StepBuilder:
         fork_parents = self._add_forks(step)
         self._freed.extend(sched_out.freed_seq_ids)
         self._add_frees(step, fork_parents)
-        constrained = self._add_sequences(step, sched_out)
-        self.grammar_timings.last_step_seconds = 0.0
-        if constrained:
-            self._add_masks(step, constrained)
+        self._defer_masks(step, self._add_sequences(step, sched_out))
         return step
 
-    def _add_masks(
-        self, step: StepInput, constrained: list[tuple[Sequence, SequenceGroup]]
+    def _defer_masks(
+        self, step: StepInput, rows: list[tuple[Sequence, SequenceGroup, int]]
     ) -> None:
-        """The allowed tokens of each constrained sequence that samples in this step. The
-        first one waits for its grammar to compile (prefill ran meanwhile)."""
-        timings = self.grammar_timings
+        """Name the constrained rows whose masks follow the step (`masks`)."""
+        if rows:
+            step.deferred_mask_seq_ids = [seq.seq_id for seq, _, _ in rows]
+            self._mask_rows[step.step_id] = rows
+
+    def masks(self, step_id: int) -> tuple[list[TokenMask], float]:
+        """The deferred masks of step `step_id` and the seconds they took: one per row that
+        still samples where the step was built to (a row that finished meanwhile, or got
+        forced tokens after a continuation step was built, gets none: its sample is ignored).
+        The first mask of a sequence waits for its grammar to compile (prefill ran meanwhile).
+        Safe off the engine's thread while nothing else advances these sequences' grammars."""
+        rows = self._mask_rows.pop(step_id, None)
+        if not rows:
+            return [], 0.0
         start = time.perf_counter()
-        for seq, group in constrained:
+        masks = []
+        for seq, group, chunk in rows:
             assert seq.grammar is not None
+            if seq.status != _RUNNING or seq.num_computed_tokens + chunk != len(seq.token_ids):
+                continue
             try:
-                step.token_masks.append(seq.grammar.mask(seq.seq_id))
+                masks.append(seq.grammar.mask(seq.seq_id))
             except GrammarError:
                 if group not in self.grammar_failures:
                     self.grammar_failures.append(group)
         seconds = time.perf_counter() - start
+        timings = self.grammar_timings
         timings.last_step_seconds = seconds
         timings.mask_seconds += seconds
-        timings.num_masks += len(step.token_masks)
+        timings.num_masks += len(masks)
+        return masks, seconds
 
     def build_continuation(self, cont: SchedulerOutputs) -> StepInput:
         """The diff of a continuation step (`scheduler_service.continuation`): each scheduled
@@ -104,10 +126,16 @@ class StepBuilder:
         bm = self.scheduler.block_manager
         tables = bm.block_tables
         views = self.views
+        constrained: list[tuple[Sequence, SequenceGroup, int]] = []
         for scheduled in cont.scheduled:
             for seq in scheduled.seq_group.seqs:
                 if seq.status != _RUNNING:
                     continue
+                if seq.grammar is not None:
+                    # Its mask needs the token the step in flight samples: `masks` runs for
+                    # this step once that result is processed (the row then samples at
+                    # num_computed_tokens + 1 == len(token_ids)).
+                    constrained.append((seq, scheduled.seq_group, 1))
                 seq_id = seq.seq_id
                 view = views[seq_id]
                 known_tokens, known_blocks = view
@@ -120,6 +148,7 @@ class StepBuilder:
                 )
                 view[0] = known_tokens + 1
                 view[1] = len(table)
+        self._defer_masks(step, constrained)
         return step
 
     def _add_forks(self, step: StepInput) -> set[int]:
@@ -154,7 +183,7 @@ class StepBuilder:
 
     def _add_sequences(
         self, step: StepInput, sched_out: SchedulerOutputs
-    ) -> list[tuple[Sequence, SequenceGroup]]:
+    ) -> list[tuple[Sequence, SequenceGroup, int]]:
         """A `NewSequence` for each scheduled sequence the worker does not hold, a
         `CachedSequence` (new tokens, table edits) for the others. Runs for every running
         sequence every step, hence the locals. Returns the constrained sequences that sample
@@ -165,7 +194,7 @@ class StepBuilder:
         any_dirty = bm.has_dirty_tables()
         views = self.views
         cached_seqs = step.cached_seqs
-        constrained: list[tuple[Sequence, SequenceGroup]] = []
+        constrained: list[tuple[Sequence, SequenceGroup, int]] = []
         for scheduled in sched_out.scheduled:
             seq_group = scheduled.seq_group
             chunk = scheduled.token_chunk_size
@@ -173,7 +202,7 @@ class StepBuilder:
                 if seq.status != _RUNNING:
                     continue
                 if seq.grammar is not None and seq.num_computed_tokens + chunk == seq.get_len():
-                    constrained.append((seq, seq_group))
+                    constrained.append((seq, seq_group, chunk))
                 seq_id = seq.seq_id
                 table = tables[seq_id]
                 tokens = seq.token_ids

@@ -132,6 +132,15 @@ class ReplicaTracer:
 
     # -- steps ---------------------------------------------------------------------------------
 
+    def on_masks(self, sched_out: SchedulerOutputs, masks: list[TokenMask]) -> None:
+        """A step's deferred masks were computed: the grammar events of the traced requests
+        that get their first one."""
+        by_seq = {m.seq_id: m for m in masks}
+        for scheduled in sched_out.scheduled:
+            entry = self._requests.get(scheduled.seq_group.request_id)
+            if entry is not None and not entry.constrained:
+                _record_first_constrained(entry, scheduled.seq_group, by_seq)
+
     def step_span(
         self,
         engine: LLMEngine,

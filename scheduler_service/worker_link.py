@@ -36,7 +36,8 @@ class WorkerLostError(RuntimeError):
 
 
 class ExecuteStream:
-    """The bidi Execute stream: one request message out, one result back, in order."""
+    """The bidi Execute stream: one step out, one result back, in order (a step's deferred
+    masks follow it as a message of their own, with no result)."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
         self._outbox: asyncio.Queue[worker_pb2.ExecuteRequest | None] = asyncio.Queue()

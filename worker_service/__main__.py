@@ -76,6 +76,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--mask-wait-timeout-s",
+        type=float,
+        default=30.0,
+        help="fail a step whose deferred token masks (structured output) do not come from the "
+        "scheduler within this many seconds after its forward pass",
+    )
+    p.add_argument(
         "--scheduler",
         default=None,
         help="scheduler host:port to join with RegisterWorker, renewing the lease it grants "
@@ -128,6 +135,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         max_num_seqs=args.max_num_seqs,
         num_threads=args.num_threads,
         seed=args.seed,
+        mask_wait_timeout_s=args.mask_wait_timeout_s,
     )
 
 

@@ -68,6 +68,9 @@ class WorkerConfig:
     num_threads: int | None = None
     # Seed of the stream used by requests without their own seed.
     seed: int = 0
+    # How long a step waits, after its forward pass, for the token masks the scheduler sends
+    # after it (structured output) before it fails (worker_service/late_masks.py).
+    mask_wait_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -98,6 +101,8 @@ class WorkerConfig:
             raise WorkerConfigError("max_model_len", "must be positive")
         if self.num_threads is not None and self.num_threads < 1:
             raise WorkerConfigError("num_threads", "must be positive")
+        if not self.mask_wait_timeout_s > 0:
+            raise WorkerConfigError("mask_wait_timeout_s", "must be positive")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -30,6 +30,14 @@ FORWARD_GAP_SECONDS = Histogram(
     ["next_step"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0),
 )
+# Structured output: how long a step with deferred token masks waited for them after its
+# forward pass (0 when the scheduler's masks were there first). The scheduler computes them
+# while the forward pass runs, so this is the part of mask computation the worker still sees.
+MASK_WAIT_SECONDS = Histogram(
+    "llmserve_worker_mask_wait_seconds",
+    "Time a step waited after its forward pass for its deferred token masks",
+    buckets=(0.00001, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0),
+)
 KV_BLOCKS = Gauge("llmserve_worker_kv_blocks", "KV cache blocks allocated", ["device"])
 
 
@@ -40,5 +48,28 @@ def observe_step(num_tokens: int, forward_ns: int, sample_ns: int) -> None:
     SAMPLE_SECONDS.observe(sample_ns / 1e9)
 
 
+def observe_mask_wait(wait_ns: int) -> None:
+    MASK_WAIT_SECONDS.observe(wait_ns / 1e9)
+
+
 def observe_forward_gap(seconds: float, queued: bool) -> None:
     FORWARD_GAP_SECONDS.labels("queued" if queued else "awaited").observe(seconds)
+
+
+class ForwardGap:
+    """Observes `llmserve_worker_forward_gap_seconds` between consecutive steps of a stream:
+    from the end of one step's forward pass to the start of the next one's."""
+
+    def __init__(self) -> None:
+        self._prev_end_ns: int | None = None
+
+    def observe(self, arrived_ns: int, forward: tuple[int, int] | None) -> None:
+        """`arrived_ns`: when this step was read; `forward`: its forward pass (start, end)."""
+        if forward is None:
+            self._prev_end_ns = None  # nothing computed: no forward to measure from
+            return
+        start, end = forward
+        prev_end = self._prev_end_ns
+        if prev_end is not None:
+            observe_forward_gap((start - prev_end) / 1e9, queued=arrived_ns <= prev_end)
+        self._prev_end_ns = end

@@ -10,6 +10,7 @@ logits only for the rows that need them, and hands those to the sampler.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,8 +91,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self.states: dict[int, SequenceState] = {}
-        # The current step's allowed tokens per constrained sequence (structured output).
+        # The current step's allowed tokens per constrained sequence (structured output), and
+        # whether more follow the step (`StepInput.deferred_mask_seq_ids`).
         self.token_masks: dict[int, TokenMask] = {}
+        self.masks_deferred = False
         # Captured decode forwards (CUDA); None runs every step eagerly. Set by the worker.
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -100,6 +103,7 @@ class ModelRunner:
         for seq_id in step.freed_seq_ids:
             self.states.pop(seq_id, None)
         self.token_masks = {m.seq_id: m for m in step.token_masks}
+        self.masks_deferred = bool(step.deferred_mask_seq_ids)
         for fork in step.forks:
             parent = self._state(fork.parent_seq_id)
             self.states[fork.child_seq_id] = parent.fork(fork.child_seq_id, fork.child_seq_index)
@@ -180,8 +184,10 @@ class ModelRunner:
         scheduled: list[_Scheduled],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         step_id: int,
+        take_masks: Callable[[], tuple[list[TokenMask], int]] | None = None,
     ) -> StepResult:
-        """Steps 6 of the contract: forward over the scheduled tokens, then sample."""
+        """Steps 6 of the contract: forward over the scheduled tokens, then sample.
+        `take_masks()`: the step's deferred masks and the ns spent waiting for them."""
         result = StepResult(step_id)
         if not scheduled:
             return result
@@ -206,9 +212,14 @@ class ModelRunner:
         for s in scheduled:
             s.state.num_computed += s.count
         t1 = time.perf_counter_ns()
+        if self.masks_deferred:
+            if take_masks is None:
+                raise StateError(f"step {step_id} defers masks, and nothing delivers them")
+            masks, result.mask_wait_ns = take_masks()
+            self.token_masks.update((m.seq_id, m) for m in masks)
         result.outputs = self._sample(logits, inputs, self.model.argmax_logprobs)
         result.forward_ns = t1 - t0
-        result.sample_ns = time.perf_counter_ns() - t1
+        result.sample_ns = time.perf_counter_ns() - t1 - result.mask_wait_ns
         return result
 
     def _prepare(self, layout: list[_Scheduled], num_blocks: int) -> _PreparedInputs:

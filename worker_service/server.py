@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import queue
 import threading
 import time
@@ -34,10 +35,12 @@ from llmserve.errors import (
 )
 from llmserve.logs import get_logger
 from llmserve.proto_convert import step_input_from_proto, step_result_to_proto
-from llmserve.steps import StepInput, StepResult
+from llmserve.proto_masks import step_masks_from_proto
+from llmserve.steps import StepInput, StepResult, TokenMask
 from llmserve.telemetry import context_from_traceparent
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service import metrics
+from worker_service.late_masks import MaskBoard
 from worker_service.worker import Worker
 
 log = get_logger(__name__)
@@ -193,9 +196,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_open = True
         self._touch()
         log.info("execute stream opened", peer=context.peer())
-        chain = _StepChain(self._model_thread, self._execute, asyncio.get_running_loop())
-        reader = asyncio.create_task(_read_steps(request_iterator, chain.submit))
-        gap = _ForwardGap()
+        board = MaskBoard(self.worker.config.mask_wait_timeout_s)
+        execute = functools.partial(self._execute, board)
+        chain = _StepChain(self._model_thread, execute, asyncio.get_running_loop())
+        reader = asyncio.create_task(_read_steps(request_iterator, chain.submit, board.post))
+        gap = metrics.ForwardGap()
         try:
             while (outcome := await chain.outcomes.get()) is not None:
                 if isinstance(outcome.result, BaseException):
@@ -206,6 +211,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield step_result_to_proto(result)
         finally:
             reader.cancel()
+            board.close()  # a step waiting for its masks fails now
             chain.close()  # a step running now finishes on the model thread; no later one starts
             # Whatever ended the stream, the scheduler resends every sequence as new. Cleared
             # on the model thread: a step of this stream may still be running there, and any
@@ -215,15 +221,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._touch()
             log.info("execute stream closed")
 
-    def _execute(self, received: _Received) -> tuple[StepResult, tuple[int, int] | None]:
+    def _execute(
+        self, board: MaskBoard, received: _Received
+    ) -> tuple[StepResult, tuple[int, int] | None]:
         """On the model thread: the step's result and its forward pass's (start, end), inside
         an `execute` span (the child of the scheduler's step span) when the step carries a
-        traceparent; raises what a step that could not be read carries."""
+        traceparent; raises what a step that could not be read carries. Deferred masks come
+        from `board`."""
         step = received.step
         if isinstance(step, BaseException):
             raise step
         if not received.traceparent:
-            return self._execute_step(step)
+            return self._execute_step(step, board)
         with tracer.start_as_current_span(
             "execute",
             context=context_from_traceparent(received.traceparent),
@@ -235,7 +244,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     step_id=step.step_id,
                     request_ids=sorted({s.request_id for s in step.new_seqs}),
                 )
-            result, forward = self._execute_step(step)
+            result, forward = self._execute_step(step, board)
             if span.is_recording():
                 span.set_attributes(
                     {
@@ -247,9 +256,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 )
             return result, forward
 
-    def _execute_step(self, step: StepInput) -> tuple[StepResult, tuple[int, int] | None]:
-        result = self.worker.execute(step)
+    def _execute_step(
+        self, step: StepInput, board: MaskBoard
+    ) -> tuple[StepResult, tuple[int, int] | None]:
+        step_id = step.step_id
+        result = self.worker.execute(step, lambda: board.take(step_id))
         metrics.observe_step(step.num_scheduled_tokens, result.forward_ns, result.sample_ns)
+        if step.deferred_mask_seq_ids:
+            metrics.observe_mask_wait(result.mask_wait_ns)
         return result, self.worker.last_forward_ns
 
 
@@ -263,17 +277,22 @@ class _Received:
 
 
 async def _read_steps(
-    requests: AsyncIterator[worker_pb2.ExecuteRequest], submit: Callable[[_Received | None], None]
+    requests: AsyncIterator[worker_pb2.ExecuteRequest],
+    submit: Callable[[_Received | None], None],
+    post_masks: Callable[[int, list[TokenMask]], None],
 ) -> None:
     """Read steps as they arrive, while earlier ones run (asynchronous scheduling sends the
-    next step before the previous result is back), converting them off the model's path.
-    Ends with None when the stream ends; a step that fails to convert, or a broken stream, is
-    handed on as its exception."""
+    next step before the previous result is back), converting them off the model's path;
+    deferred masks go to `post_masks`. Ends with None when the stream ends; a step (or masks)
+    that fails to convert, or a broken stream, is handed on as its exception."""
     try:
         async for message in requests:
             arrived = time.perf_counter_ns()
             step: StepInput | BaseException
             try:
+                if message.HasField("step_masks"):
+                    post_masks(*step_masks_from_proto(message.step_masks))
+                    continue
                 step = step_input_from_proto(message)
             except Exception as exc:  # raised in order, when its turn comes
                 step = exc
@@ -374,22 +393,3 @@ class _StepChain:
 
 class _EndOfOutcomes:
     """Ends a `_StepChain`'s relay thread."""
-
-
-class _ForwardGap:
-    """Observes `llmserve_worker_forward_gap_seconds` between consecutive steps of a stream:
-    from the end of one step's forward pass to the start of the next one's."""
-
-    def __init__(self) -> None:
-        self._prev_end_ns: int | None = None
-
-    def observe(self, arrived_ns: int, forward: tuple[int, int] | None) -> None:
-        """`arrived_ns`: when this step was read; `forward`: its forward pass (start, end)."""
-        if forward is None:
-            self._prev_end_ns = None  # nothing computed: no forward to measure from
-            return
-        start, end = forward
-        prev_end = self._prev_end_ns
-        if prev_end is not None:
-            metrics.observe_forward_gap((start - prev_end) / 1e9, queued=arrived_ns <= prev_end)
-        self._prev_end_ns = end

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 
 from llmserve.logs import get_logger
 from llmserve.model_spec import resolve_model
-from llmserve.steps import StepInput, StepResult
+from llmserve.steps import StepInput, StepResult, TokenMask
 from worker_service.attention import AttentionSpec, get_backend_class
 from worker_service.attention.base import AttentionBackend
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
@@ -359,8 +360,13 @@ class Worker:
             )
 
     # -- execution -------------------------------------------------------------------------
-    def execute(self, step: StepInput) -> StepResult:
-        """Apply one step in the order fixed by `llmserve.steps`."""
+    def execute(
+        self,
+        step: StepInput,
+        take_masks: Callable[[], tuple[list[TokenMask], int]] | None = None,
+    ) -> StepResult:
+        """Apply one step in the order fixed by `llmserve.steps`. `take_masks()` gives the
+        step's deferred masks (and the ns it waited for them) once the forward pass is done."""
         self._check_thread()
         if self.cache_engine is None:
             raise WorkerNotReadyError("initialize_cache() first")
@@ -370,7 +376,7 @@ class Worker:
         self.cache_engine.swap_in(step.blocks_to_swap_in)
         self.cache_engine.copy_blocks(step.blocks_to_copy)
         start = time.perf_counter_ns()
-        result = runner.run(scheduled, self._kv_caches, step.step_id)
+        result = runner.run(scheduled, self._kv_caches, step.step_id, take_masks)
         # The forward pass (input preparation and the model call) starts `run`; sampling follows.
         self.last_forward_ns = (start, start + result.forward_ns) if scheduled else None
         runner.remember_samples(scheduled, result)

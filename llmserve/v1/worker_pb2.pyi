@@ -128,7 +128,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent", "token_masks")
+    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent", "token_masks", "deferred_mask_seq_ids", "step_masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,8 @@ class ExecuteRequest(_message.Message):
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_MASK_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cached_seqs: CachedSequences
@@ -149,7 +151,17 @@ class ExecuteRequest(_message.Message):
     blocks_to_copy: BlockMapping
     traceparent: str
     token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+    deferred_mask_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    step_masks: StepMasks
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., deferred_mask_seq_ids: _Optional[_Iterable[int]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ...) -> None: ...
+
+class StepMasks(_message.Message):
+    __slots__ = ("step_id", "token_masks")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
+    def __init__(self, step_id: _Optional[int] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
 
 class TokenMask(_message.Message):
     __slots__ = ("seq_id", "kind", "vocab_size", "token_ids", "bitmap")
@@ -196,15 +208,17 @@ class SequencePromptLogprobs(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprob, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "forward_ns", "sample_ns", "prompt_logprobs")
+    __slots__ = ("step_id", "outputs", "forward_ns", "sample_ns", "prompt_logprobs", "mask_wait_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MASK_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: SequenceOutputs
     forward_ns: int
     sample_ns: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[SequencePromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[SequenceOutputs, _Mapping]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SequencePromptLogprobs, _Mapping]]] = ...) -> None: ...
+    mask_wait_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[SequenceOutputs, _Mapping]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SequencePromptLogprobs, _Mapping]]] = ..., mask_wait_ns: _Optional[int] = ...) -> None: ...

@@ -75,7 +75,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request_iterator, context):
-        """One step per request message, one result per request, in order. A failed step ends the
+        """One step per request message, one result per step, in order (a message that carries only
+        the deferred masks of an earlier step, ExecuteRequest.step_masks, gets none). A failed step ends the
         stream with a status (INTERNAL, RESOURCE_EXHAUSTED, ...) and the worker drops all sequence
         state: after reconnecting, the scheduler resends every sequence as new (recompute).
         Only one Execute stream is open per worker; a second one is refused with FAILED_PRECONDITION.

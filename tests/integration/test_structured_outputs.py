@@ -317,11 +317,12 @@ def test_scheduler_metrics_count_grammar_work(client: openai.OpenAI, stack: Runn
         extra_body={"structured_outputs": {"choice": ["it is raining now", "it is dry now"]}},
     )
     text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['scheduler']}/metrics").text
+    worker_text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['worker']}/metrics").text
 
-    def value(name: str) -> float:
+    def value(name: str, source: str = text) -> float:
         return sum(
             float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
+            for line in source.splitlines()
             if line.startswith(name) and not line.startswith("#")
         )
 
@@ -330,6 +331,8 @@ def test_scheduler_metrics_count_grammar_work(client: openai.OpenAI, stack: Runn
     assert value("llmserve_grammar_masked_rows_total") >= 1
     # "it is " is forced once the grammar has seen "it": both choices share it.
     assert value("llmserve_grammar_forced_tokens_total") >= 1
+    # The masks follow their steps: each constrained step's wait for them is counted.
+    assert value("llmserve_worker_mask_wait_seconds_count", worker_text) >= 1
 
 
 def test_grpc_generate_takes_a_grammar_and_refuses_a_bad_one(stack: RunningStack) -> None:

@@ -97,6 +97,8 @@ class FakeModel:
 
     def execute(self, step: StepInput) -> StepResult:
         self.num_steps += 1
+        # In process, the engine puts a step's masks in it (`LLMEngine.attach_masks`).
+        assert not step.deferred_mask_seq_ids, "an in-process step arrived with deferred masks"
         masks = {m.seq_id: m for m in step.token_masks}
         self.num_masked_rows += len(masks)
         for seq_id in step.freed_seq_ids:

@@ -348,3 +348,36 @@ def test_compiles_due_are_those_the_next_step_may_sample_under(tok):
     assert_matches(tok, REGEX, results["long"].outputs[0].token_ids)
     assert engine.grammar_compiles_due() == []
     assert_empty(engine)
+
+
+def test_a_token_the_grammar_refuses_aborts_and_is_counted(tok, cache):
+    """A worker that did not apply the mask: the scheduler's matcher refuses the token, the
+    sequence is aborted, and the refusal is counted."""
+    from prometheus_client import REGISTRY
+
+    class MaskDropping(FakeModel):
+        def execute(self, step):
+            step.token_masks = []
+            return super().execute(step)
+
+    def refused() -> float:
+        sample = {"stage": "refused_token"}
+        return REGISTRY.get_sample_value("llmserve_grammar_errors_total", sample) or 0.0
+
+    engine = LLMEngine(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(BLOCK, 32, 8, watermark=0.0),
+        MaskDropping(32, 8, BLOCK, vocab_size=len(tok)),
+        tokenizer=lambda: tok,
+        grammar_cache=cache,
+    )
+    # Digits only: the fake model's unmasked pick is almost surely not one.
+    digits = GrammarSpec.regex(r"[0-9]{4}", "structured_outputs.regex")
+    before = refused()
+    results = run(engine, [("g", [5, 6, 7], SamplingParams(max_tokens=8), digits)], None)
+    (choice,) = results["g"].outputs
+    assert choice.finish_reason == FinishReason.ABORT
+    assert len(choice.token_ids) == 1
+    assert not tok.decode(choice.token_ids).isdigit()
+    assert refused() == before + 1
+    assert_empty(engine)

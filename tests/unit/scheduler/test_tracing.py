@@ -50,6 +50,7 @@ def run(engine: LLMEngine, tracer: ReplicaTracer) -> list[str]:
     while engine.has_unfinished_requests():
         free = engine.scheduler.block_manager.get_num_free_gpu_blocks()
         sched_out, step = engine.begin_step()
+        engine.attach_masks(step)
         span = tracer.step_span(engine, sched_out, step, time.time_ns(), free)
         parents.append(step_traceparent(span))
         result = None if step.is_empty() else engine.executor.execute(step)

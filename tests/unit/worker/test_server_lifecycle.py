@@ -48,13 +48,19 @@ class Served:
 
 
 @asynccontextmanager
-async def served_worker(model_dir: Path, max_model_len: int = 64) -> AsyncIterator[Served]:
+async def served_worker(
+    model_dir: Path, max_model_len: int = 64, mask_wait_timeout_s: float = 30.0
+) -> AsyncIterator[Served]:
     """A worker offering 64 device and 16 host blocks; caches from max_model_len / BLOCK_SIZE
     blocks up are accepted."""
     model_thread = ThreadPoolExecutor(max_workers=1)
     loop = asyncio.get_running_loop()
     config = WorkerConfig(
-        model=str(model_dir), block_size=BLOCK_SIZE, num_threads=1, max_model_len=max_model_len
+        model=str(model_dir),
+        block_size=BLOCK_SIZE,
+        num_threads=1,
+        max_model_len=max_model_len,
+        mask_wait_timeout_s=mask_wait_timeout_s,
     )
     worker = await loop.run_in_executor(model_thread, Worker, config)
     await loop.run_in_executor(model_thread, worker.load_model)
@@ -122,9 +128,10 @@ def run(
     tiny_llama: tuple[Path, object],
     body: Callable[[Served], Awaitable[None]],
     max_model_len: int = 64,
+    mask_wait_timeout_s: float = 30.0,
 ) -> None:
     async def main() -> None:
-        async with served_worker(tiny_llama[0], max_model_len) as served:
+        async with served_worker(tiny_llama[0], max_model_len, mask_wait_timeout_s) as served:
             await body(served)
 
     asyncio.run(main())
