@@ -36,8 +36,11 @@ from tests.support.stack import RunningStack, start_stack  # noqa: E402
 
 # A cache that holds the 16 streams (start_stack's 0.05 GiB cannot hold one 8k sequence).
 WORKER_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "0.2"]
-# Asynchronous scheduling on and off, with forced tokens (the default) and without.
+# Asynchronous scheduling on and off, with forced tokens (the default) and without. With
+# forced tokens, `--async-scheduling` alone leaves constrained steps synchronous (the
+# default policy); `--pipeline-forced-grammars` continues them.
 CONFIGS = [
+    ["--async-scheduling", "--pipeline-forced-grammars"],
     ["--async-scheduling"],
     ["--no-async-scheduling"],
     ["--async-scheduling", "--no-forced-tokens"],

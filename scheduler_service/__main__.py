@@ -52,6 +52,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="structured output: append the tokens a grammar forces as inputs of the next "
         "step instead of sampling them one at a time",
     )
+    p.add_argument(
+        "--pipeline-forced-grammars",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="asynchronous scheduling keeps continuing steps that hold constrained requests "
+        "while forced tokens are on (off: such steps run synchronously, measured faster)",
+    )
     p.add_argument("--watermark", type=float, default=0.01)
     p.add_argument(
         "--async-scheduling",
@@ -152,6 +159,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
             enable_chunked_prefill=args.enable_chunked_prefill,
             preemption_mode=mode,
             enable_forced_tokens=args.forced_tokens,
+            pipeline_forced_grammars=args.pipeline_forced_grammars,
         ),
         watermark=args.watermark,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -42,6 +42,13 @@ class SchedulerConfig:
     # Structured output: where the grammar allows exactly one continuation, append its
     # tokens as inputs of the next step instead of sampling them one step at a time.
     enable_forced_tokens: bool = True
+    # Asynchronous scheduling of constrained sequences while forced tokens are on. A row
+    # whose sampled token makes its grammar force more tokens loses the continuation's sample
+    # (scheduler_service/continuation.py), so on JSON the pipelined run took more steps and
+    # more time than the synchronous one (bench/mask_wait.py, SmolLM2 on this CPU: 19 steps
+    # and 2.3 s against 13 and 1.8 s). Off: a step holding such a row is not continued (its
+    # masks still overlap its forward pass). Without forced tokens they are always continued.
+    pipeline_forced_grammars: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

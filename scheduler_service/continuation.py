@@ -16,7 +16,8 @@ N+1 too, and its output there is dropped, because output processing only reads s
 are still running. Its blocks are freed at once: the worker runs steps in order, so N+1's
 write into them happens before any later step that reuses them.
 
-Constrained (grammar) sequences are continued too. The mask of an N+1 row depends on the
+Constrained (grammar) sequences are continued too, when forced tokens are off or
+`SchedulerConfig.pipeline_forced_grammars` is set (measured slower on JSON: see its comment). The mask of an N+1 row depends on the
 token N samples, so N+1 goes out with its constrained rows deferred and their masks are
 computed once N's result is processed, while the worker runs N+1's forward pass
 (`LLMEngine.compute_masks`). When N's token makes the grammar force more tokens, they are
@@ -53,6 +54,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         return None
     config = scheduler.scheduler_config
     model_len = config.model_len
+    hold_constrained = config.enable_forced_tokens and not config.pipeline_forced_grammars
     groups = []
     seqs: list[Sequence] = []
     for scheduled in prev.scheduled:
@@ -65,6 +67,8 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
             return None
         chunk = scheduled.token_chunk_size
         for seq in running:
+            if hold_constrained and seq.grammar is not None:
+                return None  # its grammar may force tokens (SchedulerConfig)
             num_tokens = len(seq.token_ids)
             if seq.num_computed_tokens + chunk != num_tokens:
                 # A prefill chunk short of the end samples nothing; a constrained sequence

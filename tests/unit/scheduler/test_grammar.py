@@ -47,6 +47,7 @@ def make_engine(
     model_len=256,
     chunked=True,
     caching=True,
+    pipeline_forced=False,
 ):
     cache_config = CacheConfig(
         BLOCK, num_gpu_blocks, num_cpu_blocks, watermark=0.0, enable_prefix_caching=caching
@@ -57,6 +58,7 @@ def make_engine(
         max_model_len=model_len,
         enable_chunked_prefill=chunked,
         enable_forced_tokens=forced,
+        pipeline_forced_grammars=pipeline_forced,
         preemption_mode=mode,
     )
     model = FakeModel(num_gpu_blocks, num_cpu_blocks, BLOCK, vocab_size=len(tok))

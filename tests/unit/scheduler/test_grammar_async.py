@@ -76,7 +76,9 @@ def test_pipelined_constrained_outputs_equal_synchronous_ones(tok, cache, forced
     requests = workload(tok, num=16)
     sync_engine = make_engine(tok, cache, forced=forced, num_gpu_blocks=num_gpu_blocks)
     expected, _ = run(sync_engine, requests, tok.eos_token_id, pipelined=False)
-    engine = make_engine(tok, cache, forced=forced, num_gpu_blocks=num_gpu_blocks)
+    engine = make_engine(
+        tok, cache, forced=forced, num_gpu_blocks=num_gpu_blocks, pipeline_forced=True
+    )
     log = MaskLog(engine)
     got, stepper = run(engine, requests, tok.eos_token_id, pipelined=True)
     assert summary(got) == summary(expected)
@@ -105,7 +107,7 @@ def test_a_forced_row_is_not_continued_past_its_stale_sample(tok, cache):
     ((request_id, prompt, params, spec),) = requests
     sync_engine = make_engine(tok, cache)
     expected, _ = run(sync_engine, requests, tok.eos_token_id, pipelined=False)
-    engine = make_engine(tok, cache)
+    engine = make_engine(tok, cache, pipeline_forced=True)
     log = MaskLog(engine)
     got, stepper = run(engine, requests, tok.eos_token_id, pipelined=True)
     assert summary(got) == summary(expected)
@@ -113,3 +115,16 @@ def test_a_forced_row_is_not_continued_past_its_stale_sample(tok, cache):
     # Every stale sample costs a step, but the rest ran ahead.
     assert stepper.num_continuations > 0
     assert engine.executor.num_steps - sync_engine.executor.num_steps <= log.stale_rows + 2
+
+
+def test_by_default_a_step_with_forcing_grammars_is_not_continued(tok, cache):
+    """With forced tokens on (the default) and `pipeline_forced_grammars` off, a step that
+    holds a constrained row runs synchronously; an unconstrained request alone is still
+    pipelined, and both give synchronous scheduling's output."""
+    constrained = [r for r in workload(tok, num=8) if r[3] is SCHEMA and r[2].n == 1][:1]
+    free = [(f"free-{i}", p, params, None) for i, p, params, _ in constrained]
+    for requests, continued in ((constrained, False), (free, True)):
+        expected, _ = run(make_engine(tok, cache), requests, tok.eos_token_id, pipelined=False)
+        got, stepper = run(make_engine(tok, cache), requests, tok.eos_token_id, pipelined=True)
+        assert summary(got) == summary(expected)
+        assert (stepper.num_continuations > 0) is continued
