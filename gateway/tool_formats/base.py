@@ -284,6 +284,32 @@ class CallBuilder:
         return end, done, ToolCallDelta(len(self.calls) - 1, fragment)
 
 
+@dataclass(slots=True)
+class ScanningParser(CallParser):
+    """A parser over the whole output so far: `text` grows by each feed, `pos` is where its
+    scan stands, `state` is the subclass's own, and `builder` holds the calls."""
+
+    text: str = ""
+    pos: int = 0
+    state: str = "start"
+    builder: CallBuilder = field(default_factory=CallBuilder)
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.builder.calls
+
+    def feed(self, new: str) -> tuple[str, list[ToolCallDelta]]:
+        self.text += new
+        return self.scan(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        return self.scan(final=True)
+
+    @abc.abstractmethod
+    def scan(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        """Scan from `pos` on: the content and call deltas found (at the end: `final`)."""
+
+
 def template_tools(tools: tuple[Tool, ...]) -> list[dict[str, Any]]:
     """Tools as chat templates take them (`tools=` of apply_chat_template)."""
     return [

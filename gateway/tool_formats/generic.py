@@ -13,13 +13,12 @@ either that or `{"content": "..."}` (a call or a response). The grammar fixes th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.tool_formats.base import (
     TOOLS_FIELD,
-    CallBuilder,
-    CallParser,
+    ScanningParser,
     ToolCallDelta,
     ToolFormat,
     any_of,
@@ -99,21 +98,12 @@ _CONTENT_OPEN = '{"content": "'
 
 
 @dataclass(slots=True)
-class ToolCallStream(CallParser):
+class ToolCallStream(ScanningParser):
     """Cuts one choice's envelope text into content and tool-call deltas as it grows."""
 
-    text: str = ""
-    pos: int = 0
-    state: str = "start"
-    builder: CallBuilder = field(default_factory=CallBuilder)
-
-    @property
-    def calls(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.builder.calls
-
-    def feed(self, new: str) -> tuple[str, list[ToolCallDelta]]:
-        """Content text and call deltas the new text completes."""
-        self.text += new
+    def scan(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        """Content text and call deltas the text completes (the envelope holds nothing
+        back at the end that could still be content: `final` changes nothing)."""
         content = ""
         deltas: list[ToolCallDelta] = []
         while True:

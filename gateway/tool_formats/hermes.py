@@ -11,15 +11,13 @@ allows text without `<tool_call>` in it, or text followed by blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from gateway.tool_formats.base import (
     TOOLS_FIELD,
-    CallBuilder,
-    CallParser,
     Header,
     Scan,
+    ScanningParser,
     ToolCallDelta,
     any_of,
     call_schemas,
@@ -71,33 +69,22 @@ def _partial_suffix(text: str, start: int, marker: str) -> int:
 
 
 @dataclass(slots=True)
-class HermesParser(CallParser):
+class HermesParser(ScanningParser):
     """Text, then `<tool_call>` blocks. A block that is not a call (no JSON object with a
     name and arguments after `<tool_call>`) stays text; whitespace around calls is dropped."""
 
-    text: str = ""
-    pos: int = 0
     state: str = "text"
     # Whitespace not yet sent: it is content only if text follows it (or no call does).
     pending: str = ""
-    builder: CallBuilder = field(default_factory=CallBuilder)
-
-    @property
-    def calls(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.builder.calls
-
-    def feed(self, new: str) -> tuple[str, list[ToolCallDelta]]:
-        self.text += new
-        return self._run(final=False)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        content, deltas = self._run(final=True)
+        content, deltas = self.scan(final=True)
         if not self.calls:
             content += self.pending
         self.pending = ""
         return content, deltas
 
-    def _run(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+    def scan(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
         while True:

@@ -10,15 +10,13 @@ not start with `{`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from gateway.tool_formats.base import (
     TOOLS_FIELD,
-    CallBuilder,
-    CallParser,
     Header,
     Scan,
+    ScanningParser,
     ToolCallDelta,
     any_of,
     call_schemas,
@@ -52,27 +50,11 @@ class Llama3JsonFormat(TemplateToolsFormat):
 
 
 @dataclass(slots=True)
-class Llama3JsonParser(CallParser):
+class Llama3JsonParser(ScanningParser):
     """Calls from the start of the output, `;` apart. An output that does not start with a
     call is text, whole; what follows the calls, when it is not another one, is text too."""
 
-    text: str = ""
-    pos: int = 0
-    state: str = "start"
-    builder: CallBuilder = field(default_factory=CallBuilder)
-
-    @property
-    def calls(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.builder.calls
-
-    def feed(self, new: str) -> tuple[str, list[ToolCallDelta]]:
-        self.text += new
-        return self._run(final=False)
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+    def scan(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
         while True:
