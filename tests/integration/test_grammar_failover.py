@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
@@ -41,9 +41,7 @@ WORKER_ARGS = [
 # Lease long enough for a loaded machine; the health checks still see a killed worker at once.
 SCHEDULER_ARGS = ["--worker-lease-s", "60"]
 TOOLS = [WEATHER_TOOL]
-TOOL_GRAMMAR = FORMATS["generic"].grammar(
-    parse_tools(TOOLS, "required", False, RequestLimits())
-)
+TOOL_GRAMMAR = FORMATS["generic"].grammar(parse_tools(TOOLS, "required", False, RequestLimits()))
 GRAMMARS: list[tuple[GrammarSpec, str]] = [
     (GrammarSpec.json_schema(BOUNDED_SCHEMA, "response_format"), "Describe a box as JSON:"),
     (TOOL_GRAMMAR, "Call a tool to get the weather in France:"),
@@ -55,20 +53,28 @@ GRAMMARS: list[tuple[GrammarSpec, str]] = [
 ]
 
 
-def workload() -> list[tuple[str, dict[str, Any]]]:
+def workload(
+    grammars: list[tuple[GrammarSpec, str]],
+    max_tokens: int,
+    name: str,
+    seeded: Callable[[int], bool],
+    seed_base: int,
+) -> list[tuple[str, dict[str, Any]]]:
+    """16 streams over `grammars` in turn; stream i samples at temperature 1.0 with seed
+    seed_base + i where `seeded(i)`, else greedily."""
     requests = []
     for i in range(16):
-        spec, prompt = GRAMMARS[i % len(GRAMMARS)]
-        params: dict[str, Any] = {"max_tokens": 120}
-        if i % 2:
-            params.update(temperature=1.0, seed=100 + i)
+        spec, prompt = grammars[i % len(grammars)]
+        params: dict[str, Any] = {"max_tokens": max_tokens}
+        if seeded(i):
+            params.update(temperature=1.0, seed=seed_base + i)
         else:
             params["temperature"] = 0.0
-        requests.append((f"g-{i}", {"prompt": prompt, "grammar": spec, **params}))
+        requests.append((f"{name}-{i}", {"prompt": prompt, "grammar": spec, **params}))
     return requests
 
 
-WORKLOAD = workload()
+WORKLOAD = workload(GRAMMARS, 120, "g", lambda i: i % 2 == 1, 100)
 
 
 @pytest.fixture(scope="module")
@@ -198,21 +204,8 @@ PREEMPTION_GRAMMARS = [
 ]
 
 
-def preemption_workload() -> list[tuple[str, dict[str, Any]]]:
-    """16 streams, JSON schema and tool calls (the long outputs), greedy and seeded."""
-    requests = []
-    for i in range(16):
-        spec, prompt = PREEMPTION_GRAMMARS[i % 2]
-        params: dict[str, Any] = {"max_tokens": 110}
-        if i % 4 >= 2:
-            params.update(temperature=1.0, seed=300 + i)
-        else:
-            params["temperature"] = 0.0
-        requests.append((f"p-{i}", {"prompt": prompt, "grammar": spec, **params}))
-    return requests
-
-
-PREEMPTION_WORKLOAD = preemption_workload()
+# JSON schema and tool calls (the long outputs), greedy and seeded.
+PREEMPTION_WORKLOAD = workload(PREEMPTION_GRAMMARS, 110, "p", lambda i: i % 4 >= 2, 300)
 
 
 @pytest.fixture(scope="module")
