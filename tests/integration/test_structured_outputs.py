@@ -79,6 +79,25 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use a tool."}]
+# ASK, then the assistant's call and the tool's result.
+HISTORY = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris", "unit": "celsius"}',
+                },
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -202,26 +221,8 @@ def test_auto_gives_text_or_a_call(client: openai.OpenAI, sampling: dict[str, An
 
 
 def test_tool_results_are_rendered_into_the_prompt(client: openai.OpenAI) -> None:
-    messages = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {
-                        "name": "get_weather",
-                        "arguments": '{"city": "Paris", "unit": "celsius"}',
-                    },
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
-    ]
     completion = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=60, temperature=0.0
+        model=MODEL, messages=HISTORY, tools=[WEATHER], max_tokens=60, temperature=0.0
     )
     assert completion.usage.prompt_tokens > 60  # the tool schema, the call and its result
     assert completion.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -14,6 +14,7 @@ import pytest
 
 from tests.integration.test_structured_outputs import (
     ASK,
+    HISTORY,
     MODEL,
     SAMPLINGS,
     TIME,
@@ -30,24 +31,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 # Template file -> the format the gateway must pick for it.
 TEMPLATES = {"hermes": "hermes", "llama3": "llama3_json"}
-HISTORY = [
-    *ASK,
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {
-                    "name": "get_weather",
-                    "arguments": '{"city": "Paris", "unit": "celsius"}',
-                },
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
-]
 
 
 @pytest.fixture(scope="module", params=list(TEMPLATES))
