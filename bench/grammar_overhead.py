@@ -6,7 +6,7 @@ are valid for their grammar but not sensible; the figures are the scheduler's wo
 The worker waits for the mask time (masks travel with their step; a constrained request
 turns asynchronous scheduling off for its replica while it runs).
 
-    .venv/bin/python bench/grammar_overhead.py [--streams 16] [--repeat 3]
+    PYTHONPATH=. .venv/bin/python bench/grammar_overhead.py [--streams 16] [--repeat 3]
 
 Not for timed assertions; on a shared machine take the best of several runs. The serving
 comparison the issue asks for (TPOT at 16 streams constrained vs not, cold-grammar TTFT) needs
