@@ -305,6 +305,14 @@ class ScanningParser(CallParser):
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         return self.scan(final=True)
 
+    def stream_arguments(self, deltas: list[ToolCallDelta]) -> bool:
+        """Advance over the open call's arguments from `pos`, adding their new fragment to
+        `deltas`; whether the arguments ended."""
+        self.pos, done, delta = self.builder.arguments(self.text, self.pos)
+        if delta is not None:
+            deltas.append(delta)
+        return done
+
     @abc.abstractmethod
     def scan(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         """Scan from `pos` on: the content and call deltas found (at the end: `final`)."""

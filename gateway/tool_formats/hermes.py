@@ -105,10 +105,7 @@ class HermesParser(ScanningParser):
                     self.pending = ""
                     self.pos, self.state = self.pos + len(OPEN), "text"
             elif state == "arguments":
-                self.pos, done, delta = self.builder.arguments(self.text, self.pos)
-                if delta is not None:
-                    deltas.append(delta)
-                if not done:
+                if not self.stream_arguments(deltas):
                     break
                 self.state = "close"
             elif state == "close":

@@ -71,10 +71,7 @@ class Llama3JsonParser(ScanningParser):
                     self.pos = 0  # not calls: the whole output is the answer
                 self.state = "broken"
             elif state == "arguments":
-                self.pos, done, delta = self.builder.arguments(self.text, self.pos)
-                if delta is not None:
-                    deltas.append(delta)
-                if not done:
+                if not self.stream_arguments(deltas):
                     break
                 self.state = "close"
             elif state == "close":
