@@ -48,7 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=None,
         help="decode steps of up to this many sequences run as one native call (cpu backend); "
-        "0 = per-layer path only; default 16, or 4 for models with a large LM head (see "
+        "0 = per-layer path only; default 8, or 4 for models with a large LM head (see "
         "worker_service/models/native.py)",
     )
     p.add_argument("--block-size", type=int, default=16)

@@ -29,14 +29,16 @@ from worker_service.models.blocks import embedding_multiplier
 from worker_service.models.weights import LayerWeights
 
 # The native step's projections read each weight row once for every token, which beats
-# oneDNN's prepacked matmuls on small batches but not on large batches over a large LM head:
-# Gemma 3 270M (262144 x 640 head weights) took 0.88x the per-layer step's time at 1
-# sequence, 0.93x at 4, 1.12x at 8 and 1.38x at 16 (float32; bench/RESULTS.md, "Native
-# decode step per family"), while SmolLM2 (49152 x 576) gains through 16. Models whose head
-# holds more weights than this take the native step only up to SMALL_NATIVE_BATCH sequences.
+# oneDNN's prepacked matmuls on small batches but not on large ones, and the sooner the
+# larger the model. Native / per-layer step time (bench/native_decode.py, context 256, 2
+# threads, bench/RESULTS.md "Native decode step per family"): SmolLM2-135M float32 0.57 at 1
+# sequence, 0.88 at 8, 0.99 at 12, 1.16 at 16; bfloat16 0.92 at 8, 1.13 at 12, 1.19 at 16;
+# Gemma 3 270M (262144 x 640 head weights) float32 0.88 at 1, 0.93 at 4, 1.12 at 8. Models
+# whose head holds more weights than LARGE_HEAD_WEIGHTS take the native step up to
+# SMALL_NATIVE_BATCH sequences, others up to NATIVE_BATCH.
 LARGE_HEAD_WEIGHTS = 64 * 2**20
 SMALL_NATIVE_BATCH = 4
-NATIVE_BATCH = 16
+NATIVE_BATCH = 8
 
 
 def default_native_max_batch(arch: ModelArchConfig) -> int:
