@@ -306,6 +306,26 @@ def test_a_mask_that_allows_nothing_is_refused() -> None:
         )
 
 
+@pytest.mark.parametrize("native_reductions", [False, True])
+def test_masked_and_unmasked_rows_share_a_batch(native_reductions: bool) -> None:
+    # The same logits in all three rows; only the middle one is masked (token 1, the best,
+    # refused), and the raw logprob of what it draws is still reported.
+    row = logits_row(1.0, 9.0, 2.0, 8.0)
+    logits = torch.tensor([row, row, row])
+    greedy = SamplingParams(temperature=0.0)
+    rows = [
+        SamplingRow(greedy, 0, [1, 2, 3], 3),
+        masked(greedy, TokenMask(0, MaskKind.DENY, V, [1])),
+        SamplingRow(greedy, 0, [1, 2, 3], 3),
+    ]
+    s = Sampler(V, (EOS,), seed=0, native_reductions=native_reductions)
+    results = s.sample(logits, rows)
+    assert [r.samples[0].token_id for r in results] == [1, 3, 1]
+    raw = torch.log_softmax(logits[1], dim=-1)
+    assert results[1].samples[0].logprob == pytest.approx(raw[3].item(), abs=1e-5)
+    assert results[1].samples[0].rank == 2  # token 1 beats it in the raw logits
+
+
 def test_beam_candidates_under_a_mask_are_only_allowed_tokens() -> None:
     logits = torch.tensor([logits_row(1.0, 9.0, 2.0, 8.0)])
     params = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0.0)
