@@ -37,10 +37,12 @@ from tests.support.stack import RunningStack, start_stack  # noqa: E402
 # A cache that holds the 16 streams (start_stack's 0.05 GiB cannot hold one 8k sequence).
 WORKER_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "0.2"]
 # Asynchronous scheduling on and off, with forced tokens (the default) and without. With
-# forced tokens, `--async-scheduling` alone leaves constrained steps synchronous (the
-# default policy); `--pipeline-forced-grammars` continues them.
+# forced tokens, `--async-scheduling` alone holds a constrained step back while its grammar
+# forced tokens within the last 8 tokens (the default policy); `--forced-hold-tokens 0`
+# continues every step, and a window longer than any output never continues them.
 CONFIGS = [
-    ["--async-scheduling", "--pipeline-forced-grammars"],
+    ["--async-scheduling", "--forced-hold-tokens", "0"],
+    ["--async-scheduling", "--forced-hold-tokens", "1000000"],
     ["--async-scheduling"],
     ["--no-async-scheduling"],
     ["--async-scheduling", "--no-forced-tokens"],

@@ -53,11 +53,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "step instead of sampling them one at a time",
     )
     p.add_argument(
-        "--pipeline-forced-grammars",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="asynchronous scheduling keeps continuing steps that hold constrained requests "
-        "while forced tokens are on (off: such steps run synchronously, measured faster)",
+        "--forced-hold-tokens",
+        type=int,
+        default=8,
+        help="with forced tokens on, asynchronous scheduling does not continue a step while "
+        "one of its constrained sequences got forced tokens within its last this many tokens "
+        "(0: always continue)",
     )
     p.add_argument("--watermark", type=float, default=0.01)
     p.add_argument(
@@ -159,7 +160,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
             enable_chunked_prefill=args.enable_chunked_prefill,
             preemption_mode=mode,
             enable_forced_tokens=args.forced_tokens,
-            pipeline_forced_grammars=args.pipeline_forced_grammars,
+            forced_hold_tokens=args.forced_hold_tokens,
         ),
         watermark=args.watermark,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -44,17 +44,25 @@ class SchedulerConfig:
     enable_forced_tokens: bool = True
     # Asynchronous scheduling of constrained sequences while forced tokens are on. A row
     # whose sampled token makes its grammar force more tokens loses the continuation's sample
-    # (scheduler_service/continuation.py), so on JSON the pipelined run took more steps and
-    # more time than the synchronous one (bench/mask_wait.py, SmolLM2 on this CPU: 19 steps
-    # and 2.3 s against 13 and 1.8 s). Off: a step holding such a row is not continued (its
-    # masks still overlap its forward pass). Without forced tokens they are always continued.
-    pipeline_forced_grammars: bool = False
+    # (scheduler_service/continuation.py), so where grammars force often (JSON keys) the
+    # pipelined run took more steps and more time than the synchronous one
+    # (bench/mask_wait.py, SmolLM2 on this CPU: 19 steps and 2.3 s against 13 and 1.8 s),
+    # while in long free-text strings nothing is forced and holding steps back only loses the
+    # pipeline. So a step is not continued while one of its constrained sequences got forced
+    # tokens within its last `forced_hold_tokens` tokens (the start of its output counts as
+    # forced); 0 continues every step. Its masks overlap its forward pass either way. Without
+    # forced tokens constrained steps are always continued.
+    forced_hold_tokens: int = 8
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len", f"must be at least 1, got {self.max_model_len}")
+        if self.forced_hold_tokens < 0:
+            raise ConfigError(
+                "forced_hold_tokens", f"must be at least 0, got {self.forced_hold_tokens}"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 "max_num_batched_tokens",

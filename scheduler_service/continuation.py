@@ -16,10 +16,11 @@ N+1 too, and its output there is dropped, because output processing only reads s
 are still running. Its blocks are freed at once: the worker runs steps in order, so N+1's
 write into them happens before any later step that reuses them.
 
-Constrained (grammar) sequences are continued too, when forced tokens are off or
-`SchedulerConfig.pipeline_forced_grammars` is set (measured slower on JSON: see its comment). The mask of an N+1 row depends on the
-token N samples, so N+1 goes out with its constrained rows deferred and their masks are
-computed once N's result is processed, while the worker runs N+1's forward pass
+Constrained (grammar) sequences are continued too: always when forced tokens are off, and
+with them on once a sequence's grammar has forced nothing for
+`SchedulerConfig.forced_hold_tokens` tokens (see its comment). The mask of an N+1 row
+depends on the token N samples, so N+1 goes out with its constrained rows deferred and their
+masks are computed once N's result is processed, while the worker runs N+1's forward pass
 (`LLMEngine.compute_masks`). When N's token makes the grammar force more tokens, they are
 appended after N+1 was built: N+1 still computes N's token (its K/V is right), but its sample
 for that row sits where the first forced token goes, so the row gets no mask and its sample
@@ -54,7 +55,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         return None
     config = scheduler.scheduler_config
     model_len = config.model_len
-    hold_constrained = config.enable_forced_tokens and not config.pipeline_forced_grammars
+    hold_window = config.forced_hold_tokens if config.enable_forced_tokens else 0
     groups = []
     seqs: list[Sequence] = []
     for scheduled in prev.scheduled:
@@ -67,8 +68,8 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
             return None
         chunk = scheduled.token_chunk_size
         for seq in running:
-            if hold_constrained and seq.grammar is not None:
-                return None  # its grammar may force tokens (SchedulerConfig)
+            if hold_window and _forced_lately(seq, hold_window):
+                return None  # its grammar may force tokens soon (SchedulerConfig)
             num_tokens = len(seq.token_ids)
             if seq.num_computed_tokens + chunk != num_tokens:
                 # A prefill chunk short of the end samples nothing; a constrained sequence
@@ -92,6 +93,16 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     return SchedulerOutputs(
         scheduled=[ScheduledGroup(g, 1) for g in groups], num_batched_tokens=len(seqs)
     )
+
+
+def _forced_lately(seq: Sequence, window: int) -> bool:
+    """A constrained sequence whose grammar forced tokens within its last `window` tokens;
+    the start of its output counts as forced (JSON opens with a forced run)."""
+    grammar = seq.grammar
+    if grammar is None:
+        return False
+    end = seq.num_prompt_tokens if grammar.forced_end is None else grammar.forced_end
+    return len(seq.token_ids) - end < window
 
 
 def commit_continuation(scheduler: Scheduler, cont: SchedulerOutputs) -> None:

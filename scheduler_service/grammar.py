@@ -86,12 +86,15 @@ class GrammarTimings:
 class SequenceGrammar:
     """One sequence's matcher, or (until compilation ends) the tokens it will replay."""
 
-    __slots__ = ("_compiled", "_matcher", "_pending")
+    __slots__ = ("_compiled", "_matcher", "_pending", "forced_end")
 
     def __init__(self, compiled: Future[CompiledGrammar], replay: list[int]) -> None:
         self._compiled = compiled
         self._matcher: GrammarMatcher | None = None
         self._pending = list(replay)
+        # The sequence's length after the last tokens its grammar forced (None: none yet
+        # here); asynchronous scheduling reads it (SchedulerConfig.forced_hold_tokens).
+        self.forced_end: int | None = None
 
     @property
     def compiled(self) -> Future[CompiledGrammar]:
@@ -151,6 +154,7 @@ class SequenceGrammar:
 
     def fork(self) -> SequenceGrammar:
         child = SequenceGrammar(self._compiled, self._pending)
+        child.forced_end = self.forced_end
         if self._matcher is not None:
             child._matcher = self._matcher.copy()
         return child

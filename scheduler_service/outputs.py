@@ -158,6 +158,7 @@ class OutputProcessor:
         if count:
             self.num_forced_tokens += count
             self._num_forced[seq.seq_id] = count
+            grammar.forced_end = len(seq.token_ids)
         return count
 
     def process(

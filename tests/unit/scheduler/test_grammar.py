@@ -47,7 +47,7 @@ def make_engine(
     model_len=256,
     chunked=True,
     caching=True,
-    pipeline_forced=False,
+    hold=None,
 ):
     cache_config = CacheConfig(
         BLOCK, num_gpu_blocks, num_cpu_blocks, watermark=0.0, enable_prefix_caching=caching
@@ -58,7 +58,7 @@ def make_engine(
         max_model_len=model_len,
         enable_chunked_prefill=chunked,
         enable_forced_tokens=forced,
-        pipeline_forced_grammars=pipeline_forced,
+        **({} if hold is None else {"forced_hold_tokens": hold}),
         preemption_mode=mode,
     )
     model = FakeModel(num_gpu_blocks, num_cpu_blocks, BLOCK, vocab_size=len(tok))

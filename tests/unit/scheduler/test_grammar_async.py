@@ -5,6 +5,8 @@ forced tokens after its continuation was built gets no mask and its sample is dr
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmserve.grammar.cache import GrammarCache
@@ -13,6 +15,7 @@ from scheduler_service.continuation import PipelinedStepper
 from scheduler_service.engine import _accumulate
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.sequence import SequenceStatus
+from llmserve.grammar.spec import GrammarSpec
 from tests.support.grammar import smollm2_tokenizer
 
 from .test_grammar import SCHEMA, assert_empty, assert_matches, make_engine, summary, workload
@@ -76,9 +79,7 @@ def test_pipelined_constrained_outputs_equal_synchronous_ones(tok, cache, forced
     requests = workload(tok, num=16)
     sync_engine = make_engine(tok, cache, forced=forced, num_gpu_blocks=num_gpu_blocks)
     expected, _ = run(sync_engine, requests, tok.eos_token_id, pipelined=False)
-    engine = make_engine(
-        tok, cache, forced=forced, num_gpu_blocks=num_gpu_blocks, pipeline_forced=True
-    )
+    engine = make_engine(tok, cache, forced=forced, num_gpu_blocks=num_gpu_blocks, hold=0)
     log = MaskLog(engine)
     got, stepper = run(engine, requests, tok.eos_token_id, pipelined=True)
     assert summary(got) == summary(expected)
@@ -107,7 +108,7 @@ def test_a_forced_row_is_not_continued_past_its_stale_sample(tok, cache):
     ((request_id, prompt, params, spec),) = requests
     sync_engine = make_engine(tok, cache)
     expected, _ = run(sync_engine, requests, tok.eos_token_id, pipelined=False)
-    engine = make_engine(tok, cache, pipeline_forced=True)
+    engine = make_engine(tok, cache, hold=0)
     log = MaskLog(engine)
     got, stepper = run(engine, requests, tok.eos_token_id, pipelined=True)
     assert summary(got) == summary(expected)
@@ -117,14 +118,29 @@ def test_a_forced_row_is_not_continued_past_its_stale_sample(tok, cache):
     assert engine.executor.num_steps - sync_engine.executor.num_steps <= log.stale_rows + 2
 
 
-def test_by_default_a_step_with_forcing_grammars_is_not_continued(tok, cache):
-    """With forced tokens on (the default) and `pipeline_forced_grammars` off, a step that
-    holds a constrained row runs synchronously; an unconstrained request alone is still
-    pipelined, and both give synchronous scheduling's output."""
+def test_a_step_is_held_while_its_grammar_forced_lately(tok, cache):
+    """With forced tokens on, a step whose constrained row got forced tokens within its last
+    `forced_hold_tokens` tokens runs synchronously. A window longer than any output holds
+    every such step, while an unconstrained request alone is still pipelined; a grammar with
+    a forced prefix and a long free tail (regex) is held only at its start by the default
+    window, and continued from there on. Every run gives synchronous scheduling's output."""
     constrained = [r for r in workload(tok, num=8) if r[3] is SCHEMA and r[2].n == 1][:1]
     free = [(f"free-{i}", p, params, None) for i, p, params, _ in constrained]
-    for requests, continued in ((constrained, False), (free, True)):
+    tail = GrammarSpec.regex("note: [a-z]{40,60}", "structured_outputs.regex")
+    ((request_id, prompt, params, _),) = constrained
+    regex = [(request_id, prompt, dataclasses.replace(params, max_tokens=80), tail)]
+    for requests, hold, continued in (
+        (constrained, 10**6, False),
+        (free, 10**6, True),
+        (regex, 10**6, False),
+        (regex, None, True),
+    ):
         expected, _ = run(make_engine(tok, cache), requests, tok.eos_token_id, pipelined=False)
-        got, stepper = run(make_engine(tok, cache), requests, tok.eos_token_id, pipelined=True)
+        engine = make_engine(tok, cache, hold=hold)
+        got, stepper = run(engine, requests, tok.eos_token_id, pipelined=True)
         assert summary(got) == summary(expected)
-        assert (stepper.num_continuations > 0) is continued
+        assert (stepper.num_continuations > 0) is continued, (requests[0][3], hold)
+        if requests is regex and hold is None:
+            # The forced prefix and the first 8 tokens after it ran synchronously.
+            (choice,) = got[request_id].outputs
+            assert stepper.num_continuations < len(choice.token_ids) - 8
