@@ -11,11 +11,11 @@ import pytest
 
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.llguidance_backend import LLGuidanceBackend
+from llmserve.grammar.spec import GrammarSpec
 from scheduler_service.continuation import PipelinedStepper
 from scheduler_service.engine import _accumulate
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.sequence import SequenceStatus
-from llmserve.grammar.spec import GrammarSpec
 from tests.support.grammar import smollm2_tokenizer
 
 from .test_grammar import SCHEMA, assert_empty, assert_matches, make_engine, summary, workload
