@@ -25,10 +25,12 @@ its known tokens, then `num_computed += num_scheduled_tokens`. It samples iff af
 
 Asynchronous scheduling sends step N+1 before step N's result is back. A sequence that samples
 in step N then continues in step N+1 with `new_token_ids == [SAMPLED_TOKEN]`: the worker
-substitutes the token it sampled for that sequence in the last step that scheduled it. It is
-an error (the worker refuses the step) if that step sampled nothing for the sequence, or if
-the placeholder is not the update's only new token. The scheduler learns the real token from
-step N's result and never sends it again.
+substitutes the token it sampled for that sequence in the last step that scheduled it. The
+placeholder may be followed by tokens the scheduler appended after it (a grammar's forced
+tokens, whose first one step N was made to sample by its mask). It is an error (the worker
+refuses the step) if that step sampled nothing for the sequence, or if the placeholder is
+anywhere but first. The scheduler learns the real token from step N's result and never sends
+it again.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class CachedSequence:
 
     seq_id: int
     # Tokens appended by the scheduler since the worker last saw this sequence (usually one),
-    # or `[SAMPLED_TOKEN]` (a continuation step of asynchronous scheduling).
+    # or `[SAMPLED_TOKEN, ...]` (a continuation step of asynchronous scheduling).
     new_token_ids: list[int]
     # The block table from index `block_offset` on is replaced by `block_ids` (an append when
     # block_offset == old length; copy-on-write or swap-in rewrite earlier entries).

@@ -56,8 +56,9 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     config = scheduler.scheduler_config
     model_len = config.model_len
     hold_window = config.forced_hold_tokens if config.enable_forced_tokens else 0
-    groups = []
+    groups: list[ScheduledGroup] = []
     seqs: list[Sequence] = []
+    num_tokens_scheduled = 0
     for scheduled in prev.scheduled:
         group = scheduled.seq_group
         params = group.sampling_params
@@ -67,23 +68,29 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         if params.use_beam_search or (params.num_sampled > 1 and not group.has_sampled):
             return None
         chunk = scheduled.token_chunk_size
+        next_chunk = 1
         for seq in running:
             if hold_window and _forced_lately(seq, hold_window):
                 return None  # its grammar may force tokens soon (SchedulerConfig)
             num_tokens = len(seq.token_ids)
             if seq.num_computed_tokens + chunk != num_tokens:
-                # A prefill chunk short of the end samples nothing; a constrained sequence
-                # whose grammar forced tokens after `prev` was built has them to send.
-                return None
+                if not _forced_after(seq, chunk, prev.is_continuation):
+                    return None  # a prefill chunk short of the end samples nothing
+                # Its grammar forced tokens after `prev` was built: `prev` samples the first
+                # of them (its mask allows nothing else) and this step computes them all.
+                next_chunk = num_tokens - seq.num_computed_tokens - chunk
             if (
                 num_tokens + 1 >= model_len
                 or num_tokens + 1 - seq.num_prompt_tokens >= params.max_tokens
             ):
                 return None  # finishes in `prev` for sure: the next step is synchronous
-        groups.append(group)
+        groups.append(ScheduledGroup(group, next_chunk))
         seqs.extend(running)
-    if len(groups) != len(scheduler.running) or len(seqs) > config.max_num_batched_tokens:
+        num_tokens_scheduled += next_chunk * len(running)
+    if len(groups) != len(scheduler.running):
         return None  # a running group was left out of `prev` (budget): schedule normally
+    if num_tokens_scheduled > config.max_num_batched_tokens:
+        return None
     bm = scheduler.block_manager
     if not bm.can_reserve_lookahead(seqs):
         return None
@@ -91,7 +98,19 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         bm.reserve_lookahead(seq)
     scheduler.advance_clock()
     return SchedulerOutputs(
-        scheduled=[ScheduledGroup(g, 1) for g in groups], num_batched_tokens=len(seqs)
+        scheduled=groups, num_batched_tokens=num_tokens_scheduled, is_continuation=True
+    )
+
+
+def _forced_after(seq: Sequence, chunk: int, prev_is_continuation: bool) -> bool:
+    """Whether the tokens of `seq` past `prev`'s chunk are a grammar's forced run appended
+    since `prev` (a continuation) was built: `prev` computes the sampled token before them."""
+    grammar = seq.grammar
+    return (
+        prev_is_continuation
+        and chunk == 1
+        and grammar is not None
+        and grammar.forced_end == len(seq.token_ids)
     )
 
 
@@ -113,8 +132,9 @@ def commit_continuation(scheduler: Scheduler, cont: SchedulerOutputs) -> None:
     copies: list[tuple[int, int]] = []
     append_slots = scheduler.block_manager.append_slots
     for scheduled in cont.scheduled:
+        chunk = scheduled.token_chunk_size
         for seq in scheduled.seq_group.seqs:
-            if seq.status == _RUNNING and len(seq.token_ids) == seq.num_computed_tokens + 1:
+            if seq.status == _RUNNING and len(seq.token_ids) == seq.num_computed_tokens + chunk:
                 append_slots(seq, copies)
     assert not copies, "a continuation step never copies on write"
 

@@ -23,7 +23,7 @@ from llmserve.grammar.backend import CompiledGrammar, GrammarError, GrammarMatch
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.masks import encode_mask
 from llmserve.grammar.spec import GrammarSpec
-from llmserve.steps import TokenMask
+from llmserve.steps import MaskKind, TokenMask
 
 
 class GrammarCompiler:
@@ -148,6 +148,11 @@ class SequenceGrammar:
 
     def mask(self, seq_id: int) -> TokenMask:
         return encode_mask(seq_id, self.matcher().bitmask(), self._compiled.result().vocab_size)
+
+    def only(self, seq_id: int, token_id: int) -> TokenMask:
+        """A mask that allows `token_id` alone (a continuation row whose sample is a forced
+        token the scheduler already holds: scheduler_service/continuation.py)."""
+        return TokenMask(seq_id, MaskKind.ALLOW, self._compiled.result().vocab_size, [token_id])
 
     def forced_tokens(self) -> list[int]:
         return self.matcher().forced_tokens()

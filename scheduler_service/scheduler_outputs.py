@@ -34,6 +34,9 @@ class SchedulerOutputs:
     preempted: list[PreemptedGroup] = field(default_factory=list)
     # Sequences whose blocks this step's scheduling freed (preempted by recompute, ignored).
     freed_seq_ids: list[int] = field(default_factory=list)
+    # Built by asynchronous scheduling before the previous step's result was back
+    # (scheduler_service/continuation.py).
+    is_continuation: bool = False
 
     def is_empty(self) -> bool:
         return not (

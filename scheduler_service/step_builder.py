@@ -89,9 +89,11 @@ class StepBuilder:
             self._mask_rows[step.step_id] = rows
 
     def masks(self, step_id: int) -> tuple[list[TokenMask], float]:
-        """The deferred masks of step `step_id` and the seconds they took: one per row that
-        still samples where the step was built to (a row that finished meanwhile, or got
-        forced tokens after a continuation step was built, gets none: its sample is ignored).
+        """The deferred masks of step `step_id` and the seconds they took: one per running row
+        (a row that finished meanwhile gets none: its sample is ignored). A row that got
+        forced tokens after its continuation step was built samples where the first of them
+        already is: its mask allows that token alone, so the worker holds it for the next
+        continuation's placeholder, and output processing ignores the sample.
         The first mask of a sequence waits for its grammar to compile (prefill ran meanwhile).
         Safe off the engine's thread while nothing else advances these sequences' grammars."""
         rows = self._mask_rows.pop(step_id, None)
@@ -101,9 +103,13 @@ class StepBuilder:
         masks = []
         for seq, group, chunk in rows:
             assert seq.grammar is not None
-            if seq.status != _RUNNING or seq.num_computed_tokens + chunk != len(seq.token_ids):
+            if seq.status != _RUNNING:
                 continue
+            sample_at = seq.num_computed_tokens + chunk
             try:
+                if sample_at < len(seq.token_ids):
+                    masks.append(seq.grammar.only(seq.seq_id, seq.token_ids[sample_at]))
+                    continue
                 masks.append(seq.grammar.mask(seq.seq_id))
             except GrammarError:
                 if group not in self.grammar_failures:
@@ -119,7 +125,9 @@ class StepBuilder:
         """The diff of a continuation step (`scheduler_service.continuation`): each scheduled
         sequence computes the token the step in flight samples for it, named by the
         placeholder `SAMPLED_TOKEN`; the worker will hold one token more than the scheduler
-        until that step's result is in."""
+        until that step's result is in. A sequence whose grammar forced tokens after the step
+        in flight was built (its chunk is their number) computes them: the placeholder stands
+        for the first, which the step in flight samples under a mask allowing it alone."""
         step = StepInput(step_id=self._step_id)
         self._step_id += 1
         self._add_frees(step, self._add_forks(step))
@@ -131,22 +139,27 @@ class StepBuilder:
             for seq in scheduled.seq_group.seqs:
                 if seq.status != _RUNNING:
                     continue
+                chunk = scheduled.token_chunk_size
                 if seq.grammar is not None:
                     # Its mask needs the token the step in flight samples: `masks` runs for
                     # this step once that result is processed (the row then samples at
-                    # num_computed_tokens + 1 == len(token_ids)).
-                    constrained.append((seq, scheduled.seq_group, 1))
+                    # num_computed_tokens + chunk == len(token_ids)).
+                    constrained.append((seq, scheduled.seq_group, chunk))
                 seq_id = seq.seq_id
                 view = views[seq_id]
                 known_tokens, known_blocks = view
-                assert known_tokens == len(seq.token_ids), "continued twice without a result"
+                # The worker knows every token and the placeholder sent for the step in
+                # flight's input, unless forced tokens came after that input: the first of
+                # them is what the step in flight samples (this placeholder), the rest follow.
+                forced = seq.token_ids[known_tokens + 1 :]
+                assert len(forced) == chunk - 1, "continued twice without a result"
                 table = tables[seq_id]
                 dirty = bm.pop_dirty_from(seq_id)
                 offset = known_blocks if dirty is None or dirty > known_blocks else dirty
                 step.cached_seqs.append(
-                    CachedSequence(seq_id, [SAMPLED_TOKEN], offset, table[offset:], 1)
+                    CachedSequence(seq_id, [SAMPLED_TOKEN, *forced], offset, table[offset:], chunk)
                 )
-                view[0] = known_tokens + 1
+                view[0] = known_tokens + chunk
                 view[1] = len(table)
         self._defer_masks(step, constrained)
         return step

@@ -128,7 +128,7 @@ class ModelRunner:
             state = self._state(cached.seq_id)
             new_tokens = cached.new_token_ids
             if SAMPLED_TOKEN in new_tokens:
-                new_tokens = [self._take_sampled(state, new_tokens)]
+                new_tokens = [self._take_sampled(state, new_tokens), *new_tokens[1:]]
             state.token_ids.extend(new_tokens)
             del state.block_ids[cached.block_offset :]
             state.block_ids.extend(cached.block_ids)
@@ -148,10 +148,10 @@ class ModelRunner:
     @staticmethod
     def _take_sampled(state: SequenceState, new_tokens: list[int]) -> int:
         """The token a `SAMPLED_TOKEN` placeholder stands for (asynchronous scheduling)."""
-        if len(new_tokens) != 1:
+        if new_tokens[0] != SAMPLED_TOKEN or SAMPLED_TOKEN in new_tokens[1:]:
             raise StateError(
-                f"seq {state.seq_id}: the sampled-token placeholder must be the only new token, "
-                f"got {len(new_tokens)} new tokens"
+                f"seq {state.seq_id}: the sampled-token placeholder must be the first new "
+                f"token and appear once, got {len(new_tokens)} new tokens"
             )
         token = state.last_sampled
         if token is None:

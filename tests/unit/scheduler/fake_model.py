@@ -55,6 +55,8 @@ class FakeModel:
         self.num_steps = 0
         self.num_computed_tokens = 0
         self.num_placeholders = 0
+        # Placeholders followed by known tokens (forced ones).
+        self.num_placeholder_runs = 0
         self.num_masked_rows = 0
 
     # -- the model's "distribution" -------------------------------------------------------
@@ -128,10 +130,12 @@ class FakeModel:
         for upd in step.cached_seqs:
             st = self.seqs[upd.seq_id]
             if SAMPLED_TOKEN in upd.new_token_ids:
-                assert upd.new_token_ids == [SAMPLED_TOKEN], "placeholder not alone"
+                first, *rest = upd.new_token_ids
+                assert first == SAMPLED_TOKEN and SAMPLED_TOKEN not in rest, "placeholder not first"
                 assert st.last_sampled is not None, f"seq {upd.seq_id} sampled nothing"
-                st.tokens.append(st.last_sampled)
+                st.tokens += [st.last_sampled, *rest]
                 self.num_placeholders += 1
+                self.num_placeholder_runs += bool(rest)
             else:
                 st.tokens.extend(upd.new_token_ids)
             assert upd.block_offset <= len(st.table)

@@ -76,11 +76,27 @@ def test_placeholder_is_used_once(tiny_llama: tuple[Path, Any]) -> None:
         worker.execute(step)
 
 
-def test_placeholder_must_be_the_only_new_token(tiny_llama: tuple[Path, Any]) -> None:
-    path, _ = tiny_llama
+def test_placeholder_followed_by_known_tokens(tiny_llama: tuple[Path, Any]) -> None:
+    # A grammar's forced tokens: the step after the prefill computes the prefill's sample and
+    # two tokens the scheduler appended after it, then samples what HF greedy gives there.
+    path, hf = tiny_llama
     worker = make_worker(path)
     blocks = blocks_for(0, len(PROMPT) + 4)
-    worker.execute(StepInput(0, new_seqs=[new_seq(4, PROMPT, blocks)]))
-    step = StepInput(1, cached_seqs=[CachedSequence(4, [SAMPLED_TOKEN, 5], 3, [], 2)])
-    with pytest.raises(StateError, match="only new token"):
-        worker.execute(step)
+    first = worker.execute(StepInput(0, new_seqs=[new_seq(4, PROMPT, blocks)]))
+    sampled = first.outputs[0].samples[0].token_id
+    step = StepInput(1, cached_seqs=[CachedSequence(4, [SAMPLED_TOKEN, 7, 8], len(blocks), [], 3)])
+    out = worker.execute(step)
+    assert worker.runner.states[4].token_ids == [*PROMPT, sampled, 7, 8]
+    expected = hf_greedy(hf, [*PROMPT, sampled, 7, 8], 1)
+    assert [out.outputs[0].samples[0].token_id] == expected
+
+
+def test_placeholder_must_come_first_and_once(tiny_llama: tuple[Path, Any]) -> None:
+    path, _ = tiny_llama
+    for new in ([5, SAMPLED_TOKEN], [SAMPLED_TOKEN, SAMPLED_TOKEN]):
+        worker = make_worker(path)
+        blocks = blocks_for(0, len(PROMPT) + 4)
+        worker.execute(StepInput(0, new_seqs=[new_seq(4, PROMPT, blocks)]))
+        step = StepInput(1, cached_seqs=[CachedSequence(4, new, 3, [], 2)])
+        with pytest.raises(StateError, match="must be the first new token"):
+            worker.execute(step)
