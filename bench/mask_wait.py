@@ -27,6 +27,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gateway.tool_formats.generic import GenericFormat  # noqa: E402
 from gateway.tools import parse_tools  # noqa: E402
 from llmserve.grammar.spec import GrammarSpec  # noqa: E402
 from llmserve.limits import RequestLimits  # noqa: E402
@@ -51,7 +52,7 @@ CONFIGS = [
 GRAMMARS = [
     (GrammarSpec.json_schema(BOUNDED_SCHEMA, "response_format"), "Describe a box as JSON:"),
     (
-        parse_tools([WEATHER_TOOL], "required", False, RequestLimits()).grammar(),
+        GenericFormat().grammar(parse_tools([WEATHER_TOOL], "required", False, RequestLimits())),
         "Call a tool to get the weather in France:",
     ),
 ]

@@ -42,16 +42,16 @@ class SchedulerConfig:
     # Structured output: where the grammar allows exactly one continuation, append its
     # tokens as inputs of the next step instead of sampling them one step at a time.
     enable_forced_tokens: bool = True
-    # Asynchronous scheduling of constrained sequences while forced tokens are on. A row
-    # whose sampled token makes its grammar force more tokens loses the continuation's sample
-    # (scheduler_service/continuation.py), so where grammars force often (JSON keys) the
-    # pipelined run took more steps and more time than the synchronous one
-    # (bench/mask_wait.py, SmolLM2 on this CPU: 19 steps and 2.3 s against 13 and 1.8 s),
-    # while in long free-text strings nothing is forced and holding steps back only loses the
-    # pipeline. So a step is not continued while one of its constrained sequences got forced
-    # tokens within its last `forced_hold_tokens` tokens (the start of its output counts as
-    # forced); 0 continues every step. Its masks overlap its forward pass either way. Without
-    # forced tokens constrained steps are always continued.
+    # Asynchronous scheduling of constrained sequences while forced tokens are on. A forced
+    # run that comes after a continuation was built costs its row one step
+    # (scheduler_service/continuation.py), so where grammars force often (JSON keys, tool
+    # calls) the pipelined run took more steps and more time than the synchronous one
+    # (bench/mask_wait.py, SmolLM2 on this CPU: 20-22 steps and 2.2-2.3 s against 13 and
+    # 1.7-1.9 s), while in long strings nothing is forced and holding steps back only loses
+    # the pipeline. So a step is not continued while one of its constrained sequences got
+    # forced tokens within its last `forced_hold_tokens` tokens (the start of its output
+    # counts as forced); 0 continues every step. Its masks overlap its forward pass either
+    # way. Without forced tokens constrained steps are always continued.
     forced_hold_tokens: int = 8
 
     def __post_init__(self) -> None:

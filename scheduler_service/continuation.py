@@ -22,11 +22,13 @@ with them on once a sequence's grammar has forced nothing for
 depends on the token N samples, so N+1 goes out with its constrained rows deferred and their
 masks are computed once N's result is processed, while the worker runs N+1's forward pass
 (`LLMEngine.compute_masks`). When N's token makes the grammar force more tokens, they are
-appended after N+1 was built: N+1 still computes N's token (its K/V is right), but its sample
-for that row sits where the first forced token goes, so the row gets no mask and its sample
-is dropped (output processing skips a sequence with uncomputed tokens). That row is not
-continued past N+1 (its forced tokens are inputs, not a single sampled token, which the
-placeholder cannot name), so the step after N+1 is synchronous and sends them.
+appended after N+1 was built: N+1 still computes N's token (its K/V is right), and its sample
+for that row falls where the first forced token already is, so the row's mask allows that
+token alone (output processing then skips the sample: the sequence has uncomputed tokens).
+N+2 continues the row with the placeholder (standing for that first forced token, which the
+worker sampled) followed by the rest of the run: one step more for the row than a
+synchronous step would take, and no break in the pipeline. Whether that beats holding the
+step back is a matter of how often grammars force (`SchedulerConfig.forced_hold_tokens`).
 
 `PipelinedStepper` drives an in-process engine this way, one step ahead at most.
 """
