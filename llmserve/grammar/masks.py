@@ -9,8 +9,14 @@ from llmserve.steps import MaskKind, TokenMask
 # Bytes per token id on the wire in a packed repeated uint32 (a varint of a 50k-160k vocab
 # id is 3 bytes).
 _ID_BYTES = 3
-# Set bits per byte value (numpy < 2 has no bitwise_count).
+# Set bits per byte value, where numpy has no bitwise_count (before 2.0; it is ~6x faster).
 _POPCOUNT8 = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(axis=1)
+
+
+def _popcount(words: np.ndarray) -> int:  # words: [num_words] uint32
+    if hasattr(np, "bitwise_count"):
+        return int(np.bitwise_count(words).sum())
+    return int(_POPCOUNT8[words.view(np.uint8)].sum())
 
 
 def encode_mask(seq_id: int, bitmask: bytes, vocab_size: int) -> TokenMask:
@@ -22,7 +28,7 @@ def encode_mask(seq_id: int, bitmask: bytes, vocab_size: int) -> TokenMask:
     tail = vocab_size % 32
     if tail:
         words[-1] &= np.uint32((1 << tail) - 1)  # no token at or above vocab_size
-    num_allowed = int(_POPCOUNT8[words.view(np.uint8)].sum())
+    num_allowed = _popcount(words)
     bitmap_bytes = (vocab_size + 7) // 8
     if num_allowed * _ID_BYTES <= bitmap_bytes and num_allowed <= vocab_size - num_allowed:
         return TokenMask(seq_id, MaskKind.ALLOW, vocab_size, _set_bits(words))
@@ -38,6 +44,5 @@ def encode_mask(seq_id: int, bitmask: bytes, vocab_size: int) -> TokenMask:
 def _set_bits(words: np.ndarray) -> list[int]:  # words: [num_words] uint32
     """Indices of the set bits, ascending."""
     nonzero = np.flatnonzero(words)
-    bits = np.unpackbits(words[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32)
-    rows, cols = np.nonzero(bits)
-    return (nonzero[rows] * 32 + cols).tolist()
+    bits = np.flatnonzero(np.unpackbits(words[nonzero].view(np.uint8), bitorder="little"))
+    return (nonzero[bits >> 5] * 32 + (bits & 31)).tolist()
