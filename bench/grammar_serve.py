@@ -20,9 +20,11 @@ wave's prefills then interleave with the others' decoding, which moves time from
 and makes the two runs' TPOT incomparable (measured: 48 requests in three waves gave json
 TPOT p50 1.15x the free run's at equal end-to-end times).
 
-Greedy, ignore_eos, usage from the server. TPOT and TTFT are serve.py's per-request p50s.
+Greedy, ignore_eos, usage from the server. TPOT and TTFT are serve.py's per-request p50s; the
+runs go round `--repeats` times (interleaved, so drift hits every run alike) and the ratios
+compare the medians of their p50s.
 
-    .venv/bin/python bench/grammar_serve.py               # ~6 minutes on a quiet machine
+    .venv/bin/python bench/grammar_serve.py               # ~20 minutes on a quiet machine
     .venv/bin/python bench/grammar_serve.py --runs tpot-free tpot-json
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +94,8 @@ RUNS = {
 }
 
 
-def client(server: Server, run: Run, name: str, args: argparse.Namespace) -> list[str]:
+def client(server: Server, run: Run, name: str, label: str, args: argparse.Namespace) -> list[str]:
+    """serve.py's command for the run `name`, its output labelled `label`."""
     command = [
         sys.executable, str(BENCH / "serve.py"), "--base-url", server.base_url,
         "--model", MODEL, "--tokenizer", str(args.hf_model), "--endpoint", "chat",
@@ -99,8 +103,8 @@ def client(server: Server, run: Run, name: str, args: argparse.Namespace) -> lis
         "--input-len", "128", "--output-len", str(run.output_len),
         "--max-concurrency", str(run.streams), "--seed", str(args.seed), "--ignore-eos",
         "--include-usage", "--warmup", "1", "--max-duration", str(args.max_duration),
-        "--request-timeout", str(args.max_duration), "--label", name,
-        "--out", str(args.out_dir / "runs" / name),
+        "--request-timeout", str(args.max_duration), "--label", label,
+        "--out", str(args.out_dir / "runs" / label),
     ]  # fmt: skip
     if run.schema is not None:
         path = args.out_dir / f"{name}-schema.json"
@@ -111,29 +115,38 @@ def client(server: Server, run: Run, name: str, args: argparse.Namespace) -> lis
     return command
 
 
-def p50(summary: dict[str, Any], key: str) -> str:
+def p50(summary: dict[str, Any], key: str) -> float | None:
     value = (summary.get(key) or {}).get("p50")
-    return f"{value:.1f}" if value is not None else "-"
+    return float(value) if value is not None else None
 
 
-def report(results: dict[str, dict[str, Any]]) -> str:
+def median_p50(repeats: list[dict[str, Any]], key: str) -> float | None:
+    values = [v for s in repeats if (v := p50(s, key)) is not None]
+    return statistics.median(values) if values else None
+
+
+def shown_ms(values: list[float | None]) -> str:
+    return " / ".join("-" if v is None else f"{v:.1f}" for v in values)
+
+
+def report(results: dict[str, list[dict[str, Any]]]) -> str:
+    """One row per run: each repeat's p50s, then ratios of the runs' medians."""
     lines = [
         "| run | completed | output tok/s | TTFT p50 ms | TPOT p50 ms | load before / others |",
         "|---|---|---|---|---|---|",
     ]
-    for name, s in results.items():
-        if "error" in s:
-            lines.append(f"| {name} | {s['error']} | | | | {s.get('contention', '?')} |")
-            continue
-        lines.append(
-            f"| {name} | {s.get('completed', '-')} | {s.get('output_tokens_per_s', 0):.1f} "
-            f"| {p50(s, 'ttft_ms')} | {p50(s, 'tpot_ms')} | {s.get('contention', '?')} |"
-        )
+    for name, repeats in results.items():
+        completed = " / ".join(str(s.get("completed", s.get("error", "-"))) for s in repeats)
+        rate = " / ".join(f"{s.get('output_tokens_per_s', 0):.1f}" for s in repeats)
+        ttft = shown_ms([p50(s, "ttft_ms") for s in repeats])
+        tpot = shown_ms([p50(s, "tpot_ms") for s in repeats])
+        load = " ; ".join(str(s.get("contention", "?")) for s in repeats)
+        lines.append(f"| {name} | {completed} | {rate} | {ttft} | {tpot} | {load} |")
 
     def ratio(a: str, b: str, key: str) -> str | None:
-        x, y = results.get(a, {}).get(key, {}), results.get(b, {}).get(key, {})
-        if x.get("p50") and y.get("p50"):
-            return f"- {key} p50 {a} / {b}: {x['p50'] / y['p50']:.3f}"
+        x, y = median_p50(results.get(a, []), key), median_p50(results.get(b, []), key)
+        if x and y:
+            return f"- {key} p50, median of the repeats, {a} / {b}: {x / y:.3f}"
         return None
 
     pairs = [("tpot-json", "tpot-free", "tpot_ms"), ("tpot-json-nf", "tpot-free", "tpot_ms"),
@@ -156,21 +169,25 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--max-load", type=float, default=1.0)
     p.add_argument("--load-patience", type=float, default=600.0)
+    p.add_argument("--repeats", type=int, default=3, help="rounds over the runs (interleaved)")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ensure_hf_model(args.hf_model)
     (args.out_dir / "runs").mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in args.runs}
     try:
-        for name in args.runs:
+        for repeat, name in ((r, n) for r in range(args.repeats) for n in args.runs):
             run = RUNS[name]
             port, grpc_port = free_ports(2)
             command = [str(BIN / "llmserve"), "up", "--model", MODEL, "--dtype", args.dtype,
                        "--grpc-port", str(grpc_port), "--http-port", str(port)]  # fmt: skip
             server = Server(name, name, command, port, MODEL)
             env = {"LLMSERVE_NUM_THREADS": str(args.threads), **run.env}
-            out = args.out_dir / "runs" / f"{name}.json"
-            results[name] = measure_server(server, client(server, run, name, args), out, args, env)
+            label = f"{name}-{repeat}"
+            out = args.out_dir / "runs" / f"{label}.json"
+            results[name].append(
+                measure_server(server, client(server, run, name, label, args), out, args, env)
+            )
     except (KeyboardInterrupt, SystemExit):
         print("stopped; reporting the runs that finished")
     text = report(results)
