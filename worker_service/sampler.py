@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels import cpu as cpu_kernels
@@ -70,8 +71,9 @@ class SamplingRow:
         )
 
     @property
-    def plain_greedy(self) -> bool:
-        """Takes the argmax of its raw logits and reports that token's logprob alone."""
+    def masked_greedy(self) -> bool:
+        """Takes the best token its mask (if any) allows and reports that token's logprob
+        alone: nothing else adjusts its logits."""
         p = self.params
         return (
             p.is_greedy
@@ -79,8 +81,12 @@ class SamplingRow:
             and not p.logprobs
             and not self.suppresses_stops
             and not self.penalized
-            and self.token_mask is None
         )
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Takes the argmax of its raw logits and reports that token's logprob alone."""
+        return self.masked_greedy and self.token_mask is None
 
     @property
     def num_samples(self) -> int:
@@ -127,6 +133,8 @@ class Sampler:
             return _argmax_results(argmax)
         # Raw logprobs are logits - logsumexp: only the entries reported are ever formed.
         if self.native_reductions:
+            if not plain_greedy and all(r.masked_greedy for r in rows):
+                return self._masked_greedy(logits.contiguous(), rows)
             best_token, lse, top = cpu_kernels.argmax_logsumexp(logits)  # [num_rows] each
             if plain_greedy:
                 return _argmax_results(ArgmaxLogprobs(best_token.tolist(), (top - lse).tolist()))
@@ -170,6 +178,27 @@ class Sampler:
             ):
                 tokens[i] = drawn
         return self._with_logprobs(logits, lse, best_token, rows, tokens)
+
+    def _masked_greedy(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab] CPU, in the model dtype
+        rows: list[SamplingRow],
+    ) -> list[SampleResult]:
+        """Greedy rows, some under token masks (structured output), with nothing else to
+        apply: each row's best allowed token with its raw logprob and rank, by native passes
+        over the logits (~0.3 ms for 16 rows of SmolLM2's vocabulary, where copying and
+        filling the logits for the general path took ~2 ms)."""
+        vocab = logits.shape[-1]
+        masked = [i for i, r in enumerate(rows) if r.token_mask is not None]
+        refused = np.zeros((len(rows), vocab), dtype=np.bool_)
+        refused[masked] = refused_matrix([rows[i].token_mask for i in masked], vocab)  # type: ignore[misc]
+        chosen, ranks = cpu_kernels.masked_argmax(logits, torch.from_numpy(refused))
+        _, lse, _ = cpu_kernels.argmax_logsumexp(logits)
+        logprobs = (logits.gather(1, chosen[:, None])[:, 0].float() - lse).tolist()
+        return [
+            SampleResult([TokenLogprob(t, lp, rank)], [])
+            for t, lp, rank in zip(chosen.tolist(), logprobs, ranks.tolist(), strict=True)
+        ]
 
     def _adjust_logits(
         self,

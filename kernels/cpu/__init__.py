@@ -12,12 +12,20 @@ from kernels.cpu.attention import (
     unsupported_reason,
 )
 from kernels.cpu.build import NativeKernelUnavailable, is_available, library
-from kernels.cpu.ops import argmax_logsumexp, rms_norm, rotary_, silu_mul, write_kv
+from kernels.cpu.ops import (
+    argmax_logsumexp,
+    masked_argmax,
+    rms_norm,
+    rotary_,
+    silu_mul,
+    write_kv,
+)
 
 __all__ = [
     "DTYPE_CODES",
     "NativeKernelUnavailable",
     "argmax_logsumexp",
+    "masked_argmax",
     "is_available",
     "library",
     "paged_attention_decode",

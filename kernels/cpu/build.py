@@ -150,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_write_kv": [i32, ptr, ptr, i64, ptr, i64, i64, ptr, ptr],
         # dtype, logits, n, vocab, argmax out, lse out, max out
         "llmserve_argmax_logsumexp": [i32, ptr, i64, i64, ptr, ptr, ptr],
+        # dtype, logits, refused (bytes), n, vocab, argmax out, rank out
+        "llmserve_masked_argmax": [i32, ptr, ptr, i64, i64, ptr, ptr],
         # dtype, x, n, in, weight, bias (or NULL), out, out features
         "llmserve_linear_rows": [i32, ptr, i64, i64, ptr, ptr, ptr, i64],
         # threads

@@ -171,6 +171,32 @@ def argmax_logsumexp(
     return argmax, lse, top
 
 
+def masked_argmax(
+    logits: torch.Tensor,  # [n, vocab] float32 or bfloat16
+    refused: torch.Tensor,  # [n, vocab] bool: True where the row may not take the token
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the first index of the largest value `refused` leaves ([n] int64; -1 where it
+    leaves none), and that value's rank in the whole row ([n] int64: 1 + how many values
+    are larger)."""
+    _check("logits", logits, 2)
+    if refused.dtype != torch.bool or refused.shape != logits.shape:
+        raise KernelArgumentError("refused", f"expected bool {tuple(logits.shape)}")
+    if refused.device.type != "cpu" or not refused.is_contiguous():
+        raise KernelArgumentError("refused", "must be a contiguous CPU tensor")
+    argmax = torch.empty(logits.shape[0], dtype=torch.int64)
+    rank = torch.empty(logits.shape[0], dtype=torch.int64)
+    if logits.shape[0] and logits.shape[1]:
+        library().llmserve_masked_argmax(
+            DTYPE_CODES[logits.dtype],
+            logits.data_ptr(),
+            refused.data_ptr(),
+            *logits.shape,
+            argmax.data_ptr(),
+            rank.data_ptr(),
+        )
+    return argmax, rank
+
+
 def _check(
     name: str,
     tensor: torch.Tensor,

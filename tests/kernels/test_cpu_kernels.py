@@ -207,6 +207,40 @@ def test_silu_mul_matches_torch(dtype: torch.dtype, tol: float) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_masked_argmax_takes_the_best_allowed_token_and_ranks_it(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(7, 1003, generator=gen) * 5).to(dtype)
+    refused = torch.rand(7, 1003, generator=gen) < 0.5
+    refused[1] = False  # nothing refused: the plain argmax, rank 1
+    refused[2] = True
+    refused[2, 999] = False  # one token allowed
+    logits[3, 20] = logits[3, 700] = 100.0  # a tie of allowed tokens: the first wins
+    refused[3, 20] = refused[3, 700] = False
+    logits[4, 5] = float("nan")  # NaN never wins
+    refused[4, 5] = False
+    logits[5] = float("-inf")  # only -inf allowed: the first allowed index
+    refused[6] = True  # nothing allowed: -1
+    argmax, rank = cpu_kernels.masked_argmax(logits, refused)
+    values = logits.float().masked_fill(refused, float("-inf")).nan_to_num(nan=float("-inf"))
+    expected = values.argmax(dim=-1)
+    expected[5] = int((~refused[5]).nonzero()[0, 0])
+    expected[6] = -1
+    assert argmax.tolist() == expected.tolist()
+    assert argmax[1] == logits[1].float().argmax() and argmax[2] == 999 and argmax[3] == 20
+    chosen = logits.float().gather(1, argmax[:6, None].clamp(min=0))
+    above = (logits[:6].float() > chosen).sum(dim=-1) + 1
+    assert rank[:6].tolist() == above.tolist()
+    assert rank[1] == 1 and rank[2] > 1
+
+
+def test_masked_argmax_refuses_a_mask_of_another_shape() -> None:
+    logits = torch.zeros(2, 8)
+    for refused in (torch.zeros(2, 7, dtype=torch.bool), torch.zeros(2, 8, dtype=torch.uint8)):
+        with pytest.raises(KernelArgumentError, match="refused"):
+            cpu_kernels.masked_argmax(logits, refused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_argmax_logsumexp_matches_torch_and_takes_the_first_maximum(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(8)
     logits = (torch.randn(6, 1003, generator=gen) * 5).to(dtype)

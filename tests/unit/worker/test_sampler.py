@@ -326,6 +326,42 @@ def test_masked_and_unmasked_rows_share_a_batch(native_reductions: bool) -> None
     assert results[1].samples[0].rank == 2  # token 1 beats it in the raw logits
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_masked_greedy_rows_take_the_native_path_and_agree_with_the_general_one(
+    dtype: torch.dtype,
+) -> None:
+    vocab = 300
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, vocab, generator=gen) * 4).to(dtype)
+    allowed = [[7, 250], list(range(0, vocab, 3)), [299]]
+    bits = bytearray((vocab + 7) // 8)
+    for t in range(100, 200):
+        bits[t >> 3] |= 1 << (t & 7)
+    masks = [
+        TokenMask(0, MaskKind.ALLOW, vocab, allowed[0]),
+        TokenMask(1, MaskKind.DENY, vocab, [t for t in range(vocab) if t not in allowed[1]]),
+        TokenMask(2, MaskKind.ALLOW, vocab, allowed[2]),
+        TokenMask(3, MaskKind.BITMAP, vocab, bitmap=bytes(bits)),
+        None,
+        TokenMask(5, MaskKind.DENY, vocab, []),
+    ]
+    greedy = SamplingParams(temperature=0.0)
+    rows = [SamplingRow(greedy, 0, [1, 2, 3], 3, m) for m in masks]
+    native = Sampler(vocab, (EOS,), native_reductions=True)
+    calls: list[int] = []
+    masked_greedy = native._masked_greedy
+    native._masked_greedy = lambda lg, rs: calls.append(len(rs)) or masked_greedy(lg, rs)  # type: ignore[method-assign]
+    fast = native.sample(logits, rows)
+    general = Sampler(vocab, (EOS,), native_reductions=False).sample(logits, rows)
+    assert calls == [6]
+    assert [r.samples[0].token_id for r in fast] == [r.samples[0].token_id for r in general]
+    assert [r.samples[0].rank for r in fast] == [r.samples[0].rank for r in general]
+    for f, g in zip(fast, general, strict=True):
+        assert f.samples[0].logprob == pytest.approx(g.samples[0].logprob, abs=1e-4)
+    assert fast[2].samples[0].token_id == 299 and fast[4].samples[0].rank == 1
+    assert fast[0].samples[0].token_id in allowed[0]
+
+
 def test_beam_candidates_under_a_mask_are_only_allowed_tokens() -> None:
     logits = torch.tensor([logits_row(1.0, 9.0, 2.0, 8.0)])
     params = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0.0)
