@@ -1,8 +1,9 @@
 """Native CPU kernels: paged attention and the decoder's fused elementwise ops, in C++.
 
 `paged_attention.cpp` (decode) and `paged_prefill.cpp` (prefill over a cached prefix) read
-K/V straight from the paged cache; `decode.cpp` runs a whole decode step; `ops.cpp` fuses RMSNorm, rotary embedding, SiLU-and-multiply and the sampler's
-argmax / log-sum-exp. `build.py` compiles them for this CPU on first use.
+K/V straight from the paged cache; `decode.cpp` runs a whole decode step; `ops.cpp` fuses
+RMSNorm, rotary embedding, SiLU-and-multiply and the sampler's reductions (argmax and
+log-sum-exp; the best token a mask allows). `build.py` compiles them for this CPU on first use.
 """
 
 from kernels.cpu.attention import (
