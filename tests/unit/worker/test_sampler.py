@@ -9,7 +9,8 @@ import torch
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import MaskKind, TokenMask
-from worker_service.sampler import Sampler, SamplingRow, _top_k_top_p, prompt_logprobs
+from worker_service.nucleus import top_k_top_p
+from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
 
 V = 10
 EOS = 9
@@ -235,7 +236,7 @@ def test_top_k_top_p_keep_the_same_tokens_whether_the_nucleus_is_narrow_or_wide(
         assert drawn <= allowed, (top_k, top_p)
     # All four rows in one batch filter exactly as each does alone.
     batch = torch.stack([c[0] for c in cases])
-    filtered = _top_k_top_p(batch, [c[1] for c in cases], [c[2] for c in cases])
+    filtered = top_k_top_p(batch, [c[1] for c in cases], [c[2] for c in cases])
     for i, (logits, top_k, top_p) in enumerate(cases):
         kept = set(torch.isfinite(filtered[i]).nonzero()[:, 0].tolist())
         assert kept == _sorted_top_k_top_p(logits, top_k, top_p), i
