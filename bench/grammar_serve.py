@@ -1,8 +1,7 @@
 """Structured output through the whole stack: what a grammar costs a served request.
 
-Issue #26's serving figures, on the embedded SmolLM2 through `llmserve up`, each run on a
-freshly started stack (bench/serve_compare.py's measure_server: quiet machine, health, serve.py
-client, stop):
+Issue #26's serving figures, on the embedded SmolLM2 through `llmserve up`
+(bench/serve_compare.py's measure_clients: quiet machine, health, serve.py clients, stop):
 
   tpot-free         16 streams, one wave of 16 requests started together, input 128, output
                     64, no grammar;
@@ -20,12 +19,15 @@ wave's prefills then interleave with the others' decoding, which moves time from
 and makes the two runs' TPOT incomparable (measured: 48 requests in three waves gave json
 TPOT p50 1.15x the free run's at equal end-to-end times).
 
-Greedy, ignore_eos, usage from the server. TPOT and TTFT are serve.py's per-request p50s; the
-runs go round `--repeats` times (interleaved, so drift hits every run alike) and the ratios
-compare the medians of their p50s.
+Greedy, ignore_eos, usage from the server. TPOT, ITL and TTFT are serve.py's per-request
+p50s. Runs that need the same server environment share a stack: each of `--repeats` stacks
+runs its group `--waves` times, interleaved (the order reversed every other wave, so neither
+warm-up nor drift favours a run). The ratios compare the medians of the p50s, and for runs
+of one group also wave by wave on the same stack, which takes the stack-to-stack spread
+(up to 10% in TPOT here) out of the comparison.
 
     .venv/bin/python bench/grammar_serve.py               # ~20 minutes on a quiet machine
-    .venv/bin/python bench/grammar_serve.py --runs tpot-free tpot-json
+    .venv/bin/python bench/grammar_serve.py --runs tpot-free tpot-json --repeats 3 --waves 4
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from serve_compare import BENCH, BIN, Server, ensure_hf_model, measure_server, shown
+from serve_compare import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
 
 from llmserve.supervisor import free_ports
 
@@ -94,6 +96,15 @@ RUNS = {
 }
 
 
+def env_groups(names: list[str]) -> list[list[str]]:
+    """`names` grouped by the server environment their runs need, in order: the runs of a
+    group share a stack."""
+    groups: dict[tuple[tuple[str, str], ...], list[str]] = {}
+    for name in names:
+        groups.setdefault(tuple(sorted(RUNS[name].env.items())), []).append(name)
+    return list(groups.values())
+
+
 def client(server: Server, run: Run, name: str, label: str, args: argparse.Namespace) -> list[str]:
     """serve.py's command for the run `name`, its output labelled `label`."""
     command = [
@@ -132,24 +143,39 @@ def shown_ms(values: list[float | None]) -> str:
 def report(results: dict[str, list[dict[str, Any]]]) -> str:
     """One row per run: each repeat's p50s, then ratios of the runs' medians."""
     lines = [
-        "| run | completed | output tok/s | TTFT p50 ms | TPOT p50 ms | load before / others |",
-        "|---|---|---|---|---|---|",
+        "| run | completed | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms "
+        "| load before / others |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, repeats in results.items():
         completed = " / ".join(str(s.get("completed", s.get("error", "-"))) for s in repeats)
         rate = " / ".join(f"{s.get('output_tokens_per_s', 0):.1f}" for s in repeats)
         ttft = shown_ms([p50(s, "ttft_ms") for s in repeats])
         tpot = shown_ms([p50(s, "tpot_ms") for s in repeats])
-        load = " ; ".join(str(s.get("contention", "?")) for s in repeats)
-        lines.append(f"| {name} | {completed} | {rate} | {ttft} | {tpot} | {load} |")
+        itl = shown_ms([p50(s, "itl_ms") for s in repeats])
+        load = " ; ".join(sorted({str(s.get("contention", "?")) for s in repeats}))
+        lines.append(f"| {name} | {completed} | {rate} | {ttft} | {tpot} | {itl} | {load} |")
 
     def ratio(a: str, b: str, key: str) -> str | None:
         x, y = median_p50(results.get(a, []), key), median_p50(results.get(b, []), key)
-        if x and y:
-            return f"- {key} p50, median of the repeats, {a} / {b}: {x / y:.3f}"
-        return None
+        if not (x and y):
+            return None
+        line = f"- {key} p50, {a} / {b}: {x / y:.3f} (medians of the repeats)"
+        if env_groups([a, b]) == [[a, b]]:  # the same stacks: compare wave by wave
+            pairs = [
+                (u, v) for sa, sb in zip(results[a], results[b], strict=False)
+                if (u := p50(sa, key)) and (v := p50(sb, key))
+            ]  # fmt: skip
+            paired = sorted(u / v for u, v in pairs)
+            if paired:
+                line += (
+                    f"; paired on the same stack, {len(paired)} pairs: median "
+                    f"{statistics.median(paired):.3f}, range {paired[0]:.3f}-{paired[-1]:.3f}"
+                )
+        return line
 
-    pairs = [("tpot-json", "tpot-free", "tpot_ms"), ("tpot-json-nf", "tpot-free", "tpot_ms"),
+    pairs = [("tpot-json", "tpot-free", "tpot_ms"), ("tpot-json", "tpot-free", "itl_ms"),
+             ("tpot-json-nf", "tpot-free", "tpot_ms"),
              ("tpot-json-maxlen", "tpot-free", "tpot_ms"), ("ttft-cold", "ttft-free", "ttft_ms")]  # fmt: skip
     lines += [line for a, b, key in pairs if (line := ratio(a, b, key))]
     return "\n".join(lines)
@@ -169,25 +195,40 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--max-load", type=float, default=1.0)
     p.add_argument("--load-patience", type=float, default=600.0)
-    p.add_argument("--repeats", type=int, default=3, help="rounds over the runs (interleaved)")
+    p.add_argument("--repeats", type=int, default=3, help="stacks started per group of runs")
+    p.add_argument(
+        "--waves",
+        type=int,
+        default=1,
+        help="rounds over a group's runs on each stack (interleaved, the order "
+        "reversed every other round)",
+    )
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ensure_hf_model(args.hf_model)
     (args.out_dir / "runs").mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in args.runs}
     try:
-        for repeat, name in ((r, n) for r in range(args.repeats) for n in args.runs):
-            run = RUNS[name]
-            port, grpc_port = free_ports(2)
-            command = [str(BIN / "llmserve"), "up", "--model", MODEL, "--dtype", args.dtype,
-                       "--grpc-port", str(grpc_port), "--http-port", str(port)]  # fmt: skip
-            server = Server(name, name, command, port, MODEL)
-            env = {"LLMSERVE_NUM_THREADS": str(args.threads), **run.env}
-            label = f"{name}-{repeat}"
-            out = args.out_dir / "runs" / f"{label}.json"
-            results[name].append(
-                measure_server(server, client(server, run, name, label, args), out, args, env)
-            )
+        for repeat in range(args.repeats):
+            for group in env_groups(args.runs):
+                port, grpc_port = free_ports(2)
+                command = [str(BIN / "llmserve"), "up", "--model", MODEL, "--dtype", args.dtype,
+                           "--grpc-port", str(grpc_port), "--http-port", str(port)]  # fmt: skip
+                server = Server(group[0], group[0], command, port, MODEL)
+                env = {"LLMSERVE_NUM_THREADS": str(args.threads), **RUNS[group[0]].env}
+                order = [
+                    (name, f"{name}-{repeat}-{wave}")
+                    for wave in range(args.waves)
+                    for name in (group if wave % 2 == 0 else group[::-1])
+                ]
+                clients = [
+                    (client(server, RUNS[name], name, label, args),
+                     args.out_dir / "runs" / f"{label}.json")
+                    for name, label in order
+                ]  # fmt: skip
+                summaries = measure_clients(server, clients, args, env)
+                for (name, _), summary in zip(order, summaries, strict=True):
+                    results[name].append(summary)
     except (KeyboardInterrupt, SystemExit):
         print("stopped; reporting the runs that finished")
     text = report(results)

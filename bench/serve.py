@@ -356,8 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bodies = [request_body(args, item, extras["sent"]) for item in items]
     warmup_bodies = [request_body(args, item, extras["sent"]) for item in warmup_items]
     if args.cold_grammars:
-        make_cold(bodies, f"seed {args.seed}")
-        make_cold(warmup_bodies, f"warm-up, seed {args.seed}")
+        make_cold(bodies, f"{args.label}, seed {args.seed}")
+        make_cold(warmup_bodies, f"{args.label}, warm-up, seed {args.seed}")
     outcome = asyncio.run(run_workload(args, bodies, warmup_bodies))
     count_output_tokens(outcome.results, tokenizer)
     summary = summarize(args, [i.prompt_tokens for i in items], outcome, extras)

@@ -183,43 +183,64 @@ def measure_server(
     env: dict[str, str] | None = None,
     probe: Callable[[int], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Wait for a quiet machine, start `server` (log: <log_dir>/<result name>.log, `env` added
-    to ours), run the serve.py `client` command that writes `result_path`, stop the server.
-    Uses args.max_load, load_patience, log_dir, start_timeout and max_duration. Returns the
-    run's summary with the commands and the load during it, and under "probe" what
-    `probe(server pid)` returned after the client finished (the server still up)."""
+    """One serve.py `client` (writing `result_path`) on a fresh `server`: `measure_clients`."""
+    return measure_clients(server, [(client, result_path)], args, env, probe)[0]
+
+
+def measure_clients(
+    server: Server,
+    clients: list[tuple[list[str], Path]],
+    args: argparse.Namespace,
+    env: dict[str, str] | None = None,
+    probe: Callable[[int], dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Wait for a quiet machine, start `server` (log: <log_dir>/<first result's name>.log,
+    `env` added to ours), run each serve.py client command in turn (each writes its result
+    path), stop the server. Uses args.max_load, load_patience, log_dir, start_timeout and
+    max_duration. Returns each client's summary with the commands and the load during the
+    server's life, and under "probe" what `probe(server pid)` returned after the client
+    finished (the server still up). A client that fails fails the ones after it."""
     load_before = wait_for_quiet(args.max_load, args.load_patience)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = args.log_dir / f"{result_path.stem}.log"
+    log_path = args.log_dir / f"{clients[0][1].stem}.log"
     print(f"== {server.label} (load {load_before:.2f}); log: {log_path}")
     prefix = "".join(f"{k}={v} " for k, v in (env or {}).items())
     print("   $ " + prefix + shown(server.command))
-    print("   $ " + shown(client))
     started, busy, ours = time.monotonic(), busy_cpu_s(), our_cpu_s()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             server.command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
+    summaries: list[dict[str, Any]] = []
     try:
         wait_healthy(proc, server.health_url, args.start_timeout)
         print(f"   healthy after {time.monotonic() - started:.0f} s")
-        result_path.unlink(missing_ok=True)
-        run_client(client, args.max_duration)
-        if not result_path.exists():
-            raise RuntimeError("serve.py wrote no result")
-        summary = json.loads(result_path.read_text())["summary"]
-        if probe is not None:
-            summary["probe"] = probe(proc.pid)
+        for client, result_path in clients:
+            print("   $ " + shown(client))
+            result_path.unlink(missing_ok=True)
+            run_client(client, args.max_duration)
+            if not result_path.exists():
+                raise RuntimeError("serve.py wrote no result")
+            summary = json.loads(result_path.read_text())["summary"]
+            if probe is not None:
+                summary["probe"] = probe(proc.pid)
+            summaries.append(summary)
     except (RuntimeError, TimeoutError) as exc:
         print(f"   failed: {exc}")
-        summary = {"label": server.label, "error": str(exc)}
+        summaries += [{"label": server.label, "error": str(exc)}] * (len(clients) - len(summaries))
     finally:
         stop(proc)
     # What other people's jobs took from the 2 cores while this server ran, in cores.
     others = (busy_cpu_s() - busy) - (our_cpu_s() - ours)
-    summary["contention"] = f"{load_before:.2f} / {others / (time.monotonic() - started):.2f}"
-    summary["commands"] = [prefix + shown(server.command), shown(client)]
-    return summary
+    contention = f"{load_before:.2f} / {others / (time.monotonic() - started):.2f}"
+    return [
+        {
+            **summary,
+            "contention": contention,
+            "commands": [prefix + shown(server.command), shown(client)],
+        }
+        for summary, (client, _) in zip(summaries, clients, strict=True)
+    ]
 
 
 def table_row(s: dict[str, Any], common_notes: set[str]) -> str:
