@@ -26,6 +26,12 @@ warm-up nor drift favours a run). The ratios compare the medians of the p50s, an
 of one group also wave by wave on the same stack, which takes the stack-to-stack spread
 (up to 10% in TPOT here) out of the comparison.
 
+Every run of a stack sends the same prompts (the same seed), so a stack's first wave, which
+prefills them, is a prime wave that is not counted: the counted waves find every prompt in
+the prefix cache, their TTFT is a cached prefill, and their TPOT is decoding alone. A cold
+wave's TPOT also carries the other requests' prefill chunks, whose split over the first
+steps varies from run to run (TTFT p50 2.1 to 2.8 s here).
+
     .venv/bin/python bench/grammar_serve.py               # ~20 minutes on a quiet machine
     .venv/bin/python bench/grammar_serve.py --runs tpot-free tpot-json --repeats 3 --waves 4
 """
@@ -216,7 +222,8 @@ def main() -> None:
                            "--grpc-port", str(grpc_port), "--http-port", str(port)]  # fmt: skip
                 server = Server(group[0], group[0], command, port, MODEL)
                 env = {"LLMSERVE_NUM_THREADS": str(args.threads), **RUNS[group[0]].env}
-                order = [
+                # The first wave primes the prefix cache and is not counted (see above).
+                order = [(group[0], f"{group[0]}-{repeat}-prime")] + [
                     (name, f"{name}-{repeat}-{wave}")
                     for wave in range(args.waves)
                     for name in (group if wave % 2 == 0 else group[::-1])
@@ -227,7 +234,7 @@ def main() -> None:
                     for name, label in order
                 ]  # fmt: skip
                 summaries = measure_clients(server, clients, args, env)
-                for (name, _), summary in zip(order, summaries, strict=True):
+                for (name, _), summary in zip(order[1:], summaries[1:], strict=True):
                     results[name].append(summary)
     except (KeyboardInterrupt, SystemExit):
         print("stopped; reporting the runs that finished")
