@@ -60,6 +60,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "one of its constrained sequences got forced tokens within its last this many tokens "
         "(0: always continue)",
     )
+    p.add_argument(
+        "--max-grammar-compile-ms",
+        type=int,
+        default=10_000,
+        help="structured output: a grammar still compiling this long after its request "
+        "arrived ends the request with 429 (the replica waits for it at most this long)",
+    )
     p.add_argument("--watermark", type=float, default=0.01)
     p.add_argument(
         "--async-scheduling",
@@ -161,6 +168,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
             preemption_mode=mode,
             enable_forced_tokens=args.forced_tokens,
             forced_hold_tokens=args.forced_hold_tokens,
+            max_grammar_compile_ms=args.max_grammar_compile_ms,
         ),
         watermark=args.watermark,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -53,12 +53,21 @@ class SchedulerConfig:
     # counts as forced); 0 continues every step. Its masks overlap its forward pass either
     # way. Without forced tokens constrained steps are always continued.
     forced_hold_tokens: int = 8
+    # Milliseconds a grammar may take to compile on the scheduler, from the request's
+    # arrival: past it the request ends with RESOURCE_EXHAUSTED naming the field and
+    # --max-grammar-compile-ms (scheduler_service/grammar_requests.py). The gateway's
+    # admission check (--max-grammar-check-ms) refuses most slow grammars before this.
+    max_grammar_compile_ms: int = 10_000
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len", f"must be at least 1, got {self.max_model_len}")
+        if self.max_grammar_compile_ms < 1:
+            raise ConfigError(
+                "max_grammar_compile_ms", f"must be at least 1, got {self.max_grammar_compile_ms}"
+            )
         if self.forced_hold_tokens < 0:
             raise ConfigError(
                 "forced_hold_tokens", f"must be at least 0, got {self.forced_hold_tokens}"

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from llmserve.errors import FieldError
+from llmserve.errors import ApiError, FieldError
 from llmserve.grammar.backend import CompiledGrammar
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.spec import GrammarSpec
@@ -26,7 +26,8 @@ from scheduler_service.continuation import (
     commit_continuation,
     plan_continuation,
 )
-from scheduler_service.grammar import GrammarCompiler, SequenceGrammar, default_grammar_cache
+from scheduler_service.grammar import GrammarCompiler, default_grammar_cache
+from scheduler_service.grammar_requests import GrammarRequests
 from scheduler_service.migration import (
     GroupSnapshot,
     SequenceSnapshot,
@@ -80,7 +81,7 @@ class LLMEngine:
         self._finished_on_import: list[RequestOutput] = []
         self._load_tokenizer = tokenizer
         self._tokenizer: Any = None
-        self._grammars = (
+        compiler = (
             None
             if tokenizer is None
             else GrammarCompiler(
@@ -90,7 +91,7 @@ class LLMEngine:
             )
         )
         # Constrained groups whose grammar may still fail to compile (checked every step).
-        self._compiling: dict[str, SequenceGroup] = {}
+        self._grammars = GrammarRequests(compiler, scheduler_config.max_grammar_compile_ms)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class LLMEngine:
             request_id, [seq], sampling_params, arrival, priority, stop_strings or None, grammar
         )
         self._start_text_stops(group)
-        self._start_grammars(group)
+        self._grammars.start(group)
         self.scheduler.add_seq_group(group)
 
     def _start_text_stops(self, group: SequenceGroup) -> None:
@@ -156,59 +157,23 @@ class LLMEngine:
 
     def warm_grammars(self) -> None:
         """Prepare grammar compilation (the tokenizer and its backend) in the background."""
-        if self._grammars is not None:
-            self._grammars.warm()
+        self._grammars.warm()
 
-    def _start_grammars(self, group: SequenceGroup) -> None:
-        """Give each unfinished sequence of a constrained group a matcher that replays its
-        output so far (nothing for a new request) once the grammar is compiled."""
-        spec = group.grammar
-        if spec is None:
-            return
-        if self._grammars is None:
-            raise FieldError(spec.field, "this scheduler has no tokenizer to compile grammars")
-        compiled = self._grammars.submit(spec)
-        for seq in group.get_unfinished_seqs():
-            seq.grammar = SequenceGrammar(compiled, seq.get_output_token_ids())
-        self._compiling[group.request_id] = group
+    def grammar_compiles_due(self) -> tuple[list[Future[CompiledGrammar]], float]:
+        """Compilations the next step may wait for (those of groups whose prompt could
+        finish prefilling in it), and the seconds a caller may wait for them before the
+        first of them is past its deadline (`SchedulerConfig.max_grammar_compile_ms`). A
+        caller with an event loop awaits them before `begin_step`, so the wait does not
+        block the loop (the step builder would otherwise block on them)."""
+        return self._grammars.due(self.scheduler_config.max_num_batched_tokens)
 
-    def grammar_compiles_due(self) -> list[Future[CompiledGrammar]]:
-        """Compilations the next step may wait for: those of groups whose prompt could finish
-        prefilling in it. A caller with an event loop awaits them before `begin_step`, so the
-        wait does not block the loop (the step builder would otherwise block on them)."""
-        budget = self.scheduler_config.max_num_batched_tokens
-        due = []
-        for group in self._compiling.values():
-            seqs = group.get_unfinished_seqs()
-            if not seqs or seqs[0].grammar is None or seqs[0].grammar.is_ready():
-                continue
-            if seqs[0].get_len() - seqs[0].num_computed_tokens <= budget:
-                due.append(seqs[0].grammar.compiled)
-        return due
-
-    def _finish_failed_grammars(self) -> None:
-        """Finish (ABORT) the groups whose grammar failed to compile; their final outputs go
-        out with this step's."""
-        if not self._compiling:
-            return
-        for request_id, group in list(self._compiling.items()):
-            seqs = group.get_unfinished_seqs()
-            if not seqs:
-                del self._compiling[request_id]
-                continue
-            grammar = seqs[0].grammar
-            if grammar is None or not grammar.is_ready():
-                continue
-            del self._compiling[request_id]
-            if grammar.failure() is not None:
-                self._abort_failed_grammars([group])
-
-    def _abort_failed_grammars(self, groups: list[SequenceGroup]) -> None:
-        """Finish (ABORT) groups whose grammar did not compile; blocks freed at once (a step
-        already built for them writes into them before any later step reuses them), final
-        outputs with the next step's."""
-        for group in groups:
-            self._compiling.pop(group.request_id, None)
+    def _abort_failed_grammars(self, failures: list[tuple[SequenceGroup, ApiError]]) -> None:
+        """Finish (ABORT) groups whose grammar failed, with the error the client gets;
+        blocks freed at once (a step already built for them writes into them before any
+        later step reuses them), final outputs with the next step's."""
+        for group, error in failures:
+            self._grammars.discard(group.request_id)
+            group.error = error
             freed: list[int] = []
             if self.scheduler.abort_seq_group(group.request_id, freed) is not None:
                 self._builder.add_freed(freed)
@@ -284,7 +249,7 @@ class LLMEngine:
             self._finished_on_import.append(final_output(group))
             return
         self._start_text_stops(group)
-        self._start_grammars(group)
+        self._grammars.start(group)
         self.scheduler.add_seq_group(group)
 
     def export_requests(self, request_ids: list[str] | None = None) -> list[GroupSnapshot]:
@@ -351,7 +316,8 @@ class LLMEngine:
         itself (the gRPC service awaits a remote worker) runs the step in between, then calls
         `finish_step`. Nothing else may touch the engine in between."""
         assert self._num_in_flight == 0, "a synchronous step waits for the steps in flight"
-        self._finish_failed_grammars()
+        if failures := self._grammars.take_failures():
+            self._abort_failed_grammars(failures)
         sched_out = self.scheduler.schedule()
         step_input = self._builder.build(sched_out)
         self.last_step_input = step_input
@@ -499,5 +465,5 @@ def _accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOut
         old.stop_token_id = new.stop_token_id
     total.outputs = sorted(choices.values(), key=lambda c: c.index)
     total.finished = delta.finished
-    total.ignore_reason = delta.ignore_reason
+    total.error = delta.error
     return total

@@ -152,7 +152,7 @@ GRAMMAR_COMPILE_SECONDS = Histogram(
 GRAMMAR_ERRORS = Counter(
     "llmserve_grammar_errors",
     "Grammars that failed on the scheduler (the gateway refuses most at admission), by stage "
-    "(compile, setup, refused_token)",
+    "(compile, setup, timeout: past --max-grammar-compile-ms, refused_token)",
     ["stage"],
 )
 GRAMMAR_MASK_SECONDS = Histogram(
@@ -179,6 +179,10 @@ def record_grammar_compile(seconds: float, ok: bool) -> None:
 
 def record_grammar_setup_error() -> None:
     GRAMMAR_ERRORS.labels("setup").inc()
+
+
+def record_grammar_compile_timeout() -> None:
+    GRAMMAR_ERRORS.labels("timeout").inc()
 
 
 def record_grammar_refused_token() -> None:

@@ -13,6 +13,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from llmserve.errors import ApiError
 from llmserve.grammar.backend import GrammarError
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob, SequenceOutput, StepResult, TokenLogprob
@@ -64,8 +65,8 @@ class RequestOutput:
     # New prompt logprobs (each position once, even if the prompt is computed again after a
     # preemption); None unless `prompt_logprobs` was requested.
     prompt_logprobs: list[PromptLogprob] | None = None
-    # Why the request was ignored (finish reason IGNORED), e.g. a prompt over max_model_len.
-    ignore_reason: str | None = None
+    # Why the request ended without output (`SequenceGroup.error`); sent as the error.
+    error: ApiError | None = None
     metrics: RequestMetrics | None = None
 
 
@@ -105,7 +106,7 @@ def final_output(seq_group: SequenceGroup) -> RequestOutput:
         prompt_logprobs=list(seq_group.prompt_logprobs)
         if params.prompt_logprobs is not None
         else None,
-        ignore_reason=seq_group.ignore_reason,
+        error=seq_group.error,
         metrics=seq_group.metrics,
     )
 
@@ -390,6 +391,6 @@ class OutputProcessor:
             prompt_token_ids=seq_group.prompt_token_ids,
             outputs=[choice],
             finished=True,
-            ignore_reason=seq_group.ignore_reason,
+            error=seq_group.error,
             metrics=seq_group.metrics,
         )

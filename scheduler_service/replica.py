@@ -22,7 +22,6 @@ back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -36,6 +35,7 @@ from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.config import ConfigError, ReplicaConfig
 from scheduler_service.engine import LLMEngine
+from scheduler_service.grammar_requests import wait_for_compiles
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.replica_owner import ReplicaCounters, ReplicaOwner, ReplicaState
 from scheduler_service.replica_steps import StepPipeline
@@ -302,12 +302,11 @@ class Replica:
                 if not engine.has_unfinished_requests():
                     continue  # woken by a drain or an abort with nothing left to run
                 # A grammar a request is about to sample under compiles off the event loop;
-                # this replica waits for it here, the others keep running.
-                due = engine.grammar_compiles_due()
+                # this replica waits for it here (up to its deadline: a compile past it ends
+                # its request at the next step), the others keep running.
+                due, wait_s = engine.grammar_compiles_due()
                 if due:
-                    for compiled in due:
-                        with contextlib.suppress(Exception):  # a failure ends its request
-                            await asyncio.wrap_future(compiled)
+                    await wait_for_compiles(due, wait_s)
                     continue  # the replica may have changed meanwhile: check it again
                 steps.begin()
             # With one step in flight, send the next before its result is back, if it can be.

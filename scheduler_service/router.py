@@ -228,10 +228,8 @@ class Router:
             if route is None:
                 continue  # aborted meanwhile
             route.num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-            if output.ignore_reason is not None:
-                message = error_message(
-                    route.request_id, FieldError("prompt", output.ignore_reason)
-                )
+            if output.error is not None:
+                message = error_message(route.request_id, output.error)
             else:
                 if route.params.streams_choices:
                     record_sent(route.sent, output.outputs)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from llmserve.errors import FieldError
 from scheduler_service.block_manager import AllocStatus
 from scheduler_service.config import PreemptionMode
 from scheduler_service.policy import SchedulingBudget, insert_in_order, preemption_mode
@@ -309,7 +310,7 @@ class Scheduler(SchedulerQueues):
         for seq in seq_group.seqs:
             seq.status = SequenceStatus.IGNORED
             self.free_seq(seq, out.freed_seq_ids)
-        seq_group.ignore_reason = reason
+        seq_group.error = FieldError("prompt", reason)
         self._groups.pop(seq_group.request_id, None)
         self.num_ignored += 1
         out.ignored.append(seq_group)

@@ -29,7 +29,7 @@ class SchedulerOutputs:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Finished as IGNORED this step (never ran); `seq_group.ignore_reason` says why.
+    # Finished as IGNORED this step (never ran); `seq_group.error` says why.
     ignored: list[SequenceGroup] = field(default_factory=list)
     preempted: list[PreemptedGroup] = field(default_factory=list)
     # Sequences whose blocks this step's scheduling freed (preempted by recompute, ignored).

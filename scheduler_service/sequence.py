@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any
 
+from llmserve.errors import ApiError
 from llmserve.grammar.backend import GrammarError
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.sampling_params import SamplingParams
@@ -268,7 +269,7 @@ class SequenceGroup:
         "prompt_logprobs",
         "has_sampled",
         "next_seq_index",
-        "ignore_reason",
+        "error",
         "priority",
         "stop_strings",
         "grammar",
@@ -302,7 +303,9 @@ class SequenceGroup:
         # but will need best_of slots once forked.
         self.has_sampled = False
         self.next_seq_index = max(s.seq_index for s in seqs) + 1
-        self.ignore_reason: str | None = None
+        # Why the request ended without output: a prompt it can never run (finished IGNORED),
+        # a grammar that failed on this scheduler (ABORTED). The client gets this error.
+        self.error: ApiError | None = None
 
     @property
     def arrival_time(self) -> float:

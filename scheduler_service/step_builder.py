@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from llmserve.errors import ApiError
 from llmserve.grammar.backend import GrammarError
 from llmserve.steps import (
     SAMPLED_TOKEN,
@@ -21,6 +22,7 @@ from llmserve.steps import (
     TokenMask,
 )
 from scheduler_service.grammar import GrammarTimings
+from scheduler_service.grammar_requests import grammar_failure
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, WorkerEvents
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -48,7 +50,7 @@ class StepBuilder:
         self.grammar_timings = GrammarTimings()
         # Groups whose grammar failed to compile when their first mask was needed: the
         # engine aborts them before it processes the step (their samples are then ignored).
-        self.grammar_failures: list[SequenceGroup] = []
+        self.grammar_failures: list[tuple[SequenceGroup, ApiError]] = []
         # Per step id: its constrained rows (sequence, group, chunk), whose masks `masks`
         # computes after the step is built (and sent).
         self._mask_rows: dict[int, list[tuple[Sequence, SequenceGroup, int]]] = {}
@@ -111,9 +113,9 @@ class StepBuilder:
                     masks.append(seq.grammar.only(seq.seq_id, seq.token_ids[sample_at]))
                     continue
                 masks.append(seq.grammar.mask(seq.seq_id))
-            except GrammarError:
-                if group not in self.grammar_failures:
-                    self.grammar_failures.append(group)
+            except GrammarError as exc:
+                if all(g is not group for g, _ in self.grammar_failures):
+                    self.grammar_failures.append((group, grammar_failure(exc, exc.field)))
         seconds = time.perf_counter() - start
         timings = self.grammar_timings
         timings.last_step_seconds = seconds

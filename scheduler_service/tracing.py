@@ -242,8 +242,8 @@ class ReplicaTracer:
             if output.finished:
                 del requests[output.request_id]
                 reasons = sorted({str(c.finish_reason) for c in output.outputs if c.finish_reason})
-                if output.ignore_reason is not None:
-                    reasons = ["ignored"]
+                if output.error is not None:
+                    reasons = ["error"]
                 entry.span.add_event("finished", {"reason": ",".join(reasons)})
                 entry.span.set_attributes(
                     {

@@ -12,6 +12,7 @@ import random
 import jsonschema
 import pytest
 
+from llmserve.errors import FieldError
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.llguidance_backend import LLGuidanceBackend
 from llmserve.grammar.spec import GrammarSpec
@@ -211,6 +212,10 @@ def test_a_grammar_that_does_not_compile_finishes_its_request(tok, cache):
     )
     assert results["bad"].outputs[0].finish_reason == FinishReason.ABORT
     assert results["bad"].outputs[0].token_ids == []
+    # The client is told why, naming the field (400).
+    error = results["bad"].error
+    assert isinstance(error, FieldError) and error.field == "structured_outputs.regex"
+    assert results["good"].error is None
     assert results["good"].outputs[0].finish_reason == FinishReason.STOP
     assert_empty(engine)
 
@@ -312,6 +317,9 @@ def test_a_tokenizer_that_cannot_be_loaded_finishes_the_request(cache):
     )
     assert results["g"].outputs[0].finish_reason == FinishReason.ABORT
     assert results["g"].outputs[0].token_ids == []
+    error = results["g"].error
+    assert isinstance(error, FieldError) and error.field == "structured_outputs.choice"
+    assert "tokenizer" in error.message
     assert len(results["free"].outputs[0].token_ids) == 3
     assert_empty(engine)
 
@@ -335,20 +343,76 @@ def test_compiles_due_are_those_the_next_step_may_sample_under(tok):
     )
     engine.add_request("short", [5] * 10, SamplingParams(max_tokens=8), grammar=CHOICE)
     engine.add_request("long", [6] * 40, SamplingParams(max_tokens=8), grammar=REGEX)
-    due = engine.grammar_compiles_due()
-    # The long prompt needs three 16-token steps before it samples: not due yet.
+    due, wait_s = engine.grammar_compiles_due()
+    # The long prompt needs three 16-token steps before it samples: not due yet. The wait
+    # is bounded by the compile's deadline (the default 10 s from its start).
     assert len(due) == 1 and not due[0].done()
+    assert 9.0 < wait_s <= 10.0
     release.set()
     due[0].result(timeout=30)
     results: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
-        for future in engine.grammar_compiles_due():
+        for future in engine.grammar_compiles_due()[0]:
             future.result(timeout=30)
         for delta in engine.step():
             results[delta.request_id] = _accumulate(results.get(delta.request_id), delta)
     assert_matches(tok, CHOICE, results["short"].outputs[0].token_ids)
     assert_matches(tok, REGEX, results["long"].outputs[0].token_ids)
-    assert engine.grammar_compiles_due() == []
+    assert engine.grammar_compiles_due() == ([], 0.0)
+    assert_empty(engine)
+
+
+def test_a_grammar_past_its_compile_deadline_ends_its_request_with_429(tok):
+    """A compile still running --max-grammar-compile-ms after its request arrived: the
+    request ends with RESOURCE_EXHAUSTED naming the field and the flag, its blocks are
+    freed, and the other requests run on. (The backend's compile is held on an event: a
+    stand-in for a grammar slow to compile, which no real one is reliably.)"""
+    import asyncio
+    import threading
+
+    from llmserve.errors import ResourceExhaustedError
+    from scheduler_service.grammar_requests import wait_for_compiles
+
+    release = threading.Event()
+
+    class StuckBackend(LLGuidanceBackend):
+        def compile(self, spec):
+            if spec is REGEX:
+                release.wait(30)
+            return super().compile(spec)
+
+    engine = LLMEngine(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                        max_grammar_compile_ms=200),
+        CacheConfig(BLOCK, 64, 8, watermark=0.0),
+        FakeModel(64, 8, BLOCK, vocab_size=len(tok)),
+        tokenizer=lambda: tok,
+        grammar_cache=GrammarCache(StuckBackend),
+    )  # fmt: skip
+    engine.add_request("stuck", [6] * 10, SamplingParams(max_tokens=8), grammar=REGEX)
+    engine.add_request("free", [5] * 10, SamplingParams(max_tokens=4, ignore_eos=True))
+    results: dict[str, RequestOutput] = {}
+    waited = 0.0
+    try:
+        while engine.has_unfinished_requests():
+            due, wait_s = engine.grammar_compiles_due()
+            if due:
+                assert 0.0 < wait_s <= 0.2
+                asyncio.run(wait_for_compiles(due, wait_s))  # as the replica loop does
+                waited += wait_s
+                continue
+            for delta in engine.step():
+                results[delta.request_id] = _accumulate(results.get(delta.request_id), delta)
+    finally:
+        release.set()
+    assert waited <= 0.2
+    error = results["stuck"].error
+    assert isinstance(error, ResourceExhaustedError)
+    assert error.field == "structured_outputs.regex"
+    assert "200 ms" in error.message and "--max-grammar-compile-ms" in error.message
+    assert results["stuck"].outputs[0].finish_reason == FinishReason.ABORT
+    assert results["stuck"].outputs[0].token_ids == []
+    assert len(results["free"].outputs[0].token_ids) == 4
     assert_empty(engine)
 
 

@@ -47,7 +47,7 @@ def test_prompt_over_max_model_len_is_ignored_with_a_reason():
     out = s.schedule()
     assert out.ignored == [g]
     assert g.seqs[0].status is SequenceStatus.IGNORED
-    assert "max_model_len" in g.ignore_reason
+    assert g.error.field == "prompt" and "max_model_len" in g.error.message
     assert not s.has_unfinished_seqs()
 
 
@@ -59,7 +59,7 @@ def test_prompt_larger_than_the_cache_is_ignored():
     s.add_seq_group(ok)
     out = s.schedule()
     assert out.ignored == [g]
-    assert "KV blocks" in g.ignore_reason
+    assert g.error.field == "prompt" and "KV blocks" in g.error.message
     assert [x.seq_group for x in out.scheduled] == [ok]
 
 
