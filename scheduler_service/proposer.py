@@ -1,0 +1,103 @@
+"""Draft proposers for speculative decoding (issue #28): what a sequence's next tokens will
+probably be, guessed from tokens the scheduler already holds.
+
+`NgramProposer` is prompt lookup: find the longest suffix of the sequence (between `min_n`
+and `max_n` tokens) that occurred earlier in its prompt or output, and draft the up to `k`
+tokens that followed that earlier occurrence (the most recent one). Input-grounded work
+(code edits, summaries, answers that quote their sources) repeats its input, so such drafts
+are often right; where nothing matches, the proposal is empty and the sequence decodes as
+usual.
+
+Each sequence keeps an `NgramIndex`: per n, the n-grams of its tokens mapped to where their
+most recent occurrence ends. It is updated as tokens are committed (amortized O(max_n - min_n
++ 1) per token), so a proposal costs a few dictionary lookups, not a scan of the context. The
+index is derived from the tokens alone: rebuilt from them after a migration or a restart,
+never state to move.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class DraftState(ABC):
+    """What a proposer keeps per sequence, derived from its committed tokens."""
+
+    @abstractmethod
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        """Commit tokens (accepted ones only: rejected drafts never enter the state)."""
+
+
+class DraftProposer(ABC):
+    """Proposes draft tokens for a sequence (a draft model or a suffix index may implement
+    it later)."""
+
+    @abstractmethod
+    def new_state(self, tokens: Sequence[int]) -> DraftState:
+        """The state of a sequence whose tokens (prompt and output) so far are `tokens`."""
+
+    @abstractmethod
+    def propose(self, state: DraftState, max_tokens: int) -> list[int]:
+        """At most `max_tokens` (and the proposer's own limit) drafts to follow the tokens
+        `state` has seen; [] when it has no guess."""
+
+
+class NgramIndex(DraftState):
+    """The n-grams (min_n <= n <= max_n) of one token sequence, each mapped to the end of its
+    most recent occurrence that is not the sequence's current suffix."""
+
+    __slots__ = ("min_n", "max_n", "tokens", "_ends")
+
+    def __init__(self, min_n: int, max_n: int, tokens: Sequence[int] = ()) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        # _ends[n - min_n][gram] = e: tokens[e - n:e] == gram, e the largest such end below
+        # len(tokens) (the suffix ending at len(tokens) is registered when a token follows).
+        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        tokens = self.tokens
+        for token in new_tokens:
+            end = len(tokens)  # the grams ending here stop being the suffix now
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._ends[n - self.min_n][tuple(tokens[end - n : end])] = end
+            tokens.append(token)
+
+    def continuation(self, max_tokens: int) -> list[int]:
+        """The tokens that followed the most recent earlier occurrence of the longest
+        suffix found (at most `max_tokens`), or []."""
+        tokens = self.tokens
+        length = len(tokens)
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            end = self._ends[n - self.min_n].get(tuple(tokens[length - n :]))
+            if end is not None:
+                return tokens[end : end + max_tokens]
+        return []
+
+
+class NgramProposer(DraftProposer):
+    """Prompt lookup with suffixes of `min_n` to `max_n` tokens, up to `k` drafts."""
+
+    def __init__(self, min_n: int, max_n: int, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.k = k
+
+    def new_state(self, tokens: Sequence[int]) -> NgramIndex:
+        return NgramIndex(self.min_n, self.max_n, tokens)
+
+    def propose(self, state: DraftState, max_tokens: int) -> list[int]:
+        assert isinstance(state, NgramIndex)
+        return state.continuation(min(self.k, max_tokens)) if max_tokens > 0 else []

@@ -1,0 +1,79 @@
+"""Prompt-lookup drafts (speculative decoding's proposer) against a brute-force scan of the
+tokens: the longest suffix of min_n..max_n tokens seen before, the tokens that followed its
+most recent earlier occurrence."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.proposer import NgramIndex, NgramProposer
+
+
+def scan(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """What a proposal should be, by checking every earlier position."""
+    length = len(tokens)
+    for n in range(min(max_n, length), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        for end in range(length - 1, n - 1, -1):  # most recent first, not the suffix itself
+            if tokens[end - n : end] == suffix:
+                return tokens[end : end + k]
+    return []
+
+
+def test_drafts_follow_the_most_recent_earlier_occurrence_of_the_longest_suffix():
+    proposer = NgramProposer(min_n=1, max_n=3, k=4)
+    #         0  1  2  3  4  5  6  7  8  9 10
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]
+    state = proposer.new_state(tokens)
+    # "6 7" (the 3-gram "3 6 7" never occurred): last seen ending at 8, followed by 2 3 6 7.
+    assert proposer.propose(state, 10) == [2, 3, 6, 7]
+    assert proposer.propose(state, 2) == [2, 3]  # the caller's room bounds it too
+    assert proposer.propose(state, 0) == []
+
+
+def test_a_longer_match_wins_over_a_more_recent_shorter_one():
+    proposer = NgramProposer(min_n=1, max_n=3, k=2)
+    state = proposer.new_state([1, 2, 3, 40, 41, 9, 3, 50, 1, 2, 3])
+    assert proposer.propose(state, 8) == [40, 41]  # "1 2 3", not the later "3"
+
+
+def test_nothing_matches_nothing_is_drafted():
+    proposer = NgramProposer(min_n=2, max_n=4, k=3)
+    state = proposer.new_state([1, 2, 3, 4, 5, 6])
+    assert proposer.propose(state, 8) == []
+    state.extend([1])  # "6 1" never occurred, and 1-grams are below min_n
+    assert proposer.propose(state, 8) == []
+    state.extend([2])  # "1 2" occurred at the start, followed by 3 4 5
+    assert proposer.propose(state, 8) == [3, 4, 5]
+
+
+def test_bad_settings_are_refused():
+    for min_n, max_n in ((0, 2), (3, 2)):
+        with pytest.raises(ValueError, match="min_n"):
+            NgramProposer(min_n, max_n, 4)
+        with pytest.raises(ValueError, match="min_n"):
+            NgramIndex(min_n, max_n)
+    with pytest.raises(ValueError, match="k must be"):
+        NgramProposer(1, 3, 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), max_size=60),
+    split=st.integers(0, 60),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    k=st.integers(1, 6),
+)
+def test_an_index_built_token_by_token_proposes_what_a_scan_finds(tokens, split, min_n, extra, k):
+    """A small alphabet makes repeats (and so matches of every length) common."""
+    max_n = min_n + extra
+    proposer = NgramProposer(min_n, max_n, k)
+    state = proposer.new_state(tokens[:split])
+    assert proposer.propose(state, k) == scan(tokens[:split], min_n, max_n, k)
+    for i in range(min(split, len(tokens)), len(tokens)):
+        state.extend([tokens[i]])
+        assert proposer.propose(state, k) == scan(tokens[: i + 1], min_n, max_n, k)
+    assert len(state) == len(tokens)
