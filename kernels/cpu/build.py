@@ -29,6 +29,8 @@ SOURCES = {
     "paged_prefill.cpp": (),
     "ops.cpp": ("-ffp-contract=off",),
     "decode.cpp": (),
+    # Dequantized weights must round as numpy's d * q + m does (two roundings).
+    "quant.cpp": ("-ffp-contract=off",),
 }
 HEADERS = ("vec.h", "pool.h", "linear.h", "attention.h")
 
@@ -156,6 +158,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_linear_rows": [i32, ptr, i64, i64, ptr, ptr, ptr, i64],
         # threads
         "llmserve_set_num_threads": [i32],
+        # ggml type -> bytes per 32-weight block (0: no kernel)
+        "llmserve_quant_block_bytes": [i32],
+        # ggml type, weights, rows, cols, out
+        "llmserve_quant_dequantize": [i32, ptr, i64, i64, ptr],
+        # ggml type, x, n, in, weights, out features, out
+        "llmserve_quant_linear": [i32, ptr, i64, i64, ptr, i64, ptr],
         # dtype, dims, params, layer pointers, layer windows, embed, final norm, lm head,
         # input ids, positions, slots, block tables, table stride, seq lens, n, logits,
         # argmax out (or NULL), argmax logprob out
