@@ -139,7 +139,10 @@ def model_gguf(spec: str = "smollm2") -> Path:
 
 
 def gguf_for(dtype: str, spec: str = "smollm2") -> Path:
-    """The model's GGUF requantized to `dtype` (float32 or bfloat16) for llama-server."""
+    """The model's GGUF requantized to `dtype` (float32 or bfloat16) for llama-server;
+    `dtype` "file": the model's GGUF file as it is."""
+    if dtype == "file":
+        return model_gguf(spec)
     kind = GGUF_TYPES[dtype]
     source = model_gguf(spec)
     stem = source.name.split(".")[0]  # SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct

@@ -9,6 +9,7 @@ per-request JSONs and plots under <out-dir>/runs/).
 
     .venv/bin/python bench/vs_llama_cpp.py    # the full table: ~25 min on a quiet machine
     .venv/bin/python bench/vs_llama_cpp.py --workloads 1 --dtypes float32 --scale 0.25
+    .venv/bin/python bench/vs_llama_cpp.py --dtypes file   # both on the shipped GGUF file
 
 Workloads (streaming /v1/completions, greedy, ignore_eos, the same seeded random-token prompts
 for both servers; --scale shrinks the request counts for smoke runs):
@@ -55,6 +56,9 @@ from llmserve.supervisor import free_ports
 
 SERVERS = ("llmserve", "llama.cpp")
 DTYPES = ("bfloat16", "float32")
+# Not a dtype: the model's GGUF file as shipped, for both servers. llmserve multiplies with its
+# blocks in float32 (`--linear-impl gguf`, issue #27); llama-server reads it as it is.
+FILE = "file"
 # The models this compares on: llmserve's spec (also the `model` every request names, which
 # llama-server answers to with --alias) -> extra `llmserve up` arguments. Gemma 3 270M's KV
 # cache must hold one 32768-token context besides 64 streams of 384 tokens (36 KiB a token in
@@ -83,7 +87,8 @@ WORKLOADS = {
 def server_for(name: str, w: Workload, dtype: str, args: argparse.Namespace) -> Server:
     port, grpc_port = free_ports(2)
     if name == "llmserve":
-        command = [str(BIN / "llmserve"), "up", "--model", args.model, "--dtype", dtype,
+        command = [str(BIN / "llmserve"), "up", "--model", args.model,
+                   "--dtype", "float32" if dtype == FILE else dtype,
                    "--grpc-port", str(grpc_port), "--http-port", str(port),
                    "--max-num-seqs", str(max(64, w.streams)), *MODELS[args.model]]  # fmt: skip
         return Server(name, f"llmserve ({dtype})", command, port, args.model)
@@ -111,10 +116,17 @@ def scaled(w: Workload, scale: float) -> int:
     return max(1, round(w.num_prompts * scale))
 
 
-def weight_bytes(hf_model: Path, dtype: str) -> int:
+def weight_bytes(hf_model: Path, dtype: str, spec: str) -> int:
     """Bytes one decode step reads: each linear layer's weight (and bias) once, lm_head
-    included even when it shares the embedding's tensor, plus one embedding row."""
+    included even when it shares the embedding's tensor, plus one embedding row. For the
+    GGUF file (`FILE`): its matrices' bytes (a tied head is the embedding's tensor)."""
     import torch
+
+    if dtype == FILE:
+        from gguf import GGUFReader
+
+        tensors = GGUFReader(gguf_for(FILE, spec)).tensors
+        return sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf_model)
@@ -346,7 +358,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", type=int, choices=list(WORKLOADS),
                    default=list(WORKLOADS), help="streams in flight")  # fmt: skip
-    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--dtypes", nargs="+", choices=[*DTYPES, FILE], default=list(DTYPES),
+                   help=f"{FILE}: the model's GGUF file as shipped (llmserve: --linear-impl gguf)")  # fmt: skip
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     p.add_argument("--scale", type=float, default=1.0, help="request counts x this (smoke runs)")
     p.add_argument("--threads", type=int, default=2, help="compute threads of each server")
@@ -399,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "same_text": {},
     }
     for dtype in args.dtypes:
-        nbytes = weight_bytes(args.hf_model, dtype)
+        nbytes = weight_bytes(args.hf_model, dtype, args.model)
         ms = nbytes / (result["bandwidth"]["gb_per_s"] * 1e9) * 1000
         result["floor"][dtype] = {"bytes": nbytes, "ms": ms}
     try:
@@ -411,6 +424,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     out = run_path(args, name, w.streams, dtype)
                     client = client_for(server, w, out, args)
                     env = {"LLMSERVE_NUM_THREADS": str(args.threads)} if name == "llmserve" else {}
+                    if name == "llmserve" and dtype == FILE:
+                        env["LLMSERVE_LINEAR_IMPL"] = "gguf"
                     probe = worker_metrics if name == "llmserve" else None
                     runs[name] = measure_server(
                         server, client, out.with_suffix(".json"), args, env, probe

@@ -14,7 +14,7 @@ GiB = 1 << 30
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "cpu", "triton", "torch"]
-LinearImplName = Literal["auto", "torch", "onednn", "native"]
+LinearImplName = Literal["auto", "torch", "onednn", "native", "gguf"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -45,7 +45,8 @@ class WorkerConfig:
     # which widen bfloat16 in registers: on CPUs without AVX-512 they run bfloat16 matmuls
     # several times faster than F.linear). `auto` takes onednn with the native `cpu` attention
     # backend where it can run, else native there, and torch otherwise, so the `torch`
-    # backend stays the plain-torch reference.
+    # backend stays the plain-torch reference. `gguf` multiplies with a GGUF file's blocks as
+    # they are (Q4_0 / Q4_1 / Q8_0, exact mode, CPU float32: models/gguf_weights.py).
     linear_impl: LinearImplName = "auto"
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks
@@ -83,9 +84,9 @@ class WorkerConfig:
             raise WorkerConfigError(
                 "attention_backend", f"must be auto|cpu|triton|torch, got {self.attention_backend}"
             )
-        if self.linear_impl not in ("auto", "torch", "onednn", "native"):
+        if self.linear_impl not in ("auto", "torch", "onednn", "native", "gguf"):
             raise WorkerConfigError(
-                "linear_impl", f"must be auto|torch|onednn|native, got {self.linear_impl}"
+                "linear_impl", f"must be auto|torch|onednn|native|gguf, got {self.linear_impl}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise WorkerConfigError(

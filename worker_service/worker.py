@@ -17,12 +17,12 @@ from llmserve.steps import StepInput, StepResult, TokenMask
 from worker_service.attention import AttentionSpec, get_backend_class
 from worker_service.attention.base import AttentionBackend
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
-from worker_service.config import WorkerConfig, WorkerConfigError
+from worker_service.config import WorkerConfig
 from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.linear_impl import choose_linear_impl
 from worker_service.model_runner import ModelRunner
-from worker_service.models import DecoderModel, ModelArchConfig, model_from_hf, read_arch
-from worker_service.models.linear import packed_linear_available
-from worker_service.models.native import native_linear_unsupported_reason
+from worker_service.models import DecoderModel, model_from_hf, read_arch
+from worker_service.models.gguf_weights import keep_gguf_blocks
 from worker_service.sampler import Sampler
 
 log = get_logger(__name__)
@@ -117,10 +117,13 @@ class Worker:
         hf_model = hf_model.to(device=self.device, dtype=self.dtype)
         # The native CPU backend brings the fused elementwise kernels and the prepacked
         # matmuls along; `torch` stays plain torch throughout, as the reference.
-        linear_impl = self._linear_impl(backend_cls.name, arch)
+        linear_impl = choose_linear_impl(
+            self.config.linear_impl, backend_cls.name, arch, self.device, self.dtype,
+            lambda: resolve_model(self.config.model),
+        )  # fmt: skip
         # The model takes the native decode step where it can run it (models/native.py)
         # and says why not otherwise: those models decode on the per-layer path.
-        native_decode = backend_cls.name == "cpu"
+        native_decode = backend_cls.name == "cpu" and linear_impl != "gguf"
         self._model = model_from_hf(
             hf_model,
             max_positions=max_len,
@@ -129,6 +132,9 @@ class Worker:
             native_linear=linear_impl == "native",
             native_decode_max_batch=self.config.native_decode_max_batch if native_decode else 0,
         )
+        if linear_impl == "gguf":
+            kept = keep_gguf_blocks(self._model, resolve_model(self.config.model))
+            log.info("weights kept in GGUF blocks", bytes=kept)
         if self._model.native_decode_refused is not None:
             log.info("native decode step off", reason=self._model.native_decode_refused)
         eos = _eos_ids(hf_model)
@@ -153,29 +159,6 @@ class Worker:
             arch.vocab_size, eos, seed=self.config.seed, native_reductions=backend_cls.name == "cpu"
         )
         self._runner = ModelRunner(self._model, backend, sampler, self.config.block_size)
-
-    def _linear_impl(self, attention_backend: str, arch: ModelArchConfig) -> str:
-        """The matmul implementation (`linear_impl`) this worker runs."""
-        impl = self.config.linear_impl
-        onednn = packed_linear_available(self.device, self.dtype)
-        native_reason = (
-            f"it runs on the CPU only, not {self.device}"
-            if self.device.type != "cpu"
-            else native_linear_unsupported_reason(arch, self.dtype)
-        )
-        if impl == "onednn" and not onednn:
-            raise WorkerConfigError(
-                "linear_impl",
-                f"onednn needs the CPU and float32 or bfloat16 that oneDNN supports here, not "
-                f"{self.device} {self.dtype}",
-            )
-        if impl == "native" and native_reason is not None:
-            raise WorkerConfigError("linear_impl", f"native cannot run this model: {native_reason}")
-        if impl != "auto":
-            return impl
-        if attention_backend != "cpu":
-            return "torch"
-        return "onednn" if onednn else "torch" if native_reason is not None else "native"
 
     @property
     def model_info(self) -> ModelInfo:

@@ -1,0 +1,48 @@
+"""Which matmul implementation a worker runs (`WorkerConfig.linear_impl`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from llmserve.model_spec import ModelSource
+from worker_service.config import WorkerConfigError
+from worker_service.models import ModelArchConfig
+from worker_service.models.gguf_weights import unsupported_reason as gguf_reason
+from worker_service.models.linear import packed_linear_available
+from worker_service.models.native import native_linear_unsupported_reason
+
+
+def choose_linear_impl(
+    requested: str,
+    attention_backend: str,
+    arch: ModelArchConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    source: Callable[[], ModelSource],
+) -> str:
+    """`requested` if it can run this model here (else `WorkerConfigError` naming
+    `linear_impl` and why), or what `auto` picks: onednn with the native `cpu` attention
+    backend where oneDNN runs the dtype, else native there, and torch otherwise."""
+    onednn = packed_linear_available(device, dtype)
+    native_reason = (
+        f"it runs on the CPU only, not {device}"
+        if device.type != "cpu"
+        else native_linear_unsupported_reason(arch, dtype)
+    )
+    if requested == "onednn" and not onednn:
+        raise WorkerConfigError(
+            "linear_impl",
+            f"onednn needs the CPU and float32 or bfloat16 that oneDNN supports here, not "
+            f"{device} {dtype}",
+        )
+    if requested == "gguf" and (reason := gguf_reason(source(), device, dtype)):
+        raise WorkerConfigError("linear_impl", f"gguf cannot run this model: {reason}")
+    if requested == "native" and native_reason is not None:
+        raise WorkerConfigError("linear_impl", f"native cannot run this model: {native_reason}")
+    if requested != "auto":
+        return requested
+    if attention_backend != "cpu":
+        return "torch"
+    return "onednn" if onednn else "torch" if native_reason is not None else "native"

@@ -1,0 +1,137 @@
+"""Projections that multiply with a GGUF file's blocks as they are (`--linear-impl gguf`).
+
+The model is loaded as today (transformers dequantizes the file); then each projection whose
+tensors in the file have a kernel (Q4_0, Q4_1, Q8_0: kernels/cpu/quant.py) gets those blocks
+instead of its dense weight, and the decoder's matmul becomes `quant_matmul`. Exact mode: a
+block is dequantized to float32 and multiplied with float32 activations, so the model equals
+HF's dequantized one up to summation order. Projections of other types stay dense; the
+native decode step (dense weights only) is off.
+
+This is issue #27's first step: the dense copies transformers made are still loaded (the
+embedding lookup uses them), so resident memory does not shrink yet; the LM head of a tied
+model does run on the embedding's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kernels.cpu import quant
+from llmserve.logs import get_logger
+from llmserve.model_spec import ModelSource
+from worker_service.models.decoder import DecoderModel
+
+log = get_logger("worker.gguf")
+
+KERNEL_TYPES = frozenset(
+    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantWeight:
+    """A projection weight [out_features, in_features] kept as GGUF blocks."""
+
+    ggml_type: int
+    blocks: torch.Tensor  # [out_features, in_features / 32 * block bytes] uint8
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.blocks.shape[0]), self.in_features
+
+
+def quant_matmul(
+    x: torch.Tensor,  # [rows, in] float32
+    weight: torch.Tensor | QuantWeight,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [rows, out]
+    if not isinstance(weight, QuantWeight):
+        return F.linear(x, weight, bias)
+    out = quant.linear(x.contiguous(), weight.ggml_type, weight.blocks)
+    return out if bias is None else out + bias
+
+
+def unsupported_reason(source: ModelSource, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `--linear-impl gguf` cannot run this model here, or None."""
+    if source.gguf_file is None:
+        return f"the model {source.spec!r} is not a GGUF file"
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"its kernels run on the CPU in float32, not {device} {dtype}"
+    arch = str(_reader(source).fields["general.architecture"].contents())
+    if arch != "llama":
+        return f"only Llama-shaped GGUF files are mapped so far, not {arch!r}"
+    return None
+
+
+def _reader(source: ModelSource) -> GGUFReader:
+    assert source.gguf_file is not None
+    return GGUFReader(Path(source.path) / source.gguf_file)
+
+
+def keep_gguf_blocks(model: DecoderModel, source: ModelSource) -> int:
+    """Swap the projections of `model` (loaded from `source`, a Llama GGUF file) for the
+    file's blocks where a kernel reads their type. Returns the bytes of blocks kept."""
+    tensors = {t.name: t for t in _reader(source).tensors}
+    arch = model.arch
+    kept = 0
+    skipped: set[str] = set()
+
+    def blocks(name: str, heads: int | None = None) -> tuple[int, np.ndarray] | None:
+        tensor = tensors[name]
+        ggml_type = GGMLQuantizationType(int(tensor.tensor_type))
+        if ggml_type not in KERNEL_TYPES:
+            skipped.add(ggml_type.name)
+            return None
+        in_features, out_features = (int(d) for d in tensor.shape)  # ggml: fastest first
+        rows = np.array(tensor.data).reshape(out_features, -1)  # a writable copy
+        if heads is not None:  # undo llama.cpp's rotary row order, as transformers does
+            half = out_features // heads // 2
+            rows = rows.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(out_features, -1)
+        return int(ggml_type), rows
+
+    def weight(*parts: tuple[int, np.ndarray] | None) -> QuantWeight | None:
+        if any(p is None for p in parts) or len({p[0] for p in parts if p}) != 1:
+            return None  # a part without a kernel, or parts of different types: stay dense
+        ggml_type = parts[0][0] if parts[0] else 0
+        rows = np.concatenate([p[1] for p in parts if p])
+        block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        in_features = rows.shape[1] // block_bytes * block_size
+        return QuantWeight(ggml_type, torch.from_numpy(rows), in_features)
+
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        swaps = {
+            "qkv": weight(
+                blocks(p + "attn_q.weight", arch.num_heads),
+                blocks(p + "attn_k.weight", arch.num_kv_heads),
+                blocks(p + "attn_v.weight"),
+            ),
+            "o": weight(blocks(p + "attn_output.weight")),
+            "gate_up": weight(blocks(p + "ffn_gate.weight"), blocks(p + "ffn_up.weight")),
+            "down": weight(blocks(p + "ffn_down.weight")),
+        }
+        for name, new in swaps.items():
+            if new is not None:
+                dense = getattr(layer, name)
+                assert dense is not None and tuple(dense.shape) == new.shape, name
+                setattr(layer, name, new)
+                kept += new.blocks.numel()
+    head = weight(blocks("output.weight" if "output.weight" in tensors else "token_embd.weight"))
+    if head is not None:
+        assert tuple(model.lm_head.shape) == head.shape
+        model.lm_head = head  # type: ignore[assignment]
+        kept += head.blocks.numel()
+    model.linear = quant_matmul
+    model.native_decode = None
+    model.native_decode_refused = "the weights are kept in GGUF blocks (--linear-impl gguf)"
+    if skipped:
+        log.warning("tensors without a block kernel stay dense", types=sorted(skipped))
+    return kept
