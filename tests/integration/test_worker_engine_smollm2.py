@@ -6,13 +6,12 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
 from scheduler_service import LLMEngine
 from scheduler_service.config import PreemptionMode
 from tests.support.engines import engine_on_worker
+from tests.support.models import load_smollm2
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
@@ -37,12 +36,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 @pytest.fixture(scope="module")
 def smol() -> tuple[Worker, Any, list[list[int]]]:
     torch.set_num_threads(2)
-    src = resolve_model("smollm2")
-    tok = AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs())
-    hf = AutoModelForCausalLM.from_pretrained(
-        src.path, **src.pretrained_kwargs(), dtype=torch.float32
-    ).eval()
-    hf.generation_config.eos_token_id = None
+    tok, hf = load_smollm2()
     worker = Worker(WorkerConfig(model="smollm2", dtype="float32", num_threads=2))
     worker.load_from_hf(hf)
     return worker, hf, [tok(t)["input_ids"] for t in TEXTS]

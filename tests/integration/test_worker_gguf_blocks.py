@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
 from tests.support.engines import engine_on_worker
+from tests.support.models import load_smollm2
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.models.gguf_weights import QuantWeight, quant_matmul
 from worker_service.worker import Worker
@@ -32,12 +31,7 @@ NEW = 32
 @pytest.fixture(scope="module")
 def loaded() -> tuple[Worker, Any, list[list[int]]]:
     torch.set_num_threads(2)
-    src = resolve_model("smollm2")
-    tok = AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs())
-    hf = AutoModelForCausalLM.from_pretrained(
-        src.path, **src.pretrained_kwargs(), dtype=torch.float32
-    ).eval()
-    hf.generation_config.eos_token_id = None
+    tok, hf = load_smollm2()
     worker = Worker(
         WorkerConfig(model="smollm2", dtype="float32", num_threads=2, linear_impl="gguf")
     )

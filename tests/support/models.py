@@ -257,6 +257,21 @@ def load_hf(path: Path) -> Any:
     return model
 
 
+def load_smollm2() -> tuple[Any, Any]:
+    """The embedded SmolLM2 (its shipped Q4_1 file, dequantized by transformers) as float32
+    HF (tokenizer, model), generating exactly max_new_tokens (no EOS stop)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve_model("smollm2")
+    tok = AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs())
+    model = AutoModelForCausalLM.from_pretrained(
+        src.path, **src.pretrained_kwargs(), dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = None
+    return tok, model
+
+
 def build_tiny_llama(directory: Path, seed: int = 0, num_layers: int = 2) -> Path:
     """A random Llama with SmolLM2's real tokenizer and chat template, so text tests exercise
     the real byte-level BPE while the model stays fast."""
