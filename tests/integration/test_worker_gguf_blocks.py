@@ -13,7 +13,7 @@ from llmserve.sampling_params import SamplingParams
 from tests.support.engines import engine_on_worker
 from tests.support.models import load_smollm2
 from worker_service.config import WorkerConfig, WorkerConfigError
-from worker_service.models.gguf_weights import QuantWeight, quant_matmul
+from worker_service.models.gguf_weights import DEQUANTIZE_ROWS, QuantWeight, quant_matmul
 from worker_service.worker import Worker
 
 pytestmark = pytest.mark.slow
@@ -48,6 +48,17 @@ def test_every_projection_and_the_tied_head_run_on_blocks(loaded: Any) -> None:
             assert isinstance(getattr(layer, name), QuantWeight), name
     # SmolLM2 ties its head to the embedding, which the file holds as Q8_0.
     assert isinstance(model.lm_head, QuantWeight) and model.lm_head.ggml_type == 8
+
+
+def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(loaded: Any) -> None:
+    """Prefill-sized inputs dequantize the weight whole (DEQUANTIZE_ROWS); the product is the
+    kernel's, row by row, up to summation order."""
+    weight = loaded[0]._model.layers[0].gate_up
+    x = torch.randn(DEQUANTIZE_ROWS, weight.in_features, generator=torch.Generator().manual_seed(3))
+    whole = quant_matmul(x, weight)
+    rows = torch.cat([quant_matmul(x[i : i + 1], weight) for i in range(x.shape[0])])
+    assert whole.shape == rows.shape == (DEQUANTIZE_ROWS, weight.shape[0])
+    torch.testing.assert_close(whole, rows, rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_output_equals_hf_on_the_dequantized_file(loaded: Any) -> None:
