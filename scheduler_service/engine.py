@@ -22,7 +22,6 @@ from llmserve.steps import Executor, StepInput, StepResult, TokenMask
 from scheduler_service import metrics
 from scheduler_service.config import CacheConfig, SchedulerConfig
 from scheduler_service.continuation import (
-    PipelinedStepper,
     commit_continuation,
     plan_continuation,
 )
@@ -34,7 +33,7 @@ from scheduler_service.migration import (
     rebuild_group,
     snapshot_group,
 )
-from scheduler_service.outputs import CompletionOutput, OutputProcessor, RequestOutput, final_output
+from scheduler_service.outputs import OutputProcessor, RequestOutput, final_output
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, SchedulerStats
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -71,7 +70,6 @@ class LLMEngine:
         self._seq_counter = itertools.count()
         self._builder = StepBuilder(self.scheduler)
         self._processor = OutputProcessor(self.scheduler, self._seq_counter)
-        self._generate_counter = itertools.count()
         self.last_step_input: StepInput | None = None
         # Steps begun and not finished (at most two: a step and its continuation), and the
         # continuation not yet committed (`scheduler_service.continuation`).
@@ -390,80 +388,7 @@ class LLMEngine:
         priorities: list[int] | None = None,
         async_scheduling: bool = False,
     ) -> list[RequestOutput]:
-        """Run the prompts to completion; returns their final outputs in prompt order.
-        `priorities`: one per prompt (default 0 each). `async_scheduling`: build each step
-        before the previous one's result is processed where possible (`PipelinedStepper`).
+        """Run the prompts to completion (offline use): `scheduler_service.offline.generate`."""
+        from scheduler_service.offline import generate
 
-        Meant for offline use: other requests in the engine keep running, but their deltas
-        are not returned.
-        """
-        if isinstance(params, list):
-            if len(params) != len(prompts):
-                raise FieldError("params", f"{len(params)} params for {len(prompts)} prompts")
-            params_list = params
-        else:
-            params_list = [params] * len(prompts)
-        ids = [f"generate-{next(self._generate_counter)}" for _ in prompts]
-        if priorities is not None and len(priorities) != len(prompts):
-            raise FieldError(
-                "priorities", f"{len(priorities)} priorities for {len(prompts)} prompts"
-            )
-        for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params_list, strict=True)):
-            priority = 0 if priorities is None else priorities[i]
-            self.add_request(request_id, prompt, p, eos_token_id=eos_token_id, priority=priority)
-        results: dict[str, RequestOutput] = {}
-        pending = set(ids)
-        idle_steps = 0
-        stepper = PipelinedStepper(self) if async_scheduling else None
-        while pending or (stepper is not None and stepper.in_flight):
-            deltas = self.step() if stepper is None else stepper.step()
-            progressed = bool(deltas) or not (
-                self.last_step_input is None or self.last_step_input.is_empty()
-            )
-            idle_steps = 0 if progressed else idle_steps + 1
-            if idle_steps > 2:
-                raise EngineStalledError(f"{len(pending)} requests can never be scheduled")
-            for delta in deltas:
-                if delta.request_id not in pending:
-                    continue
-                results[delta.request_id] = _accumulate(results.get(delta.request_id), delta)
-                if delta.finished:
-                    pending.discard(delta.request_id)
-        return [results[i] for i in ids]
-
-
-def _accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    if total is None:
-        total = RequestOutput(
-            request_id=delta.request_id,
-            prompt_token_ids=delta.prompt_token_ids,
-            outputs=[],
-            finished=False,
-            prompt_logprobs=None,
-            metrics=delta.metrics,
-        )
-    if delta.prompt_logprobs is not None:
-        total.prompt_logprobs = (total.prompt_logprobs or []) + delta.prompt_logprobs
-    choices = {c.index: c for c in total.outputs}
-    for new in delta.outputs:
-        old = choices.get(new.index)
-        if old is None:
-            choices[new.index] = CompletionOutput(
-                new.index,
-                list(new.token_ids),
-                new.cumulative_logprob,
-                list(new.logprobs) if new.logprobs is not None else None,
-                new.finish_reason,
-                new.stop_token_id,
-            )
-            continue
-        old.token_ids.extend(new.token_ids)
-        if old.logprobs is not None and new.logprobs is not None:
-            old.logprobs.extend(new.logprobs)
-        old.cumulative_logprob = new.cumulative_logprob
-        old.finish_reason = new.finish_reason
-        old.stop_token_id = new.stop_token_id
-    total.outputs = sorted(choices.values(), key=lambda c: c.index)
-    total.finished = delta.finished
-    total.error = delta.error
-    return total
+        return generate(self, prompts, params, eos_token_id, priorities, async_scheduling)

@@ -15,7 +15,7 @@ from llmserve.grammar.llguidance_backend import LLGuidanceBackend
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.steps import MaskKind
 from scheduler_service.continuation import PipelinedStepper
-from scheduler_service.engine import _accumulate
+from scheduler_service.offline import accumulate as _accumulate
 from scheduler_service.outputs import RequestOutput
 from scheduler_service.sequence import SequenceStatus
 from tests.support.grammar import smollm2_tokenizer
