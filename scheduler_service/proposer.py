@@ -21,6 +21,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 
+def _check_range(min_n: int, max_n: int) -> None:
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
+
+
 class DraftState(ABC):
     """What a proposer keeps per sequence, derived from its committed tokens."""
 
@@ -50,8 +55,7 @@ class NgramIndex(DraftState):
     __slots__ = ("min_n", "max_n", "tokens", "_ends")
 
     def __init__(self, min_n: int, max_n: int, tokens: Sequence[int] = ()) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        _check_range(min_n, max_n)
         self.min_n = min_n
         self.max_n = max_n
         self.tokens: list[int] = []
@@ -89,8 +93,7 @@ class NgramProposer(DraftProposer):
     def __init__(self, min_n: int, max_n: int, k: int) -> None:
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        _check_range(min_n, max_n)
         self.min_n = min_n
         self.max_n = max_n
         self.k = k

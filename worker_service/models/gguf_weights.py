@@ -3,9 +3,10 @@
 The model is loaded as today (transformers dequantizes the file); then each projection whose
 tensors in the file have a kernel (Q4_0, Q4_1, Q8_0: kernels/cpu/quant.py) gets those blocks
 instead of its dense weight, and the decoder's matmul becomes `quant_matmul`. Exact mode: a
-block is dequantized to float32 and multiplied with float32 activations, so the model equals
-HF's dequantized one up to summation order. Projections of other types stay dense; the
-native decode step (dense weights only) is off.
+block is dequantized to float32 and multiplied with float32 activations (by the block kernel
+below `DEQUANTIZE_ROWS` rows, by torch on the whole dequantized weight from there on), so
+the model equals HF's dequantized one up to summation order. Projections of other types stay
+dense; the native decode step (dense weights only) is off.
 
 This is issue #27's first step: the dense copies transformers made are still loaded (the
 embedding lookup uses them), so resident memory does not shrink yet; the LM head of a tied
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType
 
 from kernels.cpu import quant
 from llmserve.logs import get_logger
@@ -109,12 +110,14 @@ def keep_gguf_blocks(model: DecoderModel, source: ModelSource) -> int:
         return int(ggml_type), rows
 
     def weight(*parts: tuple[int, np.ndarray] | None) -> QuantWeight | None:
-        if any(p is None for p in parts) or len({p[0] for p in parts if p}) != 1:
-            return None  # a part without a kernel, or parts of different types: stay dense
-        ggml_type = parts[0][0] if parts[0] else 0
-        rows = np.concatenate([p[1] for p in parts if p])
-        block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        in_features = rows.shape[1] // block_bytes * block_size
+        """The parts' rows stacked (q, k, v; gate, up) as one weight, or None: a part
+        without a kernel, or parts of different types, stay dense."""
+        present = [p for p in parts if p is not None]
+        if len(present) != len(parts) or len({t for t, _ in present}) != 1:
+            return None
+        ggml_type = present[0][0]
+        rows = np.concatenate([r for _, r in present])
+        in_features = rows.shape[1] // quant.block_bytes(ggml_type) * quant.BLOCK
         return QuantWeight(ggml_type, torch.from_numpy(rows), in_features)
 
     for i, layer in enumerate(model.layers):
