@@ -7,6 +7,7 @@ import asyncio
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
+from kernels.cpu.quant import MODES as QUANT_MODES
 from llmserve import security
 from llmserve.config_env import parse_service_args
 from llmserve.grpc_utils import create_server, set_serving
@@ -43,6 +44,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="matmuls: onednn prepacks the weights (CPU); native = kernels/cpu projections; "
         "gguf = on a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are (CPU float32); "
         "auto = onednn with the cpu backend where oneDNN runs the dtype, else native there",
+    )
+    p.add_argument(
+        "--quant-mode",
+        default="exact",
+        choices=list(QUANT_MODES),
+        help="with --linear-impl gguf: exact = blocks dequantized to float32 (HF's model up to "
+        "summation order); fast = activations rounded to 8 bits, integer dot products",
     )
     p.add_argument(
         "--native-decode-max-batch",
@@ -125,6 +133,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         device=args.device,
         attention_backend=args.attention_backend,
         linear_impl=args.linear_impl,
+        quant_mode=args.quant_mode,
         native_decode_max_batch=args.native_decode_max_batch,
         block_size=args.block_size,
         max_model_len=args.max_model_len,

@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from kernels.cpu.quant import MODES as QUANT_MODES
+from kernels.cpu.quant import QuantMode
 from llmserve.errors import FieldError
 
 GiB = 1 << 30
@@ -46,8 +48,12 @@ class WorkerConfig:
     # several times faster than F.linear). `auto` takes onednn with the native `cpu` attention
     # backend where it can run, else native there, and torch otherwise, so the `torch`
     # backend stays the plain-torch reference. `gguf` multiplies with a GGUF file's blocks as
-    # they are (Q4_0 / Q4_1 / Q8_0, exact mode, CPU float32: models/gguf_weights.py).
+    # they are (Q4_0 / Q4_1 / Q8_0, CPU float32: models/gguf_weights.py).
     linear_impl: LinearImplName = "auto"
+    # How `gguf` multiplies (kernels/cpu/quant.py): `exact` dequantizes each block to float32
+    # (the model equals HF's dequantized one up to summation order); `fast` rounds the
+    # activations to 8 bits per block of 32 and takes integer dot products.
+    quant_mode: QuantMode = "exact"
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks
     # the model's measured default (models/native.py: default_native_max_batch). Larger
@@ -87,6 +93,10 @@ class WorkerConfig:
         if self.linear_impl not in ("auto", "torch", "onednn", "native", "gguf"):
             raise WorkerConfigError(
                 "linear_impl", f"must be auto|torch|onednn|native|gguf, got {self.linear_impl}"
+            )
+        if self.quant_mode not in QUANT_MODES:
+            raise WorkerConfigError(
+                "quant_mode", f"must be {'|'.join(QUANT_MODES)}, got {self.quant_mode}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise WorkerConfigError(

@@ -123,7 +123,7 @@ class Worker:
         )  # fmt: skip
         # The model takes the native decode step where it can run it (models/native.py)
         # and says why not otherwise: those models decode on the per-layer path.
-        native_decode = backend_cls.name == "cpu" and linear_impl != "gguf"
+        native_decode = backend_cls.name == "cpu"
         self._model = model_from_hf(
             hf_model,
             max_positions=max_len,
@@ -133,8 +133,9 @@ class Worker:
             native_decode_max_batch=self.config.native_decode_max_batch if native_decode else 0,
         )
         if linear_impl == "gguf":
-            kept = keep_gguf_blocks(self._model, resolve_model(self.config.model))
-            log.info("weights kept in GGUF blocks", bytes=kept)
+            source = resolve_model(self.config.model)
+            kept = keep_gguf_blocks(self._model, source, self.config.quant_mode)
+            log.info("weights kept in GGUF blocks", bytes=kept, mode=self.config.quant_mode)
         if self._model.native_decode_refused is not None:
             log.info("native decode step off", reason=self._model.native_decode_refused)
         eos = _eos_ids(hf_model)

@@ -4,7 +4,7 @@
 K/V straight from the paged cache; `decode.cpp` runs a whole decode step; `ops.cpp` fuses
 RMSNorm, rotary embedding, SiLU-and-multiply and the sampler's reductions (argmax and
 log-sum-exp; the best token a mask allows); `quant.cpp` keeps weights in GGUF blocks (Q4_0,
-Q4_1, Q8_0: dequantization and the exact-mode linear, `kernels.cpu.quant`). `build.py`
+Q4_1, Q8_0: dequantization, the linear layer in exact and fast mode, `kernels.cpu.quant`). `build.py`
 compiles them for this CPU on first use.
 """
 

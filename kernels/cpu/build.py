@@ -164,10 +164,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_quant_dequantize": [i32, ptr, i64, i64, ptr],
         # ggml type, x, n, in, weights, out features, out
         "llmserve_quant_linear": [i32, ptr, i64, i64, ptr, i64, ptr],
-        # dtype, dims, params, layer pointers, layer windows, embed, final norm, lm head,
-        # input ids, positions, slots, block tables, table stride, seq lens, n, logits,
-        # argmax out (or NULL), argmax logprob out
-        "llmserve_decode_step": [i32, *[ptr] * 11, i64, ptr, i64, ptr, ptr, ptr],
+        "llmserve_quant_linear_fast": [i32, ptr, i64, i64, ptr, i64, ptr],
+        # x, n, cols, out (40-byte activation blocks)
+        "llmserve_quant_activations": [ptr, i64, i64, ptr],
+        # dtype, dims, params, layer pointers, weight types, layer windows, embed, final
+        # norm, lm head, input ids, positions, slots, block tables, table stride, seq lens,
+        # n, logits, argmax out (or NULL), argmax logprob out
+        "llmserve_decode_step": [i32, *[ptr] * 12, i64, ptr, i64, ptr, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)

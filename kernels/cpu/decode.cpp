@@ -15,12 +15,19 @@
 // kernel of the per-layer path, with its rounding points, so the results are that path's up
 // to the order of summation in the projections (float32 logits differ by ~1e-6).
 //
+// Weights are dense in the model dtype, or (float32 models) GGUF blocks: each projection, the
+// embedding and the LM head has a ggml type code in `weight_types` (0: dense), and quant.cpp
+// multiplies with blocks in the step's mode (kQuantMode: exact or fast) and dequantizes the
+// embedding rows of the step's tokens.
+//
 // Entry point (extern "C", called through ctypes; dtype 0 = float32, 1 = bfloat16):
 //   llmserve_decode_step   every layer and the LM head for n tokens, one per sequence, and
 //                          optionally each row's argmax and its logprob
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "linear.h"
@@ -47,6 +54,13 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
 int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
                       void* value_cache);
+int llmserve_quant_block_bytes(int type);
+int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, int64_t cols,
+                              float* out);
+int llmserve_quant_linear(int type, const float* x, int64_t n, int64_t in, const uint8_t* weights,
+                          int64_t out_features, float* out);
+int llmserve_quant_linear_fast(int type, const float* x, int64_t n, int64_t in,
+                               const uint8_t* weights, int64_t out_features, float* out);
 }
 
 namespace {
@@ -60,6 +74,7 @@ enum Dim {
   kNormKind,   // ops.cpp's NormKind, for every norm of the model
   kQkNorm,     // QkNorm
   kActivation, // Activation
+  kQuantMode,  // QuantMode, for weights in blocks
   kNumDims
 };
 // A multiplier, divisor or cap of 0 is absent.
@@ -73,6 +88,10 @@ enum LayerField {
 };
 enum QkNorm { kNoQkNorm, kPerHead, kFullWidth };
 enum Activation { kSilu, kGeluTanh };
+enum QuantMode { kExact, kFast };
+// Indices into `weight_types`: per layer these four, then the model's two.
+enum WeightType { kQkvType, kOType, kGateUpType, kDownType, kTypesPerLayer };
+enum ModelWeightType { kEmbedType, kLmHeadType };
 
 // Activations of one step, reused from call to call on the calling thread.
 struct Buffers {
@@ -108,6 +127,7 @@ struct StepArgs {
   const int64_t* dims;
   const float* params;
   const void* const* layers;  // [layers * kNumLayerFields]
+  const int64_t* weight_types;  // [layers * kTypesPerLayer + 2]: ggml types, 0 = dense
   const int64_t* windows;     // [layers]: each layer's sliding window, 0 = none
   const void *embed, *final_norm, *lm_head;
   const int64_t *input_ids, *positions, *slots;
@@ -141,6 +161,39 @@ struct Step {
   T* act = Buffers::sized<T>(buffers.act, n * inter);
 
   static const T* w(const void* p) { return static_cast<const T*>(p); }
+
+  // out = x @ weight^T (+ bias), the weight dense or in blocks of ggml type `type`.
+  void project(const T* x, int64_t rows, int64_t in, const void* weight, int64_t type,
+               const void* bias, T* out, int64_t out_features) {
+    if (type == 0) {
+      linear(x, rows, in, w(weight), w(bias), out, out_features);
+      return;
+    }
+    if constexpr (std::is_same_v<T, float>) {  // blocks: float32 models only (checked)
+      const auto* blocks = static_cast<const uint8_t*>(weight);
+      if (d[kQuantMode] == kFast)
+        llmserve_quant_linear_fast(int(type), x, rows, in, blocks, out_features, out);
+      else
+        llmserve_quant_linear(int(type), x, rows, in, blocks, out_features, out);
+      if (bias != nullptr)
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t o = 0; o < out_features; ++o) out[i * out_features + o] += w(bias)[o];
+    }
+  }
+
+  // Row `token` of the embedding, dense or in blocks, into out[0..hidden).
+  void embed_row(int64_t token, T* out) {
+    const int64_t type = a.weight_types[d[kLayers] * kTypesPerLayer + kEmbedType];
+    if (type == 0) {
+      std::memcpy(out, w(a.embed) + token * hidden, hidden * sizeof(T));
+      return;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      const int64_t row_bytes = hidden / 32 * llmserve_quant_block_bytes(int(type));
+      llmserve_quant_dequantize(int(type), static_cast<const uint8_t*>(a.embed) + token * row_bytes,
+                                1, hidden, out);
+    }
+  }
 
   void norm(const T* x, T* add_to, const void* weight, T* out, int64_t rows, int64_t width) {
     llmserve_norm(dtype, kind, x, add_to, weight, out, rows, width, eps);
@@ -190,8 +243,8 @@ struct Step {
                       rotary_dim);
   }
 
-  int attention(const T* x, const void* const* p, int64_t layer) {
-    linear(x, n, hidden, w(p[kQkv]), w(p[kQkvBias]), qkv, qkv_size);
+  int attention(const T* x, const void* const* p, const int64_t* types, int64_t layer) {
+    project(x, n, hidden, p[kQkv], types[kQkvType], p[kQkvBias], qkv, qkv_size);
     qk_norms(p);
     rotary(p);
     llmserve_write_kv(dtype, qkv + q_size, qkv + q_size + kv_size, qkv_size, a.slots, n, kv_size,
@@ -203,31 +256,32 @@ struct Step {
                                  a.windows[layer], a.params[kAttnSoftcap]);
   }
 
-  void mlp(const T* x, const void* const* p) {
-    linear(x, n, hidden, w(p[kGateUp]), w(p[kGateUpBias]), gate_up, 2 * inter);
+  void mlp(const T* x, const void* const* p, const int64_t* types) {
+    project(x, n, hidden, p[kGateUp], types[kGateUpType], p[kGateUpBias], gate_up, 2 * inter);
     if (d[kActivation] == kGeluTanh)
       llmserve_gelu_tanh_mul(dtype, gate_up, act, n, inter);
     else
       llmserve_silu_mul(dtype, gate_up, act, n, inter);
-    linear(act, n, inter, w(p[kDown]), w(p[kDownBias]), proj, hidden);
+    project(act, n, inter, p[kDown], types[kDownType], p[kDownBias], proj, hidden);
   }
 
   int run() {
-    for (int64_t i = 0; i < n; ++i)
-      std::memcpy(residual + i * hidden, w(a.embed) + a.input_ids[i] * hidden, hidden * sizeof(T));
+    for (int64_t i = 0; i < n; ++i) embed_row(a.input_ids[i], residual + i * hidden);
     if (a.params[kEmbedScale] != 0.0f) scale(residual, n * hidden, a.params[kEmbedScale], false);
     for (int64_t l = 0; l < d[kLayers]; ++l) {
       const void* const* p = a.layers + l * kNumLayerFields;
-      const int status = attention(add_norm(l == 0 ? nullptr : proj, p[kInNorm]), p, l);
+      const int64_t* types = a.weight_types + l * kTypesPerLayer;
+      const int status = attention(add_norm(l == 0 ? nullptr : proj, p[kInNorm]), p, types, l);
       if (status != 0) return status;
-      linear(attn, n, q_size, w(p[kO]), w(p[kOBias]), proj, hidden);
+      project(attn, n, q_size, p[kO], types[kOType], p[kOBias], proj, hidden);
       block_output(proj, p[kAttnOutNorm]);
-      mlp(add_norm(proj, p[kPostNorm]), p);
+      mlp(add_norm(proj, p[kPostNorm]), p, types);
       block_output(proj, p[kMlpOutNorm]);
     }
     T* logits = static_cast<T*>(a.logits);
     const int64_t vocab = d[kVocab];
-    linear(add_norm(proj, a.final_norm), n, hidden, w(a.lm_head), w(nullptr), logits, vocab);
+    project(add_norm(proj, a.final_norm), n, hidden, a.lm_head,
+            a.weight_types[d[kLayers] * kTypesPerLayer + kLmHeadType], nullptr, logits, vocab);
     if (a.params[kLogitsDivisor] != 0.0f) scale(logits, n * vocab, a.params[kLogitsDivisor], true);
     if (a.params[kFinalSoftcap] != 0.0f)
       llmserve_softcap(dtype, logits, n * vocab, a.params[kFinalSoftcap]);
@@ -249,10 +303,12 @@ struct Step {
 extern "C" {
 
 // Returns 0, or -1 for an unsupported dtype or shape (widths not multiples of 8, an odd or
-// too wide rotary). With `argmax` (else null), also each row's first argmax and its logprob,
-// as llmserve_argmax_logsumexp gives them.
+// too wide rotary; blocks in a bfloat16 model, or a row not a whole number of blocks). With
+// `argmax` (else null), also each row's first argmax and its logprob, as
+// llmserve_argmax_logsumexp gives them.
 int llmserve_decode_step(int dtype, const int64_t* dims, const float* params,
-                         const void* const* layers, const int64_t* windows, const void* embed,
+                         const void* const* layers, const int64_t* weight_types,
+                         const int64_t* windows, const void* embed,
                          const void* final_norm, const void* lm_head, const int64_t* input_ids,
                          const int64_t* positions, const int64_t* slots,
                          const int32_t* block_tables, int64_t table_stride,
@@ -261,7 +317,14 @@ int llmserve_decode_step(int dtype, const int64_t* dims, const float* params,
   const int64_t q_size = dims[kHeads] * dims[kHeadDim];
   if (dims[kHidden] % 8 || dims[kInter] % 8 || q_size % 8 || dims[kHeadDim] % 8) return -1;
   if (dims[kRotaryDim] % 2 || dims[kRotaryDim] > dims[kHeadDim]) return -1;
-  const StepArgs args{dims,      params,    layers,       windows,      embed,
+  for (int64_t i = 0; i < dims[kLayers] * kTypesPerLayer + 2; ++i) {
+    if (weight_types[i] == 0) continue;
+    if (dtype != 0 || llmserve_quant_block_bytes(int(weight_types[i])) == 0) return -1;
+    if (dims[kHidden] % 32 || dims[kInter] % 32 || q_size % 32) return -1;
+    const int64_t widest = std::max({dims[kHidden], dims[kInter], q_size});
+    if (dims[kQuantMode] == kExact && widest > 16384) return -1;  // quant.cpp's kMaxRow
+  }
+  const StepArgs args{dims,      params,    layers,  weight_types,     windows,      embed,
                       final_norm, lm_head,  input_ids,    positions,    slots,
                       block_tables, table_stride, seq_lens, n,          logits,
                       argmax,    argmax_logprob};

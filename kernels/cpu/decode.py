@@ -2,7 +2,8 @@
 
 `DecodeStep` holds the raw pointers of a dense model's weights (`DecodeLayer`; its
 model-wide features in `DecodeShape`), laid out once, and of its KV caches, rebound when the
-caches change; `run` computes the logits of n decode tokens
+caches change. In a float32 model the projections, the embedding and the LM head may be GGUF
+blocks (`kernels.cpu.quant.QuantWeight`), multiplied in `DecodeShape.quant_mode`; `run` computes the logits of n decode tokens
 (one per sequence, each attending to its paged context) with a single ctypes call, and each
 row's argmax with its logprob (`ArgmaxLogprobs`) while those logits are still in cache. The
 tensors it points into must outlive it: it keeps references to them.
@@ -22,6 +23,9 @@ import torch
 from kernels._checks import KernelArgumentError
 from kernels.cpu.attention import DTYPE_CODES, unsupported_shape_reason
 from kernels.cpu.build import library
+from kernels.cpu.quant import MAX_IN_FEATURES, MODES, QuantMode, QuantWeight
+
+Weight = torch.Tensor | QuantWeight
 
 # Fields per layer in the pointer table, in decode.cpp's LayerField order.
 _LAYER_FIELDS = 18
@@ -98,12 +102,12 @@ class DecodeLayer:
     layer has no such weight, and no cos/sin in a NoPE layer."""
 
     input_norm: torch.Tensor | None  # [hidden]
-    qkv: torch.Tensor  # [q + 2 * kv, hidden]
+    qkv: Weight  # [q + 2 * kv, hidden]
     qkv_bias: torch.Tensor | None  # [q + 2 * kv]
-    o: torch.Tensor  # [hidden, q]
+    o: Weight  # [hidden, q]
     post_norm: torch.Tensor | None  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight  # [hidden, intermediate]
     o_bias: torch.Tensor | None = None  # [hidden]
     gate_up_bias: torch.Tensor | None = None  # [2 * intermediate]
     down_bias: torch.Tensor | None = None  # [hidden]
@@ -119,10 +123,15 @@ class DecodeLayer:
         """Its tensors' addresses in decode.cpp's LayerField order, before the caches."""
         return [None if t is None else t.data_ptr() for t in self._all()]
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in self._all() if t is not None]
+    def projections(self) -> tuple[Weight, ...]:
+        """In decode.cpp's WeightType order."""
+        return self.qkv, self.o, self.gate_up, self.down
 
-    def _all(self) -> tuple[torch.Tensor | None, ...]:
+    def tensors(self) -> list[torch.Tensor]:
+        """The dense ones."""
+        return [t for t in self._all() if isinstance(t, torch.Tensor)]
+
+    def _all(self) -> tuple[Weight | None, ...]:
         return (
             self.input_norm,
             self.qkv,
@@ -165,6 +174,7 @@ class DecodeShape:
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     logits_divisor: float | None = None  # logits / this
+    quant_mode: QuantMode = "exact"  # how weights in GGUF blocks multiply (kernels.cpu.quant)
 
     def unsupported_reason(self) -> str | None:
         widths = {
@@ -183,6 +193,7 @@ class DecodeShape:
             ("norm", self.norm, _NORMS),
             ("qk_norm", self.qk_norm, _QK_NORMS),
             ("activation", self.activation, _ACTIVATIONS),
+            ("quant_mode", self.quant_mode, {m: i for i, m in enumerate(MODES)}),
         ):
             if value not in codes:
                 return f"{name} {value!r}: one of {', '.join(map(repr, codes))}"
@@ -204,6 +215,7 @@ class DecodeShape:
             _NORMS[self.norm],
             _QK_NORMS[self.qk_norm],
             _ACTIVATIONS[self.activation],
+            MODES.index(self.quant_mode),
         ]
 
     def params(self) -> list[float]:
@@ -226,27 +238,35 @@ class DecodeStep:
         self,
         shape: DecodeShape,
         layers: Sequence[DecodeLayer],
-        embed: torch.Tensor,  # [vocab, hidden]
+        embed: Weight,  # [vocab, hidden]
         final_norm: torch.Tensor,  # [hidden]
-        lm_head: torch.Tensor,  # [vocab, hidden]
+        lm_head: Weight,  # [vocab, hidden]
     ) -> None:
         reason = shape.unsupported_reason()
         if reason is not None:
             raise KernelArgumentError("shape", reason)
         if len(layers) != shape.num_layers:
             raise KernelArgumentError("layers", f"{len(layers)}, expected {shape.num_layers}")
-        tensors = [embed, final_norm, lm_head]
+        weights: list[Weight] = [embed, final_norm, lm_head]
         for layer in layers:
-            tensors += layer.tensors()
-        if any(t.dtype != embed.dtype or not t.is_contiguous() for t in tensors):
-            raise KernelArgumentError("weights", "all must be contiguous, of the embedding dtype")
-        if embed.dtype not in DTYPE_CODES or embed.device.type != "cpu":
-            raise KernelArgumentError("weights", f"CPU float32 or bfloat16, not {embed.dtype}")
+            weights += layer.tensors() + [p for p in layer.projections() if not _dense(p)]
+        tensors = [t for t in weights if isinstance(t, torch.Tensor)]
+        blocks = [t for t in weights if isinstance(t, QuantWeight)]
+        dtype = final_norm.dtype
+        if any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
+            raise KernelArgumentError("weights", "all must be contiguous, of one dtype")
+        if dtype not in DTYPE_CODES or final_norm.device.type != "cpu":
+            raise KernelArgumentError("weights", f"CPU float32 or bfloat16, not {dtype}")
+        if blocks:
+            _check_blocks(shape, dtype, blocks)
         self.shape = shape
-        self.dtype = embed.dtype
-        self._tensors = tensors  # kept alive: the pointer table points into them
+        self.dtype = dtype
+        self._tensors = weights  # kept alive: the pointer table points into them
         self._layers = list(layers)
         self._globals = [t.data_ptr() for t in (embed, final_norm, lm_head)]
+        types = [_ggml_type(w) for layer in layers for w in layer.projections()]
+        types += [_ggml_type(embed), _ggml_type(lm_head)]
+        self._types = (ctypes.c_int64 * len(types))(*types)
         dims, params = shape.dims(), shape.params()
         self._dims = (ctypes.c_int64 * len(dims))(*dims)
         self._params = (ctypes.c_float * len(params))(*params)
@@ -300,6 +320,7 @@ class DecodeStep:
             self._dims,
             self._params,
             self._table,
+            self._types,
             self._windows,
             embed,
             final_norm,
@@ -318,3 +339,24 @@ class DecodeStep:
         if status != 0:
             raise RuntimeError(f"llmserve_decode_step failed with status {status}")
         return logits, ArgmaxLogprobs(self._argmax[:n], self._argmax_logprob[:n])
+
+
+def _dense(weight: Weight) -> bool:
+    return isinstance(weight, torch.Tensor)
+
+
+def _ggml_type(weight: Weight) -> int:
+    """decode.cpp's weight type: the ggml type of blocks, 0 for a dense tensor."""
+    return 0 if isinstance(weight, torch.Tensor) else int(weight.ggml_type)
+
+
+def _check_blocks(shape: DecodeShape, dtype: torch.dtype, blocks: list[QuantWeight]) -> None:
+    if dtype != torch.float32:
+        raise KernelArgumentError("weights", f"GGUF blocks in a float32 model only, not {dtype}")
+    for weight in blocks:
+        weight.check()
+    widest = max(weight.in_features for weight in blocks)
+    if shape.quant_mode == "exact" and widest > MAX_IN_FEATURES:
+        raise KernelArgumentError(
+            "weights", f"rows of {widest} weights, over exact mode's {MAX_IN_FEATURES}"
+        )

@@ -1,13 +1,20 @@
-"""Weights kept in GGUF blocks (issue #27): dequantization and the exact-mode linear layer.
+"""Weights kept in GGUF blocks (issue #27): dequantization and the linear layer's two modes.
 
-A quantized weight is a uint8 tensor [out_features, in_features / 32 * block bytes]: each row
-its blocks of 32 weights, as a GGUF file stores them (`quant.cpp` has the layouts). Types are
-ggml's codes (`gguf.GGMLQuantizationType`): Q4_0, Q4_1 and Q8_0 have kernels. Dequantized
-weights are bit-identical to the gguf package's (what transformers loads); the exact-mode
-linear equals x @ dequantize(w).T up to summation order.
+A quantized weight (`QuantWeight`) is a uint8 tensor [out_features, in_features / 32 * block
+bytes]: each row its blocks of 32 weights, as a GGUF file stores them (`quant.cpp` has the
+layouts). Types are ggml's codes (`gguf.GGMLQuantizationType`): Q4_0, Q4_1 and Q8_0 have
+kernels. Dequantized weights are bit-identical to the gguf package's (what transformers
+loads). The linear layer's modes (`MODES`):
+- exact: x @ dequantize(w).T up to summation order;
+- fast: x quantized to 8 bits per block of 32 first (`quantize_activations`), then integer
+  dot products: the exact product of those rounded activations with the weights, up to
+  summation order.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -15,7 +22,33 @@ from kernels._checks import KernelArgumentError
 from kernels.cpu.build import library
 
 BLOCK = 32  # weights per block, every type here
-MAX_IN_FEATURES = 16384  # the longest row the linear dequantizes at once (quant.cpp)
+MAX_IN_FEATURES = 16384  # the longest row exact mode dequantizes at once (quant.cpp)
+QuantMode = Literal["exact", "fast"]
+MODES: tuple[QuantMode, ...] = ("exact", "fast")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantWeight:
+    """A weight [out_features, in_features] kept as GGUF blocks."""
+
+    ggml_type: int
+    blocks: torch.Tensor  # [out_features, in_features / 32 * block bytes] uint8, contiguous
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.blocks.shape[0]), self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def data_ptr(self) -> int:
+        return self.blocks.data_ptr()
+
+    def check(self) -> None:
+        """Raise `KernelArgumentError` unless the kernels can read it."""
+        _check_weight(self.ggml_type, self.blocks, self.in_features)
 
 
 def block_bytes(ggml_type: int) -> int:
@@ -59,24 +92,34 @@ def dequantize(
     return out
 
 
-def linear(
-    x: torch.Tensor,  # [n, in_features] float32
-    ggml_type: int,
-    weight: torch.Tensor,  # [out_features, in_features / 32 * block bytes] uint8
-) -> torch.Tensor:  # [n, out_features] float32: x @ dequantize(weight).T, exact mode
+def _check_activations(x: torch.Tensor) -> None:
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise KernelArgumentError("x", "expected a 2-d float32 CPU tensor")
     if not x.is_contiguous():
         raise KernelArgumentError("x", f"must be contiguous, got strides {x.stride()}")
+
+
+def linear(
+    x: torch.Tensor,  # [n, in_features] float32
+    ggml_type: int,
+    weight: torch.Tensor,  # [out_features, in_features / 32 * block bytes] uint8
+    mode: QuantMode = "exact",
+) -> torch.Tensor:  # [n, out_features] float32: x @ dequantize(weight).T in `mode`
+    _check_activations(x)
+    if mode not in MODES:
+        raise KernelArgumentError("mode", f"{mode!r}: one of {', '.join(MODES)}")
     n, in_features = x.shape
-    if in_features > MAX_IN_FEATURES:
+    if mode == "exact" and in_features > MAX_IN_FEATURES:
         raise KernelArgumentError(
-            "x", f"{in_features} input features, over this kernel's {MAX_IN_FEATURES}"
+            "x", f"{in_features} input features, over exact mode's {MAX_IN_FEATURES}"
         )
     out_features = _check_weight(ggml_type, weight, in_features)
     out = torch.empty(n, out_features, dtype=torch.float32)
+    kernel = (
+        library().llmserve_quant_linear if mode == "exact" else library().llmserve_quant_linear_fast
+    )
     if n and out_features and in_features:
-        library().llmserve_quant_linear(
+        kernel(
             int(ggml_type),
             x.data_ptr(),
             n,
@@ -88,3 +131,25 @@ def linear(
     elif n and out_features:
         out.zero_()
     return out
+
+
+ACTIVATION_BLOCK_BYTES = 40  # float d, float d * sum(q), 32 int8 q (quant.cpp's ActBlock)
+
+
+def quantize_activations(
+    x: torch.Tensor,  # [n, cols] float32, cols a multiple of 32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # d, s [n, cols / 32]; q [n, cols] int8
+    """Fast mode's 8-bit activations: per block of 32, d = max|x| / 127, q = x * (1 / d)
+    rounded half to even, s = d * sum(q)."""
+    _check_activations(x)
+    n, cols = x.shape
+    if cols % BLOCK:
+        raise KernelArgumentError("x", f"{cols} columns, not a multiple of {BLOCK}")
+    raw = torch.empty(n, cols // BLOCK, ACTIVATION_BLOCK_BYTES, dtype=torch.uint8)
+    library().llmserve_quant_activations(x.data_ptr(), n, cols, raw.data_ptr())
+    scales = raw[..., :8].contiguous().view(torch.float32)  # [n, blocks, 2]
+    return (
+        scales[..., 0],
+        scales[..., 1],
+        raw[..., 8:].contiguous().view(torch.int8).reshape(n, cols),
+    )

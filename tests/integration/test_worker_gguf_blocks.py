@@ -1,6 +1,7 @@
-"""SmolLM2 from its shipped Q4_1 file with the projections multiplying on the file's blocks
-(`--linear-impl gguf`, exact mode) against HF generate on the dequantized file, token for
-token in float32."""
+"""SmolLM2 from its shipped Q4_1 file with its weights kept in the file's blocks
+(`--linear-impl gguf`): in exact mode against HF generate on the dequantized file, token for
+token in float32; in fast mode (8-bit activations) its perplexity on a fixed text beside
+exact mode's and HF's."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 
+from kernels.cpu.quant import QuantWeight
 from llmserve.sampling_params import SamplingParams
 from tests.support.engines import engine_on_worker
 from tests.support.models import load_smollm2
 from worker_service.config import WorkerConfig, WorkerConfigError
-from worker_service.models.gguf_weights import DEQUANTIZE_ROWS, QuantWeight, quant_matmul
+from worker_service.models.gguf_weights import DEQUANTIZE_ROWS, quant_matmul
 from worker_service.worker import Worker
 
 pytestmark = pytest.mark.slow
@@ -26,28 +28,56 @@ TEXTS = [
     "an old clockmaker who had never once left the valley. Every morning he",
 ]
 NEW = 32
+# A fixed text for perplexity, read in chunks of PERPLEXITY_CHUNK tokens: under
+# DEQUANTIZE_ROWS, so that fast mode's kernel (not the dequantizing path) reads every token.
+FIXED_TEXT = (
+    "The river rises in the hills north of the town and runs south through farmland for "
+    "about forty miles before it reaches the sea. In the spring the snow melts and the water "
+    "climbs the stone steps of the old mill; by late summer children can wade across it at "
+    "the ford below the church. The mill was built in the seventeenth century to grind corn, "
+    "later turned to sawing timber, and was finally closed when the railway brought cheaper "
+    "flour from the cities. Today it is a small museum, open on weekends, where visitors can "
+    "watch the great wheel turn and read the ledgers of the last miller, who recorded every "
+    "sack that passed through his doors for forty-one years."
+)
+PERPLEXITY_CHUNK = 32
+
+
+def gguf_worker(hf: Any, mode: str) -> Worker:
+    worker = Worker(
+        WorkerConfig(
+            model="smollm2", dtype="float32", num_threads=2, linear_impl="gguf", quant_mode=mode
+        )
+    )
+    worker.load_from_hf(hf)
+    return worker
 
 
 @pytest.fixture(scope="module")
-def loaded() -> tuple[Worker, Any, list[list[int]]]:
+def loaded() -> tuple[Worker, Any, list[list[int]], Any]:
     torch.set_num_threads(2)
     tok, hf = load_smollm2()
-    worker = Worker(
-        WorkerConfig(model="smollm2", dtype="float32", num_threads=2, linear_impl="gguf")
-    )
-    worker.load_from_hf(hf)
-    return worker, hf, [tok(t)["input_ids"] for t in TEXTS]
+    return gguf_worker(hf, "exact"), hf, [tok(t)["input_ids"] for t in TEXTS], tok
 
 
-def test_every_projection_and_the_tied_head_run_on_blocks(loaded: Any) -> None:
+def test_every_weight_with_a_kernel_runs_on_blocks_and_the_dense_copies_are_gone(
+    loaded: Any,
+) -> None:
     worker = loaded[0]
     model = worker._model
-    assert model.linear is quant_matmul and model.native_decode is None
+    assert model.linear.func is quant_matmul and model.linear.keywords == {"mode": "exact"}
     for layer in model.layers:
         for name in ("qkv", "o", "gate_up", "down"):
             assert isinstance(getattr(layer, name), QuantWeight), name
-    # SmolLM2 ties its head to the embedding, which the file holds as Q8_0.
-    assert isinstance(model.lm_head, QuantWeight) and model.lm_head.ggml_type == 8
+    # SmolLM2 ties its head to the embedding, which the file holds as Q8_0: one tensor.
+    assert isinstance(model.embed, QuantWeight) and model.embed.ggml_type == 8
+    assert model.lm_head is model.embed
+    # The native decode step was rebuilt on the blocks, not left on the dense weights.
+    step = model.decode_step
+    assert step is not None
+    assert all(isinstance(w, QuantWeight) for layer in step._layers for w in layer.projections())
+    embed, _, head = step._globals
+    assert embed == head == model.embed.data_ptr()
 
 
 def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(loaded: Any) -> None:
@@ -57,12 +87,13 @@ def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(loaded
     x = torch.randn(DEQUANTIZE_ROWS, weight.in_features, generator=torch.Generator().manual_seed(3))
     whole = quant_matmul(x, weight)
     rows = torch.cat([quant_matmul(x[i : i + 1], weight) for i in range(x.shape[0])])
+    assert isinstance(weight, QuantWeight)
     assert whole.shape == rows.shape == (DEQUANTIZE_ROWS, weight.shape[0])
     torch.testing.assert_close(whole, rows, rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_output_equals_hf_on_the_dequantized_file(loaded: Any) -> None:
-    worker, hf, prompts = loaded
+    worker, hf, prompts, _ = loaded
     expected = []
     for prompt in prompts:
         with torch.no_grad():
@@ -77,6 +108,38 @@ def test_greedy_output_equals_hf_on_the_dequantized_file(loaded: Any) -> None:
     outputs = engine.generate(prompts, params)  # batched, the long prompt chunked
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == 64
+    # One at a time: every decode step is the native one (a single sequence).
+    single = engine.generate(prompts[:1], params)
+    assert single[0].outputs[0].token_ids == expected[0]
+
+
+def perplexity(worker: Worker, ids: list[int]) -> float:
+    engine = engine_on_worker(
+        worker, gpu_blocks=64, cpu_blocks=0, batched_tokens=PERPLEXITY_CHUNK, max_model_len=2048
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    (out,) = engine.generate([ids], params)
+    logprobs = [e.token.logprob for e in out.prompt_logprobs or []]
+    assert len(logprobs) == len(ids) - 1
+    return float(torch.tensor(logprobs).mean().neg().exp())
+
+
+def test_fast_mode_perplexity_on_a_fixed_text_is_exact_modes_within_two_percent(
+    loaded: Any,
+) -> None:
+    """Fast mode is not HF's model: its 8-bit activations cost a little perplexity. Exact
+    mode's is HF's; the figures are in bench/RESULTS.md (bench/quant_quality.py)."""
+    exact_worker, hf, _, tok = loaded
+    ids = tok(FIXED_TEXT)["input_ids"]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    hf_ppl = float(nll.exp())
+    exact = perplexity(exact_worker, ids)
+    fast = perplexity(gguf_worker(hf, "fast"), ids)
+    assert exact == pytest.approx(hf_ppl, rel=1e-4)
+    assert fast != exact  # the fast kernel ran
+    assert fast == pytest.approx(exact, rel=0.02)
 
 
 def test_a_model_that_is_not_a_gguf_file_is_refused_by_name(tmp_path: Any) -> None:

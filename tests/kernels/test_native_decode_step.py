@@ -12,12 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kernels.cpu.quant import MODES, QuantMode, QuantWeight
 
 from worker_service.attention import AttentionMetadata, AttentionSpec, get_backend_class
 from worker_service.models.arch import LayerKind, ModelArchConfig
 from worker_service.models.decoder import DecoderModel
+from worker_service.models.gguf_weights import install_blocks
 from worker_service.models.rope import RopeSpec
 from worker_service.models.weights import LayerWeights
 
@@ -187,7 +193,23 @@ def _batch(dtype: torch.dtype, gen: torch.Generator) -> DecodeBatch:
     return DecodeBatch(ids, torch.tensor(CONTEXTS), metadata, caches)
 
 
-def _logits(arch: ModelArchConfig, w: Weights, batch: DecodeBatch, native: bool) -> torch.Tensor:
+@dataclass
+class Blocks:
+    """A float32 model's weights in GGUF blocks (tests of `--linear-impl gguf`)."""
+
+    projections: list[dict[str, QuantWeight | None]]
+    embed: QuantWeight
+    lm_head: QuantWeight
+    mode: QuantMode
+
+
+def _logits(
+    arch: ModelArchConfig,
+    w: Weights,
+    batch: DecodeBatch,
+    native: bool,
+    blocks: Blocks | None = None,
+) -> torch.Tensor:
     """One decode step's logits ([n, vocab], float32) on fresh copies of the caches."""
     model = DecoderModel(
         arch,
@@ -200,6 +222,8 @@ def _logits(arch: ModelArchConfig, w: Weights, batch: DecodeBatch, native: bool)
         native_decode_max_batch=16 if native else 0,
     )
     assert (model.decode_step is not None) == native, model.native_decode_refused
+    if blocks is not None:
+        install_blocks(model, blocks.projections, blocks.embed, blocks.lm_head, blocks.mode)
     spec = AttentionSpec(torch.device("cpu"), w.embed.dtype, HEADS, KV_HEADS, HEAD_DIM)
     backend = get_backend_class("cpu", spec)(
         HEADS, KV_HEADS, HEAD_DIM, arch.scale, arch.attn_softcap
@@ -226,3 +250,58 @@ def test_native_step_equals_the_per_layer_path(case: str, dtype: torch.dtype) ->
     # The feature changes the logits: a step that ignored it would fail above.
     plain = _logits(without, weights, batch, native=True)
     assert (native - plain).abs().max().item() > MATTERS, case
+
+
+# Block types of the four projections, in turn per layer, so every type meets every shape.
+BLOCK_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def _in_blocks(w: Weights, mode: QuantMode) -> tuple[Blocks, Weights]:
+    """`w`'s projections, embedding and head in GGUF blocks; and the dense weights those
+    blocks dequantize to."""
+
+    def block(tensor: torch.Tensor, ggml_type: GGMLQuantizationType) -> QuantWeight:
+        rows = quantize(tensor.numpy(), ggml_type)
+        return QuantWeight(int(ggml_type), torch.from_numpy(rows), tensor.shape[1])
+
+    def dense(weight: QuantWeight) -> torch.Tensor:
+        data = dequantize(weight.blocks.numpy(), GGMLQuantizationType(weight.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(data))
+
+    projections, layers = [], []
+    for i, layer in enumerate(w.layers):
+        swaps = {
+            name: block(getattr(layer, name), BLOCK_TYPES[(i + j) % len(BLOCK_TYPES)])
+            for j, name in enumerate(("qkv", "o", "gate_up", "down"))
+        }
+        projections.append(dict(swaps))
+        layers.append(replace(layer, **{name: dense(b) for name, b in swaps.items()}))
+    embed = block(w.embed, GGMLQuantizationType.Q8_0)
+    head = block(w.lm_head, GGMLQuantizationType.Q4_1)
+    dequantized = Weights(dense(embed), layers, w.final_norm, dense(head))
+    return Blocks(projections, embed, head, mode), dequantized
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_native_step_on_gguf_blocks_equals_the_per_layer_path(mode: QuantMode) -> None:
+    """Projections, embedding and head in blocks: the native step and the per-layer path run
+    the same kernels; in exact mode both are the model of the dequantized weights, in fast
+    mode 8-bit activations move the logits off it."""
+    arch = _arch()
+    gen = torch.Generator().manual_seed(27)
+    weights = _weights(arch, torch.float32, gen)
+    batch = _batch(torch.float32, gen)
+    blocks, dequantized = _in_blocks(weights, mode)
+    native = _logits(arch, weights, batch, native=True, blocks=blocks)
+    per_layer = _logits(arch, weights, batch, native=False, blocks=blocks)
+    assert bool(native.isfinite().all())
+    tolerance = TOLERANCE[torch.float32]
+    assert (native - per_layer).abs().max().item() <= tolerance
+    reference = _logits(arch, dequantized, batch, native=False)
+    off_reference = (native - reference).abs().max().item()
+    if mode == "exact":
+        assert off_reference <= tolerance
+    else:
+        assert off_reference > 10 * tolerance
+    # The blocks are what the step multiplies: the original dense weights give other logits.
+    assert (native - _logits(arch, weights, batch, native=True)).abs().max().item() > MATTERS

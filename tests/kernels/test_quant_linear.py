@@ -1,7 +1,8 @@
 """Weights kept in GGUF blocks (kernels.cpu.quant) against the gguf package, the reference
-transformers itself dequantizes GGUF files with: dequantized weights bit for bit, and the
-exact-mode linear against x @ dequantize(w).T in float64. Blocks come from the package's
-own quantizer, and from SmolLM2's shipped Q4_1 file."""
+transformers itself dequantizes GGUF files with: dequantized weights bit for bit, the
+exact-mode linear against x @ dequantize(w).T in float64, and the fast mode against the same
+product on activations rounded to 8 bits by a torch reference of the rounding. Blocks come
+from the package's own quantizer, and from SmolLM2's shipped Q4_1 file."""
 
 from __future__ import annotations
 
@@ -104,3 +105,58 @@ def test_bad_arguments_name_what_is_wrong():
         quant.linear(x.double(), GGMLQuantizationType.Q8_0, blocks)
     with pytest.raises(KernelArgumentError, match="weight"):
         quant.linear(x, GGMLQuantizationType.Q8_0, blocks.float())
+    with pytest.raises(KernelArgumentError, match="mode"):
+        quant.linear(x, GGMLQuantizationType.Q8_0, blocks, "fastest")  # type: ignore[arg-type]
+    with pytest.raises(KernelArgumentError, match="x"):
+        quant.quantize_activations(torch.randn(2, 48))
+
+
+def rounded_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fast mode's rounding written in torch: per block of 32, d = max|x| / 127 and
+    q = round_half_even(x * (1 / d)) in float32; s = d * sum(q)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None])
+    return d, d * q.sum(-1), q.to(torch.int8).reshape(x.shape)
+
+
+def test_activations_round_to_8_bits_as_the_torch_reference_does():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 640, generator=gen) * torch.rand(9, 640, generator=gen) * 3
+    x[0, :32] = 0.0  # an all-zero block: scale 0, quants 0
+    x[1, 32:64] = torch.tensor([-1.5, 0.5, 2.5] * 10 + [127.0, -127.0])  # ties round to even
+    d, s, q = quant.quantize_activations(x)
+    ref_d, ref_s, ref_q = rounded_activations(x)
+    assert torch.equal(q, ref_q) and torch.equal(d, ref_d)
+    torch.testing.assert_close(s, ref_s, rtol=1e-6, atol=0)  # a float32 sum, its own order
+    assert d[0, 0] == 0 and not q[0, :32].any()
+    assert q.abs().max() == 127
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize(("n", "in_features", "out_features"), [
+    (1, 640, 33), (5, 896, 96), (64, 640, 17), (4, 32, 5), (16, 576, 1536), (8, 20480, 3),
+])  # fmt: skip
+def test_fast_linear_is_the_product_on_8_bit_activations(
+    ggml_type, n, in_features, out_features
+):
+    """Batch 1 to 64 (4-row tiles and their remainders), widths 640 and 896 (not multiples of
+    256), and a row wider than exact mode's limit."""
+    blocks = quantized(ggml_type, out_features, in_features, seed=n * 7 + in_features)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, in_features, generator=gen)
+    x[:, :64] *= 30  # blocks with larger values than their neighbours
+    out = quant.linear(x, ggml_type, torch.from_numpy(blocks), "fast")
+    d, _, q = rounded_activations(x)
+    rounded = (q.double().reshape(n, -1, 32) * d.double()[..., None]).reshape(n, in_features)
+    expected = reference(rounded, blocks, ggml_type)
+    assert out.shape == (n, out_features) and out.dtype == torch.float32
+    w = torch.from_numpy(dequantize(blocks, ggml_type)).double()
+    scale = rounded.abs() @ w.abs().T
+    # Summation order only, but of larger terms: a 4-bit block sums d_w * q_w (q_w up to 15)
+    # and its offset apart, which cancel to weights about 8 times smaller.
+    assert ((out.double() - expected).abs() <= 1e-5 * scale + 1e-30).all()
+    # ... and it is not exact mode: 8-bit activations move the product measurably.
+    exact = reference(x, blocks, ggml_type)
+    assert (out.double() - exact).abs().max() > 1e-4 * scale.max()

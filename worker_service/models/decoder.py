@@ -76,6 +76,8 @@ class DecoderModel:
         self.fused_ops = fused_ops and not arch.fused_blockers()
         self.packed_linear = packed_linear
         self.linear: Callable[..., torch.Tensor] = F.linear
+        # The embedding lookup: (input_ids, self.embed) -> [num_tokens, hidden].
+        self.embedding: Callable[..., torch.Tensor] = F.embedding
         # One cos/sin table per distinct rotary spec; layers index them (`LayerKind.rope`).
         self.rope_tables = [
             cos_sin_for(spec, max_positions, embed.dtype, embed.device) for spec in arch.ropes
@@ -166,7 +168,7 @@ class DecoderModel:
         arch = self.arch
         rotations = self._rotations(positions)
         backend.begin_step(metadata)
-        x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        x = self.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         if self._embed_scale is not None:
             x = x * self._embed_scale
         delta: torch.Tensor | None = None  # the last block's output, not yet added to x

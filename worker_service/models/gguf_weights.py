@@ -1,21 +1,23 @@
-"""Projections that multiply with a GGUF file's blocks as they are (`--linear-impl gguf`).
+"""Weights that stay in a GGUF file's blocks as they are (`--linear-impl gguf`).
 
-The model is loaded as today (transformers dequantizes the file); then each projection whose
-tensors in the file have a kernel (Q4_0, Q4_1, Q8_0: kernels/cpu/quant.py) gets those blocks
-instead of its dense weight, and the decoder's matmul becomes `quant_matmul`. Exact mode: a
-block is dequantized to float32 and multiplied with float32 activations (by the block kernel
-below `DEQUANTIZE_ROWS` rows, by torch on the whole dequantized weight from there on), so
-the model equals HF's dequantized one up to summation order. Projections of other types stay
-dense; the native decode step (dense weights only) is off.
+The model is loaded as today (transformers dequantizes the file); then each projection, the
+embedding and the LM head whose tensors in the file have a kernel (Q4_0, Q4_1, Q8_0:
+kernels/cpu/quant.py) get those blocks instead of their dense weights, which are dropped:
+the decoder's matmul becomes `quant_matmul` and its embedding lookup `quant_embedding`, and
+the native decode step is rebuilt on the blocks. Tensors of other types stay dense.
 
-This is issue #27's first step: the dense copies transformers made are still loaded (the
-embedding lookup uses them), so resident memory does not shrink yet; the LM head of a tied
-model does run on the embedding's blocks.
+Modes (`--quant-mode`, kernels/cpu/quant.py):
+- exact: a block is dequantized to float32 and multiplied with float32 activations, so the
+  model equals HF's dequantized one up to summation order;
+- fast: activations are rounded to 8 bits per block of 32 and multiplied with integer dot
+  products.
+Inputs of `DEQUANTIZE_ROWS` rows or more (prefill chunks) dequantize the weight whole and
+multiply with torch in either mode, which is exact mode's product.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,28 +27,17 @@ from gguf import GGUFReader
 from gguf.constants import GGMLQuantizationType
 
 from kernels.cpu import quant
+from kernels.cpu.quant import QuantMode, QuantWeight
 from llmserve.logs import get_logger
 from llmserve.model_spec import ModelSource
 from worker_service.models.decoder import DecoderModel
+from worker_service.models.native import NativeDecode
 
 log = get_logger("worker.gguf")
 
 KERNEL_TYPES = frozenset(
     {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 )
-
-
-@dataclass(frozen=True, slots=True)
-class QuantWeight:
-    """A projection weight [out_features, in_features] kept as GGUF blocks."""
-
-    ggml_type: int
-    blocks: torch.Tensor  # [out_features, in_features / 32 * block bytes] uint8
-    in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return int(self.blocks.shape[0]), self.in_features
 
 
 # From this many rows on (prefill chunks), a block weight is dequantized whole and multiplied
@@ -61,14 +52,24 @@ def quant_matmul(
     x: torch.Tensor,  # [rows, in] float32
     weight: torch.Tensor | QuantWeight,
     bias: torch.Tensor | None = None,
+    mode: QuantMode = "exact",
 ) -> torch.Tensor:  # [rows, out]
     if not isinstance(weight, QuantWeight):
         return F.linear(x, weight, bias)
     if x.shape[0] >= DEQUANTIZE_ROWS:
         dense = quant.dequantize(weight.ggml_type, weight.blocks, weight.in_features)
         return F.linear(x, dense, bias)
-    out = quant.linear(x.contiguous(), weight.ggml_type, weight.blocks)
+    out = quant.linear(x.contiguous(), weight.ggml_type, weight.blocks, mode)
     return out if bias is None else out + bias
+
+
+def quant_embedding(
+    input_ids: torch.Tensor,  # [n] int64
+    weight: torch.Tensor | QuantWeight,  # [vocab, hidden]
+) -> torch.Tensor:  # [n, hidden] float32
+    if not isinstance(weight, QuantWeight):
+        return F.embedding(input_ids, weight)
+    return quant.dequantize(weight.ggml_type, weight.blocks[input_ids], weight.in_features)
 
 
 def unsupported_reason(source: ModelSource, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -88,12 +89,12 @@ def _reader(source: ModelSource) -> GGUFReader:
     return GGUFReader(Path(source.path) / source.gguf_file)
 
 
-def keep_gguf_blocks(model: DecoderModel, source: ModelSource) -> int:
-    """Swap the projections of `model` (loaded from `source`, a Llama GGUF file) for the
-    file's blocks where a kernel reads their type. Returns the bytes of blocks kept."""
+def keep_gguf_blocks(model: DecoderModel, source: ModelSource, mode: QuantMode = "exact") -> int:
+    """Swap the weights of `model` (loaded from `source`, a Llama GGUF file) for the file's
+    blocks where a kernel reads their type, multiplied in `mode`, and rebuild its native
+    decode step (if it has one) on them. Returns the bytes of blocks kept."""
     tensors = {t.name: t for t in _reader(source).tensors}
     arch = model.arch
-    kept = 0
     skipped: set[str] = set()
 
     def blocks(name: str, heads: int | None = None) -> tuple[int, np.ndarray] | None:
@@ -120,32 +121,67 @@ def keep_gguf_blocks(model: DecoderModel, source: ModelSource) -> int:
         in_features = rows.shape[1] // quant.block_bytes(ggml_type) * quant.BLOCK
         return QuantWeight(ggml_type, torch.from_numpy(rows), in_features)
 
-    for i, layer in enumerate(model.layers):
+    projections = []
+    for i in range(arch.num_layers):
         p = f"blk.{i}."
-        swaps = {
-            "qkv": weight(
-                blocks(p + "attn_q.weight", arch.num_heads),
-                blocks(p + "attn_k.weight", arch.num_kv_heads),
-                blocks(p + "attn_v.weight"),
-            ),
-            "o": weight(blocks(p + "attn_output.weight")),
-            "gate_up": weight(blocks(p + "ffn_gate.weight"), blocks(p + "ffn_up.weight")),
-            "down": weight(blocks(p + "ffn_down.weight")),
-        }
+        projections.append(
+            {
+                "qkv": weight(
+                    blocks(p + "attn_q.weight", arch.num_heads),
+                    blocks(p + "attn_k.weight", arch.num_kv_heads),
+                    blocks(p + "attn_v.weight"),
+                ),
+                "o": weight(blocks(p + "attn_output.weight")),
+                "gate_up": weight(blocks(p + "ffn_gate.weight"), blocks(p + "ffn_up.weight")),
+                "down": weight(blocks(p + "ffn_down.weight")),
+            }
+        )
+    embed = weight(blocks("token_embd.weight"))
+    # A tied head is the embedding's tensor.
+    head = weight(blocks("output.weight")) if "output.weight" in tensors else embed
+    kept = install_blocks(model, projections, embed, head, mode)
+    if skipped:
+        log.warning("tensors without a block kernel stay dense", types=sorted(skipped))
+    return kept
+
+
+def install_blocks(
+    model: DecoderModel,
+    projections: list[dict[str, QuantWeight | None]],  # per layer: qkv, o, gate_up, down
+    embed: QuantWeight | None,
+    head: QuantWeight | None,  # the embedding itself when tied
+    mode: QuantMode,
+) -> int:
+    """Put these blocks in place of `model`'s dense weights (None: that weight stays dense),
+    multiplied in `mode`, and rebuild its native decode step (if it has one) on them; the
+    dense weights replaced are dropped. Returns the bytes of blocks installed."""
+    kept = 0
+    for layer, swaps in zip(model.layers, projections, strict=True):
         for name, new in swaps.items():
             if new is not None:
                 dense = getattr(layer, name)
                 assert dense is not None and tuple(dense.shape) == new.shape, name
                 setattr(layer, name, new)
-                kept += new.blocks.numel()
-    head = weight(blocks("output.weight" if "output.weight" in tensors else "token_embd.weight"))
+                kept += new.nbytes
+    if embed is not None:
+        assert tuple(model.embed.shape) == embed.shape
+        model.embed = embed  # type: ignore[assignment]
+        model.embedding = quant_embedding
+        kept += embed.nbytes
     if head is not None:
         assert tuple(model.lm_head.shape) == head.shape
         model.lm_head = head  # type: ignore[assignment]
-        kept += head.blocks.numel()
-    model.linear = quant_matmul
-    model.native_decode = None
-    model.native_decode_refused = "the weights are kept in GGUF blocks (--linear-impl gguf)"
-    if skipped:
-        log.warning("tensors without a block kernel stay dense", types=sorted(skipped))
+        kept += 0 if head is embed else head.nbytes
+    model.linear = partial(quant_matmul, mode=mode)
+    if model.native_decode is not None:
+        model.native_decode = NativeDecode(
+            model.arch,
+            model.embed,
+            model.layers,
+            model.final_norm,
+            model.lm_head,
+            model.rope_tables,
+            model.native_decode.max_batch,
+            quant_mode=mode,
+        )
     return kept

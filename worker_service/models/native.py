@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.cpu.decode import ArgmaxLogprobs, DecodeLayer, DecodeShape, DecodeStep
+from kernels.cpu.decode import ArgmaxLogprobs, DecodeLayer, DecodeShape, DecodeStep, Weight
+from kernels.cpu.quant import QuantMode
 from worker_service.attention.base import AttentionMetadata
 from worker_service.models.arch import ModelArchConfig
 from worker_service.models.blocks import embedding_multiplier
@@ -48,7 +49,9 @@ def default_native_max_batch(arch: ModelArchConfig) -> int:
     return NATIVE_BATCH
 
 
-def _shape(arch: ModelArchConfig, dtype: torch.dtype) -> DecodeShape:
+def _shape(
+    arch: ModelArchConfig, dtype: torch.dtype, quant_mode: QuantMode = "exact"
+) -> DecodeShape:
     return DecodeShape(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -68,6 +71,7 @@ def _shape(arch: ModelArchConfig, dtype: torch.dtype) -> DecodeShape:
         attn_softcap=arch.attn_softcap,
         final_softcap=arch.final_softcap,
         logits_divisor=arch.logits_divisor,
+        quant_mode=quant_mode,
     )
 
 
@@ -123,26 +127,29 @@ def _decode_layer(
 
 class NativeDecode:
     """Pure decode steps of up to `max_batch` tokens as one native call, on the weights in
-    their plain layout, which it keeps even when the other steps' matmuls use prepacked
-    copies (float32: twice the weight memory)."""
+    their plain layout (or GGUF blocks, multiplied in `quant_mode`), which it keeps even when
+    the other steps' matmuls use prepacked copies (float32: twice the weight memory)."""
 
     def __init__(
         self,
         arch: ModelArchConfig,
-        embed: torch.Tensor,  # [vocab, hidden]
+        embed: Weight,  # [vocab, hidden]
         layers: list[LayerWeights],  # plain [out, in] weights, before any packing
         final_norm: torch.Tensor,  # [hidden]
-        lm_head: torch.Tensor,  # [vocab, hidden]
+        lm_head: Weight,  # [vocab, hidden]
         rope_tables: Sequence[tuple[torch.Tensor, torch.Tensor]],  # [max_positions, rotary_dim]
         max_batch: int,
+        quant_mode: QuantMode = "exact",
     ) -> None:
         tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in rope_tables]
         plain = [
             _decode_layer(w, kind.sliding_window, None if kind.rope is None else tables[kind.rope])
             for w, kind in zip(layers, arch.layers, strict=True)
         ]
-        contiguous = [t.contiguous() for t in (embed, final_norm, lm_head)]
-        self.step = DecodeStep(_shape(arch, embed.dtype), plain, *contiguous)
+        shape = _shape(arch, final_norm.dtype, quant_mode)
+        self.step = DecodeStep(
+            shape, plain, _contiguous(embed), final_norm.contiguous(), _contiguous(lm_head)
+        )
         self.max_batch = max_batch
 
     def accepts(self, metadata: AttentionMetadata, logit_rows: torch.Tensor) -> bool:
@@ -168,3 +175,7 @@ class NativeDecode:
             metadata.decode_block_tables,
             metadata.decode_seq_lens,
         )
+
+
+def _contiguous(weight: Weight) -> Weight:
+    return weight.contiguous() if isinstance(weight, torch.Tensor) else weight
