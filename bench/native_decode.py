@@ -10,6 +10,7 @@ table gives the share of the per-layer step spent in the expert MLP (`moe_mlp`) 
 Prints a markdown table; `--out` writes the JSON.
 
     python bench/native_decode.py --model gemma3-270m --batches 1,16 --context 256
+    python bench/native_decode.py --model smollm2 --no-tiny --linear-impl gguf --quant-mode fast
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def measure(name: str, model_path: str, args: argparse.Namespace) -> list[dict[s
             attention_backend="cpu",
             num_threads=args.threads,
             max_num_seqs=max(batches),
+            linear_impl=args.linear_impl,
+            quant_mode=args.quant_mode,
         )
     )
     worker.load_model()
@@ -120,6 +123,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--linear-impl", default="auto", help="the worker's --linear-impl")
+    parser.add_argument("--quant-mode", default="exact", help="with --linear-impl gguf")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -131,7 +136,10 @@ def main() -> None:
             rows += measure(f"tiny {kind}", str(path), args)
     for spec in args.model:
         rows += measure(spec, spec, args)
-    print(f"{args.dtype}, context {args.context}, {args.threads} threads, medians of {args.iters}")
+    print(
+        f"{args.dtype}, linear {args.linear_impl} ({args.quant_mode}), context {args.context}, "
+        f"{args.threads} threads, medians of {args.iters}"
+    )
     print("| model | batch | per-layer ms | native ms | native / per-layer | max logit diff |")
     print("|---|---|---|---|---|---|")
     for r in rows:

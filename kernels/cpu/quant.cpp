@@ -28,6 +28,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -140,6 +141,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
+// Weight rows are a few hundred bytes, too short for the hardware prefetcher to ramp up on:
+// a kernel reading rows in order prefetches, at each row, the one kPrefetchBytes ahead of it
+// (measured on the 2-core EPYC, Q4_1 rows of 576 weights streamed from memory by the fast
+// kernel: 12.6 GB/s without, 18 with).
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
+  const uint8_t* next = row + std::max<int64_t>(1, kPrefetchBytes / row_bytes) * row_bytes;
+  for (int64_t byte = 0; byte < row_bytes && next + byte < end; byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(next + byte), _MM_HINT_T0);
+}
+
 template <int Type>
 void linear(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out_features,
             float* out) {
@@ -147,6 +160,7 @@ void linear(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out
   parallel_for(out_features, out_features * n * in > (1 << 16), [&](int64_t begin, int64_t end) {
     alignas(64) float row[kMaxRow];
     for (int64_t o = begin; o < end; ++o) {
+      prefetch_ahead(w + o * row_bytes, row_bytes, w + out_features * row_bytes);
       dequantize_row<Type>(w + o * row_bytes, in, row);
       for (int64_t i = 0; i < n; ++i) out[i * out_features + o] = dot(x + i * in, row, in);
     }
@@ -156,7 +170,7 @@ void linear(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out
 
 // ---- fast mode ------------------------------------------------------------------------
 
-struct ActBlock {
+struct ActBlock {  // d and s adjacent: block_scales reads them as a pair
   float d;  // scale: x ~ d * q
   float s;  // d * sum(q)
   int8_t q[kBlock];
@@ -182,7 +196,7 @@ void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
   }
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__F16C__)
 // 32 weight quants of a block in weight order, as bytes: unsigned 0..15 for the 4-bit types,
 // signed for Q8_0.
 template <int Type>
@@ -190,12 +204,34 @@ inline __m256i weight_quants(const uint8_t* block) {
   if constexpr (Type == kQ8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
   } else {
-    const __m128i packed =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (Type == kQ4_1 ? 4 : 2)));
-    const __m128i low = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low),
-                            _mm_and_si128(packed, low));
+    // The 16 packed bytes in both halves; the high half shifted right by 4: low nibbles
+    // (weights 0-15) below, high nibbles (16-31) above.
+    const __m256i packed = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (Type == kQ4_1 ? 4 : 2))));
+    const __m256i shifted = _mm256_srlv_epi32(packed, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
   }
+}
+
+// A block's scale and offset times an activation block's, in two lanes of one multiply:
+// [d_w * d, o_w * s] with o_w Q4_1's m_w, Q4_0's -8 * d_w, Q8_0's 0 (its lane unused).
+template <int Type>
+inline __m128 block_scales(const uint8_t* block, const float* d_and_s) {
+  __m128 w;
+  if constexpr (Type == kQ4_1) {  // fp16 d, m: both converted at once
+    int32_t dm;
+    std::memcpy(&dm, block, sizeof dm);
+    w = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+  } else {
+    uint16_t h;
+    std::memcpy(&h, block, sizeof h);
+    w = _mm_cvtph_ps(_mm_cvtsi32_si128(h));  // [d_w, 0, 0, 0]
+    if constexpr (Type == kQ4_0)  // [d_w, -8 * d_w, 0, 0]
+      w = _mm_mul_ps(_mm_shuffle_ps(w, w, 0), _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f));
+  }
+  double pair;
+  std::memcpy(&pair, d_and_s, sizeof pair);
+  return _mm_mul_ps(w, _mm_castpd_ps(_mm_set_sd(pair)));
 }
 
 // sum_j w[j] * a[j] over a block, in 8 int32 lanes.
@@ -223,25 +259,43 @@ template <int Type, int M>
 inline void fast_dots(const uint8_t* row, int64_t blocks, const ActBlock* a, float* out,
                       int64_t stride) {
   const int64_t bytes = block_bytes(Type);
-  float offset[M] = {};  // the per-block terms in s: Q4_0's -8 * d_w * s, Q4_1's m_w * s
-#if defined(__AVX2__)
-  __m256 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+#if defined(__AVX2__) && defined(__F16C__)
+  // kChains independent sums per row (blocks taken in turn): one chain of dependent
+  // multiply-adds per row would wait on its own latency.
+  constexpr int kChains = M == 1 ? 4 : 2;
+  __m256 acc[kChains][M];
+  __m128 offset[kChains][M];  // lane 1: the sum of the per-block terms in s (block_scales)
+  for (int c = 0; c < kChains; ++c)
+    for (int m = 0; m < M; ++m) {
+      acc[c][m] = _mm256_setzero_ps();
+      offset[c][m] = _mm_setzero_ps();
+    }
+  auto step = [&](int64_t b, int c) {
     const uint8_t* block = row + b * bytes;
     const __m256i w = weight_quants<Type>(block);
-    const float d = half_to_float(block);
-    const float m_w = Type == kQ4_1 ? half_to_float(block + 2) : Type == kQ4_0 ? -8.0f * d : 0.0f;
     for (int m = 0; m < M; ++m) {
       const ActBlock& x = a[m * blocks + b];
+      const __m128 scales = block_scales<Type>(block, &x.d);  // [d_w * d, o_w * s]
       const __m256 sum = _mm256_cvtepi32_ps(block_dot<Type>(w, x.q));
-      acc[m] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d * x.d), acc[m]);
-      if constexpr (Type != kQ8_0) offset[m] += m_w * x.s;
+      acc[c][m] = _mm256_fmadd_ps(sum, _mm256_broadcastss_ps(scales), acc[c][m]);
+      if constexpr (Type != kQ8_0) offset[c][m] = _mm_add_ps(offset[c][m], scales);
     }
+  };
+  int64_t b = 0;
+  for (; b + kChains <= blocks; b += kChains)
+    for (int c = 0; c < kChains; ++c) step(b + c, c);
+  for (; b < blocks; ++b) step(b, 0);
+  for (int m = 0; m < M; ++m) {
+    __m256 total = acc[0][m];
+    __m128 off = offset[0][m];
+    for (int c = 1; c < kChains; ++c) {
+      total = _mm256_add_ps(total, acc[c][m]);
+      off = _mm_add_ps(off, offset[c][m]);
+    }
+    out[m * stride] = hsum(total) + (Type == kQ8_0 ? 0.0f : _mm_cvtss_f32(_mm_movehdup_ps(off)));
   }
-  for (int m = 0; m < M; ++m) out[m * stride] = hsum(acc[m]) + offset[m];
 #else
-  float acc[M] = {};
+  float acc[M] = {}, offset[M] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * bytes;
     const float d = half_to_float(block);
@@ -281,6 +335,7 @@ void linear_fast(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_
   parallel_for(out_features, out_features * n * in > (1 << 16), [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* row = w + o * row_bytes;
+      prefetch_ahead(row, row_bytes, w + out_features * row_bytes);
       int64_t i = 0;
       for (; i + kFastRows <= n; i += kFastRows)
         fast_dots<Type, kFastRows>(row, blocks, a + i * blocks, out + i * out_features + o,
