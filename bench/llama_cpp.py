@@ -35,7 +35,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "q8_0": "Q8_0"}
 
 
 def cache_dir() -> Path:
@@ -139,7 +139,7 @@ def model_gguf(spec: str = "smollm2") -> Path:
 
 
 def gguf_for(dtype: str, spec: str = "smollm2") -> Path:
-    """The model's GGUF requantized to `dtype` (float32 or bfloat16) for llama-server;
+    """The model's GGUF requantized to `dtype` (float32, bfloat16, or q8_0) by llama-quantize;
     `dtype` "file": the model's GGUF file as it is."""
     if dtype == "file":
         return model_gguf(spec)

@@ -9,7 +9,7 @@ per-request JSONs and plots under <out-dir>/runs/).
 
     .venv/bin/python bench/vs_llama_cpp.py    # the full table: ~25 min on a quiet machine
     .venv/bin/python bench/vs_llama_cpp.py --workloads 1 --dtypes float32 --scale 0.25
-    .venv/bin/python bench/vs_llama_cpp.py --dtypes file   # both on the shipped GGUF file
+    .venv/bin/python bench/vs_llama_cpp.py --dtypes file q8_0 --quant-mode fast  # GGUF blocks
 
 Workloads (streaming /v1/completions, greedy, ignore_eos, the same seeded random-token prompts
 for both servers; --scale shrinks the request counts for smoke runs):
@@ -56,9 +56,12 @@ from llmserve.supervisor import free_ports
 
 SERVERS = ("llmserve", "llama.cpp")
 DTYPES = ("bfloat16", "float32")
-# Not a dtype: the model's GGUF file as shipped, for both servers. llmserve multiplies with its
-# blocks in float32 (`--linear-impl gguf`, issue #27); llama-server reads it as it is.
+# Not dtypes: GGUF files that both servers read as they are, llmserve multiplying with their
+# blocks in float32 (`--linear-impl gguf`, issue #27, in --quant-mode): FILE is the model's file
+# as shipped, Q8_0 that file requantized to Q8_0 by llama-quantize.
 FILE = "file"
+Q8_0 = "q8_0"
+FILES = (FILE, Q8_0)
 # The models this compares on: llmserve's spec (also the `model` every request names, which
 # llama-server answers to with --alias) -> extra `llmserve up` arguments. Gemma 3 270M's KV
 # cache must hold one 32768-token context besides 64 streams of 384 tokens (36 KiB a token in
@@ -87,8 +90,9 @@ WORKLOADS = {
 def server_for(name: str, w: Workload, dtype: str, args: argparse.Namespace) -> Server:
     port, grpc_port = free_ports(2)
     if name == "llmserve":
-        command = [str(BIN / "llmserve"), "up", "--model", args.model,
-                   "--dtype", "float32" if dtype == FILE else dtype,
+        model = str(gguf_for(dtype, args.model)) if dtype == Q8_0 else args.model
+        command = [str(BIN / "llmserve"), "up", "--model", model,
+                   "--dtype", "float32" if dtype in FILES else dtype,
                    "--grpc-port", str(grpc_port), "--http-port", str(port),
                    "--max-num-seqs", str(max(64, w.streams)), *MODELS[args.model]]  # fmt: skip
         return Server(name, f"llmserve ({dtype})", command, port, args.model)
@@ -119,13 +123,13 @@ def scaled(w: Workload, scale: float) -> int:
 def weight_bytes(hf_model: Path, dtype: str, spec: str) -> int:
     """Bytes one decode step reads: each linear layer's weight (and bias) once, lm_head
     included even when it shares the embedding's tensor, plus one embedding row. For the
-    GGUF file (`FILE`): its matrices' bytes (a tied head is the embedding's tensor)."""
+    GGUF files (`FILES`): their matrices' bytes (a tied head is the embedding's tensor)."""
     import torch
 
-    if dtype == FILE:
+    if dtype in FILES:
         from gguf import GGUFReader
 
-        tensors = GGUFReader(gguf_for(FILE, spec)).tensors
+        tensors = GGUFReader(gguf_for(dtype, spec)).tensors
         return sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2)
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -358,8 +362,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", type=int, choices=list(WORKLOADS),
                    default=list(WORKLOADS), help="streams in flight")  # fmt: skip
-    p.add_argument("--dtypes", nargs="+", choices=[*DTYPES, FILE], default=list(DTYPES),
-                   help=f"{FILE}: the model's GGUF file as shipped (llmserve: --linear-impl gguf)")  # fmt: skip
+    p.add_argument("--dtypes", nargs="+", choices=[*DTYPES, *FILES], default=list(DTYPES),
+                   help=f"{FILE}: the model's GGUF file as shipped, {Q8_0}: requantized to Q8_0 "
+                   "(llmserve: --linear-impl gguf)")  # fmt: skip
+    p.add_argument("--quant-mode", choices=["exact", "fast"], default="exact",
+                   help="llmserve's --quant-mode on the GGUF files")  # fmt: skip
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     p.add_argument("--scale", type=float, default=1.0, help="request counts x this (smoke runs)")
     p.add_argument("--threads", type=int, default=2, help="compute threads of each server")
@@ -424,8 +431,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     out = run_path(args, name, w.streams, dtype)
                     client = client_for(server, w, out, args)
                     env = {"LLMSERVE_NUM_THREADS": str(args.threads)} if name == "llmserve" else {}
-                    if name == "llmserve" and dtype == FILE:
+                    if name == "llmserve" and dtype in FILES:
                         env["LLMSERVE_LINEAR_IMPL"] = "gguf"
+                        env["LLMSERVE_QUANT_MODE"] = args.quant_mode
+                        env["LLMSERVE_SERVED_MODEL_NAME"] = args.model
                     probe = worker_metrics if name == "llmserve" else None
                     runs[name] = measure_server(
                         server, client, out.with_suffix(".json"), args, env, probe
