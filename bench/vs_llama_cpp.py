@@ -208,7 +208,10 @@ def worker_metrics(server_pid: int) -> dict[str, Any]:
             s.value for s in samples if s.name == name and labels.items() <= s.labels.items()
         )
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {
+        "rss_bytes": child.memory_info().rss,
+        "weight_bytes": value("llmserve_worker_weight_bytes") or None,
+    }
     for name in _TIMES:
         count = value(f"{name}_count")
         out[name.removeprefix("llmserve_worker_") + "_mean_ms"] = (
@@ -223,6 +226,30 @@ def worker_metrics(server_pid: int) -> dict[str, Any]:
             "share_under_0.5ms": under / count if count else None,
         }
     return out
+
+
+def server_memory(server_pid: int) -> dict[str, Any]:
+    """llama-server's resident memory (the probe of its runs; llmserve's is the worker's, in
+    `worker_metrics`)."""
+    import psutil
+
+    return {"rss_bytes": psutil.Process(server_pid).memory_info().rss}
+
+
+def memory_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, runs in result["runs"].items():
+        mine, theirs = (runs.get(s, {}).get("probe") or {} for s in SERVERS)
+        if "rss_bytes" not in mine or "rss_bytes" not in theirs:
+            continue
+        streams, dtype = key.split("-", 1)
+        weights = mine.get("weight_bytes")
+        held = f" (weights {weights / 1e6:.1f} MB)" if weights else ""
+        lines.append(
+            f"- {streams} streams ({dtype}): llmserve's worker {mine['rss_bytes'] / 1e6:.0f} MB"
+            f"{held}, llama-server {theirs['rss_bytes'] / 1e6:.0f} MB"
+        )
+    return lines
 
 
 def gap_lines(result: dict[str, Any]) -> list[str]:
@@ -346,6 +373,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             "step had arrived when the forward pass ended):",
             *gap_lines(result),
             "",
+            "Resident memory after the run (RSS; llmserve's worker holds its KV cache, sized by "
+            "--kv-cache-memory, llama-server the -c context of its slots):",
+            *memory_lines(result),
+            "",
             "Runs (load before: 1-minute load average at the server's start; others' cores: CPU "
             f"time other jobs took while it ran, in cores of {os.cpu_count()}):",
             *notes,
@@ -435,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         env["LLMSERVE_LINEAR_IMPL"] = "gguf"
                         env["LLMSERVE_QUANT_MODE"] = args.quant_mode
                         env["LLMSERVE_SERVED_MODEL_NAME"] = args.model
-                    probe = worker_metrics if name == "llmserve" else None
+                    probe = worker_metrics if name == "llmserve" else server_memory
                     runs[name] = measure_server(
                         server, client, out.with_suffix(".json"), args, env, probe
                     )

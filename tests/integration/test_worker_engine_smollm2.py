@@ -11,24 +11,14 @@ from llmserve.sampling_params import SamplingParams
 from scheduler_service import LLMEngine
 from scheduler_service.config import PreemptionMode
 from tests.support.engines import engine_on_worker
-from tests.support.models import load_smollm2
+from tests.support.models import SMOLLM2_EXACTNESS_NEW, SMOLLM2_EXACTNESS_TEXTS, load_smollm2
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
 pytestmark = pytest.mark.slow
 
-TEXTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Write a short poem about the sea. The waves",
-    "Q: What is 17 times 23?\nA:",
-    "Once upon a time, in a small village at the edge of a dark and ancient forest, there lived "
-    "an old clockmaker who had never once left the valley. Every morning he",
-    "List three uses of copper:\n1.",
-    "Translate to German: I would like a cup of coffee, please.",
-    "In machine learning, overfitting happens when",
-]
-NEW = 64
+TEXTS = SMOLLM2_EXACTNESS_TEXTS
+NEW = SMOLLM2_EXACTNESS_NEW
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
@@ -62,8 +52,14 @@ def make_engine(
     budget: int = 2048,
     preemption: PreemptionMode | None = None,
 ) -> LLMEngine:
-    return engine_on_worker(worker, gpu_blocks=gpu, cpu_blocks=cpu, batched_tokens=budget,
-                            max_model_len=2048, preemption=preemption)
+    return engine_on_worker(
+        worker,
+        gpu_blocks=gpu,
+        cpu_blocks=cpu,
+        batched_tokens=budget,
+        max_model_len=2048,
+        preemption=preemption,
+    )
 
 
 def finish(engine: LLMEngine, worker: Worker) -> None:

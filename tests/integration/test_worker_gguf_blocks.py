@@ -9,25 +9,21 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGUFReader
 
 from kernels.cpu.quant import QuantWeight
+from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
 from tests.support.engines import engine_on_worker
-from tests.support.models import load_smollm2
+from tests.support.models import SMOLLM2_EXACTNESS_NEW, SMOLLM2_EXACTNESS_TEXTS, load_smollm2
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.models.gguf_weights import DEQUANTIZE_ROWS, quant_matmul
 from worker_service.worker import Worker
 
 pytestmark = pytest.mark.slow
 
-TEXTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Q: What is 17 times 23?\nA:",
-    "Once upon a time, in a small village at the edge of a dark and ancient forest, there lived "
-    "an old clockmaker who had never once left the valley. Every morning he",
-]
-NEW = 32
+TEXTS = SMOLLM2_EXACTNESS_TEXTS
+NEW = SMOLLM2_EXACTNESS_NEW
 # A fixed text for perplexity, read in chunks of PERPLEXITY_CHUNK tokens: under
 # DEQUANTIZE_ROWS, so that fast mode's kernel (not the dequantizing path) reads every token.
 FIXED_TEXT = (
@@ -78,6 +74,13 @@ def test_every_weight_with_a_kernel_runs_on_blocks_and_the_dense_copies_are_gone
     assert all(isinstance(w, QuantWeight) for layer in step._layers for w in layer.projections())
     embed, _, head = step._globals
     assert embed == head == model.embed.data_ptr()
+    # The worker says so: the weights held are the file's tensors, bytes for bytes (its norms
+    # are float32 in the file too).
+    source = resolve_model("smollm2")
+    tensors = GGUFReader(f"{source.path}/{source.gguf_file}").tensors
+    info = worker.model_info
+    assert (info.linear_impl, info.weight_format) == ("gguf", "gguf Q4_1+Q8_0 exact")
+    assert info.weight_bytes == sum(int(t.n_bytes) for t in tensors)
 
 
 def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(loaded: Any) -> None:

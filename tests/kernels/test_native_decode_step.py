@@ -19,7 +19,6 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels.cpu.quant import MODES, QuantMode, QuantWeight
-
 from worker_service.attention import AttentionMetadata, AttentionSpec, get_backend_class
 from worker_service.models.arch import LayerKind, ModelArchConfig
 from worker_service.models.decoder import DecoderModel

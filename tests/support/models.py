@@ -257,6 +257,23 @@ def load_hf(path: Path) -> Any:
     return model
 
 
+# The exactness prompts: greedy output of the real model on these, SMOLLM2_EXACTNESS_NEW tokens
+# each, must equal HF's token for token (tests/integration/test_worker_engine_smollm2.py, and
+# the GGUF-blocks worker's test).
+SMOLLM2_EXACTNESS_TEXTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Write a short poem about the sea. The waves",
+    "Q: What is 17 times 23?\nA:",
+    "Once upon a time, in a small village at the edge of a dark and ancient forest, there lived "
+    "an old clockmaker who had never once left the valley. Every morning he",
+    "List three uses of copper:\n1.",
+    "Translate to German: I would like a cup of coffee, please.",
+    "In machine learning, overfitting happens when",
+)
+SMOLLM2_EXACTNESS_NEW = 64
+
+
 def load_smollm2() -> tuple[Any, Any]:
     """The embedded SmolLM2 (its shipped Q4_1 file, dequantized by transformers) as float32
     HF (tokenizer, model), generating exactly max_new_tokens (no EOS stop)."""
