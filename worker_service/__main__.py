@@ -42,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="auto",
         choices=["auto", "torch", "onednn", "native", "gguf"],
         help="matmuls: onednn prepacks the weights (CPU); native = kernels/cpu projections; "
-        "gguf = on a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are (CPU float32); "
+        "gguf = on a GGUF file's blocks as they are (CPU float32); "
         "auto = onednn with the cpu backend where oneDNN runs the dtype, else native there",
     )
     p.add_argument(

@@ -47,12 +47,14 @@ class WorkerConfig:
     # which widen bfloat16 in registers: on CPUs without AVX-512 they run bfloat16 matmuls
     # several times faster than F.linear). `auto` takes onednn with the native `cpu` attention
     # backend where it can run, else native there, and torch otherwise, so the `torch`
-    # backend stays the plain-torch reference. `gguf` multiplies with a GGUF file's blocks as
-    # they are (Q4_0 / Q4_1 / Q8_0, CPU float32: models/gguf_weights.py).
+    # backend stays the plain-torch reference. `gguf` keeps a GGUF file's blocks as they are
+    # and multiplies with them (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K, CPU float32:
+    # models/gguf_weights.py).
     linear_impl: LinearImplName = "auto"
     # How `gguf` multiplies (kernels/cpu/quant.py): `exact` dequantizes each block to float32
     # (the model equals HF's dequantized one up to summation order); `fast` rounds the
-    # activations to 8 bits per block of 32 and takes integer dot products.
+    # activations to 8 bits per block of 32 and takes integer dot products (Q4_0, Q4_1 and Q8_0;
+    # other types multiply as in exact mode).
     quant_mode: QuantMode = "exact"
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks

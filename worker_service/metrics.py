@@ -39,6 +39,12 @@ MASK_WAIT_SECONDS = Histogram(
     buckets=(0.00001, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0),
 )
 KV_BLOCKS = Gauge("llmserve_worker_kv_blocks", "KV cache blocks allocated", ["device"])
+# The process's resident memory is prometheus_client's process_resident_memory_bytes.
+WEIGHT_BYTES = Gauge(
+    "llmserve_worker_weight_bytes",
+    "Bytes of model weights held, by format (the dtype, or 'gguf <types> <mode>')",
+    ["format"],
+)
 
 
 def observe_step(num_tokens: int, forward_ns: int, sample_ns: int) -> None:

@@ -116,6 +116,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_cpu_blocks=self.allocated[1],
             device=info.device,
             attention_backend=info.attention_backend,
+            linear_impl=info.linear_impl,
+            weight_format=info.weight_format,
+            weight_bytes=info.weight_bytes,
         )
         if info.eos_token_id is not None:
             reply.eos_token_id = info.eos_token_id

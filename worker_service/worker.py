@@ -14,6 +14,7 @@ import torch
 from llmserve.logs import get_logger
 from llmserve.model_spec import resolve_model
 from llmserve.steps import StepInput, StepResult, TokenMask
+from worker_service import metrics
 from worker_service.attention import AttentionSpec, get_backend_class
 from worker_service.attention.base import AttentionBackend
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
@@ -50,6 +51,9 @@ class ModelInfo:
     linear_impl: str = "torch"
     # Intra-op threads on the loading thread (CPU); see `Worker`.
     num_threads: int = 1
+    # How the weights are held, and their bytes (`DecoderModel.weight_format/weight_bytes`).
+    weight_format: str = ""
+    weight_bytes: int = 0
 
 
 class WorkerNotReadyError(RuntimeError):
@@ -152,7 +156,10 @@ class Worker:
             attention_backend=backend_cls.name,
             linear_impl=linear_impl,
             num_threads=torch.get_num_threads(),
+            weight_format=self._model.weight_format,
+            weight_bytes=self._model.weight_bytes(),
         )
+        metrics.WEIGHT_BYTES.labels(format=self._info.weight_format).set(self._info.weight_bytes)
         backend: AttentionBackend = backend_cls(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.scale, arch.attn_softcap
         )

@@ -160,6 +160,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_set_num_threads": [i32],
         # ggml type -> bytes per 32-weight block (0: no kernel)
         "llmserve_quant_block_bytes": [i32],
+        # ggml type -> weights per block (32; 256 for the k-quants)
+        "llmserve_quant_block_weights": [i32],
+        # ggml type -> 1 if fast mode has integer dot products for it
+        "llmserve_quant_has_fast_kernel": [i32],
         # ggml type, weights, rows, cols, out
         "llmserve_quant_dequantize": [i32, ptr, i64, i64, ptr],
         # ggml type, x, n, in, weights, out features, out

@@ -55,6 +55,7 @@ int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
                       void* value_cache);
 int llmserve_quant_block_bytes(int type);
+int llmserve_quant_block_weights(int type);
 int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, int64_t cols,
                               float* out);
 int llmserve_quant_linear(int type, const float* x, int64_t n, int64_t in, const uint8_t* weights,
@@ -189,7 +190,8 @@ struct Step {
       return;
     }
     if constexpr (std::is_same_v<T, float>) {
-      const int64_t row_bytes = hidden / 32 * llmserve_quant_block_bytes(int(type));
+      const int64_t row_bytes =
+          hidden / llmserve_quant_block_weights(int(type)) * llmserve_quant_block_bytes(int(type));
       llmserve_quant_dequantize(int(type), static_cast<const uint8_t*>(a.embed) + token * row_bytes,
                                 1, hidden, out);
     }

@@ -6,6 +6,16 @@
 //              high ones); w = d * (q - 8). 18 bytes.
 //   Q4_1 (3):  fp16 d, fp16 m, the same 16 bytes; w = d * q + m. 20 bytes.
 //   Q8_0 (8):  fp16 d, 32 int8 q; w = q * d. 34 bytes.
+//   Q5_0 (6):  fp16 d, 4 bytes of fifth bits (bit j for weight j), 16 bytes of 4-bit q as
+//              Q4_0's; w = d * (q - 16). 22 bytes.
+// and the k-quants, super-blocks of 256 weights in sub-blocks with their own scales:
+//   Q4_K (12): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc and mins m for 8 sub-blocks of
+//              32, 128 bytes of 4-bit q (32 bytes per pair of sub-blocks: the first in the low
+//              nibbles); w = (d * sc) * q - dmin * m. 144 bytes.
+//   Q5_K (13): Q4_K's with 32 bytes of fifth bits before the q (bit j of byte t: sub-block
+//              j, weight t). 176 bytes.
+//   Q6_K (14): 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales of sub-blocks of
+//              16, fp16 d; w = (d * scale) * (q - 32). 210 bytes.
 // Each weight is computed with the same float32 operations, in the same order, as the gguf
 // package's numpy dequantization (which is what transformers loads), so a dequantized weight
 // is bit-identical to HF's. This file is built with -ffp-contract=off for that: a fused
@@ -40,8 +50,14 @@
 namespace llmserve {
 namespace {
 
-constexpr int kBlock = 32;
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int kBlock = 32;       // weights per block of the 32-weight types
+constexpr int kSuperBlock = 256;  // weights per block of the k-quants
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+constexpr bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+constexpr int64_t block_weights(int type) { return is_k_quant(type) ? kSuperBlock : kBlock; }
+// Types the fast mode multiplies with integer dot products; the others multiply in exact mode.
+constexpr bool has_fast_kernel(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
 // Longest row this file dequantizes on the stack (floats): 64 KiB.
 constexpr int64_t kMaxRow = 16384;
 
@@ -50,6 +66,10 @@ int64_t block_bytes(int type) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
+    case kQ5_0: return 22;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
     default: return 0;
   }
 }
@@ -107,10 +127,75 @@ inline void dequantize_block(const uint8_t* block, float* out) {
   }
 }
 
+// Q5_0's block: as the gguf package computes it, d * float(q - 16).
+inline void dequantize_q5_0(const uint8_t* block, float* out) {
+  const float d = half_to_float(block);
+  uint32_t high;
+  std::memcpy(&high, block + 2, sizeof high);
+  const uint8_t* q = block + 6;
+  for (int j = 0; j < kBlock; ++j) {
+    const int low = j < kBlock / 2 ? q[j] & 0x0f : q[j - kBlock / 2] >> 4;
+    out[j] = d * float((low | int((high >> j) & 1u) << 4) - 16);
+  }
+}
+
+// Q4_K's packed 6-bit scale and min of sub-block j (0..7).
+inline void k_scale_min(const uint8_t* packed, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = packed[j] & 0x3f;
+    min = packed[j + 4] & 0x3f;
+  } else {
+    scale = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 2) & 0x30);
+    min = (packed[j + 4] >> 4) | ((packed[j] >> 2) & 0x30);
+  }
+}
+
+// Q4_K's and Q5_K's super-block: w = (d * sc) * q - dmin * m, the package's operations.
+template <bool kFifthBit>
+inline void dequantize_q45_k(const uint8_t* block, float* out) {
+  const float d = half_to_float(block), dmin = half_to_float(block + 2);
+  const uint8_t* packed = block + 4;
+  const uint8_t* high = block + 16;  // Q5_K only
+  const uint8_t* q = block + (kFifthBit ? 48 : 16);
+  for (int j = 0; j < 8; ++j) {
+    int scale, min;
+    k_scale_min(packed, j, scale, min);
+    const float dl = d * float(scale), ml = dmin * float(min);
+    const uint8_t* pair = q + 32 * (j / 2);
+    for (int t = 0; t < 32; ++t) {
+      int value = (pair[t] >> (4 * (j % 2))) & 0x0f;
+      if constexpr (kFifthBit) value |= ((high[t] >> j) & 1) << 4;
+      out[32 * j + t] = dl * float(value) - ml;
+    }
+  }
+}
+
+// Q6_K's super-block: w = (d * scale) * (q - 32).
+inline void dequantize_q6_k(const uint8_t* block, float* out) {
+  const uint8_t* low = block;
+  const uint8_t* high = block + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+  const float d = half_to_float(block + 208);
+  for (int p = 0; p < kSuperBlock; ++p) {
+    const int half = p / 128, k = (p % 128) / 64, s = (p % 128) / 32;
+    const int l = (low[64 * half + p % 64] >> (4 * k)) & 0x0f;
+    const int h = (high[32 * half + p % 32] >> (2 * s)) & 0x03;
+    out[p] = (d * float(scales[p / 16])) * float((l | h << 4) - 32);
+  }
+}
+
 template <int Type>
 void dequantize_row(const uint8_t* row, int64_t cols, float* out) {
-  const int64_t bytes = block_bytes(Type);
-  for (int64_t b = 0; b < cols / kBlock; ++b) dequantize_block<Type>(row + b * bytes, out + b * kBlock);
+  const int64_t bytes = block_bytes(Type), weights = block_weights(Type);
+  for (int64_t b = 0; b < cols / weights; ++b) {
+    const uint8_t* block = row + b * bytes;
+    float* dst = out + b * weights;
+    if constexpr (Type == kQ5_0) dequantize_q5_0(block, dst);
+    else if constexpr (Type == kQ4_K) dequantize_q45_k<false>(block, dst);
+    else if constexpr (Type == kQ5_K) dequantize_q45_k<true>(block, dst);
+    else if constexpr (Type == kQ6_K) dequantize_q6_k(block, dst);
+    else dequantize_block<Type>(block, dst);
+  }
 }
 
 // a * b + c, fused (an explicit instruction: -ffp-contract=off does not split it).
@@ -156,7 +241,7 @@ inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t*
 template <int Type>
 void linear(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out_features,
             float* out) {
-  const int64_t row_bytes = in / kBlock * block_bytes(Type);
+  const int64_t row_bytes = in / block_weights(Type) * block_bytes(Type);
   parallel_for(out_features, out_features * n * in > (1 << 16), [&](int64_t begin, int64_t end) {
     alignas(64) float row[kMaxRow];
     for (int64_t o = begin; o < end; ++o) {
@@ -352,6 +437,10 @@ int dispatch(int type, Fn&& fn) {
     case kQ4_0: fn.template operator()<kQ4_0>(); return 0;
     case kQ4_1: fn.template operator()<kQ4_1>(); return 0;
     case kQ8_0: fn.template operator()<kQ8_0>(); return 0;
+    case kQ5_0: fn.template operator()<kQ5_0>(); return 0;
+    case kQ4_K: fn.template operator()<kQ4_K>(); return 0;
+    case kQ5_K: fn.template operator()<kQ5_K>(); return 0;
+    case kQ6_K: fn.template operator()<kQ6_K>(); return 0;
     default: return -1;
   }
 }
@@ -363,14 +452,21 @@ using namespace llmserve;
 
 extern "C" {
 
-// Bytes of one 32-weight block of ggml type `type`; 0 for a type without a kernel here.
+// Bytes of one block of ggml type `type`; 0 for a type without a kernel here.
 int llmserve_quant_block_bytes(int type) { return int(block_bytes(type)); }
+
+// Weights in one block of `type` (32, or 256 for the k-quants).
+int llmserve_quant_block_weights(int type) { return int(block_weights(type)); }
+
+// 1 if fast mode has integer dot products for `type` (else its fast mode is exact mode's).
+int llmserve_quant_has_fast_kernel(int type) { return has_fast_kernel(type) ? 1 : 0; }
 
 // weights [rows, cols / 32 blocks] -> out [rows, cols] float32. Returns -1 for an unknown type.
 int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, int64_t cols,
                               float* out) {
+  if (block_bytes(type) == 0 || cols % block_weights(type) != 0) return -1;
   return dispatch(type, [&]<int Type>() {
-    const int64_t row_bytes = cols / kBlock * block_bytes(Type);
+    const int64_t row_bytes = cols / block_weights(Type) * block_bytes(Type);
     parallel_for(rows, rows * cols > (1 << 16), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         dequantize_row<Type>(weights + r * row_bytes, cols, out + r * cols);
@@ -383,17 +479,21 @@ int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, in
 // type.
 int llmserve_quant_linear(int type, const float* x, int64_t n, int64_t in, const uint8_t* weights,
                           int64_t out_features, float* out) {
-  if (in % kBlock != 0 || in > kMaxRow) return -1;
+  if (block_bytes(type) == 0 || in % block_weights(type) != 0 || in > kMaxRow) return -1;
   return dispatch(type, [&]<int Type>() { linear<Type>(x, n, in, weights, out_features, out); });
 }
 
 // The same product in fast mode: x quantized to 8 bits per block of 32, integer dot
-// products. `in` is a multiple of 32. Returns -1 for an unknown type.
+// products; for a type without them (has_fast_kernel), exact mode's product. `in` is a
+// multiple of the type's block. Returns -1 for an unknown type.
 int llmserve_quant_linear_fast(int type, const float* x, int64_t n, int64_t in,
                                const uint8_t* weights, int64_t out_features, float* out) {
+  if (!has_fast_kernel(type))
+    return llmserve_quant_linear(type, x, n, in, weights, out_features, out);
   if (in % kBlock != 0) return -1;
-  return dispatch(type,
-                  [&]<int Type>() { linear_fast<Type>(x, n, in, weights, out_features, out); });
+  return dispatch(type, [&]<int Type>() {
+    if constexpr (has_fast_kernel(Type)) linear_fast<Type>(x, n, in, weights, out_features, out);
+  });
 }
 
 // x [n, cols] -> [n, cols / 32] blocks of 40 bytes: float d, float d * sum(q), 32 int8 q,

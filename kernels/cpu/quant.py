@@ -1,14 +1,15 @@
 """Weights kept in GGUF blocks (issue #27): dequantization and the linear layer's two modes.
 
-A quantized weight (`QuantWeight`) is a uint8 tensor [out_features, in_features / 32 * block
-bytes]: each row its blocks of 32 weights, as a GGUF file stores them (`quant.cpp` has the
-layouts). Types are ggml's codes (`gguf.GGMLQuantizationType`): Q4_0, Q4_1 and Q8_0 have
-kernels. Dequantized weights are bit-identical to the gguf package's (what transformers
-loads). The linear layer's modes (`MODES`):
+A quantized weight (`QuantWeight`) is a uint8 tensor [out_features, in_features / block
+weights * block bytes]: each row its blocks, as a GGUF file stores them (`quant.cpp` has the
+layouts). Types are ggml's codes (`gguf.GGMLQuantizationType`): Q4_0, Q4_1, Q5_0 and Q8_0
+(blocks of 32 weights) and Q4_K, Q5_K and Q6_K (256) have kernels. Dequantized weights are
+bit-identical to the gguf package's (what transformers loads). The linear layer's modes
+(`MODES`):
 - exact: x @ dequantize(w).T up to summation order;
-- fast: x quantized to 8 bits per block of 32 first (`quantize_activations`), then integer
-  dot products: the exact product of those rounded activations with the weights, up to
-  summation order.
+- fast: for Q4_0, Q4_1 and Q8_0 (`has_fast_kernel`), x quantized to 8 bits per block of 32
+  first (`quantize_activations`), then integer dot products: the exact product of those
+  rounded activations with the weights, up to summation order; other types as exact mode.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from kernels._checks import KernelArgumentError
 from kernels.cpu.build import library
 
-BLOCK = 32  # weights per block, every type here
+BLOCK = 32  # weights per block of the 32-weight types, and per block of fast mode's activations
 MAX_IN_FEATURES = 16384  # the longest row exact mode dequantizes at once (quant.cpp)
 QuantMode = Literal["exact", "fast"]
 MODES: tuple[QuantMode, ...] = ("exact", "fast")
@@ -56,20 +57,31 @@ def block_bytes(ggml_type: int) -> int:
     return int(library().llmserve_quant_block_bytes(int(ggml_type)))
 
 
+def block_weights(ggml_type: int) -> int:
+    """Weights in one block of `ggml_type` (32; 256 for the k-quants)."""
+    return int(library().llmserve_quant_block_weights(int(ggml_type)))
+
+
+def has_fast_kernel(ggml_type: int) -> bool:
+    """Whether fast mode multiplies `ggml_type` with integer dot products (else exactly)."""
+    return bool(library().llmserve_quant_has_fast_kernel(int(ggml_type)))
+
+
 def _check_weight(ggml_type: int, weight: torch.Tensor, in_features: int) -> int:
     """The weight's rows (out features), after checking it against `in_features`."""
     size = block_bytes(ggml_type)
     if size == 0:
         raise KernelArgumentError("ggml_type", f"no kernel for ggml type {ggml_type}")
-    if in_features % BLOCK:
+    weights = block_weights(ggml_type)
+    if in_features % weights:
         raise KernelArgumentError(
-            "in_features", f"{in_features} is not a multiple of the block size {BLOCK}"
+            "in_features", f"{in_features} is not a multiple of the block size {weights}"
         )
     if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.device.type != "cpu":
         raise KernelArgumentError("weight", "expected a 2-d uint8 CPU tensor of blocks")
     if not weight.is_contiguous():
         raise KernelArgumentError("weight", f"must be contiguous, got strides {weight.stride()}")
-    row_bytes = in_features // BLOCK * size
+    row_bytes = in_features // weights * size
     if weight.shape[1] != row_bytes:
         raise KernelArgumentError(
             "weight",
@@ -109,7 +121,8 @@ def linear(
     if mode not in MODES:
         raise KernelArgumentError("mode", f"{mode!r}: one of {', '.join(MODES)}")
     n, in_features = x.shape
-    if mode == "exact" and in_features > MAX_IN_FEATURES:
+    exact = mode == "exact" or not has_fast_kernel(ggml_type)
+    if exact and in_features > MAX_IN_FEATURES:
         raise KernelArgumentError(
             "x", f"{in_features} input features, over exact mode's {MAX_IN_FEATURES}"
         )

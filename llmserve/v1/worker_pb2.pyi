@@ -24,7 +24,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "max_model_len", "eos_token_id", "vocab_size", "num_gpu_blocks_available", "num_cpu_blocks_available", "num_gpu_blocks", "num_cpu_blocks", "device", "attention_backend")
+    __slots__ = ("model", "dtype", "block_size", "max_model_len", "eos_token_id", "vocab_size", "num_gpu_blocks_available", "num_cpu_blocks_available", "num_gpu_blocks", "num_cpu_blocks", "device", "attention_backend", "linear_impl", "weight_format", "weight_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,9 @@ class InfoResponse(_message.Message):
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_IMPL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -49,7 +52,10 @@ class InfoResponse(_message.Message):
     num_cpu_blocks: int
     device: str
     attention_backend: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_gpu_blocks_available: _Optional[int] = ..., num_cpu_blocks_available: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    linear_impl: str
+    weight_format: str
+    weight_bytes: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_gpu_blocks_available: _Optional[int] = ..., num_cpu_blocks_available: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., linear_impl: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class InitializeCacheRequest(_message.Message):
     __slots__ = ("num_gpu_blocks", "num_cpu_blocks")

@@ -156,3 +156,41 @@ def test_a_model_that_is_not_a_gguf_file_is_refused_by_name(tmp_path: Any) -> No
     worker = Worker(WorkerConfig(model=str(tmp_path), dtype="float32", linear_impl="gguf"))
     with pytest.raises(WorkerConfigError, match="linear_impl.*not a GGUF file"):
         worker.load_model()
+
+
+def test_gemma3s_mixed_file_runs_on_its_q5_0_q4_k_q6_k_q8_0_blocks_as_hf() -> None:
+    """Gemma 3 270M's Q4_K_M file (the dev dependency): the k-quants and Q5_0 in exact mode,
+    through the native step and the per-layer path, greedy as HF's dequantized model. Its
+    layers whose q/k/v tensors differ in type keep a dense q/k/v (one matmul needs one type)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    source = resolve_model("gemma3-270m")
+    tok = AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+    hf = AutoModelForCausalLM.from_pretrained(
+        source.path, **source.pretrained_kwargs(), dtype=torch.float32
+    ).eval()
+    prompts = [tok(t)["input_ids"] for t in TEXTS[:4]]
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                eos_token_id=None,
+            )  # fmt: skip
+        expected.append(out[0, len(prompt) :].tolist())
+    worker = Worker(
+        WorkerConfig(model="gemma3-270m", dtype="float32", num_threads=2, linear_impl="gguf")
+    )
+    worker.load_from_hf(hf)
+    model = worker._model
+    assert worker.model_info.weight_format == "gguf Q4_K+Q5_0+Q6_K+Q8_0 exact"
+    assert all(isinstance(layer.down, QuantWeight) for layer in model.layers)
+    assert isinstance(model.embed, QuantWeight) and model.decode_step is not None
+    engine = engine_on_worker(
+        worker, gpu_blocks=64, cpu_blocks=0, batched_tokens=64, max_model_len=2048
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == 64

@@ -23,10 +23,37 @@ TYPES = [
 ]
 
 
+# Types the gguf package cannot quantize (it only dequantizes them): their blocks are random
+# bytes with sane fp16 scales, at these byte offsets in the block.
+K_QUANTS = {
+    GGMLQuantizationType.Q4_K: (144, (0, 2)),
+    GGMLQuantizationType.Q5_K: (176, (0, 2)),
+    GGMLQuantizationType.Q6_K: (210, (208,)),
+}
+# Exact mode (and dequantization) only: fast mode multiplies these as exact mode does.
+EXACT_ONLY_TYPES = [
+    pytest.param(GGMLQuantizationType.Q5_0, id="q5_0"),
+    *(pytest.param(t, id=t.name.lower()) for t in K_QUANTS),
+]
+
+
+def widths(ggml_type: GGMLQuantizationType) -> list[int]:
+    """Row widths to test: odd ones (640, 896: not multiples of 256) for the 32-weight
+    blocks, multiples of 256 (all the k-quants allow)."""
+    return [256, 512, 2048] if ggml_type in K_QUANTS else [32, 640, 896]
+
+
 def quantized(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
-    """[rows, cols / 32 * block bytes] uint8, from weights spread like a model's (a few
-    large ones, so blocks' scales differ), quantized by the gguf package."""
+    """[rows, cols / block weights * block bytes] uint8, from weights spread like a model's (a
+    few large ones, so blocks' scales differ), quantized by the gguf package."""
     rng = np.random.default_rng(seed)
+    if ggml_type in K_QUANTS:
+        size, scale_offsets = K_QUANTS[ggml_type]
+        blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+        for offset in scale_offsets:
+            halves = (rng.standard_normal((rows, cols // 256)) * 0.01).astype(np.float16)
+            blocks[..., offset : offset + 2] = halves.view(np.uint8).reshape(rows, -1, 2)
+        return blocks.reshape(rows, -1)
     weights = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
     weights[rng.random((rows, cols)) < 0.01] *= 40
     return quantize(weights, ggml_type)
@@ -37,9 +64,10 @@ def reference(x: torch.Tensor, blocks: np.ndarray, ggml_type: GGMLQuantizationTy
     return x.double() @ w.T
 
 
-@pytest.mark.parametrize("ggml_type", TYPES)
-@pytest.mark.parametrize("cols", [32, 640, 896])
-def test_dequantized_weights_are_the_gguf_packages_bit_for_bit(ggml_type, cols):
+@pytest.mark.parametrize("ggml_type", TYPES + EXACT_ONLY_TYPES)
+@pytest.mark.parametrize("width", [0, 1, 2])
+def test_dequantized_weights_are_the_gguf_packages_bit_for_bit(ggml_type, width):
+    cols = widths(ggml_type)[width]
     blocks = quantized(ggml_type, 37, cols, seed=cols)
     ours = quant.dequantize(ggml_type, torch.from_numpy(blocks), cols)
     theirs = torch.from_numpy(dequantize(blocks, ggml_type))
@@ -73,6 +101,22 @@ def test_exact_linear_is_the_dequantized_matmul(ggml_type, n, in_features, out_f
     assert ((out.double() - expected).abs() <= 1e-6 * scale + 1e-30).all()
 
 
+@pytest.mark.parametrize("ggml_type", EXACT_ONLY_TYPES)
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_exact_only_types_multiply_exactly_in_both_modes(ggml_type, n):
+    """Q5_0 and the k-quants: the exact product in exact mode, and in fast mode too (which
+    has no integer kernel for them), widths of their own."""
+    assert not quant.has_fast_kernel(ggml_type)
+    in_features = widths(ggml_type)[n % 3]
+    blocks = quantized(ggml_type, 48, in_features, seed=n)
+    x = torch.randn(n, in_features, generator=torch.Generator().manual_seed(n))
+    expected = reference(x, blocks, ggml_type)
+    scale = x.double().abs() @ torch.from_numpy(dequantize(blocks, ggml_type)).double().abs().T
+    for mode in quant.MODES:
+        out = quant.linear(x, ggml_type, torch.from_numpy(blocks), mode)
+        assert ((out.double() - expected).abs() <= 1e-6 * scale + 1e-30).all(), mode
+
+
 def test_smollm2s_shipped_q4_1_tensors():
     """Real blocks: a projection of SmolLM2's Q4_1 file, as transformers would load it."""
     source = resolve_model("smollm2")
@@ -96,7 +140,9 @@ def test_bad_arguments_name_what_is_wrong():
     blocks = torch.from_numpy(quantized(GGMLQuantizationType.Q8_0, 4, 64, seed=1))
     x = torch.randn(2, 64)
     with pytest.raises(KernelArgumentError, match="ggml_type"):
-        quant.linear(x, GGMLQuantizationType.Q6_K, blocks)  # no kernel (yet)
+        quant.linear(x, GGMLQuantizationType.IQ2_XXS, blocks)  # no kernel
+    with pytest.raises(KernelArgumentError, match="in_features"):
+        quant.dequantize(GGMLQuantizationType.Q4_K, blocks, 128)  # k-quant rows: 256s
     with pytest.raises(KernelArgumentError, match="weight"):
         quant.linear(x, GGMLQuantizationType.Q4_0, blocks)  # Q8_0 rows, read as Q4_0
     with pytest.raises(KernelArgumentError, match="in_features"):

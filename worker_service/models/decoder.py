@@ -22,12 +22,14 @@ transformers token for token.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep, set_num_threads
+from kernels.cpu.quant import QuantWeight
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.models.arch import ModelArchConfig
 from worker_service.models.blocks import (
@@ -121,6 +123,8 @@ class DecoderModel:
             self._convert_projections(layers, lambda t: t.contiguous())
             lm_head = lm_head.contiguous()
             self.linear = native_matmul
+        # How the weights are held: their dtype, or what models/gguf_weights.py installed.
+        self.weight_format = str(embed.dtype).removeprefix("torch.")
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
@@ -142,6 +146,31 @@ class DecoderModel:
                 tensor = getattr(w, name)
                 if tensor is not None:
                     setattr(w, name, convert(tensor))
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model holds: every tensor it (or its native decode step,
+        which may keep plain copies of packed weights) points to but the rotary tables, each
+        storage once."""
+        held: list[object] = [self.embed, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            held += [getattr(layer, f.name) for f in fields(layer) if f.name != "moe"]
+            if layer.moe is not None:
+                held += [layer.moe.router, layer.moe.gate_up, layer.moe.down]
+        if self.native_decode is not None:
+            held += self.native_decode.step._tensors
+        tables = {t.untyped_storage().data_ptr() for pair in self.rope_tables for t in pair}
+        sizes: dict[int, int] = {}
+        for weight in held:
+            if isinstance(weight, QuantWeight):
+                sizes[weight.data_ptr()] = weight.nbytes
+            elif isinstance(weight, torch.Tensor):
+                if weight.is_mkldnn:  # opaque packed layout: no storage to share
+                    sizes[id(weight)] = weight.numel() * weight.element_size()
+                else:
+                    storage = weight.untyped_storage()
+                    if storage.data_ptr() not in tables:  # the step's rotary tables
+                        sizes[storage.data_ptr()] = storage.nbytes()
+        return sum(sizes.values())
 
     @property
     def decode_step(self) -> DecodeStep | None:

@@ -36,7 +36,15 @@ from worker_service.models.native import NativeDecode
 log = get_logger("worker.gguf")
 
 KERNEL_TYPES = frozenset(
-    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+    {
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
 )
 
 
@@ -72,6 +80,12 @@ def quant_embedding(
     return quant.dequantize(weight.ggml_type, weight.blocks[input_ids], weight.in_features)
 
 
+# GGUF architectures whose tensors map onto the decoder's projections (the same tensor names),
+# and whether llama.cpp's converter permuted their q/k rows for its rotary layout (which the
+# loader undoes, as transformers does).
+MAPPED_ARCHITECTURES = {"llama": True, "gemma3": False}
+
+
 def unsupported_reason(source: ModelSource, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why `--linear-impl gguf` cannot run this model here, or None."""
     if source.gguf_file is None:
@@ -79,8 +93,9 @@ def unsupported_reason(source: ModelSource, device: torch.device, dtype: torch.d
     if device.type != "cpu" or dtype != torch.float32:
         return f"its kernels run on the CPU in float32, not {device} {dtype}"
     arch = str(_reader(source).fields["general.architecture"].contents())
-    if arch != "llama":
-        return f"only Llama-shaped GGUF files are mapped so far, not {arch!r}"
+    if arch not in MAPPED_ARCHITECTURES:
+        names = ", ".join(sorted(MAPPED_ARCHITECTURES))
+        return f"the GGUF architectures mapped so far are {names}, not {arch!r}"
     return None
 
 
@@ -90,18 +105,23 @@ def _reader(source: ModelSource) -> GGUFReader:
 
 
 def keep_gguf_blocks(model: DecoderModel, source: ModelSource, mode: QuantMode = "exact") -> int:
-    """Swap the weights of `model` (loaded from `source`, a Llama GGUF file) for the file's
+    """Swap the weights of `model` (loaded from `source`, a GGUF file of a mapped architecture) for the file's
     blocks where a kernel reads their type, multiplied in `mode`, and rebuild its native
     decode step (if it has one) on them. Returns the bytes of blocks kept."""
-    tensors = {t.name: t for t in _reader(source).tensors}
+    reader = _reader(source)
+    tensors = {t.name: t for t in reader.tensors}
+    permuted = MAPPED_ARCHITECTURES[str(reader.fields["general.architecture"].contents())]
     arch = model.arch
-    skipped: set[str] = set()
+    # Per type without a kernel: the bytes its tensors take in the file, and dequantized.
+    skipped: dict[str, list[int]] = {}
 
     def blocks(name: str, heads: int | None = None) -> tuple[int, np.ndarray] | None:
         tensor = tensors[name]
         ggml_type = GGMLQuantizationType(int(tensor.tensor_type))
         if ggml_type not in KERNEL_TYPES:
-            skipped.add(ggml_type.name)
+            cost = skipped.setdefault(ggml_type.name, [0, 0])
+            cost[0] += int(tensor.n_bytes)
+            cost[1] += int(tensor.n_elements) * 4  # float32
             return None
         in_features, out_features = (int(d) for d in tensor.shape)  # ggml: fastest first
         rows = np.array(tensor.data).reshape(out_features, -1)  # a writable copy
@@ -118,7 +138,7 @@ def keep_gguf_blocks(model: DecoderModel, source: ModelSource, mode: QuantMode =
             return None
         ggml_type = present[0][0]
         rows = np.concatenate([r for _, r in present])
-        in_features = rows.shape[1] // quant.block_bytes(ggml_type) * quant.BLOCK
+        in_features = rows.shape[1] // quant.block_bytes(ggml_type) * quant.block_weights(ggml_type)
         return QuantWeight(ggml_type, torch.from_numpy(rows), in_features)
 
     projections = []
@@ -127,8 +147,8 @@ def keep_gguf_blocks(model: DecoderModel, source: ModelSource, mode: QuantMode =
         projections.append(
             {
                 "qkv": weight(
-                    blocks(p + "attn_q.weight", arch.num_heads),
-                    blocks(p + "attn_k.weight", arch.num_kv_heads),
+                    blocks(p + "attn_q.weight", arch.num_heads if permuted else None),
+                    blocks(p + "attn_k.weight", arch.num_kv_heads if permuted else None),
                     blocks(p + "attn_v.weight"),
                 ),
                 "o": weight(blocks(p + "attn_output.weight")),
@@ -140,8 +160,13 @@ def keep_gguf_blocks(model: DecoderModel, source: ModelSource, mode: QuantMode =
     # A tied head is the embedding's tensor.
     head = weight(blocks("output.weight")) if "output.weight" in tensors else embed
     kept = install_blocks(model, projections, embed, head, mode)
-    if skipped:
-        log.warning("tensors without a block kernel stay dense", types=sorted(skipped))
+    for name, (file_bytes, dense_bytes) in sorted(skipped.items()):
+        log.warning(
+            "tensors without a block kernel stay dense (dequantized to float32)",
+            type=name,
+            file_bytes=file_bytes,
+            dense_bytes=dense_bytes,
+        )
     return kept
 
 
@@ -156,9 +181,11 @@ def install_blocks(
     multiplied in `mode`, and rebuild its native decode step (if it has one) on them; the
     dense weights replaced are dropped. Returns the bytes of blocks installed."""
     kept = 0
+    installed = [w for w in (embed, head) if w is not None]
     for layer, swaps in zip(model.layers, projections, strict=True):
         for name, new in swaps.items():
             if new is not None:
+                installed.append(new)
                 dense = getattr(layer, name)
                 assert dense is not None and tuple(dense.shape) == new.shape, name
                 setattr(layer, name, new)
@@ -173,6 +200,8 @@ def install_blocks(
         model.lm_head = head  # type: ignore[assignment]
         kept += 0 if head is embed else head.nbytes
     model.linear = partial(quant_matmul, mode=mode)
+    types = {GGMLQuantizationType(w.ggml_type).name for w in installed}
+    model.weight_format = f"gguf {'+'.join(sorted(types))} {mode}"
     if model.native_decode is not None:
         model.native_decode = NativeDecode(
             model.arch,

@@ -132,3 +132,16 @@ def test_model_info(tiny_model_dir: dict[str, Path]) -> None:
         4,
     )
     assert (info.device, info.attention_backend, info.vocab_size) == ("cpu", "cpu", 128)
+
+
+def test_weight_bytes_are_the_checkpoints_on_the_plain_torch_path(
+    tiny_model_dir: dict[str, Path],
+) -> None:
+    """No packed or native copies: the weights held are the checkpoint's parameters (q/k/v
+    and gate/up fused, which moves bytes without adding any), its tied head counted once."""
+    path = tiny_model_dir["llama"]
+    info = make_worker(path, attention_backend="torch", linear_impl="torch").model_info
+    hf = load_hf(path)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in hf.parameters()}
+    assert (info.weight_format, info.linear_impl) == ("float32", "torch")
+    assert info.weight_bytes == sum(storages.values())
