@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import threading
 import time
@@ -56,6 +58,18 @@ class ModelInfo:
     weight_bytes: int = 0
 
 
+def _return_freed_heap() -> None:
+    """Give the heap memory that loading freed (transformers' copies of the weights that the
+    model did not keep) back to the system, which glibc does not do by itself. Measured: the
+    worker of SmolLM2 on its GGUF blocks, 1037 MiB resident after loading, 548 after this."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    gc.collect()
+    libc.malloc_trim(0)
+
+
 class WorkerNotReadyError(RuntimeError):
     """A method was called before `load_model` / `initialize_cache`."""
 
@@ -100,6 +114,8 @@ class Worker:
             source.path, **source.pretrained_kwargs(), dtype=self.dtype
         )
         self.load_from_hf(hf_model)
+        del hf_model
+        _return_freed_heap()
 
     def load_from_hf(self, hf_model: Any) -> None:
         """Take the weights of an already-loaded transformers model (tests, benchmarks)."""
