@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 import torch
 
@@ -25,25 +24,21 @@ _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH_DIR]
 sys.path.insert(0, os.path.dirname(_BENCH_DIR))
 
-from llmserve.model_spec import resolve_model  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
-from tests.integration.test_worker_gguf_blocks import FIXED_TEXT, perplexity  # noqa: E402
+from tests.integration.test_worker_gguf_blocks import (  # noqa: E402
+    FIXED_TEXT,
+    hf_perplexity,
+    perplexity,
+)
 from tests.support.engines import engine_on_worker  # noqa: E402
-from tests.support.models import SMOLLM2_EXACTNESS_NEW, SMOLLM2_EXACTNESS_TEXTS  # noqa: E402
+from tests.support.models import (  # noqa: E402
+    SMOLLM2_EXACTNESS_NEW,
+    SMOLLM2_EXACTNESS_TEXTS,
+    hf_greedy_outputs,
+    load_spec,
+)
 from worker_service.config import WorkerConfig  # noqa: E402
 from worker_service.worker import Worker  # noqa: E402
-
-
-def load_hf(spec: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = resolve_model(spec)
-    tok = AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
-    model = AutoModelForCausalLM.from_pretrained(
-        source.path, **source.pretrained_kwargs(), dtype=torch.float32
-    ).eval()
-    model.generation_config.eos_token_id = None
-    return tok, model
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -59,20 +54,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    tok, hf = load_hf(args.model)
+    tok, hf = load_spec(args.model)
     prompts = [tok(t)["input_ids"] for t in SMOLLM2_EXACTNESS_TEXTS]
     new = SMOLLM2_EXACTNESS_NEW
-    expected = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0
-            )
-        expected.append(out[0, len(prompt) :].tolist())
+    expected = hf_greedy_outputs(hf, prompts, new)
     ids = tok(FIXED_TEXT)["input_ids"]
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0, :-1]
-    hf_ppl = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).exp())
+    hf_ppl = hf_perplexity(hf, ids)
     rows = [f"| HF (dequantized, float32) | {len(prompts)}/{len(prompts)} | {new:.1f} | "
             f"{hf_ppl:.4f} |"]  # fmt: skip
     for mode in ("exact", "fast"):

@@ -40,11 +40,16 @@ class GrammarCompiler:
         self.cache = cache
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._on_error = on_error
+        self._warming: Future[None] | None = None
 
     def warm(self) -> None:
         """Load the tokenizer and build its backend in the background now, so the first
         constrained request does not wait for them (seconds) on the scheduler's loop."""
-        self._pool.submit(self._warm)
+        self._warming = self._pool.submit(self._warm)
+
+    def is_warming(self) -> bool:
+        """Whether the warm-up is still running (compiles queue behind it)."""
+        return self._warming is not None and not self._warming.done()
 
     def _warm(self) -> None:
         # A failure is reported by the first request that needs the tokenizer.

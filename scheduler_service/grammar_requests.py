@@ -5,7 +5,9 @@ A constrained group's grammar starts compiling when the group is added or import
 (`scheduler_service/grammar.py`: one matcher per sequence, replaying its output). Until the
 compile ends the group is tracked here. The replica waits for the compiles its next step
 needs, but never past a group's deadline (`SchedulerConfig.max_grammar_compile_ms` from the
-compile's start): a grammar still compiling then ends its request with RESOURCE_EXHAUSTED
+compile's submission, or from the end of the compiler's warm-up, when it was submitted
+during it: the tokenizer's load is not the grammar's time, and after a restart it can take
+seconds): a grammar still compiling then ends its request with RESOURCE_EXHAUSTED
 (429) naming the field and the flag, so one slow grammar holds its replica's other requests
 for a bounded time. The compile thread itself cannot be interrupted; llguidance's own fuel
 limits bound it.
@@ -14,6 +16,7 @@ limits bound it.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -45,8 +48,9 @@ class GrammarRequests:
         self._compiler = compiler
         self._max_compile_ms = max_compile_ms
         self._clock = clock
-        # request id -> (group, the clock's time its compile must end by)
-        self._compiling: dict[str, tuple[SequenceGroup, float]] = {}
+        # request id -> (group, the clock's time its compile must end by; None while the
+        # compiler warms up)
+        self._compiling: dict[str, tuple[SequenceGroup, float | None]] = {}
 
     def warm(self) -> None:
         """Prepare compilation (the tokenizer and its backend) in the background."""
@@ -64,22 +68,31 @@ class GrammarRequests:
         compiled = self._compiler.submit(spec)
         for seq in group.get_unfinished_seqs():
             seq.grammar = SequenceGrammar(compiled, seq.get_output_token_ids())
-        deadline = self._clock() + self._max_compile_ms / 1000
-        self._compiling[group.request_id] = (group, deadline)
+        self._compiling[group.request_id] = (group, self._deadline())
+
+    def _deadline(self) -> float | None:
+        """The deadline of a compile submitted now; None while the compiler warms up."""
+        if self._compiler is not None and self._compiler.is_warming():
+            return None
+        return self._clock() + self._max_compile_ms / 1000
 
     def discard(self, request_id: str) -> None:
         self._compiling.pop(request_id, None)
 
     def _pending(self) -> list[tuple[SequenceGroup, SequenceGrammar, float]]:
-        """Tracked groups that still have a sequence, with its grammar and deadline."""
+        """Tracked groups that still have a sequence, with its grammar and deadline (a
+        compile submitted during the warm-up gets its deadline once the warm-up is over;
+        until then it has none: infinity)."""
         out = []
         for request_id, (group, deadline) in list(self._compiling.items()):
             seqs = group.get_unfinished_seqs()
             grammar = seqs[0].grammar if seqs else None
             if grammar is None:
                 del self._compiling[request_id]
-            else:
-                out.append((group, grammar, deadline))
+                continue
+            if deadline is None and (deadline := self._deadline()) is not None:
+                self._compiling[request_id] = (group, deadline)
+            out.append((group, grammar, math.inf if deadline is None else deadline))
         return out
 
     def due(self, max_tokens: int) -> tuple[list[Future[CompiledGrammar]], float]:
@@ -95,7 +108,9 @@ class GrammarRequests:
             if seq.get_len() - seq.num_computed_tokens <= max_tokens:
                 futures.append(grammar.compiled)
                 deadlines.append(deadline)
-        return futures, (min(deadlines) - now if deadlines else 0.0)
+        # At most the limit: a compile queued behind the warm-up has no deadline yet.
+        limit = self._max_compile_ms / 1000
+        return futures, (min(min(deadlines) - now, limit) if deadlines else 0.0)
 
     def take_failures(self) -> list[tuple[SequenceGroup, ApiError]]:
         """The groups whose grammar failed to compile or is past its deadline, no longer

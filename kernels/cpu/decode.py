@@ -23,7 +23,7 @@ import torch
 from kernels._checks import KernelArgumentError
 from kernels.cpu.attention import DTYPE_CODES, unsupported_shape_reason
 from kernels.cpu.build import library
-from kernels.cpu.quant import MAX_IN_FEATURES, MODES, QuantMode, QuantWeight
+from kernels.cpu.quant import MAX_IN_FEATURES, MODES, QuantMode, QuantWeight, has_fast_kernel
 
 Weight = torch.Tensor | QuantWeight
 
@@ -355,8 +355,9 @@ def _check_blocks(shape: DecodeShape, dtype: torch.dtype, blocks: list[QuantWeig
         raise KernelArgumentError("weights", f"GGUF blocks in a float32 model only, not {dtype}")
     for weight in blocks:
         weight.check()
-    widest = max(weight.in_features for weight in blocks)
-    if shape.quant_mode == "exact" and widest > MAX_IN_FEATURES:
+    exact = [w for w in blocks if shape.quant_mode == "exact" or not has_fast_kernel(w.ggml_type)]
+    widest = max((weight.in_features for weight in exact), default=0)
+    if widest > MAX_IN_FEATURES:
         raise KernelArgumentError(
             "weights", f"rows of {widest} weights, over exact mode's {MAX_IN_FEATURES}"
         )

@@ -15,7 +15,13 @@ from kernels.cpu.quant import QuantWeight
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
 from tests.support.engines import engine_on_worker
-from tests.support.models import SMOLLM2_EXACTNESS_NEW, SMOLLM2_EXACTNESS_TEXTS, load_smollm2
+from tests.support.models import (
+    SMOLLM2_EXACTNESS_NEW,
+    SMOLLM2_EXACTNESS_TEXTS,
+    hf_greedy_outputs,
+    load_smollm2,
+    load_spec,
+)
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.models.gguf_weights import DEQUANTIZE_ROWS, quant_matmul
 from worker_service.worker import Worker
@@ -97,13 +103,7 @@ def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(loaded
 
 def test_greedy_output_equals_hf_on_the_dequantized_file(loaded: Any) -> None:
     worker, hf, prompts, _ = loaded
-    expected = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0
-            )
-        expected.append(out[0, len(prompt) :].tolist())
+    expected = hf_greedy_outputs(hf, prompts, NEW)
     engine = engine_on_worker(
         worker, gpu_blocks=64, cpu_blocks=0, batched_tokens=64, max_model_len=2048
     )
@@ -127,6 +127,12 @@ def perplexity(worker: Worker, ids: list[int]) -> float:
     return float(torch.tensor(logprobs).mean().neg().exp())
 
 
+def hf_perplexity(hf: Any, ids: list[int]) -> float:
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1]
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).exp())
+
+
 def test_fast_mode_perplexity_on_a_fixed_text_is_exact_modes_within_two_percent(
     loaded: Any,
 ) -> None:
@@ -134,10 +140,7 @@ def test_fast_mode_perplexity_on_a_fixed_text_is_exact_modes_within_two_percent(
     mode's is HF's; the figures are in bench/RESULTS.md (bench/quant_quality.py)."""
     exact_worker, hf, _, tok = loaded
     ids = tok(FIXED_TEXT)["input_ids"]
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0, :-1]
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
-    hf_ppl = float(nll.exp())
+    hf_ppl = hf_perplexity(hf, ids)
     exact = perplexity(exact_worker, ids)
     fast = perplexity(gguf_worker(hf, "fast"), ids)
     assert exact == pytest.approx(hf_ppl, rel=1e-4)
@@ -162,23 +165,10 @@ def test_gemma3s_mixed_file_runs_on_its_q5_0_q4_k_q6_k_q8_0_blocks_as_hf() -> No
     """Gemma 3 270M's Q4_K_M file (the dev dependency): the k-quants and Q5_0 in exact mode,
     through the native step and the per-layer path, greedy as HF's dequantized model. Its
     layers whose q/k/v tensors differ in type keep a dense q/k/v (one matmul needs one type)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     torch.set_num_threads(2)
-    source = resolve_model("gemma3-270m")
-    tok = AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
-    hf = AutoModelForCausalLM.from_pretrained(
-        source.path, **source.pretrained_kwargs(), dtype=torch.float32
-    ).eval()
+    tok, hf = load_spec("gemma3-270m")
     prompts = [tok(t)["input_ids"] for t in TEXTS[:4]]
-    expected = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0,
-                eos_token_id=None,
-            )  # fmt: skip
-        expected.append(out[0, len(prompt) :].tolist())
+    expected = hf_greedy_outputs(hf, prompts, 32)
     worker = Worker(
         WorkerConfig(model="gemma3-270m", dtype="float32", num_threads=2, linear_impl="gguf")
     )

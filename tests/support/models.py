@@ -277,10 +277,30 @@ SMOLLM2_EXACTNESS_NEW = 64
 def load_smollm2() -> tuple[Any, Any]:
     """The embedded SmolLM2 (its shipped Q4_1 file, dequantized by transformers) as float32
     HF (tokenizer, model), generating exactly max_new_tokens (no EOS stop)."""
+    return load_spec("smollm2")
+
+
+def hf_greedy_outputs(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """HF generate's greedy continuation of each prompt, one at a time (no padding)."""
+    import torch
+
+    outputs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def load_spec(spec: str) -> tuple[Any, Any]:
+    """A model spec (llmserve.model_spec: an alias, a directory, a .gguf file) as float32 HF
+    (tokenizer, model), generating exactly max_new_tokens (no EOS stop)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = resolve_model("smollm2")
+    src = resolve_model(spec)
     tok = AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs())
     model = AutoModelForCausalLM.from_pretrained(
         src.path, **src.pretrained_kwargs(), dtype=torch.float32

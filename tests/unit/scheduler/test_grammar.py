@@ -362,60 +362,6 @@ def test_compiles_due_are_those_the_next_step_may_sample_under(tok):
     assert_empty(engine)
 
 
-def test_a_grammar_past_its_compile_deadline_ends_its_request_with_429(tok):
-    """A compile still running --max-grammar-compile-ms after its request arrived: the
-    request ends with RESOURCE_EXHAUSTED naming the field and the flag, its blocks are
-    freed, and the other requests run on. (The backend's compile is held on an event: a
-    stand-in for a grammar slow to compile, which no real one is reliably.)"""
-    import asyncio
-    import threading
-
-    from llmserve.errors import ResourceExhaustedError
-    from scheduler_service.grammar_requests import wait_for_compiles
-
-    release = threading.Event()
-
-    class StuckBackend(LLGuidanceBackend):
-        def compile(self, spec):
-            if spec is REGEX:
-                release.wait(30)
-            return super().compile(spec)
-
-    engine = LLMEngine(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
-                        max_grammar_compile_ms=200),
-        CacheConfig(BLOCK, 64, 8, watermark=0.0),
-        FakeModel(64, 8, BLOCK, vocab_size=len(tok)),
-        tokenizer=lambda: tok,
-        grammar_cache=GrammarCache(StuckBackend),
-    )  # fmt: skip
-    engine.add_request("stuck", [6] * 10, SamplingParams(max_tokens=8), grammar=REGEX)
-    engine.add_request("free", [5] * 10, SamplingParams(max_tokens=4, ignore_eos=True))
-    results: dict[str, RequestOutput] = {}
-    waited = 0.0
-    try:
-        while engine.has_unfinished_requests():
-            due, wait_s = engine.grammar_compiles_due()
-            if due:
-                assert 0.0 < wait_s <= 0.2
-                asyncio.run(wait_for_compiles(due, wait_s))  # as the replica loop does
-                waited += wait_s
-                continue
-            for delta in engine.step():
-                results[delta.request_id] = _accumulate(results.get(delta.request_id), delta)
-    finally:
-        release.set()
-    assert waited <= 0.2
-    error = results["stuck"].error
-    assert isinstance(error, ResourceExhaustedError)
-    assert error.field == "structured_outputs.regex"
-    assert "200 ms" in error.message and "--max-grammar-compile-ms" in error.message
-    assert results["stuck"].outputs[0].finish_reason == FinishReason.ABORT
-    assert results["stuck"].outputs[0].token_ids == []
-    assert len(results["free"].outputs[0].token_ids) == 4
-    assert_empty(engine)
-
-
 def test_a_token_the_grammar_refuses_aborts_and_is_counted(tok, cache):
     """A worker that did not apply the mask: the scheduler's matcher refuses the token, the
     sequence is aborted, and the refusal is counted."""
