@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import os
 import threading
 import time
@@ -22,6 +20,7 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
 from worker_service.config import WorkerConfig
 from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.heap import return_freed_heap
 from worker_service.linear_impl import choose_linear_impl
 from worker_service.model_runner import ModelRunner
 from worker_service.models import DecoderModel, model_from_hf, read_arch
@@ -56,18 +55,6 @@ class ModelInfo:
     # How the weights are held, and their bytes (`DecoderModel.weight_format/weight_bytes`).
     weight_format: str = ""
     weight_bytes: int = 0
-
-
-def _return_freed_heap() -> None:
-    """Give the heap memory that loading freed (transformers' copies of the weights that the
-    model did not keep) back to the system, which glibc does not do by itself. Measured: the
-    worker of SmolLM2 on its GGUF blocks, 1037 MiB resident after loading, 548 after this."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    gc.collect()
-    libc.malloc_trim(0)
 
 
 class WorkerNotReadyError(RuntimeError):
@@ -115,7 +102,7 @@ class Worker:
         )
         self.load_from_hf(hf_model)
         del hf_model
-        _return_freed_heap()
+        return_freed_heap()
 
     def load_from_hf(self, hf_model: Any) -> None:
         """Take the weights of an already-loaded transformers model (tests, benchmarks)."""

@@ -31,8 +31,9 @@ SOURCES = {
     "decode.cpp": (),
     # Dequantized weights must round as numpy's d * q + m does (two roundings).
     "quant.cpp": ("-ffp-contract=off",),
+    "quant_fast.cpp": (),
 }
-HEADERS = ("vec.h", "pool.h", "linear.h", "attention.h")
+HEADERS = ("vec.h", "pool.h", "linear.h", "attention.h", "quant.h")
 
 
 class NativeKernelUnavailable(RuntimeError):

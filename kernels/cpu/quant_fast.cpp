@@ -1,0 +1,241 @@
+// Weights kept in GGUF blocks (issue #27): the linear layer's fast mode (exact mode and the
+// layouts: quant.cpp; what both share: quant.h).
+//
+// Fast mode: each activation row is first quantized per block of 32 to 8 bits, as
+//   ActBlock: float d = max|x| / 127, q = round_half_even(x * (1 / d)), float s = d * sum(q),
+// and a weight block's dot with it is an integer dot product of the 32 pairs of quants
+// (AVX2: `vpmaddubsw` multiplies unsigned by signed bytes and adds pairs to 16 bits, then
+// `vpmaddwd` adds pairs to 32 bits) and one float multiply-add per block:
+//   Q4_0: d_w * d * sum(q_w q) - 8 * d_w * s     (w = d_w * (q_w - 8))
+//   Q4_1: d_w * d * sum(q_w q) + m_w * s         (w = d_w * q_w + m_w)
+//   Q8_0: d_w * d * sum(q_w q)
+// so its error against exact mode is the activations' rounding to 8 bits (about 0.4% of a
+// block's largest value per element). An unpacked weight block serves four activation rows.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "pool.h"
+#include "quant.h"
+
+namespace llmserve {
+namespace {
+
+using namespace llmserve::quant;
+
+struct ActBlock {  // d and s adjacent: block_scales reads them as a pair
+  float d;  // scale: x ~ d * q
+  float s;  // d * sum(q)
+  int8_t q[kBlock];
+};
+
+// Row x[0..cols) into cols / 32 ActBlocks (see the file comment).
+void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
+  for (int64_t b = 0; b < cols / kBlock; ++b) {
+    const float* v = x + b * kBlock;
+    ActBlock& block = out[b];
+    float amax = 0.0f;
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.0f;
+    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      const int q = int(std::nearbyint(v[j] * inverse));  // the default mode: half to even
+      block.q[j] = int8_t(q);
+      sum += q;
+    }
+    block.d = d;
+    block.s = d * float(sum);
+  }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+// 32 weight quants of a block in weight order, as bytes: unsigned 0..15 for the 4-bit types,
+// signed for Q8_0.
+template <int Type>
+inline __m256i weight_quants(const uint8_t* block) {
+  if constexpr (Type == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  } else {
+    // The 16 packed bytes in both halves; the high half shifted right by 4: low nibbles
+    // (weights 0-15) below, high nibbles (16-31) above.
+    const __m256i packed = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (Type == kQ4_1 ? 4 : 2))));
+    const __m256i shifted = _mm256_srlv_epi32(packed, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
+  }
+}
+
+// A block's scale and offset times an activation block's, in two lanes of one multiply:
+// [d_w * d, o_w * s] with o_w Q4_1's m_w, Q4_0's -8 * d_w, Q8_0's 0 (its lane unused).
+template <int Type>
+inline __m128 block_scales(const uint8_t* block, const float* d_and_s) {
+  __m128 w;
+  if constexpr (Type == kQ4_1) {  // fp16 d, m: both converted at once
+    int32_t dm;
+    std::memcpy(&dm, block, sizeof dm);
+    w = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+  } else {
+    uint16_t h;
+    std::memcpy(&h, block, sizeof h);
+    w = _mm_cvtph_ps(_mm_cvtsi32_si128(h));  // [d_w, 0, 0, 0]
+    if constexpr (Type == kQ4_0)  // [d_w, -8 * d_w, 0, 0]
+      w = _mm_mul_ps(_mm_shuffle_ps(w, w, 0), _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f));
+  }
+  double pair;
+  std::memcpy(&pair, d_and_s, sizeof pair);
+  return _mm_mul_ps(w, _mm_castpd_ps(_mm_set_sd(pair)));
+}
+
+// sum_j w[j] * a[j] over a block, in 8 int32 lanes.
+template <int Type>
+inline __m256i block_dot(__m256i w, const int8_t* a) {
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  if constexpr (Type == kQ8_0) {  // signed x signed: |w| times x with w's sign
+    x = _mm256_sign_epi8(x, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+  const __m256i pairs = _mm256_maddubs_epi16(w, x);  // |products| <= 2 * 128 * 127: no saturation
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
+// out[m * stride] = the fast-mode dot of weight row `row` (`blocks` blocks) with activation
+// rows a[m * blocks ...], for m < M.
+template <int Type, int M>
+inline void fast_dots(const uint8_t* row, int64_t blocks, const ActBlock* a, float* out,
+                      int64_t stride) {
+  const int64_t bytes = block_bytes(Type);
+#if defined(__AVX2__) && defined(__F16C__)
+  // kChains independent sums per row (blocks taken in turn): one chain of dependent
+  // multiply-adds per row would wait on its own latency.
+  constexpr int kChains = M == 1 ? 4 : 2;
+  __m256 acc[kChains][M];
+  __m128 offset[kChains][M];  // lane 1: the sum of the per-block terms in s (block_scales)
+  for (int c = 0; c < kChains; ++c)
+    for (int m = 0; m < M; ++m) {
+      acc[c][m] = _mm256_setzero_ps();
+      offset[c][m] = _mm_setzero_ps();
+    }
+  auto step = [&](int64_t b, int c) {
+    const uint8_t* block = row + b * bytes;
+    const __m256i w = weight_quants<Type>(block);
+    for (int m = 0; m < M; ++m) {
+      const ActBlock& x = a[m * blocks + b];
+      const __m128 scales = block_scales<Type>(block, &x.d);  // [d_w * d, o_w * s]
+      const __m256 sum = _mm256_cvtepi32_ps(block_dot<Type>(w, x.q));
+      acc[c][m] = _mm256_fmadd_ps(sum, _mm256_broadcastss_ps(scales), acc[c][m]);
+      if constexpr (Type != kQ8_0) offset[c][m] = _mm_add_ps(offset[c][m], scales);
+    }
+  };
+  int64_t b = 0;
+  for (; b + kChains <= blocks; b += kChains)
+    for (int c = 0; c < kChains; ++c) step(b + c, c);
+  for (; b < blocks; ++b) step(b, 0);
+  for (int m = 0; m < M; ++m) {
+    __m256 total = acc[0][m];
+    __m128 off = offset[0][m];
+    for (int c = 1; c < kChains; ++c) {
+      total = _mm256_add_ps(total, acc[c][m]);
+      off = _mm_add_ps(off, offset[c][m]);
+    }
+    out[m * stride] = hsum(total) + (Type == kQ8_0 ? 0.0f : _mm_cvtss_f32(_mm_movehdup_ps(off)));
+  }
+#else
+  float acc[M] = {}, offset[M] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * bytes;
+    const float d = half_to_float(block);
+    const float m_w = Type == kQ4_1 ? half_to_float(block + 2) : Type == kQ4_0 ? -8.0f * d : 0.0f;
+    int w[kBlock];
+    if constexpr (Type == kQ8_0) {
+      for (int j = 0; j < kBlock; ++j) w[j] = reinterpret_cast<const int8_t*>(block + 2)[j];
+    } else {
+      const uint8_t* q = block + (Type == kQ4_1 ? 4 : 2);
+      for (int j = 0; j < kBlock / 2; ++j) {
+        w[j] = q[j] & 0x0f;
+        w[j + kBlock / 2] = q[j] >> 4;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const ActBlock& x = a[m * blocks + b];
+      int sum = 0;
+      for (int j = 0; j < kBlock; ++j) sum += w[j] * x.q[j];
+      acc[m] += float(sum) * (d * x.d);
+      if constexpr (Type != kQ8_0) offset[m] += m_w * x.s;
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m * stride] = acc[m] + offset[m];
+#endif
+}
+
+constexpr int kFastRows = 4;  // activation rows that share an unpacked weight block
+
+template <int Type>
+void linear_fast(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out_features,
+                 float* out) {
+  const int64_t blocks = in / kBlock, row_bytes = blocks * block_bytes(Type);
+  thread_local std::vector<ActBlock> activations;
+  activations.resize(size_t(n * blocks));
+  for (int64_t i = 0; i < n; ++i) quantize_activations(x + i * in, in, activations.data() + i * blocks);
+  const ActBlock* a = activations.data();
+  parallel_for(out_features, out_features * n * in > (1 << 16), [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const uint8_t* row = w + o * row_bytes;
+      prefetch_ahead(row, row_bytes, w + out_features * row_bytes);
+      int64_t i = 0;
+      for (; i + kFastRows <= n; i += kFastRows)
+        fast_dots<Type, kFastRows>(row, blocks, a + i * blocks, out + i * out_features + o,
+                                   out_features);
+      for (; i < n; ++i)
+        fast_dots<Type, 1>(row, blocks, a + i * blocks, out + i * out_features + o, out_features);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace llmserve
+
+using namespace llmserve;
+using namespace llmserve::quant;
+
+extern "C" {
+
+int llmserve_quant_linear(int type, const float* x, int64_t n, int64_t in, const uint8_t* weights,
+                          int64_t out_features, float* out);
+
+// The same product in fast mode: x quantized to 8 bits per block of 32, integer dot
+// products; for a type without them (has_fast_kernel), exact mode's product. `in` is a
+// multiple of the type's block. Returns -1 for an unknown type.
+int llmserve_quant_linear_fast(int type, const float* x, int64_t n, int64_t in,
+                               const uint8_t* weights, int64_t out_features, float* out) {
+  if (!has_fast_kernel(type))
+    return llmserve_quant_linear(type, x, n, in, weights, out_features, out);
+  if (in % kBlock != 0) return -1;
+  return dispatch(type, [&]<int Type>() {
+    if constexpr (has_fast_kernel(Type)) linear_fast<Type>(x, n, in, weights, out_features, out);
+  });
+}
+
+// x [n, cols] -> [n, cols / 32] blocks of 40 bytes: float d, float d * sum(q), 32 int8 q,
+// fast mode's quantized activations (for tests).
+int llmserve_quant_activations(const float* x, int64_t n, int64_t cols, uint8_t* out) {
+  static_assert(sizeof(ActBlock) == 40);
+  if (cols % kBlock != 0) return -1;
+  for (int64_t i = 0; i < n; ++i)
+    quantize_activations(x + i * cols, cols, reinterpret_cast<ActBlock*>(out) + i * (cols / kBlock));
+  return 0;
+}
+
+}  // extern "C"

