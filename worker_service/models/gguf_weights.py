@@ -1,10 +1,12 @@
 """Weights that stay in a GGUF file's blocks as they are (`--linear-impl gguf`).
 
 The model is loaded as today (transformers dequantizes the file); then each projection, the
-embedding and the LM head whose tensors in the file have a kernel (Q4_0, Q4_1, Q8_0:
-kernels/cpu/quant.py) get those blocks instead of their dense weights, which are dropped:
-the decoder's matmul becomes `quant_matmul` and its embedding lookup `quant_embedding`, and
-the native decode step is rebuilt on the blocks. Tensors of other types stay dense.
+embedding and the LM head whose tensors in the file have a kernel (Q4_0, Q4_1, Q5_0, Q8_0,
+Q4_K, Q5_K, Q6_K: kernels/cpu/quant.py) get those blocks instead of their dense weights,
+which are dropped: the decoder's matmul becomes `quant_matmul` and its embedding lookup
+`quant_embedding`, and the native decode step is rebuilt on the blocks. Tensors of other
+types stay dense (dequantized, with a warning giving their cost), as does a fused q/k/v or
+gate/up whose parts differ in type.
 
 Modes (`--quant-mode`, kernels/cpu/quant.py):
 - exact: a block is dequantized to float32 and multiplied with float32 activations, so the
@@ -34,18 +36,6 @@ from worker_service.models.decoder import DecoderModel
 from worker_service.models.native import NativeDecode
 
 log = get_logger("worker.gguf")
-
-KERNEL_TYPES = frozenset(
-    {
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
 
 
 # From this many rows on (prefill chunks), a block weight is dequantized whole and multiplied
@@ -118,7 +108,7 @@ def keep_gguf_blocks(model: DecoderModel, source: ModelSource, mode: QuantMode =
     def blocks(name: str, heads: int | None = None) -> tuple[int, np.ndarray] | None:
         tensor = tensors[name]
         ggml_type = GGMLQuantizationType(int(tensor.tensor_type))
-        if ggml_type not in KERNEL_TYPES:
+        if quant.block_bytes(ggml_type) == 0:  # no kernel reads this type
             cost = skipped.setdefault(ggml_type.name, [0, 0])
             cost[0] += int(tensor.n_bytes)
             cost[1] += int(tensor.n_elements) * 4  # float32
