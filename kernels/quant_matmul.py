@@ -5,15 +5,18 @@ whole. Formats (`QuantFormat`):
 - int8: `qweight` [N, K] int8, `scales` [N, K / group] : w = q * scale;
 - int4: `qweight` [N, K / 2] uint8, weight 2i in the low nibble of byte i and 2i + 1 in the
   high one, `scales` and `zeros` [N, K / group] : w = (q - zero) * scale;
-- GGUF blocks as kernels/cpu/quant.cpp lays them out, `qweight` [N, K / 32 * block bytes]
-  uint8: Q8_0 (w = q * d), Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m), fp16 d and m in
-  each 32-weight block.
+- GGUF blocks as kernels/cpu/quant.cpp lays them out, `qweight` [N, K / block weights *
+  block bytes] uint8: Q8_0 (w = q * d), Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m), fp16
+  d and m in each 32-weight block; Q4_K, 144-byte super-blocks of 256 weights: fp16 d and
+  dmin, 12 bytes of 6-bit scales sc and mins m packed for 8 sub-blocks of 32, 128 bytes of
+  nibbles (sub-block 2p in the low nibbles of bytes 32p..32p+31, 2p + 1 in the high ones):
+  w = (d * sc) * q - dmin * m.
 
-Scales are looked up per weight column (`k // group`), not per K tile, so a group smaller
-than BLOCK_K (several scales in one tile) or larger (one scale over several tiles) are both
-right: reading one scale per tile is how a kernel gets groups smaller than its tile silently
-wrong. Small batches split K across programs (`split_k`): each writes a float32 partial of
-the output and the partials are summed after, in a fixed order.
+Scales (and GGUF blocks) are looked up per weight column (`k // group`), not per K tile, so
+a group smaller than BLOCK_K (several scales in one tile) or larger (one scale over several
+tiles) are both right: reading one scale per tile is how a kernel gets groups smaller than
+its tile silently wrong. Small batches split K across programs (`split_k`): each writes a
+float32 partial of the output and the partials are summed after, in a fixed order.
 """
 
 from __future__ import annotations
@@ -41,10 +44,15 @@ class QuantFormat(IntEnum):
     Q8_0 = 2
     Q4_0 = 3
     Q4_1 = 4
+    Q4_K = 5
 
 
-GGUF_FORMATS = {QuantFormat.Q8_0: 34, QuantFormat.Q4_0: 18, QuantFormat.Q4_1: 20}  # block bytes
-GGUF_BLOCK = 32  # weights per GGUF block
+GGUF_FORMATS = {  # (weights, bytes) per block
+    QuantFormat.Q8_0: (32, 34),
+    QuantFormat.Q4_0: (32, 18),
+    QuantFormat.Q4_1: (32, 20),
+    QuantFormat.Q4_K: (256, 144),
+}
 
 
 @triton.jit
@@ -53,6 +61,26 @@ def _half_at(ptr):
     low = tl.load(ptr).to(tl.uint16)
     high = tl.load(ptr + 1).to(tl.uint16)
     return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4_k_weights(block, j):
+    """Weight `j` (0..255) of the Q4_K super-blocks at byte pointers `block`, as float32.
+
+    Sub-block s < 4 keeps its scale and min in the low 6 bits of packed bytes s and s + 4;
+    s >= 4 keeps their low 4 bits in the nibbles of byte s + 4 and their high 2 bits in the
+    top bits of bytes s - 4 and s (ggml's get_scale_min_k4)."""
+    sub = j // 32
+    packed = block + 4 + sub % 4
+    a = tl.load(packed).to(tl.int32)  # byte s, or s - 4
+    b = tl.load(packed + 4).to(tl.int32)  # byte s + 4, or s
+    e = tl.load(packed + 8).to(tl.int32)  # byte s + 4 when s >= 4
+    low = sub < 4
+    scale = tl.where(low, a & 63, (e & 0xF) | ((a >> 6) << 4)).to(tl.float32)
+    least = tl.where(low, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
+    byte = tl.load(block + 16 + (sub // 2) * 32 + j % 32).to(tl.int32)
+    q = ((byte >> ((sub % 2) * 4)) & 0xF).to(tl.float32)
+    return (_half_at(block) * scale) * q - _half_at(block + 2) * least
 
 
 @triton.jit
@@ -67,6 +95,7 @@ def _weight_tile(
     stride_s,
     GROUP: tl.constexpr,
     FORMAT: tl.constexpr,
+    BLOCK_WEIGHTS: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
 ):
     """The dequantized weights [BLOCK_N, BLOCK_K] in float32 (0 where masked)."""
@@ -82,15 +111,17 @@ def _weight_tile(
         scale = tl.load(scales_ptr + r * stride_s + c // GROUP, mask=mask, other=0.0)
         zero = tl.load(zeros_ptr + r * stride_s + c // GROUP, mask=mask, other=0.0)
         w = (q - zero.to(tl.float32)) * scale.to(tl.float32)
-    else:  # GGUF blocks of 32
-        block = w_ptr + r * stride_w + (c // 32) * BLOCK_BYTES  # [BLOCK_N, BLOCK_K] pointers
-        j = c % 32
+    else:  # GGUF blocks
+        block = w_ptr + r * stride_w + (c // BLOCK_WEIGHTS) * BLOCK_BYTES  # [BLOCK_N, BLOCK_K]
+        j = c % BLOCK_WEIGHTS
         safe = tl.where(mask, block, w_ptr)  # masked lanes read the first block
-        d = _half_at(safe)
-        if FORMAT == 2:  # Q8_0
+        if FORMAT == 5:  # Q4_K
+            w = _q4_k_weights(safe, j)
+        elif FORMAT == 2:  # Q8_0
             q = tl.load(safe + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
-            w = q * d
+            w = q * _half_at(safe)
         else:
+            d = _half_at(safe)
             first = 2 if FORMAT == 3 else 4
             byte = tl.load(safe + first + j % 16).to(tl.int32)
             q = ((byte >> ((j // 16) * 4)) & 0xF).to(tl.float32)
@@ -117,6 +148,7 @@ def _quant_matmul_kernel(
     stride_s,
     GROUP: tl.constexpr,
     FORMAT: tl.constexpr,
+    BLOCK_WEIGHTS: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -139,7 +171,7 @@ def _quant_matmul_kernel(
         )
         w_mask = (rows_n[:, None] < N) & (cols[None, :] < K)
         w = _weight_tile(w_ptr, scales_ptr, zeros_ptr, rows_n, cols, w_mask, stride_w, stride_s,
-                         GROUP, FORMAT, BLOCK_BYTES)  # fmt: skip
+                         GROUP, FORMAT, BLOCK_WEIGHTS, BLOCK_BYTES)  # fmt: skip
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
     out = partial_ptr + (split * M + rows_m[:, None].to(tl.int64)) * N + rows_n[None, :]
     tl.store(out, acc, mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
@@ -168,6 +200,7 @@ def quant_matmul(
     block_n = 32
     dummy = qweight  # an unused pointer argument
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
+    block_weights, block_bytes = GGUF_FORMATS.get(fmt, (1, 0))
     _quant_matmul_kernel[grid](
         x,
         qweight,
@@ -182,7 +215,8 @@ def quant_matmul(
         0 if scales is None else scales.stride(0),
         GROUP=group,
         FORMAT=int(fmt),
-        BLOCK_BYTES=GGUF_FORMATS.get(fmt, 0),
+        BLOCK_WEIGHTS=block_weights,
+        BLOCK_BYTES=block_bytes,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -214,7 +248,8 @@ def _check(
     tensors = {"x": x, "qweight": qweight}
     if fmt in GGUF_FORMATS:
         check_dtype("qweight", qweight, (torch.uint8,))
-        if k % GGUF_BLOCK or qweight.shape[1] != k // GGUF_BLOCK * GGUF_FORMATS[fmt]:
+        weights, size = GGUF_FORMATS[fmt]
+        if k % weights or qweight.shape[1] != k // weights * size:
             raise KernelArgumentError(
                 "qweight", f"rows of {qweight.shape[1]} bytes do not hold {k} {fmt.name} weights"
             )

@@ -1,8 +1,9 @@
 """The Triton weight-only matmul (kernels/quant_matmul.py) against the torch product of the
 weights dequantized in float64: int8 and int4 with group scales (groups smaller than, equal to
 and larger than the K tile, the case a per-tile scale gets wrong), GGUF Q8_0 / Q4_0 / Q4_1
-blocks from the gguf package's quantizer, split-K, a K tail shorter than a tile. On CPU under
-the Triton interpreter (conftest.py), on CUDA when present."""
+blocks from the gguf package's quantizer and random Q4_K super-blocks (K tiles smaller than,
+equal to and larger than 256) against the package's dequantizer, split-K, a K tail shorter
+than a tile. On CPU under the Triton interpreter (conftest.py), on CUDA when present."""
 
 from __future__ import annotations
 
@@ -84,6 +85,34 @@ def test_gguf_blocks_dequantized_in_the_kernel(device, fmt, m, k, split_k) -> No
     check(out, x, dense)
 
 
+def q4_k_blocks(k: int, seed: int) -> np.ndarray:
+    """Random valid Q4_K rows [N, K / 256 * 144] uint8 (the gguf package cannot quantize Q4_K
+    in numpy): any bytes are a valid super-block once d and dmin are finite. d and dmin are
+    100x larger in odd super-blocks, so a weight read from the wrong super-block shows."""
+    rng = np.random.default_rng(seed)
+    supers = k // 256
+    d = rng.uniform(1e-4, 1e-3, (N, supers, 2))
+    d[:, 1::2] *= 100
+    rest = rng.integers(0, 256, (N, supers, 140), dtype=np.uint8)  # scales (12), nibbles (128)
+    blocks = np.concatenate([d.astype(np.float16).view(np.uint8), rest], axis=-1)
+    return blocks.reshape(N, supers * 144)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "split_k", "block_k"),
+    [(1, 768, 4, 64), (5, 768, 1, 256), (3, 768, 2, 512), (20, 512, 2, 32)],
+)
+def test_q4_k_super_blocks_dequantized_in_the_kernel(device, m, k, split_k, block_k) -> None:
+    """BLOCK_K of 32 and 64 read one super-block over several tiles, 512 two per tile (and a
+    masked half tile at K = 768); split-K starts splits inside super-blocks."""
+    blocks = q4_k_blocks(k, seed=k + m)
+    dense = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q4_K)).double()
+    x = torch.randn(m, k, generator=_gen(m))
+    out = quant_matmul(x.to(device), torch.from_numpy(blocks).to(device), QuantFormat.Q4_K,
+                       split_k=split_k, block_k=block_k)  # fmt: skip
+    check(out, x, dense)
+
+
 def test_half_precision_activations(device) -> None:
     qweight, scales, zeros, dense = int_weights(QuantFormat.INT4, 128, 32, seed=3)
     x = torch.randn(4, 128, generator=_gen(4)).half()
@@ -103,5 +132,7 @@ def test_bad_arguments_name_what_is_wrong() -> None:
         quant_matmul(x, qweight, QuantFormat.INT4, scales[:, :2].contiguous(), zeros, group=32)
     with pytest.raises(KernelArgumentError, match="qweight"):
         quant_matmul(x, qweight, QuantFormat.Q4_0)  # int4 rows are not Q4_0 blocks
+    with pytest.raises(KernelArgumentError, match="qweight"):
+        quant_matmul(x, torch.zeros(N, 72, dtype=torch.uint8), QuantFormat.Q4_K)  # K < 256
     with pytest.raises(KernelArgumentError, match="split_k"):
         quant_matmul(x, qweight, QuantFormat.INT4, scales, zeros, group=32, split_k=0)
