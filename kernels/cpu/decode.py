@@ -200,6 +200,17 @@ class DecodeShape:
         # Its attention is the paged decode kernel's.
         return unsupported_shape_reason(self.num_heads, self.num_kv_heads, self.head_dim)
 
+    def blocks_unsupported_reason(self) -> str | None:
+        """Why the step cannot take GGUF blocks at this shape (decode.cpp refuses widths
+        that are not multiples of 32 once a weight is in blocks), or None."""
+        widths = {
+            "hidden size": self.hidden_size,
+            "intermediate size": self.intermediate_size,
+            "query width": self.num_heads * self.head_dim,
+        }
+        odd = [f"{name} {value}" for name, value in widths.items() if value % 32]
+        return f"{', '.join(odd)} not a multiple of 32" if odd else None
+
     def dims(self) -> list[int]:
         """decode.cpp's Dim order; the block size (set by bind_caches) is 0."""
         return [
@@ -353,6 +364,8 @@ def _ggml_type(weight: Weight) -> int:
 def _check_blocks(shape: DecodeShape, dtype: torch.dtype, blocks: list[QuantWeight]) -> None:
     if dtype != torch.float32:
         raise KernelArgumentError("weights", f"GGUF blocks in a float32 model only, not {dtype}")
+    if reason := shape.blocks_unsupported_reason():
+        raise KernelArgumentError("weights", f"GGUF blocks need widths of 32s: {reason}")
     for weight in blocks:
         weight.check()
     exact = [w for w in blocks if shape.quant_mode == "exact" or not has_fast_kernel(w.ggml_type)]

@@ -166,10 +166,12 @@ def install_blocks(
     embed: QuantWeight | None,
     head: QuantWeight | None,  # the embedding itself when tied
     mode: QuantMode,
+    weight_format: str | None = None,
 ) -> int:
     """Put these blocks in place of `model`'s dense weights (None: that weight stays dense),
     multiplied in `mode`, and rebuild its native decode step (if it has one) on them; the
-    dense weights replaced are dropped. Returns the bytes of blocks installed."""
+    dense weights replaced are dropped. `weight_format` is what the model reports it holds
+    (None: "gguf", the types installed and the mode). Returns the bytes of blocks installed."""
     kept = 0
     installed = [w for w in (embed, head) if w is not None]
     for layer, swaps in zip(model.layers, projections, strict=True):
@@ -191,7 +193,14 @@ def install_blocks(
         kept += 0 if head is embed else head.nbytes
     model.linear = partial(quant_matmul, mode=mode)
     types = {GGMLQuantizationType(w.ggml_type).name for w in installed}
-    model.weight_format = f"gguf {'+'.join(sorted(types))} {mode}"
+    model.weight_format = weight_format or f"gguf {'+'.join(sorted(types))} {mode}"
+    if (
+        installed
+        and model.native_decode is not None
+        and (reason := model.native_decode.step.shape.blocks_unsupported_reason())
+    ):
+        model.native_decode = None
+        model.native_decode_refused = f"on GGUF blocks: {reason}"
     if model.native_decode is not None:
         model.native_decode = NativeDecode(
             model.arch,
