@@ -20,7 +20,7 @@ from llmserve.service_main import (
     start_service,
 )
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
-from worker_service.config import GiB, WorkerConfig
+from worker_service.config import QUANTIZATIONS, GiB, WorkerConfig
 from worker_service.membership import LeaseKeeper, WorkerDrain
 
 log = get_logger(__name__)
@@ -46,10 +46,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "auto = onednn with the cpu backend where oneDNN runs the dtype, else native there",
     )
     p.add_argument(
+        "--quantization",
+        default="none",
+        choices=list(QUANTIZATIONS),
+        help="quantize a float checkpoint's weights at load into GGUF Q8_0 or Q4_1 blocks (per "
+        "row, a scale per 32 weights) and multiply on them as --linear-impl gguf does (CPU "
+        "float32, not a GGUF file); none = dense weights",
+    )
+    p.add_argument(
         "--quant-mode",
         default="exact",
         choices=list(QUANT_MODES),
-        help="with --linear-impl gguf: exact = blocks dequantized to float32 (HF's model up to "
+        help="with --linear-impl gguf or --quantization: exact = blocks dequantized to float32 (HF's model up to "
         "summation order); fast = activations rounded to 8 bits, integer dot products",
     )
     p.add_argument(
@@ -133,6 +141,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         device=args.device,
         attention_backend=args.attention_backend,
         linear_impl=args.linear_impl,
+        quantization=args.quantization,
         quant_mode=args.quant_mode,
         native_decode_max_batch=args.native_decode_max_batch,
         block_size=args.block_size,

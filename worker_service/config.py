@@ -17,6 +17,8 @@ DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "cpu", "triton", "torch"]
 LinearImplName = Literal["auto", "torch", "onednn", "native", "gguf"]
+QuantizationName = Literal["none", "q8_0", "q4_1"]
+QUANTIZATIONS: tuple[QuantizationName, ...] = ("none", "q8_0", "q4_1")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -51,10 +53,15 @@ class WorkerConfig:
     # and multiplies with them (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K, CPU float32:
     # models/gguf_weights.py).
     linear_impl: LinearImplName = "auto"
-    # How `gguf` multiplies (kernels/cpu/quant.py): `exact` dequantizes each block to float32
-    # (the model equals HF's dequantized one up to summation order); `fast` rounds the
-    # activations to 8 bits per block of 32 and takes integer dot products (Q4_0, Q4_1 and Q8_0;
-    # other types multiply as in exact mode).
+    # `q8_0` / `q4_1` quantize a float checkpoint's projections, embedding and LM head at load
+    # into those GGUF blocks (per row, 32 weights per scale) and multiply with them as `gguf`
+    # does (models/quantize_at_load.py): CPU float32, not a GGUF file, linear_impl auto or
+    # gguf. `none` keeps the weights dense (a GGUF file dequantized, unless `gguf`).
+    quantization: QuantizationName = "none"
+    # How `gguf` and `quantization` multiply (kernels/cpu/quant.py): `exact` dequantizes each
+    # block to float32 (the model equals HF's dequantized one up to summation order); `fast`
+    # rounds the activations to 8 bits per block of 32 and takes integer dot products (Q4_0,
+    # Q4_1 and Q8_0; other types multiply as in exact mode).
     quant_mode: QuantMode = "exact"
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks
@@ -96,6 +103,7 @@ class WorkerConfig:
             raise WorkerConfigError(
                 "linear_impl", f"must be auto|torch|onednn|native|gguf, got {self.linear_impl}"
             )
+        self._check_quantization()
         if self.quant_mode not in QUANT_MODES:
             raise WorkerConfigError(
                 "quant_mode", f"must be {'|'.join(QUANT_MODES)}, got {self.quant_mode}"
@@ -116,6 +124,27 @@ class WorkerConfig:
             raise WorkerConfigError("num_threads", "must be positive")
         if not self.mask_wait_timeout_s > 0:
             raise WorkerConfigError("mask_wait_timeout_s", "must be positive")
+
+    def _check_quantization(self) -> None:
+        """What can be told before the model and device are known (the rest:
+        linear_impl.choose_linear_impl)."""
+        q = self.quantization
+        if q not in QUANTIZATIONS:
+            raise WorkerConfigError("quantization", f"must be {'|'.join(QUANTIZATIONS)}, got {q}")
+        if q == "none":
+            return
+        if self.linear_impl not in ("auto", "gguf"):
+            raise WorkerConfigError(
+                "quantization",
+                f"{q} multiplies on its blocks (the gguf kernels): linear_impl must be auto or "
+                f"gguf, not {self.linear_impl}",
+            )
+        if self.device == "cuda" or self.dtype in ("bfloat16", "float16"):
+            raise WorkerConfigError(
+                "quantization",
+                f"{q}'s kernels run on the CPU in float32, not device {self.device} dtype "
+                f"{self.dtype}",
+            )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

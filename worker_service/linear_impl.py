@@ -12,6 +12,7 @@ from worker_service.models import ModelArchConfig
 from worker_service.models.gguf_weights import unsupported_reason as gguf_reason
 from worker_service.models.linear import packed_linear_available
 from worker_service.models.native import native_linear_unsupported_reason
+from worker_service.models.quantize_at_load import unsupported_reason as quantize_reason
 
 
 def choose_linear_impl(
@@ -21,10 +22,19 @@ def choose_linear_impl(
     device: torch.device,
     dtype: torch.dtype,
     source: Callable[[], ModelSource],
+    quantization: str = "none",
 ) -> str:
     """`requested` if it can run this model here (else `WorkerConfigError` naming
     `linear_impl` and why), or what `auto` picks: onednn with the native `cpu` attention
-    backend where oneDNN runs the dtype, else native there, and torch otherwise."""
+    backend where oneDNN runs the dtype, else native there, and torch otherwise. A
+    `quantization` other than none multiplies on blocks: gguf (else `WorkerConfigError`
+    naming `quantization`; WorkerConfig refused linear_impls other than auto and gguf)."""
+    if quantization != "none":
+        if reason := quantize_reason(source(), device, dtype):
+            raise WorkerConfigError(
+                "quantization", f"{quantization} cannot run this model: {reason}"
+            )
+        return "gguf"
     onednn = packed_linear_available(device, dtype)
     native_reason = (
         f"it runs on the CPU only, not {device}"

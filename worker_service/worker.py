@@ -25,6 +25,7 @@ from worker_service.linear_impl import choose_linear_impl
 from worker_service.model_runner import ModelRunner
 from worker_service.models import DecoderModel, model_from_hf, read_arch
 from worker_service.models.gguf_weights import keep_gguf_blocks
+from worker_service.models.quantize_at_load import quantize_model
 from worker_service.sampler import Sampler
 
 log = get_logger(__name__)
@@ -126,7 +127,7 @@ class Worker:
         # matmuls along; `torch` stays plain torch throughout, as the reference.
         linear_impl = choose_linear_impl(
             self.config.linear_impl, backend_cls.name, arch, self.device, self.dtype,
-            lambda: resolve_model(self.config.model),
+            lambda: resolve_model(self.config.model), self.config.quantization,
         )  # fmt: skip
         # The model takes the native decode step where it can run it (models/native.py)
         # and says why not otherwise: those models decode on the per-layer path.
@@ -139,10 +140,15 @@ class Worker:
             native_linear=linear_impl == "native",
             native_decode_max_batch=self.config.native_decode_max_batch if native_decode else 0,
         )
-        if linear_impl == "gguf":
-            source = resolve_model(self.config.model)
-            kept = keep_gguf_blocks(self._model, source, self.config.quant_mode)
-            log.info("weights kept in GGUF blocks", bytes=kept, mode=self.config.quant_mode)
+        mode, quantization = self.config.quant_mode, self.config.quantization
+        if linear_impl == "gguf" and quantization != "none":
+            start = time.perf_counter()
+            kept = quantize_model(self._model, quantization, mode)
+            seconds = round(time.perf_counter() - start, 2)
+            log.info("weights quantized at load", to=quantization, bytes=kept, seconds=seconds)
+        elif linear_impl == "gguf":
+            kept = keep_gguf_blocks(self._model, resolve_model(self.config.model), mode)
+            log.info("weights kept in GGUF blocks", bytes=kept, mode=mode)
         if self._model.native_decode_refused is not None:
             log.info("native decode step off", reason=self._model.native_decode_refused)
         eos = _eos_ids(hf_model)
