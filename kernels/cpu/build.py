@@ -33,7 +33,7 @@ SOURCES = {
     "quant.cpp": ("-ffp-contract=off",),
     "quant_fast.cpp": (),
 }
-HEADERS = ("vec.h", "pool.h", "linear.h", "attention.h", "quant.h")
+HEADERS = ("vec.h", "pool.h", "linear.h", "attention.h", "quant.h", "quant_fast.h", "quant_chunked.h")
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -163,8 +163,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_quant_block_bytes": [i32],
         # ggml type -> weights per block (32; 256 for the k-quants)
         "llmserve_quant_block_weights": [i32],
-        # ggml type -> 1 if fast mode has integer dot products for it
-        "llmserve_quant_has_fast_kernel": [i32],
         # ggml type, weights, rows, cols, out
         "llmserve_quant_dequantize": [i32, ptr, i64, i64, ptr],
         # ggml type, x, n, in, weights, out features, out

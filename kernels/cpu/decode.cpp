@@ -56,7 +56,6 @@ int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row
                       void* value_cache);
 int llmserve_quant_block_bytes(int type);
 int llmserve_quant_block_weights(int type);
-int llmserve_quant_has_fast_kernel(int type);
 int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, int64_t cols,
                               float* out);
 int llmserve_quant_linear(int type, const float* x, int64_t n, int64_t in, const uint8_t* weights,
@@ -325,9 +324,7 @@ int llmserve_decode_step(int dtype, const int64_t* dims, const float* params,
     if (dtype != 0 || llmserve_quant_block_bytes(int(weight_types[i])) == 0) return -1;
     if (dims[kHidden] % 32 || dims[kInter] % 32 || q_size % 32) return -1;
     const int64_t widest = std::max({dims[kHidden], dims[kInter], q_size});
-    const bool exact = dims[kQuantMode] == kExact ||
-                       !llmserve_quant_has_fast_kernel(int(weight_types[i]));
-    if (exact && widest > 16384) return -1;  // quant.cpp's kMaxRow
+    if (dims[kQuantMode] == kExact && widest > 16384) return -1;  // quant.cpp's kMaxRow
   }
   const StepArgs args{dims,      params,    layers,  weight_types,     windows,      embed,
                       final_norm, lm_head,  input_ids,    positions,    slots,

@@ -23,7 +23,7 @@ import torch
 from kernels._checks import KernelArgumentError
 from kernels.cpu.attention import DTYPE_CODES, unsupported_shape_reason
 from kernels.cpu.build import library
-from kernels.cpu.quant import MAX_IN_FEATURES, MODES, QuantMode, QuantWeight, has_fast_kernel
+from kernels.cpu.quant import MAX_IN_FEATURES, MODES, QuantMode, QuantWeight
 
 Weight = torch.Tensor | QuantWeight
 
@@ -368,7 +368,7 @@ def _check_blocks(shape: DecodeShape, dtype: torch.dtype, blocks: list[QuantWeig
         raise KernelArgumentError("weights", f"GGUF blocks need widths of 32s: {reason}")
     for weight in blocks:
         weight.check()
-    exact = [w for w in blocks if shape.quant_mode == "exact" or not has_fast_kernel(w.ggml_type)]
+    exact = blocks if shape.quant_mode == "exact" else []
     widest = max((weight.in_features for weight in exact), default=0)
     if widest > MAX_IN_FEATURES:
         raise KernelArgumentError(

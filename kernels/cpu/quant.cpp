@@ -75,17 +75,6 @@ inline void dequantize_q5_0(const uint8_t* block, float* out) {
   }
 }
 
-// Q4_K's packed 6-bit scale and min of sub-block j (0..7).
-inline void k_scale_min(const uint8_t* packed, int j, int& scale, int& min) {
-  if (j < 4) {
-    scale = packed[j] & 0x3f;
-    min = packed[j + 4] & 0x3f;
-  } else {
-    scale = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 2) & 0x30);
-    min = (packed[j + 4] >> 4) | ((packed[j] >> 2) & 0x30);
-  }
-}
-
 // Q4_K's and Q5_K's super-block: w = (d * sc) * q - dmin * m, the package's operations.
 template <bool kFifthBit>
 inline void dequantize_q45_k(const uint8_t* block, float* out) {
@@ -108,15 +97,19 @@ inline void dequantize_q45_k(const uint8_t* block, float* out) {
 
 // Q6_K's super-block: w = (d * scale) * (q - 32).
 inline void dequantize_q6_k(const uint8_t* block, float* out) {
-  const uint8_t* low = block;
-  const uint8_t* high = block + 128;
   const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
   const float d = half_to_float(block + 208);
-  for (int p = 0; p < kSuperBlock; ++p) {
-    const int half = p / 128, k = (p % 128) / 64, s = (p % 128) / 32;
-    const int l = (low[64 * half + p % 64] >> (4 * k)) & 0x0f;
-    const int h = (high[32 * half + p % 32] >> (2 * s)) & 0x03;
-    out[p] = (d * float(scales[p / 16])) * float((l | h << 4) - 32);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* low = block + 64 * half;
+    const uint8_t* high = block + 128 + 32 * half;
+    for (int s = 0; s < 4; ++s) {  // 32 weights: low nibbles of 32 bytes, then high ones
+      float* dst = out + 128 * half + 32 * s;
+      for (int t = 0; t < 32; ++t) {
+        const int l = (low[32 * (s % 2) + t] >> (4 * (s / 2))) & 0x0f;
+        const int h = (high[t] >> (2 * s)) & 0x03;
+        dst[t] = (d * float(scales[8 * half + 2 * s + t / 16])) * float((l | h << 4) - 32);
+      }
+    }
   }
 }
 
@@ -189,9 +182,6 @@ int llmserve_quant_block_bytes(int type) { return int(block_bytes(type)); }
 
 // Weights in one block of `type` (32, or 256 for the k-quants).
 int llmserve_quant_block_weights(int type) { return int(block_weights(type)); }
-
-// 1 if fast mode has integer dot products for `type` (else its fast mode is exact mode's).
-int llmserve_quant_has_fast_kernel(int type) { return has_fast_kernel(type) ? 1 : 0; }
 
 // weights [rows, cols / 32 blocks] -> out [rows, cols] float32. Returns -1 for an unknown type.
 int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, int64_t cols,

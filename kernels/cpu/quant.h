@@ -18,8 +18,6 @@ constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13
 
 constexpr bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 constexpr int64_t block_weights(int type) { return is_k_quant(type) ? kSuperBlock : kBlock; }
-// Types the fast mode multiplies with integer dot products; the others multiply in exact mode.
-constexpr bool has_fast_kernel(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
 // Longest row exact mode (quant.cpp) dequantizes on the stack (floats): 64 KiB.
 constexpr int64_t kMaxRow = 16384;
 
@@ -33,6 +31,17 @@ inline int64_t block_bytes(int type) {
     case kQ5_K: return 176;
     case kQ6_K: return 210;
     default: return 0;
+  }
+}
+
+// Q4_K's and Q5_K's 6-bit scale and min of sub-block j (0..7), packed in 12 bytes.
+inline void k_scale_min(const uint8_t* packed, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = packed[j] & 0x3f;
+    min = packed[j + 4] & 0x3f;
+  } else {
+    scale = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 2) & 0x30);
+    min = (packed[j + 4] >> 4) | ((packed[j] >> 2) & 0x30);
   }
 }
 

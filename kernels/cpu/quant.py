@@ -7,9 +7,9 @@ layouts). Types are ggml's codes (`gguf.GGMLQuantizationType`): Q4_0, Q4_1, Q5_0
 bit-identical to the gguf package's (what transformers loads). The linear layer's modes
 (`MODES`):
 - exact: x @ dequantize(w).T up to summation order;
-- fast: for Q4_0, Q4_1 and Q8_0 (`has_fast_kernel`), x quantized to 8 bits per block of 32
-  first (`quantize_activations`), then integer dot products: the exact product of those
-  rounded activations with the weights, up to summation order; other types as exact mode.
+- fast: x quantized to 8 bits per block of 32 first (`quantize_activations`), then integer
+  dot products: the exact product of those rounded activations with the weights, up to
+  summation order.
 """
 
 from __future__ import annotations
@@ -60,11 +60,6 @@ def block_bytes(ggml_type: int) -> int:
 def block_weights(ggml_type: int) -> int:
     """Weights in one block of `ggml_type` (32; 256 for the k-quants)."""
     return int(library().llmserve_quant_block_weights(int(ggml_type)))
-
-
-def has_fast_kernel(ggml_type: int) -> bool:
-    """Whether fast mode multiplies `ggml_type` with integer dot products (else exactly)."""
-    return bool(library().llmserve_quant_has_fast_kernel(int(ggml_type)))
 
 
 def _check_weight(ggml_type: int, weight: torch.Tensor, in_features: int) -> int:
@@ -121,8 +116,7 @@ def linear(
     if mode not in MODES:
         raise KernelArgumentError("mode", f"{mode!r}: one of {', '.join(MODES)}")
     n, in_features = x.shape
-    exact = mode == "exact" or not has_fast_kernel(ggml_type)
-    if exact and in_features > MAX_IN_FEATURES:
+    if mode == "exact" and in_features > MAX_IN_FEATURES:
         raise KernelArgumentError(
             "x", f"{in_features} input features, over exact mode's {MAX_IN_FEATURES}"
         )

@@ -9,8 +9,9 @@
 //   Q4_0: d_w * d * sum(q_w q) - 8 * d_w * s     (w = d_w * (q_w - 8))
 //   Q4_1: d_w * d * sum(q_w q) + m_w * s         (w = d_w * q_w + m_w)
 //   Q8_0: d_w * d * sum(q_w q)
-// so its error against exact mode is the activations' rounding to 8 bits (about 0.4% of a
-// block's largest value per element). An unpacked weight block serves four activation rows.
+// Q5_0 and the k-quants are read in chunks of 32 weights the same way (chunked_dots). So
+// fast mode's error against exact mode is the activations' rounding to 8 bits (about 0.4% of
+// a block's largest value per element). An unpacked weight block serves four activation rows.
 
 #include <algorithm>
 #include <cmath>
@@ -22,17 +23,13 @@
 
 #include "pool.h"
 #include "quant.h"
+#include "quant_chunked.h"
+#include "quant_fast.h"
 
 namespace llmserve {
 namespace {
 
 using namespace llmserve::quant;
-
-struct ActBlock {  // d and s adjacent: block_scales reads them as a pair
-  float d;  // scale: x ~ d * q
-  float s;  // d * sum(q)
-  int8_t q[kBlock];
-};
 
 // Row x[0..cols) into cols / 32 ActBlocks (see the file comment).
 void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
@@ -92,23 +89,6 @@ inline __m128 block_scales(const uint8_t* block, const float* d_and_s) {
   return _mm_mul_ps(w, _mm_castpd_ps(_mm_set_sd(pair)));
 }
 
-// sum_j w[j] * a[j] over a block, in 8 int32 lanes.
-template <int Type>
-inline __m256i block_dot(__m256i w, const int8_t* a) {
-  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-  if constexpr (Type == kQ8_0) {  // signed x signed: |w| times x with w's sign
-    x = _mm256_sign_epi8(x, w);
-    w = _mm256_sign_epi8(w, w);
-  }
-  const __m256i pairs = _mm256_maddubs_epi16(w, x);  // |products| <= 2 * 128 * 127: no saturation
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 #endif
 
 // out[m * stride] = the fast-mode dot of weight row `row` (`blocks` blocks) with activation
@@ -180,12 +160,23 @@ inline void fast_dots(const uint8_t* row, int64_t blocks, const ActBlock* a, flo
 #endif
 }
 
+
+// The dots of weight row `row` with M activation rows: chunked for Q5_0 and the k-quants.
+template <int Type, int M>
+inline void row_dots(const uint8_t* row, int64_t in, const ActBlock* a, float* out,
+                     int64_t stride) {
+  if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ8_0)
+    fast_dots<Type, M>(row, in / kBlock, a, out, stride);
+  else
+    chunked_dots<Type, M>(row, in / block_weights(Type), a, out, stride);
+}
+
 constexpr int kFastRows = 4;  // activation rows that share an unpacked weight block
 
 template <int Type>
 void linear_fast(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out_features,
                  float* out) {
-  const int64_t blocks = in / kBlock, row_bytes = blocks * block_bytes(Type);
+  const int64_t blocks = in / kBlock, row_bytes = in / block_weights(Type) * block_bytes(Type);
   thread_local std::vector<ActBlock> activations;
   activations.resize(size_t(n * blocks));
   for (int64_t i = 0; i < n; ++i) quantize_activations(x + i * in, in, activations.data() + i * blocks);
@@ -196,10 +187,10 @@ void linear_fast(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_
       prefetch_ahead(row, row_bytes, w + out_features * row_bytes);
       int64_t i = 0;
       for (; i + kFastRows <= n; i += kFastRows)
-        fast_dots<Type, kFastRows>(row, blocks, a + i * blocks, out + i * out_features + o,
-                                   out_features);
+        row_dots<Type, kFastRows>(row, in, a + i * blocks, out + i * out_features + o,
+                                  out_features);
       for (; i < n; ++i)
-        fast_dots<Type, 1>(row, blocks, a + i * blocks, out + i * out_features + o, out_features);
+        row_dots<Type, 1>(row, in, a + i * blocks, out + i * out_features + o, out_features);
     }
   });
 }
@@ -212,20 +203,13 @@ using namespace llmserve::quant;
 
 extern "C" {
 
-int llmserve_quant_linear(int type, const float* x, int64_t n, int64_t in, const uint8_t* weights,
-                          int64_t out_features, float* out);
-
-// The same product in fast mode: x quantized to 8 bits per block of 32, integer dot
-// products; for a type without them (has_fast_kernel), exact mode's product. `in` is a
-// multiple of the type's block. Returns -1 for an unknown type.
+// out [n, out_features] = x [n, in] @ dequantize(weights)^T in fast mode: x quantized to 8
+// bits per block of 32, integer dot products. `in` is a multiple of the type's block. Returns
+// -1 for an unknown type.
 int llmserve_quant_linear_fast(int type, const float* x, int64_t n, int64_t in,
                                const uint8_t* weights, int64_t out_features, float* out) {
-  if (!has_fast_kernel(type))
-    return llmserve_quant_linear(type, x, n, in, weights, out_features, out);
-  if (in % kBlock != 0) return -1;
-  return dispatch(type, [&]<int Type>() {
-    if constexpr (has_fast_kernel(Type)) linear_fast<Type>(x, n, in, weights, out_features, out);
-  });
+  if (block_bytes(type) == 0 || in % block_weights(type) != 0) return -1;
+  return dispatch(type, [&]<int Type>() { linear_fast<Type>(x, n, in, weights, out_features, out); });
 }
 
 // x [n, cols] -> [n, cols / 32] blocks of 40 bytes: float d, float d * sum(q), 32 int8 q,

@@ -114,8 +114,14 @@ def test_chunked_prefill_equals_whole_prompt(device: str) -> None:
 
 def test_prefill_of_one_token_equals_decode(device: str) -> None:
     cache, query = make_attention_case(  # query: [2, 16, 64], one row per sequence
-        [10, 77], 2, queries_per_kv=8, block_size=16, head_dim=64, dtype=torch.float32,
-        device=device, seed=5,
+        [10, 77],
+        2,
+        queries_per_kv=8,
+        block_size=16,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+        seed=5,
     )
     starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
     caches = (cache.key_cache, cache.value_cache, cache.block_tables)
@@ -126,7 +132,13 @@ def test_prefill_of_one_token_equals_decode(device: str) -> None:
 
 def test_prefill_rejects_bad_arguments(device: str) -> None:
     cache, query = make_attention_case(  # query: [4, 4, 64]
-        [4], 4, queries_per_kv=2, block_size=8, head_dim=64, dtype=torch.float32, device=device,
+        [4],
+        4,
+        queries_per_kv=2,
+        block_size=8,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
         seed=0,
     )
     caches = (cache.key_cache, cache.value_cache, cache.block_tables)

@@ -30,8 +30,9 @@ K_QUANTS = {
     GGMLQuantizationType.Q5_K: (176, (0, 2)),
     GGMLQuantizationType.Q6_K: (210, (208,)),
 }
-# Exact mode (and dequantization) only: fast mode multiplies these as exact mode does.
-EXACT_ONLY_TYPES = [
+# Types the gguf package dequantizes but (but Q5_0) cannot quantize; fast mode reads them in
+# chunks of 32 weights (quant_fast.cpp's chunked_dots).
+CHUNKED_TYPES = [
     pytest.param(GGMLQuantizationType.Q5_0, id="q5_0"),
     *(pytest.param(t, id=t.name.lower()) for t in K_QUANTS),
 ]
@@ -64,7 +65,7 @@ def reference(x: torch.Tensor, blocks: np.ndarray, ggml_type: GGMLQuantizationTy
     return x.double() @ w.T
 
 
-@pytest.mark.parametrize("ggml_type", TYPES + EXACT_ONLY_TYPES)
+@pytest.mark.parametrize("ggml_type", TYPES + CHUNKED_TYPES)
 @pytest.mark.parametrize("width", [0, 1, 2])
 def test_dequantized_weights_are_the_gguf_packages_bit_for_bit(ggml_type, width):
     cols = widths(ggml_type)[width]
@@ -101,20 +102,16 @@ def test_exact_linear_is_the_dequantized_matmul(ggml_type, n, in_features, out_f
     assert ((out.double() - expected).abs() <= 1e-6 * scale + 1e-30).all()
 
 
-@pytest.mark.parametrize("ggml_type", EXACT_ONLY_TYPES)
+@pytest.mark.parametrize("ggml_type", CHUNKED_TYPES)
 @pytest.mark.parametrize("n", [1, 5, 64])
-def test_exact_only_types_multiply_exactly_in_both_modes(ggml_type, n):
-    """Q5_0 and the k-quants: the exact product in exact mode, and in fast mode too (which
-    has no integer kernel for them), widths of their own."""
-    assert not quant.has_fast_kernel(ggml_type)
+def test_exact_linear_of_q5_0_and_k_quants_is_the_dequantized_matmul(ggml_type, n):
     in_features = widths(ggml_type)[n % 3]
     blocks = quantized(ggml_type, 48, in_features, seed=n)
     x = torch.randn(n, in_features, generator=torch.Generator().manual_seed(n))
     expected = reference(x, blocks, ggml_type)
     scale = x.double().abs() @ torch.from_numpy(dequantize(blocks, ggml_type)).double().abs().T
-    for mode in quant.MODES:
-        out = quant.linear(x, ggml_type, torch.from_numpy(blocks), mode)
-        assert ((out.double() - expected).abs() <= 1e-6 * scale + 1e-30).all(), mode
+    out = quant.linear(x, ggml_type, torch.from_numpy(blocks))
+    assert ((out.double() - expected).abs() <= 1e-6 * scale + 1e-30).all()
 
 
 def test_smollm2s_shipped_q4_1_tensors():
@@ -180,15 +177,29 @@ def test_activations_round_to_8_bits_as_the_torch_reference_does():
     assert q.abs().max() == 127
 
 
-@pytest.mark.parametrize("ggml_type", TYPES)
-@pytest.mark.parametrize(("n", "in_features", "out_features"), [
-    (1, 640, 33), (5, 896, 96), (64, 640, 17), (4, 32, 5), (16, 576, 1536), (8, 20480, 3),
-])  # fmt: skip
-def test_fast_linear_is_the_product_on_8_bit_activations(
-    ggml_type, n, in_features, out_features
-):
-    """Batch 1 to 64 (4-row tiles and their remainders), widths 640 and 896 (not multiples of
-    256), and a row wider than exact mode's limit."""
+FAST_SHAPES = [
+    (1, 640, 33),
+    (5, 896, 96),
+    (64, 640, 17),
+    (4, 32, 5),
+    (16, 576, 1536),
+    (8, 20480, 3),
+]
+# The k-quants' rows are multiples of 256 weights.
+K_FAST_SHAPES = [(1, 256, 33), (5, 512, 96), (64, 2048, 17), (7, 768, 40), (8, 20480, 3)]
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "n", "in_features", "out_features"),
+    [
+        pytest.param(t.values[0], *shape, id=f"{t.id}-{'-'.join(map(str, shape))}")
+        for t in TYPES + CHUNKED_TYPES
+        for shape in (K_FAST_SHAPES if t.values[0] in K_QUANTS else FAST_SHAPES)
+    ],
+)
+def test_fast_linear_is_the_product_on_8_bit_activations(ggml_type, n, in_features, out_features):
+    """Every type, batch 1 to 64 (4-row tiles and their remainders), widths 640 and 896 (not
+    multiples of 256) for the 32-weight types, and a row wider than exact mode's limit."""
     blocks = quantized(ggml_type, out_features, in_features, seed=n * 7 + in_features)
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(n, in_features, generator=gen)

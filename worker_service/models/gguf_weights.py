@@ -12,7 +12,7 @@ Modes (`--quant-mode`, kernels/cpu/quant.py):
 - exact: a block is dequantized to float32 and multiplied with float32 activations, so the
   model equals HF's dequantized one up to summation order;
 - fast: activations are rounded to 8 bits per block of 32 and multiplied with integer dot
-  products.
+  products (every type above).
 Inputs of `DEQUANTIZE_ROWS` rows or more (prefill chunks) dequantize the weight whole and
 multiply with torch in either mode, which is exact mode's product.
 """

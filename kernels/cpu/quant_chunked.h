@@ -1,0 +1,181 @@
+// Weights kept in GGUF blocks (issue #27): fast mode for Q5_0 and the k-quants (quant_fast.cpp
+// has the 32-weight types and the layer; quant.cpp the layouts).
+//
+// A block (Q5_0's 32 weights, a k-quant's 256) is read as chunks of 32 weights, each matched
+// with one activation block (quant_fast.h's ActBlock):
+//   quants: the chunk's 32 weight quants as bytes, unsigned 0..31 (Q5_0, Q4_K, Q5_K) or
+//           signed q - 32 (Q6_K: its integer dot is taken as Q8_0's);
+//   scale:  what multiplies the integer dot of weights 0-15 and of 16-31 (the same for all
+//           but Q6_K, whose scales cover 16 weights) before the activation scale d;
+//   offset: what multiplies the activation block's s: Q5_0's -16 * d_w, the k-quants'
+//           -dmin * m_j (Q6_K: 0).
+// So the chunk's dot is  d * sum_h scale[h] * sum(q_w q over half h) + offset * s, the product
+// of the dequantized weights with the rounded activations up to summation order.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <immintrin.h>
+
+#include "quant.h"
+#include "quant_fast.h"
+
+namespace llmserve::quant {
+
+template <int Type>
+constexpr int kChunks = Type == kQ5_0 ? 1 : kSuperBlock / kBlock;
+
+template <int Type>
+inline void chunk_scales(const uint8_t* block, float (*scale)[2], float* offset) {
+  if constexpr (Type == kQ5_0) {
+    const float d = half_to_float(block);
+    scale[0][0] = scale[0][1] = d;
+    offset[0] = -16.0f * d;
+  } else if constexpr (Type == kQ6_K) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = half_to_float(block + 208);
+    for (int c = 0; c < kChunks<Type>; ++c) {
+      scale[c][0] = d * float(scales[2 * c]);
+      scale[c][1] = d * float(scales[2 * c + 1]);
+      offset[c] = 0.0f;
+    }
+  } else {  // Q4_K, Q5_K
+    const float d = half_to_float(block), dmin = half_to_float(block + 2);
+    for (int c = 0; c < kChunks<Type>; ++c) {
+      int sc, m;
+      k_scale_min(block + 4, c, sc, m);
+      scale[c][0] = scale[c][1] = d * float(sc);
+      offset[c] = -dmin * float(m);
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256i shift_right_16(__m256i v, int bits) {
+  return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits));
+}
+
+// Chunk c's 32 weight quants (see above), in weight order.
+template <int Type>
+inline __m256i chunk_quants(const uint8_t* block, int c) {
+  const __m256i nibbles = _mm256_set1_epi8(0x0f);
+  if constexpr (Type == kQ5_0) {
+    const __m256i packed = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 6)));
+    const __m256i low = _mm256_and_si256(
+        _mm256_srlv_epi32(packed, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), nibbles);
+    // Fifth bits: byte j of the 32 gets mask byte j / 8, and bit j % 8 of it is tested.
+    uint32_t high;
+    std::memcpy(&high, block + 2, sizeof high);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(int(high)),
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+  } else if constexpr (Type == kQ6_K) {
+    const int half = c / 4, s = c % 4;
+    const __m256i low = _mm256_and_si256(
+        shift_right_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                           block + 64 * half + 32 * (s % 2))),
+                       4 * (s / 2)),
+        nibbles);
+    const __m256i high = _mm256_and_si256(
+        shift_right_16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half)), 2 * s),
+        _mm256_set1_epi8(0x03));
+    return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)),
+                           _mm256_set1_epi8(32));
+  } else {  // Q4_K, Q5_K: chunks 2p and 2p + 1 in the low and high nibbles of 32 bytes
+    const uint8_t* q = block + (Type == kQ5_K ? 48 : 16) + 32 * (c / 2);
+    __m256i v = _mm256_and_si256(
+        shift_right_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), 4 * (c % 2)),
+        nibbles);
+    if constexpr (Type == kQ5_K) {  // bit c of byte t: weight t's fifth bit
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+      const __m256i bit = _mm256_and_si256(shift_right_16(high, c), _mm256_set1_epi8(1));
+      v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+    }
+    return v;
+  }
+}
+#else
+// Chunk c's 32 weight quants (see above), in weight order, as ints.
+template <int Type>
+inline void chunk_quants(const uint8_t* block, int c, int* w) {
+  for (int t = 0; t < kBlock; ++t) {
+    if constexpr (Type == kQ5_0) {
+      uint32_t high;
+      std::memcpy(&high, block + 2, sizeof high);
+      const int low = t < kBlock / 2 ? block[6 + t] & 0x0f : block[6 + t - kBlock / 2] >> 4;
+      w[t] = low | int((high >> t) & 1u) << 4;
+    } else if constexpr (Type == kQ6_K) {
+      const int half = c / 4, s = c % 4;
+      const int low = (block[64 * half + 32 * (s % 2) + t] >> (4 * (s / 2))) & 0x0f;
+      const int high = (block[128 + 32 * half + t] >> (2 * s)) & 0x03;
+      w[t] = (low | high << 4) - 32;
+    } else {
+      const uint8_t* q = block + (Type == kQ5_K ? 48 : 16) + 32 * (c / 2);
+      w[t] = (q[t] >> (4 * (c % 2))) & 0x0f;
+      if constexpr (Type == kQ5_K) w[t] |= ((block[16 + t] >> c) & 1) << 4;
+    }
+  }
+}
+#endif
+
+// fast_dots for a chunked type: `blocks` blocks of the type, a[m * chunks ...] their
+// activation blocks (kChunks per block).
+template <int Type, int M>
+inline void chunked_dots(const uint8_t* row, int64_t blocks, const ActBlock* a, float* out,
+                         int64_t stride) {
+  constexpr int kPer = kChunks<Type>;
+  const int64_t bytes = block_bytes(Type), chunks = blocks * kPer;
+  float scale[kPer][2], offset[kPer];
+  float shifted[M] = {};  // the sum of the offset terms
+#if defined(__AVX2__) && defined(__F16C__)
+  __m256 acc[2][M];  // two chains: chunks taken in turn
+  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * bytes;
+    chunk_scales<Type>(block, scale, offset);
+#pragma GCC unroll 8  // constant chunk indices: acc[c % 2] stays in registers
+    for (int c = 0; c < kPer; ++c) {
+      const __m256i w = chunk_quants<Type>(block, c);
+      const __m256 halves =  // lanes 0-3 hold weights 0-15's sums, 4-7 those of 16-31
+          _mm256_setr_m128(_mm_set1_ps(scale[c][0]), _mm_set1_ps(scale[c][1]));
+      for (int m = 0; m < M; ++m) {
+        const ActBlock& x = a[m * chunks + b * kPer + c];
+        const __m256 sum = _mm256_cvtepi32_ps(
+            Type == kQ6_K ? block_dot<kQ8_0>(w, x.q) : block_dot<kQ4_0>(w, x.q));
+        acc[c % 2][m] = _mm256_fmadd_ps(sum, _mm256_mul_ps(halves, _mm256_set1_ps(x.d)),
+                                        acc[c % 2][m]);
+        if constexpr (Type != kQ6_K) shifted[m] += offset[c] * x.s;
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    out[m * stride] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + shifted[m];
+#else
+  float acc[M] = {};
+  int w[kBlock];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * bytes;
+    chunk_scales<Type>(block, scale, offset);
+    for (int c = 0; c < kPer; ++c) {
+      chunk_quants<Type>(block, c, w);
+      for (int m = 0; m < M; ++m) {
+        const ActBlock& x = a[m * chunks + b * kPer + c];
+        int sums[2] = {0, 0};
+        for (int t = 0; t < kBlock; ++t) sums[t / 16] += w[t] * x.q[t];
+        acc[m] += (float(sums[0]) * scale[c][0] + float(sums[1]) * scale[c][1]) * x.d;
+        shifted[m] += offset[c] * x.s;
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m * stride] = acc[m] + shifted[m];
+#endif
+}
+
+}  // namespace llmserve::quant
