@@ -60,8 +60,7 @@ class WorkerConfig:
     quantization: QuantizationName = "none"
     # How `gguf` and `quantization` multiply (kernels/cpu/quant.py): `exact` dequantizes each
     # block to float32 (the model equals HF's dequantized one up to summation order); `fast`
-    # rounds the activations to 8 bits per block of 32 and takes integer dot products (Q4_0,
-    # Q4_1 and Q8_0; other types multiply as in exact mode).
+    # rounds the activations to 8 bits per block of 32 and takes integer dot products.
     quant_mode: QuantMode = "exact"
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks
