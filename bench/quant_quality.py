@@ -7,7 +7,7 @@ reports:
   how many outputs equal HF's token for token, and the mean length of the common prefix;
 - perplexity on a fixed text (`FIXED_TEXT` of tests/integration/test_worker_gguf_blocks.py)
   from the prompt logprobs, read in chunks of 32 tokens so that every token goes through the
-  mode's kernel (inputs of 64 rows or more take the dequantizing path in both modes).
+  mode's kernel (larger inputs take the dequantizing path: gguf_weights.dequantize_rows).
 
     .venv/bin/python bench/quant_quality.py [--model path/to/file.gguf]
 """

@@ -23,7 +23,7 @@ from tests.support.models import (
     load_spec,
 )
 from worker_service.config import WorkerConfig, WorkerConfigError
-from worker_service.models.gguf_weights import DEQUANTIZE_ROWS, quant_matmul
+from worker_service.models.gguf_weights import dequantize_rows, quant_matmul
 from worker_service.worker import Worker
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 TEXTS = SMOLLM2_EXACTNESS_TEXTS
 NEW = SMOLLM2_EXACTNESS_NEW
 # A fixed text for perplexity, read in chunks of PERPLEXITY_CHUNK tokens: under
-# DEQUANTIZE_ROWS, so that fast mode's kernel (not the dequantizing path) reads every token.
+# dequantize_rows, so that fast mode's kernel (not the dequantizing path) reads every token.
 FIXED_TEXT = (
     "The river rises in the hills north of the town and runs south through farmland for "
     "about forty miles before it reaches the sea. In the spring the snow melts and the water "
@@ -90,15 +90,16 @@ def test_every_weight_with_a_kernel_runs_on_blocks_and_the_dense_copies_are_gone
 
 
 def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(loaded: Any) -> None:
-    """Prefill-sized inputs dequantize the weight whole (DEQUANTIZE_ROWS); the product is the
+    """Prefill-sized inputs dequantize the weight whole (dequantize_rows); the product is the
     kernel's, row by row, up to summation order."""
     weight = loaded[0]._model.layers[0].gate_up
-    x = torch.randn(DEQUANTIZE_ROWS, weight.in_features, generator=torch.Generator().manual_seed(3))
+    rows = dequantize_rows(weight, "exact")
+    x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(3))
     whole = quant_matmul(x, weight)
-    rows = torch.cat([quant_matmul(x[i : i + 1], weight) for i in range(x.shape[0])])
+    by_row = torch.cat([quant_matmul(x[i : i + 1], weight) for i in range(x.shape[0])])
     assert isinstance(weight, QuantWeight)
-    assert whole.shape == rows.shape == (DEQUANTIZE_ROWS, weight.shape[0])
-    torch.testing.assert_close(whole, rows, rtol=1e-5, atol=1e-5)
+    assert whole.shape == by_row.shape == (rows, weight.shape[0])
+    torch.testing.assert_close(whole, by_row, rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_output_equals_hf_on_the_dequantized_file(loaded: Any) -> None:

@@ -13,8 +13,8 @@ Modes (`--quant-mode`, kernels/cpu/quant.py):
   model equals HF's dequantized one up to summation order;
 - fast: activations are rounded to 8 bits per block of 32 and multiplied with integer dot
   products (every type above).
-Inputs of `DEQUANTIZE_ROWS` rows or more (prefill chunks) dequantize the weight whole and
-multiply with torch in either mode, which is exact mode's product.
+Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: 48 to 192 by
+mode and weight size, measured) dequantize the weight whole and multiply with torch.
 """
 
 from __future__ import annotations
@@ -38,12 +38,28 @@ from worker_service.models.native import NativeDecode
 log = get_logger("worker.gguf")
 
 
-# From this many rows on (prefill chunks), a block weight is dequantized whole and multiplied
-# by torch: the exact kernel dots each dequantized row with every activation row, which wins
-# below it. Measured here (2 threads, Q4_1, kernel vs dequantize + F.linear): 576x1536 at 16
-# rows 0.37 vs 0.88 ms, at 64 rows 1.55 vs 1.19, at 256 4.9 vs 2.3; the 49152-row head at
-# 64 rows 39 vs 55 ms, at 256 179 vs 109. Either way the product is exact mode's.
-DEQUANTIZE_ROWS = 64
+# From this many input rows on (prefill chunks, large decode batches), a block weight is
+# dequantized whole and multiplied by torch, which wins from there; either way the product is
+# the mode's up to the activations' rounding (fast) and summation order. Measured here
+# (2 threads, min of 15; ms for exact kernel / fast kernel / dequantize + F.linear):
+#   rows              32                  64                  96
+#   Q4_1 960x576      0.54 / 0.40 / 0.63  1.11 / 0.79 / 1.03  1.70 / 1.21 / 1.14
+#   Q4_1 3072x576     1.70 / 1.12 / 2.14  3.50 / 2.37 / 2.67  5.18 / 3.30 / 2.79
+#   Q8_0 3072x576     1.75 / 1.16 / 1.46  3.48 / 2.29 / 2.03  5.20 / 3.33 / 2.17
+# A weight whose float32 copy outgrows the caches (LARGE_WEIGHT_BYTES: the LM head) writes it
+# to memory and reads it back, so it is dequantized later:
+#   rows              64                  96                  192
+#   Q8_0 49152x576    61 / 38 / 75        94 / 58 / 85        177 / 146 / 142
+DEQUANTIZE_ROWS: dict[QuantMode, int] = {"exact": 48, "fast": 80}
+LARGE_WEIGHT_BYTES = 32 << 20
+LARGE_DEQUANTIZE_ROWS: dict[QuantMode, int] = {"exact": 96, "fast": 192}
+
+
+def dequantize_rows(weight: QuantWeight, mode: QuantMode) -> int:
+    """Inputs of this many rows or more multiply `weight` dequantized whole (see above)."""
+    rows, in_features = weight.shape
+    large = rows * in_features * 4 > LARGE_WEIGHT_BYTES
+    return (LARGE_DEQUANTIZE_ROWS if large else DEQUANTIZE_ROWS)[mode]
 
 
 def quant_matmul(
@@ -54,7 +70,7 @@ def quant_matmul(
 ) -> torch.Tensor:  # [rows, out]
     if not isinstance(weight, QuantWeight):
         return F.linear(x, weight, bias)
-    if x.shape[0] >= DEQUANTIZE_ROWS:
+    if x.shape[0] >= dequantize_rows(weight, mode):
         dense = quant.dequantize(weight.ggml_type, weight.blocks, weight.in_features)
         return F.linear(x, dense, bias)
     out = quant.linear(x.contiguous(), weight.ggml_type, weight.blocks, mode)
