@@ -24,8 +24,8 @@ from worker_service.heap import return_freed_heap
 from worker_service.linear_impl import choose_linear_impl
 from worker_service.model_runner import ModelRunner
 from worker_service.models import DecoderModel, model_from_hf, read_arch
-from worker_service.models.gguf_weights import keep_gguf_blocks
-from worker_service.models.quantize_at_load import quantize_model
+from worker_service.models.native import default_native_max_batch
+from worker_service.models.quantize_at_load import load_blocks
 from worker_service.sampler import Sampler
 
 log = get_logger(__name__)
@@ -131,24 +131,22 @@ class Worker:
         )  # fmt: skip
         # The model takes the native decode step where it can run it (models/native.py)
         # and says why not otherwise: those models decode on the per-layer path.
-        native_decode = backend_cls.name == "cpu"
+        native_max = self.config.native_decode_max_batch
+        if native_max is None:
+            native_max = default_native_max_batch(arch, blocks=linear_impl == "gguf")
         self._model = model_from_hf(
             hf_model,
             max_positions=max_len,
             fused_ops=backend_cls.name == "cpu",
             packed_linear=linear_impl == "onednn",
             native_linear=linear_impl == "native",
-            native_decode_max_batch=self.config.native_decode_max_batch if native_decode else 0,
+            native_decode_max_batch=native_max if backend_cls.name == "cpu" else 0,
         )
-        mode, quantization = self.config.quant_mode, self.config.quantization
-        if linear_impl == "gguf" and quantization != "none":
-            start = time.perf_counter()
-            kept = quantize_model(self._model, quantization, mode)
-            seconds = round(time.perf_counter() - start, 2)
-            log.info("weights quantized at load", to=quantization, bytes=kept, seconds=seconds)
-        elif linear_impl == "gguf":
-            kept = keep_gguf_blocks(self._model, resolve_model(self.config.model), mode)
-            log.info("weights kept in GGUF blocks", bytes=kept, mode=mode)
+        if linear_impl == "gguf":
+            load_blocks(
+                self._model, self.config.quantization, self.config.quant_mode,
+                resolve_model(self.config.model),
+            )  # fmt: skip
         if self._model.native_decode_refused is not None:
             log.info("native decode step off", reason=self._model.native_decode_refused)
         eos = _eos_ids(hf_model)

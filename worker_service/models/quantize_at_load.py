@@ -17,6 +17,8 @@ The quantizer is gguf's numpy one: on a 49152x576 matrix (SmolLM2's embedding) i
 
 from __future__ import annotations
 
+import time
+
 import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
@@ -27,7 +29,7 @@ from llmserve.logs import get_logger
 from llmserve.model_spec import ModelSource
 from worker_service.config import WorkerConfigError
 from worker_service.models.decoder import DecoderModel
-from worker_service.models.gguf_weights import install_blocks
+from worker_service.models.gguf_weights import install_blocks, keep_gguf_blocks
 
 log = get_logger("worker.quantize")
 
@@ -108,3 +110,18 @@ def quantize_model(model: DecoderModel, quantization: str, mode: QuantMode = "ex
     return install_blocks(
         model, projections, embed, head, mode, weight_format=f"{quantization} {mode}"
     )
+
+
+def load_blocks(
+    model: DecoderModel, quantization: str, mode: QuantMode, source: ModelSource
+) -> None:
+    """Put `model`'s weights in blocks multiplied in `mode`: quantized at load when
+    `quantization` is not `none`, else its GGUF file's (`source`) as they are."""
+    if quantization != "none":
+        start = time.perf_counter()
+        kept = quantize_model(model, quantization, mode)
+        seconds = round(time.perf_counter() - start, 2)
+        log.info("weights quantized at load", to=quantization, bytes=kept, seconds=seconds)
+    else:
+        kept = keep_gguf_blocks(model, source, mode)
+        log.info("weights kept in GGUF blocks", bytes=kept, mode=mode)
