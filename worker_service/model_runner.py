@@ -1,7 +1,8 @@
 """Keeps per-sequence state from the scheduler's diffs and turns a step into tensors.
 
 The scheduler sends each sequence's tokens once; afterwards only appended tokens, block-table
-patches and scheduled counts. `ModelRunner` mirrors that state (`SequenceState`), lays the
+patches and scheduled counts. `ModelRunner` mirrors that state (`SequenceStates`, in
+sequence_state.py, which the simulated worker of the fleet benchmark shares), lays the
 step's tokens out prefill-first (sequences computing several tokens, then single-token ones),
 builds input ids, positions, slot mapping, block tables and lengths, runs the model with
 logits only for the rows that need them, and hands those to the sampler.
@@ -11,177 +12,40 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kernels.cpu.decode import ArgmaxLogprobs
-from llmserve.sampling_params import SamplingParams
-from llmserve.steps import (
-    SAMPLED_TOKEN,
-    PromptLogprob,
-    SequenceOutput,
-    StepInput,
-    StepResult,
-    TokenMask,
-)
+from llmserve.steps import SequenceOutput, StepResult, TokenMask
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.models.decoder import DecoderModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
+from worker_service.sequence_state import Scheduled, SequenceStates, StateError
+
+__all__ = ["ModelRunner", "StateError"]
 
 
-@dataclass(slots=True)
-class SequenceState:
-    """The worker's copy of one sequence."""
-
-    seq_id: int
-    request_id: str
-    seq_index: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed: int
-    block_ids: list[int]
-    params: SamplingParams
-    # Prompt logprobs of chunks that did not sample yet; sent with the first sample.
-    pending_prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
-    # The token the last step that scheduled this sequence sampled for it (None: it sampled
-    # nothing, or several); what a `SAMPLED_TOKEN` placeholder stands for.
-    last_sampled: int | None = None
-
-    def fork(self, child_seq_id: int, child_seq_index: int) -> SequenceState:
-        return SequenceState(
-            child_seq_id,
-            self.request_id,
-            child_seq_index,
-            list(self.token_ids),
-            self.num_prompt_tokens,
-            self.num_computed,
-            list(self.block_ids),
-            self.params,
-        )
-
-
-@dataclass(slots=True)
-class _Scheduled:
-    state: SequenceState
-    start: int  # first position computed this step
-    count: int  # tokens computed this step
-    order: int  # position in the step's new_seqs + cached_seqs order
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.count == len(self.state.token_ids)
-
-
-class StateError(RuntimeError):
-    """The step refers to sequence state the worker does not have (a protocol bug)."""
-
-
-class ModelRunner:
+class ModelRunner(SequenceStates):
     """Runs steps of one model over one KV cache."""
 
     def __init__(
         self, model: DecoderModel, backend: AttentionBackend, sampler: Sampler, block_size: int
     ) -> None:
+        super().__init__(block_size)
         self.model = model
         self.backend = backend
         self.sampler = sampler
-        self.block_size = block_size
         self.device = model.device
-        self.states: dict[int, SequenceState] = {}
-        # The current step's allowed tokens per constrained sequence (structured output), and
-        # whether more follow the step (`StepInput.deferred_mask_seq_ids`).
-        self.token_masks: dict[int, TokenMask] = {}
-        self.masks_deferred = False
         # Captured decode forwards (CUDA); None runs every step eagerly. Set by the worker.
         self.decode_graphs: DecodeGraphs | None = None
-
-    def apply_updates(self, step: StepInput) -> list[_Scheduled]:
-        """Steps 1-4 of the contract (free, fork, register, update); returns what to compute."""
-        for seq_id in step.freed_seq_ids:
-            self.states.pop(seq_id, None)
-        self.token_masks = {m.seq_id: m for m in step.token_masks}
-        self.masks_deferred = bool(step.deferred_mask_seq_ids)
-        for fork in step.forks:
-            parent = self._state(fork.parent_seq_id)
-            self.states[fork.child_seq_id] = parent.fork(fork.child_seq_id, fork.child_seq_index)
-        scheduled: list[_Scheduled] = []
-        for new in step.new_seqs:
-            state = SequenceState(
-                new.seq_id,
-                new.request_id,
-                new.seq_index,
-                list(new.token_ids),
-                new.num_prompt_tokens,
-                new.num_computed_tokens,
-                list(new.block_ids),
-                new.sampling_params,
-            )
-            self.states[new.seq_id] = state
-            if new.num_scheduled_tokens:
-                scheduled.append(
-                    _Scheduled(state, state.num_computed, new.num_scheduled_tokens, len(scheduled))
-                )
-        for cached in step.cached_seqs:
-            state = self._state(cached.seq_id)
-            new_tokens = cached.new_token_ids
-            if SAMPLED_TOKEN in new_tokens:
-                new_tokens = [self._take_sampled(state, new_tokens), *new_tokens[1:]]
-            state.token_ids.extend(new_tokens)
-            del state.block_ids[cached.block_offset :]
-            state.block_ids.extend(cached.block_ids)
-            if cached.num_scheduled_tokens:
-                scheduled.append(
-                    _Scheduled(
-                        state, state.num_computed, cached.num_scheduled_tokens, len(scheduled)
-                    )
-                )
-        for s in scheduled:
-            if s.start + s.count > len(s.state.token_ids):
-                raise StateError(f"seq {s.state.seq_id}: scheduled past its known tokens")
-            if s.start + s.count > len(s.state.block_ids) * self.block_size:
-                raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
-        return scheduled
-
-    @staticmethod
-    def _take_sampled(state: SequenceState, new_tokens: list[int]) -> int:
-        """The token a `SAMPLED_TOKEN` placeholder stands for (asynchronous scheduling)."""
-        if new_tokens[0] != SAMPLED_TOKEN or SAMPLED_TOKEN in new_tokens[1:]:
-            raise StateError(
-                f"seq {state.seq_id}: the sampled-token placeholder must be the first new "
-                f"token and appear once, got {len(new_tokens)} new tokens"
-            )
-        token = state.last_sampled
-        if token is None:
-            raise StateError(
-                f"seq {state.seq_id}: the step names the token sampled in the previous step, "
-                "but that step sampled nothing for this sequence"
-            )
-        state.last_sampled = None
-        return token
-
-    def remember_samples(self, scheduled: list[_Scheduled], result: StepResult) -> None:
-        """Keep what each scheduled sequence sampled in this step, for the next step's
-        placeholders (a sequence that sampled nothing, or several tokens, keeps none)."""
-        for s in scheduled:
-            s.state.last_sampled = None
-        states = self.states
-        for out in result.outputs:
-            if len(out.samples) == 1:
-                states[out.seq_id].last_sampled = out.samples[0].token_id
-
-    def _state(self, seq_id: int) -> SequenceState:
-        state = self.states.get(seq_id)
-        if state is None:
-            raise StateError(f"no state for seq {seq_id}")
-        return state
 
     @torch.inference_mode()
     def run(
         self,
-        scheduled: list[_Scheduled],
+        scheduled: list[Scheduled],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         step_id: int,
         take_masks: Callable[[], tuple[list[TokenMask], int]] | None = None,
@@ -222,7 +86,7 @@ class ModelRunner:
         result.sample_ns = time.perf_counter_ns() - t1 - result.mask_wait_ns
         return result
 
-    def _prepare(self, layout: list[_Scheduled], num_blocks: int) -> _PreparedInputs:
+    def _prepare(self, layout: list[Scheduled], num_blocks: int) -> _PreparedInputs:
         if all(s.count == 1 and s.samples for s in layout) and not any(
             s.state.params.prompt_logprobs is not None for s in layout
         ):
@@ -258,8 +122,8 @@ class ModelRunner:
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
 
         logit_rows: list[int] = []
-        sample_items: list[tuple[_Scheduled, int]] = []  # (seq, logits row)
-        prompt_items: list[tuple[_Scheduled, int, int, int]] = []  # (seq, first row, n, first pos)
+        sample_items: list[tuple[Scheduled, int]] = []  # (seq, logits row)
+        prompt_items: list[tuple[Scheduled, int, int, int]] = []  # (seq, first row, n, first pos)
         for s, offset in zip(layout, offsets.tolist(), strict=True):
             # Prompt logprobs come from the first prefill only, not from a recompute.
             first_prefill = len(s.state.token_ids) == s.state.num_prompt_tokens
@@ -307,7 +171,7 @@ class ModelRunner:
             prompt_items=prompt_items,
         )
 
-    def _prepare_decodes(self, layout: list[_Scheduled], num_blocks: int) -> _PreparedInputs:
+    def _prepare_decodes(self, layout: list[Scheduled], num_blocks: int) -> _PreparedInputs:
         """`_prepare` for a step of decodes only, each sampling: the same inputs from plain
         lists (a few sequences cost microseconds here, numpy's set-up more)."""
         bs = self.block_size
@@ -411,8 +275,8 @@ class _PreparedInputs:
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
     logit_rows: torch.Tensor  # [num_logit_rows] int64
-    sample_items: list[tuple[_Scheduled, int]]
-    prompt_items: list[tuple[_Scheduled, int, int, int]]
+    sample_items: list[tuple[Scheduled, int]]
+    prompt_items: list[tuple[Scheduled, int, int, int]]
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:  # [num_seqs, max_blocks] int64

@@ -3,7 +3,7 @@
 The model runs on one dedicated thread (the one that loaded it, see `Worker`) so the event loop
 keeps answering health checks and Info while a forward pass is in flight. Steps that arrive
 while one runs (asynchronous scheduling sends them ahead) follow it on that thread directly
-(`_StepChain`); the loop converts steps and sends results beside them.
+(`StepChain`, step_chain.py); the loop converts steps and sends results beside them.
 
 A scheduler may come back (restarted) and run the handshake again on a worker that is already
 initialized: Info, InitializeCache (same sizes keep the cache, other sizes reallocate it), then
@@ -16,13 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import queue
-import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
@@ -34,14 +31,16 @@ from llmserve.errors import (
     UnavailableError,
 )
 from llmserve.logs import get_logger
-from llmserve.proto_convert import step_input_from_proto, step_result_to_proto
-from llmserve.proto_masks import step_masks_from_proto
-from llmserve.steps import StepInput, StepResult, TokenMask
+from llmserve.proto_convert import step_result_to_proto
+from llmserve.steps import StepInput, StepResult
 from llmserve.telemetry import context_from_traceparent
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service import metrics
 from worker_service.late_masks import MaskBoard
-from worker_service.worker import Worker
+from worker_service.step_chain import Received, StepChain, read_steps
+
+if TYPE_CHECKING:  # not at run time: the simulated worker (tests/support) serves without torch
+    from worker_service.worker import Worker
 
 log = get_logger(__name__)
 tracer = trace.get_tracer("llmserve.worker")
@@ -201,8 +200,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log.info("execute stream opened", peer=context.peer())
         board = MaskBoard(self.worker.config.mask_wait_timeout_s)
         execute = functools.partial(self._execute, board)
-        chain = _StepChain(self._model_thread, execute, asyncio.get_running_loop())
-        reader = asyncio.create_task(_read_steps(request_iterator, chain.submit, board.post))
+        chain = StepChain(self._model_thread, execute, asyncio.get_running_loop())
+        reader = asyncio.create_task(read_steps(request_iterator, chain.submit, board.post))
         gap = metrics.ForwardGap()
         try:
             while (outcome := await chain.outcomes.get()) is not None:
@@ -225,7 +224,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.info("execute stream closed")
 
     def _execute(
-        self, board: MaskBoard, received: _Received
+        self, board: MaskBoard, received: Received
     ) -> tuple[StepResult, tuple[int, int] | None]:
         """On the model thread: the step's result and its forward pass's (start, end), inside
         an `execute` span (the child of the scheduler's step span) when the step carries a
@@ -268,131 +267,3 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if step.deferred_mask_seq_ids:
             metrics.observe_mask_wait(result.mask_wait_ns)
         return result, self.worker.last_forward_ns
-
-
-@dataclass(slots=True)
-class _Received:
-    """A step as it arrived on the Execute stream (or why it could not be read)."""
-
-    step: StepInput | BaseException
-    traceparent: str
-    arrived_ns: int  # time.perf_counter_ns() when it was read off the stream
-
-
-async def _read_steps(
-    requests: AsyncIterator[worker_pb2.ExecuteRequest],
-    submit: Callable[[_Received | None], None],
-    post_masks: Callable[[int, list[TokenMask]], None],
-) -> None:
-    """Read steps as they arrive, while earlier ones run (asynchronous scheduling sends the
-    next step before the previous result is back), converting them off the model's path;
-    deferred masks go to `post_masks`. Ends with None when the stream ends; a step (or masks)
-    that fails to convert, or a broken stream, is handed on as its exception."""
-    try:
-        async for message in requests:
-            arrived = time.perf_counter_ns()
-            step: StepInput | BaseException
-            try:
-                if message.HasField("step_masks"):
-                    post_masks(*step_masks_from_proto(message.step_masks))
-                    continue
-                step = step_input_from_proto(message)
-            except Exception as exc:  # raised in order, when its turn comes
-                step = exc
-            submit(_Received(step, message.traceparent, arrived))
-    except Exception as exc:  # the stream broke; the Execute loop ends with it
-        submit(_Received(exc, "", time.perf_counter_ns()))
-    finally:
-        submit(None)
-
-
-@dataclass(slots=True)
-class _Outcome:
-    """A step's result and forward pass (start, end), or what it raised."""
-
-    result: tuple[StepResult, tuple[int, int] | None] | BaseException
-    arrived_ns: int
-
-
-class _StepChain:
-    """One Execute stream's steps, run in order on the model thread, back to back: a step that
-    arrived while the previous one ran starts on the model thread right after it, without a
-    trip through the event loop. (Measured with the stack on 2 cores, the loop took ~0.3 ms to
-    see a result and the model thread ~0.45 ms more to see the next step it was handed.)
-    Outcomes go to `outcomes` in order (through a relay thread, see __init__), then None once
-    the steps end; a step that raises ends the chain, so no later step runs."""
-
-    def __init__(
-        self,
-        model_thread: ThreadPoolExecutor,
-        execute: Callable[[_Received], tuple[StepResult, tuple[int, int] | None]],
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
-        self.outcomes: asyncio.Queue[_Outcome | None] = asyncio.Queue()
-        self._model_thread = model_thread
-        self._execute = execute
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._pending: deque[_Received | None] = deque()
-        self._running = False  # a `_drain` is queued or running on the model thread
-        self._closed = False
-        # Outcomes reach the loop through a thread of their own. Handing one to the loop
-        # directly wakes it with a write to its self-pipe, and while the model thread was in
-        # that write the loop's thread took the GIL to send the result: the next step waited
-        # ~0.5 ms for it (1 stream, 2 cores). Queued here instead, an outcome goes to the loop
-        # once the model thread lets go of the GIL: in the next forward pass's native code, or
-        # when it runs out of steps.
-        self._outbox: queue.SimpleQueue[_Outcome | None | _EndOfOutcomes] = queue.SimpleQueue()
-        threading.Thread(target=self._relay, name="execute-outcomes", daemon=True).start()
-
-    def submit(self, received: _Received | None) -> None:
-        """On the loop: queue a step (None: no more steps)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._pending.append(received)
-            if self._running:
-                return
-            self._running = True
-        self._model_thread.submit(self._drain)
-
-    def close(self) -> None:
-        """No later step starts; outcomes already handed on still reach `outcomes`."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._pending.clear()
-        self._outbox.put(_EndOfOutcomes())
-
-    def _drain(self) -> None:
-        """On the model thread: run queued steps until none is left."""
-        while True:
-            with self._lock:
-                if self._closed or not self._pending:
-                    self._running = False
-                    return
-                received = self._pending.popleft()
-            if received is None:
-                self._post(None)
-                continue
-            try:
-                outcome = _Outcome(self._execute(received), received.arrived_ns)
-            except BaseException as exc:  # handed to the Execute loop, which raises it
-                self._post(_Outcome(exc, received.arrived_ns))
-                self.close()  # the next turn of the loop ends the drain
-                continue
-            self._post(outcome)
-
-    def _post(self, outcome: _Outcome | None) -> None:
-        self._outbox.put(outcome)
-
-    def _relay(self) -> None:
-        """On its own thread: hand outcomes to the loop in order, until the chain closes."""
-        while not isinstance(outcome := self._outbox.get(), _EndOfOutcomes):
-            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody waits
-                self._loop.call_soon_threadsafe(self.outcomes.put_nowait, outcome)
-
-
-class _EndOfOutcomes:
-    """Ends a `_StepChain`'s relay thread."""

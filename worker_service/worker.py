@@ -6,7 +6,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from worker_service.config import WorkerConfig
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.heap import return_freed_heap
 from worker_service.linear_impl import choose_linear_impl
+from worker_service.model_info import ModelInfo
 from worker_service.model_runner import ModelRunner
 from worker_service.models import DecoderModel, model_from_hf, read_arch
 from worker_service.models.native import default_native_max_batch
@@ -34,28 +34,6 @@ log = get_logger(__name__)
 # torch's allocator after profiling (CUDA modules loaded on first use, workspaces of new
 # streams). Measured on an H100: without it, SmolLM2 at 0.4 utilization ended 1.3 MB over.
 PROFILE_HEADROOM_BYTES = 64 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the scheduler and gateway need to know about the loaded model."""
-
-    model: str
-    architecture: str
-    dtype: str
-    device: str
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    attention_backend: str
-    linear_impl: str = "torch"
-    # Intra-op threads on the loading thread (CPU); see `Worker`.
-    num_threads: int = 1
-    # How the weights are held, and their bytes (`DecoderModel.weight_format/weight_bytes`).
-    weight_format: str = ""
-    weight_bytes: int = 0
 
 
 class WorkerNotReadyError(RuntimeError):
