@@ -1,0 +1,27 @@
+"""What a worker tells the scheduler and gateway about the model it serves (the Info RPC)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the scheduler and gateway need to know about the loaded model."""
+
+    model: str
+    architecture: str
+    dtype: str
+    device: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    attention_backend: str
+    linear_impl: str = "torch"
+    # Intra-op threads on the loading thread (CPU); see `Worker`.
+    num_threads: int = 1
+    # How the weights are held, and their bytes (`DecoderModel.weight_format/weight_bytes`).
+    weight_format: str = ""
+    weight_bytes: int = 0

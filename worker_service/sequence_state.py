@@ -1,0 +1,155 @@
+"""A worker's copy of each sequence, kept from the scheduler's step diffs (steps 1-4 of the
+contract in `llmserve.steps`): free, fork, register, update, and the sampled-token
+placeholder of asynchronous scheduling. No tensors: `ModelRunner` builds its inputs from
+these states, and the simulated worker of the fleet benchmark (tests/support) keeps the same
+bookkeeping without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.steps import SAMPLED_TOKEN, PromptLogprob, StepInput, StepResult, TokenMask
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """The worker's copy of one sequence."""
+
+    seq_id: int
+    request_id: str
+    seq_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_ids: list[int]
+    params: SamplingParams
+    # Prompt logprobs of chunks that did not sample yet; sent with the first sample.
+    pending_prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # The token the last step that scheduled this sequence sampled for it (None: it sampled
+    # nothing, or several); what a `SAMPLED_TOKEN` placeholder stands for.
+    last_sampled: int | None = None
+
+    def fork(self, child_seq_id: int, child_seq_index: int) -> SequenceState:
+        return SequenceState(
+            child_seq_id,
+            self.request_id,
+            child_seq_index,
+            list(self.token_ids),
+            self.num_prompt_tokens,
+            self.num_computed,
+            list(self.block_ids),
+            self.params,
+        )
+
+
+@dataclass(slots=True)
+class Scheduled:
+    """One sequence's part of a step."""
+
+    state: SequenceState
+    start: int  # first position computed this step
+    count: int  # tokens computed this step
+    order: int  # position in the step's new_seqs + cached_seqs order
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.count == len(self.state.token_ids)
+
+
+class StateError(RuntimeError):
+    """The step refers to sequence state the worker does not have (a protocol bug)."""
+
+
+class SequenceStates:
+    """The sequences one worker holds, updated step by step; `apply_updates` returns what a
+    step computes."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.states: dict[int, SequenceState] = {}
+        # The current step's allowed tokens per constrained sequence (structured output), and
+        # whether more follow the step (`StepInput.deferred_mask_seq_ids`).
+        self.token_masks: dict[int, TokenMask] = {}
+        self.masks_deferred = False
+
+    def apply_updates(self, step: StepInput) -> list[Scheduled]:
+        """Steps 1-4 of the contract (free, fork, register, update); returns what to compute."""
+        for seq_id in step.freed_seq_ids:
+            self.states.pop(seq_id, None)
+        self.token_masks = {m.seq_id: m for m in step.token_masks}
+        self.masks_deferred = bool(step.deferred_mask_seq_ids)
+        for fork in step.forks:
+            parent = self._state(fork.parent_seq_id)
+            self.states[fork.child_seq_id] = parent.fork(fork.child_seq_id, fork.child_seq_index)
+        scheduled: list[Scheduled] = []
+        for new in step.new_seqs:
+            state = SequenceState(
+                new.seq_id,
+                new.request_id,
+                new.seq_index,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.num_computed_tokens,
+                list(new.block_ids),
+                new.sampling_params,
+            )
+            self.states[new.seq_id] = state
+            if new.num_scheduled_tokens:
+                scheduled.append(
+                    Scheduled(state, state.num_computed, new.num_scheduled_tokens, len(scheduled))
+                )
+        for cached in step.cached_seqs:
+            state = self._state(cached.seq_id)
+            new_tokens = cached.new_token_ids
+            if SAMPLED_TOKEN in new_tokens:
+                new_tokens = [self._take_sampled(state, new_tokens), *new_tokens[1:]]
+            state.token_ids.extend(new_tokens)
+            del state.block_ids[cached.block_offset :]
+            state.block_ids.extend(cached.block_ids)
+            if cached.num_scheduled_tokens:
+                scheduled.append(
+                    Scheduled(
+                        state, state.num_computed, cached.num_scheduled_tokens, len(scheduled)
+                    )
+                )
+        for s in scheduled:
+            if s.start + s.count > len(s.state.token_ids):
+                raise StateError(f"seq {s.state.seq_id}: scheduled past its known tokens")
+            if s.start + s.count > len(s.state.block_ids) * self.block_size:
+                raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
+        return scheduled
+
+    @staticmethod
+    def _take_sampled(state: SequenceState, new_tokens: list[int]) -> int:
+        """The token a `SAMPLED_TOKEN` placeholder stands for (asynchronous scheduling)."""
+        if new_tokens[0] != SAMPLED_TOKEN or SAMPLED_TOKEN in new_tokens[1:]:
+            raise StateError(
+                f"seq {state.seq_id}: the sampled-token placeholder must be the first new "
+                f"token and appear once, got {len(new_tokens)} new tokens"
+            )
+        token = state.last_sampled
+        if token is None:
+            raise StateError(
+                f"seq {state.seq_id}: the step names the token sampled in the previous step, "
+                "but that step sampled nothing for this sequence"
+            )
+        state.last_sampled = None
+        return token
+
+    def remember_samples(self, scheduled: list[Scheduled], result: StepResult) -> None:
+        """Keep what each scheduled sequence sampled in this step, for the next step's
+        placeholders (a sequence that sampled nothing, or several tokens, keeps none)."""
+        for s in scheduled:
+            s.state.last_sampled = None
+        states = self.states
+        for out in result.outputs:
+            if len(out.samples) == 1:
+                states[out.seq_id].last_sampled = out.samples[0].token_id
+
+    def _state(self, seq_id: int) -> SequenceState:
+        state = self.states.get(seq_id)
+        if state is None:
+            raise StateError(f"no state for seq {seq_id}")
+        return state
