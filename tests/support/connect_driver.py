@@ -36,6 +36,9 @@ class Tracked:
     finish_reasons: dict[int, int] = field(default_factory=dict)
     stop_token_ids: dict[int, int] = field(default_factory=dict)
     error: str | None = None
+    # The scheduler's own timings of the request (RequestMetrics), from arrival there.
+    scheduler_first_token_ns: int | None = None
+    scheduler_e2e_ns: int | None = None
 
     @property
     def done(self) -> bool:
@@ -125,6 +128,8 @@ class ConnectDriver:
                     tracked.stop_token_ids[choice.index] = choice.stop_token_id
             if output.finished:
                 tracked.finished = now
+                tracked.scheduler_first_token_ns = output.metrics.first_token_ns
+                tracked.scheduler_e2e_ns = output.metrics.e2e_ns
                 self._done(tracked)
 
     def _done(self, tracked: Tracked) -> None:
