@@ -252,6 +252,10 @@ class SchedulerClient:
 
     def _dispatch(self, message: scheduler_pb2.SchedulerMessage) -> None:
         kind = message.WhichOneof("kind")
+        if kind == "batch":  # never nested
+            for inner in message.batch.messages:
+                self._dispatch(inner)
+            return
         request_id = message.output.request_id if kind == "output" else message.error.request_id
         request = self._requests.get(request_id)
         if request is None or request.done:
@@ -351,3 +355,9 @@ async def _next(
             f"the request did not finish within its time limit of {timeout_s:g} s"
         ) from None
 
+
+def unbatched(message: scheduler_pb2.SchedulerMessage) -> list[scheduler_pb2.SchedulerMessage]:
+    """The outputs and errors a message read from a Connect stream carries, in order."""
+    if message.WhichOneof("kind") == "batch":
+        return list(message.batch.messages)
+    return [message]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from llmserve.continuation import continuation_from_proto
 from llmserve.errors import ApiError, grpc_status
 from llmserve.proto_convert import finish_reason_to_proto, token_logprob_to_proto
@@ -104,3 +106,45 @@ def output_to_proto(
         if output.metrics is not None:
             msg.metrics.CopyFrom(_metrics_to_proto(output.metrics))
     return msg
+
+
+# At most this many queued messages go out in one write (SchedulerMessage.batch).
+MAX_BATCH = 256
+
+
+def take_batch(
+    first: scheduler_pb2.SchedulerMessage,
+    outbox: asyncio.Queue[scheduler_pb2.SchedulerMessage | None],
+) -> list[scheduler_pb2.SchedulerMessage]:
+    """`first` and whatever else `outbox` holds now (up to MAX_BATCH messages in all), as the
+    messages to write: runs of outputs and errors as one batch each, an output that carries
+    prompt logprobs alone. The stream's end (None) stays in the queue for the next read.
+
+    Each write to a Connect stream costs the scheduler a gRPC write and a turn of its event
+    loop; one step's outputs to a gateway, written one by one, cost that per token."""
+    pending = [first]
+    while len(pending) < MAX_BATCH and not outbox.empty():
+        item = outbox.get_nowait()
+        if item is None:
+            outbox.put_nowait(None)  # nothing was behind it: it stays last
+            break
+        pending.append(item)
+    messages: list[scheduler_pb2.SchedulerMessage] = []
+    run: list[scheduler_pb2.SchedulerMessage] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            messages.append(run[0])
+        elif run:
+            batch = scheduler_pb2.SchedulerMessageBatch(messages=run)
+            messages.append(scheduler_pb2.SchedulerMessage(batch=batch))
+        run.clear()
+
+    for message in pending:
+        if message.WhichOneof("kind") == "output" and message.output.prompt_logprobs:
+            flush()
+            messages.append(message)
+        else:
+            run.append(message)
+    flush()
+    return messages

@@ -10,6 +10,7 @@ import grpc
 from llmserve.errors import FieldError
 from llmserve.logs import get_logger
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_service.messages import take_batch
 from scheduler_service.router import GatewayStream, Router
 
 __all__ = ["Router", "SchedulerServicer"]
@@ -64,7 +65,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
             while (message := await stream.outbox.get()) is not None:
-                yield message
+                for batch in take_batch(message, stream.outbox):
+                    yield batch
         finally:
             reader.cancel()
             self.router.close_stream(stream)

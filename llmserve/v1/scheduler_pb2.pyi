@@ -112,12 +112,20 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("output", "error")
+    __slots__ = ("output", "error", "batch")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     output: RequestOutput
     error: RequestError
-    def __init__(self, output: _Optional[_Union[RequestOutput, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+    batch: SchedulerMessageBatch
+    def __init__(self, output: _Optional[_Union[RequestOutput, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., batch: _Optional[_Union[SchedulerMessageBatch, _Mapping]] = ...) -> None: ...
+
+class SchedulerMessageBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[SchedulerMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[SchedulerMessage, _Mapping]]] = ...) -> None: ...
 
 class ChoiceDelta(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "cumulative_logprob")

@@ -16,6 +16,7 @@ import grpc
 import httpx
 import pytest
 
+from gateway.scheduler_client import unbatched
 from llmserve.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.hardening import (
     blocks,
@@ -223,7 +224,7 @@ def test_scheduler_aborts_a_request_whose_timeout_passes(stack: RunningStack) ->
     with grpc.insecure_channel(stack.scheduler) as channel:
         replies = scheduler_pb2_grpc.SchedulerStub(channel).Connect(messages(), timeout=60)
         tokens = 0
-        for reply in replies:
+        for reply in (r for message in replies for r in unbatched(message)):
             if reply.WhichOneof("kind") == "error":
                 error = reply.error
                 break

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from gateway.scheduler_client import unbatched
 from llmserve.grpc_utils import channel_options
 from llmserve.proto_convert import sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams
@@ -105,32 +106,36 @@ class ConnectDriver:
             raise TimeoutError(f"{self._pending} requests unfinished after {timeout_s} s") from None
 
     async def _read(self) -> None:
-        async for message in self._call:
+        async for received in self._call:
             now = time.perf_counter()
-            if message.WhichOneof("kind") == "error":
-                tracked = self.requests[message.error.request_id]
-                tracked.error = f"{message.error.code}: {message.error.message}"
-                self._done(tracked)
-                continue
-            output = message.output
-            tracked = self.requests[output.request_id]
-            for choice in output.choices:
-                n = len(choice.token_ids)
-                if n and tracked.first_token is None:
-                    tracked.first_token = now
-                tracked.num_tokens += n
-                self.num_tokens += n
-                if self.keep_tokens:
-                    tracked.token_ids.setdefault(choice.index, []).extend(choice.token_ids)
-                if choice.finish_reason:
-                    tracked.finish_reasons[choice.index] = choice.finish_reason
-                if choice.HasField("stop_token_id"):
-                    tracked.stop_token_ids[choice.index] = choice.stop_token_id
-            if output.finished:
-                tracked.finished = now
-                tracked.scheduler_first_token_ns = output.metrics.first_token_ns
-                tracked.scheduler_e2e_ns = output.metrics.e2e_ns
-                self._done(tracked)
+            for message in unbatched(received):
+                self._on_message(message, now)
+
+    def _on_message(self, message: scheduler_pb2.SchedulerMessage, now: float) -> None:
+        if message.WhichOneof("kind") == "error":
+            tracked = self.requests[message.error.request_id]
+            tracked.error = f"{message.error.code}: {message.error.message}"
+            self._done(tracked)
+            return
+        output = message.output
+        tracked = self.requests[output.request_id]
+        for choice in output.choices:
+            n = len(choice.token_ids)
+            if n and tracked.first_token is None:
+                tracked.first_token = now
+            tracked.num_tokens += n
+            self.num_tokens += n
+            if self.keep_tokens:
+                tracked.token_ids.setdefault(choice.index, []).extend(choice.token_ids)
+            if choice.finish_reason:
+                tracked.finish_reasons[choice.index] = choice.finish_reason
+            if choice.HasField("stop_token_id"):
+                tracked.stop_token_ids[choice.index] = choice.stop_token_id
+        if output.finished:
+            tracked.finished = now
+            tracked.scheduler_first_token_ns = output.metrics.first_token_ns
+            tracked.scheduler_e2e_ns = output.metrics.e2e_ns
+            self._done(tracked)
 
     def _done(self, tracked: Tracked) -> None:
         self._pending -= 1
