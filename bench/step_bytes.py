@@ -13,8 +13,8 @@ import argparse
 import statistics
 import time
 
-from llmserve.proto_convert import step_input_to_proto, step_result_to_proto
 from llmserve.sampling_params import SamplingParams
+from llmserve.step_proto import step_input_to_proto, step_result_to_proto
 from llmserve.steps import SequenceOutput, StepInput, StepResult, TokenLogprob
 from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
 

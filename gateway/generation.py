@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -26,16 +26,22 @@ from opentelemetry import trace
 
 from gateway import metrics
 from gateway.admission import Admission
+from gateway.generation_types import (
+    ChoiceUpdate,
+    GenerationInput,
+    GenerationUpdate,
+    LogprobEntry,
+    Prompt,
+    TokenInfo,
+    Usage,
+)
 from gateway.request_spans import set_request_attributes, set_response_attributes
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenization import Tokenization, check_unicode
-from gateway.tools import ToolRequest
 from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.errors import FieldError, ModelNotFoundError, UnavailableError
-from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import RequestLimits, check_prompt_tokens, check_sampling, check_stop
 from llmserve.logs import get_logger
-from llmserve.priority import check_priority
 from llmserve.proto_convert import finish_reason_name
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.stop_strings import StopStringMatcher
@@ -44,90 +50,6 @@ from llmserve.v1 import common_pb2, scheduler_pb2
 
 tracer = trace.get_tracer("llmserve.gateway")
 log = get_logger(__name__)
-
-@dataclass(frozen=True, slots=True)
-class TextOptions:
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    detokenize: bool = True
-
-
-@dataclass(slots=True)
-class Prompt:
-    token_ids: list[int]
-    text: str | None = None
-
-
-@dataclass(slots=True)
-class GenerationInput:
-    request_id: str
-    prompt: Prompt
-    params: SamplingParams
-    text: TextOptions = field(default_factory=TextOptions)
-    # For spans and logs.
-    operation: str = "text_completion"
-    # Seconds the request may take in all (the client's deadline, or the gateway's
-    # --request-timeout-s); None: no limit. Passed on to the scheduler, which aborts it then.
-    timeout_s: float | None = None
-    # Scheduling priority: lower is served first (vLLM's convention).
-    priority: int = 0
-    # What the output must match (structured output); checked at admission.
-    grammar: GrammarSpec | None = None
-    # Chat tools (the tool format's grammar is `grammar`); None: no tool calls.
-    tools: ToolRequest | None = None
-
-    def __post_init__(self) -> None:
-        check_priority(self.priority)
-
-
-@dataclass(slots=True)
-class TokenInfo:
-    token_id: int
-    text: str
-    logprob: float
-    rank: int
-
-
-@dataclass(slots=True)
-class LogprobEntry:
-    token: TokenInfo
-    top: list[TokenInfo]
-
-
-@dataclass(slots=True)
-class ChoiceUpdate:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[LogprobEntry] | None = None
-    # Set on the choice's last update; FINISH_REASON_UNSPECIFIED (0) before.
-    finish_reason: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
-    # The stop string or stop token id that ended the choice (None for EOS / length).
-    stop_reason: str | int | None = None
-
-
-@dataclass(slots=True)
-class Usage:
-    """Tokens of a request, as the scheduler counted them (common.proto's Usage)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(slots=True)
-class GenerationUpdate:
-    choices: list[ChoiceUpdate]
-    # Per prompt position (None for the first); in the first update when requested.
-    prompt_logprobs: list[LogprobEntry | None] | None = None
-    finished: bool = False
-    # On the last update: the scheduler's count and timings (scheduler.proto RequestMetrics).
-    usage: Usage | None = None
-    metrics: scheduler_pb2.RequestMetrics | None = None
 
 
 @dataclass(slots=True)
@@ -401,4 +323,3 @@ class GenerationCore:
             if p.position < len(entries):
                 entries[p.position] = self._logprob_entry(p.token, p.top)
         return entries
-

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.generation import (
+from gateway.generation import GenerationCore
+from gateway.generation_types import (
     ChoiceUpdate,
-    GenerationCore,
     GenerationInput,
     GenerationUpdate,
     LogprobEntry,

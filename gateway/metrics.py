@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Histogram
 
 if TYPE_CHECKING:
-    from gateway.generation import Usage
+    from gateway.generation_types import Usage
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

@@ -18,7 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import metrics
 from gateway.admission import AdmissionMiddleware, BodyLimitMiddleware
-from gateway.generation import GenerationCore, GenerationInput
+from gateway.generation import GenerationCore
+from gateway.generation_types import GenerationInput
 from gateway.http_errors import error_responses, generation_responses, install_error_handlers
 from gateway.http_middleware import Auth
 from gateway.openai_protocol import (

@@ -6,7 +6,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from gateway.generation import GenerationCore, GenerationInput, Prompt, TextOptions
+from gateway.generation import GenerationCore
+from gateway.generation_types import GenerationInput, Prompt, TextOptions
 from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.prompts import chat_prompt, text_prompt
 from gateway.structured_outputs import check_admissible, grammar_of

@@ -11,13 +11,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.generation import (
-    ChoiceUpdate,
-    GenerationCore,
-    GenerationInput,
-    GenerationUpdate,
-    Usage,
-)
+from gateway.generation import GenerationCore
+from gateway.generation_types import ChoiceUpdate, GenerationInput, GenerationUpdate, Usage
 from gateway.http_errors import error_body
 from gateway.openai_shapers import PromptLogprobs, Shaper
 

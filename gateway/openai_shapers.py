@@ -6,7 +6,8 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from gateway.generation import ChoiceUpdate, GenerationCore, GenerationInput, LogprobEntry, Usage
+from gateway.generation import GenerationCore
+from gateway.generation_types import ChoiceUpdate, GenerationInput, LogprobEntry, Usage
 from gateway.tool_formats import CallParser, ToolCallDelta
 from llmserve.v1 import common_pb2
 

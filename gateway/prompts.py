@@ -7,7 +7,8 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gateway.generation import GenerationCore, Prompt
+from gateway.generation import GenerationCore
+from gateway.generation_types import Prompt
 
 # Texts longer than this are tokenized in a thread (about a millisecond of tokenizing).
 INLINE_TOKENIZE_CHARS = 4096

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 
 if TYPE_CHECKING:
-    from gateway.generation import GenerationInput, GenerationUpdate
+    from gateway.generation_types import GenerationInput, GenerationUpdate
 
 
 def set_request_attributes(span: trace.Span, inp: GenerationInput, model: str) -> None:

@@ -2,7 +2,7 @@
 
 `StepInput` is what the scheduler decided for one iteration; `StepResult` is what the worker
 sampled. Both are plain dataclasses so in-process tests and benchmarks pass them directly;
-the services send their proto form (worker.proto; llmserve/proto_convert.py converts).
+the services send their proto form (worker.proto; llmserve/step_proto.py converts).
 
 A step is a *diff*. A sequence's prompt and sampling params cross once, as a `NewSequence`;
 afterwards a `CachedSequence` carries only the tokens the scheduler appended since the worker

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from opentelemetry.trace import Span
 
 from llmserve import failpoints
-from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
 from llmserve.proto_masks import step_masks_to_proto
+from llmserve.step_proto import step_input_to_proto, step_result_from_proto
 from llmserve.steps import StepInput
 from scheduler_service import metrics
 from scheduler_service.engine import LLMEngine

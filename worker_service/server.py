@@ -31,7 +31,7 @@ from llmserve.errors import (
     UnavailableError,
 )
 from llmserve.logs import get_logger
-from llmserve.proto_convert import step_result_to_proto
+from llmserve.step_proto import step_result_to_proto
 from llmserve.steps import StepInput, StepResult
 from llmserve.telemetry import context_from_traceparent
 from llmserve.v1 import worker_pb2, worker_pb2_grpc

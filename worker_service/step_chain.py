@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from llmserve.proto_convert import step_input_from_proto
 from llmserve.proto_masks import step_masks_from_proto
+from llmserve.step_proto import step_input_from_proto
 from llmserve.steps import StepInput, StepResult, TokenMask
 from llmserve.v1 import worker_pb2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.generation import GenerationInput, Prompt
+from gateway.generation_types import GenerationInput, Prompt
 from llmserve.errors import FieldError, http_error
 from llmserve.sampling_params import SamplingParams
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from gateway.generation import GenerationCore, GenerationInput, Prompt
+from gateway.generation import GenerationCore
+from gateway.generation_types import GenerationInput, Prompt
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenization import Tokenization
 from llmserve.continuation import continuation_from_proto

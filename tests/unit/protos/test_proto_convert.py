@@ -7,15 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmserve.errors import FieldError
-from llmserve.proto_convert import (
-    sampling_params_from_proto,
-    sampling_params_to_proto,
+from llmserve.proto_convert import sampling_params_from_proto, sampling_params_to_proto
+from llmserve.sampling_params import SamplingParams
+from llmserve.step_proto import (
     step_input_from_proto,
     step_input_to_proto,
     step_result_from_proto,
     step_result_to_proto,
 )
-from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
     CachedSequence,
     Fork,

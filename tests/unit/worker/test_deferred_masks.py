@@ -14,8 +14,8 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
 from llmserve.proto_masks import step_masks_to_proto
+from llmserve.step_proto import step_input_to_proto, step_result_from_proto
 from llmserve.steps import MaskKind, StepInput, TokenMask
 from llmserve.v1 import worker_pb2
 from worker_service.late_masks import MaskBoard, MaskWaitError

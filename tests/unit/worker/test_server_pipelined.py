@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from llmserve.proto_convert import step_input_to_proto, step_result_from_proto
+from llmserve.step_proto import step_input_to_proto, step_result_from_proto
 from llmserve.steps import SAMPLED_TOKEN, CachedSequence, StepInput
 from llmserve.v1 import worker_pb2
 

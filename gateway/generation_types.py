@@ -1,0 +1,97 @@
+"""What the gateway's request path (generation.py) takes and gives: a request's input as both
+APIs build it, and its updates as they come back, text and logprobs decoded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.tools import ToolRequest
+from llmserve.grammar.spec import GrammarSpec
+from llmserve.priority import check_priority
+from llmserve.sampling_params import SamplingParams
+from llmserve.v1 import common_pb2, scheduler_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationInput:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    text: TextOptions = field(default_factory=TextOptions)
+    # For spans and logs.
+    operation: str = "text_completion"
+    # Seconds the request may take in all (the client's deadline, or the gateway's
+    # --request-timeout-s); None: no limit. Passed on to the scheduler, which aborts it then.
+    timeout_s: float | None = None
+    # Scheduling priority: lower is served first (vLLM's convention).
+    priority: int = 0
+    # What the output must match (structured output); checked at admission.
+    grammar: GrammarSpec | None = None
+    # Chat tools (the tool format's grammar is `grammar`); None: no tool calls.
+    tools: ToolRequest | None = None
+
+    def __post_init__(self) -> None:
+        check_priority(self.priority)
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    token_id: int
+    text: str
+    logprob: float
+    rank: int
+
+
+@dataclass(slots=True)
+class LogprobEntry:
+    token: TokenInfo
+    top: list[TokenInfo]
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobEntry] | None = None
+    # Set on the choice's last update; FINISH_REASON_UNSPECIFIED (0) before.
+    finish_reason: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
+    # The stop string or stop token id that ended the choice (None for EOS / length).
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    """Tokens of a request, as the scheduler counted them (common.proto's Usage)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class GenerationUpdate:
+    choices: list[ChoiceUpdate]
+    # Per prompt position (None for the first); in the first update when requested.
+    prompt_logprobs: list[LogprobEntry | None] | None = None
+    finished: bool = False
+    # On the last update: the scheduler's count and timings (scheduler.proto RequestMetrics).
+    usage: Usage | None = None
+    metrics: scheduler_pb2.RequestMetrics | None = None
