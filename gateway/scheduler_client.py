@@ -250,12 +250,12 @@ class SchedulerClient:
     def _num_unfinished(self) -> int:
         return sum(not r.done for r in self._requests.values())
 
-    def _dispatch(self, message: scheduler_pb2.SchedulerMessage) -> None:
+    def _dispatch(self, received: scheduler_pb2.SchedulerMessage) -> None:
+        for message in unbatched(received):
+            self._dispatch_one(message)
+
+    def _dispatch_one(self, message: scheduler_pb2.SchedulerMessage) -> None:
         kind = message.WhichOneof("kind")
-        if kind == "batch":  # never nested
-            for inner in message.batch.messages:
-                self._dispatch(inner)
-            return
         request_id = message.output.request_id if kind == "output" else message.error.request_id
         request = self._requests.get(request_id)
         if request is None or request.done:

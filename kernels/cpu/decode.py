@@ -368,9 +368,8 @@ def _check_blocks(shape: DecodeShape, dtype: torch.dtype, blocks: list[QuantWeig
         raise KernelArgumentError("weights", f"GGUF blocks need widths of 32s: {reason}")
     for weight in blocks:
         weight.check()
-    exact = blocks if shape.quant_mode == "exact" else []
-    widest = max((weight.in_features for weight in exact), default=0)
-    if widest > MAX_IN_FEATURES:
+    widest = max((weight.in_features for weight in blocks), default=0)
+    if shape.quant_mode == "exact" and widest > MAX_IN_FEATURES:
         raise KernelArgumentError(
             "weights", f"rows of {widest} weights, over exact mode's {MAX_IN_FEATURES}"
         )
