@@ -76,6 +76,9 @@ def _set_cached(msg: worker_pb2.CachedSequences, seqs: list[CachedSequence]) -> 
     msg.num_block_ids.extend([len(c.block_ids) for c in seqs])
     msg.block_ids.extend([b for c in seqs for b in c.block_ids])
     msg.num_scheduled_tokens.extend([c.num_scheduled_tokens for c in seqs])
+    if any(c.draft_token_ids for c in seqs):
+        msg.num_draft_tokens.extend([len(c.draft_token_ids) for c in seqs])
+        msg.draft_token_ids.extend([t for c in seqs for t in c.draft_token_ids])
 
 
 def _cached(msg: worker_pb2.CachedSequences) -> list[CachedSequence]:
@@ -96,7 +99,7 @@ def _cached(msg: worker_pb2.CachedSequences) -> list[CachedSequence]:
         block_ids = _split(list(msg.num_block_ids), list(msg.block_ids))
     else:
         block_ids = [[] for _ in range(n)]
-    return list(
+    seqs = list(
         map(
             CachedSequence,
             msg.seq_ids,
@@ -106,6 +109,12 @@ def _cached(msg: worker_pb2.CachedSequences) -> list[CachedSequence]:
             msg.num_scheduled_tokens,
         )
     )
+    if msg.num_draft_tokens or msg.draft_token_ids:
+        _check_columns("cached_seqs", {"seq_ids": n, "num_draft_tokens": len(msg.num_draft_tokens)})
+        drafts = _split(list(msg.num_draft_tokens), list(msg.draft_token_ids))
+        for seq, seq_drafts in zip(seqs, drafts, strict=True):
+            seq.draft_token_ids = seq_drafts
+    return seqs
 
 
 def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:

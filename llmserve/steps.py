@@ -31,6 +31,18 @@ tokens, whose first one step N was made to sample by its mask). It is an error (
 refuses the step) if that step sampled nothing for the sequence, or if the placeholder is
 anywhere but first. The scheduler learns the real token from step N's result and never sends
 it again.
+
+Speculative decoding: a `CachedSequence` that samples in this step may carry
+`draft_token_ids`, k guesses of the tokens after its known ones (`num_scheduled_tokens`
+counts them). The worker computes them right after the known tokens, samples at the last
+known token and at each draft as if the tokens before were the sequence's, and keeps the
+drafts while each equals the sample taken before it: with j drafts kept it produces j + 1
+tokens (the kept drafts, then the sample after them) and appears j + 1 times in
+`StepResult.outputs`, one `SequenceOutput` per token, in order. Afterwards the worker holds the
+kept drafts as known, computed tokens; the rejected ones are gone (their cache slots are
+written again later). The scheduler counts the kept drafts as computed and sends only the
+last sample as the next step's new token. A step that continues such a sequence is never
+built before the result is back (the scheduler cannot know how many drafts are kept).
 """
 
 from __future__ import annotations
@@ -79,7 +91,11 @@ class CachedSequence:
     # block_offset == old length; copy-on-write or swap-in rewrite earlier entries).
     block_offset: int
     block_ids: list[int]
+    # Tokens to compute in this step, `draft_token_ids` included.
     num_scheduled_tokens: int
+    # Speculative decoding: guesses of the tokens that follow the known ones (see the module
+    # docstring); empty for most steps.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -142,6 +158,10 @@ class StepInput:
     deferred_mask_seq_ids: list[int] = field(default_factory=list)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(s.draft_token_ids) for s in self.cached_seqs)
+
+    @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_scheduled_tokens for s in self.new_seqs) + sum(
             s.num_scheduled_tokens for s in self.cached_seqs
@@ -180,7 +200,8 @@ class PromptLogprob:
 
 @dataclass(slots=True)
 class SequenceOutput:
-    """What one sequence produced in a step. Only sequences that sampled appear."""
+    """What one sequence produced in a step. Only sequences that sampled appear; a sequence
+    that verified drafts appears once per token it produced, in order."""
 
     seq_id: int
     # Sampled tokens. One normally; `best_of` at the first sample of a request with best_of > 1

@@ -154,22 +154,28 @@ class BlockSpaceManager:
             gpu.free(src, self.now)
             copies.append((src, dst))
             self._mark_dirty(seq_id, write_index)
-        num_full = num_tokens // bs
-        if self.enable_caching and num_full > write_index:
-            # Blocks that the new tokens filled become findable by hash.
-            hashes = gpu.block_hashes
-            ref_counts = gpu.ref_counts
-            for i in range(write_index, num_full):
-                block_id = table[i]
-                if hashes[block_id] is None and ref_counts[block_id] == 1:
-                    gpu.promote(block_id, seq.block_hash(i), (i + 1) * bs)
+        if self.enable_caching and num_tokens // bs > write_index:
+            self._promote_full(seq, table, write_index)
         return copies
+
+    def _promote_full(self, seq: Sequence, table: list[int], first: int) -> None:
+        """Blocks from table index `first` on that `seq`'s tokens fill become findable by
+        hash."""
+        bs = self.block_size
+        gpu = self.gpu
+        hashes = gpu.block_hashes
+        ref_counts = gpu.ref_counts
+        for i in range(first, len(seq.token_ids) // bs):
+            block_id = table[i]
+            if hashes[block_id] is None and ref_counts[block_id] == 1:
+                gpu.promote(block_id, seq.block_hash(i), (i + 1) * bs)
 
     # -- asynchronous scheduling ----------------------------------------------------------
 
-    def can_reserve_lookahead(self, seqs: list[Sequence]) -> bool:
-        """Whether each of `seqs` can get a slot for the token it is sampling now (position
-        `len(token_ids)`) without a copy-on-write, from the free device blocks."""
+    def can_reserve_lookahead(self, seqs: list[Sequence], lookahead: int = 1) -> bool:
+        """Whether each of `seqs` can get slots for `lookahead` tokens past the ones it knows
+        (the token it is sampling now, or drafts) without a copy-on-write, from the free
+        device blocks."""
         bs = self.block_size
         tables = self._tables
         needed = 0
@@ -178,16 +184,30 @@ class BlockSpaceManager:
             position = len(seq.token_ids)
             if position // bs < len(table) and self._must_copy(table[position // bs]):
                 return False
-            needed += max(0, position // bs + 1 - len(table))
+            needed += max(0, (position + lookahead - 1) // bs + 1 - len(table))
         return needed <= self.gpu.get_num_free_blocks()
 
-    def reserve_lookahead(self, seq: Sequence) -> None:
-        """Extend `seq`'s table to hold one token more than it knows (checked by
-        `can_reserve_lookahead`). `append_slots`, once the token is appended, finds the room
-        and only marks full blocks for the prefix cache."""
+    def reserve_lookahead(self, seq: Sequence, lookahead: int = 1) -> None:
+        """Extend `seq`'s table to hold `lookahead` tokens more than it knows (checked by
+        `can_reserve_lookahead`). `append_slots`, once the tokens are appended, finds the
+        room and only marks full blocks for the prefix cache."""
         table = self._tables[seq.seq_id]
-        while len(table) * self.block_size <= len(seq.token_ids):
+        while len(table) * self.block_size < len(seq.token_ids) + lookahead:
             table.append(self.gpu.allocate())
+
+    def commit_lookahead(self, seq: Sequence, first_written: int) -> None:
+        """After tokens from position `first_written` on were appended to `seq` into its
+        reserved slots (kept drafts): blocks past its tokens go back to the free pool, the
+        blocks they filled become findable by hash, and the computed ones count as hits."""
+        table = self._tables[seq.seq_id]
+        needed = -(-len(seq.token_ids) // self.block_size)
+        if len(table) > needed:
+            while len(table) > needed:
+                self.gpu.free(table.pop(), self.now)
+            self._mark_dirty(seq.seq_id, needed)  # the worker's table shrinks too
+        if self.enable_caching:
+            self._promote_full(seq, table, first_written // self.block_size)
+        self.mark_computed(seq)
 
     def _mark_dirty(self, seq_id: int, index: int) -> None:
         old = self._dirty_from.get(seq_id)

@@ -58,6 +58,14 @@ class SchedulerConfig:
     # --max-grammar-compile-ms (scheduler_service/grammar_requests.py). The gateway's
     # admission check (--max-grammar-check-ms) refuses most slow grammars before this.
     max_grammar_compile_ms: int = 10_000
+    # Speculative decoding (scheduler_service/speculation.py): up to this many n-gram drafts
+    # per sequence and step, verified by the worker in the same pass; 0 turns it off.
+    num_speculative_tokens: int = 0
+    # Prompt lookup matches the sequence's last ngram_max down to ngram_min tokens.
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # A step running more sequences than this carries no drafts.
+    speculative_max_batch: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -67,6 +75,21 @@ class SchedulerConfig:
         if self.max_grammar_compile_ms < 1:
             raise ConfigError(
                 "max_grammar_compile_ms", f"must be at least 1, got {self.max_grammar_compile_ms}"
+            )
+        if self.num_speculative_tokens < 0:
+            raise ConfigError(
+                "num_speculative_tokens",
+                f"must be at least 0, got {self.num_speculative_tokens}",
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(
+                "ngram_min",
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}",
+            )
+        if self.speculative_max_batch < 1:
+            raise ConfigError(
+                "speculative_max_batch",
+                f"must be at least 1, got {self.speculative_max_batch}",
             )
         if self.forced_hold_tokens < 0:
             raise ConfigError(

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import ScheduledGroup, SchedulerOutputs
 from scheduler_service.sequence import Sequence, SequenceStatus
+from scheduler_service.speculation import speculates
 
 if TYPE_CHECKING:
     from llmserve.steps import StepInput, StepResult
@@ -53,11 +54,13 @@ _RUNNING = SequenceStatus.RUNNING
 def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> SchedulerOutputs | None:
     """The continuation of `prev` (the step in flight), with its slots reserved; None when
     `prev`'s result may change what runs next, or the blocks are short."""
-    if scheduler.waiting or scheduler.swapped or not prev.scheduled:
-        return None
+    if scheduler.waiting or scheduler.swapped or not prev.scheduled or prev.drafts:
+        return None  # prev's drafts: how many it keeps decides where the next step starts
+    speculator = scheduler.speculator
     config = scheduler.scheduler_config
     model_len = config.model_len
     hold_window = config.forced_hold_tokens if config.enable_forced_tokens else 0
+    speculating = speculator.enabled and len(scheduler.running) <= config.speculative_max_batch
     groups: list[ScheduledGroup] = []
     seqs: list[Sequence] = []
     num_tokens_scheduled = 0
@@ -74,6 +77,8 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         for seq in running:
             if hold_window and _forced_lately(seq, hold_window):
                 return None  # its grammar may force tokens soon (SchedulerConfig)
+            if speculating and speculates(group) and speculator.waits_for_draft(seq):
+                return None  # the next step may carry drafts (scheduler_service.speculation)
             num_tokens = len(seq.token_ids)
             if seq.num_computed_tokens + chunk != num_tokens:
                 if not _forced_after(seq, chunk, prev.is_continuation):

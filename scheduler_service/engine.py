@@ -317,6 +317,8 @@ class LLMEngine:
         if failures := self._grammars.take_failures():
             self._abort_failed_grammars(failures)
         sched_out = self.scheduler.schedule()
+        if self.scheduler.speculator.enabled:
+            self.scheduler.speculator.draft(sched_out, self._builder.views)
         step_input = self._builder.build(sched_out)
         self.last_step_input = step_input
         self._num_in_flight = 1

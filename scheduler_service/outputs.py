@@ -111,6 +111,15 @@ def final_output(seq_group: SequenceGroup) -> RequestOutput:
     )
 
 
+def _runs(result: StepResult, drafts: dict[int, list[int]]) -> dict[int, list[SequenceOutput]]:
+    """The outputs of each sequence that had drafts, in order (one per token produced)."""
+    runs: dict[int, list[SequenceOutput]] = {}
+    for out in result.outputs:
+        if out.seq_id in drafts:
+            runs.setdefault(out.seq_id, []).append(out)
+    return runs
+
+
 class WorkerOutputError(RuntimeError):
     """The worker's StepResult does not match the step (a missing or malformed sample)."""
 
@@ -171,13 +180,18 @@ class OutputProcessor:
         if self._num_forced:
             self._num_forced = {}
         by_seq = {o.seq_id: o for o in result.outputs}
+        drafts = sched_out.drafts
+        runs = _runs(result, drafts) if drafts else {}
         request_outputs: list[RequestOutput] = []
         finished_groups: list[SequenceGroup] = []
         now = time.monotonic()
         for scheduled in sched_out.scheduled:
             seq_group = scheduled.seq_group
             params = seq_group.sampling_params
-            if (
+            if runs and (run := runs.get(seq_group.seqs[0].seq_id)) is not None:
+                seq_id = seq_group.seqs[0].seq_id
+                delta = self._process_run(seq_group, run, len(drafts[seq_id]), now)
+            elif (
                 params.best_of == 1
                 and not params.use_beam_search
                 and params.prompt_logprobs is None
@@ -231,6 +245,63 @@ class OutputProcessor:
             seq.token_ids[-1 - forced :] if forced else [sample.token_id],
             seq.cumulative_logprob,
             seq.output_logprobs[-1 - forced :] if want_logprobs else None,
+            FINISH_REASONS.get(status),
+            seq.stop_token_id,
+        )
+        return RequestOutput(
+            seq_group.request_id,
+            seq_group.prompt_token_ids,
+            [choice],
+            finished,
+            None,
+            None,
+            metrics,
+        )
+
+    def _process_run(
+        self, seq_group: SequenceGroup, run: list[SequenceOutput], num_drafts: int, now: float
+    ) -> RequestOutput | None:
+        """`_process_single` for a sequence that verified `num_drafts` drafts: the tokens of
+        `run` (the kept drafts, then a sample) are appended one by one, each through the stop
+        checks, so a stop inside the run ends the sequence where a step-by-step run would."""
+        seq = seq_group.seqs[0]
+        if seq.status != _RUNNING:
+            return None  # finished (aborted) since it was scheduled
+        if not 1 <= len(run) <= num_drafts + 1:
+            raise WorkerOutputError(
+                f"sequence {seq.seq_id}: {len(run)} tokens for {num_drafts} drafts"
+            )
+        params = seq_group.sampling_params
+        want_logprobs = params.logprobs is not None
+        max_model_len = self.max_model_len
+        num_new = 0
+        for out in run:
+            if not out.samples:
+                raise WorkerOutputError(f"no sample for sequence {seq.seq_id}")
+            if want_logprobs:
+                seq.append_sample(SampleLogprobs(out.samples[0], out.top_logprobs))
+            else:
+                seq.append_token(out.samples[0])
+            num_new += 1
+            seq.check_stop(params, max_model_len)
+            if seq.status != _RUNNING:
+                break
+        self.num_generated += num_new
+        metrics = seq_group.metrics
+        kept = len(run) - 1
+        self.scheduler.speculator.commit(seq_group, num_drafts, kept)
+        status = seq.status
+        finished = status >= SequenceStatus.STOPPED
+        if finished:
+            self.scheduler.free_seq(seq, self._events.freed_seq_ids)
+            metrics.finished_time = now
+        else:
+            self._events.kept_drafts.append((seq.seq_id, kept))
+        choice = CompletionOutput(
+            seq.seq_index,
+            seq.token_ids[-num_new:],
+            seq.cumulative_logprob,
+            seq.output_logprobs[-num_new:] if want_logprobs else None,
             FINISH_REASONS.get(status),
             seq.stop_token_id,
         )

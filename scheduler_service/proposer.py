@@ -33,6 +33,11 @@ class DraftState(ABC):
     def extend(self, new_tokens: Sequence[int]) -> None:
         """Commit tokens (accepted ones only: rejected drafts never enter the state)."""
 
+    @property
+    @abstractmethod
+    def num_tokens(self) -> int:
+        """How many tokens the state has seen."""
+
 
 class DraftProposer(ABC):
     """Proposes draft tokens for a sequence (a draft model or a suffix index may implement
@@ -65,6 +70,10 @@ class NgramIndex(DraftState):
         self.extend(tokens)
 
     def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
         return len(self.tokens)
 
     def extend(self, new_tokens: Sequence[int]) -> None:

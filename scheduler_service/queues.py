@@ -15,6 +15,7 @@ from scheduler_service.config import CacheConfig, PreemptionMode, SchedulerConfi
 from scheduler_service.policy import insert_in_order
 from scheduler_service.scheduler_outputs import SchedulerOutputs, SchedulerStats
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_service.speculation import Speculator
 
 _RUNNING = SequenceStatus.RUNNING
 
@@ -39,6 +40,7 @@ class SchedulerQueues:
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self.num_ignored = 0
         self._num_steps = 0
+        self.speculator = Speculator(scheduler_config, self.block_manager)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -116,6 +118,7 @@ class SchedulerQueues:
 
     def get_stats(self) -> SchedulerStats:
         bm = self.block_manager
+        spec = self.speculator.stats
         return SchedulerStats(
             num_waiting=len(self.waiting),
             num_running=len(self.running),
@@ -127,4 +130,8 @@ class SchedulerQueues:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_ignored=self.num_ignored,
+            num_spec_drafts=spec.num_drafts,
+            num_spec_draft_tokens=spec.num_draft_tokens,
+            num_spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
         )

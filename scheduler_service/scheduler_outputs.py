@@ -37,6 +37,9 @@ class SchedulerOutputs:
     # Built by asynchronous scheduling before the previous step's result was back
     # (scheduler_service/continuation.py).
     is_continuation: bool = False
+    # Speculative decoding: seq id -> the draft tokens it computes after its last token
+    # (scheduler_service/speculation.py); empty in most steps.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (
@@ -49,11 +52,15 @@ class SchedulerOutputs:
 
 @dataclass(slots=True)
 class WorkerEvents:
-    """What output processing did that the worker must hear of in the next step: sequences
-    forked (parent, child) and sequences whose blocks were freed."""
+    """What output processing did that the worker must hear of in the next step (sequences
+    forked (parent, child), sequences whose blocks were freed), or already knows (drafts it
+    kept)."""
 
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
     freed_seq_ids: list[int] = field(default_factory=list)
+    # (seq id, drafts kept) of the running sequences that verified drafts: the worker holds
+    # the kept ones as known tokens now.
+    kept_drafts: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -70,3 +77,9 @@ class SchedulerStats:
     prefix_cache_queries: int  # full prompt blocks looked up
     prefix_cache_hits: int  # of those, found already computed
     num_ignored: int
+    # Speculative decoding (scheduler_service/speculation.py): sequence-steps with drafts,
+    # draft tokens, drafts kept, and per draft position how often it was kept.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()

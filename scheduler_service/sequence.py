@@ -12,6 +12,7 @@ from llmserve.grammar.spec import GrammarSpec
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob, TokenLogprob
 from scheduler_service.grammar import SequenceGrammar
+from scheduler_service.proposer import DraftState
 from scheduler_service.text_stops import StopStrings, TextStop
 
 
@@ -78,6 +79,7 @@ class Sequence:
         "stop_token_id",
         "text_stop",
         "grammar",
+        "draft_state",
         "_block_hashes",
     )
 
@@ -109,6 +111,9 @@ class Sequence:
         self.text_stop: TextStop | None = None
         # The grammar's matcher (structured output); None for unconstrained requests.
         self.grammar: SequenceGrammar | None = None
+        # The draft proposer's state (speculative decoding), made on first need; derived from
+        # token_ids alone, so never migrated.
+        self.draft_state: DraftState | None = None
         self._block_hashes: list[int] = []
 
     # -- tokens ---------------------------------------------------------------------------
@@ -255,6 +260,9 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding: draft tokens verified for the request, and how many were kept.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class SequenceGroup:

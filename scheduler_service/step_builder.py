@@ -56,9 +56,12 @@ class StepBuilder:
         self._mask_rows: dict[int, list[tuple[Sequence, SequenceGroup, int]]] = {}
 
     def add_events(self, events: WorkerEvents) -> None:
-        """Output processing's forks and frees, for the next step."""
+        """Output processing's forks and frees, for the next step; drafts the worker kept
+        are tokens it holds."""
         self._forks.extend(events.forks)
         self._freed.extend(events.freed_seq_ids)
+        for seq_id, kept in events.kept_drafts:
+            self.views[seq_id][0] += kept
 
     def add_freed(self, seq_ids: list[int]) -> None:
         """Sequences freed between steps (aborted, exported), for the next step."""
@@ -209,6 +212,7 @@ class StepBuilder:
         any_dirty = bm.has_dirty_tables()
         views = self.views
         cached_seqs = step.cached_seqs
+        drafts = sched_out.drafts
         constrained: list[tuple[Sequence, SequenceGroup, int]] = []
         for scheduled in sched_out.scheduled:
             seq_group = scheduled.seq_group
@@ -231,15 +235,17 @@ class StepBuilder:
                 known_tokens, known_blocks = view
                 dirty = pop_dirty_from(seq_id) if any_dirty else None
                 offset = known_blocks if dirty is None or dirty > known_blocks else dirty
-                cached_seqs.append(
-                    CachedSequence(
-                        seq_id=seq_id,
-                        new_token_ids=tokens[known_tokens:],
-                        block_offset=offset,
-                        block_ids=table[offset:],
-                        num_scheduled_tokens=chunk,
-                    )
+                cached = CachedSequence(
+                    seq_id=seq_id,
+                    new_token_ids=tokens[known_tokens:],
+                    block_offset=offset,
+                    block_ids=table[offset:],
+                    num_scheduled_tokens=chunk,
                 )
+                if drafts and (seq_drafts := drafts.get(seq_id)):
+                    cached.draft_token_ids = seq_drafts
+                    cached.num_scheduled_tokens += len(seq_drafts)
+                cached_seqs.append(cached)
                 view[0] = len(tokens)
                 view[1] = len(table)
         return constrained

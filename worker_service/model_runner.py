@@ -57,7 +57,7 @@ class ModelRunner(SequenceStates):
             return result
         t0 = time.perf_counter_ns()
         # Prefill-first layout; stable so the step order survives within each part.
-        layout = sorted(scheduled, key=lambda s: s.count == 1)
+        layout = sorted(scheduled, key=lambda s: s.is_decode)
         inputs = self._prepare(layout, num_blocks=kv_caches[0][0].shape[0] if kv_caches else 0)
         logits = None  # [num_logit_rows, vocab]
         if self.decode_graphs is not None:
@@ -87,26 +87,29 @@ class ModelRunner(SequenceStates):
         return result
 
     def _prepare(self, layout: list[Scheduled], num_blocks: int) -> _PreparedInputs:
-        if all(s.count == 1 and s.samples for s in layout) and not any(
+        if all(s.is_decode and s.samples for s in layout) and not any(
             s.state.params.prompt_logprobs is not None for s in layout
         ):
             return self._prepare_decodes(layout, num_blocks)
         bs = self.block_size
-        prefills = [s for s in layout if s.count > 1]
-        decodes = layout[len(prefills) :]
-        counts = np.array([s.count for s in layout], dtype=np.int64)
-        starts = np.array([s.start for s in layout], dtype=np.int64)
+        n_pre = sum(not s.is_decode for s in layout)  # layout is prefill-first
+        # (sequence, first position, count) per part: a prefill chunk is one part, a decode
+        # row computes one position (a sequence with drafts has a row for each).
+        parts = [(s, s.start, s.count) for s in layout[:n_pre]]
+        parts += [(s, p, 1) for s in layout[n_pre:] for p in range(s.start, s.start + s.count)]
+        counts = np.array([c for _, _, c in parts], dtype=np.int64)
+        starts = np.array([p for _, p, _ in parts], dtype=np.int64)
         ends = starts + counts
-        # Positions: per sequence arange(start, end), concatenated without a Python loop.
+        # Positions: per part arange(start, end), concatenated without a Python loop.
         offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
         num_tokens = int(counts.sum())
         positions = np.arange(num_tokens) - np.repeat(offsets - starts, counts)
         input_ids = np.fromiter(
-            (t for s in layout for t in s.state.token_ids[s.start : s.start + s.count]),
+            (t for s, p, c in parts for t in s.state.token_ids[p : p + c]),
             dtype=np.int64,
             count=num_tokens,
         )
-        tables = _pad_tables([s.state.block_ids[: -(-(s.start + s.count) // bs)] for s in layout])
+        tables = _pad_tables([s.state.block_ids[: -(-(p + c) // bs)] for s, p, c in parts])
         # The kernels index the cache with these ids unchecked: a bad one must stop here.
         if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
             bad = next(
@@ -118,26 +121,26 @@ class ModelRunner(SequenceStates):
             raise StateError(
                 f"seq {bad[0]}: block id {bad[1]} is outside the cache ({num_blocks} blocks)"
             )
-        seq_of_token = np.repeat(np.arange(len(layout)), counts)
+        seq_of_token = np.repeat(np.arange(len(parts)), counts)
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
 
         logit_rows: list[int] = []
-        sample_items: list[tuple[Scheduled, int]] = []  # (seq, logits row)
+        sample_items: list[tuple[Scheduled, int, int]] = []  # (seq, logits row, position)
         prompt_items: list[tuple[Scheduled, int, int, int]] = []  # (seq, first row, n, first pos)
-        for s, offset in zip(layout, offsets.tolist(), strict=True):
+        for (s, start, count), offset in zip(parts, offsets.tolist(), strict=True):
             # Prompt logprobs come from the first prefill only, not from a recompute.
             first_prefill = len(s.state.token_ids) == s.state.num_prompt_tokens
             if s.state.params.prompt_logprobs is not None and first_prefill:
-                last = min(s.start + s.count, s.state.num_prompt_tokens - 1)
-                if last > s.start:
-                    n = last - s.start
-                    prompt_items.append((s, len(logit_rows), n, s.start + 1))
+                last = min(start + count, s.state.num_prompt_tokens - 1)
+                if last > start:
+                    n = last - start
+                    prompt_items.append((s, len(logit_rows), n, start + 1))
                     logit_rows.extend(range(offset, offset + n))
-            if s.samples:
-                sample_items.append((s, len(logit_rows)))
-                logit_rows.append(offset + s.count - 1)
+            position = start + count - 1
+            if s.samples and position in s.rows():
+                sample_items.append((s, len(logit_rows), position))
+                logit_rows.append(offset + count - 1)
 
-        n_pre = len(prefills)
         device = self.device
 
         def tensor(a: np.ndarray | list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -147,7 +150,7 @@ class ModelRunner(SequenceStates):
         metadata = AttentionMetadata(
             num_prefills=n_pre,
             num_prefill_tokens=int(pre_counts.sum()),
-            num_decodes=len(decodes),
+            num_decodes=len(parts) - n_pre,
             slot_mapping=tensor(slots, torch.int64),
             prefill_query_start_loc=tensor(np.concatenate(([0], np.cumsum(pre_counts)))),
             prefill_query_lens=tensor(pre_counts),
@@ -172,12 +175,14 @@ class ModelRunner(SequenceStates):
         )
 
     def _prepare_decodes(self, layout: list[Scheduled], num_blocks: int) -> _PreparedInputs:
-        """`_prepare` for a step of decodes only, each sampling: the same inputs from plain
-        lists (a few sequences cost microseconds here, numpy's set-up more)."""
+        """`_prepare` for a step of decodes only, each sampling (at each of its drafts too):
+        the same inputs from plain lists (a few sequences cost microseconds here, numpy's
+        set-up more)."""
         bs = self.block_size
-        positions = [s.start for s in layout]
-        tables = [s.state.block_ids[: p // bs + 1] for s, p in zip(layout, positions, strict=True)]
-        for s, table in zip(layout, tables, strict=True):
+        rows = [(s, p) for s in layout for p in s.rows()]
+        positions = [p for _, p in rows]
+        tables = [s.state.block_ids[: p // bs + 1] for s, p in rows]
+        for (s, _), table in zip(rows, tables, strict=True):
             if min(table) < 0 or max(table) >= num_blocks:
                 bad = next(b for b in table if not 0 <= b < num_blocks)
                 raise StateError(
@@ -186,7 +191,7 @@ class ModelRunner(SequenceStates):
                 )
         width = max(len(t) for t in tables)
         device = self.device
-        n = len(layout)
+        n = len(rows)
         metadata = AttentionMetadata(
             num_prefills=0,
             num_prefill_tokens=0,
@@ -215,12 +220,12 @@ class ModelRunner(SequenceStates):
         )
         return _PreparedInputs(
             input_ids=torch.tensor(
-                [s.state.token_ids[s.start] for s in layout], dtype=torch.int64, device=device
+                [s.state.token_ids[p] for s, p in rows], dtype=torch.int64, device=device
             ),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             metadata=metadata,
             logit_rows=torch.arange(n, device=device),
-            sample_items=[(s, i) for i, s in enumerate(layout)],
+            sample_items=[(s, i, p) for i, (s, p) in enumerate(rows)],
             prompt_items=[],
         )
 
@@ -230,27 +235,33 @@ class ModelRunner(SequenceStates):
         inputs: _PreparedInputs,
         argmax: ArgmaxLogprobs | None,  # of every logits row, when the forward found them
     ) -> list[SequenceOutput]:
-        outputs: dict[int, SequenceOutput] = {}
+        outputs: dict[int, list[SequenceOutput]] = {}
         if inputs.sample_items:
+            # A row samples as if the tokens up to its position were the sequence's: a draft's
+            # row sees the drafts before it as outputs (penalties, min_tokens, seeded streams).
             rows = [
                 SamplingRow(
                     s.state.params,
                     s.state.seq_index,
-                    s.state.token_ids,
+                    tokens if len(tokens := s.state.token_ids) == p + 1 else tokens[: p + 1],
                     s.state.num_prompt_tokens,
                     self.token_masks.get(s.state.seq_id),
                 )
-                for s, _ in inputs.sample_items
+                for s, _, p in inputs.sample_items
             ]
-            sample_rows = [r for _, r in inputs.sample_items]
+            sample_rows = [r for _, r, _ in inputs.sample_items]
             sample_logits = logits
             if sample_rows != list(range(logits.shape[0])):  # else every logits row samples
                 sample_logits = logits[torch.tensor(sample_rows, device=logits.device)]
                 argmax = None
-            for (s, _), res in zip(
+            for (s, _, _), res in zip(
                 inputs.sample_items, self.sampler.sample(sample_logits, rows, argmax), strict=True
             ):
-                outputs[s.order] = SequenceOutput(s.state.seq_id, res.samples, res.top_logprobs)
+                out = SequenceOutput(s.state.seq_id, res.samples, res.top_logprobs)
+                outputs.setdefault(s.order, []).append(out)
+            for s, _, p in inputs.sample_items:
+                if s.num_drafts and p == s.start + s.count - 1:  # its last row: settle drafts
+                    outputs[s.order] = self._verify(s, outputs[s.order])
         for s, first_row, n, first_pos in inputs.prompt_items:
             positions = list(range(first_pos, first_pos + n))
             targets = [s.state.token_ids[p] for p in positions]
@@ -262,11 +273,24 @@ class ModelRunner(SequenceStates):
                     s.state.params.prompt_logprobs or 0,
                 )
             )
-        for s, _ in inputs.sample_items:
+        for s, _, _ in inputs.sample_items:
             if s.state.pending_prompt_logprobs:
-                outputs[s.order].prompt_logprobs = s.state.pending_prompt_logprobs
+                outputs[s.order][0].prompt_logprobs = s.state.pending_prompt_logprobs
                 s.state.pending_prompt_logprobs = []
-        return [outputs[k] for k in sorted(outputs)]
+        return [out for k in sorted(outputs) for out in outputs[k]]
+
+    def _verify(self, s: Scheduled, samples: list[SequenceOutput]) -> list[SequenceOutput]:
+        """Keep `s`'s drafts while each equals the sample taken at the position before it;
+        returns the outputs of the tokens produced (the kept drafts, then the next sample).
+        Each sample is drawn as a step without drafts would draw it, so the tokens produced
+        are the ones such steps would have produced."""
+        end = s.start + s.count
+        drafts = s.state.token_ids[end - s.num_drafts : end]
+        kept = 0
+        while kept < len(drafts) and samples[kept].samples[0].token_id == drafts[kept]:
+            kept += 1
+        self.keep_drafts(s, kept)
+        return samples[: kept + 1]
 
 
 @dataclass(slots=True)
@@ -275,7 +299,7 @@ class _PreparedInputs:
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
     logit_rows: torch.Tensor  # [num_logit_rows] int64
-    sample_items: list[tuple[Scheduled, int]]
+    sample_items: list[tuple[Scheduled, int, int]]  # (seq, logits row, position)
     prompt_items: list[tuple[Scheduled, int, int, int]]
 
 

@@ -50,12 +50,27 @@ class Scheduled:
 
     state: SequenceState
     start: int  # first position computed this step
-    count: int  # tokens computed this step
+    count: int  # tokens computed this step, drafts included
     order: int  # position in the step's new_seqs + cached_seqs order
+    # Draft tokens (speculative decoding): the last `num_drafts` of the computed tokens, held
+    # in `state.token_ids` until the sampler settles them (`SequenceStates.keep_drafts`).
+    num_drafts: int = 0
 
     @property
     def samples(self) -> bool:
         return self.start + self.count == len(self.state.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """Computes one known token (and its drafts): its rows are decode rows, each attending
+        to the positions up to its own."""
+        return self.count == self.num_drafts + 1
+
+    def rows(self) -> range:
+        """The positions whose logits it samples from: the last known token's, and each
+        draft's."""
+        end = self.start + self.count
+        return range(end - 1 - self.num_drafts, end)
 
 
 class StateError(RuntimeError):
@@ -108,10 +123,18 @@ class SequenceStates:
             state.token_ids.extend(new_tokens)
             del state.block_ids[cached.block_offset :]
             state.block_ids.extend(cached.block_ids)
+            drafts = cached.draft_token_ids
+            if drafts:
+                self._check_drafts(state, cached.num_scheduled_tokens, len(drafts), step)
+                state.token_ids.extend(drafts)
             if cached.num_scheduled_tokens:
                 scheduled.append(
                     Scheduled(
-                        state, state.num_computed, cached.num_scheduled_tokens, len(scheduled)
+                        state,
+                        state.num_computed,
+                        cached.num_scheduled_tokens,
+                        len(scheduled),
+                        len(drafts),
                     )
                 )
         for s in scheduled:
@@ -120,6 +143,37 @@ class SequenceStates:
             if s.start + s.count > len(s.state.block_ids) * self.block_size:
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
         return scheduled
+
+    def _check_drafts(
+        self, state: SequenceState, num_scheduled: int, num_drafts: int, step: StepInput
+    ) -> None:
+        """Drafts follow the one known token a sampling sequence computes, and never come with
+        a mask (it covers one position) or beam search (its candidates are not a sample)."""
+        seq_id = state.seq_id
+        if state.num_computed + num_scheduled != len(state.token_ids) + num_drafts:
+            raise StateError(
+                f"seq {seq_id}: {num_drafts} drafts must end the step's scheduled tokens "
+                f"({num_scheduled} from position {state.num_computed}, "
+                f"{len(state.token_ids)} known)"
+            )
+        if num_scheduled != num_drafts + 1:
+            raise StateError(
+                f"seq {seq_id}: drafts follow one known token computed in the same step, got "
+                f"{num_scheduled} scheduled tokens for {num_drafts} drafts"
+            )
+        if state.params.use_beam_search:
+            raise StateError(f"seq {seq_id}: beam search cannot have drafts")
+        if seq_id in self.token_masks or seq_id in step.deferred_mask_seq_ids:
+            raise StateError(f"seq {seq_id}: a sequence with a token mask cannot have drafts")
+
+    @staticmethod
+    def keep_drafts(s: Scheduled, kept: int) -> None:
+        """After sampling: keep the first `kept` of `s`'s drafts as known, computed tokens and
+        drop the rest."""
+        state = s.state
+        end = s.start + s.count - (s.num_drafts - kept)
+        del state.token_ids[end:]
+        state.num_computed = end
 
     @staticmethod
     def _take_sampled(state: SequenceState, new_tokens: list[int]) -> int:

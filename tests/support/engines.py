@@ -3,6 +3,8 @@ directly, for tests that compare outputs without the services around them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
 from scheduler_service.config import PreemptionMode
 from worker_service.worker import Worker
@@ -18,9 +20,11 @@ def engine_on_worker(
     chunked: bool = True,
     prefix: bool = True,
     preemption: PreemptionMode | None = None,
+    **scheduler: Any,
 ) -> LLMEngine:
     """Initialize the worker's cache with these block counts and return an engine over it
-    (max_num_seqs 16, no watermark, the worker's block size)."""
+    (max_num_seqs 16, no watermark, the worker's block size); `scheduler`: more
+    `SchedulerConfig` fields."""
     worker.initialize_cache(gpu_blocks, cpu_blocks)
     return LLMEngine(
         SchedulerConfig(
@@ -29,6 +33,7 @@ def engine_on_worker(
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
             preemption_mode=preemption,
+            **scheduler,
         ),
         CacheConfig(
             worker.config.block_size,

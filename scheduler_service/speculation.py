@@ -1,0 +1,163 @@
+"""Speculative decoding in the scheduler (issue #28): drafts proposed while a step is built,
+kept or dropped when its result comes back.
+
+`Speculator.draft` runs on each `Scheduler.schedule()` decision before its step is built
+(`LLMEngine.begin_step`). Each decode of a plain request (one sequence, no beam search, no
+grammar) asks the proposer (`scheduler_service.proposer`) for up to `num_speculative_tokens`
+drafts; the drafts ride in the step
+(`CachedSequence.draft_token_ids`), their K/V slots reserved from the free blocks. Drafts
+come last in the step's decisions, after every admission and preemption, and only out of the
+blocks and token budget left over: under pressure a sequence gets fewer drafts or none, and
+nothing is ever preempted for them. A step that runs more than `speculative_max_batch`
+sequences drafts nothing (verifying costs more there than it saves).
+
+The worker computes the drafts with the sequence's last token, samples at each position as
+a step without drafts would, and keeps the drafts while each equals the sample before it
+(`llmserve.steps`). Output processing appends the tokens produced one at a time, each through
+the usual stop checks, so a stop inside the run cuts it where a step-by-step run stops; then
+`commit` counts the kept drafts as computed, gives the unused reserved blocks back, and makes
+the blocks the kept tokens filled findable by the prefix cache. Rejected drafts never enter a
+sequence, its proposer state or the prefix cache.
+
+A step with drafts is never continued by asynchronous scheduling (its result decides where
+the next step starts); a step without drafts is, unless a sequence in it has a draft waiting
+(then the next step is built after the result, so it can carry drafts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+from scheduler_service.block_manager import BlockSpaceManager
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.proposer import DraftProposer, NgramProposer
+from scheduler_service.scheduler_outputs import SchedulerOutputs
+from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Cumulative counters, as vLLM v1 reports them."""
+
+    num_drafts: int = 0  # sequence-steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [i]: how many times the draft at position i was kept.
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+def speculates(seq_group: SequenceGroup) -> bool:
+    """Whether drafts may run for the group: one sequence sampling one token per step,
+    without a grammar (a mask covers one position)."""
+    params = seq_group.sampling_params
+    return (
+        len(seq_group.seqs) == 1
+        and params.num_sampled == 1
+        and not params.use_beam_search
+        and seq_group.grammar is None
+    )
+
+
+class Speculator:
+    """Drafts for one replica's steps, and what became of them."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockSpaceManager,
+        proposer: DraftProposer | None = None,
+    ) -> None:
+        """`proposer`: n-gram prompt lookup from `config` unless given (tests pass their own)."""
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_batch = config.speculative_max_batch
+        self.block_manager = block_manager
+        self.proposer = proposer
+        if proposer is None and self.k > 0:
+            self.proposer = NgramProposer(config.ngram_min, config.ngram_max, self.k)
+        self.stats = SpeculationStats(accepted_per_position=[0] * self.k)
+
+    @property
+    def enabled(self) -> bool:
+        return self.k > 0
+
+    def proposal(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to `limit` drafts to follow `seq`'s tokens ([] when the proposer has none)."""
+        assert self.proposer is not None
+        state = seq.draft_state
+        if state is None:
+            state = seq.draft_state = self.proposer.new_state(seq.token_ids)
+        else:
+            state.extend(seq.token_ids[state.num_tokens :])
+        return self.proposer.propose(state, limit)
+
+    def draft(self, out: SchedulerOutputs, held: Container[int]) -> None:
+        """Give the decision's eligible decodes their drafts, within the token budget and
+        the free blocks. `held`: the ids of the sequences the worker holds (drafts follow
+        its known tokens; a sequence admitted or recomputed in this step has none there)."""
+        if self.proposer is None:
+            return
+        if sum(len(s.seq_group.seqs) for s in out.scheduled) > self.max_batch:
+            return
+        bm = self.block_manager
+        model_len = self.config.model_len
+        max_tokens = self.config.max_num_batched_tokens
+        for scheduled in out.scheduled:
+            room = max_tokens - out.num_batched_tokens
+            if room <= 0:
+                return
+            group = scheduled.seq_group
+            if scheduled.token_chunk_size != 1 or not speculates(group):
+                continue
+            seq = group.seqs[0]
+            num_tokens = len(seq.token_ids)
+            if (
+                seq.status != _RUNNING
+                or seq.num_computed_tokens + 1 != num_tokens
+                or seq.seq_id not in held
+            ):
+                continue
+            # The step produces 1 + kept drafts tokens; none past max_tokens or the model.
+            limit = min(
+                self.k,
+                room,
+                group.sampling_params.max_tokens - seq.get_output_len() - 1,
+                model_len - num_tokens - 1,
+            )
+            if limit <= 0:
+                continue
+            drafts = self.proposal(seq, limit)
+            if not drafts or not bm.can_reserve_lookahead([seq], len(drafts)):
+                continue
+            bm.reserve_lookahead(seq, len(drafts))
+            out.drafts[seq.seq_id] = drafts
+            out.num_batched_tokens += len(drafts)
+
+    def waits_for_draft(self, seq: Sequence) -> bool:
+        """Whether `seq` (in a step in flight, its sample not known) has a draft for the
+        current end of its tokens: likely in a run its context repeats, so the next step is
+        better built after the result, with drafts, than continued without them."""
+        return self.proposer is not None and bool(self.proposal(seq, 1))
+
+    def commit(self, seq_group: SequenceGroup, num_drafts: int, num_kept: int) -> None:
+        """After output processing appended the step's tokens for the group's sequence (the
+        kept drafts and one sample, or fewer if it stopped): the kept drafts are computed;
+        the reserved blocks past its tokens go back."""
+        seq = seq_group.seqs[0]
+        metrics = seq_group.metrics
+        metrics.num_draft_tokens += num_drafts
+        metrics.num_accepted_tokens += num_kept
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_kept
+        for i in range(num_kept):
+            stats.accepted_per_position[i] += 1
+        if seq.status != _RUNNING:
+            return  # finished in the run: its blocks are freed already
+        first_written = seq.num_computed_tokens  # the first draft's position
+        seq.num_computed_tokens += num_kept
+        self.block_manager.commit_lookahead(seq, first_written)
