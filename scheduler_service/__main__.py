@@ -67,6 +67,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="structured output: a grammar still compiling this long after its request "
         "arrived ends the request with 429 (the replica waits for it at most this long)",
     )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="speculative decoding: up to this many n-gram drafts per sequence and step, "
+        "verified by the worker in the same pass (0: off)",
+    )
+    p.add_argument("--ngram-min", type=int, default=2, help="shortest suffix prompt lookup matches")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
+    p.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=16,
+        help="a step running more sequences than this carries no drafts",
+    )
     p.add_argument("--watermark", type=float, default=0.01)
     p.add_argument(
         "--async-scheduling",
@@ -169,6 +184,10 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
             enable_forced_tokens=args.forced_tokens,
             forced_hold_tokens=args.forced_hold_tokens,
             max_grammar_compile_ms=args.max_grammar_compile_ms,
+            num_speculative_tokens=args.num_speculative_tokens,
+            ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max,
+            speculative_max_batch=args.speculative_max_batch,
         ),
         watermark=args.watermark,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -375,8 +375,13 @@ class LLMEngine:
         return self._builder.grammar_timings.last_step_seconds
 
     @property
+    def last_num_accepted_drafts(self) -> int:
+        """Draft tokens kept in the last finished step."""
+        return self._processor.num_accepted_drafts
+
+    @property
     def last_num_generated(self) -> int:
-        """Sequences that got a token in the last finished step."""
+        """Tokens sequences got in the last finished step (several for a kept draft run)."""
         return self._processor.num_generated
 
     def unfinished_request_ids(self) -> list[str]:

@@ -81,6 +81,19 @@ def _advance(counter: Counter, key: tuple[str, ...], total: float) -> None:
     _last[(counter, key)] = total
 
 
+# Speculative decoding, as vLLM v1 counts it (scheduler_service/speculation.py).
+SPEC_DRAFTS = Counter("llmserve_spec_decode_drafts", "Sequence-steps that carried draft tokens", _R)
+SPEC_DRAFT_TOKENS = Counter("llmserve_spec_decode_draft_tokens", "Draft tokens verified", _R)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "llmserve_spec_decode_accepted_tokens", "Draft tokens kept (equal to the target's sample)", _R
+)
+SPEC_ACCEPTED_PER_POS = Counter(
+    "llmserve_spec_decode_accepted_tokens_per_pos",
+    "Draft tokens kept, by position in the draft (0 = first)",
+    [*_R, "position"],
+)
+
+
 def record_stats(replica_id: int, stats: SchedulerStats) -> None:
     r = str(replica_id)
     RUNNING.labels(r).set(stats.num_running)
@@ -92,6 +105,12 @@ def record_stats(replica_id: int, stats: SchedulerStats) -> None:
     _advance(PREFIX_HITS, (r,), stats.prefix_cache_hits)
     _advance(PREEMPTIONS, (r, "recompute"), stats.num_preemptions_recompute)
     _advance(PREEMPTIONS, (r, "swap"), stats.num_preemptions_swap)
+    if stats.num_spec_drafts:
+        _advance(SPEC_DRAFTS, (r,), stats.num_spec_drafts)
+        _advance(SPEC_DRAFT_TOKENS, (r,), stats.num_spec_draft_tokens)
+        _advance(SPEC_ACCEPTED_TOKENS, (r,), stats.num_spec_accepted_tokens)
+        for position, kept in enumerate(stats.spec_accepted_per_position):
+            _advance(SPEC_ACCEPTED_PER_POS, (r, str(position)), kept)
 
 
 def record_step(
@@ -102,16 +121,20 @@ def record_step(
     seconds: float,
     num_generated: int | None = None,
 ) -> None:
-    """`num_generated`: sequences that got a token (default: those the worker sampled for,
+    """`num_generated`: tokens sequences got (default: the worker's samples,
     which with asynchronous scheduling counts outputs dropped for finished sequences)."""
     record_stats(replica_id, stats)
     r = str(replica_id)
     if step.is_empty():
         return
     ITERATION_SECONDS.labels(r).observe(seconds)
-    # A decode computes one token of a sequence the worker holds; the rest is prompt (prefill
-    # chunks and recomputes).
-    decode_tokens = sum(1 for s in step.cached_seqs if s.num_scheduled_tokens == 1)
+    # A decode computes one token of a sequence the worker holds (and its drafts); the rest
+    # is prompt (prefill chunks and recomputes).
+    decode_tokens = sum(
+        s.num_scheduled_tokens
+        for s in step.cached_seqs
+        if s.num_scheduled_tokens == 1 + len(s.draft_token_ids)
+    )
     PROMPT_TOKENS.labels(r).inc(step.num_scheduled_tokens - decode_tokens)
     if result is not None:
         WORKER_FORWARD_SECONDS.labels(r).observe(result.forward_ns / 1e9)

@@ -134,6 +134,8 @@ class OutputProcessor:
         # Samples the last `process` appended (a continuation step's outputs for sequences
         # that finished meanwhile are dropped, and not counted).
         self.num_generated = 0
+        # Draft tokens the last `process` kept (speculative decoding).
+        self.num_accepted_drafts = 0
         # Tokens appended because the grammar forced them (structured output), in total.
         self.num_forced_tokens = 0
         # Tokens each sequence gained in this step beyond its sample (forced ones).
@@ -177,6 +179,7 @@ class OutputProcessor:
         """The step's deltas, and the forks and frees the worker must hear of."""
         self._events = events = WorkerEvents()
         self.num_generated = 0
+        self.num_accepted_drafts = 0
         if self._num_forced:
             self._num_forced = {}
         by_seq = {o.seq_id: o for o in result.outputs}
@@ -289,6 +292,7 @@ class OutputProcessor:
         self.num_generated += num_new
         metrics = seq_group.metrics
         kept = len(run) - 1
+        self.num_accepted_drafts += kept
         self.scheduler.speculator.commit(seq_group, num_drafts, kept)
         status = seq.status
         finished = status >= SequenceStatus.STOPPED

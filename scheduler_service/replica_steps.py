@@ -159,7 +159,11 @@ class StepPipeline:
         if self._steps:  # a continuation: its masks can be computed now
             self._start_masks(self._steps[0])
         self.tracer.on_outputs(outputs)
-        end_step_span(step.span, *((result.forward_ns, result.sample_ns) if result else (0, 0)))
+        end_step_span(
+            step.span,
+            *((result.forward_ns, result.sample_ns) if result else (0, 0)),
+            accepted_drafts=engine.last_num_accepted_drafts if step.sched_out.drafts else None,
+        )
         now = time.perf_counter()
         seconds = now - max(step.sent, self._last_finished)
         self._last_finished = now

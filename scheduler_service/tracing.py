@@ -218,6 +218,7 @@ class ReplicaTracer:
                     "llmserve.step.blocks_swapped_out": len(sched_out.blocks_to_swap_out),
                     "llmserve.step.blocks_copied": len(sched_out.blocks_to_copy),
                     "llmserve.step.preemptions": len(sched_out.preempted),
+                    "llmserve.step.spec_draft_tokens": sum(map(len, sched_out.drafts.values())),
                     "llmserve.kv_cache.gpu_usage": stats.gpu_kv_usage,
                     "llmserve.kv_cache.cpu_usage": stats.cpu_kv_usage,
                     "llmserve.requests.waiting": stats.num_waiting,
@@ -282,8 +283,13 @@ def step_traceparent(span: Span | None) -> str:
 
 
 def end_step_span(
-    span: Span | None, forward_ns: int, sample_ns: int, error: BaseException | None = None
+    span: Span | None,
+    forward_ns: int,
+    sample_ns: int,
+    error: BaseException | None = None,
+    accepted_drafts: int | None = None,
 ) -> None:
+    """`accepted_drafts`: the draft tokens kept, for a step that carried drafts."""
     if span is None:
         return
     if error is not None:
@@ -296,4 +302,6 @@ def end_step_span(
                 "llmserve.worker.sample_s": sample_ns / 1e9,
             }
         )
+        if accepted_drafts is not None:
+            span.set_attribute("llmserve.step.spec_accepted_tokens", accepted_drafts)
     span.end()

@@ -58,6 +58,7 @@ class FakeModel:
         # Placeholders followed by known tokens (forced ones).
         self.num_placeholder_runs = 0
         self.num_masked_rows = 0
+        self.num_drafts_kept = 0
 
     # -- the model's "distribution" -------------------------------------------------------
 
@@ -103,6 +104,7 @@ class FakeModel:
         assert not step.deferred_mask_seq_ids, "an in-process step arrived with deferred masks"
         masks = {m.seq_id: m for m in step.token_masks}
         self.num_masked_rows += len(masks)
+        drafts: dict[int, int] = {}  # seq id -> how many draft tokens it computes
         for seq_id in step.freed_seq_ids:
             del self.seqs[seq_id]
         for fork in step.forks:
@@ -138,6 +140,12 @@ class FakeModel:
                 self.num_placeholder_runs += bool(rest)
             else:
                 st.tokens.extend(upd.new_token_ids)
+            if upd.draft_token_ids:  # computed after the known tokens, settled below
+                assert upd.num_scheduled_tokens == 1 + len(upd.draft_token_ids)
+                assert st.num_computed + 1 == len(st.tokens), "drafts after a prefill chunk"
+                assert upd.seq_id not in masks, "drafts with a token mask"
+                st.tokens.extend(upd.draft_token_ids)
+                drafts[upd.seq_id] = len(upd.draft_token_ids)
             assert upd.block_offset <= len(st.table)
             st.table[upd.block_offset :] = upd.block_ids
         for src, dst in step.blocks_to_swap_out:
@@ -163,6 +171,11 @@ class FakeModel:
             start = st.num_computed
             st.num_computed += num
             assert st.num_computed <= len(st.tokens)
+            if seq_id in drafts:
+                run = self._verify(seq_id, st, drafts[seq_id])
+                st.last_sampled = None
+                outputs.extend(run)
+                continue
             out = self._outputs(seq_id, st, start, masks.pop(seq_id, None))
             samples = [] if out is None else out.samples
             st.last_sampled = samples[0].token_id if len(samples) == 1 else None
@@ -170,6 +183,31 @@ class FakeModel:
                 outputs.append(out)
         assert not masks, f"token masks for sequences that do not sample: {sorted(masks)}"
         return StepResult(step.step_id, outputs)
+
+    def _verify(self, seq_id: int, st: _SeqState, num_drafts: int) -> list[SequenceOutput]:
+        """Sample at the last known token and at each draft (from the context read back from
+        the cache up to that position), keep drafts while they equal the samples."""
+        first_draft = len(st.tokens) - num_drafts
+        run = []
+        for i in range(num_drafts + 1):
+            h = self._context_hash(st, first_draft + i)
+            sample = self._sample(h, st.seq_index)
+            top = self._top(h, st.params.logprobs) if st.params.logprobs else []
+            run.append(SequenceOutput(seq_id, [sample], top))
+            if i == num_drafts or sample.token_id != st.tokens[first_draft + i]:
+                break
+        self.num_drafts_kept += len(run) - 1
+        del st.tokens[first_draft + len(run) - 1 :]
+        st.num_computed = len(st.tokens)
+        return run
+
+    def next_token(self, tokens: list[int], seq_index: int = 0) -> int:
+        """What the model samples after `tokens` (unconstrained, not beam search): the
+        oracle that test proposers draft from."""
+        h = 17
+        for t in tokens:
+            h = _mix(h, t)
+        return self._sample(h, seq_index).token_id
 
     def _context_hash(self, st: _SeqState, length: int) -> int:
         bs = self.block_size

@@ -1,0 +1,152 @@
+"""Speculative decoding through the engine on the fake model: drafts never change what is
+streamed. A proposer that always drafts the model's next tokens has every draft kept and
+takes fewer steps; one that always drafts wrong tokens has none kept; both stream exactly
+what a run without drafts streams, under preemption, stop tokens, min_tokens, logprobs and
+asynchronous scheduling; aborted streams are prefixes of the full ones; every block comes
+back (`drive` checks)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from scheduler_service import LLMEngine
+from scheduler_service.proposer import DraftProposer, DraftState
+from scheduler_service.speculation import Speculator
+
+from .fake_model import FakeModel
+from .test_async_scheduling import drive
+
+K = 4
+
+
+class _Tokens(DraftState):
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = list(tokens)
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        self.tokens.extend(new_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class OracleProposer(DraftProposer):
+    """Drafts what the fake model will sample next (`wrong`: one token off, never kept)."""
+
+    def __init__(self, model: FakeModel, wrong: bool = False) -> None:
+        self.model = model
+        self.wrong = wrong
+
+    def new_state(self, tokens: Sequence[int]) -> _Tokens:
+        return _Tokens(tokens)
+
+    def propose(self, state: DraftState, max_tokens: int) -> list[int]:
+        assert isinstance(state, _Tokens)
+        tokens = list(state.tokens)
+        drafts = []
+        for _ in range(min(K, max_tokens)):
+            token = self.model.next_token(tokens)
+            if self.wrong:
+                token = (token + 1) % self.model.vocab_size
+            drafts.append(token)
+            tokens.append(token)
+        return drafts
+
+
+def with_oracle(wrong: bool):
+    def setup(engine: LLMEngine, model: FakeModel) -> None:
+        scheduler = engine.scheduler
+        scheduler.speculator = Speculator(
+            scheduler.scheduler_config, scheduler.block_manager, OracleProposer(model, wrong)
+        )
+
+    return setup
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("num_gpu_blocks", [400, 60])
+def test_right_drafts_are_all_kept_in_fewer_steps(num_gpu_blocks: int, pipelined: bool) -> None:
+    plain, _, plain_model = drive(num_gpu_blocks, pipelined)
+    spec, engine, model = drive(
+        num_gpu_blocks,
+        pipelined,
+        setup=with_oracle(wrong=False),
+        num_speculative_tokens=K,
+        speculative_max_batch=64,
+    )
+    assert spec == plain
+    stats = engine.get_stats()
+    assert stats.num_spec_drafts > 50
+    # A draft is dropped only where the run stops (a stop token, max_tokens, an abort).
+    assert stats.num_spec_accepted_tokens == model.num_drafts_kept
+    assert stats.num_spec_accepted_tokens >= 0.9 * stats.num_spec_draft_tokens
+    assert list(stats.spec_accepted_per_position) == sorted(
+        stats.spec_accepted_per_position, reverse=True
+    )
+    assert model.num_steps < 0.8 * plain_model.num_steps
+    if num_gpu_blocks == 60:
+        assert stats.num_preemptions_recompute + stats.num_preemptions_swap >= 5
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("num_gpu_blocks", [400, 60])
+def test_wrong_drafts_are_never_kept_and_change_nothing(
+    num_gpu_blocks: int, pipelined: bool
+) -> None:
+    plain, _, _ = drive(num_gpu_blocks, pipelined)
+    spec, engine, model = drive(
+        num_gpu_blocks,
+        pipelined,
+        setup=with_oracle(wrong=True),
+        num_speculative_tokens=K,
+        speculative_max_batch=64,
+    )
+    assert spec == plain
+    stats = engine.get_stats()
+    assert stats.num_spec_draft_tokens > 100
+    assert stats.num_spec_accepted_tokens == model.num_drafts_kept == 0
+
+
+def test_no_drafts_above_the_batch_limit() -> None:
+    plain, _, _ = drive(400, False)
+    drafts = {}
+    for limit in (1, 64):
+        spec, engine, _ = drive(
+            400,
+            False,
+            setup=with_oracle(wrong=False),
+            num_speculative_tokens=K,
+            speculative_max_batch=limit,
+        )
+        assert spec == plain
+        drafts[limit] = engine.get_stats().num_spec_drafts
+    assert drafts[1] < drafts[64] / 2
+    one, engine, _ = drive(400, False, num=1, setup=with_oracle(wrong=False),
+                           num_speculative_tokens=K, speculative_max_batch=1)  # fmt: skip
+    assert one == {"r0": plain["r0"]}
+    assert engine.get_stats().num_spec_drafts > 0  # a lone sequence is within the limit
+
+
+def test_aborted_streams_are_prefixes_and_free_their_blocks() -> None:
+    full, _, _ = drive(60, True)
+    aborts = {5: 2, 6: 4, 7: 1, 9: 5, 14: 7, 24: 3}
+    spec, _, _ = drive(
+        60,
+        True,
+        abort_after=aborts,
+        setup=with_oracle(wrong=False),
+        num_speculative_tokens=K,
+        speculative_max_batch=64,
+    )
+    for request_id, choices in spec.items():
+        for index, (tokens, reason) in choices.items():
+            whole, whole_reason = full[request_id][index]
+            assert tokens == whole[: len(tokens)]
+            if reason is not None:
+                assert (tokens, reason) == (whole, whole_reason)
+    assert any(
+        len(spec[f"r{i}"][0][0]) < len(full[f"r{i}"][0][0]) for i in aborts if f"r{i}" in spec
+    )
