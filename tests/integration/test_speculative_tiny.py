@@ -122,7 +122,7 @@ def assert_all_free(engine: LLMEngine, worker: Worker) -> None:
     assert worker.num_sequences == 0
 
 
-SETUPS = {
+SETUPS: dict[str, dict[str, Any]] = {
     "plain": dict(),
     "chunked": dict(batched_tokens=16),  # prompt chunks in the same steps as drafts
     "recompute": dict(gpu_blocks=16, preemption=PreemptionMode.RECOMPUTE),
