@@ -51,6 +51,7 @@ def make_engine(
     cpu: int = 128,
     budget: int = 2048,
     preemption: PreemptionMode | None = None,
+    **scheduler: Any,
 ) -> LLMEngine:
     return engine_on_worker(
         worker,
@@ -59,6 +60,7 @@ def make_engine(
         batched_tokens=budget,
         max_model_len=2048,
         preemption=preemption,
+        **scheduler,
     )
 
 
@@ -118,4 +120,27 @@ def test_greedy_with_prefix_cache_hits(smol: Any, expected: list[list[int]]) -> 
     assert first[0].outputs[0].token_ids == expected[4]
     assert second[1].outputs[0].token_ids == expected[4]
     assert second[0].outputs[0].token_ids == hf_greedy(hf, variant)
+    finish(engine, worker)
+
+
+def test_greedy_with_ngram_drafts(smol: Any, expected: list[list[int]]) -> None:
+    """Speculative decoding changes no token, and the logprobs are the model's (issue #28):
+    prompt chunks beside drafts, and sequences preempted (recomputed) on a small cache."""
+    worker, hf, prompts = smol
+    engine = make_engine(
+        worker, gpu=24, budget=32, preemption=PreemptionMode.RECOMPUTE, num_speculative_tokens=5
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
+    outputs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = engine.get_stats()
+    assert stats.num_spec_accepted_tokens > 0
+    assert stats.num_preemptions_recompute > 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        full = prompt + out.outputs[0].token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([full])).logits[0], dim=-1)
+        got = [s.token.logprob for s in out.outputs[0].logprobs or []]
+        want = ref[len(prompt) - 1 : -1].gather(1, torch.tensor(out.outputs[0].token_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(got), want[:, 0], atol=1e-4, rtol=0)
     finish(engine, worker)
