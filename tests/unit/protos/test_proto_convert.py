@@ -79,7 +79,9 @@ new_seq = st.builds(
     num_scheduled_tokens=small,
     sampling_params=sampling_params,
 )
-cached_seq = st.builds(CachedSequence, st.integers(0, 2**63), ids, u32, ids, small)
+cached_seq = st.builds(
+    CachedSequence, st.integers(0, 2**63), ids, u32, ids, small, draft_token_ids=ids
+)
 token_mask = st.one_of(
     st.builds(
         TokenMask, st.integers(0, 2**63), st.sampled_from([MaskKind.ALLOW, MaskKind.DENY]), u32, ids
