@@ -202,3 +202,43 @@ def test_auto_is_the_native_backend_on_cpu_and_torch_where_it_cannot_run() -> No
 def test_unknown_backend_lists_the_known_ones() -> None:
     with pytest.raises(AttentionBackendError, match="known: \\['cpu', 'torch', 'triton'\\]"):
         get_backend_class("flash", CPU_SPEC)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", TRITON_ON_CPU])
+def test_decode_rows_of_one_sequence_attend_causally(backend_name: str) -> None:
+    """Speculative decoding's verification: a sequence's last token and its drafts run as
+    decode rows sharing one block table, row i seeing the keys up to its own position (all
+    rows' K/V are written before any row attends): the same as a causal chunk."""
+    torch.manual_seed(2)
+    context, rows = 10, 5  # one row for the last known token, four for drafts
+    total = context + rows
+    k, v = torch.randn(total, KVH, D) * 3, torch.randn(total, KVH, D)
+    q = torch.randn(rows, H, D)
+    table = [7, 2, 9, 4]
+    key_cache, value_cache = torch.zeros(10, BS, KVH, D), torch.zeros(10, BS, KVH, D)
+    for pos in range(context):
+        key_cache[table[pos // BS], pos % BS] = k[pos]
+        value_cache[table[pos // BS], pos % BS] = v[pos]
+    positions = range(context, total)
+    meta = AttentionMetadata(
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=rows,
+        slot_mapping=torch.tensor([table[p // BS] * BS + p % BS for p in positions]),
+        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+        prefill_query_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_block_tables=torch.zeros(0, len(table), dtype=torch.int32),
+        max_prefill_query_len=0,
+        max_prefill_seq_len=0,
+        prefill_no_context=True,
+        decode_seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+        decode_block_tables=torch.tensor([table] * rows, dtype=torch.int32),
+        max_decode_seq_len=total,
+        block_size=BS,
+    )
+    backend = get_backend_class(backend_name, CPU_SPEC)(H, KVH, D, D**-0.5, None)
+    backend.begin_step(meta)
+    out = backend.forward(q, k[context:], v[context:], key_cache, value_cache, meta)
+    torch.testing.assert_close(out, reference(q, k, v, context), atol=1e-5, rtol=1e-5)
