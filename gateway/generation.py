@@ -257,7 +257,7 @@ class GenerationCore:
                 # request's usage and timings with its last output.
                 if out.finished:
                     update.finished = True
-                    update.usage = Usage(out.usage.prompt_tokens, out.usage.completion_tokens)
+                    update.usage = Usage.from_proto(out.usage)
                     update.metrics = out.metrics
                     set_response_attributes(span, update, finish_reasons)
                     metrics.record_finished(

@@ -80,6 +80,26 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    # Speculative decoding: draft tokens verified, and kept.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Usage) -> Usage:
+        return cls(
+            msg.prompt_tokens,
+            msg.completion_tokens,
+            msg.spec_draft_tokens,
+            msg.spec_accepted_tokens,
+        )
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.completion_tokens + other.completion_tokens,
+            self.spec_draft_tokens + other.spec_draft_tokens,
+            self.spec_accepted_tokens + other.spec_accepted_tokens,
+        )
 
     @property
     def total_tokens(self) -> int:

@@ -168,6 +168,8 @@ def _response(request_id: str, update: GenerationUpdate) -> generation_pb2.Gener
     if update.usage is not None:
         response.usage.prompt_tokens = update.usage.prompt_tokens
         response.usage.completion_tokens = update.usage.completion_tokens
+        response.usage.spec_draft_tokens = update.usage.spec_draft_tokens
+        response.usage.spec_accepted_tokens = update.usage.spec_accepted_tokens
     if update.metrics is not None:
         m = update.metrics
         response.timings.first_token_ns = m.first_token_ns

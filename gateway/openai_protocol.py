@@ -109,10 +109,19 @@ class ErrorResponse(BaseModel):
 # them; the handlers build plain dicts of the same shape) ------------------------------------
 
 
+class SpeculativeUsage(BaseModel):
+    """llmserve's extension: draft tokens verified for the request, and kept."""
+
+    draft_tokens: int
+    accepted_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Present only when the request ran with speculative decoding.
+    speculative_decoding: SpeculativeUsage | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -90,10 +90,7 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 def _add(total: Usage, update: GenerationUpdate) -> Usage:
-    if update.usage is None:
-        return total
-    return Usage(total.prompt_tokens + update.usage.prompt_tokens,
-                 total.completion_tokens + update.usage.completion_tokens)
+    return total if update.usage is None else total + update.usage
 
 
 async def _merged(core: GenerationCore, inputs: list[GenerationInput], parent: Any

@@ -14,9 +14,16 @@ from llmserve.v1 import common_pb2
 PromptLogprobs = list[LogprobEntry | None]
 
 
-def usage_dict(usage: Usage) -> dict[str, int]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage block; with speculative decoding, llmserve's extension field
+    `speculative_decoding` (`UsageInfo`)."""
+    out: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens,
+                           "completion_tokens": usage.completion_tokens,
+                           "total_tokens": usage.total_tokens}
+    if usage.spec_draft_tokens:
+        out["speculative_decoding"] = {"draft_tokens": usage.spec_draft_tokens,
+                                       "accepted_tokens": usage.spec_accepted_tokens}
+    return out
 
 
 # A chat choice that stopped after tool calls (OpenAI's name; the scheduler's reason is STOP).

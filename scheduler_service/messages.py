@@ -105,6 +105,8 @@ def output_to_proto(
         msg.usage.completion_tokens = num_output_tokens
         if output.metrics is not None:
             msg.metrics.CopyFrom(_metrics_to_proto(output.metrics))
+            msg.usage.spec_draft_tokens = output.metrics.num_draft_tokens
+            msg.usage.spec_accepted_tokens = output.metrics.num_accepted_tokens
     return msg
 
 
