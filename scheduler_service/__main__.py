@@ -80,7 +80,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--speculative-max-batch",
         type=int,
         default=16,
-        help="a step running more sequences than this carries no drafts",
+        help="drafts are given while a step's sequences and drafts stay within this many "
+        "rows (the CPU worker's native decode step runs up to 16, 32 on GGUF blocks)",
     )
     p.add_argument("--watermark", type=float, default=0.01)
     p.add_argument(

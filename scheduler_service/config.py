@@ -64,7 +64,8 @@ class SchedulerConfig:
     # Prompt lookup matches the sequence's last ngram_max down to ngram_min tokens.
     ngram_min: int = 2
     ngram_max: int = 4
-    # A step running more sequences than this carries no drafts.
+    # Drafts are given while a step's sequences and drafts together stay within this many
+    # rows (the native decode step's batch limit on a CPU: past it a step costs per row).
     speculative_max_batch: int = 16
 
     def __post_init__(self) -> None:

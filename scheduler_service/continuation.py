@@ -60,7 +60,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     config = scheduler.scheduler_config
     model_len = config.model_len
     hold_window = config.forced_hold_tokens if config.enable_forced_tokens else 0
-    speculating = speculator.enabled and len(scheduler.running) <= config.speculative_max_batch
+    speculating = speculator.enabled and len(scheduler.running) < config.speculative_max_batch
     groups: list[ScheduledGroup] = []
     seqs: list[Sequence] = []
     num_tokens_scheduled = 0

@@ -8,8 +8,10 @@ drafts; the drafts ride in the step
 (`CachedSequence.draft_token_ids`), their K/V slots reserved from the free blocks. Drafts
 come last in the step's decisions, after every admission and preemption, and only out of the
 blocks and token budget left over: under pressure a sequence gets fewer drafts or none, and
-nothing is ever preempted for them. A step that runs more than `speculative_max_batch`
-sequences drafts nothing (verifying costs more there than it saves).
+nothing is ever preempted for them. A step's sequences and drafts stay within
+`speculative_max_batch` rows: a decode step is paid by the weights it reads while it is small
+(the native step on a CPU up to its batch limit, a GPU far beyond), and verifying more rows
+than that costs more than the drafts save.
 
 The worker computes the drafts with the sequence's last token, samples at each position as
 a step without drafts would, and keeps the drafts while each equals the sample before it
@@ -100,7 +102,8 @@ class Speculator:
         its known tokens; a sequence admitted or recomputed in this step has none there)."""
         if self.proposer is None:
             return
-        if sum(len(s.seq_group.seqs) for s in out.scheduled) > self.max_batch:
+        rows = sum(len(s.seq_group.seqs) for s in out.scheduled)  # at least one per sequence
+        if rows >= self.max_batch:
             return
         bm = self.block_manager
         model_len = self.config.model_len
@@ -124,6 +127,7 @@ class Speculator:
             limit = min(
                 self.k,
                 room,
+                self.max_batch - rows,
                 group.sampling_params.max_tokens - seq.get_output_len() - 1,
                 model_len - num_tokens - 1,
             )
@@ -135,6 +139,9 @@ class Speculator:
             bm.reserve_lookahead(seq, len(drafts))
             out.drafts[seq.seq_id] = drafts
             out.num_batched_tokens += len(drafts)
+            rows += len(drafts)
+            if rows >= self.max_batch:
+                return
 
     def waits_for_draft(self, seq: Sequence) -> bool:
         """Whether `seq` (in a step in flight, its sample not known) has a draft for the

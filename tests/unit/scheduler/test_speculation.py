@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from llmserve.steps import StepInput, StepResult
 from scheduler_service import LLMEngine
 from scheduler_service.proposer import DraftProposer, DraftState
 from scheduler_service.speculation import Speculator
@@ -110,24 +111,29 @@ def test_wrong_drafts_are_never_kept_and_change_nothing(
     assert stats.num_spec_accepted_tokens == model.num_drafts_kept == 0
 
 
-def test_no_drafts_above_the_batch_limit() -> None:
+def test_drafts_keep_a_step_within_the_row_limit() -> None:
+    """A step's sequences plus its drafts never pass `speculative_max_batch`."""
     plain, _, _ = drive(400, False)
-    drafts = {}
-    for limit in (1, 64):
-        spec, engine, _ = drive(
-            400,
-            False,
-            setup=with_oracle(wrong=False),
-            num_speculative_tokens=K,
-            speculative_max_batch=limit,
-        )
-        assert spec == plain
-        drafts[limit] = engine.get_stats().num_spec_drafts
-    assert drafts[1] < drafts[64] / 2
-    one, engine, _ = drive(400, False, num=1, setup=with_oracle(wrong=False),
-                           num_speculative_tokens=K, speculative_max_batch=1)  # fmt: skip
-    assert one == {"r0": plain["r0"]}
-    assert engine.get_stats().num_spec_drafts > 0  # a lone sequence is within the limit
+    limit = 12
+    rows: list[int] = []  # per step with drafts: sequences + draft tokens
+
+    def setup(engine: LLMEngine, model: FakeModel) -> None:
+        with_oracle(wrong=False)(engine, model)
+        execute = model.execute
+
+        def counting(step: StepInput) -> StepResult:
+            if step.num_draft_tokens:
+                rows.append(len(step.new_seqs) + len(step.cached_seqs) + step.num_draft_tokens)
+            return execute(step)
+
+        model.execute = counting  # type: ignore[method-assign]
+
+    spec, _, _ = drive(
+        400, False, setup=setup, num_speculative_tokens=K, speculative_max_batch=limit
+    )
+    assert spec == plain
+    assert len(rows) > 5
+    assert max(rows) == limit
 
 
 def test_aborted_streams_are_prefixes_and_free_their_blocks() -> None:
