@@ -43,6 +43,9 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="speculative decoding: n-gram drafts per sequence and step (scheduler; "
+                   "0 = off, the default)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--api-key-file", default=None,
                    help="the gateway's API keys, one a line (LLMSERVE_API_KEYS also works)")
@@ -105,7 +108,8 @@ def _run_up(argv: list[str]) -> int:
         worker_devices=devices,
         scheduler_args=_passthrough(
             args,
-            ["num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens", "log-level"],
+            ["num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens",
+             "num-speculative-tokens", "log-level"],
         ) + secured,
         gateway_args=_passthrough(
             args, ["log-level", "api-key-file", "chat-template", "tool-call-parser"]

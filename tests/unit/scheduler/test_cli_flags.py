@@ -56,3 +56,23 @@ def test_async_scheduling_flows_from_flag_or_env_into_the_replica_config(
     if env is not None:
         monkeypatch.setenv("LLMSERVE_ASYNC_SCHEDULING", env)
     assert build_fleet_config(parse_args(argv)).replica.async_scheduling is expected
+
+
+def test_speculation_flags_flow_into_the_scheduler_config(monkeypatch, capsys):
+    from scheduler_service.__main__ import build_fleet_config
+
+    seen = []
+
+    async def fake_run_stack(config):  # type: ignore[no-untyped-def]
+        seen.append(config)
+        return 0
+
+    monkeypatch.setattr(llmserve.supervisor, "run_stack", fake_run_stack)
+    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
+    monkeypatch.setenv("LLMSERVE_NGRAM_MAX", "6")
+    assert cli.main(["up", "--num-speculative-tokens", "5"]) == 0
+    config = build_fleet_config(parse_args(seen[0].scheduler_args)).replica.scheduler
+    assert (config.num_speculative_tokens, config.ngram_min, config.ngram_max) == (5, 2, 6)
+    with pytest.raises(SystemExit):
+        build_fleet_config(parse_args(["--ngram-min", "5", "--ngram-max", "3"]))
+    assert "ngram_min: need 1 <= ngram_min <= ngram_max, got 5 and 3" in capsys.readouterr().err
