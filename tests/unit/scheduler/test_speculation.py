@@ -8,6 +8,7 @@ back (`drive` checks)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -18,6 +19,7 @@ from scheduler_service.speculation import Speculator
 
 from .fake_model import FakeModel
 from .test_async_scheduling import drive
+from .test_stateful import EngineMachine
 
 K = 4
 
@@ -156,3 +158,38 @@ def test_aborted_streams_are_prefixes_and_free_their_blocks() -> None:
     assert any(
         len(spec[f"r{i}"][0][0]) < len(full[f"r{i}"][0][0]) for i in aborts if f"r{i}" in spec
     )
+
+
+class MixedProposer(OracleProposer):
+    """Right drafts, except at positions a hash picks (about one in three), where the draft
+    and the ones after it are off by one."""
+
+    def propose(self, state: DraftState, max_tokens: int) -> list[int]:
+        assert isinstance(state, _Tokens)
+        tokens = list(state.tokens)
+        drafts: list[int] = []
+        wrong = False
+        for _ in range(min(K, max_tokens)):
+            token = self.model.next_token(tokens)
+            wrong = wrong or hash((len(tokens), tokens[-1])) % 3 == 0
+            drafts.append((token + 1) % self.model.vocab_size if wrong else token)
+            tokens.append(drafts[-1])
+        return drafts
+
+
+class SpeculatingEngineMachine(EngineMachine):
+    """The stateful add / step / abort machine (forks, beam search, preemption by memory
+    pressure and priority) with drafts on: the blocks stay consistent after every step and
+    all come back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        scheduler = self.engine.scheduler
+        config = replace(scheduler.scheduler_config, num_speculative_tokens=K)
+        model = self.engine.executor
+        assert isinstance(model, FakeModel)
+        scheduler.speculator = Speculator(config, scheduler.block_manager, MixedProposer(model))
+
+
+SpeculatingEngineMachine.TestCase.settings = EngineMachine.TestCase.settings
+TestSpeculatingEngineMachine = SpeculatingEngineMachine.TestCase
