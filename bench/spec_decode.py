@@ -342,7 +342,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"SmolLM2 GGUF as shipped, {args.threads} threads, 1 stream, greedy, max_tokens "
         f"{args.max_tokens}, {args.num_prompts} prompts per workload (code: "
         f"{result['code_source']}; text: stdlib module docstrings; random: {RANDOM_INPUT_LEN} "
-        f"random tokens, ignore_eos). llmserve-spec: K={args.num_speculative_tokens}, n-gram "
+        f"random tokens, ignore_eos, seeded sampling at temperature 1). llmserve-spec: K={args.num_speculative_tokens}, n-gram "
         f"{args.ngram_min}-{args.ngram_max}; llama.cpp-spec: {args.llama_spec}.",
         "Repeating: outputs whose second half holds some 8-token window 3+ times. Acceptance: "
         "accepted / draft tokens; accepted/draft: 1 + accepted tokens / drafts (llmserve only: "

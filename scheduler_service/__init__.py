@@ -5,7 +5,8 @@ from scheduler_service.block_allocator import BlockAllocator, Device, LRUEvictor
 from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
 from scheduler_service.config import CacheConfig, ConfigError, PreemptionMode, SchedulerConfig
 from scheduler_service.engine import EngineStalledError, LLMEngine
-from scheduler_service.outputs import CompletionOutput, RequestOutput, WorkerOutputError
+from scheduler_service.outputs import WorkerOutputError
+from scheduler_service.request_output import CompletionOutput, RequestOutput
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import (
     PreemptedGroup,

@@ -46,7 +46,7 @@ from scheduler_service.speculation import speculates
 if TYPE_CHECKING:
     from llmserve.steps import StepInput, StepResult
     from scheduler_service.engine import LLMEngine
-    from scheduler_service.outputs import RequestOutput
+    from scheduler_service.request_output import RequestOutput
 
 _RUNNING = SequenceStatus.RUNNING
 

@@ -33,7 +33,8 @@ from scheduler_service.migration import (
     rebuild_group,
     snapshot_group,
 )
-from scheduler_service.outputs import OutputProcessor, RequestOutput, final_output
+from scheduler_service.outputs import OutputProcessor
+from scheduler_service.request_output import RequestOutput, final_output
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.scheduler_outputs import SchedulerOutputs, SchedulerStats
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus

@@ -43,9 +43,9 @@ from llmserve.logs import get_logger
 from scheduler_service import metrics
 from scheduler_service.discovery import DrainedError, answers_health, resolve_workers
 from scheduler_service.migration import GroupSnapshot
-from scheduler_service.outputs import RequestOutput
 from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState, WorkerLostError
 from scheduler_service.replica_owner import ReplicaCounters
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.routing import Candidate, RoutingPolicy
 from scheduler_service.routing import Router as RoutingRouter
 from scheduler_service.tracing import (

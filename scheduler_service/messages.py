@@ -10,7 +10,7 @@ from llmserve.proto_convert import finish_reason_to_proto, token_logprob_to_prot
 from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import scheduler_pb2
 from scheduler_service.migration import SequenceSnapshot
-from scheduler_service.outputs import CompletionOutput, RequestOutput
+from scheduler_service.request_output import CompletionOutput, RequestOutput
 from scheduler_service.sequence import FinishReason, RequestMetrics, SampleLogprobs
 
 

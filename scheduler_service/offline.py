@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from llmserve.errors import FieldError
 from llmserve.sampling_params import SamplingParams
 from scheduler_service.continuation import PipelinedStepper
-from scheduler_service.outputs import CompletionOutput, RequestOutput
+from scheduler_service.request_output import CompletionOutput, RequestOutput
 
 if TYPE_CHECKING:
     from scheduler_service.engine import LLMEngine

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmserve.v1 import scheduler_pb2
 from scheduler_service.migration import GroupSnapshot
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.scheduler_outputs import SchedulerStats
 from scheduler_service.tracing import RequestTrace
 

@@ -30,7 +30,7 @@ from llmserve.step_proto import step_input_to_proto, step_result_from_proto
 from llmserve.steps import StepInput
 from scheduler_service import metrics
 from scheduler_service.engine import LLMEngine
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.scheduler_outputs import SchedulerOutputs
 from scheduler_service.tracing import ReplicaTracer, end_step_span, step_traceparent
 from scheduler_service.worker_link import ExecuteStream, StepWatchdog

@@ -34,7 +34,7 @@ from scheduler_service.messages import (
     record_sent,
 )
 from scheduler_service.migration import GroupSnapshot, SequenceSnapshot, snapshot_from_choices
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.text_stops import StopStrings
 from scheduler_service.tracing import end_request_trace, start_request_trace, trace_id_of
 

@@ -30,7 +30,7 @@ from llmserve.steps import StepInput, TokenMask
 from llmserve.telemetry import context_from_traceparent, current_traceparent
 from scheduler_service.config import PreemptionMode
 from scheduler_service.engine import LLMEngine
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.scheduler_outputs import SchedulerOutputs
 from scheduler_service.sequence import SequenceGroup, SequenceStatus
 

@@ -19,7 +19,7 @@ from llmserve.grammar.spec import GrammarSpec
 from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.config import PreemptionMode
 from scheduler_service.offline import accumulate as _accumulate
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.sequence import FinishReason
 from tests.support.grammar import BOUNDED_SCHEMA, smollm2_tokenizer
 

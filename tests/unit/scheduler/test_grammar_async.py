@@ -16,7 +16,7 @@ from llmserve.grammar.spec import GrammarSpec
 from llmserve.steps import MaskKind
 from scheduler_service.continuation import PipelinedStepper
 from scheduler_service.offline import accumulate as _accumulate
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.sequence import SequenceStatus
 from tests.support.grammar import smollm2_tokenizer
 

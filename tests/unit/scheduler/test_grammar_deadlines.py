@@ -17,7 +17,7 @@ from llmserve.grammar.llguidance_backend import LLGuidanceBackend
 from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.grammar_requests import wait_for_compiles
 from scheduler_service.offline import accumulate as _accumulate
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.sequence import FinishReason
 from tests.support.grammar import smollm2_tokenizer
 

@@ -13,7 +13,7 @@ from llmserve.errors import FieldError
 from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.migration import SequenceSnapshot, snapshot_from_choices
 from scheduler_service.offline import accumulate as _accumulate
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.sequence import FinishReason
 
 from .fake_model import FakeModel

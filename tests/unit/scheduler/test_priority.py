@@ -10,7 +10,7 @@ import pytest
 from llmserve.errors import FieldError
 from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.migration import rebuild_group, snapshot_group
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.text_stops import StopStrings
 
 from .factories import make_seq_group

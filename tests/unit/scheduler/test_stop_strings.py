@@ -13,7 +13,7 @@ import pytest
 from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.model_spec import load_tokenizer, resolve_model
 from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.outputs import RequestOutput
+from scheduler_service.request_output import RequestOutput
 from scheduler_service.sequence import FinishReason
 from scheduler_service.text_stops import StopStrings
 
