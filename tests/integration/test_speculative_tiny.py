@@ -19,6 +19,7 @@ from scheduler_service import LLMEngine
 from scheduler_service.config import PreemptionMode
 from scheduler_service.proposer import DraftProposer, DraftState
 from scheduler_service.speculation import Speculator
+from tests.support.drafts import TokenList
 from tests.support.engines import engine_on_worker
 from tests.support.models import load_hf, save_tiny_model
 from worker_service.config import WorkerConfig
@@ -61,18 +62,6 @@ def expected(tiny: Any) -> list[list[int]]:
         ]
 
 
-class _Tokens(DraftState):
-    def __init__(self, tokens: Sequence[int]) -> None:
-        self.tokens = list(tokens)
-
-    def extend(self, new_tokens: Sequence[int]) -> None:
-        self.tokens.extend(new_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-
 class ScriptProposer(DraftProposer):
     """Drafts the known outputs of each prompt from where the sequence stands (`wrong`: each
     one token off, so none is kept)."""
@@ -81,11 +70,11 @@ class ScriptProposer(DraftProposer):
         self.outputs = outputs
         self.wrong = wrong
 
-    def new_state(self, tokens: Sequence[int]) -> _Tokens:
-        return _Tokens(tokens)
+    def new_state(self, tokens: Sequence[int]) -> TokenList:
+        return TokenList(tokens)
 
     def propose(self, state: DraftState, max_tokens: int) -> list[int]:
-        assert isinstance(state, _Tokens)
+        assert isinstance(state, TokenList)
         tokens = state.tokens
         for prompt, output in self.outputs.items():
             if tuple(tokens[: len(prompt)]) == prompt:

@@ -17,7 +17,8 @@ def test_the_scheduler_takes_no_block_size(capsys):
     assert "unrecognized arguments: --block-size 16" in capsys.readouterr().err
 
 
-def test_up_passes_block_size_to_the_workers_and_only_flags_the_scheduler_takes(monkeypatch):
+def fake_up(monkeypatch) -> list:  # type: ignore[type-arg]
+    """`llmserve up` records its stack config here instead of starting processes."""
     seen = []
 
     async def fake_run_stack(config):  # type: ignore[no-untyped-def]
@@ -27,6 +28,11 @@ def test_up_passes_block_size_to_the_workers_and_only_flags_the_scheduler_takes(
     monkeypatch.setattr(llmserve.supervisor, "run_stack", fake_run_stack)
     # Configuring the process's logging would change what later tests capture.
     monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
+    return seen
+
+
+def test_up_passes_block_size_to_the_workers_and_only_flags_the_scheduler_takes(monkeypatch):
+    seen = fake_up(monkeypatch)
     argv = ["up", "--block-size", "8", "--num-gpu-blocks-override", "40", "--max-num-seqs", "4"]
     assert cli.main(argv) == 0
     (config,) = seen
@@ -61,14 +67,7 @@ def test_async_scheduling_flows_from_flag_or_env_into_the_replica_config(
 def test_speculation_flags_flow_into_the_scheduler_config(monkeypatch, capsys):
     from scheduler_service.__main__ import build_fleet_config
 
-    seen = []
-
-    async def fake_run_stack(config):  # type: ignore[no-untyped-def]
-        seen.append(config)
-        return 0
-
-    monkeypatch.setattr(llmserve.supervisor, "run_stack", fake_run_stack)
-    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
+    seen = fake_up(monkeypatch)
     monkeypatch.setenv("LLMSERVE_NGRAM_MAX", "6")
     assert cli.main(["up", "--num-speculative-tokens", "5"]) == 0
     config = build_fleet_config(parse_args(seen[0].scheduler_args)).replica.scheduler

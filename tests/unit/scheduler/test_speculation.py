@@ -16,24 +16,13 @@ from llmserve.steps import StepInput, StepResult
 from scheduler_service import LLMEngine
 from scheduler_service.proposer import DraftProposer, DraftState
 from scheduler_service.speculation import Speculator
+from tests.support.drafts import TokenList
 
 from .fake_model import FakeModel
 from .test_async_scheduling import drive
 from .test_stateful import EngineMachine
 
 K = 4
-
-
-class _Tokens(DraftState):
-    def __init__(self, tokens: Sequence[int]) -> None:
-        self.tokens = list(tokens)
-
-    def extend(self, new_tokens: Sequence[int]) -> None:
-        self.tokens.extend(new_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
 
 
 class OracleProposer(DraftProposer):
@@ -43,11 +32,11 @@ class OracleProposer(DraftProposer):
         self.model = model
         self.wrong = wrong
 
-    def new_state(self, tokens: Sequence[int]) -> _Tokens:
-        return _Tokens(tokens)
+    def new_state(self, tokens: Sequence[int]) -> TokenList:
+        return TokenList(tokens)
 
     def propose(self, state: DraftState, max_tokens: int) -> list[int]:
-        assert isinstance(state, _Tokens)
+        assert isinstance(state, TokenList)
         tokens = list(state.tokens)
         drafts = []
         for _ in range(min(K, max_tokens)):
@@ -165,7 +154,7 @@ class MixedProposer(OracleProposer):
     and the ones after it are off by one."""
 
     def propose(self, state: DraftState, max_tokens: int) -> list[int]:
-        assert isinstance(state, _Tokens)
+        assert isinstance(state, TokenList)
         tokens = list(state.tokens)
         drafts: list[int] = []
         wrong = False
