@@ -304,8 +304,7 @@ class LLMEngine:
         return self._builder.masks(step_id)
 
     def attach_masks(self, step_input: StepInput) -> None:
-        """For an executor in process: compute the step's deferred masks and put them in the
-        step itself, so it carries no deferred rows."""
+        """For an executor in process: compute the step's deferred masks into the step."""
         if step_input.deferred_mask_seq_ids:
             step_input.token_masks.extend(self.compute_masks(step_input.step_id)[0])
             step_input.deferred_mask_seq_ids = []
@@ -318,8 +317,7 @@ class LLMEngine:
         if failures := self._grammars.take_failures():
             self._abort_failed_grammars(failures)
         sched_out = self.scheduler.schedule()
-        if self.scheduler.speculator.enabled:
-            self.scheduler.speculator.draft(sched_out, self._builder.views)
+        self.scheduler.speculator.draft(sched_out, self._builder.views)
         step_input = self._builder.build(sched_out)
         self.last_step_input = step_input
         self._num_in_flight = 1

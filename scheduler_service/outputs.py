@@ -51,8 +51,9 @@ class OutputProcessor:
         self.max_model_len = scheduler.scheduler_config.model_len
         self.force_tokens = scheduler.scheduler_config.enable_forced_tokens
         self._events = WorkerEvents()
-        # Samples the last `process` appended (a continuation step's outputs for sequences
-        # that finished meanwhile are dropped, and not counted).
+        # Tokens the last `process` appended from samples, kept drafts included (a
+        # continuation step's outputs for sequences that finished meanwhile are dropped, and
+        # not counted).
         self.num_generated = 0
         # Draft tokens the last `process` kept (speculative decoding).
         self.num_accepted_drafts = 0
@@ -158,6 +159,15 @@ class OutputProcessor:
         seq.check_stop(params, self.max_model_len)
         forced = self._append_forced(seq, params) if seq.grammar is not None else 0
         seq_group.has_sampled = True
+        return self._single_delta(seq_group, 1 + forced, want_logprobs, now)
+
+    def _single_delta(
+        self, seq_group: SequenceGroup, num_new: int, want_logprobs: bool, now: float
+    ) -> RequestOutput:
+        """The delta of a one-sequence group that gained `num_new` tokens; frees it if it
+        finished."""
+        seq = seq_group.seqs[0]
+        metrics = seq_group.metrics
         status = seq.status
         finished = status >= SequenceStatus.STOPPED
         if finished:
@@ -165,9 +175,9 @@ class OutputProcessor:
             metrics.finished_time = now
         choice = CompletionOutput(
             seq.seq_index,
-            seq.token_ids[-1 - forced :] if forced else [sample.token_id],
+            seq.token_ids[-num_new:],
             seq.cumulative_logprob,
-            seq.output_logprobs[-1 - forced :] if want_logprobs else None,
+            seq.output_logprobs[-num_new:] if want_logprobs else None,
             FINISH_REASONS.get(status),
             seq.stop_token_id,
         )
@@ -210,34 +220,12 @@ class OutputProcessor:
             if seq.status != _RUNNING:
                 break
         self.num_generated += num_new
-        metrics = seq_group.metrics
         kept = len(run) - 1
         self.num_accepted_drafts += kept
         self.scheduler.speculator.commit(seq_group, num_drafts, kept)
-        status = seq.status
-        finished = status >= SequenceStatus.STOPPED
-        if finished:
-            self.scheduler.free_seq(seq, self._events.freed_seq_ids)
-            metrics.finished_time = now
-        else:
+        if seq.status == _RUNNING:
             self._events.kept_drafts.append((seq.seq_id, kept))
-        choice = CompletionOutput(
-            seq.seq_index,
-            seq.token_ids[-num_new:],
-            seq.cumulative_logprob,
-            seq.output_logprobs[-num_new:] if want_logprobs else None,
-            FINISH_REASONS.get(status),
-            seq.stop_token_id,
-        )
-        return RequestOutput(
-            seq_group.request_id,
-            seq_group.prompt_token_ids,
-            [choice],
-            finished,
-            None,
-            None,
-            metrics,
-        )
+        return self._single_delta(seq_group, num_new, want_logprobs, now)
 
     def _process_group(
         self, seq_group: SequenceGroup, by_seq: dict[int, SequenceOutput], now: float

@@ -69,9 +69,6 @@ class NgramIndex(DraftState):
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
         self.extend(tokens)
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)

@@ -101,7 +101,7 @@ class Speculator:
         the free blocks. `held`: the ids of the sequences the worker holds (drafts follow
         its known tokens; a sequence admitted or recomputed in this step has none there)."""
         if self.proposer is None:
-            return
+            return  # speculation is off
         rows = sum(len(s.seq_group.seqs) for s in out.scheduled)  # at least one per sequence
         if rows >= self.max_batch:
             return

@@ -194,7 +194,8 @@ class SequenceStates:
 
     def remember_samples(self, scheduled: list[Scheduled], result: StepResult) -> None:
         """Keep what each scheduled sequence sampled in this step, for the next step's
-        placeholders (a sequence that sampled nothing, or several tokens, keeps none)."""
+        placeholders (a sequence that sampled nothing, or several candidates, keeps none; one
+        that verified drafts keeps the last token of its run)."""
         for s in scheduled:
             s.state.last_sampled = None
         states = self.states

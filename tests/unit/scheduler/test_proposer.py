@@ -76,4 +76,4 @@ def test_an_index_built_token_by_token_proposes_what_a_scan_finds(tokens, split,
     for i in range(min(split, len(tokens)), len(tokens)):
         state.extend([tokens[i]])
         assert proposer.propose(state, k) == scan(tokens[: i + 1], min_n, max_n, k)
-    assert len(state) == len(tokens)
+    assert state.num_tokens == len(tokens)
