@@ -35,14 +35,24 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def decode_inputs(
-    n: int, context: int, block_size: int, device: torch.device
+    n: int, context: int, block_size: int, device: torch.device, one_sequence: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """A decode step of `n` sequences, each at position `context` (context + 1 tokens with
-    the new one), on disjoint blocks."""
-    blocks = -(-(context + 1) // block_size)
-    tables = torch.arange(n * blocks, dtype=torch.int32, device=device).view(n, blocks)
-    positions = torch.full((n,), context, dtype=torch.int64, device=device)
-    slots = tables[:, context // block_size].long() * block_size + context % block_size
+    the new one), on disjoint blocks; with `one_sequence`, the rows of one sequence with
+    n - 1 drafts instead: positions context .. context + n - 1 on one block table."""
+    if one_sequence:
+        blocks = -(-(context + n) // block_size)
+        tables = torch.arange(blocks, dtype=torch.int32, device=device).expand(n, blocks)
+        positions = torch.arange(context, context + n, dtype=torch.int64, device=device)
+    else:
+        blocks = -(-(context + 1) // block_size)
+        tables = torch.arange(n * blocks, dtype=torch.int32, device=device).view(n, blocks)
+        positions = torch.full((n,), context, dtype=torch.int64, device=device)
+    tables = tables.contiguous()
+    slots = tables[torch.arange(n), positions // block_size].long() * block_size + (
+        positions % block_size
+    )
+    seq_lens = (positions + 1).to(torch.int32)
     metadata = AttentionMetadata(
         num_prefills=0,
         num_prefill_tokens=0,
@@ -56,9 +66,9 @@ def decode_inputs(
         max_prefill_query_len=0,
         max_prefill_seq_len=0,
         prefill_no_context=True,
-        decode_seq_lens=torch.full((n,), context + 1, dtype=torch.int32, device=device),
+        decode_seq_lens=seq_lens,
         decode_block_tables=tables,
-        max_decode_seq_len=context + 1,
+        max_decode_seq_len=int(seq_lens.max()),
         block_size=block_size,
     )
     input_ids = torch.randint(0, 1000, (n,), device=device)

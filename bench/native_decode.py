@@ -77,7 +77,7 @@ def measure(name: str, model_path: str, args: argparse.Namespace) -> list[dict[s
     )
     worker.load_model()
     bs = worker.config.block_size
-    worker.initialize_cache(max(batches) * -(-(args.context + 1) // bs), 0)
+    worker.initialize_cache(max(batches) * -(-(args.context + max(batches)) // bs), 0)
     for key, value in worker._kv_caches:
         key.normal_(0.0, 0.5)
         value.normal_(0.0, 0.5)
@@ -85,7 +85,9 @@ def measure(name: str, model_path: str, args: argparse.Namespace) -> list[dict[s
     native = model.native_decode
     rows = []
     for n in batches:
-        _, positions, metadata, logit_rows = decode_inputs(n, args.context, bs, worker.device)
+        _, positions, metadata, logit_rows = decode_inputs(
+            n, args.context, bs, worker.device, one_sequence=args.one_sequence
+        )
         input_ids = torch.randint(0, model.arch.vocab_size, (n,))
         inputs = (input_ids, positions, worker._kv_caches, metadata, runner.backend, logit_rows)
 
@@ -125,6 +127,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--linear-impl", default="auto", help="the worker's --linear-impl")
     parser.add_argument("--quant-mode", default="exact", help="with --linear-impl gguf")
+    parser.add_argument(
+        "--one-sequence",
+        action="store_true",
+        help="a batch of n is one sequence's last token and n - 1 drafts (speculation)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -137,7 +144,8 @@ def main() -> None:
     for spec in args.model:
         rows += measure(spec, spec, args)
     print(
-        f"{args.dtype}, linear {args.linear_impl} ({args.quant_mode}), context {args.context}, "
+        f"{args.dtype}, linear {args.linear_impl} ({args.quant_mode}), context {args.context}"
+        f"{' (batch n: one sequence with n - 1 drafts)' if args.one_sequence else ''}, "
         f"{args.threads} threads, medians of {args.iters}"
     )
     print("| model | batch | per-layer ms | native ms | native / per-layer | max logit diff |")

@@ -72,6 +72,46 @@ def test_prefill_matches_reference_with_cached_prefix(
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 1), (4, 4)])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, None), (None, 5.0), (33, 2.0)])
+def test_rows_sharing_a_table_equal_each_row_alone(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, window: int | None, softcap: float | None
+) -> None:
+    """A sequence with drafts runs as rows with one block table and consecutive lengths: the
+    kernel reads their keys and values once for several rows, and each row's output is
+    bit-identical to that row attended alone (speculation must not change a token)."""
+    head_dim, block_size = 64, 16
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads + (window or 0))
+    # Sequences of 7, 2, 1 and 11 rows (5 crosses a block boundary, 11 makes 3 work items),
+    # among single rows; lengths are each sequence's last row's.
+    runs = [(1, 40), (7, 70), (1, 5), (2, 16), (1, 17), (11, 300), (1, 1)]
+    cache = make_paged_cache(
+        [end for _, end in runs],
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cpu",
+        generator=gen,
+    )
+    rows = [(i, end - count + 1 + r) for i, (count, end) in enumerate(runs) for r in range(count)]
+    tables = cache.block_tables[[i for i, _ in rows]].contiguous()
+    lens = torch.tensor([length for _, length in rows], dtype=torch.int32)
+    query = torch.randn(len(rows), num_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    caches = (cache.key_cache, cache.value_cache)
+    opts = dict(sliding_window=window, softcap=softcap)
+    together = cpu_kernels.paged_attention_decode(query, *caches, tables, lens, scale, **opts)
+    for r in range(len(rows)):
+        alone = cpu_kernels.paged_attention_decode(
+            query[r : r + 1], *caches, tables[r : r + 1], lens[r : r + 1], scale, **opts
+        )
+        assert torch.equal(together[r : r + 1], alone), f"row {r}"
+    expected = reference.paged_attention_decode(query, *caches, tables, lens, scale, **opts)
+    assert_close(together, expected)
+
+
 def small_cache(
     seed: int, lens: list[int], num_kv_heads: int
 ) -> tuple[PagedCache, torch.Generator]:
