@@ -32,7 +32,9 @@ for every server, written to <out-dir>/runs/<workload>.prompts.json):
           outputs with and without drafts must still be identical.
 
 Measured per workload and server, after one unmeasured warm-up request on each fresh server:
-output tok/s (completion tokens over the workload's wall time), TPOT p50 ((end - first token)
+output tok/s (completion tokens over the workload's wall time, prefills included), decode tok/s
+(tokens after the first over the time after the first token, summed over the requests: the
+generation speed speculation changes), TPOT p50 ((end - first token)
 / (completion tokens - 1) per request), and how many outputs repeat themselves: the second half
 of the output's tokens holds some 8-token window 3 times or more (a loop, which n-gram drafts
 accept easily). Acceptance: llmserve's scheduler counters (its /metrics, deltas over the
@@ -246,15 +248,19 @@ def client_main(argv: list[str]) -> None:
     for r in done:
         r["repeats"] = repeats(tokenizer(r["text"], add_special_tokens=False)["input_ids"])
     tokens = sum(r["completion_tokens"] or 0 for r in done)
-    tpots = [
-        1000 * (r["e2e_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1)
-        for r in done
-        if r["ttft_s"] is not None and (r["completion_tokens"] or 0) > 1
-    ]
+    decoding = [r for r in done if r["ttft_s"] is not None and (r["completion_tokens"] or 0) > 1]
+    tpots = [1000 * (r["e2e_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1) for r in decoding]
+    decode_s = sum(r["e2e_s"] - r["ttft_s"] for r in decoding)
     summary = {
         "prompts": len(bodies), "outputs": len(done), "errors": len(requests) - len(done),
         "duration_s": duration, "output_tokens": tokens, "output_tokens_per_s": tokens / duration,
         "tpot_ms_p50": statistics.median(tpots) if tpots else None,
+        # Tokens after the first over the time after the first token: the generation speed
+        # speculation acts on (llama-server's timings call it predicted_per_second), without
+        # the prompt's prefill, which output tok/s above includes.
+        "decode_tokens_per_s": (
+            sum(r["completion_tokens"] - 1 for r in decoding) / decode_s if decode_s else None
+        ),
         "repeating": sum(r["repeats"] for r in done),
         # llama-server leaves them out of a response it drafted nothing for.
         "llama_draft_n": sum(r["draft_n"] or 0 for r in done),
@@ -321,15 +327,17 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     for workload, runs in result["runs"].items():
         for name, s in runs.items():
             if "error" in s:
-                rows.append(f"| {workload} | {name} | {s['error']} |" + " |" * 9)
+                rows.append(f"| {workload} | {name} | {s['error']} |" + " |" * 11)
                 continue
             plain = runs.get(name.removesuffix("-spec"), {}) if name.endswith("-spec") else {}
             base = plain.get("output_tokens_per_s")
             speedup = f"{s['output_tokens_per_s'] / base:.2f}x" if base else "-"
+            decode, decode_base = s.get("decode_tokens_per_s"), plain.get("decode_tokens_per_s")
+            decode_speedup = f"{decode / decode_base:.2f}x" if decode and decode_base else "-"
             tpot = f"{s['tpot_ms_p50']:.1f}" if s["tpot_ms_p50"] else "-"
             cells = [workload, name, f"{s['outputs']}/{s['prompts']}", str(s["repeating"]),
-                     f"{s['output_tokens_per_s']:.1f}", tpot, *spec_cells(s, name),
-                     speedup]  # fmt: skip
+                     f"{s['output_tokens_per_s']:.1f}", f"{decode:.1f}" if decode else "-",
+                     tpot, *spec_cells(s, name), speedup, decode_speedup]  # fmt: skip
             rows.append(f"| {' | '.join(cells)} |")
         for plain, same in result["identical"].get(workload, {}).items():
             if same:
@@ -350,9 +358,12 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         "Load before: 1-minute load average at the server's start; others' cores: CPU time "
         "other jobs took while it ran, in cores.",
         "",
-        "| workload | server | outputs | repeating | tok/s | TPOT p50 ms | drafts | draft tokens "
-        "| accepted | acceptance | accepted/draft | vs no spec |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Decode tok/s: tokens after the first over the time after the first token (no prefill).",
+        "",
+        "| workload | server | outputs | repeating | tok/s | decode tok/s | TPOT p50 ms | drafts "
+        "| draft tokens | accepted | acceptance | accepted/draft | vs no spec | decode vs no "
+        "spec |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "", *notes, "",
         "```", "$ " + result["command"], *("$ " + c for c in commands), "```",
     ])  # fmt: skip
@@ -364,9 +375,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--num-prompts", type=int, default=10, help="per workload")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="llmserve-spec's K")
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help="llmserve-spec's K")
     p.add_argument("--ngram-min", type=int, default=2, help="llmserve-spec's shortest match")
-    p.add_argument("--ngram-max", type=int, default=4, help="llmserve-spec's longest match")
+    p.add_argument("--ngram-max", type=int, default=6, help="llmserve-spec's longest match")
     p.add_argument("--llama-spec", default="--spec-type ngram-map-k",
                    help="llama.cpp-spec's extra llama-server flags (one string)")  # fmt: skip
     p.add_argument("--quant-mode", choices=["exact", "fast"], default="exact",

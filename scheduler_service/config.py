@@ -20,6 +20,12 @@ class PreemptionMode(Enum):
     SWAP = "swap"
 
 
+# Prompt lookup's default suffix lengths (SchedulerConfig.ngram_min / ngram_max, and the
+# scheduler's --ngram-min / --ngram-max).
+DEFAULT_NGRAM_MIN = 2
+DEFAULT_NGRAM_MAX = 6
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Budgets of one replica's iteration loop.
@@ -61,12 +67,19 @@ class SchedulerConfig:
     # Speculative decoding (scheduler_service/speculation.py): up to this many n-gram drafts
     # per sequence and step, verified by the worker in the same pass; 0 turns it off.
     num_speculative_tokens: int = 0
-    # Prompt lookup matches the sequence's last ngram_max down to ngram_min tokens.
-    ngram_min: int = 2
-    ngram_max: int = 4
+    # Prompt lookup matches the sequence's last ngram_max down to ngram_min tokens; a match
+    # of n tokens drafts at most 2 (n - 1) (scheduler_service/proposer.py).
+    ngram_min: int = DEFAULT_NGRAM_MIN
+    ngram_max: int = DEFAULT_NGRAM_MAX
     # Drafts are given while a step's sequences and drafts together stay within this many
     # rows (the native decode step's batch limit on a CPU: past it a step costs per row).
     speculative_max_batch: int = 16
+    # Asynchronous scheduling continues a step with drafts by assuming they are all kept
+    # (scheduler_service/continuation.py). Off by default: on the 2-core CPU benchmark the
+    # round trip it saves is CPU time the forward pass then loses, and the drafts of such a
+    # step stand on a guessed token (bench/RESULTS.md: 1.57x against 1.72x decode speed on
+    # code edits); it is meant for a worker whose forward pass runs on a GPU.
+    continue_after_drafts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

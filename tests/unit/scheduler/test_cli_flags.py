@@ -68,10 +68,13 @@ def test_speculation_flags_flow_into_the_scheduler_config(monkeypatch, capsys):
     from scheduler_service.__main__ import build_fleet_config
 
     seen = fake_up(monkeypatch)
-    monkeypatch.setenv("LLMSERVE_NGRAM_MAX", "6")
+    monkeypatch.setenv("LLMSERVE_NGRAM_MAX", "5")
     assert cli.main(["up", "--num-speculative-tokens", "5"]) == 0
     config = build_fleet_config(parse_args(seen[0].scheduler_args)).replica.scheduler
-    assert (config.num_speculative_tokens, config.ngram_min, config.ngram_max) == (5, 2, 6)
+    assert (config.num_speculative_tokens, config.ngram_min, config.ngram_max) == (5, 2, 5)
+    monkeypatch.delenv("LLMSERVE_NGRAM_MAX")
+    config = build_fleet_config(parse_args([])).replica.scheduler  # the documented defaults
+    assert (config.num_speculative_tokens, config.ngram_min, config.ngram_max) == (0, 2, 6)
     with pytest.raises(SystemExit):
         build_fleet_config(parse_args(["--ngram-min", "5", "--ngram-max", "3"]))
     assert "ngram_min: need 1 <= ngram_min <= ngram_max, got 5 and 3" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Prompt-lookup drafts (speculative decoding's proposer) against a brute-force scan of the
 tokens: the longest suffix of min_n..max_n tokens seen before, the tokens that followed its
-most recent earlier occurrence."""
+most recent earlier occurrence, no more than the match's length allows."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 
 from scheduler_service.proposer import NgramIndex, NgramProposer
 
+# The most drafts a match of n tokens may propose (proposer.max_drafts_for_match), written out.
+MATCH_CAPS = {1: 1, 2: 2, 3: 4, 4: 6, 5: 8, 6: 10}
+
 
 def scan(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """What a proposal should be, by checking every earlier position."""
@@ -18,19 +21,29 @@ def scan(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
         suffix = tokens[length - n :]
         for end in range(length - 1, n - 1, -1):  # most recent first, not the suffix itself
             if tokens[end - n : end] == suffix:
-                return tokens[end : end + k]
+                return tokens[end : end + min(k, MATCH_CAPS[n])]
     return []
 
 
 def test_drafts_follow_the_most_recent_earlier_occurrence_of_the_longest_suffix():
-    proposer = NgramProposer(min_n=1, max_n=3, k=4)
-    #         0  1  2  3  4  5  6  7  8  9 10
-    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]
+    proposer = NgramProposer(min_n=1, max_n=4, k=8)
+    #         0  1  2  3  4  5  6  7  8  9 10 11 12
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 4, 0, 6, 7]
     state = proposer.new_state(tokens)
-    # "6 7" (the 3-gram "3 6 7" never occurred): last seen ending at 8, followed by 2 3 6 7.
-    assert proposer.propose(state, 10) == [2, 3, 6, 7]
-    assert proposer.propose(state, 2) == [2, 3]  # the caller's room bounds it too
+    # "6 7" (the 3-gram "0 6 7" never occurred): last seen ending at 8, followed by 2 3 4 0.
+    # A 2-token match drafts two of them.
+    assert proposer.propose(state, 10) == [2, 3]
+    assert proposer.propose(state, 1) == [2]  # the caller's room bounds it too
     assert proposer.propose(state, 0) == []
+
+
+def test_a_longer_match_drafts_more():
+    proposer = NgramProposer(min_n=1, max_n=6, k=8)
+    run = list(range(20, 40))
+    for n in (1, 2, 3, 4, 5, 6):
+        # The run, then a different token, then its first n tokens again: a match of n.
+        state = proposer.new_state([*run, 99, *run[:n]])
+        assert proposer.propose(state, 20) == run[n : n + min(8, MATCH_CAPS[n])]
 
 
 def test_a_longer_match_wins_over_a_more_recent_shorter_one():
@@ -45,8 +58,8 @@ def test_nothing_matches_nothing_is_drafted():
     assert proposer.propose(state, 8) == []
     state.extend([1])  # "6 1" never occurred, and 1-grams are below min_n
     assert proposer.propose(state, 8) == []
-    state.extend([2])  # "1 2" occurred at the start, followed by 3 4 5
-    assert proposer.propose(state, 8) == [3, 4, 5]
+    state.extend([2])  # "1 2" occurred at the start, followed by 3 4 5: two drafts
+    assert proposer.propose(state, 8) == [3, 4]
 
 
 def test_bad_settings_are_refused():
@@ -65,7 +78,7 @@ def test_bad_settings_are_refused():
     split=st.integers(0, 60),
     min_n=st.integers(1, 3),
     extra=st.integers(0, 3),
-    k=st.integers(1, 6),
+    k=st.integers(1, 12),
 )
 def test_an_index_built_token_by_token_proposes_what_a_scan_finds(tokens, split, min_n, extra, k):
     """A small alphabet makes repeats (and so matches of every length) common."""
