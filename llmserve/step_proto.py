@@ -79,6 +79,8 @@ def _set_cached(msg: worker_pb2.CachedSequences, seqs: list[CachedSequence]) -> 
     if any(c.draft_token_ids for c in seqs):
         msg.num_draft_tokens.extend([len(c.draft_token_ids) for c in seqs])
         msg.draft_token_ids.extend([t for c in seqs for t in c.draft_token_ids])
+    if any(c.after_drafts for c in seqs):
+        msg.after_drafts.extend([c.after_drafts for c in seqs])
 
 
 def _cached(msg: worker_pb2.CachedSequences) -> list[CachedSequence]:
@@ -114,6 +116,10 @@ def _cached(msg: worker_pb2.CachedSequences) -> list[CachedSequence]:
         drafts = _split(list(msg.num_draft_tokens), list(msg.draft_token_ids))
         for seq, seq_drafts in zip(seqs, drafts, strict=True):
             seq.draft_token_ids = seq_drafts
+    if msg.after_drafts:
+        _check_columns("cached_seqs", {"seq_ids": n, "after_drafts": len(msg.after_drafts)})
+        for seq, after in zip(seqs, msg.after_drafts, strict=True):
+            seq.after_drafts = after
     return seqs
 
 

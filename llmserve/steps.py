@@ -41,8 +41,14 @@ tokens (the kept drafts, then the sample after them) and appears j + 1 times in
 `StepResult.outputs`, one `SequenceOutput` per token, in order. Afterwards the worker holds the
 kept drafts as known, computed tokens; the rejected ones are gone (their cache slots are
 written again later). The scheduler counts the kept drafts as computed and sends only the
-last sample as the next step's new token. A step that continues such a sequence is never
-built before the result is back (the scheduler cannot know how many drafts are kept).
+last sample as the next step's new token.
+
+A step that continues such a sequence before the result is back assumes every draft is kept:
+the update is `[SAMPLED_TOKEN]` (the last token of the run) at the position after all the
+drafts, marked `after_drafts`, and may carry drafts of its own. If the step before kept fewer
+drafts, the worker applies that update's block-table change alone and computes and samples
+nothing for the sequence in the step; the scheduler, seeing the same result, has dropped it
+from that step and sends the sequence's real next token in a later one.
 """
 
 from __future__ import annotations
@@ -96,6 +102,12 @@ class CachedSequence:
     # Speculative decoding: guesses of the tokens that follow the known ones (see the module
     # docstring); empty for most steps.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Asynchronous scheduling after a step with drafts: this update was built assuming that
+    # the last step that scheduled the sequence kept every draft it carried (its new tokens
+    # are `[SAMPLED_TOKEN]`, at the position that follows them all). If that step kept fewer,
+    # the worker applies the block-table edit alone: no token appended, nothing computed or
+    # sampled for the sequence in this step.
+    after_drafts: bool = False
 
 
 @dataclass(slots=True)

@@ -172,19 +172,20 @@ class BlockSpaceManager:
 
     # -- asynchronous scheduling ----------------------------------------------------------
 
-    def can_reserve_lookahead(self, seqs: list[Sequence], lookahead: int = 1) -> bool:
-        """Whether each of `seqs` can get slots for `lookahead` tokens past the ones it knows
-        (the token it is sampling now, or drafts) without a copy-on-write, from the free
-        device blocks."""
+    def can_reserve_lookahead(self, seqs: list[Sequence], lookahead: int | list[int] = 1) -> bool:
+        """Whether each of `seqs` can get slots for `lookahead` tokens (or lookahead[i] for
+        seqs[i]) past the ones it knows (the token it is sampling now, or drafts) without a
+        copy-on-write, from the free device blocks."""
         bs = self.block_size
         tables = self._tables
         needed = 0
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             table = tables[seq.seq_id]
             position = len(seq.token_ids)
             if position // bs < len(table) and self._must_copy(table[position // bs]):
                 return False
-            needed += max(0, (position + lookahead - 1) // bs + 1 - len(table))
+            ahead = lookahead if isinstance(lookahead, int) else lookahead[i]
+            needed += max(0, (position + ahead - 1) // bs + 1 - len(table))
         return needed <= self.gpu.get_num_free_blocks()
 
     def reserve_lookahead(self, seq: Sequence, lookahead: int = 1) -> None:
@@ -195,12 +196,13 @@ class BlockSpaceManager:
         while len(table) * self.block_size < len(seq.token_ids) + lookahead:
             table.append(self.gpu.allocate())
 
-    def commit_lookahead(self, seq: Sequence, first_written: int) -> None:
+    def commit_lookahead(self, seq: Sequence, first_written: int, ahead: int = 0) -> None:
         """After tokens from position `first_written` on were appended to `seq` into its
-        reserved slots (kept drafts): blocks past its tokens go back to the free pool, the
-        blocks they filled become findable by hash, and the computed ones count as hits."""
+        reserved slots (kept drafts): blocks past its tokens and `ahead` slots more (what the
+        step in flight after it reserved) go back to the free pool, the blocks they filled
+        become findable by hash, and the computed ones count as hits."""
         table = self._tables[seq.seq_id]
-        needed = -(-len(seq.token_ids) // self.block_size)
+        needed = -(-(len(seq.token_ids) + ahead) // self.block_size)
         if len(table) > needed:
             while len(table) > needed:
                 self.gpu.free(table.pop(), self.now)

@@ -16,6 +16,19 @@ N+1 too, and its output there is dropped, because output processing only reads s
 are still running. Its blocks are freed at once: the worker runs steps in order, so N+1's
 write into them happens before any later step that reuses them.
 
+Speculative decoding (scheduler_service/speculation.py) chains through continuations. A
+step N with drafts is continued by assuming N keeps them all: its sequences' updates in N+1
+are sent `after_drafts` (the placeholder at the position after all of N's drafts, then drafts
+of N+1's own, the proposal past N's drafts less its first token, which guesses N's sample),
+their slots reserved that far. When N's result shows a sequence kept fewer, output processing
+drops it from N+1 (`SchedulerOutputs.drop`) and gives its slots back, the worker skips its
+update there but for the block table, and the step after N+1 is synchronous (N+1 no longer
+runs every group). A step without drafts is not continued when a sequence in it has a draft
+waiting, so that the drafts that start a run come from the real sample. A run whose drafts
+keep being right thus pays no round trip between its steps: on the 2-core benchmark machine
+that moved nothing (the scheduler's work then takes the cores from the forward pass instead
+of filling a gap: bench/RESULTS.md), where the forward pass runs on a GPU it is the gap.
+
 Constrained (grammar) sequences are continued too: always when forced tokens are off, and
 with them on once a sequence's grammar has forced nothing for
 `SchedulerConfig.forced_hold_tokens` tokens (see its comment). The mask of an N+1 row
@@ -54,15 +67,18 @@ _RUNNING = SequenceStatus.RUNNING
 def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> SchedulerOutputs | None:
     """The continuation of `prev` (the step in flight), with its slots reserved; None when
     `prev`'s result may change what runs next, or the blocks are short."""
-    if scheduler.waiting or scheduler.swapped or not prev.scheduled or prev.drafts:
-        return None  # prev's drafts: how many it keeps decides where the next step starts
-    speculator = scheduler.speculator
     config = scheduler.scheduler_config
+    if scheduler.waiting or scheduler.swapped or not prev.scheduled:
+        return None
+    if prev.drafts and not config.continue_after_drafts:
+        return None  # how many drafts it keeps decides where the next step starts
+    speculator = scheduler.speculator
     model_len = config.model_len
     hold_window = config.forced_hold_tokens if config.enable_forced_tokens else 0
     speculating = speculator.enabled and len(scheduler.running) < config.speculative_max_batch
     groups: list[ScheduledGroup] = []
     seqs: list[Sequence] = []
+    lookahead: list[int] = []  # per sequence: the slots it needs past its tokens
     num_tokens_scheduled = 0
     for scheduled in prev.scheduled:
         group = scheduled.seq_group
@@ -77,8 +93,13 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         for seq in running:
             if hold_window and _forced_lately(seq, hold_window):
                 return None  # its grammar may force tokens soon (SchedulerConfig)
-            if speculating and speculates(group) and speculator.waits_for_draft(seq):
-                return None  # the next step may carry drafts (scheduler_service.speculation)
+            if (
+                speculating
+                and seq.seq_id not in prev.drafts
+                and speculates(group)
+                and speculator.waits_for_draft(seq)
+            ):
+                return None  # the next step may start a run of drafts (_add_drafts)
             num_tokens = len(seq.token_ids)
             if seq.num_computed_tokens + chunk != num_tokens:
                 if not _forced_after(seq, chunk, prev.is_continuation):
@@ -86,11 +107,11 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
                 # Its grammar forced tokens after `prev` was built: `prev` samples the first
                 # of them (its mask allows nothing else) and this step computes them all.
                 next_chunk = num_tokens - seq.num_computed_tokens - chunk
-            if (
-                num_tokens + 1 >= model_len
-                or num_tokens + 1 - seq.num_prompt_tokens >= params.max_tokens
-            ):
-                return None  # finishes in `prev` for sure: the next step is synchronous
+            # Its tokens once `prev` is processed, if `prev` keeps every draft it carries.
+            end = num_tokens + len(prev.drafts.get(seq.seq_id, ())) + 1
+            if end >= model_len or end - seq.num_prompt_tokens >= params.max_tokens:
+                return None  # may finish in `prev`: the next step is synchronous
+            lookahead.append(end - num_tokens)
         groups.append(ScheduledGroup(group, next_chunk))
         seqs.extend(running)
         num_tokens_scheduled += next_chunk * len(running)
@@ -98,15 +119,65 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         return None  # a running group was left out of `prev` (budget): schedule normally
     if num_tokens_scheduled > config.max_num_batched_tokens:
         return None
-    bm = scheduler.block_manager
-    if not bm.can_reserve_lookahead(seqs):
-        return None
-    for seq in seqs:
-        bm.reserve_lookahead(seq)
-    scheduler.advance_clock()
-    return SchedulerOutputs(
+    cont = SchedulerOutputs(
         scheduled=groups, num_batched_tokens=num_tokens_scheduled, is_continuation=True
     )
+    _add_drafts(scheduler, prev, cont, seqs, lookahead)
+    bm = scheduler.block_manager
+    if not bm.can_reserve_lookahead(seqs, lookahead):
+        return None
+    for seq, ahead in zip(seqs, lookahead, strict=True):
+        bm.reserve_lookahead(seq, ahead)
+    scheduler.advance_clock()
+    return cont
+
+
+def _add_drafts(
+    scheduler: Scheduler,
+    prev: SchedulerOutputs,
+    cont: SchedulerOutputs,
+    seqs: list[Sequence],
+    lookahead: list[int],
+) -> None:
+    """Speculative decoding in a continuation: a sequence with drafts in `prev` is sent
+    `after_drafts` (the worker skips it if `prev` keeps fewer, and output processing drops it
+    from `cont`, `SchedulerOutputs.drop`), with drafts past the token `prev` samples, guessed
+    by assuming `prev` keeps its own. Within the rows, token budget and model limits of
+    `Speculator.draft`; `lookahead` grows by each sequence's drafts. A sequence without
+    drafts in `prev` gets none here: the proposal would stand on a guess of `prev`'s sample
+    (measured: more drafts in vain on text that does not repeat), so a continuation is not
+    built when it has a draft waiting (`plan_continuation`), and the next step drafts from the
+    sample itself."""
+    speculator = scheduler.speculator
+    cont.after_drafts.update(s.seq_id for s in seqs if s.seq_id in prev.drafts)
+    if not speculator.enabled:
+        return
+    config = scheduler.scheduler_config
+    rows = len(seqs)
+    i = 0  # seqs[i]: the first running sequence of the group
+    for scheduled in cont.scheduled:
+        group = scheduled.seq_group
+        seq, i = seqs[i], i + sum(s.status == _RUNNING for s in group.seqs)
+        room = config.max_num_batched_tokens - cont.num_batched_tokens
+        if rows >= config.speculative_max_batch or room <= 0:
+            return
+        in_flight = prev.drafts.get(seq.seq_id)
+        if not in_flight or scheduled.token_chunk_size != 1 or not speculates(group):
+            continue
+        end = len(seq.token_ids) + len(in_flight) + 1  # as plan_continuation
+        limit = min(
+            speculator.k,
+            room,
+            config.speculative_max_batch - rows,
+            group.sampling_params.max_tokens - (end - seq.num_prompt_tokens) - 1,
+            config.model_len - end - 1,
+        )
+        drafts = speculator.continuation_drafts(seq, in_flight, limit)
+        if drafts:
+            cont.drafts[seq.seq_id] = drafts
+            cont.num_batched_tokens += len(drafts)
+            lookahead[i - 1] += len(drafts)
+            rows += len(drafts)
 
 
 def _forced_after(seq: Sequence, chunk: int, prev_is_continuation: bool) -> bool:

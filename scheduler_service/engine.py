@@ -350,11 +350,11 @@ class LLMEngine:
             self._abort_failed_grammars(self._builder.grammar_failures)
             self._builder.grammar_failures = []
         self.scheduler.on_step_executed(sched_out)
-        outputs, events = self._processor.process(sched_out, result)
+        cont, cont_step_id = self._continuation or (None, None)
+        outputs, events = self._processor.process(sched_out, result, cont)
         self._builder.add_events(events)
         self._num_in_flight -= 1
-        if self._continuation is not None:
-            cont, cont_step_id = self._continuation
+        if cont is not None:
             assert cont_step_id == step_input.step_id + 1, "steps finish in order"
             self._continuation = None
             commit_continuation(self.scheduler, cont)

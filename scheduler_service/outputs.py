@@ -95,9 +95,14 @@ class OutputProcessor:
         return count
 
     def process(
-        self, sched_out: SchedulerOutputs, result: StepResult
+        self,
+        sched_out: SchedulerOutputs,
+        result: StepResult,
+        next_step: SchedulerOutputs | None = None,
     ) -> tuple[list[RequestOutput], WorkerEvents]:
-        """The step's deltas, and the forks and frees the worker must hear of."""
+        """The step's deltas, and the forks and frees the worker must hear of. `next_step`:
+        the continuation in flight after the step, if any (its updates `after_drafts` hold or
+        are dropped here)."""
         self._events = events = WorkerEvents()
         self.num_generated = 0
         self.num_accepted_drafts = 0
@@ -114,7 +119,7 @@ class OutputProcessor:
             params = seq_group.sampling_params
             if runs and (run := runs.get(seq_group.seqs[0].seq_id)) is not None:
                 seq_id = seq_group.seqs[0].seq_id
-                delta = self._process_run(seq_group, run, len(drafts[seq_id]), now)
+                delta = self._process_run(seq_group, run, len(drafts[seq_id]), now, next_step)
             elif (
                 params.best_of == 1
                 and not params.use_beam_search
@@ -192,11 +197,18 @@ class OutputProcessor:
         )
 
     def _process_run(
-        self, seq_group: SequenceGroup, run: list[SequenceOutput], num_drafts: int, now: float
+        self,
+        seq_group: SequenceGroup,
+        run: list[SequenceOutput],
+        num_drafts: int,
+        now: float,
+        next_step: SchedulerOutputs | None,
     ) -> RequestOutput | None:
         """`_process_single` for a sequence that verified `num_drafts` drafts: the tokens of
         `run` (the kept drafts, then a sample) are appended one by one, each through the stop
-        checks, so a stop inside the run ends the sequence where a step-by-step run would."""
+        checks, so a stop inside the run ends the sequence where a step-by-step run would.
+        A continuation in flight that assumed all drafts kept keeps its slots if they were,
+        and drops the sequence if not (the worker skips it there)."""
         seq = seq_group.seqs[0]
         if seq.status != _RUNNING:
             return None  # finished (aborted) since it was scheduled
@@ -222,7 +234,14 @@ class OutputProcessor:
         self.num_generated += num_new
         kept = len(run) - 1
         self.num_accepted_drafts += kept
-        self.scheduler.speculator.commit(seq_group, num_drafts, kept)
+        ahead = 0
+        if next_step is not None and seq.seq_id in next_step.after_drafts:
+            if kept < num_drafts and seq.status == _RUNNING:
+                next_step.drop(seq_group)
+                self._events.skipped.append(seq.seq_id)
+            else:
+                ahead = len(next_step.drafts.get(seq.seq_id, ()))
+        self.scheduler.speculator.commit(seq_group, num_drafts, kept, ahead)
         if seq.status == _RUNNING:
             self._events.kept_drafts.append((seq.seq_id, kept))
         return self._single_delta(seq_group, num_new, want_logprobs, now)

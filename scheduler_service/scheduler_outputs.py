@@ -40,6 +40,17 @@ class SchedulerOutputs:
     # Speculative decoding: seq id -> the draft tokens it computes after its last token
     # (scheduler_service/speculation.py); empty in most steps.
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # A continuation's sequences that the step in flight gave drafts: their updates assume
+    # every draft is kept (`CachedSequence.after_drafts`). One that keeps fewer leaves this
+    # step when that result is processed (`drop`): the worker skips it.
+    after_drafts: set[int] = field(default_factory=set)
+
+    def drop(self, seq_group: SequenceGroup) -> None:
+        """Take a group out of the step (a continuation whose assumption failed)."""
+        seq_id = seq_group.seqs[0].seq_id
+        self.scheduled = [s for s in self.scheduled if s.seq_group is not seq_group]
+        self.num_batched_tokens -= 1 + len(self.drafts.pop(seq_id, ()))
+        self.after_drafts.discard(seq_id)
 
     def is_empty(self) -> bool:
         return not (
@@ -61,6 +72,9 @@ class WorkerEvents:
     # (seq id, drafts kept) of the running sequences that verified drafts: the worker holds
     # the kept ones as known tokens now.
     kept_drafts: list[tuple[int, int]] = field(default_factory=list)
+    # Sequences dropped from the continuation in flight (`SchedulerOutputs.drop`): the worker
+    # skips their update, so it holds one token fewer than the update sent.
+    skipped: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -21,9 +21,10 @@ the usual stop checks, so a stop inside the run cuts it where a step-by-step run
 the blocks the kept tokens filled findable by the prefix cache. Rejected drafts never enter a
 sequence, its proposer state or the prefix cache.
 
-A step with drafts is never continued by asynchronous scheduling (its result decides where
-the next step starts); a step without drafts is, unless a sequence in it has a draft waiting
-(then the next step is built after the result, so it can carry drafts).
+Asynchronous scheduling continues a step with drafts by assuming they are all kept, with
+drafts of its own past them (`scheduler_service.continuation`); a step without drafts is
+continued unless a sequence in it has a draft waiting (then the next step is built after
+the result, so it can carry drafts drawn from the real sample).
 """
 
 from __future__ import annotations
@@ -86,15 +87,25 @@ class Speculator:
     def enabled(self) -> bool:
         return self.k > 0
 
-    def proposal(self, seq: Sequence, limit: int) -> list[int]:
-        """Up to `limit` drafts to follow `seq`'s tokens ([] when the proposer has none)."""
+    def proposal(self, seq: Sequence, limit: int, assumed: list[int] | None = None) -> list[int]:
+        """Up to `limit` drafts to follow `seq`'s tokens, and `assumed` after them ([] when
+        the proposer has none)."""
         assert self.proposer is not None
         state = seq.draft_state
         if state is None:
             state = seq.draft_state = self.proposer.new_state(seq.token_ids)
         else:
             state.extend(seq.token_ids[state.num_tokens :])
-        return self.proposer.propose(state, limit)
+        return self.proposer.propose(state, limit, assumed or ())
+
+    def continuation_drafts(self, seq: Sequence, in_flight: list[int], limit: int) -> list[int]:
+        """Up to `limit` drafts for a continuation step (`scheduler_service.continuation`),
+        which computes the token the step in flight samples for `seq` after `in_flight`, that
+        step's drafts: the proposal past them, less its first token (the guess of that
+        sample, which the continuation's placeholder stands for)."""
+        if self.proposer is None or limit <= 0:
+            return []
+        return self.proposal(seq, limit + 1, in_flight)[1:]
 
     def draft(self, out: SchedulerOutputs, held: Container[int]) -> None:
         """Give the decision's eligible decodes their drafts, within the token budget and
@@ -149,10 +160,13 @@ class Speculator:
         better built after the result, with drafts, than continued without them."""
         return self.proposer is not None and bool(self.proposal(seq, 1))
 
-    def commit(self, seq_group: SequenceGroup, num_drafts: int, num_kept: int) -> None:
+    def commit(
+        self, seq_group: SequenceGroup, num_drafts: int, num_kept: int, ahead: int = 0
+    ) -> None:
         """After output processing appended the step's tokens for the group's sequence (the
         kept drafts and one sample, or fewer if it stopped): the kept drafts are computed;
-        the reserved blocks past its tokens go back."""
+        the reserved blocks past its tokens and `ahead` slots more (the drafts of the
+        continuation in flight after the step) go back."""
         seq = seq_group.seqs[0]
         metrics = seq_group.metrics
         metrics.num_draft_tokens += num_drafts
@@ -167,4 +181,4 @@ class Speculator:
             return  # finished in the run: its blocks are freed already
         first_written = seq.num_computed_tokens  # the first draft's position
         seq.num_computed_tokens += num_kept
-        self.block_manager.commit_lookahead(seq, first_written)
+        self.block_manager.commit_lookahead(seq, first_written, ahead)

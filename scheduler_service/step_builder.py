@@ -57,11 +57,14 @@ class StepBuilder:
 
     def add_events(self, events: WorkerEvents) -> None:
         """Output processing's forks and frees, for the next step; drafts the worker kept
-        are tokens it holds."""
+        are tokens it holds; a skipped update's placeholder is not."""
         self._forks.extend(events.forks)
         self._freed.extend(events.freed_seq_ids)
+        views = self.views
         for seq_id, kept in events.kept_drafts:
-            self.views[seq_id][0] += kept
+            views[seq_id][0] += kept
+        for seq_id in events.skipped:
+            views[seq_id][0] -= 1
 
     def add_freed(self, seq_ids: list[int]) -> None:
         """Sequences freed between steps (aborted, exported), for the next step."""
@@ -132,7 +135,9 @@ class StepBuilder:
         placeholder `SAMPLED_TOKEN`; the worker will hold one token more than the scheduler
         until that step's result is in. A sequence whose grammar forced tokens after the step
         in flight was built (its chunk is their number) computes them: the placeholder stands
-        for the first, which the step in flight samples under a mask allowing it alone."""
+        for the first, which the step in flight samples under a mask allowing it alone. A
+        sequence may compute drafts after the placeholder (`cont.drafts`), and one the step in
+        flight gave drafts is sent `after_drafts` (`cont.after_drafts`)."""
         step = StepInput(step_id=self._step_id)
         self._step_id += 1
         self._add_frees(step, self._add_forks(step))
@@ -161,9 +166,14 @@ class StepBuilder:
                 table = tables[seq_id]
                 dirty = bm.pop_dirty_from(seq_id)
                 offset = known_blocks if dirty is None or dirty > known_blocks else dirty
-                step.cached_seqs.append(
-                    CachedSequence(seq_id, [SAMPLED_TOKEN, *forced], offset, table[offset:], chunk)
+                cached = CachedSequence(
+                    seq_id, [SAMPLED_TOKEN, *forced], offset, table[offset:], chunk
                 )
+                if seq_drafts := cont.drafts.get(seq_id):
+                    cached.draft_token_ids = seq_drafts
+                    cached.num_scheduled_tokens += len(seq_drafts)
+                cached.after_drafts = seq_id in cont.after_drafts
+                step.cached_seqs.append(cached)
                 view[0] = known_tokens + chunk
                 view[1] = len(table)
         self._defer_masks(step, constrained)

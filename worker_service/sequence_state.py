@@ -30,6 +30,9 @@ class SequenceState:
     # The token the last step that scheduled this sequence sampled for it (None: it sampled
     # nothing, or several); what a `SAMPLED_TOKEN` placeholder stands for.
     last_sampled: int | None = None
+    # Whether the last step that verified drafts for this sequence dropped some of them (an
+    # update `after_drafts` is then skipped).
+    drafts_cut: bool = False
 
     def fork(self, child_seq_id: int, child_seq_index: int) -> SequenceState:
         return SequenceState(
@@ -117,6 +120,11 @@ class SequenceStates:
                 )
         for cached in step.cached_seqs:
             state = self._state(cached.seq_id)
+            if cached.after_drafts and state.drafts_cut:
+                # Built assuming every draft was kept: the block-table edit alone applies.
+                del state.block_ids[cached.block_offset :]
+                state.block_ids.extend(cached.block_ids)
+                continue
             new_tokens = cached.new_token_ids
             if SAMPLED_TOKEN in new_tokens:
                 new_tokens = [self._take_sampled(state, new_tokens), *new_tokens[1:]]
@@ -174,6 +182,7 @@ class SequenceStates:
         end = s.start + s.count - (s.num_drafts - kept)
         del state.token_ids[end:]
         state.num_computed = end
+        state.drafts_cut = kept < s.num_drafts
 
     @staticmethod
     def _take_sampled(state: SequenceState, new_tokens: list[int]) -> int:

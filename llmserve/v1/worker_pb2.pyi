@@ -98,7 +98,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class CachedSequences(_message.Message):
-    __slots__ = ("seq_ids", "num_new_tokens", "new_token_ids", "block_offsets", "num_block_ids", "block_ids", "num_scheduled_tokens", "num_draft_tokens", "draft_token_ids")
+    __slots__ = ("seq_ids", "num_new_tokens", "new_token_ids", "block_offsets", "num_block_ids", "block_ids", "num_scheduled_tokens", "num_draft_tokens", "draft_token_ids", "after_drafts")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class CachedSequences(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -117,7 +118,8 @@ class CachedSequences(_message.Message):
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    after_drafts: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., after_drafts: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Fork(_message.Message):
     __slots__ = ("parent_seq_id", "child_seq_id", "child_seq_index")

@@ -31,12 +31,17 @@ PROMPTS = [
 NEW = 32
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+@pytest.fixture(scope="module", params=["default", "continue-after-drafts"])
+def stack(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[RunningStack]:
+    """The scheduler with drafts, and with steps after drafts sent before their result
+    (`after_drafts` updates on the real worker)."""
+    args = ["--num-speculative-tokens", "4", "--ngram-min", "1", "--ngram-max", "3"]
+    if request.param == "continue-after-drafts":
+        args.append("--continue-after-drafts")
     running = start_stack(
-        str(tiny_model_dir),
-        tmp_path_factory.mktemp("spec-stack-logs"),
-        scheduler_args=["--num-speculative-tokens", "4", "--ngram-min", "1", "--ngram-max", "3"],
+        str(tiny_model_dir), tmp_path_factory.mktemp("spec-stack-logs"), scheduler_args=args
     )
     yield running
     running.stop()

@@ -73,9 +73,9 @@ class ScriptProposer(DraftProposer):
     def new_state(self, tokens: Sequence[int]) -> TokenList:
         return TokenList(tokens)
 
-    def propose(self, state: DraftState, max_tokens: int) -> list[int]:
+    def propose(self, state: DraftState, max_tokens: int, assumed: Sequence[int] = ()) -> list[int]:
         assert isinstance(state, TokenList)
-        tokens = state.tokens
+        tokens = [*state.tokens, *assumed]
         for prompt, output in self.outputs.items():
             if tuple(tokens[: len(prompt)]) == prompt:
                 done = len(tokens) - len(prompt)

@@ -80,7 +80,14 @@ new_seq = st.builds(
     sampling_params=sampling_params,
 )
 cached_seq = st.builds(
-    CachedSequence, st.integers(0, 2**63), ids, u32, ids, small, draft_token_ids=ids
+    CachedSequence,
+    st.integers(0, 2**63),
+    ids,
+    u32,
+    ids,
+    small,
+    draft_token_ids=ids,
+    after_drafts=st.booleans(),
 )
 token_mask = st.one_of(
     st.builds(

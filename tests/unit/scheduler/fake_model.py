@@ -37,8 +37,12 @@ class _SeqState:
     num_computed: int
     table: list[int]
     params: SamplingParams
-    # What the last step that scheduled it sampled (for SAMPLED_TOKEN), if it sampled one.
+    # What the last step that scheduled it sampled (for SAMPLED_TOKEN), if it sampled one
+    # (after drafts: the last token of the run).
     last_sampled: int | None = None
+    # Whether the last step that verified its drafts dropped some (an update `after_drafts`
+    # is then skipped but for its block table).
+    drafts_cut: bool = False
 
 
 class FakeModel:
@@ -59,6 +63,9 @@ class FakeModel:
         self.num_placeholder_runs = 0
         self.num_masked_rows = 0
         self.num_drafts_kept = 0
+        # Updates `after_drafts` computed (their step kept every draft) and skipped.
+        self.num_after_drafts = 0
+        self.num_skipped_after_drafts = 0
 
     # -- the model's "distribution" -------------------------------------------------------
 
@@ -129,8 +136,17 @@ class FakeModel:
                 list(new.block_ids),
                 new.sampling_params,
             )
+        skipped: set[int] = set()
         for upd in step.cached_seqs:
             st = self.seqs[upd.seq_id]
+            if upd.after_drafts:
+                assert upd.new_token_ids == [SAMPLED_TOKEN], "after drafts: the placeholder only"
+                if st.drafts_cut:
+                    self.num_skipped_after_drafts += 1
+                    skipped.add(upd.seq_id)
+                    st.table[upd.block_offset :] = upd.block_ids
+                    continue
+                self.num_after_drafts += 1
             if SAMPLED_TOKEN in upd.new_token_ids:
                 first, *rest = upd.new_token_ids
                 assert first == SAMPLED_TOKEN and SAMPLED_TOKEN not in rest, "placeholder not first"
@@ -156,7 +172,7 @@ class FakeModel:
             self.gpu[dst] = list(self.gpu[src])
 
         scheduled = [(n.seq_id, n.num_scheduled_tokens) for n in step.new_seqs] + [
-            (c.seq_id, c.num_scheduled_tokens) for c in step.cached_seqs
+            (c.seq_id, c.num_scheduled_tokens) for c in step.cached_seqs if c.seq_id not in skipped
         ]
         # Write every scheduled token's "K/V" first, as a batched forward pass would.
         for seq_id, num in scheduled:
@@ -173,7 +189,8 @@ class FakeModel:
             assert st.num_computed <= len(st.tokens)
             if seq_id in drafts:
                 run = self._verify(seq_id, st, drafts[seq_id])
-                st.last_sampled = None
+                st.last_sampled = run[-1].samples[0].token_id
+                st.drafts_cut = len(run) <= drafts[seq_id]
                 outputs.extend(run)
                 continue
             out = self._outputs(seq_id, st, start, masks.pop(seq_id, None))

@@ -64,12 +64,13 @@ def drive(
     seed: int = 7,
     abort_after: dict[int, int] | None = None,
     setup: Callable[[LLMEngine, FakeModel], None] | None = None,
+    make_workload: Callable[[int, int], tuple[list[list[int]], list[SamplingParams]]] = workload,
     **scheduler: Any,
 ) -> tuple[dict[str, dict[int, tuple[list[int], FinishReason | None]]], LLMEngine, FakeModel]:
-    """Requests arrive a few at a time (one batch per step while any remain); request i is
-    aborted once it has streamed `abort_after[i]` tokens. Returns per request, per choice
-    index, the streamed tokens and finish reason, with the engine and model. `setup` runs on
-    the new engine; `scheduler`: more `SchedulerConfig` fields."""
+    """Requests (`make_workload(num, seed)`) arrive a few at a time (one batch per step while
+    any remain); request i is aborted once it has streamed `abort_after[i]` tokens. Returns
+    per request, per choice index, the streamed tokens and finish reason, with the engine and
+    model. `setup` runs on the new engine; `scheduler`: more `SchedulerConfig` fields."""
     cache = CacheConfig(BLOCK, num_gpu_blocks, 200, watermark=0.0, enable_prefix_caching=True)
     sched = SchedulerConfig(
         max_num_seqs=24, max_num_batched_tokens=64, max_model_len=96, **scheduler
@@ -79,7 +80,7 @@ def drive(
     if setup is not None:
         setup(engine, model)
     stepper = PipelinedStepper(engine) if pipelined else None
-    prompts, params = workload(num, seed)
+    prompts, params = make_workload(num, seed)
     abort_after = abort_after or {}
     streamed: dict[str, dict[int, tuple[list[int], FinishReason | None]]] = {}
     finished: set[str] = set()

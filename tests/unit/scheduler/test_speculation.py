@@ -7,11 +7,13 @@ back (`drive` checks)."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
 
+from llmserve.sampling_params import SamplingParams
 from llmserve.steps import StepInput, StepResult
 from scheduler_service import LLMEngine
 from scheduler_service.proposer import DraftProposer, DraftState
@@ -19,7 +21,7 @@ from scheduler_service.speculation import Speculator
 from tests.support.drafts import TokenList
 
 from .fake_model import FakeModel
-from .test_async_scheduling import drive
+from .test_async_scheduling import PipelinedEngineMachine, drive
 from .test_stateful import EngineMachine
 
 K = 4
@@ -35,9 +37,9 @@ class OracleProposer(DraftProposer):
     def new_state(self, tokens: Sequence[int]) -> TokenList:
         return TokenList(tokens)
 
-    def propose(self, state: DraftState, max_tokens: int) -> list[int]:
+    def propose(self, state: DraftState, max_tokens: int, assumed: Sequence[int] = ()) -> list[int]:
         assert isinstance(state, TokenList)
-        tokens = list(state.tokens)
+        tokens = [*state.tokens, *assumed]
         drafts = []
         for _ in range(min(K, max_tokens)):
             token = self.model.next_token(tokens)
@@ -58,9 +60,15 @@ def with_oracle(wrong: bool):
     return setup
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
+# How steps run: one at a time; one ahead (a step with drafts waits for its result); one
+# ahead also after drafts (`continue_after_drafts`: assumed kept).
+MODES = {"sync": (False, False), "async": (True, False), "async-after-drafts": (True, True)}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("num_gpu_blocks", [400, 60])
-def test_right_drafts_are_all_kept_in_fewer_steps(num_gpu_blocks: int, pipelined: bool) -> None:
+def test_right_drafts_are_all_kept_in_fewer_steps(num_gpu_blocks: int, mode: str) -> None:
+    pipelined, after_drafts = MODES[mode]
     plain, _, plain_model = drive(num_gpu_blocks, pipelined)
     spec, engine, model = drive(
         num_gpu_blocks,
@@ -68,6 +76,7 @@ def test_right_drafts_are_all_kept_in_fewer_steps(num_gpu_blocks: int, pipelined
         setup=with_oracle(wrong=False),
         num_speculative_tokens=K,
         speculative_max_batch=64,
+        continue_after_drafts=after_drafts,
     )
     assert spec == plain
     stats = engine.get_stats()
@@ -78,16 +87,17 @@ def test_right_drafts_are_all_kept_in_fewer_steps(num_gpu_blocks: int, pipelined
     assert list(stats.spec_accepted_per_position) == sorted(
         stats.spec_accepted_per_position, reverse=True
     )
+    assert model.num_skipped_after_drafts == 0  # none assumed kept drafts in vain
+    assert (model.num_after_drafts > 0) == after_drafts
     assert model.num_steps < 0.8 * plain_model.num_steps
     if num_gpu_blocks == 60:
         assert stats.num_preemptions_recompute + stats.num_preemptions_swap >= 5
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("num_gpu_blocks", [400, 60])
-def test_wrong_drafts_are_never_kept_and_change_nothing(
-    num_gpu_blocks: int, pipelined: bool
-) -> None:
+def test_wrong_drafts_are_never_kept_and_change_nothing(num_gpu_blocks: int, mode: str) -> None:
+    pipelined, after_drafts = MODES[mode]
     plain, _, _ = drive(num_gpu_blocks, pipelined)
     spec, engine, model = drive(
         num_gpu_blocks,
@@ -95,11 +105,66 @@ def test_wrong_drafts_are_never_kept_and_change_nothing(
         setup=with_oracle(wrong=True),
         num_speculative_tokens=K,
         speculative_max_batch=64,
+        continue_after_drafts=after_drafts,
     )
     assert spec == plain
     stats = engine.get_stats()
     assert stats.num_spec_draft_tokens > 100
     assert stats.num_spec_accepted_tokens == model.num_drafts_kept == 0
+    assert model.num_after_drafts == 0  # every update that assumed kept drafts was skipped
+    assert (model.num_skipped_after_drafts > 0) == after_drafts
+
+
+@pytest.mark.parametrize("num_gpu_blocks", [400, 60])
+def test_continuations_chain_drafts_and_drop_the_ones_that_assumed_wrong(
+    num_gpu_blocks: int,
+) -> None:
+    """Asynchronous scheduling with drafts that are sometimes right: a continuation built
+    while a step with drafts runs assumes they are all kept; where they are, it runs (with
+    drafts of its own), where they are not, the worker skips it and the scheduler drops it.
+    Same streams as without drafts, every block back (`drive`). Four single-sequence
+    requests (greedy, seeded sampling, stop tokens, logprobs): a continuation needs every
+    running sequence's step to go on, so few sequences make long chains."""
+
+    def single(num: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(1, 64) for _ in range(rng.randrange(2, 24))] for _ in range(num)]
+        params = [
+            SamplingParams(
+                temperature=0.0 if i % 3 else 1.0,
+                seed=i,
+                max_tokens=rng.randrange(20, 60),
+                stop_token_ids=[5] if i % 4 == 1 else [],
+                logprobs=1 if i % 5 == 2 else None,
+            )
+            for i in range(num)
+        ]
+        return prompts, params
+
+    plain, _, _ = drive(num_gpu_blocks, True, num=4, make_workload=single)
+
+    def setup(engine: LLMEngine, model: FakeModel) -> None:
+        scheduler = engine.scheduler
+        scheduler.speculator = Speculator(
+            scheduler.scheduler_config, scheduler.block_manager, MixedProposer(model)
+        )
+
+    spec, engine, model = drive(
+        num_gpu_blocks,
+        True,
+        num=4,
+        make_workload=single,
+        setup=setup,
+        num_speculative_tokens=K,
+        speculative_max_batch=64,
+        continue_after_drafts=True,
+    )
+    assert spec == plain
+    # All of a step's drafts right: about one in five (fewer steps continue under preemption).
+    assert model.num_after_drafts >= (4 if num_gpu_blocks == 400 else 1)
+    assert model.num_skipped_after_drafts > 10
+    stats = engine.get_stats()
+    assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
 
 
 def test_drafts_keep_a_step_within_the_row_limit() -> None:
@@ -153,9 +218,9 @@ class MixedProposer(OracleProposer):
     """Right drafts, except at positions a hash picks (about one in three), where the draft
     and the ones after it are off by one."""
 
-    def propose(self, state: DraftState, max_tokens: int) -> list[int]:
+    def propose(self, state: DraftState, max_tokens: int, assumed: Sequence[int] = ()) -> list[int]:
         assert isinstance(state, TokenList)
-        tokens = list(state.tokens)
+        tokens = [*state.tokens, *assumed]
         drafts: list[int] = []
         wrong = False
         for _ in range(min(K, max_tokens)):
@@ -182,3 +247,24 @@ class SpeculatingEngineMachine(EngineMachine):
 
 SpeculatingEngineMachine.TestCase.settings = EngineMachine.TestCase.settings
 TestSpeculatingEngineMachine = SpeculatingEngineMachine.TestCase
+
+
+class PipelinedSpeculatingEngineMachine(PipelinedEngineMachine):
+    """The same machine one step ahead: continuations assume the drafts in flight are kept
+    and carry drafts of their own; the blocks stay consistent after every step, all come
+    back, and the worker holds nothing at the end (`PipelinedEngineMachine.teardown`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        scheduler = self.engine.scheduler
+        config = replace(
+            scheduler.scheduler_config, num_speculative_tokens=K, continue_after_drafts=True
+        )
+        scheduler.scheduler_config = config
+        model = self.engine.executor
+        assert isinstance(model, FakeModel)
+        scheduler.speculator = Speculator(config, scheduler.block_manager, MixedProposer(model))
+
+
+PipelinedSpeculatingEngineMachine.TestCase.settings = PipelinedEngineMachine.TestCase.settings
+TestPipelinedSpeculatingEngineMachine = PipelinedSpeculatingEngineMachine.TestCase

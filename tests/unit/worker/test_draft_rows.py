@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.steps import CachedSequence, MaskKind, StepInput, TokenMask
+from llmserve.steps import SAMPLED_TOKEN, CachedSequence, MaskKind, StepInput, TokenMask
 from worker_service.model_runner import StateError
 
 from .factories import blocks_for, hf_greedy, make_worker, new_seq
@@ -65,3 +65,38 @@ def test_drafts_the_contract_refuses(tiny_llama: tuple[Path, Any], case: str, me
         step.token_masks = [TokenMask(1, MaskKind.ALLOW, 128, [4])]
     with pytest.raises(StateError, match=f"seq 1: .*{message}"):
         worker.execute(step)
+
+
+@pytest.mark.parametrize("all_right", [True, False], ids=["kept", "cut"])
+def test_an_update_after_drafts_runs_only_if_they_were_all_kept(
+    tiny_llama: tuple[Path, Any], all_right: bool
+) -> None:
+    """Asynchronous scheduling sends the next update before the drafts' result: the
+    placeholder at the position after every draft, its own drafts, a longer table. The worker
+    computes it if the drafts were all kept; otherwise it applies the table alone, returns
+    nothing for the sequence, and the next update goes on from what was kept."""
+    path, hf = tiny_llama
+    greedy = hf_greedy(hf, PROMPT, 10)
+    worker = make_worker(path)
+    blocks = blocks_for(0, len(PROMPT) + 4)
+    more = blocks_for(len(blocks), 12)
+    worker.execute(StepInput(0, new_seqs=[new_seq(1, PROMPT, blocks)]))
+    drafts = [greedy[1], greedy[2] if all_right else (greedy[2] + 1) % 128]
+    step = StepInput(1, cached_seqs=[CachedSequence(1, [greedy[0]], len(blocks), [], 3, drafts)])
+    assert len(worker.execute(step).outputs) == (3 if all_right else 2)
+    after = CachedSequence(
+        1, [SAMPLED_TOKEN], len(blocks), more, 3, [greedy[4], greedy[5]], after_drafts=True
+    )
+    out = worker.execute(StepInput(2, cached_seqs=[after]))
+    state = worker.runner.states[1]
+    assert state.block_ids == blocks + more
+    if all_right:  # greedy[3] sampled after the drafts, then two right drafts and a sample
+        assert [o.samples[0].token_id for o in out.outputs] == greedy[4:7]
+        assert state.token_ids == PROMPT + greedy[:6]
+        return
+    assert out.outputs == []
+    assert state.token_ids == PROMPT + greedy[:2]  # what the drafts step kept
+    step = StepInput(
+        3, cached_seqs=[CachedSequence(1, [greedy[2]], len(blocks) + len(more), [], 1)]
+    )
+    assert worker.execute(step).outputs[0].samples[0].token_id == greedy[3]
