@@ -83,8 +83,8 @@ def test_rows_sharing_a_table_equal_each_row_alone(
     bit-identical to that row attended alone (speculation must not change a token)."""
     head_dim, block_size = 64, 16
     gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads + (window or 0))
-    # Sequences of 7, 2, 1 and 11 rows (5 crosses a block boundary, 11 makes 3 work items),
-    # among single rows; lengths are each sequence's last row's.
+    # Sequences of 7 rows (crossing a block boundary), 2 and 11 (over 300 tokens) among single
+    # rows; the lengths are each sequence's last row's.
     runs = [(1, 40), (7, 70), (1, 5), (2, 16), (1, 17), (11, 300), (1, 1)]
     cache = make_paged_cache(
         [end for _, end in runs],
