@@ -150,6 +150,7 @@ def _add_drafts(
     sample itself."""
     speculator = scheduler.speculator
     cont.after_drafts.update(s.seq_id for s in seqs if s.seq_id in prev.drafts)
+    speculator.stats.num_after_drafts += len(cont.after_drafts)
     if not speculator.enabled:
         return
     config = scheduler.scheduler_config

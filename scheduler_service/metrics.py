@@ -92,6 +92,17 @@ SPEC_ACCEPTED_PER_POS = Counter(
     "Draft tokens kept, by position in the draft (0 = first)",
     [*_R, "position"],
 )
+# --continue-after-drafts (scheduler_service/continuation.py).
+SPEC_AFTER_DRAFTS = Counter(
+    "llmserve_spec_decode_after_drafts",
+    "Updates sent before their step's drafts were verified, assuming all kept",
+    _R,
+)
+SPEC_AFTER_DRAFTS_DROPPED = Counter(
+    "llmserve_spec_decode_after_drafts_dropped",
+    "Updates sent assuming kept drafts that were dropped (the drafts were cut)",
+    _R,
+)
 
 
 def record_stats(replica_id: int, stats: SchedulerStats) -> None:
@@ -111,6 +122,9 @@ def record_stats(replica_id: int, stats: SchedulerStats) -> None:
         _advance(SPEC_ACCEPTED_TOKENS, (r,), stats.num_spec_accepted_tokens)
         for position, kept in enumerate(stats.spec_accepted_per_position):
             _advance(SPEC_ACCEPTED_PER_POS, (r, str(position)), kept)
+    if stats.num_spec_after_drafts:
+        _advance(SPEC_AFTER_DRAFTS, (r,), stats.num_spec_after_drafts)
+        _advance(SPEC_AFTER_DRAFTS_DROPPED, (r,), stats.num_spec_after_drafts_dropped)
 
 
 def record_step(

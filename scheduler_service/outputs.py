@@ -239,6 +239,7 @@ class OutputProcessor:
             if kept < num_drafts and seq.status == _RUNNING:
                 next_step.drop(seq_group)
                 self._events.skipped.append(seq.seq_id)
+                self.scheduler.speculator.stats.num_after_drafts_dropped += 1
             else:
                 ahead = len(next_step.drafts.get(seq.seq_id, ()))
         self.scheduler.speculator.commit(seq_group, num_drafts, kept, ahead)

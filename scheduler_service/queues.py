@@ -134,4 +134,6 @@ class SchedulerQueues:
             num_spec_draft_tokens=spec.num_draft_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=tuple(spec.accepted_per_position),
+            num_spec_after_drafts=spec.num_after_drafts,
+            num_spec_after_drafts_dropped=spec.num_after_drafts_dropped,
         )

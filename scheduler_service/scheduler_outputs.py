@@ -97,3 +97,6 @@ class SchedulerStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # Updates sent assuming the step in flight keeps its drafts, and those dropped.
+    num_spec_after_drafts: int = 0
+    num_spec_after_drafts_dropped: int = 0

@@ -50,6 +50,10 @@ class SpeculationStats:
     num_accepted_tokens: int = 0
     # [i]: how many times the draft at position i was kept.
     accepted_per_position: list[int] = field(default_factory=list)
+    # --continue-after-drafts: updates sent assuming a step in flight keeps its drafts, and
+    # those dropped because it did not (scheduler_service/continuation.py).
+    num_after_drafts: int = 0
+    num_after_drafts_dropped: int = 0
 
 
 def speculates(seq_group: SequenceGroup) -> bool:

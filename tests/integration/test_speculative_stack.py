@@ -48,7 +48,7 @@ def stack(
 
 
 def test_drafted_outputs_equal_the_engine_without_drafts(
-    stack: RunningStack, tiny_model_dir: Path
+    stack: RunningStack, tiny_model_dir: Path, request: pytest.FixtureRequest
 ) -> None:
     with Client(stack.gateway) as client:
         prompt_ids = [client.tokenize(p) for p in PROMPTS]
@@ -92,5 +92,10 @@ def test_drafted_outputs_equal_the_engine_without_drafts(
     # Both rounds of requests drafted (the HTTP round's are the usage blocks' figures).
     assert counter("llmserve_spec_decode_draft_tokens") > drafted
     assert counter("llmserve_spec_decode_accepted_tokens") > kept
+    # With --continue-after-drafts, steps went out before their drafts were verified.
+    after_drafts = counter("llmserve_spec_decode_after_drafts")
+    continued = request.node.callspec.params["stack"] == "continue-after-drafts"
+    assert (after_drafts > 0) == continued
+    assert counter("llmserve_spec_decode_after_drafts_dropped") <= after_drafts
     free, total = wait_all_blocks_free(stack)
     assert free == total

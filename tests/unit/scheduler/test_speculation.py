@@ -164,6 +164,10 @@ def test_continuations_chain_drafts_and_drop_the_ones_that_assumed_wrong(
     assert model.num_after_drafts >= (4 if num_gpu_blocks == 400 else 1)
     assert model.num_skipped_after_drafts > 10
     stats = engine.get_stats()
+    # Each update sent assuming kept drafts ran or was skipped; the running ones skipped were
+    # dropped (one whose run ended in a stop is skipped, not dropped: it is finished).
+    assert stats.num_spec_after_drafts == model.num_after_drafts + model.num_skipped_after_drafts
+    assert 0 < stats.num_spec_after_drafts_dropped <= model.num_skipped_after_drafts
     assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
 
 
