@@ -17,6 +17,7 @@ def add_masks(field: Any, masks: list[TokenMask]) -> None:
             vocab_size=m.vocab_size,
             token_ids=m.token_ids,
             bitmap=m.bitmap,
+            row=m.row,
         )
 
 
@@ -38,4 +39,4 @@ def token_mask_from_proto(msg: worker_pb2.TokenMask) -> TokenMask:
         kind = MaskKind(msg.kind)
     except ValueError:
         raise ValueError(f"token mask of seq {msg.seq_id}: unknown kind {msg.kind}") from None
-    return TokenMask(msg.seq_id, kind, msg.vocab_size, list(msg.token_ids), msg.bitmap)
+    return TokenMask(msg.seq_id, kind, msg.vocab_size, list(msg.token_ids), msg.bitmap, msg.row)

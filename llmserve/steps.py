@@ -138,6 +138,10 @@ class TokenMask:
     vocab_size: int
     token_ids: list[int] = field(default_factory=list)
     bitmap: bytes = b""
+    # Which of the sequence's sampling rows it constrains: 0, its last known token's; i, the
+    # row after its i-th draft (speculative decoding: a draft row samples under the grammar
+    # as it stands after the drafts before it). A row without a mask samples freely.
+    row: int = 0
 
     def allowed_ids(self) -> list[int]:
         """The allowed token ids, ascending (for tests and small masks)."""

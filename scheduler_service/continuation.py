@@ -70,7 +70,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     config = scheduler.scheduler_config
     if scheduler.waiting or scheduler.swapped or not prev.scheduled:
         return None
-    if prev.drafts and not config.continue_after_drafts:
+    if prev.drafts and (not config.continue_after_drafts or _constrained_drafts(prev)):
         return None  # how many drafts it keeps decides where the next step starts
     speculator = scheduler.speculator
     model_len = config.model_len
@@ -97,6 +97,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
                 speculating
                 and seq.seq_id not in prev.drafts
                 and speculates(group)
+                and group.grammar is None
                 and speculator.waits_for_draft(seq)
             ):
                 return None  # the next step may start a run of drafts (_add_drafts)
@@ -179,6 +180,15 @@ def _add_drafts(
             cont.num_batched_tokens += len(drafts)
             lookahead[i - 1] += len(drafts)
             rows += len(drafts)
+
+
+def _constrained_drafts(prev: SchedulerOutputs) -> bool:
+    """Whether a constrained sequence has drafts in `prev`: the masks of a step after it
+    depend on how many it keeps, so it is not continued."""
+    return any(
+        s.seq_group.grammar is not None and s.seq_group.seqs[0].seq_id in prev.drafts
+        for s in prev.scheduled
+    )
 
 
 def _forced_after(seq: Sequence, chunk: int, prev_is_continuation: bool) -> bool:

@@ -154,6 +154,32 @@ class SequenceGrammar:
     def mask(self, seq_id: int) -> TokenMask:
         return encode_mask(seq_id, self.matcher().bitmask(), self._compiled.result().vocab_size)
 
+    def accepted_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of `tokens` (drafts) the grammar accepts from where it stands,
+        without the token that would complete it (the row after it would sample past the
+        end); the matcher itself does not move. [] while compiling."""
+        if self._matcher is None:
+            return []
+        matcher = self._matcher.copy()
+        for i, token_id in enumerate(tokens):
+            if not matcher.accept(token_id) or matcher.is_terminated():
+                return tokens[:i]
+        return tokens
+
+    def row_masks(self, seq_id: int, drafts: list[int]) -> list[TokenMask]:
+        """One mask per sampling row of a sequence with `drafts` (accepted by the grammar:
+        `accepted_prefix`): the grammar as it stands, then after each draft in turn."""
+        vocab_size = self._compiled.result().vocab_size
+        matcher = self.matcher()
+        masks = [encode_mask(seq_id, matcher.bitmask(), vocab_size)]
+        ahead = matcher.copy()
+        for row, token_id in enumerate(drafts, 1):
+            ahead.accept(token_id)
+            mask = encode_mask(seq_id, ahead.bitmask(), vocab_size)
+            mask.row = row
+            masks.append(mask)
+        return masks
+
     def only(self, seq_id: int, token_id: int) -> TokenMask:
         """A mask that allows `token_id` alone (a continuation row whose sample is a forced
         token the scheduler already holds: scheduler_service/continuation.py)."""

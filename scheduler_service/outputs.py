@@ -206,9 +206,9 @@ class OutputProcessor:
     ) -> RequestOutput | None:
         """`_process_single` for a sequence that verified `num_drafts` drafts: the tokens of
         `run` (the kept drafts, then a sample) are appended one by one, each through the stop
-        checks, so a stop inside the run ends the sequence where a step-by-step run would.
-        A continuation in flight that assumed all drafts kept keeps its slots if they were,
-        and drops the sequence if not (the worker skips it there)."""
+        checks, so a stop inside the run ends the sequence where a step-by-step run would; a
+        grammar's forced tokens follow. A continuation in flight that assumed all drafts kept
+        keeps its slots if they were, and drops the sequence if not (the worker skips it)."""
         seq = seq_group.seqs[0]
         if seq.status != _RUNNING:
             return None  # finished (aborted) since it was scheduled
@@ -245,6 +245,7 @@ class OutputProcessor:
         self.scheduler.speculator.commit(seq_group, num_drafts, kept, ahead)
         if seq.status == _RUNNING:
             self._events.kept_drafts.append((seq.seq_id, kept))
+        num_new += self._append_forced(seq, params) if seq.grammar is not None else 0
         return self._single_delta(seq_group, num_new, want_logprobs, now)
 
     def _process_group(

@@ -2,9 +2,11 @@
 kept or dropped when its result comes back.
 
 `Speculator.draft` runs on each `Scheduler.schedule()` decision before its step is built
-(`LLMEngine.begin_step`). Each decode of a plain request (one sequence, no beam search, no
-grammar) asks the proposer (`scheduler_service.proposer`) for up to `num_speculative_tokens`
-drafts; the drafts ride in the step
+(`LLMEngine.begin_step`). Each decode of a request with one sequence (no beam search, no
+n > 1) asks the proposer (`scheduler_service.proposer`) for up to `num_speculative_tokens`
+drafts; under a grammar they are cut where it refuses one or where one would complete it
+(`SequenceGrammar.accepted_prefix`), and each draft row then samples under the mask after the
+drafts before it (`SequenceGrammar.row_masks`, `TokenMask.row`). The drafts ride in the step
 (`CachedSequence.draft_token_ids`), their K/V slots reserved from the free blocks. Drafts
 come last in the step's decisions, after every admission and preemption, and only out of the
 blocks and token budget left over: under pressure a sequence gets fewer drafts or none, and
@@ -57,15 +59,11 @@ class SpeculationStats:
 
 
 def speculates(seq_group: SequenceGroup) -> bool:
-    """Whether drafts may run for the group: one sequence sampling one token per step,
-    without a grammar (a mask covers one position)."""
+    """Whether drafts may run for the group: one sequence sampling one token per step (under
+    a grammar, the drafts it accepts, each row sampled under the mask after the drafts
+    before it)."""
     params = seq_group.sampling_params
-    return (
-        len(seq_group.seqs) == 1
-        and params.num_sampled == 1
-        and not params.use_beam_search
-        and seq_group.grammar is None
-    )
+    return len(seq_group.seqs) == 1 and params.num_sampled == 1 and not params.use_beam_search
 
 
 class Speculator:
@@ -149,6 +147,8 @@ class Speculator:
             if limit <= 0:
                 continue
             drafts = self.proposal(seq, limit)
+            if drafts and seq.grammar is not None:
+                drafts = seq.grammar.accepted_prefix(drafts)
             if not drafts or not bm.can_reserve_lookahead([seq], len(drafts)):
                 continue
             bm.reserve_lookahead(seq, len(drafts))

@@ -28,6 +28,8 @@ from scheduler_service.scheduler_outputs import SchedulerOutputs, WorkerEvents
 from scheduler_service.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
+# A constrained sequence that samples in a step: (sequence, its group, its chunk, its drafts).
+_MaskRow = tuple[Sequence, SequenceGroup, int, list[int]]
 
 
 class StepBuilder:
@@ -51,9 +53,9 @@ class StepBuilder:
         # Groups whose grammar failed to compile when their first mask was needed: the
         # engine aborts them before it processes the step (their samples are then ignored).
         self.grammar_failures: list[tuple[SequenceGroup, ApiError]] = []
-        # Per step id: its constrained rows (sequence, group, chunk), whose masks `masks`
-        # computes after the step is built (and sent).
-        self._mask_rows: dict[int, list[tuple[Sequence, SequenceGroup, int]]] = {}
+        # Per step id: its constrained sequences, whose masks `masks` computes after the step
+        # is built (and sent).
+        self._mask_rows: dict[int, list[_MaskRow]] = {}
 
     def add_events(self, events: WorkerEvents) -> None:
         """Output processing's forks and frees, for the next step; drafts the worker kept
@@ -88,17 +90,16 @@ class StepBuilder:
         self._defer_masks(step, self._add_sequences(step, sched_out))
         return step
 
-    def _defer_masks(
-        self, step: StepInput, rows: list[tuple[Sequence, SequenceGroup, int]]
-    ) -> None:
+    def _defer_masks(self, step: StepInput, rows: list[_MaskRow]) -> None:
         """Name the constrained rows whose masks follow the step (`masks`)."""
         if rows:
-            step.deferred_mask_seq_ids = [seq.seq_id for seq, _, _ in rows]
+            step.deferred_mask_seq_ids = [seq.seq_id for seq, *_ in rows]
             self._mask_rows[step.step_id] = rows
 
     def masks(self, step_id: int) -> tuple[list[TokenMask], float]:
         """The deferred masks of step `step_id` and the seconds they took: one per running row
-        (a row that finished meanwhile gets none: its sample is ignored). A row that got
+        (a row that finished meanwhile gets none: its sample is ignored), and one per draft
+        row after it for a sequence with drafts (`SequenceGrammar.row_masks`). A row that got
         forced tokens after its continuation step was built samples where the first of them
         already is: its mask allows that token alone, so the worker holds it for the next
         continuation's placeholder, and output processing ignores the sample.
@@ -109,12 +110,15 @@ class StepBuilder:
             return [], 0.0
         start = time.perf_counter()
         masks = []
-        for seq, group, chunk in rows:
+        for seq, group, chunk, drafts in rows:
             assert seq.grammar is not None
             if seq.status != _RUNNING:
                 continue
             sample_at = seq.num_computed_tokens + chunk
             try:
+                if drafts:
+                    masks.extend(seq.grammar.row_masks(seq.seq_id, drafts))
+                    continue
                 if sample_at < len(seq.token_ids):
                     masks.append(seq.grammar.only(seq.seq_id, seq.token_ids[sample_at]))
                     continue
@@ -144,7 +148,7 @@ class StepBuilder:
         bm = self.scheduler.block_manager
         tables = bm.block_tables
         views = self.views
-        constrained: list[tuple[Sequence, SequenceGroup, int]] = []
+        constrained: list[_MaskRow] = []
         for scheduled in cont.scheduled:
             for seq in scheduled.seq_group.seqs:
                 if seq.status != _RUNNING:
@@ -154,7 +158,7 @@ class StepBuilder:
                     # Its mask needs the token the step in flight samples: `masks` runs for
                     # this step once that result is processed (the row then samples at
                     # num_computed_tokens + chunk == len(token_ids)).
-                    constrained.append((seq, scheduled.seq_group, chunk))
+                    constrained.append((seq, scheduled.seq_group, chunk, []))
                 seq_id = seq.seq_id
                 view = views[seq_id]
                 known_tokens, known_blocks = view
@@ -209,9 +213,7 @@ class StepBuilder:
             elif views.pop(seq_id, None) is not None:
                 step.freed_seq_ids.append(seq_id)
 
-    def _add_sequences(
-        self, step: StepInput, sched_out: SchedulerOutputs
-    ) -> list[tuple[Sequence, SequenceGroup, int]]:
+    def _add_sequences(self, step: StepInput, sched_out: SchedulerOutputs) -> list[_MaskRow]:
         """A `NewSequence` for each scheduled sequence the worker does not hold, a
         `CachedSequence` (new tokens, table edits) for the others. Runs for every running
         sequence every step, hence the locals. Returns the constrained sequences that sample
@@ -223,7 +225,7 @@ class StepBuilder:
         views = self.views
         cached_seqs = step.cached_seqs
         drafts = sched_out.drafts
-        constrained: list[tuple[Sequence, SequenceGroup, int]] = []
+        constrained: list[_MaskRow] = []
         for scheduled in sched_out.scheduled:
             seq_group = scheduled.seq_group
             chunk = scheduled.token_chunk_size
@@ -231,7 +233,7 @@ class StepBuilder:
                 if seq.status != _RUNNING:
                     continue
                 if seq.grammar is not None and seq.num_computed_tokens + chunk == seq.get_len():
-                    constrained.append((seq, seq_group, chunk))
+                    constrained.append((seq, seq_group, chunk, drafts.get(seq.seq_id, [])))
                 seq_id = seq.seq_id
                 table = tables[seq_id]
                 tokens = seq.token_ids

@@ -80,7 +80,7 @@ class ModelRunner(SequenceStates):
             if take_masks is None:
                 raise StateError(f"step {step_id} defers masks, and nothing delivers them")
             masks, result.mask_wait_ns = take_masks()
-            self.token_masks.update((m.seq_id, m) for m in masks)
+            self.token_masks.update(((m.seq_id, m.row), m) for m in masks)
         result.outputs = self._sample(logits, inputs, self.model.argmax_logprobs)
         result.forward_ns = t1 - t0
         result.sample_ns = time.perf_counter_ns() - t1 - result.mask_wait_ns
@@ -245,7 +245,8 @@ class ModelRunner(SequenceStates):
                     s.state.seq_index,
                     tokens if len(tokens := s.state.token_ids) == p + 1 else tokens[: p + 1],
                     s.state.num_prompt_tokens,
-                    self.token_masks.get(s.state.seq_id),
+                    # Its row among the sequence's sampling rows (0 unless drafts follow).
+                    self.token_masks.get((s.state.seq_id, p - s.rows().start)),
                 )
                 for s, _, p in inputs.sample_items
             ]

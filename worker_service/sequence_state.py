@@ -89,14 +89,14 @@ class SequenceStates:
         self.states: dict[int, SequenceState] = {}
         # The current step's allowed tokens per constrained sequence (structured output), and
         # whether more follow the step (`StepInput.deferred_mask_seq_ids`).
-        self.token_masks: dict[int, TokenMask] = {}
+        self.token_masks: dict[tuple[int, int], TokenMask] = {}  # by (seq id, row)
         self.masks_deferred = False
 
     def apply_updates(self, step: StepInput) -> list[Scheduled]:
         """Steps 1-4 of the contract (free, fork, register, update); returns what to compute."""
         for seq_id in step.freed_seq_ids:
             self.states.pop(seq_id, None)
-        self.token_masks = {m.seq_id: m for m in step.token_masks}
+        self.token_masks = {(m.seq_id, m.row): m for m in step.token_masks}
         self.masks_deferred = bool(step.deferred_mask_seq_ids)
         for fork in step.forks:
             parent = self._state(fork.parent_seq_id)
@@ -133,7 +133,7 @@ class SequenceStates:
             state.block_ids.extend(cached.block_ids)
             drafts = cached.draft_token_ids
             if drafts:
-                self._check_drafts(state, cached.num_scheduled_tokens, len(drafts), step)
+                self._check_drafts(state, cached.num_scheduled_tokens, len(drafts))
                 state.token_ids.extend(drafts)
             if cached.num_scheduled_tokens:
                 scheduled.append(
@@ -152,11 +152,10 @@ class SequenceStates:
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
         return scheduled
 
-    def _check_drafts(
-        self, state: SequenceState, num_scheduled: int, num_drafts: int, step: StepInput
-    ) -> None:
+    @staticmethod
+    def _check_drafts(state: SequenceState, num_scheduled: int, num_drafts: int) -> None:
         """Drafts follow the one known token a sampling sequence computes, and never come with
-        a mask (it covers one position) or beam search (its candidates are not a sample)."""
+        beam search (its candidates are not a sample)."""
         seq_id = state.seq_id
         if state.num_computed + num_scheduled != len(state.token_ids) + num_drafts:
             raise StateError(
@@ -171,8 +170,6 @@ class SequenceStates:
             )
         if state.params.use_beam_search:
             raise StateError(f"seq {seq_id}: beam search cannot have drafts")
-        if seq_id in self.token_masks or seq_id in step.deferred_mask_seq_ids:
-            raise StateError(f"seq {seq_id}: a sequence with a token mask cannot have drafts")
 
     @staticmethod
     def keep_drafts(s: Scheduled, kept: int) -> None:

@@ -176,18 +176,20 @@ class StepMasks(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
 
 class TokenMask(_message.Message):
-    __slots__ = ("seq_id", "kind", "vocab_size", "token_ids", "bitmap")
+    __slots__ = ("seq_id", "kind", "vocab_size", "token_ids", "bitmap", "row")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BITMAP_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     kind: TokenMaskKind
     vocab_size: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     bitmap: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., kind: _Optional[_Union[TokenMaskKind, str]] = ..., vocab_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., bitmap: _Optional[bytes] = ...) -> None: ...
+    row: int
+    def __init__(self, seq_id: _Optional[int] = ..., kind: _Optional[_Union[TokenMaskKind, str]] = ..., vocab_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., bitmap: _Optional[bytes] = ..., row: _Optional[int] = ...) -> None: ...
 
 class SequenceOutputs(_message.Message):
     __slots__ = ("seq_ids", "num_samples", "sample_token_ids", "sample_logprobs", "sample_ranks", "num_top_logprobs", "top_token_ids", "top_logprobs", "top_ranks")

@@ -91,7 +91,12 @@ cached_seq = st.builds(
 )
 token_mask = st.one_of(
     st.builds(
-        TokenMask, st.integers(0, 2**63), st.sampled_from([MaskKind.ALLOW, MaskKind.DENY]), u32, ids
+        TokenMask,
+        st.integers(0, 2**63),
+        st.sampled_from([MaskKind.ALLOW, MaskKind.DENY]),
+        u32,
+        ids,
+        row=small,
     ),
     st.builds(
         TokenMask,
@@ -100,6 +105,7 @@ token_mask = st.one_of(
         u32,
         st.just([]),
         st.binary(max_size=64),
+        row=small,
     ),
 )
 step_input = st.builds(

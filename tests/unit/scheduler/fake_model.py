@@ -63,6 +63,8 @@ class FakeModel:
         self.num_placeholder_runs = 0
         self.num_masked_rows = 0
         self.num_drafts_kept = 0
+        # Token masks of rows after a draft (speculative decoding under a grammar).
+        self.num_masked_draft_rows = 0
         # Updates `after_drafts` computed (their step kept every draft) and skipped.
         self.num_after_drafts = 0
         self.num_skipped_after_drafts = 0
@@ -109,8 +111,9 @@ class FakeModel:
         self.num_steps += 1
         # In process, the engine puts a step's masks in it (`LLMEngine.attach_masks`).
         assert not step.deferred_mask_seq_ids, "an in-process step arrived with deferred masks"
-        masks = {m.seq_id: m for m in step.token_masks}
+        masks = {(m.seq_id, m.row): m for m in step.token_masks}
         self.num_masked_rows += len(masks)
+        self.num_masked_draft_rows += sum(m.row > 0 for m in step.token_masks)
         drafts: dict[int, int] = {}  # seq id -> how many draft tokens it computes
         for seq_id in step.freed_seq_ids:
             del self.seqs[seq_id]
@@ -159,7 +162,6 @@ class FakeModel:
             if upd.draft_token_ids:  # computed after the known tokens, settled below
                 assert upd.num_scheduled_tokens == 1 + len(upd.draft_token_ids)
                 assert st.num_computed + 1 == len(st.tokens), "drafts after a prefill chunk"
-                assert upd.seq_id not in masks, "drafts with a token mask"
                 st.tokens.extend(upd.draft_token_ids)
                 drafts[upd.seq_id] = len(upd.draft_token_ids)
             assert upd.block_offset <= len(st.table)
@@ -188,12 +190,14 @@ class FakeModel:
             st.num_computed += num
             assert st.num_computed <= len(st.tokens)
             if seq_id in drafts:
-                run = self._verify(seq_id, st, drafts[seq_id])
+                n = drafts[seq_id]
+                row_masks = [masks.pop((seq_id, row), None) for row in range(n + 1)]
+                run = self._verify(seq_id, st, n, row_masks)
                 st.last_sampled = run[-1].samples[0].token_id
                 st.drafts_cut = len(run) <= drafts[seq_id]
                 outputs.extend(run)
                 continue
-            out = self._outputs(seq_id, st, start, masks.pop(seq_id, None))
+            out = self._outputs(seq_id, st, start, masks.pop((seq_id, 0), None))
             samples = [] if out is None else out.samples
             st.last_sampled = samples[0].token_id if len(samples) == 1 else None
             if out is not None:
@@ -201,14 +205,21 @@ class FakeModel:
         assert not masks, f"token masks for sequences that do not sample: {sorted(masks)}"
         return StepResult(step.step_id, outputs)
 
-    def _verify(self, seq_id: int, st: _SeqState, num_drafts: int) -> list[SequenceOutput]:
+    def _verify(
+        self, seq_id: int, st: _SeqState, num_drafts: int, masks: list[TokenMask | None]
+    ) -> list[SequenceOutput]:
         """Sample at the last known token and at each draft (from the context read back from
-        the cache up to that position), keep drafts while they equal the samples."""
+        the cache up to that position, under that row's mask), keep drafts while they equal
+        the samples."""
         first_draft = len(st.tokens) - num_drafts
         run = []
         for i in range(num_drafts + 1):
             h = self._context_hash(st, first_draft + i)
-            sample = self._sample(h, st.seq_index)
+            mask = masks[i]
+            allowed = (
+                None if mask is None else [t for t in mask.allowed_ids() if t < self.vocab_size]
+            )
+            sample = self._sample(h, st.seq_index, allowed)
             top = self._top(h, st.params.logprobs) if st.params.logprobs else []
             run.append(SequenceOutput(seq_id, [sample], top))
             if i == num_drafts or sample.token_id != st.tokens[first_draft + i]:

@@ -7,6 +7,7 @@ nothing else) and the next continuation computes them all behind the placeholder
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 
@@ -16,8 +17,11 @@ from llmserve.grammar.spec import GrammarSpec
 from llmserve.steps import MaskKind
 from scheduler_service.continuation import PipelinedStepper
 from scheduler_service.offline import accumulate as _accumulate
+from scheduler_service.proposer import DraftProposer, DraftState
 from scheduler_service.request_output import RequestOutput
 from scheduler_service.sequence import SequenceStatus
+from scheduler_service.speculation import Speculator
+from tests.support.drafts import TokenList
 from tests.support.grammar import smollm2_tokenizer
 
 from .test_grammar import SCHEMA, assert_empty, assert_matches, make_engine, summary, workload
@@ -159,3 +163,64 @@ def test_a_step_is_held_while_its_grammar_forced_lately(tok, cache):
             # The forced prefix and the first 8 tokens after it ran synchronously.
             (choice,) = got[request_id].outputs
             assert stepper.num_continuations < len(choice.token_ids) - 8
+
+
+class ScriptProposer(DraftProposer):
+    """Drafts a request's known output (its run without drafts) from where the sequence
+    stands, every third draft position one token off: some drafts kept, some refused by
+    the grammar before they are sent, some sampled otherwise."""
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], vocab_size: int) -> None:
+        self.outputs = outputs
+        self.vocab_size = vocab_size
+
+    def new_state(self, tokens: Sequence[int]) -> TokenList:
+        return TokenList(tokens)
+
+    def propose(self, state: DraftState, max_tokens: int, assumed: Sequence[int] = ()) -> list[int]:
+        assert isinstance(state, TokenList)
+        tokens = [*state.tokens, *assumed]
+        for prompt, output in self.outputs.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                drafts = output[done : done + min(4, max_tokens)]
+                return [
+                    (t + 1) % self.vocab_size if (done + i) % 3 == 2 else t
+                    for i, t in enumerate(drafts)
+                ]
+        raise AssertionError("a sequence of an unknown prompt")
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("forced", [True, False])
+def test_drafts_under_a_grammar_change_no_output(tok, cache, pipelined, forced):
+    """Speculative decoding for constrained requests: drafts are cut where the grammar
+    refuses one (or where one would complete it), each draft row samples under the mask after
+    the drafts before it, forced tokens follow a kept run. The outputs equal those without
+    drafts, every one matches its grammar, and drafts were made and kept."""
+    requests = workload(tok, num=16)
+    expected, _ = run(make_engine(tok, cache, forced=forced), requests, tok.eos_token_id, False)
+    outputs = {
+        tuple(prompt): expected[request_id].outputs[0].token_ids
+        for request_id, prompt, params, _ in requests
+        if params.n == 1
+    }
+    engine = make_engine(tok, cache, forced=forced)
+    scheduler = engine.scheduler
+    config = dataclasses.replace(
+        scheduler.scheduler_config, num_speculative_tokens=4, speculative_max_batch=64
+    )
+    scheduler.speculator = Speculator(
+        config, scheduler.block_manager, ScriptProposer(outputs, len(tok))
+    )
+    got, _ = run(engine, requests, tok.eos_token_id, pipelined)
+    assert summary(got) == summary(expected)
+    assert_empty(engine)
+    for request_id, _, _, spec in requests:
+        for choice in got[request_id].outputs:
+            assert_matches(tok, spec, choice.token_ids)
+    stats = engine.get_stats()
+    assert stats.num_spec_draft_tokens > 10
+    assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
+    # Every draft row of a constrained sequence sampled under its own mask.
+    assert engine.executor.num_masked_draft_rows == stats.num_spec_draft_tokens

@@ -44,7 +44,6 @@ def test_a_run_of_right_then_wrong_drafts(tiny_llama: tuple[Path, Any]) -> None:
     ("case", "message"),
     [
         ("after_a_chunk", "drafts follow one known token"),
-        ("masked", "a sequence with a token mask cannot have drafts"),
         ("beam", "beam search cannot have drafts"),
         ("short", "must end the step's scheduled tokens"),
     ],
@@ -61,10 +60,33 @@ def test_drafts_the_contract_refuses(tiny_llama: tuple[Path, Any], case: str, me
     elif case == "short":
         scheduled = 2
     step = StepInput(1, cached_seqs=[CachedSequence(1, new, len(blocks), [], scheduled, [4, 6])])
-    if case == "masked":
-        step.token_masks = [TokenMask(1, MaskKind.ALLOW, 128, [4])]
     with pytest.raises(StateError, match=f"seq 1: .*{message}"):
         worker.execute(step)
+
+
+def test_each_draft_row_samples_under_its_own_mask(tiny_llama: tuple[Path, Any]) -> None:
+    """A constrained sequence's drafts: row i samples under the mask of row i (the grammar
+    after the drafts before it). Row 0's mask refuses a token it would not sample; row 2's
+    allows one token, not the greedy one, so the third draft is not kept and the run ends
+    with that token."""
+    path, hf = tiny_llama
+    greedy = hf_greedy(hf, PROMPT, 4)
+    worker = make_worker(path)
+    blocks = blocks_for(0, len(PROMPT) + 10)
+    worker.execute(StepInput(0, new_seqs=[new_seq(1, PROMPT, blocks)]))
+    other = (greedy[3] + 5) % 128
+    drafts = [greedy[1], greedy[2], greedy[3]]
+    step = StepInput(
+        1,
+        cached_seqs=[CachedSequence(1, [greedy[0]], len(blocks), [], 4, drafts)],
+        token_masks=[
+            TokenMask(1, MaskKind.DENY, 128, [(greedy[1] + 1) % 128], row=0),
+            TokenMask(1, MaskKind.ALLOW, 128, [other], row=2),
+        ],
+    )
+    out = worker.execute(step)
+    assert [o.samples[0].token_id for o in out.outputs] == [greedy[1], greedy[2], other]
+    assert worker.runner.states[1].token_ids == PROMPT + greedy[:3]
 
 
 @pytest.mark.parametrize("all_right", [True, False], ids=["kept", "cut"])
