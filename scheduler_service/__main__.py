@@ -20,7 +20,6 @@ from scheduler_service.admission import DEFAULT_MAX_WAITING_REQUESTS, SchedulerA
 from scheduler_service.config import (
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
-    DEFAULT_SPECULATIVE_MAX_BATCH,
     PreemptionMode,
     SchedulerConfig,
 )
@@ -96,9 +95,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--speculative-max-batch",
         type=int,
-        default=DEFAULT_SPECULATIVE_MAX_BATCH,
+        default=16,
         help="drafts are given while a step's sequences and drafts stay within this many "
-        "rows (past a few rows a CPU step is compute-bound and a draft row costs its share)",
+        "rows (the CPU worker's native decode step runs up to 16, 32 on GGUF blocks)",
     )
     p.add_argument(
         "--continue-after-drafts",

@@ -24,8 +24,6 @@ class PreemptionMode(Enum):
 # scheduler's --ngram-min / --ngram-max).
 DEFAULT_NGRAM_MIN = 2
 DEFAULT_NGRAM_MAX = 6
-# SchedulerConfig.speculative_max_batch's default (and --speculative-max-batch's).
-DEFAULT_SPECULATIVE_MAX_BATCH = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +72,8 @@ class SchedulerConfig:
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
     # Drafts are given while a step's sequences and drafts together stay within this many
-    # rows. A draft row pays while the step is bound by reading the weights; on the 2-core
-    # CPU with 8 drafts, a limit of 16 rows cost 4-10% of the tokens/s at 16 streams, 9 rows
-    # nothing beyond the run-to-run spread, and one stream with 8 drafts fits (bench/RESULTS.md).
-    speculative_max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
+    # rows (the native decode step's batch limit on a CPU: past it a step costs per row).
+    speculative_max_batch: int = 16
     # Asynchronous scheduling continues a step with drafts by assuming they are all kept
     # (scheduler_service/continuation.py). Off by default: on the 2-core CPU benchmark the
     # round trip it saves is CPU time the forward pass then loses, and the drafts of such a

@@ -12,8 +12,8 @@ come last in the step's decisions, after every admission and preemption, and onl
 blocks and token budget left over: under pressure a sequence gets fewer drafts or none, and
 nothing is ever preempted for them. A step's sequences and drafts stay within
 `speculative_max_batch` rows: a decode step is paid by the weights it reads while it is small
-(on a CPU a few rows, a GPU far more), and verifying more rows than that costs more than the
-drafts save.
+(the native step on a CPU up to its batch limit, a GPU far beyond), and verifying more rows
+than that costs more than the drafts save.
 
 The worker computes the drafts with the sequence's last token, samples at each position as
 a step without drafts would, and keeps the drafts while each equals the sample before it

@@ -75,7 +75,6 @@ def test_speculation_flags_flow_into_the_scheduler_config(monkeypatch, capsys):
     monkeypatch.delenv("LLMSERVE_NGRAM_MAX")
     config = build_fleet_config(parse_args([])).replica.scheduler  # the documented defaults
     assert (config.num_speculative_tokens, config.ngram_min, config.ngram_max) == (0, 2, 6)
-    assert config.speculative_max_batch == 9
     with pytest.raises(SystemExit):
         build_fleet_config(parse_args(["--ngram-min", "5", "--ngram-max", "3"]))
     assert "ngram_min: need 1 <= ngram_min <= ngram_max, got 5 and 3" in capsys.readouterr().err
