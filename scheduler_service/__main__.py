@@ -100,6 +100,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "rows (the CPU worker's native decode step runs up to 16, 32 on GGUF blocks)",
     )
     p.add_argument(
+        "--speculative-max-seqs",
+        type=int,
+        default=2,
+        help="drafts are given only to steps of at most this many sequences (on a CPU a step "
+        "of more is compute-bound: raise it for a GPU worker)",
+    )
+    p.add_argument(
         "--continue-after-drafts",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -212,6 +219,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
             ngram_min=args.ngram_min,
             ngram_max=args.ngram_max,
             speculative_max_batch=args.speculative_max_batch,
+            speculative_max_seqs=args.speculative_max_seqs,
             continue_after_drafts=args.continue_after_drafts,
         ),
         watermark=args.watermark,

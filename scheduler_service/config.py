@@ -74,6 +74,12 @@ class SchedulerConfig:
     # Drafts are given while a step's sequences and drafts together stay within this many
     # rows (the native decode step's batch limit on a CPU: past it a step costs per row).
     speculative_max_batch: int = 16
+    # Drafts are given only to steps of at most this many sequences. Past one or two, a CPU
+    # step is compute-bound and a draft row costs what a sequence's row costs: measured on
+    # the 2-core CPU at 16 streams with 8 drafts, drafting as streams finished cost 5-10% of
+    # the tokens/s, and nothing with this limit (bench/RESULTS.md). A GPU worker, bound by
+    # its weight reads far longer, can take many more.
+    speculative_max_seqs: int = 2
     # Asynchronous scheduling continues a step with drafts by assuming they are all kept
     # (scheduler_service/continuation.py). Off by default: on the 2-core CPU benchmark the
     # round trip it saves is CPU time the forward pass then loses, and the drafts of such a
@@ -99,6 +105,10 @@ class SchedulerConfig:
             raise ConfigError(
                 "ngram_min",
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}",
+            )
+        if self.speculative_max_seqs < 1:
+            raise ConfigError(
+                "speculative_max_seqs", f"must be at least 1, got {self.speculative_max_seqs}"
             )
         if self.speculative_max_batch < 1:
             raise ConfigError(

@@ -75,7 +75,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     speculator = scheduler.speculator
     model_len = config.model_len
     hold_window = config.forced_hold_tokens if config.enable_forced_tokens else 0
-    speculating = speculator.enabled and len(scheduler.running) < config.speculative_max_batch
+    speculating = speculator.enabled and len(scheduler.running) <= config.speculative_max_seqs
     groups: list[ScheduledGroup] = []
     seqs: list[Sequence] = []
     lookahead: list[int] = []  # per sequence: the slots it needs past its tokens
@@ -156,6 +156,8 @@ def _add_drafts(
         return
     config = scheduler.scheduler_config
     rows = len(seqs)
+    if rows > config.speculative_max_seqs:
+        return
     i = 0  # seqs[i]: the first running sequence of the group
     for scheduled in cont.scheduled:
         group = scheduled.seq_group

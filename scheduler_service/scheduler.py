@@ -260,8 +260,7 @@ class Scheduler(SchedulerQueues):
             if num_tokens > config.model_len:
                 self._ignore(
                     seq_group,
-                    f"prompt has {num_tokens} tokens, more than max_model_len "
-                    f"({config.model_len})",
+                    f"prompt has {num_tokens} tokens, more than max_model_len ({config.model_len})",
                     out,
                 )
                 continue

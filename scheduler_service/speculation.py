@@ -10,7 +10,8 @@ drafts before it (`SequenceGrammar.row_masks`, `TokenMask.row`). The drafts ride
 (`CachedSequence.draft_token_ids`), their K/V slots reserved from the free blocks. Drafts
 come last in the step's decisions, after every admission and preemption, and only out of the
 blocks and token budget left over: under pressure a sequence gets fewer drafts or none, and
-nothing is ever preempted for them. A step's sequences and drafts stay within
+nothing is ever preempted for them. Only steps of at most `speculative_max_seqs` sequences
+get drafts, and a step's sequences and drafts stay within
 `speculative_max_batch` rows: a decode step is paid by the weights it reads while it is small
 (the native step on a CPU up to its batch limit, a GPU far beyond), and verifying more rows
 than that costs more than the drafts save.
@@ -79,6 +80,7 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
+        self.max_seqs = config.speculative_max_seqs
         self.block_manager = block_manager
         self.proposer = proposer
         if proposer is None and self.k > 0:
@@ -116,7 +118,7 @@ class Speculator:
         if self.proposer is None:
             return  # speculation is off
         rows = sum(len(s.seq_group.seqs) for s in out.scheduled)  # at least one per sequence
-        if rows >= self.max_batch:
+        if rows >= self.max_batch or rows > self.max_seqs:
             return
         bm = self.block_manager
         model_len = self.config.model_len

@@ -92,7 +92,13 @@ def make_engine(
     options: dict[str, Any] = dict(gpu_blocks=128, cpu_blocks=64, batched_tokens=256)
     options.update(setup)
     engine = engine_on_worker(
-        worker, max_model_len=256, num_speculative_tokens=k, ngram_min=1, ngram_max=3, **options
+        worker,
+        max_model_len=256,
+        num_speculative_tokens=k,
+        ngram_min=1,
+        ngram_max=3,
+        speculative_max_seqs=16,  # drafts in batches too (the default is for a CPU: 2)
+        **options,
     )
     if proposer is not None:
         scheduler = engine.scheduler

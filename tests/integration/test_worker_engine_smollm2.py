@@ -128,7 +128,12 @@ def test_greedy_with_ngram_drafts(smol: Any, expected: list[list[int]]) -> None:
     prompt chunks beside drafts, and sequences preempted (recomputed) on a small cache."""
     worker, hf, prompts = smol
     engine = make_engine(
-        worker, gpu=24, budget=32, preemption=PreemptionMode.RECOMPUTE, num_speculative_tokens=5
+        worker,
+        gpu=24,
+        budget=32,
+        preemption=PreemptionMode.RECOMPUTE,
+        num_speculative_tokens=5,
+        speculative_max_seqs=16,  # drafts beside other sequences' rows too
     )
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
     outputs = engine.generate(prompts, params)

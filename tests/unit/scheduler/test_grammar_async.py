@@ -208,7 +208,10 @@ def test_drafts_under_a_grammar_change_no_output(tok, cache, pipelined, forced):
     engine = make_engine(tok, cache, forced=forced)
     scheduler = engine.scheduler
     config = dataclasses.replace(
-        scheduler.scheduler_config, num_speculative_tokens=4, speculative_max_batch=64
+        scheduler.scheduler_config,
+        num_speculative_tokens=4,
+        speculative_max_batch=64,
+        speculative_max_seqs=64,
     )
     scheduler.speculator = Speculator(
         config, scheduler.block_manager, ScriptProposer(outputs, len(tok))

@@ -76,6 +76,7 @@ def test_right_drafts_are_all_kept_in_fewer_steps(num_gpu_blocks: int, mode: str
         setup=with_oracle(wrong=False),
         num_speculative_tokens=K,
         speculative_max_batch=64,
+        speculative_max_seqs=64,
         continue_after_drafts=after_drafts,
     )
     assert spec == plain
@@ -105,6 +106,7 @@ def test_wrong_drafts_are_never_kept_and_change_nothing(num_gpu_blocks: int, mod
         setup=with_oracle(wrong=True),
         num_speculative_tokens=K,
         speculative_max_batch=64,
+        speculative_max_seqs=64,
         continue_after_drafts=after_drafts,
     )
     assert spec == plain
@@ -157,6 +159,7 @@ def test_continuations_chain_drafts_and_drop_the_ones_that_assumed_wrong(
         setup=setup,
         num_speculative_tokens=K,
         speculative_max_batch=64,
+        speculative_max_seqs=64,
         continue_after_drafts=True,
     )
     assert spec == plain
@@ -189,7 +192,12 @@ def test_drafts_keep_a_step_within_the_row_limit() -> None:
         model.execute = counting  # type: ignore[method-assign]
 
     spec, _, _ = drive(
-        400, False, setup=setup, num_speculative_tokens=K, speculative_max_batch=limit
+        400,
+        False,
+        setup=setup,
+        num_speculative_tokens=K,
+        speculative_max_batch=limit,
+        speculative_max_seqs=64,
     )
     assert spec == plain
     assert len(rows) > 5
@@ -206,6 +214,7 @@ def test_aborted_streams_are_prefixes_and_free_their_blocks() -> None:
         setup=with_oracle(wrong=False),
         num_speculative_tokens=K,
         speculative_max_batch=64,
+        speculative_max_seqs=64,
     )
     for request_id, choices in spec.items():
         for index, (tokens, reason) in choices.items():
@@ -243,7 +252,9 @@ class SpeculatingEngineMachine(EngineMachine):
     def __init__(self) -> None:
         super().__init__()
         scheduler = self.engine.scheduler
-        config = replace(scheduler.scheduler_config, num_speculative_tokens=K)
+        config = replace(
+            scheduler.scheduler_config, num_speculative_tokens=K, speculative_max_seqs=64
+        )
         model = self.engine.executor
         assert isinstance(model, FakeModel)
         scheduler.speculator = Speculator(config, scheduler.block_manager, MixedProposer(model))
@@ -262,7 +273,10 @@ class PipelinedSpeculatingEngineMachine(PipelinedEngineMachine):
         super().__init__()
         scheduler = self.engine.scheduler
         config = replace(
-            scheduler.scheduler_config, num_speculative_tokens=K, continue_after_drafts=True
+            scheduler.scheduler_config,
+            num_speculative_tokens=K,
+            continue_after_drafts=True,
+            speculative_max_seqs=64,
         )
         scheduler.scheduler_config = config
         model = self.engine.executor
