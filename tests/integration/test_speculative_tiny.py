@@ -8,7 +8,6 @@ probabilities computed with HF)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -17,9 +16,9 @@ import torch
 from llmserve.sampling_params import SamplingParams
 from scheduler_service import LLMEngine
 from scheduler_service.config import PreemptionMode
-from scheduler_service.proposer import DraftProposer, DraftState
+from scheduler_service.proposer import DraftProposer
 from scheduler_service.speculation import Speculator
-from tests.support.drafts import TokenList
+from tests.support.drafts import ScriptProposer
 from tests.support.engines import engine_on_worker
 from tests.support.models import load_hf, save_tiny_model
 from worker_service.config import WorkerConfig
@@ -60,28 +59,6 @@ def expected(tiny: Any) -> list[list[int]]:
             )[0, len(p) :].tolist()
             for p in PROMPTS
         ]
-
-
-class ScriptProposer(DraftProposer):
-    """Drafts the known outputs of each prompt from where the sequence stands (`wrong`: each
-    one token off, so none is kept)."""
-
-    def __init__(self, outputs: dict[tuple[int, ...], list[int]], wrong: bool = False) -> None:
-        self.outputs = outputs
-        self.wrong = wrong
-
-    def new_state(self, tokens: Sequence[int]) -> TokenList:
-        return TokenList(tokens)
-
-    def propose(self, state: DraftState, max_tokens: int, assumed: Sequence[int] = ()) -> list[int]:
-        assert isinstance(state, TokenList)
-        tokens = [*state.tokens, *assumed]
-        for prompt, output in self.outputs.items():
-            if tuple(tokens[: len(prompt)]) == prompt:
-                done = len(tokens) - len(prompt)
-                drafts = output[done : done + min(K, max_tokens)]
-                return [(t + 1) % 128 for t in drafts] if self.wrong else drafts
-        raise AssertionError("a sequence of an unknown prompt")
 
 
 def make_engine(
@@ -132,7 +109,11 @@ def test_greedy_with_drafts_matches_hf(
 ) -> None:
     worker, _ = tiny
     script = {tuple(p): e for p, e in zip(PROMPTS, expected, strict=True)}
-    proposer = None if drafts == "ngram" else ScriptProposer(script, wrong=drafts == "wrong")
+    proposer = (
+        None
+        if drafts == "ngram"
+        else ScriptProposer(script, K, 128, off=lambda _: drafts == "wrong")
+    )
     engine = make_engine(worker, proposer, **SETUPS[setup])
     outputs = engine.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -155,7 +136,7 @@ def test_right_drafts_take_fewer_steps(tiny: Any, expected: list[list[int]]) -> 
     script = {tuple(PROMPTS[0]): expected[0]}
     steps = {}
     for k in (0, K):
-        engine = make_engine(worker, ScriptProposer(script), k=k)
+        engine = make_engine(worker, ScriptProposer(script, K, 128), k=k)
         engine.add_request("r", PROMPTS[0], GREEDY)
         tokens: list[int] = []
         count = 0
@@ -183,7 +164,7 @@ def test_seeded_sampling_is_the_same_with_drafts(tiny: Any) -> None:
     plain = make_engine(worker, None, k=0)
     reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     script = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
-    for proposer in (ScriptProposer(script), None):  # right drafts, then n-gram ones
+    for proposer in (ScriptProposer(script, K, 128), None):  # right drafts, then n-gram ones
         engine = make_engine(worker, proposer)
         got = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
         assert got == reference
@@ -212,7 +193,7 @@ def test_sampling_with_drafts_draws_from_the_model(tiny: Any) -> None:
             for t3, p3 in top3(prompt + [t1, t2]).items():
                 expected[(t1, t2, t3)] = p1 * p2 * p3
     greedy = max(expected, key=lambda c: expected[c])
-    engine = make_engine(worker, ScriptProposer({tuple(prompt): list(greedy)}))
+    engine = make_engine(worker, ScriptProposer({tuple(prompt): list(greedy)}, K, 128))
     n = 600
     counts: dict[tuple[int, ...], int] = dict.fromkeys(expected, 0)
     for out in engine.generate([prompt] * n, params):

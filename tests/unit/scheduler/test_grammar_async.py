@@ -7,7 +7,6 @@ nothing else) and the next continuation computes them all behind the placeholder
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import pytest
 
@@ -17,11 +16,10 @@ from llmserve.grammar.spec import GrammarSpec
 from llmserve.steps import MaskKind
 from scheduler_service.continuation import PipelinedStepper
 from scheduler_service.offline import accumulate as _accumulate
-from scheduler_service.proposer import DraftProposer, DraftState
 from scheduler_service.request_output import RequestOutput
 from scheduler_service.sequence import SequenceStatus
 from scheduler_service.speculation import Speculator
-from tests.support.drafts import TokenList
+from tests.support.drafts import ScriptProposer
 from tests.support.grammar import smollm2_tokenizer
 
 from .test_grammar import SCHEMA, assert_empty, assert_matches, make_engine, summary, workload
@@ -165,32 +163,6 @@ def test_a_step_is_held_while_its_grammar_forced_lately(tok, cache):
             assert stepper.num_continuations < len(choice.token_ids) - 8
 
 
-class ScriptProposer(DraftProposer):
-    """Drafts a request's known output (its run without drafts) from where the sequence
-    stands, every third draft position one token off: some drafts kept, some refused by
-    the grammar before they are sent, some sampled otherwise."""
-
-    def __init__(self, outputs: dict[tuple[int, ...], list[int]], vocab_size: int) -> None:
-        self.outputs = outputs
-        self.vocab_size = vocab_size
-
-    def new_state(self, tokens: Sequence[int]) -> TokenList:
-        return TokenList(tokens)
-
-    def propose(self, state: DraftState, max_tokens: int, assumed: Sequence[int] = ()) -> list[int]:
-        assert isinstance(state, TokenList)
-        tokens = [*state.tokens, *assumed]
-        for prompt, output in self.outputs.items():
-            if tuple(tokens[: len(prompt)]) == prompt:
-                done = len(tokens) - len(prompt)
-                drafts = output[done : done + min(4, max_tokens)]
-                return [
-                    (t + 1) % self.vocab_size if (done + i) % 3 == 2 else t
-                    for i, t in enumerate(drafts)
-                ]
-        raise AssertionError("a sequence of an unknown prompt")
-
-
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("forced", [True, False])
 def test_drafts_under_a_grammar_change_no_output(tok, cache, pipelined, forced):
@@ -214,7 +186,11 @@ def test_drafts_under_a_grammar_change_no_output(tok, cache, pipelined, forced):
         speculative_max_seqs=64,
     )
     scheduler.speculator = Speculator(
-        config, scheduler.block_manager, ScriptProposer(outputs, len(tok))
+        config,
+        scheduler.block_manager,
+        # Every third draft position one token off: some drafts kept, some refused by the
+        # grammar before they are sent, some sampled otherwise.
+        ScriptProposer(outputs, 4, len(tok), off=lambda position: position % 3 == 2),
     )
     got, _ = run(engine, requests, tok.eos_token_id, pipelined)
     assert summary(got) == summary(expected)
