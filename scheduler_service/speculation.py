@@ -24,8 +24,9 @@ the usual stop checks, so a stop inside the run cuts it where a step-by-step run
 the blocks the kept tokens filled findable by the prefix cache. Rejected drafts never enter a
 sequence, its proposer state or the prefix cache.
 
-Asynchronous scheduling continues a step with drafts by assuming they are all kept, with
-drafts of its own past them (`scheduler_service.continuation`); a step without drafts is
+Asynchronous scheduling does not continue a step with drafts before its result, unless
+`continue_after_drafts` is on: then it assumes they are all kept and gives the next step
+drafts of its own past them (`scheduler_service.continuation`). A step without drafts is
 continued unless a sequence in it has a draft waiting (then the next step is built after
 the result, so it can carry drafts drawn from the real sample).
 """
