@@ -19,7 +19,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_common_flags(p, default_port=50051)
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible API, /health and /metrics (0 disables HTTP)")
-    p.add_argument("--scheduler", default="127.0.0.1:50071", help="scheduler host:port")
+    p.add_argument("--scheduler", default="127.0.0.1:50071",
+                   help="scheduler host:port; several comma-separated for scheduler shards "
+                   "(each owns its own workers): requests go to a shard by prompt prefix and "
+                   "load, and a lost shard's requests continue on the others")
     p.add_argument("--model", default="smollm2", help="model spec (for the tokenizer)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients use for the model (default: the model spec)")
@@ -62,13 +65,14 @@ def validate(args: argparse.Namespace) -> None:
     from llmserve.errors import ModelNotFoundError
     from llmserve.model_spec import resolve_model
     from llmserve.security import api_keys_from_args
-    from llmserve.service_main import check_security
+    from llmserve.service_main import check_security, shard_addresses
 
     check_security(args)
     api_keys_from_args(args)
     limits_from_args(args)  # each limit at least 1
     if args.max_pending_requests < 1:
         raise ValueError("--max-pending-requests: must be at least 1")
+    shard_addresses(args.scheduler)
     if args.metrics_port is not None and args.metrics_port == args.http_port:
         raise ValueError("--metrics-port: the HTTP port already serves /metrics")
     try:

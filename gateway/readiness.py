@@ -1,4 +1,4 @@
-"""Whether the gateway can serve: its scheduler is connected and has a ready worker.
+"""Whether the gateway can serve: a scheduler (shard) is connected and has a ready worker.
 
 The scheduler reports SERVING on grpc.health.v1 only while at least one worker replica is
 ready, so the gateway watches that status (a Health.Watch stream, re-opened when it breaks)
@@ -77,6 +77,11 @@ class SchedulerReadiness:
     def ready(self) -> bool:
         return self.not_ready_reason() is None
 
+    @property
+    def scheduler_serving(self) -> bool:
+        """The scheduler's last health status: SERVING (it has a ready worker)."""
+        return self._scheduler_serving
+
     async def _run(self) -> None:
         request = health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
         while True:
@@ -102,3 +107,33 @@ class SchedulerReadiness:
         )
         if stats.max_model_len:
             self._on_max_model_len(stats.max_model_len)
+
+
+class ShardsReadiness:
+    """The gateway's readiness over its scheduler shards: ready while any one of them is (the
+    client places requests on the shards that are)."""
+
+    def __init__(self, shards: list[SchedulerReadiness]) -> None:
+        self.shards = {shard.address: shard for shard in shards}
+
+    def start(self) -> None:
+        for shard in self.shards.values():
+            shard.start()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(shard.close() for shard in self.shards.values()))
+
+    def drain(self) -> None:
+        for shard in self.shards.values():
+            shard.drain()
+
+    def serving(self, address: str) -> bool:
+        return self.shards[address].scheduler_serving
+
+    def not_ready_reason(self) -> str | None:
+        reasons = {address: s.not_ready_reason() for address, s in self.shards.items()}
+        if None in reasons.values():
+            return None
+        if len(reasons) == 1:
+            return next(iter(reasons.values()))
+        return "; ".join(f"{address}: {reason}" for address, reason in reasons.items())

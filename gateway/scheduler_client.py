@@ -1,24 +1,29 @@
-"""The gateway's one long-lived Connect stream to the scheduler, multiplexing many requests.
+"""The gateway's long-lived Connect streams to the scheduler shards, multiplexing many requests.
 
-`submit()` sends AddRequest and yields that request's SchedulerMessages until it finishes;
-closing the iterator early (client cancel, stop string) sends Abort.
+`submit()` sends AddRequest on one shard's stream and yields that request's SchedulerMessages
+until it finishes; closing the iterator early (client cancel, stop string) sends Abort. With
+one scheduler (the usual case) there is one shard; `--scheduler A,B,...` names several, each a
+scheduler that owns its own workers (see `SchedulerClient` for how requests are placed).
 
-The stream breaking does not fail the requests in flight. The client keeps, per request, its
-AddRequest and everything the scheduler sent for it; it reconnects in the background and sends
-every unfinished request again, with a Continuation holding the tokens already received when
-its choices stream, so the restarted scheduler sends only what is new and the consumers simply
-go on. A request that waits longer than `reconnect_timeout_s` for a scheduler fails UNAVAILABLE.
+A stream breaking does not fail the requests in flight. The client keeps, per request, its
+AddRequest and everything the scheduler sent for it (`inflight.InFlight`), and sends every
+unfinished request of the lost stream again, with a Continuation holding the tokens already
+received when its choices stream: to another connected shard at once, or else to the first
+shard that connects (a restarted scheduler). The scheduler that takes it sends only what is
+new, and the consumers simply go on. A request that waits longer than `reconnect_timeout_s`
+for a scheduler fails UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.inflight import Inbox, InFlight, unbatched
+from gateway.shard_routing import pick_shard, prefix_key
 from llmserve import security
 from llmserve.errors import (
     AlreadyExistsError,
@@ -45,85 +50,61 @@ _CHANNEL_BACKOFF = [
 ]
 DEFAULT_RECONNECT_TIMEOUT_S = 60.0
 
-_Inbox = asyncio.Queue[scheduler_pb2.SchedulerMessage]
 _Outbox = asyncio.Queue[scheduler_pb2.GatewayMessage | None]
 
 
-@dataclass(slots=True, eq=False)
-class _InFlight:
-    """A submitted request as this gateway knows it: enough to send it again."""
+@dataclass(eq=False, slots=True)
+class _Shard:
+    """One scheduler shard and this gateway's Connect stream to it."""
 
-    add: scheduler_pb2.AddRequest
-    inbox: _Inbox
-    # Choices stream as they grow (no best_of > n, no beam search), so a re-submission can
-    # continue them; the others restart from the prompt (their seed makes that reproduce).
-    streams_choices: bool
-    # Everything received so far, per choice index.
-    choices: dict[int, scheduler_pb2.ContinuedChoice] = field(default_factory=dict)
-    prompt_logprobs_received: bool = False
-    # Its last message (finished output or error) was received: never sent again.
-    done: bool = False
-    # While it waits for a scheduler: fails it when the wait exceeds the timeout.
-    expiry: asyncio.TimerHandle | None = None
-
-    def record(self, output: scheduler_pb2.RequestOutput) -> None:
-        if output.prompt_logprobs:
-            self.prompt_logprobs_received = True
-        self.done = output.finished
-        if not self.streams_choices:
-            return  # choices arrive only with the last message
-        for delta in output.choices:
-            choice = self.choices.get(delta.index)
-            if choice is None:
-                choice = self.choices[delta.index] = scheduler_pb2.ContinuedChoice(
-                    index=delta.index
-                )
-            choice.token_ids.extend(delta.token_ids)
-            choice.logprobs.extend(delta.logprobs)
-            choice.cumulative_logprob = delta.cumulative_logprob
-            if delta.finish_reason:
-                choice.finish_reason = delta.finish_reason
-            if delta.HasField("stop_token_id"):
-                choice.stop_token_id = delta.stop_token_id
-
-    def resubmission(self) -> scheduler_pb2.AddRequest:
-        add = scheduler_pb2.AddRequest()
-        add.CopyFrom(self.add)
-        if self.choices:
-            add.continuation.choices.extend(self.choices[i] for i in sorted(self.choices))
-        return add
-
-    def stop_waiting(self) -> None:
-        if self.expiry is not None:
-            self.expiry.cancel()
-            self.expiry = None
+    address: str
+    channel: grpc.aio.Channel
+    stub: scheduler_pb2_grpc.SchedulerStub
+    # The live stream's outgoing queue; None while there is no stream.
+    outbox: _Outbox | None = None
+    ever_connected: bool = False
+    task: asyncio.Task[None] | None = None
+    # Unfinished requests whose messages come from this shard's stream.
+    requests: set[str] = field(default_factory=set)
 
 
 class SchedulerClient:
-    """Owns the Connect stream; safe to use from many concurrent request handlers."""
+    """Owns the Connect streams (one per scheduler shard); safe to use from many concurrent
+    request handlers.
+
+    With several shards, a new request goes to a connected shard chosen by
+    `shard_routing.pick_shard` (its prompt's prefix, bounded by load), preferring shards that
+    `is_serving` says have a ready worker. When a shard's stream breaks, its unfinished
+    requests are re-submitted at once, as continuations, to the other connected shards; with
+    none connected they wait, up to `reconnect_timeout_s`, for the first shard that connects."""
 
     def __init__(
         self,
-        address: str,
+        addresses: str | Sequence[str],
         max_message_bytes: int,
         reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
     ) -> None:
-        self.address = address
+        if isinstance(addresses, str):
+            addresses = [addresses]
+        if not addresses or len(set(addresses)) != len(addresses):
+            raise ValueError(f"scheduler addresses must be distinct and given: {addresses!r}")
+        self.address = ",".join(addresses)
         self.reconnect_timeout_s = reconnect_timeout_s
-        self._channel = security.aio_channel(
-            address, options=[*channel_options(max_message_bytes), *_CHANNEL_BACKOFF]
-        )
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        # The live stream's outgoing queue; None while there is no stream.
-        self._outbox: _Outbox | None = None
-        self._requests: dict[str, _InFlight] = {}
+        options = [*channel_options(max_message_bytes), *_CHANNEL_BACKOFF]
+        self._shards: dict[str, _Shard] = {}
+        for address in addresses:
+            channel = security.aio_channel(address, options=options)
+            self._shards[address] = _Shard(
+                address, channel, scheduler_pb2_grpc.SchedulerStub(channel)
+            )
+        # Whether a shard has a ready worker (the gateway's readiness watch sets this).
+        self.is_serving: Callable[[str], bool] = lambda address: True
+        self._requests: dict[str, InFlight] = {}
         self._connected = asyncio.Event()
-        self._ever_connected = False
-        self._task: asyncio.Task[None] | None = None
 
     @property
-    def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
-        return self._stub
+    def addresses(self) -> list[str]:
+        return list(self._shards)
 
     @property
     def num_requests(self) -> int:
@@ -132,41 +113,51 @@ class SchedulerClient:
 
     @property
     def connected(self) -> bool:
+        """Whether the stream to at least one shard is up."""
         return self._connected.is_set()
 
+    def shard_connected(self, address: str) -> bool:
+        return self._shards[address].outbox is not None
+
+    def shard_load(self, address: str) -> int:
+        """Unfinished requests on the shard (those waiting for any shard are on none)."""
+        return len(self._shards[address].requests)
+
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="scheduler-stream")
+        for shard in self._shards.values():
+            shard.task = asyncio.create_task(self._run(shard), name=f"scheduler-{shard.address}")
 
     async def wait_connected(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._connected.wait(), timeout_s)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        tasks = [s.task for s in self._shards.values() if s.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for request in self._requests.values():
             request.stop_waiting()
-        await self._channel.close()
+        for shard in self._shards.values():
+            await shard.channel.close()
 
-    # -- the stream ----------------------------------------------------------------------------
+    # -- the streams ---------------------------------------------------------------------------
 
     @staticmethod
     async def _outgoing(outbox: _Outbox) -> AsyncIterator[scheduler_pb2.GatewayMessage]:
         while (message := await outbox.get()) is not None:
             yield message
 
-    async def _run(self) -> None:
+    async def _run(self, shard: _Shard) -> None:
         attempt = 0
         while True:
             outbox: _Outbox = asyncio.Queue()
             try:
-                await self._channel.channel_ready()
-                call = self._stub.Connect(self._outgoing(outbox))
-                self._on_connected(outbox, attempt)
+                await shard.channel.channel_ready()
+                call = shard.stub.Connect(self._outgoing(outbox))
+                self._on_connected(shard, outbox, attempt)
                 attempt = 0
                 async for message in call:
-                    self._dispatch(message)
+                    self._dispatch(shard, message)
                 raise grpc.aio.AioRpcError(
                     grpc.StatusCode.UNAVAILABLE,
                     grpc.aio.Metadata(),
@@ -176,15 +167,15 @@ class SchedulerClient:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
-                was_connected = self._connected.is_set()
-                self._on_disconnected(outbox)
+                was_connected = shard.outbox is outbox
+                self._on_disconnected(shard, outbox)
                 delay = _RECONNECT_DELAYS_S[min(attempt, len(_RECONNECT_DELAYS_S) - 1)]
                 attempt += 1
                 log.warning(
                     "scheduler stream lost, reconnecting"
                     if was_connected
                     else "scheduler unavailable, retrying",
-                    address=self.address,
+                    address=shard.address,
                     retry_in_s=delay,
                     code=exc.code().name,
                     details=exc.details(),
@@ -192,46 +183,80 @@ class SchedulerClient:
                 )
                 await asyncio.sleep(delay)
 
-    def _on_connected(self, outbox: _Outbox, attempt: int) -> None:
-        """Adopt a new stream and send every unfinished request on it."""
-        self._outbox = outbox
+    def _on_connected(self, shard: _Shard, outbox: _Outbox, attempt: int) -> None:
+        """Adopt a new stream and send it every unfinished request that waits for a shard."""
+        shard.outbox = outbox
         self._connected.set()
         resent = continued = 0
         for request in self._requests.values():
-            if request.done:
+            if request.done or request.shard is not None:
                 continue
-            request.stop_waiting()
-            add = request.resubmission()
-            outbox.put_nowait(scheduler_pb2.GatewayMessage(add=add))
+            continued += self._send(request, shard)
             resent += 1
-            continued += add.HasField("continuation")
-        if self._ever_connected:
+        if shard.ever_connected:
             log.info(
                 "reconnected to scheduler",
-                address=self.address,
+                address=shard.address,
                 attempts=attempt + 1,
                 resubmitted=resent,
                 continued=continued,
             )
         else:
-            log.info("connected to scheduler", address=self.address)
-        self._ever_connected = True
+            log.info("connected to scheduler", address=shard.address, resubmitted=resent)
+        shard.ever_connected = True
 
-    def _on_disconnected(self, outbox: _Outbox) -> None:
-        """Keep every request; each waits for the next stream, up to the timeout."""
-        self._connected.clear()
-        self._outbox = None
+    def _on_disconnected(self, shard: _Shard, outbox: _Outbox) -> None:
+        """Move the shard's requests to another connected shard; with none, each waits for the
+        next stream, up to the timeout."""
+        shard.outbox = None
         outbox.put_nowait(None)  # ends the dead call's request iterator
-        for request in self._requests.values():
-            if not request.done and request.expiry is None:
+        if not any(s.outbox is not None for s in self._shards.values()):
+            self._connected.clear()
+        moved = 0
+        for request_id in list(shard.requests):
+            request = self._requests[request_id]
+            self._release(request)
+            target = self._choose(request.add.prompt_token_ids)
+            if target is None:
                 self._wait_for_scheduler(request)
+            else:
+                self._send(request, target)
+                moved += 1
+        if moved:
+            log.info("requests moved to other shards", address=shard.address, moved=moved)
 
-    def _wait_for_scheduler(self, request: _InFlight) -> None:
-        request.expiry = asyncio.get_running_loop().call_later(
-            self.reconnect_timeout_s, self._expire, request
+    def _choose(self, prompt_token_ids: Sequence[int]) -> _Shard | None:
+        """The connected shard for a request (serving ones first); None if none is connected."""
+        connected = [s for s in self._shards.values() if s.outbox is not None]
+        candidates = [s for s in connected if self.is_serving(s.address)] or connected
+        address = pick_shard(
+            prefix_key(prompt_token_ids), {s.address: len(s.requests) for s in candidates}
         )
+        return None if address is None else self._shards[address]
 
-    def _expire(self, request: _InFlight) -> None:
+    def _send(self, request: InFlight, shard: _Shard) -> bool:
+        """Send the request (again, with what it has received) on `shard`'s stream; returns
+        whether it went as a continuation."""
+        assert shard.outbox is not None
+        request.stop_waiting()
+        request.shard = shard.address
+        shard.requests.add(request.add.request_id)
+        add = request.resubmission()
+        shard.outbox.put_nowait(scheduler_pb2.GatewayMessage(add=add))
+        return add.HasField("continuation")
+
+    def _release(self, request: InFlight) -> None:
+        if request.shard is not None:
+            self._shards[request.shard].requests.discard(request.add.request_id)
+            request.shard = None
+
+    def _wait_for_scheduler(self, request: InFlight) -> None:
+        if request.expiry is None:
+            request.expiry = asyncio.get_running_loop().call_later(
+                self.reconnect_timeout_s, self._expire, request
+            )
+
+    def _expire(self, request: InFlight) -> None:
         request.expiry = None
         if request.done:
             return
@@ -241,24 +266,31 @@ class SchedulerClient:
                 error=scheduler_pb2.RequestError(
                     request_id=request.add.request_id,
                     code=grpc.StatusCode.UNAVAILABLE.value[0],
-                    message=f"the scheduler at {self.address} did not come back within "
+                    message=self._none_of("did not come back", "came back") + " within "
                     f"{self.reconnect_timeout_s:g} s (--scheduler-reconnect-timeout-s)",
                 )
             )
         )
 
+    def _none_of(self, one: str, several: str) -> str:
+        """A sentence saying no scheduler does something, for one shard or several."""
+        if len(self._shards) == 1:
+            return f"the scheduler at {self.address} {one}"
+        return f"no scheduler shard of {self.address} {several}"
+
     def _num_unfinished(self) -> int:
         return sum(not r.done for r in self._requests.values())
 
-    def _dispatch(self, received: scheduler_pb2.SchedulerMessage) -> None:
+    def _dispatch(self, shard: _Shard, received: scheduler_pb2.SchedulerMessage) -> None:
         for message in unbatched(received):
-            self._dispatch_one(message)
+            self._dispatch_one(shard, message)
 
-    def _dispatch_one(self, message: scheduler_pb2.SchedulerMessage) -> None:
+    def _dispatch_one(self, shard: _Shard, message: scheduler_pb2.SchedulerMessage) -> None:
         kind = message.WhichOneof("kind")
         request_id = message.output.request_id if kind == "output" else message.error.request_id
         request = self._requests.get(request_id)
-        if request is None or request.done:
+        # A message of a request that has moved to another shard is stale.
+        if request is None or request.done or request.shard != shard.address:
             return
         if kind == "output":
             output = message.output
@@ -267,6 +299,8 @@ class SchedulerClient:
             request.record(output)
         else:
             request.done = True
+        if request.done:
+            self._release(request)
         request.inbox.put_nowait(message)
 
     # -- requests ------------------------------------------------------------------------------
@@ -290,11 +324,11 @@ class SchedulerClient:
         tokens when `decode_special_tokens`). With a `grammar` (checked by the caller) every
         choice's output matches it; a re-submission after a scheduler restart carries it too.
 
-        While the scheduler is away (it was reached before), the request waits for it.
+        While no scheduler is connected (one was reached before), the request waits for one.
         With `timeout_s`, the scheduler is told the time left and the request fails with
         DeadlineExceededError (here or there, whichever notices first) when it runs out."""
-        if not self._ever_connected:
-            raise UnavailableError(f"scheduler at {self.address} is not reachable")
+        if not any(s.ever_connected for s in self._shards.values()):
+            raise UnavailableError(self._none_of("is not reachable", "is reachable"))
         if request_id in self._requests:
             raise AlreadyExistsError(f"request_id: {request_id!r} is already running", "request_id")
         add = scheduler_pb2.AddRequest(
@@ -314,10 +348,11 @@ class SchedulerClient:
         if timeout_s is not None:
             add.timeout_ms = max(1, min(int(timeout_s * 1000), 2**32 - 1))
             deadline = asyncio.get_running_loop().time() + timeout_s
-        request = _InFlight(add, asyncio.Queue(), params.streams_choices)
+        request = InFlight(add, asyncio.Queue(), params.streams_choices)
         self._requests[request_id] = request
-        if self._outbox is not None:
-            self._outbox.put_nowait(scheduler_pb2.GatewayMessage(add=add))
+        shard = self._choose(prompt_token_ids)
+        if shard is not None:
+            self._send(request, shard)
         else:
             self._wait_for_scheduler(request)
         try:
@@ -332,10 +367,13 @@ class SchedulerClient:
         finally:
             del self._requests[request_id]
             request.stop_waiting()
-            # Not finished (client gone, stop strings): stop it. Without a stream there is
-            # nothing to stop: leaving the in-flight set keeps it from being sent again.
-            if not request.done and self._outbox is not None:
-                self._outbox.put_nowait(
+            # Not finished (client gone, stop strings): stop it where it runs. Without a
+            # stream there is nothing to stop: leaving the in-flight set keeps it from being
+            # sent again.
+            outbox = None if request.shard is None else self._shards[request.shard].outbox
+            self._release(request)
+            if not request.done and outbox is not None:
+                outbox.put_nowait(
                     scheduler_pb2.GatewayMessage(
                         abort=scheduler_pb2.AbortRequest(request_id=request_id)
                     )
@@ -343,7 +381,7 @@ class SchedulerClient:
 
 
 async def _next(
-    inbox: _Inbox, deadline: float | None, timeout_s: float | None
+    inbox: Inbox, deadline: float | None, timeout_s: float | None
 ) -> scheduler_pb2.SchedulerMessage:
     if deadline is None:
         return await inbox.get()
@@ -354,10 +392,3 @@ async def _next(
         raise DeadlineExceededError(
             f"the request did not finish within its time limit of {timeout_s:g} s"
         ) from None
-
-
-def unbatched(message: scheduler_pb2.SchedulerMessage) -> list[scheduler_pb2.SchedulerMessage]:
-    """The outputs and errors a message read from a Connect stream carries, in order."""
-    if message.WhichOneof("kind") == "batch":
-        return list(message.batch.messages)
-    return [message]

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grpc_health.v1.health import HealthServicer
 
-from gateway.admission import SCHEDULER_REQUESTS, Admission
-from gateway.readiness import SchedulerReadiness
+from gateway.admission import SCHEDULER_REQUESTS, SHARD_REQUESTS, Admission
+from gateway.readiness import SchedulerReadiness, ShardsReadiness
 from llmserve import security
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.limits import RequestLimits
 from llmserve.logs import get_logger
 from llmserve.model_spec import resolve_model
 from llmserve.security import AuthInterceptor, KeySet
-from llmserve.service_main import serve_until_signal
+from llmserve.service_main import serve_until_signal, shard_addresses
 from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
@@ -29,6 +30,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: int = 8000
+    # One scheduler's host:port, or several shards' separated by commas.
     scheduler_address: str = "127.0.0.1:50071"
     model: str = "smollm2"
     served_model_name: str = "smollm2"
@@ -49,6 +51,11 @@ class GatewayConfig:
     # --tool-call-parser: a format of gateway/tool_formats/, or "auto" (read off the template).
     tool_call_parser: str = "auto"
 
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        """The scheduler shards (one address when the scheduler is not sharded)."""
+        return shard_addresses(self.scheduler_address)
+
 
 async def serve(config: GatewayConfig) -> None:
     from gateway.generation import GenerationCore
@@ -61,12 +68,17 @@ async def serve(config: GatewayConfig) -> None:
         Tokenization.for_model, source, config.chat_template, config.tool_call_parser
     )
     log.info("tool calls", format=tokenization.tool_format.name)
+    shards = config.scheduler_addresses
     scheduler = SchedulerClient(
-        config.scheduler_address, config.max_message_bytes, config.scheduler_reconnect_timeout_s
+        shards, config.max_message_bytes, config.scheduler_reconnect_timeout_s
     )
     scheduler.start()
     admission = Admission(config.max_pending_requests)
     SCHEDULER_REQUESTS.set_function(lambda: scheduler.num_requests)
+    for address in shards:
+        SHARD_REQUESTS.labels(address).set_function(
+            functools.partial(scheduler.shard_load, address)
+        )
     core = GenerationCore(config.served_model_name, tokenization, scheduler,
                           limits=config.limits, admission=admission,
                           request_timeout_s=config.request_timeout_s)
@@ -76,9 +88,15 @@ async def serve(config: GatewayConfig) -> None:
             log.info("max_model_len from the scheduler", max_model_len=max_model_len)
         core.max_model_len = max_model_len
 
-    readiness = SchedulerReadiness(
-        config.scheduler_address, lambda: scheduler.connected, on_max_model_len=learned
-    )
+    readiness = ShardsReadiness([
+        SchedulerReadiness(
+            address,
+            functools.partial(scheduler.shard_connected, address),
+            on_max_model_len=learned,
+        )
+        for address in shards
+    ])
+    scheduler.is_serving = readiness.serving
     readiness.start()
 
     auth = [AuthInterceptor(config.api_keys, [SERVICE_NAME])] if len(config.api_keys) else []
@@ -109,7 +127,7 @@ async def serve(config: GatewayConfig) -> None:
 
     log.info("gateway listening", grpc=address, http_port=config.http_port,
              model=config.served_model_name,
-             scheduler=config.scheduler_address)
+             scheduler=config.scheduler_address, shards=len(shards))
 
     async def on_stop() -> None:
         # Draining: probes see NOT_SERVING / 503 at once, so traffic stops coming here; new

@@ -27,7 +27,9 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
         "--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)"
     )
     parser.add_argument(
-        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest gRPC message accepted or sent",
     )
     parser.add_argument(
@@ -35,8 +37,12 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
         default="INFO",
         help="DEBUG, INFO, WARNING or ERROR",
     )
-    parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
-                        help="JSON log lines (default: when stderr is not a terminal)")
+    parser.add_argument(
+        "--log-json",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="JSON log lines (default: when stderr is not a terminal)",
+    )
     add_security_flags(parser)
 
 
@@ -46,8 +52,9 @@ def start_service(service: str, args: argparse.Namespace) -> None:
     configure_logging(service, args.log_level, args.log_json)
     security = security_from_args(args)
     install(security)
-    log.info("security", tls=security.tls is not None,
-             internal_token=bool(security.internal_tokens))
+    log.info(
+        "security", tls=security.tls is not None, internal_token=bool(security.internal_tokens)
+    )
     setup_tracing(f"llmserve-{service}")
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host)
@@ -91,3 +98,12 @@ async def serve_until_signal(
         await on_stop()
     await server.stop(grace=3)
     shutdown_tracing()
+
+
+def shard_addresses(text: str) -> list[str]:
+    """The scheduler shards a `--scheduler` value names: distinct host:port addresses,
+    comma-separated (one for an unsharded scheduler)."""
+    shards = [a.strip() for a in text.split(",")]
+    if not all(shards) or len(set(shards)) != len(shards):
+        raise ValueError(f"--scheduler: distinct host:port addresses, comma-separated: {text!r}")
+    return shards

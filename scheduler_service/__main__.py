@@ -200,7 +200,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from scheduler_service.fleet import FleetConfig
+    from scheduler_service.fleet_config import FleetConfig
     from scheduler_service.replica import ReplicaConfig
     from scheduler_service.routing import RoutingPolicy
 

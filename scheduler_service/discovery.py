@@ -1,5 +1,6 @@
-"""Finding workers: DNS names that list them, whether an address still answers, and the
-refusal of a drained worker that registers again while it still runs."""
+"""Finding workers: DNS names that list them, whether an address still answers, the refusal
+of a drained worker that registers again while it still runs, and the workers another
+scheduler shard drives."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from llmserve.errors import FailedPreconditionError
 from llmserve.logs import get_logger
 
 log = get_logger(__name__)
+
+# A worker another scheduler drove is tried again by DNS and static sources after this long.
+HELD_RETRY_S = 5.0
 
 
 async def resolve_workers(name: str) -> set[str]:
@@ -49,3 +53,26 @@ class DrainedError(FailedPreconditionError):
             "(after it stops answering health checks)",
             "address",
         )
+
+
+class HeldElsewhere:
+    """Workers another scheduler (shard) drove when this one last tried to connect, and when:
+    a source other than the worker's own lease tries one again `retry_s` later."""
+
+    def __init__(self, retry_s: float = HELD_RETRY_S) -> None:
+        self.retry_s = retry_s
+        self.since: dict[str, float] = {}
+
+    def mark(self, address: str, now: float) -> None:
+        self.since[address] = now
+
+    def forget(self, address: str) -> None:
+        self.since.pop(address, None)
+
+    def may_try(self, address: str, now: float) -> bool:
+        """Whether `address` may be added now (and, if it was held, forget that)."""
+        held_at = self.since.get(address)
+        if held_at is not None and now - held_at < self.retry_s:
+            return False
+        self.forget(address)
+        return True

@@ -17,6 +17,11 @@ Migration. Requests leaving a replica (its worker lost, drained, removed, or a f
 are placed again elsewhere with every token generated so far: they continue by recompute, and
 clients see a pause, never an error or a different token.
 
+Shards. With several schedulers (shards) sharing the workers, a worker is driven by one of
+them at a time (it takes one Execute stream). A replica whose worker another scheduler drives
+leaves the fleet (`on_held_elsewhere`); a lease renewal adds it again at once (the worker chose
+this shard), the other sources some seconds later, so a lost shard's workers are taken over.
+
 Drain (`DrainWorker`, or the worker's health turning NOT_SERVING): the replica takes nothing
 new and moves its requests per `Replica.drain`'s policy. Once empty it closes the worker's
 stream and leaves the fleet; its address stays `drained` (no source re-adds it) until the
@@ -30,23 +35,17 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from llmserve.errors import (
-    ApiError,
-    FieldError,
-    InternalError,
-    NotFoundError,
-    UnavailableError,
-)
+from llmserve.errors import FieldError, InternalError, NotFoundError, UnavailableError
 from llmserve.logs import get_logger
 from scheduler_service import metrics
-from scheduler_service.discovery import DrainedError, answers_health, resolve_workers
+from scheduler_service.discovery import DrainedError, HeldElsewhere, answers_health, resolve_workers
+from scheduler_service.fleet_config import FleetConfig, FleetOwner
 from scheduler_service.migration import GroupSnapshot
-from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState, WorkerLostError
+from scheduler_service.replica import Replica, ReplicaState, WorkerLostError
 from scheduler_service.replica_owner import ReplicaCounters
 from scheduler_service.request_output import RequestOutput
-from scheduler_service.routing import Candidate, RoutingPolicy
+from scheduler_service.routing import Candidate
 from scheduler_service.routing import Router as RoutingRouter
 from scheduler_service.tracing import (
     RequestTrace,
@@ -60,21 +59,6 @@ log = get_logger(__name__)
 STATIC, DNS, LEASE = "static", "dns", "lease"
 
 
-@dataclass(frozen=True, slots=True)
-class FleetConfig:
-    replica: ReplicaConfig
-    routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE
-    # "host:port" re-resolved every dns_interval_s; empty: no DNS discovery.
-    worker_dns: str = ""
-    dns_interval_s: float = 5.0
-    # Workers re-register within this long or count as lost.
-    lease_s: float = 10.0
-    # A request with no ready replica waits this long, then fails UNAVAILABLE.
-    no_worker_timeout_s: float = 30.0
-    # A request in this many failed steps is failed rather than retried again.
-    max_step_failures: int = 2
-
-
 @dataclass(eq=False, slots=True)
 class _Pending:
     snapshot: GroupSnapshot
@@ -86,25 +70,6 @@ class _Pending:
 class _Member:
     replica: Replica
     sources: set[str] = field(default_factory=set)
-
-
-class FleetOwner(Protocol):
-    """What the fleet needs from the router of gateway requests (see router.Router)."""
-
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """A step's deltas, for the requests' gateways."""
-
-    def fail_request(self, key: str, error: ApiError) -> None:
-        """The request cannot go on: answer its gateway with this error and forget it."""
-
-    def is_routed(self, key: str) -> bool:
-        """Whether a gateway still waits for the request (not finished, aborted or failed)."""
-
-    def resume_snapshot(self, key: str) -> GroupSnapshot | None:
-        """The request rebuilt from what its client received (after a failed step)."""
-
-    def count_step_failure(self, key: str) -> int:
-        """One more failed step for the request; returns how many it has been in."""
 
 
 class Fleet:
@@ -123,6 +88,7 @@ class Fleet:
         self.location: dict[str, Replica] = {}
         self.pending: dict[str, _Pending] = {}
         self.drained: dict[str, float] = {}
+        self.held = HeldElsewhere()
         self.static: list[str] = []
         self._routing = RoutingRouter(config.routing)
         self._replica_ids = itertools.count()
@@ -192,6 +158,7 @@ class Fleet:
             self.drained[address] = time.monotonic()
             raise DrainedError(address)
         self._leases[address] = time.monotonic() + self.config.lease_s
+        self.held.forget(address)
         return self.add(address, LEASE)
 
     def _drop_source(self, address: str, source: str, cause: str) -> None:
@@ -217,6 +184,9 @@ class Fleet:
                     del self._leases[address]
                     self._drop_source(address, LEASE, "lease")
             self._expire_pending(now)
+            for address in [a for a in self.held.since if a in self.static]:
+                if self.held.may_try(address, now):
+                    self.add(address, STATIC)
             probe_turn += 1
             if self.drained and probe_turn % 5 == 0:
                 await self._forget_gone_drained()
@@ -232,9 +202,12 @@ class Fleet:
     async def _watch_dns(self) -> None:
         while True:
             found = await resolve_workers(self.config.worker_dns)
+            now = time.monotonic()
             for address in sorted(found - self.drained.keys()):
                 member = self.members.get(address)
-                if member is None or DNS not in member.sources:
+                if (member is None or DNS not in member.sources) and self.held.may_try(
+                    address, now
+                ):
                     self.add(address, DNS)
             for address, member in list(self.members.items()):
                 if DNS in member.sources and address not in found:
@@ -389,6 +362,14 @@ class Fleet:
         self._record_states()
         if replica.state is ReplicaState.READY and self.pending:
             self._place_pending()
+
+    def on_held_elsewhere(self, replica: Replica) -> None:
+        member = self.members.get(replica.address)
+        if member is not None and member.replica is replica:
+            del self.members[replica.address]
+            self.held.mark(replica.address, time.monotonic())
+            self._retire(replica, "held")
+            self._record_states()
 
     def on_drained(self, replica: Replica) -> None:
         member = self.members.get(replica.address)

@@ -45,6 +45,7 @@ from scheduler_service.worker_link import (
     REFUSALS,
     UNUSED_EXECUTOR,
     ExecuteStream,
+    HeldElsewhereError,
     StepWatchdog,
     WorkerLostError,
     open_worker,
@@ -203,6 +204,11 @@ class Replica:
                 break  # drained: nothing left on the replica
             except asyncio.CancelledError:
                 raise
+            except HeldElsewhereError as exc:  # another shard has it: the fleet lets go
+                log.info("worker held by another scheduler", address=self.address, why=str(exc))
+                self._evict_all("held")
+                self.owner.on_held_elsewhere(self)
+                return
             except (grpc.aio.AioRpcError, WorkerLostError, ConfigError) as exc:
                 # A worker that answers but refuses the cache it is asked for (too small for
                 # max_model_len, more than its memory holds), or whose max_model_len is below

@@ -53,6 +53,10 @@ class ReplicaOwner(Protocol):
     def on_state(self, replica: Replica) -> None:
         """`replica.state` changed."""
 
+    def on_held_elsewhere(self, replica: Replica) -> None:
+        """Another scheduler drives the replica's worker: the replica's loop has ended and it
+        holds no request."""
+
     def on_drained(self, replica: Replica) -> None:
         """The replica finished draining (or its worker went away while draining): its loop
         has ended and it holds no request."""

@@ -26,7 +26,8 @@ from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.v1 import scheduler_pb2
 from scheduler_service import metrics
 from scheduler_service.admission import SchedulerAdmission, arm_deadline
-from scheduler_service.fleet import Fleet, FleetConfig
+from scheduler_service.fleet import Fleet
+from scheduler_service.fleet_config import FleetConfig
 from scheduler_service.messages import (
     continued_choices,
     error_message,

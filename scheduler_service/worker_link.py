@@ -35,6 +35,10 @@ class WorkerLostError(RuntimeError):
         self.cause = cause
 
 
+class HeldElsewhereError(RuntimeError):
+    """Another scheduler (a shard) drives the worker: its Execute stream is open there."""
+
+
 class ExecuteStream:
     """The bidi Execute stream: one step out, one result back, in order (a step's deferred
     masks follow it as a message of their own, with no result)."""
@@ -101,8 +105,11 @@ class WorkerLink:
 
 async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> WorkerLink:
     """Initialize the worker's cache. Raises grpc.aio.AioRpcError if it does not answer or
-    refuses (`REFUSALS`), ConfigError if our --max-model-len is above the worker's."""
+    refuses (`REFUSALS`), ConfigError if our --max-model-len is above the worker's, and
+    HeldElsewhereError if another scheduler drives it."""
     info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
+    if info.execute_stream_open:
+        raise HeldElsewhereError("another scheduler's Execute stream is open on the worker")
     # max_model_len: the worker's model and cache decide it; ours may only lower it.
     scheduler_config = cfg.scheduler.with_worker_max_model_len(info.max_model_len)
     # An override replaces the worker's count, larger or smaller (as in vLLM).
@@ -112,10 +119,15 @@ async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> W
     num_cpu = cfg.num_cpu_blocks_override
     if num_cpu is None:
         num_cpu = info.num_cpu_blocks_available
-    reply = await stub.InitializeCache(
-        worker_pb2.InitializeCacheRequest(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu),
-        timeout=120,
-    )
+    try:
+        reply = await stub.InitializeCache(
+            worker_pb2.InitializeCacheRequest(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu),
+            timeout=120,
+        )
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # a stream opened since Info
+            raise HeldElsewhereError(exc.details() or "held") from exc
+        raise
     cache_config = CacheConfig(
         block_size=info.block_size,
         num_gpu_blocks=reply.num_gpu_blocks,

@@ -17,6 +17,7 @@ from llmserve.service_main import (
     check_security,
     keep_triton_out,
     serve_until_signal,
+    shard_addresses,
     start_service,
 )
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
@@ -103,7 +104,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--scheduler",
         default=None,
         help="scheduler host:port to join with RegisterWorker, renewing the lease it grants "
-        "for the worker's life; SIGTERM also asks it to DrainWorker",
+        "for the worker's life; SIGTERM also asks it to DrainWorker. Several comma-separated "
+        "(scheduler shards): the worker joins the one with the fewest workers, and another "
+        "when that one is gone",
     )
     p.add_argument(
         "--advertise-address",
@@ -128,6 +131,8 @@ def validate(args: argparse.Namespace) -> None:
 
     build_config(args)
     check_security(args)
+    if args.scheduler:
+        shard_addresses(args.scheduler)
     try:
         resolve_model(args.model)
     except ModelNotFoundError as exc:
@@ -204,17 +209,20 @@ async def serve(args: argparse.Namespace) -> int:
         dtype=str(worker.dtype),
     )
     advertised = args.advertise_address or advertise_address(args.host, args.port)
-    lease_task = None
+    keeper = lease_task = None
     if args.scheduler:
-        lease_task = asyncio.create_task(LeaseKeeper(args.scheduler, advertised).run())
+        keeper = LeaseKeeper(
+            shard_addresses(args.scheduler), advertised, stream_open=lambda: servicer.stream_open
+        )
+        lease_task = asyncio.create_task(keeper.run())
     drain = WorkerDrain(
         server,
         health,
         servicer,
         timeout_s=args.drain_timeout_s,
-        scheduler=args.scheduler,
         advertised=advertised,
         lease_task=lease_task,
+        keeper=keeper,
     )
     await serve_until_signal(server, drain.run)
     return drain.exit_code

@@ -9,6 +9,12 @@ same address. While the scheduler does not answer, the keeper retries with expon
 never waiting longer than the renewal interval, on a fresh channel each time (a channel that
 saw its server go away may otherwise wait out gRPC's own reconnect backoff, up to two minutes).
 
+Shards. `--scheduler` may name several schedulers (shards), each driving its own workers. The
+worker registers with one: the one with the fewest replicas among those that answer GetStats
+(ties broken by a hash of the worker's address, so workers starting together spread). When a
+renewal fails and no Execute stream is open (the scheduler is gone, not merely slow), it
+chooses again among the others at once: the surviving shards take over a lost one's workers.
+
 Drain. `WorkerDrain.run` is what SIGTERM (or a first Ctrl-C) does: health turns NOT_SERVING
 at once; the lease stops being renewed (a renewal after the drain would re-add the replica); if
 the worker knows its scheduler it asks for DrainWorker; then it waits until the scheduler holds
@@ -25,9 +31,10 @@ A second SIGTERM or SIGINT during the drain stops the worker at once.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +57,8 @@ RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
 # Deadline of one RegisterWorker call (also capped by the renewal interval, at least 1 s).
 REGISTER_TIMEOUT_S = 5.0
+# Deadline of the GetStats call that asks a shard how many workers it has.
+CHOOSE_TIMEOUT_S = 2.0
 # DrainWorker: attempts, and the deadline of each.
 DRAIN_ATTEMPTS = 3
 DRAIN_CALL_TIMEOUT_S = 2.0
@@ -82,16 +91,50 @@ class Lease:
     granted_at: float  # time.monotonic()
 
 
+async def choose_scheduler(schedulers: Sequence[str], advertised: str) -> str:
+    """The shard to register with: fewest live replicas among those that answer GetStats, ties
+    (and, when none answers, the whole order) broken by rendezvous hashing of `advertised`."""
+
+    def score(scheduler: str) -> bytes:
+        return hashlib.blake2b(f"{advertised}\0{scheduler}".encode(), digest_size=8).digest()
+
+    async def replicas(scheduler: str) -> int | None:
+        try:
+            async with security.aio_channel(scheduler, options=channel_options()) as channel:
+                stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                    scheduler_pb2.GetStatsRequest(), timeout=CHOOSE_TIMEOUT_S
+                )
+        except grpc.aio.AioRpcError:
+            return None
+        return sum(r.state != scheduler_pb2.WORKER_STATE_LOST for r in stats.replicas)
+
+    counts = await asyncio.gather(*(replicas(s) for s in schedulers))
+    answered = [(n, s) for n, s in zip(counts, schedulers, strict=True) if n is not None]
+    if not answered:
+        return max(schedulers, key=score)
+    return min(answered, key=lambda pair: (pair[0], -int.from_bytes(score(pair[1]), "big")))[1]
+
+
 class LeaseKeeper:
-    """Keeps this worker registered with `scheduler` as `advertised` (see the module doc).
+    """Keeps this worker registered as `advertised` with one of `schedulers` (see the module
+    doc); `scheduler` is the one it registers with now.
 
     `run()` returns only when the scheduler refuses the worker because it drained it
     (FAILED_PRECONDITION: renewing would be refused every interval); otherwise cancel its task
-    to stop renewing. `sleep` is injectable so tests can record the waits the keeper chooses."""
+    to stop renewing. `stream_open` says whether a scheduler's Execute stream is open here.
+    `sleep` is injectable so tests can record the waits the keeper chooses."""
 
-    def __init__(self, scheduler: str, advertised: str, sleep: Sleep = asyncio.sleep) -> None:
-        self.scheduler = scheduler
+    def __init__(
+        self,
+        schedulers: str | Sequence[str],
+        advertised: str,
+        sleep: Sleep = asyncio.sleep,
+        stream_open: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.schedulers = [schedulers] if isinstance(schedulers, str) else list(schedulers)
+        self.scheduler = self.schedulers[0]
         self.advertised = advertised
+        self._stream_open = stream_open
         self.lease: Lease | None = None
         self.registrations = 0  # successful RegisterWorker calls
         self._sleep = sleep
@@ -104,6 +147,8 @@ class LeaseKeeper:
 
     async def run(self) -> None:
         request = scheduler_pb2.RegisterWorkerRequest(address=self.advertised)
+        if len(self.schedulers) > 1:
+            self.scheduler = await choose_scheduler(self.schedulers, self.advertised)
         while True:
             async with security.aio_channel(self.scheduler, options=channel_options()) as ch:
                 stub = scheduler_pb2_grpc.SchedulerStub(ch)
@@ -123,7 +168,17 @@ class LeaseKeeper:
                         break  # a fresh channel for the next attempt
                     self._granted(reply)
                     await self._sleep(self.interval_s)
+            if len(self.schedulers) > 1 and not self._stream_open():
+                await self._move()
             await self._sleep(retry_delay_s(self._failures, self.interval_s))
+
+    async def _move(self) -> None:
+        """Choose a shard again, among the others than the one that just failed."""
+        others = [s for s in self.schedulers if s != self.scheduler]
+        chosen = await choose_scheduler(others, self.advertised)
+        log.info("registering with another scheduler shard", failed=self.scheduler, chosen=chosen)
+        self.scheduler = chosen
+        self.lease = None
 
     def _granted(self, reply: scheduler_pb2.RegisterWorkerResponse) -> None:
         previous, self.lease = self.lease, Lease(reply.replica_id, reply.lease_ms, time.monotonic())
@@ -232,16 +287,23 @@ class WorkerDrain:
         advertised: str = "",
         lease_task: asyncio.Task[None] | None = None,
         quiet_s: float = DRAIN_QUIET_S,
+        keeper: LeaseKeeper | None = None,
     ) -> None:
         self.server = server
         self.health_servicer = health_servicer
         self.target = target
         self.timeout_s = timeout_s
-        self.scheduler = scheduler
+        self._scheduler = scheduler
+        self._keeper = keeper
         self.advertised = advertised
         self.lease_task = lease_task
         self.quiet_s = quiet_s
         self.exit_code = 0
+
+    @property
+    def scheduler(self) -> str | None:
+        """The scheduler to ask for DrainWorker: the lease keeper's shard, when it keeps one."""
+        return self._keeper.scheduler if self._keeper is not None else self._scheduler
 
     async def run(self) -> None:
         started = time.monotonic()

@@ -25,6 +25,7 @@ import grpc
 from opentelemetry import trace
 
 from llmserve.errors import (
+    AlreadyExistsError,
     FailedPreconditionError,
     FieldError,
     ResourceExhaustedError,
@@ -43,6 +44,9 @@ if TYPE_CHECKING:  # not at run time: the simulated worker (tests/support) serve
     from worker_service.worker import Worker
 
 log = get_logger(__name__)
+
+# Why a second Execute stream (or a cache reallocation under the first) is refused.
+HELD_MESSAGE = "an Execute stream is open: a scheduler already drives this worker"
 tracer = trace.get_tracer("llmserve.worker")
 
 
@@ -118,6 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             linear_impl=info.linear_impl,
             weight_format=info.weight_format,
             weight_bytes=info.weight_bytes,
+            execute_stream_open=self._stream_open,
         )
         if info.eos_token_id is not None:
             reply.eos_token_id = info.eos_token_id
@@ -133,9 +138,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         start = time.perf_counter_ns()
         if wanted != self.allocated:
             if self._stream_open:
-                raise FailedPreconditionError(
-                    "cannot reallocate the KV cache while an Execute stream is open"
-                )
+                raise AlreadyExistsError(f"cannot reallocate the KV cache: {HELD_MESSAGE}")
             # More blocks than fit in the configured KV memory are allowed: the scheduler's
             # num_gpu_blocks_override replaces the profiled count, as in vLLM. An allocation
             # that the memory cannot hold fails below instead.
@@ -192,7 +195,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.draining:
             raise UnavailableError("this worker is draining and takes no new stream")
         if self._stream_open:
-            raise FailedPreconditionError("another Execute stream is already open")
+            raise AlreadyExistsError(HELD_MESSAGE)
         if self.allocated == (0, 0):
             raise FailedPreconditionError("InitializeCache must be called first")
         self._stream_open = True

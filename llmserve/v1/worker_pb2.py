@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from llmserve.v1 import common_pb2 as llmserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmserve/v1/worker.proto\x12\x0bllmserve.v1\x1a\x18llmserve/v1/common.proto\"\r\n\x0bInfoRequest\"\xf8\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12 \n\x18num_gpu_blocks_available\x18\x07 \x01(\r\x12 \n\x18num_cpu_blocks_available\x18\x08 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\t \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0c \x01(\t\x12\x13\n\x0blinear_impl\x18\r \x01(\t\x12\x15\n\rweight_format\x18\x0e \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x04\x42\x0f\n\r_eos_token_id\"H\n\x16InitializeCacheRequest\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\"Z\n\x17InitializeCacheResponse\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\x12\x0f\n\x07init_ns\x18\x03 \x01(\x04\"\xf6\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tseq_index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x08 \x01(\r\x12\x34\n\x0fsampling_params\x18\t \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\"\xf9\x01\n\x0f\x43\x61\x63hedSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x03(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x15\n\rblock_offsets\x18\x04 \x03(\x07\x12\x15\n\rnum_block_ids\x18\x05 \x03(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\t \x03(\r\x12\x14\n\x0c\x61\x66ter_drafts\x18\n \x03(\x08\"L\n\x04\x46ork\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x63hild_seq_id\x18\x02 \x01(\x04\x12\x17\n\x0f\x63hild_seq_index\x18\x03 \x01(\r\"(\n\x0c\x42lockMapping\x12\x0b\n\x03src\x18\x01 \x03(\r\x12\x0b\n\x03\x64st\x18\x02 \x03(\r\"\xe6\x03\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x31\n\x0b\x63\x61\x63hed_seqs\x18\x03 \x01(\x0b\x32\x1c.llmserve.v1.CachedSequences\x12 \n\x05\x66orks\x18\x04 \x03(\x0b\x32\x11.llmserve.v1.Fork\x12\x15\n\rfreed_seq_ids\x18\x05 \x03(\x04\x12\x35\n\x12\x62locks_to_swap_out\x18\x06 \x01(\x0b\x32\x19.llmserve.v1.BlockMapping\x12\x34\n\x11\x62locks_to_swap_in\x18\x07 \x01(\x0b\x32\x19.llmserve.v1.BlockMapping\x12\x31\n\x0e\x62locks_to_copy\x18\x08 \x01(\x0b\x32\x19.llmserve.v1.BlockMapping\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12+\n\x0btoken_masks\x18\n \x03(\x0b\x32\x16.llmserve.v1.TokenMask\x12\x1d\n\x15\x64\x65\x66\x65rred_mask_seq_ids\x18\x0b \x03(\x04\x12*\n\nstep_masks\x18\x0c \x01(\x0b\x32\x16.llmserve.v1.StepMasks\"I\n\tStepMasks\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0btoken_masks\x18\x02 \x03(\x0b\x32\x16.llmserve.v1.TokenMask\"\x89\x01\n\tTokenMask\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.llmserve.v1.TokenMaskKind\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x0e\n\x06\x62itmap\x18\x05 \x01(\x0c\x12\x0b\n\x03row\x18\x06 \x01(\r\"\xda\x01\n\x0fSequenceOutputs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x13\n\x0bnum_samples\x18\x02 \x03(\r\x12\x18\n\x10sample_token_ids\x18\x03 \x03(\r\x12\x17\n\x0fsample_logprobs\x18\x04 \x03(\x02\x12\x14\n\x0csample_ranks\x18\x05 \x03(\r\x12\x18\n\x10num_top_logprobs\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x11\n\ttop_ranks\x18\t \x03(\r\"]\n\x16SequencePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x33\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1a.llmserve.v1.PromptLogprob\"\xca\x01\n\rExecuteResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1c.llmserve.v1.SequenceOutputs\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tsample_ns\x18\x04 \x01(\x04\x12<\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32#.llmserve.v1.SequencePromptLogprobs\x12\x14\n\x0cmask_wait_ns\x18\x06 \x01(\x04*\x81\x01\n\rTokenMaskKind\x12\x1f\n\x1bTOKEN_MASK_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15TOKEN_MASK_KIND_ALLOW\x10\x01\x12\x18\n\x14TOKEN_MASK_KIND_DENY\x10\x02\x12\x1a\n\x16TOKEN_MASK_KIND_BITMAP\x10\x03\x32\xeb\x01\n\x06Worker\x12;\n\x04Info\x12\x18.llmserve.v1.InfoRequest\x1a\x19.llmserve.v1.InfoResponse\x12\\\n\x0fInitializeCache\x12#.llmserve.v1.InitializeCacheRequest\x1a$.llmserve.v1.InitializeCacheResponse\x12\x46\n\x07\x45xecute\x12\x1b.llmserve.v1.ExecuteRequest\x1a\x1a.llmserve.v1.ExecuteResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmserve/v1/worker.proto\x12\x0bllmserve.v1\x1a\x18llmserve/v1/common.proto\"\r\n\x0bInfoRequest\"\x95\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12 \n\x18num_gpu_blocks_available\x18\x07 \x01(\r\x12 \n\x18num_cpu_blocks_available\x18\x08 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\t \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0c \x01(\t\x12\x13\n\x0blinear_impl\x18\r \x01(\t\x12\x15\n\rweight_format\x18\x0e \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x04\x12\x1b\n\x13\x65xecute_stream_open\x18\x10 \x01(\x08\x42\x0f\n\r_eos_token_id\"H\n\x16InitializeCacheRequest\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\"Z\n\x17InitializeCacheResponse\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\x12\x0f\n\x07init_ns\x18\x03 \x01(\x04\"\xf6\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tseq_index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x08 \x01(\r\x12\x34\n\x0fsampling_params\x18\t \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\"\xf9\x01\n\x0f\x43\x61\x63hedSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x03(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x15\n\rblock_offsets\x18\x04 \x03(\x07\x12\x15\n\rnum_block_ids\x18\x05 \x03(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\t \x03(\r\x12\x14\n\x0c\x61\x66ter_drafts\x18\n \x03(\x08\"L\n\x04\x46ork\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x63hild_seq_id\x18\x02 \x01(\x04\x12\x17\n\x0f\x63hild_seq_index\x18\x03 \x01(\r\"(\n\x0c\x42lockMapping\x12\x0b\n\x03src\x18\x01 \x03(\r\x12\x0b\n\x03\x64st\x18\x02 \x03(\r\"\xe6\x03\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x31\n\x0b\x63\x61\x63hed_seqs\x18\x03 \x01(\x0b\x32\x1c.llmserve.v1.CachedSequences\x12 \n\x05\x66orks\x18\x04 \x03(\x0b\x32\x11.llmserve.v1.Fork\x12\x15\n\rfreed_seq_ids\x18\x05 \x03(\x04\x12\x35\n\x12\x62locks_to_swap_out\x18\x06 \x01(\x0b\x32\x19.llmserve.v1.BlockMapping\x12\x34\n\x11\x62locks_to_swap_in\x18\x07 \x01(\x0b\x32\x19.llmserve.v1.BlockMapping\x12\x31\n\x0e\x62locks_to_copy\x18\x08 \x01(\x0b\x32\x19.llmserve.v1.BlockMapping\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12+\n\x0btoken_masks\x18\n \x03(\x0b\x32\x16.llmserve.v1.TokenMask\x12\x1d\n\x15\x64\x65\x66\x65rred_mask_seq_ids\x18\x0b \x03(\x04\x12*\n\nstep_masks\x18\x0c \x01(\x0b\x32\x16.llmserve.v1.StepMasks\"I\n\tStepMasks\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0btoken_masks\x18\x02 \x03(\x0b\x32\x16.llmserve.v1.TokenMask\"\x89\x01\n\tTokenMask\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.llmserve.v1.TokenMaskKind\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x0e\n\x06\x62itmap\x18\x05 \x01(\x0c\x12\x0b\n\x03row\x18\x06 \x01(\r\"\xda\x01\n\x0fSequenceOutputs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x13\n\x0bnum_samples\x18\x02 \x03(\r\x12\x18\n\x10sample_token_ids\x18\x03 \x03(\r\x12\x17\n\x0fsample_logprobs\x18\x04 \x03(\x02\x12\x14\n\x0csample_ranks\x18\x05 \x03(\r\x12\x18\n\x10num_top_logprobs\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x11\n\ttop_ranks\x18\t \x03(\r\"]\n\x16SequencePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x33\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1a.llmserve.v1.PromptLogprob\"\xca\x01\n\rExecuteResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1c.llmserve.v1.SequenceOutputs\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tsample_ns\x18\x04 \x01(\x04\x12<\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32#.llmserve.v1.SequencePromptLogprobs\x12\x14\n\x0cmask_wait_ns\x18\x06 \x01(\x04*\x81\x01\n\rTokenMaskKind\x12\x1f\n\x1bTOKEN_MASK_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15TOKEN_MASK_KIND_ALLOW\x10\x01\x12\x18\n\x14TOKEN_MASK_KIND_DENY\x10\x02\x12\x1a\n\x16TOKEN_MASK_KIND_BITMAP\x10\x03\x32\xeb\x01\n\x06Worker\x12;\n\x04Info\x12\x18.llmserve.v1.InfoRequest\x1a\x19.llmserve.v1.InfoResponse\x12\\\n\x0fInitializeCache\x12#.llmserve.v1.InitializeCacheRequest\x1a$.llmserve.v1.InitializeCacheResponse\x12\x46\n\x07\x45xecute\x12\x1b.llmserve.v1.ExecuteRequest\x1a\x1a.llmserve.v1.ExecuteResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENMASKKIND']._serialized_start=2474
-  _globals['_TOKENMASKKIND']._serialized_end=2603
+  _globals['_TOKENMASKKIND']._serialized_start=2503
+  _globals['_TOKENMASKKIND']._serialized_end=2632
   _globals['_INFOREQUEST']._serialized_start=67
   _globals['_INFOREQUEST']._serialized_end=80
   _globals['_INFORESPONSE']._serialized_start=83
-  _globals['_INFORESPONSE']._serialized_end=459
-  _globals['_INITIALIZECACHEREQUEST']._serialized_start=461
-  _globals['_INITIALIZECACHEREQUEST']._serialized_end=533
-  _globals['_INITIALIZECACHERESPONSE']._serialized_start=535
-  _globals['_INITIALIZECACHERESPONSE']._serialized_end=625
-  _globals['_NEWSEQUENCE']._serialized_start=628
-  _globals['_NEWSEQUENCE']._serialized_end=874
-  _globals['_CACHEDSEQUENCES']._serialized_start=877
-  _globals['_CACHEDSEQUENCES']._serialized_end=1126
-  _globals['_FORK']._serialized_start=1128
-  _globals['_FORK']._serialized_end=1204
-  _globals['_BLOCKMAPPING']._serialized_start=1206
-  _globals['_BLOCKMAPPING']._serialized_end=1246
-  _globals['_EXECUTEREQUEST']._serialized_start=1249
-  _globals['_EXECUTEREQUEST']._serialized_end=1735
-  _globals['_STEPMASKS']._serialized_start=1737
-  _globals['_STEPMASKS']._serialized_end=1810
-  _globals['_TOKENMASK']._serialized_start=1813
-  _globals['_TOKENMASK']._serialized_end=1950
-  _globals['_SEQUENCEOUTPUTS']._serialized_start=1953
-  _globals['_SEQUENCEOUTPUTS']._serialized_end=2171
-  _globals['_SEQUENCEPROMPTLOGPROBS']._serialized_start=2173
-  _globals['_SEQUENCEPROMPTLOGPROBS']._serialized_end=2266
-  _globals['_EXECUTERESULT']._serialized_start=2269
-  _globals['_EXECUTERESULT']._serialized_end=2471
-  _globals['_WORKER']._serialized_start=2606
-  _globals['_WORKER']._serialized_end=2841
+  _globals['_INFORESPONSE']._serialized_end=488
+  _globals['_INITIALIZECACHEREQUEST']._serialized_start=490
+  _globals['_INITIALIZECACHEREQUEST']._serialized_end=562
+  _globals['_INITIALIZECACHERESPONSE']._serialized_start=564
+  _globals['_INITIALIZECACHERESPONSE']._serialized_end=654
+  _globals['_NEWSEQUENCE']._serialized_start=657
+  _globals['_NEWSEQUENCE']._serialized_end=903
+  _globals['_CACHEDSEQUENCES']._serialized_start=906
+  _globals['_CACHEDSEQUENCES']._serialized_end=1155
+  _globals['_FORK']._serialized_start=1157
+  _globals['_FORK']._serialized_end=1233
+  _globals['_BLOCKMAPPING']._serialized_start=1235
+  _globals['_BLOCKMAPPING']._serialized_end=1275
+  _globals['_EXECUTEREQUEST']._serialized_start=1278
+  _globals['_EXECUTEREQUEST']._serialized_end=1764
+  _globals['_STEPMASKS']._serialized_start=1766
+  _globals['_STEPMASKS']._serialized_end=1839
+  _globals['_TOKENMASK']._serialized_start=1842
+  _globals['_TOKENMASK']._serialized_end=1979
+  _globals['_SEQUENCEOUTPUTS']._serialized_start=1982
+  _globals['_SEQUENCEOUTPUTS']._serialized_end=2200
+  _globals['_SEQUENCEPROMPTLOGPROBS']._serialized_start=2202
+  _globals['_SEQUENCEPROMPTLOGPROBS']._serialized_end=2295
+  _globals['_EXECUTERESULT']._serialized_start=2298
+  _globals['_EXECUTERESULT']._serialized_end=2500
+  _globals['_WORKER']._serialized_start=2635
+  _globals['_WORKER']._serialized_end=2870
 # @@protoc_insertion_point(module_scope)

@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 
-from gateway.scheduler_client import unbatched
+from gateway.inflight import unbatched
 from llmserve.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.hardening import (
     blocks,

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from gateway.scheduler_client import unbatched
+from gateway.inflight import unbatched
 from llmserve.grpc_utils import channel_options
 from llmserve.proto_convert import sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams

@@ -1,12 +1,12 @@
 """The Connect stream's batches (scheduler_service.messages.take_batch): what the scheduler
 had queued for a gateway goes out in as few writes as the rules allow, in order, and the
-gateway's reader (gateway.scheduler_client.unbatched) gets every message back."""
+gateway's reader (gateway.inflight.unbatched) gets every message back."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.scheduler_client import unbatched
+from gateway.inflight import unbatched
 from llmserve.v1 import scheduler_pb2
 from scheduler_service.messages import MAX_BATCH, take_batch
 

@@ -14,7 +14,8 @@ HANG_GUARD_S = 30.0  # only bounds a broken test; nothing asserts on durations
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     """Grants `lease_ms` as replica `replica_id` (or, after `refuse_registrations`, refuses as
-    the real scheduler refuses a drained worker); DrainWorker answers `drain_code` or OK."""
+    the real scheduler refuses a drained worker); DrainWorker answers `drain_code` or OK;
+    GetStats lists `num_replicas` ready replicas."""
 
     def __init__(self, replica_id: int, lease_ms: int, drain_code: grpc.StatusCode | None = None):
         self.replica_id = replica_id
@@ -23,6 +24,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.registered: list[str] = []
         self.drained: list[str] = []
         self.refuse_registrations = False
+        self.num_replicas = 0
 
     async def RegisterWorker(self, request, context):  # type: ignore[no-untyped-def]
         self.registered.append(request.address)
@@ -37,6 +39,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if self.drain_code is not None:
             await context.abort(self.drain_code, "refused by the fake")
         return scheduler_pb2.DrainWorkerResponse(replica_id=self.replica_id, num_requests=3)
+
+    async def GetStats(self, request, context):  # type: ignore[no-untyped-def]
+        ready = scheduler_pb2.ReplicaStats(state=scheduler_pb2.WORKER_STATE_READY)
+        return scheduler_pb2.GetStatsResponse(replicas=[ready] * self.num_replicas)
 
 
 async def serve(fake: scheduler_pb2_grpc.SchedulerServicer, port: int) -> grpc.aio.Server:

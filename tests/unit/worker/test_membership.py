@@ -14,6 +14,7 @@ from llmserve.supervisor import free_port
 from worker_service.membership import (
     DRAIN_ATTEMPTS,
     LeaseKeeper,
+    choose_scheduler,
     renew_interval_s,
     request_drain,
     retry_delay_s,
@@ -174,3 +175,80 @@ def test_request_drain_gives_up_at_once_on_a_refusal_and_retries_when_unavailabl
         assert busy.drained == [WORKER] * DRAIN_ATTEMPTS
 
     run(body)
+
+
+# -- scheduler shards ------------------------------------------------------------------------------
+
+
+def test_keeper_joins_the_shard_with_the_fewest_workers():
+    async def body() -> None:
+        busy, light = FakeScheduler(1, 300), FakeScheduler(2, 300)
+        busy.num_replicas, light.num_replicas = 3, 1
+        ports = free_port(), free_port()
+        servers = [await serve(busy, ports[0]), await serve(light, ports[1])]
+        shards = [f"127.0.0.1:{p}" for p in ports]
+        keeper = LeaseKeeper(shards, WORKER)
+        task = asyncio.create_task(keeper.run())
+        await until(lambda: keeper.registrations >= 2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for server in servers:
+            await server.stop(0)
+        assert keeper.scheduler == shards[1]
+        assert busy.registered == [] and light.registered[:2] == [WORKER, WORKER]
+
+    run(body)
+
+
+def test_choice_among_equal_or_silent_shards_depends_on_the_worker_only():
+    async def body() -> None:
+        silent = [f"127.0.0.1:{free_port()}" for _ in range(4)]  # nothing listens
+        chosen = {w: await choose_scheduler(silent, w) for w in ("10.0.0.1:1", "10.0.0.2:1")}
+        assert all(c in silent for c in chosen.values())
+        for worker, shard in chosen.items():
+            assert await choose_scheduler(list(reversed(silent)), worker) == shard
+        picks = {await choose_scheduler(silent, f"10.0.0.{i}:50061") for i in range(40)}
+        assert len(picks) >= 3, "workers should spread over silent shards"
+
+    run(body)
+
+
+def keeper_after_loss(stream_open: bool) -> tuple[FakeScheduler, LeaseKeeper]:
+    """A keeper registered with shard A (fewer workers), after A's server is stopped."""
+    result: list[tuple[FakeScheduler, LeaseKeeper]] = []
+
+    async def body() -> None:
+        first, other = FakeScheduler(1, 300), FakeScheduler(2, 300)
+        other.num_replicas = 2
+        ports = free_port(), free_port()
+        servers = [await serve(first, ports[0]), await serve(other, ports[1])]
+        keeper = LeaseKeeper(
+            [f"127.0.0.1:{p}" for p in ports], WORKER, stream_open=lambda: stream_open
+        )
+        task = asyncio.create_task(keeper.run())
+        await until(lambda: keeper.registrations >= 1)
+        assert first.registered and not other.registered
+        await servers[0].stop(0)  # shard A is gone
+        if stream_open:
+            await asyncio.sleep(1.5)  # several renewal attempts
+        else:
+            await until(lambda: bool(other.registered))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await servers[1].stop(0)
+        result.append((other, keeper))
+
+    run(body)
+    return result[0]
+
+
+def test_keeper_moves_to_another_shard_when_its_own_is_gone():
+    other, keeper = keeper_after_loss(stream_open=False)
+    assert other.registered == [WORKER] * len(other.registered) and other.registered
+    assert keeper.lease is not None and keeper.lease.replica_id == 2  # granted by the other
+
+
+def test_keeper_stays_while_its_shard_still_drives_the_worker():
+    other, keeper = keeper_after_loss(stream_open=True)
+    assert other.registered == []
+    assert keeper.lease is not None and keeper.lease.replica_id == 1

@@ -147,13 +147,20 @@ def test_a_restarted_scheduler_re_initializes_the_worker_and_starts_over(tiny_ll
         old = Stream(w.stub)
         first_token = (await old.step(first_step()))[1]
         assert w.worker.num_sequences == 1
-        # A different size cannot replace the cache under an open stream.
+        # The stream holds the worker: Info says so, and another scheduler (shard) can neither
+        # replace the cache with a different size nor open a second stream.
+        assert (await w.stub.Info(worker_pb2.InfoRequest())).execute_stream_open
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await w.stub.InitializeCache(worker_pb2.InitializeCacheRequest(num_gpu_blocks=24))
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        with pytest.raises(grpc.aio.AioRpcError) as second:
+            await Stream(w.stub).step(first_step(seq_id=9))
+        assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert w.worker.num_sequences == 1
 
         old.call.cancel()  # the scheduler process dies: its stream breaks
         await until(lambda: not w.servicer.stream_open)
+        assert not (await w.stub.Info(worker_pb2.InfoRequest())).execute_stream_open
         assert await w.on_model_thread(lambda: w.worker.num_sequences) == 0
 
         # The restarted scheduler runs the handshake again: same sizes keep the cache.

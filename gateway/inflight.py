@@ -1,0 +1,70 @@
+"""What the gateway keeps of a request submitted to the scheduler (enough to send it again),
+and the messages one read of a Connect stream carries."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from llmserve.v1 import scheduler_pb2
+
+Inbox = asyncio.Queue[scheduler_pb2.SchedulerMessage]
+
+
+@dataclass(slots=True, eq=False)
+class InFlight:
+    """A submitted request as this gateway knows it: enough to send it again."""
+
+    add: scheduler_pb2.AddRequest
+    inbox: Inbox
+    # Choices stream as they grow (no best_of > n, no beam search), so a re-submission can
+    # continue them; the others restart from the prompt (their seed makes that reproduce).
+    streams_choices: bool
+    # Everything received so far, per choice index.
+    choices: dict[int, scheduler_pb2.ContinuedChoice] = field(default_factory=dict)
+    prompt_logprobs_received: bool = False
+    # Its last message (finished output or error) was received: never sent again.
+    done: bool = False
+    # While it waits for a scheduler: fails it when the wait exceeds the timeout.
+    expiry: asyncio.TimerHandle | None = None
+    # The shard whose stream it was last sent on; None while it waits for one.
+    shard: str | None = None
+
+    def record(self, output: scheduler_pb2.RequestOutput) -> None:
+        if output.prompt_logprobs:
+            self.prompt_logprobs_received = True
+        self.done = output.finished
+        if not self.streams_choices:
+            return  # choices arrive only with the last message
+        for delta in output.choices:
+            choice = self.choices.get(delta.index)
+            if choice is None:
+                choice = self.choices[delta.index] = scheduler_pb2.ContinuedChoice(
+                    index=delta.index
+                )
+            choice.token_ids.extend(delta.token_ids)
+            choice.logprobs.extend(delta.logprobs)
+            choice.cumulative_logprob = delta.cumulative_logprob
+            if delta.finish_reason:
+                choice.finish_reason = delta.finish_reason
+            if delta.HasField("stop_token_id"):
+                choice.stop_token_id = delta.stop_token_id
+
+    def resubmission(self) -> scheduler_pb2.AddRequest:
+        add = scheduler_pb2.AddRequest()
+        add.CopyFrom(self.add)
+        if self.choices:
+            add.continuation.choices.extend(self.choices[i] for i in sorted(self.choices))
+        return add
+
+    def stop_waiting(self) -> None:
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
+
+
+def unbatched(message: scheduler_pb2.SchedulerMessage) -> list[scheduler_pb2.SchedulerMessage]:
+    """The outputs and errors a message read from a Connect stream carries, in order."""
+    if message.WhichOneof("kind") == "batch":
+        return list(message.batch.messages)
+    return [message]
