@@ -64,6 +64,8 @@ class FleetStack:
     env: dict[str, str]
     worker_args: list[str] = field(default_factory=lambda: list(WORKER_ARGS))
     workers: list[Proc] = field(default_factory=list)
+    # The scheduler shards (one unless start_fleet was asked for more); `scheduler` is the first.
+    schedulers: list[Proc] = field(default_factory=list)
     scheduler: Proc | None = None
     gateway: Proc | None = None
     http_port: int = 0
@@ -75,7 +77,7 @@ class FleetStack:
         proc = Proc(
             f"worker-{index}",
             ["worker", "--model", self.model, "--port", str(port),
-             "--metrics-port", str(metrics_port), "--scheduler", self.scheduler.address,
+             "--metrics-port", str(metrics_port), "--scheduler", self.scheduler_addresses,
              *self.worker_args],
             f"127.0.0.1:{port}",
             self.log_dir / f"worker-{index}.log",
@@ -85,19 +87,26 @@ class FleetStack:
         proc.start(wait)
         return proc
 
-    def stats(self) -> scheduler_pb2.GetStatsResponse:
-        assert self.scheduler is not None
-        with grpc.insecure_channel(self.scheduler.address) as channel:
+    @property
+    def scheduler_addresses(self) -> str:
+        """The --scheduler value of workers and gateway: every shard, comma-separated."""
+        return ",".join(s.address for s in self.schedulers)
+
+    def stats(self, scheduler: Proc | None = None) -> scheduler_pb2.GetStatsResponse:
+        scheduler = scheduler or self.scheduler
+        assert scheduler is not None
+        with grpc.insecure_channel(scheduler.address) as channel:
             return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
                 scheduler_pb2.GetStatsRequest(), timeout=5
             )
 
     def wait_for(self, predicate: Callable[[scheduler_pb2.GetStatsResponse], bool],
-                 what: str, timeout_s: float = 60.0) -> scheduler_pb2.GetStatsResponse:
+                 what: str, timeout_s: float = 60.0,
+                 scheduler: Proc | None = None) -> scheduler_pb2.GetStatsResponse:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                stats = self.stats()
+                stats = self.stats(scheduler)
                 if predicate(stats):
                     return stats
             except grpc.RpcError:
@@ -109,18 +118,19 @@ class FleetStack:
     def ready_replicas(self, stats: scheduler_pb2.GetStatsResponse) -> list[scheduler_pb2.ReplicaStats]:
         return [r for r in stats.replicas if r.state == scheduler_pb2.WORKER_STATE_READY]
 
-    def assert_no_leak(self) -> None:
-        """Every ready replica ends with free == total blocks (device and host)."""
+    def assert_no_leak(self, scheduler: Proc | None = None) -> None:
+        """Every ready replica of `scheduler` (default: the first) ends with free == total
+        blocks (device and host)."""
         def idle(stats: scheduler_pb2.GetStatsResponse) -> bool:
             return stats.num_unfinished_requests == 0 and all(
                 r.gpu_blocks_free == r.gpu_blocks_total and r.cpu_blocks_free == r.cpu_blocks_total
                 for r in self.ready_replicas(stats)
             )
-        stats = self.wait_for(idle, "every block free", timeout_s=30)
+        stats = self.wait_for(idle, "every block free", timeout_s=30, scheduler=scheduler)
         assert self.ready_replicas(stats), stats
 
     def stop(self) -> None:
-        for proc in [self.gateway, self.scheduler, *self.workers]:
+        for proc in [self.gateway, *self.schedulers, *self.workers]:
             if proc is not None:
                 proc.stop()
 
@@ -128,30 +138,44 @@ class FleetStack:
 def start_fleet(model: str, log_dir: Path, num_workers: int, *,
                 scheduler_args: list[str] = (),  # type: ignore[assignment]
                 worker_args: list[str] = WORKER_ARGS,  # noqa: B006 (never mutated)
-                env: dict[str, str] | None = None) -> FleetStack:
-    """Scheduler first (workers register with it), then the workers, then the gateway."""
+                env: dict[str, str] | None = None, num_schedulers: int = 1) -> FleetStack:
+    """Scheduler(s) first (workers register with them), then the workers, then the gateway.
+    With several schedulers (shards), workers join the one with the fewest workers."""
     log_dir.mkdir(parents=True, exist_ok=True)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    sched_port, sched_metrics, gw_port, http_port = free_ports(4)
+    gw_port, http_port = free_ports(2)
     stack = FleetStack(model, log_dir, list(scheduler_args), base_env, list(worker_args))
     stack.http_port = http_port
-    stack.scheduler = Proc(
-        "scheduler",
-        ["scheduler", "--port", str(sched_port), "--metrics-port", str(sched_metrics),
-         "--worker-lease-s", "3", "--health-interval-s", "0.5", *scheduler_args],
-        f"127.0.0.1:{sched_port}", log_dir / "scheduler.log", base_env,
-    )
+    for index in range(num_schedulers):
+        sched_port, sched_metrics = free_ports(2)
+        name = "scheduler" if num_schedulers == 1 else f"scheduler-{index}"
+        stack.schedulers.append(Proc(
+            name,
+            ["scheduler", "--port", str(sched_port), "--metrics-port", str(sched_metrics),
+             "--worker-lease-s", "3", "--health-interval-s", "0.5", *scheduler_args],
+            f"127.0.0.1:{sched_port}", log_dir / f"{name}.log", base_env,
+        ))
+    stack.scheduler = stack.schedulers[0]
     try:
-        stack.scheduler.start(wait=False)
+        for scheduler in stack.schedulers:
+            scheduler.start(wait=False)
+        if num_schedulers > 1:  # every shard answers before the first worker chooses one
+            for scheduler in stack.schedulers:
+                stack.wait_for(lambda _: True, f"{scheduler.name} up", scheduler=scheduler)
         for _ in range(num_workers):
             stack.add_worker()
-        stack.wait_for(lambda s: len(stack.ready_replicas(s)) == num_workers, "workers ready")
-        wait_healthy(stack.scheduler.address, stack.scheduler.popen, "scheduler",  # type: ignore[arg-type]
-                     stack.scheduler.log)
+        def all_ready(_: scheduler_pb2.GetStatsResponse) -> bool:
+            return sum(len(stack.ready_replicas(stack.stats(s))) for s in stack.schedulers) == (
+                num_workers
+            )
+        stack.wait_for(all_ready, "workers ready")
+        for scheduler in stack.schedulers:
+            wait_healthy(scheduler.address, scheduler.popen, scheduler.name,  # type: ignore[arg-type]
+                         scheduler.log)
         stack.gateway = Proc(
             "gateway",
             ["gateway", "--model", model, "--port", str(gw_port), "--http-port", str(http_port),
-             "--scheduler", stack.scheduler.address],
+             "--scheduler", stack.scheduler_addresses],
             f"127.0.0.1:{gw_port}", log_dir / "gateway.log", base_env,
         )
         stack.gateway.start()
