@@ -27,6 +27,9 @@ def _up_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="smollm2", help="model spec (default: embedded SmolLM2)")
     p.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    p.add_argument("--schedulers", type=int, default=1,
+                   help="scheduler shards, each driving its share of the workers (worker i on "
+                   "shard i mod N); the gateway spreads requests over them")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")
@@ -80,6 +83,8 @@ def _run_up(argv: list[str]) -> int:
     args = _up_parser().parse_args(argv)
     if args.workers < 1:
         _up_parser().error("--workers must be at least 1")
+    if not 1 <= args.schedulers <= args.workers:
+        _up_parser().error("--schedulers must be between 1 and --workers (each shard needs one)")
     try:
         # `up` itself dials every service's health with the same credentials.
         install(security_from_args(args))
@@ -97,6 +102,7 @@ def _run_up(argv: list[str]) -> int:
     config = StackConfig(
         model=args.model,
         num_workers=args.workers,
+        num_schedulers=args.schedulers,
         grpc_port=args.grpc_port,
         http_port=args.http_port,
         host=args.host,

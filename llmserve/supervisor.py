@@ -1,10 +1,12 @@
 """`llmserve up`: the whole stack on one machine, as separate processes on loopback.
 
-Workers start first, then the scheduler (pointed at them), then the gateway. Each child's
+Workers start first, then the scheduler (pointed at them; with `--schedulers N`, N shards,
+each given its share of the workers), then the gateway (pointed at every shard). Each child's
 output is prefixed with its name. Once the stack is up, a child that dies is started again on
 the same ports, as a Deployment would, with a backoff that grows while it keeps dying: the
 scheduler takes a restarted worker back at its address (and moves a dead worker's requests to
-the others meanwhile), and the gateway re-submits its requests to a restarted scheduler.
+the others meanwhile), and the gateway re-submits its requests to a restarted scheduler (or,
+with shards, at once to the others; the restarted shard takes its workers back).
 Ctrl-C or SIGTERM stops every child, gateway first.
 """
 
@@ -109,6 +111,8 @@ def visible_cuda_devices() -> list[str]:
 class StackConfig:
     model: str = "smollm2"
     num_workers: int = 1
+    # Scheduler shards; worker i is on shard i % num_schedulers (a static list each).
+    num_schedulers: int = 1
     grpc_port: int = 50051
     http_port: int = 8000
     host: str = LOOPBACK
@@ -139,22 +143,28 @@ def plan_stack(config: StackConfig) -> list[ServiceSpec]:
                 {"CUDA_VISIBLE_DEVICES": device} if device is not None else {},
             )
         )
-    scheduler_port = free_port()
-    specs.append(
-        ServiceSpec(
-            "scheduler",
-            ["scheduler", "--host", LOOPBACK, "--port", str(scheduler_port),
-             "--metrics-port", str(free_port()), "--workers", ",".join(worker_addresses),
-             *config.scheduler_args],
-            f"{LOOPBACK}:{scheduler_port}",
+    shards = []
+    for index in range(config.num_schedulers):
+        port = free_port()
+        shards.append(f"{LOOPBACK}:{port}")
+        sharded = config.num_schedulers > 1
+        specs.append(
+            ServiceSpec(
+                f"scheduler-{index}" if sharded else "scheduler",
+                ["scheduler", "--host", LOOPBACK, "--port", str(port),
+                 "--metrics-port", str(free_port()),
+                 "--workers", ",".join(worker_addresses[index :: config.num_schedulers]),
+                 *(["--shard-name", f"scheduler-{index}"] if sharded else []),
+                 *config.scheduler_args],
+                shards[-1],
+            )
         )
-    )
     specs.append(
         ServiceSpec(
             "gateway",
             ["gateway", "--model", config.model, "--host", config.host,
              "--port", str(config.grpc_port), "--http-port", str(config.http_port),
-             "--scheduler", f"{LOOPBACK}:{scheduler_port}", *config.gateway_args],
+             "--scheduler", ",".join(shards), *config.gateway_args],
             f"{LOOPBACK}:{config.grpc_port}",
         )
     )
@@ -292,14 +302,15 @@ async def run_stack(config: StackConfig) -> int:
         stopper.cancel()
         start.result()
         workers = ", ".join(s.grpc_address for s in stack.specs if s.name.startswith("worker"))
-        scheduler = next(s.grpc_address for s in stack.specs if s.name == "scheduler")
+        shards = [s.grpc_address for s in stack.specs if s.name.startswith("scheduler")]
+        scheduler = shards[0]
         http = "https" if config.https else "http"
         print(
             f"llmserve is up with model {config.model!r}\n"
             f"  gRPC   (llmserve.v1.Generation): {config.host}:{config.grpc_port}\n"
             f"  OpenAI HTTP API:                 {http}://{config.host}:{config.http_port}/v1\n"
             f"  metrics:                         {http}://{config.host}:{config.http_port}/metrics\n"
-            f"  scheduler: {scheduler}, workers: {workers}\n"
+            f"  scheduler: {', '.join(shards)}, workers: {workers}\n"
             f"    (llmserve drain --scheduler {scheduler} WORKER takes one out)\n"
             f"Try: llmserve generate --chat 'What is the capital of France?'\n"
             f"Ctrl-C stops everything.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 
 from llmserve import security
 from llmserve.config_env import parse_service_args
@@ -16,6 +17,7 @@ from llmserve.service_main import (
     start_service,
 )
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_service import metrics
 from scheduler_service.admission import DEFAULT_MAX_WAITING_REQUESTS, SchedulerAdmission, drain
 from scheduler_service.config import (
     DEFAULT_NGRAM_MAX,
@@ -153,6 +155,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     fleet.add_argument("--dns-interval-s", type=float, default=5.0)
     fleet.add_argument(
+        "--shard-name",
+        default="",
+        help="this scheduler's name when several share a fleet as shards (each driving its own "
+        "workers): on its traces (llmserve.scheduler.shard), metrics "
+        "(llmserve_scheduler_shard_info) and GetStats; default: its host name and port",
+    )
+    fleet.add_argument(
         "--worker-lease-s",
         type=float,
         default=10.0,
@@ -239,6 +248,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
         dns_interval_s=args.dns_interval_s,
         lease_s=args.worker_lease_s,
         no_worker_timeout_s=args.no_worker_timeout_s,
+        shard=args.shard_name or f"{socket.gethostname()}:{args.port}",
     )
 
 
@@ -253,16 +263,16 @@ async def serve(args: argparse.Namespace) -> None:
         # SERVING only while at least one worker replica is ready to take requests.
         asyncio.get_running_loop().create_task(set_serving(health, [SERVICE_NAME], ready))
 
-    router = Router(
-        build_fleet_config(args), on_ready_change, SchedulerAdmission(args.max_waiting_requests)
-    )
+    config = build_fleet_config(args)
+    metrics.SHARD_INFO.labels(config.shard).set(1)
+    router = Router(config, on_ready_change, SchedulerAdmission(args.max_waiting_requests))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router), server)
     address = f"{args.host}:{args.port}"
     security.add_port(server, address)
     await set_serving(health, [SERVICE_NAME], False)
     await server.start()
     router.start([w.strip() for w in args.workers.split(",") if w.strip()])
-    log.info("scheduler listening", address=address, workers=args.workers)
+    log.info("scheduler listening", address=address, workers=args.workers, shard=config.shard)
 
     async def on_stop() -> None:
         # NOT_SERVING from the first moment of the drain, for good: no later ready change

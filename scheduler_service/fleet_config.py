@@ -25,6 +25,8 @@ class FleetConfig:
     no_worker_timeout_s: float = 30.0
     # A request in this many failed steps is failed rather than retried again.
     max_step_failures: int = 2
+    # This scheduler's name among the shards (on traces, metrics and GetStats).
+    shard: str = ""
 
 
 class FleetOwner(Protocol):

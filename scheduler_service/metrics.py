@@ -11,6 +11,9 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 _R = ["replica"]
+SHARD_INFO = Gauge(
+    "llmserve_scheduler_shard_info", "1, labelled with this scheduler's shard name", ["shard"]
+)
 RUNNING = Gauge("llmserve_requests_running", "Requests running", _R)
 WAITING = Gauge("llmserve_requests_waiting", "Requests waiting to be scheduled", _R)
 SWAPPED = Gauge("llmserve_requests_swapped", "Requests swapped out to host memory", _R)

@@ -147,7 +147,9 @@ class Router:
             route.sent = continued_choices(add.continuation, params)
             route.num_output_tokens = sum(len(c.output_token_ids) for c in route.sent.values())
         snapshot = self._snapshot(key, route)
-        trace = start_request_trace(key, add.traceparent, len(route.prompt_token_ids))
+        trace = start_request_trace(
+            key, add.traceparent, len(route.prompt_token_ids), self.fleet.config.shard
+        )
         try:
             self.fleet.place(snapshot, trace)
         except ApiError:
@@ -274,7 +276,9 @@ class Router:
 
     def stats(self) -> scheduler_pb2.GetStatsResponse:
         reply = scheduler_pb2.GetStatsResponse(
-            num_unfinished_requests=len(self.routes), num_gateways=len(self.streams)
+            num_unfinished_requests=len(self.routes),
+            num_gateways=len(self.streams),
+            shard=self.fleet.config.shard,
         )
         for replica in self.fleet.replicas:
             counters = replica.counters()

@@ -61,15 +61,22 @@ class RequestTrace:
     constrained: bool = False
 
 
-def start_request_trace(key: str, traceparent: str, num_prompt_tokens: int) -> RequestTrace | None:
-    """The request's lifecycle span (event `queued`), or None when it is not recorded."""
+def start_request_trace(
+    key: str, traceparent: str, num_prompt_tokens: int, shard: str = ""
+) -> RequestTrace | None:
+    """The request's lifecycle span (event `queued`), or None when it is not recorded; it
+    names the scheduler `shard` that holds the request."""
     span = tracer.start_span(
         REQUEST_SPAN, context=context_from_traceparent(traceparent), kind=SpanKind.SERVER
     )
     if not span.is_recording():
         return None
     span.set_attributes(
-        {"llmserve.request_id": key, "gen_ai.usage.input_tokens": num_prompt_tokens}
+        {
+            "llmserve.request_id": key,
+            "gen_ai.usage.input_tokens": num_prompt_tokens,
+            "llmserve.scheduler.shard": shard,
+        }
     )
     span.add_event("queued")
     return RequestTrace(span)

@@ -224,18 +224,20 @@ class ReplicaStats(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("replicas", "num_unfinished_requests", "num_gateways", "max_model_len", "totals")
+    __slots__ = ("replicas", "num_unfinished_requests", "num_gateways", "max_model_len", "totals", "shard")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     NUM_UNFINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_GATEWAYS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
     num_unfinished_requests: int
     num_gateways: int
     max_model_len: int
     totals: FleetTotals
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., num_unfinished_requests: _Optional[int] = ..., num_gateways: _Optional[int] = ..., max_model_len: _Optional[int] = ..., totals: _Optional[_Union[FleetTotals, _Mapping]] = ...) -> None: ...
+    shard: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., num_unfinished_requests: _Optional[int] = ..., num_gateways: _Optional[int] = ..., max_model_len: _Optional[int] = ..., totals: _Optional[_Union[FleetTotals, _Mapping]] = ..., shard: _Optional[str] = ...) -> None: ...
 
 class FleetTotals(_message.Message):
     __slots__ = ("num_steps", "num_migrated_out", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")

@@ -48,6 +48,11 @@ def test_shards_split_the_workers_and_serve_hf_equal_greedy_output(
     shards: FleetStack, tiny_model_dir: Path
 ):
     assert [ready_on(shards, s) for s in shards.schedulers] == [2, 2]
+    # Each names itself by host and port (--shard-name's default).
+    names = [shards.stats(s).shard for s in shards.schedulers]
+    assert [n.rsplit(":", 1)[1] for n in names] == [
+        s.address.rsplit(":", 1)[1] for s in shards.schedulers
+    ]
     rng = random.Random(5)
     prompts = [[rng.randrange(100, 20000) for _ in range(rng.randrange(6, 40))] for _ in range(8)]
     requests = [(f"greedy-{i}", {"prompt": p, "max_tokens": 12, "ignore_eos": True,

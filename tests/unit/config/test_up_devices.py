@@ -1,4 +1,5 @@
-"""`llmserve up --workers N` on CUDA: one device per worker, or a refusal."""
+"""`llmserve up --workers N` on CUDA: one device per worker, or a refusal; and the plan of
+`--schedulers N` shards."""
 
 from __future__ import annotations
 
@@ -37,6 +38,30 @@ def test_the_plan_sets_each_workers_visible_device() -> None:
     ]
     others = [s for s in specs if not s.name.startswith("worker-")]
     assert all(s.env == {} for s in others)
+
+
+def test_shards_split_the_workers_and_the_gateway_knows_them_all() -> None:
+    specs = plan_stack(StackConfig(num_workers=5, num_schedulers=2))
+    workers = [s.grpc_address for s in specs if s.name.startswith("worker-")]
+    shards = [s for s in specs if s.name.startswith("scheduler")]
+    assert [s.name for s in shards] == ["scheduler-0", "scheduler-1"]
+
+    def flag(spec, name):  # type: ignore[no-untyped-def]
+        return spec.args[spec.args.index(name) + 1]
+
+    assert [flag(s, "--workers").split(",") for s in shards] == [workers[0::2], workers[1::2]]
+    assert [flag(s, "--shard-name") for s in shards] == ["scheduler-0", "scheduler-1"]
+    gateway = next(s for s in specs if s.name == "gateway")
+    assert flag(gateway, "--scheduler").split(",") == [s.grpc_address for s in shards]
+    # Unsharded, the one scheduler keeps its name and every worker.
+    single = [s for s in plan_stack(StackConfig(num_workers=2)) if s.name.startswith("sched")]
+    assert [s.name for s in single] == ["scheduler"] and "--shard-name" not in single[0].args
+
+
+def test_more_shards_than_workers_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--workers", "1", "--schedulers", "2"])
+    assert "--schedulers must be between 1 and --workers" in capsys.readouterr().err
 
 
 @pytest.fixture

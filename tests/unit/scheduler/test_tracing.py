@@ -72,7 +72,7 @@ def test_prefix_hit_events_and_step_links(exporter: InMemorySpanExporter) -> Non
     tracer.attach("a", start_request_trace("a", SAMPLED, len(prompt)))
     run(engine, tracer)
     engine.add_request("b", prompt[:8] + [42], params)
-    tracer.attach("b", start_request_trace("b", SAMPLED, len(prompt)))
+    tracer.attach("b", start_request_trace("b", SAMPLED, len(prompt), shard="sched-1:50071"))
     parents = run(engine, tracer)
 
     a, b = by_name(exporter, "scheduler.request")
@@ -88,6 +88,7 @@ def test_prefix_hit_events_and_step_links(exporter: InMemorySpanExporter) -> Non
     assert "prefix_cache_hit" not in [e.name for e in a.events]
     assert b.parent.span_id == 0xB7AD6B7169203331
     assert b.attributes["gen_ai.usage.output_tokens"] == 2
+    assert b.attributes["llmserve.scheduler.shard"] == "sched-1:50071"  # names its shard
     steps = by_name(exporter, "scheduler.step")
     assert len(steps) == 4  # prefill + decode, twice
     b_steps = [s for s in steps if s.parent.span_id == b.context.span_id]
