@@ -129,9 +129,12 @@ class ComposeProject:
         self.name = name
         self.env = engine_env(**variables)
         self.volumes_before: set[str] = set()
+        # Override files added by a test (docker-compose.shards.yml), after COMPOSE_FILES.
+        self.extra_files: list[str] = []
 
     def compose(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-        files = [arg for name in COMPOSE_FILES for arg in ("-f", str(ROOT / name))]
+        names = [*COMPOSE_FILES, *self.extra_files]
+        files = [arg for name in names for arg in ("-f", str(ROOT / name))]
         return run(
             [sys.executable, "-m", "podman_compose", "-p", self.name, *files, *args],
             env=self.env,

@@ -1,7 +1,7 @@
 """docker-compose.yml for real, under podman (`make test-deploy`): the image built on a base
 from Debian's packages, the stack up, requests over HTTP and gRPC, two workers both serving,
-traces at the collector standing in for Jaeger, every Prometheus target up, and `down`
-leaving nothing behind. The tests run in file order against one stack."""
+traces at the collector standing in for Jaeger, every Prometheus target up, two scheduler
+shards (docker-compose.shards.yml) both serving, and `down` leaving nothing behind. The tests run in file order against one stack."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from tests.deploy.podman import (
     ensure_wheelhouse,
     get_json,
     image_id,
+    podman,
     podman_volumes,
     post_json,
     remove_replaced_image,
@@ -88,7 +89,7 @@ def stack() -> Iterator[Stack]:
         )
     finally:
         if project.containers():
-            for service in ("worker", "scheduler", "gateway"):
+            for service in ("worker", "scheduler", "scheduler-b", "gateway"):
                 print(f"--- {service} ---\n{project.logs(service)[-4000:]}")
         project.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
 
@@ -191,6 +192,57 @@ def test_every_prometheus_target_is_up(stack: Stack):
     active = wait_until(targets, 60, "every target up")
     jobs = sorted(t["labels"]["job"] for t in active)
     assert jobs == ["llmserve-gateway", "llmserve-scheduler", "llmserve-worker", "llmserve-worker"]
+
+
+def scheduler_metric(stack: Stack, service: str, name: str) -> float:
+    """The sum of a scheduler's counter `name` over its labels, read inside its container."""
+    [container] = stack.project.container_of(service)
+    read = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:9102/metrics').read().decode())"
+    text = podman("exec", container, "python", "-c", read).stdout
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((f"{name}{{", f"{name} "))
+    )
+
+
+def test_two_scheduler_shards_both_serve(stack: Stack):
+    stack.project.extra_files.append("docker-compose.shards.yml")
+    stack.project.compose("up", "-d", "--scale", "worker=2")
+    shards = ("scheduler", "scheduler-b")
+
+    def each_shard_has_a_worker() -> bool:  # a scheduler is SERVING with a ready worker
+        for service in shards:
+            [container] = stack.project.container_of(service)
+            health = ("exec", container, "llmserve", "health", "127.0.0.1:50071")
+            if podman(*health, check=False).returncode != 0:
+                return False
+        return True
+
+    wait_until(each_shard_has_a_worker, STARTUP_S, "a ready worker on each shard")
+    wait_until(lambda: get_json(stack.http + "/ready") == {"status": "ok"}, 120, "gateway /ready")
+    finished = "llmserve_requests_finished_total"
+    before = {s: scheduler_metric(stack, s, finished) for s in shards}
+
+    def complete(i: int) -> int:
+        reply = post_json(
+            stack.http + "/v1/completions",
+            {
+                "model": "smollm2",
+                "prompt": f"Shard request {i}: list {i} colours:",
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        return int(reply["usage"]["completion_tokens"])
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(complete, range(8))) == [12] * 8
+    # The gateway placed requests on both shards (distinct prompts spread by prefix).
+    after = {s: scheduler_metric(stack, s, finished) for s in shards}
+    assert all(after[s] > before[s] for s in shards), (before, after)
+    assert sum(after.values()) - sum(before.values()) == 8
 
 
 def test_down_leaves_nothing_running(stack: Stack):

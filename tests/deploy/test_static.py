@@ -51,7 +51,13 @@ def check_config(args: list[str], env: dict[str, str]) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize(
-    "name", ["docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.mtls.yml"]
+    "name",
+    [
+        "docker-compose.yml",
+        "docker-compose.gpu.yml",
+        "docker-compose.mtls.yml",
+        "docker-compose.shards.yml",
+    ],
 )
 def test_compose_file_validates_against_the_compose_spec(name: str):
     schema = json.loads(compose_spec_schema())
@@ -77,6 +83,29 @@ def test_compose_service_configuration_passes_check_config(files: tuple[str, ...
     result = check_config(spec["command"], env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"llmserve {service}: configuration ok"
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("service", [*SERVICES, "scheduler-b"])
+def test_shards_override_configurations_pass_check_config(service: str):
+    spec = load_compose("docker-compose.yml", "docker-compose.shards.yml")["services"][service]
+    env = {**image_env(), **{k: str(v) for k, v in spec["environment"].items()}}
+    result = check_config(spec["command"], env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_shards_override_points_workers_and_the_gateway_at_both_shards():
+    services = load_compose("docker-compose.yml", "docker-compose.shards.yml")["services"]
+    shards = ("scheduler", "scheduler-b")
+    port = {s: services[s]["environment"]["LLMSERVE_PORT"] for s in shards}
+    every_shard = ",".join(f"{s}:{port[s]}" for s in shards)
+    assert services["worker"]["environment"]["LLMSERVE_SCHEDULER"] == every_shard
+    assert services["gateway"]["environment"]["LLMSERVE_SCHEDULER"] == every_shard
+    # Workers join by lease only, and the shards have names of their own.
+    assert [services[s]["environment"].get("LLMSERVE_WORKER_DNS", "") for s in shards] == ["", ""]
+    assert len({services[s]["environment"]["LLMSERVE_SHARD_NAME"] for s in shards}) == 2
+    for s in shards:
+        assert services[s]["healthcheck"]["test"][-1] == f"127.0.0.1:{port[s]}"
 
 
 def test_compose_addresses_agree_with_the_ports_services_listen_on():
