@@ -33,11 +33,6 @@ IN_FLIGHT = Gauge(
 SCHEDULER_REQUESTS = Gauge(
     "llmserve_gateway_scheduler_requests", "Requests the gateway holds state for at the scheduler"
 )
-SHARD_REQUESTS = Gauge(
-    "llmserve_gateway_shard_requests",
-    "Unfinished requests the gateway has on each scheduler shard (not those waiting for one)",
-    ["shard"],
-)
 # Seconds a refused client is told to wait (Retry-After): about one request's time.
 RETRY_AFTER_S = 1.0
 

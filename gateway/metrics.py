@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from gateway.generation_types import Usage
@@ -42,6 +42,11 @@ E2E_SECONDS = Histogram(
 )
 
 
+SHARD_REQUESTS = Gauge(
+    "llmserve_gateway_shard_requests",
+    "Unfinished requests the gateway has on each scheduler shard (not those waiting for one)",
+    ["shard"],
+)
 GRAMMAR_CHECKS = Histogram(
     "llmserve_gateway_grammar_check_seconds",
     "Admission check of a request's grammar (a compile without the tokenizer)",

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from grpc_health.v1.health import HealthServicer
 
-from gateway.admission import SCHEDULER_REQUESTS, SHARD_REQUESTS, Admission
+from gateway.admission import SCHEDULER_REQUESTS, Admission
+from gateway.metrics import SHARD_REQUESTS
 from gateway.readiness import SchedulerReadiness, ShardsReadiness
 from llmserve import security
 from llmserve.grpc_utils import create_server, set_serving

@@ -16,7 +16,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "gpu")  # what `kubectl apply -k` takes on a cluster with built-in kinds only
 # Every overlay in the repository; those not in OVERLAYS name what they need beyond a vanilla
-# cluster (gpu-keda: KEDA; cpu-mtls: the TLS Secrets).
+# cluster (gpu-keda: KEDA; cpu-mtls: the TLS Secrets; cpu-shards: nothing, but more schedulers).
 ALL_OVERLAYS = tuple(sorted(p.name for p in (ROOT / "deploy" / "k8s" / "overlays").iterdir()))
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
@@ -97,14 +97,15 @@ class Container:
 
 
 def llmserve_containers(objects: list[dict[str, Any]]) -> Iterator[Container]:
-    """Each Deployment's containers, with envFrom ConfigMaps and Secrets resolved."""
+    """Each workload's (Deployment, StatefulSet) containers, with envFrom ConfigMaps and
+    Secrets resolved."""
     data: dict[tuple[str, str], dict[str, str]] = {}
     for obj in objects:
         if obj["kind"] in ("ConfigMap", "Secret"):
             values = {**obj.get("data", {}), **obj.get("stringData", {})}
             data[(obj["kind"], obj["metadata"]["name"])] = values
     for obj in objects:
-        if obj["kind"] != "Deployment":
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
             continue
         for container in obj["spec"]["template"]["spec"]["containers"]:
             env: dict[str, str] = {}

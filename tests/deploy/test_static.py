@@ -378,13 +378,54 @@ def test_overlay_objects_validate_against_kubernetes_1_30(overlay):
 @pytest.mark.parametrize("name", ALL_OVERLAYS, ids=[f"{o}-overlay" for o in ALL_OVERLAYS])
 def test_every_overlay_renders_and_its_built_in_objects_validate(name: str):
     objects = render_overlay(name)
-    deployments = sorted(obj["metadata"]["name"] for obj in objects if obj["kind"] == "Deployment")
-    assert deployments == ["gateway", "scheduler", "worker"], name
+    workloads = sorted(
+        obj["metadata"]["name"] for obj in objects if obj["kind"] in ("Deployment", "StatefulSet")
+    )
+    assert workloads == ["gateway", "scheduler", "worker"], name
     for obj in objects:
         if obj["apiVersion"] in BUILT_IN_API_VERSIONS:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         else:  # only the KEDA overlay brings a custom kind
             assert (obj["kind"], name) == ("ScaledObject", "gpu-keda"), (name, obj["kind"])
+
+
+@pytest.mark.services
+def test_shards_overlay_lists_every_shard_where_workers_and_gateways_look():
+    objects = render_overlay("cpu-shards")
+    [shards] = [obj for obj in objects if obj["kind"] == "StatefulSet"]
+    assert not [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "scheduler"
+    ]
+    headless = next(o for o in objects if o["metadata"]["name"] == shards["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    # A shard is not ready until a worker registers, which needs the shard's address.
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    containers = {c.workload: c for c in llmserve_containers(objects)}
+    port = containers["scheduler"].env["LLMSERVE_PORT"]
+    every_shard = ",".join(
+        f"scheduler-{i}.{headless['metadata']['name']}:{port}"
+        for i in range(shards["spec"]["replicas"])
+    )
+    assert shards["spec"]["replicas"] == 2
+    assert containers["worker"].env["LLMSERVE_SCHEDULER"] == every_shard
+    assert containers["gateway"].env["LLMSERVE_SCHEDULER"] == every_shard
+    assert "LLMSERVE_WORKER_DNS" not in containers["scheduler"].env
+    for container in containers.values():
+        result = check_config(container.args, container.env)
+        assert result.returncode == 0, (container.workload, result.stderr)
+    # Workers may reach the shards' gRPC port (leases).
+    allowed = [
+        rule
+        for obj in objects
+        if obj["kind"] == "NetworkPolicy"
+        and obj["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "scheduler"}}
+        for rule in obj["spec"].get("ingress", [])
+    ]
+    assert any(
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "worker"}}} in rule["from"]
+        and {"port": int(port), "protocol": "TCP"} in rule["ports"]
+        for rule in allowed
+    )
 
 
 def _worker_autoscalers(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
