@@ -21,12 +21,17 @@ On a small machine the helper process and the client share cores with the schedu
 is reported too. The scheduler's CPU per step is the figure that carries over to a real fleet.
 
     .venv/bin/python bench/fleet_size.py --workers 1 4 16 --seqs 32 --out bench/results/fleet-size.json
+
+With `--shards K`, K scheduler processes each drive N/K of the workers (worker i registers with
+shard i mod K) and take an equal share of the requests on a client stream of their own: the
+scheduler figures are summed over the shards, and `sched_cores_max` is the busiest one's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -34,6 +39,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -66,54 +72,72 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def closed_loop(
-    scheduler: SchedulerProcess,
+    schedulers: list[SchedulerProcess],
     workers: SimulatedFleetProcess,
     args: argparse.Namespace,
     n: int,
     seqs: int,
 ) -> dict:  # type: ignore[type-arg]
-    """Keep n x seqs requests in flight; measure over the window after the warm-up."""
+    """Keep n x seqs requests in flight, an equal share on each shard (as its workers are);
+    measure over the window after the warm-up."""
     rng = random.Random(args.seed)
-    concurrency = n * seqs
     submitted = 0
     submitting = True
-    driver: ConnectDriver
+    drivers: list[ConnectDriver] = []
 
-    def submit() -> None:
+    def submit(shard: int) -> None:
         nonlocal submitted
         prompt = [rng.randrange(1, 100000) for _ in range(args.prompt_len)]
         max_tokens = rng.randint(args.max_tokens // 2, args.max_tokens * 3 // 2)
-        driver.submit(
+        drivers[shard].submit(
             f"r{submitted}", prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0
         )
         submitted += 1
 
-    def on_done(tracked: Tracked) -> None:
-        if tracked.error is not None:
-            errors.append(tracked.error)
-        if submitting and submitted < args.max_requests:
-            submit()
+    def on_done_of(shard: int) -> Callable[[Tracked], None]:
+        def on_done(tracked: Tracked) -> None:
+            if tracked.error is not None:
+                errors.append(tracked.error)
+            if submitting and submitted < args.max_requests:
+                submit(shard)
+
+        return on_done
+
+    def sched_cpu() -> list[float]:
+        return [cpu_s(s.popen.pid) for s in schedulers]
+
+    def tokens() -> int:
+        return sum(d.num_tokens for d in drivers)
 
     errors: list[str] = []
-    async with ConnectDriver(scheduler.address, on_done, keep_tokens=False) as driver:
-        for _ in range(concurrency):
-            submit()
+    async with contextlib.AsyncExitStack() as stack:
+        for shard, scheduler in enumerate(schedulers):
+            drivers.append(
+                await stack.enter_async_context(
+                    ConnectDriver(scheduler.address, on_done_of(shard), keep_tokens=False)
+                )
+            )
+        for i in range(n * seqs):
+            submit(i % len(schedulers))
         await asyncio.sleep(args.warmup_s)
         workers.stats()  # counting starts now
-        t0, sched0 = time.perf_counter(), cpu_s(scheduler.popen.pid)
-        steps0 = scheduler.stats().totals.num_steps
-        tokens0, helper0, own0 = driver.num_tokens, cpu_s(workers.pid), own_cpu_s()
+        t0, sched0 = time.perf_counter(), sched_cpu()
+        steps0 = sum(s.stats().totals.num_steps for s in schedulers)
+        tokens0, helper0, own0 = tokens(), cpu_s(workers.pid), own_cpu_s()
         await asyncio.sleep(args.duration_s)
-        t1, sched1 = time.perf_counter(), cpu_s(scheduler.popen.pid)
-        stats = scheduler.stats()
-        tokens1, helper1, own1 = driver.num_tokens, cpu_s(workers.pid), own_cpu_s()
-        submitted_in_window_end = sum(not r.done for r in driver.requests.values())
+        t1, sched1 = time.perf_counter(), sched_cpu()
+        all_stats = [s.stats() for s in schedulers]
+        tokens1, helper1, own1 = tokens(), cpu_s(workers.pid), own_cpu_s()
+        submitted_in_window_end = sum(not r.done for d in drivers for r in d.requests.values())
         pooled = workers.stats()
         submitting = False
-        await driver.wait_all(timeout_s=args.drain_timeout_s)
-        requests = list(driver.requests.values())
+        for driver in drivers:
+            await driver.wait_all(timeout_s=args.drain_timeout_s)
+        requests = [r for d in drivers for r in d.requests.values()]
     window = t1 - t0
-    steps = stats.totals.num_steps - steps0
+    steps = sum(s.totals.num_steps for s in all_stats) - steps0
+    sched_s = [b - a for a, b in zip(sched0, sched1, strict=True)]
+    sched_total = sum(sched_s)
     ttfts = [(r.first_token - r.sent) * 1000 for r in requests
              if t0 <= r.sent <= t1 and r.first_token is not None]  # fmt: skip
     sched_ttfts = [r.scheduler_first_token_ns / 1e6 for r in requests
@@ -124,17 +148,21 @@ async def closed_loop(
     tok_s = (tokens1 - tokens0) / window
     gap = pooled["gap_ms"]
     sampled = pooled["tokens_sampled"]
+    replicas = [r for s in all_stats for r in s.replicas]
     return {
         "workers": n,
         "seqs_per_worker": seqs,
+        "shards": len(schedulers),
         "window_s": round(window, 2),
         "requests": len(requests),
         "errors": len(errors),
         "steps_per_s": round(steps / window, 1),
-        "sched_cpu_ms_per_step": round((sched1 - sched0) / steps * 1000, 3) if steps else None,
-        "sched_cores": round((sched1 - sched0) / window, 2),
-        # Per token the workers sampled in the window (what the scheduler had to process).
-        "sched_cpu_us_per_token": round((sched1 - sched0) / sampled * 1e6, 1) if sampled else None,
+        "sched_cpu_ms_per_step": round(sched_total / steps * 1000, 3) if steps else None,
+        # Over every shard, and the busiest shard's alone.
+        "sched_cores": round(sched_total / window, 2),
+        "sched_cores_max": round(max(sched_s) / window, 2),
+        # Per token the workers sampled in the window (what the schedulers had to process).
+        "sched_cpu_us_per_token": round(sched_total / sampled * 1e6, 1) if sampled else None,
         "tokens_per_step": round(sampled / steps, 1) if steps else None,
         "worker_gap_ms_mean": round(gap["mean"], 3),
         "worker_gap_ms_p50": round(gap["p50"], 3),
@@ -152,11 +180,11 @@ async def closed_loop(
         "sched_ttft_ms_p99": round(percentile(sched_ttfts, 0.99), 1),
         "helper_cores": round((helper1 - helper0) / window, 2),
         "client_cores": round((own1 - own0) / window, 2),
-        "preemptions": stats.totals.num_preemptions,
-        # At the window's end: requests the scheduler holds, and where (all replicas).
-        "sched_unfinished": stats.num_unfinished_requests,
-        "sched_running": sum(r.num_running for r in stats.replicas),
-        "sched_waiting": sum(r.num_waiting for r in stats.replicas),
+        "preemptions": sum(s.totals.num_preemptions for s in all_stats),
+        # At the window's end: requests the schedulers hold, and where (all replicas).
+        "sched_unfinished": sum(s.num_unfinished_requests for s in all_stats),
+        "sched_running": sum(r.num_running for r in replicas),
+        "sched_waiting": sum(r.num_waiting for r in replicas),
         "client_in_flight": submitted_in_window_end,
     }
 
@@ -168,39 +196,47 @@ def print_profile(path: Path, limit: int = 25) -> None:
     pstats.Stats(str(path)).sort_stats("tottime").print_stats(limit)
 
 
-def run_one(args: argparse.Namespace, n: int, seqs: int, root: Path) -> dict:  # type: ignore[type-arg]
-    log_dir = root / f"n{n}-s{seqs}"
+def run_one(args: argparse.Namespace, n: int, seqs: int, shards: int, root: Path) -> dict:  # type: ignore[type-arg]
+    log_dir = root / f"n{n}-s{seqs}-k{shards}"
     log_dir.mkdir(parents=True)
-    launcher = None
-    if args.profile_dir is not None:
-        args.profile_dir.mkdir(parents=True, exist_ok=True)
-        out = args.profile_dir / f"scheduler-n{n}-s{seqs}.prof"
-        launcher = [sys.executable, str(Path(__file__).parent / "profile_service.py"), str(out)]
-    scheduler = start_scheduler(
-        log_dir / "scheduler.log",
-        ["--max-num-seqs", str(max(seqs, 256)), "--max-waiting-requests", str(2 * n * seqs + 64),
-         "--log-level", args.scheduler_log_level],
-        launcher,
-    )  # fmt: skip
+    schedulers: list[SchedulerProcess] = []
     workers = None
     try:
+        for shard in range(shards):
+            launcher = None
+            if args.profile_dir is not None:
+                args.profile_dir.mkdir(parents=True, exist_ok=True)
+                out = args.profile_dir / f"scheduler-n{n}-s{seqs}-k{shards}-{shard}.prof"
+                launcher = [sys.executable, str(Path(__file__).parent / "profile_service.py"),
+                            str(out)]  # fmt: skip
+            schedulers.append(start_scheduler(
+                log_dir / f"scheduler-{shard}.log",
+                ["--max-num-seqs", str(max(seqs, 256)),
+                 "--max-waiting-requests", str(2 * n * seqs + 64),
+                 "--log-level", args.scheduler_log_level],
+                launcher,
+            ))  # fmt: skip
         workers = SimulatedFleetProcess(
-            scheduler.address, n, log_dir / "workers.log",
+            ",".join(s.address for s in schedulers), n, log_dir / "workers.log",
             StepTimeModel(args.fixed_ms, args.per_token_ms),
             ["--num-gpu-blocks", str(args.num_gpu_blocks), "--log-level", "WARNING"],
         )  # fmt: skip
-        scheduler.wait_ready(n)
-        return asyncio.run(closed_loop(scheduler, workers, args, n, seqs))
+        for shard, scheduler in enumerate(schedulers):
+            scheduler.wait_ready(len(range(shard, n, shards)))
+        return asyncio.run(closed_loop(schedulers, workers, args, n, seqs))
     finally:
-        scheduler.stop()
+        for scheduler in schedulers:
+            scheduler.stop()
         if workers is not None:
             workers.stop()
 
 
 COLUMNS = [
-    ("workers", "N"), ("seqs_per_worker", "seqs"), ("sched_cpu_ms_per_step", "sched ms/step"),
+    ("workers", "N"), ("seqs_per_worker", "seqs"), ("shards", "shards"),
+    ("sched_cpu_ms_per_step", "sched ms/step"),
     ("tokens_per_step", "tokens/step"), ("sched_cpu_us_per_token", "sched us/token"),
-    ("sched_cores", "sched cores"), ("worker_gap_ms_mean", "gap mean ms"),
+    ("sched_cores", "sched cores"), ("sched_cores_max", "busiest shard cores"),
+    ("worker_gap_ms_mean", "gap mean ms"),
     ("worker_gap_ms_p99", "gap p99 ms"), ("busy", "busy"), ("output_tok_s", "tok/s"),
     ("ideal_tok_s", "ideal tok/s"), ("of_ideal", "of ideal"), ("ttft_ms_p50", "TTFT p50 ms"),
     ("ttft_ms_p99", "TTFT p99 ms"), ("sched_ttft_ms_p99", "sched TTFT p99 ms"),
@@ -218,6 +254,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--seqs", type=int, nargs="+", default=[32], help="sequences per worker")
+    p.add_argument(
+        "--shards",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="scheduler shards, each a process with an equal share of the workers and of the "
+        "requests (one client stream each)",
+    )
     p.add_argument("--fixed-ms", type=float, default=StepTimeModel().fixed_ms)
     p.add_argument("--per-token-ms", type=float, default=StepTimeModel().per_token_ms)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -251,11 +295,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="llmserve-fleet-size-") as tmp:
         for seqs in args.seqs:
             for n in args.workers:
-                row = run_one(args, n, seqs, Path(tmp))
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-                if args.profile_dir is not None:
-                    print_profile(args.profile_dir / f"scheduler-n{n}-s{seqs}.prof")
+                for shards in args.shards:
+                    row = run_one(args, n, seqs, shards, Path(tmp))
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    if args.profile_dir is not None:
+                        print_profile(args.profile_dir / f"scheduler-n{n}-s{seqs}-k{shards}-0.prof")
     print(table(rows))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

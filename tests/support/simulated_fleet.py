@@ -119,7 +119,8 @@ async def _serve_fleet(args: argparse.Namespace) -> int:
         num_cpu_blocks=args.num_cpu_blocks,
         max_model_len=args.max_model_len,
     )
-    servers = [await serve_simulated(config, args.scheduler) for _ in range(args.workers)]
+    shards = args.scheduler.split(",")
+    servers = [await serve_simulated(config, shards[i % len(shards)]) for i in range(args.workers)]
     print(json.dumps({"ready": [s.address for s in servers]}), flush=True)
     loop = asyncio.get_running_loop()
     try:
@@ -139,7 +140,12 @@ async def _serve_fleet(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.support.simulated_fleet", description=__doc__)
-    p.add_argument("--scheduler", required=True, help="host:port to register with")
+    p.add_argument(
+        "--scheduler",
+        required=True,
+        help="host:port to register with; several comma-separated (shards): worker i registers "
+        "with the (i mod count)-th, so that the shards get equal shares",
+    )
     p.add_argument("--workers", type=int, default=1)
     defaults = SimulatedConfig()
     p.add_argument("--fixed-ms", type=float, default=defaults.step_time.fixed_ms)
@@ -157,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class SimulatedFleetProcess:
-    """`num_workers` simulated workers in a child process, registered with `scheduler`."""
+    """`num_workers` simulated workers in a child process, registered with `scheduler` (or,
+    comma-separated, spread evenly over several shards)."""
 
     def __init__(
         self,
