@@ -284,6 +284,9 @@ def main() -> None:
         help="run the scheduler under cProfile, one .prof file per configuration",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--log-dir", type=Path, default=None, help="keep the services' logs here (default: none)"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     print(
@@ -293,10 +296,11 @@ def main() -> None:
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="llmserve-fleet-size-") as tmp:
+        logs = args.log_dir or Path(tmp)
         for seqs in args.seqs:
             for n in args.workers:
                 for shards in args.shards:
-                    row = run_one(args, n, seqs, shards, Path(tmp))
+                    row = run_one(args, n, seqs, shards, logs)
                     print(json.dumps(row), flush=True)
                     rows.append(row)
                     if args.profile_dir is not None:
