@@ -1,14 +1,21 @@
 """What the gateway keeps of a request submitted to the scheduler (enough to send it again),
-and the messages one read of a Connect stream carries."""
+the messages one read of a Connect stream carries, and what one write of it sends."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from llmserve.v1 import scheduler_pb2
 
 Inbox = asyncio.Queue[scheduler_pb2.SchedulerMessage]
+Outbox = asyncio.Queue[scheduler_pb2.GatewayMessage | None]
+
+# One write to the scheduler carries at most this many adds and aborts, and stops taking more
+# once it holds this many prompt tokens (5 MiB or so: well under --max-message-bytes).
+MAX_BATCH = 256
+MAX_BATCH_PROMPT_TOKENS = 1 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -68,3 +75,27 @@ def unbatched(message: scheduler_pb2.SchedulerMessage) -> list[scheduler_pb2.Sch
     if message.WhichOneof("kind") == "batch":
         return list(message.batch.messages)
     return [message]
+
+
+async def outgoing(outbox: Outbox) -> AsyncIterator[scheduler_pb2.GatewayMessage]:
+    """A Connect stream's requests: what `outbox` holds at each write, batched, until None."""
+    while (first := await outbox.get()) is not None:
+        yield take_batch(first, outbox)
+
+
+def take_batch(first: scheduler_pb2.GatewayMessage, outbox: Outbox) -> scheduler_pb2.GatewayMessage:
+    """`first` and whatever else `outbox` holds now, up to MAX_BATCH messages and until they
+    hold MAX_BATCH_PROMPT_TOKENS prompt tokens, as one message (a batch when there are
+    several). The stream's end (None) stays in the queue for the next write."""
+    messages = [first]
+    tokens = len(first.add.prompt_token_ids)
+    while len(messages) < MAX_BATCH and tokens < MAX_BATCH_PROMPT_TOKENS and not outbox.empty():
+        item = outbox.get_nowait()
+        if item is None:
+            outbox.put_nowait(None)  # nothing is behind it: it stays last
+            break
+        messages.append(item)
+        tokens += len(item.add.prompt_token_ids)
+    if len(messages) == 1:
+        return first
+    return scheduler_pb2.GatewayMessage(batch=scheduler_pb2.GatewayMessageBatch(messages=messages))

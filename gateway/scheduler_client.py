@@ -17,12 +17,12 @@ for a scheduler fails UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.inflight import Inbox, InFlight, unbatched
+from gateway.inflight import Inbox, InFlight, Outbox, outgoing, unbatched
 from gateway.shard_routing import pick_shard, prefix_key
 from llmserve import security
 from llmserve.errors import (
@@ -50,8 +50,6 @@ _CHANNEL_BACKOFF = [
 ]
 DEFAULT_RECONNECT_TIMEOUT_S = 60.0
 
-_Outbox = asyncio.Queue[scheduler_pb2.GatewayMessage | None]
-
 
 @dataclass(eq=False, slots=True)
 class _Shard:
@@ -61,7 +59,7 @@ class _Shard:
     channel: grpc.aio.Channel
     stub: scheduler_pb2_grpc.SchedulerStub
     # The live stream's outgoing queue; None while there is no stream.
-    outbox: _Outbox | None = None
+    outbox: Outbox | None = None
     ever_connected: bool = False
     task: asyncio.Task[None] | None = None
     # Unfinished requests whose messages come from this shard's stream.
@@ -142,18 +140,13 @@ class SchedulerClient:
 
     # -- the streams ---------------------------------------------------------------------------
 
-    @staticmethod
-    async def _outgoing(outbox: _Outbox) -> AsyncIterator[scheduler_pb2.GatewayMessage]:
-        while (message := await outbox.get()) is not None:
-            yield message
-
     async def _run(self, shard: _Shard) -> None:
         attempt = 0
         while True:
-            outbox: _Outbox = asyncio.Queue()
+            outbox: Outbox = asyncio.Queue()
             try:
                 await shard.channel.channel_ready()
-                call = shard.stub.Connect(self._outgoing(outbox))
+                call = shard.stub.Connect(outgoing(outbox))
                 self._on_connected(shard, outbox, attempt)
                 attempt = 0
                 async for message in call:
@@ -183,7 +176,7 @@ class SchedulerClient:
                 )
                 await asyncio.sleep(delay)
 
-    def _on_connected(self, shard: _Shard, outbox: _Outbox, attempt: int) -> None:
+    def _on_connected(self, shard: _Shard, outbox: Outbox, attempt: int) -> None:
         """Adopt a new stream and send it every unfinished request that waits for a shard."""
         shard.outbox = outbox
         self._connected.set()
@@ -205,7 +198,7 @@ class SchedulerClient:
             log.info("connected to scheduler", address=shard.address, resubmitted=resent)
         shard.ever_connected = True
 
-    def _on_disconnected(self, shard: _Shard, outbox: _Outbox) -> None:
+    def _on_disconnected(self, shard: _Shard, outbox: Outbox) -> None:
         """Move the shard's requests to another connected shard; with none, each waits for the
         next stream, up to the timeout."""
         shard.outbox = None

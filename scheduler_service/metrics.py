@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from llmserve.steps import StepInput, StepResult
@@ -75,12 +77,22 @@ def priority_label(priority: int) -> str:
 
 # Cumulative scheduler counters are mirrored into Prometheus counters by their increase.
 _last: dict[tuple[Counter, tuple[str, ...]], float] = {}
+# Each labelled series' child, looked up once: labels() takes a lock and checks its arguments
+# on every call, and every step of every replica records a dozen series.
+_children: dict[tuple[Counter | Gauge | Histogram, tuple[str, ...]], Any] = {}
+
+
+def _child(metric: Counter | Gauge | Histogram, *key: str) -> Any:
+    child = _children.get((metric, key))
+    if child is None:
+        child = _children[(metric, key)] = metric.labels(*key)
+    return child
 
 
 def _advance(counter: Counter, key: tuple[str, ...], total: float) -> None:
     previous = _last.get((counter, key), 0.0)
     if total > previous:
-        counter.labels(*key).inc(total - previous)
+        _child(counter, *key).inc(total - previous)
     _last[(counter, key)] = total
 
 
@@ -110,11 +122,11 @@ SPEC_AFTER_DRAFTS_DROPPED = Counter(
 
 def record_stats(replica_id: int, stats: SchedulerStats) -> None:
     r = str(replica_id)
-    RUNNING.labels(r).set(stats.num_running)
-    WAITING.labels(r).set(stats.num_waiting)
-    SWAPPED.labels(r).set(stats.num_swapped)
-    KV_USAGE.labels(r, "gpu").set(stats.gpu_kv_usage)
-    KV_USAGE.labels(r, "cpu").set(stats.cpu_kv_usage)
+    _child(RUNNING, r).set(stats.num_running)
+    _child(WAITING, r).set(stats.num_waiting)
+    _child(SWAPPED, r).set(stats.num_swapped)
+    _child(KV_USAGE, r, "gpu").set(stats.gpu_kv_usage)
+    _child(KV_USAGE, r, "cpu").set(stats.cpu_kv_usage)
     _advance(PREFIX_QUERIES, (r,), stats.prefix_cache_queries)
     _advance(PREFIX_HITS, (r,), stats.prefix_cache_hits)
     _advance(PREEMPTIONS, (r, "recompute"), stats.num_preemptions_recompute)
@@ -144,7 +156,7 @@ def record_step(
     r = str(replica_id)
     if step.is_empty():
         return
-    ITERATION_SECONDS.labels(r).observe(seconds)
+    _child(ITERATION_SECONDS, r).observe(seconds)
     # A decode computes one token of a sequence the worker holds (and its drafts); the rest
     # is prompt (prefill chunks and recomputes).
     decode_tokens = sum(
@@ -152,12 +164,12 @@ def record_step(
         for s in step.cached_seqs
         if s.num_scheduled_tokens == 1 + len(s.draft_token_ids)
     )
-    PROMPT_TOKENS.labels(r).inc(step.num_scheduled_tokens - decode_tokens)
+    _child(PROMPT_TOKENS, r).inc(step.num_scheduled_tokens - decode_tokens)
     if result is not None:
-        WORKER_FORWARD_SECONDS.labels(r).observe(result.forward_ns / 1e9)
+        _child(WORKER_FORWARD_SECONDS, r).observe(result.forward_ns / 1e9)
         if num_generated is None:
             num_generated = sum(1 for o in result.outputs if o.samples)
-        GENERATION_TOKENS.labels(r).inc(num_generated)
+        _child(GENERATION_TOKENS, r).inc(num_generated)
 
 
 def record_finished(

@@ -76,11 +76,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request_iterator: AsyncIterator[scheduler_pb2.GatewayMessage], stream: GatewayStream
     ) -> None:
         try:
-            async for message in request_iterator:
-                kind = message.WhichOneof("kind")
-                if kind == "add":
-                    self.router.add(stream, message.add)
-                elif kind == "abort":
-                    self.router.abort(stream, message.abort.request_id)
+            async for received in request_iterator:
+                batch = received.WhichOneof("kind") == "batch"
+                for message in received.batch.messages if batch else (received,):
+                    kind = message.WhichOneof("kind")
+                    if kind == "add":
+                        self.router.add(stream, message.add)
+                    elif kind == "abort":
+                        self.router.abort(stream, message.abort.request_id)
+                    # A batch inside a batch is not a message a gateway sends: ignored.
         finally:
             stream.outbox.put_nowait(None)

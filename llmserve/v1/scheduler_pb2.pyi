@@ -50,12 +50,20 @@ class DrainWorkerResponse(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class GatewayMessage(_message.Message):
-    __slots__ = ("add", "abort")
+    __slots__ = ("add", "abort", "batch")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     add: AddRequest
     abort: AbortRequest
-    def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+    batch: GatewayMessageBatch
+    def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., batch: _Optional[_Union[GatewayMessageBatch, _Mapping]] = ...) -> None: ...
+
+class GatewayMessageBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[GatewayMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[GatewayMessage, _Mapping]]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "traceparent", "continuation", "stop", "decode_special_tokens", "timeout_ms", "grammar")

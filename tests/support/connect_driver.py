@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from gateway.inflight import unbatched
+from gateway.inflight import outgoing, unbatched
 from llmserve.grpc_utils import channel_options
 from llmserve.proto_convert import sampling_params_to_proto
 from llmserve.sampling_params import SamplingParams
@@ -69,7 +69,7 @@ class ConnectDriver:
     async def __aenter__(self) -> ConnectDriver:
         self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
         stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self._call = stub.Connect(self._messages())
+        self._call = stub.Connect(outgoing(self._outbox))  # batched, as a gateway writes
         self._reader = asyncio.create_task(self._read())
         return self
 
@@ -79,10 +79,6 @@ class ConnectDriver:
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
         await self._channel.close()
-
-    async def _messages(self) -> AsyncIterator[scheduler_pb2.GatewayMessage]:
-        while (message := await self._outbox.get()) is not None:
-            yield message
 
     def submit(self, request_id: str, prompt: list[int], **sampling: Any) -> Tracked:
         """Send one request; `sampling`: SamplingParams keywords."""

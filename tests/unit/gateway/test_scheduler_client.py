@@ -17,6 +17,7 @@ import pytest
 
 from gateway.generation import GenerationCore
 from gateway.generation_types import GenerationInput, Prompt
+from gateway.inflight import MAX_BATCH, MAX_BATCH_PROMPT_TOKENS, take_batch
 from gateway.scheduler_client import SchedulerClient
 from gateway.tokenization import Tokenization
 from llmserve.continuation import continuation_from_proto
@@ -66,6 +67,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.aborts: list[str] = []
         self.requests: dict[str, _FakeRequest] = {}
         self.connected = asyncio.Event()
+        self.writes = 0  # messages read off Connect streams (a batch counts once)
 
     async def Connect(
         self, request_iterator: AsyncIterator[scheduler_pb2.GatewayMessage], context: object
@@ -73,12 +75,15 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         outbox: asyncio.Queue[scheduler_pb2.SchedulerMessage | None] = asyncio.Queue()
 
         async def read() -> None:
-            async for message in request_iterator:
-                if message.WhichOneof("kind") == "add":
-                    self._add(message.add, outbox)
-                else:
-                    self.aborts.append(message.abort.request_id)
-                    self.requests.pop(message.abort.request_id, None)
+            async for received in request_iterator:
+                self.writes += 1
+                batch = received.WhichOneof("kind") == "batch"
+                for message in received.batch.messages if batch else [received]:
+                    if message.WhichOneof("kind") == "add":
+                        self._add(message.add, outbox)
+                    else:
+                        self.aborts.append(message.abort.request_id)
+                        self.requests.pop(message.abort.request_id, None)
 
         reader = asyncio.create_task(read())
         self.connected.set()
@@ -511,3 +516,37 @@ def test_generation_text_is_unchanged_by_a_restart_and_sampling_gets_a_seed(smol
     assert seeds["greedy"] is None and seeds["beam"] is None
     assert seeds["seeded"] == 42
     assert seeds["sampled"] is not None and 0 <= seeds["sampled"] < 2**63
+
+
+def test_requests_queued_together_go_in_one_write():
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        got = await start_requests(client)  # three submits in one turn of the event loop
+        await until(lambda: len(server.fake.requests) == len(REQUESTS), "all added")
+        assert server.fake.writes == 1
+        await run_to_end(server, got)
+
+    run(test)
+
+
+def test_a_write_takes_what_is_queued_within_its_limits():
+    def add(request_id: str, tokens: int) -> scheduler_pb2.GatewayMessage:
+        return scheduler_pb2.GatewayMessage(
+            add=scheduler_pb2.AddRequest(request_id=request_id, prompt_token_ids=[1] * tokens)
+        )
+
+    outbox: asyncio.Queue = asyncio.Queue()
+    for i in range(MAX_BATCH + 2):
+        outbox.put_nowait(add(f"r{i}", 1))
+    outbox.put_nowait(None)
+    first = take_batch(outbox.get_nowait(), outbox)
+    assert [m.add.request_id for m in first.batch.messages] == [f"r{i}" for i in range(MAX_BATCH)]
+    second = take_batch(outbox.get_nowait(), outbox)
+    assert [m.add.request_id for m in second.batch.messages] == ["r256", "r257"]
+    assert outbox.get_nowait() is None and outbox.empty()  # the end stays last
+    # One message alone is sent as it is; prompt tokens end a batch once past the limit.
+    assert take_batch(add("solo", 3), asyncio.Queue()).WhichOneof("kind") == "add"
+    for name in ("a", "b", "c"):
+        outbox.put_nowait(add(name, MAX_BATCH_PROMPT_TOKENS // 2))
+    batch = take_batch(add("first", 1), outbox)
+    assert [m.add.request_id for m in batch.batch.messages] == ["first", "a", "b"]
+    assert outbox.get_nowait().add.request_id == "c"
