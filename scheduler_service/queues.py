@@ -40,6 +40,8 @@ class SchedulerQueues:
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
         self.num_ignored = 0
         self._num_steps = 0
+        # Requests added or aborted so far (see `state_stamp`).
+        self._num_changes = 0
         self.speculator = Speculator(scheduler_config, self.block_manager)
 
     # -- requests -------------------------------------------------------------------------
@@ -49,6 +51,7 @@ class SchedulerQueues:
         assert seq_group.request_id not in self._groups, "duplicate request id"
         self._groups[seq_group.request_id] = seq_group
         insert_in_order(self.waiting, seq_group)
+        self._num_changes += 1
 
     def get_seq_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)
@@ -61,6 +64,7 @@ class SchedulerQueues:
         seq_group = self._groups.pop(request_id, None)
         if seq_group is None:
             return None
+        self._num_changes += 1
         for queue in (self.waiting, self.running, self.swapped):
             if seq_group in queue:
                 queue.remove(seq_group)
@@ -70,6 +74,12 @@ class SchedulerQueues:
             seq.status = SequenceStatus.ABORTED
             self.free_seq(seq, freed)
         return seq_group
+
+    @property
+    def state_stamp(self) -> tuple[int, int]:
+        """Changes whenever a step is scheduled or a request is added or aborted: what a
+        figure computed over the queues (routing's load) may be kept for until then."""
+        return self._num_steps, self._num_changes
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -11,6 +11,10 @@ is tokens of work ahead of the request's first token:
 - shortfall: when the replica has fewer free blocks than the uncached prompt needs, the
   missing blocks in tokens (it would wait, or preempt, to admit the request).
 
+A replica's load is computed over its queues at most once per scheduled step or change of
+its requests (`SchedulerQueues.state_stamp`): it is O(sequences), and a fleet places requests
+far more often than any one replica steps.
+
 `cache_aware` (the default) minimises that cost; `least_loaded` minimises load alone;
 `round_robin` takes the ready replicas in turn. Ties go to the replica with more free blocks,
 then the lower id.
@@ -85,17 +89,31 @@ class Router:
     def __init__(self, policy: RoutingPolicy) -> None:
         self.policy = policy
         self._turn = itertools.count()
+        # Per replica: the engine, its state stamp and the load computed then.
+        self._loads: dict[int, tuple[LLMEngine, tuple[int, int], int]] = {}
+
+    def _load(self, candidate: Candidate) -> int:
+        engine, stamp = candidate.engine, candidate.engine.scheduler.state_stamp
+        memo = self._loads.get(candidate.replica_id)
+        if memo is not None and memo[0] is engine and memo[1] == stamp:
+            return memo[2]
+        load = load_tokens(engine)
+        self._loads[candidate.replica_id] = (engine, stamp, load)
+        return load
 
     def pick(self, candidates: list[Candidate], prompt: Sequence[int]) -> Decision | None:
+        if len(self._loads) > len(candidates):  # forget replicas that left (and their engines)
+            ids = {c.replica_id for c in candidates}
+            self._loads = {rid: memo for rid, memo in self._loads.items() if rid in ids}
         if not candidates:
             return None
         if self.policy is RoutingPolicy.ROUND_ROBIN:
             chosen = candidates[next(self._turn) % len(candidates)]
-            return Decision(chosen.replica_id, 0, load_tokens(chosen.engine))
+            return Decision(chosen.replica_id, 0, self._load(chosen))
         best: tuple[tuple[int, int, int], Decision] | None = None
         for candidate in candidates:
             engine = candidate.engine
-            load = load_tokens(engine)
+            load = self._load(candidate)
             free_blocks = engine.scheduler.block_manager.get_num_free_gpu_blocks()
             if self.policy is RoutingPolicy.LEAST_LOADED:
                 cached, cost = 0, load

@@ -126,6 +126,21 @@ def test_generate_over_grpc(stack: Stack):
     assert completion.text.strip()
 
 
+def greedy_completion(stack: Stack, prompt: str, max_tokens: int) -> int:
+    """A greedy /v1/completions of exactly `max_tokens`; the completion tokens it reports."""
+    reply = post_json(
+        stack.http + "/v1/completions",
+        {
+            "model": "smollm2",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    return int(reply["usage"]["completion_tokens"])
+
+
 def test_two_workers_both_serve(stack: Stack):
     stack.project.compose("up", "-d", "--scale", "worker=2")
     assert len(stack.project.container_of("worker")) == 2
@@ -145,17 +160,7 @@ def test_two_workers_both_serve(stack: Stack):
     before = steps_by_worker()
 
     def complete(i: int) -> int:
-        reply = post_json(
-            stack.http + "/v1/completions",
-            {
-                "model": "smollm2",
-                "prompt": f"Request {i}: count from {i} to {i + 20}:",
-                "max_tokens": 24,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-        )
-        return int(reply["usage"]["completion_tokens"])
+        return greedy_completion(stack, f"Request {i}: count from {i} to {i + 20}:", 24)
 
     def both_stepped() -> bool:
         # Concurrent requests: the router weighs load, so each worker takes some.
@@ -225,17 +230,7 @@ def test_two_scheduler_shards_both_serve(stack: Stack):
     before = {s: scheduler_metric(stack, s, finished) for s in shards}
 
     def complete(i: int) -> int:
-        reply = post_json(
-            stack.http + "/v1/completions",
-            {
-                "model": "smollm2",
-                "prompt": f"Shard request {i}: list {i} colours:",
-                "max_tokens": 12,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-        )
-        return int(reply["usage"]["completion_tokens"])
+        return greedy_completion(stack, f"Shard request {i}: list {i} colours:", 12)
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(complete, range(8))) == [12] * 8
