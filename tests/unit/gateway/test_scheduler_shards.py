@@ -1,6 +1,6 @@
 """SchedulerClient over several scheduler shards: placement by prefix and load, and a lost
 shard's requests continuing on another, against fake schedulers served over real gRPC (the
-fakes of test_scheduler_client: tokens are a formula of the prompt, the choice and the
+fakes of tests/support/fake_connect.py: tokens are a formula of the prompt, the choice and the
 position, so a continuation on another shard must give the uninterrupted stream)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.shard_routing import PREFIX_TOKENS, pick_shard, prefix_key
 from llmserve.sampling_params import SamplingParams
 from llmserve.service_main import shard_addresses
-from tests.unit.gateway.test_scheduler_client import FakeServer, Received, consume, until
+from tests.support.fake_connect import FakeServer, Received, consume, until
 
 SHARDS = ["10.0.0.1:50071", "10.0.0.2:50071", "10.0.0.3:50071", "10.0.0.4:50071"]
 
