@@ -35,6 +35,12 @@ class WorkerLostError(RuntimeError):
         self.cause = cause
 
 
+# How long a worker's Execute stream may stay open before it counts as another scheduler's,
+# and how often it is asked meanwhile.
+HELD_WAIT_S = 1.0
+HELD_POLL_S = 0.1
+
+
 class HeldElsewhereError(RuntimeError):
     """Another scheduler (a shard) drives the worker: its Execute stream is open there."""
 
@@ -108,8 +114,15 @@ async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> W
     refuses (`REFUSALS`), ConfigError if our --max-model-len is above the worker's, and
     HeldElsewhereError if another scheduler drives it."""
     info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
-    if info.execute_stream_open:
-        raise HeldElsewhereError("another scheduler's Execute stream is open on the worker")
+    waited = 0.0
+    while info.execute_stream_open:
+        # Our own previous stream (closed just now, after a failed step) may not have ended
+        # on the worker yet; another scheduler's stays open.
+        if waited >= HELD_WAIT_S:
+            raise HeldElsewhereError("another scheduler's Execute stream is open on the worker")
+        await asyncio.sleep(HELD_POLL_S)
+        waited += HELD_POLL_S
+        info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
     # max_model_len: the worker's model and cache decide it; ours may only lower it.
     scheduler_config = cfg.scheduler.with_worker_max_model_len(info.max_model_len)
     # An override replaces the worker's count, larger or smaller (as in vLLM).
