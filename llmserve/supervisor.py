@@ -303,7 +303,8 @@ async def run_stack(config: StackConfig) -> int:
         start.result()
         workers = ", ".join(s.grpc_address for s in stack.specs if s.name.startswith("worker"))
         shards = [s.grpc_address for s in stack.specs if s.name.startswith("scheduler")]
-        scheduler = shards[0]
+        # A worker is drained through its own shard: worker i is on shard i mod K.
+        scheduler = shards[0] if len(shards) == 1 else "SHARD"
         http = "https" if config.https else "http"
         print(
             f"llmserve is up with model {config.model!r}\n"
