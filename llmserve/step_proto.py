@@ -18,6 +18,8 @@ from llmserve.proto_convert import (
 )
 from llmserve.proto_masks import add_masks, token_mask_from_proto
 from llmserve.steps import (
+    BlockExport,
+    BlockImport,
     CachedSequence,
     Fork,
     NewSequence,
@@ -25,6 +27,7 @@ from llmserve.steps import (
     StepInput,
     StepResult,
     TokenLogprob,
+    TransferFailure,
 )
 from llmserve.v1 import worker_pb2
 
@@ -150,6 +153,12 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
     add_masks(msg.token_masks, step.token_masks)
     if step.deferred_mask_seq_ids:
         msg.deferred_mask_seq_ids.extend(step.deferred_mask_seq_ids)
+    if step.released_transfer_ids:
+        msg.released_transfer_ids.extend(step.released_transfer_ids)
+    for e in step.exports:
+        msg.exports.add(transfer_id=e.transfer_id, block_ids=e.block_ids)
+    for i in step.imports:
+        msg.imports.add(transfer_id=i.transfer_id, peer=i.peer, block_ids=i.block_ids)
     return msg
 
 
@@ -179,6 +188,9 @@ def step_input_from_proto(msg: worker_pb2.ExecuteRequest) -> StepInput:
         blocks_to_copy=_mapping(msg.blocks_to_copy),
         token_masks=[token_mask_from_proto(m) for m in msg.token_masks],
         deferred_mask_seq_ids=list(msg.deferred_mask_seq_ids),
+        released_transfer_ids=list(msg.released_transfer_ids),
+        exports=[BlockExport(e.transfer_id, list(e.block_ids)) for e in msg.exports],
+        imports=[BlockImport(i.transfer_id, i.peer, list(i.block_ids)) for i in msg.imports],
     )
 
 
@@ -235,7 +247,10 @@ def step_result_to_proto(result: StepResult) -> worker_pb2.ExecuteResult:
         forward_ns=result.forward_ns,
         sample_ns=result.sample_ns,
         mask_wait_ns=result.mask_wait_ns,
+        imported_transfer_ids=result.imported_transfer_ids,
     )
+    for f in result.failed_imports:
+        msg.failed_imports.add(transfer_id=f.transfer_id, reason=f.reason)
     _set_outputs(msg.outputs, result.outputs)
     for o in result.outputs:
         if o.prompt_logprobs:
@@ -261,4 +276,6 @@ def step_result_from_proto(msg: worker_pb2.ExecuteResult) -> StepResult:
         forward_ns=msg.forward_ns,
         sample_ns=msg.sample_ns,
         mask_wait_ns=msg.mask_wait_ns,
+        imported_transfer_ids=list(msg.imported_transfer_ids),
+        failed_imports=[TransferFailure(f.transfer_id, f.reason) for f in msg.failed_imports],
     )

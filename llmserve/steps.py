@@ -43,6 +43,14 @@ kept drafts as known, computed tokens; the rejected ones are gone (their cache s
 written again later). The scheduler counts the kept drafts as computed and sends only the
 last sample as the next step's new token.
 
+Transfers: a step may carry KV block transfers between workers, which the worker handles
+before step 1: `released_transfer_ids` are forgotten, `exports` registered (a peer may read
+those device blocks with ReadBlocks until a later step releases the transfer; the scheduler
+keeps them allocated and unwritten meanwhile), then each of `imports` reads a peer's export
+into this worker's device blocks, blocking the step until it has arrived or failed. The result
+lists the imports done and those failed; a sequence may use imported blocks only in a later
+step, once the scheduler has seen its import done.
+
 A step that continues such a sequence before the result is back assumes every draft is kept:
 the update is `[SAMPLED_TOKEN]` (the last token of the run) at the position after all the
 drafts, marked `after_drafts`, and may carry drafts of its own. If the step before kept fewer
@@ -157,6 +165,30 @@ class TokenMask:
 
 
 @dataclass(slots=True)
+class BlockExport:
+    """Device blocks peers may read under `transfer_id` (see the module doc: Transfers)."""
+
+    transfer_id: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class BlockImport:
+    """Read the blocks `peer` exports under `transfer_id` into `block_ids`, one destination
+    block per exported block, in the export's order."""
+
+    transfer_id: int
+    peer: str
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class TransferFailure:
+    transfer_id: int
+    reason: str
+
+
+@dataclass(slots=True)
 class StepInput:
     step_id: int
     new_seqs: list[NewSequence] = field(default_factory=list)
@@ -172,6 +204,10 @@ class StepInput:
     # Constrained sequences sampling in this step whose masks follow the step (computed while
     # the worker runs its forward pass); the worker waits for them before sampling.
     deferred_mask_seq_ids: list[int] = field(default_factory=list)
+    # KV transfers between workers (see the module doc: Transfers).
+    released_transfer_ids: list[int] = field(default_factory=list)
+    exports: list[BlockExport] = field(default_factory=list)
+    imports: list[BlockImport] = field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -192,6 +228,9 @@ class StepInput:
             or self.blocks_to_swap_out
             or self.blocks_to_swap_in
             or self.blocks_to_copy
+            or self.released_transfer_ids
+            or self.exports
+            or self.imports
         )
 
 
@@ -238,6 +277,9 @@ class StepResult:
     sample_ns: int = 0
     # Time waiting for the step's deferred masks after the forward pass (not in sample_ns).
     mask_wait_ns: int = 0
+    # The step's imports: done (their blocks are in the cache), and failed.
+    imported_transfer_ids: list[int] = field(default_factory=list)
+    failed_imports: list[TransferFailure] = field(default_factory=list)
 
 
 class Executor(Protocol):

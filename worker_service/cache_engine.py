@@ -92,6 +92,23 @@ class CacheEngine:
             src, dst = src.to(self.device), dst.to(self.device)
             self.device_cache[:, :, dst] = self.device_cache[:, :, src]
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one device block across every layer, K and V."""
+        per_block = self.device_cache[:, :, 0]  # [num_layers, 2, block_size, heads, head_dim]
+        return per_block.numel() * per_block.element_size()
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A host copy of device blocks, block-major: [n, num_layers, 2, block_size,
+        num_kv_heads, head_dim], contiguous (each block's bytes in one run)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.device_cache[:, :, index].to("cpu").permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Store blocks laid out as `read_blocks` returns them into device blocks."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.device_cache[:, :, index] = blocks.permute(1, 2, 0, 3, 4, 5).to(self.device)
+
     @staticmethod
     def _split(mapping: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = torch.tensor(mapping, dtype=torch.int64)  # [num_pairs, 2]

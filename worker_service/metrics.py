@@ -13,6 +13,16 @@ FORWARD_SECONDS = Histogram(
     "Forward pass time per step (incl. swap and copy)",
     buckets=_TIME_BUCKETS,
 )
+# KV transfers between workers (worker_service/kv_transfer.py).
+BLOCKS_EXPORTED = Counter("llmserve_worker_kv_blocks_sent", "KV blocks sent to peers (ReadBlocks)")
+BLOCKS_IMPORTED = Counter("llmserve_worker_kv_blocks_received", "KV blocks imported from peers")
+IMPORT_BYTES = Counter("llmserve_worker_kv_import_bytes", "Bytes of KV blocks imported from peers")
+IMPORT_SECONDS = Histogram(
+    "llmserve_worker_kv_import_seconds",
+    "One import from a peer, request to the blocks in the cache",
+    buckets=_TIME_BUCKETS,
+)
+IMPORT_FAILURES = Counter("llmserve_worker_kv_import_failures", "Imports that failed")
 SAMPLE_SECONDS = Histogram(
     "llmserve_worker_sample_seconds", "Sampler time per step", buckets=_TIME_BUCKETS
 )

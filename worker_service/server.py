@@ -28,6 +28,7 @@ from llmserve.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
     FieldError,
+    NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -222,9 +223,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # on the model thread: a step of this stream may still be running there, and any
             # step of a later stream queues behind.
             self._model_thread.submit(self.worker.runner.states.clear)
+            if hasattr(self.worker, "exports"):  # that scheduler's transfers end with it
+                self._model_thread.submit(self.worker.exports.clear)
             self._stream_open = False
             self._touch()
             log.info("execute stream closed")
+
+    async def ReadBlocks(
+        self, request: worker_pb2.ReadBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.BlockChunk]:
+        from worker_service.kv_transfer import data_chunks, header  # torch: not at import
+
+        # A simulated worker (tests/support) has neither exports nor a cache.
+        exports = getattr(self.worker, "exports", None)
+        cache = getattr(self.worker, "cache_engine", None)
+        block_ids = None if exports is None else exports.blocks.get(request.transfer_id)
+        if block_ids is None or cache is None:
+            raise NotFoundError(f"transfer_id: no export {request.transfer_id} on this worker")
+        yield header(cache, len(block_ids))
+        # The copy out of the cache runs off the event loop (it may be large).
+        blocks = await asyncio.to_thread(cache.read_blocks, block_ids)
+        for chunk in data_chunks(blocks):
+            yield chunk
+        metrics.BLOCKS_EXPORTED.inc(len(block_ids))
 
     def _execute(
         self, board: MaskBoard, received: Received

@@ -20,6 +20,7 @@ from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
 from worker_service.config import WorkerConfig
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.heap import return_freed_heap
+from worker_service.kv_transfer import Exports, import_blocks
 from worker_service.linear_impl import choose_linear_impl
 from worker_service.model_info import ModelInfo
 from worker_service.model_runner import ModelRunner
@@ -67,6 +68,8 @@ class Worker:
         self._info: ModelInfo | None = None
         self._runner: ModelRunner | None = None
         self.cache_engine: CacheEngine | None = None
+        # Blocks peers may read (ExecuteRequest.exports), kept until released or a new cache.
+        self.exports = Exports()
         self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # What the decode CUDA graphs were measured to keep (determine_num_available_blocks).
         self.graph_memory_bytes = 0
@@ -310,7 +313,8 @@ class Worker:
             self.device,
         )
         self._kv_caches = self.cache_engine.layer_caches()
-        self.runner.states.clear()  # a new cache holds no sequence
+        self.runner.states.clear()  # a new cache holds no sequence, and exports nothing
+        self.exports.clear()
         if self._graphs_enabled():
             start = time.perf_counter()
             self.runner.decode_graphs = self._capture_graphs(self._kv_caches)
@@ -347,6 +351,8 @@ class Worker:
         if self.cache_engine is None:
             raise WorkerNotReadyError("initialize_cache() first")
         runner = self.runner
+        self.exports.apply(step)
+        imported, failed = import_blocks(self.cache_engine, step.imports)
         scheduled = runner.apply_updates(step)
         self.cache_engine.swap_out(step.blocks_to_swap_out)
         self.cache_engine.swap_in(step.blocks_to_swap_in)
@@ -356,6 +362,7 @@ class Worker:
         # The forward pass (input preparation and the model call) starts `run`; sampling follows.
         self.last_forward_ns = (start, start + result.forward_ns) if scheduled else None
         runner.remember_samples(scheduled, result)
+        result.imported_transfer_ids, result.failed_imports = imported, failed
         return result
 
     @property

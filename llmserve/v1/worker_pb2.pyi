@@ -142,7 +142,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent", "token_masks", "deferred_mask_seq_ids", "step_masks")
+    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent", "token_masks", "deferred_mask_seq_ids", "step_masks", "released_transfer_ids", "exports", "imports")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,9 @@ class ExecuteRequest(_message.Message):
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_MASK_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     STEP_MASKS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    IMPORTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cached_seqs: CachedSequences
@@ -167,7 +170,46 @@ class ExecuteRequest(_message.Message):
     token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
     deferred_mask_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     step_masks: StepMasks
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., deferred_mask_seq_ids: _Optional[_Iterable[int]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ...) -> None: ...
+    released_transfer_ids: _containers.RepeatedScalarFieldContainer[int]
+    exports: _containers.RepeatedCompositeFieldContainer[BlockExport]
+    imports: _containers.RepeatedCompositeFieldContainer[BlockImport]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., deferred_mask_seq_ids: _Optional[_Iterable[int]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ..., released_transfer_ids: _Optional[_Iterable[int]] = ..., exports: _Optional[_Iterable[_Union[BlockExport, _Mapping]]] = ..., imports: _Optional[_Iterable[_Union[BlockImport, _Mapping]]] = ...) -> None: ...
+
+class BlockExport(_message.Message):
+    __slots__ = ("transfer_id", "block_ids")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockImport(_message.Message):
+    __slots__ = ("transfer_id", "peer", "block_ids")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    peer: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[int] = ..., peer: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReadBlocksRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    def __init__(self, transfer_id: _Optional[int] = ...) -> None: ...
+
+class BlockChunk(_message.Message):
+    __slots__ = ("num_blocks", "block_bytes", "dtype", "data")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_bytes: int
+    dtype: str
+    data: bytes
+    def __init__(self, num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepMasks(_message.Message):
     __slots__ = ("step_id", "token_masks")
@@ -224,17 +266,29 @@ class SequencePromptLogprobs(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprob, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "forward_ns", "sample_ns", "prompt_logprobs", "mask_wait_ns")
+    __slots__ = ("step_id", "outputs", "forward_ns", "sample_ns", "prompt_logprobs", "mask_wait_ns", "imported_transfer_ids", "failed_imports")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MASK_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    IMPORTED_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_IMPORTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: SequenceOutputs
     forward_ns: int
     sample_ns: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[SequencePromptLogprobs]
     mask_wait_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[SequenceOutputs, _Mapping]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SequencePromptLogprobs, _Mapping]]] = ..., mask_wait_ns: _Optional[int] = ...) -> None: ...
+    imported_transfer_ids: _containers.RepeatedScalarFieldContainer[int]
+    failed_imports: _containers.RepeatedCompositeFieldContainer[TransferFailure]
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[SequenceOutputs, _Mapping]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SequencePromptLogprobs, _Mapping]]] = ..., mask_wait_ns: _Optional[int] = ..., imported_transfer_ids: _Optional[_Iterable[int]] = ..., failed_imports: _Optional[_Iterable[_Union[TransferFailure, _Mapping]]] = ...) -> None: ...
+
+class TransferFailure(_message.Message):
+    __slots__ = ("transfer_id", "reason")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    reason: str
+    def __init__(self, transfer_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,11 @@ class WorkerStub:
                 request_serializer=llmserve_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=llmserve_dot_v1_dot_worker__pb2.ExecuteResult.FromString,
                 _registered_method=True)
+        self.ReadBlocks = channel.unary_stream(
+                '/llmserve.v1.Worker/ReadBlocks',
+                request_serializer=llmserve_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_worker__pb2.BlockChunk.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -79,7 +84,17 @@ class WorkerServicer:
         the deferred masks of an earlier step, ExecuteRequest.step_masks, gets none). A failed step ends the
         stream with a status (INTERNAL, RESOURCE_EXHAUSTED, ...) and the worker drops all sequence
         state: after reconnecting, the scheduler resends every sequence as new (recompute).
-        Only one Execute stream is open per worker; a second one is refused with FAILED_PRECONDITION.
+        Only one Execute stream is open per worker; a second one is refused with ALREADY_EXISTS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBlocks(self, request, context):
+        """The device blocks this worker exports under a transfer (ExecuteRequest.exports), for a
+        peer worker importing them (ExecuteRequest.imports): a header chunk, then the blocks'
+        bytes in chunks of a few MiB. NOT_FOUND when no step has exported the transfer, or a step
+        has released it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,6 +117,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=llmserve_dot_v1_dot_worker__pb2.ExecuteRequest.FromString,
                     response_serializer=llmserve_dot_v1_dot_worker__pb2.ExecuteResult.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=llmserve_dot_v1_dot_worker__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_worker__pb2.BlockChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -186,6 +206,33 @@ class Worker:
             '/llmserve.v1.Worker/Execute',
             llmserve_dot_v1_dot_worker__pb2.ExecuteRequest.SerializeToString,
             llmserve_dot_v1_dot_worker__pb2.ExecuteResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmserve.v1.Worker/ReadBlocks',
+            llmserve_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
+            llmserve_dot_v1_dot_worker__pb2.BlockChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,8 @@ from llmserve.step_proto import (
     step_result_to_proto,
 )
 from llmserve.steps import (
+    BlockExport,
+    BlockImport,
     CachedSequence,
     Fork,
     MaskKind,
@@ -26,6 +28,7 @@ from llmserve.steps import (
     StepResult,
     TokenLogprob,
     TokenMask,
+    TransferFailure,
 )
 from llmserve.v1 import common_pb2, worker_pb2
 
@@ -119,6 +122,11 @@ step_input = st.builds(
     blocks_to_swap_in=pairs,
     blocks_to_copy=pairs,
     token_masks=st.lists(token_mask, max_size=3),
+    released_transfer_ids=st.lists(st.integers(0, 2**64 - 1), max_size=3),
+    exports=st.lists(st.builds(BlockExport, st.integers(0, 2**64 - 1), ids), max_size=2),
+    imports=st.lists(
+        st.builds(BlockImport, st.integers(0, 2**64 - 1), st.text(max_size=20), ids), max_size=2
+    ),
 )
 prompt_logprob = st.builds(PromptLogprob, small, token_logprob, st.lists(token_logprob, max_size=3))
 
@@ -135,7 +143,16 @@ def step_result(draw) -> StepResult:
         )
         for seq_id in seq_ids
     ]
-    return StepResult(draw(st.integers(0, 2**64 - 1)), outputs, draw(u32), draw(u32))
+    return StepResult(
+        draw(st.integers(0, 2**64 - 1)),
+        outputs,
+        draw(u32),
+        draw(u32),
+        imported_transfer_ids=draw(st.lists(st.integers(0, 2**64 - 1), max_size=3)),
+        failed_imports=draw(
+            st.lists(st.builds(TransferFailure, st.integers(0, 2**64 - 1), st.text()), max_size=2)
+        ),
+    )
 
 
 def _wire(msg):

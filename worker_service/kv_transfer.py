@@ -1,0 +1,114 @@
+"""KV blocks between workers: what this worker exports, the ReadBlocks stream that serves it,
+and the imports that read a peer's export into this worker's cache (steps.py: Transfers).
+
+The scheduler owns both block tables, so a transfer needs no negotiation between workers: it
+exports blocks on the source under a transfer id, and tells the destination to import that id
+from the source's address into blocks it has allocated there. The destination pulls (one
+ReadBlocks call; the bytes come in chunks of `CHUNK_BYTES`) on its model thread, before the
+step's forward pass, and reports the import done or failed in the step's result. The channel
+is the workers' gRPC port, with the internal credential and TLS of every other hop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from llmserve import security
+from llmserve.grpc_utils import channel_options
+from llmserve.logs import get_logger
+from llmserve.steps import BlockImport, StepInput, TransferFailure
+from llmserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service import metrics
+from worker_service.cache_engine import CacheEngine
+
+log = get_logger(__name__)
+
+# Bytes of block data per ReadBlocks message.
+CHUNK_BYTES = 4 << 20
+# An import that has not arrived in this long fails (the scheduler falls back to recompute).
+IMPORT_TIMEOUT_S = 60.0
+
+
+class Exports:
+    """Transfer id -> the device blocks exported under it. Written on the model thread as
+    steps apply, read by ReadBlocks on the event loop (single dict operations)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, list[int]] = {}
+
+    def apply(self, step: StepInput) -> None:
+        for transfer_id in step.released_transfer_ids:
+            self.blocks.pop(transfer_id, None)
+        for export in step.exports:
+            self.blocks[export.transfer_id] = list(export.block_ids)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+
+def header(cache: CacheEngine, num_blocks: int) -> worker_pb2.BlockChunk:
+    """ReadBlocks' first message: what the blocks are."""
+    return worker_pb2.BlockChunk(
+        num_blocks=num_blocks, block_bytes=cache.block_bytes, dtype=str(cache.dtype)
+    )
+
+
+def data_chunks(blocks: torch.Tensor) -> Iterator[worker_pb2.BlockChunk]:
+    """ReadBlocks' data messages for blocks read with `CacheEngine.read_blocks`."""
+    data = memoryview(blocks.view(torch.uint8).numpy()).cast("B")
+    for start in range(0, len(data), CHUNK_BYTES):
+        yield worker_pb2.BlockChunk(data=bytes(data[start : start + CHUNK_BYTES]))
+
+
+def import_blocks(
+    cache: CacheEngine, imports: list[BlockImport]
+) -> tuple[list[int], list[TransferFailure]]:
+    """Read each import from its peer into the cache; (done transfer ids, failures)."""
+    if not imports:
+        return [], []
+    done: list[int] = []
+    failed: list[TransferFailure] = []
+    for item in imports:
+        start = time.perf_counter()
+        try:
+            blocks = _pull(cache, item)
+        except (grpc.RpcError, ValueError) as exc:
+            reason = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            code = exc.code().name if isinstance(exc, grpc.RpcError) else "INVALID"
+            failed.append(TransferFailure(item.transfer_id, f"{item.peer}: {code}: {reason}"))
+            metrics.IMPORT_FAILURES.inc()
+            log.warning("KV import failed", transfer=item.transfer_id, peer=item.peer,
+                        code=code, reason=reason)  # fmt: skip
+            continue
+        cache.write_blocks(item.block_ids, blocks)
+        done.append(item.transfer_id)
+        metrics.BLOCKS_IMPORTED.inc(len(item.block_ids))
+        metrics.IMPORT_BYTES.inc(blocks.numel() * blocks.element_size())
+        metrics.IMPORT_SECONDS.observe(time.perf_counter() - start)
+    return done, failed
+
+
+def _pull(cache: CacheEngine, item: BlockImport) -> torch.Tensor:
+    """The peer's exported blocks, laid out as `CacheEngine.read_blocks` returns them.
+    Raises grpc.RpcError (peer unreachable, refused, export unknown) or ValueError (layout)."""
+    request = worker_pb2.ReadBlocksRequest(transfer_id=item.transfer_id)
+    with security.channel(item.peer, options=channel_options()) as channel:
+        chunks = worker_pb2_grpc.WorkerStub(channel).ReadBlocks(request, timeout=IMPORT_TIMEOUT_S)
+        header = next(chunks)
+        expected = (len(item.block_ids), cache.block_bytes, str(cache.dtype))
+        if (header.num_blocks, header.block_bytes, header.dtype) != expected:
+            raise ValueError(
+                f"the export holds {header.num_blocks} blocks of {header.block_bytes} bytes "
+                f"({header.dtype}); this import wants {expected[0]} of {expected[1]} ({expected[2]})"
+            )
+        data = bytearray()
+        for chunk in chunks:
+            data += chunk.data
+    if len(data) != expected[0] * expected[1]:
+        raise ValueError(f"the export sent {len(data)} bytes, not {expected[0] * expected[1]}")
+    shape = (expected[0], *cache.device_cache[:, :, 0].shape)
+    return torch.frombuffer(data, dtype=cache.dtype).view(shape)
