@@ -99,15 +99,15 @@ class CacheEngine:
         return per_block.numel() * per_block.element_size()
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A host copy of device blocks, block-major: [n, num_layers, 2, block_size,
-        num_kv_heads, head_dim], contiguous (each block's bytes in one run)."""
+        """A contiguous host copy of device blocks in the cache's own layout: [num_layers, 2,
+        n, block_size, num_kv_heads, head_dim] (one gather, no reordering)."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return self.device_cache[:, :, index].to("cpu").permute(2, 0, 1, 3, 4, 5).contiguous()
+        return self.device_cache[:, :, index].to("cpu")
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Store blocks laid out as `read_blocks` returns them into device blocks."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.device_cache[:, :, index] = blocks.permute(1, 2, 0, 3, 4, 5).to(self.device)
+        self.device_cache[:, :, index] = blocks.to(self.device)
 
     @staticmethod
     def _split(mapping: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

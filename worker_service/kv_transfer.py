@@ -105,10 +105,15 @@ def _pull(cache: CacheEngine, item: BlockImport) -> torch.Tensor:
                 f"the export holds {header.num_blocks} blocks of {header.block_bytes} bytes "
                 f"({header.dtype}); this import wants {expected[0]} of {expected[1]} ({expected[2]})"
             )
-        data = bytearray()
+        data = bytearray(expected[0] * expected[1])
+        received = 0
         for chunk in chunks:
-            data += chunk.data
-    if len(data) != expected[0] * expected[1]:
-        raise ValueError(f"the export sent {len(data)} bytes, not {expected[0] * expected[1]}")
-    shape = (expected[0], *cache.device_cache[:, :, 0].shape)
-    return torch.frombuffer(data, dtype=cache.dtype).view(shape)
+            end = received + len(chunk.data)
+            if end > len(data):
+                raise ValueError(f"the export sent more than {len(data)} bytes")
+            data[received:end] = chunk.data
+            received = end
+    if received != len(data):
+        raise ValueError(f"the export sent {received} bytes, not {len(data)}")
+    layers_kv, block = cache.device_cache.shape[:2], cache.device_cache.shape[3:]
+    return torch.frombuffer(data, dtype=cache.dtype).view(*layers_kv, expected[0], *block)
