@@ -1,7 +1,8 @@
 """KV blocks from one worker to another through the step contract (steps.py: Transfers): two
 real Worker services over a tiny random Llama on loopback. A sequence prefilled on A, its
 blocks exported there and imported on B, decodes on B to the token A decodes; failed imports
-are reported and leave the step running; released exports are gone."""
+are reported and leave the step running; released exports are gone; a peer without the
+internal credential is refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import grpc
 import pytest
 import torch
 
+from llmserve import security
+from llmserve.security import Security
 from llmserve.step_proto import step_input_to_proto, step_result_from_proto
 from llmserve.steps import BlockExport, BlockImport, CachedSequence, StepInput, StepResult
 from llmserve.supervisor import free_port
@@ -102,5 +105,30 @@ def test_a_layout_that_differs_is_refused(tiny_llama):
             with pytest.raises(grpc.aio.AioRpcError) as unknown:
                 await anext(aiter(w.stub.ReadBlocks(worker_pb2.ReadBlocksRequest(transfer_id=9))))
             assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(main())
+
+
+def test_a_peer_without_the_internal_credential_is_refused(tiny_llama, monkeypatch):
+    async def main() -> None:
+        async with (
+            served_worker(tiny_llama[0], internal_token="s3cret") as a,
+            served_worker(tiny_llama[0]) as b,
+        ):
+            on_a, on_b = await start(a), await start(b)
+            await step_result(on_a, StepInput(0, exports=[BlockExport(2, [0, 1])]))
+            # B's process holds another token: A refuses the read, B reports the import failed.
+            monkeypatch.setattr(security, "_installed", Security(internal_tokens=("wrong",)))
+            refused = await step_result(
+                on_b, StepInput(0, imports=[BlockImport(2, a.address, [3, 4])])
+            )
+            assert "UNAUTHENTICATED" in refused.failed_imports[0].reason
+            monkeypatch.setattr(security, "_installed", Security(internal_tokens=("s3cret",)))
+            allowed = await step_result(
+                on_b, StepInput(1, imports=[BlockImport(2, a.address, [3, 4])])
+            )
+            assert allowed.imported_transfer_ids == [2]
+            for stream in (on_a, on_b):
+                stream.call.cancel()
 
     asyncio.run(main())

@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.grpc_utils import create_server, set_serving
+from llmserve.security import AuthInterceptor, KeySet, aio_bearer
 from llmserve.step_proto import step_input_to_proto, step_result_from_proto
 from llmserve.steps import CachedSequence, StepInput
 from llmserve.supervisor import free_port
@@ -49,10 +50,14 @@ class Served:
 
 @asynccontextmanager
 async def served_worker(
-    model_dir: Path, max_model_len: int = 64, mask_wait_timeout_s: float = 30.0
+    model_dir: Path,
+    max_model_len: int = 64,
+    mask_wait_timeout_s: float = 30.0,
+    internal_token: str | None = None,
 ) -> AsyncIterator[Served]:
     """A worker offering 64 device and 16 host blocks; caches from max_model_len / BLOCK_SIZE
-    blocks up are accepted."""
+    blocks up are accepted. With `internal_token`, its Worker RPCs require that token (the
+    stub sends it)."""
     model_thread = ThreadPoolExecutor(max_workers=1)
     loop = asyncio.get_running_loop()
     config = WorkerConfig(
@@ -65,14 +70,18 @@ async def served_worker(
     worker = await loop.run_in_executor(model_thread, Worker, config)
     await loop.run_in_executor(model_thread, worker.load_model)
     servicer = WorkerServicer(worker, 64, 16, model_thread)
-    server, health = create_server([SERVICE])
+    guard, bearer = [], []
+    if internal_token is not None:
+        guard = [AuthInterceptor(KeySet([internal_token]), [SERVICE], "internal token")]
+        bearer = aio_bearer(internal_token)
+    server, health = create_server([SERVICE], interceptors=guard)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     await server.start()
     await set_serving(health, [SERVICE])
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with grpc.aio.insecure_channel(address, interceptors=bearer) as channel:
             yield Served(
                 address,
                 server,
