@@ -232,7 +232,8 @@ def keeper_after_loss(stream_open: bool) -> tuple[FakeScheduler, LeaseKeeper]:
         if stream_open:
             await asyncio.sleep(1.5)  # several renewal attempts
         else:
-            await until(lambda: bool(other.registered))
+            # Registered there: the other shard granted the lease (its replica id is 2).
+            await until(lambda: keeper.lease is not None and keeper.lease.replica_id == 2)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await servers[1].stop(0)
