@@ -101,10 +101,6 @@ class SchedulerClient:
         self._connected = asyncio.Event()
 
     @property
-    def addresses(self) -> list[str]:
-        return list(self._shards)
-
-    @property
     def num_requests(self) -> int:
         """Requests with state here (an inbox): submitted and not yet closed."""
         return len(self._requests)

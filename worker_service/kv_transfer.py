@@ -1,5 +1,6 @@
-"""KV blocks between workers: what this worker exports, the ReadBlocks stream that serves it,
-and the imports that read a peer's export into this worker's cache (steps.py: Transfers).
+"""KV blocks between workers: the ReadBlocks stream that serves this worker's exports
+(`exports.Exports`), and the imports that read a peer's export into this worker's cache
+(steps.py: Transfers).
 
 The scheduler owns both block tables, so a transfer needs no negotiation between workers: it
 exports blocks on the source under a transfer id, and tells the destination to import that id
@@ -20,7 +21,7 @@ import torch
 from llmserve import security
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
-from llmserve.steps import BlockImport, StepInput, TransferFailure
+from llmserve.steps import BlockImport, TransferFailure
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service import metrics
 from worker_service.cache_engine import CacheEngine
@@ -31,23 +32,6 @@ log = get_logger(__name__)
 CHUNK_BYTES = 4 << 20
 # An import that has not arrived in this long fails (the scheduler falls back to recompute).
 IMPORT_TIMEOUT_S = 60.0
-
-
-class Exports:
-    """Transfer id -> the device blocks exported under it. Written on the model thread as
-    steps apply, read by ReadBlocks on the event loop (single dict operations)."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, list[int]] = {}
-
-    def apply(self, step: StepInput) -> None:
-        for transfer_id in step.released_transfer_ids:
-            self.blocks.pop(transfer_id, None)
-        for export in step.exports:
-            self.blocks[export.transfer_id] = list(export.block_ids)
-
-    def clear(self) -> None:
-        self.blocks.clear()
 
 
 def header(cache: CacheEngine, num_blocks: int) -> worker_pb2.BlockChunk:

@@ -223,8 +223,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # on the model thread: a step of this stream may still be running there, and any
             # step of a later stream queues behind.
             self._model_thread.submit(self.worker.runner.states.clear)
-            if hasattr(self.worker, "exports"):  # that scheduler's transfers end with it
-                self._model_thread.submit(self.worker.exports.clear)
+            self._model_thread.submit(self.worker.exports.clear)  # its transfers end with it
             self._stream_open = False
             self._touch()
             log.info("execute stream closed")
@@ -234,10 +233,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.BlockChunk]:
         from worker_service.kv_transfer import data_chunks, header  # torch: not at import
 
-        # A simulated worker (tests/support) has neither exports nor a cache.
-        exports = getattr(self.worker, "exports", None)
-        cache = getattr(self.worker, "cache_engine", None)
-        block_ids = None if exports is None else exports.blocks.get(request.transfer_id)
+        block_ids = self.worker.exports.blocks.get(request.transfer_id)
+        cache = self.worker.cache_engine  # None before InitializeCache
         if block_ids is None or cache is None:
             raise NotFoundError(f"transfer_id: no export {request.transfer_id} on this worker")
         yield header(cache, len(block_ids))

@@ -19,8 +19,9 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
 from worker_service.config import WorkerConfig
 from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.exports import Exports
 from worker_service.heap import return_freed_heap
-from worker_service.kv_transfer import Exports, import_blocks
+from worker_service.kv_transfer import import_blocks
 from worker_service.linear_impl import choose_linear_impl
 from worker_service.model_info import ModelInfo
 from worker_service.model_runner import ModelRunner

@@ -32,6 +32,7 @@ from llmserve.steps import (
     TokenLogprob,
     TokenMask,
 )
+from worker_service.exports import Exports
 from worker_service.model_info import ModelInfo
 from worker_service.sequence_state import Scheduled, SequenceState, SequenceStates, StateError
 
@@ -133,6 +134,9 @@ class SimulatedWorker:
             weight_format="simulated",
         )
         self.runner = SequenceStates(config.block_size)
+        # No KV data: nothing to export, so ReadBlocks answers NOT_FOUND.
+        self.exports = Exports()
+        self.cache_engine = None
         self.num_gpu_blocks = 0
         self.num_cpu_blocks = 0
         self.last_forward_ns: tuple[int, int] | None = None
