@@ -5,12 +5,16 @@
 substring of `subject` (e.g. a worker address), the entry has already let SKIP matching checks
 pass (default 0), and it has fired fewer than COUNT times (default 1). Unset, `check` is one
 dictionary lookup. Places: `replica.finish_step` (subject: worker address),
-between a step's result and its output processing.
+between a step's result and its output processing. `crash(NAME)` ends the process with SIGKILL
+instead of raising, for tests of a process dying mid-operation: `worker.read_blocks` (subject:
+transfer id), a worker serving a KV export after its header; `worker.import_blocks` (subject:
+the peer's address), a worker importing KV blocks after the export's header arrived.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 
@@ -52,3 +56,11 @@ def check(name: str, subject: str = "") -> None:
                 continue
             entry.remaining -= 1
             raise InjectedFault(f"failpoint {name} fired for {subject!r}")
+
+
+def crash(name: str, subject: str = "") -> None:
+    """SIGKILL this process if an armed failpoint NAME matches `subject` (see `check`)."""
+    try:
+        check(name, subject)
+    except InjectedFault:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -22,6 +22,7 @@ from scheduler_service.admission import DEFAULT_MAX_WAITING_REQUESTS, SchedulerA
 from scheduler_service.config import (
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
+    MigrationMode,
     PreemptionMode,
     SchedulerConfig,
 )
@@ -196,8 +197,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--drain-grace-s",
         type=float,
         default=10.0,
-        help="running requests of a draining worker may finish there for this long before "
-        "they move",
+        help="running requests of a draining worker that cannot move with their KV blocks "
+        "may finish there for this long before they move by recompute",
+    )
+    fleet.add_argument(
+        "--drain-migration",
+        choices=[m.value for m in MigrationMode],
+        default=MigrationMode.PRE_COPY.value,
+        help="how a draining worker's running requests move: with their KV blocks, copied while "
+        "they decode (pre-copy) or while they wait (stop-and-copy), or by recompute",
     )
     return parse_service_args(p, argv, validate)
 
@@ -239,6 +247,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
         step_watchdog_s=args.step_watchdog_s,
         health_interval_s=args.health_interval_s,
         drain_grace_s=args.drain_grace_s,
+        drain_migration=MigrationMode(args.drain_migration),
         async_scheduling=args.async_scheduling,
     )
     return FleetConfig(

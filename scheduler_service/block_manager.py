@@ -48,6 +48,9 @@ class BlockSpaceManager:
         self.now = 0.0
         self.prefix_cache_queries = 0  # full prompt blocks looked up
         self.prefix_cache_hits = 0  # of those, found computed in the cache
+        # Device blocks held by KV transfers between workers, by transfer id, besides the
+        # tables (`scheduler_service.kv_migration`).
+        self.pins: dict[int, list[int]] = {}
 
     # -- allocation of waiting sequences ----------------------------------------------------
 
@@ -313,6 +316,34 @@ class BlockSpaceManager:
             src.free(block_id, self.now)
         return new_table
 
+    # -- KV transfers -----------------------------------------------------------------------
+
+    def pin(self, transfer_id: int, block_ids: list[int]) -> None:
+        """Hold in-use device blocks for an export: they stay allocated, unwritten by new
+        sequences, until `unpin`."""
+        for block_id in block_ids:
+            self.gpu.share(block_id)
+        self.pins[transfer_id] = list(block_ids)
+
+    def allocate_pinned(self, transfer_id: int, hashed: list[tuple[int, int]]) -> list[int]:
+        """Device blocks for an import, one per (block hash, hashed tokens), registered under
+        those hashes but not computed (`mark_imported` makes them prefix-cache hits)."""
+        block_ids = [self.gpu.allocate(block_hash, tokens) for block_hash, tokens in hashed]
+        self.pins[transfer_id] = block_ids
+        return block_ids
+
+    def mark_imported(self, transfer_id: int) -> None:
+        """The import's K/V have arrived: its blocks count as computed."""
+        for block_id in self.pins[transfer_id]:
+            if self.gpu.block_hashes[block_id] is not None:
+                self.gpu.computed[block_id] = True
+
+    def unpin(self, transfer_id: int) -> None:
+        """Let go of a transfer's blocks (unknown ids are ignored); hashed ones stay findable
+        in the prefix cache until evicted."""
+        for block_id in self.pins.pop(transfer_id, ()):
+            self.gpu.free(block_id, self.now)
+
     # -- freeing and queries ----------------------------------------------------------------
 
     def free(self, seq: Sequence) -> None:
@@ -360,6 +391,9 @@ class BlockSpaceManager:
             refs = cpu_refs if seq_id in self._on_cpu else gpu_refs
             for block_id in table:
                 refs[block_id] += 1
+        for block_ids in self.pins.values():
+            for block_id in block_ids:
+                gpu_refs[block_id] += 1
         assert self._on_cpu <= self._tables.keys()
         self.gpu.check_invariants(gpu_refs)
         self.cpu.check_invariants(cpu_refs)

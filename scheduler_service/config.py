@@ -179,6 +179,17 @@ class CacheConfig:
             raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")
 
 
+class MigrationMode(Enum):
+    """How a draining replica's running requests move (`scheduler_service.kv_migration`)."""
+
+    # With their KV blocks, copied while they decode, then a short stop for the rest.
+    PRE_COPY = "pre-copy"
+    # With their KV blocks, stopped for the whole copy.
+    STOP_AND_COPY = "stop-and-copy"
+    # By recompute on the target, after `drain_grace_s`.
+    RECOMPUTE = "recompute"
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
     """What the scheduler service decides for every replica (the worker decides the rest)."""
@@ -197,7 +208,9 @@ class ReplicaConfig:
     # Health checks of a connected worker; this many failures in a row mark it lost.
     health_interval_s: float = 2.0
     health_failures: int = 3
-    # Drain policy: running requests may finish on a draining replica for this long, then move.
+    # Drain policy: running requests move with their KV blocks at once (`drain_migration`);
+    # any still there after `drain_grace_s` (none could take them that way) move by recompute.
     drain_grace_s: float = 10.0
+    drain_migration: MigrationMode = MigrationMode.PRE_COPY
     # Send a step's continuation before its result is back (scheduler_service/continuation.py).
     async_scheduling: bool = True

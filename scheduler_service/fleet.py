@@ -39,13 +39,15 @@ from dataclasses import dataclass, field
 from llmserve.errors import FieldError, InternalError, NotFoundError, UnavailableError
 from llmserve.logs import get_logger
 from scheduler_service import metrics
-from scheduler_service.discovery import DrainedError, HeldElsewhere, answers_health, resolve_workers
+from scheduler_service.discovery import DrainedError, HeldElsewhere
 from scheduler_service.fleet_config import FleetConfig, FleetOwner
+from scheduler_service.fleet_watch import LEASE, STATIC, housekeeping, watch_dns
+from scheduler_service.kv_migration import Migrations
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.replica import Replica, ReplicaState, WorkerLostError
 from scheduler_service.replica_owner import ReplicaCounters
 from scheduler_service.request_output import RequestOutput
-from scheduler_service.routing import Candidate
+from scheduler_service.routing import Candidate, Decision
 from scheduler_service.routing import Router as RoutingRouter
 from scheduler_service.tracing import (
     RequestTrace,
@@ -55,8 +57,6 @@ from scheduler_service.tracing import (
 )
 
 log = get_logger(__name__)
-
-STATIC, DNS, LEASE = "static", "dns", "lease"
 
 
 @dataclass(eq=False, slots=True)
@@ -91,8 +91,9 @@ class Fleet:
         self.held = HeldElsewhere()
         self.static: list[str] = []
         self._routing = RoutingRouter(config.routing)
+        self.migrations = Migrations(self, config.replica.drain_migration)
         self._replica_ids = itertools.count()
-        self._leases: dict[str, float] = {}
+        self.leases: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = False
         # Removed replicas: those still stopping, and the counters of those stopped.
@@ -105,9 +106,9 @@ class Fleet:
         self.static = list(static)
         for address in self.static:
             self.add(address, STATIC)
-        self._tasks.append(asyncio.create_task(self._housekeeping(), name="fleet-housekeeping"))
+        self._tasks.append(asyncio.create_task(housekeeping(self), name="fleet-housekeeping"))
         if self.config.worker_dns:
-            self._tasks.append(asyncio.create_task(self._watch_dns(), name="fleet-dns"))
+            self._tasks.append(asyncio.create_task(watch_dns(self), name="fleet-dns"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -157,11 +158,11 @@ class Fleet:
         if address in self.drained:
             self.drained[address] = time.monotonic()
             raise DrainedError(address)
-        self._leases[address] = time.monotonic() + self.config.lease_s
+        self.leases[address] = time.monotonic() + self.config.lease_s
         self.held.forget(address)
         return self.add(address, LEASE)
 
-    def _drop_source(self, address: str, source: str, cause: str) -> None:
+    def drop_source(self, address: str, source: str, cause: str) -> None:
         member = self.members.get(address)
         if member is None:
             return
@@ -172,48 +173,6 @@ class Fleet:
             self._retire(member.replica, cause)
             self._record_states()
 
-    async def _housekeeping(self) -> None:
-        """Once a second: lapsed leases, pending requests past their deadline, drained
-        workers that went away."""
-        probe_turn = 0
-        while True:
-            await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for address, expiry in list(self._leases.items()):
-                if expiry < now:
-                    del self._leases[address]
-                    self._drop_source(address, LEASE, "lease")
-            self._expire_pending(now)
-            for address in [a for a in self.held.since if a in self.static]:
-                if self.held.may_try(address, now):
-                    self.add(address, STATIC)
-            probe_turn += 1
-            if self.drained and probe_turn % 5 == 0:
-                await self._forget_gone_drained()
-
-    async def _forget_gone_drained(self) -> None:
-        for address in list(self.drained):
-            if not await answers_health(address):
-                log.info("drained worker is gone; its address may join again", address=address)
-                del self.drained[address]
-                if address in self.static:
-                    self.add(address, STATIC)
-
-    async def _watch_dns(self) -> None:
-        while True:
-            found = await resolve_workers(self.config.worker_dns)
-            now = time.monotonic()
-            for address in sorted(found - self.drained.keys()):
-                member = self.members.get(address)
-                if (member is None or DNS not in member.sources) and self.held.may_try(
-                    address, now
-                ):
-                    self.add(address, DNS)
-            for address, member in list(self.members.items()):
-                if DNS in member.sources and address not in found:
-                    self._drop_source(address, DNS, "dns")
-            await asyncio.sleep(self.config.dns_interval_s)
-
     def drain(self, address: str) -> tuple[Replica, int]:
         member = self.members.get(address)
         if member is None:
@@ -221,6 +180,19 @@ class Fleet:
         return member.replica, member.replica.drain()
 
     # -- placement -------------------------------------------------------------------------------
+
+    def _pick(self, prompt: list[int], source: Replica | None) -> tuple[Replica, Decision] | None:
+        """The ready replica (not `source`) the routing policy picks for `prompt`."""
+        ready = {
+            m.replica.replica_id: m.replica
+            for m in self.members.values()
+            if m.replica.state is ReplicaState.READY
+            and m.replica.engine is not None
+            and m.replica is not source
+        }
+        candidates = [Candidate(rid, r.engine) for rid, r in ready.items() if r.engine]
+        decision = self._routing.pick(candidates, prompt)
+        return None if decision is None else (ready[decision.replica_id], decision)
 
     def place(
         self,
@@ -232,22 +204,14 @@ class Fleet:
         """Put a request on a ready replica (not `source`), or in `pending`. Raises the
         engine's RequestError if the chosen replica can never run it."""
         key = snapshot.request_id
-        ready = {
-            m.replica.replica_id: m.replica
-            for m in self.members.values()
-            if m.replica.state is ReplicaState.READY
-            and m.replica.engine is not None
-            and m.replica is not source
-        }
-        candidates = [Candidate(rid, r.engine) for rid, r in ready.items() if r.engine]
-        decision = self._routing.pick(candidates, snapshot.prompt_token_ids)
-        if decision is None:
+        picked = self._pick(snapshot.prompt_token_ids, source)
+        if picked is None:
             deadline = time.monotonic() + self.config.no_worker_timeout_s
             self.pending[key] = _Pending(snapshot, trace, deadline)
             if source is not None:
                 record_migration(trace, source.address, "(pending)", cause)
             return
-        target = ready[decision.replica_id]
+        target, decision = picked
         try:
             target.place(snapshot, trace)
         except WorkerLostError:  # the replica lost its worker this instant: wait for another
@@ -259,17 +223,50 @@ class Fleet:
         metrics.record_routing(self.config.routing.value, decision.cached_tokens > 0)
         record_routing(trace, target.address, self.config.routing.value, decision.cached_tokens)
         if source is not None:
-            record_migration(trace, source.address, target.address, cause)
-            metrics.MIGRATIONS.labels(cause).inc()
-            log.info(
-                "request migrated",
-                request=key,
-                cause=cause,
-                from_worker=source.address,
-                to_worker=target.address,
-            )
+            self._moved(key, trace, source, target, cause, "recompute")
+
+    def _moved(
+        self,
+        key: str,
+        trace: RequestTrace | None,
+        source: Replica,
+        target: Replica,
+        cause: str,
+        how: str,
+    ) -> None:
+        record_migration(trace, source.address, target.address, cause, how)
+        metrics.MIGRATIONS.labels(cause).inc()
+        log.info("request migrated", request=key, cause=cause, how=how,
+                 from_worker=source.address, to_worker=target.address)  # fmt: skip
+
+    # -- moves with KV blocks (kv_migration.MoveHost) ------------------------------------------
+
+    def pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
+        picked = self._pick(prompt, source)
+        return None if picked is None else picked[0]
+
+    def place_moved(
+        self,
+        target: Replica,
+        snapshot: GroupSnapshot,
+        trace: RequestTrace | None,
+        source: Replica,
+        cause: str,
+    ) -> bool:
+        key = snapshot.request_id
+        if not self.owner.is_routed(key):
+            end_request_trace(trace, None)
+            return True
+        try:
+            target.place(snapshot, trace)
+        except (WorkerLostError, FieldError):
+            return False
+        self.location[key] = target
+        self._moved(key, trace, source, target, cause, "transfer")
+        return True
 
     def abort(self, key: str) -> None:
+        self.migrations.abort(key)  # stopped mid-move: not queued anywhere after it
         pending = self.pending.pop(key, None)
         if pending is not None:
             end_request_trace(pending.trace, None)
@@ -301,7 +298,7 @@ class Fleet:
             end_request_trace(trace, exc.message)
             self.owner.fail_request(snapshot.request_id, exc)
 
-    def _expire_pending(self, now: float) -> None:
+    def expire_pending(self, now: float) -> None:
         for key, pending in list(self.pending.items()):
             if pending.deadline <= now:
                 del self.pending[key]
@@ -376,7 +373,7 @@ class Fleet:
         if member is not None and member.replica is replica:
             del self.members[replica.address]
             self.drained[replica.address] = time.monotonic()
-            self._leases.pop(replica.address, None)
+            self.leases.pop(replica.address, None)
             self._retire(replica, "drain")
         if replica.drain_started is not None:
             metrics.DRAIN_SECONDS.observe(time.monotonic() - replica.drain_started)

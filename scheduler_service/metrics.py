@@ -268,6 +268,21 @@ DRAIN_SECONDS = Histogram(
     "From a drain's start to its replica's last request",
     buckets=_LATENCY_BUCKETS,
 )
+KV_MIGRATIONS = Counter(
+    "llmserve_kv_migrations",
+    "Requests moved with their KV blocks, by outcome (transfer: queued on the target with its "
+    "blocks; fallback: a transfer failed or the target went away, moved by recompute)",
+    ["outcome"],
+)
+KV_MIGRATION_SECONDS = Histogram(
+    "llmserve_kv_migration_seconds",
+    "From a move's start to its request queued on the target (copy rounds included)",
+    buckets=_LATENCY_BUCKETS,
+)
+KV_MIGRATION_BLOCKS = Counter(
+    "llmserve_kv_migration_blocks",
+    "KV blocks copied between workers for moved requests",
+)
 ROUTING_DECISIONS = Counter(
     "llmserve_routing_decisions",
     "Placements of requests on replicas, by policy and whether the prompt hit the target's "

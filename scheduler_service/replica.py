@@ -7,7 +7,8 @@ scheduling the next step is sent before the result is awaited, where it can be
 
 A replica never takes its requests down with it. Whatever ends its loop hands the requests it
 holds to the fleet (`on_evicted`), which places them on other replicas, where they continue by
-recompute with every token generated so far:
+recompute with every token generated so far (a drain moves running requests with their KV
+blocks instead, `kv_migration`):
 - the worker is lost: its Execute stream breaks, a step outlives the watchdog, or the fleet
   marks it lost (failed health checks, lapsed lease). The engine's state is consistent (steps
   in flight never ran as far as the scheduler is concerned), so it is exported as it is;
@@ -41,13 +42,14 @@ from scheduler_service.replica_owner import ReplicaCounters, ReplicaOwner, Repli
 from scheduler_service.replica_steps import StepPipeline
 from scheduler_service.text_stops import tokenizer_loader
 from scheduler_service.tracing import ReplicaTracer, RequestTrace
+from scheduler_service.transfer_queue import TransferQueue
 from scheduler_service.worker_link import (
-    REFUSALS,
     UNUSED_EXECUTOR,
     ExecuteStream,
     HeldElsewhereError,
     StepWatchdog,
     WorkerLostError,
+    as_loss,
     open_worker,
     watch_health,
 )
@@ -77,6 +79,8 @@ class Replica:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.engine: LLMEngine | None = None
         self.tracer: ReplicaTracer | None = None
+        # KV transfer maps for the next step (scheduler_service.kv_migration); one per engine.
+        self.transfers: TransferQueue | None = None
         self.info: worker_pb2.InfoResponse | None = None
         self.state = ReplicaState.JOINING
         self._stream: ExecuteStream | None = None
@@ -159,6 +163,20 @@ class Replica:
             # Aborts free blocks now; the worker hears of it in the next step.
             self._wake.set()
 
+    def take_requests(
+        self, request_ids: list[str] | None = None
+    ) -> tuple[list[GroupSnapshot], dict[str, RequestTrace | None]]:
+        """Take requests out of the engine (all by default; unknown ids are skipped) with
+        their traces, to continue elsewhere; they count as migrated out."""
+        if self.engine is None:
+            return [], {}
+        snapshots = self.engine.export_requests(request_ids)
+        traces = {}
+        if self.tracer is not None:
+            traces = {s.request_id: self.tracer.detach(s.request_id) for s in snapshots}
+        self.num_migrated_out += len(snapshots)
+        return snapshots, traces
+
     def num_unfinished(self) -> int:
         return 0 if self.engine is None else self.engine.get_num_unfinished_requests()
 
@@ -167,11 +185,12 @@ class Replica:
     def drain(self) -> int:
         """Stop taking requests; move or finish those here. Returns how many there were.
 
-        Policy: waiting and swapped requests move at once (nothing of theirs is on the device,
-        so moving costs nothing more than staying); running requests may finish here for
-        `drain_grace_s`, since moving one costs a recompute of its prompt and output on the
-        target, and most are a few seconds from done; whatever is left then moves. With no
-        other replica, moved requests wait for one (the router's pending queue).
+        Policy: waiting and swapped requests move at once by recompute (nothing of theirs is
+        on the device). Running ones move at once with their KV blocks (`drain_migration`,
+        kv_migration.py: a copy costs a step or two where a recompute re-runs the context);
+        any that cannot (no replica to take them, `recompute` mode) may finish here for
+        `drain_grace_s`, then move by recompute. With no other replica, moved requests wait for
+        one (the router's pending queue).
         """
         if self.state is not ReplicaState.DRAINING:
             self.drain_started = time.monotonic()
@@ -210,17 +229,8 @@ class Replica:
                 self.owner.on_held_elsewhere(self)
                 return
             except (grpc.aio.AioRpcError, WorkerLostError, ConfigError) as exc:
-                # A worker that answers but refuses the cache it is asked for (too small for
-                # max_model_len, more than its memory holds), or whose max_model_len is below
-                # our --max-model-len, is misconfigured, not unreachable.
-                refused = isinstance(exc, ConfigError) or (
-                    isinstance(exc, grpc.aio.AioRpcError) and exc.code() in REFUSALS
-                )
-                if isinstance(exc, ConfigError):
-                    exc = WorkerLostError("config", str(exc))
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    exc = WorkerLostError("stream", exc.details() or exc.code().name)
-                exc = self._lost or exc
+                lost, refused = as_loss(exc)
+                exc = self._lost or lost
                 self._lost = None
                 self._evict_all(exc.cause)
                 if self.state is ReplicaState.DRAINING:
@@ -228,16 +238,13 @@ class Replica:
                 self._set_state(ReplicaState.LOST)
                 delay = _RETRY_DELAYS_S[min(attempt, len(_RETRY_DELAYS_S) - 1)]
                 attempt += 1
-                log.log(
-                    logging.ERROR if refused else logging.WARNING,
-                    "worker refused its configuration, retrying"
+                level, why = (
+                    (logging.ERROR, "worker refused its configuration, retrying")
                     if refused
-                    else "worker not reachable, retrying",
-                    replica=self.replica_id,
-                    address=self.address,
-                    reason=str(exc),
-                    retry_in_s=delay,
+                    else (logging.WARNING, "worker not reachable, retrying")
                 )
+                log.log(level, why, replica=self.replica_id, address=self.address,
+                        reason=str(exc), retry_in_s=delay)  # fmt: skip
                 await asyncio.sleep(delay)
             except Exception as exc:  # a bug or an injected fault in this replica's step
                 log.exception("replica step failed", replica=self.replica_id, error=str(exc))
@@ -264,6 +271,7 @@ class Replica:
             scheduler_config, cache_config, UNUSED_EXECUTOR, tokenizer_loader(info.model)
         )
         self.engine.warm_grammars()
+        self.transfers = TransferQueue(self._wake.set)
         self.tracer = ReplicaTracer(self.replica_id, info.block_size)
         log.info(
             "replica ready",
@@ -280,7 +288,8 @@ class Replica:
 
     async def _step_loop(self) -> None:
         assert self.engine is not None and self._stream is not None and self.tracer is not None
-        engine, stream = self.engine, self._stream
+        assert self.transfers is not None
+        engine, stream, transfers = self.engine, self._stream, self.transfers
         steps = StepPipeline(
             self.replica_id,
             self.address,
@@ -289,15 +298,17 @@ class Replica:
             self.tracer,
             self._watchdog,
             self.config.async_scheduling,
+            transfers,
+            lambda news: self.owner.migrations.on_transfers(self, news),
         )
         idle_steps = 0
         while True:
             if self.state is ReplicaState.DRAINING:
                 self._drain_step(engine)
-                if not engine.has_unfinished_requests():
+                if not engine.has_unfinished_requests() and not transfers.busy:
                     return  # steps still in flight hold only finished sequences
             if not steps.in_flight:
-                if not engine.has_unfinished_requests():
+                if not (engine.has_unfinished_requests() or transfers):
                     self._wake.clear()
                     metrics.record_stats(self.replica_id, engine.get_stats())
                     await self._wake.wait()
@@ -305,7 +316,7 @@ class Replica:
                     raise self._lost
                 if stream.closed:
                     raise WorkerLostError("stream", "the worker closed the Execute stream")
-                if not engine.has_unfinished_requests():
+                if not (engine.has_unfinished_requests() or transfers):
                     continue  # woken by a drain or an abort with nothing left to run
                 # A grammar a request is about to sample under compiles off the event loop;
                 # this replica waits for it here (up to its deadline: a compile past it ends
@@ -338,29 +349,20 @@ class Replica:
 
     def _drain_step(self, engine: LLMEngine) -> None:
         """Between steps of a draining replica: move what the drain policy says moves now."""
-        scheduler = engine.scheduler
-        if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
-            moving = engine.unfinished_request_ids()
-        else:
-            moving = [g.request_id for q in (scheduler.waiting, scheduler.swapped) for g in q]
-        if moving:
-            self._evict(engine.export_requests(moving), "drain")
+        late = self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
+        if recompute := self.owner.migrations.drain_step(self, engine, late):
+            self._evict(recompute, "drain")
 
     # -- requests leaving ------------------------------------------------------------------------
 
-    def _evict(self, snapshots: list[GroupSnapshot], cause: str) -> None:
-        if not snapshots:
-            return
-        traces = {}
-        if self.tracer is not None:
-            traces = {s.request_id: self.tracer.detach(s.request_id) for s in snapshots}
-        self.num_migrated_out += len(snapshots)
-        self.owner.on_evicted(self, snapshots, traces, cause)
+    def _evict(self, request_ids: list[str] | None, cause: str) -> None:
+        snapshots, traces = self.take_requests(request_ids)
+        if snapshots:
+            self.owner.on_evicted(self, snapshots, traces, cause)
 
     def _evict_all(self, cause: str) -> None:
         """Hand every request to the fleet and forget the engine and the stream."""
-        if self.engine is not None:
-            self._evict(self.engine.export_requests(), cause)
+        self._evict(None, cause)
         self._reset()
 
     def _fail_step(self, exc: BaseException) -> None:
@@ -378,11 +380,14 @@ class Replica:
         self.owner.on_step_failed(self, keys, in_step, exc, traces)
 
     def _reset(self) -> None:
-        if self.engine is not None:
-            engine_counters = ReplicaCounters.of_engine(self.engine.get_stats())
-            self._dropped_engines = self._dropped_engines.add(engine_counters)
+        engine = self.engine
         self.engine = None
         self.tracer = None
+        self.transfers = None
+        if engine is not None:
+            engine_counters = ReplicaCounters.of_engine(engine.get_stats())
+            self._dropped_engines = self._dropped_engines.add(engine_counters)
+            self.owner.migrations.on_engine_dropped(self, engine)
         if self._stream is not None:
             self._stream.close()
             self._stream = None

@@ -13,6 +13,7 @@ from scheduler_service.scheduler_outputs import SchedulerStats
 from scheduler_service.tracing import RequestTrace
 
 if TYPE_CHECKING:
+    from scheduler_service.kv_migration import Migrations
     from scheduler_service.replica import Replica
 
 
@@ -27,6 +28,9 @@ class ReplicaState(IntEnum):
 
 class ReplicaOwner(Protocol):
     """What a replica reports to (the fleet's router). All calls come from the event loop."""
+
+    # Moves of running requests with their KV blocks (scheduler_service.kv_migration).
+    migrations: Migrations
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """A step's deltas."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opentelemetry.trace import Span
@@ -33,6 +34,7 @@ from scheduler_service.engine import LLMEngine
 from scheduler_service.request_output import RequestOutput
 from scheduler_service.scheduler_outputs import SchedulerOutputs
 from scheduler_service.tracing import ReplicaTracer, end_step_span, step_traceparent
+from scheduler_service.transfer_queue import TransferNews, TransferQueue, transfer_news
 from scheduler_service.worker_link import ExecuteStream, StepWatchdog
 
 
@@ -61,6 +63,8 @@ class StepPipeline:
         tracer: ReplicaTracer,
         watchdog: StepWatchdog,
         async_scheduling: bool,
+        transfers: TransferQueue,
+        on_transfers: Callable[[TransferNews], None],
     ) -> None:
         self.replica_id = replica_id
         self.address = address
@@ -69,6 +73,10 @@ class StepPipeline:
         self.tracer = tracer
         self.watchdog = watchdog
         self.async_scheduling = async_scheduling
+        # KV transfer maps ride on whichever step goes next; a finished step's news of them
+        # goes to `on_transfers`.
+        self.transfers = transfers
+        self.on_transfers = on_transfers
         self._steps: deque[_Step] = deque()
         self._last_finished = 0.0
         self.num_continuations = 0
@@ -110,6 +118,7 @@ class StepPipeline:
     ) -> None:
         span = self.tracer.step_span(self.engine, sched_out, step_input, started_ns, free)
         ids = [s.seq_group.request_id for s in sched_out.scheduled]
+        self.transfers.attach(step_input)
         if not step_input.is_empty():
             request = step_input_to_proto(step_input)
             request.traceparent = step_traceparent(span)
@@ -156,6 +165,8 @@ class StepPipeline:
         self._steps.popleft()
         engine = self.engine
         outputs = engine.finish_step(step.sched_out, step.step_input, result)
+        if (news := transfer_news(step.step_input, result)) is not None:
+            self.on_transfers(news)
         if self._steps:  # a continuation: its masks can be computed now
             self._start_masks(self._steps[0])
         self.tracer.on_outputs(outputs)

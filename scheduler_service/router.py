@@ -274,7 +274,7 @@ class Router:
 
     # -- stats ---------------------------------------------------------------------------------
 
-    def stats(self) -> scheduler_pb2.GetStatsResponse:
+    def stats(self, check_invariants: bool = False) -> scheduler_pb2.GetStatsResponse:
         reply = scheduler_pb2.GetStatsResponse(
             num_unfinished_requests=len(self.routes),
             num_gateways=len(self.streams),
@@ -308,6 +308,12 @@ class Router:
             entry.cpu_blocks_free = bm.get_num_free_cpu_blocks()
             entry.cpu_blocks_total = engine.cache_config.num_cpu_blocks
             entry.max_model_len = engine.scheduler_config.model_len
+            entry.num_transfers = len(bm.pins)
+            if check_invariants:
+                try:
+                    bm.check_invariants()
+                except AssertionError as exc:
+                    entry.invariant_violation = str(exc) or "block accounting violated"
         lens = [r.max_model_len for r in reply.replicas if r.max_model_len]
         reply.max_model_len = min(lens, default=0)
         totals = self.fleet.totals()

@@ -53,7 +53,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.GetStatsResponse:
-        return self.router.stats()
+        return self.router.stats(check_invariants=request.check_invariants)
 
     async def Connect(
         self,

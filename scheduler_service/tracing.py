@@ -94,11 +94,16 @@ def record_routing(
     )
 
 
-def record_migration(trace: RequestTrace | None, source: str, target: str, cause: str) -> None:
-    """Event `migrated` naming both workers; the request is queued again on the target."""
+def record_migration(
+    trace: RequestTrace | None, source: str, target: str, cause: str, how: str = "recompute"
+) -> None:
+    """Event `migrated` naming both workers and how the request's KV cache got there
+    (`recompute`, or `transfer` of its blocks); the request is queued again on the target."""
     if trace is None:
         return
-    trace.span.add_event("migrated", {"from_worker": source, "to_worker": target, "cause": cause})
+    trace.span.add_event(
+        "migrated", {"from_worker": source, "to_worker": target, "cause": cause, "how": how}
+    )
     trace.state = _QUEUED
 
 

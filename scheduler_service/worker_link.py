@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_service.config import CacheConfig, ReplicaConfig, SchedulerConfig
+from scheduler_service.config import CacheConfig, ConfigError, ReplicaConfig, SchedulerConfig
 
 # A worker that answers InitializeCache with one of these refuses its configuration (a cache
 # too small for max_model_len, more than its memory holds): misconfigured, not unreachable.
@@ -39,6 +39,22 @@ class WorkerLostError(RuntimeError):
 # and how often it is asked meanwhile.
 HELD_WAIT_S = 1.0
 HELD_POLL_S = 0.1
+
+
+def as_loss(
+    exc: grpc.aio.AioRpcError | WorkerLostError | ConfigError,
+) -> tuple[WorkerLostError, bool]:
+    """What ended a replica's connection, as a `WorkerLostError`, and whether the worker
+    refused its configuration (it answers, but not with the cache or length asked for: a
+    misconfiguration, not an unreachable worker)."""
+    refused = isinstance(exc, ConfigError) or (
+        isinstance(exc, grpc.aio.AioRpcError) and exc.code() in REFUSALS
+    )
+    if isinstance(exc, ConfigError):
+        return WorkerLostError("config", str(exc)), refused
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return WorkerLostError("stream", exc.details() or exc.code().name), refused
+    return exc, refused
 
 
 class HeldElsewhereError(RuntimeError):

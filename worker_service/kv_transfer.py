@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from llmserve import security
+from llmserve import failpoints, security
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
 from llmserve.steps import BlockImport, TransferFailure
@@ -31,7 +31,9 @@ log = get_logger(__name__)
 # Bytes of block data per ReadBlocks message.
 CHUNK_BYTES = 4 << 20
 # An import that has not arrived in this long fails (the scheduler falls back to recompute).
-IMPORT_TIMEOUT_S = 60.0
+# Below the scheduler's step watchdog floor (30 s), so a stalled peer fails the import, not the
+# importing worker's step.
+IMPORT_TIMEOUT_S = 20.0
 
 
 def header(cache: CacheEngine, num_blocks: int) -> worker_pb2.BlockChunk:
@@ -43,7 +45,7 @@ def header(cache: CacheEngine, num_blocks: int) -> worker_pb2.BlockChunk:
 
 def data_chunks(blocks: torch.Tensor) -> Iterator[worker_pb2.BlockChunk]:
     """ReadBlocks' data messages for blocks read with `CacheEngine.read_blocks`."""
-    data = memoryview(blocks.view(torch.uint8).numpy()).cast("B")
+    data = blocks.view(torch.uint8).numpy().reshape(-1).data
     for start in range(0, len(data), CHUNK_BYTES):
         yield worker_pb2.BlockChunk(data=bytes(data[start : start + CHUNK_BYTES]))
 
@@ -83,6 +85,7 @@ def _pull(cache: CacheEngine, item: BlockImport) -> torch.Tensor:
     with security.channel(item.peer, options=channel_options()) as channel:
         chunks = worker_pb2_grpc.WorkerStub(channel).ReadBlocks(request, timeout=IMPORT_TIMEOUT_S)
         header = next(chunks)
+        failpoints.crash("worker.import_blocks", item.peer)
         expected = (len(item.block_ids), cache.block_bytes, str(cache.dtype))
         if (header.num_blocks, header.block_bytes, header.dtype) != expected:
             raise ValueError(

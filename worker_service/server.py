@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import grpc
 from opentelemetry import trace
 
+from llmserve import failpoints
 from llmserve.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -238,6 +239,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if block_ids is None or cache is None:
             raise NotFoundError(f"transfer_id: no export {request.transfer_id} on this worker")
         yield header(cache, len(block_ids))
+        failpoints.crash("worker.read_blocks", str(request.transfer_id))
         # The copy out of the cache runs off the event loop (it may be large).
         blocks = await asyncio.to_thread(cache.read_blocks, block_ids)
         for chunk in data_chunks(blocks):

@@ -190,11 +190,13 @@ class RequestError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("check_invariants",)
+    CHECK_INVARIANTS_FIELD_NUMBER: _ClassVar[int]
+    check_invariants: bool
+    def __init__(self, check_invariants: _Optional[bool] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy", "state", "num_migrated_out", "max_model_len")
+    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy", "state", "num_migrated_out", "max_model_len", "invariant_violation", "num_transfers")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +214,8 @@ class ReplicaStats(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATED_OUT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    INVARIANT_VIOLATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     address: str
     num_waiting: int
@@ -229,7 +233,9 @@ class ReplicaStats(_message.Message):
     state: WorkerState
     num_migrated_out: int
     max_model_len: int
-    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    invariant_violation: str
+    num_transfers: int
+    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ..., max_model_len: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_transfers: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("replicas", "num_unfinished_requests", "num_gateways", "max_model_len", "totals", "shard")

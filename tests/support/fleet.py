@@ -93,11 +93,12 @@ class FleetStack:
         return ",".join(s.address for s in self.schedulers)
 
     def stats(self, scheduler: Proc | None = None) -> scheduler_pb2.GetStatsResponse:
+        """GetStats, with every replica's block accounting checked (invariant_violation)."""
         scheduler = scheduler or self.scheduler
         assert scheduler is not None
         with grpc.insecure_channel(scheduler.address) as channel:
             return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                scheduler_pb2.GetStatsRequest(), timeout=5
+                scheduler_pb2.GetStatsRequest(check_invariants=True), timeout=5
             )
 
     def wait_for(self, predicate: Callable[[scheduler_pb2.GetStatsResponse], bool],
@@ -120,14 +121,17 @@ class FleetStack:
 
     def assert_no_leak(self, scheduler: Proc | None = None) -> None:
         """Every ready replica of `scheduler` (default: the first) ends with free == total
-        blocks (device and host)."""
+        blocks (device and host), no transfer holding blocks, and its block accounting's
+        invariants holding."""
         def idle(stats: scheduler_pb2.GetStatsResponse) -> bool:
             return stats.num_unfinished_requests == 0 and all(
                 r.gpu_blocks_free == r.gpu_blocks_total and r.cpu_blocks_free == r.cpu_blocks_total
+                and r.num_transfers == 0
                 for r in self.ready_replicas(stats)
             )
         stats = self.wait_for(idle, "every block free", timeout_s=30, scheduler=scheduler)
         assert self.ready_replicas(stats), stats
+        assert all(not r.invariant_violation for r in stats.replicas), stats
 
     def stop(self) -> None:
         for proc in [self.gateway, *self.schedulers, *self.workers]:

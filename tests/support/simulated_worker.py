@@ -134,7 +134,10 @@ class SimulatedWorker:
             weight_format="simulated",
         )
         self.runner = SequenceStates(config.block_size)
-        # No KV data: nothing to export, so ReadBlocks answers NOT_FOUND.
+        # Exports are registered, but there is no K/V data: ReadBlocks answers NOT_FOUND for
+        # them (a real peer's import fails). Imports report done at once, checked against the
+        # cache: the simulated model's tokens do not depend on K/V, so a moved request
+        # continues the same either way.
         self.exports = Exports()
         self.cache_engine = None
         self.num_gpu_blocks = 0
@@ -166,6 +169,8 @@ class SimulatedWorker:
         returns when that time is up."""
         start = time.perf_counter_ns()
         runner = self.runner
+        self.exports.apply(step)
+        imported = self._check_imports(step)
         scheduled = runner.apply_updates(step)
         moved = self._check_moves(step)
         num_tokens = sum(s.count for s in scheduled)
@@ -173,7 +178,7 @@ class SimulatedWorker:
             self._check_blocks(s)
             s.state.num_computed += s.count
         end = start + int(self.config.step_time.step_s(num_tokens) * 1e9)
-        result = StepResult(step.step_id)
+        result = StepResult(step.step_id, imported_transfer_ids=imported)
         if runner.masks_deferred:
             if take_masks is None:
                 raise StateError(f"step {step.step_id} defers masks, and nothing delivers them")
@@ -217,6 +222,14 @@ class SimulatedWorker:
         left = deadline_ns - time.perf_counter_ns()
         if left > 0:
             time.sleep(left / 1e9)
+
+    def _check_imports(self, step: StepInput) -> list[int]:
+        for item in step.imports:
+            if not all(0 <= b < self.num_gpu_blocks for b in item.block_ids):
+                raise StateError(
+                    f"step {step.step_id}: import {item.transfer_id} is outside the cache"
+                )
+        return [item.transfer_id for item in step.imports]
 
     def _check_moves(self, step: StepInput) -> tuple[int, int]:
         """Swap and copy maps must name blocks of this cache: (blocks swapped, copied)."""

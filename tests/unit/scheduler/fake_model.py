@@ -19,6 +19,7 @@ from llmserve.steps import (
     StepResult,
     TokenLogprob,
     TokenMask,
+    TransferFailure,
 )
 
 _MASK = (1 << 61) - 1
@@ -68,6 +69,11 @@ class FakeModel:
         # Updates `after_drafts` computed (their step kept every draft) and skipped.
         self.num_after_drafts = 0
         self.num_skipped_after_drafts = 0
+        # KV transfers: blocks exported by transfer id, and the peers imports read from (by
+        # address, set by the test). An import copies the peer's simulated slots.
+        self.exports: dict[int, list[int]] = {}
+        self.peers: dict[str, FakeModel] = {}
+        self.fail_imports = False
 
     # -- the model's "distribution" -------------------------------------------------------
 
@@ -115,6 +121,7 @@ class FakeModel:
         self.num_masked_rows += len(masks)
         self.num_masked_draft_rows += sum(m.row > 0 for m in step.token_masks)
         drafts: dict[int, int] = {}  # seq id -> how many draft tokens it computes
+        imported, failed = self._transfer(step)
         for seq_id in step.freed_seq_ids:
             del self.seqs[seq_id]
         for fork in step.forks:
@@ -203,7 +210,30 @@ class FakeModel:
             if out is not None:
                 outputs.append(out)
         assert not masks, f"token masks for sequences that do not sample: {sorted(masks)}"
-        return StepResult(step.step_id, outputs)
+        return StepResult(
+            step.step_id, outputs, imported_transfer_ids=imported, failed_imports=failed
+        )
+
+    def _transfer(self, step: StepInput) -> tuple[list[int], list[TransferFailure]]:
+        """Releases, exports, then imports, in the contract's order."""
+        for transfer_id in step.released_transfer_ids:
+            del self.exports[transfer_id]
+        for export in step.exports:
+            assert export.transfer_id not in self.exports, "export registered twice"
+            self.exports[export.transfer_id] = list(export.block_ids)
+        imported: list[int] = []
+        failed: list[TransferFailure] = []
+        for item in step.imports:
+            peer = self.peers.get(item.peer)
+            source = None if peer is None else peer.exports.get(item.transfer_id)
+            if self.fail_imports or peer is None or source is None:
+                failed.append(TransferFailure(item.transfer_id, "no such export"))
+                continue
+            assert len(source) == len(item.block_ids), "import and export differ in length"
+            for src, dst in zip(source, item.block_ids, strict=True):
+                self.gpu[dst] = list(peer.gpu[src])
+            imported.append(item.transfer_id)
+        return imported, failed
 
     def _verify(
         self, seq_id: int, st: _SeqState, num_drafts: int, masks: list[TokenMask | None]

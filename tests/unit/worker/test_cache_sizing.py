@@ -9,7 +9,8 @@ import pytest
 import structlog.testing
 
 from llmserve.v1 import worker_pb2
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.config import MigrationMode, SchedulerConfig
+from scheduler_service.kv_migration import Migrations
 from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState
 
 from .fake_scheduler import until
@@ -56,6 +57,7 @@ class Owner:
 
     def __init__(self) -> None:
         self.states: list[ReplicaState] = []
+        self.migrations = Migrations(self, MigrationMode.RECOMPUTE)  # type: ignore[arg-type]
 
     def on_state(self, replica: Replica) -> None:
         self.states.append(replica.state)

@@ -1,0 +1,64 @@
+"""The fleet's background loops: lapsed leases, pending requests past their deadline, drained
+workers that went away, and DNS discovery (see `scheduler_service.fleet`, Membership)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from llmserve.logs import get_logger
+from scheduler_service.discovery import answers_health, resolve_workers
+
+if TYPE_CHECKING:
+    from scheduler_service.fleet import Fleet
+
+log = get_logger(__name__)
+
+# The sources that make a worker a replica.
+STATIC, DNS, LEASE = "static", "dns", "lease"
+
+
+async def housekeeping(fleet: Fleet) -> None:
+    """Once a second: lapsed leases, pending requests past their deadline, static workers
+    another shard held that may be tried again, and (every 5 s) drained workers gone."""
+    probe_turn = 0
+    while True:
+        await asyncio.sleep(1.0)
+        now = time.monotonic()
+        for address, expiry in list(fleet.leases.items()):
+            if expiry < now:
+                del fleet.leases[address]
+                fleet.drop_source(address, LEASE, "lease")
+        fleet.expire_pending(now)
+        for address in [a for a in fleet.held.since if a in fleet.static]:
+            if fleet.held.may_try(address, now):
+                fleet.add(address, STATIC)
+        probe_turn += 1
+        if fleet.drained and probe_turn % 5 == 0:
+            await _forget_gone_drained(fleet)
+
+
+async def _forget_gone_drained(fleet: Fleet) -> None:
+    for address in list(fleet.drained):
+        if not await answers_health(address):
+            log.info("drained worker is gone; its address may join again", address=address)
+            del fleet.drained[address]
+            if address in fleet.static:
+                fleet.add(address, STATIC)
+
+
+async def watch_dns(fleet: Fleet) -> None:
+    """Every `dns_interval_s`: addresses the name resolves to join (unless drained, or held
+    by another shard lately); members it no longer resolves to lose the DNS source."""
+    while True:
+        found = await resolve_workers(fleet.config.worker_dns)
+        now = time.monotonic()
+        for address in sorted(found - fleet.drained.keys()):
+            member = fleet.members.get(address)
+            if (member is None or DNS not in member.sources) and fleet.held.may_try(address, now):
+                fleet.add(address, DNS)
+        for address, member in list(fleet.members.items()):
+            if DNS in member.sources and address not in found:
+                fleet.drop_source(address, DNS, "dns")
+        await asyncio.sleep(fleet.config.dns_interval_s)

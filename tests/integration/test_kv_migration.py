@@ -1,0 +1,247 @@
+"""Drain by migration with real processes: a draining worker's 16 running streams move to
+another worker with their KV blocks (worker to worker, ReadBlocks), and a worker SIGKILLed in
+the middle of a transfer, source or destination, makes the moves fall back to recompute. In
+every case each stream's tokens equal an undisturbed run's, and every replica left ends with
+free == total blocks, no transfer holding blocks and its block accounting's invariants holding.
+
+Each test starts one worker (every stream runs there) and a spare the scheduler does not know;
+once the streams are running, the test registers the spare (renewing its lease as the worker
+would) and drains the first worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmserve.supervisor import free_ports
+from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.integration.test_fleet import llmserve
+from tests.support.fleet import (
+    WORKER_ARGS,
+    FleetStack,
+    Proc,
+    Received,
+    assert_same_outputs,
+    run_workload,
+    start_fleet,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
+
+NUM_STREAMS = 16
+
+
+def long_workload(count: int = NUM_STREAMS, seed: int = 3) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
+    """Streams long enough to be mid-run when the drain comes: 100-160 token prompts (some
+    sharing a 48-token prefix), 280 tokens each; greedy and seeded, one n=2, some logprobs."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(100, 20000) for _ in range(48)]
+    requests = []
+    for i in range(count):
+        prompt = (shared if i % 4 == 0 else []) + [
+            rng.randrange(100, 20000) for _ in range(rng.randrange(100, 160))
+        ]
+        params: dict = {"max_tokens": 280, "ignore_eos": True, "temperature": 0.0}  # type: ignore[type-arg]
+        if i % 2:
+            params.update(temperature=0.8, seed=500 + i)
+        if i == 3:
+            params["n"] = 2
+        if i % 5 == 1:
+            params["logprobs"] = 2
+        requests.append((f"long-{i}", {"prompt": prompt, **params}))
+    return requests
+
+
+WORKLOAD = long_workload()
+
+
+def one_worker_stack(model: str, log_dir: Path, env: dict[str, str] | None = None) -> FleetStack:
+    return start_fleet(model, log_dir, 1, scheduler_args=["--max-num-seqs", "32"], env=env)
+
+
+def spare_worker(stack: FleetStack, name: str, env: dict[str, str] | None = None) -> Proc:
+    """A worker that joins no scheduler by itself (`Lease` registers it)."""
+    port, metrics_port = free_ports(2)
+    proc = Proc(
+        name,
+        ["worker", "--model", stack.model, "--port", str(port),
+         "--metrics-port", str(metrics_port), *WORKER_ARGS],
+        f"127.0.0.1:{port}",
+        stack.log_dir / f"{name}.log",
+        {**stack.env, **(env or {})},
+    )  # fmt: skip
+    stack.workers.append(proc)
+    proc.start()
+    return proc
+
+
+class Lease:
+    """Registers a worker with the scheduler and renews its lease each second, as a worker's
+    own membership loop would, until closed."""
+
+    def __init__(self, stack: FleetStack, address: str) -> None:
+        assert stack.scheduler is not None
+        self._channel = grpc.insecure_channel(stack.scheduler.address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._request = scheduler_pb2.RegisterWorkerRequest(address=address)
+        self._stop = threading.Event()
+        self._stub.RegisterWorker(self._request, timeout=5)
+        self._thread = threading.Thread(target=self._renew, daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(1.0):
+            with contextlib.suppress(grpc.RpcError):  # drained or gone: the test decides
+                self._stub.RegisterWorker(self._request, timeout=5)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._channel.close()
+
+
+def scheduler_log(stack: FleetStack) -> str:
+    return stack.scheduler.log.read_text(errors="replace")  # type: ignore[union-attr]
+
+
+def events(stack: FleetStack, event: str) -> list[str]:
+    return [line for line in scheduler_log(stack).splitlines() if f'"event": "{event}"' in line]
+
+
+def drain(stack: FleetStack, address: str) -> int:
+    """`llmserve drain ADDRESS`; returns the requests the replica had."""
+    done = llmserve("drain", address, "--scheduler", stack.scheduler.address)  # type: ignore[union-attr]
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split("replica ")[1].split(", ")[1].split()[0])
+
+
+def run_with(stack: FleetStack, fault: Callable[[], None], at_chunk: int) -> dict[str, Received]:
+    """The workload; `fault()` runs on a thread once `at_chunk` responses have arrived (every
+    stream running by then), and must be done before the workload's end."""
+    thread = threading.Thread(target=fault)
+
+    def on_chunk(total: int) -> None:
+        if total >= at_chunk and thread.ident is None:
+            thread.start()
+
+    received = asyncio.run(run_workload(stack.gateway.address, WORKLOAD, on_chunk))  # type: ignore[union-attr]
+    assert thread.ident is not None, "the workload ended before the fault"
+    thread.join()
+    return received
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Received]:
+    stack = one_worker_stack(str(tiny_model_dir), tmp_path_factory.mktemp("kv-baseline"))
+    try:
+        received = asyncio.run(run_workload(stack.gateway.address, WORKLOAD))  # type: ignore[union-attr]
+        stack.assert_no_leak()
+        return received
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def stack_factory(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., FleetStack]]:
+    stacks: list[FleetStack] = []
+
+    def make(env: dict[str, str] | None = None) -> FleetStack:
+        stacks.append(one_worker_stack(str(tiny_model_dir), tmp_path / f"s{len(stacks)}", env))
+        return stacks[-1]
+
+    yield make
+    for stack in stacks:
+        stack.stop()
+
+
+def test_drain_moves_16_running_streams_with_their_kv_blocks(stack_factory, baseline):  # type: ignore[no-untyped-def]
+    stack = stack_factory()
+    source = stack.workers[0].address
+    spare = spare_worker(stack, "spare")
+    on_source: list[int] = []
+    leases: list[Lease] = []
+
+    def move_off() -> None:
+        leases.append(Lease(stack, spare.address))
+        stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
+        on_source.append(drain(stack, source))
+
+    try:
+        received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
+        assert_same_outputs(baseline, received)
+        assert on_source == [NUM_STREAMS], "every stream was running on the drained worker"
+        moved = events(stack, "request moved with its KV blocks")
+        assert len(moved) == NUM_STREAMS, moved
+        assert all(spare.address in line for line in moved)
+        assert not events(stack, "KV transfer failed; the request moves by recompute")
+        migrated = events(stack, "request migrated")
+        assert len(migrated) == NUM_STREAMS
+        assert all('"how": "transfer"' in line for line in migrated)
+        stack.wait_for(lambda s: source not in {r.address for r in s.replicas}, "the drain")
+        stack.assert_no_leak()
+    finally:
+        for lease in leases:
+            lease.close()
+
+
+def test_source_killed_mid_transfer_falls_back_to_recompute(stack_factory, baseline):  # type: ignore[no-untyped-def]
+    # The first worker SIGKILLs itself while serving the first export a peer reads.
+    stack = stack_factory(env={"LLMSERVE_FAILPOINTS": "worker.read_blocks=1"})
+    source = stack.workers[0]
+    spare = spare_worker(stack, "spare", env={"LLMSERVE_FAILPOINTS": ""})
+    leases: list[Lease] = []
+
+    def move_off() -> None:
+        leases.append(Lease(stack, spare.address))
+        stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
+        drain(stack, source.address)
+
+    try:
+        received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
+        assert_same_outputs(baseline, received)
+        assert source.popen is not None and source.popen.wait(timeout=30) == -9
+        assert not events(stack, "request moved with its KV blocks")
+        assert len(events(stack, "request migrated")) >= NUM_STREAMS
+        stack.assert_no_leak()
+    finally:
+        for lease in leases:
+            lease.close()
+
+
+def test_destination_killed_mid_transfer_falls_back_to_recompute(stack_factory, baseline):  # type: ignore[no-untyped-def]
+    stack = stack_factory()
+    source = stack.workers[0].address
+    # The first spare SIGKILLs itself once the first export's header has arrived.
+    doomed = spare_worker(stack, "doomed", env={"LLMSERVE_FAILPOINTS": "worker.import_blocks=1"})
+    survivor = spare_worker(stack, "survivor")
+    leases: list[Lease] = []
+
+    def move_off() -> None:
+        leases.append(Lease(stack, doomed.address))
+        stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the doomed spare ready")
+        drain(stack, source)
+        assert doomed.popen is not None and doomed.popen.wait(timeout=30) == -9
+        leases.append(Lease(stack, survivor.address))  # the moved streams wait for it
+
+    try:
+        received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
+        assert_same_outputs(baseline, received)
+        failed = events(stack, "KV transfer failed; the request moves by recompute")
+        assert failed and all("target lost" in line for line in failed), failed
+        assert not events(stack, "request moved with its KV blocks")
+        stack.wait_for(
+            lambda s: {r.address for r in stack.ready_replicas(s)} == {survivor.address},
+            "only the survivor left",
+        )
+        stack.assert_no_leak()
+    finally:
+        for lease in leases:
+            lease.close()

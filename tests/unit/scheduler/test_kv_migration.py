@@ -1,0 +1,211 @@
+"""Requests moved between engines with their KV blocks (`scheduler_service.kv_migration`) finish
+exactly as if they had never moved, and the target computes only what was not copied.
+
+Each engine runs its own FakeModel, whose next token depends on the tokens it reads back from
+its own simulated cache; an import copies the peer's simulated slots. A block the target
+counted as computed without the right content, or a block reused while a transfer held it,
+changes the output. The replicas here are stand-ins for `Replica` (no gRPC): each step moves the
+replica's queued transfer maps into the step, as the replica's step pipeline does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from scheduler_service.config import MigrationMode
+from scheduler_service.kv_migration import Migrations
+from scheduler_service.offline import accumulate
+from scheduler_service.replica_owner import ReplicaState
+from scheduler_service.request_output import RequestOutput
+from scheduler_service.transfer_queue import TransferQueue, transfer_news
+
+from .fake_model import FakeModel
+from .test_migration import assert_empty, make_engine, reference, summarize
+from .test_preemption_equivalence import BLOCK, EOS, workload
+
+NUM = 60
+
+
+class StubReplica:
+    """What `Migrations` uses of a `Replica`, stepping an in-process engine."""
+
+    def __init__(self, address: str, num_gpu_blocks: int = 400) -> None:
+        self.address = address
+        self.engine = make_engine(num_gpu_blocks, 0)
+        self.model: FakeModel = self.engine.executor  # type: ignore[assignment]
+        self.transfers: TransferQueue | None = TransferQueue(lambda: None)
+        self.state = ReplicaState.READY
+        self.block_size = BLOCK
+
+    def take_requests(self, request_ids: list[str]):  # type: ignore[no-untyped-def]
+        return self.engine.export_requests(request_ids), {}
+
+    def step(self, moves: Migrations) -> list[RequestOutput]:
+        engine = self.engine
+        sched_out, step_input = engine.begin_step()
+        assert self.transfers is not None
+        self.transfers.attach(step_input)
+        engine.attach_masks(step_input)
+        result = None if step_input.is_empty() else self.model.execute(step_input)
+        outputs = engine.finish_step(sched_out, step_input, result)
+        if (news := transfer_news(step_input, result)) is not None:
+            moves.on_transfers(self, news)  # type: ignore[arg-type]
+        return outputs
+
+    def busy(self) -> bool:
+        assert self.transfers is not None
+        return self.engine.has_unfinished_requests() or self.transfers.busy
+
+
+@dataclass
+class Host:
+    """The fleet's side: a moved request goes to its target; a fallback to `fallback`."""
+
+    fallback: StubReplica
+    moved: list[str] = field(default_factory=list)
+    fell_back: list[str] = field(default_factory=list)
+
+    def place_moved(self, target, snapshot, trace, source, cause) -> bool:  # type: ignore[no-untyped-def]
+        target.engine.import_request(snapshot)
+        self.moved.append(snapshot.request_id)
+        return True
+
+    def on_evicted(self, replica, snapshots, traces, cause) -> None:  # type: ignore[no-untyped-def]
+        for snapshot in snapshots:
+            self.fallback.engine.import_request(snapshot)
+            self.fell_back.append(snapshot.request_id)
+
+
+def linked(*replicas: StubReplica) -> None:
+    for replica in replicas:
+        replica.model.peers = {r.address: r.model for r in replicas}
+
+
+def run(
+    replicas: list[StubReplica],
+    moves: Migrations,
+    on_step=lambda step: None,  # type: ignore[no-untyped-def]
+    totals: dict[str, RequestOutput] | None = None,
+) -> dict[str, RequestOutput]:
+    totals = {} if totals is None else totals
+    for step in range(3000):
+        on_step(step)
+        live = [r for r in replicas if r.engine is not None]
+        if not any(r.busy() for r in live) and not moves.moves:
+            break
+        for replica in live:
+            for delta in replica.step(moves):
+                totals[delta.request_id] = accumulate(totals.get(delta.request_id), delta)
+    else:
+        raise AssertionError("the run did not end")
+    return totals
+
+
+def start(source: StubReplica) -> None:
+    prompts, params = workload(NUM)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        source.engine.add_request(f"r{i}", prompt, p, eos_token_id=EOS)
+
+
+def move_running(moves: Migrations, source: StubReplica, target: StubReplica) -> int:
+    return sum(
+        moves.start(source, target, g.request_id, "drain")  # type: ignore[arg-type]
+        for g in list(source.engine.scheduler.running)
+    )
+
+
+def finished_as_reference(totals: dict[str, RequestOutput]) -> None:
+    assert summarize([totals[f"r{i}"] for i in range(NUM)]) == reference(NUM)
+
+
+@pytest.mark.parametrize("mode", [MigrationMode.PRE_COPY, MigrationMode.STOP_AND_COPY])
+def test_moved_with_their_blocks_requests_finish_as_if_they_never_moved(mode: MigrationMode):
+    a, b = StubReplica("a"), StubReplica("b")
+    linked(a, b)
+    host = Host(fallback=b)
+    moves = Migrations(host, mode)  # type: ignore[arg-type]
+    start(a)
+    started: list[int] = []
+
+    def on_step(step: int) -> None:
+        if step in (6, 9):
+            started.append(move_running(moves, a, b))
+
+    totals = run([a, b], moves, on_step)
+    finished_as_reference(totals)
+    assert started[0] >= 5 and not host.fell_back
+    assert len(host.moved) >= started[0]
+    for replica in (a, b):
+        assert replica.engine.scheduler.block_manager.pins == {}
+        assert replica.model.exports == {}, "every export was released"
+        assert_empty(replica.engine)
+
+
+def test_a_move_computes_on_the_target_only_what_was_not_copied():
+    """The same moves by transfer and by recompute (every import failing): the transfer run's
+    target computes far fewer tokens, and both finish as the reference."""
+    computed = {}
+    for fail in (False, True):
+        a, b = StubReplica("a"), StubReplica("b")
+        linked(a, b)
+        b.model.fail_imports = fail
+        host = Host(fallback=b)
+        moves = Migrations(host, MigrationMode.STOP_AND_COPY)  # type: ignore[arg-type]
+        start(a)
+
+        def on_step(step: int, a: StubReplica = a, b: StubReplica = b, moves=moves) -> None:  # type: ignore[no-untyped-def]
+            if step == 8:
+                move_running(moves, a, b)
+
+        finished_as_reference(run([a, b], moves, on_step))
+        assert (host.fell_back == []) != fail
+        assert_empty(a.engine)
+        assert_empty(b.engine)
+        computed[fail] = b.model.num_computed_tokens
+    # Recompute re-runs every moved context; a transfer re-runs at most the partial blocks.
+    assert computed[False] < computed[True] * 0.6, computed
+
+
+@pytest.mark.parametrize("phase", ["queued", "exported"])
+@pytest.mark.parametrize("lost", ["source", "target"])
+@pytest.mark.parametrize("mode", [MigrationMode.PRE_COPY, MigrationMode.STOP_AND_COPY])
+def test_a_side_lost_mid_move_falls_back_to_recompute_and_leaks_nothing(lost, mode, phase):  # type: ignore[no-untyped-def]
+    """A replica's engine dropped while its moves have a round in flight (the export queued, or
+    registered on the source with the import queued on the target): requests still on a lost
+    source were evicted (to `c`, as the fleet would place them); those stopped for their last
+    round, or still on a draining source when the target is lost, move by recompute."""
+    a, b, c = StubReplica("a"), StubReplica("b"), StubReplica("c")
+    linked(a, b, c)
+    host = Host(fallback=c)
+    moves = Migrations(host, mode)  # type: ignore[arg-type]
+    start(a)
+    a.state = ReplicaState.DRAINING  # a drain's moves: what stays on the source is evicted
+    totals: dict[str, RequestOutput] = {}
+
+    def on_step(step: int) -> None:
+        if step != 6:
+            return
+        assert move_running(moves, a, b) >= 5
+        if phase == "exported":
+            for delta in a.step(moves):
+                totals[delta.request_id] = accumulate(totals.get(delta.request_id), delta)
+            assert b.transfers is not None and b.transfers.imports
+        assert any(m.transfer_id is not None for m in moves.moves.values())
+        gone = a if lost == "source" else b
+        engine = gone.engine
+        for snapshot in engine.export_requests():  # the lost replica's requests move
+            c.engine.import_request(snapshot)
+        gone.engine, gone.transfers = None, None  # type: ignore[assignment]
+        moves.on_engine_dropped(gone, engine)  # type: ignore[arg-type]
+        assert moves.moves == {}
+        engine.scheduler.block_manager.check_invariants()
+
+    run([a, b, c], moves, on_step, totals)
+    finished_as_reference(totals)
+    assert host.fell_back or lost == "source"
+    for replica in (a, b, c):
+        if replica.engine is not None:
+            assert replica.engine.scheduler.block_manager.pins == {}
+            assert_empty(replica.engine)
