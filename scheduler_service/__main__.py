@@ -22,6 +22,7 @@ from scheduler_service.admission import DEFAULT_MAX_WAITING_REQUESTS, SchedulerA
 from scheduler_service.config import (
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
+    DEFAULT_PREFILL_LOCAL_BELOW,
     MigrationMode,
     PreemptionMode,
     SchedulerConfig,
@@ -201,6 +202,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "may finish there for this long before they move by recompute",
     )
     fleet.add_argument(
+        "--prefill-local-below",
+        type=int,
+        default=DEFAULT_PREFILL_LOCAL_BELOW,
+        help="disaggregated serving (workers with --role): a prompt with fewer tokens than this "
+        "not cached on a decode worker prefills there instead of on a prefill worker",
+    )
+    fleet.add_argument(
         "--drain-migration",
         choices=[m.value for m in MigrationMode],
         default=MigrationMode.PRE_COPY.value,
@@ -258,6 +266,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
         lease_s=args.worker_lease_s,
         no_worker_timeout_s=args.no_worker_timeout_s,
         shard=args.shard_name or f"{socket.gethostname()}:{args.port}",
+        prefill_local_below=args.prefill_local_below,
     )
 
 

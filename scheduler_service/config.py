@@ -179,6 +179,11 @@ class CacheConfig:
             raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")
 
 
+# Disaggregated serving: prompts with fewer tokens than this uncached on a decode worker prefill
+# there (scheduler_service.roles).
+DEFAULT_PREFILL_LOCAL_BELOW = 128
+
+
 class MigrationMode(Enum):
     """How a draining replica's running requests move (`scheduler_service.kv_migration`)."""
 

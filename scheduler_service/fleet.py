@@ -47,6 +47,7 @@ from scheduler_service.migration import GroupSnapshot
 from scheduler_service.replica import Replica, ReplicaState, WorkerLostError
 from scheduler_service.replica_owner import ReplicaCounters
 from scheduler_service.request_output import RequestOutput
+from scheduler_service.roles import choose
 from scheduler_service.routing import Candidate, Decision
 from scheduler_service.routing import Router as RoutingRouter
 from scheduler_service.tracing import (
@@ -181,18 +182,26 @@ class Fleet:
 
     # -- placement -------------------------------------------------------------------------------
 
-    def _pick(self, prompt: list[int], source: Replica | None) -> tuple[Replica, Decision] | None:
-        """The ready replica (not `source`) the routing policy picks for `prompt`."""
-        ready = {
-            m.replica.replica_id: m.replica
+    def _pick(
+        self, prompt: list[int], source: Replica | None, placing: bool = True
+    ) -> tuple[Replica, Decision] | None:
+        """The ready replica (not `source`) the routing policy picks for `prompt`: to place
+        a request (`placing`), or as the target of a move (`roles.choose`)."""
+        ready = [
+            m.replica
             for m in self.members.values()
             if m.replica.state is ReplicaState.READY
             and m.replica.engine is not None
             and m.replica is not source
-        }
-        candidates = [Candidate(rid, r.engine) for rid, r in ready.items() if r.engine]
+        ]
+        local_below = self.config.prefill_local_below if placing else None
+        return choose(ready, prompt, local_below, self._route)
+
+    def _route(self, replicas: list[Replica], prompt: list[int]) -> tuple[Replica, Decision] | None:
+        by_id = {r.replica_id: r for r in replicas}
+        candidates = [Candidate(r.replica_id, r.engine) for r in replicas if r.engine]
         decision = self._routing.pick(candidates, prompt)
-        return None if decision is None else (ready[decision.replica_id], decision)
+        return None if decision is None else (by_id[decision.replica_id], decision)
 
     def place(
         self,
@@ -242,7 +251,7 @@ class Fleet:
     # -- moves with KV blocks (kv_migration.MoveHost) ------------------------------------------
 
     def pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
-        picked = self._pick(prompt, source)
+        picked = self._pick(prompt, source, placing=False)
         return None if picked is None else picked[0]
 
     def place_moved(

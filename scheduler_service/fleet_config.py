@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from llmserve.errors import ApiError
-from scheduler_service.config import ReplicaConfig
+from scheduler_service.config import DEFAULT_PREFILL_LOCAL_BELOW, ReplicaConfig
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.request_output import RequestOutput
 from scheduler_service.routing import RoutingPolicy
@@ -25,6 +25,9 @@ class FleetConfig:
     no_worker_timeout_s: float = 30.0
     # A request in this many failed steps is failed rather than retried again.
     max_step_failures: int = 2
+    # Disaggregated serving: with prefill workers, a prompt with fewer tokens than this
+    # uncached on a decode worker prefills there rather than on a prefill worker.
+    prefill_local_below: int = DEFAULT_PREFILL_LOCAL_BELOW
     # This scheduler's name among the shards (on traces, metrics and GetStats).
     shard: str = ""
 

@@ -40,6 +40,7 @@ from scheduler_service.config import MigrationMode
 from scheduler_service.engine import LLMEngine
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.replica_owner import ReplicaState
+from scheduler_service.roles import PREFILL, role
 from scheduler_service.sequence import SequenceGroup, SequenceStatus
 from scheduler_service.tracing import RequestTrace
 from scheduler_service.transfer_queue import TransferNews, TransferQueue
@@ -107,6 +108,8 @@ class _Move:
     snapshot: GroupSnapshot | None = None
     trace: RequestTrace | None = None
     blocks_copied: int = 0
+    # Stop the request for the first round (a hand-off after prefill).
+    stop_first: bool = False
 
 
 class Migrations:
@@ -132,7 +135,7 @@ class Migrations:
         by recompute now: waiting and swapped ones, and once `late` (its grace period over)
         every one not in a move."""
         scheduler = engine.scheduler
-        if self.enabled:
+        if self.enabled:  # drains move running requests with their blocks
             for group in list(scheduler.running):
                 key = group.request_id
                 if key not in self.moves:
@@ -145,13 +148,40 @@ class Migrations:
             keys = [g.request_id for q in (scheduler.waiting, scheduler.swapped) for g in q]
         return [key for key in keys if key not in self.moves]
 
-    def start(self, source: Replica, target: Replica, request_id: str, cause: str) -> bool:
-        """Begin moving a running request of `source` to `target`. False (and nothing
-        started) when it is not running there or either side cannot take part."""
+    def after_step(self, replica: Replica, news: TransferNews | None) -> None:
+        """After each finished step of `replica`: its transfer news, then, on a prefill
+        worker, the hand-off of requests whose first token is out (`roles`)."""
+        if news is not None:
+            self.on_transfers(replica, news)
+        if role(replica) == PREFILL and replica.engine is not None:
+            self.hand_off(replica, replica.engine)
+
+    def hand_off(self, replica: Replica, engine: LLMEngine) -> None:
+        """Move each request that has its first token to a decode worker: stopped here at
+        once, its blocks copied, then decoded there."""
+        for group in list(engine.scheduler.running):
+            key = group.request_id
+            running = group.get_seqs(SequenceStatus.RUNNING)
+            if key in self.moves or not running or not all(s.get_output_len() for s in running):
+                continue
+            target = self.host.pick_target(replica, group.prompt_token_ids)
+            if target is not None and role(target) != PREFILL:
+                self.start(replica, target, key, "prefill_done", stop_first=True)
+
+    def start(
+        self,
+        source: Replica,
+        target: Replica,
+        request_id: str,
+        cause: str,
+        stop_first: bool = False,
+    ) -> bool:
+        """Begin moving a running request of `source` to `target`, stopping it for the first
+        round if `stop_first` (else per the mode). False (and nothing started) when it is
+        not running there or either side cannot take part."""
         engine, target_engine = source.engine, target.engine
         if (
-            not self.enabled
-            or request_id in self.moves
+            request_id in self.moves
             or engine is None
             or target_engine is None
             or source.transfers is None
@@ -173,6 +203,7 @@ class Migrations:
             target.transfers,
             cause,
             time.monotonic(),
+            stop_first=stop_first,
         )
         self.moves[request_id] = move
         self._next_round(move)
@@ -210,7 +241,8 @@ class Migrations:
         present = set(move.present)
         blocks = self._missing(move, group)
         final = (
-            self.mode is MigrationMode.STOP_AND_COPY
+            move.stop_first
+            or self.mode is MigrationMode.STOP_AND_COPY
             or move.rounds >= MAX_ROUNDS
             or len(blocks) <= FINAL_DELTA_BLOCKS
         )

@@ -299,7 +299,7 @@ class Replica:
             self._watchdog,
             self.config.async_scheduling,
             transfers,
-            lambda news: self.owner.migrations.on_transfers(self, news),
+            lambda news: self.owner.migrations.after_step(self, news),
         )
         idle_steps = 0
         while True:

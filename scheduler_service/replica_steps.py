@@ -64,7 +64,7 @@ class StepPipeline:
         watchdog: StepWatchdog,
         async_scheduling: bool,
         transfers: TransferQueue,
-        on_transfers: Callable[[TransferNews], None],
+        after_step: Callable[[TransferNews | None], None],
     ) -> None:
         self.replica_id = replica_id
         self.address = address
@@ -73,10 +73,10 @@ class StepPipeline:
         self.tracer = tracer
         self.watchdog = watchdog
         self.async_scheduling = async_scheduling
-        # KV transfer maps ride on whichever step goes next; a finished step's news of them
-        # goes to `on_transfers`.
+        # KV transfer maps ride on whichever step goes next; `after_step` hears of every
+        # finished step, with its news of them.
         self.transfers = transfers
-        self.on_transfers = on_transfers
+        self.after_step = after_step
         self._steps: deque[_Step] = deque()
         self._last_finished = 0.0
         self.num_continuations = 0
@@ -165,8 +165,7 @@ class StepPipeline:
         self._steps.popleft()
         engine = self.engine
         outputs = engine.finish_step(step.sched_out, step.step_input, result)
-        if (news := transfer_news(step.step_input, result)) is not None:
-            self.on_transfers(news)
+        self.after_step(transfer_news(step.step_input, result))
         if self._steps:  # a continuation: its masks can be computed now
             self._start_masks(self._steps[0])
         self.tracer.on_outputs(outputs)

@@ -27,6 +27,11 @@ from worker_service.membership import LeaseKeeper, WorkerDrain
 log = get_logger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# --role values: worker.proto's WorkerRole names, lower case, without the prefix.
+ROLES = {
+    name.removeprefix("WORKER_ROLE_").lower(): value
+    for name, value in worker_pb2.WorkerRole.items()
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -93,6 +98,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="CPU threads of torch and of the C++ kernels (default: every core)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--role",
+        choices=list(ROLES),
+        default="mixed",
+        help="disaggregated serving: prefill workers prefill long prompts and hand each request "
+        "to a decode worker with its KV blocks; decode workers decode them (and prefill short "
+        "prompts); mixed workers do both",
+    )
+    p.add_argument(
+        "--kv-send-rate-gbs",
+        type=float,
+        default=0.0,
+        help="cap on the rate this worker sends KV blocks to peers at, GB/s (0: none): stands "
+        "for a slower network in benchmarks",
+    )
     p.add_argument(
         "--mask-wait-timeout-s",
         type=float,
@@ -196,6 +216,8 @@ async def serve(args: argparse.Namespace) -> int:
         [SERVICE_NAME], args.max_message_bytes, security.internal_auth([SERVICE_NAME])
     )
     servicer = WorkerServicer(worker, num_gpu, num_cpu, model_thread)
+    servicer.kv_send_rate = args.kv_send_rate_gbs * 1e9
+    servicer.role = ROLES[args.role]
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     address = f"{args.host}:{args.port}"
     security.add_port(server, address)

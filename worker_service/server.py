@@ -74,6 +74,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # set at each of these and when the stream closes: what the drain waits on.
         self._last_activity = time.monotonic()
         self._activity = asyncio.Event()
+        # Bytes per second ReadBlocks sends at most (0: no cap; --kv-send-rate-gbs).
+        self.kv_send_rate = 0.0
+        # What the scheduler uses this worker for (--role; worker_pb2.WorkerRole).
+        self.role = worker_pb2.WORKER_ROLE_MIXED
 
     @property
     def stream_open(self) -> bool:
@@ -125,6 +129,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             weight_format=info.weight_format,
             weight_bytes=info.weight_bytes,
             execute_stream_open=self._stream_open,
+            role=self.role,
         )
         if info.eos_token_id is not None:
             reply.eos_token_id = info.eos_token_id
@@ -242,8 +247,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         failpoints.crash("worker.read_blocks", str(request.transfer_id))
         # The copy out of the cache runs off the event loop (it may be large).
         blocks = await asyncio.to_thread(cache.read_blocks, block_ids)
+        start, sent = time.monotonic(), 0
         for chunk in data_chunks(blocks):
             yield chunk
+            sent += len(chunk.data)
+            if self.kv_send_rate:
+                await asyncio.sleep(start + sent / self.kv_send_rate - time.monotonic())
         metrics.BLOCKS_EXPORTED.inc(len(block_ids))
 
     def _execute(

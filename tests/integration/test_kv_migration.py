@@ -12,25 +12,20 @@ would) and drains the first worker.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from llmserve.supervisor import free_ports
-from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.integration.test_fleet import llmserve
 from tests.support.fleet import (
-    WORKER_ARGS,
     FleetStack,
-    Proc,
+    Lease,
     Received,
     assert_same_outputs,
     run_workload,
+    spare_worker,
     start_fleet,
 )
 
@@ -67,60 +62,12 @@ def one_worker_stack(model: str, log_dir: Path, env: dict[str, str] | None = Non
     return start_fleet(model, log_dir, 1, scheduler_args=["--max-num-seqs", "32"], env=env)
 
 
-def spare_worker(stack: FleetStack, name: str, env: dict[str, str] | None = None) -> Proc:
-    """A worker that joins no scheduler by itself (`Lease` registers it)."""
-    port, metrics_port = free_ports(2)
-    proc = Proc(
-        name,
-        ["worker", "--model", stack.model, "--port", str(port),
-         "--metrics-port", str(metrics_port), *WORKER_ARGS],
-        f"127.0.0.1:{port}",
-        stack.log_dir / f"{name}.log",
-        {**stack.env, **(env or {})},
-    )  # fmt: skip
-    stack.workers.append(proc)
-    proc.start()
-    return proc
-
-
-class Lease:
-    """Registers a worker with the scheduler and renews its lease each second, as a worker's
-    own membership loop would, until closed."""
-
-    def __init__(self, stack: FleetStack, address: str) -> None:
-        assert stack.scheduler is not None
-        self._channel = grpc.insecure_channel(stack.scheduler.address)
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self._request = scheduler_pb2.RegisterWorkerRequest(address=address)
-        self._stop = threading.Event()
-        self._stub.RegisterWorker(self._request, timeout=5)
-        self._thread = threading.Thread(target=self._renew, daemon=True)
-        self._thread.start()
-
-    def _renew(self) -> None:
-        while not self._stop.wait(1.0):
-            with contextlib.suppress(grpc.RpcError):  # drained or gone: the test decides
-                self._stub.RegisterWorker(self._request, timeout=5)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._channel.close()
-
-
 def scheduler_log(stack: FleetStack) -> str:
     return stack.scheduler.log.read_text(errors="replace")  # type: ignore[union-attr]
 
 
 def events(stack: FleetStack, event: str) -> list[str]:
     return [line for line in scheduler_log(stack).splitlines() if f'"event": "{event}"' in line]
-
-
-def drain(stack: FleetStack, address: str) -> int:
-    """`llmserve drain ADDRESS`; returns the requests the replica had."""
-    done = llmserve("drain", address, "--scheduler", stack.scheduler.address)  # type: ignore[union-attr]
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout.split("replica ")[1].split(", ")[1].split()[0])
 
 
 def run_with(stack: FleetStack, fault: Callable[[], None], at_chunk: int) -> dict[str, Received]:
@@ -172,7 +119,7 @@ def test_drain_moves_16_running_streams_with_their_kv_blocks(stack_factory, base
     def move_off() -> None:
         leases.append(Lease(stack, spare.address))
         stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
-        on_source.append(drain(stack, source))
+        on_source.append(stack.drain(source))
 
     try:
         received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
@@ -202,7 +149,7 @@ def test_source_killed_mid_transfer_falls_back_to_recompute(stack_factory, basel
     def move_off() -> None:
         leases.append(Lease(stack, spare.address))
         stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
-        drain(stack, source.address)
+        stack.drain(source.address)
 
     try:
         received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
@@ -227,7 +174,7 @@ def test_destination_killed_mid_transfer_falls_back_to_recompute(stack_factory, 
     def move_off() -> None:
         leases.append(Lease(stack, doomed.address))
         stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the doomed spare ready")
-        drain(stack, source)
+        stack.drain(source)
         assert doomed.popen is not None and doomed.popen.wait(timeout=30) == -9
         leases.append(Lease(stack, survivor.address))  # the moved streams wait for it
 

@@ -5,12 +5,14 @@ whose every token and logprob is recorded as the client receives it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,7 +72,7 @@ class FleetStack:
     gateway: Proc | None = None
     http_port: int = 0
 
-    def add_worker(self, wait: bool = True) -> Proc:
+    def add_worker(self, wait: bool = True, args: list[str] = ()) -> Proc:  # type: ignore[assignment]
         port, metrics_port = free_ports(2)
         assert self.scheduler is not None
         index = len(self.workers)
@@ -78,7 +80,7 @@ class FleetStack:
             f"worker-{index}",
             ["worker", "--model", self.model, "--port", str(port),
              "--metrics-port", str(metrics_port), "--scheduler", self.scheduler_addresses,
-             *self.worker_args],
+             *self.worker_args, *args],
             f"127.0.0.1:{port}",
             self.log_dir / f"worker-{index}.log",
             self.env,
@@ -100,6 +102,15 @@ class FleetStack:
             return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
                 scheduler_pb2.GetStatsRequest(check_invariants=True), timeout=5
             )
+
+    def drain(self, address: str) -> int:
+        """DrainWorker on the first scheduler; returns the requests the replica had."""
+        assert self.scheduler is not None
+        with grpc.insecure_channel(self.scheduler.address) as channel:
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).DrainWorker(
+                scheduler_pb2.DrainWorkerRequest(address=address), timeout=10
+            )
+        return reply.num_requests
 
     def wait_for(self, predicate: Callable[[scheduler_pb2.GetStatsResponse], bool],
                  what: str, timeout_s: float = 60.0,
@@ -142,9 +153,11 @@ class FleetStack:
 def start_fleet(model: str, log_dir: Path, num_workers: int, *,
                 scheduler_args: list[str] = (),  # type: ignore[assignment]
                 worker_args: list[str] = WORKER_ARGS,  # noqa: B006 (never mutated)
-                env: dict[str, str] | None = None, num_schedulers: int = 1) -> FleetStack:
-    """Scheduler(s) first (workers register with them), then the workers, then the gateway.
-    With several schedulers (shards), workers join the one with the fewest workers."""
+                env: dict[str, str] | None = None, num_schedulers: int = 1,
+                per_worker_args: list[list[str]] = ()) -> FleetStack:  # type: ignore[assignment]
+    """Scheduler(s) first (workers register with them), then the workers (worker i with
+    `per_worker_args[i]` too, if given), then the gateway. With several schedulers (shards),
+    workers join the one with the fewest workers."""
     log_dir.mkdir(parents=True, exist_ok=True)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     gw_port, http_port = free_ports(2)
@@ -166,8 +179,8 @@ def start_fleet(model: str, log_dir: Path, num_workers: int, *,
         if num_schedulers > 1:  # every shard answers before the first worker chooses one
             for scheduler in stack.schedulers:
                 stack.wait_for(lambda _: True, f"{scheduler.name} up", scheduler=scheduler)
-        for _ in range(num_workers):
-            stack.add_worker()
+        for index in range(num_workers):
+            stack.add_worker(args=per_worker_args[index] if per_worker_args else [])
         def all_ready(_: scheduler_pb2.GetStatsResponse) -> bool:
             return sum(len(stack.ready_replicas(stack.stats(s))) for s in stack.schedulers) == (
                 num_workers
@@ -187,6 +200,49 @@ def start_fleet(model: str, log_dir: Path, num_workers: int, *,
         stack.stop()
         raise
     return stack
+
+
+def spare_worker(stack: FleetStack, name: str, env: dict[str, str] | None = None,
+                 args: list[str] = ()) -> Proc:  # type: ignore[assignment]
+    """A worker of the stack's model that joins no scheduler by itself (`Lease` registers
+    it), with `args` after the stack's worker args."""
+    port, metrics_port = free_ports(2)
+    proc = Proc(
+        name,
+        ["worker", "--model", stack.model, "--port", str(port),
+         "--metrics-port", str(metrics_port), *stack.worker_args, *args],
+        f"127.0.0.1:{port}",
+        stack.log_dir / f"{name}.log",
+        {**stack.env, **(env or {})},
+    )  # fmt: skip
+    stack.workers.append(proc)
+    proc.start()
+    return proc
+
+
+class Lease:
+    """Registers a worker with the scheduler and renews its lease each second, as a worker's
+    own membership loop would, until closed."""
+
+    def __init__(self, stack: FleetStack, address: str) -> None:
+        assert stack.scheduler is not None
+        self._channel = grpc.insecure_channel(stack.scheduler.address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._request = scheduler_pb2.RegisterWorkerRequest(address=address)
+        self._stop = threading.Event()
+        self._stub.RegisterWorker(self._request, timeout=5)
+        self._thread = threading.Thread(target=self._renew, daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(1.0):
+            with contextlib.suppress(grpc.RpcError):  # drained or gone: the test decides
+                self._stub.RegisterWorker(self._request, timeout=5)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._channel.close()
 
 
 # -- the workload ------------------------------------------------------------------------------
