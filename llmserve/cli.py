@@ -26,7 +26,14 @@ def _up_parser() -> argparse.ArgumentParser:
         description="Run worker(s), scheduler and gateway as separate processes on loopback.",
     )
     p.add_argument("--model", default="smollm2", help="model spec (default: embedded SmolLM2)")
-    p.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    p.add_argument("--workers", type=int, default=None,
+                   help="number of worker processes that prefill and decode (default 1, or 0 "
+                   "with --prefill-workers/--decode-workers)")
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="disaggregated serving: workers that prefill long prompts and hand each "
+                   "request to a decode worker with its KV blocks (worker --role prefill)")
+    p.add_argument("--decode-workers", type=int, default=0,
+                   help="disaggregated serving: workers that decode (worker --role decode)")
     p.add_argument("--schedulers", type=int, default=1,
                    help="scheduler shards, each driving its share of the workers (worker i on "
                    "shard i mod N); the gateway spreads requests over them")
@@ -81,6 +88,17 @@ def _run_up(argv: list[str]) -> int:
     from llmserve.supervisor import StackConfig, run_stack
 
     args = _up_parser().parse_args(argv)
+    pools = args.prefill_workers + args.decode_workers
+    if args.workers is None:
+        args.workers = 0 if pools else 1
+    if min(args.workers, args.prefill_workers, args.decode_workers) < 0:
+        _up_parser().error("--workers, --prefill-workers and --decode-workers must be >= 0")
+    if args.prefill_workers and not (args.workers or args.decode_workers):
+        _up_parser().error("--prefill-workers needs a worker to hand requests to "
+                           "(--decode-workers or --workers)")
+    roles = ["mixed"] * args.workers + ["prefill"] * args.prefill_workers
+    roles += ["decode"] * args.decode_workers
+    args.workers = len(roles)
     if args.workers < 1:
         _up_parser().error("--workers must be at least 1")
     if not 1 <= args.schedulers <= args.workers:
@@ -102,6 +120,7 @@ def _run_up(argv: list[str]) -> int:
     config = StackConfig(
         model=args.model,
         num_workers=args.workers,
+        worker_roles=roles,
         num_schedulers=args.schedulers,
         grpc_port=args.grpc_port,
         http_port=args.http_port,

@@ -1,5 +1,5 @@
 """Conversions between the shared dataclasses (sampling_params.py, steps.py's logprobs, grammar
-specs, finish reasons) and llmserve.v1; the step contract's own: step_proto.py. Logprobs
+specs, finish reasons, worker roles) and llmserve.v1; the step contract's own: step_proto.py. Logprobs
 travel as float32 (the sampler's precision); everything else is exact.
 """
 
@@ -15,7 +15,15 @@ from llmserve.steps import (
     PromptLogprob,
     TokenLogprob,
 )
-from llmserve.v1 import common_pb2
+from llmserve.v1 import common_pb2, worker_pb2
+
+# Worker roles by the names `llmserve worker --role` takes: worker.proto's WorkerRole values,
+# lower case, without the prefix.
+WORKER_ROLES: dict[str, worker_pb2.WorkerRole] = {
+    name.removeprefix("WORKER_ROLE_").lower(): worker_pb2.WorkerRole.Value(name)
+    for name, _ in worker_pb2.WorkerRole.items()
+}
+ROLE_NAMES: dict[int, str] = {value: name for name, value in WORKER_ROLES.items()}
 
 EarlyStopping = bool | Literal["never"]
 _EARLY_STOPPING_TO_PROTO: dict[EarlyStopping, common_pb2.EarlyStopping] = {

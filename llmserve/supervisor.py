@@ -123,6 +123,8 @@ class StackConfig:
     https: bool = False  # the gateway serves HTTPS (only for the banner)
     # Worker i runs with CUDA_VISIBLE_DEVICES=worker_devices[i] (None or absent: unchanged).
     worker_devices: list[str | None] = field(default_factory=list)
+    # Worker i runs with --role worker_roles[i] (absent: the worker's default, mixed).
+    worker_roles: list[str] = field(default_factory=list)
 
 
 def plan_stack(config: StackConfig) -> list[ServiceSpec]:
@@ -134,11 +136,13 @@ def plan_stack(config: StackConfig) -> list[ServiceSpec]:
         address = f"{LOOPBACK}:{port}"
         worker_addresses.append(address)
         device = config.worker_devices[index] if index < len(config.worker_devices) else None
+        role = config.worker_roles[index:index + 1]
         specs.append(
             ServiceSpec(
                 f"worker-{index}",
                 ["worker", "--model", config.model, "--host", LOOPBACK, "--port", str(port),
-                 "--metrics-port", str(free_port()), *config.worker_args],
+                 "--metrics-port", str(free_port()), *config.worker_args,
+                 *(["--role", *role] if role else [])],
                 address,
                 {"CUDA_VISIBLE_DEVICES": device} if device is not None else {},
             )

@@ -153,7 +153,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--worker-dns",
         default="",
         help="host:port whose name is re-resolved every --dns-interval-s, one worker per "
-        "address (a compose service scaled to N, a Kubernetes headless Service)",
+        "address (a compose service scaled to N, a Kubernetes headless Service); several "
+        "comma-separated (e.g. prefill and decode workers' services)",
     )
     fleet.add_argument("--dns-interval-s", type=float, default=5.0)
     fleet.add_argument(

@@ -47,7 +47,7 @@ from scheduler_service.migration import GroupSnapshot
 from scheduler_service.replica import Replica, ReplicaState, WorkerLostError
 from scheduler_service.replica_owner import ReplicaCounters
 from scheduler_service.request_output import RequestOutput
-from scheduler_service.roles import choose
+from scheduler_service.roles import choose, role_name
 from scheduler_service.routing import Candidate, Decision
 from scheduler_service.routing import Router as RoutingRouter
 from scheduler_service.tracing import (
@@ -366,6 +366,8 @@ class Fleet:
 
     def on_state(self, replica: Replica) -> None:
         self._record_states()
+        if replica.state is ReplicaState.READY:
+            metrics.record_role(replica.replica_id, role_name(replica))
         if replica.state is ReplicaState.READY and self.pending:
             self._place_pending()
 

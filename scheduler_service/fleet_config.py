@@ -16,7 +16,8 @@ from scheduler_service.routing import RoutingPolicy
 class FleetConfig:
     replica: ReplicaConfig
     routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE
-    # "host:port" re-resolved every dns_interval_s; empty: no DNS discovery.
+    # "host:port" re-resolved every dns_interval_s, several comma-separated; empty: no DNS
+    # discovery.
     worker_dns: str = ""
     dns_interval_s: float = 5.0
     # Workers re-register within this long or count as lost.

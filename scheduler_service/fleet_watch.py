@@ -49,10 +49,13 @@ async def _forget_gone_drained(fleet: Fleet) -> None:
 
 
 async def watch_dns(fleet: Fleet) -> None:
-    """Every `dns_interval_s`: addresses the name resolves to join (unless drained, or held
-    by another shard lately); members it no longer resolves to lose the DNS source."""
+    """Every `dns_interval_s`: addresses the names resolve to join (unless drained, or held
+    by another shard lately); members they no longer resolve to lose the DNS source."""
+    names = [n.strip() for n in fleet.config.worker_dns.split(",") if n.strip()]
     while True:
-        found = await resolve_workers(fleet.config.worker_dns)
+        found: set[str] = set()
+        for name in names:
+            found |= await resolve_workers(name)
         now = time.monotonic()
         for address in sorted(found - fleet.drained.keys()):
             member = fleet.members.get(address)

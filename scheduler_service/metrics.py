@@ -19,6 +19,16 @@ SHARD_INFO = Gauge(
 RUNNING = Gauge("llmserve_requests_running", "Requests running", _R)
 WAITING = Gauge("llmserve_requests_waiting", "Requests waiting to be scheduled", _R)
 SWAPPED = Gauge("llmserve_requests_swapped", "Requests swapped out to host memory", _R)
+WAITING_PREFILL_TOKENS = Gauge(
+    "llmserve_waiting_prefill_tokens",
+    "Tokens the waiting requests still have to prefill (the prefill pool's scaling metric)",
+    _R,
+)
+ROLE = Gauge(
+    "llmserve_replica_role",
+    "1 per replica, labelled with its worker's role (mixed, prefill, decode): join on replica",
+    [*_R, "role"],
+)
 KV_USAGE = Gauge("llmserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", [*_R, "device"])
 PREFIX_QUERIES = Counter(
     "llmserve_prefix_cache_queries", "Prompt blocks looked up in the prefix cache", _R
@@ -125,6 +135,7 @@ def record_stats(replica_id: int, stats: SchedulerStats) -> None:
     _child(RUNNING, r).set(stats.num_running)
     _child(WAITING, r).set(stats.num_waiting)
     _child(SWAPPED, r).set(stats.num_swapped)
+    _child(WAITING_PREFILL_TOKENS, r).set(stats.num_waiting_prefill_tokens)
     _child(KV_USAGE, r, "gpu").set(stats.gpu_kv_usage)
     _child(KV_USAGE, r, "cpu").set(stats.cpu_kv_usage)
     _advance(PREFIX_QUERIES, (r,), stats.prefix_cache_queries)
@@ -289,6 +300,10 @@ ROUTING_DECISIONS = Counter(
     "prefix cache",
     ["policy", "prefix_hit"],
 )
+
+
+def record_role(replica_id: int, role: str) -> None:
+    ROLE.labels(str(replica_id), role).set(1)
 
 
 def record_worker_states(states: list) -> None:  # type: ignore[type-arg]

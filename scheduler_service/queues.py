@@ -140,6 +140,9 @@ class SchedulerQueues:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_ignored=self.num_ignored,
+            num_waiting_prefill_tokens=sum(
+                g.seqs[0].get_len() - g.seqs[0].num_computed_tokens for g in self.waiting
+            ),
             num_spec_drafts=spec.num_drafts,
             num_spec_draft_tokens=spec.num_draft_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from llmserve.proto_convert import ROLE_NAMES
 from llmserve.v1 import worker_pb2
 from scheduler_service.routing import Decision
 
@@ -26,6 +27,11 @@ Route = Callable[[list["Replica"], list[int]], "tuple[Replica, Decision] | None"
 def role(replica: Replica) -> int:
     """The replica's worker_pb2.WorkerRole (mixed until its worker has answered Info)."""
     return worker_pb2.WORKER_ROLE_MIXED if replica.info is None else replica.info.role
+
+
+def role_name(replica: Replica) -> str:
+    """"mixed", "prefill" or "decode" (as `llmserve worker --role` names it)."""
+    return ROLE_NAMES[role(replica)]
 
 
 def choose(

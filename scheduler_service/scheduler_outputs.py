@@ -91,6 +91,9 @@ class SchedulerStats:
     prefix_cache_queries: int  # full prompt blocks looked up
     prefix_cache_hits: int  # of those, found already computed
     num_ignored: int
+    # Tokens the waiting requests still have to prefill (their prompts, or prompts and
+    # outputs after a recompute preemption or a move).
+    num_waiting_prefill_tokens: int = 0
     # Speculative decoding (scheduler_service/speculation.py): sequence-steps with drafts,
     # draft tokens, drafts kept, and per draft position how often it was kept.
     num_spec_drafts: int = 0

@@ -12,6 +12,7 @@ from llmserve import security
 from llmserve.config_env import parse_service_args
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
+from llmserve.proto_convert import WORKER_ROLES
 from llmserve.service_main import (
     add_common_flags,
     check_security,
@@ -27,11 +28,6 @@ from worker_service.membership import LeaseKeeper, WorkerDrain
 log = get_logger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-# --role values: worker.proto's WorkerRole names, lower case, without the prefix.
-ROLES = {
-    name.removeprefix("WORKER_ROLE_").lower(): value
-    for name, value in worker_pb2.WorkerRole.items()
-}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -100,7 +96,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--role",
-        choices=list(ROLES),
+        choices=list(WORKER_ROLES),
         default="mixed",
         help="disaggregated serving: prefill workers prefill long prompts and hand each request "
         "to a decode worker with its KV blocks; decode workers decode them (and prefill short "
@@ -217,7 +213,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
     servicer = WorkerServicer(worker, num_gpu, num_cpu, model_thread)
     servicer.kv_send_rate = args.kv_send_rate_gbs * 1e9
-    servicer.role = ROLES[args.role]
+    servicer.role = WORKER_ROLES[args.role]
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     address = f"{args.host}:{args.port}"
     security.add_port(server, address)

@@ -16,7 +16,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "gpu")  # what `kubectl apply -k` takes on a cluster with built-in kinds only
 # Every overlay in the repository; those not in OVERLAYS name what they need beyond a vanilla
-# cluster (gpu-keda: KEDA; cpu-mtls: the TLS Secrets; cpu-shards: nothing, but more schedulers).
+# cluster (gpu-keda, cpu-disagg: KEDA; cpu-mtls: the TLS Secrets; cpu-shards: nothing, but more
+# schedulers).
 ALL_OVERLAYS = tuple(sorted(p.name for p in (ROOT / "deploy" / "k8s" / "overlays").iterdir()))
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 

@@ -1,7 +1,9 @@
 """docker-compose.yml for real, under podman (`make test-deploy`): the image built on a base
 from Debian's packages, the stack up, requests over HTTP and gRPC, two workers both serving,
 traces at the collector standing in for Jaeger, every Prometheus target up, two scheduler
-shards (docker-compose.shards.yml) both serving, and `down` leaving nothing behind. The tests run in file order against one stack."""
+shards (docker-compose.shards.yml) both serving, a prefill and a decode worker
+(docker-compose.disagg.yml) serving, and `down` leaving nothing behind. The tests run in file
+order against one stack."""
 
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def stack() -> Iterator[Stack]:
         )
     finally:
         if project.containers():
-            for service in ("worker", "scheduler", "scheduler-b", "gateway"):
+            for service in ("worker", "worker-prefill", "scheduler", "scheduler-b", "gateway"):
                 print(f"--- {service} ---\n{project.logs(service)[-4000:]}")
         project.compose("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
 
@@ -238,6 +240,26 @@ def test_two_scheduler_shards_both_serve(stack: Stack):
     after = {s: scheduler_metric(stack, s, finished) for s in shards}
     assert all(after[s] > before[s] for s in shards), (before, after)
     assert sum(after.values()) - sum(before.values()) == 8
+
+
+def test_a_prefill_and_a_decode_worker_serve(stack: Stack):
+    """docker-compose.disagg.yml instead of the shards' file: a long prompt prefills on the
+    prefill worker and moves to the decode worker with its KV blocks."""
+    stack.project.extra_files[:] = ["docker-compose.disagg.yml"]
+    stack.project.compose("up", "-d", "--scale", "worker=1", "--scale", "worker-prefill=1")
+    assert len(stack.project.container_of("worker-prefill")) == 1
+
+    def pools_ready() -> bool:
+        ready = stack.prometheus_query('llmserve_workers{state="ready"}')
+        return bool(ready) and float(ready[0]["value"][1]) == 2
+
+    wait_until(pools_ready, STARTUP_S, "a ready prefill worker and a ready decode worker")
+    wait_until(lambda: get_json(stack.http + "/ready") == {"status": "ok"}, 120, "gateway /ready")
+    handed_off = 'llmserve_kv_migrations_total{outcome="transfer"}'
+    before = scheduler_metric(stack, "scheduler", handed_off)
+    prompt = " ".join(f"item {i}," for i in range(80))  # well over 128 tokens
+    assert greedy_completion(stack, prompt, 16) == 16
+    assert scheduler_metric(stack, "scheduler", handed_off) == before + 1
 
 
 def test_down_leaves_nothing_running(stack: Stack):

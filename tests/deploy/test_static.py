@@ -57,6 +57,7 @@ def check_config(args: list[str], env: dict[str, str]) -> subprocess.CompletedPr
         "docker-compose.gpu.yml",
         "docker-compose.mtls.yml",
         "docker-compose.shards.yml",
+        "docker-compose.disagg.yml",
     ],
 )
 def test_compose_file_validates_against_the_compose_spec(name: str):
@@ -106,6 +107,32 @@ def test_shards_override_points_workers_and_the_gateway_at_both_shards():
     assert len({services[s]["environment"]["LLMSERVE_SHARD_NAME"] for s in shards}) == 2
     for s in shards:
         assert services[s]["healthcheck"]["test"][-1] == f"127.0.0.1:{port[s]}"
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("service", [*SERVICES, "worker-prefill"])
+def test_disagg_override_configurations_pass_check_config(service: str):
+    spec = load_compose("docker-compose.yml", "docker-compose.disagg.yml")["services"][service]
+    env = {**image_env(), **{k: str(v) for k, v in spec["environment"].items()}}
+    result = check_config(spec["command"], env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_disagg_override_gives_each_pool_its_role_and_the_scheduler_both():
+    services = load_compose("docker-compose.yml", "docker-compose.disagg.yml")["services"]
+    pools = {"worker": "decode", "worker-prefill": "prefill"}
+    assert {name: services[name]["environment"]["LLMSERVE_ROLE"] for name in pools} == pools
+    port = {name: services[name]["environment"]["LLMSERVE_PORT"] for name in pools}
+    dns = services["scheduler"]["environment"]["LLMSERVE_WORKER_DNS"].split(",")
+    assert sorted(dns) == sorted(f"{name}:{port[name]}" for name in pools)
+    # The prefill pool is a worker like the base one but for its role.
+    base, prefill = services["worker"], services["worker-prefill"]
+    same = {k: v for k, v in base["environment"].items() if k != "LLMSERVE_ROLE"}
+    assert {k: v for k, v in prefill["environment"].items() if k != "LLMSERVE_ROLE"} == same
+    assert prefill["healthcheck"] == base["healthcheck"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    [workers] = [job for job in config["scrape_configs"] if job["job_name"] == "llmserve-worker"]
+    assert set(workers["dns_sd_configs"][0]["names"]) == set(pools)
 
 
 def test_compose_addresses_agree_with_the_ports_services_listen_on():
@@ -381,12 +408,14 @@ def test_every_overlay_renders_and_its_built_in_objects_validate(name: str):
     workloads = sorted(
         obj["metadata"]["name"] for obj in objects if obj["kind"] in ("Deployment", "StatefulSet")
     )
-    assert workloads == ["gateway", "scheduler", "worker"], name
+    pools = ["worker-prefill"] if name == "cpu-disagg" else []
+    assert workloads == ["gateway", "scheduler", "worker", *pools], name
     for obj in objects:
         if obj["apiVersion"] in BUILT_IN_API_VERSIONS:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-        else:  # only the KEDA overlay brings a custom kind
-            assert (obj["kind"], name) == ("ScaledObject", "gpu-keda"), (name, obj["kind"])
+        else:  # only the KEDA overlays bring a custom kind
+            assert obj["kind"] == "ScaledObject", (name, obj["kind"])
+            assert name in ("gpu-keda", "cpu-disagg"), name
 
 
 @pytest.mark.services
@@ -425,6 +454,55 @@ def test_shards_overlay_lists_every_shard_where_workers_and_gateways_look():
         {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "worker"}}} in rule["from"]
         and {"port": int(port), "protocol": "TCP"} in rule["ports"]
         for rule in allowed
+    )
+
+
+@pytest.mark.services
+def test_disagg_overlay_runs_two_pools_each_scaled_on_its_own_metric():
+    objects = render_overlay("cpu-disagg")
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    pools = {"worker": "decode", "worker-prefill": "prefill"}
+    containers = {c.workload: c for c in llmserve_containers(objects)}
+    for name, pool_role in pools.items():
+        selector = deployments[name]["spec"]["selector"]["matchLabels"]
+        assert selector == {"app.kubernetes.io/name": "worker", "llmserve.io/role": pool_role}
+        labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        assert containers[name].env["LLMSERVE_ROLE"] == pool_role
+        result = check_config(containers[name].args, containers[name].env)
+        assert result.returncode == 0, (name, result.stderr)
+    # Both pools behind the scheduler's DNS name, with the same settings but their role.
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "worker")
+    assert service["spec"]["selector"] == {"app.kubernetes.io/name": "worker"}
+    decode_env, prefill_env = (dict(containers[n].env) for n in pools)
+    del decode_env["LLMSERVE_ROLE"], prefill_env["LLMSERVE_ROLE"]
+    assert decode_env == prefill_env
+    # One ScaledObject per pool on its own metric; no CPU autoscaler left on the workers.
+    scaled = {
+        o["spec"]["scaleTargetRef"]["name"]: o["spec"]["triggers"]
+        for o in objects
+        if o["kind"] == "ScaledObject"
+    }
+    assert set(scaled) == set(pools)
+    queries = {name: " ".join(t["metadata"]["query"] for t in scaled[name]) for name in pools}
+    assert "llmserve_waiting_prefill_tokens" in queries["worker-prefill"]
+    assert 'role="prefill"' in queries["worker-prefill"]
+    assert "llmserve_kv_cache_usage_ratio" in queries["worker"]
+    assert 'role="decode"' in queries["worker"]
+    for metric in ("llmserve_waiting_prefill_tokens", "llmserve_replica_role"):
+        assert metric in _metric_names()
+    assert not [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"
+                and o["spec"]["scaleTargetRef"]["name"] in pools]  # fmt: skip
+
+
+def test_workers_accept_kv_blocks_from_other_workers():
+    objects = render_overlay("cpu")
+    [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"
+                and o["metadata"]["name"] == "worker-ingress"]  # fmt: skip
+    worker = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "worker"}}}
+    assert any(
+        worker in rule["from"] and {"port": 50061, "protocol": "TCP"} in rule["ports"]
+        for rule in policy["spec"]["ingress"]
     )
 
 

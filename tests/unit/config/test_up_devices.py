@@ -58,6 +58,23 @@ def test_shards_split_the_workers_and_the_gateway_knows_them_all() -> None:
     assert [s.name for s in single] == ["scheduler"] and "--shard-name" not in single[0].args
 
 
+def test_prefill_and_decode_workers_get_their_roles(captured: list[StackConfig]) -> None:
+    assert cli.main(["up", "--prefill-workers", "1", "--decode-workers", "2"]) == 0
+    [config] = captured
+    assert config.num_workers == 3 and config.worker_roles == ["prefill", "decode", "decode"]
+    workers = [s for s in plan_stack(config) if s.name.startswith("worker-")]
+    roles = [s.args[s.args.index("--role") + 1] for s in workers]
+    assert roles == ["prefill", "decode", "decode"]
+    # Plain `up` passes no role (the worker's default, mixed).
+    assert all("--role" not in s.args for s in plan_stack(StackConfig(num_workers=2)))
+
+
+def test_prefill_workers_alone_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--prefill-workers", "2"])
+    assert "--prefill-workers needs a worker to hand requests to" in capsys.readouterr().err
+
+
 def test_more_shards_than_workers_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["up", "--workers", "1", "--schedulers", "2"])

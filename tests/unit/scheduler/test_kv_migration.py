@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from llmserve.v1 import worker_pb2
 from scheduler_service.config import MigrationMode
 from scheduler_service.kv_migration import Migrations
 from scheduler_service.offline import accumulate
@@ -38,6 +39,7 @@ class StubReplica:
         self.transfers: TransferQueue | None = TransferQueue(lambda: None)
         self.state = ReplicaState.READY
         self.block_size = BLOCK
+        self.info: worker_pb2.InfoResponse | None = None  # role: mixed
 
     def take_requests(self, request_ids: list[str]):  # type: ignore[no-untyped-def]
         return self.engine.export_requests(request_ids), {}
@@ -50,8 +52,7 @@ class StubReplica:
         engine.attach_masks(step_input)
         result = None if step_input.is_empty() else self.model.execute(step_input)
         outputs = engine.finish_step(sched_out, step_input, result)
-        if (news := transfer_news(step_input, result)) is not None:
-            moves.on_transfers(self, news)  # type: ignore[arg-type]
+        moves.after_step(self, transfer_news(step_input, result))  # type: ignore[arg-type]
         return outputs
 
     def busy(self) -> bool:
@@ -66,6 +67,9 @@ class Host:
     fallback: StubReplica
     moved: list[str] = field(default_factory=list)
     fell_back: list[str] = field(default_factory=list)
+
+    def pick_target(self, source, prompt):  # type: ignore[no-untyped-def]
+        return self.fallback
 
     def place_moved(self, target, snapshot, trace, source, cause) -> bool:  # type: ignore[no-untyped-def]
         target.engine.import_request(snapshot)
@@ -209,3 +213,31 @@ def test_a_side_lost_mid_move_falls_back_to_recompute_and_leaks_nothing(lost, mo
         if replica.engine is not None:
             assert replica.engine.scheduler.block_manager.pins == {}
             assert_empty(replica.engine)
+
+
+def test_a_prefill_replica_hands_each_request_to_a_decode_replica_after_its_first_token():
+    """A prefill worker's requests stop there once every running sequence has its first token,
+    and finish on the decode worker, as the reference; the decode worker computes fewer tokens
+    than when every hand-off's import fails (and it recomputes the contexts)."""
+    computed = {}
+    for fail in (False, True):
+        a, b = StubReplica("a"), StubReplica("b")
+        a.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_PREFILL)
+        b.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_DECODE)
+        linked(a, b)
+        b.model.fail_imports = fail
+        host = Host(fallback=b)
+        moves = Migrations(host, MigrationMode.RECOMPUTE)  # hand-offs copy in every mode
+        start(a)
+        totals = run([a, b], moves)
+        finished_as_reference(totals)
+        # Every request that wanted more than its first token went on on b (by recompute when
+        # its import failed; one with no full block to copy has nothing to fail).
+        longer = {f"r{i}" for i in range(NUM) if len(totals[f"r{i}"].outputs[0].token_ids) > 1}
+        assert longer <= set(host.moved) | set(host.fell_back)
+        assert bool(host.fell_back) == fail
+        for replica in (a, b):
+            assert replica.engine.scheduler.block_manager.pins == {}
+            assert_empty(replica.engine)
+        computed[fail] = b.model.num_computed_tokens
+    assert computed[False] < computed[True], computed
