@@ -30,7 +30,7 @@ def role(replica: Replica) -> int:
 
 
 def role_name(replica: Replica) -> str:
-    """"mixed", "prefill" or "decode" (as `llmserve worker --role` names it)."""
+    """The role as `llmserve worker --role` names it: mixed, prefill or decode."""
     return ROLE_NAMES[role(replica)]
 
 

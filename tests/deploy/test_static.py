@@ -472,7 +472,9 @@ def test_disagg_overlay_runs_two_pools_each_scaled_on_its_own_metric():
         result = check_config(containers[name].args, containers[name].env)
         assert result.returncode == 0, (name, result.stderr)
     # Both pools behind the scheduler's DNS name, with the same settings but their role.
-    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "worker")
+    service = next(
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "worker"
+    )
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "worker"}
     decode_env, prefill_env = (dict(containers[n].env) for n in pools)
     del decode_env["LLMSERVE_ROLE"], prefill_env["LLMSERVE_ROLE"]
