@@ -23,6 +23,7 @@ from scheduler_service.config import (
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
     DEFAULT_PREFILL_LOCAL_BELOW,
+    DEFAULT_PREFIX_FETCH_MIN_TOKENS,
     MigrationMode,
     PreemptionMode,
     SchedulerConfig,
@@ -210,6 +211,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "not cached on a decode worker prefills there instead of on a prefill worker",
     )
     fleet.add_argument(
+        "--prefix-fetch-min-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_FETCH_MIN_TOKENS,
+        help="a request placed on a worker that holds this many fewer of its prompt's tokens "
+        "cached than another worker copies those KV blocks from there first, when the measured "
+        "transfer and prefill rates say it is faster (0: never)",
+    )
+    fleet.add_argument(
         "--drain-migration",
         choices=[m.value for m in MigrationMode],
         default=MigrationMode.PRE_COPY.value,
@@ -268,6 +277,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
         no_worker_timeout_s=args.no_worker_timeout_s,
         shard=args.shard_name or f"{socket.gethostname()}:{args.port}",
         prefill_local_below=args.prefill_local_below,
+        prefix_fetch_min_tokens=args.prefix_fetch_min_tokens,
     )
 
 

@@ -117,6 +117,12 @@ class BlockAllocator:
         assert self.ref_counts[block_id] > 0
         self.ref_counts[block_id] += 1
 
+    def hold(self, block_id: int) -> None:
+        """One more reference to a block in use or to a cached one waiting in the evictor."""
+        if self.ref_counts[block_id] == 0:
+            self.evictor.remove(block_id)
+        self.ref_counts[block_id] += 1
+
     def free(self, block_id: int, now: float) -> None:
         refs = self.ref_counts[block_id] - 1
         assert refs >= 0, f"double free of {self.device.value} block {block_id}"

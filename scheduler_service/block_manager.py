@@ -319,10 +319,10 @@ class BlockSpaceManager:
     # -- KV transfers -----------------------------------------------------------------------
 
     def pin(self, transfer_id: int, block_ids: list[int]) -> None:
-        """Hold in-use device blocks for an export: they stay allocated, unwritten by new
-        sequences, until `unpin`."""
+        """Hold device blocks (in use, or cached and free) for an export: they stay allocated,
+        unwritten by new sequences, until `unpin`."""
         for block_id in block_ids:
-            self.gpu.share(block_id)
+            self.gpu.hold(block_id)
         self.pins[transfer_id] = list(block_ids)
 
     def allocate_pinned(self, transfer_id: int, hashed: list[tuple[int, int]]) -> list[int]:

@@ -9,13 +9,15 @@ Membership. A worker becomes a replica through any of three sources, all kept li
   source.
 A replica that loses its last source is removed, and its requests move.
 
-Placement. Every request is placed by the routing policy on a READY replica. With none ready,
-it waits in `pending` (in arrival order) for up to `no_worker_timeout_s`, then fails
-UNAVAILABLE with a message that says so. A replica that becomes ready takes the pending ones.
+Placement. Every request is placed by the routing policy on a READY replica, by worker role
+(`roles`), fetching a longer cached prefix from a peer first where that pays (`move_policy`).
+With none ready, it waits in `pending` (in arrival order) for up to `no_worker_timeout_s`, then
+fails UNAVAILABLE saying so; a replica that becomes ready takes the pending ones.
 
 Migration. Requests leaving a replica (its worker lost, drained, removed, or a failed step)
 are placed again elsewhere with every token generated so far: they continue by recompute, and
-clients see a pause, never an error or a different token.
+clients see a pause, never an error or a different token. Drains and prefill workers' hand-offs
+move running requests with their KV blocks instead (`kv_migration`).
 
 Shards. With several schedulers (shards) sharing the workers, a worker is driven by one of
 them at a time (it takes one Execute stream). A replica whose worker another scheduler drives
@@ -36,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llmserve.errors import FieldError, InternalError, NotFoundError, UnavailableError
+from llmserve.errors import FieldError, InternalError, NotFoundError
 from llmserve.logs import get_logger
 from scheduler_service import metrics
 from scheduler_service.discovery import DrainedError, HeldElsewhere
@@ -44,6 +46,7 @@ from scheduler_service.fleet_config import FleetConfig, FleetOwner
 from scheduler_service.fleet_watch import LEASE, STATIC, housekeeping, watch_dns
 from scheduler_service.kv_migration import Migrations
 from scheduler_service.migration import GroupSnapshot
+from scheduler_service.move_policy import maybe_fetch
 from scheduler_service.replica import Replica, ReplicaState, WorkerLostError
 from scheduler_service.replica_owner import ReplicaCounters
 from scheduler_service.request_output import RequestOutput
@@ -187,15 +190,16 @@ class Fleet:
     ) -> tuple[Replica, Decision] | None:
         """The ready replica (not `source`) the routing policy picks for `prompt`: to place
         a request (`placing`), or as the target of a move (`roles.choose`)."""
-        ready = [
+        local_below = self.config.prefill_local_below if placing else None
+        return choose(self._connected(source), prompt, local_below, self._route)
+
+    def _connected(self, but: Replica | None = None) -> list[Replica]:
+        """The connected READY replicas, `but` excepted."""
+        return [
             m.replica
             for m in self.members.values()
-            if m.replica.state is ReplicaState.READY
-            and m.replica.engine is not None
-            and m.replica is not source
+            if m.replica.state is ReplicaState.READY and m.replica.engine and m.replica is not but
         ]
-        local_below = self.config.prefill_local_below if placing else None
-        return choose(ready, prompt, local_below, self._route)
 
     def _route(self, replicas: list[Replica], prompt: list[int]) -> tuple[Replica, Decision] | None:
         by_id = {r.replica_id: r for r in replicas}
@@ -221,6 +225,8 @@ class Fleet:
                 record_migration(trace, source.address, "(pending)", cause)
             return
         target, decision = picked
+        if source is None and self._fetch(snapshot, trace, target, decision.cached_tokens):
+            return  # queued on the target once the prefix has arrived
         try:
             target.place(snapshot, trace)
         except WorkerLostError:  # the replica lost its worker this instant: wait for another
@@ -249,6 +255,12 @@ class Fleet:
                  from_worker=source.address, to_worker=target.address)  # fmt: skip
 
     # -- moves with KV blocks (kv_migration.MoveHost) ------------------------------------------
+
+    def _fetch(
+        self, snapshot: GroupSnapshot, trace: RequestTrace | None, target: Replica, cached: int
+    ) -> bool:
+        peers, min_tokens = self._connected(), self.config.prefix_fetch_min_tokens
+        return maybe_fetch(self.migrations, peers, target, cached, snapshot, trace, min_tokens)
 
     def pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
         picked = self._pick(prompt, source, placing=False)
@@ -306,17 +318,6 @@ class Fleet:
         except FieldError as exc:
             end_request_trace(trace, exc.message)
             self.owner.fail_request(snapshot.request_id, exc)
-
-    def expire_pending(self, now: float) -> None:
-        for key, pending in list(self.pending.items()):
-            if pending.deadline <= now:
-                del self.pending[key]
-                message = (
-                    f"no worker became available within {self.config.no_worker_timeout_s:g} s "
-                    f"({len(self.members)} known, none ready)"
-                )
-                end_request_trace(pending.trace, message)
-                self.owner.fail_request(key, UnavailableError(message))
 
     # -- ReplicaOwner ------------------------------------------------------------------------
 

@@ -6,7 +6,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from llmserve.errors import ApiError
-from scheduler_service.config import DEFAULT_PREFILL_LOCAL_BELOW, ReplicaConfig
+from scheduler_service.config import (
+    DEFAULT_PREFILL_LOCAL_BELOW,
+    DEFAULT_PREFIX_FETCH_MIN_TOKENS,
+    ReplicaConfig,
+)
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.request_output import RequestOutput
 from scheduler_service.routing import RoutingPolicy
@@ -29,6 +33,8 @@ class FleetConfig:
     # Disaggregated serving: with prefill workers, a prompt with fewer tokens than this
     # uncached on a decode worker prefills there rather than on a prefill worker.
     prefill_local_below: int = DEFAULT_PREFILL_LOCAL_BELOW
+    # Prefix fetch from a peer replica: the least gain in cached tokens worth a copy (0: off).
+    prefix_fetch_min_tokens: int = DEFAULT_PREFIX_FETCH_MIN_TOKENS
     # This scheduler's name among the shards (on traces, metrics and GetStats).
     shard: str = ""
 

@@ -7,8 +7,10 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from llmserve.errors import UnavailableError
 from llmserve.logs import get_logger
 from scheduler_service.discovery import answers_health, resolve_workers
+from scheduler_service.tracing import end_request_trace
 
 if TYPE_CHECKING:
     from scheduler_service.fleet import Fleet
@@ -30,13 +32,26 @@ async def housekeeping(fleet: Fleet) -> None:
             if expiry < now:
                 del fleet.leases[address]
                 fleet.drop_source(address, LEASE, "lease")
-        fleet.expire_pending(now)
+        expire_pending(fleet, now)
         for address in [a for a in fleet.held.since if a in fleet.static]:
             if fleet.held.may_try(address, now):
                 fleet.add(address, STATIC)
         probe_turn += 1
         if fleet.drained and probe_turn % 5 == 0:
             await _forget_gone_drained(fleet)
+
+
+def expire_pending(fleet: Fleet, now: float) -> None:
+    """Fail the requests that have waited for a ready replica past their deadline."""
+    for key, pending in list(fleet.pending.items()):
+        if pending.deadline <= now:
+            del fleet.pending[key]
+            message = (
+                f"no worker became available within {fleet.config.no_worker_timeout_s:g} s "
+                f"({len(fleet.members)} known, none ready)"
+            )
+            end_request_trace(pending.trace, message)
+            fleet.owner.fail_request(key, UnavailableError(message))
 
 
 async def _forget_gone_drained(fleet: Fleet) -> None:

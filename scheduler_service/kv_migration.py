@@ -30,86 +30,37 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any
 
 from llmserve.logs import get_logger
 from llmserve.steps import TransferFailure
 from scheduler_service import metrics
 from scheduler_service.config import MigrationMode
 from scheduler_service.engine import LLMEngine
+from scheduler_service.kv_moves import (
+    FINAL_DELTA_BLOCKS,
+    MAX_ROUNDS,
+    Move,
+    MoveHost,
+    Rates,
+    cached_blocks,
+    missing_blocks,
+)
 from scheduler_service.migration import GroupSnapshot
+from scheduler_service.move_policy import hand_off
 from scheduler_service.replica_owner import ReplicaState
 from scheduler_service.roles import PREFILL, role
-from scheduler_service.sequence import SequenceGroup, SequenceStatus
+from scheduler_service.sequence import SequenceStatus
 from scheduler_service.tracing import RequestTrace
-from scheduler_service.transfer_queue import TransferNews, TransferQueue
+from scheduler_service.transfer_queue import TransferNews
 
 if TYPE_CHECKING:
     from scheduler_service.replica import Replica
 
+# The cause of a prefix fetch's move (`migrated` event, llmserve_request_migrations).
+FETCH = "prefix_fetch"
+
 log = get_logger(__name__)
-
-# Pre-copy rounds before the last one, whatever they leave for it.
-MAX_ROUNDS = 4
-# A round that would copy this many new blocks or fewer is the last one.
-FINAL_DELTA_BLOCKS = 1
-
-
-class MoveHost(Protocol):
-    """What moves need from the fleet."""
-
-    def pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
-        """The ready replica (not `source`) the routing policy would place `prompt` on."""
-
-    def place_moved(
-        self,
-        target: Replica,
-        snapshot: GroupSnapshot,
-        trace: RequestTrace | None,
-        source: Replica,
-        cause: str,
-    ) -> bool:
-        """Queue a moved request on `target`; False if it could not be (then placed anywhere,
-        by recompute)."""
-
-    def on_evicted(
-        self,
-        replica: Replica,
-        snapshots: list[GroupSnapshot],
-        traces: dict[str, RequestTrace | None],
-        cause: str,
-    ) -> None:
-        """Place requests that left `replica` by recompute on any ready replica (or fail
-        them), as `ReplicaOwner.on_evicted`."""
-
-
-@dataclass(eq=False, slots=True)
-class _Move:
-    request_id: str
-    source: Replica
-    source_engine: LLMEngine
-    source_queue: TransferQueue
-    target: Replica
-    target_engine: LLMEngine
-    target_queue: TransferQueue
-    cause: str
-    started: float
-    rounds: int = 0
-    # The round in flight (None between rounds), and whether its export is registered.
-    transfer_id: int | None = None
-    exported: bool = False
-    final: bool = False
-    # Block hashes the target holds for this request (imported, or cached before).
-    present: set[int] = field(default_factory=set)
-    # Rounds whose target blocks stay pinned until the request is queued there.
-    target_pins: list[int] = field(default_factory=list)
-    # Set once the request is stopped on the source (the last round).
-    snapshot: GroupSnapshot | None = None
-    trace: RequestTrace | None = None
-    blocks_copied: int = 0
-    # Stop the request for the first round (a hand-off after prefill).
-    stop_first: bool = False
 
 
 class Migrations:
@@ -118,9 +69,10 @@ class Migrations:
     def __init__(self, host: MoveHost, mode: MigrationMode) -> None:
         self.host = host
         self.mode = mode
-        self.moves: dict[str, _Move] = {}
-        self._by_transfer: dict[int, _Move] = {}
+        self.moves: dict[str, Move] = {}
+        self._by_transfer: dict[int, Move] = {}
         self._transfer_ids = itertools.count(1)
+        self.rates = Rates()
 
     def is_moving(self, request_id: str) -> bool:
         return request_id in self.moves
@@ -129,44 +81,17 @@ class Migrations:
     def enabled(self) -> bool:
         return self.mode is not MigrationMode.RECOMPUTE
 
-    def drain_step(self, replica: Replica, engine: LLMEngine, late: bool) -> list[str]:
-        """The drain policy (`Replica.drain`), between steps of a draining replica: start
-        moving its running requests that are not moving yet; returns the requests that move
-        by recompute now: waiting and swapped ones, and once `late` (its grace period over)
-        every one not in a move."""
-        scheduler = engine.scheduler
-        if self.enabled:  # drains move running requests with their blocks
-            for group in list(scheduler.running):
-                key = group.request_id
-                if key not in self.moves:
-                    target = self.host.pick_target(replica, group.prompt_token_ids)
-                    if target is not None:
-                        self.start(replica, target, key, "drain")
-        if late:
-            keys = engine.unfinished_request_ids()
-        else:
-            keys = [g.request_id for q in (scheduler.waiting, scheduler.swapped) for g in q]
-        return [key for key in keys if key not in self.moves]
-
-    def after_step(self, replica: Replica, news: TransferNews | None) -> None:
-        """After each finished step of `replica`: its transfer news, then, on a prefill
-        worker, the hand-off of requests whose first token is out (`roles`)."""
+    def after_step(
+        self, replica: Replica, news: TransferNews | None, tokens: int = 0, seconds: float = 0.0
+    ) -> None:
+        """After each finished step of `replica` (`tokens` computed in `seconds`): its transfer
+        news, then, on a prefill worker, the hand-off of requests whose first token is out
+        (`roles`)."""
+        self.rates.on_step(tokens, seconds)
         if news is not None:
             self.on_transfers(replica, news)
         if role(replica) == PREFILL and replica.engine is not None:
-            self.hand_off(replica, replica.engine)
-
-    def hand_off(self, replica: Replica, engine: LLMEngine) -> None:
-        """Move each request that has its first token to a decode worker: stopped here at
-        once, its blocks copied, then decoded there."""
-        for group in list(engine.scheduler.running):
-            key = group.request_id
-            running = group.get_seqs(SequenceStatus.RUNNING)
-            if key in self.moves or not running or not all(s.get_output_len() for s in running):
-                continue
-            target = self.host.pick_target(replica, group.prompt_token_ids)
-            if target is not None and role(target) != PREFILL:
-                self.start(replica, target, key, "prefill_done", stop_first=True)
+            hand_off(self, replica, replica.engine)
 
     def start(
         self,
@@ -179,67 +104,61 @@ class Migrations:
         """Begin moving a running request of `source` to `target`, stopping it for the first
         round if `stop_first` (else per the mode). False (and nothing started) when it is
         not running there or either side cannot take part."""
+        if not self._can_take_part(request_id, source, target):
+            return False
         engine, target_engine = source.engine, target.engine
-        if (
+        assert engine is not None and target_engine is not None
+        group = engine.scheduler.get_seq_group(request_id)
+        if group is None or not group.get_seqs(SequenceStatus.RUNNING):
+            return False
+        move = self._new_move(request_id, source, target, cause, stop_first=stop_first)
+        self._next_round(move)
+        return True
+
+    def _can_take_part(self, request_id: str, source: Replica, target: Replica) -> bool:
+        """Whether a move of `request_id` from `source` to `target` can start: none already,
+        both connected, the target caching prefixes, the same block size."""
+        target_engine = target.engine
+        return not (
             request_id in self.moves
-            or engine is None
+            or source.engine is None
             or target_engine is None
             or source.transfers is None
             or target.transfers is None
             or not target_engine.scheduler.block_manager.enable_caching
             or target.block_size != source.block_size
-        ):
-            return False
-        group = engine.scheduler.get_seq_group(request_id)
-        if group is None or not group.get_seqs(SequenceStatus.RUNNING):
-            return False
-        move = _Move(
+        )
+
+    def _new_move(
+        self, request_id: str, source: Replica, target: Replica, cause: str, **fields: Any
+    ) -> Move:
+        """Record a move between two connected replicas (`_can_take_part`)."""
+        assert source.engine is not None and source.transfers is not None
+        assert target.engine is not None and target.transfers is not None
+        move = Move(
             request_id,
             source,
-            engine,
+            source.engine,
             source.transfers,
             target,
-            target_engine,
+            target.engine,
             target.transfers,
             cause,
             time.monotonic(),
-            stop_first=stop_first,
+            **fields,
         )
         self.moves[request_id] = move
-        self._next_round(move)
-        return True
+        return move
 
     # -- rounds --------------------------------------------------------------------------------
 
-    def _missing(self, move: _Move, group: SequenceGroup) -> list[tuple[int, int, int]]:
-        """(source block, hash, hashed tokens) of the group's full, computed blocks that the
-        target lacks, in table order (a prefix-cache hit needs the leading ones first)."""
-        bm = move.source_engine.scheduler.block_manager
-        target_gpu = move.target_engine.scheduler.block_manager.gpu
-        gpu, bs = bm.gpu, bm.block_size
-        found: list[tuple[int, int, int]] = []
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            if not bm.has_table(seq):
-                continue
-            table = bm.get_block_table(seq)
-            for i in range(min(len(seq.token_ids) // bs, len(table))):
-                block_id, block_hash = table[i], seq.block_hash(i)
-                if gpu.block_hashes[block_id] != block_hash or not gpu.computed[block_id]:
-                    break  # later blocks cannot be prefix-cache hits without this one
-                if block_hash in move.present:
-                    continue
-                move.present.add(block_hash)
-                if target_gpu.lookup(block_hash) is None:
-                    found.append((block_id, block_hash, (i + 1) * bs))
-        return found
-
-    def _next_round(self, move: _Move) -> None:
+    def _next_round(self, move: Move) -> None:
         group = move.source_engine.scheduler.get_seq_group(move.request_id)
         if group is None or group.is_finished() or move.source.engine is not move.source_engine:
             self._end(move)  # finished (or aborted) on the source meanwhile
             return
         present = set(move.present)
-        blocks = self._missing(move, group)
+        blocks = missing_blocks(move, group)
         final = (
             move.stop_first
             or self.mode is MigrationMode.STOP_AND_COPY
@@ -271,11 +190,41 @@ class Migrations:
             else:
                 self._next_round(move)
             return
+        self._send(move, transfer_id, blocks)
+
+    def _send(self, move: Move, transfer_id: int, blocks: list[tuple[int, int, int]]) -> None:
+        """Start a round: the source's blocks (pinned already) exported, and blocks under the
+        same hashes pinned on the target for the import that follows the export."""
+        target_bm = move.target_engine.scheduler.block_manager
         target_bm.allocate_pinned(transfer_id, [(h, n) for _, h, n in blocks])
         move.target_pins.append(transfer_id)
         move.transfer_id, move.exported = transfer_id, False
+        move.round_started = time.monotonic()
         self._by_transfer[transfer_id] = move
         move.source_queue.export(transfer_id, [b for b, _, _ in blocks])
+
+    # -- prefix fetch (move_policy.maybe_fetch) --------------------------------------------
+
+    def fetch(
+        self, peer: Replica, target: Replica, snapshot: GroupSnapshot, trace: RequestTrace | None
+    ) -> bool:
+        if not self._can_take_part(snapshot.request_id, peer, target):
+            return False
+        assert peer.engine is not None and target.engine is not None
+        blocks = cached_blocks(peer.engine, target.engine, snapshot.prompt_token_ids)
+        target_bm = target.engine.scheduler.block_manager
+        blocks = blocks[
+            : max(target_bm.get_num_free_gpu_blocks() - target_bm.watermark_blocks - 1, 0)
+        ]
+        if not blocks:
+            return False
+        move = self._new_move(
+            snapshot.request_id, peer, target, FETCH, final=True, snapshot=snapshot, trace=trace
+        )
+        transfer_id = next(self._transfer_ids)
+        peer.engine.scheduler.block_manager.pin(transfer_id, [b for b, _, _ in blocks])
+        self._send(move, transfer_id, blocks)
+        return True
 
     # -- news from the workers -------------------------------------------------------------------
 
@@ -297,6 +246,7 @@ class Migrations:
             bm = move.target_engine.scheduler.block_manager
             bm.mark_imported(transfer_id)
             move.blocks_copied += len(bm.pins[transfer_id])
+            self.rates.on_round(len(bm.pins[transfer_id]), time.monotonic() - move.round_started)
             self._release_source(move, transfer_id)
             move.transfer_id = None
             if move.final:
@@ -327,25 +277,25 @@ class Migrations:
 
     # -- endings ---------------------------------------------------------------------------------
 
-    def _release_source(self, move: _Move, transfer_id: int) -> None:
+    def _release_source(self, move: Move, transfer_id: int) -> None:
         if move.source.engine is move.source_engine:
             move.source_engine.scheduler.block_manager.unpin(transfer_id)
         move.source_queue.release(transfer_id)
 
-    def _release_target(self, move: _Move) -> None:
+    def _release_target(self, move: Move) -> None:
         alive = move.target.engine is move.target_engine
         for transfer_id in move.target_pins:
             if alive:
                 move.target_engine.scheduler.block_manager.unpin(transfer_id)
         move.target_pins = []
 
-    def _end(self, move: _Move) -> None:
+    def _end(self, move: Move) -> None:
         self.moves.pop(move.request_id, None)
         if move.transfer_id is not None:
             self._by_transfer.pop(move.transfer_id, None)
         self._release_target(move)
 
-    def _finish(self, move: _Move) -> None:
+    def _finish(self, move: Move) -> None:
         """The last round is done: queue the request on the target, then let the target's
         pins go (the request's allocation finds the blocks by hash)."""
         self._end(move)
@@ -372,7 +322,7 @@ class Migrations:
         if not placed:
             self.host.on_evicted(move.source, [snapshot], {move.request_id: trace}, move.cause)
 
-    def _fail(self, move: _Move, failure: TransferFailure) -> None:
+    def _fail(self, move: Move, failure: TransferFailure) -> None:
         """Fall back to recompute: release both sides and place or evict the request."""
         transfer_id = move.transfer_id
         if transfer_id is not None:

@@ -38,6 +38,7 @@ from scheduler_service.config import ConfigError, ReplicaConfig
 from scheduler_service.engine import LLMEngine
 from scheduler_service.grammar_requests import wait_for_compiles
 from scheduler_service.migration import GroupSnapshot
+from scheduler_service.move_policy import drain_moves
 from scheduler_service.replica_owner import ReplicaCounters, ReplicaOwner, ReplicaState
 from scheduler_service.replica_steps import StepPipeline
 from scheduler_service.text_stops import tokenizer_loader
@@ -299,7 +300,7 @@ class Replica:
             self._watchdog,
             self.config.async_scheduling,
             transfers,
-            lambda news: self.owner.migrations.after_step(self, news),
+            lambda *step: self.owner.migrations.after_step(self, *step),
         )
         idle_steps = 0
         while True:
@@ -350,7 +351,7 @@ class Replica:
     def _drain_step(self, engine: LLMEngine) -> None:
         """Between steps of a draining replica: move what the drain policy says moves now."""
         late = self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
-        if recompute := self.owner.migrations.drain_step(self, engine, late):
+        if recompute := drain_moves(self.owner.migrations, self, engine, late):
             self._evict(recompute, "drain")
 
     # -- requests leaving ------------------------------------------------------------------------
@@ -381,9 +382,7 @@ class Replica:
 
     def _reset(self) -> None:
         engine = self.engine
-        self.engine = None
-        self.tracer = None
-        self.transfers = None
+        self.engine, self.tracer, self.transfers = None, None, None
         if engine is not None:
             engine_counters = ReplicaCounters.of_engine(engine.get_stats())
             self._dropped_engines = self._dropped_engines.add(engine_counters)

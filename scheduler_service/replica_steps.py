@@ -64,7 +64,7 @@ class StepPipeline:
         watchdog: StepWatchdog,
         async_scheduling: bool,
         transfers: TransferQueue,
-        after_step: Callable[[TransferNews | None], None],
+        after_step: Callable[[TransferNews | None, int, float], None],
     ) -> None:
         self.replica_id = replica_id
         self.address = address
@@ -74,7 +74,7 @@ class StepPipeline:
         self.watchdog = watchdog
         self.async_scheduling = async_scheduling
         # KV transfer maps ride on whichever step goes next; `after_step` hears of every
-        # finished step, with its news of them.
+        # finished step: its news of them, the tokens it computed and its seconds.
         self.transfers = transfers
         self.after_step = after_step
         self._steps: deque[_Step] = deque()
@@ -165,7 +165,6 @@ class StepPipeline:
         self._steps.popleft()
         engine = self.engine
         outputs = engine.finish_step(step.sched_out, step.step_input, result)
-        self.after_step(transfer_news(step.step_input, result))
         if self._steps:  # a continuation: its masks can be computed now
             self._start_masks(self._steps[0])
         self.tracer.on_outputs(outputs)
@@ -178,6 +177,8 @@ class StepPipeline:
         seconds = now - max(step.sent, self._last_finished)
         self._last_finished = now
         self.watchdog.observe(seconds)
+        news = transfer_news(step.step_input, result)
+        self.after_step(news, step.step_input.num_scheduled_tokens, seconds)
         metrics.record_step(
             self.replica_id,
             engine.get_stats(),

@@ -14,12 +14,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import worker_pb2
 from scheduler_service.config import MigrationMode
 from scheduler_service.kv_migration import Migrations
+from scheduler_service.kv_moves import Rates
+from scheduler_service.migration import snapshot_from_choices
+from scheduler_service.move_policy import maybe_fetch
 from scheduler_service.offline import accumulate
 from scheduler_service.replica_owner import ReplicaState
 from scheduler_service.request_output import RequestOutput
+from scheduler_service.routing import cached_prefix_tokens
 from scheduler_service.transfer_queue import TransferQueue, transfer_news
 
 from .fake_model import FakeModel
@@ -241,3 +246,60 @@ def test_a_prefill_replica_hands_each_request_to_a_decode_replica_after_its_firs
             assert_empty(replica.engine)
         computed[fail] = b.model.num_computed_tokens
     assert computed[False] < computed[True], computed
+
+
+def fetch_setup(fail: bool = False):  # type: ignore[no-untyped-def]
+    """`a` has computed a 40-token prefix (then finished its request); the returned request
+    shares it and is to be queued on `b`, which holds nothing."""
+    a, b = StubReplica("a"), StubReplica("b")
+    linked(a, b)
+    b.model.fail_imports = fail
+    prefix = [(7 * i) % 61 + 1 for i in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    a.engine.add_request("warm", prefix + [3], params, eos_token_id=EOS)
+    moves = Migrations(Host(fallback=b), MigrationMode.PRE_COPY)  # type: ignore[arg-type]
+    run([a], moves)
+    prompt = prefix + [5, 9, 11]
+    snapshot = snapshot_from_choices("fetched", prompt, params, EOS, 0.0, [])
+    expected = make_engine(400, 0).generate([prompt], params, eos_token_id=EOS)[0]
+    expected.request_id = "fetched"
+    return a, b, moves, snapshot, expected
+
+
+def test_a_request_fetches_a_cached_prefix_from_a_peer_and_runs_as_if_computed_there():
+    a, b, moves, snapshot, expected = fetch_setup()
+    assert cached_prefix_tokens(a.engine, snapshot.prompt_token_ids) == 40
+    assert not maybe_fetch(moves, [a, b], b, 0, snapshot, None, min_tokens=41)  # type: ignore[arg-type]
+    before = b.model.num_computed_tokens
+    assert maybe_fetch(moves, [a, b], b, 0, snapshot, None, min_tokens=8)  # type: ignore[arg-type]
+    totals = run([a, b], moves)
+    assert summarize([totals["fetched"]]) == summarize([expected])
+    assert moves.host.moved == ["fetched"]  # type: ignore[attr-defined]
+    # b computed the 3 uncached prompt tokens and the decode steps, not the 40 fetched ones.
+    assert b.model.num_computed_tokens - before == 3 + 5
+    for replica in (a, b):
+        assert replica.engine.scheduler.block_manager.pins == {}
+        assert replica.model.exports == {}
+        assert_empty(replica.engine)
+
+
+def test_a_failed_fetch_places_the_request_by_recompute():
+    a, b, moves, snapshot, expected = fetch_setup(fail=True)
+    assert maybe_fetch(moves, [a, b], b, 0, snapshot, None, min_tokens=8)  # type: ignore[arg-type]
+    totals = run([a, b], moves)
+    assert summarize([totals["fetched"]]) == summarize([expected])
+    assert moves.host.fell_back == ["fetched"]  # type: ignore[attr-defined]
+    for replica in (a, b):
+        assert replica.engine.scheduler.block_manager.pins == {}
+        assert_empty(replica.engine)
+
+
+def test_measured_rates_decide_whether_a_copy_pays():
+    rates = Rates()
+    assert rates.copy_beats_compute(10, 160)  # nothing measured yet
+    rates.on_round(10, 1.0)  # 10 blocks/s
+    rates.on_step(16, 0.001)  # a decode step: not a prefill rate
+    assert rates.prefill_tokens_per_s is None
+    rates.on_step(1000, 1.0)  # 1000 tokens/s
+    assert not rates.copy_beats_compute(10, 160)  # 1 s to copy, 0.16 s to compute
+    assert rates.copy_beats_compute(1, 160)

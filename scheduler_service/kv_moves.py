@@ -1,0 +1,156 @@
+"""What a KV move is made of (`scheduler_service.kv_migration` runs them): the record of one
+move, what it needs from the fleet, and which blocks a round copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from scheduler_service.engine import LLMEngine
+from scheduler_service.migration import GroupSnapshot
+from scheduler_service.sequence import SequenceGroup, SequenceStatus, chain_block_hash
+from scheduler_service.tracing import RequestTrace
+from scheduler_service.transfer_queue import TransferQueue
+
+if TYPE_CHECKING:
+    from scheduler_service.replica import Replica
+
+# Pre-copy rounds before the last one, whatever they leave for it.
+MAX_ROUNDS = 4
+# A round that would copy this many new blocks or fewer is the last one.
+FINAL_DELTA_BLOCKS = 1
+
+
+class MoveHost(Protocol):
+    """What moves need from the fleet."""
+
+    def pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
+        """The ready replica (not `source`) the routing policy would place `prompt` on."""
+
+    def place_moved(
+        self,
+        target: Replica,
+        snapshot: GroupSnapshot,
+        trace: RequestTrace | None,
+        source: Replica,
+        cause: str,
+    ) -> bool:
+        """Queue a moved request on `target`; False if it could not be (then placed anywhere,
+        by recompute)."""
+
+    def on_evicted(
+        self,
+        replica: Replica,
+        snapshots: list[GroupSnapshot],
+        traces: dict[str, RequestTrace | None],
+        cause: str,
+    ) -> None:
+        """Place requests that left `replica` by recompute on any ready replica (or fail
+        them), as `ReplicaOwner.on_evicted`."""
+
+
+@dataclass(eq=False, slots=True)
+class Move:
+    request_id: str
+    source: Replica
+    source_engine: LLMEngine
+    source_queue: TransferQueue
+    target: Replica
+    target_engine: LLMEngine
+    target_queue: TransferQueue
+    cause: str
+    started: float
+    rounds: int = 0
+    # The round in flight (None between rounds), and whether its export is registered.
+    transfer_id: int | None = None
+    exported: bool = False
+    final: bool = False
+    # Block hashes the target holds for this request (imported, or cached before).
+    present: set[int] = field(default_factory=set)
+    # Rounds whose target blocks stay pinned until the request is queued there.
+    target_pins: list[int] = field(default_factory=list)
+    # Set once the request is stopped on the source (the last round).
+    snapshot: GroupSnapshot | None = None
+    trace: RequestTrace | None = None
+    blocks_copied: int = 0
+    # Stop the request for the first round (a hand-off after prefill).
+    stop_first: bool = False
+    # When the round in flight started (time.monotonic()).
+    round_started: float = 0.0
+
+
+def missing_blocks(move: Move, group: SequenceGroup) -> list[tuple[int, int, int]]:
+    """(source block, hash, hashed tokens) of the group's full, computed blocks that the target
+    lacks and the move has not copied (recorded in `move.present`), in table order (a
+    prefix-cache hit needs the leading ones first)."""
+    bm = move.source_engine.scheduler.block_manager
+    target_gpu = move.target_engine.scheduler.block_manager.gpu
+    gpu, bs = bm.gpu, bm.block_size
+    found: list[tuple[int, int, int]] = []
+    for seq in group.get_seqs(SequenceStatus.RUNNING):
+        if not bm.has_table(seq):
+            continue
+        table = bm.get_block_table(seq)
+        for i in range(min(len(seq.token_ids) // bs, len(table))):
+            block_id, block_hash = table[i], seq.block_hash(i)
+            if gpu.block_hashes[block_id] != block_hash or not gpu.computed[block_id]:
+                break  # later blocks cannot be prefix-cache hits without this one
+            if block_hash in move.present:
+                continue
+            move.present.add(block_hash)
+            if target_gpu.lookup(block_hash) is None:
+                found.append((block_id, block_hash, (i + 1) * bs))
+    return found
+
+
+def cached_blocks(
+    peer: LLMEngine, target: LLMEngine, prompt: list[int]
+) -> list[tuple[int, int, int]]:
+    """(peer block, hash, hashed tokens) of the prompt's leading full blocks that the peer's
+    prefix cache holds computed and the target's does not hold, in order (a prefix fetch)."""
+    peer_gpu = peer.scheduler.block_manager.gpu
+    target_gpu = target.scheduler.block_manager.gpu
+    bs = peer.scheduler.block_manager.block_size
+    parent: int | None = None
+    found: list[tuple[int, int, int]] = []
+    for index, start in enumerate(range(0, len(prompt) - bs + 1, bs)):
+        parent = chain_block_hash(parent, tuple(prompt[start : start + bs]))
+        block_id = peer_gpu.lookup(parent)
+        if block_id is None or not peer_gpu.computed[block_id]:
+            break
+        if target_gpu.lookup(parent) is None:
+            found.append((block_id, parent, (index + 1) * bs))
+    return found
+
+
+class Rates:
+    """What moving and computing cost, as the scheduler measures them (exponential moving
+    averages): blocks a round copies per second, from the source's export to the target's
+    import done (both steps' latency included); and tokens a prefill computes per second, from
+    steps with at least `MIN_PREFILL_TOKENS` tokens. None until first measured."""
+
+    MIN_PREFILL_TOKENS = 64
+    WEIGHT = 0.3
+
+    def __init__(self) -> None:
+        self.blocks_per_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
+
+    @classmethod
+    def _mix(cls, old: float | None, new: float) -> float:
+        return new if old is None else old + cls.WEIGHT * (new - old)
+
+    def on_round(self, blocks: int, seconds: float) -> None:
+        if blocks and seconds > 0:
+            self.blocks_per_s = self._mix(self.blocks_per_s, blocks / seconds)
+
+    def on_step(self, tokens: int, seconds: float) -> None:
+        if tokens >= self.MIN_PREFILL_TOKENS and seconds > 0:
+            self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s, tokens / seconds)
+
+    def copy_beats_compute(self, blocks: int, tokens: int) -> bool:
+        """Whether copying `blocks` takes less time than computing their `tokens` (True
+        until both rates are measured)."""
+        if self.blocks_per_s is None or self.prefill_tokens_per_s is None:
+            return True
+        return blocks / self.blocks_per_s < tokens / self.prefill_tokens_per_s
