@@ -45,6 +45,7 @@ from scheduler_service.kv_moves import (
     Rates,
     cached_blocks,
     missing_blocks,
+    prefilled,
 )
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.move_policy import hand_off
@@ -99,10 +100,10 @@ class Migrations:
         target: Replica,
         request_id: str,
         cause: str,
-        stop_first: bool = False,
+        until_prefilled: bool = False,
     ) -> bool:
-        """Begin moving a running request of `source` to `target`, stopping it for the first
-        round if `stop_first` (else per the mode). False (and nothing started) when it is
+        """Begin moving a running request of `source` to `target`: rounds per the mode, or a
+        hand-off's (`until_prefilled`, kv_moves.Move). False (and nothing started) when it is
         not running there or either side cannot take part."""
         if not self._can_take_part(request_id, source, target):
             return False
@@ -111,7 +112,7 @@ class Migrations:
         group = engine.scheduler.get_seq_group(request_id)
         if group is None or not group.get_seqs(SequenceStatus.RUNNING):
             return False
-        move = self._new_move(request_id, source, target, cause, stop_first=stop_first)
+        move = self._new_move(request_id, source, target, cause, until_prefilled=until_prefilled)
         self._next_round(move)
         return True
 
@@ -159,12 +160,15 @@ class Migrations:
             return
         present = set(move.present)
         blocks = missing_blocks(move, group)
-        final = (
-            move.stop_first
-            or self.mode is MigrationMode.STOP_AND_COPY
-            or move.rounds >= MAX_ROUNDS
-            or len(blocks) <= FINAL_DELTA_BLOCKS
-        )
+        move.parked = False
+        if move.until_prefilled:
+            final = prefilled(group)
+        else:
+            final = (
+                self.mode is MigrationMode.STOP_AND_COPY
+                or move.rounds >= MAX_ROUNDS
+                or len(blocks) <= FINAL_DELTA_BLOCKS
+            )
         target_bm = move.target_engine.scheduler.block_manager
         room = target_bm.get_num_free_gpu_blocks() - target_bm.watermark_blocks - 1
         if len(blocks) > room:  # the rest is recomputed on the target
@@ -187,10 +191,17 @@ class Migrations:
         if not blocks:
             if final:
                 self._finish(move)
+            elif move.until_prefilled:
+                move.parked = True  # until the prefill's next chunk
             else:
                 self._next_round(move)
             return
         self._send(move, transfer_id, blocks)
+
+    def resume(self, move: Move) -> None:
+        """Another round for a parked hand-off (its prefill computed more, or finished)."""
+        if move.parked:
+            self._next_round(move)
 
     def _send(self, move: Move, transfer_id: int, blocks: list[tuple[int, int, int]]) -> None:
         """Start a round: the source's blocks (pinned already) exported, and blocks under the

@@ -73,10 +73,19 @@ class Move:
     snapshot: GroupSnapshot | None = None
     trace: RequestTrace | None = None
     blocks_copied: int = 0
-    # Stop the request for the first round (a hand-off after prefill).
-    stop_first: bool = False
+    # A prefill worker's hand-off: rounds copy the prompt's blocks as its prefill computes
+    # them; the last round comes once every running sequence has its first token. Between
+    # chunks with nothing new to copy the move is `parked` (`move_policy.hand_off` resumes it).
+    until_prefilled: bool = False
+    parked: bool = False
     # When the round in flight started (time.monotonic()).
     round_started: float = 0.0
+
+
+def prefilled(group: SequenceGroup) -> bool:
+    """Whether every running sequence of the group has sampled its first token."""
+    running = group.get_seqs(SequenceStatus.RUNNING)
+    return bool(running) and all(seq.get_output_len() for seq in running)
 
 
 def missing_blocks(move: Move, group: SequenceGroup) -> list[tuple[int, int, int]]:

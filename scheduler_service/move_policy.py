@@ -1,8 +1,8 @@
 """When requests move with their KV blocks (`scheduler_service.kv_migration` does the moving):
 
 - a drain moves a replica's running requests at once (`drain_moves`, `Replica.drain`);
-- a prefill worker hands each request to a decode worker once its first token is out
-  (`hand_off`, `scheduler_service.roles`);
+- a prefill worker hands each request to a decode worker, its blocks copied as its prefill
+  computes them, and stops it once its first token is out (`hand_off`, `roles`);
 - a request about to be queued where little of its prompt is cached first fetches a longer
   cached prefix from another replica, when copying it costs less time than computing it
   (`maybe_fetch`, `--prefix-fetch-min-tokens`).
@@ -45,16 +45,18 @@ def drain_moves(moves: Migrations, replica: Replica, engine: LLMEngine, late: bo
 
 
 def hand_off(moves: Migrations, replica: Replica, engine: LLMEngine) -> None:
-    """On a prefill worker, after each step: move each request whose running sequences all
-    have their first token to a decode worker, stopped at once (a stop-and-copy)."""
+    """On a prefill worker, after each step: move each running request to a decode worker,
+    its prompt's blocks copied chunk by chunk as its prefill computes them; once every running
+    sequence has its first token it stops here, the rest is copied, and it decodes there."""
+    for move in [m for m in moves.moves.values() if m.source is replica and m.parked]:
+        moves.resume(move)
     for group in list(engine.scheduler.running):
         key = group.request_id
-        running = group.get_seqs(SequenceStatus.RUNNING)
-        if key in moves.moves or not running or not all(s.get_output_len() for s in running):
+        if key in moves.moves or not group.get_seqs(SequenceStatus.RUNNING):
             continue
         target = moves.host.pick_target(replica, group.prompt_token_ids)
         if target is not None and role(target) != PREFILL:
-            moves.start(replica, target, key, "prefill_done", stop_first=True)
+            moves.start(replica, target, key, "prefill_done", until_prefilled=True)
 
 
 def maybe_fetch(

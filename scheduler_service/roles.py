@@ -1,7 +1,8 @@
 """Worker roles in disaggregated serving (worker.proto's WorkerRole, `llmserve worker --role`).
 
-Prefill workers prefill long prompts; once a request's first token is sampled there, it moves
-to a decode worker with its KV blocks (`kv_migration.Migrations.hand_off`) and decodes there.
+Prefill workers prefill long prompts, streaming each prompt's KV blocks to a decode worker as
+they are computed; once a request's first token is sampled, it moves there and decodes there
+(`move_policy.hand_off`).
 Decode workers take those moves, and prefill short prompts themselves: a prompt whose part not
 already cached on the decode side is shorter than `prefill_local_below` tokens costs a decode
 worker about a step, less than a hand-off's copy and its wait. Mixed workers do both. With no

@@ -74,6 +74,7 @@ class FakeModel:
         self.exports: dict[int, list[int]] = {}
         self.peers: dict[str, FakeModel] = {}
         self.fail_imports = False
+        self.num_imports = 0  # imports done
 
     # -- the model's "distribution" -------------------------------------------------------
 
@@ -233,6 +234,7 @@ class FakeModel:
             for src, dst in zip(source, item.block_ids, strict=True):
                 self.gpu[dst] = list(peer.gpu[src])
             imported.append(item.transfer_id)
+        self.num_imports += len(imported)
         return imported, failed
 
     def _verify(

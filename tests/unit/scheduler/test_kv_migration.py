@@ -303,3 +303,29 @@ def test_measured_rates_decide_whether_a_copy_pays():
     rates.on_step(1000, 1.0)  # 1000 tokens/s
     assert not rates.copy_beats_compute(10, 160)  # 1 s to copy, 0.16 s to compute
     assert rates.copy_beats_compute(1, 160)
+
+
+def test_a_long_prompt_streams_its_blocks_to_the_decode_replica_chunk_by_chunk():
+    """A 120-token prompt prefills in two chunks (96 tokens a step) on the prefill replica: the
+    first chunk's blocks are copied while the second computes, the rest after the first
+    token; the decode replica computes only the last partial block and the decodes."""
+    a, b = StubReplica("a"), StubReplica("b")
+    a.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_PREFILL)
+    b.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_DECODE)
+    linked(a, b)
+    moves = Migrations(Host(fallback=b), MigrationMode.PRE_COPY)  # type: ignore[arg-type]
+    prompt = [(5 * i) % 59 + 1 for i in range(122)]
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    a.engine.add_request("long", prompt, params, eos_token_id=EOS)
+    expected = make_engine(400, 0).generate([prompt], params, eos_token_id=EOS)[0]
+    expected.request_id = "long"
+    totals = run([a, b], moves)
+    assert summarize([totals["long"]]) == summarize([expected])
+    assert b.model.num_imports == 2  # the first chunk's blocks, then the second's
+    assert a.model.num_computed_tokens == len(prompt)  # a computed the prefill only
+    # b: the 3 tokens after the last full block (122 = 30 * 4 + 2, and the first token),
+    # which sample the second token, then 3 decodes for the other 3.
+    assert b.model.num_computed_tokens == 3 + 3
+    for replica in (a, b):
+        assert replica.engine.scheduler.block_manager.pins == {}
+        assert_empty(replica.engine)
