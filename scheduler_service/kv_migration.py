@@ -52,7 +52,7 @@ from scheduler_service.move_policy import hand_off
 from scheduler_service.replica_owner import ReplicaState
 from scheduler_service.roles import PREFILL, role
 from scheduler_service.sequence import SequenceStatus
-from scheduler_service.tracing import RequestTrace
+from scheduler_service.tracing import RequestTrace, end_transfer_span, start_transfer_span
 from scheduler_service.transfer_queue import TransferNews
 
 if TYPE_CHECKING:
@@ -211,6 +211,11 @@ class Migrations:
         move.target_pins.append(transfer_id)
         move.transfer_id, move.exported = transfer_id, False
         move.round_started = time.monotonic()
+        tracer = move.source.tracer
+        request = move.trace or (tracer.get(move.request_id) if tracer is not None else None)
+        move.span = start_transfer_span(
+            transfer_id, move.source.address, move.target.address, len(blocks), move.cause, request
+        )
         self._by_transfer[transfer_id] = move
         move.source_queue.export(transfer_id, [b for b, _, _ in blocks])
 
@@ -260,6 +265,8 @@ class Migrations:
             self.rates.on_round(len(bm.pins[transfer_id]), time.monotonic() - move.round_started)
             self._release_source(move, transfer_id)
             move.transfer_id = None
+            end_transfer_span(move.span, None)
+            move.span = None
             if move.final:
                 self._finish(move)
             else:
@@ -300,10 +307,12 @@ class Migrations:
                 move.target_engine.scheduler.block_manager.unpin(transfer_id)
         move.target_pins = []
 
-    def _end(self, move: Move) -> None:
+    def _end(self, move: Move, error: str = "cancelled") -> None:
         self.moves.pop(move.request_id, None)
         if move.transfer_id is not None:
             self._by_transfer.pop(move.transfer_id, None)
+        end_transfer_span(move.span, error)  # a round still in flight
+        move.span = None
         self._release_target(move)
 
     def _finish(self, move: Move) -> None:
@@ -339,7 +348,7 @@ class Migrations:
         if transfer_id is not None:
             move.target_queue.cancel_import(transfer_id)
             self._release_source(move, transfer_id)
-        self._end(move)
+        self._end(move, failure.reason)
         metrics.KV_MIGRATIONS.labels("fallback").inc()
         log.warning(
             "KV transfer failed; the request moves by recompute",

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from opentelemetry.trace import Span
+
 from scheduler_service.engine import LLMEngine
 from scheduler_service.migration import GroupSnapshot
 from scheduler_service.sequence import SequenceGroup, SequenceStatus, chain_block_hash
@@ -78,8 +80,9 @@ class Move:
     # chunks with nothing new to copy the move is `parked` (`move_policy.hand_off` resumes it).
     until_prefilled: bool = False
     parked: bool = False
-    # When the round in flight started (time.monotonic()).
+    # When the round in flight started (time.monotonic()), and its span.
     round_started: float = 0.0
+    span: Span | None = None
 
 
 def prefilled(group: SequenceGroup) -> bool:

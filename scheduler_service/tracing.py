@@ -119,6 +119,38 @@ def end_request_trace(trace: RequestTrace | None, error: str | None) -> None:
     trace.span.end()
 
 
+def start_transfer_span(
+    transfer_id: int,
+    source: str,
+    target: str,
+    blocks: int,
+    cause: str,
+    request: RequestTrace | None,
+) -> Span:
+    """A span per KV transfer round, from its export queued on `source` to its import done (or
+    failed) on `target`, linked to the request it moves."""
+    links = [Link(request.span.get_span_context())] if request is not None else []
+    return tracer.start_span(
+        "scheduler.kv_transfer",
+        links=links,
+        attributes={
+            "llmserve.transfer_id": transfer_id,
+            "llmserve.transfer.from_worker": source,
+            "llmserve.transfer.to_worker": target,
+            "llmserve.transfer.blocks": blocks,
+            "llmserve.transfer.cause": cause,
+        },
+    )
+
+
+def end_transfer_span(span: Span | None, error: str | None) -> None:
+    if span is None:
+        return
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
+
+
 class ReplicaTracer:
     """Request and step spans of one replica. Called from the replica's loop only."""
 
@@ -138,6 +170,9 @@ class ReplicaTracer:
     def detach(self, key: str) -> RequestTrace | None:
         """The request leaves this replica; its span goes with it."""
         return self._requests.pop(key, None)
+
+    def get(self, key: str) -> RequestTrace | None:
+        return self._requests.get(key)
 
     def abort(self, key: str) -> None:
         end_request_trace(self._requests.pop(key, None), None)

@@ -13,9 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import worker_pb2
+from scheduler_service import tracing
 from scheduler_service.config import MigrationMode
 from scheduler_service.kv_migration import Migrations
 from scheduler_service.kv_moves import Rates
@@ -45,6 +50,7 @@ class StubReplica:
         self.state = ReplicaState.READY
         self.block_size = BLOCK
         self.info: worker_pb2.InfoResponse | None = None  # role: mixed
+        self.tracer = None  # no request spans
 
     def take_requests(self, request_ids: list[str]):  # type: ignore[no-untyped-def]
         return self.engine.export_requests(request_ids), {}
@@ -329,3 +335,30 @@ def test_a_long_prompt_streams_its_blocks_to_the_decode_replica_chunk_by_chunk()
     for replica in (a, b):
         assert replica.engine.scheduler.block_manager.pins == {}
         assert_empty(replica.engine)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_each_transfer_round_is_a_span_that_says_how_it_ended(monkeypatch, fail: bool):  # type: ignore[no-untyped-def]
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "tracer", provider.get_tracer("test"))
+    a, b = StubReplica("a"), StubReplica("b")
+    linked(a, b)
+    b.model.fail_imports = fail
+    moves = Migrations(Host(fallback=b), MigrationMode.STOP_AND_COPY)  # type: ignore[arg-type]
+    start(a)
+
+    def on_step(step: int) -> None:
+        if step == 6:
+            move_running(moves, a, b)
+
+    run([a, b], moves, on_step)
+    spans = [s for s in exporter.get_finished_spans() if s.name == "scheduler.kv_transfer"]
+    assert len(spans) >= 5
+    for span in spans:
+        assert span.attributes["llmserve.transfer.from_worker"] == "a"
+        assert span.attributes["llmserve.transfer.to_worker"] == "b"
+        assert span.attributes["llmserve.transfer.blocks"] > 0
+        assert span.attributes["llmserve.transfer.cause"] == "drain"
+        assert (span.status.status_code is StatusCode.ERROR) == fail
