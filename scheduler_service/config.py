@@ -185,7 +185,7 @@ DEFAULT_PREFILL_LOCAL_BELOW = 128
 # Prefix fetch: a request placed where this many fewer of its prompt's tokens are cached than on
 # another replica copies them from there first, if the measured rates favour it
 # (scheduler_service.move_policy.maybe_fetch). 0: never.
-DEFAULT_PREFIX_FETCH_MIN_TOKENS = 256
+DEFAULT_PREFIX_FETCH_MIN_TOKENS = 64
 
 
 class MigrationMode(Enum):

@@ -135,34 +135,56 @@ def cached_blocks(
     return found
 
 
-class Rates:
-    """What moving and computing cost, as the scheduler measures them (exponential moving
-    averages): blocks a round copies per second, from the source's export to the target's
-    import done (both steps' latency included); and tokens a prefill computes per second, from
-    steps with at least `MIN_PREFILL_TOKENS` tokens. None until first measured."""
+class LinearFit:
+    """seconds = fixed + per_unit * units, fitted by least squares over recent observations
+    (each older one weighs `DECAY` times less than the next)."""
 
-    MIN_PREFILL_TOKENS = 64
-    WEIGHT = 0.3
+    DECAY = 0.95
 
     def __init__(self) -> None:
-        self.blocks_per_s: float | None = None
-        self.prefill_tokens_per_s: float | None = None
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
-    @classmethod
-    def _mix(cls, old: float | None, new: float) -> float:
-        return new if old is None else old + cls.WEIGHT * (new - old)
+    def add(self, units: float, seconds: float) -> None:
+        d = self.DECAY
+        self.n, self.sx, self.sy = self.n * d + 1, self.sx * d + units, self.sy * d + seconds
+        self.sxx, self.sxy = self.sxx * d + units * units, self.sxy * d + units * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per unit); None before any observation. With every
+        observation at one size, all of the time is per unit."""
+        if self.n == 0 or self.sx == 0:
+            return None
+        spread = self.n * self.sxx - self.sx * self.sx
+        if spread <= 1e-9 * self.sxx * self.n:
+            return 0.0, self.sy / self.sx
+        per_unit = (self.n * self.sxy - self.sx * self.sy) / spread
+        if per_unit <= 0:
+            return 0.0, self.sy / self.sx
+        return max((self.sy - per_unit * self.sx) / self.n, 0.0), per_unit
+
+
+class Rates:
+    """What moving and computing cost, as the scheduler measures them: a round's seconds
+    against its blocks, from the source's export queued to the target's import done (both
+    steps' latency is its fixed part); and a step's seconds against the tokens it computes
+    (the per-token part is what a prefill of more tokens costs)."""
+
+    def __init__(self) -> None:
+        self.rounds = LinearFit()
+        self.steps = LinearFit()
 
     def on_round(self, blocks: int, seconds: float) -> None:
         if blocks and seconds > 0:
-            self.blocks_per_s = self._mix(self.blocks_per_s, blocks / seconds)
+            self.rounds.add(blocks, seconds)
 
     def on_step(self, tokens: int, seconds: float) -> None:
-        if tokens >= self.MIN_PREFILL_TOKENS and seconds > 0:
-            self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s, tokens / seconds)
+        if tokens and seconds > 0:
+            self.steps.add(tokens, seconds)
 
     def copy_beats_compute(self, blocks: int, tokens: int) -> bool:
-        """Whether copying `blocks` takes less time than computing their `tokens` (True
-        until both rates are measured)."""
-        if self.blocks_per_s is None or self.prefill_tokens_per_s is None:
+        """Whether a round copying `blocks` takes less time than computing their `tokens`
+        (True until both have been measured)."""
+        copy, step = self.rounds.fit(), self.steps.fit()
+        if copy is None or step is None:
             return True
-        return blocks / self.blocks_per_s < tokens / self.prefill_tokens_per_s
+        return copy[0] + copy[1] * blocks < step[1] * tokens

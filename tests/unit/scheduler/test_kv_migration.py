@@ -23,7 +23,7 @@ from llmserve.v1 import worker_pb2
 from scheduler_service import tracing
 from scheduler_service.config import MigrationMode
 from scheduler_service.kv_migration import Migrations
-from scheduler_service.kv_moves import Rates
+from scheduler_service.kv_moves import LinearFit, Rates
 from scheduler_service.migration import snapshot_from_choices
 from scheduler_service.move_policy import maybe_fetch
 from scheduler_service.offline import accumulate
@@ -303,38 +303,22 @@ def test_a_failed_fetch_places_the_request_by_recompute():
 def test_measured_rates_decide_whether_a_copy_pays():
     rates = Rates()
     assert rates.copy_beats_compute(10, 160)  # nothing measured yet
-    rates.on_round(10, 1.0)  # 10 blocks/s
-    rates.on_step(16, 0.001)  # a decode step: not a prefill rate
-    assert rates.prefill_tokens_per_s is None
-    rates.on_step(1000, 1.0)  # 1000 tokens/s
-    assert not rates.copy_beats_compute(10, 160)  # 1 s to copy, 0.16 s to compute
-    assert rates.copy_beats_compute(1, 160)
-
-
-def test_a_long_prompt_streams_its_blocks_to_the_decode_replica_chunk_by_chunk():
-    """A 120-token prompt prefills in two chunks (96 tokens a step) on the prefill replica: the
-    first chunk's blocks are copied while the second computes, the rest after the first
-    token; the decode replica computes only the last partial block and the decodes."""
-    a, b = StubReplica("a"), StubReplica("b")
-    a.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_PREFILL)
-    b.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_DECODE)
-    linked(a, b)
-    moves = Migrations(Host(fallback=b), MigrationMode.PRE_COPY)  # type: ignore[arg-type]
-    prompt = [(5 * i) % 59 + 1 for i in range(122)]
-    params = SamplingParams(temperature=0.0, max_tokens=5)
-    a.engine.add_request("long", prompt, params, eos_token_id=EOS)
-    expected = make_engine(400, 0).generate([prompt], params, eos_token_id=EOS)[0]
-    expected.request_id = "long"
-    totals = run([a, b], moves)
-    assert summarize([totals["long"]]) == summarize([expected])
-    assert b.model.num_imports == 2  # the first chunk's blocks, then the second's
-    assert a.model.num_computed_tokens == len(prompt)  # a computed the prefill only
-    # b: the 3 tokens after the last full block (122 = 30 * 4 + 2, and the first token),
-    # which sample the second token, then 3 decodes for the other 3.
-    assert b.model.num_computed_tokens == 3 + 3
-    for replica in (a, b):
-        assert replica.engine.scheduler.block_manager.pins == {}
-        assert_empty(replica.engine)
+    # Rounds: 50 ms of two steps' latency plus 1 ms a block.
+    for blocks in (4, 8, 60, 120, 8, 60):
+        rates.on_round(blocks, 0.050 + 0.001 * blocks)
+    # Steps: 20 ms of overhead plus 1 ms a token (decodes and prefills).
+    for tokens in (8, 16, 200, 1000, 8):
+        rates.on_step(tokens, 0.020 + 0.001 * tokens)
+    fixed, per_block = rates.rounds.fit()  # type: ignore[misc]
+    assert fixed == pytest.approx(0.050) and per_block == pytest.approx(0.001)
+    assert rates.steps.fit()[1] == pytest.approx(0.001)  # type: ignore[index]
+    # 4 blocks (64 tokens): 54 ms to copy, 64 ms to compute; 2 blocks: 52 ms against 32.
+    assert rates.copy_beats_compute(4, 64)
+    assert not rates.copy_beats_compute(2, 32)
+    # One size only: all of the time counts per unit.
+    single = LinearFit()
+    single.add(10, 0.5)
+    assert single.fit() == (0.0, 0.05)
 
 
 @pytest.mark.parametrize("fail", [False, True])
@@ -362,3 +346,30 @@ def test_each_transfer_round_is_a_span_that_says_how_it_ended(monkeypatch, fail:
         assert span.attributes["llmserve.transfer.blocks"] > 0
         assert span.attributes["llmserve.transfer.cause"] == "drain"
         assert (span.status.status_code is StatusCode.ERROR) == fail
+
+
+def test_a_long_prompt_streams_its_blocks_to_the_decode_replica_chunk_by_chunk():
+    """A 122-token prompt prefills in two chunks (96 tokens a step) on the prefill replica:
+    the first chunk's blocks are copied while the second computes, the rest after the first
+    token; the decode replica computes only the tokens after the last full block and the
+    decodes."""
+    a, b = StubReplica("a"), StubReplica("b")
+    a.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_PREFILL)
+    b.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_DECODE)
+    linked(a, b)
+    moves = Migrations(Host(fallback=b), MigrationMode.PRE_COPY)  # type: ignore[arg-type]
+    prompt = [(5 * i) % 59 + 1 for i in range(122)]
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    a.engine.add_request("long", prompt, params, eos_token_id=EOS)
+    expected = make_engine(400, 0).generate([prompt], params, eos_token_id=EOS)[0]
+    expected.request_id = "long"
+    totals = run([a, b], moves)
+    assert summarize([totals["long"]]) == summarize([expected])
+    assert b.model.num_imports == 2  # the first chunk's blocks, then the second's
+    assert a.model.num_computed_tokens == len(prompt)  # a computed the prefill only
+    # b: the 3 tokens after the last full block (122 = 30 * 4 + 2, and the first token),
+    # which sample the second token, then 3 decodes for the other 3.
+    assert b.model.num_computed_tokens == 3 + 3
+    for replica in (a, b):
+        assert replica.engine.scheduler.block_manager.pins == {}
+        assert_empty(replica.engine)
