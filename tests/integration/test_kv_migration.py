@@ -3,6 +3,7 @@ another worker with their KV blocks (worker to worker, ReadBlocks), and a worker
 the middle of a transfer, source or destination, makes the moves fall back to recompute. In
 every case each stream's tokens equal an undisturbed run's, and every replica left ends with
 free == total blocks, no transfer holding blocks and its block accounting's invariants holding.
+A peer that lacks the internal credential is refused its reads, and the moves fall back.
 
 Each test starts one worker (every stream runs there) and a spare the scheduler does not know;
 once the streams are running, the test registers the spare (renewing its lease as the worker
@@ -58,8 +59,12 @@ def long_workload(count: int = NUM_STREAMS, seed: int = 3) -> list[tuple[str, di
 WORKLOAD = long_workload()
 
 
-def one_worker_stack(model: str, log_dir: Path, env: dict[str, str] | None = None) -> FleetStack:
-    return start_fleet(model, log_dir, 1, scheduler_args=["--max-num-seqs", "32"], env=env)
+def one_worker_stack(
+    model: str, log_dir: Path, env: dict[str, str] | None = None, token: str = ""
+) -> FleetStack:
+    return start_fleet(
+        model, log_dir, 1, scheduler_args=["--max-num-seqs", "32"], env=env, token=token
+    )
 
 
 def scheduler_log(stack: FleetStack) -> str:
@@ -100,8 +105,9 @@ def baseline(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def stack_factory(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., FleetStack]]:
     stacks: list[FleetStack] = []
 
-    def make(env: dict[str, str] | None = None) -> FleetStack:
-        stacks.append(one_worker_stack(str(tiny_model_dir), tmp_path / f"s{len(stacks)}", env))
+    def make(env: dict[str, str] | None = None, token: str = "") -> FleetStack:
+        log_dir = tmp_path / f"s{len(stacks)}"
+        stacks.append(one_worker_stack(str(tiny_model_dir), log_dir, env, token))
         return stacks[-1]
 
     yield make
@@ -188,6 +194,39 @@ def test_destination_killed_mid_transfer_falls_back_to_recompute(stack_factory, 
             lambda s: {r.address for r in stack.ready_replicas(s)} == {survivor.address},
             "only the survivor left",
         )
+        stack.assert_no_leak()
+    finally:
+        for lease in leases:
+            lease.close()
+
+
+def test_a_peer_without_the_credential_is_refused_and_the_moves_fall_back(stack_factory, baseline):  # type: ignore[no-untyped-def]
+    """Every service requires the internal token. The spare accepts it (so the scheduler
+    drives it) but sends another one of its own: the source refuses its ReadBlocks, each import
+    fails UNAUTHENTICATED, and the streams move by recompute."""
+    fleet_token = "fleet-token-" + "a" * 20
+    stack = stack_factory(token=fleet_token)
+    source = stack.workers[0].address
+    spare = spare_worker(
+        stack, "spare", env={"LLMSERVE_INTERNAL_TOKEN": f"other-token-{'b' * 20} {fleet_token}"}
+    )
+    leases: list[Lease] = []
+
+    def move_off() -> None:
+        leases.append(Lease(stack, spare.address))
+        stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
+        stack.drain(source)
+
+    try:
+        received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
+        assert_same_outputs(baseline, received)
+        failed = events(stack, "KV transfer failed; the request moves by recompute")
+        assert failed and all("UNAUTHENTICATED" in line for line in failed), failed
+        assert not events(stack, "request moved with its KV blocks")
+        migrated = events(stack, "request migrated")
+        assert len(migrated) == NUM_STREAMS
+        assert all('"how": "recompute"' in line for line in migrated)
+        stack.wait_for(lambda s: source not in {r.address for r in s.replicas}, "the drain")
         stack.assert_no_leak()
     finally:
         for lease in leases:

@@ -71,6 +71,13 @@ class FleetStack:
     scheduler: Proc | None = None
     gateway: Proc | None = None
     http_port: int = 0
+    # The internal token every service accepts (LLMSERVE_INTERNAL_TOKEN); "" for none.
+    token: str = ""
+
+    @property
+    def metadata(self) -> list[tuple[str, str]] | None:
+        """What the test's own calls to the scheduler carry: the internal token, if any."""
+        return [("authorization", f"Bearer {self.token}")] if self.token else None
 
     def add_worker(self, wait: bool = True, args: list[str] = ()) -> Proc:  # type: ignore[assignment]
         port, metrics_port = free_ports(2)
@@ -100,7 +107,9 @@ class FleetStack:
         assert scheduler is not None
         with grpc.insecure_channel(scheduler.address) as channel:
             return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                scheduler_pb2.GetStatsRequest(check_invariants=True), timeout=5
+                scheduler_pb2.GetStatsRequest(check_invariants=True),
+                timeout=5,
+                metadata=self.metadata,
             )
 
     def drain(self, address: str) -> int:
@@ -108,7 +117,9 @@ class FleetStack:
         assert self.scheduler is not None
         with grpc.insecure_channel(self.scheduler.address) as channel:
             reply = scheduler_pb2_grpc.SchedulerStub(channel).DrainWorker(
-                scheduler_pb2.DrainWorkerRequest(address=address), timeout=10
+                scheduler_pb2.DrainWorkerRequest(address=address),
+                timeout=10,
+                metadata=self.metadata,
             )
         return reply.num_requests
 
@@ -154,14 +165,19 @@ def start_fleet(model: str, log_dir: Path, num_workers: int, *,
                 scheduler_args: list[str] = (),  # type: ignore[assignment]
                 worker_args: list[str] = WORKER_ARGS,  # noqa: B006 (never mutated)
                 env: dict[str, str] | None = None, num_schedulers: int = 1,
-                per_worker_args: list[list[str]] = ()) -> FleetStack:  # type: ignore[assignment]
+                per_worker_args: list[list[str]] = (),  # type: ignore[assignment]
+                token: str = "") -> FleetStack:
     """Scheduler(s) first (workers register with them), then the workers (worker i with
     `per_worker_args[i]` too, if given), then the gateway. With several schedulers (shards),
-    workers join the one with the fewest workers."""
+    workers join the one with the fewest workers. With a `token`, every service requires it
+    (and sends it) on the internal hops."""
     log_dir.mkdir(parents=True, exist_ok=True)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if token:
+        base_env["LLMSERVE_INTERNAL_TOKEN"] = token
     gw_port, http_port = free_ports(2)
     stack = FleetStack(model, log_dir, list(scheduler_args), base_env, list(worker_args))
+    stack.token = token
     stack.http_port = http_port
     for index in range(num_schedulers):
         sched_port, sched_metrics = free_ports(2)
@@ -229,15 +245,16 @@ class Lease:
         self._channel = grpc.insecure_channel(stack.scheduler.address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._request = scheduler_pb2.RegisterWorkerRequest(address=address)
+        self._metadata = stack.metadata
         self._stop = threading.Event()
-        self._stub.RegisterWorker(self._request, timeout=5)
+        self._stub.RegisterWorker(self._request, timeout=5, metadata=self._metadata)
         self._thread = threading.Thread(target=self._renew, daemon=True)
         self._thread.start()
 
     def _renew(self) -> None:
         while not self._stop.wait(1.0):
             with contextlib.suppress(grpc.RpcError):  # drained or gone: the test decides
-                self._stub.RegisterWorker(self._request, timeout=5)
+                self._stub.RegisterWorker(self._request, timeout=5, metadata=self._metadata)
 
     def close(self) -> None:
         self._stop.set()
