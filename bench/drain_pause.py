@@ -35,7 +35,7 @@ import grpc  # noqa: E402
 from bench.fleet import stream_all  # noqa: E402
 from llmserve.client import build_request  # noqa: E402
 from llmserve.v1 import generation_pb2_grpc  # noqa: E402
-from tests.support.fleet import FleetStack, Lease, Proc, spare_worker, start_fleet  # noqa: E402
+from tests.support.fleet import FleetStack, Proc, spare_worker, start_fleet  # noqa: E402
 
 
 def metric(proc: Proc, name: str) -> float:
@@ -71,7 +71,6 @@ def one_run(args: argparse.Namespace, context: int, mode: str, cap: float, root:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, 40000) for _ in range(context)]]
     drained: list[float] = []
-    leases: list[Lease] = []
     seen = 0
     try:
         spare = spare_worker(stack, "spare")
@@ -79,7 +78,7 @@ def one_run(args: argparse.Namespace, context: int, mode: str, cap: float, root:
         # The prompt's blocks cached on the source, so that routing puts the stream there
         # once the spare is in the fleet (and warmed up: a worker's first steps are slow).
         generate(stack, prompts[0], 1)
-        leases.append(Lease(stack, spare.address))
+        stack.lease(spare.address)
         stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
         warm_up(stack)
         mover = threading.Thread(target=lambda: (drained.append(time.perf_counter()),
@@ -99,8 +98,6 @@ def one_run(args: argparse.Namespace, context: int, mode: str, cap: float, root:
         imported = metric(spare, "llmserve_worker_kv_import_bytes_total")
         import_s = metric(spare, "llmserve_worker_kv_import_seconds_sum")
     finally:
-        for lease in leases:
-            lease.close()
         stack.stop()
     assert source not in {r.address for r in on_source.replicas}, "the source was drained"
     times = results["bench-0"]["times"]

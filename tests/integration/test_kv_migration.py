@@ -22,7 +22,6 @@ import pytest
 
 from tests.support.fleet import (
     FleetStack,
-    Lease,
     Received,
     assert_same_outputs,
     run_workload,
@@ -120,29 +119,24 @@ def test_drain_moves_16_running_streams_with_their_kv_blocks(stack_factory, base
     source = stack.workers[0].address
     spare = spare_worker(stack, "spare")
     on_source: list[int] = []
-    leases: list[Lease] = []
 
     def move_off() -> None:
-        leases.append(Lease(stack, spare.address))
+        stack.lease(spare.address)
         stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
         on_source.append(stack.drain(source))
 
-    try:
-        received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
-        assert_same_outputs(baseline, received)
-        assert on_source == [NUM_STREAMS], "every stream was running on the drained worker"
-        moved = events(stack, "request moved with its KV blocks")
-        assert len(moved) == NUM_STREAMS, moved
-        assert all(spare.address in line for line in moved)
-        assert not events(stack, "KV transfer failed; the request moves by recompute")
-        migrated = events(stack, "request migrated")
-        assert len(migrated) == NUM_STREAMS
-        assert all('"how": "transfer"' in line for line in migrated)
-        stack.wait_for(lambda s: source not in {r.address for r in s.replicas}, "the drain")
-        stack.assert_no_leak()
-    finally:
-        for lease in leases:
-            lease.close()
+    received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
+    assert_same_outputs(baseline, received)
+    assert on_source == [NUM_STREAMS], "every stream was running on the drained worker"
+    moved = events(stack, "request moved with its KV blocks")
+    assert len(moved) == NUM_STREAMS, moved
+    assert all(spare.address in line for line in moved)
+    assert not events(stack, "KV transfer failed; the request moves by recompute")
+    migrated = events(stack, "request migrated")
+    assert len(migrated) == NUM_STREAMS
+    assert all('"how": "transfer"' in line for line in migrated)
+    stack.wait_for(lambda s: source not in {r.address for r in s.replicas}, "the drain")
+    stack.assert_no_leak()
 
 
 def test_source_killed_mid_transfer_falls_back_to_recompute(stack_factory, baseline):  # type: ignore[no-untyped-def]
@@ -150,23 +144,18 @@ def test_source_killed_mid_transfer_falls_back_to_recompute(stack_factory, basel
     stack = stack_factory(env={"LLMSERVE_FAILPOINTS": "worker.read_blocks=1"})
     source = stack.workers[0]
     spare = spare_worker(stack, "spare", env={"LLMSERVE_FAILPOINTS": ""})
-    leases: list[Lease] = []
 
     def move_off() -> None:
-        leases.append(Lease(stack, spare.address))
+        stack.lease(spare.address)
         stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
         stack.drain(source.address)
 
-    try:
-        received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
-        assert_same_outputs(baseline, received)
-        assert source.popen is not None and source.popen.wait(timeout=30) == -9
-        assert not events(stack, "request moved with its KV blocks")
-        assert len(events(stack, "request migrated")) >= NUM_STREAMS
-        stack.assert_no_leak()
-    finally:
-        for lease in leases:
-            lease.close()
+    received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
+    assert_same_outputs(baseline, received)
+    assert source.popen is not None and source.popen.wait(timeout=30) == -9
+    assert not events(stack, "request moved with its KV blocks")
+    assert len(events(stack, "request migrated")) >= NUM_STREAMS
+    stack.assert_no_leak()
 
 
 def test_destination_killed_mid_transfer_falls_back_to_recompute(stack_factory, baseline):  # type: ignore[no-untyped-def]
@@ -175,29 +164,24 @@ def test_destination_killed_mid_transfer_falls_back_to_recompute(stack_factory, 
     # The first spare SIGKILLs itself once the first export's header has arrived.
     doomed = spare_worker(stack, "doomed", env={"LLMSERVE_FAILPOINTS": "worker.import_blocks=1"})
     survivor = spare_worker(stack, "survivor")
-    leases: list[Lease] = []
 
     def move_off() -> None:
-        leases.append(Lease(stack, doomed.address))
+        stack.lease(doomed.address)
         stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the doomed spare ready")
         stack.drain(source)
         assert doomed.popen is not None and doomed.popen.wait(timeout=30) == -9
-        leases.append(Lease(stack, survivor.address))  # the moved streams wait for it
+        stack.lease(survivor.address)  # the moved streams wait for it
 
-    try:
-        received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
-        assert_same_outputs(baseline, received)
-        failed = events(stack, "KV transfer failed; the request moves by recompute")
-        assert failed and all("target lost" in line for line in failed), failed
-        assert not events(stack, "request moved with its KV blocks")
-        stack.wait_for(
-            lambda s: {r.address for r in stack.ready_replicas(s)} == {survivor.address},
-            "only the survivor left",
-        )
-        stack.assert_no_leak()
-    finally:
-        for lease in leases:
-            lease.close()
+    received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
+    assert_same_outputs(baseline, received)
+    failed = events(stack, "KV transfer failed; the request moves by recompute")
+    assert failed and all("target lost" in line for line in failed), failed
+    assert not events(stack, "request moved with its KV blocks")
+    stack.wait_for(
+        lambda s: {r.address for r in stack.ready_replicas(s)} == {survivor.address},
+        "only the survivor left",
+    )
+    stack.assert_no_leak()
 
 
 def test_a_peer_without_the_credential_is_refused_and_the_moves_fall_back(stack_factory, baseline):  # type: ignore[no-untyped-def]
@@ -210,24 +194,19 @@ def test_a_peer_without_the_credential_is_refused_and_the_moves_fall_back(stack_
     spare = spare_worker(
         stack, "spare", env={"LLMSERVE_INTERNAL_TOKEN": f"other-token-{'b' * 20} {fleet_token}"}
     )
-    leases: list[Lease] = []
 
     def move_off() -> None:
-        leases.append(Lease(stack, spare.address))
+        stack.lease(spare.address)
         stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
         stack.drain(source)
 
-    try:
-        received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
-        assert_same_outputs(baseline, received)
-        failed = events(stack, "KV transfer failed; the request moves by recompute")
-        assert failed and all("UNAUTHENTICATED" in line for line in failed), failed
-        assert not events(stack, "request moved with its KV blocks")
-        migrated = events(stack, "request migrated")
-        assert len(migrated) == NUM_STREAMS
-        assert all('"how": "recompute"' in line for line in migrated)
-        stack.wait_for(lambda s: source not in {r.address for r in s.replicas}, "the drain")
-        stack.assert_no_leak()
-    finally:
-        for lease in leases:
-            lease.close()
+    received = run_with(stack, move_off, at_chunk=2 * NUM_STREAMS)
+    assert_same_outputs(baseline, received)
+    failed = events(stack, "KV transfer failed; the request moves by recompute")
+    assert failed and all("UNAUTHENTICATED" in line for line in failed), failed
+    assert not events(stack, "request moved with its KV blocks")
+    migrated = events(stack, "request migrated")
+    assert len(migrated) == NUM_STREAMS
+    assert all('"how": "recompute"' in line for line in migrated)
+    stack.wait_for(lambda s: source not in {r.address for r in s.replicas}, "the drain")
+    stack.assert_no_leak()

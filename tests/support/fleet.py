@@ -73,6 +73,13 @@ class FleetStack:
     http_port: int = 0
     # The internal token every service accepts (LLMSERVE_INTERNAL_TOKEN); "" for none.
     token: str = ""
+    # Leases the test holds for workers it registered (`lease`); closed by `stop`.
+    leases: list[Lease] = field(default_factory=list)
+
+    def lease(self, address: str) -> Lease:
+        """Register the worker at `address` and renew its lease until `stop`."""
+        self.leases.append(Lease(self, address))
+        return self.leases[-1]
 
     @property
     def metadata(self) -> list[tuple[str, str]] | None:
@@ -156,6 +163,8 @@ class FleetStack:
         assert all(not r.invariant_violation for r in stats.replicas), stats
 
     def stop(self) -> None:
+        for lease in self.leases:
+            lease.close()
         for proc in [self.gateway, *self.schedulers, *self.workers]:
             if proc is not None:
                 proc.stop()
