@@ -52,7 +52,12 @@ from scheduler_service.move_policy import hand_off
 from scheduler_service.replica_owner import ReplicaState
 from scheduler_service.roles import PREFILL, role
 from scheduler_service.sequence import SequenceStatus
-from scheduler_service.tracing import RequestTrace, end_transfer_span, start_transfer_span
+from scheduler_service.tracing import (
+    RequestTrace,
+    end_request_trace,
+    end_transfer_span,
+    start_transfer_span,
+)
 from scheduler_service.transfer_queue import TransferNews
 
 if TYPE_CHECKING:
@@ -291,6 +296,8 @@ class Migrations:
         if move is None or move.snapshot is None:
             return False
         move.snapshot = None  # the round in flight completes; nothing is queued after it
+        end_request_trace(move.trace, None)
+        move.trace = None
         return True
 
     # -- endings ---------------------------------------------------------------------------------

@@ -373,3 +373,15 @@ def test_a_long_prompt_streams_its_blocks_to_the_decode_replica_chunk_by_chunk()
     for replica in (a, b):
         assert replica.engine.scheduler.block_manager.pins == {}
         assert_empty(replica.engine)
+
+
+def test_a_request_aborted_while_its_prefix_is_fetched_is_never_queued():
+    a, b, moves, snapshot, _ = fetch_setup()
+    assert maybe_fetch(moves, [a, b], b, 0, snapshot, None, min_tokens=8)  # type: ignore[arg-type]
+    assert moves.abort("fetched")
+    totals = run([a, b], moves)
+    assert "fetched" not in totals and moves.host.moved == []  # type: ignore[attr-defined]
+    for replica in (a, b):
+        assert replica.engine.scheduler.block_manager.pins == {}
+        assert replica.model.exports == {}
+        assert_empty(replica.engine)
