@@ -18,12 +18,16 @@ from llmserve.steps import (
 from llmserve.v1 import common_pb2, worker_pb2
 
 # Worker roles by the names `llmserve worker --role` takes: worker.proto's WorkerRole values,
-# lower case, without the prefix.
+# lower case, without the prefix (UNSPECIFIED, a worker that reports none, reads as mixed).
 WORKER_ROLES: dict[str, worker_pb2.WorkerRole] = {
     name.removeprefix("WORKER_ROLE_").lower(): worker_pb2.WorkerRole.Value(name)
     for name, _ in worker_pb2.WorkerRole.items()
+    if name != "WORKER_ROLE_UNSPECIFIED"
 }
-ROLE_NAMES: dict[int, str] = {value: name for name, value in WORKER_ROLES.items()}
+ROLE_NAMES: dict[int, str] = {
+    worker_pb2.WORKER_ROLE_UNSPECIFIED: "mixed",
+    **{value: name for name, value in WORKER_ROLES.items()},
+}
 
 EarlyStopping = bool | Literal["never"]
 _EARLY_STOPPING_TO_PROTO: dict[EarlyStopping, common_pb2.EarlyStopping] = {

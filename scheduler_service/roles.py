@@ -26,8 +26,9 @@ Route = Callable[[list["Replica"], list[int]], "tuple[Replica, Decision] | None"
 
 
 def role(replica: Replica) -> int:
-    """The replica's worker_pb2.WorkerRole (mixed until its worker has answered Info)."""
-    return worker_pb2.WORKER_ROLE_MIXED if replica.info is None else replica.info.role
+    """The replica's worker_pb2.WorkerRole (unspecified, which reads as mixed, until its
+    worker has answered Info)."""
+    return worker_pb2.WORKER_ROLE_UNSPECIFIED if replica.info is None else replica.info.role
 
 
 def role_name(replica: Replica) -> str:

@@ -10,6 +10,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_MIXED: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
@@ -20,6 +21,7 @@ class TokenMaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOKEN_MASK_KIND_ALLOW: _ClassVar[TokenMaskKind]
     TOKEN_MASK_KIND_DENY: _ClassVar[TokenMaskKind]
     TOKEN_MASK_KIND_BITMAP: _ClassVar[TokenMaskKind]
+WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_MIXED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
