@@ -8,12 +8,15 @@ workload undisturbed first; every later run must equal it.
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -21,12 +24,58 @@ from tests.support.fleet import (
     FleetStack,
     Received,
     assert_same_outputs,
-    http_workload,
     mixed_workload,
-    run_http_workload,
     run_workload,
     start_fleet,
 )
+
+
+def http_workload(count: int, seed: int = 0) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
+    """`count` streaming /v1/completions bodies with token-id prompts: greedy, seeded
+    sampling and n=2."""
+    rng = random.Random(seed)
+    bodies: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+    for i in range(count):
+        body: dict = {  # type: ignore[type-arg]
+            "prompt": [rng.randrange(100, 20000) for _ in range(rng.randrange(8, 24))],
+            "max_tokens": rng.randrange(16, 32),
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0.0 if i % 3 == 0 else 0.8,
+            "seed": 5000 + i,
+        }
+        if i % 3 == 2:
+            body["n"] = 2
+        bodies.append((f"http-{i}", body))
+    return bodies
+
+
+async def run_http_workload(
+    http_port: int, bodies: list[tuple[str, dict]]  # type: ignore[type-arg]
+) -> dict[str, dict[int, tuple[str, str | None]]]:
+    """Stream every body at once through the gateway's OpenAI API; per request and choice
+    index, the text received and the finish reason."""
+    received: dict[str, dict[int, tuple[str, str | None]]] = {}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=300) as client:
+
+        async def one(request_id: str, body: dict) -> None:  # type: ignore[type-arg]
+            texts: dict[int, str] = {}
+            reasons: dict[int, str | None] = {}
+            async with client.stream("POST", "/v1/completions", json=body) as reply:
+                assert reply.status_code == 200, await reply.aread()
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for choice in json.loads(line[len("data: ") :])["choices"]:
+                        index = choice["index"]
+                        texts[index] = texts.get(index, "") + choice["text"]
+                        reasons[index] = choice.get("finish_reason") or reasons.get(index)
+            received[request_id] = {i: (texts[i], reasons.get(i)) for i in texts}
+
+        await asyncio.gather(*(one(rid, body) for rid, body in bodies))
+    return received
+
+
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
