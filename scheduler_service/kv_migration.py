@@ -21,6 +21,12 @@ While a round is in flight its blocks are pinned on both sides (`BlockSpaceManag
 neither engine reuses them. The target's pins last until the request is queued there; the
 source's end with the round.
 
+Two more kinds of move take the same rounds (`move_policy` says when): a prefill worker's
+hand-off (`Move.until_prefilled`: the prompt's blocks copied chunk by chunk as its prefill
+computes them, the last round once its first token is out), and a prefix fetch (`fetch`: the
+source is a peer whose prefix cache holds the blocks, and the request, not yet queued
+anywhere, waits in the move until they have arrived on the target).
+
 Any failure falls back to the recompute migration: a failed import (the source gone, the
 credential refused, a timeout), a lost target or a lost source. The request continues from
 the tokens it has on a ready replica, and every pin is released.
@@ -79,9 +85,6 @@ class Migrations:
         self._by_transfer: dict[int, Move] = {}
         self._transfer_ids = itertools.count(1)
         self.rates = Rates()
-
-    def is_moving(self, request_id: str) -> bool:
-        return request_id in self.moves
 
     @property
     def enabled(self) -> bool:

@@ -10,7 +10,8 @@ from opentelemetry.trace import Span
 
 from scheduler_service.engine import LLMEngine
 from scheduler_service.migration import GroupSnapshot
-from scheduler_service.sequence import SequenceGroup, SequenceStatus, chain_block_hash
+from scheduler_service.routing import cached_prefix_blocks
+from scheduler_service.sequence import SequenceGroup, SequenceStatus
 from scheduler_service.tracing import RequestTrace
 from scheduler_service.transfer_queue import TransferQueue
 
@@ -120,19 +121,13 @@ def cached_blocks(
 ) -> list[tuple[int, int, int]]:
     """(peer block, hash, hashed tokens) of the prompt's leading full blocks that the peer's
     prefix cache holds computed and the target's does not hold, in order (a prefix fetch)."""
-    peer_gpu = peer.scheduler.block_manager.gpu
     target_gpu = target.scheduler.block_manager.gpu
     bs = peer.scheduler.block_manager.block_size
-    parent: int | None = None
-    found: list[tuple[int, int, int]] = []
-    for index, start in enumerate(range(0, len(prompt) - bs + 1, bs)):
-        parent = chain_block_hash(parent, tuple(prompt[start : start + bs]))
-        block_id = peer_gpu.lookup(parent)
-        if block_id is None or not peer_gpu.computed[block_id]:
-            break
-        if target_gpu.lookup(parent) is None:
-            found.append((block_id, parent, (index + 1) * bs))
-    return found
+    return [
+        (block_id, block_hash, (index + 1) * bs)
+        for index, (block_hash, block_id) in enumerate(cached_prefix_blocks(peer, prompt))
+        if target_gpu.lookup(block_hash) is None
+    ]
 
 
 class LinearFit:
