@@ -188,7 +188,7 @@ class Replica:
 
         Policy: waiting and swapped requests move at once by recompute (nothing of theirs is
         on the device). Running ones move at once with their KV blocks (`drain_migration`,
-        kv_migration.py: a copy costs a step or two where a recompute re-runs the context);
+        move_policy.drain_moves: a copy costs a step or two where a recompute re-runs the context);
         any that cannot (no replica to take them, `recompute` mode) may finish here for
         `drain_grace_s`, then move by recompute. With no other replica, moved requests wait for
         one (the router's pending queue).
