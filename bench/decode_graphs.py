@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -102,7 +103,13 @@ def main() -> None:
         print("no CUDA device: nothing to measure")
         return
     worker = Worker(
-        WorkerConfig(model=args.model, dtype=args.dtype, device="cuda", max_num_seqs=max(batches))
+        WorkerConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device="cuda",
+            max_num_seqs=max(batches),
+            max_model_len=args.max_model_len,
+        )
     )
     worker.load_model()
     bs = worker.config.block_size

@@ -1,9 +1,10 @@
 """Serving on one CUDA GPU: llmserve through its OpenAI API vs HF transformers on the same GPU.
 
 In one command, one after the other on the same device:
-1. `llmserve up` (SmolLM2, worker on CUDA, decode CUDA graphs) measured with bench/serve.py at
-   each --streams concurrency (output tok/s, TTFT, TPOT, E2E; chat requests of --input-len
-   random-token prompts, --output-len tokens each with ignore_eos, greedy);
+1. `llmserve up --model MODEL` (default SmolLM2; worker on CUDA, decode CUDA graphs) measured
+   with bench/serve.py at each --streams concurrency (output tok/s, TTFT, TPOT, E2E; requests
+   to --endpoint, chat by default, of --input-len random-token prompts, --output-len tokens
+   each with ignore_eos, greedy);
 2. HF `generate` on the same weights and device at static batch sizes (`--hf-batches`):
    batch b generates --output-len tokens for b prompts of --input-len random tokens; TTFT is
    a 1-token generate of the batch, TPOT the rest over the remaining tokens, output tok/s
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,29 +40,33 @@ from llmserve.model_spec import resolve_model  # noqa: E402
 from llmserve.supervisor import free_ports  # noqa: E402
 
 
-def export_tokenizer(path: Path) -> None:
+def export_tokenizer(model: str, path: Path) -> None:
     from transformers import AutoTokenizer
 
-    src = resolve_model("smollm2")
+    src = resolve_model(model)
     AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs()).save_pretrained(path)
 
 
 def run_llmserve(args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, Any]:
     http, grpc = free_ports(2)
-    command = [sys.executable, "-m", "llmserve.cli", "up", "--model", "smollm2",
+    command = [sys.executable, "-m", "llmserve.cli", "up", "--model", args.model,
                "--dtype", args.dtype, "--http-port", str(http), "--grpc-port", str(grpc),
                "--max-num-seqs", str(max(args.streams))]  # fmt: skip
     log_path = args.out_dir / "llmserve-up.log"
     started = time.monotonic()
+    env = dict(os.environ)
+    if args.max_model_len is not None:  # the worker's --max-model-len (graphs' table width)
+        env["LLMSERVE_MAX_MODEL_LEN"] = str(args.max_model_len)
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     runs: dict[str, Any] = {"command": " ".join(command[1:])}
     try:
         wait_healthy(proc, f"http://127.0.0.1:{http}/health", 300)
         runs["startup_s"] = time.monotonic() - started
         for streams in args.streams:
             prompts = max(args.min_prompts, args.prompts_per_stream * streams)
-            argv = ["--base-url", f"http://127.0.0.1:{http}/v1", "--model", "smollm2",
+            argv = ["--base-url", f"http://127.0.0.1:{http}/v1", "--model", args.model,
+                    "--endpoint", args.endpoint,
                     "--tokenizer", str(tokenizer_dir), "--num-prompts", str(prompts),
                     "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                     "--max-concurrency", str(streams), "--ignore-eos", "--seed", "0",
@@ -108,7 +114,7 @@ def timed(fn: Any) -> float:
 def run_hf(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    src = resolve_model("smollm2")
+    src = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(src.path, **src.pretrained_kwargs(), dtype=dtype)
     model = model.to(DEVICE).eval()
@@ -182,7 +188,7 @@ def run_hf_cb(model: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"{result['device']}, driver {result['driver']}, torch {result['torch']}, triton "
-        f"{result['triton']}, transformers {result['transformers']}; SmolLM2-135M "
+        f"{result['triton']}, transformers {result['transformers']}; {result['model']} "
         f"{result['dtype']}; {result['input_len']} prompt tokens, {result['output_len']} "
         "output tokens per request (ignore_eos), greedy.",
         "",
@@ -216,6 +222,11 @@ def report(result: dict[str, Any]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2", help="llmserve's --model: a name or a path")
+    p.add_argument("--model-label", default="SmolLM2-135M", help="the model, in the report")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                   help="completions for a model without a chat template")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -242,11 +253,12 @@ def main() -> None:
     result: dict[str, Any] = dict(
         device=torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", driver=driver, torch=torch.__version__,
         triton=triton.__version__, transformers=transformers.__version__, dtype=args.dtype,
+        model=args.model_label,
         input_len=args.input_len, output_len=args.output_len,
         command=" ".join(sys.argv), llmserve={}, hf={"static": {}, "continuous_batching": {}},
     )  # fmt: skip
     tokenizer_dir = args.out_dir / "tokenizer"
-    export_tokenizer(tokenizer_dir)
+    export_tokenizer(args.model, tokenizer_dir)
     if "llmserve" not in args.skip:
         result["llmserve"] = run_llmserve(args, tokenizer_dir)
     if "hf" not in args.skip:

@@ -1,6 +1,12 @@
 """Sparse MLP: a softmax router picks the top-k experts of each token; the experts run
 grouped (the step's (token, expert) pairs sorted by expert, one matmul pair per active
-expert), so the Python loop is over the few experts in use, never over tokens."""
+expert), so the Python loop is over the few experts in use, never over tokens.
+
+Grouping needs each expert's token count on the host, which a CUDA graph cannot capture
+(worker_service/cuda_graphs.py). While a stream is capturing, every expert runs over every
+token instead and each output is weighted by the token's routing weight, zero for the experts
+it did not pick: the same sums (adding a zero changes nothing), at the cost of reading every
+expert's weights each decode step, which a decode batch of a few dozen tokens does anyway."""
 
 from __future__ import annotations
 
@@ -25,15 +31,24 @@ def route(
     return weights, experts
 
 
+def _routed(
+    x: torch.Tensor, w: MoeWeights, spec: MoeSpec
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k] weights, expert ids
+    weights, experts = route(x, w.router, spec)
+    if spec.round_weights:  # Qwen3-MoE casts the routing weights to the model dtype first
+        weights = weights.to(x.dtype)
+    return weights, experts
+
+
 def moe_mlp(
     x: torch.Tensor,  # [num_tokens, hidden]
     w: MoeWeights,
     spec: MoeSpec,
     activation: Activation,
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    weights, experts = route(x, w.router, spec)
-    if spec.round_weights:  # Qwen3-MoE casts the routing weights to the model dtype first
-        weights = weights.to(x.dtype)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return every_expert_mlp(x, w, spec, activation)
+    weights, experts = _routed(x, w, spec)
     flat = experts.reshape(-1)  # [num_tokens * top_k], token t's picks at t * top_k ...
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending
     token_of = order // spec.top_k  # [num_pairs]
@@ -56,4 +71,24 @@ def moe_mlp(
     final = torch.zeros_like(x)
     # Each token's rows arrive in ascending expert order, as in the reference's loop.
     final.index_add_(0, token_of, out.to(x.dtype))
+    return final
+
+
+def every_expert_mlp(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w: MoeWeights,
+    spec: MoeSpec,
+    activation: Activation,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """`moe_mlp` without a host sync (see the module docstring): every expert over every token,
+    weighted by a [num_tokens, num_experts] gate that holds each token's routing weights at its
+    picks and zeros elsewhere; outputs are added in ascending expert order, like the grouped
+    path's."""
+    weights, experts = _routed(x, w, spec)
+    gates = torch.zeros(x.shape[0], spec.num_experts, dtype=weights.dtype, device=x.device)
+    gates.scatter_(1, experts, weights)
+    final = torch.zeros_like(x)
+    for expert in range(spec.num_experts):
+        h = gated_activation(F.linear(x, w.gate_up[expert]), activation)
+        final += (F.linear(h, w.down[expert]) * gates[:, expert, None]).to(x.dtype)
     return final
