@@ -36,9 +36,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 def _soft_cap(scores, cap):
     """cap * tanh(scores / cap), elementwise. Scores in the log2 domain (scaled by log2(e))
     take cap * log2(e): the result is then the log2-domain value of the capped score.
-    tanh from exp2 of -2|x|, which stays in (0, 1] (the interpreter has no libdevice tanh)."""
+    tanh from exp2 of -2|x|, which stays in (0, 1] (the interpreter has no libdevice tanh).
+    The factor is -2 * LOG2E written out: compiled kernels read only constexpr globals (the
+    interpreter reads any, so only a GPU run caught a plain float global here)."""
     x = scores / cap
-    t = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+    t = tl.exp2(-2.8853900817779268 * tl.abs(x))
     tanh = (1.0 - t) / (1.0 + t)
     return cap * tl.where(x < 0, -tanh, tanh)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -39,8 +40,14 @@ def profiled_worker(hf: Any, utilization: float, **config: Any) -> tuple[Worker,
 def test_device_use_stays_under_the_utilization(hf16: Any, enforce_eager: bool) -> None:
     """With the cache allocated (and graphs captured), a forward of the profile's shape
     keeps the device's used memory (every process's) under utilization x total, and the
-    cache takes most of what the utilization allows beyond the model."""
+    cache takes most of what the utilization allows beyond what the device held before (the
+    CUDA context, HF's copy of the model, whatever earlier tests of this process left) and the
+    worker's model."""
     utilization = 0.4
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    held_before = total - free
     worker, num_gpu = profiled_worker(hf16, utilization, enforce_eager=enforce_eager)
     try:
         worker.initialize_cache(num_gpu, 0)
@@ -50,7 +57,7 @@ def test_device_use_stays_under_the_utilization(hf16: Any, enforce_eager: bool) 
         budget = utilization * total
         cache_bytes = num_gpu * worker.get_cache_block_size_bytes()
         assert total - free <= budget
-        assert cache_bytes >= budget - 3 * (1 << 30)
+        assert cache_bytes >= budget - held_before - 3 * (1 << 30)
         assert (worker.graph_memory_bytes > 0) == (not enforce_eager)
     finally:  # a failure's traceback would otherwise keep the cache for the next test
         del worker
