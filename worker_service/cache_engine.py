@@ -61,7 +61,10 @@ class CacheEngine:
         else:
             self.device_cache = torch.zeros(device_shape, dtype=dtype, device=device)
         # device_cache: [num_layers, 2, num_device_blocks, block_size, num_kv_heads, head_dim]
-        self.host_cache = torch.zeros(
+        # Empty, not zeroed: a host block is read only by swap_in, after a swap_out wrote the
+        # whole block, so nothing reads what it held before. (Zeroing the default 4 GiB took
+        # ~5 s of a CPU worker's InitializeCache, touching every page up front.)
+        self.host_cache = torch.empty(
             shape[:2] + (num_host_blocks,) + shape[3:],
             dtype=dtype,
             pin_memory=device.type == "cuda",
