@@ -90,3 +90,17 @@ def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
 
     return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+
+
+@functools.cache
+def memoize_gguf_name_maps() -> None:
+    """Make `gguf.get_tensor_name_map` remember its maps, once per process.
+
+    transformers' GGUF loader asks for the tensor-name map of the architecture once per module
+    of the model it fills (397 times for SmolLM2), and each call builds the whole map anew:
+    5 of the 13 s a SmolLM2 worker took to load here. The map depends only on its arguments
+    (architecture, layer count) and the loader only reads it, so a cached one is the same map.
+    """
+    import gguf
+
+    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)

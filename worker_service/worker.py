@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from llmserve.logs import get_logger
-from llmserve.model_spec import resolve_model
+from llmserve.model_spec import memoize_gguf_name_maps, resolve_model
 from llmserve.steps import StepInput, StepResult, TokenMask
 from worker_service import metrics
 from worker_service.attention import AttentionSpec, get_backend_class
@@ -80,6 +80,8 @@ class Worker:
         from transformers import AutoModelForCausalLM
 
         source = resolve_model(self.config.model)
+        if source.gguf_file:
+            memoize_gguf_name_maps()
         hf_model = AutoModelForCausalLM.from_pretrained(
             source.path, **source.pretrained_kwargs(), dtype=self.dtype
         )
