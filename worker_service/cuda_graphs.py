@@ -13,6 +13,10 @@ block tables at their full width (`max_model_len` tokens) and split contexts as 
 sequence could be that long, so the split-K partitioning of a replay can differ from an eager
 step's (float sums in another order; greedy output is compared in tests/integration).
 
+Nothing in a captured forward may wait on the host: MoE layers run every expert, gated, while
+a stream captures (worker_service/models/moe.py), since their grouped path counts tokens per
+expert on the host.
+
 The graphs hold the KV cache tensors they were captured with: capture after the cache is
 allocated, and again whenever it is replaced. All graphs share one memory pool, captured from
 the largest batch down, so their activations cost about what the largest one needs.
