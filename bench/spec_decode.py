@@ -15,6 +15,10 @@ does), each with --threads compute threads and one request in flight:
                   tokens, 23% on text) and ran fastest, 1.15-1.24x on code, 0.93-1.09x on
                   text (two runs); the others accepted 6-83%, 0.69-1.15x.
 
+With --device cuda, llmserve's worker runs on a GPU in bfloat16 instead (the llama.cpp servers
+stay on the CPU: leave them out with --servers), and llmserve-spec-continue adds
+--continue-after-drafts to llmserve-spec: the next step is sent while a step with drafts runs.
+
     .venv/bin/python bench/spec_decode.py                                # the full table
     .venv/bin/python bench/spec_decode.py --num-prompts 2 --max-tokens 64   # a smoke run
 
@@ -67,12 +71,15 @@ import httpx
 from llama_cpp import gguf_for, llama_server
 from serve import build_workload
 from serve_compare import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
-from spec_report import report
+from spec_report import plain_of, report
 
 from llmserve.supervisor import free_ports
 
 MODEL = "smollm2"
-SERVERS = ("llmserve", "llmserve-spec", "llama.cpp", "llama.cpp-spec")
+# llmserve-spec-continue: llmserve-spec with --continue-after-drafts (for a GPU worker, where
+# the round trip after a step with drafts is idle time); not in the default list.
+SERVERS = ("llmserve", "llmserve-spec", "llama.cpp", "llama.cpp-spec", "llmserve-spec-continue")
+DEFAULT_SERVERS = SERVERS[:4]
 WORKLOADS = ("code", "text", "random")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 EDITS = (
@@ -147,15 +154,21 @@ def server_for(name: str, args: argparse.Namespace) -> tuple[Server, dict[str, s
     """The server's command and the environment added to ours."""
     port, grpc_port = free_ports(2)
     if name.startswith("llmserve"):
-        command = [str(BIN / "llmserve"), "up", "--model", MODEL, "--dtype", "float32",
-                   "--grpc-port", str(grpc_port), "--http-port", str(port)]  # fmt: skip
-        env = {"LLMSERVE_NUM_THREADS": str(args.threads), "LLMSERVE_LINEAR_IMPL": "gguf",
-               "LLMSERVE_QUANT_MODE": args.quant_mode,
-               "LLMSERVE_SERVED_MODEL_NAME": MODEL}  # fmt: skip
-        if name == "llmserve-spec":
+        command = [str(BIN / "llmserve"), "up", "--model", MODEL, "--grpc-port", str(grpc_port),
+                   "--http-port", str(port)]  # fmt: skip
+        env = {"LLMSERVE_SERVED_MODEL_NAME": MODEL}
+        if args.device == "cuda":  # bfloat16 weights, Triton attention, decode graphs
+            command += ["--device", "cuda", "--dtype", "bfloat16"]
+        else:  # the shipped file's blocks on --threads cores
+            command += ["--dtype", "float32"]
+            env |= {"LLMSERVE_NUM_THREADS": str(args.threads), "LLMSERVE_LINEAR_IMPL": "gguf",
+                    "LLMSERVE_QUANT_MODE": args.quant_mode}  # fmt: skip
+        if plain_of(name):
             env |= {"LLMSERVE_NUM_SPECULATIVE_TOKENS": str(args.num_speculative_tokens),
                     "LLMSERVE_NGRAM_MIN": str(args.ngram_min),
                     "LLMSERVE_NGRAM_MAX": str(args.ngram_max)}  # fmt: skip
+        if name == "llmserve-spec-continue":
+            env["LLMSERVE_CONTINUE_AFTER_DRAFTS"] = "true"
         return Server(name, name, command, port, MODEL), env
     command = [str(llama_server()[0]), "-m", str(gguf_for("file", MODEL)), "--host", "127.0.0.1",
                "--port", str(port), "-np", "1", "-c", str(LLAMA_CTX), "-t", str(args.threads),
@@ -296,9 +309,10 @@ def measure(name: str, prompts: dict[str, Path], args: argparse.Namespace) -> di
     return dict(zip(args.workloads, summaries[1:], strict=True))
 
 
-def identical(args: argparse.Namespace, workload: str, plain: str) -> str | None:
-    """How many prompts `plain` and `plain`-spec answered alike, of those both answered."""
-    names = (plain, f"{plain}-spec")
+def identical(args: argparse.Namespace, workload: str, spec: str) -> str | None:
+    """How many prompts server `spec` and its plain server answered alike, of those both
+    answered."""
+    names = (plain_of(spec) or spec, spec)
     paths = [run_path(args, name, workload) for name in names]
     if not set(names) <= set(args.servers) or not all(p.exists() for p in paths):
         return None
@@ -309,7 +323,9 @@ def identical(args: argparse.Namespace, workload: str, plain: str) -> str | None
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(DEFAULT_SERVERS))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="llmserve's worker: cpu (float32, GGUF blocks) or cuda (bfloat16)")  # fmt: skip
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--num-prompts", type=int, default=10, help="per workload")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -363,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (KeyboardInterrupt, SystemExit):
         print("stopped; reporting the servers that finished")
     for w in args.workloads:
-        result["identical"][w] = {p: identical(args, w, p) for p in ("llmserve", "llama.cpp")}
+        result["identical"][w] = {s: identical(args, w, s) for s in args.servers if plain_of(s)}
     text = report(result, args, RANDOM_INPUT_LEN)
     (args.out_dir / "spec-decode.md").write_text(text + "\n")
     (args.out_dir / "spec-decode.json").write_text(json.dumps(result, indent=1) + "\n")

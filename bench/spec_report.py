@@ -6,9 +6,16 @@ import argparse
 from typing import Any
 
 
+def plain_of(name: str) -> str | None:
+    """The server without speculation that server `name` compares with (None: `name` drafts
+    nothing): "llmserve-spec" and "llmserve-spec-continue" -> "llmserve"."""
+    base, spec, _ = name.partition("-spec")
+    return base if spec else None
+
+
 def spec_cells(s: dict[str, Any], name: str) -> list[str]:
     """drafts | draft tokens | accepted | acceptance | mean accepted length per draft."""
-    if not name.endswith("-spec"):
+    if plain_of(name) is None:
         return ["-"] * 5
     if name.startswith("llama"):
         drafts, drafted, accepted = None, s["llama_draft_n"], s["llama_draft_n_accepted"]
@@ -30,7 +37,7 @@ def report(result: dict[str, Any], args: argparse.Namespace, random_input_len: i
             if "error" in s:
                 rows.append(f"| {workload} | {name} | {s['error']} |" + " |" * 11)
                 continue
-            plain = runs.get(name.removesuffix("-spec"), {}) if name.endswith("-spec") else {}
+            plain = runs.get(plain_of(name) or "", {})
             base = plain.get("output_tokens_per_s")
             speedup = f"{s['output_tokens_per_s'] / base:.2f}x" if base else "-"
             decode, decode_base = s.get("decode_tokens_per_s"), plain.get("decode_tokens_per_s")
@@ -40,9 +47,9 @@ def report(result: dict[str, Any], args: argparse.Namespace, random_input_len: i
                      f"{s['output_tokens_per_s']:.1f}", f"{decode:.1f}" if decode else "-",
                      tpot, *spec_cells(s, name), speedup, decode_speedup]  # fmt: skip
             rows.append(f"| {' | '.join(cells)} |")
-        for plain, same in result["identical"].get(workload, {}).items():
+        for spec, same in result["identical"].get(workload, {}).items():
             if same:
-                notes.append(f"- {workload}: {plain} with / without speculation: identical {same}")
+                notes.append(f"- {workload}: {spec} vs {plain_of(spec)}: identical {same}")
     loads = {name: s["contention"] for runs in result["runs"].values() for name, s in runs.items()}
     notes += [f"- {name}: load before / others' cores {load}" for name, load in loads.items()]
     commands = {c: None for runs in result["runs"].values() for s in runs.values()
