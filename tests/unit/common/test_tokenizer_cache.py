@@ -1,0 +1,66 @@
+"""A GGUF file's tokenizer is built once, saved, and read back by later processes: the saved
+one encodes, decodes and templates chats like the one built from the file; the key follows
+the file; a cache that cannot be written changes nothing but the speed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from llmserve.model_spec import gguf_tokenizer_key, load_tokenizer, resolve_model
+
+TEXTS = [
+    "Hello world!",
+    "  def f(x):\n\treturn x**2  # ünïcödé 日本語 🙂",
+    "<|im_start|>user\nhi<|im_end|>",
+]
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LLMSERVE_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
+    load_tokenizer.cache_clear()  # the per-process memo would answer without the disk
+    yield tmp_path / "tokenizers"
+    load_tokenizer.cache_clear()
+
+
+def test_the_saved_tokenizer_behaves_like_the_built_one(cache: Path) -> None:
+    source = resolve_model("smollm2")
+    built = load_tokenizer(source)
+    saved = list(cache.iterdir())
+    assert len(saved) == 1 and (saved[0] / "tokenizer.json").is_file()
+
+    load_tokenizer.cache_clear()
+    reread = load_tokenizer(source)
+    assert reread is not built
+    for text in TEXTS:
+        ids = built(text)["input_ids"]
+        assert reread(text)["input_ids"] == ids
+        assert reread.decode(ids) == built.decode(ids)
+        assert reread.decode(ids, skip_special_tokens=True) == built.decode(
+            ids, skip_special_tokens=True
+        )
+    chat = [{"role": "user", "content": "hi"}]
+    assert reread.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        built.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    )
+    assert (reread.eos_token_id, len(reread)) == (built.eos_token_id, len(built))
+
+
+def test_the_key_follows_the_file(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF one")
+    first = gguf_tokenizer_key(gguf)
+    assert gguf_tokenizer_key(gguf) == first
+    os.utime(gguf, ns=(0, 10**18))
+    assert gguf_tokenizer_key(gguf) != first
+
+
+def test_an_unwritable_cache_still_gives_the_tokenizer(cache: Path) -> None:
+    cache.parent.mkdir(exist_ok=True)
+    cache.write_text("a file where the cache directory should be")
+    tokenizer = load_tokenizer(resolve_model("smollm2"))
+    assert tokenizer("Hello world!")["input_ids"] == [19556, 905, 17]
+    assert cache.is_file()  # nothing was saved, and nothing broke
