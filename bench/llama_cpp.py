@@ -4,9 +4,12 @@
 sources vendored in the `llama-cpp-python` source distribution (fetched with pip from the
 package index this machine uses), with CMake, Ninja and the system compiler: Release,
 `GGML_NATIVE=ON` (tuned for this CPU, as our kernels are with -march=native), and
-`LLAMA_USE_PREBUILT_UI=OFF`, without which the build tries to download its web UI. About 12
-minutes on 2 cores; the binaries are cached under `$LLMSERVE_BENCH_CACHE` (default
-`~/.cache/llmserve/bench`), keyed by the sdist's version.
+`LLAMA_USE_PREBUILT_UI=OFF`, without which the build tries to download its web UI. On x86 the
+AMX instructions are left out (`-mno-amx-*`): a CPU that lists them (a Xeon of the 4th
+generation on) may still refuse them where the kernel or the sandbox does not grant their
+register state, and there llama-server died of SIGILL at its first matmul. About 12 minutes
+on 2 cores; the binaries are cached under `$LLMSERVE_BENCH_CACHE` (default
+`~/.cache/llmserve/bench`), keyed by the sdist's version and the build flags.
 
 `gguf_for(dtype, spec)` requantizes a model's GGUF (default: the embedded SmolLM2 Q4_1) to F32 or BF16 with
 `llama-quantize --allow-requantize`, so both servers read the same weights (dequantized from
@@ -17,7 +20,9 @@ the same Q4_1 file) at the same width.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -35,6 +40,9 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+# -march=native turns on whatever the CPU lists; AMX also needs the OS to grant its tile state,
+# which a sandbox may not (SIGILL on `tilezero`), and our kernels do not use it either.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "q8_0": "Q8_0"}
 
 
@@ -85,11 +93,20 @@ def _sdist() -> Path:
     return sorted(downloads.glob("llama_cpp_python-*.tar.gz"))[-1]
 
 
+def _cmake_flags() -> list[str]:
+    """CMAKE_FLAGS, and on x86 the compiler told to leave AMX out."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return list(CMAKE_FLAGS)
+    return [*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+
+
 def llama_server() -> tuple[Path, Path]:
     """Paths of `llama-server` and `llama-quantize`, built on first use."""
     sdist = _sdist()
     version = sdist.name.removesuffix(".tar.gz").split("-", 1)[1]
-    bin_dir = cache_dir() / f"llama.cpp-{version}" / "bin"
+    flags = _cmake_flags()
+    tag = hashlib.sha256("\0".join(flags).encode()).hexdigest()[:8]
+    bin_dir = cache_dir() / f"llama.cpp-{version}" / f"bin-{tag}"
     binaries = tuple(bin_dir / name for name in TARGETS)
     if all(path.exists() for path in binaries):
         return binaries[0], binaries[1]
@@ -114,7 +131,7 @@ def llama_server() -> tuple[Path, Path]:
             "-G",
             "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={_tool('ninja')}",
-            *CMAKE_FLAGS,
+            *flags,
         ],
         check=True,
     )
