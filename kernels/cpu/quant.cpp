@@ -22,11 +22,13 @@
 // is bit-identical to HF's. This file is built with -ffp-contract=off for that: a fused
 // d * q + m would round once instead of twice.
 //
-// Exact mode: a row of the weight is dequantized into a float32 buffer on the stack (L1) and
-// dotted with every activation row, so the output equals HF's dequantized float32 matmul up
-// to summation order.
+// Exact mode: four rows of the weight at a time are dequantized into a float32 buffer on the
+// stack (L1) and dotted with every activation row, two activation rows at a time, so the
+// output equals HF's dequantized float32 matmul up to summation order (which is the same for
+// every row of a batch: `dot_tile`).
 //
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -138,21 +140,42 @@ inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {
 #endif
 }
 
-// sum_k a[k] * b[k], k < n (a multiple of 32), in 4 accumulators of kLanes.
-inline float dot(const float* a, const float* b, int64_t n) {
-  vfloat acc[4] = {};
-  for (int64_t k = 0; k < n; k += 4 * kLanes) {
-    for (int u = 0; u < 4 && k + u * kLanes < n; ++u) {
-      vfloat x, y;
-      std::memcpy(&x, a + k + u * kLanes, sizeof x);
-      std::memcpy(&y, b + k + u * kLanes, sizeof y);
-      acc[u] = fmadd(x, y, acc[u]);
+// Weight rows dequantized together, and activation rows dotted with them together.
+constexpr int kTileRows = 4;
+constexpr int kTileTokens = 2;
+
+// out[m * out_stride + r] = sum_k x[m][k] * w[r][k] for R weight rows (stride `in`) and M
+// activation rows (stride `in`), k < in (a multiple of kLanes). Each dot is one accumulator of
+// kLanes lanes taking k in order, then hsum's fixed tree: the same operations for any R and M,
+// so a token's output does not depend on the tokens batched with it (a draft row of a
+// speculative step gives what the same token alone would). R * M accumulators keep the FMA
+// units busy and load each weight vector once for M tokens (the earlier kernel took one
+// token and one weight row at a time and summed the lanes one by one: on AVX-512 the
+// reduction cost more than the multiply-adds).
+template <int R, int M>
+inline void dot_tile(const float* x, int64_t in, const float* w, float* out, int64_t out_stride) {
+  vfloat acc[M][R] = {};
+  for (int64_t k = 0; k < in; k += kLanes) {
+    vfloat wk[R];
+    for (int r = 0; r < R; ++r) std::memcpy(&wk[r], w + r * in + k, sizeof(vfloat));
+    for (int m = 0; m < M; ++m) {
+      vfloat xk;
+      std::memcpy(&xk, x + m * in + k, sizeof xk);
+      for (int r = 0; r < R; ++r) acc[m][r] = fmadd(xk, wk[r], acc[m][r]);
     }
   }
-  const vfloat sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  float total = 0.0f;
-  for (int i = 0; i < kLanes; ++i) total += sum[i];
-  return total;
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m * out_stride + r] = hsum(acc[m][r]);
+}
+
+// R dequantized weight rows (`w`, stride `in`) against all n tokens.
+template <int R>
+inline void rows_times_tokens(const float* x, int64_t n, int64_t in, const float* w, float* out,
+                              int64_t out_features) {
+  int64_t i = 0;
+  for (; i + kTileTokens <= n; i += kTileTokens)
+    dot_tile<R, kTileTokens>(x + i * in, in, w, out + i * out_features, out_features);
+  for (; i < n; ++i) dot_tile<R, 1>(x + i * in, in, w, out + i * out_features, out_features);
 }
 
 template <int Type>
@@ -160,11 +183,19 @@ void linear(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out
             float* out) {
   const int64_t row_bytes = in / block_weights(Type) * block_bytes(Type);
   parallel_for(out_features, out_features * n * in > (1 << 16), [&](int64_t begin, int64_t end) {
-    alignas(64) float row[kMaxRow];
-    for (int64_t o = begin; o < end; ++o) {
-      prefetch_ahead(w + o * row_bytes, row_bytes, w + out_features * row_bytes);
-      dequantize_row<Type>(w + o * row_bytes, in, row);
-      for (int64_t i = 0; i < n; ++i) out[i * out_features + o] = dot(x + i * in, row, in);
+    alignas(64) float rows[kTileRows * kMaxRow];  // the tile's rows, `in` floats apart
+    for (int64_t o = begin; o < end; o += kTileRows) {
+      const int64_t tile = std::min<int64_t>(kTileRows, end - o);
+      for (int64_t r = 0; r < tile; ++r) {
+        prefetch_ahead(w + (o + r) * row_bytes, row_bytes, w + out_features * row_bytes);
+        dequantize_row<Type>(w + (o + r) * row_bytes, in, rows + r * in);
+      }
+      if (tile == kTileRows) {
+        rows_times_tokens<kTileRows>(x, n, in, rows, out + o, out_features);
+      } else {
+        for (int64_t r = 0; r < tile; ++r)
+          rows_times_tokens<1>(x, n, in, rows + r * in, out + o + r, out_features);
+      }
     }
   });
 }

@@ -100,8 +100,9 @@ inline void fast_dots(const uint8_t* row, int64_t blocks, const ActBlock* a, flo
   const int64_t bytes = block_bytes(Type);
 #if defined(__AVX2__) && defined(__F16C__)
   // kChains independent sums per row (blocks taken in turn): one chain of dependent
-  // multiply-adds per row would wait on its own latency.
-  constexpr int kChains = M == 1 ? 4 : 2;
+  // multiply-adds per row would wait on its own latency. The same for every M, so a token's
+  // dot does not depend on how many tokens share the call.
+  constexpr int kChains = 2;
   __m256 acc[kChains][M];
   __m128 offset[kChains][M];  // lane 1: the sum of the per-block terms in s (block_scales)
   for (int c = 0; c < kChains; ++c)
@@ -224,7 +225,12 @@ void linear_fast(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_
   activations.resize(size_t(n * blocks));
   for (int64_t i = 0; i < n; ++i) quantize_activations(x + i * in, in, activations.data() + i * blocks);
   const ActBlock* a = activations.data();
-  parallel_for(out_features, out_features * n * in > (1 << 16), [&](int64_t begin, int64_t end) {
+  // Threads split the rows at multiples of 4, so which rows four_row_dots takes (and which
+  // fast_dots: the last out_features % 4) depends on the weight alone, not on n or on the
+  // threads: a token's output is the same whatever it is batched with.
+  const int64_t tiles = (out_features + 3) / 4;
+  parallel_for(tiles, out_features * n * in > (1 << 16), [&](int64_t tile_begin, int64_t tile_end) {
+    const int64_t begin = 4 * tile_begin, end = std::min(out_features, 4 * tile_end);
     int64_t o = begin;
 #if defined(__AVX2__) && defined(__F16C__)
     if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ8_0) {

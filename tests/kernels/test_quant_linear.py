@@ -102,6 +102,20 @@ def test_exact_linear_is_the_dequantized_matmul(ggml_type, n, in_features, out_f
     assert ((out.double() - expected).abs() <= 1e-6 * scale + 1e-30).all()
 
 
+@pytest.mark.parametrize("mode", quant.MODES)
+@pytest.mark.parametrize("ggml_type", TYPES + CHUNKED_TYPES)
+def test_a_row_gets_the_same_bits_whatever_it_is_batched_with(ggml_type, mode):
+    """A speculative step's draft rows (and any decode batch) must give each token exactly
+    what it gives alone, or drafts could change greedy output on a near-tie: every batch
+    size, odd and even, over a row count that is not a multiple of the kernels' tiles."""
+    in_features = widths(ggml_type)[1]
+    blocks = torch.from_numpy(quantized(ggml_type, 35, in_features, seed=3))
+    x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([quant.linear(x[i : i + 1], ggml_type, blocks, mode) for i in range(9)])
+    for n in range(2, 10):
+        assert torch.equal(quant.linear(x[:n], ggml_type, blocks, mode), alone[:n]), n
+
+
 @pytest.mark.parametrize("ggml_type", CHUNKED_TYPES)
 @pytest.mark.parametrize("n", [1, 5, 64])
 def test_exact_linear_of_q5_0_and_k_quants_is_the_dequantized_matmul(ggml_type, n):
