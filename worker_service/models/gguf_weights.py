@@ -13,7 +13,7 @@ Modes (`--quant-mode`, kernels/cpu/quant.py):
   model equals HF's dequantized one up to summation order;
 - fast: activations are rounded to 8 bits per block of 32 and multiplied with integer dot
   products (every type above).
-Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: 48 to 192 by
+Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: 80 to 192 by
 mode and weight size, measured) dequantize the weight whole and multiply with torch.
 """
 
@@ -40,8 +40,9 @@ log = get_logger("worker.gguf")
 
 # From this many input rows on (prefill chunks, large decode batches), a block weight is
 # dequantized whole and multiplied by torch, which wins from there; either way the product is
-# the mode's up to the activations' rounding (fast) and summation order. Measured here
-# (2 threads, min of 15; ms for exact kernel / fast kernel / dequantize + F.linear):
+# the mode's up to the activations' rounding (fast) and summation order. Fast mode's, measured
+# on the 2-core AMD EPYC (2 threads, min of 15; ms for exact kernel / fast kernel /
+# dequantize + F.linear, the exact kernel before it tiled four weight rows by two tokens):
 #   rows              32                  64                  96
 #   Q4_1 960x576      0.54 / 0.40 / 0.63  1.11 / 0.79 / 1.03  1.70 / 1.21 / 1.14
 #   Q4_1 3072x576     1.70 / 1.12 / 2.14  3.50 / 2.37 / 2.67  5.18 / 3.30 / 2.79
@@ -50,9 +51,15 @@ log = get_logger("worker.gguf")
 # to memory and reads it back, so it is dequantized later:
 #   rows              64                  96                  192
 #   Q8_0 49152x576    61 / 38 / 75        94 / 58 / 85        177 / 146 / 142
-DEQUANTIZE_ROWS: dict[QuantMode, int] = {"exact": 48, "fast": 80}
+# Exact mode's, with the tiled kernel, on the 2-core Xeon (AVX-512; ms for exact kernel /
+# dequantize + F.linear, SmolLM2's tensors):
+#   rows              48           64           96           128          192
+#   Q4_1 576x576      0.27 / 0.52  0.35 / 0.64  0.48 / 0.69  0.66 / 0.76  1.02 / 0.99
+#   Q4_1 1536x576     0.67 / 1.09  0.97 / 1.65  1.33 / 1.53  1.74 / 1.55  2.48 / 2.32
+#   Q8_0 49152x576    22 / 61      31 / 64      40 / 67      52 / 74      98 / 112
+DEQUANTIZE_ROWS: dict[QuantMode, int] = {"exact": 96, "fast": 80}
 LARGE_WEIGHT_BYTES = 32 << 20
-LARGE_DEQUANTIZE_ROWS: dict[QuantMode, int] = {"exact": 96, "fast": 192}
+LARGE_DEQUANTIZE_ROWS: dict[QuantMode, int] = {"exact": 192, "fast": 192}
 
 
 def dequantize_rows(weight: QuantWeight, mode: QuantMode) -> int:

@@ -42,7 +42,7 @@ SMALL_NATIVE_BATCH = 4
 NATIVE_BATCH = 8
 # Weights kept in GGUF blocks (models/gguf_weights.py) multiply with the same block kernels on
 # both paths, so the native step only saves the per-layer path's overhead, up to where the
-# per-layer path would dequantize (48 rows in exact mode). SmolLM2's Q4_1 file, native /
+# per-layer path would dequantize (96 rows in exact mode). SmolLM2's Q4_1 file, native /
 # per-layer (bench/native_decode.py, context 256): fast mode 0.63 at 16 sequences, 0.85 at
 # 32; exact mode 0.87 at 16, 1.05 at 32.
 BLOCKS_NATIVE_BATCH = 32
