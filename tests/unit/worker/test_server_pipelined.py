@@ -6,6 +6,8 @@ that names the sequence."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from prometheus_client import REGISTRY
@@ -38,8 +40,19 @@ def test_steps_sent_ahead_run_in_order_and_fill_in_their_tokens(tiny_llama) -> N
             step = StepInput(i, cached_seqs=[CachedSequence(1, tokens[-1:], 3, [], 1)])
             tokens.append((await one.step(step))[1])
         one.call.cancel()
-        # All steps sent at once, every decode naming the previous sample by placeholder.
+        # All steps sent at once, every decode naming the previous sample by placeholder. The
+        # first waits a moment on the model thread, so the others have arrived when its
+        # forward pass ends whatever else the machine runs (on a loaded one, a tiny model's
+        # steps could otherwise each end before the next is read).
         before = queued_gaps()
+        execute = w.worker.execute
+
+        def first_one_late(*args: object) -> object:
+            w.worker.execute = execute  # type: ignore[method-assign]
+            time.sleep(0.2)
+            return execute(*args)  # type: ignore[arg-type]
+
+        w.worker.execute = first_one_late  # type: ignore[method-assign, assignment]
         ahead = Stream(w.stub)
         await ahead.outbox.put(
             step_input_to_proto(StepInput(0, new_seqs=[new_seq(2, PROMPT, [4, 5, 6])]))
