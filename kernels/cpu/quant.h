@@ -18,7 +18,8 @@ constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13
 
 constexpr bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 constexpr int64_t block_weights(int type) { return is_k_quant(type) ? kSuperBlock : kBlock; }
-// Longest row exact mode (quant.cpp) dequantizes on the stack (floats): 64 KiB.
+// Longest row exact mode (quant.cpp) dequantizes on the stack (floats): 64 KiB a row, and it
+// keeps a tile of four (256 KiB at most; a thread's stack is 8 MiB by default).
 constexpr int64_t kMaxRow = 16384;
 
 inline int64_t block_bytes(int type) {
