@@ -35,6 +35,11 @@ for every server, written to <out-dir>/runs/<workload>.prompts.json):
           loop), so this is where drafts fail and their cost shows; seeded, so llmserve's
           outputs with and without drafts must still be identical.
 
+With --rounds N the servers run N times, the list's order reversed every other round (A B,
+then B A, ...), each time fresh: a server's speed drifts by ~10% over an hour on a shared VM,
+and alternating puts both ends of a pair on the same drift. The table pools the rounds (tokens
+over summed times); the notes give each round's ratios.
+
 Measured per workload and server, after one unmeasured warm-up request on each fresh server:
 output tok/s (completion tokens over the workload's wall time, prefills included), decode tok/s
 (tokens after the first over the time after the first token, summed over the requests: the
@@ -71,7 +76,7 @@ import httpx
 from llama_cpp import gguf_for, llama_server
 from serve import build_workload
 from serve_compare import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
-from spec_report import plain_of, report
+from spec_report import plain_of, pool_rounds, report
 
 from llmserve.supervisor import free_ports
 
@@ -275,6 +280,8 @@ def client_main(argv: list[str]) -> None:
         "decode_tokens_per_s": (
             sum(r["completion_tokens"] - 1 for r in decoding) / decode_s if decode_s else None
         ),
+        "decode_tokens": sum(r["completion_tokens"] - 1 for r in decoding),
+        "decode_s": decode_s,
         "repeating": sum(r["repeats"] for r in done),
         # llama-server leaves them out of a response it drafted nothing for.
         "llama_draft_n": sum(r["draft_n"] or 0 for r in done),
@@ -283,8 +290,12 @@ def client_main(argv: list[str]) -> None:
     Path(args.out).write_text(json.dumps({"summary": summary, "requests": requests}, indent=1))
 
 
-def run_path(args: argparse.Namespace, server: str, workload: str) -> Path:
-    return args.out_dir / "runs" / f"{server.replace('.', '-')}-{workload}.json"
+def run_path(args: argparse.Namespace, server: str, workload: str, rnd: int = 0) -> Path:
+    """Where a server's requests of a workload are written (under runs/round<r>/ for round r
+    of several)."""
+    runs = args.out_dir / "runs" / (f"round{rnd}" if args.rounds > 1 else "")
+    runs.mkdir(parents=True, exist_ok=True)
+    return runs / f"{server.replace('.', '-')}-{workload}.json"
 
 
 def client_command(server: Server, prompts: Path, out: Path, args: argparse.Namespace) -> list[str]:
@@ -293,13 +304,16 @@ def client_command(server: Server, prompts: Path, out: Path, args: argparse.Name
             "--max-duration", str(args.max_duration), "--out", str(out)]  # fmt: skip
 
 
-def measure(name: str, prompts: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    name: str, prompts: dict[str, Path], args: argparse.Namespace, rnd: int = 0
+) -> dict[str, Any]:
     """One fresh server: a warm-up request, then each workload; llmserve's scheduler counters
     are read after each, so a workload's figures are the deltas from the one before."""
     server, env = server_for(name, args)
     runs = [("warmup", prompts["warmup"]), *((w, prompts[w]) for w in args.workloads)]
-    clients = [(client_command(server, p, run_path(args, name, w), args), run_path(args, name, w))
-               for w, p in runs]  # fmt: skip
+    paths = [run_path(args, name, w, rnd) for w, _ in runs]
+    clients = [(client_command(server, p, out, args), out)
+               for (_, p), out in zip(runs, paths, strict=True)]  # fmt: skip
     probe = scheduler_counters if name.startswith("llmserve") else None
     summaries = measure_clients(server, clients, args, env, probe)
     for before, after in itertools.pairwise(summaries):
@@ -311,14 +325,18 @@ def measure(name: str, prompts: dict[str, Path], args: argparse.Namespace) -> di
 
 def identical(args: argparse.Namespace, workload: str, spec: str) -> str | None:
     """How many prompts server `spec` and its plain server answered alike, of those both
-    answered."""
+    answered, over every round (each compared with the plain server of its own round)."""
     names = (plain_of(spec) or spec, spec)
-    paths = [run_path(args, name, workload) for name in names]
-    if not set(names) <= set(args.servers) or not all(p.exists() for p in paths):
+    if not set(names) <= set(args.servers):
         return None
-    texts = [[r.get("text") for r in json.loads(p.read_text())["requests"]] for p in paths]
-    both = [(a, b) for a, b in zip(*texts, strict=False) if a is not None and b is not None]
-    return f"{sum(a == b for a, b in both)}/{len(both)}"
+    both = []
+    for rnd in range(args.rounds):
+        paths = [run_path(args, name, workload, rnd) for name in names]
+        if not all(p.exists() for p in paths):
+            continue
+        texts = [[r.get("text") for r in json.loads(p.read_text())["requests"]] for p in paths]
+        both += [(a, b) for a, b in zip(*texts, strict=False) if a is not None and b is not None]
+    return f"{sum(a == b for a, b in both)}/{len(both)}" if both else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -338,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llmserve's --quant-mode on the GGUF blocks")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="compute threads of each server")
     p.add_argument("--seed", type=int, default=0, help="the random workload's prompts")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the servers this many times, the order reversed every other time")  # fmt: skip
     p.add_argument("--max-duration", type=float, default=900.0, help="seconds per workload")
     p.add_argument("--hf-model", type=Path, default=Path(f"/tmp/bench/{MODEL}-hf"),
                    help="tokenizer (exported from the GGUF if missing)")  # fmt: skip
@@ -369,15 +389,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": shown([sys.executable, *sys.argv]),
         "code_source": code_sources(0)[0],
         "args": {k: str(v) for k, v in vars(args).items()},
-        "runs": {w: {} for w in args.workloads},
+        "rounds": [],
         "identical": {},
     }
     try:
-        for name in args.servers:
-            for workload, summary in measure(name, prompts, args).items():
-                result["runs"][workload][name] = summary
+        for rnd in range(args.rounds):
+            runs: dict[str, dict[str, Any]] = {w: {} for w in args.workloads}
+            result["rounds"].append(runs)
+            for name in args.servers if rnd % 2 == 0 else args.servers[::-1]:
+                for workload, summary in measure(name, prompts, args, rnd).items():
+                    runs[workload][name] = summary
     except (KeyboardInterrupt, SystemExit):
         print("stopped; reporting the servers that finished")
+    result["runs"] = pool_rounds(result["rounds"])
     for w in args.workloads:
         result["identical"][w] = {s: identical(args, w, s) for s in args.servers if plain_of(s)}
     text = report(result, args, RANDOM_INPUT_LEN)
