@@ -50,8 +50,7 @@ def pool_rounds(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, 
     for workload in rounds[0]:
         names = dict.fromkeys(name for r in rounds for name in r[workload])
         pooled[workload] = {
-            name: pool([r[workload][name] for r in rounds if name in r[workload]])
-            for name in names
+            name: pool([r[workload][name] for r in rounds if name in r[workload]]) for name in names
         }
     return pooled
 
