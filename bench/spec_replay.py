@@ -5,13 +5,17 @@ For each prompt of a run (`<run-dir>/runs/<workload>.prompts.json`, its chat tem
 applied) and the output llmserve gave without drafts (`llmserve-<workload>.json`, greedy, so
 the output with drafts is the same), the proposer drafts as the scheduler would and a draft
 counts as kept while it equals the output. The time of the decode is modelled per step from
-this machine's measurements (bench/RESULTS.md, "Speculative decoding, second round"): a
-one-row step `--step-ms`, each draft row `--row-ms` more, and the round trip to the scheduler
-`--sync-ms` after a step with drafts (the next one is built after its result) against
-`--async-ms` after a plain one (continued by asynchronous scheduling). Prints, per workload
-and policy, the modelled decode speed with drafts over without.
+the Xeon's served figures (bench/RESULTS.md, "Speculative decoding, fourth round": the
+worker's forward and forward-gap histograms over the text workload): a one-row step
+`--step-ms`, each draft row `--row-ms` more, and the round trip to the scheduler `--sync-ms`
+after a step with drafts (the next one is built after its result) against `--async-ms` after
+a plain one (continued by asynchronous scheduling). The first step of a run of drafted steps
+pays the round trip twice: the plain step before it is not continued while a draft waits
+(`Speculator.waits_for_draft`). The earlier rounds' AMD EPYC figures were a 6.6 ms step,
+1.6 ms rows and a 1.7 ms round trip. Prints, per workload and policy, the modelled decode
+speed with drafts over without.
 
-    .venv/bin/python bench/spec_replay.py bench/results/spec-decode-r2
+    .venv/bin/python bench/spec_replay.py bench/results/spec-decode-r3c --workloads code text random
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def replay(prompt: list[int], output: list[int], policy: tuple, args: argparse.N
     min_n, max_n, k, capped = policy
     propose = proposer_for(min_n, max_n, k, capped)
     index = NgramIndex(min_n, max_n, [*prompt, output[0]])
-    done, ms = 1, 0.0
+    done, ms, drafted_before = 1, 0.0, False
     while done < len(output):
         drafts = propose(index)[: len(output) - done - 1]
         kept = 0
@@ -62,6 +66,9 @@ def replay(prompt: list[int], output: list[int], policy: tuple, args: argparse.N
         new = output[done : done + kept + 1]
         ms += args.step_ms + args.row_ms * len(drafts)
         ms += args.sync_ms if drafts else args.async_ms
+        if drafts and not drafted_before:  # the step before waited for its result too
+            ms += args.sync_ms - args.async_ms
+        drafted_before = bool(drafts)
         index.extend(new)
         done += len(new)
     return ms
@@ -72,10 +79,10 @@ def main() -> None:
     p.add_argument("run_dir", type=Path, help="a bench/spec_decode.py --out-dir")
     p.add_argument("--workloads", nargs="+", default=["code", "text"])
     p.add_argument("--tokenizer", default="/tmp/bench/smollm2-hf")
-    p.add_argument("--step-ms", type=float, default=6.6)
-    p.add_argument("--row-ms", type=float, default=1.6)
-    p.add_argument("--sync-ms", type=float, default=1.7)
-    p.add_argument("--async-ms", type=float, default=0.2)
+    p.add_argument("--step-ms", type=float, default=14.2)
+    p.add_argument("--row-ms", type=float, default=2.6)
+    p.add_argument("--sync-ms", type=float, default=3.1)
+    p.add_argument("--async-ms", type=float, default=0.3)
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -87,10 +94,13 @@ def main() -> None:
         replies = json.loads((args.run_dir / "runs" / f"llmserve-{workload}.json").read_text())
         pairs = []
         for body, reply in zip(bodies, replies["requests"], strict=True):
-            chat = tokenizer.apply_chat_template(
-                body["messages"], add_generation_prompt=True, tokenize=False
-            )
-            prompt = tokenizer(chat, add_special_tokens=False)["input_ids"]
+            if "messages" in body:
+                text = tokenizer.apply_chat_template(
+                    body["messages"], add_generation_prompt=True, tokenize=False
+                )
+            else:  # random: a completion of token ids' text, as the server tokenizes it
+                text = body["prompt"]
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
             output = tokenizer(reply["text"], add_special_tokens=False)["input_ids"]
             if len(output) > 1:
                 pairs.append((prompt, output))
