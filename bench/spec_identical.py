@@ -1,10 +1,10 @@
 """Are a drafting server's outputs the plain server's, token for token and logprob for logprob?
 (issue #28: "Same output, always").
 
-Starts two `llmserve up` stacks side by side on SmolLM2's GGUF blocks (as bench/spec_decode.py
-does): one without drafts and one with them (K = 8, n-grams 2-6, plus `--spec-env`
-variables, e.g. LLMSERVE_ASYNC_SCHEDULING=false), both idle but for the request at hand. Each
-of `--num-prompts` random-token prompts (bench/spec_decode.py's `random` workload: seeded
+Starts two `llmserve up` stacks side by side, bench/spec_decode.py's `llmserve` and
+`llmserve-spec` (SmolLM2's GGUF blocks; K = 8, n-grams 2-6), the drafting one with the
+`--spec-env` variables added (e.g. LLMSERVE_ASYNC_SCHEDULING=false), both idle but for the
+request at hand. Each of `--num-prompts` random-token prompts (bench/spec_decode.py's `random` workload: seeded
 sampling at temperature 1, ignore_eos, `--max-tokens`) goes to one server, then the other,
 with `logprobs: 1`. A seeded request must give the same tokens with and without drafts, and,
 since a draft row computes what the row alone would, the same logprobs. Prints each prompt
@@ -27,25 +27,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serve_compare import BIN, stop, wait_healthy
-from spec_decode import MODEL, parse_args, workload_bodies
+from serve_compare import Server, stop, wait_healthy
+from spec_decode import MODEL, parse_args, server_for, workload_bodies
+from spec_report import plain_of
 
-from llmserve.supervisor import free_ports
 
-
-def start(spec_env: dict[str, str] | None, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """An `llmserve up` stack (drafting when `spec_env` is given) and its base URL."""
-    http, grpc = free_ports(2)
-    env = {**os.environ, "LLMSERVE_SERVED_MODEL_NAME": MODEL, "LLMSERVE_NUM_THREADS": "2",
-           "LLMSERVE_LINEAR_IMPL": "gguf", "LLMSERVE_QUANT_MODE": "exact"}  # fmt: skip
-    if spec_env is not None:
-        env |= {"LLMSERVE_NUM_SPECULATIVE_TOKENS": "8", "LLMSERVE_NGRAM_MIN": "2",
-                "LLMSERVE_NGRAM_MAX": "6", **spec_env}  # fmt: skip
-    command = [str(BIN / "llmserve"), "up", "--model", MODEL, "--grpc-port", str(grpc),
-               "--http-port", str(http), "--dtype", "float32"]  # fmt: skip
+def start(
+    name: str, args: argparse.Namespace, spec_env: dict[str, str], log: Path
+) -> tuple[Server, subprocess.Popen[bytes]]:
+    """`llmserve` or `llmserve-spec` as bench/spec_decode.py starts it (`spec_env` added to the
+    drafting one's environment), and its process."""
+    server, env = server_for(name, args)
+    if plain_of(name):
+        env |= spec_env
     with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    return proc, f"http://127.0.0.1:{http}/v1"
+        proc = subprocess.Popen(
+            server.command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}
+        )
+    return server, proc
 
 
 def complete(client: httpx.Client, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -82,21 +81,24 @@ def main() -> int:
     bodies = workload_bodies("random", workload, AutoTokenizer.from_pretrained(args.hf_model))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     spec_env = dict(item.split("=", 1) for item in args.spec_env)
-    stacks = [start(None, args.out_dir / "plain.log"), start(spec_env, args.out_dir / "spec.log")]
+    stacks = [
+        start(name, workload, spec_env, args.out_dir / f"{name}.log")
+        for name in ("llmserve", "llmserve-spec")
+    ]
     differed = 0
     try:
-        for proc, url in stacks:
-            wait_healthy(proc, f"{url.removesuffix('/v1')}/health", 300.0)
+        for server, proc in stacks:
+            wait_healthy(proc, server.health_url, 300.0)
         with httpx.Client(timeout=600.0) as client:
-            for _, url in stacks:  # the scheduler needs its worker ready, not only up
+            for server, _ in stacks:  # the scheduler needs its worker ready, not only up
                 for _ in range(120):
                     try:
-                        complete(client, url, {**bodies[0], "max_tokens": 2})
+                        complete(client, server.base_url, {**bodies[0], "max_tokens": 2})
                         break
                     except httpx.HTTPError:
                         time.sleep(1.0)
             for i, body in enumerate(bodies):
-                plain, spec = (complete(client, url, body) for _, url in stacks)
+                plain, spec = (complete(client, server.base_url, body) for server, _ in stacks)
                 logprob_at = first_difference(
                     plain["logprobs"]["token_logprobs"], spec["logprobs"]["token_logprobs"]
                 )
@@ -109,7 +111,7 @@ def main() -> int:
                 record = {"body": body, "plain": plain, "spec": spec}
                 (args.out_dir / f"prompt-{i}.json").write_text(json.dumps(record, indent=1))
     finally:
-        for proc, _ in stacks:
+        for _, proc in stacks:
             stop(proc)
     print(f"{differed} of {len(bodies)} prompts differed (spec env: {spec_env or 'none'})")
     return 1 if differed else 0

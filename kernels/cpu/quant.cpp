@@ -23,9 +23,9 @@
 // d * q + m would round once instead of twice.
 //
 // Exact mode: four rows of the weight at a time are dequantized into a float32 buffer on the
-// stack (in L1 for rows of up to about a thousand weights) and dotted with every activation row, two activation rows at a time, so the
-// output equals HF's dequantized float32 matmul up to summation order (which is the same for
-// every row of a batch: `dot_tile`).
+// stack (in L1 for rows of up to about a thousand weights) and dotted with every activation
+// row, two activation rows at a time, so the output equals HF's dequantized float32 matmul up
+// to summation order (which is the same for every row of a batch: `dot_tile`).
 //
 
 #include <algorithm>
