@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,10 +162,23 @@ class ComposeProject:
         )
 
     def logs(self, service: str) -> str:
-        return "\n".join(
-            podman("logs", name, check=False).stdout + podman("logs", name, check=False).stderr
-            for name in self.container_of(service)
-        )
+        results = [podman("logs", name, check=False) for name in self.container_of(service)]
+        return "\n".join(r.stdout + r.stderr for r in results)
+
+    def environment(self, container: str) -> list[str]:
+        """The container's environment, as NAME=value strings."""
+        result = podman("inspect", "--format", "{{json .Config.Env}}", container)
+        return json.loads(result.stdout)
+
+    def describe(self, *services: str, tail: int = 3000) -> str:
+        """Every container of the project with its state, then the last `tail` characters
+        of each of `services`' logs: what a failed wait reports."""
+        lines = [
+            f"{c['Names'][0]}: {c.get('State')} ({c.get('Status')})" for c in self.containers()
+        ]
+        for service in services:
+            lines.append(f"--- {service} ---\n{self.logs(service)[-tail:]}")
+        return "\n".join(lines)
 
     def volumes(self) -> list[str]:
         result = podman(
@@ -195,8 +209,15 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> Any:
         return json.loads(reply.read())
 
 
-def wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float = 2.0) -> Any:
-    """Poll `predicate` until it returns something truthy; errors count as not yet."""
+def wait_until(
+    predicate: Any,
+    timeout_s: float,
+    what: str,
+    interval_s: float = 2.0,
+    explain: Callable[[], str] | None = None,
+) -> Any:
+    """Poll `predicate` until it returns something truthy; errors count as not yet. On a
+    timeout the error carries `explain()` (the stack's state), if given."""
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
     while time.monotonic() < deadline:
@@ -207,4 +228,10 @@ def wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float = 
         except Exception as exc:  # the service may not answer yet
             last_error = exc
         time.sleep(interval_s)
-    raise AssertionError(f"{what} not within {timeout_s:.0f} s (last error: {last_error})")
+    message = f"{what} not within {timeout_s:.0f} s (last error: {last_error})"
+    if explain is not None:
+        try:
+            message += "\n" + explain()
+        except Exception as exc:  # the explanation must not hide the timeout
+            message += f"\n(no explanation: {exc!r})"
+    raise AssertionError(message)

@@ -245,17 +245,30 @@ def test_two_scheduler_shards_both_serve(stack: Stack):
 def test_a_prefill_and_a_decode_worker_serve(stack: Stack):
     """docker-compose.disagg.yml instead of the shards' file: a long prompt prefills on the
     prefill worker and moves to the decode worker with its KV blocks."""
+    # scheduler-b is not part of this stack: `up` would leave it running as an orphan.
+    for container in stack.project.container_of("scheduler-b"):
+        podman("rm", "-f", "-t", "10", container)
     stack.project.extra_files[:] = ["docker-compose.disagg.yml"]
-    stack.project.compose("up", "-d", "--scale", "worker-prefill=1")
+    # podman-compose takes one --scale (the last) and recreates only the containers of the
+    # scale it computes: without worker=2 here, worker_2 would go on with the shards' config.
+    # worker-prefill gets its default one.
+    stack.project.compose("up", "-d", "--scale", "worker=2")
+    decode_workers = stack.project.container_of("worker")
+    assert len(decode_workers) == 2
     assert len(stack.project.container_of("worker-prefill")) == 1
-    # podman-compose keeps the decode pool at the scale the earlier tests left (2).
-    workers = len(stack.project.container_of("worker")) + 1
+    for container in decode_workers:  # every decode worker runs this file's configuration
+        assert "LLMSERVE_ROLE=decode" in stack.project.environment(container)
 
     def pools_ready() -> bool:
         ready = stack.prometheus_query('llmserve_workers{state="ready"}')
-        return bool(ready) and float(ready[0]["value"][1]) == workers
+        return bool(ready) and float(ready[0]["value"][1]) == 3
 
-    wait_until(pools_ready, STARTUP_S, "a ready prefill worker and a ready decode worker")
+    wait_until(
+        pools_ready,
+        STARTUP_S,
+        "a ready prefill worker and two ready decode workers",
+        explain=lambda: stack.project.describe("scheduler", "worker", "worker-prefill"),
+    )
     wait_until(lambda: get_json(stack.http + "/ready") == {"status": "ok"}, 120, "gateway /ready")
     handed_off = 'llmserve_kv_migrations_total{outcome="transfer"}'
     before = scheduler_metric(stack, "scheduler", handed_off)
