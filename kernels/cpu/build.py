@@ -159,6 +159,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_linear_rows": [i32, ptr, i64, i64, ptr, ptr, ptr, i64],
         # threads
         "llmserve_set_num_threads": [i32],
+        # chunk counts, how many, loops, threads, spin -> loops with a chunk not run once
+        "llmserve_pool_check": [ptr, i64, i64, i32, i64],
         # ggml type -> bytes per 32-weight block (0: no kernel)
         "llmserve_quant_block_bytes": [i32],
         # ggml type -> weights per block (32; 256 for the k-quants)
@@ -179,4 +181,5 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = i32
+    lib.llmserve_pool_check.restype = i64
     return lib

@@ -8,9 +8,16 @@
 //
 // Here the calling thread publishes the loop and runs chunks itself; helper threads claim
 // chunks too, one at a time, by compare-and-swap on a ticket that holds the loop's
-// generation and its next chunk. The caller waits only for chunks a helper has claimed (one
-// each at most): a helper that wakes late finds nothing left, or a newer generation, and
-// claims nothing. Helpers spin briefly for the next loop, then sleep on a condition variable.
+// generation, its chunk count and its next chunk. The caller waits only for chunks a helper
+// has claimed (one each at most): a helper that wakes late finds nothing left, or a newer
+// generation, and claims nothing. Helpers spin briefly for the next loop, then sleep on a
+// condition variable.
+//
+// The chunk count is in the ticket, not beside it: a helper that read the last loop's ticket
+// (every chunk claimed) while the next loop's larger count was already stored, but not its
+// ticket, would otherwise claim a chunk past the last loop's end, run the next loop's body
+// for it, and count it as done in the next loop, whose caller then returned while a chunk it
+// waited for was still running (seen about once in three million loops on 2 cores).
 
 #pragma once
 
@@ -28,6 +35,9 @@ namespace llmserve {
 
 class ChunkPool {
  public:
+  // Chunks of one published loop; run() splits longer loops into loops of this many.
+  static constexpr int64_t kMaxChunks = (int64_t(1) << 20) - 1;
+
   // Runs body(chunk) for chunk in [0, chunks) on up to `threads` threads (the caller and
   // threads - 1 helpers), returning when all have run. One loop at a time: callers serialize.
   template <typename Body>
@@ -37,15 +47,36 @@ class ChunkPool {
       for (int64_t c = 0; c < chunks; ++c) body(c);
       return;
     }
+    for (int64_t base = 0; base < chunks; base += kMaxChunks) {
+      auto part = [&](int64_t c) { body(base + c); };
+      run_published(std::min(kMaxChunks, chunks - base), threads, part);
+    }
+  }
+
+  static ChunkPool& instance() {
+    static ChunkPool* pool = new ChunkPool();  // never destroyed: helpers outlive statics
+    return *pool;
+  }
+
+ private:
+  // The ticket: generation (24 bits, wrapping) | chunk count (20) | next chunk index (20).
+  static constexpr int kIndexBits = 20;
+  static constexpr uint64_t kIndexMask = (uint64_t(1) << kIndexBits) - 1;
+  static constexpr int kGenerationShift = 2 * kIndexBits;
+  static constexpr int kSpins = 20000;  // ~50 us of polling before a helper sleeps
+
+  static uint64_t generation_of(uint64_t ticket) { return ticket >> kGenerationShift; }
+
+  template <typename Body>
+  void run_published(int64_t chunks, int threads, Body& body) {
     std::lock_guard<std::mutex> one_loop(loop_mutex_);
     ensure_helpers(threads - 1);
     body_ = &body;
     call_ = [](void* b, int64_t c) { (*static_cast<Body*>(b))(c); };
-    chunks_.store(chunks, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    const uint64_t generation = ++generation_;
+    const uint64_t generation = ++generation_ & ((uint64_t(1) << (64 - kGenerationShift)) - 1);
     // seq_cst: the ticket's store must not pass the load of sleepers_ (see helper_loop).
-    ticket_.store(generation << kIndexBits);
+    ticket_.store(generation << kGenerationShift | uint64_t(chunks) << kIndexBits);
     if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lock(wake_mutex_);
       wake_.notify_all();
@@ -55,27 +86,17 @@ class ChunkPool {
     while (done_.load(std::memory_order_acquire) + mine < chunks) _mm_pause();
   }
 
-  static ChunkPool& instance() {
-    static ChunkPool* pool = new ChunkPool();  // never destroyed: helpers outlive statics
-    return *pool;
-  }
-
- private:
-  static constexpr int kIndexBits = 32;
-  static constexpr uint64_t kIndexMask = (uint64_t(1) << kIndexBits) - 1;
-  static constexpr int kSpins = 20000;  // ~50 us of polling before a helper sleeps
-
   // Claims the next chunk of `generation`'s loop and runs it; false when none is left (or a
   // newer loop replaced it). A successful claim means the caller of that loop is still
-  // waiting for this chunk, so its body and chunk count are still the ones published.
+  // waiting for this chunk, so its body is still the one published.
   bool claim_and_run(uint64_t generation) {
     uint64_t ticket = ticket_.load(std::memory_order_acquire);
     for (;;) {
-      if ((ticket >> kIndexBits) != generation) return false;
-      const int64_t index = int64_t(ticket & kIndexMask);
-      if (index >= chunks_.load(std::memory_order_relaxed)) return false;
+      if (generation_of(ticket) != generation) return false;
+      const uint64_t index = ticket & kIndexMask;
+      if (index >= ((ticket >> kIndexBits) & kIndexMask)) return false;
       if (ticket_.compare_exchange_weak(ticket, ticket + 1, std::memory_order_acq_rel)) {
-        call_(body_, index);
+        call_(body_, int64_t(index));
         return true;
       }
     }
@@ -84,16 +105,16 @@ class ChunkPool {
   void helper_loop() {
     uint64_t seen = 0;
     for (;;) {
-      uint64_t generation = ticket_.load(std::memory_order_acquire) >> kIndexBits;
+      uint64_t generation = generation_of(ticket_.load(std::memory_order_acquire));
       for (int spin = 0; generation == seen && spin < kSpins; ++spin) {
         _mm_pause();
-        generation = ticket_.load(std::memory_order_acquire) >> kIndexBits;
+        generation = generation_of(ticket_.load(std::memory_order_acquire));
       }
       if (generation == seen) {
         std::unique_lock<std::mutex> lock(wake_mutex_);
         sleepers_.fetch_add(1);  // then the ticket is read again, under the lock
         wake_.wait(lock, [&] {
-          return (ticket_.load(std::memory_order_acquire) >> kIndexBits) != seen;
+          return generation_of(ticket_.load(std::memory_order_acquire)) != seen;
         });
         sleepers_.fetch_sub(1);
         continue;
@@ -113,8 +134,7 @@ class ChunkPool {
   std::mutex loop_mutex_;
   std::vector<std::thread> helpers_;
   uint64_t generation_ = 0;
-  std::atomic<uint64_t> ticket_{0};  // generation << 32 | next chunk index
-  std::atomic<int64_t> chunks_{0};
+  std::atomic<uint64_t> ticket_{0};
   std::atomic<int64_t> done_{0};  // chunks finished by helpers
   void* body_ = nullptr;
   void (*call_)(void*, int64_t) = nullptr;
