@@ -40,13 +40,19 @@ class RunningStack:
             stop_process(proc, grace_s=15)
 
 
-def wait_healthy(address: str, proc: subprocess.Popen[bytes], name: str, log: Path,
-                 timeout_s: float = 180.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+def wait_healthy(
+    address: str,
+    proc: subprocess.Popen[bytes],
+    name: str,
+    log: Path,
+    timeout_s: float = 180.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """`credentials`: for services that serve TLS only."""
     deadline = time.monotonic() + timeout_s
     with (
-        grpc.insecure_channel(address) if credentials is None
+        grpc.insecure_channel(address)
+        if credentials is None
         else grpc.secure_channel(address, credentials)
     ) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -63,6 +69,13 @@ def wait_healthy(address: str, proc: subprocess.Popen[bytes], name: str, log: Pa
     raise TimeoutError(f"{name} not healthy in {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
+# A port picked free can be taken before the service binds it (an outgoing connection's
+# ephemeral port, another test's process): the service exits with this in its log, and is
+# started again on new ports, up to this many times in all.
+_BIND_FAILED = "address already in use"
+_ATTEMPTS = 3
+
+
 def start_stack(
     model: str,
     log_dir: Path,
@@ -74,43 +87,95 @@ def start_stack(
     envs: dict[str, dict[str, str]] | None = None,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> RunningStack:
-    """Start worker, scheduler and gateway (in that order) and wait until each is SERVING."""
+    """Start worker, scheduler and gateway (in that order) and wait until each is SERVING. A
+    service that finds its port taken is started again on new ports."""
     picked = free_ports(6)
-    ports = dict(zip(("worker", "scheduler", "gateway"), picked[:3], strict=True))
-    metrics_ports = dict(zip(("worker", "scheduler"), picked[3:5], strict=True))
     stack = RunningStack(
-        worker=f"127.0.0.1:{ports['worker']}",
-        scheduler=f"127.0.0.1:{ports['scheduler']}",
-        gateway=f"127.0.0.1:{ports['gateway']}",
+        worker=f"127.0.0.1:{picked[0]}",
+        scheduler=f"127.0.0.1:{picked[1]}",
+        gateway=f"127.0.0.1:{picked[2]}",
         http_port=picked[5],
-        metrics_ports=metrics_ports,
+        metrics_ports={"worker": picked[3], "scheduler": picked[4]},
         log_dir=log_dir,
     )
-    commands = {
-        "worker": ["worker", "--model", model, "--port", str(ports["worker"]),
-                   "--metrics-port", str(metrics_ports["worker"]),
-                   "--kv-cache-memory", "0.05", "--swap-space", "0.05", "--num-threads", "1",
-                   *(worker_args or [])],
-        "scheduler": ["scheduler", "--port", str(ports["scheduler"]),
-                      "--metrics-port", str(metrics_ports["scheduler"]),
-                      "--workers", stack.worker, *(scheduler_args or [])],
-        "gateway": ["gateway", "--model", model, "--port", str(ports["gateway"]),
-                    "--http-port", str(stack.http_port), "--scheduler", stack.scheduler,
-                    *(gateway_args or [])],
-    }
+
+    def command(name: str) -> list[str]:  # from the stack's ports as they are now
+        if name == "worker":
+            return [
+                "worker",
+                "--model",
+                model,
+                "--port",
+                _port(stack.worker),
+                "--metrics-port",
+                str(stack.metrics_ports["worker"]),
+                "--kv-cache-memory",
+                "0.05",
+                "--swap-space",
+                "0.05",
+                "--num-threads",
+                "1",
+                *(worker_args or []),
+            ]
+        if name == "scheduler":
+            return [
+                "scheduler",
+                "--port",
+                _port(stack.scheduler),
+                "--metrics-port",
+                str(stack.metrics_ports["scheduler"]),
+                "--workers",
+                stack.worker,
+                *(scheduler_args or []),
+            ]
+        return [
+            "gateway",
+            "--model",
+            model,
+            "--port",
+            _port(stack.gateway),
+            "--http-port",
+            str(stack.http_port),
+            "--scheduler",
+            stack.scheduler,
+            *(gateway_args or []),
+        ]
+
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     try:
-        for name, args in commands.items():
+        for name in ("worker", "scheduler", "gateway"):
             log = log_dir / f"{name}.log"
             proc_env = {**base_env, **((envs or {}).get(name, {}))}
-            stack.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "llmserve.cli", *args],
-                stdout=log.open("wb"), stderr=subprocess.STDOUT, env=proc_env,
-            )
-            address = {"worker": stack.worker, "scheduler": stack.scheduler,
-                       "gateway": stack.gateway}[name]
-            wait_healthy(address, stack.procs[name], name, log, credentials=credentials)
+            for attempt in range(1, _ATTEMPTS + 1):
+                stack.procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "llmserve.cli", *command(name)],
+                    stdout=log.open("wb"),
+                    stderr=subprocess.STDOUT,
+                    env=proc_env,
+                )
+                address = getattr(stack, name)
+                try:
+                    wait_healthy(address, stack.procs[name], name, log, credentials=credentials)
+                    break
+                except RuntimeError:
+                    if attempt == _ATTEMPTS or _BIND_FAILED not in log.read_text(errors="replace"):
+                        raise
+                    _repick_ports(stack, name)
     except BaseException:
         stack.stop()
         raise
     return stack
+
+
+def _port(address: str) -> str:
+    return address.rsplit(":", 1)[1]
+
+
+def _repick_ports(stack: RunningStack, name: str) -> None:
+    """New ports for service `name`'s listeners (its gRPC port and its metrics or HTTP port)."""
+    port, other = free_ports(2)
+    setattr(stack, name, f"127.0.0.1:{port}")
+    if name == "gateway":
+        stack.http_port = other
+    else:
+        stack.metrics_ports[name] = other
