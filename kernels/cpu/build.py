@@ -33,7 +33,15 @@ SOURCES = {
     "quant.cpp": ("-ffp-contract=off",),
     "quant_fast.cpp": (),
 }
-HEADERS = ("vec.h", "pool.h", "linear.h", "attention.h", "quant.h", "quant_fast.h", "quant_chunked.h")
+HEADERS = (
+    "vec.h",
+    "pool.h",
+    "linear.h",
+    "attention.h",
+    "quant.h",
+    "quant_fast.h",
+    "quant_chunked.h",
+)
 
 
 class NativeKernelUnavailable(RuntimeError):
