@@ -101,12 +101,15 @@ def load_tokenizer(source: ModelSource) -> Any:
     cache cannot be written the tokenizer is used as built."""
     from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
 
+    from llmserve.gguf_files import reading_gguf_once
+
     if not source.gguf_file:
         return AutoTokenizer.from_pretrained(source.path)
     cached = tokenizer_cache_dir() / gguf_tokenizer_key(Path(source.path) / source.gguf_file)
     if cached.is_dir():
         return AutoTokenizer.from_pretrained(cached)
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    with reading_gguf_once():
+        tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
     _save_tokenizer(tokenizer, cached)
     return tokenizer
 

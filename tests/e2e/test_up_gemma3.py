@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from llmserve.client import Client
+from llmserve.gguf_files import reading_gguf_once
 from llmserve.model_spec import resolve_model
 from tests.support.up import interrupt, start_up
 
@@ -36,10 +37,11 @@ def _hf_greedy() -> list[list[int]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model("gemma3-270m")
-    tokenizer = AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
-    model = AutoModelForCausalLM.from_pretrained(
-        source.path, **source.pretrained_kwargs(), dtype=torch.float32
-    ).eval()
+    with reading_gguf_once():  # the file's header parsed once, fast (tests/unit/common)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, **source.pretrained_kwargs(), dtype=torch.float32
+        ).eval()
     outputs = []
     with torch.no_grad():
         for text in PROMPTS:

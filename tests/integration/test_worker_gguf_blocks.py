@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-from gguf import GGUFReader
 
 from kernels.cpu.quant import QuantWeight
+from llmserve.gguf_files import open_gguf
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
 from tests.support.engines import engine_on_worker
@@ -83,7 +83,7 @@ def test_every_weight_with_a_kernel_runs_on_blocks_and_the_dense_copies_are_gone
     # The worker says so: the weights held are the file's tensors, bytes for bytes (its norms
     # are float32 in the file too).
     source = resolve_model("smollm2")
-    tensors = GGUFReader(f"{source.path}/{source.gguf_file}").tensors
+    tensors = open_gguf(f"{source.path}/{source.gguf_file}").tensors
     info = worker.model_info
     assert (info.linear_impl, info.weight_format) == ("gguf", "gguf Q4_1+Q8_0 exact")
     assert info.weight_bytes == sum(int(t.n_bytes) for t in tensors)

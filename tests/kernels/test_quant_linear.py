@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels import KernelArgumentError
 from kernels.cpu import quant
+from llmserve.gguf_files import open_gguf
 from llmserve.model_spec import resolve_model
 
 TYPES = [
@@ -131,7 +132,7 @@ def test_exact_linear_of_q5_0_and_k_quants_is_the_dequantized_matmul(ggml_type, 
 def test_smollm2s_shipped_q4_1_tensors():
     """Real blocks: a projection of SmolLM2's Q4_1 file, as transformers would load it."""
     source = resolve_model("smollm2")
-    reader = GGUFReader(f"{source.path}/{source.gguf_file}")
+    reader = open_gguf(f"{source.path}/{source.gguf_file}")
     tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     assert tensor.tensor_type == GGMLQuantizationType.Q4_1
     in_features, out_features = (int(d) for d in tensor.shape)  # ggml lists the fastest first

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmserve.gguf_files import reading_gguf_once
 from llmserve.model_spec import resolve_model
 
 VOCAB = 128
@@ -301,10 +302,11 @@ def load_spec(spec: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = resolve_model(spec)
-    tok = AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs())
-    model = AutoModelForCausalLM.from_pretrained(
-        src.path, **src.pretrained_kwargs(), dtype=torch.float32
-    ).eval()
+    with reading_gguf_once():  # the file's header parsed once, fast (tests/unit/common)
+        tok = AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs())
+        model = AutoModelForCausalLM.from_pretrained(
+            src.path, **src.pretrained_kwargs(), dtype=torch.float32
+        ).eval()
     model.generation_config.eos_token_id = None
     return tok, model
 

@@ -30,6 +30,7 @@ from gguf.constants import GGMLQuantizationType
 
 from kernels.cpu import quant
 from kernels.cpu.quant import QuantMode, QuantWeight
+from llmserve.gguf_files import open_gguf
 from llmserve.logs import get_logger
 from llmserve.model_spec import ModelSource
 from worker_service.models.decoder import DecoderModel
@@ -114,7 +115,7 @@ def unsupported_reason(source: ModelSource, device: torch.device, dtype: torch.d
 
 def _reader(source: ModelSource) -> GGUFReader:
     assert source.gguf_file is not None
-    return GGUFReader(Path(source.path) / source.gguf_file)
+    return open_gguf(Path(source.path) / source.gguf_file)
 
 
 def keep_gguf_blocks(model: DecoderModel, source: ModelSource, mode: QuantMode = "exact") -> int:
