@@ -161,11 +161,21 @@ class FleetStack:
         assert all(not r.invariant_violation for r in stats.replicas), stats
 
     def stop(self) -> None:
+        """Gateway, then the schedulers, then the workers; each group signalled at once."""
         for lease in self.leases:
             lease.close()
-        for proc in [self.gateway, *self.schedulers, *self.workers]:
-            if proc is not None:
-                proc.stop()
+        for group in ([self.gateway], self.schedulers, self.workers):
+            running = [p.popen for p in group if p is not None and p.popen is not None]
+            running = [popen for popen in running if popen.poll() is None]
+            for popen in running:
+                popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for popen in running:
+                try:
+                    popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    popen.kill()
+                    popen.wait()
 
 
 def start_fleet(model: str, log_dir: Path, num_workers: int, *,
@@ -175,9 +185,11 @@ def start_fleet(model: str, log_dir: Path, num_workers: int, *,
                 per_worker_args: list[list[str]] = (),  # type: ignore[assignment]
                 token: str = "") -> FleetStack:
     """Scheduler(s) first (workers register with them), then the workers (worker i with
-    `per_worker_args[i]` too, if given), then the gateway. With several schedulers (shards),
-    workers join the one with the fewest workers. With a `token`, every service requires it
-    (and sends it) on the internal hops."""
+    `per_worker_args[i]` too, if given), then the gateway. With one scheduler, the workers and
+    the gateway start together (the gateway follows the scheduler's readiness), then each is
+    waited for; with several (shards), workers start one by one, each joining the shard with
+    the fewest workers. With a `token`, every service requires it (and sends it) on the
+    internal hops."""
     log_dir.mkdir(parents=True, exist_ok=True)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if token:
@@ -202,8 +214,20 @@ def start_fleet(model: str, log_dir: Path, num_workers: int, *,
         if num_schedulers > 1:  # every shard answers before the first worker chooses one
             for scheduler in stack.schedulers:
                 stack.wait_for(lambda _: True, f"{scheduler.name} up", scheduler=scheduler)
+        together = num_schedulers == 1
+        stack.gateway = Proc(
+            "gateway",
+            ["gateway", "--model", model, "--port", str(gw_port), "--http-port", str(http_port),
+             "--scheduler", stack.scheduler_addresses],
+            f"127.0.0.1:{gw_port}", log_dir / "gateway.log", base_env,
+        )
+        if together:
+            stack.gateway.start(wait=False)
         for index in range(num_workers):
-            stack.add_worker(args=per_worker_args[index] if per_worker_args else [])
+            stack.add_worker(wait=not together,
+                             args=per_worker_args[index] if per_worker_args else [])
+        for worker in stack.workers if together else ():
+            wait_healthy(worker.address, worker.popen, worker.name, worker.log)  # type: ignore[arg-type]
         def all_ready(_: scheduler_pb2.GetStatsResponse) -> bool:
             return sum(len(stack.ready_replicas(stack.stats(s))) for s in stack.schedulers) == (
                 num_workers
@@ -212,13 +236,11 @@ def start_fleet(model: str, log_dir: Path, num_workers: int, *,
         for scheduler in stack.schedulers:
             wait_healthy(scheduler.address, scheduler.popen, scheduler.name,  # type: ignore[arg-type]
                          scheduler.log)
-        stack.gateway = Proc(
-            "gateway",
-            ["gateway", "--model", model, "--port", str(gw_port), "--http-port", str(http_port),
-             "--scheduler", stack.scheduler_addresses],
-            f"127.0.0.1:{gw_port}", log_dir / "gateway.log", base_env,
-        )
-        stack.gateway.start()
+        if together:
+            wait_healthy(stack.gateway.address, stack.gateway.popen, "gateway",  # type: ignore[arg-type]
+                         stack.gateway.log)
+        else:
+            stack.gateway.start()
     except BaseException:
         stack.stop()
         raise

@@ -87,8 +87,8 @@ def start_stack(
     envs: dict[str, dict[str, str]] | None = None,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> RunningStack:
-    """Start worker, scheduler and gateway (in that order) and wait until each is SERVING. A
-    service that finds its port taken is started again on new ports."""
+    """Start worker and gateway, then (the worker SERVING) the scheduler, and wait until each
+    is SERVING. A service that finds its port taken is started again on new ports."""
     picked = free_ports(6)
     stack = RunningStack(
         worker=f"127.0.0.1:{picked[0]}",
@@ -142,25 +142,43 @@ def start_stack(
         ]
 
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    try:
-        for name in ("worker", "scheduler", "gateway"):
-            log = log_dir / f"{name}.log"
-            proc_env = {**base_env, **((envs or {}).get(name, {}))}
-            for attempt in range(1, _ATTEMPTS + 1):
-                stack.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "llmserve.cli", *command(name)],
-                    stdout=log.open("wb"),
-                    stderr=subprocess.STDOUT,
-                    env=proc_env,
-                )
+
+    def launch(name: str) -> None:
+        previous = stack.procs.get(name)
+        if previous is not None and previous.poll() is None:
+            stop_process(previous, grace_s=5)
+        stack.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "llmserve.cli", *command(name)],
+            stdout=(log_dir / f"{name}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**base_env, **((envs or {}).get(name, {}))},
+        )
+
+    def settle(name: str) -> None:
+        """Wait until `name` is SERVING, starting it again on new ports if its were taken."""
+        log = log_dir / f"{name}.log"
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
                 address = getattr(stack, name)
-                try:
-                    wait_healthy(address, stack.procs[name], name, log, credentials=credentials)
-                    break
-                except RuntimeError:
-                    if attempt == _ATTEMPTS or _BIND_FAILED not in log.read_text(errors="replace"):
-                        raise
-                    _repick_ports(stack, name)
+                wait_healthy(address, stack.procs[name], name, log, credentials=credentials)
+                return
+            except RuntimeError:
+                if attempt == _ATTEMPTS or _BIND_FAILED not in log.read_text(errors="replace"):
+                    raise
+                _repick_ports(stack, name)
+                launch(name)
+                if name == "scheduler":  # the gateway was given the scheduler's old port
+                    launch("gateway")
+
+    try:
+        # The gateway starts beside the worker: it follows the scheduler's readiness, so its
+        # start (imports, tokenizer) need not wait for the model's load.
+        launch("worker")
+        launch("gateway")
+        settle("worker")
+        launch("scheduler")
+        settle("scheduler")
+        settle("gateway")
     except BaseException:
         stack.stop()
         raise
