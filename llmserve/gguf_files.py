@@ -31,7 +31,8 @@ _ARRAY_HEADER_BYTES = 12  # the element type (uint32), then the element count (u
 
 class FastGGUFReader(GGUFReader):
     """`gguf.GGUFReader`, made faster; equal to it field by field and tensor by tensor
-    (tests/unit/common/test_gguf_files.py)."""
+    (tests/unit/common/test_gguf_files.py). It overrides two of the reader's internal
+    methods, so pyproject.toml keeps `gguf` to the minor version it was checked on."""
 
     def _get(
         self, offset: int, dtype: Any, count: int = 1, override_order: str | None = None
