@@ -53,12 +53,24 @@ def stop_process(
 ) -> None:
     """Send `sig` to a child started with Popen and wait up to `grace_s` for it to exit; kill
     it when it does not."""
-    proc.send_signal(sig)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_processes([proc], grace_s, sig)
+
+
+def stop_processes(
+    procs: list[subprocess.Popen[bytes]], grace_s: float, sig: signal.Signals = signal.SIGTERM
+) -> None:
+    """`stop_process` for several children at once: each is sent `sig` (those still running),
+    then all share one `grace_s` to exit; those left are killed."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.send_signal(sig)
+    deadline = time.monotonic() + grace_s
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @dataclass(frozen=True, slots=True)

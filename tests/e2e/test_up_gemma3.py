@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from llmserve.client import Client
-from llmserve.gguf_files import reading_gguf_once
-from llmserve.model_spec import resolve_model
+from tests.support.models import load_spec
 from tests.support.up import interrupt, start_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.services]
@@ -34,14 +33,7 @@ NEW_TOKENS = 24
 
 
 def _hf_greedy() -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = resolve_model("gemma3-270m")
-    with reading_gguf_once():  # the file's header parsed once, fast (tests/unit/common)
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, **source.pretrained_kwargs(), dtype=torch.float32
-        ).eval()
+    tokenizer, model = load_spec("gemma3-270m")
     outputs = []
     with torch.no_grad():
         for text in PROMPTS:

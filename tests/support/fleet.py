@@ -21,7 +21,7 @@ import grpc
 
 from llmserve.client import build_request
 from llmserve.grpc_utils import channel_options
-from llmserve.supervisor import free_ports, stop_process
+from llmserve.supervisor import free_ports, stop_process, stop_processes
 from llmserve.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.stack import wait_healthy
 
@@ -165,17 +165,7 @@ class FleetStack:
         for lease in self.leases:
             lease.close()
         for group in ([self.gateway], self.schedulers, self.workers):
-            running = [p.popen for p in group if p is not None and p.popen is not None]
-            running = [popen for popen in running if popen.poll() is None]
-            for popen in running:
-                popen.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 20
-            for popen in running:
-                try:
-                    popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    popen.kill()
-                    popen.wait()
+            stop_processes([p.popen for p in group if p is not None and p.popen], grace_s=20)
 
 
 def start_fleet(model: str, log_dir: Path, num_workers: int, *,
