@@ -56,11 +56,114 @@ struct PrefillScratch {
   std::vector<float> values;  // [kKeyChunk, head_dim]
 };
 
+// Query vectors scored together against a key chunk: each key vector loaded is used by all
+// of them, and their score and output accumulators (kQueryBlock x kKeyVectors, kQueryBlock x
+// kOutputVectors) make independent multiply-add chains. Sixteen accumulators fill half of
+// AVX-512's registers; AVX2's sixteen take one query at a time.
+constexpr int kQueryBlock = kLanes >= 16 ? 4 : 1;
+constexpr int kAccumulators = 16;
+
+// One key chunk's online-softmax update for QB query vectors qv0 .. qv0 + QB - 1 of a tile,
+// each of which sees live[i] > 0 of the chunk's key vectors. A query's arithmetic (its
+// multiply-add order over head dims and keys) is the same whatever QB, so blocking changes no
+// bit of the output.
+template <int QB, int kHeadDim>
+inline void chunk_update(const PrefillArgs& a, const float* q, vfloat* acc, float* run_max,
+                         float* run_sum, const float* kt, const float* vt, int64_t qv0,
+                         int64_t group, int64_t first_pos, int64_t k0, int64_t n,
+                         const int* live, int live_max) {
+  constexpr int NV = kHeadDim / kLanes;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  vfloat s[QB][kKeyVectors] = {};
+  if (live_max == kKeyVectors) {
+    for (int d = 0; d < kHeadDim; ++d) {
+      vfloat k[kKeyVectors];
+      for (int v = 0; v < kKeyVectors; ++v) k[v] = load(kt + d * kKeyChunk + v * kLanes);
+      for (int i = 0; i < QB; ++i) {
+        const vfloat qd = splat(q[(qv0 + i) * kHeadDim + d]);
+        for (int v = 0; v < kKeyVectors; ++v) s[i][v] += qd * k[v];
+      }
+    }
+  } else {
+    for (int d = 0; d < kHeadDim; ++d) {
+      for (int i = 0; i < QB; ++i) {
+        const vfloat qd = splat(q[(qv0 + i) * kHeadDim + d]);
+        for (int v = 0; v < kKeyVectors; ++v) {
+          if (v < live_max) s[i][v] += qd * load(kt + d * kKeyChunk + v * kLanes);
+        }
+      }
+    }
+  }
+
+  alignas(64) float p[QB][kKeyChunk];
+  float correction[QB];
+  int64_t seen_min = n;
+  int64_t seen[QB];
+  const vint lane = lane_indices();
+  for (int i = 0; i < QB; ++i) {
+    const int64_t qv = qv0 + i;
+    const int64_t q_pos = first_pos + qv / group;
+    if (a.softcap > 0.0f) {
+      for (int v = 0; v < live[i]; ++v) {
+        alignas(64) float lanes[kLanes];
+        store(lanes, s[i][v]);
+        for (int l = 0; l < kLanes; ++l) lanes[l] = std::tanh(lanes[l] / a.softcap) * a.softcap;
+        s[i][v] = load(lanes);
+      }
+    }
+    const int32_t oldest = a.window > 0 ? int32_t(q_pos - a.window) : -1;
+    vfloat chunk_max = splat(neg_inf);
+    for (int v = 0; v < kKeyVectors; ++v) {
+      const vint key = lane + int32_t(k0 + v * kLanes);
+      const vint visible = (key <= int32_t(q_pos)) & (key > oldest);
+      s[i][v] = v < live[i] ? (visible ? s[i][v] : splat(neg_inf)) : splat(neg_inf);
+      chunk_max = s[i][v] > chunk_max ? s[i][v] : chunk_max;
+    }
+    const float new_max = std::max(run_max[qv], hmax(chunk_max));
+    correction[i] = exp_nonpositive(run_max[qv] - new_max);
+    vfloat total = vfloat{};
+    for (int v = 0; v < kKeyVectors; ++v) {
+      const vfloat e = exp_nonpositive(s[i][v] - new_max);
+      store(p[i] + v * kLanes, e);
+      total += e;
+    }
+    run_sum[qv] = run_sum[qv] * correction[i] + hsum(total);
+    run_max[qv] = new_max;
+    seen[i] = std::min<int64_t>(n, int64_t(live[i]) * kLanes);
+    seen_min = std::min(seen_min, seen[i]);
+  }
+
+  // Outputs in slices of CB vectors: the keys all queries see together, then each query's
+  // own last keys (the causal diagonal), in key order either way.
+  constexpr int CB = std::min(NV, std::max(1, kAccumulators / QB));
+  for (int c0 = 0; c0 < NV; c0 += CB) {
+    vfloat o[QB][CB];
+    for (int i = 0; i < QB; ++i) {
+      for (int c = 0; c < CB; ++c) o[i][c] = acc[(qv0 + i) * NV + c0 + c] * correction[i];
+    }
+    for (int64_t j = 0; j < seen_min; ++j) {
+      vfloat v[CB];
+      for (int c = 0; c < CB; ++c) v[c] = load(vt + j * kHeadDim + (c0 + c) * kLanes);
+      for (int i = 0; i < QB; ++i) {
+        const vfloat pj = splat(p[i][j]);
+        for (int c = 0; c < CB; ++c) o[i][c] += pj * v[c];
+      }
+    }
+    for (int i = 0; i < QB; ++i) {
+      for (int64_t j = seen_min; j < seen[i]; ++j) {
+        const vfloat pj = splat(p[i][j]);
+        for (int c = 0; c < CB; ++c) o[i][c] += pj * load(vt + j * kHeadDim + (c0 + c) * kLanes);
+      }
+      for (int c = 0; c < CB; ++c) acc[(qv0 + i) * NV + c0 + c] = o[i][c];
+    }
+  }
+}
+
 // Flash-style: for a tile of query tokens and one kv head, walk chunks of kKeyChunk keys with
 // an online softmax. Each chunk is loaded once (transposed for the scores, row-major for the
-// values) and used by every query vector of the tile, so the inner loops are broadcast
-// multiply-adds with no horizontal sums, kKeyVectors independent accumulators for the scores,
-// and one max / rescale per chunk.
+// values) and used by every query vector of the tile, kQueryBlock of them at a time
+// (chunk_update), so the inner loops are broadcast multiply-adds with no horizontal sums and
+// one max / rescale per query and chunk.
 template <typename T, int NV>
 void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t tile,
                   PrefillScratch& scratch) {
@@ -109,8 +212,6 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
   const int64_t key_end = context + first + rows;
   const int64_t key_begin =
       a.window > 0 ? std::max<int64_t>(0, context + first - a.window + 1) : 0;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  alignas(64) float p[kKeyChunk];
   for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyChunk) {
     const int64_t n = std::min<int64_t>(kKeyChunk, key_end - k0);
     for (int64_t j = 0; j < n; ++j) {
@@ -126,56 +227,32 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
       for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = 0.0f;
       for (int d = 0; d < kHeadDim; ++d) vt[j * kHeadDim + d] = 0.0f;
     }
-    const vint lane = lane_indices();
-    for (int64_t qv = 0; qv < vectors; ++qv) {
-      const int64_t q_pos = context + first + qv / group;
-      if (k0 > q_pos) continue;  // the whole chunk is in this query's future
-      // The whole chunk is older than this query's window.
-      if (a.window > 0 && k0 + n - 1 <= q_pos - a.window) continue;
-      // Key vectors of the chunk this query sees at all (the rest are wholly in its future).
-      const int live = int(std::min<int64_t>(kKeyVectors, (q_pos - k0) / kLanes + 1));
-      const float* qrow = q + qv * kHeadDim;
-      vfloat s[kKeyVectors] = {};
-      for (int d = 0; d < kHeadDim; ++d) {
-        const vfloat qd = splat(qrow[d]);
-        for (int v = 0; v < kKeyVectors; ++v) {
-          if (v < live) s[v] += qd * load(kt + d * kKeyChunk + v * kLanes);
+    for (int64_t qb = 0; qb < vectors; qb += kQueryBlock) {
+      const int nq = int(std::min<int64_t>(kQueryBlock, vectors - qb));
+      // Key vectors of the chunk each query sees at all (0: the chunk is wholly in its
+      // future, or wholly older than its window).
+      int live[kQueryBlock] = {};
+      int live_max = 0;
+      for (int i = 0; i < nq; ++i) {
+        const int64_t q_pos = context + first + (qb + i) / group;
+        if (k0 > q_pos) continue;
+        if (a.window > 0 && k0 + n - 1 <= q_pos - a.window) continue;
+        live[i] = int(std::min<int64_t>(kKeyVectors, (q_pos - k0) / kLanes + 1));
+        live_max = std::max(live_max, live[i]);
+      }
+      if (live_max == 0) continue;  // no query of the block sees the chunk
+      bool whole = nq == kQueryBlock;
+      for (int i = 0; i < nq; ++i) whole = whole && live[i] > 0;
+      if (whole) {
+        chunk_update<kQueryBlock, kHeadDim>(a, q, acc, run_max, run_sum, kt, vt, qb, group,
+                                            context + first, k0, n, live, live_max);
+      } else {
+        for (int i = 0; i < nq; ++i) {
+          if (live[i] == 0) continue;
+          chunk_update<1, kHeadDim>(a, q, acc, run_max, run_sum, kt, vt, qb + i, group,
+                                    context + first, k0, n, live + i, live[i]);
         }
       }
-      if (a.softcap > 0.0f) {
-        for (int v = 0; v < live; ++v) {
-          alignas(64) float lanes[kLanes];
-          store(lanes, s[v]);
-          for (int l = 0; l < kLanes; ++l) lanes[l] = std::tanh(lanes[l] / a.softcap) * a.softcap;
-          s[v] = load(lanes);
-        }
-      }
-      const int32_t oldest = a.window > 0 ? int32_t(q_pos - a.window) : -1;
-      vfloat chunk_max = splat(neg_inf);
-      for (int v = 0; v < kKeyVectors; ++v) {
-        const vint key = lane + int32_t(k0 + v * kLanes);
-        const vint visible = (key <= int32_t(q_pos)) & (key > oldest);
-        s[v] = v < live ? (visible ? s[v] : splat(neg_inf)) : splat(neg_inf);
-        chunk_max = s[v] > chunk_max ? s[v] : chunk_max;
-      }
-      const float new_max = std::max(run_max[qv], hmax(chunk_max));
-      const float correction = exp_nonpositive(run_max[qv] - new_max);
-      vfloat total = vfloat{};
-      for (int v = 0; v < kKeyVectors; ++v) {
-        const vfloat e = exp_nonpositive(s[v] - new_max);
-        store(p + v * kLanes, e);
-        total += e;
-      }
-      run_sum[qv] = run_sum[qv] * correction + hsum(total);
-      run_max[qv] = new_max;
-      vfloat o[NV];
-      for (int c = 0; c < NV; ++c) o[c] = acc[qv * NV + c] * correction;
-      const int64_t keys_seen = std::min<int64_t>(n, int64_t(live) * kLanes);
-      for (int64_t j = 0; j < keys_seen; ++j) {
-        const vfloat pj = splat(p[j]);
-        for (int c = 0; c < NV; ++c) o[c] += pj * load(vt + j * kHeadDim + c * kLanes);
-      }
-      for (int c = 0; c < NV; ++c) acc[qv * NV + c] = o[c];
     }
   }
 

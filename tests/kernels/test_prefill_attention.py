@@ -150,3 +150,49 @@ def test_prefill_rejects_bad_arguments(device: str) -> None:
     with pytest.raises(kernels.KernelArgumentError, match="block_tables: dimension 0"):
         three = torch.tensor([0, 1, 2, 4], dtype=torch.int32, device=device)
         kernels.prefill_attention(query, *caches, three, cache.seq_lens, 0.1)
+
+
+@pytest.mark.parametrize("queries_per_kv", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_cpu_prefill_query_bits_do_not_depend_on_its_chunk(
+    queries_per_kv: int, head_dim: int, softcap: float | None
+) -> None:
+    """The CPU kernel scores query heads several at a time (paged_prefill.cpp's
+    kQueryBlock) where a whole block of them sees a key chunk, one at a time elsewhere: a
+    chunk of 77 tokens after a cached prefix gives, bit for bit, what each of its tokens
+    gives as a chunk of its own (where a block never fills). (Not with a sliding window:
+    there a tile's key chunks start at its first query's oldest key, so their bounds, and the
+    online softmax's rounding, move with the tile.)"""
+    from kernels.cpu.attention import prefill_attention
+
+    seq_len, chunk = 140, 77
+    cache, query = make_attention_case(
+        [seq_len],
+        chunk,
+        queries_per_kv=queries_per_kv,
+        block_size=16,
+        head_dim=head_dim,
+        dtype=torch.float32,
+        device="cpu",
+        seed=11,
+    )
+    caches = (cache.key_cache, cache.value_cache, cache.block_tables)
+    extra = {"softcap": softcap}
+    starts = torch.tensor([0, chunk], dtype=torch.int32)
+    whole = prefill_attention(query, *caches, starts, cache.seq_lens, 0.125, **extra)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    alone = torch.cat(
+        [
+            prefill_attention(
+                query[i : i + 1],
+                *caches,
+                one,
+                torch.tensor([seq_len - chunk + 1 + i], dtype=torch.int32),
+                0.125,
+                **extra,
+            )
+            for i in range(chunk)
+        ]
+    )
+    assert torch.equal(whole, alone)
