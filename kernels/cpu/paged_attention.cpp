@@ -12,8 +12,9 @@
 // loops never wait for a thread that another process keeps off its core.
 //
 // Entry points (extern "C", called through ctypes):
-//   llmserve_paged_decode   (here) one query token per sequence, attending to its whole
-//                           context.
+//   llmserve_paged_decode   (here) one query token per row, attending to its whole
+//                           context; consecutive rows that read the same blocks (a sequence's
+//                           last token and its drafts) share one pass over them.
 //   llmserve_paged_prefill  (paged_prefill.cpp) a chunk of query tokens per sequence at
 //                           positions context_len .. seq_len - 1, causal over the cached
 //                           context. Both score keys with attention.h.
@@ -63,111 +64,177 @@ struct DecodeArgs {
 };
 
 struct DecodeScratch {
-  std::vector<vfloat> acc;    // [heads, NV]
-  std::vector<float> scores;  // [heads, len]
-  std::vector<float> max;     // [heads], running maximum of the scores
-  std::vector<float> inv_sum; // [heads], 1 / sum of the softmax numerators
+  std::vector<vfloat> acc;     // [rows, heads, NV]
+  std::vector<float> scores;   // per row [heads, its len], back to back
+  std::vector<float> max;      // [rows, heads], running maximum of the scores
+  std::vector<float> inv_sum;  // [rows, heads], 1 / sum of the softmax numerators
 };
 
-// One sequence and its kv heads [h_begin, h_end). The rows of those heads for one token are
-// adjacent in the cache, and a block holds block_size tokens back to back, so with all heads
-// in one item a block is one contiguous run of memory. Pass 1 scores every key (kept, heads x
-// len floats), then softmax, then pass 2 sums the value rows. Within a block the loops go
-// head by head so that a head's query (or accumulator) stays in registers; the same rows of
-// the next block are prefetched meanwhile, since blocks sit anywhere in the cache and the
-// hardware prefetcher stalls at every block boundary. Across pass boundaries too: the last
-// key block prefetches the first value block, and the last value block the first key block
-// of `next_item` (seq, kv head range; nullptr if none), the item this thread takes next.
+// Rows that read the same cache blocks, at most this many to a work item (decode's split).
+constexpr int64_t kMaxRows = 32;
+
+// One block's value rows for one kv head and one query row: rows [begin, end) at `rows`
+// (`token_stride` apart), the next block's same rows prefetched (nullptr: none), and the
+// softmax numerators of the group's heads for them (head g's at scores[g * score_stride + o]).
+template <typename T>
+struct ValueRun {
+  const T* rows;
+  const T* next;
+  int64_t token_stride;
+  int64_t begin;
+  int64_t end;
+  const float* scores;
+  int64_t score_stride;
+};
+
+// acc[g * NV + c] += sum over the run's rows o of p_g,o v_o (lanes c), in row order. G: the
+// group size when known at compile time (its accumulators then stay in registers), 0: any.
+template <typename T, int NV, int G>
+inline void sum_values(const ValueRun<T>& run, vfloat* acc_out, int64_t group) {
+  constexpr int kSlots = G > 0 ? G : kMaxGroup;
+  const int64_t heads = G > 0 ? G : group;
+  vfloat acc[kSlots][NV];
+  for (int64_t g = 0; g < heads; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = acc_out[g * NV + c];
+  for (int64_t o = run.begin; o < run.end; ++o) {
+    const int64_t row = o * run.token_stride;
+    if (run.next != nullptr) prefetch_row<T, NV>(run.next + row);
+    vfloat v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = load(run.rows + row + c * kLanes);
+    for (int64_t g = 0; g < heads; ++g) {
+      const vfloat p = splat(run.scores[g * run.score_stride + o]);
+      for (int c = 0; c < NV; ++c) acc[g][c] += p * v[c];
+    }
+  }
+  for (int64_t g = 0; g < heads; ++g)
+    for (int c = 0; c < NV; ++c) acc_out[g * NV + c] = acc[g][c];
+}
+
+// Query rows seq .. seq + rows - 1 (one row each: a sequence, or a sequence's last token and
+// the drafted tokens after it, which read the same blocks up to one more token each) and
+// their kv heads [h_begin, h_end). The rows of those heads for one token are adjacent in the
+// cache, and a block holds block_size tokens back to back, so with all heads in one item a
+// block is one contiguous run of memory. Pass 1 scores every key (kept, heads x len floats a
+// row), then softmax, then pass 2 sums the value rows. Within a block the loops go head by
+// head, then row by row, so that a head's query (or accumulator) stays in registers and the
+// block's rows, brought in for the first query row, are in L1 for the others. Each row's
+// arithmetic is the same whatever the other rows, so its bits do not depend on them. The
+// same rows of the next block are prefetched meanwhile, since blocks sit anywhere in the
+// cache and the hardware prefetcher stalls at every block boundary. Across pass boundaries
+// too: the last key block prefetches the first value block, and the last value block the
+// first key block of `next_item` (seq, kv head range; nullptr if none), the item this thread
+// takes next.
 template <typename T, int NV>
-void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_end,
-                  const int64_t* next_item, DecodeScratch& scratch) {
+void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin, int64_t h_end,
+                 const int64_t* next_item, DecodeScratch& scratch) {
   constexpr int kHeadDim = NV * kLanes;
   const int64_t group = a.num_heads / a.num_kv_heads;
-  const int64_t len = a.seq_lens[seq];
-  const int64_t heads = (h_end - h_begin) * group;  // query heads of this item
+  const int64_t heads = (h_end - h_begin) * group;  // query heads of this item, per row
   const int64_t token_stride = a.num_kv_heads * kHeadDim;
   const int64_t block_stride = a.block_size * token_stride;
-  const int32_t* table = a.block_tables + seq * a.table_stride;
+  const int32_t* table = a.block_tables + seq * a.table_stride;  // the rows': the same blocks
   const T* keys = static_cast<const T*>(a.key_cache) + h_begin * kHeadDim;
   const T* values = static_cast<const T*>(a.value_cache) + h_begin * kHeadDim;
-  const int64_t first_head = seq * a.num_heads + h_begin * group;  // in the output
-  const T* query = static_cast<const T*>(a.query) + seq * a.query_stride + h_begin * group * kHeadDim;
-  T* out = static_cast<T*>(a.out) + first_head * kHeadDim;
 
-  if (len <= 0) {
-    for (int64_t i = 0; i < heads * kHeadDim; ++i) store_scalar(out + i, 0.0f);
-    return;
+  // Per row: its length, the first key in its window (keys before `lo` are neither scored
+  // nor summed, nor are blocks wholly before it), and where its scores start.
+  int64_t len[kMaxRows], lo[kMaxRows], first_block[kMaxRows], score_base[kMaxRows];
+  int64_t scores_size = 0, len_max = 0, block_min = std::numeric_limits<int64_t>::max();
+  for (int64_t r = 0; r < rows; ++r) {
+    len[r] = std::max<int32_t>(a.seq_lens[seq + r], 0);
+    lo[r] = a.window > 0 ? std::max<int64_t>(0, len[r] - a.window) : 0;
+    first_block[r] = lo[r] / a.block_size;
+    score_base[r] = scores_size;
+    scores_size += heads * len[r];
+    len_max = std::max(len_max, len[r]);
+    if (len[r] > 0) block_min = std::min(block_min, first_block[r]);
+    if (len[r] == 0) {
+      T* out = static_cast<T*>(a.out) + ((seq + r) * a.num_heads + h_begin * group) * kHeadDim;
+      for (int64_t i = 0; i < heads * kHeadDim; ++i) store_scalar(out + i, 0.0f);
+    }
   }
-  // Keys before `lo` are outside the window: their blocks are neither scored nor summed.
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
-  const int64_t first_block = lo / a.block_size;
-  scratch.acc.assign(size_t(heads * NV), vfloat{});
-  scratch.scores.resize(size_t(heads * len));
-  scratch.max.assign(size_t(heads), -std::numeric_limits<float>::infinity());
-  scratch.inv_sum.resize(size_t(heads));
-  vfloat* acc_all = scratch.acc.data();
-  float* scores = scratch.scores.data();
+  if (len_max == 0) return;
+  scratch.acc.assign(size_t(rows * heads * NV), vfloat{});
+  scratch.scores.resize(size_t(scores_size));
+  scratch.max.assign(size_t(rows * heads), -std::numeric_limits<float>::infinity());
+  scratch.inv_sum.resize(size_t(rows * heads));
+  // Whether row r reads block b starting at token `start`.
+  auto reads = [&](int64_t r, int64_t b, int64_t start) {
+    return start < len[r] && b >= first_block[r];
+  };
 
   // Pass 1: scores[head * len + t] = q_head . k_t, kLanes keys at a time per query head (the
-  // head's rows of a block stay in L1 across the group's query heads).
-  for (int64_t b = first_block, start = b * a.block_size; start < len; start += a.block_size, ++b) {
-    const int64_t n = std::min(a.block_size, len - start);
+  // head's rows of a block stay in L1 across the group's query heads and the rows).
+  for (int64_t b = block_min, start = b * a.block_size; start < len_max;
+       start += a.block_size, ++b) {
     const int64_t block = int64_t(table[b]) * block_stride;
-    const int64_t next = start + a.block_size < len ? int64_t(table[b + 1]) * block_stride : -1;
+    const int64_t next = start + a.block_size < len_max ? int64_t(table[b + 1]) * block_stride : -1;
+    const int64_t fetched = std::min(a.block_size, len_max - start - a.block_size);
     for (int64_t h = 0; h < h_end - h_begin; ++h) {
       if (next >= 0) {
-        for (int64_t o = 0; o < n; ++o) prefetch_row<T, NV>(keys + next + o * token_stride + h * kHeadDim);
+        for (int64_t o = 0; o < fetched; ++o) prefetch_row<T, NV>(keys + next + o * token_stride + h * kHeadDim);
       } else {  // last key block: bring in the first value block for pass 2
-        const T* first = values + int64_t(table[0]) * block_stride + h * kHeadDim;
-        for (int64_t o = 0; o < std::min(a.block_size, len); ++o) prefetch_row<T, NV>(first + o * token_stride);
+        const T* first = values + int64_t(table[block_min]) * block_stride + h * kHeadDim;
+        for (int64_t o = 0; o < std::min(a.block_size, len_max); ++o) prefetch_row<T, NV>(first + o * token_stride);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
-        const KeyDot<T, NV> dot(query + head * kHeadDim, a.scale);
-        score_rows(dot, keys + block + h * kHeadDim, token_stride, n, scores + head * len + start,
-                   scratch.max[size_t(head)]);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!reads(r, b, start)) continue;
+        const int64_t n = std::min(a.block_size, len[r] - start);
+        const T* query = static_cast<const T*>(a.query) + (seq + r) * a.query_stride +
+                         h_begin * group * kHeadDim;
+        float* scores = scratch.scores.data() + score_base[r];
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = h * group + g;
+          const KeyDot<T, NV> dot(query + head * kHeadDim, a.scale);
+          score_rows(dot, keys + block + h * kHeadDim, token_stride, n,
+                     scores + head * len[r] + start, scratch.max[size_t(r * heads + head)]);
+        }
       }
     }
   }
 
-  // With a window or a soft-cap, the maximum is retaken over the window's capped scores
-  // (pass 1's counts the whole first block, uncapped).
-  if (a.window > 0 || a.softcap > 0.0f) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (len[r] == 0) continue;
+    float* scores = scratch.scores.data() + score_base[r];
+    float* max = scratch.max.data() + r * heads;
+    // With a window or a soft-cap, the maximum is retaken over the window's capped scores
+    // (pass 1's counts the whole first block, uncapped).
+    if (a.window > 0 || a.softcap > 0.0f) {
+      for (int64_t i = 0; i < heads; ++i) {
+        float* row = scores + i * len[r];
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = lo[r]; t < len[r]; ++t) {
+          if (a.softcap > 0.0f) row[t] = std::tanh(row[t] / a.softcap) * a.softcap;
+          m = std::max(m, row[t]);
+        }
+        max[i] = m;
+      }
+    }
+    // Softmax numerators in place; keep 1 / their sum.
     for (int64_t i = 0; i < heads; ++i) {
-      float* row = scores + i * len;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t t = lo; t < len; ++t) {
-        if (a.softcap > 0.0f) row[t] = std::tanh(row[t] / a.softcap) * a.softcap;
-        m = std::max(m, row[t]);
+      float* row = scores + i * len[r];
+      const float m = max[i];
+      vfloat total = vfloat{};
+      int64_t t = lo[r];
+      for (; t + kLanes <= len[r]; t += kLanes) {
+        const vfloat e = exp_nonpositive(load(row + t) - m);
+        store(row + t, e);
+        total += e;
       }
-      scratch.max[size_t(i)] = m;
+      float tail = 0.0f;
+      for (; t < len[r]; ++t) {
+        row[t] = exp_nonpositive(row[t] - m);
+        tail += row[t];
+      }
+      scratch.inv_sum[size_t(r * heads + i)] = 1.0f / (hsum(total) + tail);
     }
-  }
-
-  // Softmax numerators in place; keep 1 / their sum.
-  for (int64_t i = 0; i < heads; ++i) {
-    float* row = scores + i * len;
-    const float m = scratch.max[size_t(i)];
-    vfloat total = vfloat{};
-    int64_t t = lo;
-    for (; t + kLanes <= len; t += kLanes) {
-      const vfloat e = exp_nonpositive(load(row + t) - m);
-      store(row + t, e);
-      total += e;
-    }
-    float tail = 0.0f;
-    for (; t < len; ++t) {
-      row[t] = exp_nonpositive(row[t] - m);
-      tail += row[t];
-    }
-    scratch.inv_sum[size_t(i)] = 1.0f / (hsum(total) + tail);
   }
 
   // Pass 2: out_head = sum_t p_head,t v_t / sum_t p_head,t
-  for (int64_t b = first_block, start = b * a.block_size; start < len; start += a.block_size, ++b) {
-    const int64_t n = std::min(a.block_size, len - start);
+  for (int64_t b = block_min, start = b * a.block_size; start < len_max;
+       start += a.block_size, ++b) {
     const int64_t block = int64_t(table[b]) * block_stride;
-    const int64_t next = start + a.block_size < len ? int64_t(table[b + 1]) * block_stride : -1;
+    const int64_t next = start + a.block_size < len_max ? int64_t(table[b + 1]) * block_stride : -1;
     if (next < 0 && next_item != nullptr) {
       // Last value block: bring in the first key block of this thread's next item.
       const int64_t next_seq = next_item[0], next_len = a.seq_lens[next_seq];
@@ -178,58 +245,98 @@ void decode_range(const DecodeArgs& a, int64_t seq, int64_t h_begin, int64_t h_e
           prefetch_row<T, NV>(first + o * token_stride + h * kHeadDim);
     }
     for (int64_t h = 0; h < h_end - h_begin; ++h) {
-      vfloat acc[kMaxGroup][NV];
-      for (int64_t g = 0; g < group; ++g)
-        for (int c = 0; c < NV; ++c) acc[g][c] = acc_all[(h * group + g) * NV + c];
-      for (int64_t o = std::max<int64_t>(0, lo - start); o < n; ++o) {
-        const int64_t row = o * token_stride + h * kHeadDim;
-        if (next >= 0) prefetch_row<T, NV>(values + next + row);
-        vfloat v[NV];
-        for (int c = 0; c < NV; ++c) v[c] = load(values + block + row + c * kLanes);
-        for (int64_t g = 0; g < group; ++g) {
-          const vfloat p = splat(scores[(h * group + g) * len + start + o]);
-          for (int c = 0; c < NV; ++c) acc[g][c] += p * v[c];
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!reads(r, b, start)) continue;
+        const int64_t n = std::min(a.block_size, len[r] - start);
+        const ValueRun<T> run{values + block + h * kHeadDim,
+                              next >= 0 && r == 0 ? values + next + h * kHeadDim : nullptr,
+                              token_stride,
+                              std::max<int64_t>(0, lo[r] - start),
+                              n,
+                              scratch.scores.data() + score_base[r] + h * group * len[r] + start,
+                              len[r]};
+        vfloat* acc = scratch.acc.data() + (r * heads + h * group) * NV;
+        switch (group) {  // the group's accumulators in registers for the common sizes
+          case 1: sum_values<T, NV, 1>(run, acc, 1); break;
+          case 2: sum_values<T, NV, 2>(run, acc, 2); break;
+          case 3: sum_values<T, NV, 3>(run, acc, 3); break;
+          case 4: sum_values<T, NV, 4>(run, acc, 4); break;
+          case 8: sum_values<T, NV, 8>(run, acc, 8); break;
+          default: sum_values<T, NV, 0>(run, acc, group);
         }
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int c = 0; c < NV; ++c) acc_all[(h * group + g) * NV + c] = acc[g][c];
     }
   }
-  for (int64_t i = 0; i < heads; ++i) {
-    const float inv = scratch.inv_sum[size_t(i)];
-    for (int c = 0; c < NV; ++c) {
-      const vfloat r = acc_all[i * NV + c] * inv;
-      store(out + i * kHeadDim + c * kLanes, r);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (len[r] == 0) continue;
+    T* out = static_cast<T*>(a.out) + ((seq + r) * a.num_heads + h_begin * group) * kHeadDim;
+    for (int64_t i = 0; i < heads; ++i) {
+      const float inv = scratch.inv_sum[size_t(r * heads + i)];
+      const vfloat* acc = scratch.acc.data() + (r * heads + i) * NV;
+      for (int c = 0; c < NV; ++c) store(out + i * kHeadDim + c * kLanes, acc[c] * inv);
     }
   }
 }
 
+// Whether query rows i and i + 1 read the same blocks: i + 1 is one token longer and its
+// block table agrees over every block it reads (a sequence's token and its next draft).
+inline bool same_blocks(const DecodeArgs& a, int64_t i) {
+  const int64_t len = a.seq_lens[i];
+  if (len <= 0 || a.seq_lens[i + 1] != len + 1) return false;
+  const int64_t blocks = (len + 1 + a.block_size - 1) / a.block_size;
+  return std::memcmp(a.block_tables + i * a.table_stride, a.block_tables + (i + 1) * a.table_stride,
+                     size_t(blocks) * sizeof(int32_t)) == 0;
+}
+
 template <typename T, int NV>
 void decode(const DecodeArgs& a) {
-  const int64_t chosen = a.kv_heads_per_item > 0                        ? a.kv_heads_per_item
-                         : a.num_seqs >= 4 * int64_t(pool_threads) ? a.num_kv_heads
-                                                                   : 1;
+  const int64_t threads_max = int64_t(pool_threads);
+  // Runs of rows that read the same blocks, split into pieces (one per work item's rows): a
+  // run into as many pieces as keep the threads busy when runs are fewer than threads, so
+  // each piece reads the blocks once for its rows.
+  std::vector<int64_t> runs;  // first row of each run, then num_seqs
+  for (int64_t i = 0; i < a.num_seqs; ++i) {
+    if (i == 0 || !same_blocks(a, i - 1)) runs.push_back(i);
+  }
+  const int64_t num_runs = int64_t(runs.size());
+  runs.push_back(a.num_seqs);
+  std::vector<int64_t> pieces;  // first row of each piece, then num_seqs
+  const int64_t split = (threads_max + num_runs - 1) / std::max<int64_t>(num_runs, 1);
+  for (int64_t k = 0; k < num_runs; ++k) {
+    const int64_t count = runs[size_t(k + 1)] - runs[size_t(k)];
+    const int64_t parts = std::max((count + kMaxRows - 1) / kMaxRows, std::min(split, count));
+    for (int64_t p = 0; p < parts; ++p) pieces.push_back(runs[size_t(k)] + p * count / parts);
+  }
+  const int64_t num_pieces = int64_t(pieces.size());
+  pieces.push_back(a.num_seqs);
+
+  const int64_t chosen = a.kv_heads_per_item > 0               ? a.kv_heads_per_item
+                         : num_pieces >= 4 * threads_max ? a.num_kv_heads
+                                                         : 1;
   const int64_t per_item = std::min(chosen, a.num_kv_heads);
   const int64_t chunks = (a.num_kv_heads + per_item - 1) / per_item;
-  const int64_t items = a.num_seqs * chunks;
-  auto describe = [&](int64_t item, int64_t* out) {  // seq, first and end kv head
-    out[0] = item / chunks;
+  const int64_t items = num_pieces * chunks;
+  auto describe = [&](int64_t item, int64_t* out) {  // first row, first and end kv head, rows
+    const int64_t piece = item / chunks;
+    out[0] = pieces[size_t(piece)];
     out[1] = (item % chunks) * per_item;
     out[2] = std::min(out[1] + per_item, a.num_kv_heads);
+    out[3] = pieces[size_t(piece + 1)] - out[0];
   };
   // Items go round-robin, one lane of every threads-th item per thread, so that each lane
   // knows which item it takes next and can start loading that item's first key block before
   // it gets there. (Lanes are the pool's chunks: a thread that is late runs none.)
-  const int64_t threads = std::min<int64_t>(pool_threads, items);
+  const int64_t threads = std::min<int64_t>(threads_max, items);
   auto lane = [&](int64_t first) {
     thread_local DecodeScratch scratch;
-    int64_t current[3], next[3];
+    int64_t current[4], next[4];
     for (int64_t item = first; item < items; item += threads) {
       describe(item, current);
-      const bool has_next = item + threads < items && a.seq_lens[(item + threads) / chunks] > 0;
+      bool has_next = item + threads < items;
       if (has_next) describe(item + threads, next);
-      decode_range<T, NV>(a, current[0], current[1], current[2], has_next ? next : nullptr,
-                          scratch);
+      has_next = has_next && a.seq_lens[next[0]] > 0;
+      decode_rows<T, NV>(a, current[0], current[3], current[1], current[2],
+                         has_next ? next : nullptr, scratch);
     }
   };
   ChunkPool::instance().run(threads, int(threads), lane);

@@ -63,6 +63,14 @@ struct PrefillScratch {
 constexpr int kQueryBlock = kLanes >= 16 ? 4 : 1;
 constexpr int kAccumulators = 16;
 
+// The largest divisor of nv (output vectors) that keeps qb x it accumulators within
+// kAccumulators.
+constexpr int output_slice(int nv, int qb) {
+  int cb = std::min(nv, std::max(1, kAccumulators / qb));
+  while (nv % cb != 0) --cb;
+  return cb;
+}
+
 // One key chunk's online-softmax update for QB query vectors qv0 .. qv0 + QB - 1 of a tile,
 // each of which sees live[i] > 0 of the chunk's key vectors. A query's arithmetic (its
 // multiply-add order over head dims and keys) is the same whatever QB, so blocking changes no
@@ -135,7 +143,7 @@ inline void chunk_update(const PrefillArgs& a, const float* q, vfloat* acc, floa
 
   // Outputs in slices of CB vectors: the keys all queries see together, then each query's
   // own last keys (the causal diagonal), in key order either way.
-  constexpr int CB = std::min(NV, std::max(1, kAccumulators / QB));
+  constexpr int CB = output_slice(NV, QB);
   for (int c0 = 0; c0 < NV; c0 += CB) {
     vfloat o[QB][CB];
     for (int i = 0; i < QB; ++i) {

@@ -144,10 +144,20 @@ inline vint lane_indices() {
   return lanes;
 }
 
+// The largest lane, by halving (a maximum is exact, so the order does not matter; a chain of
+// kLanes scalar maxima was the longest dependency of a decode step's scoring loop).
 inline float hmax(vfloat v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
+#if LLMSERVE_LANES == 16
+  const vfloat8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const vfloat8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat8 m8 = lo > hi ? lo : hi;
+#else
+  const vfloat8 m8 = v;
+#endif
+  const vfloat4 lo4 = __builtin_shufflevector(m8, m8, 0, 1, 2, 3);
+  const vfloat4 hi4 = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
+  const vfloat4 m4 = lo4 > hi4 ? lo4 : hi4;
+  return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
 }
 
 // a * b + c, fused (one rounding) where the CPU has FMA, whatever the file's -ffp-contract.

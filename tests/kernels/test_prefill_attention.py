@@ -153,7 +153,7 @@ def test_prefill_rejects_bad_arguments(device: str) -> None:
 
 
 @pytest.mark.parametrize("queries_per_kv", [1, 3])
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_cpu_prefill_query_bits_do_not_depend_on_its_chunk(
     queries_per_kv: int, head_dim: int, softcap: float | None
