@@ -56,10 +56,10 @@ struct PrefillScratch {
   std::vector<float> values;  // [kKeyChunk, head_dim]
 };
 
-// Query vectors scored together against a key chunk: each key vector loaded is used by all
-// of them, and their score and output accumulators (kQueryBlock x kKeyVectors, kQueryBlock x
-// kOutputVectors) make independent multiply-add chains. Sixteen accumulators fill half of
-// AVX-512's registers; AVX2's sixteen take one query at a time.
+// Query vectors scored together against a key chunk: each key (or value) vector loaded is
+// used by all of them, and their score and output accumulators (kQueryBlock x kKeyVectors,
+// kQueryBlock x output_slice) make independent multiply-add chains. Sixteen accumulators fill
+// half of AVX-512's registers; AVX2's sixteen take one query at a time.
 constexpr int kQueryBlock = kLanes >= 16 ? 4 : 1;
 constexpr int kAccumulators = 16;
 
