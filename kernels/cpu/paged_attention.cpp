@@ -54,9 +54,9 @@ struct DecodeArgs {
   int64_t num_kv_heads;
   int64_t block_size;
   float scale;
-  // Work split: a sequence's kv heads in chunks of this many; 0 picks all of them (each
-  // block one contiguous run) when there are sequences enough to keep every thread busy,
-  // else one.
+  // Work split: a piece's kv heads in chunks of this many (a piece: a row, or rows that read
+  // the same blocks; decode()); 0 picks all of them (each block one contiguous run) when
+  // there are pieces enough to keep every thread busy, else one.
   int64_t kv_heads_per_item;
   int64_t query_stride;       // elements between query rows (heads are contiguous in a row)
   int64_t window;             // sliding window, 0 = none
