@@ -47,7 +47,10 @@ def prefix_workload(args: argparse.Namespace) -> list[list[int]]:
 
 
 async def stream_all(
-    gateway: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+    gateway: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
     on_token=None,  # type: ignore[no-untyped-def]
 ) -> dict[str, dict]:  # type: ignore[type-arg]
     """Per request id: arrival, token times, token count."""
@@ -61,7 +64,10 @@ async def stream_all(
             async with gate:
                 record = results[request_id] = {"start": time.perf_counter(), "times": []}
                 request = build_request(
-                    prompt, request_id=request_id, max_tokens=max_tokens, temperature=0.0,
+                    prompt,
+                    request_id=request_id,
+                    max_tokens=max_tokens,
+                    temperature=0.0,
                     ignore_eos=True,
                 )
                 async for response in stub.Generate(request, timeout=600):
@@ -77,7 +83,9 @@ async def stream_all(
 
 def start(args: argparse.Namespace, routing: str, log_dir: Path) -> FleetStack:
     return start_fleet(
-        args.model, log_dir, 2,
+        args.model,
+        log_dir,
+        2,
         scheduler_args=["--routing", routing, "--max-num-seqs", str(args.concurrency)],
         worker_args=["--dtype", args.dtype, "--kv-cache-memory", "0.5", "--num-threads", "1"],
     )
@@ -127,8 +135,13 @@ def kill_run(args: argparse.Namespace, root: Path) -> dict:  # type: ignore[type
 
     try:
         results = asyncio.run(
-            stream_all(stack.gateway.address, prompts, args.kill_max_tokens, args.kill_streams,  # type: ignore[union-attr]
-                       on_token)
+            stream_all(
+                stack.gateway.address,
+                prompts,
+                args.kill_max_tokens,
+                args.kill_streams,  # type: ignore[union-attr]
+                on_token,
+            )
         )
         log = stack.scheduler.log.read_text()  # type: ignore[union-attr]
     finally:
@@ -149,7 +162,8 @@ def kill_run(args: argparse.Namespace, root: Path) -> dict:  # type: ignore[type
         "moved": len(moved),
         "pause_p50_s": round(statistics.median(pauses), 3) if pauses else None,
         "pause_p99_s": round(pauses[min(len(pauses) - 1, int(0.99 * len(pauses)))], 3)
-        if pauses else None,
+        if pauses
+        else None,
         "pause_max_s": round(pauses[-1], 3) if pauses else None,
     }
 
@@ -166,8 +180,12 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--kill-streams", type=int, default=16)
     p.add_argument("--kill-max-tokens", type=int, default=64)
-    p.add_argument("--kill-after-tokens", type=int, default=16,
-                   help="kill once this many tokens per stream (on average) have arrived")
+    p.add_argument(
+        "--kill-after-tokens",
+        type=int,
+        default=16,
+        help="kill once this many tokens per stream (on average) have arrived",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-routing", action="store_true")
     p.add_argument("--out", type=Path, default=None)

@@ -32,7 +32,7 @@ from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import RequestLimits
 from llmserve.model_spec import load_tokenizer, resolve_model
 from llmserve.steps import MaskKind, SequenceOutput, StepInput, StepResult, TokenLogprob
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from tests.support.grammar import BOUNDED_SCHEMA, WEATHER_TOOL
 
 TOOLS = [

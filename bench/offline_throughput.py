@@ -25,7 +25,8 @@ import torch
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
-from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.engine.offline import generate
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
@@ -65,7 +66,7 @@ def run_engine(
         SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload
     ]
     start = time.perf_counter()
-    outputs = engine.generate([r.prompt for r in workload], params)
+    outputs = generate(engine, [r.prompt for r in workload], params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert tokens == sum(r.max_tokens for r in workload)

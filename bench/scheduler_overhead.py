@@ -20,7 +20,7 @@ import statistics
 import time
 
 from llmserve.steps import SequenceOutput, StepInput, StepResult, TokenLogprob
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 
 class NullModel:

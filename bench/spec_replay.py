@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler_service.proposer import NgramIndex, NgramProposer  # noqa: E402
+from scheduler_service.engine.proposer import NgramIndex, NgramProposer  # noqa: E402
 
 # A policy: (min_n, max_n, k, cap drafts by the match's length).
 POLICIES = {

@@ -16,7 +16,7 @@ import time
 from llmserve.sampling_params import SamplingParams
 from llmserve.step_proto import step_input_to_proto, step_result_to_proto
 from llmserve.steps import SequenceOutput, StepInput, StepResult, TokenLogprob
-from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, SchedulerConfig
 
 
 class CountingExecutor:
@@ -48,7 +48,8 @@ class CountingExecutor:
         result = StepResult(
             step.step_id,
             [SequenceOutput(s, [TokenLogprob(7, -0.5, 1)]) for s in sampled],
-            forward_ns=1, sample_ns=1,
+            forward_ns=1,
+            sample_ns=1,
         )
         start = time.perf_counter_ns()
         request = step_input_to_proto(step).SerializeToString()
@@ -63,12 +64,15 @@ def measure(num_seqs: int, prompt_len: int, decode_steps: int) -> dict[str, floa
     executor = CountingExecutor()
     blocks = num_seqs * ((prompt_len + decode_steps) // 16 + 2)
     engine = LLMEngine(
-        SchedulerConfig(max_num_seqs=num_seqs,
-                        # No model: admit every prompt in one step so all sequences decode together.
-                        max_num_batched_tokens=num_seqs * (prompt_len + 1),
-                        max_model_len=prompt_len + decode_steps + 16),
-        CacheConfig(block_size=16, num_gpu_blocks=blocks, num_cpu_blocks=0,
-                    enable_prefix_caching=False),
+        SchedulerConfig(
+            max_num_seqs=num_seqs,
+            # No model: admit every prompt in one step so all sequences decode together.
+            max_num_batched_tokens=num_seqs * (prompt_len + 1),
+            max_model_len=prompt_len + decode_steps + 16,
+        ),
+        CacheConfig(
+            block_size=16, num_gpu_blocks=blocks, num_cpu_blocks=0, enable_prefix_caching=False
+        ),
         executor,
     )
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True)
@@ -93,15 +97,19 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=40)
     args = parser.parse_args()
     print(f"{args.seqs} running sequences, block size 16, decode steps with every sequence")
-    print("| prompt tokens | decode steps | ExecuteRequest bytes (median / max) | "
-          "ExecuteResult bytes | bytes per seq | serialize both, us |")
+    print(
+        "| prompt tokens | decode steps | ExecuteRequest bytes (median / max) | "
+        "ExecuteResult bytes | bytes per seq | serialize both, us |"
+    )
     print("|---|---|---|---|---|---|")
     for prompt_len in (16, 1000, 4000):
         m = measure(args.seqs, prompt_len, args.decode_steps)
-        print(f"| {prompt_len} | {m['decode_steps_measured']} | "
-              f"{m['request_bytes_median']:.0f} / {m['request_bytes_max']} | "
-              f"{m['result_bytes_median']:.0f} | "
-              f"{m['request_bytes_median'] / args.seqs:.1f} | {m['encode_us_median']:.0f} |")
+        print(
+            f"| {prompt_len} | {m['decode_steps_measured']} | "
+            f"{m['request_bytes_median']:.0f} / {m['request_bytes_max']} | "
+            f"{m['result_bytes_median']:.0f} | "
+            f"{m['request_bytes_median'] / args.seqs:.1f} | {m['encode_us_median']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.model_spec import load_tokenizer, resolve_model
 from llmserve.sampling_params import SamplingParams
 from llmserve.stop_strings import StopStringMatcher
-from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
-from scheduler_service.text_stops import StopStrings
+from scheduler_service.engine import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.engine.text_stops import StopStrings
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 

@@ -313,8 +313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-model", type=Path, default=None,
                    help="tokenizer and config (default /tmp/bench/<model>-hf, exported from "
                    "the model's GGUF if missing)")  # fmt: skip
-    p.add_argument("--out-dir", type=Path, default=None,
-                   help="default bench/results/vs-llama-cpp[-<model> unless smollm2]")
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="default bench/results/vs-llama-cpp[-<model> unless smollm2]",
+    )
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/bench/logs"))
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--max-load", type=float, default=1.0, help="wait for a lower 1-min load")

@@ -17,45 +17,88 @@ log = get_logger(__name__)
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="llmserve gateway", description=__doc__)
     add_common_flags(p, default_port=50051)
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="OpenAI-compatible API, /health and /metrics (0 disables HTTP)")
-    p.add_argument("--scheduler", default="127.0.0.1:50071",
-                   help="scheduler host:port; several comma-separated for scheduler shards "
-                   "(each owns its own workers): requests go to a shard by prompt prefix and "
-                   "load, and a lost shard's requests continue on the others")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="OpenAI-compatible API, /health and /metrics (0 disables HTTP)",
+    )
+    p.add_argument(
+        "--scheduler",
+        default="127.0.0.1:50071",
+        help="scheduler host:port; several comma-separated for scheduler shards "
+        "(each owns its own workers): requests go to a shard by prompt prefix and "
+        "load, and a lost shard's requests continue on the others",
+    )
     p.add_argument("--model", default="smollm2", help="model spec (for the tokenizer)")
-    p.add_argument("--served-model-name", default=None,
-                   help="name clients use for the model (default: the model spec)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'authorization: Bearer KEY' on the HTTP and gRPC APIs; shows "
-                   "in `ps`, so prefer --api-key-file, LLMSERVE_API_KEY or LLMSERVE_API_KEYS")
-    p.add_argument("--api-key-file", default=None,
-                   help="API keys, one a line ('#' lines are comments); any key given by "
-                   "--api-key, this file or LLMSERVE_API_KEYS (comma-separated) is accepted")
-    p.add_argument("--tls-require-client-cert", action=argparse.BooleanOptionalAction,
-                   default=True,
-                   help="with TLS, API clients too must present a certificate signed by "
-                   "--tls-ca (--no-tls-require-client-cert: keys alone, over TLS)")
-    p.add_argument("--max-pending-requests", type=int, default=1024,
-                   help="generation requests in flight (HTTP and gRPC) before new ones are "
-                   "refused at once: HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED")
-    p.add_argument("--request-timeout-s", type=float, default=None,
-                   help="a request still running after this long is aborted (504 / "
-                   "DEADLINE_EXCEEDED) and its blocks freed; a gRPC deadline may be shorter")
-    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
-                   help="on SIGTERM: health turns NOT_SERVING, new requests get 503 / "
-                   "UNAVAILABLE, and those in flight have this long to finish")
-    p.add_argument("--scheduler-reconnect-timeout-s", type=float, default=60.0,
-                   help="when the scheduler stream breaks, requests in flight wait this long "
-                   "for it to come back (they are re-submitted and continue), then fail 503")
-    p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template to use instead of the tokenizer's (a model "
-                   "without one answers chat requests with 400)")
-    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
-                   help="how chats with tools are prompted and their calls parsed: hermes "
-                   "(<tool_call> blocks: Hermes, Qwen), llama3_json (Llama 3.x JSON calls), "
-                   "generic (tools in the system prompt, a JSON envelope), or auto: read off "
-                   "the chat template (one that never uses `tools` gets generic)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="name clients use for the model (default: the model spec)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'authorization: Bearer KEY' on the HTTP and gRPC APIs; shows "
+        "in `ps`, so prefer --api-key-file, LLMSERVE_API_KEY or LLMSERVE_API_KEYS",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="API keys, one a line ('#' lines are comments); any key given by "
+        "--api-key, this file or LLMSERVE_API_KEYS (comma-separated) is accepted",
+    )
+    p.add_argument(
+        "--tls-require-client-cert",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with TLS, API clients too must present a certificate signed by "
+        "--tls-ca (--no-tls-require-client-cert: keys alone, over TLS)",
+    )
+    p.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="generation requests in flight (HTTP and gRPC) before new ones are "
+        "refused at once: HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help="a request still running after this long is aborted (504 / "
+        "DEADLINE_EXCEEDED) and its blocks freed; a gRPC deadline may be shorter",
+    )
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: health turns NOT_SERVING, new requests get 503 / "
+        "UNAVAILABLE, and those in flight have this long to finish",
+    )
+    p.add_argument(
+        "--scheduler-reconnect-timeout-s",
+        type=float,
+        default=60.0,
+        help="when the scheduler stream breaks, requests in flight wait this long "
+        "for it to come back (they are re-submitted and continue), then fail 503",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the tokenizer's (a model "
+        "without one answers chat requests with 400)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_PARSERS,
+        help="how chats with tools are prompted and their calls parsed: hermes "
+        "(<tool_call> blocks: Hermes, Qwen), llama3_json (Llama 3.x JSON calls), "
+        "generic (tools in the system prompt, a JSON envelope), or auto: read off "
+        "the chat template (one that never uses `tools` gets generic)",
+    )
     add_limit_flags(p)
     return parse_service_args(p, argv, validate)
 
@@ -128,9 +171,9 @@ def main(argv: list[str]) -> int:
         limits=limits_from_args(args),
         request_timeout_s=args.request_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
-        chat_template=None if args.chat_template is None else read_chat_template(
-            args.chat_template
-        ),
+        chat_template=None
+        if args.chat_template is None
+        else read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
     )
     asyncio.run(serve(config))

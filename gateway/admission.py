@@ -93,10 +93,10 @@ class Admission:
 async def send_error(send: Send, exc: ApiError) -> None:
     """An OpenAI-shaped error response from inside ASGI middleware."""
     err = http_error(exc)
-    body = json.dumps({"error": {"message": err.message, "type": err.kind,
-                                 "param": err.param, "code": err.code}}).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
+    body = json.dumps(
+        {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers.extend(retry_after_header(exc))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -111,8 +111,9 @@ def retry_after_header(exc: BaseException) -> list[tuple[bytes, bytes]]:
 
 
 def _is_generation(scope: Scope) -> bool:
-    return scope["type"] == "http" and scope["method"] == "POST" and \
-        scope["path"].startswith("/v1/")
+    return (
+        scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/v1/")
+    )
 
 
 class BodyLimitMiddleware:
@@ -149,8 +150,8 @@ class BodyLimitMiddleware:
 
     def _too_large(self, size: int) -> ApiError:
         return FieldError(
-            "body", f"{size} bytes is over this server's limit of {self.max_bytes} "
-            "(--max-body-bytes)",
+            "body",
+            f"{size} bytes is over this server's limit of {self.max_bytes} (--max-body-bytes)",
         )
 
 

@@ -101,7 +101,10 @@ class GenerationCore:
         return self._checked(Prompt(self.tokenization.encode(text), text), field_name)
 
     def check_limits(
-        self, params: SamplingParams, stop: Sequence[str], names: dict[str, str],
+        self,
+        params: SamplingParams,
+        stop: Sequence[str],
+        names: dict[str, str],
         stop_field: str = "stop",
     ) -> None:
         """The server's per-request limits (llmserve.limits); FieldError naming the field."""
@@ -131,7 +134,9 @@ class GenerationCore:
         tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
         text = self.tokenization.render_chat(
-            messages, add_generation_prompt=add_generation_prompt, field_name=field_name,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            field_name=field_name,
             tools=tools,
         )
         ids = self.tokenization.encode(text, add_special_tokens=False)
@@ -207,12 +212,17 @@ class GenerationCore:
         states = [
             _ChoiceState(
                 IncrementalDetokenizer(
-                    tokenizer, inp.prompt.token_ids,
+                    tokenizer,
+                    inp.prompt.token_ids,
                     skip_special_tokens=inp.text.skip_special_tokens,
-                ) if inp.text.detokenize else None,
+                )
+                if inp.text.detokenize
+                else None,
                 StopStringMatcher(
                     inp.text.stop, include_stop_str_in_output=inp.text.include_stop_str_in_output
-                ) if inp.text.stop else None,
+                )
+                if inp.text.stop
+                else None,
             )
             for _ in range(params.n)
         ]
@@ -232,9 +242,16 @@ class GenerationCore:
             priority=inp.priority,
         )
         stream = self.scheduler.submit(
-            inp.request_id, inp.prompt.token_ids, params, self.tokenization.eos_token_id,
-            current_traceparent(span), inp.priority, inp.text.stop,
-            not inp.text.skip_special_tokens, timeout_s=inp.timeout_s, grammar=inp.grammar,
+            inp.request_id,
+            inp.prompt.token_ids,
+            params,
+            self.tokenization.eos_token_id,
+            current_traceparent(span),
+            inp.priority,
+            inp.text.stop,
+            not inp.text.skip_special_tokens,
+            timeout_s=inp.timeout_s,
+            grammar=inp.grammar,
         )
         try:
             first = True
@@ -261,7 +278,9 @@ class GenerationCore:
                     update.metrics = out.metrics
                     set_response_attributes(span, update, finish_reasons)
                     metrics.record_finished(
-                        finish_reasons, update.usage, first_token_ns,
+                        finish_reasons,
+                        update.usage,
+                        first_token_ns,
                         time.perf_counter_ns() - start,
                     )
                     rlog.info(
@@ -287,7 +306,10 @@ class GenerationCore:
         token_ids = list(delta.token_ids)
         finish = delta.finish_reason
         choice = ChoiceUpdate(delta.index, "", token_ids, finish_reason=finish)
-        if delta.HasField("stop_token_id") and delta.stop_token_id != self.tokenization.eos_token_id:
+        if (
+            delta.HasField("stop_token_id")
+            and delta.stop_token_id != self.tokenization.eos_token_id
+        ):
             choice.stop_reason = delta.stop_token_id  # EOS is the normal end: no stop reason
         if delta.logprobs:
             choice.logprobs = [self._logprob_entry(lp.token, lp.top) for lp in delta.logprobs]

@@ -43,7 +43,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if kind == "chat":
             add_gen = (
                 request.chat.add_generation_prompt
-                if request.chat.HasField("add_generation_prompt") else True
+                if request.chat.HasField("add_generation_prompt")
+                else True
             )
             messages = [
                 {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
@@ -83,9 +84,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             grammar = grammar_from_proto(request.grammar, "grammar")
             await check_admissible(grammar, core.limits)
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        inp = GenerationInput(request_id, prompt, params, options, priority=request.priority,
-                              timeout_s=core.timeout_for(context.time_remaining()),
-                              grammar=grammar)
+        inp = GenerationInput(
+            request_id,
+            prompt,
+            params,
+            options,
+            priority=request.priority,
+            timeout_s=core.timeout_for(context.time_remaining()),
+            grammar=grammar,
+        )
         parent = context_from_metadata(context.invocation_metadata())
         first = True
         async for update in core.generate(inp, parent):
@@ -128,12 +135,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ListModelsResponse:
         core = self.core
-        return generation_pb2.ListModelsResponse(models=[
-            generation_pb2.ModelInfo(
-                id=core.model_name, owned_by="llmserve", created=core.created,
-                max_model_len=core.max_model_len or 0,
-            )
-        ])
+        return generation_pb2.ListModelsResponse(
+            models=[
+                generation_pb2.ModelInfo(
+                    id=core.model_name,
+                    owned_by="llmserve",
+                    created=core.created,
+                    max_model_len=core.max_model_len or 0,
+                )
+            ]
+        )
 
 
 def _token(t: TokenInfo) -> generation_pb2.TextTokenLogprob:

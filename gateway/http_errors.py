@@ -58,8 +58,11 @@ async def _framework_error(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 400:
         return error_response(FieldError("body", str(exc.detail)))
     return JSONResponse(
-        ErrorResponse(error=ErrorBody(message=str(exc.detail), type="invalid_request_error",
-                                      param=None, code=None)).model_dump(),
+        ErrorResponse(
+            error=ErrorBody(
+                message=str(exc.detail), type="invalid_request_error", param=None, code=None
+            )
+        ).model_dump(),
         status_code=exc.status_code,
     )
 
@@ -87,8 +90,12 @@ def param_name(loc: Any) -> str | None:
             if not name:
                 break  # a position in malformed JSON, not a field
             name += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part.islower() and \
-                part not in _TYPE_TAGS:
+        elif (
+            isinstance(part, str)
+            and part.isidentifier()
+            and part.islower()
+            and part not in _TYPE_TAGS
+        ):
             name += f".{part}" if name else part
         else:
             break
@@ -102,8 +109,9 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {status: {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
-            for status in statuses}
+    return {
+        status: {"model": ErrorResponse, "description": _ERROR_TEXT[status]} for status in statuses
+    }
 
 
 _ERROR_TEXT = {
@@ -117,17 +125,28 @@ _ERROR_TEXT = {
 
 
 def generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
-    ok: dict[int | str, dict[str, Any]] = {200: {
-        "model": model,
-        "description": "The full response, or with `stream: true` server-sent events "
-                       "(`data: <chunk>` lines, then `data: [DONE]`)",
-        # Before OpenAPI 3.2 the schema of an event stream describes one event.
-        "content": {"text/event-stream": {"schema": {
-            "type": "object", "required": ["data"],
-            "properties": {"data": {"type": "string",
-                                    "description": "a JSON chunk, an error, or [DONE]"}},
-        }}},
-    }}
+    ok: dict[int | str, dict[str, Any]] = {
+        200: {
+            "model": model,
+            "description": "The full response, or with `stream: true` server-sent events "
+            "(`data: <chunk>` lines, then `data: [DONE]`)",
+            # Before OpenAPI 3.2 the schema of an event stream describes one event.
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["data"],
+                        "properties": {
+                            "data": {
+                                "type": "string",
+                                "description": "a JSON chunk, an error, or [DONE]",
+                            }
+                        },
+                    }
+                }
+            },
+        }
+    }
     return {**ok, **error_responses(400, 401, 404, 409, 429, 503)}
 
 

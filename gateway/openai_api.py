@@ -39,19 +39,27 @@ from llmserve.tls import uvicorn_ssl
 
 router = APIRouter()
 _HEALTH: dict[int | str, dict[str, Any]] = {
-    200: {"model": HealthStatus}, 503: {"model": HealthStatus}
+    200: {"model": HealthStatus},
+    503: {"model": HealthStatus},
 }
 
 
-def build_app(core: GenerationCore, api_keys: KeySet | None = None,
-              not_ready_reason: Callable[[], str | None] | None = None) -> FastAPI:
+def build_app(
+    core: GenerationCore,
+    api_keys: KeySet | None = None,
+    not_ready_reason: Callable[[], str | None] | None = None,
+) -> FastAPI:
     """The ASGI app. `not_ready_reason` answers /ready (None: ready); without it, /ready
     follows the scheduler connection."""
-    app = FastAPI(title="llmserve", version="0.1.0",
-                  description="OpenAI-compatible API of the llmserve gateway")
+    app = FastAPI(
+        title="llmserve",
+        version="0.1.0",
+        description="OpenAI-compatible API of the llmserve gateway",
+    )
     app.state.core = core
     app.state.not_ready_reason = not_ready_reason or (
-        lambda: None if core.scheduler.connected else "scheduler unavailable")
+        lambda: None if core.scheduler.connected else "scheduler unavailable"
+    )
     install_error_handlers(app)
     # Added last runs first: the key, then the body's size, then admission.
     app.add_middleware(AdmissionMiddleware, admission=core.admission)
@@ -88,14 +96,23 @@ async def prometheus_metrics() -> Response:
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
 async def list_models(request: Request) -> dict[str, Any]:
     core = _core(request)
-    return {"object": "list", "data": [{
-        "id": core.model_name, "object": "model", "created": core.created,
-        "owned_by": "llmserve", "max_model_len": core.max_model_len,
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": core.model_name,
+                "object": "model",
+                "created": core.created,
+                "owned_by": "llmserve",
+                "max_model_len": core.max_model_len,
+            }
+        ],
+    }
 
 
-@router.post("/v1/completions", response_model=None,
-             responses=generation_responses(CompletionResponse))
+@router.post(
+    "/v1/completions", response_model=None, responses=generation_responses(CompletionResponse)
+)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     core = _core(request)
     inputs = await completion_inputs(core, body)
@@ -104,8 +121,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _respond(request, body, inputs, shaper, "completions")
 
 
-@router.post("/v1/chat/completions", response_model=None,
-             responses=generation_responses(ChatCompletionResponse))
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses=generation_responses(ChatCompletionResponse),
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     core = _core(request)
     inp = await chat_input(core, body)
@@ -114,26 +134,39 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _respond(request, body, [inp], shaper, "chat")
 
 
-async def _respond(request: Request, body: CompletionRequest | ChatCompletionRequest,
-                   inputs: list[GenerationInput], shaper: Shaper, endpoint: str) -> Response:
+async def _respond(
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    inputs: list[GenerationInput],
+    shaper: Shaper,
+    endpoint: str,
+) -> Response:
     metrics.REQUESTS.labels(endpoint, "stream" if body.stream else "full").inc()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     parent = context_from_metadata(list(request.headers.items()))
-    return await respond(_core(request), request, inputs, shaper, body.stream, include_usage,
-                         parent)
+    return await respond(
+        _core(request), request, inputs, shaper, body.stream, include_usage, parent
+    )
 
 
-def http_server(core: GenerationCore, config: Any,
-                not_ready_reason: Callable[[], str | None] | None = None) -> Any:
+def http_server(
+    core: GenerationCore, config: Any, not_ready_reason: Callable[[], str | None] | None = None
+) -> Any:
     """The HTTP server (a `uvicorn.Server`: `serve()` runs it, `started` says it listens)."""
     import uvicorn
 
     app = build_app(core, config.api_keys, not_ready_reason)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.http_port, log_config=None, access_log=False,
-        lifespan="off",
-        **uvicorn_ssl(installed().tls, config.tls_require_client_cert),
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.http_port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            **uvicorn_ssl(installed().tls, config.tls_require_client_cert),
+        )
+    )
     # The process owns SIGINT/SIGTERM (llmserve.service_main); uvicorn must not take them over.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     return server

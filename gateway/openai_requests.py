@@ -18,24 +18,33 @@ from llmserve.limits import check_prompt_count
 from llmserve.sampling_params import SamplingParams
 
 
-async def completion_inputs(core: GenerationCore, body: CompletionRequest
-                            ) -> list[GenerationInput]:
+async def completion_inputs(core: GenerationCore, body: CompletionRequest) -> list[GenerationInput]:
     """One input per prompt of a /v1/completions body; ids `cmpl-<hex>-<prompt index>`."""
     core.check_model(body.model)
     if body.suffix:
         raise FieldError("suffix", "is not supported")
-    grammar = await _checked_grammar(core, grammar_of(body.response_format,
-                                                      body.structured_outputs))
+    grammar = await _checked_grammar(
+        core, grammar_of(body.response_format, body.structured_outputs)
+    )
     response_id = f"cmpl-{uuid.uuid4().hex}"
     inputs = []
     for i, prompt in enumerate(await _completion_prompts(core, body.prompt)):
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params = _sampling_params(core, body, prompt, body.max_tokens, "max_tokens",
-                                  body.logprobs, prompt_logprobs)
-        inputs.append(GenerationInput(f"{response_id}-{i}", prompt, params,
-                                      _text_options(core, body, params), "text_completion",
-                                      timeout_s=core.timeout_for(None),
-                                      priority=body.priority, grammar=grammar))
+        params = _sampling_params(
+            core, body, prompt, body.max_tokens, "max_tokens", body.logprobs, prompt_logprobs
+        )
+        inputs.append(
+            GenerationInput(
+                f"{response_id}-{i}",
+                prompt,
+                params,
+                _text_options(core, body, params),
+                "text_completion",
+                timeout_s=core.timeout_for(None),
+                priority=body.priority,
+                grammar=grammar,
+            )
+        )
     return inputs
 
 
@@ -47,13 +56,15 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
     grammar = grammar_of(body.response_format, body.structured_outputs)
     if tools is not None:
         if grammar is not None:
-            raise FieldError(grammar.field, "cannot be combined with tools (unless "
-                             "tool_choice is none)")
+            raise FieldError(
+                grammar.field, "cannot be combined with tools (unless tool_choice is none)"
+            )
         grammar = fmt.grammar(tools)
     grammar = await _checked_grammar(core, grammar)
     messages, template_tools = fmt.render([_message(m) for m in body.messages], tools)
-    prompt = await chat_prompt(core, messages, body.add_generation_prompt, "messages",
-                               template_tools)
+    prompt = await chat_prompt(
+        core, messages, body.add_generation_prompt, "messages", template_tools
+    )
     max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, field = body.max_tokens, "max_tokens"
@@ -61,10 +72,17 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
         raise FieldError("top_logprobs", "needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(core, body, prompt, max_tokens, field, logprobs, None)
-    return GenerationInput(f"chatcmpl-{uuid.uuid4().hex}", prompt, params,
-                           _text_options(core, body, params), "chat",
-                           timeout_s=core.timeout_for(None), priority=body.priority,
-                           grammar=grammar, tools=tools)
+    return GenerationInput(
+        f"chatcmpl-{uuid.uuid4().hex}",
+        prompt,
+        params,
+        _text_options(core, body, params),
+        "chat",
+        timeout_s=core.timeout_for(None),
+        priority=body.priority,
+        grammar=grammar,
+        tools=tools,
+    )
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -78,8 +96,7 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-async def _checked_grammar(core: GenerationCore, spec: GrammarSpec | None
-                           ) -> GrammarSpec | None:
+async def _checked_grammar(core: GenerationCore, spec: GrammarSpec | None) -> GrammarSpec | None:
     if spec is not None:
         await check_admissible(spec, core.limits)
     return spec
@@ -100,11 +117,11 @@ async def _completion_prompts(core: GenerationCore, prompt: Any) -> list[Prompt]
     raise FieldError("prompt", "must be a string, a list of strings, or token ids")
 
 
-def _text_options(core: GenerationCore, body: CompletionRequest | ChatCompletionRequest,
-                  params: SamplingParams) -> TextOptions:
+def _text_options(
+    core: GenerationCore, body: CompletionRequest | ChatCompletionRequest, params: SamplingParams
+) -> TextOptions:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    names = {"logprobs": "top_logprobs" if isinstance(body, ChatCompletionRequest)
-             else "logprobs"}
+    names = {"logprobs": "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"}
     core.check_limits(params, stop, names)
     return TextOptions(tuple(stop), body.include_stop_str_in_output, body.skip_special_tokens)
 
@@ -126,17 +143,24 @@ def _sampling_params(
     if top_k == -1:
         top_k = 0
     kwargs: dict[str, Any] = {
-        "n": body.n, "best_of": body.best_of, "use_beam_search": body.use_beam_search,
+        "n": body.n,
+        "best_of": body.best_of,
+        "use_beam_search": body.use_beam_search,
         "length_penalty": body.length_penalty,
         "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": top_k,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": top_k,
         "min_p": body.min_p or 0.0,
         "presence_penalty": body.presence_penalty or 0.0,
         "frequency_penalty": body.frequency_penalty or 0.0,
         "repetition_penalty": body.repetition_penalty or 1.0,
-        "seed": body.seed, "max_tokens": max_tokens, "min_tokens": body.min_tokens,
-        "stop_token_ids": tuple(body.stop_token_ids or ()), "ignore_eos": body.ignore_eos,
-        "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+        "seed": body.seed,
+        "max_tokens": max_tokens,
+        "min_tokens": body.min_tokens,
+        "stop_token_ids": tuple(body.stop_token_ids or ()),
+        "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
     }
     try:
         params = SamplingParams(**kwargs)
@@ -146,8 +170,9 @@ def _sampling_params(
     return params
 
 
-def _client_field(name: str | None, body: CompletionRequest | ChatCompletionRequest,
-                  max_tokens_field: str) -> str:
+def _client_field(
+    name: str | None, body: CompletionRequest | ChatCompletionRequest, max_tokens_field: str
+) -> str:
     """The body's field behind a SamplingParams field."""
     if name == "max_tokens":
         return max_tokens_field

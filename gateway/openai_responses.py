@@ -17,8 +17,15 @@ from gateway.http_errors import error_body
 from gateway.openai_shapers import PromptLogprobs, Shaper
 
 
-async def respond(core: GenerationCore, request: Request, inputs: list[GenerationInput],
-                  shaper: Shaper, stream: bool, include_usage: bool, parent: Any) -> Response:
+async def respond(
+    core: GenerationCore,
+    request: Request,
+    inputs: list[GenerationInput],
+    shaper: Shaper,
+    stream: bool,
+    include_usage: bool,
+    parent: Any,
+) -> Response:
     """The whole response, or a stream of chunks; a client that disconnects aborts."""
     if stream:
         updates = _merged(core, inputs, parent)
@@ -43,9 +50,9 @@ async def respond(core: GenerationCore, request: Request, inputs: list[Generatio
     return JSONResponse(collect.result())
 
 
-async def _prepend(first: tuple[int, GenerationUpdate],
-                   rest: AsyncGenerator[tuple[int, GenerationUpdate], None]
-                   ) -> AsyncGenerator[tuple[int, GenerationUpdate], None]:
+async def _prepend(
+    first: tuple[int, GenerationUpdate], rest: AsyncGenerator[tuple[int, GenerationUpdate], None]
+) -> AsyncGenerator[tuple[int, GenerationUpdate], None]:
     try:
         yield first
         async for item in rest:
@@ -54,8 +61,9 @@ async def _prepend(first: tuple[int, GenerationUpdate],
         await rest.aclose()
 
 
-async def _collect(core: GenerationCore, inputs: list[GenerationInput], parent: Any,
-                   shaper: Shaper) -> dict[str, Any]:
+async def _collect(
+    core: GenerationCore, inputs: list[GenerationInput], parent: Any, shaper: Shaper
+) -> dict[str, Any]:
     choices: dict[int, list[ChoiceUpdate]] = {}
     prompt_logprobs: dict[int, PromptLogprobs] = {}
     usage = Usage(0, 0)
@@ -68,8 +76,9 @@ async def _collect(core: GenerationCore, inputs: list[GenerationInput], parent: 
     return shaper.full(choices, prompt_logprobs, usage)
 
 
-async def _stream(updates: AsyncGenerator[tuple[int, GenerationUpdate], None], shaper: Shaper,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    updates: AsyncGenerator[tuple[int, GenerationUpdate], None], shaper: Shaper, include_usage: bool
+) -> AsyncIterator[str]:
     usage = Usage(0, 0)
     try:
         async for i, update in updates:
@@ -93,8 +102,9 @@ def _add(total: Usage, update: GenerationUpdate) -> Usage:
     return total if update.usage is None else total + update.usage
 
 
-async def _merged(core: GenerationCore, inputs: list[GenerationInput], parent: Any
-                  ) -> AsyncGenerator[tuple[int, GenerationUpdate], None]:
+async def _merged(
+    core: GenerationCore, inputs: list[GenerationInput], parent: Any
+) -> AsyncGenerator[tuple[int, GenerationUpdate], None]:
     """Updates of several requests (one per prompt) as they come, tagged with the prompt index."""
     if len(inputs) == 1:
         async for update in core.generate(inputs[0], parent):

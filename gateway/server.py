@@ -80,23 +80,30 @@ async def serve(config: GatewayConfig) -> None:
         SHARD_REQUESTS.labels(address).set_function(
             functools.partial(scheduler.shard_load, address)
         )
-    core = GenerationCore(config.served_model_name, tokenization, scheduler,
-                          limits=config.limits, admission=admission,
-                          request_timeout_s=config.request_timeout_s)
+    core = GenerationCore(
+        config.served_model_name,
+        tokenization,
+        scheduler,
+        limits=config.limits,
+        admission=admission,
+        request_timeout_s=config.request_timeout_s,
+    )
 
     def learned(max_model_len: int) -> None:
         if max_model_len != core.max_model_len:
             log.info("max_model_len from the scheduler", max_model_len=max_model_len)
         core.max_model_len = max_model_len
 
-    readiness = ShardsReadiness([
-        SchedulerReadiness(
-            address,
-            functools.partial(scheduler.shard_connected, address),
-            on_max_model_len=learned,
-        )
-        for address in shards
-    ])
+    readiness = ShardsReadiness(
+        [
+            SchedulerReadiness(
+                address,
+                functools.partial(scheduler.shard_connected, address),
+                on_max_model_len=learned,
+            )
+            for address in shards
+        ]
+    )
     scheduler.is_serving = readiness.serving
     readiness.start()
 
@@ -122,13 +129,16 @@ async def serve(config: GatewayConfig) -> None:
             return "starting: the HTTP port is not open yet"
         return readiness.not_ready_reason()
 
-    health_task = asyncio.create_task(
-        published.follow(reason, health), name="gateway-readiness"
-    )
+    health_task = asyncio.create_task(published.follow(reason, health), name="gateway-readiness")
 
-    log.info("gateway listening", grpc=address, http_port=config.http_port,
-             model=config.served_model_name,
-             scheduler=config.scheduler_address, shards=len(shards))
+    log.info(
+        "gateway listening",
+        grpc=address,
+        http_port=config.http_port,
+        model=config.served_model_name,
+        scheduler=config.scheduler_address,
+        shards=len(shards),
+    )
 
     async def on_stop() -> None:
         # Draining: probes see NOT_SERVING / 503 at once, so traffic stops coming here; new
@@ -140,8 +150,11 @@ async def serve(config: GatewayConfig) -> None:
         in_flight = admission.in_flight
         log.info("draining", in_flight=in_flight, grace_s=config.shutdown_grace_s)
         drained = await admission.wait_idle(config.shutdown_grace_s)
-        log.info("drained" if drained else "grace period over; cutting the rest",
-                 finished=in_flight - admission.in_flight, cut=admission.in_flight)
+        log.info(
+            "drained" if drained else "grace period over; cutting the rest",
+            finished=in_flight - admission.in_flight,
+            cut=admission.in_flight,
+        )
         for task in (health_task, http_task):
             if task is not None:
                 task.cancel()

@@ -84,9 +84,7 @@ class Tokenization:
                 tools=tools,
             )
         except Exception as exc:  # jinja raises TemplateError / exceptions the template raises
-            raise FieldError(
-                field_name, f"the chat template rejected the messages: {exc}"
-            ) from exc
+            raise FieldError(field_name, f"the chat template rejected the messages: {exc}") from exc
         assert isinstance(text, str)
         return text
 

@@ -26,46 +26,88 @@ def _up_parser() -> argparse.ArgumentParser:
         description="Run worker(s), scheduler and gateway as separate processes on loopback.",
     )
     p.add_argument("--model", default="smollm2", help="model spec (default: embedded SmolLM2)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="number of worker processes that prefill and decode (default 1, or 0 "
-                   "with --prefill-workers/--decode-workers)")
-    p.add_argument("--prefill-workers", type=int, default=0,
-                   help="disaggregated serving: workers that prefill long prompts and hand each "
-                   "request to a decode worker with its KV blocks (worker --role prefill)")
-    p.add_argument("--decode-workers", type=int, default=0,
-                   help="disaggregated serving: workers that decode (worker --role decode)")
-    p.add_argument("--schedulers", type=int, default=1,
-                   help="scheduler shards, each driving its share of the workers (worker i on "
-                   "shard i mod N); the gateway spreads requests over them")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="number of worker processes that prefill and decode (default 1, or 0 "
+        "with --prefill-workers/--decode-workers)",
+    )
+    p.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        help="disaggregated serving: workers that prefill long prompts and hand each "
+        "request to a decode worker with its KV blocks (worker --role prefill)",
+    )
+    p.add_argument(
+        "--decode-workers",
+        type=int,
+        default=0,
+        help="disaggregated serving: workers that decode (worker --role decode)",
+    )
+    p.add_argument(
+        "--schedulers",
+        type=int,
+        default=1,
+        help="scheduler shards, each driving its share of the workers (worker i on "
+        "shard i mod N); the gateway spreads requests over them",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")
     p.add_argument("--dtype", default=None, help="worker dtype (float32, bfloat16, float16)")
-    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
-                   help="worker device; on CUDA each worker gets a GPU of its own")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="per worker, the fraction of its GPU it may use (CUDA)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="workers run decode steps eagerly (no CUDA graphs)")
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["auto", "cpu", "cuda"],
+        help="worker device; on CUDA each worker gets a GPU of its own",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="per worker, the fraction of its GPU it may use (CUDA)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="workers run decode steps eagerly (no CUDA graphs)",
+    )
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (workers)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="per worker, GiB (CPU)")
     p.add_argument("--swap-space", type=float, default=None, help="per worker, GiB")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="speculative decoding: n-gram drafts per sequence and step (scheduler; "
-                   "0 = off, the default)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="speculative decoding: n-gram drafts per sequence and step (scheduler; "
+        "0 = off, the default)",
+    )
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--api-key-file", default=None,
-                   help="the gateway's API keys, one a line (LLMSERVE_API_KEYS also works)")
-    p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template for models without one (base models)")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="the gateway's API keys, one a line (LLMSERVE_API_KEYS also works)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template for models without one (base models)",
+    )
     from gateway.tool_formats import TOOL_PARSERS
 
-    p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
-                   help="the gateway's tool-call format (default: auto, read off the chat "
-                   "template); see `llmserve gateway --help`")
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_PARSERS,
+        help="the gateway's tool-call format (default: auto, read off the chat "
+        "template); see `llmserve gateway --help`",
+    )
     # --tls-cert/--tls-key/--tls-ca (one certificate for every service: they all listen on
     # loopback) and --internal-token-file, passed to every service.
     add_security_flags(p)
@@ -94,8 +136,9 @@ def _run_up(argv: list[str]) -> int:
     if min(args.workers, args.prefill_workers, args.decode_workers) < 0:
         _up_parser().error("--workers, --prefill-workers and --decode-workers must be >= 0")
     if args.prefill_workers and not (args.workers or args.decode_workers):
-        _up_parser().error("--prefill-workers needs a worker to hand requests to "
-                           "(--decode-workers or --workers)")
+        _up_parser().error(
+            "--prefill-workers needs a worker to hand requests to (--decode-workers or --workers)"
+        )
     roles = ["mixed"] * args.workers + ["prefill"] * args.prefill_workers
     roles += ["decode"] * args.decode_workers
     args.workers = len(roles)
@@ -127,18 +170,34 @@ def _run_up(argv: list[str]) -> int:
         host=args.host,
         worker_args=_passthrough(
             args,
-            ["dtype", "device", "gpu-memory-utilization", "block-size", "kv-cache-memory",
-             "swap-space", "log-level"],
-        ) + (["--enforce-eager"] if args.enforce_eager else []) + secured,
+            [
+                "dtype",
+                "device",
+                "gpu-memory-utilization",
+                "block-size",
+                "kv-cache-memory",
+                "swap-space",
+                "log-level",
+            ],
+        )
+        + (["--enforce-eager"] if args.enforce_eager else [])
+        + secured,
         worker_devices=devices,
         scheduler_args=_passthrough(
             args,
-            ["num-gpu-blocks-override", "max-num-seqs", "max-num-batched-tokens",
-             "num-speculative-tokens", "log-level"],
-        ) + secured,
+            [
+                "num-gpu-blocks-override",
+                "max-num-seqs",
+                "max-num-batched-tokens",
+                "num-speculative-tokens",
+                "log-level",
+            ],
+        )
+        + secured,
         gateway_args=_passthrough(
             args, ["log-level", "api-key-file", "chat-template", "tool-call-parser"]
-        ) + secured,
+        )
+        + secured,
         https=args.tls_cert is not None,
     )
     return asyncio.run(run_stack(config))

@@ -71,8 +71,12 @@ def build_request(
     keywords (temperature, max_tokens, n, seed, ...). max_tokens defaults to the context left.
     `priority`: lower is served first. `grammar`: what the output must match."""
     request = generation_pb2.GenerateRequest(
-        request_id=request_id, model=model, stop=list(stop),
-        include_stop_str_in_output=include_stop_str_in_output, echo=echo, priority=priority,
+        request_id=request_id,
+        model=model,
+        stop=list(stop),
+        include_stop_str_in_output=include_stop_str_in_output,
+        echo=echo,
+        priority=priority,
     )
     if messages is not None:
         request.chat.messages.extend(
@@ -120,22 +124,31 @@ class _Collector:
     def result(self) -> Completion:
         keys = sorted(self.texts)
         return Completion(
-            ["".join(self.texts[k]) for k in keys], [self.ids[k] for k in keys],
-            [self.finish.get(k) for k in keys], *self.usage,
+            ["".join(self.texts[k]) for k in keys],
+            [self.ids[k] for k in keys],
+            [self.finish.get(k) for k in keys],
+            *self.usage,
         )
 
 
 class AsyncClient:
-    def __init__(self, address: str = "localhost:50051", *, timeout_s: float | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024, api_key: str | None = None,
-                 tls: ClientTls | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "localhost:50051",
+        *,
+        timeout_s: float | None = None,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        api_key: str | None = None,
+        tls: ClientTls | None = None,
+    ) -> None:
         options = channel_options(max_message_bytes)
         interceptors = aio_bearer(api_key) if api_key else []
         self._channel = (
             grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
             if tls is None
-            else grpc.aio.secure_channel(address, tls.credentials(), options=options,
-                                         interceptors=interceptors)
+            else grpc.aio.secure_channel(
+                address, tls.credentials(), options=options, interceptors=interceptors
+            )
         )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self.timeout_s = timeout_s
@@ -149,8 +162,9 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def stream(self, request: generation_pb2.GenerateRequest
-                     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def stream(
+        self, request: generation_pb2.GenerateRequest
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         call = self._stub.Generate(request, timeout=self.timeout_s)
         try:
             async for response in call:
@@ -158,36 +172,46 @@ class AsyncClient:
         finally:
             call.cancel()  # no-op when finished; aborts the request otherwise
 
-    async def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any
-                       ) -> AsyncIterator[Chunk]:
+    async def generate(
+        self, prompt: str | Sequence[int] | None = None, **kwargs: Any
+    ) -> AsyncIterator[Chunk]:
         async for response in self.stream(build_request(prompt, **kwargs)):
             for chunk in _chunks(response):
                 yield chunk
 
-    async def complete(self, prompt: str | Sequence[int] | None = None, **kwargs: Any
-                       ) -> Completion:
+    async def complete(
+        self, prompt: str | Sequence[int] | None = None, **kwargs: Any
+    ) -> Completion:
         collector = _Collector()
         async for response in self.stream(build_request(prompt, **kwargs)):
             collector.add(response)
         return collector.result()
 
     async def tokenize(self, text: str) -> list[int]:
-        reply = await self._stub.Tokenize(generation_pb2.TokenizeRequest(text=text),
-                                          timeout=self.timeout_s)
+        reply = await self._stub.Tokenize(
+            generation_pb2.TokenizeRequest(text=text), timeout=self.timeout_s
+        )
         return list(reply.token_ids)
 
     async def list_models(self) -> list[str]:
-        reply = await self._stub.ListModels(generation_pb2.ListModelsRequest(),
-                                            timeout=self.timeout_s)
+        reply = await self._stub.ListModels(
+            generation_pb2.ListModelsRequest(), timeout=self.timeout_s
+        )
         return [m.id for m in reply.models]
 
 
 class Client:
     """Blocking client over the same API."""
 
-    def __init__(self, address: str = "localhost:50051", *, timeout_s: float | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024, api_key: str | None = None,
-                 tls: ClientTls | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "localhost:50051",
+        *,
+        timeout_s: float | None = None,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        api_key: str | None = None,
+        tls: ClientTls | None = None,
+    ) -> None:
         options = channel_options(max_message_bytes)
         channel = (
             grpc.insecure_channel(address, options=options)
@@ -207,16 +231,16 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
-    def stream(self, request: generation_pb2.GenerateRequest
-               ) -> Iterator[generation_pb2.GenerateResponse]:
+    def stream(
+        self, request: generation_pb2.GenerateRequest
+    ) -> Iterator[generation_pb2.GenerateResponse]:
         call = self._stub.Generate(request, timeout=self.timeout_s)
         try:
             yield from call
         finally:
             call.cancel()
 
-    def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any
-                 ) -> Iterator[Chunk]:
+    def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Iterator[Chunk]:
         for response in self.stream(build_request(prompt, **kwargs)):
             yield from _chunks(response)
 
@@ -227,6 +251,7 @@ class Client:
         return collector.result()
 
     def tokenize(self, text: str) -> list[int]:
-        reply = self._stub.Tokenize(generation_pb2.TokenizeRequest(text=text),
-                                    timeout=self.timeout_s)
+        reply = self._stub.Tokenize(
+            generation_pb2.TokenizeRequest(text=text), timeout=self.timeout_s
+        )
         return list(reply.token_ids)

@@ -36,8 +36,13 @@ class Issued:
 def _names(name: str, namespace: str) -> list[str]:
     if name == CLIENT:
         return [CLIENT]
-    return [name, f"{name}.{namespace}", f"{name}.{namespace}.svc",
-            f"{name}.{namespace}.svc.cluster.local", "localhost"]
+    return [
+        name,
+        f"{name}.{namespace}",
+        f"{name}.{namespace}.svc",
+        f"{name}.{namespace}.svc.cluster.local",
+        "localhost",
+    ]
 
 
 def _write(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -72,9 +77,15 @@ class DevCA:
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                    crl_sign=True, encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
@@ -87,8 +98,9 @@ class DevCA:
         _write(out / "ca.key", _key_pem(self.key), 0o600)
         return out / "ca.pem"
 
-    def issue(self, out: Path, name: str, dns: list[str], ips: tuple[str, ...] = ("127.0.0.1",)
-              ) -> Issued:
+    def issue(
+        self, out: Path, name: str, dns: list[str], ips: tuple[str, ...] = ("127.0.0.1",)
+    ) -> Issued:
         """NAME.pem / NAME.key under `out`, for server and client use, naming `dns` and `ips`."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
@@ -154,14 +166,20 @@ def make_dev_pki(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmserve.devcerts", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m llmserve.devcerts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("outdir", type=Path)
     p.add_argument("--days", type=int, default=365, help="validity of the CA and certificates")
     p.add_argument("--namespace", default=NAMESPACE, help="Kubernetes namespace in the names")
-    p.add_argument("--readable-keys", action="store_true",
-                   help="service keys readable by all (0644), for bind mounts into containers "
-                   "that run as another user (compose); development only")
+    p.add_argument(
+        "--readable-keys",
+        action="store_true",
+        help="service keys readable by all (0644), for bind mounts into containers "
+        "that run as another user (compose); development only",
+    )
     args = p.parse_args(argv)
     issued = make_dev_pki(args.outdir, args.days, args.namespace, args.readable_keys)
     print(f"CA: {args.outdir / 'ca.pem'}")

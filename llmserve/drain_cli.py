@@ -24,12 +24,8 @@ from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="llmserve drain", description=__doc__)
     p.add_argument("worker", help="the worker's host:port, as the scheduler lists it")
-    p.add_argument(
-        "--scheduler", default="127.0.0.1:50071", help="the scheduler's gRPC host:port"
-    )
-    p.add_argument(
-        "--wait", action="store_true", help="return once the worker has left the fleet"
-    )
+    p.add_argument("--scheduler", default="127.0.0.1:50071", help="the scheduler's gRPC host:port")
+    p.add_argument("--wait", action="store_true", help="return once the worker has left the fleet")
     p.add_argument("--timeout-s", type=float, default=600.0, help="the longest --wait waits")
     return security.parse_cli_security(p, argv)
 

@@ -27,15 +27,31 @@ from llmserve.tls import ClientTls
 CLIENT_API_KEY_ENV = "LLMSERVE_API_KEY"
 
 _SAMPLING_FIELDS = {
-    "n", "best_of", "use_beam_search", "length_penalty", "temperature", "top_p", "top_k",
-    "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-    "max_tokens", "min_tokens", "ignore_eos", "logprobs",
+    "n",
+    "best_of",
+    "use_beam_search",
+    "length_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "logprobs",
 }
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="llmserve generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="llmserve generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("prompt", nargs="?", help="the prompt (omit with --input)")
     p.add_argument("--address", default="localhost:50051", help="gateway gRPC host:port")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
@@ -47,8 +63,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--input", type=Path, help="JSONL file of prompts")
     p.add_argument("--output", type=Path, help="JSONL file for the results (with --input)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (--input)")
-    p.add_argument("--api-key-file", default=None,
-                   help=f"file whose first key is sent (default: ${CLIENT_API_KEY_ENV})")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"file whose first key is sent (default: ${CLIENT_API_KEY_ENV})",
+    )
     p.add_argument("--tls-ca", default=None, help="dial over TLS, checking the gateway against it")
     p.add_argument("--tls-cert", default=None, help="client certificate (with --tls-ca)")
     p.add_argument("--tls-key", default=None, help="its private key")
@@ -78,7 +97,9 @@ def _connection(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--tls-cert: needs --tls-ca")
     tls = None
     if args.tls_ca is not None:
-        tls = ClientTls(Path(args.tls_ca), *(Path(p) if p else None for p in (args.tls_cert, args.tls_key)))
+        tls = ClientTls(
+            Path(args.tls_ca), *(Path(p) if p else None for p in (args.tls_cert, args.tls_key))
+        )
     return {"api_key": key, "tls": tls}
 
 
@@ -128,10 +149,15 @@ async def _run_file(args: argparse.Namespace) -> int:
             async with semaphore:
                 try:
                     done = await client.complete(line.get("prompt"), **kwargs)
-                    results[i] = {"index": i, "choices": done.choices,
-                                  "finish_reasons": done.finish_reasons,
-                                  "usage": {"prompt_tokens": done.prompt_tokens,
-                                            "completion_tokens": done.completion_tokens}}
+                    results[i] = {
+                        "index": i,
+                        "choices": done.choices,
+                        "finish_reasons": done.finish_reasons,
+                        "usage": {
+                            "prompt_tokens": done.prompt_tokens,
+                            "completion_tokens": done.completion_tokens,
+                        },
+                    }
                 except (grpc.aio.AioRpcError, ValueError) as exc:
                     failures += 1
                     message = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)

@@ -73,8 +73,9 @@ def check_sampling(limits: RequestLimits, params: SamplingParams, names: dict[st
     if params.num_sampled > limits.max_best_of:
         raise _over(name("best_of"), params.num_sampled, limits.max_best_of, "max-best-of")
     if limits.max_output_tokens is not None and params.max_tokens > limits.max_output_tokens:
-        raise _over(name("max_tokens"), params.max_tokens, limits.max_output_tokens,
-                    "max-output-tokens")
+        raise _over(
+            name("max_tokens"), params.max_tokens, limits.max_output_tokens, "max-output-tokens"
+        )
     for f in ("logprobs", "prompt_logprobs"):
         value = getattr(params, f)
         if value is not None and value > limits.max_logprobs:
@@ -128,8 +129,12 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per RequestLimits field (`--max-n`), defaulting to the field's default."""
     group = parser.add_argument_group("request limits", "per-request bounds (400 naming the field)")
     for f in fields(RequestLimits):
-        group.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
-                           help=f"default: {f.default if f.default is not None else 'the model'}")
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=int,
+            default=f.default,
+            help=f"default: {f.default if f.default is not None else 'the model'}",
+        )
 
 
 def limits_from_args(args: argparse.Namespace) -> RequestLimits:

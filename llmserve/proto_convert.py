@@ -178,7 +178,7 @@ def grammar_from_proto(msg: common_pb2.Grammar, field: str = "grammar") -> Gramm
 # --- finish reasons -----------------------------------------------------------------------
 
 # common.proto's FinishReason is the one list. Its names, lower-cased without the prefix, are
-# the names the scheduler (scheduler_service.sequence.FinishReason), logs and metrics use.
+# the names the scheduler (scheduler_service.engine.sequence.FinishReason), logs and metrics use.
 _FINISH_PREFIX = "FINISH_REASON_"
 
 

@@ -97,7 +97,9 @@ class SamplingParams:
         if self.max_tokens < 1:
             fail("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            fail("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            fail(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "token ids must be non-negative")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -148,13 +148,23 @@ def plan_stack(config: StackConfig) -> list[ServiceSpec]:
         address = f"{LOOPBACK}:{port}"
         worker_addresses.append(address)
         device = config.worker_devices[index] if index < len(config.worker_devices) else None
-        role = config.worker_roles[index:index + 1]
+        role = config.worker_roles[index : index + 1]
         specs.append(
             ServiceSpec(
                 f"worker-{index}",
-                ["worker", "--model", config.model, "--host", LOOPBACK, "--port", str(port),
-                 "--metrics-port", str(free_port()), *config.worker_args,
-                 *(["--role", *role] if role else [])],
+                [
+                    "worker",
+                    "--model",
+                    config.model,
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(port),
+                    "--metrics-port",
+                    str(free_port()),
+                    *config.worker_args,
+                    *(["--role", *role] if role else []),
+                ],
                 address,
                 {"CUDA_VISIBLE_DEVICES": device} if device is not None else {},
             )
@@ -167,20 +177,39 @@ def plan_stack(config: StackConfig) -> list[ServiceSpec]:
         specs.append(
             ServiceSpec(
                 f"scheduler-{index}" if sharded else "scheduler",
-                ["scheduler", "--host", LOOPBACK, "--port", str(port),
-                 "--metrics-port", str(free_port()),
-                 "--workers", ",".join(worker_addresses[index :: config.num_schedulers]),
-                 *(["--shard-name", f"scheduler-{index}"] if sharded else []),
-                 *config.scheduler_args],
+                [
+                    "scheduler",
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(port),
+                    "--metrics-port",
+                    str(free_port()),
+                    "--workers",
+                    ",".join(worker_addresses[index :: config.num_schedulers]),
+                    *(["--shard-name", f"scheduler-{index}"] if sharded else []),
+                    *config.scheduler_args,
+                ],
                 shards[-1],
             )
         )
     specs.append(
         ServiceSpec(
             "gateway",
-            ["gateway", "--model", config.model, "--host", config.host,
-             "--port", str(config.grpc_port), "--http-port", str(config.http_port),
-             "--scheduler", ",".join(shards), *config.gateway_args],
+            [
+                "gateway",
+                "--model",
+                config.model,
+                "--host",
+                config.host,
+                "--port",
+                str(config.grpc_port),
+                "--http-port",
+                str(config.http_port),
+                "--scheduler",
+                ",".join(shards),
+                *config.gateway_args,
+            ],
             f"{LOOPBACK}:{config.grpc_port}",
         )
     )
@@ -215,16 +244,19 @@ class Stack:
 
     async def _spawn(self, spec: ServiceSpec) -> asyncio.subprocess.Process:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "llmserve.cli", *spec.args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env={**self._env, **spec.env}, start_new_session=True,
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            *spec.args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**self._env, **spec.env},
+            start_new_session=True,
         )
         self.procs[spec.name] = proc
         assert proc.stdout is not None
         self._pumps.append(asyncio.create_task(_pump(spec.name, proc.stdout)))
-        log.info(
-            "starting", service=spec.name, address=spec.grpc_address, pid=proc.pid, **spec.env
-        )
+        log.info("starting", service=spec.name, address=spec.grpc_address, pid=proc.pid, **spec.env)
         return proc
 
     async def start(self, timeout_s: float) -> None:

@@ -1,53 +1,8 @@
-"""scheduler_service: sequences, paged block manager, iteration scheduler and step loop."""
+"""scheduler_service: the scheduler in two rooms.
 
-from llmserve.sampling_params import SamplingParams
-from scheduler_service.block_allocator import BlockAllocator, Device, LRUEvictor
-from scheduler_service.block_manager import AllocStatus, BlockSpaceManager
-from scheduler_service.config import CacheConfig, ConfigError, PreemptionMode, SchedulerConfig
-from scheduler_service.engine import EngineStalledError, LLMEngine
-from scheduler_service.outputs import WorkerOutputError
-from scheduler_service.request_output import CompletionOutput, RequestOutput
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.scheduler_outputs import (
-    PreemptedGroup,
-    ScheduledGroup,
-    SchedulerOutputs,
-    SchedulerStats,
-)
-from scheduler_service.sequence import (
-    FinishReason,
-    RequestMetrics,
-    SampleLogprobs,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-)
-
-__all__ = [
-    "AllocStatus",
-    "BlockAllocator",
-    "BlockSpaceManager",
-    "CacheConfig",
-    "CompletionOutput",
-    "ConfigError",
-    "Device",
-    "EngineStalledError",
-    "FinishReason",
-    "LLMEngine",
-    "LRUEvictor",
-    "PreemptedGroup",
-    "PreemptionMode",
-    "RequestMetrics",
-    "RequestOutput",
-    "SampleLogprobs",
-    "SamplingParams",
-    "ScheduledGroup",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerOutputs",
-    "SchedulerStats",
-    "Sequence",
-    "SequenceGroup",
-    "SequenceStatus",
-    "WorkerOutputError",
-]
+`engine/` is the seed's engine, synchronous and free of gRPC and asyncio: sequences, the block
+manager, the iteration scheduler, step building, output processing, grammars and drafts.
+`fleet/` is the control plane, asynchronous: the gRPC service, replicas, routing, membership,
+moves of requests and of KV blocks, roles and shards. The fleet imports the engine; the
+engine imports nothing from the fleet.
+"""

@@ -17,16 +17,22 @@ from llmserve.service_main import (
     start_service,
 )
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler_service import metrics
-from scheduler_service.admission import DEFAULT_MAX_WAITING_REQUESTS, SchedulerAdmission, drain
-from scheduler_service.config import (
+from scheduler_service.engine import metrics
+from scheduler_service.engine.config import (
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
+    PreemptionMode,
+    SchedulerConfig,
+)
+from scheduler_service.fleet.admission import (
+    DEFAULT_MAX_WAITING_REQUESTS,
+    SchedulerAdmission,
+    drain,
+)
+from scheduler_service.fleet.fleet_config import (
     DEFAULT_PREFILL_LOCAL_BELOW,
     DEFAULT_PREFIX_FETCH_MIN_TOKENS,
     MigrationMode,
-    PreemptionMode,
-    SchedulerConfig,
 )
 
 log = get_logger(__name__)
@@ -235,9 +241,8 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from scheduler_service.fleet_config import FleetConfig
-    from scheduler_service.replica import ReplicaConfig
-    from scheduler_service.routing import RoutingPolicy
+    from scheduler_service.fleet.fleet_config import FleetConfig, ReplicaConfig
+    from scheduler_service.fleet.placement import RoutingPolicy
 
     mode = None if args.preemption_mode == "auto" else PreemptionMode(args.preemption_mode)
     replica = ReplicaConfig(
@@ -282,7 +287,7 @@ def build_fleet_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from scheduler_service.server import Router, SchedulerServicer
+    from scheduler_service.fleet.server import Router, SchedulerServicer
 
     server, health = create_server(
         [SERVICE_NAME], args.max_message_bytes, security.internal_auth([SERVICE_NAME])

@@ -284,7 +284,7 @@ def _metric_names() -> set[str]:
     from prometheus_client import REGISTRY
 
     import gateway.metrics  # noqa: F401
-    import scheduler_service.metrics  # noqa: F401
+    import scheduler_service.engine.metrics  # noqa: F401
     import worker_service.metrics  # noqa: F401
 
     names = set()

@@ -41,12 +41,25 @@ MAX_STOP_STRINGS = 3
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     running = start_stack(
-        str(tiny_model_dir), tmp_path_factory.mktemp("admission-logs"),
-        scheduler_args=["--max-waiting-requests", str(QUEUE_LIMIT),
-                        "--max-num-seqs", str(MAX_SEQS)],
+        str(tiny_model_dir),
+        tmp_path_factory.mktemp("admission-logs"),
+        scheduler_args=[
+            "--max-waiting-requests",
+            str(QUEUE_LIMIT),
+            "--max-num-seqs",
+            str(MAX_SEQS),
+        ],
         # A generous timeout on every request: it is passed on and must not hurt.
-        gateway_args=["--request-timeout-s", "120", "--max-stop-strings", str(MAX_STOP_STRINGS),
-                      "--max-body-bytes", "65536", "--max-prompts-per-request", "4"],
+        gateway_args=[
+            "--request-timeout-s",
+            "120",
+            "--max-stop-strings",
+            str(MAX_STOP_STRINGS),
+            "--max-body-bytes",
+            "65536",
+            "--max-prompts-per-request",
+            "4",
+        ],
     )
     yield running
     running.stop()
@@ -83,12 +96,12 @@ async def _grpc_one(stub: generation_pb2_grpc.GenerationStub, i: int) -> tuple[s
 
 async def _burst(stack: RunningStack, count: int) -> list[tuple[str, str, Any]]:
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
-    async with httpx.AsyncClient(base_url=stack.http_url, timeout=120, limits=limits) as client, \
-            grpc.aio.insecure_channel(stack.gateway) as channel:
+    async with (
+        httpx.AsyncClient(base_url=stack.http_url, timeout=120, limits=limits) as client,
+        grpc.aio.insecure_channel(stack.gateway) as channel,
+    ):
         stub = generation_pb2_grpc.GenerationStub(channel)
-        tasks = [
-            _http_one(client, i) if i % 2 else _grpc_one(stub, i) for i in range(count)
-        ]
+        tasks = [_http_one(client, i) if i % 2 else _grpc_one(stub, i) for i in range(count)]
         results = await asyncio.gather(*tasks)
     return [("http" if i % 2 else "grpc", *result) for i, result in enumerate(results)]
 
@@ -138,14 +151,16 @@ BAD_BODIES = [
 def post_json(url: str, body: dict[str, Any]) -> httpx.Response:
     """POST `body` as JSON with non-ASCII escaped, as most clients send it: a lone surrogate
     goes as the escape \\ud800 (httpx's own encoder refuses to write it)."""
-    return httpx.post(url, content=json.dumps(body), timeout=60,
-                      headers={"content-type": "application/json"})
+    return httpx.post(
+        url, content=json.dumps(body), timeout=60, headers={"content-type": "application/json"}
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(("extra", "param"), BAD_BODIES)
-def test_bad_field_is_400_naming_it(stack: RunningStack, extra: dict[str, Any], param: str,
-                                    stream: bool) -> None:
+def test_bad_field_is_400_naming_it(
+    stack: RunningStack, extra: dict[str, Any], param: str, stream: bool
+) -> None:
     body = {**http_body(PROMPT, 4), "stream": stream, **extra}
     r = post_json(stack.http_url + "/v1/completions", body)
     assert r.status_code == 400, r.text
@@ -186,11 +201,14 @@ def test_grpc_limits_name_the_field(stack: RunningStack) -> None:
 
 def test_bad_input_leaves_nothing_behind(stack: RunningStack) -> None:
     for extra, _ in BAD_BODIES:
-        post_json(stack.http_url + "/v1/completions",
-                  {**http_body(PROMPT, 4), "stream": True, **extra})
+        post_json(
+            stack.http_url + "/v1/completions", {**http_body(PROMPT, 4), "stream": True, **extra}
+        )
     gauges = gateway_gauges(httpx.get(stack.http_url + "/metrics", timeout=10).text)
-    assert gauges == {"llmserve_gateway_requests_in_flight": 0.0,
-                      "llmserve_gateway_scheduler_requests": 0.0}
+    assert gauges == {
+        "llmserve_gateway_requests_in_flight": 0.0,
+        "llmserve_gateway_scheduler_requests": 0.0,
+    }
     assert is_idle(wait_idle(stack.scheduler))
 
 
@@ -215,8 +233,7 @@ def test_grpc_deadline_aborts_the_request_and_frees_its_blocks(stack: RunningSta
 def test_scheduler_aborts_a_request_whose_timeout_passes(stack: RunningStack) -> None:
     """The scheduler's own deadline: AddRequest.timeout_ms, on a raw Connect stream."""
     prompt = [1, 2, 3, 4, 5]
-    add = scheduler_pb2.AddRequest(request_id="deadline-1", prompt_token_ids=prompt,
-                                   timeout_ms=200)
+    add = scheduler_pb2.AddRequest(request_id="deadline-1", prompt_token_ids=prompt, timeout_ms=200)
     add.sampling_params.CopyFrom(grpc_request(PROMPT, 480).sampling_params)
 
     def messages() -> Iterator[scheduler_pb2.GatewayMessage]:

@@ -26,26 +26,48 @@ MODEL = "smollm2"
 # A long lease: the first request with stop strings loads the tokenizer on the scheduler's
 # event loop, which on a loaded machine can stall it longer than the fleet harness's 3 s.
 SCHEDULER_ARGS = ["--worker-lease-s", "120"]
-WORKER_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "0.1", "--swap-space", "0.02",
-               "--num-threads", "1"]
+WORKER_ARGS = [
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory",
+    "0.1",
+    "--swap-space",
+    "0.02",
+    "--num-threads",
+    "1",
+]
 ABORTED = "abort-me"
 ABORT_AFTER_CHUNKS = 5
 STOPPED = "stop-strings"
 REQUESTS: list[tuple[str, str, dict]] = [  # type: ignore[type-arg]
     ("greedy", "The capital of France is", {"temperature": 0.0, "max_tokens": 24}),
     ("seeded", "Once upon a time", {"temperature": 0.9, "seed": 11, "max_tokens": 24}),
-    ("seeded-n2", "My favourite food is", {"temperature": 0.8, "seed": 5, "n": 2,
-                                           "max_tokens": 16}),
-    (STOPPED, "Here is a list of fruits: apples,",
-     {"temperature": 0.0, "max_tokens": 48, "stop": [",", "."]}),
-    (ABORTED, "The history of computing", {"temperature": 0.0, "max_tokens": 64,
-                                           "ignore_eos": True}),
+    (
+        "seeded-n2",
+        "My favourite food is",
+        {"temperature": 0.8, "seed": 5, "n": 2, "max_tokens": 16},
+    ),
+    (
+        STOPPED,
+        "Here is a list of fruits: apples,",
+        {"temperature": 0.0, "max_tokens": 48, "stop": [",", "."]},
+    ),
+    (
+        ABORTED,
+        "The history of computing",
+        {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True},
+    ),
 ]
 
 
 def start(tmp_path_factory: pytest.TempPathFactory, flag: str) -> FleetStack:
-    return start_fleet(MODEL, tmp_path_factory.mktemp(flag.strip("-")), 1,
-                       scheduler_args=[flag, *SCHEDULER_ARGS], worker_args=WORKER_ARGS)
+    return start_fleet(
+        MODEL,
+        tmp_path_factory.mktemp(flag.strip("-")),
+        1,
+        scheduler_args=[flag, *SCHEDULER_ARGS],
+        worker_args=WORKER_ARGS,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,8 @@ def http_workload(count: int, seed: int = 0) -> list[tuple[str, dict]]:  # type:
 
 
 async def run_http_workload(
-    http_port: int, bodies: list[tuple[str, dict]]  # type: ignore[type-arg]
+    http_port: int,
+    bodies: list[tuple[str, dict]],  # type: ignore[type-arg]
 ) -> dict[str, dict[int, tuple[str, str | None]]]:
     """Stream every body at once through the gateway's OpenAI API; per request and choice
     index, the text received and the finish reason."""
@@ -76,7 +77,6 @@ async def run_http_workload(
     return received
 
 
-
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 WORKLOAD = mixed_workload(64)
@@ -86,8 +86,12 @@ READY = scheduler_pb2.WORKER_STATE_READY
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
-    stack = start_fleet(str(tiny_model_dir), tmp_path_factory.mktemp("fleet-logs"), 3,
-                        scheduler_args=["--max-num-seqs", "32"])
+    stack = start_fleet(
+        str(tiny_model_dir),
+        tmp_path_factory.mktemp("fleet-logs"),
+        3,
+        scheduler_args=["--max-num-seqs", "32"],
+    )
     yield stack
     stack.stop()
 
@@ -99,7 +103,9 @@ def baseline(fleet: FleetStack) -> dict[str, Received]:
     return received
 
 
-async def run_with_fault_async(fleet: FleetStack, fault, at_chunk: int = 150) -> dict[str, Received]:  # type: ignore[no-untyped-def]
+async def run_with_fault_async(
+    fleet: FleetStack, fault, at_chunk: int = 150
+) -> dict[str, Received]:  # type: ignore[no-untyped-def]
     """The workload, with `fault()` called once `at_chunk` responses have arrived."""
     fired = []
 
@@ -243,9 +249,17 @@ def faulty_fleet(
     """Two workers with no swap space and a small cache (multi-sequence groups must be
     preempted by recompute), and a scheduler whose replica step raises once, mid-run."""
     stack = start_fleet(
-        str(tiny_model_dir), tmp_path_factory.mktemp("faulty-fleet-logs"), 2,
-        scheduler_args=["--max-num-seqs", "32", "--num-cpu-blocks-override", "0",
-                        "--num-gpu-blocks-override", "48"],
+        str(tiny_model_dir),
+        tmp_path_factory.mktemp("faulty-fleet-logs"),
+        2,
+        scheduler_args=[
+            "--max-num-seqs",
+            "32",
+            "--num-cpu-blocks-override",
+            "0",
+            "--num-gpu-blocks-override",
+            "48",
+        ],
         env={"LLMSERVE_FAILPOINTS": "replica.finish_step=1+60"},
     )
     yield stack

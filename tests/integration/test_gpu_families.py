@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
+from scheduler_service.engine.offline import generate
 from tests.integration.test_speculative_tiny import PROMPTS as SPEC_PROMPTS
 from tests.integration.test_speculative_tiny import make_engine as spec_engine
 from tests.integration.test_worker_engine_tiny import PROMPTS
@@ -78,7 +79,7 @@ def test_family_greedy_equals_hf_on_the_gpu(family: tuple, enforce_eager: bool) 
     engine = engine_on_worker(
         worker, gpu_blocks=256, cpu_blocks=0, batched_tokens=16, max_model_len=256
     )
-    outputs = engine.generate(PROMPTS, GREEDY)
+    outputs = generate(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     graphs = worker.runner.decode_graphs
     if enforce_eager:
@@ -94,7 +95,7 @@ def test_drafts_verified_on_the_gpu_change_no_token(tmp_path: Path) -> None:
     expected = hf_greedy_cuda(load_hf(path).to("cuda"), SPEC_PROMPTS, NEW_TOKENS)
     worker = cuda_worker(path, enforce_eager=False)
     engine = spec_engine(worker, None)  # n-gram prompt lookup, up to 4 drafts
-    outputs = engine.generate(SPEC_PROMPTS, GREEDY)
+    outputs = generate(engine, SPEC_PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = engine.get_stats()
     assert stats.num_spec_accepted_tokens > 0  # the repeating prompts repeat

@@ -16,6 +16,7 @@ import torch
 
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
+from scheduler_service.engine.offline import generate
 from tests.integration.test_worker_engine_smollm2 import TEXTS
 from tests.support.engines import engine_on_worker
 from worker_service.config import WorkerConfig
@@ -72,7 +73,7 @@ def serve(
     engine = engine_on_worker(
         worker, gpu_blocks=512, cpu_blocks=0, batched_tokens=512, max_model_len=2048
     )
-    outputs = engine.generate(prompts, GREEDY)
+    outputs = generate(engine, prompts, GREEDY)
     if replays is not None:
         graphs = worker.runner.decode_graphs
         replays.append(graphs.replays if graphs is not None else 0)

@@ -27,14 +27,21 @@ MODEL = "tiny"
 UINT32 = 2**32 - 1
 INT64 = 2**63 - 1
 # What a malformed request may get: a client error, never INTERNAL, UNKNOWN or UNAVAILABLE.
-CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                 grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
+CLIENT_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    running = start_stack(str(tiny_model_dir), tmp_path_factory.mktemp("fuzz-logs"),
-                          gateway_args=["--served-model-name", MODEL])
+    running = start_stack(
+        str(tiny_model_dir),
+        tmp_path_factory.mktemp("fuzz-logs"),
+        gateway_args=["--served-model-name", MODEL],
+    )
     yield running
     running.stop()
 
@@ -49,24 +56,43 @@ _text = st.text(max_size=24)
 # Each field's ordinary values, and anything its proto type can carry. A request takes up to
 # two fields from the wild side, so that both refusals and complete streams are common.
 _VALID: dict[str, st.SearchStrategy[Any]] = {
-    "n": st.integers(1, 2), "use_beam_search": st.just(False),
-    "temperature": st.floats(0, 1.5), "top_p": st.floats(0.1, 1), "top_k": st.integers(0, 50),
-    "min_p": st.floats(0, 0.5), "presence_penalty": st.floats(-1, 1),
-    "frequency_penalty": st.floats(-1, 1), "repetition_penalty": st.floats(0.5, 1.5),
-    "seed": st.integers(-INT64 - 1, INT64), "min_tokens": st.integers(0, 2),
-    "stop_token_ids": st.lists(st.integers(0, 100), max_size=3), "ignore_eos": st.booleans(),
-    "logprobs": st.integers(0, 5), "prompt_logprobs": st.integers(0, 3),
+    "n": st.integers(1, 2),
+    "use_beam_search": st.just(False),
+    "temperature": st.floats(0, 1.5),
+    "top_p": st.floats(0.1, 1),
+    "top_k": st.integers(0, 50),
+    "min_p": st.floats(0, 0.5),
+    "presence_penalty": st.floats(-1, 1),
+    "frequency_penalty": st.floats(-1, 1),
+    "repetition_penalty": st.floats(0.5, 1.5),
+    "seed": st.integers(-INT64 - 1, INT64),
+    "min_tokens": st.integers(0, 2),
+    "stop_token_ids": st.lists(st.integers(0, 100), max_size=3),
+    "ignore_eos": st.booleans(),
+    "logprobs": st.integers(0, 5),
+    "prompt_logprobs": st.integers(0, 3),
     "max_tokens": st.integers(1, 6),
 }
 _WILD: dict[str, st.SearchStrategy[Any]] = {
-    "n": _uint32(3), "best_of": _uint32(4), "use_beam_search": st.booleans(),
-    "length_penalty": _wild_floats, "temperature": _wild_floats, "top_p": _wild_floats,
-    "top_k": _uint32(50), "min_p": _wild_floats, "presence_penalty": _wild_floats,
-    "frequency_penalty": _wild_floats, "repetition_penalty": _wild_floats,
-    "seed": st.integers(-INT64 - 1, INT64), "min_tokens": _uint32(4),
-    "stop_token_ids": st.lists(_uint32(100), max_size=80), "ignore_eos": st.booleans(),
-    "logprobs": _uint32(25), "prompt_logprobs": _uint32(25),
-    "early_stopping": st.sampled_from([0, 1, 2, 3]), "max_tokens": _uint32(6),
+    "n": _uint32(3),
+    "best_of": _uint32(4),
+    "use_beam_search": st.booleans(),
+    "length_penalty": _wild_floats,
+    "temperature": _wild_floats,
+    "top_p": _wild_floats,
+    "top_k": _uint32(50),
+    "min_p": _wild_floats,
+    "presence_penalty": _wild_floats,
+    "frequency_penalty": _wild_floats,
+    "repetition_penalty": _wild_floats,
+    "seed": st.integers(-INT64 - 1, INT64),
+    "min_tokens": _uint32(4),
+    "stop_token_ids": st.lists(_uint32(100), max_size=80),
+    "ignore_eos": st.booleans(),
+    "logprobs": _uint32(25),
+    "prompt_logprobs": _uint32(25),
+    "early_stopping": st.sampled_from([0, 1, 2, 3]),
+    "max_tokens": _uint32(6),
 }
 _WILD_NAMES = [*_WILD, "model", "prompt", "stop", "priority"]
 
@@ -92,14 +118,21 @@ def _sampling(draw: st.DrawFn, wild: set[str]) -> common_pb2.SamplingParams:
 def generate_requests(draw: st.DrawFn) -> generation_pb2.GenerateRequest:
     wild = draw(st.sets(st.sampled_from(_WILD_NAMES), max_size=2))
     request = generation_pb2.GenerateRequest(
-        model=draw(st.sampled_from(["", MODEL, "other-model"]) if "model" in wild
-                   else st.sampled_from(["", MODEL])),
-        stop=draw(st.lists(_text, max_size=20) if "stop" in wild
-                  else st.lists(st.text(min_size=1, max_size=4), max_size=2)),
+        model=draw(
+            st.sampled_from(["", MODEL, "other-model"])
+            if "model" in wild
+            else st.sampled_from(["", MODEL])
+        ),
+        stop=draw(
+            st.lists(_text, max_size=20)
+            if "stop" in wild
+            else st.lists(st.text(min_size=1, max_size=4), max_size=2)
+        ),
         include_stop_str_in_output=draw(st.booleans()),
         echo=draw(st.booleans()),
-        priority=draw(st.integers(-(2**31), 2**31 - 1) if "priority" in wild
-                      else st.integers(-2, 2)),
+        priority=draw(
+            st.integers(-(2**31), 2**31 - 1) if "priority" in wild else st.integers(-2, 2)
+        ),
         sampling_params=draw(_sampling(wild)),
     )
     for name in ("skip_special_tokens", "detokenize"):
@@ -112,15 +145,22 @@ def generate_requests(draw: st.DrawFn) -> generation_pb2.GenerateRequest:
     elif kind == "token_ids":
         request.token_ids.ids.extend(draw(st.lists(_uint32(60_000), max_size=6)))
     elif kind == "chat":
-        messages = st.lists(_message, max_size=3) if "prompt" in wild else st.lists(
-            st.builds(generation_pb2.ChatMessage, role=st.just("user"), content=_text),
-            min_size=1, max_size=2)
+        messages = (
+            st.lists(_message, max_size=3)
+            if "prompt" in wild
+            else st.lists(
+                st.builds(generation_pb2.ChatMessage, role=st.just("user"), content=_text),
+                min_size=1,
+                max_size=2,
+            )
+        )
         request.chat.messages.extend(draw(messages))
     return request
 
 
-def _run(stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.GenerateRequest
-         ) -> tuple[grpc.StatusCode, Any]:
+def _run(
+    stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.GenerateRequest
+) -> tuple[grpc.StatusCode, Any]:
     responses = []
     try:
         for response in stub.Generate(request, timeout=120):
@@ -136,8 +176,13 @@ def test_fuzzed_generate_requests_never_fail_inside(stack: RunningStack) -> None
         stub = generation_pb2_grpc.GenerationStub(channel)
 
         @given(request=generate_requests())
-        @settings(max_examples=150, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=150,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         def check(request: generation_pb2.GenerateRequest) -> None:
             code, result = _run(stub, request)
             outcomes[code.name] += 1
@@ -152,8 +197,12 @@ def test_fuzzed_generate_requests_never_fail_inside(stack: RunningStack) -> None
             n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
             finished = {c.index for r in result for c in r.choices if c.finish_reason}
             assert finished == set(range(n)), (result, request)
-            assert all(not math.isnan(lp.token.logprob) for r in result for c in r.choices
-                       for lp in c.logprobs)
+            assert all(
+                not math.isnan(lp.token.logprob)
+                for r in result
+                for c in r.choices
+                for lp in c.logprobs
+            )
 
         check()
     print(dict(outcomes))

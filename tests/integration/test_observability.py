@@ -356,8 +356,15 @@ def test_prefix_cache_counters(observed: Observed) -> None:
 
 def test_preemption_counters(observed: Observed) -> None:
     recompute, swap = (
-        _delta(observed, "scheduler", "llmserve_preemptions_total", "mid", "after",
-               replica="0", mode=mode)
+        _delta(
+            observed,
+            "scheduler",
+            "llmserve_preemptions_total",
+            "mid",
+            "after",
+            replica="0",
+            mode=mode,
+        )
         for mode in ("recompute", "swap")
     )
     assert recompute >= 1  # how many depends on when the concurrent requests arrive

@@ -47,12 +47,20 @@ def long_context_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="module")
-def stack(long_context_model: Path, tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[RunningStack]:
+def stack(
+    long_context_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
     running = start_stack(
-        str(long_context_model), tmp_path_factory.mktemp("openai-stack-logs"),
-        gateway_args=["--served-model-name", MODEL, "--api-key", API_KEY,
-                      "--max-pending-requests", str(MAX_PENDING)],
+        str(long_context_model),
+        tmp_path_factory.mktemp("openai-stack-logs"),
+        gateway_args=[
+            "--served-model-name",
+            MODEL,
+            "--api-key",
+            API_KEY,
+            "--max-pending-requests",
+            str(MAX_PENDING),
+        ],
     )
     yield running
     running.stop()
@@ -61,14 +69,16 @@ def stack(long_context_model: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def client(stack: RunningStack) -> openai.OpenAI:
     # No retries: a 503 or 429 must reach the test as it was sent.
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key=API_KEY, max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(
+        base_url=stack.http_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60
+    )
 
 
 @pytest.fixture(scope="module")
 def http(stack: RunningStack) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=stack.http_url, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+    with httpx.Client(
+        base_url=stack.http_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as c:
         yield c
 
 
@@ -124,9 +134,14 @@ def test_completion_usage_matches_tokenizer(client: openai.OpenAI, tokenizer: An
 
 def test_completion_stream_equals_full(client: openai.OpenAI) -> None:
     full = client.completions.create(prompt=PROMPT, **greedy(**no_eos(8)))
-    chunks = list(client.completions.create(
-        prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **greedy(**no_eos(8))
-    ))
+    chunks = list(
+        client.completions.create(
+            prompt=PROMPT,
+            stream=True,
+            stream_options={"include_usage": True},
+            **greedy(**no_eos(8)),
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     # One token per chunk by default.
     assert len(text_chunks) == 8
@@ -148,8 +163,10 @@ def test_completion_token_id_prompts(client: openai.OpenAI, tokenizer: Any) -> N
 
     batch = client.completions.create(prompt=[ids, ids[:3]], **greedy(**no_eos(4)))
     assert [c.index for c in batch.choices] == [0, 1]
-    assert batch.choices[0].text == client.completions.create(
-        prompt=ids, **greedy(**no_eos(4))).choices[0].text
+    assert (
+        batch.choices[0].text
+        == client.completions.create(prompt=ids, **greedy(**no_eos(4))).choices[0].text
+    )
     assert batch.usage.prompt_tokens == len(ids) + 3
     assert batch.usage.completion_tokens == 8
 
@@ -158,22 +175,27 @@ def test_completion_list_of_strings(client: openai.OpenAI, tokenizer: Any) -> No
     prompts = [PROMPT, "Once upon a time"]
     result = client.completions.create(prompt=prompts, **greedy(**no_eos(3)))
     assert [c.index for c in result.choices] == [0, 1]
-    singles = [client.completions.create(prompt=p, **greedy(**no_eos(3))).choices[0].text
-               for p in prompts]
+    singles = [
+        client.completions.create(prompt=p, **greedy(**no_eos(3))).choices[0].text for p in prompts
+    ]
     assert [c.text for c in result.choices] == singles
     assert result.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in prompts)
     assert result.usage.completion_tokens == 6
 
 
 def test_completion_n2_sampled(client: openai.OpenAI) -> None:
-    result = client.completions.create(prompt=PROMPT, model=MODEL, n=2, temperature=1.0,
-                                       seed=7, **no_eos(6))
+    result = client.completions.create(
+        prompt=PROMPT, model=MODEL, n=2, temperature=1.0, seed=7, **no_eos(6)
+    )
     assert sorted(c.index for c in result.choices) == [0, 1]
     assert result.usage.completion_tokens == 12
     assert all(c.finish_reason == "length" for c in result.choices)
 
-    streamed = list(client.completions.create(prompt=PROMPT, model=MODEL, n=2, temperature=1.0,
-                                              seed=7, stream=True, **no_eos(6)))
+    streamed = list(
+        client.completions.create(
+            prompt=PROMPT, model=MODEL, n=2, temperature=1.0, seed=7, stream=True, **no_eos(6)
+        )
+    )
     per_index: dict[int, int] = {0: 0, 1: 0}
     for chunk in streamed:
         for c in chunk.choices:
@@ -182,8 +204,9 @@ def test_completion_n2_sampled(client: openai.OpenAI) -> None:
 
 
 def test_completion_n2_greedy_is_rejected(http: httpx.Client) -> None:
-    response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 2,
-                                                   "temperature": 0})
+    response = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 2, "temperature": 0}
+    )
     assert_error(response, 400, "n")
 
 
@@ -202,8 +225,7 @@ def test_completion_logprobs_shape_and_greedy_max(client: openai.OpenAI) -> None
 
 
 def test_completion_echo_with_logprobs(client: openai.OpenAI, tokenizer: Any) -> None:
-    result = client.completions.create(prompt=PROMPT, echo=True, logprobs=1,
-                                       **greedy(**no_eos(2)))
+    result = client.completions.create(prompt=PROMPT, echo=True, logprobs=1, **greedy(**no_eos(2)))
     choice = result.choices[0]
     assert choice.text.startswith(PROMPT)
     n_prompt = len(tokenizer(PROMPT)["input_ids"])
@@ -213,9 +235,9 @@ def test_completion_echo_with_logprobs(client: openai.OpenAI, tokenizer: Any) ->
 
 def test_stop_string_is_cut_or_kept(client: openai.OpenAI) -> None:
     text = client.completions.create(prompt=PROMPT, **greedy(**no_eos(24))).choices[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), f"pick another prompt: {text!r}"
-    head = text[:text.index(stop)]
+    head = text[: text.index(stop)]
 
     cut = client.completions.create(prompt=PROMPT, stop=[stop], **greedy(**no_eos(24)))
     assert cut.choices[0].text == head
@@ -223,34 +245,48 @@ def test_stop_string_is_cut_or_kept(client: openai.OpenAI) -> None:
     assert cut.choices[0].finish_reason == "stop"
 
     kept = client.completions.create(
-        prompt=PROMPT, stop=stop, model=MODEL, temperature=0.0, max_tokens=24,
+        prompt=PROMPT,
+        stop=stop,
+        model=MODEL,
+        temperature=0.0,
+        max_tokens=24,
         extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
     )
     assert kept.choices[0].text == head + stop
 
-    streamed = client.completions.create(prompt=PROMPT, stop=[stop], stream=True,
-                                         **greedy(**no_eos(24)))
+    streamed = client.completions.create(
+        prompt=PROMPT, stop=[stop], stream=True, **greedy(**no_eos(24))
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == head
 
 
-def test_n3_stop_string_stops_one_choice_the_others_complete(client: openai.OpenAI,
-                                                            stack: RunningStack) -> None:
-    kwargs: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "n": 3, "temperature": 1.0,
-                              "seed": 11, "max_tokens": 24, "logprobs": 0,
-                              "extra_body": {"ignore_eos": True}}
+def test_n3_stop_string_stops_one_choice_the_others_complete(
+    client: openai.OpenAI, stack: RunningStack
+) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "n": 3,
+        "temperature": 1.0,
+        "seed": 11,
+        "max_tokens": 24,
+        "logprobs": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     reference = {c.index: c.text for c in client.completions.create(**kwargs).choices}
     # A stop string from the middle of one choice's text that no other choice contains.
     picked = next(
-        (i, text[start:start + 3])
+        (i, text[start : start + 3])
         for i, text in reference.items()
         for start in range(len(text) // 3, len(text) - 3)
-        if text[start:start + 3].strip() and text.index(text[start:start + 3]) == start
-        and all(text[start:start + 3] not in other for j, other in reference.items() if j != i)
+        if text[start : start + 3].strip()
+        and text.index(text[start : start + 3]) == start
+        and all(text[start : start + 3] not in other for j, other in reference.items() if j != i)
     )
     index, stop = picked
     cut = client.completions.create(stop=[stop], **kwargs)
     choices = {c.index: c for c in cut.choices}
-    assert choices[index].text == reference[index][:reference[index].index(stop)]
+    assert choices[index].text == reference[index][: reference[index].index(stop)]
     assert choices[index].finish_reason == "stop"
     tokens = {i: c.logprobs.tokens for i, c in choices.items() if c.logprobs is not None}
     # The stopped choice ends with the token that completed the stop string.
@@ -266,8 +302,13 @@ def test_n3_stop_string_stops_one_choice_the_others_complete(client: openai.Open
 
 def test_seed_reproducible_alone_and_in_a_batch(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
-        return client.completions.create(prompt=PROMPT, model=MODEL, temperature=1.0,
-                                         seed=seed, **no_eos(12)).choices[0].text
+        return (
+            client.completions.create(
+                prompt=PROMPT, model=MODEL, temperature=1.0, seed=seed, **no_eos(12)
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(1234)
     assert sample(1234) == first
@@ -296,18 +337,22 @@ def test_chat_usage_matches_chat_template(client: openai.OpenAI, tokenizer: Any)
 
 
 def test_chat_max_completion_tokens(client: openai.OpenAI) -> None:
-    result = client.chat.completions.create(messages=MESSAGES, model=MODEL,
-                                            max_completion_tokens=3,
-                                            extra_body={"ignore_eos": True})
+    result = client.chat.completions.create(
+        messages=MESSAGES, model=MODEL, max_completion_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert result.usage.completion_tokens == 3
 
 
 def test_chat_stream_equals_full(client: openai.OpenAI) -> None:
     full = client.chat.completions.create(messages=MESSAGES, **greedy(**no_eos(6)))
-    chunks = list(client.chat.completions.create(
-        messages=MESSAGES, stream=True, stream_options={"include_usage": True},
-        **greedy(**no_eos(6)),
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+            **greedy(**no_eos(6)),
+        )
+    )
     assert chunks[0].object == "chat.completion.chunk"
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -318,15 +363,17 @@ def test_chat_stream_equals_full(client: openai.OpenAI) -> None:
 
 
 def test_chat_n2_sampled(client: openai.OpenAI) -> None:
-    result = client.chat.completions.create(messages=MESSAGES, model=MODEL, n=2,
-                                            temperature=0.8, **no_eos(4))
+    result = client.chat.completions.create(
+        messages=MESSAGES, model=MODEL, n=2, temperature=0.8, **no_eos(4)
+    )
     assert sorted(c.index for c in result.choices) == [0, 1]
     assert result.usage.completion_tokens == 8
 
 
 def test_chat_logprobs_shape_and_greedy_max(client: openai.OpenAI) -> None:
-    result = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=4,
-                                            **greedy(**no_eos(5)))
+    result = client.chat.completions.create(
+        messages=MESSAGES, logprobs=True, top_logprobs=4, **greedy(**no_eos(5))
+    )
     content = result.choices[0].logprobs.content
     assert len(content) == 5
     assert "".join(t.token for t in content) == result.choices[0].message.content
@@ -337,15 +384,19 @@ def test_chat_logprobs_shape_and_greedy_max(client: openai.OpenAI) -> None:
         assert tops == sorted(tops, reverse=True)
         assert entry.logprob == pytest.approx(max(tops), abs=1e-5)
 
-    plain = client.chat.completions.create(messages=MESSAGES, logprobs=True,
-                                           **greedy(**no_eos(2)))
+    plain = client.chat.completions.create(messages=MESSAGES, logprobs=True, **greedy(**no_eos(2)))
     assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[], []]
 
 
 def test_chat_seed_reproducible(client: openai.OpenAI) -> None:
     def sample() -> str:
-        return client.chat.completions.create(messages=MESSAGES, model=MODEL, temperature=1.0,
-                                              seed=42, **no_eos(8)).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                messages=MESSAGES, model=MODEL, temperature=1.0, seed=42, **no_eos(8)
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sample() == sample()
 
@@ -353,35 +404,43 @@ def test_chat_seed_reproducible(client: openai.OpenAI) -> None:
 # -- errors --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
-    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000}, "max_tokens"),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": [10**9]}, "prompt"),
-    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),
-    ("/v1/completions", {"prompt": PROMPT, "stop": [""]}, "stop[0]"),
-    ("/v1/completions", {"prompt": PROMPT, "best_of": 1, "n": 2, "temperature": 1},
-     "best_of"),
-    ("/v1/completions", {"prompt": 5}, "prompt"),
-    ("/v1/completions", {"prompt": [[1, 2], "mixed"]}, "prompt"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": 7, "content": "hi"}]},
-     "messages[0].role"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 100_000},
-     "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"prompt": PROMPT, "priority": 2**31}, "priority"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "priority": -(2**31) - 1}, "priority"),
-])
-def test_invalid_parameter_is_400_naming_it(http: httpx.Client, path: str,
-                                            body: dict[str, Any], param: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000}, "max_tokens"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "stop": [""]}, "stop[0]"),
+        ("/v1/completions", {"prompt": PROMPT, "best_of": 1, "n": 2, "temperature": 1}, "best_of"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], "mixed"]}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": 7, "content": "hi"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "max_completion_tokens": 100_000},
+            "max_completion_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": PROMPT, "priority": 2**31}, "priority"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "priority": -(2**31) - 1}, "priority"),
+    ],
+)
+def test_invalid_parameter_is_400_naming_it(
+    http: httpx.Client, path: str, body: dict[str, Any], param: str
+) -> None:
     error = assert_error(http.post(path, json={"model": MODEL, **body}), 400, param)
     assert error["type"] == "invalid_request_error"
 
@@ -394,8 +453,9 @@ def test_sdk_raises_bad_request_with_param(client: openai.OpenAI) -> None:
 
 
 def test_malformed_json_is_400(http: httpx.Client) -> None:
-    response = http.post("/v1/completions", content=b"{not json",
-                         headers={"Content-Type": "application/json"})
+    response = http.post(
+        "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert_error(response, 400)
 
 
@@ -403,16 +463,21 @@ def test_prompt_too_long(http: httpx.Client) -> None:
     long_prompt = list(range(100, 100 + CONTEXT + 10))
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt})
     assert_error(response, 400, "prompt")
-    chat = http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "word " * CONTEXT}]})
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "word " * CONTEXT}]},
+    )
     assert_error(chat, 400, "messages")
 
 
 def test_unknown_model_is_404(client: openai.OpenAI, http: httpx.Client) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT)
-    error = assert_error(http.post("/v1/chat/completions", json={
-        "model": "no-such-model", "messages": MESSAGES}), 404, "model")
+    error = assert_error(
+        http.post("/v1/chat/completions", json={"model": "no-such-model", "messages": MESSAGES}),
+        404,
+        "model",
+    )
     assert error["code"] == "model_not_found"
 
 
@@ -436,7 +501,8 @@ def test_api_key_missing_or_wrong_is_401(stack: RunningStack) -> None:
 def _blocks(stack: RunningStack) -> tuple[int, int]:
     with grpc.insecure_channel(stack.scheduler) as channel:
         stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-            scheduler_pb2.GetStatsRequest(), timeout=5)
+            scheduler_pb2.GetStatsRequest(), timeout=5
+        )
     replica = stats.replicas[0]
     return replica.gpu_blocks_free, replica.gpu_blocks_total
 
@@ -451,13 +517,20 @@ def _wait_all_blocks_free(stack: RunningStack, timeout_s: float = 30.0) -> None:
 
 
 def _long_stream(http: httpx.Client) -> Any:
-    return http.stream("POST", "/v1/completions", json={
-        "model": MODEL, "prompt": PROMPT, "max_tokens": CONTEXT - 64, "ignore_eos": True,
-        "stream": True})
+    return http.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": CONTEXT - 64,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    )
 
 
-def test_client_disconnect_aborts_and_frees_blocks(stack: RunningStack,
-                                                   http: httpx.Client) -> None:
+def test_client_disconnect_aborts_and_frees_blocks(stack: RunningStack, http: httpx.Client) -> None:
     _wait_all_blocks_free(stack)
     # Read a few chunks, then hang up in the middle of the stream. (Leaving the loop closes
     # httpx's line iterator, and with it the connection.)
@@ -465,7 +538,7 @@ def test_client_disconnect_aborts_and_frees_blocks(stack: RunningStack,
         events = 0
         for line in response.iter_lines():
             if line.startswith("data: "):
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 assert chunk["choices"][0]["finish_reason"] is None
                 events += 1
                 if events == 3:
@@ -482,8 +555,9 @@ def test_overload_is_429_with_retry_after(stack: RunningStack, http: httpx.Clien
     try:
         for s in streams:
             assert s.__enter__().status_code == 200
-        refused = http.post("/v1/completions", json={
-            "model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        refused = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        )
         error = assert_error(refused, 429)
         assert error["type"] == "rate_limit_error"
         assert "--max-pending-requests" in error["message"]
@@ -499,8 +573,9 @@ def test_overload_is_429_with_retry_after(stack: RunningStack, http: httpx.Clien
     # Capacity comes back once the streams are gone.
     deadline = time.monotonic() + 30
     while True:
-        response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
-                                                       "max_tokens": 2})
+        response = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        )
         if response.status_code != 429 or time.monotonic() > deadline:
             break
         time.sleep(0.1)

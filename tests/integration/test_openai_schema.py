@@ -30,10 +30,14 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def schema_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[RunningStack]:
-    running = start_stack(str(tiny_model_dir), tmp_path_factory.mktemp("schema-stack-logs"),
-                          gateway_args=["--served-model-name", MODEL])
+def schema_stack(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
+    running = start_stack(
+        str(tiny_model_dir),
+        tmp_path_factory.mktemp("schema-stack-logs"),
+        gateway_args=["--served-model-name", MODEL],
+    )
     yield running
     running.stop()
 
@@ -58,8 +62,7 @@ CHECKS = [status_code_conformance, content_type_conformance, response_schema_con
 
 
 def test_operations_list_matches_document(api_schema: BaseSchema) -> None:
-    documented = {(op.ok().method.upper(), op.ok().path)
-                  for op in api_schema.get_all_operations()}
+    documented = {(op.ok().method.upper(), op.ok().path) for op in api_schema.get_all_operations()}
     assert documented == set(OPERATIONS)
 
 
@@ -113,8 +116,9 @@ GENERATION_OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/complet
 
 
 @pytest.mark.parametrize(("method", "path"), GENERATION_OPERATIONS)
-def test_bodies_that_break_the_schema_are_4xx(api_schema: BaseSchema, method: str,
-                                               path: str) -> None:
+def test_bodies_that_break_the_schema_are_4xx(
+    api_schema: BaseSchema, method: str, path: str
+) -> None:
     """schemathesis' negative mode: bodies that violate the documented schema (wrong types,
     missing required fields, out-of-range values) are refused with a 4xx error body."""
     operation = api_schema[path][method]
@@ -155,7 +159,11 @@ RAW_BODIES = [
 @pytest.mark.parametrize("body", RAW_BODIES, ids=range(len(RAW_BODIES)))
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_malformed_raw_bodies_are_400(schema_stack: RunningStack, path: str, body: bytes) -> None:
-    response = httpx.post(schema_stack.http_url + path, content=body, timeout=60,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        schema_stack.http_url + path,
+        content=body,
+        timeout=60,
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 400, (body[:80], response.status_code, response.text[:500])
     assert response.json()["error"]["message"], response.text

@@ -34,8 +34,14 @@ TOKEN = "internal-token-abcdef"
 
 
 def _tls_flags(pki: Path, name: str) -> list[str]:
-    return ["--tls-cert", str(pki / f"{name}.pem"), "--tls-key", str(pki / f"{name}.key"),
-            "--tls-ca", str(pki / "ca.pem")]
+    return [
+        "--tls-cert",
+        str(pki / f"{name}.pem"),
+        "--tls-key",
+        str(pki / f"{name}.key"),
+        "--tls-ca",
+        str(pki / "ca.pem"),
+    ]
 
 
 def _credentials(pki: Path, name: str | None) -> grpc.ChannelCredentials:
@@ -55,12 +61,14 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mtls(tiny_model_dir: Path, pki: Path, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[RunningStack]:
+def mtls(
+    tiny_model_dir: Path, pki: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text("# two keys, any of them works\n" + "\n".join(KEYS) + "\n")
     running = start_stack(
-        str(tiny_model_dir), tmp_path_factory.mktemp("mtls-logs"),
+        str(tiny_model_dir),
+        tmp_path_factory.mktemp("mtls-logs"),
         worker_args=_tls_flags(pki, "worker"),
         scheduler_args=_tls_flags(pki, "scheduler"),
         gateway_args=[*_tls_flags(pki, "gateway"), "--api-key-file", str(keys)],
@@ -75,7 +83,8 @@ def mtls(tiny_model_dir: Path, pki: Path, tmp_path_factory: pytest.TempPathFacto
 
 def _health(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
     with (
-        grpc.insecure_channel(address) if credentials is None
+        grpc.insecure_channel(address)
+        if credentials is None
         else grpc.secure_channel(address, credentials)
     ) as channel:
         try:
@@ -85,9 +94,9 @@ def _health(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.S
     return grpc.StatusCode.OK
 
 
-def test_every_grpc_hop_refuses_a_peer_without_a_certificate_of_the_ca(mtls: RunningStack,
-                                                                      pki: Path,
-                                                                      tmp_path: Path):
+def test_every_grpc_hop_refuses_a_peer_without_a_certificate_of_the_ca(
+    mtls: RunningStack, pki: Path, tmp_path: Path
+):
     other = tmp_path / "other-ca"
     make_dev_pki(other)
     for address in (mtls.gateway, mtls.scheduler, mtls.worker):
@@ -97,9 +106,9 @@ def test_every_grpc_hop_refuses_a_peer_without_a_certificate_of_the_ca(mtls: Run
             assert _health(address, credentials) == grpc.StatusCode.UNAVAILABLE, address
 
 
-def test_a_fake_worker_cannot_register_or_be_reached_without_a_certificate(mtls: RunningStack,
-                                                                          pki: Path,
-                                                                          tmp_path: Path):
+def test_a_fake_worker_cannot_register_or_be_reached_without_a_certificate(
+    mtls: RunningStack, pki: Path, tmp_path: Path
+):
     other = tmp_path / "other-ca"
     make_dev_pki(other)
     with grpc.secure_channel(mtls.scheduler, _credentials(other, "worker")) as channel:
@@ -154,8 +163,10 @@ def test_https_needs_a_client_certificate_and_one_of_the_keys(mtls: RunningStack
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://127.0.0.1:{mtls.http_port}/health", timeout=10)
     with _https(pki, client_cert=True) as client:
-        models = client.get(f"https://127.0.0.1:{mtls.http_port}/v1/models",
-                            headers={"Authorization": f"Bearer {KEYS[1]}"})
+        models = client.get(
+            f"https://127.0.0.1:{mtls.http_port}/v1/models",
+            headers={"Authorization": f"Bearer {KEYS[1]}"},
+        )
         assert models.status_code == 200, models.text
         body["model"] = models.json()["data"][0]["id"]
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEYS[0]}):
@@ -172,7 +183,9 @@ def test_health_cli_dials_with_the_tls_flags(mtls: RunningStack, pki: Path):
     def health(address: str, *flags: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "llmserve.cli", "health", address, *flags],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
 
     for address in (mtls.gateway, mtls.scheduler, mtls.worker):
@@ -184,14 +197,18 @@ def test_health_cli_dials_with_the_tls_flags(mtls: RunningStack, pki: Path):
 
 
 @pytest.fixture(scope="module")
-def token_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[RunningStack]:
+def token_stack(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
     token = tmp_path_factory.mktemp("token") / "internal-token"
     token.write_text(f"{TOKEN}\n")
     flags = ["--internal-token-file", str(token)]
     running = start_stack(
-        str(tiny_model_dir), tmp_path_factory.mktemp("token-logs"),
-        worker_args=flags, scheduler_args=flags, gateway_args=flags,
+        str(tiny_model_dir),
+        tmp_path_factory.mktemp("token-logs"),
+        worker_args=flags,
+        scheduler_args=flags,
+        gateway_args=flags,
     )
     yield running
     running.stop()
@@ -206,13 +223,19 @@ def test_without_the_internal_token_no_worker_registers_and_no_worker_call_passe
     with grpc.insecure_channel(token_stack.scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         for md in [(), (("authorization", "Bearer not-the-token"),)]:
-            for method, request in ((stub.RegisterWorker, register), (stub.DrainWorker, drain),
-                                    (stub.GetStats, scheduler_pb2.GetStatsRequest())):
+            for method, request in (
+                (stub.RegisterWorker, register),
+                (stub.DrainWorker, drain),
+                (stub.GetStats, scheduler_pb2.GetStatsRequest()),
+            ):
                 with pytest.raises(grpc.RpcError) as info:
                     method(request, timeout=5, metadata=md)
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
-        stats = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5,
-                              metadata=(("authorization", f"Bearer {TOKEN}"),))
+        stats = stub.GetStats(
+            scheduler_pb2.GetStatsRequest(),
+            timeout=5,
+            metadata=(("authorization", f"Bearer {TOKEN}"),),
+        )
     # The fake never joined; the real worker still serves (nothing was drained).
     assert [(r.address, r.healthy) for r in stats.replicas] == [(token_stack.worker, True)]
     with grpc.insecure_channel(token_stack.worker) as channel:

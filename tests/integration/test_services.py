@@ -17,7 +17,8 @@ from llmserve.client import AsyncClient, Client, build_request
 from llmserve.sampling_params import SamplingParams
 from llmserve.supervisor import free_ports
 from llmserve.v1 import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.engine.offline import generate
 from tests.support.stack import RunningStack, start_stack, wait_healthy
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
@@ -37,7 +38,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     running = start_stack(
-        str(tiny_model_dir), tmp_path_factory.mktemp("stack-logs"),
+        str(tiny_model_dir),
+        tmp_path_factory.mktemp("stack-logs"),
         scheduler_args=["--max-num-seqs", "64"],
         gateway_args=["--max-message-bytes", str(256 * 1024)],
     )
@@ -102,11 +104,13 @@ def test_greedy_outputs_equal_the_in_process_engine(stack: RunningStack, tiny_mo
     worker.load_model()
     worker.initialize_cache(256, 0)
     engine = LLMEngine(
-        SchedulerConfig(max_model_len=512), CacheConfig(num_gpu_blocks=256, num_cpu_blocks=0),
+        SchedulerConfig(max_model_len=512),
+        CacheConfig(num_gpu_blocks=256, num_cpu_blocks=0),
         worker,
     )
-    local = engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=24,
-                                                       ignore_eos=True))
+    local = generate(
+        engine, prompt_ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    )
     assert served == [out.outputs[0].token_ids for out in local]
     assert all(len(ids) == 24 for ids in served)
 
@@ -119,7 +123,11 @@ def test_64_concurrent_streams_with_mixed_n_max_tokens_and_stops(stack: RunningS
         texts: dict[int, str] = {}
         finish: dict[int, str | None] = {}
         async for chunk in client.generate(
-            PROMPTS[i % len(PROMPTS)], n=n, temperature=0.8, seed=i, max_tokens=max_tokens,
+            PROMPTS[i % len(PROMPTS)],
+            n=n,
+            temperature=0.8,
+            seed=i,
+            max_tokens=max_tokens,
             stop=stop,
         ):
             texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
@@ -160,14 +168,22 @@ def test_cancelled_stream_frees_its_blocks(stack: RunningStack):
 @pytest.mark.parametrize(
     ("kwargs", "code", "field"),
     [
-        ({"prompt": "hi", "temperature": -1.0}, grpc.StatusCode.INVALID_ARGUMENT,
-         "sampling_params.temperature"),
-        ({"prompt": "hi", "top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT,
-         "sampling_params.top_p"),
-        ({"prompt": "hi", "n": 2, "temperature": 0.0}, grpc.StatusCode.INVALID_ARGUMENT,
-         "sampling_params.best_of"),
-        ({"prompt": "hi", "max_tokens": 5000}, grpc.StatusCode.INVALID_ARGUMENT,
-         "sampling_params.max_tokens"),
+        (
+            {"prompt": "hi", "temperature": -1.0},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling_params.temperature",
+        ),
+        ({"prompt": "hi", "top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_p"),
+        (
+            {"prompt": "hi", "n": 2, "temperature": 0.0},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling_params.best_of",
+        ),
+        (
+            {"prompt": "hi", "max_tokens": 5000},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling_params.max_tokens",
+        ),
         ({"prompt": "x " * 600}, grpc.StatusCode.INVALID_ARGUMENT, "text"),
         ({"prompt": [10**7]}, grpc.StatusCode.INVALID_ARGUMENT, "token_ids.ids"),
         ({"prompt": "hi", "model": "no-such-model"}, grpc.StatusCode.NOT_FOUND, "model"),
@@ -218,9 +234,18 @@ def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path)
     worker_port, scheduler_port = free_ports(2)
     scheduler_log = tmp_path / "scheduler.log"
     scheduler = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "scheduler", "--port", str(scheduler_port),
-         "--workers", f"127.0.0.1:{worker_port}"],
-        stdout=scheduler_log.open("wb"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "scheduler",
+            "--port",
+            str(scheduler_port),
+            "--workers",
+            f"127.0.0.1:{worker_port}",
+        ],
+        stdout=scheduler_log.open("wb"),
+        stderr=subprocess.STDOUT,
     )
     worker = None
     scheduler_address = f"127.0.0.1:{scheduler_port}"
@@ -239,9 +264,22 @@ def test_scheduler_waits_for_a_late_worker(tiny_model_dir: Path, tmp_path: Path)
         assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
         worker_log = tmp_path / "worker.log"
         worker = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.cli", "worker", "--model", str(tiny_model_dir),
-             "--port", str(worker_port), "--kv-cache-memory", "0.01", "--swap-space", "0.01"],
-            stdout=worker_log.open("wb"), stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "llmserve.cli",
+                "worker",
+                "--model",
+                str(tiny_model_dir),
+                "--port",
+                str(worker_port),
+                "--kv-cache-memory",
+                "0.01",
+                "--swap-space",
+                "0.01",
+            ],
+            stdout=worker_log.open("wb"),
+            stderr=subprocess.STDOUT,
         )
         wait_healthy(f"127.0.0.1:{worker_port}", worker, "worker", worker_log)
         with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
@@ -277,8 +315,9 @@ def test_worker_lost_with_no_other_fails_unavailable_after_the_wait(
     )
     try:
         with Client(running.gateway, timeout_s=60) as client:
-            request = build_request("Never ending", temperature=0.0, max_tokens=400,
-                                    ignore_eos=True)
+            request = build_request(
+                "Never ending", temperature=0.0, max_tokens=400, ignore_eos=True
+            )
             stream = client.stream(request)
             next(stream)
             running.procs["worker"].kill()
@@ -335,17 +374,32 @@ def test_worker_joins_by_registering(tiny_model_dir: Path, tmp_path: Path):
     worker_port, scheduler_port = free_ports(2)
     logs = {name: tmp_path / f"{name}.log" for name in ("worker", "scheduler")}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "worker", "--model", str(tiny_model_dir),
-         "--port", str(worker_port), "--kv-cache-memory", "0.01", "--swap-space", "0.01",
-         "--scheduler", f"127.0.0.1:{scheduler_port}"],
-        stdout=logs["worker"].open("wb"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "worker",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(worker_port),
+            "--kv-cache-memory",
+            "0.01",
+            "--swap-space",
+            "0.01",
+            "--scheduler",
+            f"127.0.0.1:{scheduler_port}",
+        ],
+        stdout=logs["worker"].open("wb"),
+        stderr=subprocess.STDOUT,
     )
     scheduler = None
     try:
         wait_healthy(f"127.0.0.1:{worker_port}", worker, "worker", logs["worker"])
         scheduler = subprocess.Popen(
             [sys.executable, "-m", "llmserve.cli", "scheduler", "--port", str(scheduler_port)],
-            stdout=logs["scheduler"].open("wb"), stderr=subprocess.STDOUT,
+            stdout=logs["scheduler"].open("wb"),
+            stderr=subprocess.STDOUT,
         )
         wait_healthy(f"127.0.0.1:{scheduler_port}", scheduler, "scheduler", logs["scheduler"])
         with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
@@ -370,24 +424,33 @@ def test_swap_preemption_on_a_tiny_cache_completes(tiny_model_dir: Path, tmp_pat
     # back after the other finishes, even when a scheduling round in between runs nothing.
     running = start_stack(
         # 4 blocks hold one sequence of 16 tokens, no more (a longer max_model_len is refused).
-        str(tiny_model_dir), tmp_path, worker_args=["--block-size", "4", "--max-model-len", "16"],
+        str(tiny_model_dir),
+        tmp_path,
+        worker_args=["--block-size", "4", "--max-model-len", "16"],
         scheduler_args=["--num-gpu-blocks-override", "4", "--preemption-mode", "swap"],
     )
     try:
+
         async def run() -> list[list[int]]:
             async with AsyncClient(running.gateway, timeout_s=60) as client:
-                done = await asyncio.gather(*(
-                    client.complete([5, 6, 7, 8, 9], temperature=0.0, max_tokens=8,
-                                    ignore_eos=True)
-                    for _ in range(2)
-                ))
+                done = await asyncio.gather(
+                    *(
+                        client.complete(
+                            [5, 6, 7, 8, 9], temperature=0.0, max_tokens=8, ignore_eos=True
+                        )
+                        for _ in range(2)
+                    )
+                )
             return [d.token_ids[0] for d in done]
 
         first, second = asyncio.run(run())
         assert len(first) == 8 and first == second
         with grpc.insecure_channel(running.scheduler) as channel:
-            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                scheduler_pb2.GetStatsRequest()).replicas[0]
+            stats = (
+                scheduler_pb2_grpc.SchedulerStub(channel)
+                .GetStats(scheduler_pb2.GetStatsRequest())
+                .replicas[0]
+            )
         assert stats.num_preemptions >= 1
         assert stats.gpu_blocks_free == stats.gpu_blocks_total
     finally:
@@ -403,6 +466,7 @@ def test_a_high_priority_request_preempts_a_running_one_through_the_services(
     low_prompt, high_prompt = [5, 6, 7, 8, 9], [10, 11, 12]
     greedy = {"temperature": 0.0, "ignore_eos": True}
     try:
+
         async def run() -> tuple[list[int], list[int], list[int], list[str]]:
             async with AsyncClient(running.gateway, timeout_s=120) as client:
                 alone = await client.complete(low_prompt, max_tokens=64, **greedy)
@@ -448,9 +512,22 @@ def test_gateway_readiness_is_one_state_over_grpc_and_http(
     grpc_port, http_port = free_ports(2)
     log = tmp_path / "gateway.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.cli", "gateway", "--model", str(tiny_model_dir),
-         "--port", str(grpc_port), "--http-port", str(http_port), "--scheduler", stack.scheduler],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "gateway",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            "--scheduler",
+            stack.scheduler,
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
     )
     samples: list[tuple[bool, str]] = []  # (/ready ok, gRPC health right after it)
     try:
@@ -470,9 +547,7 @@ def test_gateway_readiness_is_one_state_over_grpc_and_http(
                         reply = health_pb2_grpc.HealthStub(channel).Check(
                             health_pb2.HealthCheckRequest(), timeout=1
                         )
-                        grpc_state = health_pb2.HealthCheckResponse.ServingStatus.Name(
-                            reply.status
-                        )
+                        grpc_state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
                     except grpc.RpcError as exc:
                         grpc_state = exc.code().name
                 samples.append((ready, grpc_state))

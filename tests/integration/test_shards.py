@@ -34,8 +34,13 @@ WORKLOAD = mixed_workload(16, seed=11)
 
 @pytest.fixture(scope="module")
 def shards(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
-    stack = start_fleet(str(tiny_model_dir), tmp_path_factory.mktemp("shard-logs"), 4,
-                        num_schedulers=2, scheduler_args=["--max-num-seqs", "16"])
+    stack = start_fleet(
+        str(tiny_model_dir),
+        tmp_path_factory.mktemp("shard-logs"),
+        4,
+        num_schedulers=2,
+        scheduler_args=["--max-num-seqs", "16"],
+    )
     yield stack
     stack.stop()
 
@@ -55,8 +60,10 @@ def test_shards_split_the_workers_and_serve_hf_equal_greedy_output(
     ]
     rng = random.Random(5)
     prompts = [[rng.randrange(100, 20000) for _ in range(rng.randrange(6, 40))] for _ in range(8)]
-    requests = [(f"greedy-{i}", {"prompt": p, "max_tokens": 12, "ignore_eos": True,
-                                 "temperature": 0.0}) for i, p in enumerate(prompts)]
+    requests = [
+        (f"greedy-{i}", {"prompt": p, "max_tokens": 12, "ignore_eos": True, "temperature": 0.0})
+        for i, p in enumerate(prompts)
+    ]
     received = asyncio.run(run_workload(shards.gateway.address, requests))  # type: ignore[union-attr]
     expected = hf_greedy_outputs(load_hf(tiny_model_dir), prompts, 12)
     assert [received[f"greedy-{i}"].token_ids[0] for i in range(8)] == expected
@@ -81,8 +88,9 @@ def test_a_killed_shard_loses_no_stream_and_its_workers_move(shards: FleetStack)
     assert fired, "the workload ended before the shard was killed"
     assert_same_outputs(baseline, received)
     # The lost shard's two workers registered with the survivor, which drives all four.
-    shards.wait_for(lambda s: len(shards.ready_replicas(s)) == 4, "workers taken over",
-                    scheduler=survivor)
+    shards.wait_for(
+        lambda s: len(shards.ready_replicas(s)) == 4, "workers taken over", scheduler=survivor
+    )
     gateway_log = shards.gateway.log.read_text(errors="replace")  # type: ignore[union-attr]
     assert '"event": "requests moved to other shards"' in gateway_log
     shards.assert_no_leak(survivor)

@@ -37,13 +37,14 @@ class _Streams:
 
     async def run(self) -> None:
         limits = httpx.Limits(max_connections=self.count + 4)
-        async with httpx.AsyncClient(base_url=self.stack.http_url, timeout=300,
-                                     limits=limits) as http, \
-                grpc.aio.insecure_channel(self.stack.gateway) as channel:
+        async with (
+            httpx.AsyncClient(base_url=self.stack.http_url, timeout=300, limits=limits) as http,
+            grpc.aio.insecure_channel(self.stack.gateway) as channel,
+        ):
             stub = generation_pb2_grpc.GenerationStub(channel)
-            await asyncio.gather(*(
-                self._http(http, i) if i % 2 else self._grpc(stub, i) for i in range(self.count)
-            ))
+            await asyncio.gather(
+                *(self._http(http, i) if i % 2 else self._grpc(stub, i) for i in range(self.count))
+            )
 
     async def _http(self, http: httpx.AsyncClient, i: int) -> None:
         body = http_body(f"{PROMPT} {i}", TOKENS, stream=True)
@@ -112,10 +113,14 @@ async def _one_http(url: str) -> httpx.Response:
 def test_sigterm_on_the_gateway_finishes_every_stream_then_exits_0(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    stack = start_stack(str(tiny_model_dir), tmp_path, gateway_args=[
-        "--max-pending-requests", str(STREAMS), "--shutdown-grace-s", "120"])
+    stack = start_stack(
+        str(tiny_model_dir),
+        tmp_path,
+        gateway_args=["--max-pending-requests", str(STREAMS), "--shutdown-grace-s", "120"],
+    )
     gateway = stack.procs["gateway"]
     try:
+
         async def scenario() -> dict[str, Any]:
             streams = _Streams(stack, STREAMS)
             running = asyncio.create_task(streams.run())
@@ -140,8 +145,9 @@ def test_sigterm_on_the_gateway_finishes_every_stream_then_exits_0(
         assert seen["finished"] == [True] * STREAMS
         assert seen["exit"] == 0, stack.logs("gateway")[-3000:]
         log = stack.logs("gateway")
-        assert "drained" in log and f"finished={STREAMS}" in log.replace('"finished": ',
-                                                                          "finished="), log[-3000:]
+        assert "drained" in log and f"finished={STREAMS}" in log.replace(
+            '"finished": ', "finished="
+        ), log[-3000:]
         stats = wait_idle(stack.scheduler)
         assert is_idle(stats), (stats.num_unfinished_requests, blocks(stats))
     finally:
@@ -152,10 +158,10 @@ def test_sigterm_on_the_scheduler_drains_its_requests_then_exits_0(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     count = 8
-    stack = start_stack(str(tiny_model_dir), tmp_path,
-                        scheduler_args=["--shutdown-grace-s", "120"])
+    stack = start_stack(str(tiny_model_dir), tmp_path, scheduler_args=["--shutdown-grace-s", "120"])
     scheduler = stack.procs["scheduler"]
     try:
+
         async def scenario() -> dict[str, Any]:
             streams = _Streams(stack, count)
             running = asyncio.create_task(streams.run())

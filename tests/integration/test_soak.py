@@ -50,8 +50,15 @@ RSS_GROWTH_MIB = 256.0
 PROMPTS = [f"Story number {i}: once upon a time" for i in range(8)]
 LENGTHS = (4, 8)
 BAD_HTTP = [
-    {"prompt": "\ud800"}, {"seed": 2**64}, {"top_k": 2**33}, {"n": 0}, {"temperature": -3},
-    {"max_tokens": 10**6}, {"stop": ["x" * 1000]}, {"logprobs": 99}, {"prompt": []},
+    {"prompt": "\ud800"},
+    {"seed": 2**64},
+    {"top_k": 2**33},
+    {"n": 0},
+    {"temperature": -3},
+    {"max_tokens": 10**6},
+    {"stop": ["x" * 1000]},
+    {"logprobs": 99},
+    {"prompt": []},
 ]
 
 
@@ -103,11 +110,22 @@ def _references(stack: RunningStack) -> dict[tuple[str, int], str]:
 def _plan(rng: random.Random) -> list[dict[str, Any]]:
     plan = []
     for i in range(REQUESTS):
-        kind = "bad" if rng.random() < BAD_FRACTION else (
-            "cancel" if rng.random() < CANCEL_FRACTION else "good")
-        plan.append({"i": i, "kind": kind, "api": rng.choice(["http", "http", "grpc"]),
-                     "stream": rng.random() < 0.5, "prompt": rng.choice(PROMPTS),
-                     "tokens": rng.choice(LENGTHS), "bad": rng.choice(BAD_HTTP)})
+        kind = (
+            "bad"
+            if rng.random() < BAD_FRACTION
+            else ("cancel" if rng.random() < CANCEL_FRACTION else "good")
+        )
+        plan.append(
+            {
+                "i": i,
+                "kind": kind,
+                "api": rng.choice(["http", "http", "grpc"]),
+                "stream": rng.random() < 0.5,
+                "prompt": rng.choice(PROMPTS),
+                "tokens": rng.choice(LENGTHS),
+                "bad": rng.choice(BAD_HTTP),
+            }
+        )
     return plan
 
 
@@ -159,8 +177,10 @@ async def _soak(stack: RunningStack, plan: list[dict[str, Any]]) -> list[dict[st
     semaphore = asyncio.Semaphore(CONCURRENCY)
     limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
     deadline = time.monotonic() + SOAK_BUDGET_S
-    async with httpx.AsyncClient(base_url=stack.http_url, timeout=120, limits=limits) as client, \
-            grpc.aio.insecure_channel(stack.gateway) as channel:
+    async with (
+        httpx.AsyncClient(base_url=stack.http_url, timeout=120, limits=limits) as client,
+        grpc.aio.insecure_channel(stack.gateway) as channel,
+    ):
         stub = generation_pb2_grpc.GenerationStub(channel)
 
         async def one(p: dict[str, Any]) -> dict[str, Any]:
@@ -169,8 +189,12 @@ async def _soak(stack: RunningStack, plan: list[dict[str, Any]]) -> list[dict[st
                     return {**p, "status": None}
                 start = time.perf_counter()
                 status, text = await (_http(client, p) if p["api"] == "http" else _grpc(stub, p))
-                return {**p, "status": status, "text": text,
-                        "latency_s": time.perf_counter() - start}
+                return {
+                    **p,
+                    "status": status,
+                    "text": text,
+                    "latency_s": time.perf_counter() - start,
+                }
 
         return await asyncio.gather(*(one(p) for p in plan))
 
@@ -187,14 +211,20 @@ def test_soak(stack: RunningStack) -> None:
 
     ran = [r for r in results if r["status"] is not None]
     statuses = Counter(r["status"] for r in ran)
-    wrong = [r for r in ran if r["kind"] == "good"
-             and (r["status"] != 200 or r["text"] != references[(r["prompt"], r["tokens"])])]
+    wrong = [
+        r
+        for r in ran
+        if r["kind"] == "good"
+        and (r["status"] != 200 or r["text"] != references[(r["prompt"], r["tokens"])])
+    ]
     bad_not_4xx = [r for r in ran if r["kind"] == "bad" and not 400 <= r["status"] < 500]
     latencies = sorted(r["latency_s"] for r in ran if r["kind"] == "good")
     stats = wait_idle(stack.scheduler)
     gauges = gateway_gauges(httpx.get(stack.http_url + "/metrics", timeout=10).text)
     figures = {
-        "requests": len(ran), "planned": REQUESTS, "concurrency": CONCURRENCY,
+        "requests": len(ran),
+        "planned": REQUESTS,
+        "concurrency": CONCURRENCY,
         "good": sum(r["kind"] == "good" for r in ran),
         "cancelled": sum(r["kind"] == "cancel" for r in ran),
         "bad_inputs": sum(r["kind"] == "bad" for r in ran),

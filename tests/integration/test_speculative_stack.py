@@ -14,7 +14,8 @@ import pytest
 
 from llmserve.client import Client
 from llmserve.sampling_params import SamplingParams
-from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.engine.offline import generate
 from tests.integration.test_services import wait_all_blocks_free
 from tests.support.stack import RunningStack, start_stack
 from worker_service.config import WorkerConfig
@@ -65,7 +66,7 @@ def test_drafted_outputs_equal_the_engine_without_drafts(
         worker,
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    local = engine.generate(prompt_ids, greedy)
+    local = generate(engine, prompt_ids, greedy)
     assert served == [out.outputs[0].token_ids for out in local]
 
     # The same requests over HTTP: the usage block reports the drafts, and /metrics too.

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
-from scheduler_service import LLMEngine
-from scheduler_service.config import PreemptionMode
-from scheduler_service.proposer import DraftProposer
-from scheduler_service.speculation import Speculator
+from scheduler_service.engine import LLMEngine
+from scheduler_service.engine.config import PreemptionMode
+from scheduler_service.engine.offline import generate
+from scheduler_service.engine.proposer import DraftProposer
+from scheduler_service.engine.speculation import Speculator
 from tests.support.drafts import ScriptProposer
 from tests.support.engines import engine_on_worker
 from tests.support.models import load_hf, save_tiny_model
@@ -115,7 +116,7 @@ def test_greedy_with_drafts_matches_hf(
         else ScriptProposer(script, K, 128, off=lambda _: drafts == "wrong")
     )
     engine = make_engine(worker, proposer, **SETUPS[setup])
-    outputs = engine.generate(PROMPTS, GREEDY)
+    outputs = generate(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = engine.get_stats()
     assert stats.num_spec_draft_tokens > 0
@@ -162,11 +163,11 @@ def test_seeded_sampling_is_the_same_with_drafts(tiny: Any) -> None:
     ]
     prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[4]]
     plain = make_engine(worker, None, k=0)
-    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    reference = [o.outputs[0].token_ids for o in generate(plain, prompts, params)]
     script = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
     for proposer in (ScriptProposer(script, K, 128), None):  # right drafts, then n-gram ones
         engine = make_engine(worker, proposer)
-        got = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+        got = [o.outputs[0].token_ids for o in generate(engine, prompts, params)]
         assert got == reference
         assert engine.get_stats().num_spec_draft_tokens > 0
         assert_all_free(engine, worker)
@@ -196,7 +197,7 @@ def test_sampling_with_drafts_draws_from_the_model(tiny: Any) -> None:
     engine = make_engine(worker, ScriptProposer({tuple(prompt): list(greedy)}, K, 128))
     n = 600
     counts: dict[tuple[int, ...], int] = dict.fromkeys(expected, 0)
-    for out in engine.generate([prompt] * n, params):
+    for out in generate(engine, [prompt] * n, params):
         counts[tuple(out.outputs[0].token_ids)] += 1  # KeyError: outside the top 3
     stats = engine.get_stats()
     assert stats.num_spec_accepted_tokens > 0

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
+from scheduler_service.engine.offline import generate
 from tests.integration.test_worker_engine_tiny import BLOCK, PROMPTS, make_engine
 from tests.support.models import FAMILY_KINDS, save_tiny_model
 from worker_service.config import WorkerConfig
@@ -52,7 +53,7 @@ def test_bfloat16_greedy_is_hf_argmax_up_to_near_ties(
     engine = make_engine(worker)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = PROMPTS[:4]
-    outputs = engine.generate(prompts, params)
+    outputs = generate(engine, prompts, params)
     exact = 0
     for prompt, out in zip(prompts, outputs, strict=True):
         tokens = out.outputs[0].token_ids

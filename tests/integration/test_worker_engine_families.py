@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from scheduler_service.config import PreemptionMode
+from scheduler_service.engine.config import PreemptionMode
+from scheduler_service.engine.offline import generate
 from tests.integration.test_worker_engine_tiny import (
     BLOCK,
     GREEDY,
@@ -73,7 +74,7 @@ def test_greedy_batch_matches_hf(
     worker, _, expected = family
     native_steps = _count_native_steps(worker, monkeypatch)
     engine = make_engine(worker, **setup)
-    outputs = engine.generate(PROMPTS, GREEDY)
+    outputs = generate(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     # Most steps after the prefills are pure decodes: on `cpu` the native step ran them.
     assert (len(native_steps) > NEW_TOKENS // 2) == _runs_native(worker)
@@ -87,8 +88,8 @@ def test_prefix_cache_hits_keep_greedy_exact(family: tuple[Worker, Any, Any]) ->
     shared = PROMPTS[2] + PROMPTS[0]  # 34 tokens: 8 full blocks shared
     prompts = [shared + [7, 8, 9], shared + [100], shared[:20] + [3, 3]]
     engine = make_engine(worker)
-    first = engine.generate(prompts[:1], GREEDY)
-    rest = engine.generate(prompts[1:], GREEDY)
+    first = generate(engine, prompts[:1], GREEDY)
+    rest = generate(engine, prompts[1:], GREEDY)
     assert engine.get_stats().prefix_cache_hits > 0
     got = [o.outputs[0].token_ids for o in first + rest]
     assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
-from scheduler_service import LLMEngine
-from scheduler_service.config import PreemptionMode
+from scheduler_service.engine import LLMEngine
+from scheduler_service.engine.config import PreemptionMode
+from scheduler_service.engine.offline import generate
 from tests.support.engines import engine_on_worker
 from tests.support.models import SMOLLM2_EXACTNESS_NEW, SMOLLM2_EXACTNESS_TEXTS, load_smollm2
 from worker_service.config import WorkerConfig
@@ -79,7 +80,7 @@ def test_batched_greedy_with_chunked_prefill_and_logprobs(
     params = SamplingParams(
         temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=2, prompt_logprobs=1
     )
-    outputs = engine.generate(prompts, params)
+    outputs = generate(engine, prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     for prompt, out in zip(prompts[:3], outputs[:3], strict=True):
         full = prompt + out.outputs[0].token_ids
@@ -102,7 +103,7 @@ def test_greedy_under_preemption(
 ) -> None:
     worker, _, prompts = smol
     engine = make_engine(worker, gpu=24, preemption=mode)
-    outputs = engine.generate(prompts, GREEDY)
+    outputs = generate(engine, prompts, GREEDY)
     stats = engine.get_stats()
     assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -113,9 +114,9 @@ def test_greedy_with_prefix_cache_hits(smol: Any, expected: list[list[int]]) -> 
     worker, hf, prompts = smol
     engine = make_engine(worker)
     long = prompts[4]  # > 2 full blocks
-    first = engine.generate([long], GREEDY)
+    first = generate(engine, [long], GREEDY)
     variant = long[:-3] + prompts[0][-3:]
-    second = engine.generate([variant, long], GREEDY)
+    second = generate(engine, [variant, long], GREEDY)
     assert engine.get_stats().prefix_cache_hits >= 2
     assert first[0].outputs[0].token_ids == expected[4]
     assert second[1].outputs[0].token_ids == expected[4]
@@ -136,7 +137,7 @@ def test_greedy_with_ngram_drafts(smol: Any, expected: list[list[int]]) -> None:
         speculative_max_seqs=16,  # drafts beside other sequences' rows too
     )
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=1)
-    outputs = engine.generate(prompts, params)
+    outputs = generate(engine, prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = engine.get_stats()
     assert stats.num_spec_accepted_tokens > 0

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
-from scheduler_service import LLMEngine
-from scheduler_service.config import PreemptionMode
+from scheduler_service.engine import LLMEngine
+from scheduler_service.engine.config import PreemptionMode
+from scheduler_service.engine.offline import generate
 from tests.support.engines import engine_on_worker
 from tests.support.models import load_hf, save_tiny_model
 from worker_service.config import WorkerConfig
@@ -55,9 +56,16 @@ def make_engine(
     prefix: bool = True,
     preemption: PreemptionMode | None = None,
 ) -> LLMEngine:
-    return engine_on_worker(worker, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
-                            batched_tokens=batched_tokens, max_model_len=256, chunked=chunked,
-                            prefix=prefix, preemption=preemption)
+    return engine_on_worker(
+        worker,
+        gpu_blocks=gpu_blocks,
+        cpu_blocks=cpu_blocks,
+        batched_tokens=batched_tokens,
+        max_model_len=256,
+        chunked=chunked,
+        prefix=prefix,
+        preemption=preemption,
+    )
 
 
 def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
@@ -101,7 +109,7 @@ def test_greedy_batch_matches_hf(
 ) -> None:
     worker, _ = tiny
     engine = make_engine(worker, **setup)
-    outputs = engine.generate(PROMPTS, GREEDY)
+    outputs = generate(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = engine.get_stats()
     if "preemption" in setup:
@@ -114,8 +122,8 @@ def test_prefix_cache_hits_keep_greedy_exact(tiny: tuple[Worker, Any]) -> None:
     shared = PROMPTS[2] + PROMPTS[0]  # 34 tokens: 8 full blocks shared
     prompts = [shared + [7, 8, 9], shared + [100], shared[:20] + [3, 3]]
     engine = make_engine(worker)
-    first = engine.generate(prompts[:1], GREEDY)
-    rest = engine.generate(prompts[1:], GREEDY)
+    first = generate(engine, prompts[:1], GREEDY)
+    rest = generate(engine, prompts[1:], GREEDY)
     assert engine.get_stats().prefix_cache_hits > 0
     got = [o.outputs[0].token_ids for o in first + rest]
     assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
@@ -130,7 +138,7 @@ def test_logprobs_and_prompt_logprobs_match_hf(
     params = SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3, prompt_logprobs=2
     )
-    outputs = engine.generate(PROMPTS[:4], params)
+    outputs = generate(engine, PROMPTS[:4], params)
     for prompt, out, exp in zip(PROMPTS, outputs, expected, strict=False):
         choice = out.outputs[0]
         assert choice.token_ids == exp
@@ -166,15 +174,17 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(tiny: tuple[Wor
     worker, _ = tiny
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
     other = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
-    alone = make_engine(worker).generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids
-    again = make_engine(worker).generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids
-    crowd = make_engine(worker, batched_tokens=16).generate(
-        [PROMPTS[2], PROMPTS[0], PROMPTS[4]], [other, seeded, other]
+    alone = generate(make_engine(worker), [PROMPTS[0]], seeded)[0].outputs[0].token_ids
+    again = generate(make_engine(worker), [PROMPTS[0]], seeded)[0].outputs[0].token_ids
+    crowd = generate(
+        make_engine(worker, batched_tokens=16),
+        [PROMPTS[2], PROMPTS[0], PROMPTS[4]],
+        [other, seeded, other],
     )
     assert alone == again == crowd[1].outputs[0].token_ids
     unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     runs = {
-        tuple(make_engine(worker).generate([PROMPTS[0]], unseeded)[0].outputs[0].token_ids)
+        tuple(generate(make_engine(worker), [PROMPTS[0]], unseeded)[0].outputs[0].token_ids)
         for _ in range(3)
     }
     assert len(runs) > 1  # the shared stream advances between requests
@@ -187,7 +197,7 @@ def test_n4_and_beam4_run_to_the_end_and_free_everything(tiny: tuple[Worker, Any
     beam = SamplingParams(
         n=2, best_of=4, use_beam_search=True, temperature=0.0, max_tokens=10, ignore_eos=True
     )
-    sampled, beamed = engine.generate([PROMPTS[0], PROMPTS[4]], [n4, beam])
+    sampled, beamed = generate(engine, [PROMPTS[0], PROMPTS[4]], [n4, beam])
     assert len(sampled.outputs) == 4 and all(len(c.token_ids) == 10 for c in sampled.outputs)
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
     assert len(beamed.outputs) == 2

@@ -14,6 +14,7 @@ from kernels.cpu.quant import QuantWeight
 from llmserve.gguf_files import open_gguf
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
+from scheduler_service.engine.offline import generate
 from tests.support.engines import engine_on_worker
 from tests.support.models import (
     SMOLLM2_EXACTNESS_NEW,
@@ -109,11 +110,11 @@ def test_greedy_output_equals_hf_on_the_dequantized_file(loaded: Any) -> None:
         worker, gpu_blocks=64, cpu_blocks=0, batched_tokens=64, max_model_len=2048
     )
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    outputs = engine.generate(prompts, params)  # batched, the long prompt chunked
+    outputs = generate(engine, prompts, params)  # batched, the long prompt chunked
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == 64
     # One at a time: every decode step is the native one (a single sequence).
-    single = engine.generate(prompts[:1], params)
+    single = generate(engine, prompts[:1], params)
     assert single[0].outputs[0].token_ids == expected[0]
 
 
@@ -122,7 +123,7 @@ def perplexity(worker: Worker, ids: list[int]) -> float:
         worker, gpu_blocks=64, cpu_blocks=0, batched_tokens=PERPLEXITY_CHUNK, max_model_len=2048
     )
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    (out,) = engine.generate([ids], params)
+    (out,) = generate(engine, [ids], params)
     logprobs = [e.token.logprob for e in out.prompt_logprobs or []]
     assert len(logprobs) == len(ids) - 1
     return float(torch.tensor(logprobs).mean().neg().exp())
@@ -182,6 +183,6 @@ def test_gemma3s_mixed_file_runs_on_its_q5_0_q4_k_q6_k_q8_0_blocks_as_hf() -> No
         worker, gpu_blocks=64, cpu_blocks=0, batched_tokens=64, max_model_len=2048
     )
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    outputs = engine.generate(prompts, params)
+    outputs = generate(engine, prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == 64

@@ -15,6 +15,7 @@ from gguf import quants
 from kernels.cpu import quant
 from kernels.cpu.quant import QuantWeight
 from llmserve.sampling_params import SamplingParams
+from scheduler_service.engine.offline import generate
 from tests.support.engines import engine_on_worker
 from tests.support.models import hf_greedy_outputs, load_hf, save_tiny_model
 from worker_service.config import WorkerConfig
@@ -110,9 +111,9 @@ def test_greedy_output_equals_hf_on_the_dequantized_blocks(
         worker, gpu_blocks=128, cpu_blocks=0, batched_tokens=64, max_model_len=256
     )
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    outputs = engine.generate(PROMPTS, params)  # batched, the long prompt chunked
+    outputs = generate(engine, PROMPTS, params)  # batched, the long prompt chunked
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    single = engine.generate(PROMPTS[:1], params)  # decode steps of one sequence
+    single = generate(engine, PROMPTS[:1], params)  # decode steps of one sequence
     assert single[0].outputs[0].token_ids == expected[0]
 
 
@@ -128,5 +129,5 @@ def test_fast_mode_runs_on_the_same_blocks(checkpoints: dict[str, Path]) -> None
         worker, gpu_blocks=64, cpu_blocks=0, batched_tokens=64, max_model_len=256
     )
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    (out,) = engine.generate(PROMPTS[:1], params)
+    (out,) = generate(engine, PROMPTS[:1], params)
     assert len(out.outputs[0].token_ids) == 8

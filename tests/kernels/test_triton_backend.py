@@ -14,6 +14,7 @@ import torch
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
+from scheduler_service.engine.offline import generate
 from tests.integration.test_worker_engine_tiny import PROMPTS as ENGINE_PROMPTS
 from tests.integration.test_worker_engine_tiny import hf_greedy, make_engine
 from tests.support.models import WINDOW, load_hf, save_tiny_model
@@ -176,7 +177,7 @@ def test_windowed_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
     assert sum(len(p) > window for p in prompts) == 2
     engine = make_engine(worker, batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    outputs = engine.generate(prompts, params)
+    outputs = generate(engine, prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [
         hf_greedy(hf, p, new_tokens) for p in prompts
     ]

@@ -1,11 +1,11 @@
 """Test proposers for speculative decoding: the per-sequence state (the tokens seen, nothing
-more: `scheduler_service.proposer.DraftState`) and a proposer that drafts known outputs."""
+more: `scheduler_service.engine.proposer.DraftState`) and a proposer that drafts known outputs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from scheduler_service.proposer import DraftProposer, DraftState
+from scheduler_service.engine.proposer import DraftProposer, DraftState
 
 
 class TokenList(DraftState):

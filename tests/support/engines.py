@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler_service import CacheConfig, LLMEngine, SchedulerConfig
-from scheduler_service.config import PreemptionMode
+from scheduler_service.engine import CacheConfig, LLMEngine, SchedulerConfig
+from scheduler_service.engine.config import PreemptionMode
 from worker_service.worker import Worker
 
 

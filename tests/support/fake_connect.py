@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from llmserve.continuation import continuation_from_proto
 from llmserve.errors import ApiError
 from llmserve.proto_convert import sampling_params_from_proto
+from llmserve.resubmission import continuation_from_proto
 from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 

@@ -40,7 +40,9 @@ class Proc:
     def start(self, wait: bool = True) -> None:
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "llmserve.cli", *self.args],
-            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=self.env,
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            env=self.env,
         )
         if wait:
             wait_healthy(self.address, self.popen, self.name, self.log)
@@ -90,9 +92,19 @@ class FleetStack:
         index = len(self.workers)
         proc = Proc(
             f"worker-{index}",
-            ["worker", "--model", self.model, "--port", str(port),
-             "--metrics-port", str(metrics_port), "--scheduler", self.scheduler_addresses,
-             *self.worker_args, *args],
+            [
+                "worker",
+                "--model",
+                self.model,
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--scheduler",
+                self.scheduler_addresses,
+                *self.worker_args,
+                *args,
+            ],
             f"127.0.0.1:{port}",
             self.log_dir / f"worker-{index}.log",
             self.env,
@@ -128,9 +140,13 @@ class FleetStack:
             )
         return reply.num_requests
 
-    def wait_for(self, predicate: Callable[[scheduler_pb2.GetStatsResponse], bool],
-                 what: str, timeout_s: float = 60.0,
-                 scheduler: Proc | None = None) -> scheduler_pb2.GetStatsResponse:
+    def wait_for(
+        self,
+        predicate: Callable[[scheduler_pb2.GetStatsResponse], bool],
+        what: str,
+        timeout_s: float = 60.0,
+        scheduler: Proc | None = None,
+    ) -> scheduler_pb2.GetStatsResponse:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -143,19 +159,24 @@ class FleetStack:
                 raise AssertionError(f"timed out waiting for {what}; last stats: {stats}")
             time.sleep(0.2)
 
-    def ready_replicas(self, stats: scheduler_pb2.GetStatsResponse) -> list[scheduler_pb2.ReplicaStats]:
+    def ready_replicas(
+        self, stats: scheduler_pb2.GetStatsResponse
+    ) -> list[scheduler_pb2.ReplicaStats]:
         return [r for r in stats.replicas if r.state == scheduler_pb2.WORKER_STATE_READY]
 
     def assert_no_leak(self, scheduler: Proc | None = None) -> None:
         """Every ready replica of `scheduler` (default: the first) ends with free == total
         blocks (device and host), no transfer holding blocks, and its block accounting's
         invariants holding."""
+
         def idle(stats: scheduler_pb2.GetStatsResponse) -> bool:
             return stats.num_unfinished_requests == 0 and all(
-                r.gpu_blocks_free == r.gpu_blocks_total and r.cpu_blocks_free == r.cpu_blocks_total
+                r.gpu_blocks_free == r.gpu_blocks_total
+                and r.cpu_blocks_free == r.cpu_blocks_total
                 and r.num_transfers == 0
                 for r in self.ready_replicas(stats)
             )
+
         stats = self.wait_for(idle, "every block free", timeout_s=30, scheduler=scheduler)
         assert self.ready_replicas(stats), stats
         assert all(not r.invariant_violation for r in stats.replicas), stats
@@ -168,12 +189,18 @@ class FleetStack:
             stop_processes([p.popen for p in group if p is not None and p.popen], grace_s=20)
 
 
-def start_fleet(model: str, log_dir: Path, num_workers: int, *,
-                scheduler_args: list[str] = (),  # type: ignore[assignment]
-                worker_args: list[str] = WORKER_ARGS,  # noqa: B006 (never mutated)
-                env: dict[str, str] | None = None, num_schedulers: int = 1,
-                per_worker_args: list[list[str]] = (),  # type: ignore[assignment]
-                token: str = "") -> FleetStack:
+def start_fleet(
+    model: str,
+    log_dir: Path,
+    num_workers: int,
+    *,
+    scheduler_args: list[str] = (),  # type: ignore[assignment]
+    worker_args: list[str] = WORKER_ARGS,  # noqa: B006 (never mutated)
+    env: dict[str, str] | None = None,
+    num_schedulers: int = 1,
+    per_worker_args: list[list[str]] = (),  # type: ignore[assignment]
+    token: str = "",
+) -> FleetStack:
     """Scheduler(s) first (workers register with them), then the workers (worker i with
     `per_worker_args[i]` too, if given), then the gateway. With one scheduler, the workers and
     the gateway start together (the gateway follows the scheduler's readiness), then each is
@@ -191,12 +218,26 @@ def start_fleet(model: str, log_dir: Path, num_workers: int, *,
     for index in range(num_schedulers):
         sched_port, sched_metrics = free_ports(2)
         name = "scheduler" if num_schedulers == 1 else f"scheduler-{index}"
-        stack.schedulers.append(Proc(
-            name,
-            ["scheduler", "--port", str(sched_port), "--metrics-port", str(sched_metrics),
-             "--worker-lease-s", "3", "--health-interval-s", "0.5", *scheduler_args],
-            f"127.0.0.1:{sched_port}", log_dir / f"{name}.log", base_env,
-        ))
+        stack.schedulers.append(
+            Proc(
+                name,
+                [
+                    "scheduler",
+                    "--port",
+                    str(sched_port),
+                    "--metrics-port",
+                    str(sched_metrics),
+                    "--worker-lease-s",
+                    "3",
+                    "--health-interval-s",
+                    "0.5",
+                    *scheduler_args,
+                ],
+                f"127.0.0.1:{sched_port}",
+                log_dir / f"{name}.log",
+                base_env,
+            )
+        )
     stack.scheduler = stack.schedulers[0]
     try:
         for scheduler in stack.schedulers:
@@ -207,28 +248,50 @@ def start_fleet(model: str, log_dir: Path, num_workers: int, *,
         together = num_schedulers == 1
         stack.gateway = Proc(
             "gateway",
-            ["gateway", "--model", model, "--port", str(gw_port), "--http-port", str(http_port),
-             "--scheduler", stack.scheduler_addresses],
-            f"127.0.0.1:{gw_port}", log_dir / "gateway.log", base_env,
+            [
+                "gateway",
+                "--model",
+                model,
+                "--port",
+                str(gw_port),
+                "--http-port",
+                str(http_port),
+                "--scheduler",
+                stack.scheduler_addresses,
+            ],
+            f"127.0.0.1:{gw_port}",
+            log_dir / "gateway.log",
+            base_env,
         )
         if together:
             stack.gateway.start(wait=False)
         for index in range(num_workers):
-            stack.add_worker(wait=not together,
-                             args=per_worker_args[index] if per_worker_args else [])
+            stack.add_worker(
+                wait=not together, args=per_worker_args[index] if per_worker_args else []
+            )
         for worker in stack.workers if together else ():
             wait_healthy(worker.address, worker.popen, worker.name, worker.log)  # type: ignore[arg-type]
+
         def all_ready(_: scheduler_pb2.GetStatsResponse) -> bool:
             return sum(len(stack.ready_replicas(stack.stats(s))) for s in stack.schedulers) == (
                 num_workers
             )
+
         stack.wait_for(all_ready, "workers ready")
         for scheduler in stack.schedulers:
-            wait_healthy(scheduler.address, scheduler.popen, scheduler.name,  # type: ignore[arg-type]
-                         scheduler.log)
+            wait_healthy(
+                scheduler.address,
+                scheduler.popen,
+                scheduler.name,  # type: ignore[arg-type]
+                scheduler.log,
+            )
         if together:
-            wait_healthy(stack.gateway.address, stack.gateway.popen, "gateway",  # type: ignore[arg-type]
-                         stack.gateway.log)
+            wait_healthy(
+                stack.gateway.address,
+                stack.gateway.popen,
+                "gateway",  # type: ignore[arg-type]
+                stack.gateway.log,
+            )
         else:
             stack.gateway.start()
     except BaseException:
@@ -237,8 +300,9 @@ def start_fleet(model: str, log_dir: Path, num_workers: int, *,
     return stack
 
 
-def spare_worker(stack: FleetStack, name: str, env: dict[str, str] | None = None,
-                 args: list[str] = ()) -> Proc:  # type: ignore[assignment]
+def spare_worker(
+    stack: FleetStack, name: str, env: dict[str, str] | None = None, args: list[str] = ()
+) -> Proc:  # type: ignore[assignment]
     """A worker of the stack's model that joins no scheduler by itself (`Lease` registers
     it), with `args` after the stack's worker args."""
     port, metrics_port = free_ports(2)
@@ -283,6 +347,7 @@ class Lease:
 
 # -- the workload ------------------------------------------------------------------------------
 
+
 @dataclass
 class Received:
     """One request as its client saw it: per choice, the token ids and logprobs in order."""
@@ -315,8 +380,13 @@ def mixed_workload(count: int, seed: int = 0) -> list[tuple[str, dict]]:  # type
         else:
             params.update(temperature=0.6, seed=4000 + i, top_k=50)
         if i == 5:
-            params = {"max_tokens": 16, "ignore_eos": True, "temperature": 0.0,
-                      "use_beam_search": True, "best_of": 2}
+            params = {
+                "max_tokens": 16,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "use_beam_search": True,
+                "best_of": 2,
+            }
         if i % 4 == 1:
             params["logprobs"] = 2
         requests.append((f"req-{i}", {"prompt": prompt, **params}))
@@ -324,7 +394,8 @@ def mixed_workload(count: int, seed: int = 0) -> list[tuple[str, dict]]:  # type
 
 
 async def run_workload(
-    gateway: str, requests: list[tuple[str, dict]],  # type: ignore[type-arg]
+    gateway: str,
+    requests: list[tuple[str, dict]],  # type: ignore[type-arg]
     on_chunk: Callable[[int], None] | None = None,
 ) -> dict[str, Received]:
     """Stream every request at once through the gateway's gRPC API; `on_chunk(total)` after

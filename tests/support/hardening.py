@@ -21,8 +21,13 @@ def grpc_request(prompt: str, max_tokens: int, **sampling: Any) -> generation_pb
 
 
 def http_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, **extra}
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def scheduler_stats(scheduler: str) -> scheduler_pb2.GetStatsResponse:

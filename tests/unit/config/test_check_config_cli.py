@@ -102,8 +102,12 @@ def test_a_template_native_format_with_its_template_passes():
 
     for parser, template in (("hermes", "hermes"), ("llama3_json", "llama3"), ("auto", "llama3")):
         result = run_cli(
-            "gateway", "--check-config", "--tool-call-parser", parser,
-            "--chat-template", str(template_path(template)),
+            "gateway",
+            "--check-config",
+            "--tool-call-parser",
+            parser,
+            "--chat-template",
+            str(template_path(template)),
         )
         assert result.returncode == 0, result.stderr
 

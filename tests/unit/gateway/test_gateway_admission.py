@@ -84,17 +84,21 @@ def test_admission_middleware_answers_429_with_retry_after() -> None:
     assert admission.in_flight == 0
 
 
-@pytest.mark.parametrize(("params", "field"), [
-    (SamplingParams(n=5, temperature=1.0), "sampling_params.n"),
-    (SamplingParams(n=1, best_of=6, temperature=1.0), "best_of"),
-    (SamplingParams(max_tokens=101), "max_tokens"),
-    (SamplingParams(logprobs=4), "top_logprobs"),
-    (SamplingParams(prompt_logprobs=4), "prompt_logprobs"),
-    (SamplingParams(stop_token_ids=(1, 2, 3)), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(n=5, temperature=1.0), "sampling_params.n"),
+        (SamplingParams(n=1, best_of=6, temperature=1.0), "best_of"),
+        (SamplingParams(max_tokens=101), "max_tokens"),
+        (SamplingParams(logprobs=4), "top_logprobs"),
+        (SamplingParams(prompt_logprobs=4), "prompt_logprobs"),
+        (SamplingParams(stop_token_ids=(1, 2, 3)), "stop_token_ids"),
+    ],
+)
 def test_sampling_limits_name_the_field(params: SamplingParams, field: str) -> None:
-    limits = RequestLimits(max_n=4, max_best_of=5, max_output_tokens=100, max_logprobs=3,
-                           max_stop_token_ids=2)
+    limits = RequestLimits(
+        max_n=4, max_best_of=5, max_output_tokens=100, max_logprobs=3, max_stop_token_ids=2
+    )
     names = {"n": "sampling_params.n", "logprobs": "top_logprobs"}
     with pytest.raises(FieldError) as caught:
         check_sampling(limits, params, names)
@@ -112,10 +116,16 @@ def test_stop_and_prompt_count_limits() -> None:
         check_prompt_count(limits, 3)
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"top_k": 2**32}, "top_k"),
-    ({"max_tokens": 2**32}, "max_tokens"), ({"stop_token_ids": (2**32,)}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**32}, "top_k"),
+        ({"max_tokens": 2**32}, "max_tokens"),
+        ({"stop_token_ids": (2**32,)}, "stop_token_ids"),
+    ],
+)
 def test_integers_too_large_for_the_protos_are_refused(kwargs: dict, field: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(FieldError) as caught:
         SamplingParams(**kwargs)
@@ -124,8 +134,20 @@ def test_integers_too_large_for_the_protos_are_refused(kwargs: dict, field: str)
 
 def test_generate_cli_prints_one_line_for_a_bad_flag() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "llmserve.cli", "generate", "--temperature", "-3",
-         "--address", "127.0.0.1:1", "hi"], capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "llmserve.cli",
+            "generate",
+            "--temperature",
+            "-3",
+            "--address",
+            "127.0.0.1:1",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["error: temperature: must be in [0, 100], got -3.0"]

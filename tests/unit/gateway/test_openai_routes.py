@@ -52,10 +52,17 @@ class FakeScheduler:
     submitted: list[Submitted] = field(default_factory=list)
 
     async def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        eos_token_id: int | None, traceparent: str = "", priority: int = 0,
-        stop: Sequence[str] = (), decode_special_tokens: bool = False,
-        timeout_s: float | None = None, grammar: GrammarSpec | None = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_id: int | None,
+        traceparent: str = "",
+        priority: int = 0,
+        stop: Sequence[str] = (),
+        decode_special_tokens: bool = False,
+        timeout_s: float | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
         self.submitted.append(Submitted(request_id, prompt_token_ids, params, grammar))
         if isinstance(self.error, BaseException):
@@ -84,13 +91,20 @@ class FakeScheduler:
 
 @pytest.fixture
 def make_client(smollm2_tokenizer: Any) -> Callable[..., tuple[TestClient, FakeScheduler]]:
-    def make(scheduler: FakeScheduler, max_model_len: int | None = MAX_MODEL_LEN,
-             api_keys: tuple[str, ...] = ()) -> tuple[TestClient, FakeScheduler]:
-        core = GenerationCore(MODEL, Tokenization(smollm2_tokenizer), scheduler,  # type: ignore[arg-type]
-                              max_model_len)
-        return TestClient(build_app(core, api_keys=KeySet(api_keys)),
-                          raise_server_exceptions=False), \
-            scheduler
+    def make(
+        scheduler: FakeScheduler,
+        max_model_len: int | None = MAX_MODEL_LEN,
+        api_keys: tuple[str, ...] = (),
+    ) -> tuple[TestClient, FakeScheduler]:
+        core = GenerationCore(
+            MODEL,
+            Tokenization(smollm2_tokenizer),
+            scheduler,  # type: ignore[arg-type]
+            max_model_len,
+        )
+        return TestClient(
+            build_app(core, api_keys=KeySet(api_keys)), raise_server_exceptions=False
+        ), scheduler
 
     return make
 
@@ -114,23 +128,38 @@ def test_completion_text_usage_and_finish_come_from_the_scheduler(
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == MODEL
-    assert body["choices"] == [{"index": 0, "text": "Hello world again", "logprobs": None,
-                                "finish_reason": "length", "stop_reason": None}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "text": "Hello world again",
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+    ]
     # The scheduler's count is carried, not recounted from the three tokens seen here.
     prompt_len = len(scheduler.submitted[0].prompt_token_ids)
-    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 11,
-                             "total_tokens": prompt_len + 11}
+    assert body["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": 11,
+        "total_tokens": prompt_len + 11,
+    }
 
 
 def test_completion_of_two_prompts_numbers_choices_per_prompt(
     make_client: Any, smollm2_tokenizer: Any
 ) -> None:
     client, scheduler = make_client(FakeScheduler(words(smollm2_tokenizer, " yes")))
-    r = client.post("/v1/completions",
-                    json={"prompt": ["a", "b"], "n": 2, "max_tokens": 1, "temperature": 0.5})
+    r = client.post(
+        "/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 1, "temperature": 0.5}
+    )
     assert r.status_code == 200, r.text
     assert [(c["index"], c["text"]) for c in r.json()["choices"]] == [
-        (0, " yes"), (1, " yes"), (2, " yes"), (3, " yes")]
+        (0, " yes"),
+        (1, " yes"),
+        (2, " yes"),
+        (3, " yes"),
+    ]
     assert r.json()["usage"]["completion_tokens"] == 4
     ids = [s.request_id for s in scheduler.submitted]
     assert ids[0].rsplit("-", 1)[0] == ids[1].rsplit("-", 1)[0] == r.json()["id"]
@@ -139,17 +168,22 @@ def test_completion_of_two_prompts_numbers_choices_per_prompt(
 def test_chat_stream_chunks_and_usage(make_client: Any, smollm2_tokenizer: Any) -> None:
     tokens = words(smollm2_tokenizer, "Hi", " there")
     client, _ = make_client(FakeScheduler(tokens, finish=common_pb2.FINISH_REASON_STOP))
-    with client.stream("POST", "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hello"}], "stream": True,
-        "stream_options": {"include_usage": True}, "max_tokens": 5,
-    }) as r:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hello"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": 5,
+        },
+    ) as r:
         assert r.status_code == 200
         chunks = sse(r)
     deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
     assert deltas == [{"role": "assistant", "content": "Hi"}, {"content": " there"}]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, "stop"]
-    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None
-               for c in chunks[:-1])
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
 
 
@@ -158,8 +192,11 @@ def test_stop_string_cuts_the_text(make_client: Any, smollm2_tokenizer: Any) -> 
     client, _ = make_client(FakeScheduler(tokens))
     r = client.post("/v1/completions", json={"prompt": "count", "stop": [" tw"]})
     choice = r.json()["choices"][0]
-    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == \
-        ("one", "stop", " tw")
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+        "one",
+        "stop",
+        " tw",
+    )
 
 
 @pytest.mark.parametrize(
@@ -173,8 +210,9 @@ def test_stop_string_cuts_the_text(make_client: Any, smollm2_tokenizer: Any) -> 
         ({"prompt": 3}, 400, "prompt", None),
     ],
 )
-def test_client_mistakes_name_the_field(make_client: Any, body: dict[str, Any], status: int,
-                                        param: str, code: str | None) -> None:
+def test_client_mistakes_name_the_field(
+    make_client: Any, body: dict[str, Any], status: int, param: str, code: str | None
+) -> None:
     client, scheduler = make_client(FakeScheduler([1]))
     r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
@@ -193,14 +231,20 @@ def test_chat_message_errors_name_the_message(make_client: Any) -> None:
 
 @pytest.mark.parametrize(
     ("code", "status", "kind"),
-    [(8, 429, "rate_limit_error"), (6, 409, "invalid_request_error"),
-     (14, 503, "service_unavailable"), (13, 500, "internal_error"),
-     (3, 400, "invalid_request_error")],
+    [
+        (8, 429, "rate_limit_error"),
+        (6, 409, "invalid_request_error"),
+        (14, 503, "service_unavailable"),
+        (13, 500, "internal_error"),
+        (3, 400, "invalid_request_error"),
+    ],
 )
-def test_a_scheduler_error_keeps_its_code(make_client: Any, code: int, status: int,
-                                          kind: str) -> None:
-    client, _ = make_client(FakeScheduler([1], error=(code, "prompt: said the scheduler",
-                                                      "prompt")))
+def test_a_scheduler_error_keeps_its_code(
+    make_client: Any, code: int, status: int, kind: str
+) -> None:
+    client, _ = make_client(
+        FakeScheduler([1], error=(code, "prompt: said the scheduler", "prompt"))
+    )
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == status
     assert r.json()["error"]["type"] == kind
@@ -215,8 +259,9 @@ def test_an_internal_failure_is_500_and_never_model_not_found(make_client: Any) 
     assert r.json()["error"]["code"] is None
 
 
-def test_an_error_mid_stream_is_an_event_then_done(make_client: Any,
-                                                   smollm2_tokenizer: Any) -> None:
+def test_an_error_mid_stream_is_an_event_then_done(
+    make_client: Any, smollm2_tokenizer: Any
+) -> None:
     tokens = words(smollm2_tokenizer, "a", "b", "c")
     client, _ = make_client(FakeScheduler(tokens, error_after_first=(14, "worker lost", "")))
     with client.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
@@ -237,8 +282,12 @@ def test_without_a_context_length_requests_are_unavailable(make_client: Any) -> 
 def test_models_and_probes(make_client: Any) -> None:
     client, scheduler = make_client(FakeScheduler([1]))
     assert client.get("/v1/models").json()["data"][0] == {
-        "id": MODEL, "object": "model", "created": client.app.state.core.created,
-        "owned_by": "llmserve", "max_model_len": MAX_MODEL_LEN}
+        "id": MODEL,
+        "object": "model",
+        "created": client.app.state.core.created,
+        "owned_by": "llmserve",
+        "max_model_len": MAX_MODEL_LEN,
+    }
     assert client.get("/health").status_code == 200
     assert client.get("/ready").status_code == 200
     scheduler.connected = False
@@ -258,8 +307,9 @@ def test_api_key(make_client: Any) -> None:
 def test_a_full_scheduler_queue_is_429_with_retry_after(make_client: Any, stream: bool) -> None:
     """RESOURCE_EXHAUSTED from the scheduler (--max-waiting-requests) is the status line, with
     Retry-After, streamed or not: a stream's first update is awaited before its 200."""
-    client, _ = make_client(FakeScheduler([1], error=(8, "the scheduler has 8 requests waiting",
-                                                      None)))
+    client, _ = make_client(
+        FakeScheduler([1], error=(8, "the scheduler has 8 requests waiting", None))
+    )
     r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
     assert r.status_code == 429
     assert int(r.headers["retry-after"]) >= 1

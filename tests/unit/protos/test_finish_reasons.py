@@ -6,7 +6,7 @@ import pytest
 
 from llmserve.proto_convert import finish_reason_name, finish_reason_to_proto
 from llmserve.v1 import common_pb2
-from scheduler_service import FinishReason
+from scheduler_service.engine import FinishReason
 
 
 @pytest.mark.parametrize("reason", list(FinishReason))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from scheduler_service import SamplingParams, Sequence, SequenceGroup
+from scheduler_service.engine import SamplingParams, Sequence, SequenceGroup
 
 _ids = itertools.count(1000)
 

@@ -3,7 +3,7 @@ latest arrival, however the groups came back (swap-in, re-admission after recomp
 
 from __future__ import annotations
 
-from scheduler_service import CacheConfig, LLMEngine, PreemptionMode, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, PreemptionMode, SchedulerConfig
 
 from .factories import make_seq_group
 from .fake_model import FakeModel

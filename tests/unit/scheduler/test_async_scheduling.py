@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import rule
 
 from llmserve.model_spec import load_tokenizer, resolve_model
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.continuation import PipelinedStepper
-from scheduler_service.request_output import RequestOutput
-from scheduler_service.sequence import FinishReason
-from scheduler_service.text_stops import StopStrings
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine.offline import PipelinedStepper, generate
+from scheduler_service.engine.request_output import RequestOutput
+from scheduler_service.engine.sequence import FinishReason
+from scheduler_service.engine.text_stops import StopStrings
 
 from .fake_model import FakeModel
 from .test_stateful import EngineMachine
@@ -153,7 +153,7 @@ def test_generate_pipelined_equals_synchronous_with_max_model_len():
         engine = LLMEngine(sched, cache, model)
         prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11] * 13, [12, 13]]
         params = SamplingParams(n=2, max_tokens=50, ignore_eos=True)
-        outs = engine.generate(prompts, params, eos_token_id=EOS, async_scheduling=pipelined)
+        outs = generate(engine, prompts, params, eos_token_id=EOS, async_scheduling=pipelined)
         engine.step()
         assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == 30
         return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], model

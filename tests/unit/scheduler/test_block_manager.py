@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from scheduler_service import (
+from scheduler_service.engine import (
     AllocStatus,
     BlockSpaceManager,
     LRUEvictor,

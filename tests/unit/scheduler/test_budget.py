@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 from .fake_model import FakeModel
 

@@ -4,13 +4,14 @@ import pytest
 
 from llmserve.errors import FieldError
 from llmserve.steps import SequenceOutput, StepInput, StepResult, TokenLogprob
-from scheduler_service import (
+from scheduler_service.engine import (
     CacheConfig,
     FinishReason,
     LLMEngine,
     SamplingParams,
     SchedulerConfig,
 )
+from scheduler_service.engine.offline import generate
 
 from .fake_model import FakeModel
 
@@ -108,7 +109,7 @@ def test_bad_requests_raise_typed_errors_naming_the_field():
 )
 def test_token_level_stops(params, expected, reason, stop):
     engine = make_engine(Scripted([5, 9, 4]))
-    [out] = engine.generate([[1, 2]], params, eos_token_id=9)
+    [out] = generate(engine, [[1, 2]], params, eos_token_id=9)
     assert out.outputs[0].token_ids == expected
     assert out.outputs[0].finish_reason is reason
     assert out.outputs[0].stop_token_id == stop
@@ -122,7 +123,7 @@ def test_n_streams_choices_by_index_and_generate_accumulates():
     assert all(len(c.token_ids) == 1 and len(c.logprobs[0].top) == 2 for c in first[0].outputs)
     step_input = engine.step() and engine.last_step_input
     assert [(f.parent_seq_id, f.child_seq_index) for f in step_input.forks] == [(0, 1), (0, 2)]
-    [total] = engine.generate([[1, 2, 3]], SamplingParams(n=3, max_tokens=4, logprobs=2))
+    [total] = generate(engine, [[1, 2, 3]], SamplingParams(n=3, max_tokens=4, logprobs=2))
     assert [len(c.token_ids) for c in total.outputs] == [4, 4, 4]
     assert [c.index for c in total.outputs] == [0, 1, 2]
 

@@ -16,11 +16,11 @@ from llmserve.errors import FieldError
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.llguidance_backend import LLGuidanceBackend
 from llmserve.grammar.spec import GrammarSpec
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.config import PreemptionMode
-from scheduler_service.offline import accumulate as _accumulate
-from scheduler_service.request_output import RequestOutput
-from scheduler_service.sequence import FinishReason
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine.config import PreemptionMode
+from scheduler_service.engine.offline import accumulate as _accumulate
+from scheduler_service.engine.request_output import RequestOutput
+from scheduler_service.engine.sequence import FinishReason
 from tests.support.grammar import BOUNDED_SCHEMA, smollm2_tokenizer
 
 from .fake_model import FakeModel
@@ -254,7 +254,7 @@ def test_beam_search_keeps_a_matcher_per_beam(tok, cache):
 def test_a_continuation_after_a_scheduler_restart_replays_the_grammar(tok, cache):
     """What a gateway re-submits after a restart (the tokens it streamed) continues in a fresh
     engine through fresh matchers, to the same output."""
-    from scheduler_service.migration import SequenceSnapshot, snapshot_from_choices
+    from scheduler_service.engine.snapshots import SequenceSnapshot, snapshot_from_choices
 
     requests = [r for r in workload(tok) if r[2].streams_choices]
     expected = summary(run(make_engine(tok, cache), requests, tok.eos_token_id))

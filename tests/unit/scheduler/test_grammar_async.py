@@ -14,11 +14,11 @@ from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.llguidance_backend import LLGuidanceBackend
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.steps import MaskKind
-from scheduler_service.continuation import PipelinedStepper
-from scheduler_service.offline import accumulate as _accumulate
-from scheduler_service.request_output import RequestOutput
-from scheduler_service.sequence import SequenceStatus
-from scheduler_service.speculation import Speculator
+from scheduler_service.engine.offline import PipelinedStepper
+from scheduler_service.engine.offline import accumulate as _accumulate
+from scheduler_service.engine.request_output import RequestOutput
+from scheduler_service.engine.sequence import SequenceStatus
+from scheduler_service.engine.speculation import Speculator
 from tests.support.drafts import ScriptProposer
 from tests.support.grammar import smollm2_tokenizer
 

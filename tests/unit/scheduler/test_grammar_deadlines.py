@@ -14,11 +14,11 @@ import pytest
 from llmserve.errors import ResourceExhaustedError
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.llguidance_backend import LLGuidanceBackend
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.grammar_requests import wait_for_compiles
-from scheduler_service.offline import accumulate as _accumulate
-from scheduler_service.request_output import RequestOutput
-from scheduler_service.sequence import FinishReason
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine.offline import accumulate as _accumulate
+from scheduler_service.engine.request_output import RequestOutput
+from scheduler_service.engine.sequence import FinishReason
+from scheduler_service.fleet.compile_waits import wait_for_compiles
 from tests.support.grammar import smollm2_tokenizer
 
 from .fake_model import FakeModel

@@ -1,4 +1,4 @@
-"""Requests moved between engines with their KV blocks (`scheduler_service.kv_migration`) finish
+"""Requests moved between engines with their KV blocks (`scheduler_service.fleet.kv_mover`) finish
 exactly as if they had never moved, and the target computes only what was not copied.
 
 Each engine runs its own FakeModel, whose next token depends on the tokens it reads back from
@@ -20,17 +20,17 @@ from opentelemetry.trace import StatusCode
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import worker_pb2
-from scheduler_service import tracing
-from scheduler_service.config import MigrationMode
-from scheduler_service.kv_migration import Migrations
-from scheduler_service.kv_moves import LinearFit, Rates
-from scheduler_service.migration import snapshot_from_choices
-from scheduler_service.move_policy import maybe_fetch
-from scheduler_service.offline import accumulate
-from scheduler_service.replica_owner import ReplicaState
-from scheduler_service.request_output import RequestOutput
-from scheduler_service.routing import cached_prefix_tokens
-from scheduler_service.transfer_queue import TransferQueue, transfer_news
+from scheduler_service.engine.offline import accumulate, generate
+from scheduler_service.engine.request_output import RequestOutput
+from scheduler_service.engine.snapshots import snapshot_from_choices
+from scheduler_service.fleet import tracing
+from scheduler_service.fleet.fleet_config import MigrationMode
+from scheduler_service.fleet.kv_move import LinearFit, Rates
+from scheduler_service.fleet.kv_mover import Migrations
+from scheduler_service.fleet.move_policy import maybe_fetch
+from scheduler_service.fleet.placement import cached_prefix_tokens
+from scheduler_service.fleet.replica_events import ReplicaState
+from scheduler_service.fleet.transfer_queue import TransferQueue, transfer_news
 
 from .fake_model import FakeModel
 from .test_migration import assert_empty, make_engine, reference, summarize
@@ -267,7 +267,7 @@ def fetch_setup(fail: bool = False):  # type: ignore[no-untyped-def]
     run([a], moves)
     prompt = prefix + [5, 9, 11]
     snapshot = snapshot_from_choices("fetched", prompt, params, EOS, 0.0, [])
-    expected = make_engine(400, 0).generate([prompt], params, eos_token_id=EOS)[0]
+    expected = generate(make_engine(400, 0), [prompt], params, eos_token_id=EOS)[0]
     expected.request_id = "fetched"
     return a, b, moves, snapshot, expected
 
@@ -361,7 +361,7 @@ def test_a_long_prompt_streams_its_blocks_to_the_decode_replica_chunk_by_chunk()
     prompt = [(5 * i) % 59 + 1 for i in range(122)]
     params = SamplingParams(temperature=0.0, max_tokens=5)
     a.engine.add_request("long", prompt, params, eos_token_id=EOS)
-    expected = make_engine(400, 0).generate([prompt], params, eos_token_id=EOS)[0]
+    expected = generate(make_engine(400, 0), [prompt], params, eos_token_id=EOS)[0]
     expected.request_id = "long"
     totals = run([a, b], moves)
     assert summarize([totals["long"]]) == summarize([expected])

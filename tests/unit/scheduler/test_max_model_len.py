@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service import CacheConfig, ConfigError, LLMEngine, SchedulerConfig
 from scheduler_service.__main__ import build_fleet_config, parse_args
+from scheduler_service.engine import CacheConfig, ConfigError, LLMEngine, SchedulerConfig
 
 
 def test_the_worker_decides_by_default() -> None:

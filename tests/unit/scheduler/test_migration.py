@@ -10,11 +10,12 @@ import random
 import pytest
 
 from llmserve.errors import FieldError
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.migration import SequenceSnapshot, snapshot_from_choices
-from scheduler_service.offline import accumulate as _accumulate
-from scheduler_service.request_output import RequestOutput
-from scheduler_service.sequence import FinishReason
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine.offline import accumulate as _accumulate
+from scheduler_service.engine.offline import generate
+from scheduler_service.engine.request_output import RequestOutput
+from scheduler_service.engine.sequence import FinishReason
+from scheduler_service.engine.snapshots import SequenceSnapshot, snapshot_from_choices
 
 from .fake_model import FakeModel
 from .test_preemption_equivalence import BLOCK, EOS, workload
@@ -60,7 +61,7 @@ def assert_empty(engine: LLMEngine) -> None:
 def reference(num: int) -> list[tuple]:
     engine = make_engine(4000, 8)
     prompts, params = workload(num)
-    outputs = engine.generate(prompts, params, eos_token_id=EOS)
+    outputs = generate(engine, prompts, params, eos_token_id=EOS)
     return summarize([_renamed(o, f"r{i}") for i, o in enumerate(outputs)])
 
 
@@ -122,7 +123,7 @@ def test_zero_swap_space_preempts_groups_with_several_sequences_by_recompute():
     num = 80
     engine = make_engine(40, 0)
     prompts, params = workload(num)
-    outputs = engine.generate(prompts, params, eos_token_id=EOS)
+    outputs = generate(engine, prompts, params, eos_token_id=EOS)
     stats = engine.get_stats()
     assert stats.num_preemptions_swap == 0
     assert stats.num_preemptions_recompute >= 10
@@ -135,7 +136,7 @@ def test_a_request_resumed_from_its_streamed_choices_continues_exactly():
     engine, continues with the tokens the uninterrupted run produced."""
     prompt = [5, 9, 13, 2, 7, 31, 8]
     params = SamplingParams(n=3, max_tokens=12, logprobs=1, seed=42)
-    full = make_engine(200, 0).generate([prompt], params, eos_token_id=EOS)[0]
+    full = generate(make_engine(200, 0), [prompt], params, eos_token_id=EOS)[0]
 
     engine = make_engine(200, 0)
     engine.add_request("a", prompt, params, eos_token_id=EOS)
@@ -211,7 +212,7 @@ def test_more_sequences_than_max_num_seqs_is_refused_and_others_run(params, fiel
     assert info.value.field == field
     with pytest.raises(FieldError):
         engine.import_request(snapshot_from_choices("big", [1, 2, 3], params, None, 0.0, []))
-    outputs = engine.generate([[4, 5]], SamplingParams(max_tokens=2, temperature=0.0))
+    outputs = generate(engine, [[4, 5]], SamplingParams(max_tokens=2, temperature=0.0))
     assert outputs[0].finished
     while engine.has_unfinished_requests():
         engine.step()

@@ -1,4 +1,4 @@
-"""The Connect stream's batches (scheduler_service.messages.take_batch): what the scheduler
+"""The Connect stream's batches (scheduler_service.fleet.messages.take_batch): what the scheduler
 had queued for a gateway goes out in as few writes as the rules allow, in order, and the
 gateway's reader (gateway.inflight.unbatched) gets every message back."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 from gateway.inflight import unbatched
 from llmserve.v1 import scheduler_pb2
-from scheduler_service.messages import MAX_BATCH, take_batch
+from scheduler_service.fleet.messages import MAX_BATCH, take_batch
 
 Queue = asyncio.Queue[scheduler_pb2.SchedulerMessage | None]
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import random
 
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine.offline import generate
 
 from .fake_model import FakeModel
 
@@ -66,7 +67,7 @@ def run(
     prompts, params = workload(num)
     # With priorities, requests of higher priority also preempt running ones of lower.
     levels = [(i * 7) % 3 - 1 for i in range(num)] if priorities else None
-    outputs = engine.generate(prompts, params, eos_token_id=EOS, priorities=levels)
+    outputs = generate(engine, prompts, params, eos_token_id=EOS, priorities=levels)
     bm = engine.scheduler.block_manager
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == num_gpu_blocks

@@ -8,10 +8,11 @@ import itertools
 import pytest
 
 from llmserve.errors import FieldError
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.migration import rebuild_group, snapshot_group
-from scheduler_service.request_output import RequestOutput
-from scheduler_service.text_stops import StopStrings
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine.offline import generate
+from scheduler_service.engine.request_output import RequestOutput
+from scheduler_service.engine.snapshots import rebuild_group, snapshot_group
+from scheduler_service.engine.text_stops import StopStrings
 
 from .factories import make_seq_group
 from .fake_model import FakeModel
@@ -33,7 +34,7 @@ def alone(request_id: str, max_tokens: int) -> list[int]:
     """The request's output on an engine of its own (nothing preempts it)."""
     engine = make_engine()
     return (
-        engine.generate([PROMPTS[request_id]], SamplingParams(max_tokens=max_tokens))[0]
+        generate(engine, [PROMPTS[request_id]], SamplingParams(max_tokens=max_tokens))[0]
         .outputs[0]
         .token_ids
     )

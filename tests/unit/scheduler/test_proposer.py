@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.proposer import NgramIndex, NgramProposer
+from scheduler_service.engine.proposer import NgramIndex, NgramProposer
 
 # The most drafts a match of n tokens may propose (proposer.max_drafts_for_match), written out.
 MATCH_CAPS = {1: 1, 2: 2, 3: 4, 4: 6, 5: 8, 6: 10}

@@ -1,4 +1,4 @@
-"""Placement by worker role (`scheduler_service.roles.choose`): long prompts to prefill workers
+"""Placement by worker role (`scheduler_service.fleet.roles.choose`): long prompts to prefill workers
 when both pools are ready, short or mostly cached ones and every move to decode workers."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.v1 import worker_pb2
-from scheduler_service.roles import choose, role_name
-from scheduler_service.routing import Decision
+from scheduler_service.fleet.placement import Decision
+from scheduler_service.fleet.roles import choose, role_name
 
 PREFILL, DECODE, MIXED = (
     worker_pb2.WORKER_ROLE_PREFILL,

@@ -4,8 +4,8 @@ a fresh count over the queues would."""
 
 from __future__ import annotations
 
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.routing import Candidate, Router, RoutingPolicy, load_tokens
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.fleet.placement import Candidate, Router, RoutingPolicy, load_tokens
 
 from .fake_model import FakeModel
 

@@ -15,9 +15,9 @@ import pytest
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import StepInput, StepResult
-from scheduler_service import LLMEngine
-from scheduler_service.proposer import DraftProposer, DraftState
-from scheduler_service.speculation import Speculator
+from scheduler_service.engine import LLMEngine
+from scheduler_service.engine.proposer import DraftProposer, DraftState
+from scheduler_service.engine.speculation import Speculator
 from tests.support.drafts import TokenList
 
 from .fake_model import FakeModel

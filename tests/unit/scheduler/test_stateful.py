@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 from .fake_model import FakeModel
 

@@ -12,10 +12,11 @@ import pytest
 
 from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.model_spec import load_tokenizer, resolve_model
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.request_output import RequestOutput
-from scheduler_service.sequence import FinishReason
-from scheduler_service.text_stops import StopStrings
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine.offline import generate
+from scheduler_service.engine.request_output import RequestOutput
+from scheduler_service.engine.sequence import FinishReason
+from scheduler_service.engine.text_stops import StopStrings
 
 from .fake_model import FakeModel
 
@@ -53,7 +54,7 @@ def texts_by_token(tokenizer: Any, token_ids: list[int]) -> list[str]:
 
 def reference(tokenizer: Any, params: SamplingParams) -> RequestOutput:
     engine, _ = make_engine(tokenizer)
-    return engine.generate([PROMPT], params)[0]
+    return generate(engine, [PROMPT], params)[0]
 
 
 def pick_stop(
@@ -199,7 +200,7 @@ def test_requests_without_stop_strings_never_load_the_tokenizer():
         model,
         refuse,
     )
-    out = engine.generate([PROMPT], SamplingParams(n=2, max_tokens=4))[0]
+    out = generate(engine, [PROMPT], SamplingParams(n=2, max_tokens=4))[0]
     assert [len(c.token_ids) for c in out.outputs] == [4, 4]
 
 

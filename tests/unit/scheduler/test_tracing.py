@@ -10,9 +10,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
-from scheduler_service import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig, tracing
-from scheduler_service.config import PreemptionMode
-from scheduler_service.tracing import (
+from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine.config import PreemptionMode
+from scheduler_service.fleet import tracing
+from scheduler_service.fleet.tracing import (
     ReplicaTracer,
     end_step_span,
     start_request_trace,

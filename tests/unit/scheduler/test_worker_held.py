@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_service.config import ReplicaConfig, SchedulerConfig
-from scheduler_service.worker_link import HELD_WAIT_S, HeldElsewhereError, open_worker
+from scheduler_service.engine.config import SchedulerConfig
+from scheduler_service.fleet.fleet_config import ReplicaConfig
+from scheduler_service.fleet.worker_link import HELD_WAIT_S, HeldElsewhereError, open_worker
 from tests.support.simulated_fleet import serve_simulated
 from tests.support.simulated_worker import SimulatedConfig
 

@@ -39,8 +39,16 @@ def test_keyset_accepts_any_of_its_keys_and_nothing_else():
     assert len(keys) == 2
     assert keys.accepts_authorization("Bearer alpha-key")
     assert keys.accepts_authorization(b"bearer beta-key")
-    for header in (None, "", "Bearer", "Bearer alpha", "Bearer alpha-key2", "Basic alpha-key",
-                   "alpha-key", "Bearer alpha-key beta-key"):
+    for header in (
+        None,
+        "",
+        "Bearer",
+        "Bearer alpha",
+        "Bearer alpha-key2",
+        "Basic alpha-key",
+        "alpha-key",
+        "Bearer alpha-key beta-key",
+    ):
         assert not keys.accepts_authorization(header), header
     assert "alpha" not in repr(keys) and "beta" not in repr(keys)
 
@@ -113,8 +121,9 @@ def _restore_installed() -> Iterator[None]:
 
 
 @asynccontextmanager
-async def serving(server_security: Security, require_client_cert: bool = True
-                  ) -> AsyncIterator[str]:
+async def serving(
+    server_security: Security, require_client_cert: bool = True
+) -> AsyncIterator[str]:
     security.install(server_security)
     server, health = create_server([SCHEDULER], interceptors=security.internal_auth([SCHEDULER]))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(_Scheduler(), server)
@@ -154,10 +163,16 @@ async def codes(address: str, client_security: Security) -> dict[str, grpc.Statu
 def test_internal_token_guards_the_service_and_leaves_health_open():
     async def run() -> None:
         async with serving(Security(internal_tokens=("new", "old"))) as address:
-            passed = {"unary": grpc.StatusCode.OK,
-                      "stream": grpc.StatusCode.OK, "health": grpc.StatusCode.OK}
-            refused = {"unary": grpc.StatusCode.UNAUTHENTICATED,
-                       "stream": grpc.StatusCode.UNAUTHENTICATED, "health": grpc.StatusCode.OK}
+            passed = {
+                "unary": grpc.StatusCode.OK,
+                "stream": grpc.StatusCode.OK,
+                "health": grpc.StatusCode.OK,
+            }
+            refused = {
+                "unary": grpc.StatusCode.UNAUTHENTICATED,
+                "stream": grpc.StatusCode.UNAUTHENTICATED,
+                "health": grpc.StatusCode.OK,
+            }
             assert await codes(address, Security(internal_tokens=("old",))) == passed
             assert await codes(address, Security(internal_tokens=("wrong",))) == refused
             assert await codes(address, Security()) == refused
@@ -181,8 +196,9 @@ def blocking_stats(address: str, tokens: tuple[str, ...]) -> str:
 
 
 def _security(pki: Path, name: str) -> Security:
-    return Security(tls_files(str(pki / f"{name}.pem"), str(pki / f"{name}.key"),
-                              str(pki / "ca.pem")))
+    return Security(
+        tls_files(str(pki / f"{name}.pem"), str(pki / f"{name}.key"), str(pki / "ca.pem"))
+    )
 
 
 def test_mutual_tls_refuses_a_peer_without_a_certificate_of_the_ca(tmp_path: Path):
@@ -193,8 +209,11 @@ def test_mutual_tls_refuses_a_peer_without_a_certificate_of_the_ca(tmp_path: Pat
     async def run() -> None:
         async with serving(_security(pki, "scheduler")) as address:
             ok = await codes(address, _security(pki, "worker"))
-            assert ok == {"unary": grpc.StatusCode.OK,
-                          "stream": grpc.StatusCode.OK, "health": grpc.StatusCode.OK}
+            assert ok == {
+                "unary": grpc.StatusCode.OK,
+                "stream": grpc.StatusCode.OK,
+                "health": grpc.StatusCode.OK,
+            }
             # Plaintext, and a certificate of another CA: no call gets through, health either.
             for client in (Security(), _security(other, "worker")):
                 assert set((await codes(address, client)).values()) == {
@@ -275,7 +294,9 @@ def test_services_dial_and_bind_only_through_llmserve_security():
         for path in sorted((root / package).rglob("*.py"))
         if path not in allowed and "v1" not in path.parts
         for n, line in enumerate(path.read_text().splitlines(), 1)
-        if "insecure_channel(" in line or "add_insecure_port(" in line
-        or "secure_channel(" in line or "add_secure_port(" in line
+        if "insecure_channel(" in line
+        or "add_insecure_port(" in line
+        or "secure_channel(" in line
+        or "add_secure_port(" in line
     ]
     assert found == []

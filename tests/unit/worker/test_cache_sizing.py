@@ -9,9 +9,10 @@ import pytest
 import structlog.testing
 
 from llmserve.v1 import worker_pb2
-from scheduler_service.config import MigrationMode, SchedulerConfig
-from scheduler_service.kv_migration import Migrations
-from scheduler_service.replica import Replica, ReplicaConfig, ReplicaState
+from scheduler_service.engine.config import SchedulerConfig
+from scheduler_service.fleet.fleet_config import MigrationMode
+from scheduler_service.fleet.kv_mover import Migrations
+from scheduler_service.fleet.replica import Replica, ReplicaConfig, ReplicaState
 
 from .fake_scheduler import until
 from .test_server_lifecycle import Served, Stream, first_step, run

@@ -142,6 +142,8 @@ def test_weight_bytes_are_the_checkpoints_on_the_plain_torch_path(
     path = tiny_model_dir["llama"]
     info = make_worker(path, attention_backend="torch", linear_impl="torch").model_info
     hf = load_hf(path)
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in hf.parameters()}
+    storages = {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in hf.parameters()
+    }
     assert (info.weight_format, info.linear_impl) == ("float32", "torch")
     assert info.weight_bytes == sum(storages.values())

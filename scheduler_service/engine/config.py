@@ -1,0 +1,179 @@
+"""Scheduler, KV cache and replica configuration: frozen, validated once, passed down
+explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from llmserve.errors import FieldError
+
+
+class ConfigError(FieldError):
+    """A configuration value is invalid: the one FieldError shape (`field`, `detail`)."""
+
+
+class PreemptionMode(Enum):
+    # Free the blocks and prefill the sequence again later (cheap for one sequence).
+    RECOMPUTE = "recompute"
+    # Copy the blocks to host memory and back (keeps forked sequences' shared blocks).
+    SWAP = "swap"
+
+
+# Prompt lookup's default suffix lengths (SchedulerConfig.ngram_min / ngram_max, and the
+# scheduler's --ngram-min / --ngram-max).
+DEFAULT_NGRAM_MIN = 2
+DEFAULT_NGRAM_MAX = 6
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Budgets of one replica's iteration loop.
+
+    `enable_chunked_prefill`: prompts are split across iterations and mixed with decodes
+    (decodes first). When off, an iteration runs either whole prompts or decodes, prompts
+    first (the prefill-first policy), and `max_num_batched_tokens` must fit `max_model_len`.
+    `preemption_mode`: None picks RECOMPUTE for groups with one live sequence and SWAP for
+    the others; a SWAP that the host swap space cannot take recomputes instead.
+    `max_model_len`: the longest prompt + output. The worker's model and cache decide it: a
+    replica takes its worker's (`with_worker_max_model_len`), and a value set here may only
+    lower it. An engine needs it decided (in-process engines set it themselves).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode | None = None
+    # Structured output: where the grammar allows exactly one continuation, append its
+    # tokens as inputs of the next step instead of sampling them one step at a time.
+    enable_forced_tokens: bool = True
+    # Asynchronous scheduling of constrained sequences while forced tokens are on. A forced
+    # run that comes after a continuation was built costs its row one step
+    # (scheduler_service/continuation.py), so where grammars force often (JSON keys, tool
+    # calls) the pipelined run took more steps and more time than the synchronous one
+    # (bench/mask_wait.py, SmolLM2 on this CPU: 20-22 steps and 2.2-2.3 s against 13 and
+    # 1.7-1.9 s), while in long strings nothing is forced and holding steps back only loses
+    # the pipeline. So a step is not continued while one of its constrained sequences got
+    # forced tokens within its last `forced_hold_tokens` tokens (the start of its output
+    # counts as forced); 0 continues every step. Its masks overlap its forward pass either
+    # way. Without forced tokens constrained steps are always continued.
+    forced_hold_tokens: int = 8
+    # Milliseconds a grammar may take to compile on the scheduler, from the request's
+    # arrival: past it the request ends with RESOURCE_EXHAUSTED naming the field and
+    # --max-grammar-compile-ms (scheduler_service/grammar_requests.py). The gateway's
+    # admission check (--max-grammar-check-ms) refuses most slow grammars before this.
+    max_grammar_compile_ms: int = 10_000
+    # Speculative decoding (scheduler_service/speculation.py): up to this many n-gram drafts
+    # per sequence and step, verified by the worker in the same pass; 0 turns it off.
+    num_speculative_tokens: int = 0
+    # Prompt lookup matches the sequence's last ngram_max down to ngram_min tokens; a match
+    # of n tokens drafts at most 2 (n - 1) (scheduler_service/proposer.py).
+    ngram_min: int = DEFAULT_NGRAM_MIN
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    # Drafts are given while a step's sequences and drafts together stay within this many
+    # rows (the native decode step's batch limit on a CPU: past it a step costs per row).
+    speculative_max_batch: int = 16
+    # Drafts are given only to steps of at most this many sequences. Past one or two, a CPU
+    # step is compute-bound and a draft row costs what a sequence's row costs: measured on
+    # the 2-core CPU at 16 streams with 8 drafts, drafting as streams finished cost 5-10% of
+    # the tokens/s, and nothing with this limit (bench/RESULTS.md). A GPU worker, bound by
+    # its weight reads far longer, can take many more.
+    speculative_max_seqs: int = 2
+    # Asynchronous scheduling continues a step with drafts by assuming they are all kept
+    # (scheduler_service/continuation.py). Off by default: on the 2-core CPU benchmark the
+    # round trip it saves is CPU time the forward pass then loses, and the drafts of such a
+    # step stand on a guessed token (bench/RESULTS.md: 1.57x against 1.72x decode speed on
+    # code edits); it is meant for a worker whose forward pass runs on a GPU.
+    continue_after_drafts: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("max_model_len", f"must be at least 1, got {self.max_model_len}")
+        if self.max_grammar_compile_ms < 1:
+            raise ConfigError(
+                "max_grammar_compile_ms", f"must be at least 1, got {self.max_grammar_compile_ms}"
+            )
+        if self.num_speculative_tokens < 0:
+            raise ConfigError(
+                "num_speculative_tokens",
+                f"must be at least 0, got {self.num_speculative_tokens}",
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(
+                "ngram_min",
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}",
+            )
+        if self.speculative_max_seqs < 1:
+            raise ConfigError(
+                "speculative_max_seqs", f"must be at least 1, got {self.speculative_max_seqs}"
+            )
+        if self.speculative_max_batch < 1:
+            raise ConfigError(
+                "speculative_max_batch",
+                f"must be at least 1, got {self.speculative_max_batch}",
+            )
+        if self.forced_hold_tokens < 0:
+            raise ConfigError(
+                "forced_hold_tokens", f"must be at least 0, got {self.forced_hold_tokens}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                "max_num_batched_tokens",
+                f"must be at least max_num_seqs ({self.max_num_seqs}), "
+                f"got {self.max_num_batched_tokens}",
+            )
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ConfigError(
+                "max_num_batched_tokens",
+                f"must be at least max_model_len ({self.max_model_len}) without chunked "
+                f"prefill, got {self.max_num_batched_tokens}",
+            )
+
+    @property
+    def model_len(self) -> int:
+        """`max_model_len`, decided (an engine refuses a config without it)."""
+        if self.max_model_len is None:
+            raise ConfigError("max_model_len", "not decided: a replica takes its worker's")
+        return self.max_model_len
+
+    def with_worker_max_model_len(self, worker_max_model_len: int) -> SchedulerConfig:
+        """This config with `max_model_len` decided from the worker's (InfoResponse): the
+        worker's, or ours when set and not larger. Raises ConfigError when ours is larger."""
+        cap = self.max_model_len
+        if cap is not None and cap > worker_max_model_len:
+            raise ConfigError(
+                "max_model_len",
+                f"--max-model-len {cap} is more than the worker's model and cache allow "
+                f"({worker_max_model_len}); it may only lower it",
+            )
+        return replace(self, max_model_len=worker_max_model_len if cap is None else cap)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """KV cache geometry as the scheduler sees it: block counts, not bytes."""
+
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    num_cpu_blocks: int = 512
+    # Fraction of device blocks kept free when admitting prompts, so running sequences can
+    # grow without preempting right away.
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError("block_size", f"must be at least 1, got {self.block_size}")
+        if self.num_gpu_blocks < 1:
+            raise ConfigError("num_gpu_blocks", f"must be at least 1, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks < 0:
+            raise ConfigError("num_cpu_blocks", f"must be >= 0, got {self.num_cpu_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")

@@ -1,0 +1,185 @@
+"""What a KV move is made of (`scheduler_service.fleet.kv_mover` runs them): the record of one
+move, what it needs from the fleet, and which blocks a round copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from opentelemetry.trace import Span
+
+from scheduler_service.engine.llm_engine import LLMEngine
+from scheduler_service.engine.sequence import SequenceGroup, SequenceStatus
+from scheduler_service.engine.snapshots import GroupSnapshot
+from scheduler_service.fleet.placement import cached_prefix_blocks
+from scheduler_service.fleet.tracing import RequestTrace
+from scheduler_service.fleet.transfer_queue import TransferQueue
+
+if TYPE_CHECKING:
+    from scheduler_service.fleet.replica import Replica
+
+# Pre-copy rounds before the last one, whatever they leave for it.
+MAX_ROUNDS = 4
+# A round that would copy this many new blocks or fewer is the last one.
+FINAL_DELTA_BLOCKS = 1
+
+
+class MoveHost(Protocol):
+    """What moves need from the fleet."""
+
+    def pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
+        """The ready replica (not `source`) the routing policy would place `prompt` on."""
+
+    def place_moved(
+        self,
+        target: Replica,
+        snapshot: GroupSnapshot,
+        trace: RequestTrace | None,
+        source: Replica,
+        cause: str,
+    ) -> bool:
+        """Queue a moved request on `target`; False if it could not be (then placed anywhere,
+        by recompute)."""
+
+    def on_evicted(
+        self,
+        replica: Replica,
+        snapshots: list[GroupSnapshot],
+        traces: dict[str, RequestTrace | None],
+        cause: str,
+    ) -> None:
+        """Place requests that left `replica` by recompute on any ready replica (or fail
+        them), as `ReplicaOwner.on_evicted`."""
+
+
+@dataclass(eq=False, slots=True)
+class Move:
+    request_id: str
+    source: Replica
+    source_engine: LLMEngine
+    source_queue: TransferQueue
+    target: Replica
+    target_engine: LLMEngine
+    target_queue: TransferQueue
+    cause: str
+    started: float
+    rounds: int = 0
+    # The round in flight (None between rounds), and whether its export is registered.
+    transfer_id: int | None = None
+    exported: bool = False
+    final: bool = False
+    # Block hashes the target holds for this request (imported, or cached before).
+    present: set[int] = field(default_factory=set)
+    # Rounds whose target blocks stay pinned until the request is queued there.
+    target_pins: list[int] = field(default_factory=list)
+    # Set once the request is stopped on the source (the last round).
+    snapshot: GroupSnapshot | None = None
+    trace: RequestTrace | None = None
+    blocks_copied: int = 0
+    # A prefill worker's hand-off: rounds copy the prompt's blocks as its prefill computes
+    # them; the last round comes once every running sequence has its first token. Between
+    # chunks with nothing new to copy the move is `parked` (`move_policy.hand_off` resumes it).
+    until_prefilled: bool = False
+    parked: bool = False
+    # When the round in flight started (time.monotonic()), and its span.
+    round_started: float = 0.0
+    span: Span | None = None
+
+
+def prefilled(group: SequenceGroup) -> bool:
+    """Whether every running sequence of the group has sampled its first token."""
+    running = group.get_seqs(SequenceStatus.RUNNING)
+    return bool(running) and all(seq.get_output_len() for seq in running)
+
+
+def missing_blocks(move: Move, group: SequenceGroup) -> list[tuple[int, int, int]]:
+    """(source block, hash, hashed tokens) of the group's full, computed blocks that the target
+    lacks and the move has not copied (recorded in `move.present`), in table order (a
+    prefix-cache hit needs the leading ones first)."""
+    bm = move.source_engine.scheduler.block_manager
+    target_gpu = move.target_engine.scheduler.block_manager.gpu
+    gpu, bs = bm.gpu, bm.block_size
+    found: list[tuple[int, int, int]] = []
+    for seq in group.get_seqs(SequenceStatus.RUNNING):
+        if not bm.has_table(seq):
+            continue
+        table = bm.get_block_table(seq)
+        for i in range(min(len(seq.token_ids) // bs, len(table))):
+            block_id, block_hash = table[i], seq.block_hash(i)
+            if gpu.block_hashes[block_id] != block_hash or not gpu.computed[block_id]:
+                break  # later blocks cannot be prefix-cache hits without this one
+            if block_hash in move.present:
+                continue
+            move.present.add(block_hash)
+            if target_gpu.lookup(block_hash) is None:
+                found.append((block_id, block_hash, (i + 1) * bs))
+    return found
+
+
+def cached_blocks(
+    peer: LLMEngine, target: LLMEngine, prompt: list[int]
+) -> list[tuple[int, int, int]]:
+    """(peer block, hash, hashed tokens) of the prompt's leading full blocks that the peer's
+    prefix cache holds computed and the target's does not hold, in order (a prefix fetch)."""
+    target_gpu = target.scheduler.block_manager.gpu
+    bs = peer.scheduler.block_manager.block_size
+    return [
+        (block_id, block_hash, (index + 1) * bs)
+        for index, (block_hash, block_id) in enumerate(cached_prefix_blocks(peer, prompt))
+        if target_gpu.lookup(block_hash) is None
+    ]
+
+
+class LinearFit:
+    """seconds = fixed + per_unit * units, fitted by least squares over recent observations
+    (each older one weighs `DECAY` times less than the next)."""
+
+    DECAY = 0.95
+
+    def __init__(self) -> None:
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, units: float, seconds: float) -> None:
+        d = self.DECAY
+        self.n, self.sx, self.sy = self.n * d + 1, self.sx * d + units, self.sy * d + seconds
+        self.sxx, self.sxy = self.sxx * d + units * units, self.sxy * d + units * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per unit); None before any observation. With every
+        observation at one size, all of the time is per unit."""
+        if self.n == 0 or self.sx == 0:
+            return None
+        spread = self.n * self.sxx - self.sx * self.sx
+        if spread <= 1e-9 * self.sxx * self.n:
+            return 0.0, self.sy / self.sx
+        per_unit = (self.n * self.sxy - self.sx * self.sy) / spread
+        if per_unit <= 0:
+            return 0.0, self.sy / self.sx
+        return max((self.sy - per_unit * self.sx) / self.n, 0.0), per_unit
+
+
+class Rates:
+    """What moving and computing cost, as the scheduler measures them: a round's seconds
+    against its blocks, from the source's export queued to the target's import done (both
+    steps' latency is its fixed part); and a step's seconds against the tokens it computes
+    (the per-token part is what a prefill of more tokens costs)."""
+
+    def __init__(self) -> None:
+        self.rounds = LinearFit()
+        self.steps = LinearFit()
+
+    def on_round(self, blocks: int, seconds: float) -> None:
+        if blocks and seconds > 0:
+            self.rounds.add(blocks, seconds)
+
+    def on_step(self, tokens: int, seconds: float) -> None:
+        if tokens and seconds > 0:
+            self.steps.add(tokens, seconds)
+
+    def copy_beats_compute(self, blocks: int, tokens: int) -> bool:
+        """Whether a round copying `blocks` takes less time than computing their `tokens`
+        (True until both have been measured)."""
+        copy, step = self.rounds.fit(), self.steps.fit()
+        if copy is None or step is None:
+            return True
+        return copy[0] + copy[1] * blocks < step[1] * tokens

@@ -1,0 +1,381 @@
+"""Moving running requests between replicas with their KV blocks, rather than recomputing them.
+
+A move takes a running request from a source replica to a target:
+
+1. Copy rounds (pre-copy). A round exports the source's full, computed blocks that the target
+   lacks (the scheduler holds both block tables and the blocks' content hashes) and imports
+   them on the target, into blocks allocated there under the same hashes, while the request
+   keeps decoding on the source. A round takes two steps: the source's step registers the
+   export, then the target's step pulls the bytes from worker to worker
+   (`worker_service.kv_transfer`). Rounds repeat while the request filled more than
+   `FINAL_DELTA_BLOCKS` new blocks during the last one, `MAX_ROUNDS` at most.
+2. The last round stops the request on the source first, copies the full blocks the earlier
+   rounds did not cover, and then queues the request on the target as a migrated request.
+   The prefix cache there finds the imported blocks computed, so the target recomputes only
+   the partial last block: fewer than block_size tokens, in one step. Copying that block as
+   well would save this small prefill, but it would need a second way into the engine; this
+   way a moved request follows the recompute migration's path, which every fleet test covers.
+   Stop-and-copy (`MigrationMode.STOP_AND_COPY`) is this last round alone.
+
+While a round is in flight its blocks are pinned on both sides (`BlockSpaceManager.pin`), so
+neither engine reuses them. The target's pins last until the request is queued there; the
+source's end with the round.
+
+Two more kinds of move take the same rounds (`move_policy` says when): a prefill worker's
+hand-off (`Move.until_prefilled`: the prompt's blocks copied chunk by chunk as its prefill
+computes them, the last round once its first token is out), and a prefix fetch (`fetch`: the
+source is a peer whose prefix cache holds the blocks, and the request, not yet queued
+anywhere, waits in the move until they have arrived on the target).
+
+Any failure falls back to the recompute migration: a failed import (the source gone, the
+credential refused, a timeout), a lost target or a lost source. The request continues from
+the tokens it has on a ready replica, and every pin is released.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING, Any
+
+from llmserve.logs import get_logger
+from llmserve.steps import TransferFailure
+from scheduler_service.engine import metrics
+from scheduler_service.engine.llm_engine import LLMEngine
+from scheduler_service.engine.sequence import SequenceStatus
+from scheduler_service.engine.snapshots import GroupSnapshot
+from scheduler_service.fleet.fleet_config import MigrationMode
+from scheduler_service.fleet.kv_move import (
+    FINAL_DELTA_BLOCKS,
+    MAX_ROUNDS,
+    Move,
+    MoveHost,
+    Rates,
+    cached_blocks,
+    missing_blocks,
+    prefilled,
+)
+from scheduler_service.fleet.move_policy import hand_off
+from scheduler_service.fleet.replica_events import ReplicaState
+from scheduler_service.fleet.roles import PREFILL, role
+from scheduler_service.fleet.tracing import (
+    RequestTrace,
+    end_request_trace,
+    end_transfer_span,
+    start_transfer_span,
+)
+from scheduler_service.fleet.transfer_queue import TransferNews
+
+if TYPE_CHECKING:
+    from scheduler_service.fleet.replica import Replica
+
+# The cause of a prefix fetch's move (`migrated` event, llmserve_request_migrations).
+FETCH = "prefix_fetch"
+
+log = get_logger(__name__)
+
+
+class Migrations:
+    """The fleet's moves in progress, by request id and by transfer id."""
+
+    def __init__(self, host: MoveHost, mode: MigrationMode) -> None:
+        self.host = host
+        self.mode = mode
+        self.moves: dict[str, Move] = {}
+        self._by_transfer: dict[int, Move] = {}
+        self._transfer_ids = itertools.count(1)
+        self.rates = Rates()
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not MigrationMode.RECOMPUTE
+
+    def after_step(
+        self, replica: Replica, news: TransferNews | None, tokens: int = 0, seconds: float = 0.0
+    ) -> None:
+        """After each finished step of `replica` (`tokens` computed in `seconds`): its transfer
+        news, then, on a prefill worker, the hand-off of requests whose first token is out
+        (`roles`)."""
+        self.rates.on_step(tokens, seconds)
+        if news is not None:
+            self.on_transfers(replica, news)
+        if role(replica) == PREFILL and replica.engine is not None:
+            hand_off(self, replica, replica.engine)
+
+    def start(
+        self,
+        source: Replica,
+        target: Replica,
+        request_id: str,
+        cause: str,
+        until_prefilled: bool = False,
+    ) -> bool:
+        """Begin moving a running request of `source` to `target`: rounds per the mode, or a
+        hand-off's (`until_prefilled`, kv_moves.Move). False (and nothing started) when it is
+        not running there or either side cannot take part."""
+        if not self._can_take_part(request_id, source, target):
+            return False
+        engine, target_engine = source.engine, target.engine
+        assert engine is not None and target_engine is not None
+        group = engine.scheduler.get_seq_group(request_id)
+        if group is None or not group.get_seqs(SequenceStatus.RUNNING):
+            return False
+        move = self._new_move(request_id, source, target, cause, until_prefilled=until_prefilled)
+        self._next_round(move)
+        return True
+
+    def _can_take_part(self, request_id: str, source: Replica, target: Replica) -> bool:
+        """Whether a move of `request_id` from `source` to `target` can start: none already,
+        both connected, the target caching prefixes, the same block size."""
+        target_engine = target.engine
+        return not (
+            request_id in self.moves
+            or source.engine is None
+            or target_engine is None
+            or source.transfers is None
+            or target.transfers is None
+            or not target_engine.scheduler.block_manager.enable_caching
+            or target.block_size != source.block_size
+        )
+
+    def _new_move(
+        self, request_id: str, source: Replica, target: Replica, cause: str, **fields: Any
+    ) -> Move:
+        """Record a move between two connected replicas (`_can_take_part`)."""
+        assert source.engine is not None and source.transfers is not None
+        assert target.engine is not None and target.transfers is not None
+        move = Move(
+            request_id,
+            source,
+            source.engine,
+            source.transfers,
+            target,
+            target.engine,
+            target.transfers,
+            cause,
+            time.monotonic(),
+            **fields,
+        )
+        self.moves[request_id] = move
+        return move
+
+    # -- rounds --------------------------------------------------------------------------------
+
+    def _next_round(self, move: Move) -> None:
+        group = move.source_engine.scheduler.get_seq_group(move.request_id)
+        if group is None or group.is_finished() or move.source.engine is not move.source_engine:
+            self._end(move)  # finished (or aborted) on the source meanwhile
+            return
+        present = set(move.present)
+        blocks = missing_blocks(move, group)
+        move.parked = False
+        if move.until_prefilled:
+            final = prefilled(group)
+        else:
+            final = (
+                self.mode is MigrationMode.STOP_AND_COPY
+                or move.rounds >= MAX_ROUNDS
+                or len(blocks) <= FINAL_DELTA_BLOCKS
+            )
+        target_bm = move.target_engine.scheduler.block_manager
+        room = target_bm.get_num_free_gpu_blocks() - target_bm.watermark_blocks - 1
+        if len(blocks) > room:  # the rest is recomputed on the target
+            blocks = blocks[: max(room, 0)]
+            move.present = present | {h for _, h, _ in blocks}
+        move.rounds += 1
+        transfer_id = next(self._transfer_ids)
+        source_bm = move.source_engine.scheduler.block_manager
+        if blocks:
+            # Pinned before the stop below frees the request's blocks on the source.
+            source_bm.pin(transfer_id, [b for b, _, _ in blocks])
+        if final:
+            move.final = True
+            snapshots, traces = move.source.take_requests([move.request_id])
+            if not snapshots:
+                source_bm.unpin(transfer_id)
+                self._end(move)
+                return
+            move.snapshot, move.trace = snapshots[0], traces.get(move.request_id)
+        if not blocks:
+            if final:
+                self._finish(move)
+            elif move.until_prefilled:
+                move.parked = True  # until the prefill's next chunk
+            else:
+                self._next_round(move)
+            return
+        self._send(move, transfer_id, blocks)
+
+    def resume(self, move: Move) -> None:
+        """Another round for a parked hand-off (its prefill computed more, or finished)."""
+        if move.parked:
+            self._next_round(move)
+
+    def _send(self, move: Move, transfer_id: int, blocks: list[tuple[int, int, int]]) -> None:
+        """Start a round: the source's blocks (pinned already) exported, and blocks under the
+        same hashes pinned on the target for the import that follows the export."""
+        target_bm = move.target_engine.scheduler.block_manager
+        target_bm.allocate_pinned(transfer_id, [(h, n) for _, h, n in blocks])
+        move.target_pins.append(transfer_id)
+        move.transfer_id, move.exported = transfer_id, False
+        move.round_started = time.monotonic()
+        tracer = move.source.tracer
+        request = move.trace or (tracer.get(move.request_id) if tracer is not None else None)
+        move.span = start_transfer_span(
+            transfer_id, move.source.address, move.target.address, len(blocks), move.cause, request
+        )
+        self._by_transfer[transfer_id] = move
+        move.source_queue.export(transfer_id, [b for b, _, _ in blocks])
+
+    # -- prefix fetch (move_policy.maybe_fetch) --------------------------------------------
+
+    def fetch(
+        self, peer: Replica, target: Replica, snapshot: GroupSnapshot, trace: RequestTrace | None
+    ) -> bool:
+        if not self._can_take_part(snapshot.request_id, peer, target):
+            return False
+        assert peer.engine is not None and target.engine is not None
+        blocks = cached_blocks(peer.engine, target.engine, snapshot.prompt_token_ids)
+        target_bm = target.engine.scheduler.block_manager
+        blocks = blocks[
+            : max(target_bm.get_num_free_gpu_blocks() - target_bm.watermark_blocks - 1, 0)
+        ]
+        if not blocks:
+            return False
+        move = self._new_move(
+            snapshot.request_id, peer, target, FETCH, final=True, snapshot=snapshot, trace=trace
+        )
+        transfer_id = next(self._transfer_ids)
+        peer.engine.scheduler.block_manager.pin(transfer_id, [b for b, _, _ in blocks])
+        self._send(move, transfer_id, blocks)
+        return True
+
+    # -- news from the workers -------------------------------------------------------------------
+
+    def on_transfers(self, replica: Replica, news: TransferNews) -> None:
+        """A finished step's transfer news (from `replica`)."""
+        for transfer_id in news.exported:
+            move = self._by_transfer.get(transfer_id)
+            if move is None or move.source is not replica or move.exported:
+                continue
+            move.exported = True
+            target_bm = move.target_engine.scheduler.block_manager
+            move.target_queue.import_blocks(
+                transfer_id, move.source.address, target_bm.pins[transfer_id]
+            )
+        for transfer_id in news.imported:
+            move = self._by_transfer.pop(transfer_id, None)
+            if move is None or move.target is not replica:
+                continue
+            bm = move.target_engine.scheduler.block_manager
+            bm.mark_imported(transfer_id)
+            move.blocks_copied += len(bm.pins[transfer_id])
+            self.rates.on_round(len(bm.pins[transfer_id]), time.monotonic() - move.round_started)
+            self._release_source(move, transfer_id)
+            move.transfer_id = None
+            end_transfer_span(move.span, None)
+            move.span = None
+            if move.final:
+                self._finish(move)
+            else:
+                self._next_round(move)
+        for failure in news.failed:
+            move = self._by_transfer.get(failure.transfer_id)
+            if move is not None and move.target is replica:
+                self._fail(move, failure)
+
+    def on_engine_dropped(self, replica: Replica, engine: LLMEngine) -> None:
+        """`replica` dropped `engine` (its worker lost, a failed step, drained): moves from or
+        to it fall back to recompute. A request still on a lost source was evicted with its
+        other requests already."""
+        for move in list(self.moves.values()):
+            if move.source_engine is engine or move.target_engine is engine:
+                side = "source" if move.source_engine is engine else "target"
+                self._fail(move, TransferFailure(move.transfer_id or 0, f"{side} lost"))
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request the client gave up on. True if it was stopped mid-move."""
+        move = self.moves.get(request_id)
+        if move is None or move.snapshot is None:
+            return False
+        move.snapshot = None  # the round in flight completes; nothing is queued after it
+        end_request_trace(move.trace, None)
+        move.trace = None
+        return True
+
+    # -- endings ---------------------------------------------------------------------------------
+
+    def _release_source(self, move: Move, transfer_id: int) -> None:
+        if move.source.engine is move.source_engine:
+            move.source_engine.scheduler.block_manager.unpin(transfer_id)
+        move.source_queue.release(transfer_id)
+
+    def _release_target(self, move: Move) -> None:
+        alive = move.target.engine is move.target_engine
+        for transfer_id in move.target_pins:
+            if alive:
+                move.target_engine.scheduler.block_manager.unpin(transfer_id)
+        move.target_pins = []
+
+    def _end(self, move: Move, error: str = "cancelled") -> None:
+        self.moves.pop(move.request_id, None)
+        if move.transfer_id is not None:
+            self._by_transfer.pop(move.transfer_id, None)
+        end_transfer_span(move.span, error)  # a round still in flight
+        move.span = None
+        self._release_target(move)
+
+    def _finish(self, move: Move) -> None:
+        """The last round is done: queue the request on the target, then let the target's
+        pins go (the request's allocation finds the blocks by hash)."""
+        self._end(move)
+        snapshot, trace = move.snapshot, move.trace
+        seconds = time.monotonic() - move.started
+        if snapshot is None:  # aborted meanwhile
+            return
+        placed = move.target.state is ReplicaState.READY and self.host.place_moved(
+            move.target, snapshot, trace, move.source, move.cause
+        )
+        outcome = "transfer" if placed else "fallback"
+        metrics.KV_MIGRATIONS.labels(outcome).inc()
+        metrics.KV_MIGRATION_SECONDS.observe(seconds)
+        metrics.KV_MIGRATION_BLOCKS.inc(move.blocks_copied)
+        log.info(
+            "request moved with its KV blocks" if placed else "moved request placed elsewhere",
+            request=move.request_id,
+            from_worker=move.source.address,
+            to_worker=move.target.address,
+            rounds=move.rounds,
+            blocks=move.blocks_copied,
+            seconds=round(seconds, 4),
+        )
+        if not placed:
+            self.host.on_evicted(move.source, [snapshot], {move.request_id: trace}, move.cause)
+
+    def _fail(self, move: Move, failure: TransferFailure) -> None:
+        """Fall back to recompute: release both sides and place or evict the request."""
+        transfer_id = move.transfer_id
+        if transfer_id is not None:
+            move.target_queue.cancel_import(transfer_id)
+            self._release_source(move, transfer_id)
+        self._end(move, failure.reason)
+        metrics.KV_MIGRATIONS.labels("fallback").inc()
+        log.warning(
+            "KV transfer failed; the request moves by recompute",
+            request=move.request_id,
+            from_worker=move.source.address,
+            to_worker=move.target.address,
+            reason=failure.reason,
+        )
+        if (
+            move.snapshot is None
+            and move.source.engine is move.source_engine
+            and (move.source.state is ReplicaState.DRAINING)
+        ):
+            # Still decoding on a draining source: it moves now, by recompute.
+            snapshots, traces = move.source.take_requests([move.request_id])
+            if snapshots:
+                move.snapshot, move.trace = snapshots[0], traces.get(move.request_id)
+        if move.snapshot is not None:
+            traces = {move.request_id: move.trace}
+            self.host.on_evicted(move.source, [move.snapshot], traces, move.cause)
