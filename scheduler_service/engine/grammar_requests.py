@@ -97,9 +97,9 @@ class GrammarRequests:
             out.append((group, grammar, math.inf if deadline is None else deadline))
         return out
 
-    def due(self, max_tokens: int) -> tuple[list[Future[CompiledGrammar]], float]:
+    def due(self, token_budget: int) -> tuple[list[Future[CompiledGrammar]], float]:
         """Compiles the next step may wait for (those of groups whose prompt could finish
-        prefilling in a step of `max_tokens`), and for how long at most: the seconds to the
+        prefilling in a step of `token_budget` tokens), and for how long at most: the seconds to the
         earliest of their deadlines."""
         futures, deadlines = [], []
         now = self._clock()
@@ -107,7 +107,7 @@ class GrammarRequests:
             if grammar.is_ready() or deadline <= now:
                 continue  # past its deadline: the next step ends its request
             seq = group.get_unfinished_seqs()[0]
-            if seq.get_len() - seq.num_computed_tokens <= max_tokens:
+            if seq.get_len() - seq.num_computed_tokens <= token_budget:
                 futures.append(grammar.compiled)
                 deadlines.append(deadline)
         # At most the limit: a compile queued behind the warm-up has no deadline yet.

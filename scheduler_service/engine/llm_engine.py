@@ -235,10 +235,8 @@ class LLMEngine:
             snapshot, lambda: next(self._seq_counter), self.cache_config.block_size
         )
         for seq in group.get_unfinished_seqs():
-            if (
-                seq.get_output_len() >= snapshot.sampling_params.max_tokens
-                or seq.get_len() >= self.scheduler_config.model_len
-            ):
+            params = snapshot.sampling_params
+            if seq.tokens_left(params.max_tokens, self.scheduler_config.model_len) <= 0:
                 seq.status = SequenceStatus.LENGTH_CAPPED
         if group.is_finished():
             self._finished_on_import.append(final_output(group))

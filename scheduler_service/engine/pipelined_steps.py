@@ -102,7 +102,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
                 next_chunk = num_tokens - seq.num_computed_tokens - chunk
             # Its tokens once `prev` is processed, if `prev` keeps every draft it carries.
             end = num_tokens + len(prev.drafts.get(seq.seq_id, ())) + 1
-            if end >= model_len or end - seq.num_prompt_tokens >= params.max_tokens:
+            if seq.tokens_left(params.max_tokens, model_len, end - num_tokens) <= 0:
                 return None  # may finish in `prev`: the next step is synchronous
             lookahead.append(end - num_tokens)
         groups.append(ScheduledGroup(group, next_chunk))
@@ -165,8 +165,8 @@ def _add_drafts(
             speculator.k,
             room,
             config.speculative_max_batch - rows,
-            group.sampling_params.max_tokens - (end - seq.num_prompt_tokens) - 1,
-            config.model_len - end - 1,
+            seq.tokens_left(group.sampling_params.max_tokens, config.model_len, end - len(seq.token_ids))
+            - 1,
         )
         drafts = speculator.continuation_drafts(seq, in_flight, limit)
         if drafts:

@@ -18,14 +18,14 @@ class SchedulingBudget:
     """Tokens and sequences one step may still take on (`max_num_batched_tokens`,
     `max_num_seqs`)."""
 
-    max_tokens: int
-    max_seqs: int
+    token_budget: int
+    seq_budget: int
     num_tokens: int = 0
     num_seqs: int = 0
 
     @property
     def remaining_tokens(self) -> int:
-        return self.max_tokens - self.num_tokens
+        return self.token_budget - self.num_tokens
 
 
 def preemption_mode(forced: PreemptionMode | None, seq_group: SequenceGroup) -> PreemptionMode:

@@ -58,8 +58,8 @@ class DraftProposer(ABC):
         """The state of a sequence whose tokens (prompt and output) so far are `tokens`."""
 
     @abstractmethod
-    def propose(self, state: DraftState, max_tokens: int, assumed: Sequence[int] = ()) -> list[int]:
-        """At most `max_tokens` (and the proposer's own limit) drafts to follow the tokens
+    def propose(self, state: DraftState, max_drafts: int, assumed: Sequence[int] = ()) -> list[int]:
+        """At most `max_drafts` (and the proposer's own limit) drafts to follow the tokens
         `state` has seen and then `assumed` (not committed: the drafts of a step in flight,
         whose result is not back); [] when it has no guess."""
 
@@ -121,13 +121,13 @@ class NgramProposer(DraftProposer):
     def new_state(self, tokens: Sequence[int]) -> NgramIndex:
         return NgramIndex(self.min_n, self.max_n, tokens)
 
-    def propose(self, state: DraftState, max_tokens: int, assumed: Sequence[int] = ()) -> list[int]:
+    def propose(self, state: DraftState, max_drafts: int, assumed: Sequence[int] = ()) -> list[int]:
         assert isinstance(state, NgramIndex)
-        match = state.longest_match(assumed) if max_tokens > 0 else None
+        match = state.longest_match(assumed) if max_drafts > 0 else None
         if match is None:
             return []
         n, end = match
-        stop = end + min(self.k, max_tokens, max_drafts_for_match(n))
+        stop = end + min(self.k, max_drafts, max_drafts_for_match(n))
         tokens = state.tokens
         if stop <= len(tokens) or not assumed:
             return tokens[end:stop]

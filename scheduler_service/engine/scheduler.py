@@ -154,7 +154,7 @@ class Scheduler(SchedulerQueues):
         scheduled = out.scheduled
         prefills: list[SequenceGroup] = []
         preempted: set[str] = set()
-        max_tokens = budget.max_tokens
+        token_budget = budget.token_budget
         num_tokens = budget.num_tokens
         num_seqs = budget.num_seqs
         # running[i:end] are the groups not visited yet; victims are taken from the end.
@@ -171,7 +171,7 @@ class Scheduler(SchedulerQueues):
             if uncomputed > num_running:
                 prefills.append(seq_group)
                 continue
-            if uncomputed > max_tokens - num_tokens:
+            if uncomputed > token_budget - num_tokens:
                 continue
             while not can_append(seq_group):
                 if i < end:
@@ -224,7 +224,7 @@ class Scheduler(SchedulerQueues):
             if not bm.can_swap_in(seq_group):
                 break
             num_new_seqs = seq_group.get_max_num_running_seqs()
-            if budget.num_seqs + num_new_seqs > budget.max_seqs:
+            if budget.num_seqs + num_new_seqs > budget.seq_budget:
                 break
             seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
             # Siblings are always equally long and equally computed.
@@ -277,7 +277,7 @@ class Scheduler(SchedulerQueues):
                 )
                 continue
             num_new_seqs = seq_group.get_max_num_running_seqs()
-            if budget.num_seqs + num_new_seqs > budget.max_seqs:
+            if budget.num_seqs + num_new_seqs > budget.seq_budget:
                 break
             share = budget.remaining_tokens // len(seqs)
             # Without chunking a prompt runs whole; siblings that together exceed the token

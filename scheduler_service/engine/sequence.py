@@ -130,6 +130,13 @@ class Sequence:
     def get_output_len(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def tokens_left(self, max_tokens: int, model_len: int, ahead: int = 0) -> int:
+        """The length rule, the one place it is written: how many more tokens the sequence
+        may get, once `ahead` more are appended, before its length stops it (`max_tokens`
+        generated, or `model_len` in all). 0 or less: it is stopped by length."""
+        num_tokens = len(self.token_ids) + ahead
+        return min(max_tokens - (num_tokens - self.num_prompt_tokens), model_len - num_tokens)
+
     def append_token_id(self, token_id: int, logprobs: dict[int, float]) -> None:
         """Append a sampled token; `logprobs` maps token ids to logprobs and holds `token_id`."""
         self.append_sample(SampleLogprobs(TokenLogprob(token_id, logprobs[token_id], 0)))
@@ -150,15 +157,12 @@ class Sequence:
         (from `min_tokens` on), a completed grammar, a stop string its text now holds, or a
         length limit. A constrained sequence's matcher advances over the token first; a token
         the grammar refuses (a mask that was not applied) aborts the sequence."""
-        token_ids = self.token_ids
-        token_id = token_ids[-1]
-        num_tokens = len(token_ids)
-        output_len = num_tokens - self.num_prompt_tokens
+        token_id = self.token_ids[-1]
         grammar = self.grammar
         if grammar is not None and not _grammar_accepts(grammar, token_id):
             self.status = SequenceStatus.ABORTED
             return
-        if output_len >= params.min_tokens and (
+        if self.get_output_len() >= params.min_tokens and (
             (token_id == self.eos_token_id and not params.ignore_eos)
             or token_id in params.stop_token_ids
         ):
@@ -171,7 +175,7 @@ class Sequence:
         if self.text_stop is not None and self.text_stop.add((token_id,)) is not None:
             self.status = SequenceStatus.STOPPED
             return
-        if output_len >= params.max_tokens or num_tokens >= max_model_len:
+        if self.tokens_left(params.max_tokens, max_model_len) <= 0:
             self.status = SequenceStatus.LENGTH_CAPPED
 
     def start_text_stop(self, tokenizer: Any, stops: StopStrings) -> None:

@@ -123,9 +123,9 @@ class Speculator:
             return
         bm = self.block_manager
         model_len = self.config.model_len
-        max_tokens = self.config.max_num_batched_tokens
+        token_budget = self.config.max_num_batched_tokens
         for scheduled in out.scheduled:
-            room = max_tokens - out.num_batched_tokens
+            room = token_budget - out.num_batched_tokens
             if room <= 0:
                 return
             group = scheduled.seq_group
@@ -144,8 +144,7 @@ class Speculator:
                 self.k,
                 room,
                 self.max_batch - rows,
-                group.sampling_params.max_tokens - seq.get_output_len() - 1,
-                model_len - num_tokens - 1,
+                seq.tokens_left(group.sampling_params.max_tokens, model_len) - 1,
             )
             if limit <= 0:
                 continue

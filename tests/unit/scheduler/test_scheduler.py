@@ -12,9 +12,9 @@ from scheduler_service.engine import (
 from .factories import make_seq_group
 
 
-def make_scheduler(gpu=16, cpu=16, max_seqs=8, max_tokens=64, max_len=64, chunked=True, mode=None):
+def make_scheduler(gpu=16, cpu=16, max_seqs=8, batched_tokens=64, max_len=64, chunked=True, mode=None):
     return Scheduler(
-        SchedulerConfig(max_seqs, max_tokens, max_len, chunked, mode),
+        SchedulerConfig(max_seqs, batched_tokens, max_len, chunked, mode),
         CacheConfig(
             block_size=4,
             num_gpu_blocks=gpu,
@@ -64,7 +64,7 @@ def test_prompt_larger_than_the_cache_is_ignored():
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
-    s = make_scheduler(gpu=32, max_tokens=8)
+    s = make_scheduler(gpu=32, batched_tokens=8)
     short = make_seq_group("short", [1, 2, 3])
     long = make_seq_group("long", list(range(20)))
     s.add_seq_group(short)
@@ -88,7 +88,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
 
 
 def test_prefill_first_policy_runs_prompts_alone():
-    s = make_scheduler(gpu=32, max_tokens=64, chunked=False)
+    s = make_scheduler(gpu=32, batched_tokens=64, chunked=False)
     a = make_seq_group("a", [1, 2, 3])
     s.add_seq_group(a)
     out = s.schedule()
@@ -103,7 +103,7 @@ def test_prefill_first_policy_runs_prompts_alone():
 
 
 def test_budgets_max_num_seqs_and_tokens():
-    s = make_scheduler(gpu=64, max_seqs=3, max_tokens=10)
+    s = make_scheduler(gpu=64, max_seqs=3, batched_tokens=10)
     groups = [make_seq_group(f"r{i}", [1, 2, 3, 4]) for i in range(5)]
     for g in groups:
         s.add_seq_group(g)
@@ -116,7 +116,7 @@ def test_budgets_max_num_seqs_and_tokens():
     assert chunks(out) == [("r0", 1), ("r1", 1), ("r2", 2)]
     assert len(s.waiting) == 2
     best_of = make_seq_group("bo", [1], params=SamplingParams(n=2, temperature=1.0))
-    s2 = make_scheduler(gpu=64, max_seqs=3, max_tokens=10)
+    s2 = make_scheduler(gpu=64, max_seqs=3, batched_tokens=10)
     s2.add_seq_group(make_seq_group("one", [1]))
     s2.add_seq_group(make_seq_group("two", [1]))
     s2.add_seq_group(best_of)  # needs 2 sequence slots
@@ -124,7 +124,7 @@ def test_budgets_max_num_seqs_and_tokens():
 
 
 def test_preemption_recompute_for_single_sequence_groups():
-    s = make_scheduler(gpu=3, max_tokens=16)
+    s = make_scheduler(gpu=3, batched_tokens=16)
     a = make_seq_group("a", [1, 2, 3, 4])  # 1 block
     b = make_seq_group("b", [5, 6, 7, 8])  # 1 block
     s.add_seq_group(a)
@@ -142,7 +142,7 @@ def test_preemption_recompute_for_single_sequence_groups():
 
 
 def test_preemption_swap_for_multi_sequence_groups_and_swapped_first():
-    s = make_scheduler(gpu=4, max_tokens=16)
+    s = make_scheduler(gpu=4, batched_tokens=16)
     a = make_seq_group("a", [1, 2, 3, 4])
     b = make_seq_group("b", [5, 6, 7, 8])
     s.add_seq_group(a)
