@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from llmserve.config_flags import flag
 from llmserve.errors import FieldError
 
 
@@ -18,12 +19,6 @@ class PreemptionMode(Enum):
     RECOMPUTE = "recompute"
     # Copy the blocks to host memory and back (keeps forked sequences' shared blocks).
     SWAP = "swap"
-
-
-# Prompt lookup's default suffix lengths (SchedulerConfig.ngram_min / ngram_max, and the
-# scheduler's --ngram-min / --ngram-max).
-DEFAULT_NGRAM_MIN = 2
-DEFAULT_NGRAM_MAX = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,17 +35,28 @@ class SchedulerConfig:
     lower it. An engine needs it decided (in-process engines set it themselves).
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = flag(256, "sequences one step may run (its workers learn it too)")
+    max_num_batched_tokens: int = flag(
+        2048, "tokens one step may compute (its workers learn it too)"
+    )
+    max_model_len: int | None = flag(
+        None,
+        "lower every worker's max_model_len to this (unset: the worker's, which its model and "
+        "cache decide); a worker whose own is smaller is refused",
+    )
+    enable_chunked_prefill: bool = flag(True, "split long prompts across steps, mixed with decodes")
     preemption_mode: PreemptionMode | None = None
     # Structured output: where the grammar allows exactly one continuation, append its
     # tokens as inputs of the next step instead of sampling them one step at a time.
-    enable_forced_tokens: bool = True
+    enable_forced_tokens: bool = flag(
+        True,
+        "structured output: append the tokens a grammar forces as inputs of the next step "
+        "instead of sampling them one at a time",
+        name="forced_tokens",
+    )
     # Asynchronous scheduling of constrained sequences while forced tokens are on. A forced
     # run that comes after a continuation was built costs its row one step
-    # (scheduler_service/continuation.py), so where grammars force often (JSON keys, tool
+    # (scheduler_service.engine.pipelined_steps), so where grammars force often (JSON keys, tool
     # calls) the pipelined run took more steps and more time than the synchronous one
     # (bench/mask_wait.py, SmolLM2 on this CPU: 20-22 steps and 2.2-2.3 s against 13 and
     # 1.7-1.9 s), while in long strings nothing is forced and holding steps back only loses
@@ -58,34 +64,63 @@ class SchedulerConfig:
     # forced tokens within its last `forced_hold_tokens` tokens (the start of its output
     # counts as forced); 0 continues every step. Its masks overlap its forward pass either
     # way. Without forced tokens constrained steps are always continued.
-    forced_hold_tokens: int = 8
+    forced_hold_tokens: int = flag(
+        8,
+        "with forced tokens on, asynchronous scheduling does not continue a step while one of "
+        "its constrained sequences got forced tokens within its last this many tokens "
+        "(0: always continue)",
+    )
     # Milliseconds a grammar may take to compile on the scheduler, from the request's
     # arrival: past it the request ends with RESOURCE_EXHAUSTED naming the field and
-    # --max-grammar-compile-ms (scheduler_service/grammar_requests.py). The gateway's
+    # --max-grammar-compile-ms (scheduler_service.engine.grammar_requests). The gateway's
     # admission check (--max-grammar-check-ms) refuses most slow grammars before this.
-    max_grammar_compile_ms: int = 10_000
-    # Speculative decoding (scheduler_service/speculation.py): up to this many n-gram drafts
+    max_grammar_compile_ms: int = flag(
+        10_000,
+        "structured output: a grammar still compiling this long after its request arrived "
+        "ends the request with 429 (the replica waits for it at most this long)",
+    )
+    # Speculative decoding (scheduler_service.engine.speculation): up to this many n-gram drafts
     # per sequence and step, verified by the worker in the same pass; 0 turns it off.
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int = flag(
+        0,
+        "speculative decoding: up to this many n-gram drafts per sequence and step, verified "
+        "by the worker in the same pass (0: off)",
+    )
     # Prompt lookup matches the sequence's last ngram_max down to ngram_min tokens; a match
-    # of n tokens drafts at most 2 (n - 1) (scheduler_service/proposer.py).
-    ngram_min: int = DEFAULT_NGRAM_MIN
-    ngram_max: int = DEFAULT_NGRAM_MAX
+    # of n tokens drafts at most 2 (n - 1) (scheduler_service.engine.proposer).
+    ngram_min: int = flag(2, "shortest suffix prompt lookup matches")
+    ngram_max: int = flag(
+        6,
+        "longest suffix prompt lookup matches (a match of n tokens drafts at most 2 (n - 1) "
+        "tokens)",
+    )
     # Drafts are given while a step's sequences and drafts together stay within this many
     # rows (the native decode step's batch limit on a CPU: past it a step costs per row).
-    speculative_max_batch: int = 16
+    speculative_max_batch: int = flag(
+        16,
+        "drafts are given while a step's sequences and drafts stay within this many rows (the "
+        "CPU worker's native decode step runs up to 16, 32 on GGUF blocks)",
+    )
     # Drafts are given only to steps of at most this many sequences. Past one or two, a CPU
     # step is compute-bound and a draft row costs what a sequence's row costs: measured on
     # the 2-core CPU at 16 streams with 8 drafts, drafting as streams finished cost 5-10% of
     # the tokens/s, and nothing with this limit (bench/RESULTS.md). A GPU worker, bound by
     # its weight reads far longer, can take many more.
-    speculative_max_seqs: int = 2
+    speculative_max_seqs: int = flag(
+        2,
+        "drafts are given only to steps of at most this many sequences (on a CPU a step of "
+        "more is compute-bound: raise it for a GPU worker)",
+    )
     # Asynchronous scheduling continues a step with drafts by assuming they are all kept
-    # (scheduler_service/continuation.py). Off by default: on the 2-core CPU benchmark the
+    # (scheduler_service.engine.pipelined_steps). Off by default: on the 2-core CPU benchmark the
     # round trip it saves is CPU time the forward pass then loses, and the drafts of such a
     # step stand on a guessed token (bench/RESULTS.md: 1.57x against 1.72x decode speed on
     # code edits); it is meant for a worker whose forward pass runs on a GPU.
-    continue_after_drafts: bool = False
+    continue_after_drafts: bool = flag(
+        False,
+        "with asynchronous scheduling, build the step after one with drafts before its "
+        "result, assuming every draft is kept (off: measured slower on a 2-core CPU)",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

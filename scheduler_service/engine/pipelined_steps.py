@@ -165,7 +165,9 @@ def _add_drafts(
             speculator.k,
             room,
             config.speculative_max_batch - rows,
-            seq.tokens_left(group.sampling_params.max_tokens, config.model_len, end - len(seq.token_ids))
+            seq.tokens_left(
+                group.sampling_params.max_tokens, config.model_len, end - len(seq.token_ids)
+            )
             - 1,
         )
         drafts = speculator.continuation_drafts(seq, in_flight, limit)

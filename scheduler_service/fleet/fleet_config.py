@@ -7,19 +7,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from llmserve.config_flags import flag
 from llmserve.errors import ApiError
 from scheduler_service.engine.config import SchedulerConfig
 from scheduler_service.engine.request_output import RequestOutput
 from scheduler_service.engine.snapshots import GroupSnapshot
 from scheduler_service.fleet.placement import RoutingPolicy
-
-# Disaggregated serving: prompts with fewer tokens than this uncached on a decode worker prefill
-# there (scheduler_service.fleet.roles).
-DEFAULT_PREFILL_LOCAL_BELOW = 128
-# Prefix fetch: a request placed where this many fewer of its prompt's tokens are cached than on
-# another replica copies them from there first, if the measured rates favour it
-# (scheduler_service.fleet.move_policy.maybe_fetch). 0: never.
-DEFAULT_PREFIX_FETCH_MIN_TOKENS = 64
 
 
 class MigrationMode(Enum):
@@ -38,46 +31,97 @@ class ReplicaConfig:
     """What the scheduler service decides for every replica (the worker decides the rest)."""
 
     scheduler: SchedulerConfig
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    num_cpu_blocks_override: int | None = None
+    watermark: float = flag(
+        0.01,
+        "fraction of device blocks kept free when admitting prompts, so running sequences can "
+        "grow without preempting at once",
+    )
+    enable_prefix_caching: bool = flag(True, "share the KV blocks of identical prompt prefixes")
+    num_gpu_blocks_override: int | None = flag(
+        None, "device KV blocks to ask each worker for, in place of what it offers"
+    )
+    num_cpu_blocks_override: int | None = flag(
+        None, "host (swap) KV blocks to ask each worker for, in place of what it offers"
+    )
     max_message_bytes: int = 64 * 1024 * 1024
     # A step whose result has not come back after this long marks the worker lost. None: the
     # larger of `watchdog_floor_s` and `watchdog_factor` times the slowest step seen so far.
-    step_watchdog_s: float | None = None
+    step_watchdog_s: float | None = flag(
+        None,
+        "a step without a result after this long marks its worker lost (unset: the larger of "
+        "30 s and 20x the slowest step seen)",
+    )
     watchdog_floor_s: float = 30.0
     watchdog_factor: float = 20.0
     # Health checks of a connected worker; this many failures in a row mark it lost.
-    health_interval_s: float = 2.0
+    health_interval_s: float = flag(
+        2.0, "health checks of each worker; 3 failures in a row mark it lost"
+    )
     health_failures: int = 3
     # Drain policy: running requests move with their KV blocks at once (`drain_migration`);
     # any still there after `drain_grace_s` (none could take them that way) move by recompute.
-    drain_grace_s: float = 10.0
-    drain_migration: MigrationMode = MigrationMode.PRE_COPY
-    # Send a step's continuation before its result is back (scheduler_service.engine.pipelined_steps).
-    async_scheduling: bool = True
+    drain_grace_s: float = flag(
+        10.0,
+        "running requests of a draining worker that cannot move with their KV blocks may "
+        "finish there for this long before they move by recompute",
+    )
+    drain_migration: MigrationMode = flag(
+        MigrationMode.PRE_COPY,
+        "how a draining worker's running requests move: with their KV blocks, copied while "
+        "they decode (pre-copy) or while they wait (stop-and-copy), or by recompute",
+    )
+    # Send a step's continuation before its result is back
+    # (scheduler_service.engine.pipelined_steps).
+    async_scheduling: bool = flag(
+        True,
+        "send each decode step to the worker before the previous step's result is back, so "
+        "the worker does not wait for the round trip and the scheduling (outputs are the same "
+        "either way)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class FleetConfig:
     replica: ReplicaConfig
-    routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    routing: RoutingPolicy = flag(
+        RoutingPolicy.CACHE_AWARE,
+        "cache_aware weighs each worker's cached prefix of the prompt against its load",
+    )
     # "host:port" re-resolved every dns_interval_s, several comma-separated; empty: no DNS
     # discovery.
-    worker_dns: str = ""
-    dns_interval_s: float = 5.0
-    # Workers re-register within this long or count as lost.
-    lease_s: float = 10.0
-    # A request with no ready replica waits this long, then fails UNAVAILABLE.
-    no_worker_timeout_s: float = 30.0
+    worker_dns: str = flag(
+        "",
+        "host:port whose name is re-resolved every --dns-interval-s, one worker per address (a "
+        "compose service scaled to N, a Kubernetes headless Service); several comma-separated "
+        "(e.g. prefill and decode workers' services)",
+    )
+    dns_interval_s: float = flag(5.0, "how often --worker-dns is resolved again")
+    lease_s: float = flag(
+        10.0,
+        "workers that joined with RegisterWorker renew within this long or count as lost",
+        name="worker_lease_s",
+    )
+    no_worker_timeout_s: float = flag(
+        30.0, "a request waits this long for a ready worker, then fails UNAVAILABLE"
+    )
     # A request in this many failed steps is failed rather than retried again.
     max_step_failures: int = 2
-    # Disaggregated serving: with prefill workers, a prompt with fewer tokens than this
-    # uncached on a decode worker prefills there rather than on a prefill worker.
-    prefill_local_below: int = DEFAULT_PREFILL_LOCAL_BELOW
-    # Prefix fetch from a peer replica: the least gain in cached tokens worth a copy (0: off).
-    prefix_fetch_min_tokens: int = DEFAULT_PREFIX_FETCH_MIN_TOKENS
+    # Disaggregated serving (scheduler_service.fleet.roles): with prefill workers, a prompt
+    # with fewer tokens than this uncached on a decode worker prefills there rather than on a
+    # prefill worker.
+    prefill_local_below: int = flag(
+        128,
+        "disaggregated serving (workers with --role): a prompt with fewer tokens than this not "
+        "cached on a decode worker prefills there instead of on a prefill worker",
+    )
+    # Prefix fetch from a peer replica (scheduler_service.fleet.move_policy.maybe_fetch): the
+    # least gain in cached tokens worth a copy, if the measured rates favour it (0: off).
+    prefix_fetch_min_tokens: int = flag(
+        64,
+        "a request placed on a worker that holds this many fewer of its prompt's tokens cached "
+        "than another worker copies those KV blocks from there first, when the measured "
+        "transfer and prefill rates say it is faster (0: never)",
+    )
     # This scheduler's name among the shards (on traces, metrics and GetStats).
     shard: str = ""
 

@@ -29,7 +29,6 @@ from tests.support.models import FAMILY_KINDS, WINDOW, load_hf, save_tiny_model,
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
-
 FAMILIES = [(kind, backend) for kind in FAMILY_KINDS for backend in ("torch", "cpu")]
 
 

@@ -53,7 +53,7 @@ def make_engine(executor, gpu=16, chunked=True, batched_tokens=64):
 def test_steps_are_diffs():
     ex = Scripted([5, 6, 7, 8])
     engine = make_engine(ex)
-    engine.add_request("a", [1, 2, 3], SamplingParams(batched_tokens=3))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
     deltas = engine.step()
     first = ex.steps[0]
     assert [
@@ -96,7 +96,7 @@ def test_bad_requests_raise_typed_errors_naming_the_field():
 @pytest.mark.parametrize(
     ("params", "expected", "reason", "stop"),
     [
-        (SamplingParams(batched_tokens=10), [5, 9], FinishReason.STOP, 9),
+        (SamplingParams(max_tokens=10), [5, 9], FinishReason.STOP, 9),
         (SamplingParams(max_tokens=4, ignore_eos=True), [5, 9, 4, 5], FinishReason.LENGTH, None),
         (SamplingParams(max_tokens=10, min_tokens=3), [5, 9, 4, 5, 9], FinishReason.STOP, 9),
         (
@@ -130,7 +130,7 @@ def test_n_streams_choices_by_index_and_generate_accumulates():
 
 def test_best_of_returns_top_n_by_cumulative_logprob_at_the_end():
     engine = make_engine(FakeModel(16, 8, 4))
-    engine.add_request("a", [1, 2, 3], SamplingParams(n=2, best_of=4, batched_tokens=3))
+    engine.add_request("a", [1, 2, 3], SamplingParams(n=2, best_of=4, max_tokens=3))
     deltas = []
     while engine.has_unfinished_requests():
         deltas += engine.step()
@@ -142,7 +142,7 @@ def test_best_of_returns_top_n_by_cumulative_logprob_at_the_end():
 def test_beam_search_returns_best_beams_by_score_once():
     model = FakeModel(64, 8, 4)
     engine = make_engine(model, gpu=64)
-    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, batched_tokens=5)
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=5)
     engine.add_request("b", [3, 1, 4], params)
     deltas = []
     while engine.has_unfinished_requests():
@@ -170,8 +170,8 @@ def test_prompt_logprobs_come_once_across_chunks():
 
 def test_stats_count_waiting_running_and_usage():
     engine = make_engine(FakeModel(16, 8, 4))
-    engine.add_request("a", [1] * 8, SamplingParams(batched_tokens=4))
-    engine.add_request("b", [2] * 4, SamplingParams(batched_tokens=4))
+    engine.add_request("a", [1] * 8, SamplingParams(max_tokens=4))
+    engine.add_request("b", [2] * 4, SamplingParams(max_tokens=4))
     assert engine.get_stats().num_waiting == 2
     engine.step()
     stats = engine.get_stats()
@@ -181,7 +181,7 @@ def test_stats_count_waiting_running_and_usage():
 
 def test_per_token_logprobs_are_kept_only_when_requested():
     engine = make_engine(Scripted([5, 6, 7]))
-    engine.add_request("plain", [1, 2, 3], SamplingParams(batched_tokens=3))
+    engine.add_request("plain", [1, 2, 3], SamplingParams(max_tokens=3))
     engine.add_request("lp", [1, 2, 4], SamplingParams(max_tokens=3, logprobs=0))
     plain, lp = (engine.scheduler.get_seq_group(r).seqs[0] for r in ("plain", "lp"))
     first = {d.request_id: d.outputs[0] for d in engine.step()}
@@ -195,8 +195,8 @@ def test_per_token_logprobs_are_kept_only_when_requested():
 
 def test_first_scheduled_time_is_set_on_admission_only():
     engine = make_engine(Scripted([5]), batched_tokens=8)
-    engine.add_request("a", [1] * 8, SamplingParams(batched_tokens=3))  # the whole token budget
-    engine.add_request("b", [2] * 4, SamplingParams(batched_tokens=3))
+    engine.add_request("a", [1] * 8, SamplingParams(max_tokens=3))  # the whole token budget
+    engine.add_request("b", [2] * 4, SamplingParams(max_tokens=3))
     a, b = (engine.scheduler.get_seq_group(r).metrics for r in ("a", "b"))
     engine.step()
     admitted = a.first_scheduled_time

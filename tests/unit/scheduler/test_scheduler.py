@@ -12,7 +12,9 @@ from scheduler_service.engine import (
 from .factories import make_seq_group
 
 
-def make_scheduler(gpu=16, cpu=16, max_seqs=8, batched_tokens=64, max_len=64, chunked=True, mode=None):
+def make_scheduler(
+    gpu=16, cpu=16, max_seqs=8, batched_tokens=64, max_len=64, chunked=True, mode=None
+):
     return Scheduler(
         SchedulerConfig(max_seqs, batched_tokens, max_len, chunked, mode),
         CacheConfig(
