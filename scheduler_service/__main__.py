@@ -7,6 +7,7 @@ import asyncio
 import socket
 
 from llmserve import security
+from llmserve.batch_limits import add_batch_limit_flags
 from llmserve.config_env import parse_service_args
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
@@ -49,8 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="comma-separated worker addresses (host:port); workers may also join "
         "later with RegisterWorker",
     )
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_batch_limit_flags(p, owner=True)
     p.add_argument(
         "--max-model-len",
         type=int,
