@@ -14,6 +14,8 @@ from llmserve.batch_limits import (
     adopt_batch_limits,
 )
 from llmserve.errors import FieldError
+from llmserve.proto_convert import batch_limits_from_proto
+from llmserve.v1 import worker_pb2
 from scheduler_service.__main__ import parse_args as scheduler_args
 from scheduler_service.engine.config import SchedulerConfig
 from worker_service.__main__ import build_config
@@ -58,6 +60,14 @@ def test_a_worker_flag_that_disagrees_with_the_scheduler_is_refused_by_name():
 def test_a_limit_under_one_is_refused_by_name():
     with pytest.raises(FieldError, match=r"^max_num_seqs: must be at least 1, got 0$"):
         adopt_batch_limits(NONE, GivenBatchLimits(max_num_seqs=0))
+
+
+def test_limits_from_an_initialize_cache_request():
+    sent = worker_pb2.InitializeCacheRequest(num_gpu_blocks=8, max_num_seqs=8)
+    assert batch_limits_from_proto(sent) == GivenBatchLimits(8, None)
+    assert batch_limits_from_proto(worker_pb2.InitializeCacheRequest()) == NONE
+    both = worker_pb2.InitializeCacheRequest(max_num_seqs=4, max_num_batched_tokens=32)
+    assert batch_limits_from_proto(both) == GivenBatchLimits(4, 32)
 
 
 def test_the_scheduler_defaults_its_flags_and_a_worker_leaves_them_unset():
