@@ -53,22 +53,11 @@ def decode_inputs(
         positions % block_size
     )
     seq_lens = (positions + 1).to(torch.int32)
-    metadata = AttentionMetadata(
-        num_prefills=0,
-        num_prefill_tokens=0,
-        num_decodes=n,
+    metadata = AttentionMetadata.for_decodes(
         slot_mapping=slots,
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
-        prefill_query_lens=torch.zeros(0, dtype=torch.int32, device=device),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
-        prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
-        prefill_block_tables=torch.zeros(0, blocks, dtype=torch.int32, device=device),
-        max_prefill_query_len=0,
-        max_prefill_seq_len=0,
-        prefill_no_context=True,
-        decode_seq_lens=seq_lens,
-        decode_block_tables=tables,
-        max_decode_seq_len=int(seq_lens.max()),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        max_seq_len=int(seq_lens.max()),
         block_size=block_size,
     )
     input_ids = torch.randint(0, 1000, (n,), device=device)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from llmserve.batch_limits import BatchLimits
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
@@ -53,7 +54,8 @@ def make_workload(
 def run_engine(
     worker: Worker, workload: list[Request], max_num_seqs: int, budget: int
 ) -> tuple[float, int]:
-    gpu, cpu = worker.determine_num_available_blocks()
+    # The engine's batch limits size the worker's profile run and CUDA graphs.
+    gpu, cpu = worker.use_batch_limits(BatchLimits(max_num_seqs, budget))
     worker.initialize_cache(gpu, min(cpu, 256))
     engine = LLMEngine(
         SchedulerConfig(

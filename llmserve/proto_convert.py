@@ -1,5 +1,5 @@
 """Conversions between the shared dataclasses (sampling_params.py, steps.py's logprobs, grammar
-specs, finish reasons, worker roles) and llmserve.v1; the step contract's own: step_proto.py. Logprobs
+specs, finish reasons, worker roles, batch limits) and llmserve.v1; the step contract's own: step_proto.py. Logprobs
 travel as float32 (the sampler's precision); everything else is exact.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
+from llmserve.batch_limits import GivenBatchLimits
 from llmserve.errors import FieldError
 from llmserve.grammar.spec import GrammarKind, GrammarSpec
 from llmserve.sampling_params import SamplingParams
@@ -193,3 +194,16 @@ def finish_reason_name(value: int) -> str | None:
     if value == common_pb2.FINISH_REASON_UNSPECIFIED:
         return None
     return common_pb2.FinishReason.Name(value).removeprefix(_FINISH_PREFIX).lower()
+
+
+# --- batch limits -------------------------------------------------------------------------
+
+
+def batch_limits_from_proto(msg: worker_pb2.InitializeCacheRequest) -> GivenBatchLimits:
+    """The batch limits an InitializeCache sends; None for each one it leaves out."""
+    return GivenBatchLimits(
+        max_num_seqs=msg.max_num_seqs if msg.HasField("max_num_seqs") else None,
+        max_num_batched_tokens=(
+            msg.max_num_batched_tokens if msg.HasField("max_num_batched_tokens") else None
+        ),
+    )

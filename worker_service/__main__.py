@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kernels.cpu.quant import MODES as QUANT_MODES
 from llmserve import security
+from llmserve.batch_limits import add_worker_batch_limit_flags
 from llmserve.config_env import parse_service_args
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
@@ -80,13 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
     )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="largest step the CUDA profile run must fit",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    add_worker_batch_limit_flags(p)
     p.add_argument(
         "--num-threads",
         type=int,
@@ -207,6 +202,8 @@ async def serve(args: argparse.Namespace) -> int:
         num_gpu_blocks=num_gpu,
         num_cpu_blocks=num_cpu,
         block_bytes=worker.get_cache_block_size_bytes(),
+        max_num_seqs=worker.batch_limits.max_num_seqs,
+        max_num_batched_tokens=worker.batch_limits.max_num_batched_tokens,
     )
     server, health = create_server(
         [SERVICE_NAME], args.max_message_bytes, security.internal_auth([SERVICE_NAME])

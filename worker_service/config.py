@@ -9,6 +9,7 @@ import torch
 
 from kernels.cpu.quant import MODES as QUANT_MODES
 from kernels.cpu.quant import QuantMode
+from llmserve.batch_limits import GivenBatchLimits
 from llmserve.errors import FieldError
 
 GiB = 1 << 30
@@ -74,11 +75,13 @@ class WorkerConfig:
     swap_space_bytes: int = 4 * GiB
     gpu_memory_utilization: float = 0.9
     # CUDA: decode steps replay CUDA graphs captured per batch size (worker_service/
-    # cuda_graphs.py) up to max_num_seqs; True runs every step eagerly.
+    # cuda_graphs.py) up to the batch limits' max_num_seqs; True runs every step eagerly.
     enforce_eager: bool = False
-    # Shape of the CUDA profile run (the scheduler's budgets).
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    # The batch limits (llmserve/batch_limits.py), which size the CUDA profile run and the
+    # graphs: None follows what the scheduler sends at InitializeCache (the defaults until
+    # then); set, the scheduler must send the same value or is refused.
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     # torch intra-op threads on CPU (None = all cores of this machine).
     num_threads: int | None = None
     # Seed of the stream used by requests without their own seed.
@@ -119,6 +122,10 @@ class WorkerConfig:
             raise WorkerConfigError("swap_space_bytes", "must be non-negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise WorkerConfigError("max_model_len", "must be positive")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise WorkerConfigError(name, f"must be at least 1, got {value}")
         if self.num_threads is not None and self.num_threads < 1:
             raise WorkerConfigError("num_threads", "must be positive")
         if not self.mask_wait_timeout_s > 0:
@@ -144,6 +151,11 @@ class WorkerConfig:
                 f"{q}'s kernels run on the CPU in float32, not device {self.device} dtype "
                 f"{self.dtype}",
             )
+
+    @property
+    def given_batch_limits(self) -> GivenBatchLimits:
+        """The batch limits this worker's flags set (None: not set)."""
+        return GivenBatchLimits(self.max_num_seqs, self.max_num_batched_tokens)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -87,30 +87,19 @@ class DecodeGraphs:
         self.seq_lens = zeros(n, dtype=torch.int32)  # [max_batch]
         self.block_tables = zeros(n, self.max_blocks, dtype=torch.int32)  # [max_batch, max_blocks]
         self.logit_rows = torch.arange(n, dtype=torch.int64, device=device)  # [max_batch]
-        self._empty_i32 = zeros(0, dtype=torch.int32)
-        self._start_loc = zeros(1, dtype=torch.int32)
+        # A graph's replay reads the tensors its metadata held at capture: made here, outside
+        # every capture, and kept as long as the graphs.
+        self._metadata = {batch: self._decode_metadata(batch) for batch in self.sizes}
         self.graphs: dict[int, _Graph] = {}
         self.replays = 0  # steps served by a graph (tests and logs)
 
-    def _metadata(self, batch: int) -> AttentionMetadata:
+    def _decode_metadata(self, batch: int) -> AttentionMetadata:
         """Decode-only metadata over the first `batch` rows of the static buffers."""
-        empty = self._empty_i32
-        return AttentionMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            num_decodes=batch,
+        return AttentionMetadata.for_decodes(
             slot_mapping=self.slot_mapping[:batch],
-            prefill_query_start_loc=self._start_loc,
-            prefill_query_lens=empty,
-            prefill_context_lens=empty,
-            prefill_seq_lens=empty,
-            prefill_block_tables=self.block_tables[:0],
-            max_prefill_query_len=0,
-            max_prefill_seq_len=0,
-            prefill_no_context=True,
-            decode_seq_lens=self.seq_lens[:batch],
-            decode_block_tables=self.block_tables[:batch],
-            max_decode_seq_len=self.max_model_len,
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            max_seq_len=self.max_model_len,
             block_size=self.block_size,
         )
 
@@ -119,7 +108,7 @@ class DecodeGraphs:
             self.input_ids[:batch],
             self.positions[:batch],
             self.kv_caches,
-            self._metadata(batch),
+            self._metadata[batch],
             self.backend,
             self.logit_rows[:batch],
         )

@@ -192,30 +192,17 @@ class ModelRunner(SequenceStates):
         width = max(len(t) for t in tables)
         device = self.device
         n = len(rows)
-        metadata = AttentionMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            num_decodes=n,
+        metadata = AttentionMetadata.for_decodes(
             slot_mapping=torch.tensor(
                 [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)],
                 dtype=torch.int64,
                 device=device,
             ),
-            prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
-            prefill_query_lens=torch.zeros(0, dtype=torch.int32, device=device),
-            prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
-            prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
-            prefill_block_tables=torch.zeros(0, width, dtype=torch.int32, device=device),
-            max_prefill_query_len=0,
-            max_prefill_seq_len=0,
-            prefill_no_context=True,
-            decode_seq_lens=torch.tensor(
-                [p + 1 for p in positions], dtype=torch.int32, device=device
-            ),
-            decode_block_tables=torch.tensor(
+            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
+            block_tables=torch.tensor(
                 [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
             ),
-            max_decode_seq_len=max(positions) + 1,
+            max_seq_len=max(positions) + 1,
             block_size=bs,
         )
         return _PreparedInputs(

@@ -6,9 +6,10 @@ while one runs (asynchronous scheduling sends them ahead) follow it on that thre
 (`StepChain`, step_chain.py); the loop converts steps and sends results beside them.
 
 A scheduler may come back (restarted) and run the handshake again on a worker that is already
-initialized: Info, InitializeCache (same sizes keep the cache, other sizes reallocate it), then
-a new Execute stream. The sequence state of the old stream is dropped when that stream ends,
-however it ends. While draining (see `worker_service.membership`), new streams are refused.
+initialized: Info, InitializeCache (same sizes and batch limits keep the cache, others
+reallocate it, other limits after a new profile run), then a new Execute stream. The sequence
+state of the old stream is dropped when that stream ends, however it ends. While draining
+(see `worker_service.membership`), new streams are refused.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import grpc
 from opentelemetry import trace
 
 from llmserve import failpoints
+from llmserve.batch_limits import BatchLimits
 from llmserve.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -34,6 +36,7 @@ from llmserve.errors import (
     UnavailableError,
 )
 from llmserve.logs import get_logger
+from llmserve.proto_convert import batch_limits_from_proto
 from llmserve.step_proto import step_result_to_proto
 from llmserve.steps import StepInput, StepResult
 from llmserve.telemetry import context_from_traceparent
@@ -138,11 +141,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def InitializeCache(
         self, request: worker_pb2.InitializeCacheRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.InitializeCacheResponse:
-        wanted = (request.num_gpu_blocks, request.num_cpu_blocks)
-        if request.num_gpu_blocks < 1:
-            raise FieldError("num_gpu_blocks", "must be at least 1")
-        self._check_holds_max_model_len(request.num_gpu_blocks)
+        limits = self.worker.batch_limits_for(batch_limits_from_proto(request))
+        given = request.HasField("num_gpu_blocks")
+        if given:  # checked before any profile run: a refusal costs nothing
+            if request.num_gpu_blocks < 1:
+                raise FieldError("num_gpu_blocks", "must be at least 1")
+            self._check_holds_max_model_len(request.num_gpu_blocks)
         start = time.perf_counter_ns()
+        if limits != self.worker.batch_limits:
+            await self._use_batch_limits(limits)
+        log.info(
+            "batch limits adopted",
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+        )
+        # Absent, as many as fit beside the largest step under these limits.
+        num_gpu = request.num_gpu_blocks if given else self.num_gpu_blocks_available
+        if not given:
+            self._check_holds_max_model_len(num_gpu)
+        wanted = (num_gpu, request.num_cpu_blocks)
         if wanted != self.allocated:
             if self._stream_open:
                 raise AlreadyExistsError(f"cannot reallocate the KV cache: {HELD_MESSAGE}")
@@ -169,15 +186,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     f"blocks failed: {exc}",
                     "num_gpu_blocks",
                 ) from exc
-            self.allocated = wanted
-            metrics.KV_BLOCKS.labels("gpu").set(wanted[0])
-            metrics.KV_BLOCKS.labels("cpu").set(wanted[1])
+            self._set_allocated(wanted)
             log.info("kv cache allocated", num_gpu_blocks=wanted[0], num_cpu_blocks=wanted[1])
         return worker_pb2.InitializeCacheResponse(
             num_gpu_blocks=wanted[0],
             num_cpu_blocks=wanted[1],
             init_ns=time.perf_counter_ns() - start,
         )
+
+    async def _use_batch_limits(self, limits: BatchLimits) -> None:
+        """Run under other batch limits: the worker drops its cache and profiles again for
+        them (CUDA), which sets the blocks it offers."""
+        if self._stream_open:
+            raise AlreadyExistsError(f"cannot change the batch limits: {HELD_MESSAGE}")
+        self._set_allocated((0, 0))  # the cache goes first
+        try:
+            available = await self._on_model_thread(self.worker.use_batch_limits, limits)
+        except RuntimeError as exc:  # torch.OutOfMemoryError in the profile run
+            raise ResourceExhaustedError(
+                f"max_num_batched_tokens: profiling a step of {limits.max_num_batched_tokens} "
+                f"tokens in {limits.max_num_seqs} sequences failed: {exc}",
+                "max_num_batched_tokens",
+            ) from exc
+        self.num_gpu_blocks_available, self.num_cpu_blocks_available = available
+        log.info(
+            "kv capacity",
+            num_gpu_blocks=available[0],
+            num_cpu_blocks=available[1],
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+        )
+
+    def _set_allocated(self, blocks: tuple[int, int]) -> None:
+        self.allocated = blocks
+        metrics.KV_BLOCKS.labels("gpu").set(blocks[0])
+        metrics.KV_BLOCKS.labels("cpu").set(blocks[1])
 
     def _check_holds_max_model_len(self, num_gpu_blocks: int) -> None:
         """Refuse a cache that cannot hold one sequence of max_model_len: a request allowed

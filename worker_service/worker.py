@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from llmserve.batch_limits import BatchLimits, GivenBatchLimits, adopt_batch_limits
 from llmserve.gguf_files import reading_gguf_once
 from llmserve.logs import get_logger
 from llmserve.model_spec import memoize_gguf_name_maps, resolve_model
@@ -45,7 +46,9 @@ class WorkerNotReadyError(RuntimeError):
 
 class Worker:
     """One model copy on one device. Usage: `load_model()`, `determine_num_available_blocks()`,
-    `initialize_cache(gpu, cpu)`, then `execute(step)` per iteration (an `Executor`).
+    `initialize_cache(gpu, cpu)`, then `execute(step)` per iteration (an `Executor`). The
+    profile run and the decode graphs are sized by `batch_limits`: the config's own until
+    `use_batch_limits` gives the scheduler's.
 
     On CPU, construct it and call every method on one thread. The OpenMP thread count that
     torch uses (the C++ kernels have threads of their own, pool.h) is a per-thread setting, and libgomp, once more of its
@@ -75,6 +78,8 @@ class Worker:
         self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # What the decode CUDA graphs were measured to keep (determine_num_available_blocks).
         self.graph_memory_bytes = 0
+        # The largest step: what the profile run and the decode graphs are sized for.
+        self.batch_limits = config.given_batch_limits.or_defaults()
 
     # -- loading ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -189,9 +194,9 @@ class Worker:
         )
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        """(device blocks, host swap blocks). CUDA: profile a forward of the scheduler's largest
-        batch and give the KV cache what is left of `gpu_memory_utilization`; CPU: from
-        `kv_cache_memory_bytes`."""
+        """(device blocks, host swap blocks). CUDA: profile a forward of the largest step under
+        `batch_limits` and give the KV cache what is left of `gpu_memory_utilization`; CPU:
+        from `kv_cache_memory_bytes`. Call it with no cache allocated."""
         block_bytes = self.get_cache_block_size_bytes()
         num_host = self.config.swap_space_bytes // block_bytes
         if self.device.type != "cuda":
@@ -251,7 +256,7 @@ class Worker:
             self.model,
             self.runner.backend,
             kv_caches,
-            max_batch=self.config.max_num_seqs,
+            max_batch=self.batch_limits.max_num_seqs,
             max_model_len=self.model_info.max_model_len,
             block_size=self.config.block_size,
         )
@@ -259,14 +264,14 @@ class Worker:
         return graphs
 
     def _profile_run(self) -> None:
-        """One forward over max_num_batched_tokens tokens split among max_num_seqs prompts,
-        with a throwaway cache just large enough for it."""
+        """One forward over max_num_batched_tokens tokens split among max_num_seqs prompts
+        (the batch limits), with a throwaway cache just large enough for it."""
         from llmserve.sampling_params import SamplingParams
         from llmserve.steps import NewSequence
 
-        cfg, bs = self.config, self.config.block_size
-        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
-        lengths = [cfg.max_num_batched_tokens // num_seqs] * num_seqs
+        limits, bs = self.batch_limits, self.config.block_size
+        num_seqs = min(limits.max_num_seqs, limits.max_num_batched_tokens)
+        lengths = [limits.max_num_batched_tokens // num_seqs] * num_seqs
         blocks_needed = sum(-(-n // bs) for n in lengths)
         arch = self.model.arch
         cache = CacheEngine(
@@ -302,13 +307,37 @@ class Worker:
         runner.states.clear()
         del cache
 
-    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def batch_limits_for(self, sent: GivenBatchLimits) -> BatchLimits:
+        """The batch limits to run under when a scheduler sends `sent`: see
+        `adopt_batch_limits` (raises FieldError when this worker's flags disagree)."""
+        return adopt_batch_limits(self.config.given_batch_limits, sent)
+
+    def use_batch_limits(self, limits: BatchLimits) -> tuple[int, int]:
+        """Size the profile run and the decode graphs for `limits` from now on: drops the
+        cache (its graphs were captured for the old limits; on CUDA the profile needs its
+        memory) and returns `determine_num_available_blocks()` under the new limits."""
         self._check_thread()
-        arch = self.model.arch
-        # Graphs hold the old cache's tensors: drop both before allocating the new ones.
+        self._drop_cache()
+        previous, self.batch_limits = self.batch_limits, limits
+        try:
+            return self.determine_num_available_blocks()
+        except BaseException:  # the blocks offered stay those profiled for `previous`
+            self.batch_limits = previous
+            raise
+
+    def _drop_cache(self) -> None:
+        """Drop the cache, the graphs that hold its tensors, and the sequences and exports
+        that lived in it."""
         self.runner.decode_graphs = None
         self.cache_engine = None
         self._kv_caches = []
+        self.runner.states.clear()
+        self.exports.clear()
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._check_thread()
+        arch = self.model.arch
+        self._drop_cache()  # before allocating the new one
         self.cache_engine = CacheEngine(
             arch.num_layers,
             arch.num_kv_heads,
@@ -320,15 +349,13 @@ class Worker:
             self.device,
         )
         self._kv_caches = self.cache_engine.layer_caches()
-        self.runner.states.clear()  # a new cache holds no sequence, and exports nothing
-        self.exports.clear()
         if self._graphs_enabled():
             start = time.perf_counter()
             self.runner.decode_graphs = self._capture_graphs(self._kv_caches)
             log.info(
                 "captured decode CUDA graphs",
                 batch_sizes=len(self.runner.decode_graphs.sizes),
-                max_batch=self.config.max_num_seqs,
+                max_batch=self.batch_limits.max_num_seqs,
                 seconds=round(time.perf_counter() - start, 2),
             )
 

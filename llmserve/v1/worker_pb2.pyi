@@ -73,12 +73,16 @@ class InfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_gpu_blocks_available: _Optional[int] = ..., num_cpu_blocks_available: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., linear_impl: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., execute_stream_open: _Optional[bool] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
 
 class InitializeCacheRequest(_message.Message):
-    __slots__ = ("num_gpu_blocks", "num_cpu_blocks")
+    __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "max_num_seqs", "max_num_batched_tokens")
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_gpu_blocks: int
     num_cpu_blocks: int
-    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class InitializeCacheResponse(_message.Message):
     __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "init_ns")

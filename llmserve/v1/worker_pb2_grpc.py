@@ -69,11 +69,16 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitializeCache(self, request, context):
-        """Allocates the paged KV cache. The scheduler asks for the blocks Info offers, or for its
-        num_gpu_blocks_override / num_cpu_blocks_override, fewer or more. INVALID_ARGUMENT when
-        num_gpu_blocks cannot hold one sequence of max_model_len; RESOURCE_EXHAUSTED when the
-        memory cannot hold the blocks. Calling it again with other sizes reallocates (and drops
-        all sequence state); with the same sizes it is a no-op.
+        """Takes the scheduler's batch limits and allocates the paged KV cache. The scheduler asks
+        for the device blocks that fit beside its largest step (num_gpu_blocks absent), or for
+        its num_gpu_blocks_override, fewer or more; for the host blocks Info offers, or its
+        num_cpu_blocks_override. Batch limits other than those the worker runs under make it
+        profile again (CUDA) and capture its decode graphs for them. INVALID_ARGUMENT when
+        num_gpu_blocks cannot hold one sequence of max_model_len, or when the worker was started
+        with a --max-num-seqs / --max-num-batched-tokens other than the limit sent;
+        RESOURCE_EXHAUSTED when the memory cannot hold the blocks. Calling it again with other
+        sizes or limits reallocates (and drops all sequence state); with the same ones it is a
+        no-op.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

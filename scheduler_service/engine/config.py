@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from llmserve.batch_limits import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from llmserve.config_flags import flag
 from llmserve.errors import FieldError
 
@@ -35,9 +36,12 @@ class SchedulerConfig:
     lower it. An engine needs it decided (in-process engines set it themselves).
     """
 
-    max_num_seqs: int = flag(256, "sequences one step may run (its workers learn it too)")
+    # Sent to every worker at InitializeCache (llmserve.batch_limits).
+    max_num_seqs: int = flag(
+        DEFAULT_MAX_NUM_SEQS, "sequences one step may run; sent to every worker"
+    )
     max_num_batched_tokens: int = flag(
-        2048, "tokens one step may compute (its workers learn it too)"
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, "tokens one step may compute; sent to every worker"
     )
     max_model_len: int | None = flag(
         None,

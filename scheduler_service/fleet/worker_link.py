@@ -1,8 +1,8 @@
 """The scheduler's link to one worker: cache initialization, the Execute stream, health checks.
 
 `open_worker` asks the worker what it serves (`Info`), initializes its KV cache with the
-fleet's overrides (`InitializeCache`), and derives the replica's scheduler and cache
-configurations from the answers. `ExecuteStream` carries the steps. `watch_health` probes a
+fleet's overrides and batch limits (`InitializeCache`), and derives the replica's scheduler
+and cache configurations from the answers. `ExecuteStream` carries the steps. `watch_health` probes a
 connected worker. `Replica` (replica.py) owns the link and runs the step loop over it.
 """
 
@@ -142,18 +142,21 @@ async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> W
         info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
     # max_model_len: the worker's model and cache decide it; ours may only lower it.
     scheduler_config = cfg.scheduler.with_worker_max_model_len(info.max_model_len)
-    # An override replaces the worker's count, larger or smaller (as in vLLM).
-    num_gpu = cfg.num_gpu_blocks_override
-    if num_gpu is None:
-        num_gpu = info.num_gpu_blocks_available
     num_cpu = cfg.num_cpu_blocks_override
     if num_cpu is None:
         num_cpu = info.num_cpu_blocks_available
+    # The batch limits are ours: the worker sizes its profile run and CUDA graphs by them.
+    request = worker_pb2.InitializeCacheRequest(
+        num_cpu_blocks=num_cpu,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+    )
+    # An override replaces the worker's count, larger or smaller (as in vLLM); without one
+    # the worker allocates what fits beside the largest step under our limits.
+    if cfg.num_gpu_blocks_override is not None:
+        request.num_gpu_blocks = cfg.num_gpu_blocks_override
     try:
-        reply = await stub.InitializeCache(
-            worker_pb2.InitializeCacheRequest(num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu),
-            timeout=120,
-        )
+        reply = await stub.InitializeCache(request, timeout=120)
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # a stream opened since Info
             raise HeldElsewhereError(exc.details() or "held") from exc

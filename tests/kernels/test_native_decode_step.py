@@ -169,23 +169,11 @@ def _batch(dtype: torch.dtype, gen: torch.Generator) -> DecodeBatch:
             pair.append(cache.to(dtype))
         caches.append((pair[0], pair[1]))
     lens = torch.tensor([c + 1 for c in CONTEXTS], dtype=torch.int32)
-    empty = torch.zeros(0, dtype=torch.int32)
-    metadata = AttentionMetadata(
-        num_prefills=0,
-        num_prefill_tokens=0,
-        num_decodes=len(CONTEXTS),
+    metadata = AttentionMetadata.for_decodes(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
-        prefill_query_lens=empty,
-        prefill_context_lens=empty,
-        prefill_seq_lens=empty,
-        prefill_block_tables=torch.zeros(0, max(per_seq), dtype=torch.int32),
-        max_prefill_query_len=0,
-        max_prefill_seq_len=0,
-        prefill_no_context=True,
-        decode_seq_lens=lens,
-        decode_block_tables=torch.tensor(tables, dtype=torch.int32),
-        max_decode_seq_len=int(lens.max()),
+        seq_lens=lens,
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        max_seq_len=int(lens.max()),
         block_size=BLOCK,
     )
     ids = torch.randint(0, VOCAB, (len(CONTEXTS),), generator=gen)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from llmserve.batch_limits import BatchLimits, GivenBatchLimits, adopt_batch_limits
 from llmserve.steps import (
     PromptLogprob,
     SequenceOutput,
@@ -140,6 +141,7 @@ class SimulatedWorker:
         # continues the same either way.
         self.exports = Exports()
         self.cache_engine = None
+        self.batch_limits = BatchLimits()
         self.num_gpu_blocks = 0
         self.num_cpu_blocks = 0
         self.last_forward_ns: tuple[int, int] | None = None
@@ -149,6 +151,16 @@ class SimulatedWorker:
     @property
     def num_sequences(self) -> int:
         return len(self.runner.states)
+
+    def batch_limits_for(self, sent: GivenBatchLimits) -> BatchLimits:
+        """What a scheduler sends (no flags of its own pin them)."""
+        return adopt_batch_limits(GivenBatchLimits(), sent)
+
+    def use_batch_limits(self, limits: BatchLimits) -> tuple[int, int]:
+        """Nothing is sized by them here: the blocks offered stay the config's."""
+        self.batch_limits = limits
+        self.initialize_cache(0, 0)
+        return self.config.num_gpu_blocks, self.config.num_cpu_blocks
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks

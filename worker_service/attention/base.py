@@ -68,6 +68,38 @@ class AttentionMetadata:
     max_decode_seq_len: int
     block_size: int
 
+    @classmethod
+    def for_decodes(
+        cls,
+        slot_mapping: torch.Tensor,  # [num_decodes] int64, negative = do not write
+        seq_lens: torch.Tensor,  # [num_decodes] int32, including the new token
+        block_tables: torch.Tensor,  # [num_decodes, max_decode_blocks] int32
+        max_seq_len: int,
+        block_size: int,
+    ) -> AttentionMetadata:
+        """A step of decodes only: one query token per row, no prefill. `max_seq_len` is
+        given, not read from `seq_lens`, so that building the metadata never waits on the
+        device."""
+        empty = seq_lens.new_zeros(0)  # [0] int32
+        return cls(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decodes=seq_lens.shape[0],
+            slot_mapping=slot_mapping,
+            prefill_query_start_loc=seq_lens.new_zeros(1),  # [1] int32
+            prefill_query_lens=empty,
+            prefill_context_lens=empty,
+            prefill_seq_lens=empty,
+            prefill_block_tables=block_tables[:0],  # [0, max_decode_blocks] int32
+            max_prefill_query_len=0,
+            max_prefill_seq_len=0,
+            prefill_no_context=True,
+            decode_seq_lens=seq_lens,
+            decode_block_tables=block_tables,
+            max_decode_seq_len=max_seq_len,
+            block_size=block_size,
+        )
+
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decodes

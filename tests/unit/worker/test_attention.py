@@ -220,25 +220,32 @@ def test_decode_rows_of_one_sequence_attend_causally(backend_name: str) -> None:
         key_cache[table[pos // BS], pos % BS] = k[pos]
         value_cache[table[pos // BS], pos % BS] = v[pos]
     positions = range(context, total)
-    meta = AttentionMetadata(
-        num_prefills=0,
-        num_prefill_tokens=0,
-        num_decodes=rows,
+    meta = AttentionMetadata.for_decodes(
         slot_mapping=torch.tensor([table[p // BS] * BS + p % BS for p in positions]),
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
-        prefill_query_lens=torch.zeros(0, dtype=torch.int32),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32),
-        prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
-        prefill_block_tables=torch.zeros(0, len(table), dtype=torch.int32),
-        max_prefill_query_len=0,
-        max_prefill_seq_len=0,
-        prefill_no_context=True,
-        decode_seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
-        decode_block_tables=torch.tensor([table] * rows, dtype=torch.int32),
-        max_decode_seq_len=total,
+        seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+        block_tables=torch.tensor([table] * rows, dtype=torch.int32),
+        max_seq_len=total,
         block_size=BS,
     )
     backend = get_backend_class(backend_name, CPU_SPEC)(H, KVH, D, D**-0.5, None)
     backend.begin_step(meta)
     out = backend.forward(q, k[context:], v[context:], key_cache, value_cache, meta)
     torch.testing.assert_close(out, reference(q, k, v, context), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_metadata_has_no_prefill_part() -> None:
+    slots = torch.tensor([9, 30, 3], dtype=torch.int64)
+    lens = torch.tensor([2, 7, 4], dtype=torch.int32)
+    tables = torch.tensor([[2, 0], [6, 7], [0, 0]], dtype=torch.int32)
+    meta = AttentionMetadata.for_decodes(slots, lens, tables, max_seq_len=7, block_size=BS)
+    assert (meta.num_prefills, meta.num_prefill_tokens, meta.num_decodes) == (0, 0, 3)
+    assert meta.num_tokens == 3
+    assert meta.prefill_query_start_loc.tolist() == [0]
+    assert meta.prefill_query_start_loc.dtype == torch.int32
+    assert [t.numel() for t in (meta.prefill_query_lens, meta.prefill_seq_lens)] == [0, 0]
+    assert meta.prefill_block_tables.shape == (0, 2)
+    assert (meta.max_prefill_query_len, meta.max_prefill_seq_len) == (0, 0)
+    assert meta.prefill_no_context
+    assert meta.decode_seq_lens is lens and meta.decode_block_tables is tables
+    assert meta.slot_mapping is slots
+    assert (meta.max_decode_seq_len, meta.block_size) == (7, BS)

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -54,10 +55,11 @@ async def served_worker(
     max_model_len: int = 64,
     mask_wait_timeout_s: float = 30.0,
     internal_token: str | None = None,
+    **config: Any,
 ) -> AsyncIterator[Served]:
     """A worker offering 64 device and 16 host blocks; caches from max_model_len / BLOCK_SIZE
     blocks up are accepted. With `internal_token`, its Worker RPCs require that token (the
-    stub sends it)."""
+    stub sends it). `config`: more WorkerConfig fields."""
     model_thread = ThreadPoolExecutor(max_workers=1)
     loop = asyncio.get_running_loop()
     config = WorkerConfig(
@@ -66,6 +68,7 @@ async def served_worker(
         num_threads=1,
         max_model_len=max_model_len,
         mask_wait_timeout_s=mask_wait_timeout_s,
+        **config,
     )
     worker = await loop.run_in_executor(model_thread, Worker, config)
     await loop.run_in_executor(model_thread, worker.load_model)
