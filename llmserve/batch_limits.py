@@ -16,7 +16,6 @@ a worker whose flags are not set.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, fields
 
 from llmserve.errors import FieldError
@@ -74,15 +73,3 @@ def adopt_batch_limits(own: GivenBatchLimits, sent: GivenBatchLimits) -> BatchLi
             )
         chosen[f.name] = theirs if theirs is not None else mine
     return GivenBatchLimits(**chosen).or_defaults()
-
-
-def add_worker_batch_limit_flags(parser: argparse.ArgumentParser) -> None:
-    """A worker's `--max-num-seqs` and `--max-num-batched-tokens`, None when not set: it then
-    follows whatever InitializeCache sends, and runs under the defaults where nothing is sent.
-    (The scheduler's flags of the same names are SchedulerConfig's fields.)"""
-    for f in fields(BatchLimits):
-        help_text = (
-            f"default: the scheduler's, sent at InitializeCache ({f.default} before it, "
-            "or where none is sent); set, a scheduler that sends another value is refused"
-        )
-        parser.add_argument(flag(f.name), type=int, default=None, help=help_text)

@@ -4,7 +4,8 @@ Where a flag sets a config field, the field is the one place of its name, type, 
 help: declare it with `flag(default, help)`, add the class's flags with `add_flags`, and read
 them back with `flag_values`. The flag is `--field-name` (or the `name` given, for the flags
 whose name users already know), its value lands in `args.field_name`. Booleans become
-`--x / --no-x`, enums take their values as choices, `X | None` fields default to None.
+`--x / --no-x`, enums and `Literal` types take their values as choices, `X | None` fields
+default to None.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def flag_name(cls: type, field_name: str) -> str:
     return "--" + (spec.name or f.name).replace("_", "-")
 
 
-def _flagged(cls: type) -> list[tuple[Field[Any], _FlagSpec, type]]:
+def _flagged(cls: type) -> list[tuple[Field[Any], _FlagSpec, Any]]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in fields(cls):
@@ -47,12 +48,12 @@ def _flagged(cls: type) -> list[tuple[Field[Any], _FlagSpec, type]]:
     return out
 
 
-def _value_type(hint: Any) -> type:
-    """`int` for `int` and `int | None`."""
+def _value_type(hint: Any) -> Any:
+    """`int` for `int` and `int | None`; a `Literal` as it is."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (kind,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return kind  # type: ignore[no-any-return]
-    return hint  # type: ignore[no-any-return]
+        return kind
+    return hint
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
@@ -63,6 +64,8 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         kwargs: dict[str, Any] = {"dest": f.name, "help": f"{spec.help} (default: {shown})"}
         if kind is bool:
             kwargs.update(action=argparse.BooleanOptionalAction, default=default)
+        elif typing.get_origin(kind) is typing.Literal:
+            kwargs.update(choices=list(typing.get_args(kind)), default=default)
         elif issubclass(kind, Enum):
             kwargs.update(
                 choices=[m.value for m in kind], default=None if default is None else default.value
@@ -77,7 +80,7 @@ def flag_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     values = {}
     for f, _, kind in _flagged(cls):
         value = getattr(args, f.name)
-        if value is not None and issubclass(kind, Enum):
+        if value is not None and isinstance(kind, type) and issubclass(kind, Enum):
             value = kind(value)
         values[f.name] = value
     return values

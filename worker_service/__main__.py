@@ -7,10 +7,9 @@ import asyncio
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
-from kernels.cpu.quant import MODES as QUANT_MODES
 from llmserve import security
-from llmserve.batch_limits import add_worker_batch_limit_flags
 from llmserve.config_env import parse_service_args
+from llmserve.config_flags import add_flags, flag_values
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.logs import get_logger
 from llmserve.proto_convert import WORKER_ROLES
@@ -23,7 +22,7 @@ from llmserve.service_main import (
     start_service,
 )
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
-from worker_service.config import QUANTIZATIONS, GiB, WorkerConfig
+from worker_service.config import GiB, WorkerConfig
 from worker_service.membership import LeaseKeeper, WorkerDrain
 
 log = get_logger(__name__)
@@ -34,61 +33,20 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="llmserve worker", description=__doc__)
     add_common_flags(p, default_port=50061)
-    p.add_argument("--model", default="smollm2", help="alias, local dir, .gguf file or hub id")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_flags(p, WorkerConfig)
+    defaults = WorkerConfig()
     p.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "cpu", "triton", "torch"]
+        "--kv-cache-memory",
+        type=float,
+        default=defaults.kv_cache_memory_bytes / GiB,
+        help="CPU KV cache size, GiB",
     )
     p.add_argument(
-        "--linear-impl",
-        default="auto",
-        choices=["auto", "torch", "onednn", "native", "gguf"],
-        help="matmuls: onednn prepacks the weights (CPU); native = kernels/cpu projections; "
-        "gguf = on a GGUF file's blocks as they are (CPU float32); "
-        "auto = onednn with the cpu backend where oneDNN runs the dtype, else native there",
+        "--swap-space",
+        type=float,
+        default=defaults.swap_space_bytes / GiB,
+        help="host swap space, GiB",
     )
-    p.add_argument(
-        "--quantization",
-        default="none",
-        choices=list(QUANTIZATIONS),
-        help="quantize a float checkpoint's weights at load into GGUF Q8_0 or Q4_1 blocks (per "
-        "row, a scale per 32 weights) and multiply on them as --linear-impl gguf does (CPU "
-        "float32, not a GGUF file); none = dense weights",
-    )
-    p.add_argument(
-        "--quant-mode",
-        default="exact",
-        choices=list(QUANT_MODES),
-        help="with --linear-impl gguf or --quantization: exact = blocks dequantized to float32 (HF's model up to "
-        "summation order); fast = activations rounded to 8 bits, integer dot products",
-    )
-    p.add_argument(
-        "--native-decode-max-batch",
-        type=int,
-        default=None,
-        help="decode steps of up to this many sequences run as one native call (cpu backend); "
-        "0 = per-layer path only; default 8, or 4 for models with a large LM head (see "
-        "worker_service/models/native.py)",
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=2.0, help="CPU KV cache size, GiB")
-    p.add_argument("--swap-space", type=float, default=4.0, help="host swap space, GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
-    )
-    add_worker_batch_limit_flags(p)
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="CPU threads of torch and of the C++ kernels (default: every core)",
-    )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--role",
         choices=list(WORKER_ROLES),
@@ -103,13 +61,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=0.0,
         help="cap on the rate this worker sends KV blocks to peers at, GB/s (0: none): stands "
         "for a slower network in benchmarks",
-    )
-    p.add_argument(
-        "--mask-wait-timeout-s",
-        type=float,
-        default=30.0,
-        help="fail a step whose deferred token masks (structured output) do not come from the "
-        "scheduler within this many seconds after its forward pass",
     )
     p.add_argument(
         "--scheduler",
@@ -152,25 +103,9 @@ def validate(args: argparse.Namespace) -> None:
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        linear_impl=args.linear_impl,
-        quantization=args.quantization,
-        quant_mode=args.quant_mode,
-        native_decode_max_batch=args.native_decode_max_batch,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
         kv_cache_memory_bytes=int(args.kv_cache_memory * GiB),
         swap_space_bytes=int(args.swap_space * GiB),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        num_threads=args.num_threads,
-        seed=args.seed,
-        mask_wait_timeout_s=args.mask_wait_timeout_s,
+        **flag_values(WorkerConfig, args),
     )
 
 

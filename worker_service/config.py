@@ -9,7 +9,12 @@ import torch
 
 from kernels.cpu.quant import MODES as QUANT_MODES
 from kernels.cpu.quant import QuantMode
-from llmserve.batch_limits import GivenBatchLimits
+from llmserve.batch_limits import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    GivenBatchLimits,
+)
+from llmserve.config_flags import flag
 from llmserve.errors import FieldError
 
 GiB = 1 << 30
@@ -41,10 +46,12 @@ class WorkerConfig:
     `gpu_memory_utilization` of the device. The host swap space is `swap_space_bytes`.
     """
 
-    model: str = "smollm2"
-    dtype: DtypeName = "auto"
-    device: DeviceName = "auto"
-    attention_backend: AttentionBackendName = "auto"
+    model: str = flag("smollm2", "alias, local dir, .gguf file or hub id")
+    dtype: DtypeName = flag("auto", "float32 on CPU and bfloat16 on CUDA when auto")
+    device: DeviceName = flag("auto", "cuda where one is available when auto")
+    attention_backend: AttentionBackendName = flag(
+        "auto", "triton on CUDA, cpu (the C++ kernels) on a CPU, torch: the reference"
+    )
     # Matmuls: `torch` (F.linear), `onednn` (weights prepacked once at load; CPU float32 /
     # bfloat16 where oneDNN supports it), or `native` (kernels/cpu/decode.cpp's projections,
     # which widen bfloat16 in registers: on CPUs without AVX-512 they run bfloat16 matmuls
@@ -53,42 +60,83 @@ class WorkerConfig:
     # backend stays the plain-torch reference. `gguf` keeps a GGUF file's blocks as they are
     # and multiplies with them (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K, CPU float32:
     # models/gguf_weights.py).
-    linear_impl: LinearImplName = "auto"
+    linear_impl: LinearImplName = flag(
+        "auto",
+        "matmuls: onednn prepacks the weights (CPU); native = kernels/cpu projections; gguf = "
+        "on a GGUF file's blocks as they are (CPU float32); auto = onednn with the cpu backend "
+        "where oneDNN runs the dtype, else native there",
+    )
     # `q8_0` / `q4_1` quantize a float checkpoint's projections, embedding and LM head at load
     # into those GGUF blocks (per row, 32 weights per scale) and multiply with them as `gguf`
     # does (models/quantize_at_load.py): CPU float32, not a GGUF file, linear_impl auto or
     # gguf. `none` keeps the weights dense (a GGUF file dequantized, unless `gguf`).
-    quantization: QuantizationName = "none"
+    quantization: QuantizationName = flag(
+        "none",
+        "quantize a float checkpoint's weights at load into GGUF Q8_0 or Q4_1 blocks (per row, "
+        "a scale per 32 weights) and multiply on them as --linear-impl gguf does (CPU float32, "
+        "not a GGUF file); none = dense weights",
+    )
     # How `gguf` and `quantization` multiply (kernels/cpu/quant.py): `exact` dequantizes each
     # block to float32 (the model equals HF's dequantized one up to summation order); `fast`
     # rounds the activations to 8 bits per block of 32 and takes integer dot products.
-    quant_mode: QuantMode = "exact"
+    quant_mode: QuantMode = flag(
+        "exact",
+        "with --linear-impl gguf or --quantization: exact = blocks dequantized to float32 "
+        "(HF's model up to summation order); fast = activations rounded to 8 bits, integer "
+        "dot products",
+    )
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks
     # the model's measured default (models/native.py: default_native_max_batch). Larger
     # steps and prefills keep the per-layer path and its (prepacked) matmuls.
-    native_decode_max_batch: int | None = None
-    block_size: int = 16
+    native_decode_max_batch: int | None = flag(
+        None,
+        "decode steps of up to this many sequences run as one native call (cpu backend); 0 = "
+        "per-layer path only; unset: 8, or 4 for models with a large LM head "
+        "(worker_service/models/native.py)",
+    )
+    block_size: int = flag(16, "tokens per KV block (a power of two)")
     # Caps the model's own max_position_embeddings (None = the model's limit).
-    max_model_len: int | None = None
+    max_model_len: int | None = flag(
+        None, "the longest prompt + output served (unset: the model's own limit)"
+    )
     kv_cache_memory_bytes: int = 2 * GiB
     swap_space_bytes: int = 4 * GiB
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = flag(
+        0.9, "CUDA: the fraction of the device's memory the worker may use, KV cache included"
+    )
     # CUDA: decode steps replay CUDA graphs captured per batch size (worker_service/
     # cuda_graphs.py) up to the batch limits' max_num_seqs; True runs every step eagerly.
-    enforce_eager: bool = False
+    enforce_eager: bool = flag(
+        False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs"
+    )
     # The batch limits (llmserve/batch_limits.py), which size the CUDA profile run and the
     # graphs: None follows what the scheduler sends at InitializeCache (the defaults until
     # then); set, the scheduler must send the same value or is refused.
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = flag(
+        None,
+        f"unset: the scheduler's, sent at InitializeCache ({DEFAULT_MAX_NUM_BATCHED_TOKENS} "
+        "before it, or where none is sent); set, a scheduler that sends another value is "
+        "refused",
+    )
+    max_num_seqs: int | None = flag(
+        None,
+        f"unset: the scheduler's, sent at InitializeCache ({DEFAULT_MAX_NUM_SEQS} before it, "
+        "or where none is sent); set, a scheduler that sends another value is refused",
+    )
     # torch intra-op threads on CPU (None = all cores of this machine).
-    num_threads: int | None = None
+    num_threads: int | None = flag(
+        None, "CPU threads of torch and of the C++ kernels (unset: every core)"
+    )
     # Seed of the stream used by requests without their own seed.
-    seed: int = 0
+    seed: int = flag(0, "seed of the sampling stream of requests without their own seed")
     # How long a step waits, after its forward pass, for the token masks the scheduler sends
     # after it (structured output) before it fails (worker_service/late_masks.py).
-    mask_wait_timeout_s: float = 30.0
+    mask_wait_timeout_s: float = flag(
+        30.0,
+        "fail a step whose deferred token masks (structured output) do not come from the "
+        "scheduler within this many seconds after its forward pass",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

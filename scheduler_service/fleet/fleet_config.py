@@ -9,6 +9,7 @@ from typing import Protocol
 
 from llmserve.config_flags import flag
 from llmserve.errors import ApiError
+from llmserve.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES
 from scheduler_service.engine.config import SchedulerConfig
 from scheduler_service.engine.request_output import RequestOutput
 from scheduler_service.engine.snapshots import GroupSnapshot
@@ -43,7 +44,7 @@ class ReplicaConfig:
     num_cpu_blocks_override: int | None = flag(
         None, "host (swap) KV blocks to ask each worker for, in place of what it offers"
     )
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # A step whose result has not come back after this long marks the worker lost. None: the
     # larger of `watchdog_floor_s` and `watchdog_factor` times the slowest step seen so far.
     step_watchdog_s: float | None = flag(

@@ -3,14 +3,11 @@ services (one default each, in llmserve/batch_limits.py)."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from llmserve.batch_limits import (
     BatchLimits,
     GivenBatchLimits,
-    add_worker_batch_limit_flags,
     adopt_batch_limits,
 )
 from llmserve.errors import FieldError
@@ -68,13 +65,6 @@ def test_limits_from_an_initialize_cache_request():
     assert batch_limits_from_proto(worker_pb2.InitializeCacheRequest()) == NONE
     both = worker_pb2.InitializeCacheRequest(max_num_seqs=4, max_num_batched_tokens=32)
     assert batch_limits_from_proto(both) == GivenBatchLimits(4, 32)
-
-
-def test_a_worker_leaves_its_flags_unset():
-    follower = argparse.ArgumentParser()
-    add_worker_batch_limit_flags(follower)
-    assert vars(follower.parse_args([])) == {"max_num_seqs": None, "max_num_batched_tokens": None}
-    assert vars(follower.parse_args(["--max-num-seqs", "8"]))["max_num_seqs"] == 8
 
 
 def test_the_services_take_their_limits_from_one_place():
