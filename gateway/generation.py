@@ -40,7 +40,13 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.tokenization import Tokenization, check_unicode
 from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.errors import FieldError, ModelNotFoundError, UnavailableError
-from llmserve.limits import RequestLimits, check_prompt_tokens, check_sampling, check_stop
+from llmserve.limits import (
+    RequestLimits,
+    check_prompt_fits,
+    check_prompt_tokens,
+    check_sampling,
+    check_stop,
+)
 from llmserve.logs import get_logger
 from llmserve.proto_convert import finish_reason_name
 from llmserve.sampling_params import SamplingParams, with_admission_seed
@@ -154,12 +160,7 @@ class GenerationCore:
 
     def _checked(self, prompt: Prompt, field_name: str) -> Prompt:
         check_prompt_tokens(self.limits, len(prompt.token_ids), field_name)
-        if len(prompt.token_ids) >= self.context_len:
-            raise FieldError(
-                field_name,
-                f"the prompt has {len(prompt.token_ids)} tokens; this model's context is "
-                f"{self.context_len} tokens, so the prompt must be shorter",
-            )
+        check_prompt_fits(len(prompt.token_ids), self.context_len, field_name)
         return prompt
 
     def max_tokens_left(self, prompt: Prompt) -> int:

@@ -1,4 +1,5 @@
-"""Per-request limits the gateway enforces before a request reaches the scheduler.
+"""Per-request limits the gateway enforces before a request reaches the scheduler, and the
+one rule on prompt length that the gateway and the scheduler's engine both apply.
 
 One frozen dataclass holds every limit with its default; the gateway builds it from its
 flags (`--max-n` and so on: the flag is the field name with dashes). Each check raises a
@@ -123,6 +124,28 @@ def check_prompt_tokens(limits: RequestLimits, num_tokens: int, field_name: str)
             f"the prompt has {num_tokens} tokens, over this server's limit of "
             f"{limits.max_prompt_tokens} (--max-prompt-tokens)",
         )
+
+
+def prompt_too_long(prompt_len: int, max_model_len: int) -> str | None:
+    """Why a prompt of `prompt_len` tokens cannot run in a context of `max_model_len` tokens,
+    or None when it can. A prompt must leave room for at least one generated token: that
+    token takes position `prompt_len`, which the context must hold. So a prompt of exactly
+    `max_model_len` tokens is refused, as vLLM refuses it (its serving layer and its engine
+    both require prompt + at least one token to fit)."""
+    if prompt_len < max_model_len:
+        return None
+    return (
+        f"the prompt has {prompt_len} tokens; the model's context (max_model_len) is "
+        f"{max_model_len} tokens, so the prompt must be shorter to leave room for a "
+        "generated token"
+    )
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int, field_name: str) -> None:
+    """`prompt_too_long` as a `FieldError` naming `field_name`."""
+    reason = prompt_too_long(prompt_len, max_model_len)
+    if reason is not None:
+        raise FieldError(field_name, reason)
 
 
 def add_limit_flags(parser: argparse.ArgumentParser) -> None:
