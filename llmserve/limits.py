@@ -4,6 +4,9 @@ one rule on prompt length that the gateway and the scheduler's engine both apply
 One frozen dataclass holds every limit with its default; the gateway builds it from its
 flags (`--max-n` and so on: the flag is the field name with dashes). Each check raises a
 `FieldError` naming the request field at fault and the limit, so a client knows what to change.
+The scheduler and the workers apply none of these again (they check only what their own
+capacity decides, such as `max_num_seqs`), so a limit raised here is raised end to end:
+`--max-logprobs 30` lets 30 alternatives per token through to the workers' sampler.
 
 The defaults follow what vLLM and TGI ship or document: logprobs up to 20 (vLLM's
 `max_logprobs`), a 2 MB-class body limit (TGI's `payload_limit`), a handful of stop strings
@@ -13,7 +16,7 @@ The defaults follow what vLLM and TGI ship or document: logprobs up to 20 (vLLM'
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from llmserve.errors import FieldError
@@ -62,13 +65,11 @@ def _over(field_name: str, value: int, limit: int, flag: str) -> FieldError:
     return FieldError(field_name, f"{value} is over this server's limit of {limit} (--{flag})")
 
 
-def check_sampling(limits: RequestLimits, params: SamplingParams, names: dict[str, str]) -> None:
-    """Bounds on sampling parameters. `names` maps a SamplingParams field to the request's
-    name for it (`sampling_params.n`, `top_logprobs`); unmapped fields keep their own name."""
-
-    def name(f: str) -> str:
-        return names.get(f, f)
-
+def check_sampling(
+    limits: RequestLimits, params: SamplingParams, name: Callable[[str], str]
+) -> None:
+    """Bounds on sampling parameters. `name` maps a SamplingParams field to the request's
+    name for it (`sampling_params.n`, `top_logprobs`)."""
     if params.n > limits.max_n:
         raise _over(name("n"), params.n, limits.max_n, "max-n")
     if params.num_sampled > limits.max_best_of:
