@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from llmserve.logs import configure_logging
 from llmserve.security import add_security_flags, install, security_from_args
+from llmserve.tool_parsers import TOOL_CALL_PARSERS
 
 _SERVICES = {
     "worker": "worker_service.__main__",
@@ -99,12 +100,10 @@ def _up_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a Jinja chat template for models without one (base models)",
     )
-    from gateway.tool_formats import TOOL_PARSERS
-
     p.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=TOOL_PARSERS,
+        choices=TOOL_CALL_PARSERS,
         help="the gateway's tool-call format (default: auto, read off the chat "
         "template); see `llmserve gateway --help`",
     )
