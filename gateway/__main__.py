@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from gateway.tool_formats import TOOL_PARSERS
 from llmserve.config_env import parse_service_args
 from llmserve.limits import add_limit_flags, limits_from_args
 from llmserve.logs import get_logger
 from llmserve.service_main import add_common_flags, start_service
+from llmserve.tool_parsers import TOOL_CALL_PARSERS
 
 log = get_logger(__name__)
 
@@ -93,7 +93,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--tool-call-parser",
         default="auto",
-        choices=TOOL_PARSERS,
+        choices=TOOL_CALL_PARSERS,
         help="how chats with tools are prompted and their calls parsed: hermes "
         "(<tool_call> blocks: Hermes, Qwen), llama3_json (Llama 3.x JSON calls), "
         "generic (tools in the system prompt, a JSON envelope), or auto: read off "

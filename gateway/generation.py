@@ -1,6 +1,7 @@
 """The gateway's request path, shared by the gRPC and OpenAI APIs.
 
-`GenerationCore.prepare_*` validate and tokenize (errors name the field); `generate()` sends
+`GenerationCore.prompt_from_*` tokenize and check prompts, `sampling_params` checks what a
+request asks for (both APIs, one path; errors name the field); `generate()` sends
 the request to the scheduler and turns its token deltas into text deltas per choice:
 incremental detokenization, stop strings, logprobs with token text. Usage and timings are
 the scheduler's, carried from its last message; finish reasons stay common.proto's
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,13 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.tokenization import Tokenization, check_unicode
 from llmserve.detokenizer import IncrementalDetokenizer
 from llmserve.errors import FieldError, ModelNotFoundError, UnavailableError
-from llmserve.limits import RequestLimits, check_prompt_tokens, check_sampling, check_stop
+from llmserve.limits import (
+    RequestLimits,
+    check_prompt_fits,
+    check_prompt_tokens,
+    check_sampling,
+    check_stop,
+)
 from llmserve.logs import get_logger
 from llmserve.proto_convert import finish_reason_name
 from llmserve.sampling_params import SamplingParams, with_admission_seed
@@ -100,17 +107,6 @@ class GenerationCore:
         check_unicode(text, field_name)
         return self._checked(Prompt(self.tokenization.encode(text), text), field_name)
 
-    def check_limits(
-        self,
-        params: SamplingParams,
-        stop: Sequence[str],
-        names: dict[str, str],
-        stop_field: str = "stop",
-    ) -> None:
-        """The server's per-request limits (llmserve.limits); FieldError naming the field."""
-        check_sampling(self.limits, params, names)
-        check_stop(self.limits, stop, stop_field)
-
     def timeout_for(self, client_timeout_s: float | None) -> float | None:
         """The request's time limit: the client's, capped by --request-timeout-s."""
         limits = [t for t in (client_timeout_s, self.request_timeout_s) if t is not None]
@@ -154,25 +150,43 @@ class GenerationCore:
 
     def _checked(self, prompt: Prompt, field_name: str) -> Prompt:
         check_prompt_tokens(self.limits, len(prompt.token_ids), field_name)
-        if len(prompt.token_ids) >= self.context_len:
-            raise FieldError(
-                field_name,
-                f"the prompt has {len(prompt.token_ids)} tokens; this model's context is "
-                f"{self.context_len} tokens, so the prompt must be shorter",
-            )
+        check_prompt_fits(len(prompt.token_ids), self.context_len, field_name)
         return prompt
 
-    def max_tokens_left(self, prompt: Prompt) -> int:
-        return self.context_len - len(prompt.token_ids)
+    def sampling_params(
+        self,
+        prompt: Prompt,
+        build: Callable[[int], SamplingParams],
+        stop: Sequence[str],
+        client_name: Callable[[str], str],
+    ) -> SamplingParams:
+        """A request's sampling parameters, checked the one way both APIs check them.
 
-    def check_max_tokens(self, prompt: Prompt, max_tokens: int, field_name: str) -> None:
-        left = self.max_tokens_left(prompt)
-        if max_tokens > left:
+        `build(max_tokens_left)` makes them (`max_tokens_left`: the default for a request
+        that sets no max_tokens) and names its own errors; `client_name` maps a SamplingParams
+        field to the request's name for it, so that every check here names what the client
+        sent: max_tokens within what the prompt leaves of the context, this server's limits
+        (llmserve.limits), then logprobs within the vocabulary."""
+        left = self.context_len - len(prompt.token_ids)
+        params = build(left)
+        if params.max_tokens > left:
             raise FieldError(
-                field_name,
-                f"{max_tokens} requested, but the prompt ({len(prompt.token_ids)} tokens) leaves "
-                f"{left} of the model's {self.context_len}-token context",
+                client_name("max_tokens"),
+                f"{params.max_tokens} requested, but the prompt ({len(prompt.token_ids)} "
+                f"tokens) leaves {left} of the model's {self.context_len}-token context",
             )
+        check_sampling(self.limits, params, client_name)
+        check_stop(self.limits, stop)
+        vocab = self.tokenization.vocab_size
+        for f in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, f)
+            if value is not None and value > vocab:
+                raise FieldError(
+                    client_name(f),
+                    f"{value} alternatives per token is more than the vocabulary holds "
+                    f"({vocab} tokens)",
+                )
+        return params
 
     # -- generation ----------------------------------------------------------------------------
 

@@ -24,10 +24,10 @@ from llmserve.proto_convert import grammar_from_proto, sampling_params_from_prot
 from llmserve.telemetry import context_from_metadata
 from llmserve.v1 import generation_pb2, generation_pb2_grpc
 
-_SAMPLING_NAMES = {
-    name: f"sampling_params.{name}"
-    for name in ("n", "best_of", "max_tokens", "logprobs", "prompt_logprobs", "stop_token_ids")
-}
+
+def _sampling_name(field_name: str) -> str:
+    """The request's name for a SamplingParams field (they travel in `sampling_params`)."""
+    return f"sampling_params.{field_name}"
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -67,10 +67,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         core = self.core
         core.check_model(request.model)
         prompt = await self._prompt(request)
-        sp = request.sampling_params
-        params = sampling_params_from_proto(sp, default_max_tokens=core.max_tokens_left(prompt))
-        core.check_max_tokens(prompt, params.max_tokens, "sampling_params.max_tokens")
-        core.check_limits(params, request.stop, _SAMPLING_NAMES)
+        params = core.sampling_params(
+            prompt,
+            lambda left: sampling_params_from_proto(
+                request.sampling_params, default_max_tokens=left
+            ),
+            request.stop,
+            _sampling_name,
+        )
         options = TextOptions(
             stop=tuple(request.stop),
             include_stop_str_in_output=request.include_stop_str_in_output,

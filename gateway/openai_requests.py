@@ -3,6 +3,7 @@ with errors naming the field the client sent."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Any
 
@@ -28,8 +29,8 @@ async def completion_inputs(core: GenerationCore, body: CompletionRequest) -> li
     )
     response_id = f"cmpl-{uuid.uuid4().hex}"
     inputs = []
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     for i, prompt in enumerate(await _completion_prompts(core, body.prompt)):
-        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = _sampling_params(
             core, body, prompt, body.max_tokens, "max_tokens", body.logprobs, prompt_logprobs
         )
@@ -38,7 +39,7 @@ async def completion_inputs(core: GenerationCore, body: CompletionRequest) -> li
                 f"{response_id}-{i}",
                 prompt,
                 params,
-                _text_options(core, body, params),
+                _text_options(body),
                 "text_completion",
                 timeout_s=core.timeout_for(None),
                 priority=body.priority,
@@ -76,7 +77,7 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
         f"chatcmpl-{uuid.uuid4().hex}",
         prompt,
         params,
-        _text_options(core, body, params),
+        _text_options(body),
         "chat",
         timeout_s=core.timeout_for(None),
         priority=body.priority,
@@ -117,13 +118,14 @@ async def _completion_prompts(core: GenerationCore, prompt: Any) -> list[Prompt]
     raise FieldError("prompt", "must be a string, a list of strings, or token ids")
 
 
-def _text_options(
-    core: GenerationCore, body: CompletionRequest | ChatCompletionRequest, params: SamplingParams
-) -> TextOptions:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    names = {"logprobs": "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"}
-    core.check_limits(params, stop, names)
-    return TextOptions(tuple(stop), body.include_stop_str_in_output, body.skip_special_tokens)
+def _stop(body: CompletionRequest | ChatCompletionRequest) -> list[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+def _text_options(body: CompletionRequest | ChatCompletionRequest) -> TextOptions:
+    return TextOptions(
+        tuple(_stop(body)), body.include_stop_str_in_output, body.skip_special_tokens
+    )
 
 
 def _sampling_params(
@@ -137,43 +139,44 @@ def _sampling_params(
 ) -> SamplingParams:
     if body.logit_bias:
         raise FieldError("logit_bias", "is not supported")
-    if max_tokens is None:
-        max_tokens = core.max_tokens_left(prompt)
     top_k = body.top_k or 0
     if top_k == -1:
         top_k = 0
-    kwargs: dict[str, Any] = {
-        "n": body.n,
-        "best_of": body.best_of,
-        "use_beam_search": body.use_beam_search,
-        "length_penalty": body.length_penalty,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
-        "top_k": top_k,
-        "min_p": body.min_p or 0.0,
-        "presence_penalty": body.presence_penalty or 0.0,
-        "frequency_penalty": body.frequency_penalty or 0.0,
-        "repetition_penalty": body.repetition_penalty or 1.0,
-        "seed": body.seed,
-        "max_tokens": max_tokens,
-        "min_tokens": body.min_tokens,
-        "stop_token_ids": tuple(body.stop_token_ids or ()),
-        "ignore_eos": body.ignore_eos,
-        "logprobs": logprobs,
-        "prompt_logprobs": prompt_logprobs,
-    }
-    try:
-        params = SamplingParams(**kwargs)
-    except FieldError as exc:
-        raise FieldError(_client_field(exc.field, body, max_tokens_field), exc.detail) from exc
-    core.check_max_tokens(prompt, params.max_tokens, max_tokens_field)
-    return params
+    client_name = functools.partial(_client_field, body, max_tokens_field)
+
+    def build(max_tokens_left: int) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=body.n,
+                best_of=body.best_of,
+                use_beam_search=body.use_beam_search,
+                length_penalty=body.length_penalty,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=top_k,
+                min_p=body.min_p or 0.0,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=body.repetition_penalty or 1.0,
+                seed=body.seed,
+                max_tokens=max_tokens_left if max_tokens is None else max_tokens,
+                min_tokens=body.min_tokens,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        except FieldError as exc:
+            raise FieldError(client_name(exc.field), exc.detail) from exc
+
+    return core.sampling_params(prompt, build, _stop(body), client_name)
 
 
 def _client_field(
-    name: str | None, body: CompletionRequest | ChatCompletionRequest, max_tokens_field: str
+    body: CompletionRequest | ChatCompletionRequest, max_tokens_field: str, name: str | None
 ) -> str:
-    """The body's field behind a SamplingParams field."""
+    """The body's field behind a SamplingParams field: the one name both SamplingParams'
+    own errors and the server's limits give."""
     if name == "max_tokens":
         return max_tokens_field
     if name == "best_of" and body.best_of is None:

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from llmserve.logs import configure_logging
 from llmserve.security import add_security_flags, install, security_from_args
+from llmserve.tool_parsers import TOOL_CALL_PARSERS
 
 _SERVICES = {
     "worker": "worker_service.__main__",
@@ -75,6 +76,19 @@ def _up_parser() -> argparse.ArgumentParser:
         help="workers run decode steps eagerly (no CUDA graphs)",
     )
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (workers)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the longest prompt + output (workers; default: the model's own length); the "
+        "scheduler and the gateway take it from the workers",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="workers quantize a float checkpoint's weights as they load it (CPU, float32); "
+        "the formats are those of `llmserve worker --help`, which checks the name",
+    )
     p.add_argument("--kv-cache-memory", type=float, default=None, help="per worker, GiB (CPU)")
     p.add_argument("--swap-space", type=float, default=None, help="per worker, GiB")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -94,17 +108,21 @@ def _up_parser() -> argparse.ArgumentParser:
         help="the gateway's API keys, one a line (LLMSERVE_API_KEYS also works)",
     )
     p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients use for the model, in requests, /v1/models and responses "
+        "(gateway; default: --model)",
+    )
+    p.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE",
         help="a Jinja chat template for models without one (base models)",
     )
-    from gateway.tool_formats import TOOL_PARSERS
-
     p.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=TOOL_PARSERS,
+        choices=TOOL_CALL_PARSERS,
         help="the gateway's tool-call format (default: auto, read off the chat "
         "template); see `llmserve gateway --help`",
     )
@@ -124,6 +142,32 @@ def _passthrough(args: argparse.Namespace, names: list[str]) -> list[str]:
 
 
 _SECURITY_FLAGS = ["tls-cert", "tls-key", "tls-ca", "tls-server-name", "internal-token-file"]
+# The flags `up` passes on, each to the service that owns it (and validates it).
+_WORKER_FLAGS = [
+    "dtype",
+    "device",
+    "gpu-memory-utilization",
+    "block-size",
+    "max-model-len",
+    "quantization",
+    "kv-cache-memory",
+    "swap-space",
+    "log-level",
+]
+_SCHEDULER_FLAGS = [
+    "num-gpu-blocks-override",
+    "max-num-seqs",
+    "max-num-batched-tokens",
+    "num-speculative-tokens",
+    "log-level",
+]
+_GATEWAY_FLAGS = [
+    "log-level",
+    "api-key-file",
+    "served-model-name",
+    "chat-template",
+    "tool-call-parser",
+]
 
 
 def _run_up(argv: list[str]) -> int:
@@ -168,36 +212,12 @@ def _run_up(argv: list[str]) -> int:
         grpc_port=args.grpc_port,
         http_port=args.http_port,
         host=args.host,
-        worker_args=_passthrough(
-            args,
-            [
-                "dtype",
-                "device",
-                "gpu-memory-utilization",
-                "block-size",
-                "kv-cache-memory",
-                "swap-space",
-                "log-level",
-            ],
-        )
+        worker_args=_passthrough(args, _WORKER_FLAGS)
         + (["--enforce-eager"] if args.enforce_eager else [])
         + secured,
         worker_devices=devices,
-        scheduler_args=_passthrough(
-            args,
-            [
-                "num-gpu-blocks-override",
-                "max-num-seqs",
-                "max-num-batched-tokens",
-                "num-speculative-tokens",
-                "log-level",
-            ],
-        )
-        + secured,
-        gateway_args=_passthrough(
-            args, ["log-level", "api-key-file", "chat-template", "tool-call-parser"]
-        )
-        + secured,
+        scheduler_args=_passthrough(args, _SCHEDULER_FLAGS) + secured,
+        gateway_args=_passthrough(args, _GATEWAY_FLAGS) + secured,
         https=args.tls_cert is not None,
     )
     return asyncio.run(run_stack(config))

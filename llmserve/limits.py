@@ -1,8 +1,12 @@
-"""Per-request limits the gateway enforces before a request reaches the scheduler.
+"""Per-request limits the gateway enforces before a request reaches the scheduler, and the
+one rule on prompt length that the gateway and the scheduler's engine both apply.
 
 One frozen dataclass holds every limit with its default; the gateway builds it from its
 flags (`--max-n` and so on: the flag is the field name with dashes). Each check raises a
 `FieldError` naming the request field at fault and the limit, so a client knows what to change.
+The scheduler and the workers apply none of these again (they check only what their own
+capacity decides, such as `max_num_seqs`), so a limit raised here is raised end to end:
+`--max-logprobs 30` lets 30 alternatives per token through to the workers' sampler.
 
 The defaults follow what vLLM and TGI ship or document: logprobs up to 20 (vLLM's
 `max_logprobs`), a 2 MB-class body limit (TGI's `payload_limit`), a handful of stop strings
@@ -12,7 +16,7 @@ The defaults follow what vLLM and TGI ship or document: logprobs up to 20 (vLLM'
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from llmserve.errors import FieldError
@@ -61,13 +65,11 @@ def _over(field_name: str, value: int, limit: int, flag: str) -> FieldError:
     return FieldError(field_name, f"{value} is over this server's limit of {limit} (--{flag})")
 
 
-def check_sampling(limits: RequestLimits, params: SamplingParams, names: dict[str, str]) -> None:
-    """Bounds on sampling parameters. `names` maps a SamplingParams field to the request's
-    name for it (`sampling_params.n`, `top_logprobs`); unmapped fields keep their own name."""
-
-    def name(f: str) -> str:
-        return names.get(f, f)
-
+def check_sampling(
+    limits: RequestLimits, params: SamplingParams, name: Callable[[str], str]
+) -> None:
+    """Bounds on sampling parameters. `name` maps a SamplingParams field to the request's
+    name for it (`sampling_params.n`, `top_logprobs`)."""
     if params.n > limits.max_n:
         raise _over(name("n"), params.n, limits.max_n, "max-n")
     if params.num_sampled > limits.max_best_of:
@@ -123,6 +125,28 @@ def check_prompt_tokens(limits: RequestLimits, num_tokens: int, field_name: str)
             f"the prompt has {num_tokens} tokens, over this server's limit of "
             f"{limits.max_prompt_tokens} (--max-prompt-tokens)",
         )
+
+
+def prompt_too_long(prompt_len: int, max_model_len: int) -> str | None:
+    """Why a prompt of `prompt_len` tokens cannot run in a context of `max_model_len` tokens,
+    or None when it can. A prompt must leave room for at least one generated token: that
+    token takes position `prompt_len`, which the context must hold. So a prompt of exactly
+    `max_model_len` tokens is refused, as vLLM refuses it (its serving layer and its engine
+    both require prompt + at least one token to fit)."""
+    if prompt_len < max_model_len:
+        return None
+    return (
+        f"the prompt has {prompt_len} tokens; the model's context (max_model_len) is "
+        f"{max_model_len} tokens, so the prompt must be shorter to leave room for a "
+        "generated token"
+    )
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int, field_name: str) -> None:
+    """`prompt_too_long` as a `FieldError` naming `field_name`."""
+    reason = prompt_too_long(prompt_len, max_model_len)
+    if reason is not None:
+        raise FieldError(field_name, reason)
 
 
 def add_limit_flags(parser: argparse.ArgumentParser) -> None:

@@ -102,10 +102,12 @@ class SamplingParams:
             )
         if any(t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "token ids must be non-negative")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            fail("logprobs", f"must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            fail("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        # No upper bound here: how many alternatives a request may ask for is the gateway's
+        # --max-logprobs (llmserve.limits), and nothing past it lowers that.
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                fail(name, f"must be 0 or more, got {value}")
         if self.length_penalty != 1.0 and not self.use_beam_search:
             fail("length_penalty", "only applies with use_beam_search")
         if self.early_stopping not in (True, False, "never"):
@@ -122,7 +124,15 @@ class SamplingParams:
 
 
 _UINT32_MAX = 2**32 - 1
-_UINT32_FIELDS = ("n", "best_of", "top_k", "max_tokens", "min_tokens")
+_UINT32_FIELDS = (
+    "n",
+    "best_of",
+    "top_k",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+)
 
 
 def _check_wire_ranges(params: SamplingParams) -> None:

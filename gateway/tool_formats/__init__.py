@@ -10,10 +10,10 @@ from gateway.tool_formats.generic import GenericFormat
 from gateway.tool_formats.hermes import OPEN as HERMES_OPEN
 from gateway.tool_formats.hermes import HermesFormat
 from gateway.tool_formats.llama3_json import PYTHON_TAG, Llama3JsonFormat
+from llmserve.tool_parsers import AUTO, TOOL_CALL_PARSERS, TOOL_FORMATS
 
 __all__ = [
     "FORMATS",
-    "TOOL_PARSERS",
     "CallParser",
     "ToolCallDelta",
     "ToolFormat",
@@ -21,11 +21,21 @@ __all__ = [
     "tool_format",
 ]
 
-FORMATS: dict[str, ToolFormat] = {
-    f.name: f for f in (GenericFormat(), HermesFormat(), Llama3JsonFormat())
-}
-# The values of --tool-call-parser.
-TOOL_PARSERS = ("auto", *FORMATS)
+
+def _by_name(*formats: ToolFormat) -> dict[str, ToolFormat]:
+    """The formats by name: exactly one for each name `--tool-call-parser` offers
+    (llmserve.tool_parsers owns the names; a name without a format, or a format without a
+    name, is a mistake here, found when the gateway loads)."""
+    by_name = {f.name: f for f in formats}
+    if sorted(by_name) != sorted(TOOL_FORMATS) or len(by_name) != len(formats):
+        raise RuntimeError(
+            f"tool formats {sorted(f.name for f in formats)} do not match "
+            f"llmserve.tool_parsers.TOOL_FORMATS {sorted(TOOL_FORMATS)}"
+        )
+    return by_name
+
+
+FORMATS: dict[str, ToolFormat] = _by_name(GenericFormat(), HermesFormat(), Llama3JsonFormat())
 _FLAG = "--tool-call-parser"
 
 # A template that uses a `tools` variable (`{% if tools %}`, `tools | length`, ...).
@@ -49,9 +59,9 @@ def tool_format(name: str, template: str | None) -> ToolFormat:
     """The format `--tool-call-parser NAME` picks for this chat template. ValueError naming
     the flag for an unknown name, or for a template-native format whose template never
     renders tools (the model would not see them)."""
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"{_FLAG}: must be one of {', '.join(TOOL_PARSERS)}, got {name!r}")
-    if name == "auto":
+    if name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"{_FLAG}: must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
+    if name == AUTO:
         return FORMATS[detect_format(template)]
     if name != "generic" and not (template and _USES_TOOLS.search(template)):
         raise ValueError(

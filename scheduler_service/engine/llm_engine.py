@@ -16,6 +16,7 @@ from llmserve.errors import ApiError, FieldError
 from llmserve.grammar.backend import CompiledGrammar
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.spec import GrammarSpec
+from llmserve.limits import check_prompt_fits
 from llmserve.priority import check_priority
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import Executor, StepInput, StepResult, TokenMask
@@ -186,16 +187,12 @@ class LLMEngine:
 
     def check_admissible(self, snapshot: GroupSnapshot) -> None:
         """Raise `FieldError` if this replica can never run the request: more sequences
-        than `max_num_seqs`, a prompt over `max_model_len`, or more KV blocks than the cache
+        than `max_num_seqs`, a prompt that leaves no room in `max_model_len`
+        (`llmserve.limits.prompt_too_long`), or more KV blocks than the cache
         holds (less the watermark)."""
         self._check_num_seqs(snapshot.sampling_params)
-        max_len = self.scheduler_config.model_len
         prompt_len = len(snapshot.prompt_token_ids)
-        if prompt_len > max_len:
-            raise FieldError(
-                "prompt",
-                f"prompt has {prompt_len} tokens, more than max_model_len ({max_len})",
-            )
+        check_prompt_fits(prompt_len, self.scheduler_config.model_len, "prompt")
         bs = self.cache_config.block_size
         unfinished: list[SequenceSnapshot | None] = [
             s for s in snapshot.seqs if s.finish_reason is None

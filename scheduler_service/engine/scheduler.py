@@ -24,6 +24,7 @@ import time
 from collections import deque
 
 from llmserve.errors import FieldError
+from llmserve.limits import prompt_too_long
 from scheduler_service.engine.block_manager import AllocStatus
 from scheduler_service.engine.config import PreemptionMode
 from scheduler_service.engine.policy import SchedulingBudget, insert_in_order, preemption_mode
@@ -257,12 +258,9 @@ class Scheduler(SchedulerQueues):
             seqs = seq_group.get_seqs(SequenceStatus.WAITING)
             seq = seqs[0]
             num_tokens = seq.get_len()
-            if num_tokens > config.model_len:
-                self._ignore(
-                    seq_group,
-                    f"prompt has {num_tokens} tokens, more than max_model_len ({config.model_len})",
-                    out,
-                )
+            too_long = prompt_too_long(num_tokens, config.model_len)
+            if too_long is not None:
+                self._ignore(seq_group, too_long, out)
                 continue
             can_allocate = bm.can_allocate(seq_group)
             if can_allocate is AllocStatus.LATER:

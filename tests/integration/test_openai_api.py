@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.services]
 MODEL = "tiny"
 API_KEY = "sk-test-key"
 MAX_PENDING = 4
+# Over vLLM's default of 20: the gateway's flag is the one bound, end to end.
+MAX_LOGPROBS = 30
 CONTEXT = 4096
 PROMPT = "The capital of France is"
 MESSAGES = [
@@ -60,6 +62,8 @@ def stack(
             API_KEY,
             "--max-pending-requests",
             str(MAX_PENDING),
+            "--max-logprobs",
+            str(MAX_LOGPROBS),
         ],
     )
     yield running
@@ -388,6 +392,20 @@ def test_chat_logprobs_shape_and_greedy_max(client: openai.OpenAI) -> None:
     assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[], []]
 
 
+def test_chat_top_logprobs_over_20_come_back_for_every_token(client: openai.OpenAI) -> None:
+    """--max-logprobs 30 lets 25 alternatives through: the scheduler and the workers'
+    sampler do not cap them below the gateway's flag."""
+    result = client.chat.completions.create(
+        messages=MESSAGES, logprobs=True, top_logprobs=25, **greedy(**no_eos(3))
+    )
+    content = result.choices[0].logprobs.content
+    assert [len(entry.top_logprobs) for entry in content] == [25, 25, 25]
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert entry.logprob == pytest.approx(tops[0], abs=1e-5)
+
+
 def test_chat_seed_reproducible(client: openai.OpenAI) -> None:
     def sample() -> str:
         return (
@@ -425,7 +443,7 @@ def test_chat_seed_reproducible(client: openai.OpenAI) -> None:
         ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
         (
             "/v1/chat/completions",
-            {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+            {"messages": MESSAGES, "logprobs": True, "top_logprobs": MAX_LOGPROBS + 1},
             "top_logprobs",
         ),
         (

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from gateway.tool_formats import FORMATS, detect_format, tool_format
+from gateway.tool_formats import FORMATS, _by_name, detect_format, tool_format
 from gateway.tool_formats.base import CallParser, text_without
 from gateway.tools import parse_tools
 from llmserve.grammar.llguidance_backend import LLGuidanceBackend, check_grammar
 from llmserve.limits import RequestLimits
+from llmserve.tool_parsers import TOOL_FORMATS
 from tests.support.templates import template_text
 
 WEATHER = {
@@ -273,6 +274,26 @@ def test_a_bad_choice_names_the_flag(smollm2_tokenizer: Any) -> None:
         tool_format("mistral", None)
     with pytest.raises(ValueError, match="^--tool-call-parser: hermes needs a chat template"):
         tool_format("hermes", smollm2_tokenizer.chat_template)
+
+
+def test_each_parser_name_of_llmserve_has_one_format_here() -> None:
+    """llmserve.tool_parsers owns the names (so `llmserve up` checks the flag without
+    importing the gateway); the gateway has exactly one format per name."""
+    assert sorted(FORMATS) == sorted(TOOL_FORMATS)
+    assert all(FORMATS[name].name == name for name in TOOL_FORMATS)
+    with pytest.raises(RuntimeError, match="do not match"):
+        _by_name(*(f for f in FORMATS.values() if f.name != "hermes"))
+    with pytest.raises(RuntimeError, match="do not match"):
+        _by_name(*FORMATS.values(), FORMATS["hermes"])
+
+
+def test_the_gateway_flag_refuses_an_unknown_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--tool-call-parser", "mistral"])
+    assert exited.value.code == 2
+    assert "--tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err
 
 
 def test_template_formats_hand_history_to_the_template() -> None:

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from llmserve.errors import FieldError
+from llmserve.limits import prompt_too_long
 from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.engine.offline import accumulate as _accumulate
 from scheduler_service.engine.offline import generate
@@ -225,6 +226,10 @@ def test_import_refuses_what_the_replica_can_never_run():
     with pytest.raises(FieldError) as info:
         engine.import_request(snapshot_from_choices("long", [1] * 129, params, None, 0.0, []))
     assert info.value.field == "prompt" and "max_model_len" in str(info.value)
+    # A prompt must leave room for one generated token (llmserve.limits, the gateway's rule).
+    with pytest.raises(FieldError) as info:
+        engine.import_request(snapshot_from_choices("full", [1] * 128, params, None, 0.0, []))
+    assert (info.value.field, info.value.detail) == ("prompt", prompt_too_long(128, 128))
     with pytest.raises(FieldError) as info:
         engine.import_request(snapshot_from_choices("big", [1] * 40, params, None, 0.0, []))
     assert info.value.field == "prompt" and "KV blocks" in str(info.value)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from llmserve.limits import prompt_too_long
 from scheduler_service.engine import (
     CacheConfig,
     PreemptionMode,
@@ -51,6 +52,20 @@ def test_prompt_over_max_model_len_is_ignored_with_a_reason():
     assert g.seqs[0].status is SequenceStatus.IGNORED
     assert g.error.field == "prompt" and "max_model_len" in g.error.message
     assert not s.has_unfinished_seqs()
+
+
+def test_a_prompt_must_leave_room_for_one_generated_token():
+    """llmserve.limits.prompt_too_long is the engine's rule too: a prompt of exactly
+    max_model_len is ignored with its reason, one token shorter runs."""
+    s = make_scheduler(max_len=8)
+    full = make_seq_group("full", list(range(8)))
+    fits = make_seq_group("fits", list(range(7)))
+    s.add_seq_group(full)
+    s.add_seq_group(fits)
+    out = s.schedule()
+    assert out.ignored == [full]
+    assert (full.error.field, full.error.detail) == ("prompt", prompt_too_long(8, 8))
+    assert chunks(out) == [("fits", 7)]
 
 
 def test_prompt_larger_than_the_cache_is_ignored():
