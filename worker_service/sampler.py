@@ -328,7 +328,8 @@ class Sampler:
         want_top = [i for i, r in enumerate(rows) if r.params.logprobs]
         tops: dict[int, list[TokenLogprob]] = {}
         if want_top:
-            k = max(rows[i].params.logprobs or 0 for i in want_top)
+            # More alternatives than the vocabulary holds come back as all of it.
+            k = min(max(rows[i].params.logprobs or 0 for i in want_top), logits.shape[-1])
             values, indices = logits[want_top].topk(k, dim=-1)
             values = values.float() - lse[want_top, None]
             for i, vs, ids in zip(want_top, values.tolist(), indices.tolist(), strict=True):
@@ -363,7 +364,7 @@ def prompt_logprobs(
     top_values: list[list[float]] = [[] for _ in targets]
     top_ids: list[list[int]] = [[] for _ in targets]
     if num_top:
-        values, indices = logprobs.topk(num_top, dim=-1)
+        values, indices = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
         top_values, top_ids = values.tolist(), indices.tolist()
     return [
         PromptLogprob(

@@ -137,6 +137,21 @@ def test_prompt_logprobs_positions_targets_and_top() -> None:
     assert [(t.token_id, t.rank) for t in entries[0].top] == [(1, 1)]
 
 
+def test_more_alternatives_than_the_vocabulary_returns_all_of_it() -> None:
+    """The gateway's --max-logprobs may exceed a small model's vocabulary: the step must not
+    fail for the other rows."""
+    logits = torch.tensor([logits_row(1.0, 3.0, 2.0)] * 2)
+    greedy = SamplingParams(temperature=0.0)
+    wide, plain = sampler().sample(
+        logits, [row(SamplingParams(temperature=0.0, logprobs=V + 5)), row(greedy)]
+    )
+    assert sorted(t.token_id for t in wide.top_logprobs) == list(range(V))
+    assert [t.rank for t in wide.top_logprobs] == list(range(1, V + 1))
+    assert plain.samples[0].token_id == 1 and plain.top_logprobs == []
+    (entry,) = prompt_logprobs(logits[:1], positions=[1], targets=[0], num_top=V + 5)
+    assert len(entry.top) == V
+
+
 def test_bfloat16_logits_sample_as_their_float32_values() -> None:
     """bfloat16 logits (the model dtype) go to the sampler as they are; every path must give
     what the same values in float32 give (the conversion is exact)."""
