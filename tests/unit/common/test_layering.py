@@ -7,7 +7,7 @@ tangle):
 - `scheduler_service/engine/`, the synchronous engine, imports neither the fleet (its owner,
   which calls down into it) nor grpc nor asyncio.
 
-Generated protobuf modules (`*_pb2*.py`) are left out, as /work/shared/tools/import_cycles.py
+Generated protobuf modules (`*_pb2*.py`) are left out, as ../shared/tools/import_cycles.py
 leaves them out."""
 
 from __future__ import annotations
