@@ -48,8 +48,7 @@ from scheduler_service.fleet.fleet_config import FleetConfig, FleetOwner
 from scheduler_service.fleet.fleet_watch import LEASE, STATIC, housekeeping, watch_dns
 from scheduler_service.fleet.kv_mover import Migrations
 from scheduler_service.fleet.move_policy import maybe_fetch
-from scheduler_service.fleet.placement import Candidate, Decision
-from scheduler_service.fleet.placement import Router as RoutingRouter
+from scheduler_service.fleet.placement import Candidate, Decision, ReplicaChooser
 from scheduler_service.fleet.replica import Replica, ReplicaState, WorkerLostError
 from scheduler_service.fleet.replica_events import ReplicaCounters
 from scheduler_service.fleet.roles import choose, role_name
@@ -94,7 +93,7 @@ class Fleet:
         self.drained: dict[str, float] = {}
         self.held = HeldElsewhere()
         self.static: list[str] = []
-        self._routing = RoutingRouter(config.routing)
+        self._chooser = ReplicaChooser(config.routing)
         self.migrations = Migrations(self, config.replica.drain_migration)
         self._replica_ids = itertools.count()
         self.leases: dict[str, float] = {}
@@ -204,7 +203,7 @@ class Fleet:
     def _route(self, replicas: list[Replica], prompt: list[int]) -> tuple[Replica, Decision] | None:
         by_id = {r.replica_id: r for r in replicas}
         candidates = [Candidate(r.replica_id, r.engine) for r in replicas if r.engine]
-        decision = self._routing.pick(candidates, prompt)
+        decision = self._chooser.pick(candidates, prompt)
         return None if decision is None else (by_id[decision.replica_id], decision)
 
     def place(
