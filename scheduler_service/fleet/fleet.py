@@ -1,5 +1,10 @@
 """The worker fleet: which replicas exist, where each request runs, and moving requests.
 
+The fleet owns its replicas and its KV mover (`kv_mover`) and calls down into them; they never
+call it. They report events (`replica_events`) to `_on_event`, which acts on each by calling
+down again: placing requests, asking the move policy (`move_policy`), driving the mover, taking
+requests off a replica.
+
 Membership. A worker becomes a replica through any of three sources, all kept live:
 - `static`: the `--workers` list;
 - `dns`: a name re-resolved every `dns_interval_s`, one replica per address (a compose service
@@ -17,11 +22,11 @@ fails UNAVAILABLE saying so; a replica that becomes ready takes the pending ones
 Migration. Requests leaving a replica (its worker lost, drained, removed, or a failed step)
 are placed again elsewhere with every token generated so far: they continue by recompute, and
 clients see a pause, never an error or a different token. Drains and prefill workers' hand-offs
-move running requests with their KV blocks instead (`kv_migration`).
+move running requests with their KV blocks instead (`kv_mover`).
 
 Shards. With several schedulers (shards) sharing the workers, a worker is driven by one of
 them at a time (it takes one Execute stream). A replica whose worker another scheduler drives
-leaves the fleet (`on_held_elsewhere`); a lease renewal adds it again at once (the worker chose
+leaves the fleet (`WorkerHeldElsewhere`); a lease renewal adds it again at once (the worker chose
 this shard), the other sources some seconds later, so a lost shard's workers are taken over.
 
 Drain (`DrainWorker`, or the worker's health turning NOT_SERVING): the replica takes nothing
@@ -37,20 +42,33 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from llmserve.errors import FieldError, InternalError, NotFoundError
 from llmserve.logs import get_logger
 from scheduler_service.engine import metrics
-from scheduler_service.engine.request_output import RequestOutput
 from scheduler_service.engine.snapshots import GroupSnapshot
 from scheduler_service.fleet.discovery import DrainedError, HeldElsewhere
 from scheduler_service.fleet.fleet_config import FleetConfig, FleetOwner
 from scheduler_service.fleet.fleet_watch import LEASE, STATIC, housekeeping, watch_dns
-from scheduler_service.fleet.kv_mover import Migrations
-from scheduler_service.fleet.move_policy import maybe_fetch
+from scheduler_service.fleet.kv_mover import KvMover, record_landing
+from scheduler_service.fleet.move_policy import after_step, drain_moves, maybe_fetch
 from scheduler_service.fleet.placement import Candidate, Decision, ReplicaChooser
 from scheduler_service.fleet.replica import Replica, ReplicaState, WorkerLostError
-from scheduler_service.fleet.replica_events import ReplicaCounters
+from scheduler_service.fleet.replica_events import (
+    Drained,
+    DrainStep,
+    EngineDropped,
+    Evicted,
+    MoveFinished,
+    Outputs,
+    ReplicaCounters,
+    ReplicaEvent,
+    StateChanged,
+    StepDone,
+    StepFailed,
+    WorkerHeldElsewhere,
+)
 from scheduler_service.fleet.roles import choose, role_name
 from scheduler_service.fleet.tracing import (
     RequestTrace,
@@ -94,7 +112,7 @@ class Fleet:
         self.held = HeldElsewhere()
         self.static: list[str] = []
         self._chooser = ReplicaChooser(config.routing)
-        self.migrations = Migrations(self, config.replica.drain_migration)
+        self.mover = KvMover(self._on_event, config.replica.drain_migration)
         self._replica_ids = itertools.count()
         self.leases: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -147,7 +165,7 @@ class Fleet:
     def add(self, address: str, source: str) -> Replica:
         member = self.members.get(address)
         if member is None:
-            replica = Replica(next(self._replica_ids), address, self.config.replica, self)
+            replica = Replica(next(self._replica_ids), address, self.config.replica, self._on_event)
             member = self.members[address] = _Member(replica)
             replica.start()
             log.info("replica added", replica=replica.replica_id, address=address, source=source)
@@ -253,40 +271,21 @@ class Fleet:
         log.info("request migrated", request=key, cause=cause, how=how,
                  from_worker=source.address, to_worker=target.address)  # fmt: skip
 
-    # -- moves with KV blocks (kv_migration.MoveHost) ------------------------------------------
+    # -- moves with KV blocks (kv_mover, move_policy) -------------------------------------------
 
     def _fetch(
         self, snapshot: GroupSnapshot, trace: RequestTrace | None, target: Replica, cached: int
     ) -> bool:
         peers, min_tokens = self._connected(), self.config.prefix_fetch_min_tokens
-        return maybe_fetch(self.migrations, peers, target, cached, snapshot, trace, min_tokens)
+        return maybe_fetch(self.mover, peers, target, cached, snapshot, trace, min_tokens)
 
-    def pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
+    def _pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
+        """The ready replica (not `source`) the routing policy would move `prompt` to."""
         picked = self._pick(prompt, source, placing=False)
         return None if picked is None else picked[0]
 
-    def place_moved(
-        self,
-        target: Replica,
-        snapshot: GroupSnapshot,
-        trace: RequestTrace | None,
-        source: Replica,
-        cause: str,
-    ) -> bool:
-        key = snapshot.request_id
-        if not self.owner.is_routed(key):
-            end_request_trace(trace, None)
-            return True
-        try:
-            target.place(snapshot, trace)
-        except (WorkerLostError, FieldError):
-            return False
-        self.location[key] = target
-        self._moved(key, trace, source, target, cause, "transfer")
-        return True
-
     def abort(self, key: str) -> None:
-        self.migrations.abort(key)  # stopped mid-move: not queued anywhere after it
+        self.mover.abort(key)  # stopped mid-move: not queued anywhere after it
         pending = self.pending.pop(key, None)
         if pending is not None:
             end_request_trace(pending.trace, None)
@@ -318,12 +317,35 @@ class Fleet:
             end_request_trace(trace, exc.message)
             self.owner.fail_request(snapshot.request_id, exc)
 
-    # -- ReplicaOwner ------------------------------------------------------------------------
+    # -- what replicas and the mover report ------------------------------------------------------
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        self.owner.on_outputs(outputs)
+    def _on_event(self, event: ReplicaEvent[Replica]) -> None:
+        """Every event of every replica and of the mover comes here, on the event loop."""
+        match event:
+            case Outputs():
+                self.owner.on_outputs(event.outputs)
+            case StepDone():
+                after_step(self.mover, event, self._pick_target)
+            case DrainStep():
+                self._drain_step(event.replica)
+            case Evicted():
+                self._place_evicted(event.replica, event.snapshots, event.traces, event.cause)
+            case StepFailed():
+                self._on_step_failed(event)
+            case EngineDropped():
+                self.mover.on_engine_dropped(event.engine)
+            case StateChanged():
+                self._on_state(event.replica)
+            case WorkerHeldElsewhere():
+                self._on_held_elsewhere(event.replica)
+            case Drained():
+                self._on_drained(event.replica)
+            case MoveFinished():
+                self._land(event)
+            case _:
+                assert_never(event)
 
-    def on_evicted(
+    def _place_evicted(
         self,
         replica: Replica,
         snapshots: list[GroupSnapshot],
@@ -338,40 +360,68 @@ class Fleet:
                 continue
             self._place_or_fail(snapshot, traces.get(key), replica, cause)
 
-    def on_step_failed(
-        self,
-        replica: Replica,
-        request_ids: list[str],
-        in_step: list[str],
-        error: BaseException,
-        traces: dict[str, RequestTrace | None],
-    ) -> None:
+    def _drain_step(self, replica: Replica) -> None:
+        """Between steps of a draining replica: start the moves the drain policy asks for, and
+        place elsewhere what moves by recompute now."""
+        assert replica.engine is not None and replica.drain_started is not None
+        late = time.monotonic() >= replica.drain_started + self.config.replica.drain_grace_s
+        recompute = drain_moves(self.mover, replica, replica.engine, late, self._pick_target)
+        if recompute:
+            snapshots, traces = replica.take_requests(recompute)
+            self._place_evicted(replica, snapshots, traces, "drain")
+
+    def _land(self, moved: MoveFinished[Replica]) -> None:
+        """A move's last round is done: queue its request on the target, or, if the target
+        cannot take it, anywhere else by recompute."""
+        placed = moved.target.state is ReplicaState.READY and self._place_moved(moved)
+        record_landing(moved, placed)
+        if not placed:
+            traces = {moved.snapshot.request_id: moved.trace}
+            self._place_evicted(moved.source, [moved.snapshot], traces, moved.cause)
+
+    def _place_moved(self, moved: MoveFinished[Replica]) -> bool:
+        key = moved.snapshot.request_id
+        if not self.owner.is_routed(key):
+            end_request_trace(moved.trace, None)
+            return True
+        try:
+            moved.target.place(moved.snapshot, moved.trace)
+        except (WorkerLostError, FieldError):
+            return False
+        self.location[key] = moved.target
+        self._moved(key, moved.trace, moved.source, moved.target, moved.cause, "transfer")
+        return True
+
+    def _on_step_failed(self, failed: StepFailed[Replica]) -> None:
+        replica = failed.replica
         if replica.state is ReplicaState.READY:
             replica.state = ReplicaState.JOINING  # until it has reconnected
             self._record_states()
-        for key in request_ids:
+        for key in failed.request_ids:
             self.location.pop(key, None)
-            trace = traces.get(key)
-            failures = self.owner.count_step_failure(key) if key in in_step else 0
+            trace = failed.traces.get(key)
+            failures = self.owner.count_step_failure(key) if key in failed.in_step else 0
             snapshot = self.owner.resume_snapshot(key)
             if snapshot is None:
                 end_request_trace(trace, None)
                 continue
             if failures >= self.config.max_step_failures:
-                message = f"the request failed {failures} scheduler steps; last error: {error}"
+                message = (
+                    f"the request failed {failures} scheduler steps; last error: {failed.error}"
+                )
                 end_request_trace(trace, message)
                 self.owner.fail_request(key, InternalError(message))
                 continue
             self._place_or_fail(snapshot, trace, replica, "step_failed")
 
-    def on_state(self, replica: Replica) -> None:
+    def _on_state(self, replica: Replica) -> None:
         self._record_states()
         if replica.state is ReplicaState.READY:
             metrics.record_role(replica.replica_id, role_name(replica))
         if replica.state is ReplicaState.READY and self.pending:
             self._place_pending()
 
-    def on_held_elsewhere(self, replica: Replica) -> None:
+    def _on_held_elsewhere(self, replica: Replica) -> None:
         member = self.members.get(replica.address)
         if member is not None and member.replica is replica:
             del self.members[replica.address]
@@ -379,7 +429,7 @@ class Fleet:
             self._retire(replica, "held")
             self._record_states()
 
-    def on_drained(self, replica: Replica) -> None:
+    def _on_drained(self, replica: Replica) -> None:
         member = self.members.get(replica.address)
         if member is not None and member.replica is replica:
             del self.members[replica.address]
