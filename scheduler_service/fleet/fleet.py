@@ -1,13 +1,9 @@
-"""The worker fleet: which replicas exist, where each request runs, and moving requests.
+"""The worker fleet: its replicas, where each request runs, and what it does as they report.
 
-Membership. A worker becomes a replica through any of three sources, all kept live:
-- `static`: the `--workers` list;
-- `dns`: a name re-resolved every `dns_interval_s`, one replica per address (a compose service
-  scaled to N, a Kubernetes headless Service). An address that leaves the answer loses the
-  source;
-- `lease`: `RegisterWorker`, renewed by the worker within `lease_s`. A lapsed lease loses the
-  source.
-A replica that loses its last source is removed, and its requests move.
+The fleet owns its replicas (through `Membership`: which workers are replicas, and why) and its
+KV mover (`kv_mover`), and calls down into them; they never call it. They report events
+(`replica_events`) to `_on_event`, which acts on each by calling down again: placing requests,
+asking the move policy (`move_policy`), driving the mover, taking requests off a replica.
 
 Placement. Every request is placed by the routing policy on a READY replica, by worker role
 (`roles`), fetching a longer cached prefix from a peer first where that pays (`move_policy`).
@@ -17,41 +13,46 @@ fails UNAVAILABLE saying so; a replica that becomes ready takes the pending ones
 Migration. Requests leaving a replica (its worker lost, drained, removed, or a failed step)
 are placed again elsewhere with every token generated so far: they continue by recompute, and
 clients see a pause, never an error or a different token. Drains and prefill workers' hand-offs
-move running requests with their KV blocks instead (`kv_migration`).
-
-Shards. With several schedulers (shards) sharing the workers, a worker is driven by one of
-them at a time (it takes one Execute stream). A replica whose worker another scheduler drives
-leaves the fleet (`on_held_elsewhere`); a lease renewal adds it again at once (the worker chose
-this shard), the other sources some seconds later, so a lost shard's workers are taken over.
+move running requests with their KV blocks instead (`kv_mover`).
 
 Drain (`DrainWorker`, or the worker's health turning NOT_SERVING): the replica takes nothing
-new and moves its requests per `Replica.drain`'s policy. Once empty it closes the worker's
-stream and leaves the fleet; its address stays `drained` (no source re-adds it) until the
-worker stops answering, so that a drained worker that keeps running stays out.
+new and moves its requests per `Replica.drain`'s policy (`DrainStep`); once empty it closes the
+worker's stream and leaves the fleet (`membership`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import assert_never
 
-from llmserve.errors import FieldError, InternalError, NotFoundError
+from llmserve.errors import FieldError, InternalError, UnavailableError
 from llmserve.logs import get_logger
 from scheduler_service.engine import metrics
-from scheduler_service.engine.request_output import RequestOutput
 from scheduler_service.engine.snapshots import GroupSnapshot
-from scheduler_service.fleet.discovery import DrainedError, HeldElsewhere
 from scheduler_service.fleet.fleet_config import FleetConfig, FleetOwner
-from scheduler_service.fleet.fleet_watch import LEASE, STATIC, housekeeping, watch_dns
-from scheduler_service.fleet.kv_mover import Migrations
-from scheduler_service.fleet.move_policy import maybe_fetch
-from scheduler_service.fleet.placement import Candidate, Decision
-from scheduler_service.fleet.placement import Router as RoutingRouter
+from scheduler_service.fleet.fleet_watch import housekeeping, watch_dns
+from scheduler_service.fleet.kv_mover import KvMover, record_landing
+from scheduler_service.fleet.membership import Membership
+from scheduler_service.fleet.move_policy import after_step, drain_moves, maybe_fetch
+from scheduler_service.fleet.placement import Candidate, Decision, ReplicaChooser
 from scheduler_service.fleet.replica import Replica, ReplicaState, WorkerLostError
-from scheduler_service.fleet.replica_events import ReplicaCounters
+from scheduler_service.fleet.replica_events import (
+    Drained,
+    DrainStep,
+    EngineDropped,
+    Evicted,
+    MoveFinished,
+    Outputs,
+    ReplicaCounters,
+    ReplicaEvent,
+    StateChanged,
+    StepDone,
+    StepFailed,
+    WorkerHeldElsewhere,
+)
 from scheduler_service.fleet.roles import choose, role_name
 from scheduler_service.fleet.tracing import (
     RequestTrace,
@@ -70,14 +71,8 @@ class _Pending:
     deadline: float
 
 
-@dataclass(slots=True)
-class _Member:
-    replica: Replica
-    sources: set[str] = field(default_factory=set)
-
-
 class Fleet:
-    """Replicas, their membership, and the placement of requests on them."""
+    """Replicas, the placement of requests on them, and the moves between them."""
 
     def __init__(
         self,
@@ -87,101 +82,45 @@ class Fleet:
     ) -> None:
         self.config = config
         self.owner = owner
-        self._on_ready_change = on_ready_change
-        self.members: dict[str, _Member] = {}
+        self.membership = Membership(config, self._on_event, on_ready_change)
+        self.mover = KvMover(self._on_event, config.replica.drain_migration)
+        self._chooser = ReplicaChooser(config.routing)
         self.location: dict[str, Replica] = {}
         self.pending: dict[str, _Pending] = {}
-        self.drained: dict[str, float] = {}
-        self.held = HeldElsewhere()
-        self.static: list[str] = []
-        self._routing = RoutingRouter(config.routing)
-        self.migrations = Migrations(self, config.replica.drain_migration)
-        self._replica_ids = itertools.count()
-        self.leases: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._ready = False
-        # Removed replicas: those still stopping, and the counters of those stopped.
-        self._leaving: set[Replica] = set()
-        self._departed = ReplicaCounters()
 
     # -- life ------------------------------------------------------------------------------------
 
     def start(self, static: list[str]) -> None:
-        self.static = list(static)
-        for address in self.static:
-            self.add(address, STATIC)
-        self._tasks.append(asyncio.create_task(housekeeping(self), name="fleet-housekeeping"))
+        self.membership.start(static)
+        self._tasks.append(
+            asyncio.create_task(
+                housekeeping(self.membership, self._expire_pending), name="fleet-housekeeping"
+            )
+        )
         if self.config.worker_dns:
-            self._tasks.append(asyncio.create_task(watch_dns(self), name="fleet-dns"))
+            self._tasks.append(asyncio.create_task(watch_dns(self.membership), name="fleet-dns"))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        members = list(self.members.values())
-        self.members.clear()
-        await asyncio.gather(*(m.replica.stop() for m in members))
+        await self.membership.stop()
 
     @property
     def replicas(self) -> list[Replica]:
-        return [m.replica for m in self.members.values()]
+        return self.membership.replicas
 
     def totals(self) -> ReplicaCounters:
         """Counters over every replica the fleet has had, removed ones included."""
-        totals = self._departed
-        for replica in [*self.replicas, *self._leaving]:
-            totals = totals.add(replica.counters())
-        return totals
-
-    def _retire(self, replica: Replica, cause: str) -> None:
-        """Stop a replica that left the fleet; its counters stay in `totals`."""
-        self._leaving.add(replica)
-
-        def stopped(_: asyncio.Task[None]) -> None:
-            self._leaving.discard(replica)
-            self._departed = self._departed.add(replica.counters())
-
-        asyncio.create_task(replica.stop(cause)).add_done_callback(stopped)
-
-    # -- membership --------------------------------------------------------------------------
-
-    def add(self, address: str, source: str) -> Replica:
-        member = self.members.get(address)
-        if member is None:
-            replica = Replica(next(self._replica_ids), address, self.config.replica, self)
-            member = self.members[address] = _Member(replica)
-            replica.start()
-            log.info("replica added", replica=replica.replica_id, address=address, source=source)
-            self._record_states()
-        member.sources.add(source)
-        return member.replica
+        return self.membership.totals()
 
     def register(self, address: str) -> Replica:
-        """A lease registration or renewal. Raises DrainedError for a drained address that
-        still runs (the worker should stop renewing)."""
-        if address in self.drained:
-            self.drained[address] = time.monotonic()
-            raise DrainedError(address)
-        self.leases[address] = time.monotonic() + self.config.lease_s
-        self.held.forget(address)
-        return self.add(address, LEASE)
-
-    def drop_source(self, address: str, source: str, cause: str) -> None:
-        member = self.members.get(address)
-        if member is None:
-            return
-        member.sources.discard(source)
-        if not member.sources:
-            log.warning("replica removed", replica=member.replica.replica_id, cause=cause)
-            del self.members[address]
-            self._retire(member.replica, cause)
-            self._record_states()
+        """A lease registration or renewal (`Membership.register`)."""
+        return self.membership.register(address)
 
     def drain(self, address: str) -> tuple[Replica, int]:
-        member = self.members.get(address)
-        if member is None:
-            raise NotFoundError(f"address: no worker {address!r} in the fleet", "address")
-        return member.replica, member.replica.drain()
+        return self.membership.drain(address)
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -196,15 +135,15 @@ class Fleet:
     def _connected(self, but: Replica | None = None) -> list[Replica]:
         """The connected READY replicas, `but` excepted."""
         return [
-            m.replica
-            for m in self.members.values()
-            if m.replica.state is ReplicaState.READY and m.replica.engine and m.replica is not but
+            r
+            for r in self.membership.replicas
+            if r.state is ReplicaState.READY and r.engine and r is not but
         ]
 
     def _route(self, replicas: list[Replica], prompt: list[int]) -> tuple[Replica, Decision] | None:
         by_id = {r.replica_id: r for r in replicas}
         candidates = [Candidate(r.replica_id, r.engine) for r in replicas if r.engine]
-        decision = self._routing.pick(candidates, prompt)
+        decision = self._chooser.pick(candidates, prompt)
         return None if decision is None else (by_id[decision.replica_id], decision)
 
     def place(
@@ -254,40 +193,21 @@ class Fleet:
         log.info("request migrated", request=key, cause=cause, how=how,
                  from_worker=source.address, to_worker=target.address)  # fmt: skip
 
-    # -- moves with KV blocks (kv_migration.MoveHost) ------------------------------------------
+    # -- moves with KV blocks (kv_mover, move_policy) -------------------------------------------
 
     def _fetch(
         self, snapshot: GroupSnapshot, trace: RequestTrace | None, target: Replica, cached: int
     ) -> bool:
         peers, min_tokens = self._connected(), self.config.prefix_fetch_min_tokens
-        return maybe_fetch(self.migrations, peers, target, cached, snapshot, trace, min_tokens)
+        return maybe_fetch(self.mover, peers, target, cached, snapshot, trace, min_tokens)
 
-    def pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
+    def _pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
+        """The ready replica (not `source`) the routing policy would move `prompt` to."""
         picked = self._pick(prompt, source, placing=False)
         return None if picked is None else picked[0]
 
-    def place_moved(
-        self,
-        target: Replica,
-        snapshot: GroupSnapshot,
-        trace: RequestTrace | None,
-        source: Replica,
-        cause: str,
-    ) -> bool:
-        key = snapshot.request_id
-        if not self.owner.is_routed(key):
-            end_request_trace(trace, None)
-            return True
-        try:
-            target.place(snapshot, trace)
-        except (WorkerLostError, FieldError):
-            return False
-        self.location[key] = target
-        self._moved(key, trace, source, target, cause, "transfer")
-        return True
-
     def abort(self, key: str) -> None:
-        self.migrations.abort(key)  # stopped mid-move: not queued anywhere after it
+        self.mover.abort(key)  # stopped mid-move: not queued anywhere after it
         pending = self.pending.pop(key, None)
         if pending is not None:
             end_request_trace(pending.trace, None)
@@ -301,10 +221,22 @@ class Fleet:
     def _place_pending(self) -> None:
         """Place waiting requests in arrival order while a replica is ready."""
         for key in list(self.pending):
-            if not any(m.replica.healthy and m.replica.engine for m in self.members.values()):
+            if not any(r.healthy and r.engine for r in self.membership.replicas):
                 return
             pending = self.pending.pop(key)
             self._place_or_fail(pending.snapshot, pending.trace, None, "")
+
+    def _expire_pending(self, now: float) -> None:
+        """Fail the requests that have waited for a ready replica past their deadline."""
+        for key, pending in list(self.pending.items()):
+            if pending.deadline <= now:
+                del self.pending[key]
+                message = (
+                    f"no worker became available within {self.config.no_worker_timeout_s:g} s "
+                    f"({len(self.membership.members)} known, none ready)"
+                )
+                end_request_trace(pending.trace, message)
+                self.owner.fail_request(key, UnavailableError(message))
 
     def _place_or_fail(
         self,
@@ -319,12 +251,35 @@ class Fleet:
             end_request_trace(trace, exc.message)
             self.owner.fail_request(snapshot.request_id, exc)
 
-    # -- ReplicaOwner ------------------------------------------------------------------------
+    # -- what replicas and the mover report ------------------------------------------------------
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        self.owner.on_outputs(outputs)
+    def _on_event(self, event: ReplicaEvent[Replica]) -> None:
+        """Every event of every replica and of the mover comes here, on the event loop."""
+        match event:
+            case Outputs():
+                self.owner.on_outputs(event.outputs)
+            case StepDone():
+                after_step(self.mover, event, self._pick_target)
+            case DrainStep():
+                self._drain_step(event.replica)
+            case Evicted():
+                self._place_evicted(event.replica, event.snapshots, event.traces, event.cause)
+            case StepFailed():
+                self._on_step_failed(event)
+            case EngineDropped():
+                self.mover.on_engine_dropped(event.engine)
+            case StateChanged():
+                self._on_state(event.replica)
+            case WorkerHeldElsewhere():
+                self.membership.on_held_elsewhere(event.replica)
+            case Drained():
+                self.membership.on_drained(event.replica)
+            case MoveFinished():
+                self._land(event)
+            case _:
+                assert_never(event)
 
-    def on_evicted(
+    def _place_evicted(
         self,
         replica: Replica,
         snapshots: list[GroupSnapshot],
@@ -339,62 +294,63 @@ class Fleet:
                 continue
             self._place_or_fail(snapshot, traces.get(key), replica, cause)
 
-    def on_step_failed(
-        self,
-        replica: Replica,
-        request_ids: list[str],
-        in_step: list[str],
-        error: BaseException,
-        traces: dict[str, RequestTrace | None],
-    ) -> None:
+    def _drain_step(self, replica: Replica) -> None:
+        """Between steps of a draining replica: start the moves the drain policy asks for, and
+        place elsewhere what moves by recompute now."""
+        assert replica.engine is not None and replica.drain_started is not None
+        late = time.monotonic() >= replica.drain_started + self.config.replica.drain_grace_s
+        recompute = drain_moves(self.mover, replica, replica.engine, late, self._pick_target)
+        if recompute:
+            snapshots, traces = replica.take_requests(recompute)
+            self._place_evicted(replica, snapshots, traces, "drain")
+
+    def _land(self, moved: MoveFinished[Replica]) -> None:
+        """A move's last round is done: queue its request on the target, or, if the target
+        cannot take it, anywhere else by recompute."""
+        placed = moved.target.state is ReplicaState.READY and self._place_moved(moved)
+        record_landing(moved, placed)
+        if not placed:
+            traces = {moved.snapshot.request_id: moved.trace}
+            self._place_evicted(moved.source, [moved.snapshot], traces, moved.cause)
+
+    def _place_moved(self, moved: MoveFinished[Replica]) -> bool:
+        key = moved.snapshot.request_id
+        if not self.owner.is_routed(key):
+            end_request_trace(moved.trace, None)
+            return True
+        try:
+            moved.target.place(moved.snapshot, moved.trace)
+        except (WorkerLostError, FieldError):
+            return False
+        self.location[key] = moved.target
+        self._moved(key, moved.trace, moved.source, moved.target, moved.cause, "transfer")
+        return True
+
+    def _on_step_failed(self, failed: StepFailed[Replica]) -> None:
+        replica = failed.replica
         if replica.state is ReplicaState.READY:
             replica.state = ReplicaState.JOINING  # until it has reconnected
-            self._record_states()
-        for key in request_ids:
+            self.membership.record_states()
+        for key in failed.request_ids:
             self.location.pop(key, None)
-            trace = traces.get(key)
-            failures = self.owner.count_step_failure(key) if key in in_step else 0
+            trace = failed.traces.get(key)
+            failures = self.owner.count_step_failure(key) if key in failed.in_step else 0
             snapshot = self.owner.resume_snapshot(key)
             if snapshot is None:
                 end_request_trace(trace, None)
                 continue
             if failures >= self.config.max_step_failures:
-                message = f"the request failed {failures} scheduler steps; last error: {error}"
+                message = (
+                    f"the request failed {failures} scheduler steps; last error: {failed.error}"
+                )
                 end_request_trace(trace, message)
                 self.owner.fail_request(key, InternalError(message))
                 continue
             self._place_or_fail(snapshot, trace, replica, "step_failed")
 
-    def on_state(self, replica: Replica) -> None:
-        self._record_states()
+    def _on_state(self, replica: Replica) -> None:
+        self.membership.record_states()
         if replica.state is ReplicaState.READY:
             metrics.record_role(replica.replica_id, role_name(replica))
         if replica.state is ReplicaState.READY and self.pending:
             self._place_pending()
-
-    def on_held_elsewhere(self, replica: Replica) -> None:
-        member = self.members.get(replica.address)
-        if member is not None and member.replica is replica:
-            del self.members[replica.address]
-            self.held.mark(replica.address, time.monotonic())
-            self._retire(replica, "held")
-            self._record_states()
-
-    def on_drained(self, replica: Replica) -> None:
-        member = self.members.get(replica.address)
-        if member is not None and member.replica is replica:
-            del self.members[replica.address]
-            self.drained[replica.address] = time.monotonic()
-            self.leases.pop(replica.address, None)
-            self._retire(replica, "drain")
-        if replica.drain_started is not None:
-            metrics.DRAIN_SECONDS.observe(time.monotonic() - replica.drain_started)
-        self._record_states()
-
-    def _record_states(self) -> None:
-        states = [m.replica.state for m in self.members.values()]
-        metrics.record_worker_states(states)
-        ready = ReplicaState.READY in states
-        if ready != self._ready:
-            self._ready = ready
-            self._on_ready_change(ready)

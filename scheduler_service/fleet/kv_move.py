@@ -1,10 +1,10 @@
 """What a KV move is made of (`scheduler_service.fleet.kv_mover` runs them): the record of one
-move, what it needs from the fleet, and which blocks a round copies."""
+move, which blocks a round copies, and what moving costs as measured."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Span
 
@@ -24,36 +24,10 @@ MAX_ROUNDS = 4
 FINAL_DELTA_BLOCKS = 1
 
 
-class MoveHost(Protocol):
-    """What moves need from the fleet."""
-
-    def pick_target(self, source: Replica, prompt: list[int]) -> Replica | None:
-        """The ready replica (not `source`) the routing policy would place `prompt` on."""
-
-    def place_moved(
-        self,
-        target: Replica,
-        snapshot: GroupSnapshot,
-        trace: RequestTrace | None,
-        source: Replica,
-        cause: str,
-    ) -> bool:
-        """Queue a moved request on `target`; False if it could not be (then placed anywhere,
-        by recompute)."""
-
-    def on_evicted(
-        self,
-        replica: Replica,
-        snapshots: list[GroupSnapshot],
-        traces: dict[str, RequestTrace | None],
-        cause: str,
-    ) -> None:
-        """Place requests that left `replica` by recompute on any ready replica (or fail
-        them), as `ReplicaOwner.on_evicted`."""
-
-
 @dataclass(eq=False, slots=True)
 class Move:
+    """One request moving from `source` to `target` with its KV blocks, round by round."""
+
     request_id: str
     source: Replica
     source_engine: LLMEngine

@@ -30,6 +30,11 @@ anywhere, waits in the move until they have arrived on the target).
 Any failure falls back to the recompute migration: a failed import (the source gone, the
 credential refused, a timeout), a lost target or a lost source. The request continues from
 the tokens it has on a ready replica, and every pin is released.
+
+The mover belongs to the fleet, which calls it: `after_step` and `on_engine_dropped` as its
+replicas report steps and dropped engines, `start` and `fetch` through the move policy. It
+places nothing itself: a request whose last round is done is reported (`MoveFinished`), and
+one that falls back is reported as `Evicted` from its source, through the fleet's `report`.
 """
 
 from __future__ import annotations
@@ -49,15 +54,12 @@ from scheduler_service.fleet.kv_move import (
     FINAL_DELTA_BLOCKS,
     MAX_ROUNDS,
     Move,
-    MoveHost,
     Rates,
     cached_blocks,
     missing_blocks,
     prefilled,
 )
-from scheduler_service.fleet.move_policy import hand_off
-from scheduler_service.fleet.replica_events import ReplicaState
-from scheduler_service.fleet.roles import PREFILL, role
+from scheduler_service.fleet.replica_events import Evicted, MoveFinished, ReplicaState, Report
 from scheduler_service.fleet.tracing import (
     RequestTrace,
     end_request_trace,
@@ -75,11 +77,11 @@ FETCH = "prefix_fetch"
 log = get_logger(__name__)
 
 
-class Migrations:
+class KvMover:
     """The fleet's moves in progress, by request id and by transfer id."""
 
-    def __init__(self, host: MoveHost, mode: MigrationMode) -> None:
-        self.host = host
+    def __init__(self, report: Report[Replica], mode: MigrationMode) -> None:
+        self.report = report
         self.mode = mode
         self.moves: dict[str, Move] = {}
         self._by_transfer: dict[int, Move] = {}
@@ -94,13 +96,10 @@ class Migrations:
         self, replica: Replica, news: TransferNews | None, tokens: int = 0, seconds: float = 0.0
     ) -> None:
         """After each finished step of `replica` (`tokens` computed in `seconds`): its transfer
-        news, then, on a prefill worker, the hand-off of requests whose first token is out
-        (`roles`)."""
+        news."""
         self.rates.on_step(tokens, seconds)
         if news is not None:
             self.on_transfers(replica, news)
-        if role(replica) == PREFILL and replica.engine is not None:
-            hand_off(self, replica, replica.engine)
 
     def start(
         self,
@@ -111,7 +110,7 @@ class Migrations:
         until_prefilled: bool = False,
     ) -> bool:
         """Begin moving a running request of `source` to `target`: rounds per the mode, or a
-        hand-off's (`until_prefilled`, kv_moves.Move). False (and nothing started) when it is
+        hand-off's (`until_prefilled`, kv_move.Move). False (and nothing started) when it is
         not running there or either side cannot take part."""
         if not self._can_take_part(request_id, source, target):
             return False
@@ -284,8 +283,8 @@ class Migrations:
             if move is not None and move.target is replica:
                 self._fail(move, failure)
 
-    def on_engine_dropped(self, replica: Replica, engine: LLMEngine) -> None:
-        """`replica` dropped `engine` (its worker lost, a failed step, drained): moves from or
+    def on_engine_dropped(self, engine: LLMEngine) -> None:
+        """A replica dropped `engine` (its worker lost, a failed step, drained): moves from or
         to it fall back to recompute. A request still on a lost source was evicted with its
         other requests already."""
         for move in list(self.moves.values()):
@@ -326,34 +325,29 @@ class Migrations:
         self._release_target(move)
 
     def _finish(self, move: Move) -> None:
-        """The last round is done: queue the request on the target, then let the target's
-        pins go (the request's allocation finds the blocks by hash)."""
+        """The last round is done: report the request, to be queued on the target, then let
+        the target's pins go (the request's allocation finds the blocks by hash)."""
         self._end(move)
         snapshot, trace = move.snapshot, move.trace
-        seconds = time.monotonic() - move.started
         if snapshot is None:  # aborted meanwhile
             return
-        placed = move.target.state is ReplicaState.READY and self.host.place_moved(
-            move.target, snapshot, trace, move.source, move.cause
+        seconds = time.monotonic() - move.started
+        self.report(
+            MoveFinished(
+                move.source,
+                move.target,
+                snapshot,
+                trace,
+                move.cause,
+                move.rounds,
+                move.blocks_copied,
+                seconds,
+            )
         )
-        outcome = "transfer" if placed else "fallback"
-        metrics.KV_MIGRATIONS.labels(outcome).inc()
-        metrics.KV_MIGRATION_SECONDS.observe(seconds)
-        metrics.KV_MIGRATION_BLOCKS.inc(move.blocks_copied)
-        log.info(
-            "request moved with its KV blocks" if placed else "moved request placed elsewhere",
-            request=move.request_id,
-            from_worker=move.source.address,
-            to_worker=move.target.address,
-            rounds=move.rounds,
-            blocks=move.blocks_copied,
-            seconds=round(seconds, 4),
-        )
-        if not placed:
-            self.host.on_evicted(move.source, [snapshot], {move.request_id: trace}, move.cause)
 
     def _fail(self, move: Move, failure: TransferFailure) -> None:
-        """Fall back to recompute: release both sides and place or evict the request."""
+        """Fall back to recompute: release both sides, and report the request evicted from
+        its source if it was stopped for its last round or is still on a draining source."""
         transfer_id = move.transfer_id
         if transfer_id is not None:
             move.target_queue.cancel_import(transfer_id)
@@ -378,4 +372,21 @@ class Migrations:
                 move.snapshot, move.trace = snapshots[0], traces.get(move.request_id)
         if move.snapshot is not None:
             traces = {move.request_id: move.trace}
-            self.host.on_evicted(move.source, [move.snapshot], traces, move.cause)
+            self.report(Evicted(move.source, [move.snapshot], traces, move.cause))
+
+
+def record_landing(moved: MoveFinished[Replica], placed: bool) -> None:
+    """A finished move's outcome, once the fleet has tried its target (`placed`: queued there,
+    else placed elsewhere by recompute)."""
+    metrics.KV_MIGRATIONS.labels("transfer" if placed else "fallback").inc()
+    metrics.KV_MIGRATION_SECONDS.observe(moved.seconds)
+    metrics.KV_MIGRATION_BLOCKS.inc(moved.blocks)
+    log.info(
+        "request moved with its KV blocks" if placed else "moved request placed elsewhere",
+        request=moved.snapshot.request_id,
+        from_worker=moved.source.address,
+        to_worker=moved.target.address,
+        rounds=moved.rounds,
+        blocks=moved.blocks,
+        seconds=round(moved.seconds, 4),
+    )

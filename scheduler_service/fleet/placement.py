@@ -88,8 +88,8 @@ def cached_prefix_tokens(engine: LLMEngine, prompt: Sequence[int]) -> int:
     return num_blocks * engine.scheduler.block_manager.block_size
 
 
-class Router:
-    """Picks a replica for each placement under one policy."""
+class ReplicaChooser:
+    """Chooses the replica for each placement under one policy."""
 
     def __init__(self, policy: RoutingPolicy) -> None:
         self.policy = policy

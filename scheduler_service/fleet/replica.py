@@ -1,14 +1,15 @@
 """One worker replica as the scheduler service sees it: its engine, its Execute stream, its life.
 
 The replica's loop runs on the event loop: schedule (a millisecond or two), send the step,
-await the result, process outputs, hand the deltas to the router. With asynchronous
-scheduling the next step is sent before the result is awaited, where it can be
-(`replica_steps.StepPipeline`). It sleeps while idle and wakes when a request arrives.
+await the result, process outputs, report the deltas. With asynchronous scheduling the next
+step is sent before the result is awaited, where it can be (`replica_steps.StepPipeline`). It
+sleeps while idle and wakes when a request arrives. It never calls the fleet that owns it: it
+reports events (`replica_events`) through the `report` callable it was given.
 
 A replica never takes its requests down with it. Whatever ends its loop hands the requests it
-holds to the fleet (`on_evicted`), which places them on other replicas, where they continue by
-recompute with every token generated so far (a drain moves running requests with their KV
-blocks instead, `kv_migration`):
+holds to the fleet (an `Evicted` event), which places them on other replicas, where they continue
+by recompute with every token generated so far (a drain moves running requests with their KV
+blocks instead, `kv_mover`):
 - the worker is lost: its Execute stream breaks, a step outlives the watchdog, or the fleet
   marks it lost (failed health checks, lapsed lease). The engine's state is consistent (steps
   in flight never ran as far as the scheduler is concerned), so it is exported as it is;
@@ -38,10 +39,10 @@ from scheduler_service.engine.config import ConfigError
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.snapshots import GroupSnapshot
 from scheduler_service.engine.text_stops import tokenizer_loader
+from scheduler_service.fleet import replica_events as events
 from scheduler_service.fleet.compile_waits import wait_for_compiles
 from scheduler_service.fleet.fleet_config import ReplicaConfig
-from scheduler_service.fleet.move_policy import drain_moves
-from scheduler_service.fleet.replica_events import ReplicaCounters, ReplicaOwner, ReplicaState
+from scheduler_service.fleet.replica_events import ReplicaCounters, ReplicaState, Report
 from scheduler_service.fleet.replica_steps import StepPipeline
 from scheduler_service.fleet.tracing import ReplicaTracer, RequestTrace
 from scheduler_service.fleet.transfer_queue import TransferQueue
@@ -56,7 +57,7 @@ from scheduler_service.fleet.worker_link import (
     watch_health,
 )
 
-__all__ = ["Replica", "ReplicaConfig", "ReplicaOwner", "ReplicaState", "WorkerLostError"]
+__all__ = ["Replica", "ReplicaConfig", "ReplicaState", "WorkerLostError"]
 
 log = get_logger(__name__)
 
@@ -65,15 +66,15 @@ _IDLE_STEPS_BEFORE_SLEEP = 3
 
 
 class Replica:
-    """A worker replica: engine + stream + loop, reporting to its `owner`."""
+    """A worker replica: engine + stream + loop, reporting its events through `report`."""
 
     def __init__(
-        self, replica_id: int, address: str, config: ReplicaConfig, owner: ReplicaOwner
+        self, replica_id: int, address: str, config: ReplicaConfig, report: Report[Replica]
     ) -> None:
         self.replica_id = replica_id
         self.address = address
         self.config = config
-        self.owner = owner
+        self.report = report
         self._channel = security.aio_channel(
             address, options=channel_options(config.max_message_bytes)
         )
@@ -90,7 +91,6 @@ class Replica:
         self._task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._lost: WorkerLostError | None = None
-        self._drain_deadline: float | None = None
         self.drain_started: float | None = None
         # Request ids of the steps in flight (between begin_step and finish_step; two steps
         # with asynchronous scheduling).
@@ -123,7 +123,7 @@ class Replica:
                 "replica state", replica=self.replica_id, address=self.address, state=state.name
             )
             self.state = state
-            self.owner.on_state(self)
+            self.report(events.StateChanged(self))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"replica-{self.replica_id}")
@@ -139,7 +139,7 @@ class Replica:
         )
 
     async def stop(self, cause: str = "removed") -> None:
-        """End the loop; requests still here move elsewhere (`on_evicted` with `cause`)."""
+        """End the loop; requests still here move elsewhere (`Evicted` with `cause`)."""
         for task in (self._health_task, self._task):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
@@ -147,7 +147,7 @@ class Replica:
         self._evict_all(cause)
         await self._channel.close()
 
-    # -- requests (called by the router, on the same event loop) -------------------------------
+    # -- requests (called by the fleet and its mover, on the same event loop) ------------------
 
     def place(self, snapshot: GroupSnapshot, trace: RequestTrace | None) -> None:
         """Queue a request (new or moved here). Raises the engine's RequestError if this
@@ -187,21 +187,21 @@ class Replica:
     def drain(self) -> int:
         """Stop taking requests; move or finish those here. Returns how many there were.
 
-        Policy: waiting and swapped requests move at once by recompute (nothing of theirs is
-        on the device). Running ones move at once with their KV blocks (`drain_migration`,
-        move_policy.drain_moves: a copy costs a step or two where a recompute re-runs the context);
-        any that cannot (no replica to take them, `recompute` mode) may finish here for
-        `drain_grace_s`, then move by recompute. With no other replica, moved requests wait for
-        one (the router's pending queue).
+        Policy (move_policy.drain_moves, which the fleet runs on each `DrainStep` reported
+        here): waiting and swapped requests move at once by recompute (nothing of theirs is on
+        the device). Running ones move at once with their KV blocks (`drain_migration`: a copy
+        costs a step or two where a recompute re-runs the context); any that cannot (no replica
+        to take them, `recompute` mode) may finish here for `drain_grace_s`, then move by
+        recompute. With no other replica, moved requests wait for one (the fleet's pending
+        queue).
         """
         if self.state is not ReplicaState.DRAINING:
             self.drain_started = time.monotonic()
-            self._drain_deadline = self.drain_started + self.config.drain_grace_s
             self._set_state(ReplicaState.DRAINING)
             if self.engine is None and self._task is not None:
                 # Not connected (joining, or lost and retrying): nothing to move.
                 self._task.cancel()
-                self._task.add_done_callback(lambda _task: self.owner.on_drained(self))
+                self._task.add_done_callback(lambda _task: self.report(events.Drained(self)))
         self._wake.set()
         return self.num_unfinished()
 
@@ -228,7 +228,7 @@ class Replica:
             except HeldElsewhereError as exc:  # another shard has it: the fleet lets go
                 log.info("worker held by another scheduler", address=self.address, why=str(exc))
                 self._evict_all("held")
-                self.owner.on_held_elsewhere(self)
+                self.report(events.WorkerHeldElsewhere(self))
                 return
             except (grpc.aio.AioRpcError, WorkerLostError, ConfigError) as exc:
                 lost, refused = as_loss(exc)
@@ -259,7 +259,7 @@ class Replica:
             address=self.address,
             seconds=round(time.monotonic() - (self.drain_started or time.monotonic()), 3),
         )
-        self.owner.on_drained(self)
+        self.report(events.Drained(self))
 
     async def _connect(self) -> None:
         link = await open_worker(self._stub, self.config)
@@ -301,12 +301,12 @@ class Replica:
             self._watchdog,
             self.config.async_scheduling,
             transfers,
-            lambda *step: self.owner.migrations.after_step(self, *step),
+            lambda news, tokens, seconds: self.report(events.StepDone(self, news, tokens, seconds)),
         )
         idle_steps = 0
         while True:
             if self.state is ReplicaState.DRAINING:
-                self._drain_step(engine)
+                self.report(events.DrainStep(self))
                 if not engine.has_unfinished_requests() and not transfers.busy:
                     return  # steps still in flight hold only finished sequences
             if not steps.in_flight:
@@ -335,7 +335,7 @@ class Replica:
             self._in_step = steps.request_ids()
             self.num_steps += 1
             if outputs:
-                self.owner.on_outputs(outputs)
+                self.report(events.Outputs(self, outputs))
             if empty and not outputs:
                 # An empty step can be followed by a productive one (frees held back a step,
                 # blocks released by the previous step), so only several empty steps in a row
@@ -349,22 +349,13 @@ class Replica:
             else:
                 idle_steps = 0
 
-    def _drain_step(self, engine: LLMEngine) -> None:
-        """Between steps of a draining replica: move what the drain policy says moves now."""
-        late = self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
-        if recompute := drain_moves(self.owner.migrations, self, engine, late):
-            self._evict(recompute, "drain")
-
     # -- requests leaving ------------------------------------------------------------------------
-
-    def _evict(self, request_ids: list[str] | None, cause: str) -> None:
-        snapshots, traces = self.take_requests(request_ids)
-        if snapshots:
-            self.owner.on_evicted(self, snapshots, traces, cause)
 
     def _evict_all(self, cause: str) -> None:
         """Hand every request to the fleet and forget the engine and the stream."""
-        self._evict(None, cause)
+        snapshots, traces = self.take_requests()
+        if snapshots:
+            self.report(events.Evicted(self, snapshots, traces, cause))
         self._reset()
 
     def _fail_step(self, exc: BaseException) -> None:
@@ -379,7 +370,7 @@ class Replica:
             traces = {key: self.tracer.detach(key) for key in keys}
         self._reset()
         self.num_migrated_out += len(keys)
-        self.owner.on_step_failed(self, keys, in_step, exc, traces)
+        self.report(events.StepFailed(self, keys, in_step, exc, traces))
 
     def _reset(self) -> None:
         engine = self.engine
@@ -387,7 +378,7 @@ class Replica:
         if engine is not None:
             engine_counters = ReplicaCounters.of_engine(engine.get_stats())
             self._dropped_engines = self._dropped_engines.add(engine_counters)
-            self.owner.migrations.on_engine_dropped(self, engine)
+            self.report(events.EngineDropped(self, engine))
         if self._stream is not None:
             self._stream.close()
             self._stream = None

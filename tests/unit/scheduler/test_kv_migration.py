@@ -26,10 +26,10 @@ from scheduler_service.engine.snapshots import snapshot_from_choices
 from scheduler_service.fleet import tracing
 from scheduler_service.fleet.fleet_config import MigrationMode
 from scheduler_service.fleet.kv_move import LinearFit, Rates
-from scheduler_service.fleet.kv_mover import Migrations
-from scheduler_service.fleet.move_policy import maybe_fetch
+from scheduler_service.fleet.kv_mover import KvMover
+from scheduler_service.fleet.move_policy import after_step, maybe_fetch
 from scheduler_service.fleet.placement import cached_prefix_tokens
-from scheduler_service.fleet.replica_events import ReplicaState
+from scheduler_service.fleet.replica_events import Evicted, MoveFinished, ReplicaState, StepDone
 from scheduler_service.fleet.transfer_queue import TransferQueue, transfer_news
 
 from .fake_model import FakeModel
@@ -40,7 +40,7 @@ NUM = 60
 
 
 class StubReplica:
-    """What `Migrations` uses of a `Replica`, stepping an in-process engine."""
+    """What `KvMover` uses of a `Replica`, stepping an in-process engine."""
 
     def __init__(self, address: str, num_gpu_blocks: int = 400) -> None:
         self.address = address
@@ -55,7 +55,7 @@ class StubReplica:
     def take_requests(self, request_ids: list[str]):  # type: ignore[no-untyped-def]
         return self.engine.export_requests(request_ids), {}
 
-    def step(self, moves: Migrations) -> list[RequestOutput]:
+    def step(self, moves: KvMover) -> list[RequestOutput]:
         engine = self.engine
         sched_out, step_input = engine.begin_step()
         assert self.transfers is not None
@@ -63,7 +63,9 @@ class StubReplica:
         engine.attach_masks(step_input)
         result = None if step_input.is_empty() else self.model.execute(step_input)
         outputs = engine.finish_step(sched_out, step_input, result)
-        moves.after_step(self, transfer_news(step_input, result))  # type: ignore[arg-type]
+        # As the fleet does on the replica's StepDone event.
+        step = StepDone(self, transfer_news(step_input, result), 0, 0.0)
+        after_step(moves, step, moves.report.pick_target)  # type: ignore[arg-type, attr-defined]
         return outputs
 
     def busy(self) -> bool:
@@ -73,7 +75,8 @@ class StubReplica:
 
 @dataclass
 class Host:
-    """The fleet's side: a moved request goes to its target; a fallback to `fallback`."""
+    """The fleet's side (the mover's `report`): a moved request goes to its target if it is
+    ready; a fallback to `fallback`."""
 
     fallback: StubReplica
     moved: list[str] = field(default_factory=list)
@@ -82,12 +85,13 @@ class Host:
     def pick_target(self, source, prompt):  # type: ignore[no-untyped-def]
         return self.fallback
 
-    def place_moved(self, target, snapshot, trace, source, cause) -> bool:  # type: ignore[no-untyped-def]
-        target.engine.import_request(snapshot)
-        self.moved.append(snapshot.request_id)
-        return True
-
-    def on_evicted(self, replica, snapshots, traces, cause) -> None:  # type: ignore[no-untyped-def]
+    def __call__(self, event) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(event, MoveFinished) and event.target.state is ReplicaState.READY:
+            event.target.engine.import_request(event.snapshot)
+            self.moved.append(event.snapshot.request_id)
+            return
+        snapshots = [event.snapshot] if isinstance(event, MoveFinished) else event.snapshots
+        assert isinstance(event, MoveFinished | Evicted), event
         for snapshot in snapshots:
             self.fallback.engine.import_request(snapshot)
             self.fell_back.append(snapshot.request_id)
@@ -100,7 +104,7 @@ def linked(*replicas: StubReplica) -> None:
 
 def run(
     replicas: list[StubReplica],
-    moves: Migrations,
+    moves: KvMover,
     on_step=lambda step: None,  # type: ignore[no-untyped-def]
     totals: dict[str, RequestOutput] | None = None,
 ) -> dict[str, RequestOutput]:
@@ -124,7 +128,7 @@ def start(source: StubReplica) -> None:
         source.engine.add_request(f"r{i}", prompt, p, eos_token_id=EOS)
 
 
-def move_running(moves: Migrations, source: StubReplica, target: StubReplica) -> int:
+def move_running(moves: KvMover, source: StubReplica, target: StubReplica) -> int:
     return sum(
         moves.start(source, target, g.request_id, "drain")  # type: ignore[arg-type]
         for g in list(source.engine.scheduler.running)
@@ -140,7 +144,7 @@ def test_moved_with_their_blocks_requests_finish_as_if_they_never_moved(mode: Mi
     a, b = StubReplica("a"), StubReplica("b")
     linked(a, b)
     host = Host(fallback=b)
-    moves = Migrations(host, mode)  # type: ignore[arg-type]
+    moves = KvMover(host, mode)  # type: ignore[arg-type]
     start(a)
     started: list[int] = []
 
@@ -167,7 +171,7 @@ def test_a_move_computes_on_the_target_only_what_was_not_copied():
         linked(a, b)
         b.model.fail_imports = fail
         host = Host(fallback=b)
-        moves = Migrations(host, MigrationMode.STOP_AND_COPY)  # type: ignore[arg-type]
+        moves = KvMover(host, MigrationMode.STOP_AND_COPY)  # type: ignore[arg-type]
         start(a)
 
         def on_step(step: int, a: StubReplica = a, b: StubReplica = b, moves=moves) -> None:  # type: ignore[no-untyped-def]
@@ -194,7 +198,7 @@ def test_a_side_lost_mid_move_falls_back_to_recompute_and_leaks_nothing(lost, mo
     a, b, c = StubReplica("a"), StubReplica("b"), StubReplica("c")
     linked(a, b, c)
     host = Host(fallback=c)
-    moves = Migrations(host, mode)  # type: ignore[arg-type]
+    moves = KvMover(host, mode)  # type: ignore[arg-type]
     start(a)
     a.state = ReplicaState.DRAINING  # a drain's moves: what stays on the source is evicted
     totals: dict[str, RequestOutput] = {}
@@ -213,7 +217,7 @@ def test_a_side_lost_mid_move_falls_back_to_recompute_and_leaks_nothing(lost, mo
         for snapshot in engine.export_requests():  # the lost replica's requests move
             c.engine.import_request(snapshot)
         gone.engine, gone.transfers = None, None  # type: ignore[assignment]
-        moves.on_engine_dropped(gone, engine)  # type: ignore[arg-type]
+        moves.on_engine_dropped(engine)
         assert moves.moves == {}
         engine.scheduler.block_manager.check_invariants()
 
@@ -238,7 +242,7 @@ def test_a_prefill_replica_hands_each_request_to_a_decode_replica_after_its_firs
         linked(a, b)
         b.model.fail_imports = fail
         host = Host(fallback=b)
-        moves = Migrations(host, MigrationMode.RECOMPUTE)  # hand-offs copy in every mode
+        moves = KvMover(host, MigrationMode.RECOMPUTE)  # hand-offs copy in every mode
         start(a)
         totals = run([a, b], moves)
         finished_as_reference(totals)
@@ -263,7 +267,7 @@ def fetch_setup(fail: bool = False):  # type: ignore[no-untyped-def]
     prefix = [(7 * i) % 61 + 1 for i in range(40)]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
     a.engine.add_request("warm", prefix + [3], params, eos_token_id=EOS)
-    moves = Migrations(Host(fallback=b), MigrationMode.PRE_COPY)  # type: ignore[arg-type]
+    moves = KvMover(Host(fallback=b), MigrationMode.PRE_COPY)  # type: ignore[arg-type]
     run([a], moves)
     prompt = prefix + [5, 9, 11]
     snapshot = snapshot_from_choices("fetched", prompt, params, EOS, 0.0, [])
@@ -280,7 +284,7 @@ def test_a_request_fetches_a_cached_prefix_from_a_peer_and_runs_as_if_computed_t
     assert maybe_fetch(moves, [a, b], b, 0, snapshot, None, min_tokens=8)  # type: ignore[arg-type]
     totals = run([a, b], moves)
     assert summarize([totals["fetched"]]) == summarize([expected])
-    assert moves.host.moved == ["fetched"]  # type: ignore[attr-defined]
+    assert moves.report.moved == ["fetched"]  # type: ignore[attr-defined]
     # b computed the 3 uncached prompt tokens and the decode steps, not the 40 fetched ones.
     assert b.model.num_computed_tokens - before == 3 + 5
     for replica in (a, b):
@@ -294,7 +298,7 @@ def test_a_failed_fetch_places_the_request_by_recompute():
     assert maybe_fetch(moves, [a, b], b, 0, snapshot, None, min_tokens=8)  # type: ignore[arg-type]
     totals = run([a, b], moves)
     assert summarize([totals["fetched"]]) == summarize([expected])
-    assert moves.host.fell_back == ["fetched"]  # type: ignore[attr-defined]
+    assert moves.report.fell_back == ["fetched"]  # type: ignore[attr-defined]
     for replica in (a, b):
         assert replica.engine.scheduler.block_manager.pins == {}
         assert_empty(replica.engine)
@@ -330,7 +334,7 @@ def test_each_transfer_round_is_a_span_that_says_how_it_ended(monkeypatch, fail:
     a, b = StubReplica("a"), StubReplica("b")
     linked(a, b)
     b.model.fail_imports = fail
-    moves = Migrations(Host(fallback=b), MigrationMode.STOP_AND_COPY)  # type: ignore[arg-type]
+    moves = KvMover(Host(fallback=b), MigrationMode.STOP_AND_COPY)  # type: ignore[arg-type]
     start(a)
 
     def on_step(step: int) -> None:
@@ -357,7 +361,7 @@ def test_a_long_prompt_streams_its_blocks_to_the_decode_replica_chunk_by_chunk()
     a.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_PREFILL)
     b.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_DECODE)
     linked(a, b)
-    moves = Migrations(Host(fallback=b), MigrationMode.PRE_COPY)  # type: ignore[arg-type]
+    moves = KvMover(Host(fallback=b), MigrationMode.PRE_COPY)  # type: ignore[arg-type]
     prompt = [(5 * i) % 59 + 1 for i in range(122)]
     params = SamplingParams(temperature=0.0, max_tokens=5)
     a.engine.add_request("long", prompt, params, eos_token_id=EOS)
@@ -380,7 +384,7 @@ def test_a_request_aborted_while_its_prefix_is_fetched_is_never_queued():
     assert maybe_fetch(moves, [a, b], b, 0, snapshot, None, min_tokens=8)  # type: ignore[arg-type]
     assert moves.abort("fetched")
     totals = run([a, b], moves)
-    assert "fetched" not in totals and moves.host.moved == []  # type: ignore[attr-defined]
+    assert "fetched" not in totals and moves.report.moved == []  # type: ignore[attr-defined]
     for replica in (a, b):
         assert replica.engine.scheduler.block_manager.pins == {}
         assert replica.model.exports == {}

@@ -5,7 +5,7 @@ a fresh count over the queues would."""
 from __future__ import annotations
 
 from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
-from scheduler_service.fleet.placement import Candidate, Router, RoutingPolicy, load_tokens
+from scheduler_service.fleet.placement import Candidate, ReplicaChooser, RoutingPolicy, load_tokens
 
 from .fake_model import FakeModel
 
@@ -24,7 +24,7 @@ def make_engine() -> LLMEngine:
 def test_every_pick_sees_the_load_a_fresh_count_gives():
     engines = [make_engine(), make_engine()]
     candidates = [Candidate(i, e) for i, e in enumerate(engines)]
-    router = Router(RoutingPolicy.LEAST_LOADED)
+    router = ReplicaChooser(RoutingPolicy.LEAST_LOADED)
     for i in range(6):
         decision = router.pick(candidates, [1, 2, 3])
         assert decision is not None
@@ -41,7 +41,7 @@ def test_every_pick_sees_the_load_a_fresh_count_gives():
 
 
 def test_a_replica_with_a_new_engine_is_counted_afresh():
-    router = Router(RoutingPolicy.CACHE_AWARE)
+    router = ReplicaChooser(RoutingPolicy.CACHE_AWARE)
     old = make_engine()
     old.add_request("r", list(range(1, 20)), PARAMS)
     assert router.pick([Candidate(0, old)], [1]).load_tokens == load_tokens(old) > 0

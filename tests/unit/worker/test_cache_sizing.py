@@ -10,9 +10,8 @@ import structlog.testing
 
 from llmserve.v1 import worker_pb2
 from scheduler_service.engine.config import SchedulerConfig
-from scheduler_service.fleet.fleet_config import MigrationMode
-from scheduler_service.fleet.kv_mover import Migrations
 from scheduler_service.fleet.replica import Replica, ReplicaConfig, ReplicaState
+from scheduler_service.fleet.replica_events import EngineDropped, ReplicaEvent, StateChanged
 
 from .fake_scheduler import until
 from .test_server_lifecycle import Served, Stream, first_step, run
@@ -54,19 +53,16 @@ def test_a_cache_too_small_for_max_model_len_is_refused(tiny_llama):
 
 
 class Owner:
-    """A ReplicaOwner that records the replica's states."""
+    """A replica's `report` that records the replica's states."""
 
     def __init__(self) -> None:
         self.states: list[ReplicaState] = []
-        self.migrations = Migrations(self, MigrationMode.RECOMPUTE)  # type: ignore[arg-type]
 
-    def on_state(self, replica: Replica) -> None:
-        self.states.append(replica.state)
-
-    def on_outputs(self, outputs):  # type: ignore[no-untyped-def]
-        raise AssertionError("no request was placed")
-
-    on_evicted = on_step_failed = on_drained = on_outputs
+    def __call__(self, event: ReplicaEvent[Replica]) -> None:
+        if isinstance(event, StateChanged):
+            self.states.append(event.replica.state)
+        elif not isinstance(event, EngineDropped):  # no move to fall back
+            raise AssertionError(f"no request was placed: {event}")
 
 
 def replica_config(**overrides: int) -> ReplicaConfig:
