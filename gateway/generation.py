@@ -8,7 +8,7 @@ the scheduler's, carried from its last message; finish reasons stay common.proto
 FinishReason until an API shapes them.
 
 Stop strings are sent to the scheduler, which finishes each choice at the token that completes
-one (scheduler_service/text_stops.py says why there). Here the same text is matched again only
+one (scheduler_service/engine/text_stops.py says why there). Here the same text is matched again only
 to shape it: cut at the stop string (or after it, `include_stop_str_in_output`), with the text
 that could begin a stop string held back until it is decided. A choice the gateway sees stop
 takes no further tokens, text or usage.

@@ -1,7 +1,7 @@
 """The model's tokenizer on the gateway: load it once per model, encode prompts, render chats.
 
 The gateway owns prompts and their text; the scheduler decodes outputs only to find stop
-strings (scheduler_service/text_stops.py), and workers see token ids alone.
+strings (scheduler_service/engine/text_stops.py), and workers see token ids alone.
 """
 
 from __future__ import annotations

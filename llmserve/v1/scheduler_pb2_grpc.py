@@ -73,8 +73,8 @@ class SchedulerServicer:
 
     def DrainWorker(self, request, context):
         """Stop routing new requests to a worker and move its requests to other replicas (see the
-        drain policy in scheduler_service/fleet.py). Answers at once; the replica is removed when
-        it holds no request, and the worker's lease is not renewed after that.
+        drain policy in scheduler_service/fleet/fleet.py). Answers at once; the replica is removed
+        when it holds no request, and the worker's lease is not renewed after that.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,4 +1,4 @@
-"""Scheduler, KV cache and replica configuration: frozen, validated once, passed down
+"""The engine's configuration (its step budgets, its KV cache): frozen, validated once, passed down
 explicitly."""
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class SequenceGrammar:
 
     def only(self, seq_id: int, token_id: int) -> TokenMask:
         """A mask that allows `token_id` alone (a continuation row whose sample is a forced
-        token the scheduler already holds: scheduler_service/continuation.py)."""
+        token the scheduler already holds: scheduler_service/engine/pipelined_steps.py)."""
         return TokenMask(seq_id, MaskKind.ALLOW, self._compiled.result().vocab_size, [token_id])
 
     def forced_tokens(self) -> list[int]:

@@ -106,7 +106,7 @@ def _advance(counter: Counter, key: tuple[str, ...], total: float) -> None:
     _last[(counter, key)] = total
 
 
-# Speculative decoding, as vLLM v1 counts it (scheduler_service/speculation.py).
+# Speculative decoding, as vLLM v1 counts it (scheduler_service/engine/speculation.py).
 SPEC_DRAFTS = Counter("llmserve_spec_decode_drafts", "Sequence-steps that carried draft tokens", _R)
 SPEC_DRAFT_TOKENS = Counter("llmserve_spec_decode_draft_tokens", "Draft tokens verified", _R)
 SPEC_ACCEPTED_TOKENS = Counter(
@@ -117,7 +117,7 @@ SPEC_ACCEPTED_PER_POS = Counter(
     "Draft tokens kept, by position in the draft (0 = first)",
     [*_R, "position"],
 )
-# --continue-after-drafts (scheduler_service/continuation.py).
+# --continue-after-drafts (scheduler_service/engine/pipelined_steps.py).
 SPEC_AFTER_DRAFTS = Counter(
     "llmserve_spec_decode_after_drafts",
     "Updates sent before their step's drafts were verified, assuming all kept",

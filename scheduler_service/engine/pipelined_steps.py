@@ -16,7 +16,7 @@ N+1 too, and its output there is dropped, because output processing only reads s
 are still running. Its blocks are freed at once: the worker runs steps in order, so N+1's
 write into them happens before any later step that reuses them.
 
-Speculative decoding (scheduler_service/speculation.py) chains through continuations. A
+Speculative decoding (scheduler_service/engine/speculation.py) chains through continuations. A
 step N with drafts is continued by assuming N keeps them all: its sequences' updates in N+1
 are sent `after_drafts` (the placeholder at the position after all of N's drafts, then drafts
 of N+1's own, the proposal past N's drafts less its first token, which guesses N's sample),

@@ -35,10 +35,10 @@ class SchedulerOutputs:
     # Sequences whose blocks this step's scheduling freed (preempted by recompute, ignored).
     freed_seq_ids: list[int] = field(default_factory=list)
     # Built by asynchronous scheduling before the previous step's result was back
-    # (scheduler_service/continuation.py).
+    # (scheduler_service/engine/pipelined_steps.py).
     is_continuation: bool = False
     # Speculative decoding: seq id -> the draft tokens it computes after its last token
-    # (scheduler_service/speculation.py); empty in most steps.
+    # (scheduler_service/engine/speculation.py); empty in most steps.
     drafts: dict[int, list[int]] = field(default_factory=dict)
     # A continuation's sequences that the step in flight gave drafts: their updates assume
     # every draft is kept (`CachedSequence.after_drafts`). One that keeps fewer leaves this
@@ -94,7 +94,7 @@ class SchedulerStats:
     # Tokens the waiting requests still have to prefill (their prompts, or prompts and
     # outputs after a recompute preemption or a move).
     num_waiting_prefill_tokens: int = 0
-    # Speculative decoding (scheduler_service/speculation.py): sequence-steps with drafts,
+    # Speculative decoding (scheduler_service/engine/speculation.py): sequence-steps with drafts,
     # draft tokens, drafts kept, and per draft position how often it was kept.
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0

@@ -55,7 +55,7 @@ class SpeculationStats:
     # [i]: how many times the draft at position i was kept.
     accepted_per_position: list[int] = field(default_factory=list)
     # --continue-after-drafts: updates sent assuming a step in flight keeps its drafts, and
-    # those dropped because it did not (scheduler_service/continuation.py).
+    # those dropped because it did not (scheduler_service/engine/pipelined_steps.py).
     num_after_drafts: int = 0
     num_after_drafts_dropped: int = 0
 
