@@ -131,11 +131,10 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def tokens_left(self, max_tokens: int, model_len: int, ahead: int = 0) -> int:
-        """The length rule, the one place it is written: how many more tokens the sequence
-        may get, once `ahead` more are appended, before its length stops it (`max_tokens`
-        generated, or `model_len` in all). 0 or less: it is stopped by length."""
-        num_tokens = len(self.token_ids) + ahead
-        return min(max_tokens - (num_tokens - self.num_prompt_tokens), model_len - num_tokens)
+        """`tokens_left` for this sequence once `ahead` more tokens are appended."""
+        return tokens_left(
+            len(self.token_ids) + ahead, self.num_prompt_tokens, max_tokens, model_len
+        )
 
     def append_token_id(self, token_id: int, logprobs: dict[int, float]) -> None:
         """Append a sampled token; `logprobs` maps token ids to logprobs and holds `token_id`."""
@@ -157,12 +156,15 @@ class Sequence:
         (from `min_tokens` on), a completed grammar, a stop string its text now holds, or a
         length limit. A constrained sequence's matcher advances over the token first; a token
         the grammar refuses (a mask that was not applied) aborts the sequence."""
-        token_id = self.token_ids[-1]
+        token_ids = self.token_ids
+        token_id = token_ids[-1]
+        num_tokens = len(token_ids)
+        output_len = num_tokens - self.num_prompt_tokens
         grammar = self.grammar
         if grammar is not None and not _grammar_accepts(grammar, token_id):
             self.status = SequenceStatus.ABORTED
             return
-        if self.get_output_len() >= params.min_tokens and (
+        if output_len >= params.min_tokens and (
             (token_id == self.eos_token_id and not params.ignore_eos)
             or token_id in params.stop_token_ids
         ):
@@ -175,7 +177,7 @@ class Sequence:
         if self.text_stop is not None and self.text_stop.add((token_id,)) is not None:
             self.status = SequenceStatus.STOPPED
             return
-        if self.tokens_left(params.max_tokens, max_model_len) <= 0:
+        if tokens_left(num_tokens, self.num_prompt_tokens, params.max_tokens, max_model_len) <= 0:
             self.status = SequenceStatus.LENGTH_CAPPED
 
     def start_text_stop(self, tokenizer: Any, stops: StopStrings) -> None:
@@ -249,6 +251,16 @@ class Sequence:
             f"Sequence(id={self.seq_id}, status={self.status.name}, len={self.get_len()}, "
             f"computed={self.num_computed_tokens})"
         )
+
+
+def tokens_left(num_tokens: int, num_prompt_tokens: int, max_tokens: int, model_len: int) -> int:
+    """The length rule, the one place it is written: how many more tokens a sequence of
+    `num_tokens` (`num_prompt_tokens` of them its prompt) may get before its length stops it
+    (`max_tokens` generated, or `model_len` in all). 0 or less: it is stopped by length.
+    Called for every sampled token, so plain comparisons rather than `min`."""
+    by_output = max_tokens - (num_tokens - num_prompt_tokens)
+    by_context = model_len - num_tokens
+    return by_output if by_output < by_context else by_context
 
 
 def _grammar_accepts(grammar: SequenceGrammar, token_id: int) -> bool:
