@@ -62,7 +62,7 @@ class FastGGUFReader(GGUFReader):
             # Each string is two parts, its length (uint64) and its bytes; the bytes are data.
             plain = self._plain
             unpack_length = struct.Struct("=Q").unpack_from
-            buffer = memoryview(plain)
+            buffer = memoryview(plain)  # type: ignore[arg-type]  # numpy arrays are buffers
             for _ in range(count):
                 (length,) = unpack_length(buffer, offs)
                 parts.append(plain[offs : offs + 8].view(np.uint64))
@@ -117,5 +117,5 @@ def reading_gguf_once() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                gguf.GGUFReader = _library_reader
+                gguf.GGUFReader = _library_reader  # type: ignore[misc]
                 _opened.clear()
