@@ -1,6 +1,7 @@
 """Structured output and tool calling through the official OpenAI SDK, against a live stack
 (worker on the embedded SmolLM2, scheduler, gateway as real processes). Every output is
-checked against its schema with `jsonschema`, greedy and at temperature 1.0."""
+checked against its schema with `jsonschema`, greedy and at temperature 1.0; `tool_choice`
+"auto" must answer as the model does greedily, a call or text (HF's answer, the oracle)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from gateway.tool_formats.generic import system_text
+from gateway.tools import parse_tools
+from llmserve.limits import RequestLimits
 from tests.support.stack import RunningStack, start_stack
+from tests.support.tool_oracle import GENERIC_CALL, Answer, auto_answer, chat_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
@@ -98,6 +103,19 @@ HISTORY = [
     },
     {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
 ]
+# Chats whose greedy answer under tool_choice="auto" is known both ways, from HF alone
+# (tests/support/tool_oracle.py): a call, and text. In the generic envelope SmolLM2 leans to
+# calls; it answers in text when told to.
+AUTO_CHATS = {
+    Answer.CALL: ASK,
+    Answer.TEXT: [
+        {
+            "role": "user",
+            "content": 'Answer with {"content": ...}. What is the capital of France?',
+        }
+    ],
+}
+AUTO_MAX_TOKENS = 100
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +196,21 @@ def check_call(call: dict[str, Any]) -> None:
     jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
 
 
+def check_answer(choice: Any, expected: Answer, call_start: str) -> None:
+    """`choice` is the `expected` answer: calls valid for their tools' schemas, or text that
+    holds no call (`call_start`: how the format starts one)."""
+    if expected is Answer.CALL:
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.tool_calls, choice
+        for tc in choice.message.tool_calls:
+            check_call({"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments})
+    else:
+        assert choice.finish_reason in ("stop", "length"), choice
+        assert not choice.message.tool_calls, choice
+        assert choice.message.content, choice
+        assert call_start not in choice.message.content, choice
+
+
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_streamed_required_tool_call(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
     calls, content, finish = stream_tool_calls(client, tool_choice="required", **sampling)
@@ -200,32 +233,64 @@ def test_streamed_named_tool_call(client: openai.OpenAI, sampling: dict[str, Any
     check_call(calls[0])
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_auto_gives_text_or_a_call(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
+def as_generic(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` as the generic tool format shows them to SmolLM2 when WEATHER and TIME are
+    offered under "auto": its tools' system turn first (the gateway's own text, which only
+    it knows; the tests check the served prompt's length against this chat's)."""
+    tools = parse_tools([WEATHER, TIME], "auto", None, RequestLimits())
+    return [{"role": "system", "content": system_text(tools)}, *messages]
+
+
+@pytest.mark.parametrize("expected", list(Answer))
+def test_auto_answers_as_the_model_would(client: openai.OpenAI, expected: Answer) -> None:
+    messages = AUTO_CHATS[expected]
+    prompt = chat_tokens(as_generic(messages))
+    assert auto_answer("generic", prompt, AUTO_MAX_TOKENS) is expected  # the chat still does
     completion = client.chat.completions.create(
         model=MODEL,
-        messages=ASK,
+        messages=messages,
         tools=[WEATHER, TIME],
         tool_choice="auto",
-        max_tokens=200,
-        **sampling,
+        max_tokens=AUTO_MAX_TOKENS,
+        temperature=0.0,
+    )
+    assert completion.usage.prompt_tokens == len(prompt)  # the oracle read the served prompt
+    check_answer(completion.choices[0], expected, GENERIC_CALL)
+
+
+def test_auto_sampled_answer_is_well_formed(client: openai.OpenAI) -> None:
+    """At temperature 1.0 either answer may come; whichever does is well-formed."""
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=AUTO_CHATS[Answer.CALL],
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        max_tokens=AUTO_MAX_TOKENS,
+        temperature=1.0,
+        seed=3,
     )
     choice = completion.choices[0]
-    if choice.message.tool_calls:
-        assert choice.finish_reason == "tool_calls"
-        for tc in choice.message.tool_calls:
-            check_call({"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments})
-    else:
-        assert choice.finish_reason in ("stop", "length")
-        assert isinstance(choice.message.content, str)
+    check_answer(choice, Answer.CALL if choice.message.tool_calls else Answer.TEXT, GENERIC_CALL)
 
 
 def test_tool_results_are_rendered_into_the_prompt(client: openai.OpenAI) -> None:
-    completion = client.chat.completions.create(
-        model=MODEL, messages=HISTORY, tools=[WEATHER], max_tokens=60, temperature=0.0
+    """The call and its result reach the prompt as the generic format writes them: the call
+    as the envelope the model would have answered, the result as a user turn naming it."""
+    seen = as_generic(
+        [
+            *ASK,
+            {
+                "role": "assistant",
+                "content": '{"tool_calls": [{"name": "get_weather", '
+                '"arguments": {"city": "Paris", "unit": "celsius"}}]}',
+            },
+            {"role": "user", "content": "Result of tool call call_1: 18 degrees, sunny"},
+        ]
     )
-    assert completion.usage.prompt_tokens > 60  # the tool schema, the call and its result
-    assert completion.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    completion = client.chat.completions.create(
+        model=MODEL, messages=HISTORY, tools=[WEATHER, TIME], max_tokens=1, temperature=0.0
+    )
+    assert completion.usage.prompt_tokens == len(chat_tokens(seen))
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)

@@ -5,7 +5,6 @@ must be valid for their tool's schema (`jsonschema`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,23 +13,63 @@ import pytest
 
 from tests.integration.test_structured_outputs import (
     ASK,
+    AUTO_MAX_TOKENS,
     HISTORY,
     MODEL,
     SAMPLINGS,
     TIME,
     WEATHER,
     WORKER_ARGS,
+    check_answer,
     check_call,
     stream_tool_calls,
 )
-from tests.support.grammar import smollm2_tokenizer
 from tests.support.stack import RunningStack, start_stack
-from tests.support.templates import template_path, template_text
+from tests.support.templates import template_path
+from tests.support.tool_oracle import Answer, auto_answer, chat_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 # Template file -> the format the gateway must pick for it.
 TEMPLATES = {"hermes": "hermes", "llama3": "llama3_json"}
+# How each template's format starts a call, which a text answer must not hold.
+CALL_STARTS = {"hermes": "<tool_call>", "llama3": '{"name"'}
+# Chats whose greedy answer under tool_choice="auto" is known both ways, by template, from HF
+# alone (tests/support/tool_oracle.py): a call, and text. SmolLM2 calls only when shown or
+# told how: the Hermes chat answered an earlier question with a call.
+SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
+AUTO_CHATS = {
+    "hermes": {
+        Answer.CALL: [
+            {"role": "user", "content": "What's the weather in London in celsius?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_0",
+                        "type": "function",
+                        "function": {
+                            "name": "get_weather",
+                            "arguments": '{"city": "London", "unit": "celsius"}',
+                        },
+                    }
+                ],
+            },
+            {"role": "user", "content": "What's the weather in Paris in celsius?"},
+        ],
+        Answer.TEXT: SEA,
+    },
+    "llama3": {
+        Answer.CALL: [
+            {
+                "role": "user",
+                "content": "What's the weather in Paris in celsius? Reply with only the JSON object.",
+            }
+        ],
+        Answer.TEXT: SEA,
+    },
+}
 
 
 @pytest.fixture(scope="module", params=list(TEMPLATES))
@@ -51,24 +90,6 @@ def served(
     stack.stop()
 
 
-def prompt_tokens(name: str, messages: list[dict[str, Any]], tools: list[Any]) -> int:
-    """The prompt's length as the template itself renders the chat (tools, calls, results)."""
-    tokenizer = smollm2_tokenizer()
-    history = json.loads(json.dumps(messages))
-    for m in history:
-        m["content"] = m["content"] or ""
-        for call in m.get("tool_calls") or []:
-            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    text = tokenizer.apply_chat_template(
-        history,
-        tools=tools,
-        chat_template=template_text(name),
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    return len(tokenizer.encode(text, add_special_tokens=False))
-
-
 def test_the_format_is_read_off_the_template(served: tuple[str, RunningStack, Any]) -> None:
     name, stack, _ = served
     assert f'"format": "{TEMPLATES[name]}"' in stack.logs("gateway") or (
@@ -84,7 +105,7 @@ def test_prompt_is_the_templates_own_rendering(
         completion = client.chat.completions.create(
             model=MODEL, messages=messages, tools=[WEATHER, TIME], max_tokens=1, temperature=0.0
         )
-        assert completion.usage.prompt_tokens == prompt_tokens(name, messages, [WEATHER, TIME])
+        assert completion.usage.prompt_tokens == len(chat_tokens(messages, [WEATHER, TIME], name))
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
@@ -140,20 +161,40 @@ def test_whole_named_and_required_calls(
             assert tc.function.name == "get_weather"
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_auto_gives_text_or_a_call(
-    served: tuple[str, RunningStack, openai.OpenAI], sampling: dict[str, Any]
+@pytest.mark.parametrize("expected", list(Answer))
+def test_auto_answers_as_the_model_would(
+    served: tuple[str, RunningStack, openai.OpenAI], expected: Answer
 ) -> None:
-    _, _, client = served
+    name, _, client = served
+    messages = AUTO_CHATS[name][expected]
+    prompt = chat_tokens(messages, [WEATHER, TIME], name)
+    assert auto_answer(TEMPLATES[name], prompt, AUTO_MAX_TOKENS) is expected  # the chat still does
     completion = client.chat.completions.create(
-        model=MODEL, messages=HISTORY, tools=[WEATHER, TIME], max_tokens=120, **sampling
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        max_tokens=AUTO_MAX_TOKENS,
+        temperature=0.0,
+    )
+    assert completion.usage.prompt_tokens == len(prompt)  # the oracle read the served prompt
+    check_answer(completion.choices[0], expected, CALL_STARTS[name])
+
+
+def test_auto_sampled_answer_is_well_formed(
+    served: tuple[str, RunningStack, openai.OpenAI],
+) -> None:
+    """At temperature 1.0 either answer may come; whichever does is well-formed."""
+    name, _, client = served
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=AUTO_CHATS[name][Answer.CALL],
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        max_tokens=AUTO_MAX_TOKENS,
+        temperature=1.0,
+        seed=3,
     )
     choice = completion.choices[0]
-    if choice.message.tool_calls:
-        assert choice.finish_reason == "tool_calls"
-        for tc in choice.message.tool_calls:
-            check_call({"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments})
-    else:
-        assert choice.finish_reason in ("stop", "length")
-        assert choice.message.content
-        assert "<tool_call>" not in choice.message.content
+    got = Answer.CALL if choice.message.tool_calls else Answer.TEXT
+    check_answer(choice, got, CALL_STARTS[name])
