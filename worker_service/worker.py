@@ -233,17 +233,7 @@ class Worker:
         sets `graph_memory_bytes` to the device memory their capture took."""
         if not self._graphs_enabled():
             return None
-        arch = self.model.arch
-        cache = CacheEngine(
-            arch.num_layers,
-            arch.num_kv_heads,
-            arch.head_dim,
-            self.config.block_size,
-            1,
-            0,
-            self.dtype,
-            self.device,
-        )
+        cache = self._new_cache(1, 0)
         torch.cuda.synchronize(self.device)
         free_before, _ = torch.cuda.mem_get_info(self.device)
         graphs = self._capture_graphs(cache.layer_caches())
@@ -272,18 +262,7 @@ class Worker:
         limits, bs = self.batch_limits, self.config.block_size
         num_seqs = min(limits.max_num_seqs, limits.max_num_batched_tokens)
         lengths = [limits.max_num_batched_tokens // num_seqs] * num_seqs
-        blocks_needed = sum(-(-n // bs) for n in lengths)
-        arch = self.model.arch
-        cache = CacheEngine(
-            arch.num_layers,
-            arch.num_kv_heads,
-            arch.head_dim,
-            bs,
-            blocks_needed,
-            0,
-            self.dtype,
-            self.device,
-        )
+        cache = self._new_cache(sum(-(-n // bs) for n in lengths), 0)
         step, next_block = StepInput(step_id=-1), 0
         for i, n in enumerate(lengths):
             nb = -(-n // bs)
@@ -325,6 +304,19 @@ class Worker:
             self.batch_limits = previous
             raise
 
+    def _new_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
+        arch = self.model.arch
+        return CacheEngine(
+            arch.num_layers,
+            arch.num_kv_heads,
+            arch.head_dim,
+            self.config.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            self.dtype,
+            self.device,
+        )
+
     def _drop_cache(self) -> None:
         """Drop the cache, the graphs that hold its tensors, and the sequences and exports
         that lived in it."""
@@ -336,18 +328,8 @@ class Worker:
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._check_thread()
-        arch = self.model.arch
         self._drop_cache()  # before allocating the new one
-        self.cache_engine = CacheEngine(
-            arch.num_layers,
-            arch.num_kv_heads,
-            arch.head_dim,
-            self.config.block_size,
-            num_gpu_blocks,
-            num_cpu_blocks,
-            self.dtype,
-            self.device,
-        )
+        self.cache_engine = self._new_cache(num_gpu_blocks, num_cpu_blocks)
         self._kv_caches = self.cache_engine.layer_caches()
         if self._graphs_enabled():
             start = time.perf_counter()
