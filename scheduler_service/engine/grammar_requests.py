@@ -99,8 +99,8 @@ class GrammarRequests:
 
     def due(self, token_budget: int) -> tuple[list[Future[CompiledGrammar]], float]:
         """Compiles the next step may wait for (those of groups whose prompt could finish
-        prefilling in a step of `token_budget` tokens), and for how long at most: the seconds to the
-        earliest of their deadlines."""
+        prefilling in a step of `token_budget` tokens), and for how long at most: the seconds
+        to the earliest of their deadlines."""
         futures, deadlines = [], []
         now = self._clock()
         for group, grammar, deadline in self._pending():

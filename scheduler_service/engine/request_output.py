@@ -19,7 +19,7 @@ from scheduler_service.engine.sequence import (
 @dataclass(slots=True)
 class CompletionOutput:
     """One choice of a request. In a step's delta `token_ids` / `logprobs` hold only what is
-    new this step; in a final output (`LLMEngine.generate`) they hold everything."""
+    new this step; in a final output (`offline.generate`) they hold everything."""
 
     index: int
     token_ids: list[int]
