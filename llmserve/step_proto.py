@@ -26,6 +26,7 @@ from llmserve.steps import (
     SequenceOutput,
     StepInput,
     StepResult,
+    TableEdit,
     TokenLogprob,
     TransferFailure,
 )
@@ -84,6 +85,11 @@ def _set_cached(msg: worker_pb2.CachedSequences, seqs: list[CachedSequence]) -> 
         msg.draft_token_ids.extend([t for c in seqs for t in c.draft_token_ids])
     if any(c.after_drafts for c in seqs):
         msg.after_drafts.extend([c.after_drafts for c in seqs])
+    if seqs[0].group_edits:
+        edits = [e for c in seqs for e in c.group_edits]
+        msg.group_block_offsets.extend([e.offset for e in edits])
+        msg.num_group_block_ids.extend([len(e.block_ids) for e in edits])
+        msg.group_block_ids.extend([b for e in edits for b in e.block_ids])
 
 
 def _cached(msg: worker_pb2.CachedSequences) -> list[CachedSequence]:
@@ -123,6 +129,23 @@ def _cached(msg: worker_pb2.CachedSequences) -> list[CachedSequence]:
         _check_columns("cached_seqs", {"seq_ids": n, "after_drafts": len(msg.after_drafts)})
         for seq, after in zip(seqs, msg.after_drafts, strict=True):
             seq.after_drafts = after
+    if msg.group_block_offsets:
+        rows = _check_columns(
+            "cached_seqs",
+            {
+                "group_block_offsets": len(msg.group_block_offsets),
+                "num_group_block_ids": len(msg.num_group_block_ids),
+            },
+        )
+        if rows % n:
+            raise ValueError(
+                f"cached_seqs: {rows} group table edits for {n} sequences (not a multiple)"
+            )
+        per_seq = rows // n
+        ids = _split(list(msg.num_group_block_ids), list(msg.group_block_ids))
+        edits = list(map(TableEdit, msg.group_block_offsets, ids))
+        for i, seq in enumerate(seqs):
+            seq.group_edits = edits[i * per_seq : (i + 1) * per_seq]
     return seqs
 
 
@@ -137,6 +160,7 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
             num_prompt_tokens=s.num_prompt_tokens,
             num_computed_tokens=s.num_computed_tokens,
             block_ids=s.block_ids,
+            group_tables=[worker_pb2.BlockTable(block_ids=t) for t in s.group_block_ids],
             num_scheduled_tokens=s.num_scheduled_tokens,
             sampling_params=sampling_params_to_proto(s.sampling_params),
         )
@@ -177,6 +201,7 @@ def step_input_from_proto(msg: worker_pb2.ExecuteRequest) -> StepInput:
                 block_ids=list(s.block_ids),
                 num_scheduled_tokens=s.num_scheduled_tokens,
                 sampling_params=sampling_params_from_proto(s.sampling_params),
+                group_block_ids=[list(t.block_ids) for t in s.group_tables],
             )
             for s in msg.new_seqs
         ],

@@ -87,10 +87,14 @@ class NewSequence:
     num_prompt_tokens: int
     # Tokens whose K/V are already in the cache (a prefix-cache hit), so not computed again.
     num_computed_tokens: int
-    # Physical device block ids covering at least num_computed + num_scheduled tokens.
+    # Physical device block ids covering at least num_computed + num_scheduled tokens: KV
+    # group 0's table (`llmserve.kv_layout`).
     block_ids: list[int]
     num_scheduled_tokens: int
     sampling_params: SamplingParams
+    # The tables of KV groups 1, 2, ... (empty for a model of one group). A windowed group's
+    # table covers the step's window and tokens; entries before the window are NULL_BLOCK.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -116,6 +120,18 @@ class CachedSequence:
     # the worker applies the block-table edit alone: no token appended, nothing computed or
     # sampled for the sequence in this step.
     after_drafts: bool = False
+    # The table edits of KV groups 1, 2, ..., one per group (empty for a model of one group).
+    group_edits: list[TableEdit] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TableEdit:
+    """One KV group's block-table change: from index `offset` on, the table is `block_ids`
+    (an append when `offset` is the old length). Entries before a windowed group's window
+    may keep stale ids: the worker never reads them."""
+
+    offset: int
+    block_ids: list[int]
 
 
 @dataclass(slots=True)

@@ -4,9 +4,11 @@ Layout. For each layer there is a key cache and a value cache, each
 `[num_blocks, block_size, num_kv_heads, head_dim]` in the model dtype: block-major so a
 block id addresses one contiguous chunk of `block_size` tokens, token-major inside a block so
 writing one token's K (all kv heads) is one contiguous store, head_dim innermost for the dot
-products. All layers live in one allocation `[num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim]` so a swap or copy moves a block of every layer in one indexed copy;
-`layer_caches()[i]` are views of it.
+products. A block holds `slots` layers (`llmserve.kv_layout`: the layers of the KV group the
+scheduler gave it to, slot j for the group's j-th layer), and all slots live in one allocation
+`[slots, 2, num_blocks, block_size, num_kv_heads, head_dim]` so a swap or copy moves a whole
+block in one indexed copy, whatever group holds it; `layer_caches()[i]` are views of layer
+i's slot. A model of one group has a slot per layer.
 
 Host (swap) blocks use the same layout on the CPU, pinned when the device is CUDA so copies
 can run asynchronously. The scheduler decides every block id; this class only moves data.
@@ -20,16 +22,18 @@ import sys
 
 import torch
 
+from llmserve.kv_layout import KvLayout
+
 _MADV_HUGEPAGE = 14  # linux/mman.h
 _PAGE = 4096
 
 
 def cache_block_size_bytes(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    slots: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> int:
-    """Bytes one block takes across all layers (K and V)."""
+    """Bytes one block takes across its `slots` layers (K and V)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+    return 2 * slots * block_size * num_kv_heads * head_dim * element_size
 
 
 class CacheEngine:
@@ -37,7 +41,7 @@ class CacheEngine:
 
     def __init__(
         self,
-        num_layers: int,
+        layout: KvLayout,
         num_kv_heads: int,
         head_dim: int,
         block_size: int,
@@ -46,13 +50,13 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.num_layers = num_layers
+        self.layout = layout
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
         self.dtype = dtype
         self.device = device
-        shape = (num_layers, 2, 0, block_size, num_kv_heads, head_dim)
+        shape = (layout.slots, 2, 0, block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: backends read (and mask) the tail of a sequence's last block, and
         # masked garbage must still be finite so that 0 * value stays 0.
         device_shape = shape[:2] + (num_device_blocks,) + shape[3:]
@@ -60,7 +64,7 @@ class CacheEngine:
             self.device_cache = _zeros_on_huge_pages(device_shape, dtype)
         else:
             self.device_cache = torch.zeros(device_shape, dtype=dtype, device=device)
-        # device_cache: [num_layers, 2, num_device_blocks, block_size, num_kv_heads, head_dim]
+        # device_cache: [slots, 2, num_device_blocks, block_size, num_kv_heads, head_dim]
         # Empty, not zeroed: a host block is read only by swap_in, after a swap_out wrote the
         # whole block, so nothing reads what it held before. (Zeroing the default 4 GiB took
         # ~5 s of a CPU worker's InitializeCache, touching every page up front.)
@@ -68,11 +72,16 @@ class CacheEngine:
             shape[:2] + (num_host_blocks,) + shape[3:],
             dtype=dtype,
             pin_memory=device.type == "cuda",
-        )  # [num_layers, 2, num_host_blocks, block_size, num_kv_heads, head_dim]
+        )  # [slots, 2, num_host_blocks, block_size, num_kv_heads, head_dim]
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return [(self.device_cache[i, 0], self.device_cache[i, 1]) for i in range(self.num_layers)]
+        """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads,
+        head_dim]: the views of its slot."""
+        slot_of = self.layout.slot_of_layer()
+        return [
+            (self.device_cache[slot_of[i][1], 0], self.device_cache[slot_of[i][1], 1])
+            for i in range(len(slot_of))
+        ]
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks, (device src, host dst) pairs, all layers."""
@@ -89,7 +98,7 @@ class CacheEngine:
             self.device_cache[:, :, dst.to(self.device)] = moved
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy device blocks to device blocks (copy-on-write), (src, dst) pairs, all layers."""
+        """Copy device blocks to device blocks (copy-on-write), (src, dst) pairs, all slots."""
         if mapping:
             src, dst = self._split(mapping)
             src, dst = src.to(self.device), dst.to(self.device)
@@ -97,12 +106,12 @@ class CacheEngine:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one device block across every layer, K and V."""
-        per_block = self.device_cache[:, :, 0]  # [num_layers, 2, block_size, heads, head_dim]
+        """Bytes of one device block across its slots, K and V."""
+        per_block = self.device_cache[:, :, 0]  # [slots, 2, block_size, heads, head_dim]
         return per_block.numel() * per_block.element_size()
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous host copy of device blocks in the cache's own layout: [num_layers, 2,
+        """A contiguous host copy of device blocks in the cache's own layout: [slots, 2,
         n, block_size, num_kv_heads, head_dim] (one gather, no reordering)."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         return self.device_cache[:, :, index].to("cpu")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from llmserve.kv_layout import KvLayout, single_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,3 +27,5 @@ class ModelInfo:
     # How the weights are held, and their bytes (`DecoderModel.weight_format/weight_bytes`).
     weight_format: str = ""
     weight_bytes: int = 0
+    # How the layers keep K/V (`llmserve.kv_layout`).
+    kv_layout: KvLayout = field(default_factory=lambda: single_group(1))

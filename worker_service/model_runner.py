@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from kernels.cpu.decode import ArgmaxLogprobs
+from llmserve.kv_layout import NULL_BLOCK, KvLayout, single_group
 from llmserve.steps import SequenceOutput, StepResult, TokenMask
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.models.decoder import DecoderModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
-from worker_service.sequence_state import Scheduled, SequenceStates, StateError
+from worker_service.sequence_state import Scheduled, SequenceState, SequenceStates, StateError
 
 __all__ = ["ModelRunner", "StateError"]
 
@@ -32,11 +33,27 @@ class ModelRunner(SequenceStates):
     """Runs steps of one model over one KV cache."""
 
     def __init__(
-        self, model: DecoderModel, backend: AttentionBackend, sampler: Sampler, block_size: int
+        self,
+        model: DecoderModel,
+        backends: AttentionBackend | list[AttentionBackend],
+        sampler: Sampler,
+        block_size: int,
+        layout: KvLayout | None = None,
     ) -> None:
-        super().__init__(block_size)
+        if layout is None:
+            layout = single_group(model.arch.num_layers)
+        super().__init__(block_size, len(layout.groups))
+        self.layout = layout
+        slot_of = layout.slot_of_layer()
+        model.layer_groups = tuple(slot_of[i][0] for i in range(model.arch.num_layers))
         self.model = model
-        self.backend = backend
+        # One backend per KV group (each keeps per-step state of its group's tables).
+        self.backends = backends if isinstance(backends, list) else [backends]
+        if len(self.backends) != len(layout.groups):
+            raise ValueError(
+                f"{len(self.backends)} attention backends for {len(layout.groups)} KV groups"
+            )
+        self.backend = self.backends[0]
         self.sampler = sampler
         self.device = model.device
         # Captured decode forwards (CUDA); None runs every step eagerly. Set by the worker.
@@ -69,8 +86,8 @@ class ModelRunner(SequenceStates):
                 inputs.input_ids,
                 inputs.positions,
                 kv_caches,
-                inputs.metadata,
-                self.backend,
+                inputs.metadatas if len(inputs.metadatas) > 1 else inputs.metadata,
+                self.backends if len(self.backends) > 1 else self.backend,
                 inputs.logit_rows,
             )
         for s in scheduled:
@@ -109,20 +126,15 @@ class ModelRunner(SequenceStates):
             dtype=np.int64,
             count=num_tokens,
         )
-        tables = _pad_tables([s.state.block_ids[: -(-(p + c) // bs)] for s, p, c in parts])
-        # The kernels index the cache with these ids unchecked: a bad one must stop here.
-        if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
-            bad = next(
-                (s.state.seq_id, b)
-                for s in layout
-                for b in s.state.block_ids
-                if not 0 <= b < num_blocks
-            )
-            raise StateError(
-                f"seq {bad[0]}: block id {bad[1]} is outside the cache ({num_blocks} blocks)"
-            )
         seq_of_token = np.repeat(np.arange(len(parts)), counts)
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        group_tables = []  # per KV group: [num_parts, max_blocks] int64
+        group_slots = []  # per KV group: [num_tokens] int64
+        for g in range(self.num_groups):
+            tables = _pad_tables([_table(s.state, g)[: -(-(p + c) // bs)] for s, p, c in parts])
+            _check_ids(tables, [s.state for s in layout], g, num_blocks)
+            group_tables.append(tables)
+            group_slots.append(tables[seq_of_token, positions // bs] * bs + positions % bs)
+        tables, slots = group_tables[0], group_slots[0]
 
         logit_rows: list[int] = []
         sample_items: list[tuple[Scheduled, int, int]] = []  # (seq, logits row, position)
@@ -165,10 +177,20 @@ class ModelRunner(SequenceStates):
             max_decode_seq_len=int(ends[n_pre:].max(initial=0)),
             block_size=bs,
         )
+        metadatas = [metadata] + [
+            replace(
+                metadata,
+                slot_mapping=tensor(group_slots[g], torch.int64),
+                prefill_block_tables=tensor(group_tables[g][:n_pre]),
+                decode_block_tables=tensor(group_tables[g][n_pre:]),
+            )
+            for g in range(1, self.num_groups)
+        ]
         return _PreparedInputs(
             input_ids=tensor(input_ids, torch.int64),
             positions=tensor(positions, torch.int64),
             metadata=metadata,
+            metadatas=metadatas,
             logit_rows=tensor(logit_rows, torch.int64),
             sample_items=sample_items,
             prompt_items=prompt_items,
@@ -181,30 +203,38 @@ class ModelRunner(SequenceStates):
         bs = self.block_size
         rows = [(s, p) for s in layout for p in s.rows()]
         positions = [p for _, p in rows]
-        tables = [s.state.block_ids[: p // bs + 1] for s, p in rows]
-        for (s, _), table in zip(rows, tables, strict=True):
-            if min(table) < 0 or max(table) >= num_blocks:
-                bad = next(b for b in table if not 0 <= b < num_blocks)
-                raise StateError(
-                    f"seq {s.state.seq_id}: block id {bad} is outside the cache ({num_blocks} "
-                    "blocks)"
-                )
-        width = max(len(t) for t in tables)
         device = self.device
         n = len(rows)
-        metadata = AttentionMetadata.for_decodes(
-            slot_mapping=torch.tensor(
-                [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)],
-                dtype=torch.int64,
-                device=device,
-            ),
-            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
-            block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-            ),
-            max_seq_len=max(positions) + 1,
-            block_size=bs,
-        )
+        seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device)
+        metadatas = []
+        for g in range(self.num_groups):
+            tables = [_table(s.state, g)[: p // bs + 1] for s, p in rows]
+            for (s, _), table in zip(rows, tables, strict=True):
+                if min(table) < 0 or max(table) >= num_blocks:
+                    bad = next(b for b in table if not 0 <= b < num_blocks)
+                    raise StateError(
+                        f"seq {s.state.seq_id}: block id {bad} is outside the cache "
+                        f"({num_blocks} blocks)"
+                    )
+            width = max(len(t) for t in tables)
+            metadatas.append(
+                AttentionMetadata.for_decodes(
+                    slot_mapping=torch.tensor(
+                        [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)],
+                        dtype=torch.int64,
+                        device=device,
+                    ),
+                    seq_lens=seq_lens,
+                    block_tables=torch.tensor(
+                        [t + [0] * (width - len(t)) for t in tables],
+                        dtype=torch.int32,
+                        device=device,
+                    ),
+                    max_seq_len=max(positions) + 1,
+                    block_size=bs,
+                )
+            )
+        metadata = metadatas[0]
         return _PreparedInputs(
             input_ids=torch.tensor(
                 [s.state.token_ids[p] for s, p in rows], dtype=torch.int64, device=device
@@ -212,6 +242,7 @@ class ModelRunner(SequenceStates):
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             metadata=metadata,
             logit_rows=torch.arange(n, device=device),
+            metadatas=metadatas,
             sample_items=[(s, i, p) for i, (s, p) in enumerate(rows)],
             prompt_items=[],
         )
@@ -280,15 +311,52 @@ class ModelRunner(SequenceStates):
         self.keep_drafts(s, kept)
         return samples[: kept + 1]
 
+    def group_blocks_used(self) -> list[int]:
+        """Device blocks each KV group's tables hold over the sequences held (a block shared
+        by sequences counted once; the null block and stale entries before a window left
+        out)."""
+        bs = self.block_size
+        used: list[set[int]] = [set() for _ in range(self.num_groups)]
+        for state in self.states.values():
+            for g, group in enumerate(self.layout.groups):
+                table = _table(state, g)
+                # The first block the next computed position's window reads.
+                first = group.first_live_block(state.num_computed, bs)
+                used[g].update(table[first:])
+        if self.layout.reserves_null_block:
+            for blocks in used:
+                blocks.discard(NULL_BLOCK)
+        return [len(blocks) for blocks in used]
+
+
+def _table(state: SequenceState, group: int) -> list[int]:
+    """KV group `group`'s block table of a sequence."""
+    return state.block_ids if group == 0 else state.group_tables[group - 1]
+
+
+def _check_ids(
+    tables: np.ndarray, states: list[SequenceState], group: int, num_blocks: int
+) -> None:
+    """The kernels index the cache with these ids unchecked: a bad one must stop here."""
+    if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+        bad = next(
+            (s.seq_id, b) for s in states for b in _table(s, group) if not 0 <= b < num_blocks
+        )
+        raise StateError(
+            f"seq {bad[0]}: block id {bad[1]} is outside the cache ({num_blocks} blocks)"
+        )
+
 
 @dataclass(slots=True)
 class _PreparedInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata  # KV group 0's
     logit_rows: torch.Tensor  # [num_logit_rows] int64
     sample_items: list[tuple[Scheduled, int, int]]  # (seq, logits row, position)
     prompt_items: list[tuple[Scheduled, int, int, int]]
+    # One per KV group (the first is `metadata`): the same step, each group's tables and slots.
+    metadatas: list[AttentionMetadata]
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:  # [num_seqs, max_blocks] int64

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.steps import SAMPLED_TOKEN, PromptLogprob, StepInput, StepResult, TokenMask
+from llmserve.steps import (
+    SAMPLED_TOKEN,
+    CachedSequence,
+    PromptLogprob,
+    StepInput,
+    StepResult,
+    TokenMask,
+)
 
 
 @dataclass(slots=True)
@@ -23,8 +30,10 @@ class SequenceState:
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed: int
-    block_ids: list[int]
+    block_ids: list[int]  # KV group 0's table
     params: SamplingParams
+    # The tables of KV groups 1, 2, ... (`llmserve.kv_layout`); empty for one group.
+    group_tables: list[list[int]] = field(default_factory=list)
     # Prompt logprobs of chunks that did not sample yet; sent with the first sample.
     pending_prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     # The token the last step that scheduled this sequence sampled for it (None: it sampled
@@ -44,6 +53,7 @@ class SequenceState:
             self.num_computed,
             list(self.block_ids),
             self.params,
+            [list(t) for t in self.group_tables],
         )
 
 
@@ -84,8 +94,9 @@ class SequenceStates:
     """The sequences one worker holds, updated step by step; `apply_updates` returns what a
     step computes."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, num_groups: int = 1) -> None:
         self.block_size = block_size
+        self.num_groups = num_groups
         self.states: dict[int, SequenceState] = {}
         # The current step's allowed tokens per constrained sequence (structured output), and
         # whether more follow the step (`StepInput.deferred_mask_seq_ids`).
@@ -112,7 +123,9 @@ class SequenceStates:
                 new.num_computed_tokens,
                 list(new.block_ids),
                 new.sampling_params,
+                [list(t) for t in new.group_block_ids],
             )
+            self._check_groups(state, len(new.group_block_ids))
             self.states[new.seq_id] = state
             if new.num_scheduled_tokens:
                 scheduled.append(
@@ -124,6 +137,7 @@ class SequenceStates:
                 # Built assuming every draft was kept: the block-table edit alone applies.
                 del state.block_ids[cached.block_offset :]
                 state.block_ids.extend(cached.block_ids)
+                self._edit_groups(state, cached)
                 continue
             new_tokens = cached.new_token_ids
             if SAMPLED_TOKEN in new_tokens:
@@ -131,6 +145,7 @@ class SequenceStates:
             state.token_ids.extend(new_tokens)
             del state.block_ids[cached.block_offset :]
             state.block_ids.extend(cached.block_ids)
+            self._edit_groups(state, cached)
             drafts = cached.draft_token_ids
             if drafts:
                 self._check_drafts(state, cached.num_scheduled_tokens, len(drafts))
@@ -146,11 +161,29 @@ class SequenceStates:
                     )
                 )
         for s in scheduled:
-            if s.start + s.count > len(s.state.token_ids):
+            end = s.start + s.count
+            if end > len(s.state.token_ids):
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its known tokens")
-            if s.start + s.count > len(s.state.block_ids) * self.block_size:
+            if end > len(s.state.block_ids) * self.block_size or any(
+                end > len(t) * self.block_size for t in s.state.group_tables
+            ):
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
         return scheduled
+
+    def _check_groups(self, state: SequenceState, num_other: int) -> None:
+        if num_other != self.num_groups - 1:
+            raise StateError(
+                f"seq {state.seq_id}: {num_other + 1} KV group tables, the model has "
+                f"{self.num_groups}"
+            )
+
+    def _edit_groups(self, state: SequenceState, cached: CachedSequence) -> None:
+        """Apply a cached update's table edits of KV groups 1, 2, ..."""
+        edits = cached.group_edits
+        self._check_groups(state, len(edits))
+        for table, edit in zip(state.group_tables, edits, strict=True):
+            del table[edit.offset :]
+            table.extend(edit.block_ids)
 
     @staticmethod
     def _check_drafts(state: SequenceState, num_scheduled: int, num_drafts: int) -> None:

@@ -136,6 +136,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         if info.eos_token_id is not None:
             reply.eos_token_id = info.eos_token_id
+        for group in info.kv_layout.groups:
+            reply.kv_groups.add(sliding_window=group.sliding_window, layers=group.layers)
+        reply.kv_group_blocks_used.extend(self.worker.group_blocks_used())
         return reply
 
     async def InitializeCache(
@@ -227,7 +230,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         to grow that long could then never fit. Checked here, at start-up, because the worker
         knows both the model's length and the block size (vLLM's worker checks it too)."""
         info = self.worker.model_info
-        needed = -(-info.max_model_len // info.block_size)
+        layout = info.kv_layout
+        # A decode step at max_model_len (a windowed group holds its window's blocks), and
+        # the null block a windowed layout reserves.
+        needed = layout.blocks_for(info.max_model_len, info.block_size, chunk=1)
+        needed += int(layout.reserves_null_block)
         if num_gpu_blocks < needed:
             raise FieldError(
                 "num_gpu_blocks",

@@ -12,6 +12,7 @@ import torch
 
 from llmserve.batch_limits import BatchLimits, GivenBatchLimits, adopt_batch_limits
 from llmserve.gguf_files import reading_gguf_once
+from llmserve.kv_layout import plan_layout
 from llmserve.logs import get_logger
 from llmserve.model_spec import memoize_gguf_name_maps, resolve_model
 from llmserve.steps import StepInput, StepResult, TokenMask
@@ -143,6 +144,7 @@ class Worker:
         if self._model.native_decode_refused is not None:
             log.info("native decode step off", reason=self._model.native_decode_refused)
         eos = _eos_ids(hf_model)
+        layout = plan_layout([kind.sliding_window for kind in arch.layers])
         self._info = ModelInfo(
             model=self.config.model,
             architecture=arch.architecture,
@@ -158,15 +160,30 @@ class Worker:
             num_threads=torch.get_num_threads(),
             weight_format=self._model.weight_format,
             weight_bytes=self._model.weight_bytes(),
+            kv_layout=layout,
         )
+        if len(layout.groups) > 1 or layout.reserves_null_block:
+            log.info(
+                "hybrid KV cache",
+                groups=[
+                    f"{'full' if g.sliding_window is None else g.sliding_window}:{len(g.layers)}"
+                    for g in layout.groups
+                ],
+                layers_per_block=layout.slots,
+            )
         metrics.WEIGHT_BYTES.labels(format=self._info.weight_format).set(self._info.weight_bytes)
-        backend: AttentionBackend = backend_cls(
-            arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.scale, arch.attn_softcap
-        )
+        # One backend per KV group: a backend keeps per-step state (masks, gather indices)
+        # built from its group's block tables.
+        backends: list[AttentionBackend] = [
+            backend_cls(
+                arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.scale, arch.attn_softcap
+            )
+            for _ in layout.groups
+        ]
         sampler = Sampler(
             arch.vocab_size, eos, seed=self.config.seed, native_reductions=backend_cls.name == "cpu"
         )
-        self._runner = ModelRunner(self._model, backend, sampler, self.config.block_size)
+        self._runner = ModelRunner(self._model, backends, sampler, self.config.block_size, layout)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -190,8 +207,19 @@ class Worker:
     def get_cache_block_size_bytes(self) -> int:
         arch = self.model.arch
         return cache_block_size_bytes(
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, self.config.block_size, self.dtype
+            self.model_info.kv_layout.slots,
+            arch.num_kv_heads,
+            arch.head_dim,
+            self.config.block_size,
+            self.dtype,
         )
+
+    def group_blocks_used(self) -> list[int]:
+        """Device blocks each KV group's tables hold now, over the sequences this worker
+        holds (a block shared by sequences counted once; the null block not counted)."""
+        if self._runner is None:
+            return []
+        return self.runner.group_blocks_used()
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, host swap blocks). CUDA: profile a forward of the largest step under
@@ -263,6 +291,8 @@ class Worker:
         num_seqs = min(limits.max_num_seqs, limits.max_num_batched_tokens)
         lengths = [limits.max_num_batched_tokens // num_seqs] * num_seqs
         cache = self._new_cache(sum(-(-n // bs) for n in lengths), 0)
+        # Every group writes the same blocks: the throwaway cache's contents do not matter.
+        other_groups = len(self.model_info.kv_layout.groups) - 1
         step, next_block = StepInput(step_id=-1), 0
         for i, n in enumerate(lengths):
             nb = -(-n // bs)
@@ -277,6 +307,7 @@ class Worker:
                     list(range(next_block, next_block + nb)),
                     n,
                     SamplingParams(temperature=1.0, top_p=0.9, top_k=50),
+                    group_block_ids=[list(range(next_block, next_block + nb))] * other_groups,
                 )
             )
             next_block += nb
@@ -307,7 +338,7 @@ class Worker:
     def _new_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
         arch = self.model.arch
         return CacheEngine(
-            arch.num_layers,
+            self.model_info.kv_layout,
             arch.num_kv_heads,
             arch.head_dim,
             self.config.block_size,

@@ -183,7 +183,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         # dtype, dims, params, layer pointers, weight types, layer windows, embed, final
         # norm, lm head, input ids, positions, slots, block tables, table stride, seq lens,
         # n, logits, argmax out (or NULL), argmax logprob out
-        "llmserve_decode_step": [i32, *[ptr] * 12, i64, ptr, i64, ptr, ptr, ptr],
+        "llmserve_decode_step": [i32, *[ptr] * 13, i64, i64, ptr, i64, ptr, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)

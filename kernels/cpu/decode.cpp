@@ -131,10 +131,13 @@ struct StepArgs {
   const void* const* layers;  // [layers * kNumLayerFields]
   const int64_t* weight_types;  // [layers * kTypesPerLayer + 2]: ggml types, 0 = dense
   const int64_t* windows;     // [layers]: each layer's sliding window, 0 = none
+  const int64_t* layer_groups;  // [layers]: the KV group whose slots and tables a layer uses
   const void *embed, *final_norm, *lm_head;
-  const int64_t *input_ids, *positions, *slots;
-  const int32_t* block_tables;
+  const int64_t *input_ids, *positions;
+  const int64_t* slots;  // [groups, n]: each group's flat cache slots of the new tokens
+  const int32_t* block_tables;  // [groups, n, table_stride]
   int64_t table_stride;
+  int64_t group_stride;  // elements from one group's tables to the next's
   const int32_t* seq_lens;
   int64_t n;
   void* logits;
@@ -250,11 +253,14 @@ struct Step {
     project(x, n, hidden, p[kQkv], types[kQkvType], p[kQkvBias], qkv, qkv_size);
     qk_norms(p);
     rotary(p);
-    llmserve_write_kv(dtype, qkv + q_size, qkv + q_size + kv_size, qkv_size, a.slots, n, kv_size,
+    const int64_t group = a.layer_groups[layer];
+    const int64_t* slots = a.slots + group * n;
+    const int32_t* tables = a.block_tables + group * a.group_stride;
+    llmserve_write_kv(dtype, qkv + q_size, qkv + q_size + kv_size, qkv_size, slots, n, kv_size,
                       const_cast<void*>(p[kKeyCache]), const_cast<void*>(p[kValueCache]));
     // The queries are read in place from the qkv rows (query stride qkv_size).
     return llmserve_paged_decode(dtype, head_dim, qkv, p[kKeyCache], p[kValueCache],
-                                 a.block_tables, a.table_stride, a.seq_lens, attn, n, d[kHeads],
+                                 tables, a.table_stride, a.seq_lens, attn, n, d[kHeads],
                                  d[kKvHeads], d[kBlockSize], a.params[kScale], 0, qkv_size,
                                  a.windows[layer], a.params[kAttnSoftcap]);
   }
@@ -311,11 +317,11 @@ extern "C" {
 // llmserve_argmax_logsumexp gives them.
 int llmserve_decode_step(int dtype, const int64_t* dims, const float* params,
                          const void* const* layers, const int64_t* weight_types,
-                         const int64_t* windows, const void* embed,
-                         const void* final_norm, const void* lm_head, const int64_t* input_ids,
-                         const int64_t* positions, const int64_t* slots,
-                         const int32_t* block_tables, int64_t table_stride,
-                         const int32_t* seq_lens, int64_t n, void* logits, int64_t* argmax,
+                         const int64_t* windows, const int64_t* layer_groups,
+                         const void* embed, const void* final_norm, const void* lm_head,
+                         const int64_t* input_ids, const int64_t* positions,
+                         const int64_t* slots, const int32_t* block_tables,
+                         int64_t table_stride, int64_t group_stride, const int32_t* seq_lens, int64_t n, void* logits, int64_t* argmax,
                          float* argmax_logprob) {
   const int64_t q_size = dims[kHeads] * dims[kHeadDim];
   if (dims[kHidden] % 8 || dims[kInter] % 8 || q_size % 8 || dims[kHeadDim] % 8) return -1;
@@ -327,10 +333,10 @@ int llmserve_decode_step(int dtype, const int64_t* dims, const float* params,
     const int64_t widest = std::max({dims[kHidden], dims[kInter], q_size});
     if (dims[kQuantMode] == kExact && widest > 16384) return -1;  // quant.cpp's kMaxRow
   }
-  const StepArgs args{dims,      params,    layers,  weight_types,     windows,      embed,
-                      final_norm, lm_head,  input_ids,    positions,    slots,
-                      block_tables, table_stride, seq_lens, n,          logits,
-                      argmax,    argmax_logprob};
+  const StepArgs args{dims,         params,       layers,       weight_types, windows,
+                      layer_groups, embed,        final_norm,   lm_head,      input_ids,
+                      positions,    slots,        block_tables, table_stride, group_stride,
+                      seq_lens,     n,            logits,       argmax,       argmax_logprob};
   if (dtype == 0) return Step<float>{args, dtype}.run();
   if (dtype == 1) return Step<bf16>{args, dtype}.run();
   return -1;

@@ -299,6 +299,9 @@ class DecodeStep:
         self._params = (ctypes.c_float * len(params))(*params)
         windows = [layer.sliding_window or 0 for layer in layers]
         self._windows = (ctypes.c_int64 * len(windows))(*windows)
+        # Each layer's KV group (`bind_groups`): which of a step's slots and tables it uses.
+        self._layer_groups = (ctypes.c_int64 * len(layers))()
+        self._num_groups = 1
         self._table: ctypes.Array[ctypes.c_void_p] | None = None
         # Each row's argmax and its logprob, written by the step; grown to the largest batch.
         self._argmax: ctypes.Array[ctypes.c_int64] = (ctypes.c_int64 * 0)()
@@ -326,16 +329,32 @@ class DecodeStep:
         self._table = (ctypes.c_void_p * len(pointers))(*pointers)
         self._bound_list, self._bound_first = kv_caches, first
 
+    def bind_groups(self, layer_groups: Sequence[int]) -> None:
+        """Each layer's KV group (`llmserve.kv_layout`): layer i writes and reads through
+        group layer_groups[i]'s slots and block tables. All 0 until bound."""
+        if len(layer_groups) != len(self._layers) or min(layer_groups) < 0:
+            raise KernelArgumentError(
+                "layer_groups", f"{len(self._layers)} group indices >= 0, got {layer_groups}"
+            )
+        self._layer_groups = (ctypes.c_int64 * len(layer_groups))(*layer_groups)
+        self._num_groups = max(layer_groups) + 1
+
     def run(
         self,
         input_ids: torch.Tensor,  # [n] int64
         positions: torch.Tensor,  # [n] int64, each < max_positions
-        slots: torch.Tensor,  # [n] int64 flat cache slots of the new tokens
-        block_tables: torch.Tensor,  # [n, max_blocks] int32, rows contiguous
+        slots: torch.Tensor,  # [groups, n] (or [n] for one group) int64 flat cache slots
+        block_tables: torch.Tensor,  # [groups, n, max_blocks] (or [n, max_blocks]) int32
         seq_lens: torch.Tensor,  # [n] int32, including the new token
     ) -> tuple[torch.Tensor, ArgmaxLogprobs]:  # [n, vocab] logits in the model dtype
-        """Unchecked beyond the table's binding: the model runner built every index."""
+        """Unchecked beyond the table's binding and the groups' count: the model runner built
+        every index. Each group's tables have contiguous rows."""
         assert self._table is not None, "bind_caches() first"
+        num_groups = block_tables.shape[0] if block_tables.dim() == 3 else 1
+        if num_groups != self._num_groups or slots.numel() != num_groups * input_ids.shape[0]:
+            raise KernelArgumentError(
+                "block_tables", f"tables and slots of {self._num_groups} KV groups expected"
+            )
         n = input_ids.shape[0]
         if len(self._argmax) < n:
             self._argmax = (ctypes.c_int64 * n)()
@@ -349,6 +368,7 @@ class DecodeStep:
             self._table,
             self._types,
             self._windows,
+            self._layer_groups,
             embed,
             final_norm,
             lm_head,
@@ -356,7 +376,8 @@ class DecodeStep:
             positions.data_ptr(),
             slots.data_ptr(),
             block_tables.data_ptr(),
-            block_tables.stride(0),
+            block_tables.stride(-2),
+            block_tables.stride(0) if num_groups > 1 else 0,
             seq_lens.data_ptr(),
             n,
             logits.data_ptr(),

@@ -35,7 +35,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "max_model_len", "eos_token_id", "vocab_size", "num_gpu_blocks_available", "num_cpu_blocks_available", "num_gpu_blocks", "num_cpu_blocks", "device", "attention_backend", "linear_impl", "weight_format", "weight_bytes", "execute_stream_open", "role")
+    __slots__ = ("model", "dtype", "block_size", "max_model_len", "eos_token_id", "vocab_size", "num_gpu_blocks_available", "num_cpu_blocks_available", "num_gpu_blocks", "num_cpu_blocks", "device", "attention_backend", "linear_impl", "weight_format", "weight_bytes", "execute_stream_open", "role", "kv_groups", "kv_group_blocks_used")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class InfoResponse(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_STREAM_OPEN_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -70,7 +72,17 @@ class InfoResponse(_message.Message):
     weight_bytes: int
     execute_stream_open: bool
     role: WorkerRole
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_gpu_blocks_available: _Optional[int] = ..., num_cpu_blocks_available: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., linear_impl: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., execute_stream_open: _Optional[bool] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroup]
+    kv_group_blocks_used: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_gpu_blocks_available: _Optional[int] = ..., num_cpu_blocks_available: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., linear_impl: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., execute_stream_open: _Optional[bool] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroup, _Mapping]]] = ..., kv_group_blocks_used: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvGroup(_message.Message):
+    __slots__ = ("sliding_window", "layers")
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    sliding_window: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sliding_window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitializeCacheRequest(_message.Message):
     __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "max_num_seqs", "max_num_batched_tokens")
@@ -95,7 +107,7 @@ class InitializeCacheResponse(_message.Message):
     def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., init_ns: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "request_id", "seq_index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_scheduled_tokens", "sampling_params")
+    __slots__ = ("seq_id", "request_id", "seq_index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_scheduled_tokens", "sampling_params", "group_tables")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +117,7 @@ class NewSequence(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_TABLES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     request_id: str
     seq_index: int
@@ -114,10 +127,17 @@ class NewSequence(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: int
     sampling_params: _common_pb2.SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    group_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
+    def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., group_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ...) -> None: ...
+
+class BlockTable(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CachedSequences(_message.Message):
-    __slots__ = ("seq_ids", "num_new_tokens", "new_token_ids", "block_offsets", "num_block_ids", "block_ids", "num_scheduled_tokens", "num_draft_tokens", "draft_token_ids", "after_drafts")
+    __slots__ = ("seq_ids", "num_new_tokens", "new_token_ids", "block_offsets", "num_block_ids", "block_ids", "num_scheduled_tokens", "num_draft_tokens", "draft_token_ids", "after_drafts", "group_block_offsets", "num_group_block_ids", "group_block_ids")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +148,9 @@ class CachedSequences(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     AFTER_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -138,7 +161,10 @@ class CachedSequences(_message.Message):
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     after_drafts: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., after_drafts: _Optional[_Iterable[bool]] = ...) -> None: ...
+    group_block_offsets: _containers.RepeatedScalarFieldContainer[int]
+    num_group_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., after_drafts: _Optional[_Iterable[bool]] = ..., group_block_offsets: _Optional[_Iterable[int]] = ..., num_group_block_ids: _Optional[_Iterable[int]] = ..., group_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Fork(_message.Message):
     __slots__ = ("parent_seq_id", "child_seq_id", "child_seq_index")

@@ -1,10 +1,25 @@
-"""Block tables: which physical blocks hold each sequence's KV cache, on which device."""
+"""Block tables: which physical blocks hold each sequence's KV cache, on which device.
+
+A model's layers are laid out as KV groups (`llmserve.kv_layout`): each group has its own
+block table per sequence, all drawing from one pool of device blocks. Group 0's tables are
+`block_tables`; the others' are sent beside them (`StepInput`'s group tables). A windowed
+group keeps only the blocks its window can still read: entries before the window hold
+`NULL_BLOCK` (block 0, reserved) and the blocks they held went back to the pool, or to the
+evictor when they carry a prefix hash. A windowed group also grows lazily: it holds blocks
+for the positions a step computes, not for the whole prompt at admission.
+
+Prefix caching hashes each group's blocks under its own key (group 0 under the token chain's
+hash, so KV transfers between replicas name blocks as before). A hit is the longest prefix
+that every group can serve: all of a full group's blocks, the blocks of a windowed group that
+the first computed position's window reads.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import Enum
 
+from llmserve.kv_layout import NULL_BLOCK
 from scheduler_service.engine.block_allocator import BlockAllocator, Device
 from scheduler_service.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -15,12 +30,17 @@ class AllocStatus(Enum):
     NEVER = "never"  # larger than the whole cache (minus the watermark)
 
 
-class BlockSpaceManager:
-    """Maps sequences to device (GPU) and host (CPU swap) blocks.
+def _group_hash(group: int, block_hash: int) -> int:
+    """The key of a block of `group` holding the tokens hashed to `block_hash`."""
+    return block_hash if group == 0 else hash((group, block_hash))
 
-    Besides the tables it remembers, per sequence, the first table index that changed in
-    place (copy-on-write, swap) since `pop_dirty_from` was last called, so the engine can send
-    workers a table diff without comparing whole tables.
+
+class BlockSpaceManager:
+    """Maps sequences to device (GPU) and host (CPU swap) blocks, one table per KV group.
+
+    Besides the tables it remembers, per sequence and group, the first table index that
+    changed in place (copy-on-write, swap, a refilled window) since `pop_dirty_from` was last
+    called, so the engine can send workers a table diff without comparing whole tables.
     """
 
     def __init__(
@@ -30,20 +50,39 @@ class BlockSpaceManager:
         num_cpu_blocks: int,
         watermark: float = 0.01,
         enable_caching: bool = True,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         self.block_size = block_size
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.enable_caching = enable_caching
+        # Per KV group, its sliding window (None: full attention).
+        self.windows = windows
+        self.num_groups = len(windows)
+        self._windowed = [g for g, w in enumerate(windows) if w is not None]
+        self._full = [g for g, w in enumerate(windows) if w is None]
         self.gpu = BlockAllocator(Device.GPU, num_gpu_blocks, enable_caching)
         # Swap space holds exact copies of device blocks; it is not a prefix cache.
         self.cpu = BlockAllocator(Device.CPU, num_cpu_blocks, enable_caching=False)
-        self._tables: dict[int, list[int]] = {}
+        # Blocks no sequence can have: the null block, held for good when a group has a window.
+        self.num_reserved = 0
+        if self._windowed:
+            assert self.gpu.allocate() == NULL_BLOCK
+            self.num_reserved = 1
+        # Per group: seq id -> table. Group 0's is `_tables`.
+        self._group_tables: list[dict[int, list[int]]] = [{} for _ in windows]
+        self._tables = self._group_tables[0]
+        # Per group: seq id -> the first live index of a windowed table (entries before it
+        # are NULL_BLOCK); 0 for full groups, which keep no entry here.
+        self._live: list[dict[int, int]] = [{} for _ in windows]
         self._on_cpu: set[int] = set()
-        self._dirty_from: dict[int, int] = {}
-        # Leading blocks of each table already marked computed.
+        # Per group: seq id -> first table index rewritten in place.
+        self._dirty: list[dict[int, int]] = [{} for _ in windows]
+        # Leading blocks of each table already marked computed (the same for every group).
         self._num_marked: dict[int, int] = {}
+        # A prefix hit found at allocation, in blocks, until `get_num_computed_tokens`.
+        self._hits: dict[int, int] = {}
         # Logical clock for the evictor's LRU order; the scheduler advances it every step.
         self.now = 0.0
         self.prefix_cache_queries = 0  # full prompt blocks looked up
@@ -52,57 +91,150 @@ class BlockSpaceManager:
         # tables (`scheduler_service.fleet.kv_mover`).
         self.pins: dict[int, list[int]] = {}
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some group keeps less than every token's K/V (more than one table, or a
+        window)."""
+        return self.num_groups > 1 or bool(self._windowed)
+
     # -- allocation of waiting sequences ----------------------------------------------------
 
-    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
-        required = sum(s.get_num_logical_blocks() for s in seqs)
+    def _window_span(self, group: int, chunk: int) -> int:
+        """The most blocks a windowed group holds for a step computing `chunk` tokens."""
+        window = self.windows[group]
+        assert window is not None
+        return (window - 1 + chunk) // self.block_size + 2
+
+    def required_blocks(self, seq_group: SequenceGroup, chunk: int | None = None) -> int:
+        """Device blocks the waiting sequences of `seq_group` take at admission, computing
+        `chunk` tokens in their first step (None: all)."""
+        return self._required(seq_group.get_seqs(SequenceStatus.WAITING), chunk)
+
+    def _required(self, seqs: list[Sequence], chunk: int | None) -> int:
+        bs = self.block_size
+        num_blocks = seqs[0].get_num_logical_blocks()
+        shared = 0
         if self.enable_caching and len(seqs) > 1:
             # Siblings share the prompt's full blocks (`allocate` finds them by hash).
-            required -= (len(seqs) - 1) * (seqs[0].num_prompt_tokens // self.block_size)
-        if self.num_total_gpu_blocks - required < self.watermark_blocks:
+            shared = (len(seqs) - 1) * (seqs[0].num_prompt_tokens // bs)
+        required = len(self._full) * (len(seqs) * num_blocks - shared)
+        if self._windowed:
+            n = seqs[0].get_len()
+            step = min(n, chunk if chunk is not None else n)
+            for g in self._windowed:
+                # Siblings' windows are their own (only hits are shared).
+                required += len(seqs) * min(num_blocks, self._window_span(g, step))
+        return required
+
+    def can_allocate(self, seq_group: SequenceGroup, chunk: int | None = None) -> AllocStatus:
+        """Whether the waiting sequences of `seq_group` fit, computing `chunk` tokens in their
+        first step (None: the whole prompt). NEVER when even one block's step would not fit
+        the empty cache."""
+        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
+        smallest = self._required(seqs, self.block_size) if self._windowed else None
+        required = self._required(seqs, chunk)
+        usable = self.num_total_gpu_blocks - self.num_reserved
+        if usable - (smallest if smallest is not None else required) < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.gpu.get_num_free_blocks() - required >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
+    def max_chunk(self, seqs: list[Sequence], chunk: int) -> int:
+        """The largest first step, up to `chunk` tokens, whose windowed blocks fit the free
+        ones (what `can_allocate` with that chunk would call OK); `chunk` itself without a
+        windowed group. At least one block's worth of tokens when `can_allocate` said OK for
+        it."""
+        if not self._windowed:
+            return chunk
+        free = self.gpu.get_num_free_blocks() - self.watermark_blocks
+        bs = self.block_size
+        while chunk > bs and self._required(seqs, chunk) > free:
+            chunk = (chunk - 1) // bs * bs
+        return chunk
+
     def allocate(self, seq_group: SequenceGroup) -> None:
-        """Give every waiting sequence a table covering all its tokens (sharing cached blocks)."""
+        """Give every waiting sequence its tables: a full group's covers all its tokens
+        (sharing cached blocks), a windowed group's the blocks of the longest prefix hit
+        (`get_num_computed_tokens`) that its window reads; `append_slots` adds the rest."""
         bs = self.block_size
         for seq in seq_group.get_seqs(SequenceStatus.WAITING):
-            assert seq.seq_id not in self._tables, f"{seq} already has blocks"
-            num_tokens = seq.get_len()
-            num_full = num_tokens // bs
-            table: list[int] = []
-            for i in range(seq.get_num_logical_blocks()):
-                if self.enable_caching and i < num_full:
-                    table.append(self.gpu.allocate(seq.block_hash(i), (i + 1) * bs))
-                else:
-                    table.append(self.gpu.allocate())
-            self._tables[seq.seq_id] = table
-            self._num_marked[seq.seq_id] = 0
+            seq_id = seq.seq_id
+            assert seq_id not in self._tables, f"{seq} already has blocks"
+            num_full = seq.get_len() // bs
+            num_blocks = seq.get_num_logical_blocks()
+            for g in self._full:
+                table: list[int] = []
+                for i in range(num_blocks):
+                    if self.enable_caching and i < num_full:
+                        key = _group_hash(g, seq.block_hash(i))
+                        table.append(self.gpu.allocate(key, (i + 1) * bs))
+                    else:
+                        table.append(self.gpu.allocate())
+                self._group_tables[g][seq_id] = table
+            self._num_marked[seq_id] = 0
+            hit = self._find_hit(seq, num_full) if self.enable_caching else 0
+            self._hits[seq_id] = hit
+            start = self._hit_start(seq, hit)
+            for g in self._windowed:
+                first = self._live_index(g, start)
+                table = [NULL_BLOCK] * first
+                for i in range(first, hit):
+                    table.append(self.gpu.allocate(_group_hash(g, seq.block_hash(i)), (i + 1) * bs))
+                self._group_tables[g][seq_id] = table
+                self._live[g][seq_id] = first
+
+    def _live_index(self, group: int, position: int) -> int:
+        """The first table index of windowed `group` that a query at `position` reads."""
+        window = self.windows[group]
+        assert window is not None
+        return max(0, position - window + 1) // self.block_size
+
+    def _hit_start(self, seq: Sequence, hit: int) -> int:
+        """The first position computed after a hit of `hit` blocks (at least the last token
+        is computed, to sample from)."""
+        return min(hit * self.block_size, seq.get_len() - 1)
+
+    def _find_hit(self, seq: Sequence, num_full: int) -> int:
+        """Blocks of the longest prefix of `seq` whose K/V every group holds computed."""
+        gpu = self.gpu
+        hashes = gpu.block_hashes
+        computed = gpu.computed
+        hit = num_full
+        for g in self._full:
+            table = self._group_tables[g][seq.seq_id]
+            cached = 0
+            while cached < hit and hashes[b := table[cached]] is not None and computed[b]:
+                cached += 1
+            hit = cached
+        while hit > 0:
+            served = True
+            start = self._hit_start(seq, hit)
+            for g in self._windowed:
+                for i in range(self._live_index(g, start), hit):
+                    block_id = gpu.lookup(_group_hash(g, seq.block_hash(i)))
+                    if block_id is None or not computed[block_id]:
+                        served = False
+                        break
+                if not served:
+                    break
+            if served:
+                return hit
+            hit -= 1
+        return 0
 
     def get_num_computed_tokens(self, seq: Sequence) -> int:
-        """Tokens of `seq` whose K/V a prefix-cache hit already holds.
+        """Tokens of `seq` whose K/V a prefix-cache hit already holds in every group.
 
         Always leaves at least the last token to compute, so the step has logits to sample.
         Counts one prefix-cache query per full block of the sequence.
         """
+        hit = self._hits.pop(seq.seq_id, 0)
         if not self.enable_caching:
             return 0
-        table = self._tables[seq.seq_id]
-        num_full = seq.get_len() // self.block_size
-        self.prefix_cache_queries += num_full
-        hashes = self.gpu.block_hashes
-        computed = self.gpu.computed
-        num_cached = 0
-        while num_cached < num_full:
-            block_id = table[num_cached]
-            if hashes[block_id] is None or not computed[block_id]:
-                break
-            num_cached += 1
-        self.prefix_cache_hits += num_cached
-        return min(num_cached * self.block_size, seq.get_len() - 1)
+        self.prefix_cache_queries += seq.get_len() // self.block_size
+        self.prefix_cache_hits += hit
+        return self._hit_start(seq, hit)
 
     # -- running sequences ----------------------------------------------------------------
 
@@ -111,20 +243,35 @@ class BlockSpaceManager:
         # content is fixed by its hash (a prefix-cache hit rewriting the same K/V).
         return self.gpu.ref_counts[block_id] > 1 and self.gpu.block_hashes[block_id] is None
 
-    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
+    def _window_end(self, seq: Sequence, chunk: int | None) -> int:
+        """Table length a windowed group needs for the step: through the step's tokens."""
+        end = len(seq.token_ids)
+        if chunk is not None:
+            end = min(end, seq.num_computed_tokens + chunk)
+        return -(-end // self.block_size)
+
+    def can_append_slots(self, seq_group: SequenceGroup, chunk: int | None = None) -> bool:
         """Whether the free device blocks cover every running sequence's new blocks, and a
-        copy of each shared block about to be written."""
+        copy of each shared block about to be written (computing `chunk` tokens; None: all
+        its known tokens)."""
         bs = self.block_size
-        tables = self._tables
         ref_counts = self.gpu.ref_counts
         hashes = self.gpu.block_hashes
         needed = 0
         for seq in seq_group.seqs:
-            if seq.status == SequenceStatus.RUNNING:
-                table = tables[seq.seq_id]
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            seq_id = seq.seq_id
+            write_index = seq.num_computed_tokens // bs
+            for g in range(self.num_groups):
+                table = self._group_tables[g][seq_id]
                 num_blocks = len(table)
-                needed += -(-len(seq.token_ids) // bs) - num_blocks
-                write_index = seq.num_computed_tokens // bs
+                if self.windows[g] is None:
+                    needed += max(0, -(-len(seq.token_ids) // bs) - num_blocks)
+                else:
+                    needed += max(0, self._window_end(seq, chunk) - num_blocks)
+                    first = self._live_index(g, seq.num_computed_tokens)
+                    needed += max(0, self._live[g][seq_id] - first)  # refilled window
                 if write_index < num_blocks:
                     block_id = table[write_index]
                     if ref_counts[block_id] > 1 and hashes[block_id] is None:  # _must_copy
@@ -133,45 +280,80 @@ class BlockSpaceManager:
         return needed <= 0 or needed <= self.gpu.get_num_free_blocks()
 
     def append_slots(
-        self, seq: Sequence, copies: list[tuple[int, int]] | None = None
+        self,
+        seq: Sequence,
+        copies: list[tuple[int, int]] | None = None,
+        chunk: int | None = None,
     ) -> list[tuple[int, int]]:
-        """Extend `seq`'s table to cover all its tokens; copy-on-write the block about to be
-        written if it is shared. Adds the (src, dst) copies to `copies` (a new list if None)
-        and returns it."""
+        """Extend `seq`'s tables to cover the tokens it computes next (`chunk`; None: all its
+        known tokens); copy-on-write the block about to be written if it is shared. Adds the
+        (src, dst) copies to `copies` (a new list if None) and returns it."""
         if copies is None:
             copies = []
         bs = self.block_size
         gpu = self.gpu
         seq_id = seq.seq_id
-        table = self._tables[seq_id]
         num_tokens = len(seq.token_ids)
-        old_len = len(table)
-        if num_tokens > old_len * bs:
-            for _ in range(-(-num_tokens // bs) - old_len):
-                table.append(gpu.allocate())
         write_index = seq.num_computed_tokens // bs
-        if write_index < old_len and self._must_copy(table[write_index]):
-            src = table[write_index]
-            dst = gpu.allocate()
-            table[write_index] = dst
-            gpu.free(src, self.now)
-            copies.append((src, dst))
-            self._mark_dirty(seq_id, write_index)
-        if self.enable_caching and num_tokens // bs > write_index:
-            self._promote_full(seq, table, write_index)
+        for g in range(self.num_groups):
+            table = self._group_tables[g][seq_id]
+            if self.windows[g] is None:
+                target = -(-num_tokens // bs)
+            else:
+                self._slide(g, seq)
+                target = self._window_end(seq, chunk)
+            old_len = len(table)
+            for _ in range(target - old_len):
+                table.append(gpu.allocate())
+            if write_index < old_len and self._must_copy(table[write_index]):
+                src = table[write_index]
+                dst = gpu.allocate()
+                table[write_index] = dst
+                gpu.free(src, self.now)
+                copies.append((src, dst))
+                self._mark_dirty(g, seq_id, write_index)
+            if self.enable_caching and num_tokens // bs > write_index:
+                self._promote_full(g, seq, table, write_index)
         return copies
 
-    def _promote_full(self, seq: Sequence, table: list[int], first: int) -> None:
+    def _slide(self, group: int, seq: Sequence) -> None:
+        """Bring windowed `group`'s table to the window of `seq`'s next computed position:
+        free the blocks before it, or give fresh blocks to NULL entries inside it (a sequence
+        computing from before its prefix hit)."""
+        seq_id = seq.seq_id
+        first = self._live_index(group, seq.num_computed_tokens)
+        live = self._live[group][seq_id]
+        if first == live:
+            return
+        table = self._group_tables[group][seq_id]
+        if first > live:
+            on_cpu = seq_id in self._on_cpu
+            allocator = self.cpu if on_cpu else self.gpu
+            for i in range(live, min(first, len(table))):
+                allocator.free(table[i], self.now)
+                table[i] = NULL_BLOCK
+        else:
+            # Only a sequence computing from its first token (a hit left unused) reads no
+            # position of the refilled blocks before writing it.
+            assert seq.num_computed_tokens == 0, f"{seq}: window refilled mid-sequence"
+            for i in range(first, min(live, len(table))):
+                table[i] = self.gpu.allocate()
+            self._mark_dirty(group, seq_id, first)
+        self._live[group][seq_id] = first
+
+    def _promote_full(self, group: int, seq: Sequence, table: list[int], first: int) -> None:
         """Blocks from table index `first` on that `seq`'s tokens fill become findable by
         hash."""
         bs = self.block_size
         gpu = self.gpu
         hashes = gpu.block_hashes
         ref_counts = gpu.ref_counts
-        for i in range(first, len(seq.token_ids) // bs):
+        if self.windows[group] is not None:
+            first = max(first, self._live[group][seq.seq_id])
+        for i in range(first, min(len(seq.token_ids) // bs, len(table))):
             block_id = table[i]
             if hashes[block_id] is None and ref_counts[block_id] == 1:
-                gpu.promote(block_id, seq.block_hash(i), (i + 1) * bs)
+                gpu.promote(block_id, _group_hash(group, seq.block_hash(i)), (i + 1) * bs)
 
     # -- asynchronous scheduling ----------------------------------------------------------
 
@@ -180,90 +362,112 @@ class BlockSpaceManager:
         seqs[i]) past the ones it knows (the token it is sampling now, or drafts) without a
         copy-on-write, from the free device blocks."""
         bs = self.block_size
-        tables = self._tables
         needed = 0
         for i, seq in enumerate(seqs):
-            table = tables[seq.seq_id]
             position = len(seq.token_ids)
-            if position // bs < len(table) and self._must_copy(table[position // bs]):
-                return False
             ahead = lookahead if isinstance(lookahead, int) else lookahead[i]
-            needed += max(0, (position + ahead - 1) // bs + 1 - len(table))
+            for tables in self._group_tables:
+                table = tables[seq.seq_id]
+                if position // bs < len(table) and self._must_copy(table[position // bs]):
+                    return False
+                needed += max(0, (position + ahead - 1) // bs + 1 - len(table))
         return needed <= self.gpu.get_num_free_blocks()
 
     def reserve_lookahead(self, seq: Sequence, lookahead: int = 1) -> None:
-        """Extend `seq`'s table to hold `lookahead` tokens more than it knows (checked by
+        """Extend `seq`'s tables to hold `lookahead` tokens more than it knows (checked by
         `can_reserve_lookahead`). `append_slots`, once the tokens are appended, finds the
         room and only marks full blocks for the prefix cache."""
-        table = self._tables[seq.seq_id]
-        while len(table) * self.block_size < len(seq.token_ids) + lookahead:
-            table.append(self.gpu.allocate())
+        end = len(seq.token_ids) + lookahead
+        for tables in self._group_tables:
+            table = tables[seq.seq_id]
+            while len(table) * self.block_size < end:
+                table.append(self.gpu.allocate())
 
     def commit_lookahead(self, seq: Sequence, first_written: int, ahead: int = 0) -> None:
         """After tokens from position `first_written` on were appended to `seq` into its
         reserved slots (kept drafts): blocks past its tokens and `ahead` slots more (what the
         step in flight after it reserved) go back to the free pool, the blocks they filled
         become findable by hash, and the computed ones count as hits."""
-        table = self._tables[seq.seq_id]
         needed = -(-(len(seq.token_ids) + ahead) // self.block_size)
-        if len(table) > needed:
-            while len(table) > needed:
-                self.gpu.free(table.pop(), self.now)
-            self._mark_dirty(seq.seq_id, needed)  # the worker's table shrinks too
-        if self.enable_caching:
-            self._promote_full(seq, table, first_written // self.block_size)
+        for g, tables in enumerate(self._group_tables):
+            table = tables[seq.seq_id]
+            if len(table) > needed:
+                while len(table) > needed:
+                    self.gpu.free(table.pop(), self.now)
+                self._mark_dirty(g, seq.seq_id, needed)  # the worker's table shrinks too
+            if self.enable_caching:
+                self._promote_full(g, seq, table, first_written // self.block_size)
         self.mark_computed(seq)
 
-    def _mark_dirty(self, seq_id: int, index: int) -> None:
-        old = self._dirty_from.get(seq_id)
+    def _mark_dirty(self, group: int, seq_id: int, index: int) -> None:
+        dirty = self._dirty[group]
+        old = dirty.get(seq_id)
         if old is None or index < old:
-            self._dirty_from[seq_id] = index
+            dirty[seq_id] = index
 
-    def pop_dirty_from(self, seq_id: int) -> int | None:
-        """First table index rewritten in place since the last call (None: only appends)."""
-        return self._dirty_from.pop(seq_id, None)
+    def pop_dirty_from(self, seq_id: int, group: int = 0) -> int | None:
+        """First index of `group`'s table rewritten in place since the last call (None: only
+        appends)."""
+        return self._dirty[group].pop(seq_id, None)
 
     def has_dirty_tables(self) -> bool:
         """Whether any table was rewritten in place since its `pop_dirty_from`."""
-        return bool(self._dirty_from)
+        return any(self._dirty)
 
     def mark_computed(self, seq: Sequence) -> None:
         """Record that the K/V of `seq`'s computed tokens exist, so its full hashed blocks
-        count as prefix-cache hits from now on."""
+        count as prefix-cache hits from now on, and let windowed groups drop the blocks their
+        windows left."""
         seq_id = seq.seq_id
         start = self._num_marked.get(seq_id)
-        if start is None:
+        if start is None or seq_id in self._on_cpu:
             return
         end = seq.num_computed_tokens // self.block_size
-        if end <= start or seq_id in self._on_cpu:
-            return
-        table = self._tables[seq_id]
-        computed = self.gpu.computed
-        hashes = self.gpu.block_hashes
-        for i in range(start, end):
-            if hashes[table[i]] is not None:
-                computed[table[i]] = True
-        self._num_marked[seq_id] = end
+        if end > start:
+            computed = self.gpu.computed
+            hashes = self.gpu.block_hashes
+            for g, tables in enumerate(self._group_tables):
+                table = tables[seq_id]
+                first = start if self.windows[g] is None else max(start, self._live[g][seq_id])
+                for i in range(first, min(end, len(table))):
+                    if hashes[table[i]] is not None:
+                        computed[table[i]] = True
+            self._num_marked[seq_id] = end
+        # After marking: the blocks a window leaves stay in the prefix cache as hits.
+        for g in self._windowed:
+            self._slide(g, seq)
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """`child_seq` shares every block of `parent_seq`."""
-        table = self._tables[parent_seq.seq_id]
-        allocator = self.cpu if parent_seq.seq_id in self._on_cpu else self.gpu
-        for block_id in table:
-            allocator.share(block_id)
-        child_id = child_seq.seq_id
-        self._tables[child_id] = list(table)
-        if parent_seq.seq_id in self._on_cpu:
+        parent_id, child_id = parent_seq.seq_id, child_seq.seq_id
+        allocator = self.cpu if parent_id in self._on_cpu else self.gpu
+        for g, tables in enumerate(self._group_tables):
+            table = tables[parent_id]
+            live = self._live[g].get(parent_id, 0)
+            for block_id in table[live:]:
+                allocator.share(block_id)
+            tables[child_id] = list(table)
+            if self.windows[g] is not None:
+                self._live[g][child_id] = live
+            dirty = self._dirty[g].get(parent_id)
+            if dirty is not None:
+                self._dirty[g][child_id] = dirty
+        if parent_id in self._on_cpu:
             self._on_cpu.add(child_id)
-        self._num_marked[child_id] = self._num_marked[parent_seq.seq_id]
-        dirty = self._dirty_from.get(parent_seq.seq_id)
-        if dirty is not None:
-            self._dirty_from[child_id] = dirty
+        self._num_marked[child_id] = self._num_marked[parent_id]
 
     # -- swapping ---------------------------------------------------------------------------
 
+    def _live_blocks(self, seq_id: int) -> list[int]:
+        """Every block the sequence's tables hold (NULL entries left out)."""
+        return [
+            b
+            for g, tables in enumerate(self._group_tables)
+            for b in tables[seq_id][self._live[g].get(seq_id, 0) :]
+        ]
+
     def _unique_blocks(self, seqs: list[Sequence]) -> int:
-        return len({b for s in seqs for b in self._tables[s.seq_id]})
+        return len({b for s in seqs for b in self._live_blocks(s.seq_id)})
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
@@ -271,12 +475,13 @@ class BlockSpaceManager:
 
     def can_swap_in(self, seq_group: SequenceGroup) -> bool:
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
-        # One more block per sequence for the token it appends when it resumes, or as many
-        # as the tokens appended while it was out need (a grammar's forced tokens).
+        # One more block per sequence and group for the token it appends when it resumes,
+        # or as many as the tokens appended while it was out need (a grammar's forced tokens).
         bs = self.block_size
-        tables = self._tables
         required = self._unique_blocks(seqs) + sum(
-            max(1, -(-seq.get_len() // bs) - len(tables[seq.seq_id])) for seq in seqs
+            max(1, -(-seq.get_len() // bs) - len(tables[seq.seq_id]))
+            for seq in seqs
+            for tables in self._group_tables
         )
         return self.gpu.get_num_free_blocks() - required >= self.watermark_blocks
 
@@ -285,7 +490,7 @@ class BlockSpaceManager:
         a block shared inside the group is copied once and stays shared."""
         mapping: dict[int, int] = {}
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
-            self._tables[seq.seq_id] = self._move(seq.seq_id, self.gpu, self.cpu, mapping)
+            self._move(seq.seq_id, self.gpu, self.cpu, mapping)
             self._on_cpu.add(seq.seq_id)
         return mapping
 
@@ -294,27 +499,29 @@ class BlockSpaceManager:
         mapping: dict[int, int] = {}
         for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
             seq_id = seq.seq_id
-            self._tables[seq_id] = self._move(seq_id, self.cpu, self.gpu, mapping)
+            self._move(seq_id, self.cpu, self.gpu, mapping)
             self._on_cpu.discard(seq_id)
-            self._dirty_from[seq_id] = 0
+            for g in range(self.num_groups):
+                self._dirty[g][seq_id] = self._live[g].get(seq_id, 0)
             # Swapped-in blocks carry no hash; only blocks filled from now on get one.
             self._num_marked[seq_id] = seq.num_computed_tokens // self.block_size
         return mapping
 
     def _move(
         self, seq_id: int, src: BlockAllocator, dst: BlockAllocator, mapping: dict[int, int]
-    ) -> list[int]:
-        new_table: list[int] = []
-        for block_id in self._tables[seq_id]:
-            moved = mapping.get(block_id)
-            if moved is None:
-                moved = dst.allocate()
-                mapping[block_id] = moved
-            else:
-                dst.share(moved)
-            new_table.append(moved)
-            src.free(block_id, self.now)
-        return new_table
+    ) -> None:
+        for g, tables in enumerate(self._group_tables):
+            table = tables[seq_id]
+            for i in range(self._live[g].get(seq_id, 0), len(table)):
+                block_id = table[i]
+                moved = mapping.get(block_id)
+                if moved is None:
+                    moved = dst.allocate()
+                    mapping[block_id] = moved
+                else:
+                    dst.share(moved)
+                table[i] = moved
+                src.free(block_id, self.now)
 
     # -- KV transfers -----------------------------------------------------------------------
 
@@ -348,27 +555,44 @@ class BlockSpaceManager:
 
     def free(self, seq: Sequence) -> None:
         seq_id = seq.seq_id
-        table = self._tables.pop(seq_id, None)
-        if table is None:
+        if seq_id not in self._tables:
             return
         allocator = self.cpu if seq_id in self._on_cpu else self.gpu
         self._on_cpu.discard(seq_id)
-        self._dirty_from.pop(seq_id, None)
         self._num_marked.pop(seq_id, None)
-        # Free the tail first: at equal LRU time the evictor prefers deeper blocks anyway.
-        for block_id in reversed(table):
-            allocator.free(block_id, self.now)
+        self._hits.pop(seq_id, None)
+        for g, tables in enumerate(self._group_tables):
+            table = tables.pop(seq_id)
+            live = self._live[g].pop(seq_id, 0)
+            self._dirty[g].pop(seq_id, None)
+            # Free the tail first: at equal LRU time the evictor prefers deeper blocks anyway.
+            for i in range(len(table) - 1, live - 1, -1):
+                allocator.free(table[i], self.now)
 
     def has_table(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tables
 
-    def get_block_table(self, seq: Sequence) -> list[int]:
-        return self._tables[seq.seq_id]
+    def get_block_table(self, seq: Sequence, group: int = 0) -> list[int]:
+        return self._group_tables[group][seq.seq_id]
 
     @property
     def block_tables(self) -> Mapping[int, list[int]]:
-        """Every table by seq id, for readers that visit many sequences (do not modify)."""
+        """Group 0's table of every sequence by seq id, for readers that visit many sequences
+        (do not modify)."""
         return self._tables
+
+    @property
+    def group_tables(self) -> list[dict[int, list[int]]]:
+        """Per KV group, every sequence's table (do not modify)."""
+        return self._group_tables
+
+    def resident_blocks(self, seq: Sequence) -> list[int]:
+        """How many device or host blocks each group's table of `seq` holds (NULL entries of
+        a window left out)."""
+        return [
+            len(tables[seq.seq_id]) - self._live[g].get(seq.seq_id, 0)
+            for g, tables in enumerate(self._group_tables)
+        ]
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu.get_num_free_blocks()
@@ -382,15 +606,41 @@ class BlockSpaceManager:
     def cpu_usage(self) -> float:
         return 1.0 - self.cpu.get_num_free_blocks() / max(self.num_total_cpu_blocks, 1)
 
+    def group_usage(self) -> list[int]:
+        """Device blocks each group's tables hold (a block shared by sequences counted once)."""
+        return [
+            len(
+                {
+                    b
+                    for seq_id, table in tables.items()
+                    if seq_id not in self._on_cpu
+                    for b in table[self._live[g].get(seq_id, 0) :]
+                }
+            )
+            for g, tables in enumerate(self._group_tables)
+        ]
+
     def check_invariants(self) -> None:
         """Free + in use == total on each device; ref counts equal table references; no block
-        both free and referenced; tables cover their sequences' tokens."""
+        both free and referenced; every group holds a table for the same sequences; a
+        windowed table holds NULL entries exactly before its live part, none of them
+        referenced."""
         gpu_refs = [0] * self.num_total_gpu_blocks
         cpu_refs = [0] * self.num_total_cpu_blocks
-        for seq_id, table in self._tables.items():
-            refs = cpu_refs if seq_id in self._on_cpu else gpu_refs
-            for block_id in table:
-                refs[block_id] += 1
+        if self._windowed:
+            gpu_refs[NULL_BLOCK] += 1
+        for g, tables in enumerate(self._group_tables):
+            assert tables.keys() == self._tables.keys(), f"group {g}: other sequences"
+            for seq_id, table in tables.items():
+                refs = cpu_refs if seq_id in self._on_cpu else gpu_refs
+                live = self._live[g].get(seq_id, 0)
+                if self.windows[g] is None:
+                    assert live == 0
+                else:
+                    assert seq_id in self._live[g], f"group {g}: seq {seq_id} without a window"
+                    assert all(b == NULL_BLOCK for b in table[:live])
+                for block_id in table[live:]:
+                    refs[block_id] += 1
         for block_ids in self.pins.values():
             for block_id in block_ids:
                 gpu_refs[block_id] += 1

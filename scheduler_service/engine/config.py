@@ -206,8 +206,13 @@ class CacheConfig:
     # grow without preempting right away.
     watermark: float = 0.01
     enable_prefix_caching: bool = True
+    # The sliding window of each KV group (None: full attention), as the worker lays out its
+    # layers (`llmserve.kv_layout`); one full group by default.
+    kv_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
+        if not self.kv_windows:
+            raise ConfigError("kv_windows", "needs at least one KV group")
         if self.block_size < 1:
             raise ConfigError("block_size", f"must be at least 1, got {self.block_size}")
         if self.num_gpu_blocks < 1:

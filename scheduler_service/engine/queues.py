@@ -32,6 +32,7 @@ class SchedulerQueues:
             num_cpu_blocks=cache_config.num_cpu_blocks,
             watermark=cache_config.watermark,
             enable_caching=cache_config.enable_prefix_caching,
+            windows=cache_config.kv_windows,
         )
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()

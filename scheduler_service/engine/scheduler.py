@@ -103,8 +103,9 @@ class Scheduler(SchedulerQueues):
         max_seqs = self.scheduler_config.max_num_seqs
         needed = head.get_max_num_running_seqs()
         num_seqs = sum(g.get_max_num_running_seqs() for g in running)
+        first_step = self.scheduler_config.max_num_batched_tokens
         while running and running[-1].priority > head.priority:
-            can_allocate = bm.can_allocate(head)
+            can_allocate = bm.can_allocate(head, first_step)
             if can_allocate is AllocStatus.NEVER:
                 return
             if can_allocate is AllocStatus.OK and num_seqs + needed <= max_seqs:
@@ -126,7 +127,7 @@ class Scheduler(SchedulerQueues):
         for seq in seq_group.seqs:
             if seq.status == _RUNNING:
                 num_seqs += 1
-                append_slots(seq, copies)
+                append_slots(seq, copies, chunk)
         budget.num_tokens += chunk * num_seqs
         out.scheduled.append(ScheduledGroup(seq_group, chunk))
 
@@ -199,7 +200,7 @@ class Scheduler(SchedulerQueues):
     ) -> set[str]:
         """The next chunk of each partially prefilled prompt, while the token budget lasts.
         Returns the request ids preempted for want of blocks."""
-        can_append = self.block_manager.can_append_slots
+        bm = self.block_manager
         preempted: set[str] = set()
         for seq_group in prefills:
             seqs = seq_group.get_seqs(_RUNNING)
@@ -209,7 +210,7 @@ class Scheduler(SchedulerQueues):
             )
             if chunk <= 0:
                 continue
-            if not can_append(seq_group):
+            if not bm.can_append_slots(seq_group, chunk):
                 self._preempt(seq_group, out)
                 preempted.add(seq_group.request_id)
                 continue
@@ -262,22 +263,28 @@ class Scheduler(SchedulerQueues):
             if too_long is not None:
                 self._ignore(seq_group, too_long, out)
                 continue
-            can_allocate = bm.can_allocate(seq_group)
-            if can_allocate is AllocStatus.LATER:
-                break
+            share = budget.remaining_tokens // len(seqs)
+            can_allocate = bm.can_allocate(seq_group, share if chunked else None)
             if can_allocate is AllocStatus.NEVER:
                 self._ignore(
                     seq_group,
-                    f"prompt needs {seq.get_num_logical_blocks()} KV blocks, more than the "
-                    f"cache can ever hold ({bm.num_total_gpu_blocks} blocks, watermark "
-                    f"{bm.watermark_blocks})",
+                    f"prompt needs {bm.required_blocks(seq_group, bm.block_size)} KV blocks, "
+                    f"more than the cache can ever hold ({bm.num_total_gpu_blocks} blocks, "
+                    f"watermark {bm.watermark_blocks})",
                     out,
                 )
                 continue
+            if can_allocate is AllocStatus.LATER:
+                # A first step shorter than the share may fit (a windowed group's blocks
+                # grow with it).
+                if not chunked or bm.max_chunk(seqs, share) >= share:
+                    break
+                share = bm.max_chunk(seqs, share)
+                if bm.can_allocate(seq_group, share) is not AllocStatus.OK:
+                    break
             num_new_seqs = seq_group.get_max_num_running_seqs()
             if budget.num_seqs + num_new_seqs > budget.seq_budget:
                 break
-            share = budget.remaining_tokens // len(seqs)
             # Without chunking a prompt runs whole; siblings that together exceed the token
             # budget run alone in a step (they fit the budget one by one).
             if share <= 0 or (not chunked and num_tokens > share and budget.num_tokens > 0):

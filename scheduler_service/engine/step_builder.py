@@ -19,6 +19,7 @@ from llmserve.steps import (
     Fork,
     NewSequence,
     StepInput,
+    TableEdit,
     TokenMask,
 )
 from scheduler_service.engine.grammar import GrammarTimings
@@ -39,7 +40,8 @@ class StepBuilder:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        # seq id -> [tokens the worker holds, block-table length it holds]
+        # seq id -> [tokens the worker holds, then the length of each KV group's block table
+        # it holds]
         self.views: dict[int, list[int]] = {}
         # Frees held back one step because a fork in the same step copies from that sequence
         # (the worker applies frees before forks).
@@ -161,7 +163,7 @@ class StepBuilder:
                     constrained.append((seq, scheduled.seq_group, chunk, []))
                 seq_id = seq.seq_id
                 view = views[seq_id]
-                known_tokens, known_blocks = view
+                known_tokens, known_blocks = view[0], view[1]
                 # The worker knows every token and the placeholder sent for the step in
                 # flight's input, unless forced tokens came after that input: the first of
                 # them is what the step in flight samples (this placeholder), the rest follow.
@@ -177,6 +179,8 @@ class StepBuilder:
                     cached.draft_token_ids = seq_drafts
                     cached.num_scheduled_tokens += len(seq_drafts)
                 cached.after_drafts = seq_id in cont.after_drafts
+                if bm.num_groups > 1:
+                    cached.group_edits = self._group_edits(seq_id, view)
                 step.cached_seqs.append(cached)
                 view[0] = known_tokens + chunk
                 view[1] = len(table)
@@ -194,8 +198,7 @@ class StepBuilder:
         for parent, child in forks:
             if not bm.has_table(child):
                 continue
-            parent_view = views[parent.seq_id]
-            views[child.seq_id] = [parent_view[0], parent_view[1]]
+            views[child.seq_id] = list(views[parent.seq_id])
             step.forks.append(Fork(parent.seq_id, child.seq_id, child.seq_index))
             fork_parents.add(parent.seq_id)
         return fork_parents
@@ -222,6 +225,7 @@ class StepBuilder:
         tables = bm.block_tables
         pop_dirty_from = bm.pop_dirty_from
         any_dirty = bm.has_dirty_tables()
+        grouped = bm.num_groups > 1
         views = self.views
         cached_seqs = step.cached_seqs
         drafts = sched_out.drafts
@@ -239,12 +243,15 @@ class StepBuilder:
                 tokens = seq.token_ids
                 view = views.get(seq_id)
                 if view is None:
-                    step.new_seqs.append(self._new_seq(seq, seq_group, table, chunk))
+                    new = self._new_seq(seq, seq_group, table, chunk)
                     views[seq_id] = [len(tokens), len(table)]
                     if any_dirty:
                         pop_dirty_from(seq_id)
+                    if grouped:
+                        new.group_block_ids = self._group_tables(seq_id, views[seq_id])
+                    step.new_seqs.append(new)
                     continue
-                known_tokens, known_blocks = view
+                known_tokens, known_blocks = view[0], view[1]
                 dirty = pop_dirty_from(seq_id) if any_dirty else None
                 offset = known_blocks if dirty is None or dirty > known_blocks else dirty
                 cached = CachedSequence(
@@ -257,10 +264,37 @@ class StepBuilder:
                 if drafts and (seq_drafts := drafts.get(seq_id)):
                     cached.draft_token_ids = seq_drafts
                     cached.num_scheduled_tokens += len(seq_drafts)
+                if grouped:
+                    cached.group_edits = self._group_edits(seq_id, view)
                 cached_seqs.append(cached)
                 view[0] = len(tokens)
                 view[1] = len(table)
         return constrained
+
+    def _group_tables(self, seq_id: int, view: list[int]) -> list[list[int]]:
+        """The whole tables of KV groups 1.. for a new sequence; extends its view."""
+        bm = self.scheduler.block_manager
+        tables = []
+        for g in range(1, bm.num_groups):
+            table = bm.group_tables[g][seq_id]
+            bm.pop_dirty_from(seq_id, g)
+            tables.append(list(table))
+            view.append(len(table))
+        return tables
+
+    def _group_edits(self, seq_id: int, view: list[int]) -> list[TableEdit]:
+        """What changed in the tables of KV groups 1.. since the worker last saw them (the
+        view's entries 2.. are their lengths then); updates the view."""
+        bm = self.scheduler.block_manager
+        edits = []
+        for g in range(1, bm.num_groups):
+            table = bm.group_tables[g][seq_id]
+            known = view[g + 1]
+            dirty = bm.pop_dirty_from(seq_id, g)
+            offset = known if dirty is None or dirty > known else dirty
+            edits.append(TableEdit(offset, table[offset:]))
+            view[g + 1] = len(table)
+        return edits
 
     @staticmethod
     def _new_seq(

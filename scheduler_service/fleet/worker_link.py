@@ -167,8 +167,18 @@ async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> W
         num_cpu_blocks=reply.num_cpu_blocks,
         watermark=cfg.watermark,
         enable_prefix_caching=cfg.enable_prefix_caching,
+        kv_windows=kv_windows(info),
     )
     return WorkerLink(info, scheduler_config, cache_config)
+
+
+def kv_windows(info: worker_pb2.InfoResponse) -> tuple[int | None, ...]:
+    """The sliding window of each of the worker's KV groups (a worker that reports none has
+    one full group)."""
+    windows = tuple(
+        g.sliding_window if g.HasField("sliding_window") else None for g in info.kv_groups
+    )
+    return windows or (None,)
 
 
 async def watch_health(

@@ -89,7 +89,7 @@ def make_engine(
 def assert_all_free(engine: LLMEngine, worker: Worker) -> None:
     bm = engine.scheduler.block_manager
     bm.check_invariants()
-    assert bm.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
+    assert bm.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks - bm.num_reserved
     assert bm.get_num_free_cpu_blocks() == engine.cache_config.num_cpu_blocks
     engine.step()  # the last frees reach the worker
     assert worker.num_sequences == 0

@@ -86,7 +86,7 @@ def assert_all_free(engine: LLMEngine, worker: Worker) -> None:
     assert not engine.has_unfinished_requests()
     bm = engine.scheduler.block_manager
     bm.check_invariants()
-    assert bm.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
+    assert bm.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks - bm.num_reserved
     assert bm.get_num_free_cpu_blocks() == engine.cache_config.num_cpu_blocks
     # Finished ids reach the worker with the next step.
     engine.step()

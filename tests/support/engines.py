@@ -22,9 +22,14 @@ def engine_on_worker(
     preemption: PreemptionMode | None = None,
     **scheduler: Any,
 ) -> LLMEngine:
-    """Initialize the worker's cache with these block counts and return an engine over it
-    (max_num_seqs 16, no watermark, the worker's block size); `scheduler`: more
-    `SchedulerConfig` fields."""
+    """Initialize the worker's cache with the memory of these block counts and return an
+    engine over it (max_num_seqs 16, no watermark, the worker's block size); `scheduler`: more
+    `SchedulerConfig` fields. The counts are of blocks holding every layer: a model laid out in
+    KV groups (`llmserve.kv_layout`) gets as many of its smaller blocks as fit the same memory."""
+    layout = worker.model_info.kv_layout
+    num_layers = sum(len(g.layers) for g in layout.groups)
+    gpu_blocks = gpu_blocks * num_layers // layout.slots
+    cpu_blocks = cpu_blocks * num_layers // layout.slots
     worker.initialize_cache(gpu_blocks, cpu_blocks)
     return LLMEngine(
         SchedulerConfig(
@@ -41,6 +46,7 @@ def engine_on_worker(
             cpu_blocks,
             watermark=0.0,
             enable_prefix_caching=prefix,
+            kv_windows=worker.model_info.kv_layout.windows,
         ),
         worker,
     )

@@ -133,6 +133,9 @@ class DecoderModel:
         self.device = embed.device
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
+        # The KV group of each layer (`llmserve.kv_layout`): which of a step's metadata and
+        # backends it attends with. One group unless the worker lays the cache out in more.
+        self.layer_groups: tuple[int, ...] = (0,) * arch.num_layers
         self._embed_scale = embedding_multiplier(
             arch.embed_scale, arch.round_embed_scale, self.dtype
         )
@@ -182,21 +185,25 @@ class DecoderModel:
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer K, V caches
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
+        metadata: AttentionMetadata | list[AttentionMetadata],  # one, or one per KV group
+        backend: AttentionBackend | list[AttentionBackend],  # one, or one per KV group
         logit_rows: torch.Tensor,  # [num_logit_rows] int64, token rows that need logits
     ) -> torch.Tensor:  # [num_logit_rows, vocab] in the model dtype (the sampler upcasts)
         self.argmax_logprobs = None
         if self.fused_ops:  # the native ops below run unchecked: validate their inputs once
             self._check_native_inputs(input_ids, positions)
-        if self.native_decode is not None and self.native_decode.accepts(metadata, logit_rows):
+        metadatas = metadata if isinstance(metadata, list) else [metadata]
+        backends = backend if isinstance(backend, list) else [backend]
+        if self.native_decode is not None and self.native_decode.accepts(metadatas, logit_rows):
             logits, self.argmax_logprobs = self.native_decode.run(
-                input_ids, positions, kv_caches, metadata
+                input_ids, positions, kv_caches, metadatas, self.layer_groups
             )
             return logits
         arch = self.arch
         rotations = self._rotations(positions)
-        backend.begin_step(metadata)
+        for group_backend, group_metadata in zip(backends, metadatas, strict=True):
+            group_backend.begin_step(group_metadata)
+        layer_groups = self.layer_groups if len(metadatas) > 1 else (0,) * arch.num_layers
         x = self.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         if self._embed_scale is not None:
             x = x * self._embed_scale
@@ -207,8 +214,9 @@ class DecoderModel:
             kind = arch.layers[i]
             h, x = self._add_norm(delta, x, weights.input_norm)
             q, k, v = self._qkv(h, weights, positions, rotations[kind.rope], kind.rope)
-            attn = backend.forward(
-                q, k, v, key_cache, value_cache, metadata, sliding_window=kind.sliding_window
+            g = layer_groups[i]
+            attn = backends[g].forward(
+                q, k, v, key_cache, value_cache, metadatas[g], sliding_window=kind.sliding_window
             )
             o = self.linear(attn.reshape(-1, self.q_size), weights.o, weights.o_bias)
             delta = self._block_output(o, weights.attn_out_norm)

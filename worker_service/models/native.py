@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu.decode import ArgmaxLogprobs, DecodeLayer, DecodeShape, DecodeStep, Weight
 from kernels.cpu.quant import QuantMode
@@ -160,8 +161,11 @@ class NativeDecode:
             shape, plain, _contiguous(embed), final_norm.contiguous(), _contiguous(lm_head)
         )
         self.max_batch = max_batch
+        self._layer_groups: tuple[int, ...] | None = None
 
-    def accepts(self, metadata: AttentionMetadata, logit_rows: torch.Tensor) -> bool:
+    def accepts(self, metadatas: list[AttentionMetadata], logit_rows: torch.Tensor) -> bool:
+        """Whether it runs this step: decodes only, every row sampling."""
+        metadata = metadatas[0]
         n = metadata.num_decodes
         return (
             metadata.num_prefills == 0
@@ -174,16 +178,31 @@ class NativeDecode:
         input_ids: torch.Tensor,  # [n] int64
         positions: torch.Tensor,  # [n] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
+        metadatas: list[AttentionMetadata],  # one per KV group
+        layer_groups: tuple[int, ...],  # each layer's KV group
     ) -> tuple[torch.Tensor, ArgmaxLogprobs]:  # [n, vocab] logits
+        metadata = metadatas[0]
         self.step.bind_caches(kv_caches)
-        return self.step.run(
-            input_ids,
-            positions,
-            metadata.slot_mapping,
-            metadata.decode_block_tables,
-            metadata.decode_seq_lens,
-        )
+        if len(metadatas) == 1:
+            return self.step.run(
+                input_ids,
+                positions,
+                metadata.slot_mapping,
+                metadata.decode_block_tables,
+                metadata.decode_seq_lens,
+            )
+        if self._layer_groups != layer_groups:
+            self.step.bind_groups(layer_groups)
+            self._layer_groups = layer_groups
+        width = max(m.decode_block_tables.shape[1] for m in metadatas)
+        tables = torch.stack(
+            [
+                F.pad(m.decode_block_tables, (0, width - m.decode_block_tables.shape[1]))
+                for m in metadatas
+            ]
+        )  # [groups, n, width] int32
+        slots = torch.stack([m.slot_mapping for m in metadatas])  # [groups, n] int64
+        return self.step.run(input_ids, positions, slots, tables, metadata.decode_seq_lens)
 
 
 def _contiguous(weight: Weight) -> Weight:

@@ -1,0 +1,117 @@
+"""How a model's layers keep their K/V in the paged cache: KV groups (DESIGN.md, section 13).
+
+Layers that attend alike share one block table per sequence: a **group** is a list of layers
+of one kind (full attention, or a sliding window of W tokens). Every block of the worker's
+one pool holds the K/V of `slots` layers for `block_size` tokens; a block given to group g
+holds its layers in slots 0, 1, ... (slot j = `group.layers[j]`). So one block id space
+serves every group, memory moves between groups as the load changes, and swaps, copies and
+transfers move whole blocks whatever group they belong to.
+
+Groups are cut to equal sizes so that no slot sits idle: each kind's layers are split into
+groups of as many layers as the smallest kind has (the last group of a kind may be shorter,
+its spare slots unused). A model whose layers all attend alike is one group of every layer,
+the layout before groups existed.
+
+A windowed group keeps only the blocks that the window can still read. Its table stays
+indexed by position (entry i holds positions [i * block_size, (i + 1) * block_size)); the
+entries before the window hold `NULL_BLOCK`, a block reserved at start-up that is never
+written and reads as zeros (backends mask it: it lies outside every window).
+
+The scheduler and the worker both read their rules from here: the scheduler learns the
+groups' windows from the worker (`InfoResponse.kv_groups`), the worker builds its cache from
+the same layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Table entry of a windowed group for a block the window left: block 0 of the pool, reserved
+# (never allocated to a sequence) whenever some group has a window.
+NULL_BLOCK = 0
+
+
+class KvLayoutError(ValueError):
+    """The layers cannot be laid out as KV groups (the message names what)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvGroup:
+    """Layers that share one block table per sequence."""
+
+    sliding_window: int | None  # keys less than this many positions behind a query; None: all
+    layers: tuple[int, ...]  # the layers whose K/V its blocks hold, slot j = layers[j]
+
+    def first_live_block(self, position: int, block_size: int) -> int:
+        """The first table index that a query at `position`, or any later one, can read:
+        blocks before it hold only keys that fell out of the window (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // block_size
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    groups: tuple[KvGroup, ...]
+    slots: int  # layers one block holds: the size of the largest group
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(g.sliding_window for g in self.groups)
+
+    @property
+    def reserves_null_block(self) -> bool:
+        """Whether block 0 is the null block (some group has a window)."""
+        return any(w is not None for w in self.windows)
+
+    def slot_of_layer(self) -> dict[int, tuple[int, int]]:
+        """Layer -> (group, slot) of the blocks that hold its K/V."""
+        return {
+            layer: (g, slot)
+            for g, group in enumerate(self.groups)
+            for slot, layer in enumerate(group.layers)
+        }
+
+    def blocks_for(self, num_tokens: int, block_size: int, chunk: int | None = None) -> int:
+        """Device blocks one sequence of `num_tokens` holds at most, computing at most `chunk`
+        tokens a step (None: all at once): a full group holds every block, a windowed group
+        the window's and the step's."""
+        total_blocks = -(-num_tokens // block_size)
+        chunk = num_tokens if chunk is None else max(1, min(chunk, num_tokens))
+        needed = 0
+        for group in self.groups:
+            if group.sliding_window is None:
+                needed += total_blocks
+            else:
+                # The step's queries start at some position p and read keys from
+                # p - window + 1 on; the most blocks that range spans.
+                span = group.sliding_window - 1 + chunk
+                needed += min(total_blocks, span // block_size + 2)
+        return needed
+
+
+def single_group(num_layers: int) -> KvLayout:
+    """The layout of a model whose layers all attend to every key."""
+    return KvLayout((KvGroup(None, tuple(range(num_layers))),), num_layers)
+
+
+def plan_layout(layer_windows: Sequence[int | None]) -> KvLayout:
+    """Group layers by their window (None: full attention), full-attention groups first, then
+    by window size; every group at most as large as the smallest kind."""
+    if not layer_windows:
+        raise KvLayoutError("a model needs at least one layer that stores K/V")
+    for i, window in enumerate(layer_windows):
+        if window is not None and window < 1:
+            raise KvLayoutError(f"layer {i}: sliding window must be at least 1, got {window}")
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        kinds.setdefault(window, []).append(layer)
+    size = min(len(layers) for layers in kinds.values())
+    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+    groups = tuple(
+        KvGroup(window, tuple(kinds[window][start : start + size]))
+        for window in order
+        for start in range(0, len(kinds[window]), size)
+    )
+    return KvLayout(groups, size)
