@@ -153,7 +153,7 @@ WINDOWED_KINDS = [
     "gemma3",
     *(
         pytest.param(kind, marks=pytest.mark.slow)
-        for kind in ("gemma3_mm", "qwen3", "phi3", "smollm3", "mixtral")
+        for kind in ("gemma3_mm", "qwen3", "phi3", "smollm3", "olmo3", "mixtral")
     ),
 ]
 

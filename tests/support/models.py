@@ -27,6 +27,7 @@ FAMILY_KINDS = (
     "gemma2",
     "phi3",
     "olmo2",
+    "olmo3",
     "granite",
     "smollm3",
     "qwen3_moe",
@@ -36,6 +37,8 @@ FAMILY_KINDS = (
 WINDOW = 8
 _SIX = dict(num_hidden_layers=6)
 _GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+# OLMo 3's three sliding layers in four, then one more of each kind.
+_OLMO3_TYPES = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB,
@@ -151,6 +154,24 @@ def _family_config(kind: str, common: dict[str, Any]) -> Any:
     if kind == "olmo2":
         return tf.Olmo2Config(
             **common, attention_bias=True, tie_word_embeddings=False, pad_token_id=0
+        )
+    if kind == "olmo3":
+        return tf.Olmo3Config(
+            **common,
+            head_dim=32,
+            sliding_window=WINDOW,
+            layer_types=_OLMO3_TYPES,
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 5e5,
+                    "original_max_position_embeddings": 64,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            tie_word_embeddings=False,
+            pad_token_id=0,
         )
     if kind == "granite":
         return tf.GraniteConfig(

@@ -176,13 +176,33 @@ def read_layer_kinds(
     return tuple(kinds)
 
 
+def read_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def read_ropes_by_layer_type(config: Any) -> tuple[tuple[RopeSpec, ...], dict[str, int]]:
+    """One rotary table per layer type, from `rope_parameters` keyed by layer type (Gemma 3,
+    OLMo 3): the tables, and the map from layer type to table that `read_layer_kinds`
+    takes. Refuses rope parameters that do not name every layer type."""
+    params = getattr(config, "rope_parameters", None) or {}
+    missing = [t for t in _LAYER_TYPES if t not in params]
+    if missing:
+        raise UnsupportedModelError(
+            f"rope_parameters must be keyed by layer type {_LAYER_TYPES}; "
+            f"missing {missing}, got {list(params)}"
+        )
+    head_dim = read_head_dim(config)
+    ropes = tuple(read_rope_spec(params[t], head_dim, config) for t in _LAYER_TYPES)
+    return ropes, {t: i for i, t in enumerate(_LAYER_TYPES)}
+
+
 def read_common(
     config: Any, architecture: str, *, rope_params: dict[str, Any] | None = None, **features: Any
 ) -> ModelArchConfig:
     """The fields every family shares, plus `features` (ModelArchConfig's other fields).
     `layers`/`ropes` default to one rotary table and `read_layer_kinds`."""
     num_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    head_dim = read_head_dim(config)
     num_layers = config.num_hidden_layers
     if "ropes" not in features:
         params = rope_params if rope_params is not None else _rope_parameters(config)

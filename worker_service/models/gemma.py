@@ -14,9 +14,10 @@ from worker_service.models.arch import (
     read_activation,
     read_common,
     read_layer_kinds,
+    read_ropes_by_layer_type,
 )
 from worker_service.models.family import Family
-from worker_service.models.rope import UnsupportedModelError, read_rope_spec
+from worker_service.models.rope import UnsupportedModelError
 from worker_service.models.weights import LayerWeights, read_layer
 
 
@@ -42,17 +43,8 @@ def read_gemma2(config: Any, architecture: str) -> ModelArchConfig:
 
 
 def read_gemma3(config: Any, architecture: str) -> ModelArchConfig:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    params = config.rope_parameters
-    types = ("full_attention", "sliding_attention")
-    if not all(t in params for t in types):
-        raise UnsupportedModelError(
-            f"Gemma 3 rope_parameters must be keyed by layer type {types}, got {list(params)}"
-        )
-    ropes = tuple(read_rope_spec(params[t], head_dim, config) for t in types)
-    layers = read_layer_kinds(
-        config, config.num_hidden_layers, rope_of_type={types[0]: 0, types[1]: 1}
-    )
+    ropes, rope_of_type = read_ropes_by_layer_type(config)
+    layers = read_layer_kinds(config, config.num_hidden_layers, rope_of_type=rope_of_type)
     return read_common(
         config,
         architecture,

@@ -3,10 +3,11 @@
 decode.cpp runs every dense family here: Llama-style layers, Qwen3 (per-head q/k norms),
 Gemma 2 and 3 ((1 + w) norms in float32, four norms a layer, GeGLU, scaled embeddings,
 query_pre_attn_scalar, soft-capped scores and logits, per-layer windows and rotary tables),
-SmolLM3 (NoPE layers), Granite (multipliers), OLMo 2 (full-width q/k norms, output norms
-only) and Phi-3 (partial rotary, longrope tables), each step with the per-layer path's
-rounding points. What it does not run (`ModelArchConfig.native_blockers`) is refused here by
-name and decodes on the per-layer path, whose attention is the `cpu` backend's paged kernel.
+SmolLM3 (NoPE layers), Granite (multipliers), OLMo 2 and 3 (full-width q/k norms, output
+norms only; OLMo 3 with per-layer windows and rotary tables) and Phi-3 (partial rotary,
+longrope tables), each step with the per-layer path's rounding points. What it does not
+run (`ModelArchConfig.native_blockers`) is refused here by name and decodes on the per-layer
+path, whose attention is the `cpu` backend's paged kernel.
 
 Mixture-of-experts models (Qwen3-MoE, Mixtral) stay on the per-layer path: decode.cpp has
 no routed expert MLP (router, top-k, renormalised weights, one matmul per chosen expert), and

@@ -10,16 +10,14 @@ from worker_service.models.arch import ModelArchConfig, read_common
 from worker_service.models.family import Family
 from worker_service.models.weights import LayerWeights, read_layer
 
+# ModelArchConfig fields of OLMo 2's block (OLMo 3 keeps it).
+FEATURES: dict[str, Any] = dict(
+    norm="rms_f32", qk_norm="full", input_norms=False, output_norms=True
+)
+
 
 def read_config(config: Any, architecture: str) -> ModelArchConfig:
-    return read_common(
-        config,
-        architecture,
-        norm="rms_f32",
-        qk_norm="full",
-        input_norms=False,
-        output_norms=True,
-    )
+    return read_common(config, architecture, **FEATURES)
 
 
 def read_olmo2_layer(layer: Any, arch: ModelArchConfig, index: int) -> LayerWeights:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker_service.models import gemma, granite, llama, mixture, olmo2, phi3, qwen3, smollm3
+from worker_service.models import gemma, granite, llama, mixture, olmo2, olmo3, phi3, qwen3, smollm3
 from worker_service.models.arch import ModelArchConfig
 from worker_service.models.decoder import DecoderModel
 from worker_service.models.family import Family
@@ -22,6 +22,7 @@ _FAMILIES: tuple[Family, ...] = (
     gemma.GEMMA3_MULTIMODAL,
     phi3.FAMILY,
     olmo2.FAMILY,
+    olmo3.FAMILY,
     granite.FAMILY,
     smollm3.FAMILY,
     mixture.QWEN3_MOE,

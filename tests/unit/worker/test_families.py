@@ -90,13 +90,45 @@ def test_unknown_architecture_names_the_class_and_lists_the_supported(tmp_path: 
         ),
         ("qwen3", dict(hidden_act="relu"), "'relu'"),
         ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+        ("olmo3", dict(sliding_window=None), "sliding_window"),
+        ("olmo3", dict(layer_types=["chunked_attention"] * 6), "chunked_attention"),
+        (
+            "olmo3",
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+            "rope_parameters must be keyed by layer type",
+        ),
+        (
+            "olmo3",
+            dict(
+                rope_parameters={
+                    "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            ),
+            "'dynamic'",
+        ),
+        (
+            "olmo3",
+            dict(
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                    "sliding_attention": {
+                        "rope_type": "default",
+                        "rope_theta": 1e4,
+                        "partial_rotary_factor": 0.5,
+                    },
+                }
+            ),
+            "partial_rotary_factor",
+        ),
     ],
 )
 def test_unimplemented_config_features_are_refused_by_name(
     kind: str, change: dict[str, object], named: str
 ) -> None:
     config = tiny_config(kind)
-    config.architectures = [{"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[kind]]
+    classes = {"qwen3": "Qwen3", "gemma3": "Gemma3", "olmo3": "Olmo3"}
+    config.architectures = [f"{classes[kind]}ForCausalLM"]
     for key, value in change.items():
         setattr(config, key, value)
     with pytest.raises(UnsupportedModelError, match=named):
@@ -116,6 +148,44 @@ def test_family_features_are_read_from_the_config() -> None:
     assert moe.moe is not None and moe.moe.dense_layers == {0, 3}
     granite = read_arch(tiny_config("granite"), "GraniteForCausalLM")
     assert (granite.embed_scale, granite.scale, granite.logits_divisor) == (6.0, 0.09, 2.0)
+    olmo3 = read_arch(tiny_config("olmo3"), "Olmo3ForCausalLM")
+    assert (olmo3.norm, olmo3.qk_norm, olmo3.input_norms, olmo3.output_norms) == (
+        "rms_f32",
+        "full",
+        False,
+        True,
+    )
+    assert [k.sliding_window for k in olmo3.layers] == [8, 8, 8, None, 8, None]
+    assert [olmo3.ropes[k.rope].rope_type for k in olmo3.layers if k.rope is not None] == [
+        "default",
+        "default",
+        "default",
+        "yarn",
+        "default",
+        "yarn",
+    ]
+    assert olmo3.head_dim == 32 and olmo3.scale == 32**-0.5
+
+
+def test_olmo3_windows_follow_transformers_default_layer_pattern() -> None:
+    """No layer_types in the config: the windows are those transformers' layers get."""
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    config = Olmo3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        sliding_window=16,
+    )
+    arch = read_arch(config, "Olmo3ForCausalLM")
+    hf_layers = Olmo3ForCausalLM(config).model.layers
+    assert [k.sliding_window for k in arch.layers] == [
+        layer.self_attn.sliding_window for layer in hf_layers
+    ]
+    assert {k.sliding_window for k in arch.layers} == {16, None}
+    assert arch.head_dim == hf_layers[0].self_attn.head_dim
 
 
 def test_grouped_experts_equal_a_loop_over_tokens() -> None:
