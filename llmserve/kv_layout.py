@@ -44,11 +44,11 @@ class KvGroup:
     layers: tuple[int, ...]  # the layers whose K/V its blocks hold, slot j = layers[j]
 
     def first_live_block(self, position: int, block_size: int) -> int:
-        """The first table index that a query at `position`, or any later one, can read:
-        blocks before it hold only keys that fell out of the window (0 without a window)."""
+        """The first table index a windowed group keeps while its next computed position is
+        `position` (0 without a window): see `first_live_block`."""
         if self.sliding_window is None:
             return 0
-        return max(0, position - self.sliding_window + 1) // block_size
+        return first_live_block(position, self.sliding_window, block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +84,24 @@ class KvLayout:
             if group.sliding_window is None:
                 needed += total_blocks
             else:
-                # The step's queries start at some position p and read keys from
-                # p - window + 1 on; the most blocks that range spans.
-                span = group.sliding_window - 1 + chunk
-                needed += min(total_blocks, span // block_size + 2)
+                needed += min(total_blocks, window_span(group.sliding_window, block_size, chunk))
         return needed
+
+
+def first_live_block(position: int, window: int, block_size: int) -> int:
+    """The first table index a windowed group keeps while its next computed position is
+    `position`: the first block that a query at the start of `position`'s block reads. A
+    query at `position` or later reads no block before it; keeping from the block's start
+    (one block more at most) keeps what a prefix-cache hit at that block boundary reads, so
+    a sequence's own blocks serve a hit on its prefix (a move to another replica)."""
+    aligned = position - position % block_size
+    return max(0, aligned - window + 1) // block_size
+
+
+def window_span(window: int, block_size: int, chunk: int) -> int:
+    """The most blocks a windowed group keeps for a step that computes `chunk` tokens: from
+    `first_live_block` of the step's first position through its last position."""
+    return -(-(window - 1) // block_size) + (chunk + block_size - 2) // block_size + 1
 
 
 def single_group(num_layers: int) -> KvLayout:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import Enum
 
-from llmserve.kv_layout import NULL_BLOCK
+from llmserve.kv_layout import NULL_BLOCK, first_live_block, window_span
 from scheduler_service.engine.block_allocator import BlockAllocator, Device
 from scheduler_service.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -103,7 +103,7 @@ class BlockSpaceManager:
         """The most blocks a windowed group holds for a step computing `chunk` tokens."""
         window = self.windows[group]
         assert window is not None
-        return (window - 1 + chunk) // self.block_size + 2
+        return window_span(window, self.block_size, max(chunk, 1))
 
     def required_blocks(self, seq_group: SequenceGroup, chunk: int | None = None) -> int:
         """Device blocks the waiting sequences of `seq_group` take at admission, computing
@@ -185,10 +185,11 @@ class BlockSpaceManager:
                 self._live[g][seq_id] = first
 
     def _live_index(self, group: int, position: int) -> int:
-        """The first table index of windowed `group` that a query at `position` reads."""
+        """The first table index windowed `group` keeps while the next computed position is
+        `position` (`llmserve.kv_layout.first_live_block`)."""
         window = self.windows[group]
         assert window is not None
-        return max(0, position - window + 1) // self.block_size
+        return first_live_block(position, window, self.block_size)
 
     def _hit_start(self, seq: Sequence, hit: int) -> int:
         """The first position computed after a hit of `hit` blocks (at least the last token
@@ -550,6 +551,69 @@ class BlockSpaceManager:
         in the prefix cache until evicted."""
         for block_id in self.pins.pop(transfer_id, ()):
             self.gpu.free(block_id, self.now)
+
+    # -- prefixes for other replicas (KV moves, prefix fetches, routing) ---------------------
+
+    def group_key(self, group: int, block_hash: int) -> int:
+        """The prefix-cache key of `group`'s block holding the tokens hashed `block_hash`."""
+        return _group_hash(group, block_hash)
+
+    def hit_blocks(self, seq: Sequence) -> list[tuple[int, int, int]]:
+        """(block id, key, hashed tokens) of the full, computed blocks of `seq`'s tables that
+        a prefix-cache hit on its tokens reads (a windowed group's from its live part), in
+        table order across groups; each group's stop at its first block not computed."""
+        bs = self.block_size
+        gpu = self.gpu
+        num_full = len(seq.token_ids) // bs
+        found: list[tuple[int, int, int, int]] = []  # (index, block, key, tokens)
+        for g, tables in enumerate(self._group_tables):
+            table = tables[seq.seq_id]
+            for i in range(self._live[g].get(seq.seq_id, 0), min(num_full, len(table))):
+                block_id, key = table[i], _group_hash(g, seq.block_hash(i))
+                if gpu.block_hashes[block_id] != key or not gpu.computed[block_id]:
+                    break  # later blocks cannot be prefix-cache hits without this one
+                found.append((i, block_id, key, (i + 1) * bs))
+        found.sort(key=lambda f: f[0])
+        return [(block_id, key, tokens) for _, block_id, key, tokens in found]
+
+    def cached_prefix(
+        self, block_hashes: list[int], num_tokens: int
+    ) -> tuple[int, list[tuple[int, int, int]]]:
+        """For a prompt of `num_tokens` tokens whose full blocks hash to `block_hashes`: the
+        blocks of the longest prefix hit every group serves from this cache, and the (block id,
+        key, hashed tokens) of the blocks that hit reads, in table order across groups."""
+        if not self.enable_caching:
+            return 0, []
+        gpu = self.gpu
+        bs = self.block_size
+
+        def cached(g: int, i: int) -> int | None:
+            block_id = gpu.lookup(_group_hash(g, block_hashes[i]))
+            return block_id if block_id is not None and gpu.computed[block_id] else None
+
+        hit = len(block_hashes)
+        for g in self._full:
+            count = 0
+            while count < hit and cached(g, count) is not None:
+                count += 1
+            hit = count
+        while hit > 0:
+            start = min(hit * bs, num_tokens - 1)
+            firsts = {g: self._live_index(g, start) for g in self._windowed}
+            if all(cached(g, i) is not None for g in self._windowed for i in range(firsts[g], hit)):
+                break
+            hit -= 1
+        found: list[tuple[int, int, int, int]] = []
+        for g in range(self.num_groups):
+            first = (
+                0 if self.windows[g] is None else self._live_index(g, min(hit * bs, num_tokens - 1))
+            )
+            for i in range(first, hit):
+                block_id = cached(g, i)
+                assert block_id is not None
+                found.append((i, block_id, _group_hash(g, block_hashes[i]), (i + 1) * bs))
+        found.sort(key=lambda f: f[0])
+        return hit, [(block_id, key, tokens) for _, block_id, key, tokens in found]
 
     # -- freeing and queries ----------------------------------------------------------------
 

@@ -67,40 +67,36 @@ def prefilled(group: SequenceGroup) -> bool:
 
 
 def missing_blocks(move: Move, group: SequenceGroup) -> list[tuple[int, int, int]]:
-    """(source block, hash, hashed tokens) of the group's full, computed blocks that the target
-    lacks and the move has not copied (recorded in `move.present`), in table order (a
-    prefix-cache hit needs the leading ones first)."""
+    """(source block, key, hashed tokens) of the group's full, computed blocks, in every KV
+    group, that the target lacks and the move has not copied (recorded in `move.present`), in
+    table order (a prefix-cache hit needs the leading ones first)."""
     bm = move.source_engine.scheduler.block_manager
     target_gpu = move.target_engine.scheduler.block_manager.gpu
-    gpu, bs = bm.gpu, bm.block_size
     found: list[tuple[int, int, int]] = []
     for seq in group.get_seqs(SequenceStatus.RUNNING):
         if not bm.has_table(seq):
             continue
-        table = bm.get_block_table(seq)
-        for i in range(min(len(seq.token_ids) // bs, len(table))):
-            block_id, block_hash = table[i], seq.block_hash(i)
-            if gpu.block_hashes[block_id] != block_hash or not gpu.computed[block_id]:
-                break  # later blocks cannot be prefix-cache hits without this one
-            if block_hash in move.present:
+        for block_id, key, tokens in bm.hit_blocks(seq):
+            if key in move.present:
                 continue
-            move.present.add(block_hash)
-            if target_gpu.lookup(block_hash) is None:
-                found.append((block_id, block_hash, (i + 1) * bs))
+            move.present.add(key)
+            if target_gpu.lookup(key) is None:
+                found.append((block_id, key, tokens))
     return found
 
 
 def cached_blocks(
     peer: LLMEngine, target: LLMEngine, prompt: list[int]
 ) -> list[tuple[int, int, int]]:
-    """(peer block, hash, hashed tokens) of the prompt's leading full blocks that the peer's
-    prefix cache holds computed and the target's does not hold, in order (a prefix fetch)."""
+    """(peer block, key, hashed tokens) of the blocks of the prompt's longest prefix that the
+    peer's prefix cache serves computed and the target's does not hold, in order (a prefix
+    fetch)."""
     target_gpu = target.scheduler.block_manager.gpu
-    bs = peer.scheduler.block_manager.block_size
+    _, blocks = cached_prefix_blocks(peer, prompt)
     return [
-        (block_id, block_hash, (index + 1) * bs)
-        for index, (block_hash, block_id) in enumerate(cached_prefix_blocks(peer, prompt))
-        if target_gpu.lookup(block_hash) is None
+        (block_id, key, tokens)
+        for block_id, key, tokens in blocks
+        if target_gpu.lookup(key) is None
     ]
 
 

@@ -125,7 +125,7 @@ class KvMover:
 
     def _can_take_part(self, request_id: str, source: Replica, target: Replica) -> bool:
         """Whether a move of `request_id` from `source` to `target` can start: none already,
-        both connected, the target caching prefixes, the same block size."""
+        both connected, the target caching prefixes, the same block size and KV groups."""
         target_engine = target.engine
         return not (
             request_id in self.moves
@@ -135,6 +135,8 @@ class KvMover:
             or target.transfers is None
             or not target_engine.scheduler.block_manager.enable_caching
             or target.block_size != source.block_size
+            or target_engine.scheduler.block_manager.windows
+            != source.engine.scheduler.block_manager.windows
         )
 
     def _new_move(

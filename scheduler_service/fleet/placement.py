@@ -23,7 +23,7 @@ then the lower id.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -65,26 +65,27 @@ def load_tokens(engine: LLMEngine) -> int:
     return total
 
 
-def cached_prefix_blocks(engine: LLMEngine, prompt: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """(block hash, block id) of the leading full prompt blocks the replica's prefix cache
-    holds computed, in order."""
+def cached_prefix_blocks(
+    engine: LLMEngine, prompt: Sequence[int]
+) -> tuple[int, list[tuple[int, int, int]]]:
+    """The prompt's leading full blocks that every KV group of the replica's prefix cache
+    serves computed, and (block id, key, hashed tokens) of the blocks such a hit reads
+    (`BlockSpaceManager.cached_prefix`)."""
     bm = engine.scheduler.block_manager
     if not bm.enable_caching:
-        return
+        return 0, []
     bs = bm.block_size
-    gpu = bm.gpu
+    hashes: list[int] = []
     parent: int | None = None
     for start in range(0, len(prompt) - bs + 1, bs):
         parent = chain_block_hash(parent, tuple(prompt[start : start + bs]))
-        block_id = gpu.lookup(parent)
-        if block_id is None or not gpu.computed[block_id]:
-            return
-        yield parent, block_id
+        hashes.append(parent)
+    return bm.cached_prefix(hashes, len(prompt))
 
 
 def cached_prefix_tokens(engine: LLMEngine, prompt: Sequence[int]) -> int:
-    """Leading prompt tokens whose full blocks the replica's prefix cache holds computed."""
-    num_blocks = sum(1 for _ in cached_prefix_blocks(engine, prompt))
+    """Leading prompt tokens whose full blocks the replica's prefix cache serves computed."""
+    num_blocks, _ = cached_prefix_blocks(engine, prompt)
     return num_blocks * engine.scheduler.block_manager.block_size
 
 

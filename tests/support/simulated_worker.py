@@ -148,6 +148,10 @@ class SimulatedWorker:
         self.stats = SimulatedStats()
         self._lock = threading.Lock()
 
+    def group_blocks_used(self) -> list[int]:
+        """Blocks in use by KV group: one group, counted from the sequences held."""
+        return [len({b for state in self.runner.states.values() for b in state.block_ids})]
+
     @property
     def num_sequences(self) -> int:
         return len(self.runner.states)

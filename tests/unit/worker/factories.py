@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.steps import CachedSequence, NewSequence, StepInput
+from llmserve.steps import CachedSequence, NewSequence, StepInput, TableEdit
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
@@ -72,13 +72,18 @@ def new_seq(
 
 class GreedyDriver:
     """A minimal hand-written scheduler for runner tests: contiguous blocks per sequence,
-    decode one token at a time, append blocks as needed."""
+    decode one token at a time, append blocks as needed. A model laid out in several KV groups
+    gets blocks of its own in each (windows keep every block: correct, if wasteful)."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self.num_groups = len(worker.model_info.kv_layout.groups)
         self.step_id = 0
         self.tokens: dict[int, list[int]] = {}
-        self.blocks: dict[int, list[int]] = {}
+        self.blocks: dict[int, list[int]] = {}  # KV group 0's
+        self.group_blocks: dict[int, list[list[int]]] = {}  # groups 1, 2, ...
+        # Block 0 is the null block of a layout with windows: never handed out.
+        self.next_block = int(worker.model_info.kv_layout.reserves_null_block)
         self.next_block = 0
         self.outputs: dict[int, list[int]] = {}
 
@@ -102,9 +107,15 @@ class GreedyDriver:
             toks = self.tokens[seq_id]
             toks.append(token)
             offset = len(self.blocks[seq_id])
-            new_blocks = self.alloc(1) if len(toks) > offset * BLOCK_SIZE else []
+            grow = len(toks) > offset * BLOCK_SIZE
+            new_blocks = self.alloc(1) if grow else []
             self.blocks[seq_id].extend(new_blocks)
-            cached.append(CachedSequence(seq_id, [token], offset, new_blocks, 1))
+            update = CachedSequence(seq_id, [token], offset, new_blocks, 1)
+            for table in self.group_blocks[seq_id]:
+                edit = TableEdit(len(table), self.alloc(1) if grow else [])
+                table.extend(edit.block_ids)
+                update.group_edits.append(edit)
+            cached.append(update)
         return StepInput(0, cached_seqs=cached)
 
     def run_greedy(
@@ -113,8 +124,12 @@ class GreedyDriver:
         news = []
         for seq_id, prompt in prompts.items():
             self.tokens[seq_id] = list(prompt)
-            self.blocks[seq_id] = self.alloc(-(-len(prompt) // BLOCK_SIZE))
-            news.append(new_seq(seq_id, prompt, list(self.blocks[seq_id])))
+            num_blocks = -(-len(prompt) // BLOCK_SIZE)
+            self.blocks[seq_id] = self.alloc(num_blocks)
+            self.group_blocks[seq_id] = [self.alloc(num_blocks) for _ in range(self.num_groups - 1)]
+            new = new_seq(seq_id, prompt, list(self.blocks[seq_id]))
+            new.group_block_ids = [list(t) for t in self.group_blocks[seq_id]]
+            news.append(new)
         sampled = self.step(StepInput(0, new_seqs=news))
         for _ in range(max_new_tokens - 1):
             sampled = self.step(self.decode_step(sampled))
