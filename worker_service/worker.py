@@ -113,6 +113,7 @@ class Worker:
             arch.head_dim,
             sliding_window=arch.sliding_window,
             softcap=arch.attn_softcap,
+            sinks=arch.attention_sinks,
         )
         backend_cls = get_backend_class(self.config.attention_backend, spec)
         hf_model = hf_model.to(device=self.device, dtype=self.dtype)

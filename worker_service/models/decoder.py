@@ -155,7 +155,7 @@ class DecoderModel:
         for layer in self.layers:
             held += [getattr(layer, f.name) for f in fields(layer) if f.name != "moe"]
             if layer.moe is not None:
-                held += [layer.moe.router, layer.moe.gate_up, layer.moe.down]
+                held += layer.moe.tensors()
         if self.native_decode is not None:
             held += self.native_decode.step._tensors
         tables = {t.untyped_storage().data_ptr() for pair in self.rope_tables for t in pair}
@@ -208,7 +208,14 @@ class DecoderModel:
             h, x = self._add_norm(delta, x, weights.input_norm)
             q, k, v = self._qkv(h, weights, positions, rotations[kind.rope], kind.rope)
             attn = backend.forward(
-                q, k, v, key_cache, value_cache, metadata, sliding_window=kind.sliding_window
+                q,
+                k,
+                v,
+                key_cache,
+                value_cache,
+                metadata,
+                sliding_window=kind.sliding_window,
+                sinks=weights.sinks,
             )
             o = self.linear(attn.reshape(-1, self.q_size), weights.o, weights.o_bias)
             delta = self._block_output(o, weights.attn_out_norm)
