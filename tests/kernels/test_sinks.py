@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import paged_attention, reference
 from kernels import cpu as cpu_kernels
+from kernels import paged_attention, reference
 from tests.kernels.paged import assert_close, make_attention_case
 
 HEAD_DIM = 32

@@ -204,7 +204,7 @@ def _gpt_oss_config(common: dict[str, Any]) -> Any:
     import transformers as tf
 
     return tf.GptOssConfig(
-        **{**common, "intermediate_size": 48},
+        **common,  # intermediate 96 and hidden 64: both multiples of MXFP4's 32-weight groups
         head_dim=32,
         num_local_experts=4,
         num_experts_per_tok=2,
