@@ -14,7 +14,7 @@ the plain torch elementwise path); with `packed_linear` every matmul runs throug
 weights prepacked at load; with `native_linear` through `kernels.cpu.decode.linear_rows`; and
 pure decode steps of up to `native_decode_max_batch` tokens run as one native call
 (`native.NativeDecode`) for every dense family; it refuses the others
-(`arch.native_blockers`: experts) by feature name and they decode on the per-layer path.
+(`arch.native_blockers`: experts, attention sinks) by feature name and they decode on the per-layer path.
 The elementwise arithmetic follows each reference's order, so float32 greedy output matches
 transformers token for token.
 """
