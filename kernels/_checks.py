@@ -138,6 +138,23 @@ def check_window_softcap(sliding_window: int | None, softcap: float | None) -> t
     return window, float(softcap)
 
 
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """Attention sinks, when given: one logit per query head, [num_heads], on the
+    query's device, contiguous, in a float dtype."""
+    if sinks is None:
+        return
+    if sinks.dim() != 1 or sinks.shape[0] != num_heads:
+        raise KernelArgumentError(
+            "sinks", f"expected [{num_heads}] (one per query head), got {tuple(sinks.shape)}"
+        )
+    if not sinks.is_floating_point():
+        raise KernelArgumentError("sinks", f"must be a float tensor, got {sinks.dtype}")
+    if sinks.device != device:
+        raise KernelArgumentError("sinks", f"must be on {device}, got {sinks.device}")
+    if not sinks.is_contiguous():
+        raise KernelArgumentError("sinks", "must be contiguous")
+
+
 def is_interpreted(kernel: object) -> bool:
     """Whether a Triton kernel runs under the interpreter (only asked of Triton kernels)."""
     from triton.runtime.interpreter import InterpretedFunction

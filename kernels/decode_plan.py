@@ -2,7 +2,8 @@
 tables and lengths, chooses the split-K partitioning and launch configuration, allocates the
 scratch and keeps the compiled kernels; `kernels.paged_attention` describes the kernels.
 
-The sliding window is chosen per `run` (layers differ), the soft-cap per plan (per model). Their
+The sliding window and the attention sinks are chosen per `run` (layers differ), the soft-cap
+per plan (per model). Their
 compiled variants on a GPU are untested so far (only the interpreter has run them).
 """
 
@@ -24,6 +25,7 @@ from kernels._checks import (
     check_out,
     check_paged_cache,
     check_seq_lens,
+    check_sinks,
     check_window_softcap,
     next_power_of_2,
 )
@@ -83,9 +85,10 @@ class DecodePlan:
     and launches. After the first launch it keeps Triton's compiled kernel and launches it
     directly, skipping the JIT's per-call argument binding and cache lookup, for as long as
     the arguments keep the specialization it was compiled for (16-byte aligned pointers, the
-    same strides and window), one kept kernel per window, as layers alternate windows.
+    same strides, window and sinks), one kept kernel per window, as layers alternate windows.
 
-    softcap (None: off) is the model's, fixed for the plan; the sliding window is per `run`.
+    softcap (None: off) is the model's, fixed for the plan; the sliding window and the sinks
+    are per `run`.
     """
 
     def __init__(
@@ -154,7 +157,7 @@ class DecodePlan:
             self.split,  # SPLIT
             dot_precision(dtype),  # DOT_PRECISION
             softcap_value > 0,  # USE_SOFTCAP
-        )  # USE_WINDOW follows, per run
+        )  # USE_WINDOW and USE_SINKS follow, per run
         self.reduce_constants = (
             head_dim,  # HEAD_DIM
             head_dim_pad,  # HEAD_DIM_PAD
@@ -184,8 +187,10 @@ class DecodePlan:
         out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
         *,
         sliding_window: int | None = None,  # None or 0: every key
+        sinks: torch.Tensor | None = None,  # [num_heads] sink logits, or None
     ) -> torch.Tensor:  # out
         window, _ = check_window_softcap(sliding_window, None)
+        check_sinks(sinks, self.num_heads, self.device)
         if query.shape != self._query_shape:
             check_ndim("query", query, 3, "[num_seqs, num_heads, head_dim]")
             raise KernelArgumentError(
@@ -239,6 +244,7 @@ class DecodePlan:
             value_cache,
             self.block_tables,
             self.seq_lens,
+            self.seq_lens if sinks is None else sinks,  # any pointer when there are none
             self.qk_scale,
             self.num_heads,
             self.num_partitions,
@@ -246,7 +252,8 @@ class DecodePlan:
             self.softcap,
             *strides,
         )
-        decode_constants = (*self.decode_constants, window > 0)  # USE_WINDOW last
+        # USE_WINDOW, USE_SINKS last
+        decode_constants = (*self.decode_constants, window > 0, sinks is not None)
         reduce_args = (
             out,
             partial_out,
@@ -263,6 +270,7 @@ class DecodePlan:
             *(t.data_ptr() % 16 == 0 for t in (query, key_cache, value_cache, out)),
             *strides,
             window,
+            None if sinks is None else sinks.data_ptr() % 16 == 0,
         )
         compiled = self._compiled.get(key)
         if compiled is not None:

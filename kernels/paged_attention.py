@@ -17,7 +17,8 @@ partition take a single pass that writes the output directly.
 A sliding window (the query at position p sees keys p - window < k <= p) starts each
 partition's tiles at the window's first key, so blocks before it are never read; a partition
 wholly before it does no work. A soft-cap turns each scaled score s into cap * tanh(s / cap)
-before the softmax. Both are compile-time variants (kernels.paged_decode_kernels), tested under
+before the softmax. Attention sinks (one logit per head, with no value) join the softmax's
+denominator. All three are compile-time variants (kernels.paged_decode_kernels), tested under
 the Triton interpreter only: untested on a GPU so far. The launch plan lives in
 kernels.decode_plan.
 """
@@ -60,6 +61,7 @@ def paged_attention_decode(
     launch: DecodeLaunchConfig | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -74,7 +76,8 @@ def paged_attention_decode(
     pass without the reduction. launch overrides the kernel's launch configuration (tuning).
     sliding_window (None or 0: every key) limits the query to the last sliding_window keys
     (itself included); softcap (None: off) turns each scaled score s into
-    softcap * tanh(s / softcap) before the softmax.
+    softcap * tanh(s / softcap) before the softmax; sinks ([num_heads], None: none) adds
+    exp(sinks[h]) to head h's softmax denominator.
 
     One call = `DecodePlan` + `DecodePlan.run`; callers that attend over the same sequences
     once per layer build the plan once (see `DecodePlan`).
@@ -99,7 +102,7 @@ def paged_attention_decode(
         launch=launch,
         softcap=softcap,
     )
-    return plan.run(query, key_cache, value_cache, out, sliding_window=sliding_window)
+    return plan.run(query, key_cache, value_cache, out, sliding_window=sliding_window, sinks=sinks)
 
 
 def supports_device(device: torch.device) -> bool:

@@ -2,8 +2,11 @@
 (layout, algorithm and the wrappers are described there). Also the pieces the prefill kernel
 shares with them: the log2-domain soft-cap and the dot precision per dtype.
 
-Sliding windows and soft-capping are compile-time switches (`USE_WINDOW`, `USE_SOFTCAP`): the
-plain variant compiles without them. They are tested under the Triton interpreter only; their
+Sliding windows, soft-capping and attention sinks are compile-time switches (`USE_WINDOW`,
+`USE_SOFTCAP`, `USE_SINKS`): the plain variant compiles without them. A sink is one more
+logit in a head's softmax with no value: the first partition starts its running maximum at
+the sink and its running sum at 1 (exp of the sink minus itself), so the single pass and the
+split-K reduction both count it once. They are tested under the Triton interpreter only; their
 compiled code on a GPU (and its speed) is untested so far.
 """
 
@@ -56,6 +59,7 @@ def _paged_attention_decode_kernel(
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
+    sinks_ptr,  # [num_heads] sink logits (read when USE_SINKS)
     qk_scale,  # softmax scale * log2(e)
     num_heads,
     num_partitions,
@@ -83,6 +87,7 @@ def _paged_attention_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,6 +115,11 @@ def _paged_attention_decode_kernel(
     m_i = tl.full([GROUP_ROWS], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.zeros([GROUP_ROWS], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([GROUP_ROWS, HEAD_DIM_PAD], tl.float32)  # unnormalized output
+    if USE_SINKS:
+        # The sink joins partition 0 only (log2 domain; the literal is log2(e), see _soft_cap).
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32)
+        m_i = tl.where(part == 0, sink * 1.4426950408889634, m_i)
+        l_i = tl.where(part == 0, 1.0, l_i)
 
     block_table_row = block_tables_ptr + seq * stride_bts
     for tile in range(0, num_tiles):

@@ -5,7 +5,8 @@ the tokens before them (an earlier chunk of a chunked prefill, or a prefix-cache
 new tokens themselves are read from the paged cache, so `reshape_and_cache` must have written
 the new K/V first. Attention is causal: the token at position p sees keys 0..p, or with a
 sliding window only keys p - window < k <= p. A soft-cap turns each scaled score s into
-cap * tanh(s / cap) before the softmax.
+cap * tanh(s / cap) before the softmax. Attention sinks (one logit per head, with no value)
+join each row's softmax: its running maximum starts at the sink and its running sum at 1.
 
 One program handles (query tile, sequence, KV head). Its rows are BLOCK_QUERIES new tokens times
 the query heads of that KV head (row r is token r // GROUP_ROWS, head r % GROUP_ROWS), so each K/V
@@ -13,7 +14,8 @@ tile loaded serves the whole GQA group. Online softmax over key tiles of BLOCK_K
 fp32, with the key loop stopping at the last position the tile's final token can see and, with
 a window, starting at the key tile of the first position its first token can see.
 
-Windows and soft-caps are compile-time variants (`USE_WINDOW`, `USE_SOFTCAP`), tested under the
+Windows, soft-caps and sinks are compile-time variants (`USE_WINDOW`, `USE_SOFTCAP`,
+`USE_SINKS`), tested under the
 Triton interpreter only: their compiled code on a GPU is untested so far.
 """
 
@@ -35,6 +37,7 @@ from kernels._checks import (
     check_out,
     check_paged_cache,
     check_seq_lens,
+    check_sinks,
     check_window_softcap,
     next_power_of_2,
 )
@@ -54,6 +57,7 @@ def _prefill_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
+    sinks_ptr,  # [num_heads] sink logits (read when USE_SINKS)
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in tokens (read when USE_WINDOW)
     softcap,  # soft-cap * log2(e) (read when USE_SOFTCAP)
@@ -78,6 +82,7 @@ def _prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -104,6 +109,11 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_QUERIES * GROUP_ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_QUERIES * GROUP_ROWS], tl.float32)
     acc = tl.zeros([BLOCK_QUERIES * GROUP_ROWS, HEAD_DIM_PAD], tl.float32)
+    if USE_SINKS:
+        # log2 domain; the literal is log2(e) (compiled kernels read only constexpr globals).
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32)
+        m_i = sink * 1.4426950408889634
+        l_i = tl.full([BLOCK_QUERIES * GROUP_ROWS], 1.0, tl.float32)
 
     # Keys this tile can see: up to the position of its last token; none for an empty tile.
     kv_end = tl.minimum(seq_len, context_len + tile_first + BLOCK_QUERIES)
@@ -165,6 +175,7 @@ def prefill_attention(
     max_query_len: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged context.
 
@@ -178,7 +189,8 @@ def prefill_attention(
     max_query_len sizes the grid; pass it to avoid a device sync (it is computed otherwise).
     sliding_window (None or 0: every earlier key) limits each token to the last sliding_window
     keys up to its own; softcap (None: off) turns each scaled score s into
-    softcap * tanh(s / softcap) before the softmax.
+    softcap * tanh(s / softcap) before the softmax; sinks ([num_heads], None: none) adds
+    exp(sinks[h]) to head h's softmax denominator.
     """
     window, softcap_value = check_window_softcap(sliding_window, softcap)
     check_ndim("query", query, 3, "[num_tokens, num_heads, head_dim]")
@@ -198,6 +210,7 @@ def prefill_attention(
     check_block_tables(block_tables, num_seqs)
     check_seq_lens(seq_lens, num_seqs)
     out = check_out(out, query)
+    check_sinks(sinks, num_heads, query.device)
     check_device(
         _prefill_attention_kernel,
         {
@@ -229,6 +242,7 @@ def prefill_attention(
         block_tables,
         query_start_loc,
         seq_lens,
+        seq_lens if sinks is None else sinks,  # any pointer when there are none
         scale * LOG2E,
         window,
         softcap_value * LOG2E,  # caps log2-domain scores as softcap caps scaled ones
@@ -253,6 +267,7 @@ def prefill_attention(
         DOT_PRECISION=dot_precision(query.dtype),
         USE_SOFTCAP=softcap_value > 0,
         USE_WINDOW=window > 0,
+        USE_SINKS=sinks is not None,
         num_warps=4,
     )
     return out

@@ -27,13 +27,15 @@ def attend(
     causal_offset: int,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query tokens at positions causal_offset + i over keys 0..causal_offset + i
     (with a sliding window w, only the keys after position causal_offset + i - w); with a
-    soft-cap c, each scaled score s becomes c * tanh(s / c) before the softmax.
+    soft-cap c, each scaled score s becomes c * tanh(s / c) before the softmax; with sinks,
+    head h's softmax has one more logit, sinks[h], whose probability is dropped.
 
-    query: [q_len, num_heads, head_dim]; key/value: [kv_len, num_kv_heads, head_dim].
-    Returns [q_len, num_heads, head_dim] in fp32.
+    query: [q_len, num_heads, head_dim]; key/value: [kv_len, num_kv_heads, head_dim];
+    sinks: [num_heads]. Returns [q_len, num_heads, head_dim] in fp32.
     """
     q_len, num_heads, _ = query.shape
     kv_len, num_kv_heads, _ = key.shape
@@ -49,7 +51,11 @@ def attend(
     if sliding_window:
         hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
     scores = scores.masked_fill(hidden[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        column = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -66,9 +72,11 @@ def paged_attention_decode(
     partition_size: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for kernels.paged_attention_decode (max_seq_len / partition_size are ignored):
-    sliding_window (None or 0: every key) and softcap (None: off) as in `attend`.
+    sliding_window (None or 0: every key), softcap (None: off) and sinks ([num_heads] or
+    None) as in `attend`.
 
     query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks_per_seq]; seq_lens: [num_seqs].
@@ -82,7 +90,7 @@ def paged_attention_decode(
         key = gather_context(key_cache, block_tables[seq], length)
         value = gather_context(value_cache, block_tables[seq], length)
         result = attend(
-            query[seq : seq + 1], key, value, scale, length - 1, sliding_window, softcap
+            query[seq : seq + 1], key, value, scale, length - 1, sliding_window, softcap, sinks
         )
         out[seq] = result[0].to(out.dtype)
     return out
@@ -101,9 +109,11 @@ def prefill_attention(
     max_query_len: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for kernels.prefill_attention (max_query_len is ignored): sliding_window
-    (None or 0: every earlier key) and softcap (None: off) as in `attend`.
+    (None or 0: every earlier key), softcap (None: off) and sinks ([num_heads] or None) as
+    in `attend`.
 
     query: [num_tokens, num_heads, head_dim]; query_start_loc: [num_seqs + 1];
     seq_lens: [num_seqs] (cached prefix + new tokens).
@@ -119,7 +129,7 @@ def prefill_attention(
         value = gather_context(value_cache, block_tables[seq], length)
         context_len = length - (q_end - q_start)
         result = attend(
-            query[q_start:q_end], key, value, scale, context_len, sliding_window, softcap
+            query[q_start:q_end], key, value, scale, context_len, sliding_window, softcap, sinks
         )
         out[q_start:q_end] = result.to(out.dtype)
     return out

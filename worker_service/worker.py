@@ -28,7 +28,7 @@ from worker_service.kv_transfer import import_blocks
 from worker_service.linear_impl import choose_linear_impl
 from worker_service.model_info import ModelInfo
 from worker_service.model_runner import ModelRunner
-from worker_service.models import DecoderModel, model_from_hf, read_arch
+from worker_service.models import DecoderModel, model_from_hf, mxfp4, read_arch
 from worker_service.models.native import default_native_max_batch
 from worker_service.models.quantize_at_load import load_blocks
 from worker_service.sampler import Sampler
@@ -92,9 +92,12 @@ class Worker:
         # A GGUF file's header is parsed once for transformers' config and weights and for
         # our blocks (llmserve/gguf_files.py: four parses of 13.4 s each for Gemma 3 270M).
         with reading_gguf_once():
-            hf_model = AutoModelForCausalLM.from_pretrained(
-                source.path, **source.pretrained_kwargs(), dtype=self.dtype
-            )
+            if not source.gguf_file and mxfp4.is_mxfp4_checkpoint(source.path):
+                hf_model = mxfp4.load_dequantized(source.path, self.dtype)
+            else:
+                hf_model = AutoModelForCausalLM.from_pretrained(
+                    source.path, **source.pretrained_kwargs(), dtype=self.dtype
+                )
             self.load_from_hf(hf_model)
         del hf_model
         return_freed_heap()
@@ -114,6 +117,7 @@ class Worker:
             arch.head_dim,
             sliding_window=arch.sliding_window,
             softcap=arch.attn_softcap,
+            sinks=arch.attention_sinks,
         )
         backend_cls = get_backend_class(self.config.attention_backend, spec)
         hf_model = hf_model.to(device=self.device, dtype=self.dtype)

@@ -17,6 +17,7 @@ from kernels._checks import (
     check_dtype,
     check_ndim,
     check_same_dtype,
+    check_sinks,
     check_window_softcap,
 )
 from kernels.cpu.build import library
@@ -55,12 +56,16 @@ def paged_attention_decode(
     check: bool = True,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
     **_: object,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Each sequence's single query token attends to its first seq_lens[i] cached tokens
-    (the last `sliding_window` of them when given); scores soft-capped when `softcap`."""
+    (the last `sliding_window` of them when given); scores soft-capped when `softcap`; head
+    h's softmax denominator also holds exp(sinks[h]) when `sinks`."""
     if check:
         check_window_softcap(sliding_window, softcap)
+        check_sinks(sinks, query.shape[1], query.device)
+    sinks32 = _float32(sinks)
     if check:
         _check_common(query, key_cache, value_cache, block_tables)
         check_ndim("seq_lens", seq_lens, 1, "[num_seqs]")
@@ -91,6 +96,7 @@ def paged_attention_decode(
             query.stride(0),
             sliding_window or 0,
             softcap or 0.0,
+            None if sinks32 is None else sinks32.data_ptr(),
         )
         _check_status(status, query, key_cache)
     return out
@@ -108,12 +114,16 @@ def prefill_attention(
     check: bool = True,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
     **_: object,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Query tokens at positions seq_len - q_len .. seq_len - 1, causal over the cache (and
-    within `sliding_window` positions when given); scores soft-capped when `softcap`."""
+    within `sliding_window` positions when given); scores soft-capped when `softcap`; sinks
+    as in `paged_attention_decode`."""
     if check:
         check_window_softcap(sliding_window, softcap)
+        check_sinks(sinks, query.shape[1], query.device)
+    sinks32 = _float32(sinks)
     num_seqs = block_tables.shape[0]
     if check:
         _check_common(query, key_cache, value_cache, block_tables)
@@ -145,9 +155,16 @@ def prefill_attention(
             query.stride(0),
             sliding_window or 0,
             softcap or 0.0,
+            None if sinks32 is None else sinks32.data_ptr(),
         )
         _check_status(status, query, key_cache)
     return out
+
+
+def _float32(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The sinks as the kernels read them (float32, contiguous); kept alive by the caller
+    for the call."""
+    return None if sinks is None else sinks.to(torch.float32).contiguous()
 
 
 # -- checks ----------------------------------------------------------------------------------

@@ -142,10 +142,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]  # dtype, head_dim, q, k, v, tables, stride
     shape: list[Any] = [i64, i64, i64, i64, f32]  # seqs, heads, kv heads, block size, scale
     signatures: dict[str, list[Any]] = {
-        # ..., seq_lens, out, shape, kv heads per work item, query row stride, window, softcap
-        "llmserve_paged_decode": [*common, ptr, ptr, *shape, i64, i64, i64, f32],
-        # ..., query_start_loc, seq_lens, out, shape, query row stride, window, softcap
-        "llmserve_paged_prefill": [*common, ptr, ptr, ptr, *shape, i64, i64, f32],
+        # ..., seq_lens, out, shape, kv heads per work item, query row stride, window, softcap,
+        # sinks (float32 [num_heads] or NULL)
+        "llmserve_paged_decode": [*common, ptr, ptr, *shape, i64, i64, i64, f32, ptr],
+        # ..., query_start_loc, seq_lens, out, shape, query row stride, window, softcap, sinks
+        "llmserve_paged_prefill": [*common, ptr, ptr, ptr, *shape, i64, i64, f32, ptr],
         # dtype, x, residual (or NULL), weight, out, n, hidden, eps
         "llmserve_rms_norm": [i32, ptr, ptr, ptr, ptr, i64, i64, f32],
         # dtype, norm kind, then as llmserve_rms_norm

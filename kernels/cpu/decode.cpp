@@ -51,7 +51,8 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
                           int64_t table_stride, const int32_t* seq_lens, void* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t block_size, float scale, int64_t kv_heads_per_item,
-                          int64_t query_stride, int64_t window, float softcap);
+                          int64_t query_stride, int64_t window, float softcap,
+                          const float* sinks);
 int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
                       void* value_cache);
@@ -262,7 +263,7 @@ struct Step {
     return llmserve_paged_decode(dtype, head_dim, qkv, p[kKeyCache], p[kValueCache],
                                  tables, a.table_stride, a.seq_lens, attn, n, d[kHeads],
                                  d[kKvHeads], d[kBlockSize], a.params[kScale], 0, qkv_size,
-                                 a.windows[layer], a.params[kAttnSoftcap]);
+                                 a.windows[layer], a.params[kAttnSoftcap], nullptr);
   }
 
   void mlp(const T* x, const void* const* p, const int64_t* types) {

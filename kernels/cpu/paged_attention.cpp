@@ -19,9 +19,11 @@
 //                           positions context_len .. seq_len - 1, causal over the cached
 //                           context. Both score keys with attention.h.
 //
-// Both take a sliding window (0 = none: a query at position p sees keys p - window < k <= p)
-// and a soft-cap (0 = none: a scaled score s becomes softcap * tanh(s / softcap) before the
-// softmax), per call, so each layer passes its own window.
+// Both take a sliding window (0 = none: a query at position p sees keys p - window < k <= p),
+// a soft-cap (0 = none: a scaled score s becomes softcap * tanh(s / softcap) before the
+// softmax) and attention sinks (nullptr = none: float32 [num_heads], head h's softmax
+// denominator also holds exp(sinks[h]), a logit with no value), per call, so each layer
+// passes its own.
 
 #include <algorithm>
 #include <cmath>
@@ -61,6 +63,7 @@ struct DecodeArgs {
   int64_t query_stride;       // elements between query rows (heads are contiguous in a row)
   int64_t window;             // sliding window, 0 = none
   float softcap;              // 0 = none
+  const float* sinks;         // [num_heads] sink logits, nullptr = none
 };
 
 struct DecodeScratch {
@@ -210,6 +213,11 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
         max[i] = m;
       }
     }
+    // A head's sink joins its maximum, and its numerator (below) the sum.
+    const float* sinks = a.sinks == nullptr ? nullptr : a.sinks + h_begin * group;
+    if (sinks != nullptr) {
+      for (int64_t i = 0; i < heads; ++i) max[i] = std::max(max[i], sinks[i]);
+    }
     // Softmax numerators in place; keep 1 / their sum.
     for (int64_t i = 0; i < heads; ++i) {
       float* row = scores + i * len[r];
@@ -226,6 +234,7 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
         row[t] = exp_nonpositive(row[t] - m);
         tail += row[t];
       }
+      if (sinks != nullptr) tail += exp_nonpositive(sinks[i] - m);
       scratch.inv_sum[size_t(r * heads + i)] = 1.0f / (hsum(total) + tail);
     }
   }
@@ -356,11 +365,12 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
                           int64_t table_stride, const int32_t* seq_lens, void* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t block_size, float scale, int64_t kv_heads_per_item,
-                          int64_t query_stride, int64_t window, float softcap) {
+                          int64_t query_stride, int64_t window, float softcap,
+                          const float* sinks) {
   const DecodeArgs args{query,      key_cache, value_cache,       block_tables, table_stride,
                         seq_lens,   out,       num_seqs,          num_heads,    num_kv_heads,
                         block_size, scale,     kv_heads_per_item, query_stride, window,
-                        softcap};
+                        softcap,    sinks};
   return dispatch<DecodeOp>(dtype, head_dim, args);
 }
 

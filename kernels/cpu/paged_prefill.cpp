@@ -1,7 +1,7 @@
 // Paged prefill attention for CPUs: a chunk of query tokens per sequence at positions
 // context_len .. seq_len - 1, causal over its cached context (chunked prefill, prefix-cache
-// hits), read straight from the KV blocks. Layout, arithmetic, windows and soft-caps as in
-// paged_attention.cpp (decode), whose key scoring it shares (attention.h).
+// hits), read straight from the KV blocks. Layout, arithmetic, windows, soft-caps and sinks as
+// in paged_attention.cpp (decode), whose key scoring it shares (attention.h).
 //
 // Entry point (extern "C", called through ctypes): llmserve_paged_prefill.
 
@@ -40,6 +40,7 @@ struct PrefillArgs {
   int64_t query_stride;  // elements between query rows (heads are contiguous in a row)
   int64_t window;        // sliding window, 0 = none
   float softcap;         // 0 = none
+  const float* sinks;    // [num_heads] sink logits, nullptr = none
 };
 
 constexpr int kQueryTile = 32;  // query tokens per work item (times the group's heads)
@@ -209,10 +210,12 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
       q[r * group * kHeadDim + i] = to_float(src[i]) * a.scale;
     }
   }
+  // A head's sink starts its running maximum, and its numerator (exp 0) the running sum.
+  const float* sinks = a.sinks == nullptr ? nullptr : a.sinks + kv_head * group;
   for (int64_t qv = 0; qv < vectors; ++qv) {
     for (int c = 0; c < NV; ++c) acc[qv * NV + c] = vfloat{};
-    run_max[qv] = -std::numeric_limits<float>::infinity();
-    run_sum[qv] = 0.0f;
+    run_max[qv] = sinks != nullptr ? sinks[qv % group] : -std::numeric_limits<float>::infinity();
+    run_sum[qv] = sinks != nullptr ? 1.0f : 0.0f;
   }
 
   // Keys visible to the tile's last query token: positions 0 .. context + first + rows - 1;
@@ -317,11 +320,11 @@ int llmserve_paged_prefill(int dtype, int64_t head_dim, const void* query, const
                            const int32_t* seq_lens, void* out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                            float scale, int64_t query_stride, int64_t window,
-                           float softcap) {
+                           float softcap, const float* sinks) {
   const PrefillArgs args{query,           key_cache,  value_cache, block_tables, table_stride,
                          query_start_loc, seq_lens,   out,         num_seqs,     num_heads,
                          num_kv_heads,    block_size, scale,       query_stride, window,
-                         softcap};
+                         softcap,         sinks};
   return dispatch<PrefillOp>(dtype, head_dim, args);
 }
 

@@ -6,7 +6,7 @@ untied embeddings), on the `torch` and `cpu` attention backends; greedy output m
 `generate(do_sample=False)` token for token in float32, also with chunked prefill, recompute
 preemption and prefix-cache hits. On `cpu` the dense families' decode steps run as one native
 call (models/native.py), and the tests check that they did; the experts families decode per
-layer."""
+layer (and so does gpt-oss, whose attention sinks the native step lacks too)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,9 @@ def test_prefix_cache_hits_keep_greedy_exact(family: tuple[Worker, Any, Any]) ->
 
 
 # Families with experts: their decode steps stay on the per-layer path (models/native.py).
-EXPERTS = {"Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+EXPERTS = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"}
+# Families with attention sinks, which the native decode step refuses too.
+SINKS = {"GptOssForCausalLM"}
 
 
 def _runs_native(worker: Worker) -> bool:
@@ -156,7 +158,9 @@ def test_cpu_backend_selects_the_native_step_for_dense_families(
     model = family[0].model
     assert (model.decode_step is not None) == _runs_native(family[0])
     on_cpu = family[0].model_info.attention_backend == "cpu"
-    if on_cpu and family[0].model_info.architecture in EXPERTS:
+    architecture = family[0].model_info.architecture
+    if on_cpu and architecture in EXPERTS:
         assert "mixture of experts" in (model.native_decode_refused or "")
+        assert ("attention sinks" in (model.native_decode_refused or "")) == (architecture in SINKS)
     else:
         assert model.native_decode_refused is None

@@ -1,8 +1,8 @@
 """The worker with `--attention-backend triton` (interpreted on CPU) samples the same greedy
 tokens as with the torch backend, through batched prefill, chunked prefill mixed with decodes,
 a prefix-cache hit and shuffled block ids; the tiny models of the families with sliding
-windows shorter than the sequences (and Gemma 2's soft-capped scores) sample HF's greedy
-tokens."""
+windows shorter than the sequences (and Gemma 2's soft-capped scores, gpt-oss's attention
+sinks) sample HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -145,12 +145,13 @@ def test_auto_picks_triton_on_cuda() -> None:
     assert get_backend_class("auto", cuda).name == "triton"
 
 
-# Gemma 2 (every other layer windowed, scores soft-capped) and Gemma 3 (two windowed layers
-# in three, query_pre_attn_scalar) run in the default suite; the other windowed families
-# (tests/support/models.py) are slow.
+# Gemma 2 (every other layer windowed, scores soft-capped), Gemma 3 (two windowed layers in
+# three, query_pre_attn_scalar) and gpt-oss (every other layer windowed, attention sinks) run
+# in the default suite; the other windowed families (tests/support/models.py) are slow.
 WINDOWED_KINDS = [
     "gemma2",
     "gemma3",
+    "gpt_oss",
     *(
         pytest.param(kind, marks=pytest.mark.slow)
         for kind in ("gemma3_mm", "qwen3", "phi3", "smollm3", "olmo3", "mixtral")

@@ -32,6 +32,7 @@ FAMILY_KINDS = (
     "smollm3",
     "qwen3_moe",
     "mixtral",
+    "gpt_oss",
 )
 # A window smaller than the test prompts plus their outputs, so that it matters.
 WINDOW = 8
@@ -213,7 +214,37 @@ def _family_config(kind: str, common: dict[str, Any]) -> Any:
             sliding_window=WINDOW,
             tie_word_embeddings=False,
         )
+    if kind == "gpt_oss":
+        return _gpt_oss_config(common)
     raise ValueError(kind)
+
+
+def _gpt_oss_config(common: dict[str, Any]) -> Any:
+    """Windows on alternate layers, YaRN without truncation, a SwiGLU limit the tiny model's
+    activations reach (the released 7.0 never clamps here) and a non-default alpha."""
+    import transformers as tf
+
+    return tf.GptOssConfig(
+        **common,  # intermediate 96 and hidden 64: both multiples of MXFP4's 32-weight groups
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        swiglu_limit=0.3,
+        swiglu_alpha=1.3,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 8.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
 
 
 def save_tiny_model(
@@ -265,7 +296,7 @@ def perturb(model: Any) -> None:
             param.add_(torch.randn_like(param) * 0.2)
         else:
             param.add_(torch.randn_like(param) * 0.05)
-        if name.endswith("mlp.gate.weight"):
+        if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
             param.mul_(40.0)
 
 

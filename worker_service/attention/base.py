@@ -37,6 +37,8 @@ class AttentionSpec:
     # the attention-score soft-cap (None: none): what not every backend implements.
     sliding_window: int | None = None
     softcap: float | None = None
+    # Whether the layers add a learned per-head logit to every softmax's denominator.
+    sinks: bool = False
 
 
 @dataclass(slots=True)
@@ -114,6 +116,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Whether `forward` takes attention sinks; a backend that does not is refused for models
+    # that have them (`unsupported_reason`).
+    supports_sinks: bool = False
 
     def __init__(
         self,
@@ -144,14 +149,19 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads], this layer's sink logits
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write key/value into their slots, then attend every query to its sequence: to
         every earlier key, or with `sliding_window` to the keys less than that many
-        positions behind it (the query's own included)."""
+        positions behind it (the query's own included). With `sinks`, head h's softmax
+        denominator also holds exp(sinks[h]): a logit no value belongs to."""
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
-        """Why this backend cannot run `spec` in this environment, or None when it can."""
+        """Why this backend cannot run `spec` in this environment, or None when it can.
+        Subclasses add their own reasons after this one's (the model features they lack)."""
+        if spec.sinks and not cls.supports_sinks:
+            return "attention sinks are not implemented by this backend"
         return None
 
 
@@ -189,6 +199,7 @@ class PagedKernelBackend(AttentionBackend):
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # Only backends whose kernels take these get them (`unsupported_reason` refuses the
         # models that need them elsewhere).
@@ -197,6 +208,8 @@ class PagedKernelBackend(AttentionBackend):
             extra["sliding_window"] = sliding_window
         if self.softcap is not None:
             extra["softcap"] = self.softcap
+        if sinks is not None:
+            extra["sinks"] = sinks
         if key.stride() != value.stride():  # the kernels take one row stride for both
             key, value = key.contiguous(), value.contiguous()
         self.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
@@ -227,7 +240,7 @@ class PagedKernelBackend(AttentionBackend):
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         out: torch.Tensor,  # [num_decodes, num_heads, head_dim]
         metadata: AttentionMetadata,
-        extra: dict[str, Any] | None = None,  # sliding_window / softcap, for kernels that take them
+        extra: dict[str, Any] | None = None,  # sliding_window / softcap / sinks, for kernels
     ) -> None:
         """The decode tokens' attention, written into `out` (one layer)."""
         self.decode_attention(

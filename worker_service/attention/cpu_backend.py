@@ -23,6 +23,7 @@ class CpuAttentionBackend(PagedKernelBackend):
     """Native CPU paged attention (see the module docstring)."""
 
     name = "cpu"
+    supports_sinks = True
     # Unchecked calls (the wrappers' argument checks cost ~10 us each, 3-4 calls a layer): the
     # model runner builds the step's tables and refuses block ids outside the cache, so slots
     # and tables are in range; the query and cache shapes are fixed at load.
@@ -32,6 +33,9 @@ class CpuAttentionBackend(PagedKernelBackend):
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
+        reason = super().unsupported_reason(spec)
+        if reason is not None:
+            return reason
         if spec.device.type != "cpu":
             return f"the native kernels run on the CPU only, not {spec.device}"
         reason = cpu_kernels.unsupported_reason(

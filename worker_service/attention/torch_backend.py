@@ -7,7 +7,9 @@ keys/values by block table into `[num_decodes, max_seq_len]` and run one SDPA ca
 Index tensors and masks are built once per step in `begin_step` and shared by all layers
 (a sliding window's masks once per step and window). With soft-capping the scores are
 computed explicitly (matmul, scale, cap * tanh(s / cap), mask, float32 softmax), as the
-transformers reference does, since SDPA cannot cap them.
+transformers reference does, since SDPA cannot cap them; so are they with attention sinks
+(gpt-oss): each head's sink logit joins the softmax as one more column, which is dropped
+before the values are summed.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class TorchAttentionBackend(AttentionBackend):
     """Vectorized torch implementation (see the module docstring)."""
 
     name = "torch"
+    supports_sinks = True
+    # The current layer's sink logits ([num_heads]), set by `forward` for `_attend`.
+    _sinks: torch.Tensor | None = None
 
     def begin_step(self, metadata: AttentionMetadata) -> None:
         device = metadata.slot_mapping.device
@@ -119,7 +124,9 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        self._sinks = sinks
         write_to_cache(
             key, value, key_cache, value_cache, metadata.slot_mapping, self._all_slots_valid
         )
@@ -175,7 +182,7 @@ class TorchAttentionBackend(AttentionBackend):
         mask: torch.Tensor | None,  # [batch, 1, queries, keys] bool; None = causal
     ) -> torch.Tensor:  # [batch, num_heads, queries, head_dim]
         gqa = self.num_heads != self.num_kv_heads
-        if self.softcap is None:
+        if self.softcap is None and self._sinks is None:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa
             )
@@ -183,13 +190,28 @@ class TorchAttentionBackend(AttentionBackend):
             group = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is None:
             n_q, n_k = scores.shape[-2:]
             mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
+        if self._sinks is not None:
+            return torch.matmul(self._sink_softmax(scores, self._sinks), v)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)
+
+    @staticmethod
+    def _sink_softmax(
+        scores: torch.Tensor,  # [batch, num_heads, queries, keys], masked with -inf
+        sinks: torch.Tensor,  # [num_heads]
+    ) -> torch.Tensor:  # [batch, num_heads, queries, keys] in scores' dtype
+        """Softmax over the keys and one more logit per head, the sink, whose share is
+        dropped: in the reference's order (shift by the joint maximum, softmax, drop)."""
+        column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        joint = torch.cat([scores, column], dim=-1)
+        joint = joint - joint.amax(dim=-1, keepdim=True)
+        return torch.softmax(joint, dim=-1, dtype=joint.dtype)[..., :-1]
 
     def _decode(
         self,

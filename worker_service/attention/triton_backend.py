@@ -5,8 +5,8 @@ tokens (prompt chunks, causal over their cached prefix) go through `prefill_atte
 decode tokens through `paged_attention_decode`, each writing into its rows of one output tensor.
 Both kernels read keys/values from the paged cache by block table, so nothing is gathered or
 padded per step. The decode launch is planned once per step (`kernels.DecodePlan`: checks,
-partitioning, scratch, the compiled kernel) and only launched per layer. Sliding windows (per
-layer) and attention soft-capping (per model) are arguments of both kernels.
+partitioning, scratch, the compiled kernel) and only launched per layer. Sliding windows and
+attention sinks (per layer) and soft-capping (per model) are arguments of both kernels.
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before this
 module is imported); that is how the backend is tested without a GPU.
@@ -33,6 +33,7 @@ class TritonAttentionBackend(PagedKernelBackend):
     """Triton paged attention (see the module docstring)."""
 
     name = "triton"
+    supports_sinks = True
     write_cache = staticmethod(kernels.reshape_and_cache)
     prefill_attention = staticmethod(kernels.prefill_attention)
     decode_attention = staticmethod(kernels.paged_attention_decode)
@@ -59,6 +60,7 @@ class TritonAttentionBackend(PagedKernelBackend):
             return
         # The soft-cap is the model's (self.softcap); only the window changes per layer.
         window = (extra or {}).get("sliding_window")
+        sinks = (extra or {}).get("sinks")
         plan = self._plan
         if plan is None:
             plan = self._plan = DecodePlan(
@@ -73,10 +75,13 @@ class TritonAttentionBackend(PagedKernelBackend):
                 max_seq_len=metadata.max_decode_seq_len,
                 softcap=self.softcap,
             )
-        plan.run(query, key_cache, value_cache, out, sliding_window=window)
+        plan.run(query, key_cache, value_cache, out, sliding_window=window, sinks=sinks)
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
+        reason = super().unsupported_reason(spec)
+        if reason is not None:
+            return reason
         if not kernels.supports_device(spec.device):
             return f"the Triton kernels cannot run on {spec.device} (CPU needs TRITON_INTERPRET=1)"
         return None

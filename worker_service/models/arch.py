@@ -23,6 +23,10 @@ NormKind = Literal["rms", "rms_f32", "gemma"]
 QKNorm = Literal["head", "full"] | None
 # SwiGLU (silu) or GeGLU with tanh-approximated gelu (Gemma).
 Activation = Literal["silu", "gelu_tanh"]
+# How a router turns logits into top-k weights: "softmax_topk" takes the top k of a float32
+# softmax over every expert (Mixtral, Qwen3-MoE); "topk_softmax" takes the top k logits and
+# softmaxes only those, in the model dtype (gpt-oss).
+Routing = Literal["softmax_topk", "topk_softmax"]
 
 _ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
@@ -54,6 +58,11 @@ class MoeSpec:
     # Cast the routing weights to the model dtype before scaling expert outputs (Qwen3-MoE);
     # Mixtral scales in float32.
     round_weights: bool = False
+    routing: Routing = "softmax_topk"
+    # The clamped SwiGLU of gpt-oss's experts when set: gate clamped above and up on both
+    # sides at this limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate).
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +97,9 @@ class ModelArchConfig:
     # norms) and whether blocks have input norms (OLMo 2: none).
     output_norms: bool = False
     input_norms: bool = True
+    # A learned per-head logit in every softmax's denominator (gpt-oss's `sinks`): each layer
+    # has its own `LayerWeights.sinks`, which the attention backend takes per call.
+    attention_sinks: bool = False
 
     @property
     def scale(self) -> float:
@@ -125,6 +137,7 @@ class ModelArchConfig:
         does not run, by name: such a model decodes on the per-layer path."""
         checks = {
             "mixture of experts": self.moe is not None,
+            "attention sinks": self.attention_sinks,
             "rotary tables of different widths": len({r.rotary_dim for r in self.ropes}) > 1,
         }
         return [name for name, present in checks.items() if present]

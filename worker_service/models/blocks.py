@@ -35,6 +35,19 @@ def gated_activation(
     return F.gelu(gate, approximate="tanh") * up
 
 
+def clamped_swiglu(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate]: gate, then up
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:  # [num_tokens, intermediate]
+    """gpt-oss's expert activation: the gate clamped above at `limit`, up within +-`limit`,
+    then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap), in the reference's order (divide, tanh, multiply)."""
     return torch.tanh(x / cap) * cap

@@ -14,7 +14,7 @@ the plain torch elementwise path); with `packed_linear` every matmul runs throug
 weights prepacked at load; with `native_linear` through `kernels.cpu.decode.linear_rows`; and
 pure decode steps of up to `native_decode_max_batch` tokens run as one native call
 (`native.NativeDecode`) for every dense family; it refuses the others
-(`arch.native_blockers`: experts) by feature name and they decode on the per-layer path.
+(`arch.native_blockers`: experts, attention sinks) by feature name and they decode on the per-layer path.
 The elementwise arithmetic follows each reference's order, so float32 greedy output matches
 transformers token for token.
 """
@@ -158,7 +158,7 @@ class DecoderModel:
         for layer in self.layers:
             held += [getattr(layer, f.name) for f in fields(layer) if f.name != "moe"]
             if layer.moe is not None:
-                held += [layer.moe.router, layer.moe.gate_up, layer.moe.down]
+                held += layer.moe.tensors()
         if self.native_decode is not None:
             held += self.native_decode.step._tensors
         tables = {t.untyped_storage().data_ptr() for pair in self.rope_tables for t in pair}
@@ -216,7 +216,14 @@ class DecoderModel:
             q, k, v = self._qkv(h, weights, positions, rotations[kind.rope], kind.rope)
             g = layer_groups[i]
             attn = backends[g].forward(
-                q, k, v, key_cache, value_cache, metadatas[g], sliding_window=kind.sliding_window
+                q,
+                k,
+                v,
+                key_cache,
+                value_cache,
+                metadatas[g],
+                sliding_window=kind.sliding_window,
+                sinks=weights.sinks,
             )
             o = self.linear(attn.reshape(-1, self.q_size), weights.o, weights.o_bias)
             delta = self._block_output(o, weights.attn_out_norm)

@@ -1,4 +1,5 @@
-"""Sparse MLP: a softmax router picks the top-k experts of each token; the experts run
+"""Sparse MLP: a router picks the top-k experts of each token (`MoeSpec.routing`); the experts
+(with biases and gpt-oss's clamped SwiGLU where the family has them) run
 grouped (the step's (token, expert) pairs sorted by expert, one matmul pair per active
 expert), so the Python loop is over the few experts in use, never over tokens.
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_service.models.arch import Activation, MoeSpec
-from worker_service.models.blocks import gated_activation
+from worker_service.models.blocks import clamped_swiglu, gated_activation
 from worker_service.models.weights import MoeWeights
 
 
@@ -22,9 +23,15 @@ def route(
     x: torch.Tensor,  # [num_tokens, hidden]
     router: torch.Tensor,  # [num_experts, hidden]
     spec: MoeSpec,
-) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k] weights (float32), expert ids
-    """Softmax over all experts in float32, top-k, renormalised when `norm_topk_prob`."""
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    router_bias: torch.Tensor | None = None,  # [num_experts]
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k] weights, expert ids
+    """ "softmax_topk": softmax over all experts in float32, top-k, renormalised when
+    `norm_topk_prob`; "topk_softmax": top-k logits, softmaxed in the model dtype."""
+    logits = F.linear(x, router, router_bias)  # [num_tokens, num_experts]
+    if spec.routing == "topk_softmax":
+        top, experts = torch.topk(logits, spec.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), experts
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, spec.top_k, dim=-1)
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -34,7 +41,7 @@ def route(
 def _routed(
     x: torch.Tensor, w: MoeWeights, spec: MoeSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k] weights, expert ids
-    weights, experts = route(x, w.router, spec)
+    weights, experts = route(x, w.router, spec, w.router_bias)
     if spec.round_weights:  # Qwen3-MoE casts the routing weights to the model dtype first
         weights = weights.to(x.dtype)
     return weights, experts
@@ -65,8 +72,8 @@ def moe_mlp(
         if count == 0:
             continue
         end = start + count
-        h = gated_activation(F.linear(rows[start:end], w.gate_up[expert]), activation)
-        out[start:end] = F.linear(h, w.down[expert]) * weights.reshape(-1)[order[start:end], None]
+        h = _expert(rows[start:end], w, expert, spec, activation)
+        out[start:end] = h * weights.reshape(-1)[order[start:end], None]
         start = end
     final = torch.zeros_like(x)
     # Each token's rows arrive in ascending expert order, as in the reference's loop.
@@ -89,6 +96,26 @@ def every_expert_mlp(
     gates.scatter_(1, experts, weights)
     final = torch.zeros_like(x)
     for expert in range(spec.num_experts):
-        h = gated_activation(F.linear(x, w.gate_up[expert]), activation)
-        final += (F.linear(h, w.down[expert]) * gates[:, expert, None]).to(x.dtype)
+        final += (_expert(x, w, expert, spec, activation) * gates[:, expert, None]).to(x.dtype)
     return final
+
+
+def _expert(
+    x: torch.Tensor,  # [rows, hidden]
+    w: MoeWeights,
+    expert: int,
+    spec: MoeSpec,
+    activation: Activation,
+) -> torch.Tensor:  # [rows, hidden], before the routing weight
+    """One expert's MLP; biases are added after each matmul, as the references do."""
+    gate_up = F.linear(x, w.gate_up[expert])
+    if w.gate_up_bias is not None:
+        gate_up = gate_up + w.gate_up_bias[expert]
+    if spec.swiglu_limit is not None:
+        h = clamped_swiglu(gate_up, spec.swiglu_alpha, spec.swiglu_limit)
+    else:
+        h = gated_activation(gate_up, activation)
+    out = F.linear(h, w.down[expert])
+    if w.down_bias is not None:
+        out = out + w.down_bias[expert]
+    return out

@@ -9,7 +9,8 @@ longrope tables), each step with the per-layer path's rounding points. What it d
 run (`ModelArchConfig.native_blockers`) is refused here by name and decodes on the per-layer
 path, whose attention is the `cpu` backend's paged kernel.
 
-Mixture-of-experts models (Qwen3-MoE, Mixtral) stay on the per-layer path: decode.cpp has
+Mixture-of-experts models (Qwen3-MoE, Mixtral, gpt-oss, whose attention sinks decode.cpp
+lacks too) stay on the per-layer path: decode.cpp has
 no routed expert MLP (router, top-k, renormalised weights, one matmul per chosen expert), and
 the expert MLP is a large share of their per-layer step, measured on the tiny test models at
 context 256 (bench/native_decode.py, bench/RESULTS.md "Native decode step per family"):

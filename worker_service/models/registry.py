@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker_service.models import gemma, granite, llama, mixture, olmo2, olmo3, phi3, qwen3, smollm3
+from worker_service.models import (
+    gemma,
+    gpt_oss,
+    granite,
+    llama,
+    mixture,
+    olmo2,
+    olmo3,
+    phi3,
+    qwen3,
+    smollm3,
+)
 from worker_service.models.arch import ModelArchConfig
 from worker_service.models.decoder import DecoderModel
 from worker_service.models.family import Family
@@ -27,6 +38,7 @@ _FAMILIES: tuple[Family, ...] = (
     smollm3.FAMILY,
     mixture.QWEN3_MOE,
     mixture.MIXTRAL,
+    gpt_oss.FAMILY,
 )
 ARCHITECTURES: dict[str, Family] = {a: f for f in _FAMILIES for a in f.architectures}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

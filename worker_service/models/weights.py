@@ -17,6 +17,16 @@ class MoeWeights:
     router: torch.Tensor  # [num_experts, hidden]
     gate_up: torch.Tensor  # [num_experts, 2 * moe_intermediate, hidden]: gate rows, up rows
     down: torch.Tensor  # [num_experts, hidden, moe_intermediate]
+    # Biases where the family's router or experts have them (gpt-oss).
+    router_bias: torch.Tensor | None = None  # [num_experts]
+    gate_up_bias: torch.Tensor | None = None  # [num_experts, 2 * moe_intermediate]
+    down_bias: torch.Tensor | None = None  # [num_experts, hidden]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held, biases included."""
+        held = [self.router, self.gate_up, self.down]
+        biases = (self.router_bias, self.gate_up_bias, self.down_bias)
+        return held + [b for b in biases if b is not None]
 
 
 @dataclass(slots=True)
@@ -40,6 +50,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [hidden]
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
     moe: MoeWeights | None = None
+    sinks: torch.Tensor | None = None  # [num_heads], attention sink logits (gpt-oss)
 
 
 def _w(module: Any) -> torch.Tensor:
@@ -80,7 +91,13 @@ def read_attention(attn: Any) -> dict[str, Any]:  # LayerWeights fields
         o_bias=_b(attn.o_proj),
         q_norm=norm_weight(getattr(attn, "q_norm", None)),
         k_norm=norm_weight(getattr(attn, "k_norm", None)),
+        sinks=_sinks(attn),
     )
+
+
+def _sinks(attn: Any) -> torch.Tensor | None:
+    sinks = getattr(attn, "sinks", None)
+    return None if sinks is None else sinks.detach()
 
 
 def read_dense_mlp(mlp: Any) -> dict[str, torch.Tensor | None]:
@@ -98,9 +115,12 @@ def read_dense_mlp(mlp: Any) -> dict[str, torch.Tensor | None]:
     )
 
 
-def read_moe(block: Any, router: Any) -> MoeWeights:
+def read_moe(block: Any, router: Any, gate_up_interleaved: bool = False) -> MoeWeights:
     """Experts stored as transformers 5 stores them: `gate_up_proj` [experts, 2 * inter,
-    hidden] and `down_proj` [experts, hidden, inter] parameters of one module."""
+    hidden] and `down_proj` [experts, hidden, inter] parameters of one module (or their
+    transposes, `is_transposed`), with `*_bias` parameters where the family has them.
+    `gate_up_interleaved`: gate and up alternate along the 2 * inter outputs (gpt-oss), and
+    are taken apart here into the gate-then-up order the MLP expects."""
     experts = block.experts
     gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
@@ -110,9 +130,24 @@ def read_moe(block: Any, router: Any) -> MoeWeights:
         )
     if getattr(experts, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate_up_bias = _param(experts, "gate_up_proj_bias")
+    if gate_up_interleaved:
+        gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+        if gate_up_bias is not None:
+            gate_up_bias = torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1)
     return MoeWeights(
-        router=router.weight.detach(), gate_up=gate_up.contiguous(), down=down.contiguous()
+        router=router.weight.detach(),
+        gate_up=gate_up.contiguous(),
+        down=down.contiguous(),
+        router_bias=_b(router),
+        gate_up_bias=gate_up_bias,
+        down_bias=_param(experts, "down_proj_bias"),
     )
+
+
+def _param(module: Any, name: str) -> torch.Tensor | None:
+    value = getattr(module, name, None)
+    return None if value is None else value.detach()
 
 
 def read_layer(

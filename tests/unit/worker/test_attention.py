@@ -34,9 +34,11 @@ def reference(
     context: int,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence: q [n, H, D] at positions context.., k/v [context + n, KVH, D]; a query
-    at p sees keys p - window < j <= p; scores capped to softcap * tanh(s / softcap)."""
+    at p sees keys p - window < j <= p; scores capped to softcap * tanh(s / softcap); head
+    h's weights divided by one more exp(sinks[h]) (sums taken without a max shift)."""
     k = k.repeat_interleave(H // KVH, dim=1)
     v = v.repeat_interleave(H // KVH, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
@@ -49,7 +51,11 @@ def reference(
     if window is not None:
         allowed &= keys > query_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    weights = scores.double().exp()
+    weights = weights / (weights.sum(-1, keepdim=True) + sinks.double().exp()[:, None, None])
+    return torch.einsum("hqk,khd->qhd", weights.float(), v)
 
 
 # (context already cached, new tokens): prefills (one from scratch, two over a cached
@@ -58,13 +64,24 @@ SEQS = [(0, 7), (5, 6), (70, 9), (9, 1), (3, 1), (14, 1), (90, 1)]
 
 
 @pytest.mark.parametrize(
-    ("window", "softcap"), [(None, None), (3, None), (None, 0.7), (5, 0.5), (40, None)]
+    ("window", "softcap", "with_sinks"),
+    [
+        (None, None, False),
+        (3, None, False),
+        (None, 0.7, False),
+        (5, 0.5, False),
+        (40, None, False),
+        (None, None, True),
+        (3, None, True),
+    ],
 )
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", TRITON_ON_CPU])
 def test_mixed_batch_of_chunks_prefix_hits_and_decodes(
-    backend_name: str, window: int | None, softcap: float | None
+    backend_name: str, window: int | None, softcap: float | None, with_sinks: bool
 ) -> None:
     torch.manual_seed(0)
+    # Sinks around the scores' size (keys are scaled up below), one per query head.
+    sinks = torch.linspace(-2.0, 6.0, H) if with_sinks else None
     seqs = SEQS
     num_blocks = 80
     key_cache = torch.zeros(num_blocks, BS, KVH, D)
@@ -114,7 +131,7 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes(
         max_decode_seq_len=max(c + n for c, n in dec),
         block_size=BS,
     )
-    spec = replace(CPU_SPEC, sliding_window=window, softcap=softcap)
+    spec = replace(CPU_SPEC, sliding_window=window, softcap=softcap, sinks=with_sinks)
     backend = get_backend_class(backend_name, spec)(H, KVH, D, D**-0.5, softcap)
     backend.begin_step(meta)
     out = backend.forward(
@@ -125,10 +142,11 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes(
         value_cache,
         meta,
         sliding_window=window,
+        sinks=sinks,
     )
     expected = torch.cat(
         [
-            reference(q, k, v, c, window, softcap)
+            reference(q, k, v, c, window, softcap, sinks)
             for q, k, v, (c, _) in zip(queries, full_k, full_v, seqs, strict=True)
         ]
     )
@@ -137,7 +155,7 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes(
     flat_k = key_cache.view(-1, KVH, D)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
     assert torch.equal(flat_k[torch.tensor(slots)], new_k)
-    if window is not None or softcap is not None:  # the features change the result
+    if window is not None or softcap is not None or sinks is not None:  # features matter
         plain = torch.cat(
             [
                 reference(q, k, v, c)
@@ -197,6 +215,18 @@ def test_auto_is_the_native_backend_on_cpu_and_torch_where_it_cannot_run() -> No
         # ... and are refused with the reason when asked for by name.
         with pytest.raises(AttentionBackendError, match="cannot run here: unsupported"):
             get_backend_class("cpu", spec)
+
+
+def test_a_backend_without_sinks_is_refused_by_name_for_a_model_with_them() -> None:
+    class NoSinks(TorchAttentionBackend):
+        name = "no_sinks_test"
+        supports_sinks = False
+
+    spec = replace(CPU_SPEC, sinks=True)
+    assert NoSinks.unsupported_reason(CPU_SPEC) is None
+    assert "attention sinks" in (NoSinks.unsupported_reason(spec) or "")
+    for name in ("torch", "cpu"):  # the backends here all take them
+        assert get_backend_class(name, spec).supports_sinks
 
 
 def test_unknown_backend_lists_the_known_ones() -> None:

@@ -23,7 +23,7 @@ from .factories import GreedyDriver, make_worker
 
 PROMPTS = {0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 1: [2, 71, 82], 2: [11, 12, 13, 14, 15]}
 # The families whose decode steps stay on the per-layer path (models/native.py).
-MOE_KINDS = ("qwen3_moe", "mixtral")
+MOE_KINDS = ("qwen3_moe", "mixtral", "gpt_oss")
 DENSE_FAMILIES = [kind for kind in FAMILY_KINDS if kind not in MOE_KINDS]
 
 
@@ -104,6 +104,7 @@ def test_experts_decode_per_layer_saying_why(kind: str, model_dir: dict[str, Pat
     worker = make_worker(model_dir[kind])
     assert worker.model.decode_step is None
     assert "mixture of experts" in (worker.model.native_decode_refused or "")
+    assert ("attention sinks" in (worker.model.native_decode_refused or "")) == (kind == "gpt_oss")
 
 
 def test_batches_over_the_limit_take_the_per_layer_path(
