@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from llmserve.kv_layout import KvLayout, plan_layout, single_group
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
 
 
-def make_engine(dtype: torch.dtype = torch.float32) -> CacheEngine:
+def make_engine(dtype: torch.dtype = torch.float32, layout: KvLayout | None = None) -> CacheEngine:
     return CacheEngine(
-        num_layers=3,
+        layout=layout or single_group(3),
         num_kv_heads=2,
         head_dim=8,
         block_size=4,
@@ -34,6 +35,21 @@ def test_layer_caches_are_views_with_the_documented_layout() -> None:
     assert key.shape == value.shape == (10, 4, 2, 8)
     key[3, 2, 1, 5] = 1.5
     assert engine.device_cache[1, 0, 3, 2, 1, 5] == 1.5
+
+
+def test_layers_of_a_grouped_layout_share_slots_by_their_index_in_the_group() -> None:
+    # Layers 0, 1, 3, 4 slide, 2 and 5 attend to all: three groups of two layers.
+    layout = plan_layout([4, 4, None, 4, 4, None])
+    engine = make_engine(layout=layout)
+    assert engine.device_cache.shape[:3] == (2, 2, 10)  # two slots a block
+    caches = engine.layer_caches()
+    assert len(caches) == 6
+    # Layer 2 is slot 0 of the full group, layer 4 slot 1 of the second windowed group.
+    caches[2][0][3, 0, 0, 0] = 2.0
+    caches[4][1][5, 0, 0, 0] = 4.0
+    assert engine.device_cache[0, 0, 3, 0, 0, 0] == 2.0
+    assert engine.device_cache[1, 1, 5, 0, 0, 0] == 4.0
+    assert caches[0][0].data_ptr() == caches[2][0].data_ptr() == caches[3][0].data_ptr()
 
 
 def test_swap_out_then_in_restores_bit_exactly() -> None:
