@@ -55,6 +55,9 @@ class KvGroup:
 class KvLayout:
     groups: tuple[KvGroup, ...]
     slots: int  # layers one block holds: the size of the largest group
+    # Layers that store no K/V of their own and read another layer's (KV shared across
+    # layers, Gemma 4): layer -> the layer whose cache it reads. In no group.
+    shared: tuple[tuple[int, int], ...] = ()
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -66,12 +69,20 @@ class KvLayout:
         return any(w is not None for w in self.windows)
 
     def slot_of_layer(self) -> dict[int, tuple[int, int]]:
-        """Layer -> (group, slot) of the blocks that hold its K/V."""
-        return {
+        """Layer -> (group, slot) of the blocks that hold its K/V (a shared layer: its
+        source's)."""
+        slots = {
             layer: (g, slot)
             for g, group in enumerate(self.groups)
             for slot, layer in enumerate(group.layers)
         }
+        for layer, source in self.shared:
+            slots[layer] = slots[source]
+        return dict(sorted(slots.items()))
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups) + len(self.shared)
 
     def blocks_for(self, num_tokens: int, block_size: int, chunk: int | None = None) -> int:
         """Device blocks one sequence of `num_tokens` holds at most, computing at most `chunk`
@@ -109,17 +120,33 @@ def single_group(num_layers: int) -> KvLayout:
     return KvLayout((KvGroup(None, tuple(range(num_layers))),), num_layers)
 
 
-def plan_layout(layer_windows: Sequence[int | None]) -> KvLayout:
+def plan_layout(
+    layer_windows: Sequence[int | None], kv_sources: dict[int, int] | None = None
+) -> KvLayout:
     """Group layers by their window (None: full attention), full-attention groups first, then
-    by window size; every group at most as large as the smallest kind."""
-    if not layer_windows:
+    by window size; every group at most as large as the smallest kind. `kv_sources` maps a
+    layer that reads another layer's K/V (and stores none) to that layer, which must store
+    its own and attend with the same window."""
+    sources = dict(kv_sources or {})
+    for layer, source in sources.items():
+        if not 0 <= source < len(layer_windows) or source in sources or source == layer:
+            raise KvLayoutError(
+                f"layer {layer}: reads the K/V of layer {source}, which stores none"
+            )
+        if layer_windows[layer] != layer_windows[source]:
+            raise KvLayoutError(
+                f"layer {layer}: window {layer_windows[layer]} reads the K/V of layer {source}, "
+                f"window {layer_windows[source]}"
+            )
+    storing = [i for i in range(len(layer_windows)) if i not in sources]
+    if not storing:
         raise KvLayoutError("a model needs at least one layer that stores K/V")
     for i, window in enumerate(layer_windows):
         if window is not None and window < 1:
             raise KvLayoutError(f"layer {i}: sliding window must be at least 1, got {window}")
     kinds: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
-        kinds.setdefault(window, []).append(layer)
+    for layer in storing:
+        kinds.setdefault(layer_windows[layer], []).append(layer)
     size = min(len(layers) for layers in kinds.values())
     order = sorted(kinds, key=lambda w: (w is not None, w or 0))
     groups = tuple(
@@ -127,4 +154,4 @@ def plan_layout(layer_windows: Sequence[int | None]) -> KvLayout:
         for window in order
         for start in range(0, len(kinds[window]), size)
     )
-    return KvLayout(groups, size)
+    return KvLayout(groups, size, tuple(sorted(sources.items())))
