@@ -474,17 +474,26 @@ class BlockSpaceManager:
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
         return self._unique_blocks(seqs) <= self.cpu.get_num_free_blocks()
 
-    def can_swap_in(self, seq_group: SequenceGroup) -> bool:
-        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
+    def _swap_in_blocks(self, seqs: list[Sequence]) -> int:
         # One more block per sequence and group for the token it appends when it resumes,
         # or as many as the tokens appended while it was out need (a grammar's forced tokens).
         bs = self.block_size
-        required = self._unique_blocks(seqs) + sum(
+        return self._unique_blocks(seqs) + sum(
             max(1, -(-seq.get_len() // bs) - len(tables[seq.seq_id]))
             for seq in seqs
             for tables in self._group_tables
         )
+
+    def can_swap_in(self, seq_group: SequenceGroup) -> bool:
+        required = self._swap_in_blocks(seq_group.get_seqs(SequenceStatus.SWAPPED))
         return self.gpu.get_num_free_blocks() - required >= self.watermark_blocks
+
+    def can_ever_swap_in(self, seq_group: SequenceGroup) -> bool:
+        """Whether the swapped group fits the empty cache (else only a recompute, which
+        frees what its windows left, can bring it back)."""
+        required = self._swap_in_blocks(seq_group.get_seqs(SequenceStatus.SWAPPED))
+        usable = self.num_total_gpu_blocks - self.num_reserved
+        return usable - required >= self.watermark_blocks
 
     def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:
         """Move the running sequences' blocks to host blocks. Returns {gpu block: cpu block};

@@ -224,6 +224,9 @@ class Scheduler(SchedulerQueues):
             if self.waiting and self.waiting[0].priority < seq_group.priority:
                 break  # the blocks go to the waiting group of higher priority first
             if not bm.can_swap_in(seq_group):
+                if not bm.can_ever_swap_in(seq_group):
+                    self._recompute_swapped(seq_group, out)
+                    continue
                 break
             num_new_seqs = seq_group.get_max_num_running_seqs()
             if budget.num_seqs + num_new_seqs > budget.seq_budget:
@@ -246,6 +249,17 @@ class Scheduler(SchedulerQueues):
             budget.num_seqs += num_new_seqs
             insert_in_order(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)
+
+    def _recompute_swapped(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        """A swapped group that grew past what the whole cache holds at once goes back to
+        the waiting queue to be recomputed (its host blocks freed)."""
+        self.swapped.popleft()
+        for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
+            self.free_seq(seq, out.freed_seq_ids)
+            seq.reset_for_recompute()
+        insert_in_order(self.waiting, seq_group, ahead_of_ties=True)
+        self.num_preemptions[PreemptionMode.RECOMPUTE] += 1
+        out.preempted.append(PreemptedGroup(seq_group.request_id, PreemptionMode.RECOMPUTE))
 
     def _schedule_waiting(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
         config = self.scheduler_config

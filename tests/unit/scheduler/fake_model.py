@@ -4,12 +4,18 @@ It rebuilds every sequence only from the step diffs, keeps a simulated KV cache 
 stored in each slot of each device and host block), writes computed tokens through the block
 table, applies swaps and copies, and derives the next token from the tokens it READS BACK
 from its cache. A wrong diff, block table, swap or copy therefore changes the output.
+
+With KV groups (`windows`, as `llmserve.kv_layout` lays a hybrid model out) it writes every
+token through each group's table and reads a windowed group back only over its window, as
+attention would: a block freed while its window still reads it, or one never written, changes
+the output; a write into the null block fails at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmserve.kv_layout import NULL_BLOCK
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
     SAMPLED_TOKEN,
@@ -17,6 +23,7 @@ from llmserve.steps import (
     SequenceOutput,
     StepInput,
     StepResult,
+    TableEdit,
     TokenLogprob,
     TokenMask,
     TransferFailure,
@@ -36,8 +43,10 @@ class _SeqState:
     tokens: list[int]
     num_prompt_tokens: int
     num_computed: int
-    table: list[int]
+    table: list[int]  # KV group 0's
     params: SamplingParams
+    # KV groups 1, 2, ...
+    group_tables: list[list[int]]
     # What the last step that scheduled it sampled (for SAMPLED_TOKEN), if it sampled one
     # (after drafts: the last token of the run).
     last_sampled: int | None = None
@@ -50,9 +59,15 @@ class FakeModel:
     """Implements `Executor`. Next token = f(hash of the cached context, seq index)."""
 
     def __init__(
-        self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, vocab_size: int = 64
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        vocab_size: int = 64,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         self.block_size = block_size
+        self.windows = windows
         self.vocab_size = vocab_size
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
@@ -135,6 +150,7 @@ class FakeModel:
                 p.num_computed,
                 list(p.table),
                 p.params,
+                [list(t) for t in p.group_tables],
             )
         for new in step.new_seqs:
             assert new.seq_id not in self.seqs, f"new sequence {new.seq_id} already known"
@@ -146,7 +162,9 @@ class FakeModel:
                 new.num_computed_tokens,
                 list(new.block_ids),
                 new.sampling_params,
+                [list(t) for t in new.group_block_ids],
             )
+            assert len(new.group_block_ids) == len(self.windows) - 1, "a table per KV group"
         skipped: set[int] = set()
         for upd in step.cached_seqs:
             st = self.seqs[upd.seq_id]
@@ -156,6 +174,7 @@ class FakeModel:
                     self.num_skipped_after_drafts += 1
                     skipped.add(upd.seq_id)
                     st.table[upd.block_offset :] = upd.block_ids
+                    self._edit_groups(st, upd.group_edits)
                     continue
                 self.num_after_drafts += 1
             if SAMPLED_TOKEN in upd.new_token_ids:
@@ -174,6 +193,7 @@ class FakeModel:
                 drafts[upd.seq_id] = len(upd.draft_token_ids)
             assert upd.block_offset <= len(st.table)
             st.table[upd.block_offset :] = upd.block_ids
+            self._edit_groups(st, upd.group_edits)
         for src, dst in step.blocks_to_swap_out:
             self.cpu[dst] = list(self.gpu[src])
         for src, dst in step.blocks_to_swap_in:
@@ -188,8 +208,11 @@ class FakeModel:
         for seq_id, num in scheduled:
             st = self.seqs[seq_id]
             bs = self.block_size
-            for pos in range(st.num_computed, st.num_computed + num):
-                self.gpu[st.table[pos // bs]][pos % bs] = st.tokens[pos]
+            for table in (st.table, *st.group_tables):
+                for pos in range(st.num_computed, st.num_computed + num):
+                    block_id = table[pos // bs]
+                    assert block_id != NULL_BLOCK or self.windows == (None,), "wrote the null block"
+                    self.gpu[block_id][pos % bs] = st.tokens[pos]
             self.num_computed_tokens += num
         outputs = []
         for seq_id, num in scheduled:
@@ -214,6 +237,12 @@ class FakeModel:
         return StepResult(
             step.step_id, outputs, imported_transfer_ids=imported, failed_imports=failed
         )
+
+    def _edit_groups(self, st: _SeqState, edits: list[TableEdit]) -> None:
+        assert len(edits) == len(self.windows) - 1, "an edit per KV group"
+        for table, edit in zip(st.group_tables, edits, strict=True):
+            assert edit.offset <= len(table)
+            table[edit.offset :] = edit.block_ids
 
     def _transfer(self, step: StepInput) -> tuple[list[int], list[TransferFailure]]:
         """Releases, exports, then imports, in the contract's order."""
@@ -269,12 +298,20 @@ class FakeModel:
             h = _mix(h, t)
         return self._sample(h, seq_index).token_id
 
-    def _context_hash(self, st: _SeqState, length: int) -> int:
+    def _context_hash(self, st: _SeqState, length: int, windows: bool = True) -> int:
+        """The context a query after `length` tokens reads back, group by group: a full
+        group's every position, a windowed group's last `window` positions (`windows` False:
+        only the full groups', for a prompt logprob that a worker takes from an earlier
+        step's row, when the window still held it)."""
         bs = self.block_size
         h = 17
-        for pos in range(length):
-            slot = self.gpu[st.table[pos // bs]][pos % bs]
-            h = _mix(h, -1 if slot is None else slot)
+        for table, window in zip((st.table, *st.group_tables), self.windows, strict=True):
+            if window is not None and not windows:
+                continue
+            first = 0 if window is None else max(0, length - window)
+            for pos in range(first, length):
+                slot = self.gpu[table[pos // bs]][pos % bs]
+                h = _mix(h, -1 if slot is None else slot)
         return h
 
     def _outputs(
@@ -284,7 +321,7 @@ class FakeModel:
         prompt_lps: list[PromptLogprob] = []
         if params.prompt_logprobs is not None:
             for pos in range(max(start, 1), min(st.num_computed + 1, st.num_prompt_tokens)):
-                h = self._context_hash(st, pos)
+                h = self._context_hash(st, pos, windows=pos > start)
                 tok = st.tokens[pos]
                 prompt_lps.append(
                     PromptLogprob(

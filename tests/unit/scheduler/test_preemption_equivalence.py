@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from llmserve.kv_layout import NULL_BLOCK, first_live_block
 from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.engine.offline import generate
+from scheduler_service.engine.sequence import SequenceStatus
 
 from .fake_model import FakeModel
 
@@ -52,9 +56,15 @@ def run(
     caching: bool,
     num: int = 200,
     priorities: bool = False,
+    windows: tuple[int | None, ...] = (None,),
 ):
     cache = CacheConfig(
-        BLOCK, num_gpu_blocks, num_cpu_blocks, watermark=0.0, enable_prefix_caching=caching
+        BLOCK,
+        num_gpu_blocks,
+        num_cpu_blocks,
+        watermark=0.0,
+        enable_prefix_caching=caching,
+        kv_windows=windows,
     )
     sched = SchedulerConfig(
         max_num_seqs=48,
@@ -62,15 +72,23 @@ def run(
         max_model_len=128,
         enable_chunked_prefill=chunked,
     )
-    model = FakeModel(num_gpu_blocks, num_cpu_blocks, BLOCK)
+    model = FakeModel(num_gpu_blocks, num_cpu_blocks, BLOCK, windows=windows)
     engine = LLMEngine(sched, cache, model)
+    if windows != (None,):
+        execute = model.execute
+
+        def checked(step):  # type: ignore[no-untyped-def]
+            assert_windows_hold_nothing_before(engine)
+            return execute(step)
+
+        model.execute = checked  # type: ignore[method-assign]
     prompts, params = workload(num)
     # With priorities, requests of higher priority also preempt running ones of lower.
     levels = [(i * 7) % 3 - 1 for i in range(num)] if priorities else None
     outputs = generate(engine, prompts, params, eos_token_id=EOS, priorities=levels)
     bm = engine.scheduler.block_manager
     bm.check_invariants()
-    assert bm.get_num_free_gpu_blocks() == num_gpu_blocks
+    assert bm.get_num_free_gpu_blocks() == num_gpu_blocks - bm.num_reserved
     assert bm.get_num_free_cpu_blocks() == num_cpu_blocks
     assert not engine.has_unfinished_requests()
     summary = [
@@ -90,6 +108,20 @@ def run(
         for o in outputs
     ]
     return summary, engine.get_stats(), model, prompts
+
+
+def assert_windows_hold_nothing_before(engine: LLMEngine) -> None:
+    """Every running sequence's windowed tables hold no block before the window of its next
+    computed position: those went back to the pool (or the evictor)."""
+    bm = engine.scheduler.block_manager
+    for seq_group in engine.scheduler.running:
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+            for g, window in enumerate(bm.windows):
+                if window is None:
+                    continue
+                first = first_live_block(seq.num_computed_tokens, window, BLOCK)
+                held = bm.get_block_table(seq, g)[:first]
+                assert set(held) <= {NULL_BLOCK}, f"seq {seq.seq_id} group {g} holds {held}"
 
 
 def test_tiny_cache_equals_ample_cache_with_chunked_prefill_and_prefix_caching():
@@ -120,3 +152,28 @@ def test_tiny_cache_with_priorities_equals_ample_cache_without():
     tiny, stats, _, _ = run(40, 400, chunked=True, caching=True, num=120, priorities=True)
     assert stats.num_preemptions_swap + stats.num_preemptions_recompute >= 10
     assert tiny == ample
+
+
+# KV groups as a hybrid model lays them out: full attention beside two window sizes, one of
+# them not a multiple of the block size (three groups, each block a third of the layers, so
+# the tiny cache has three times the blocks of the tests above); and a model whose every
+# layer slides (one group).
+@pytest.mark.parametrize("windows", [(None, 6, 9), (7,)], ids=["full-and-windows", "windows"])
+def test_tiny_cache_equals_ample_cache_with_sliding_windows(windows):
+    ample, ample_stats, _, _ = run(4000, 8, chunked=True, caching=True, num=120, windows=windows)
+    assert ample_stats.num_preemptions_swap == ample_stats.num_preemptions_recompute == 0
+    blocks = 40 * len(windows)
+    tiny, stats, _, _ = run(
+        blocks, 10 * blocks, chunked=True, caching=True, num=120, windows=windows
+    )
+    assert stats.num_preemptions_swap + stats.num_preemptions_recompute >= 10
+    assert stats.prefix_cache_hits > 0
+    assert tiny == ample
+
+
+def test_windows_change_what_the_fake_model_reads():
+    """The windowed runs above compare something: the same workload with other windows
+    gives other outputs (the fake model reads only the window back)."""
+    full, _, _, _ = run(4000, 8, chunked=True, caching=True, num=40)
+    windowed, _, _, _ = run(4000, 8, chunked=True, caching=True, num=40, windows=(None, 6, 9))
+    assert full != windowed

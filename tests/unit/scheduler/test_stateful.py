@@ -28,13 +28,20 @@ PARAMS = st.one_of(
 
 
 class EngineMachine(RuleBasedStateMachine):
+    # KV groups (`llmserve.kv_layout`): one full group here.
+    WINDOWS: tuple[int | None, ...] = (None,)
+
     def __init__(self) -> None:
         super().__init__()
         self.caching = True
+        windows = self.WINDOWS
+        gpu, cpu = GPU * len(windows), CPU * len(windows)  # the same memory in smaller blocks
         self.engine = LLMEngine(
             SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=24, max_model_len=40),
-            CacheConfig(BLOCK, GPU, CPU, watermark=0.0, enable_prefix_caching=True),
-            FakeModel(GPU, CPU, BLOCK),
+            CacheConfig(
+                BLOCK, gpu, cpu, watermark=0.0, enable_prefix_caching=True, kv_windows=windows
+            ),
+            FakeModel(gpu, cpu, BLOCK, windows=windows),
         )
         self.next_id = 0
         self.live: list[str] = []
@@ -76,8 +83,8 @@ class EngineMachine(RuleBasedStateMachine):
         assert not self.engine.has_unfinished_requests()
         self.engine.step()  # flush the last frees to the worker
         bm = self.engine.scheduler.block_manager
-        assert bm.get_num_free_gpu_blocks() == GPU
-        assert bm.get_num_free_cpu_blocks() == CPU
+        assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks - bm.num_reserved
+        assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
         assert self.engine.executor.seqs == {}
 
 
@@ -88,3 +95,13 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEngineMachine = EngineMachine.TestCase
+
+
+class WindowedEngineMachine(EngineMachine):
+    """The same, on a hybrid layout: a full group beside a window of 5 tokens."""
+
+    WINDOWS = (None, 5)
+
+
+WindowedEngineMachine.TestCase.settings = EngineMachine.TestCase.settings
+TestWindowedEngineMachine = WindowedEngineMachine.TestCase
