@@ -196,7 +196,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, check_invariants: _Optional[bool] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy", "state", "num_migrated_out", "max_model_len", "invariant_violation", "num_transfers")
+    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy", "state", "num_migrated_out", "max_model_len", "invariant_violation", "num_transfers", "kv_groups")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class ReplicaStats(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     INVARIANT_VIOLATION_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     address: str
     num_waiting: int
@@ -235,7 +236,16 @@ class ReplicaStats(_message.Message):
     max_model_len: int
     invariant_violation: str
     num_transfers: int
-    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ..., max_model_len: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_transfers: _Optional[int] = ...) -> None: ...
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroupUsage]
+    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ..., max_model_len: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_transfers: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupUsage, _Mapping]]] = ...) -> None: ...
+
+class KvGroupUsage(_message.Message):
+    __slots__ = ("sliding_window", "blocks_used")
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    sliding_window: int
+    blocks_used: int
+    def __init__(self, sliding_window: _Optional[int] = ..., blocks_used: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("replicas", "num_unfinished_requests", "num_gateways", "max_model_len", "totals", "shard")

@@ -74,12 +74,16 @@ class BlockAllocator:
         "block_hashes",
         "num_hashed_tokens",
         "computed",
+        "tags",
+        "in_use_by_tag",
         "_free",
         "_cached",
         "evictor",
     )
 
-    def __init__(self, device: Device, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, device: Device, num_blocks: int, enable_caching: bool, num_tags: int = 1
+    ) -> None:
         self.device = device
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -88,6 +92,9 @@ class BlockAllocator:
         self.num_hashed_tokens = [0] * num_blocks
         # Whether a hashed block's K/V have been written by an executed step.
         self.computed = [False] * num_blocks
+        # Who took each block in use (the block manager's KV group), and blocks in use per tag.
+        self.tags = [0] * num_blocks
+        self.in_use_by_tag = [0] * num_tags
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.evictor = LRUEvictor()
@@ -98,16 +105,21 @@ class BlockAllocator:
     def lookup(self, block_hash: int) -> int | None:
         return self._cached.get(block_hash)
 
-    def allocate(self, block_hash: int | None = None, num_hashed_tokens: int = 0) -> int:
-        """A block holding `block_hash` (a cache hit, shared) or a fresh one."""
+    def allocate(
+        self, block_hash: int | None = None, num_hashed_tokens: int = 0, tag: int = 0
+    ) -> int:
+        """A block holding `block_hash` (a cache hit, shared) or a fresh one; a block that was
+        free is counted in use under `tag`."""
         if block_hash is not None and self.enable_caching:
             block_id = self._cached.get(block_hash)
             if block_id is not None:
                 if self.ref_counts[block_id] == 0:
                     self.evictor.remove(block_id)
+                    self._tag(block_id, tag)
                 self.ref_counts[block_id] += 1
                 return block_id
         block_id = self._take_free_block()
+        self._tag(block_id, tag)
         self.ref_counts[block_id] = 1
         if block_hash is not None and self.enable_caching:
             self._register(block_id, block_hash, num_hashed_tokens)
@@ -117,11 +129,17 @@ class BlockAllocator:
         assert self.ref_counts[block_id] > 0
         self.ref_counts[block_id] += 1
 
-    def hold(self, block_id: int) -> None:
-        """One more reference to a block in use or to a cached one waiting in the evictor."""
+    def hold(self, block_id: int, tag: int = 0) -> None:
+        """One more reference to a block in use or to a cached one waiting in the evictor
+        (counted in use under `tag` then)."""
         if self.ref_counts[block_id] == 0:
             self.evictor.remove(block_id)
+            self._tag(block_id, tag)
         self.ref_counts[block_id] += 1
+
+    def _tag(self, block_id: int, tag: int) -> None:
+        self.tags[block_id] = tag
+        self.in_use_by_tag[tag] += 1
 
     def free(self, block_id: int, now: float) -> None:
         refs = self.ref_counts[block_id] - 1
@@ -129,6 +147,7 @@ class BlockAllocator:
         self.ref_counts[block_id] = refs
         if refs:
             return
+        self.in_use_by_tag[self.tags[block_id]] -= 1
         if self.block_hashes[block_id] is not None:
             self.evictor.add(block_id, now, self.num_hashed_tokens[block_id])
         else:
@@ -186,6 +205,10 @@ class BlockAllocator:
             if block_id in evictable:
                 assert self.block_hashes[block_id] is not None
         assert len(free) + len(evictable) + in_use == self.num_blocks
+        counted = [0] * len(self.in_use_by_tag)
+        for block_id in range(self.num_blocks):
+            counted[self.tags[block_id]] += self.ref_counts[block_id] > 0
+        assert counted == self.in_use_by_tag, f"in use by tag {self.in_use_by_tag}, {counted}"
         for block_hash, block_id in self._cached.items():
             assert self.block_hashes[block_id] == block_hash
         assert sum(h is not None for h in self.block_hashes) == len(self._cached)

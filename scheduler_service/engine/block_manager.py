@@ -62,13 +62,17 @@ class BlockSpaceManager:
         self.num_groups = len(windows)
         self._windowed = [g for g, w in enumerate(windows) if w is not None]
         self._full = [g for g, w in enumerate(windows) if w is None]
-        self.gpu = BlockAllocator(Device.GPU, num_gpu_blocks, enable_caching)
+        # Blocks in use are tagged with the group that took them; the last tag is the
+        # transfers' (imports pinned before any sequence holds them) and the null block's.
+        self.transfer_tag = len(windows)
+        tags = len(windows) + 1
+        self.gpu = BlockAllocator(Device.GPU, num_gpu_blocks, enable_caching, tags)
         # Swap space holds exact copies of device blocks; it is not a prefix cache.
-        self.cpu = BlockAllocator(Device.CPU, num_cpu_blocks, enable_caching=False)
+        self.cpu = BlockAllocator(Device.CPU, num_cpu_blocks, enable_caching=False, num_tags=tags)
         # Blocks no sequence can have: the null block, held for good when a group has a window.
         self.num_reserved = 0
         if self._windowed:
-            assert self.gpu.allocate() == NULL_BLOCK
+            assert self.gpu.allocate(tag=self.transfer_tag) == NULL_BLOCK
             self.num_reserved = 1
         # Per group: seq id -> table. Group 0's is `_tables`.
         self._group_tables: list[dict[int, list[int]]] = [{} for _ in windows]
@@ -168,9 +172,9 @@ class BlockSpaceManager:
                 for i in range(num_blocks):
                     if self.enable_caching and i < num_full:
                         key = _group_hash(g, seq.block_hash(i))
-                        table.append(self.gpu.allocate(key, (i + 1) * bs))
+                        table.append(self.gpu.allocate(key, (i + 1) * bs, g))
                     else:
-                        table.append(self.gpu.allocate())
+                        table.append(self.gpu.allocate(tag=g))
                 self._group_tables[g][seq_id] = table
             self._num_marked[seq_id] = 0
             hit = self._find_hit(seq, num_full) if self.enable_caching else 0
@@ -180,7 +184,8 @@ class BlockSpaceManager:
                 first = self._live_index(g, start)
                 table = [NULL_BLOCK] * first
                 for i in range(first, hit):
-                    table.append(self.gpu.allocate(_group_hash(g, seq.block_hash(i)), (i + 1) * bs))
+                    key = _group_hash(g, seq.block_hash(i))
+                    table.append(self.gpu.allocate(key, (i + 1) * bs, g))
                 self._group_tables[g][seq_id] = table
                 self._live[g][seq_id] = first
 
@@ -305,10 +310,10 @@ class BlockSpaceManager:
                 target = self._window_end(seq, chunk)
             old_len = len(table)
             for _ in range(target - old_len):
-                table.append(gpu.allocate())
+                table.append(gpu.allocate(tag=g))
             if write_index < old_len and self._must_copy(table[write_index]):
                 src = table[write_index]
-                dst = gpu.allocate()
+                dst = gpu.allocate(tag=g)
                 table[write_index] = dst
                 gpu.free(src, self.now)
                 copies.append((src, dst))
@@ -338,7 +343,7 @@ class BlockSpaceManager:
             # position of the refilled blocks before writing it.
             assert seq.num_computed_tokens == 0, f"{seq}: window refilled mid-sequence"
             for i in range(first, min(live, len(table))):
-                table[i] = self.gpu.allocate()
+                table[i] = self.gpu.allocate(tag=group)
             self._mark_dirty(group, seq_id, first)
         self._live[group][seq_id] = first
 
@@ -379,10 +384,10 @@ class BlockSpaceManager:
         `can_reserve_lookahead`). `append_slots`, once the tokens are appended, finds the
         room and only marks full blocks for the prefix cache."""
         end = len(seq.token_ids) + lookahead
-        for tables in self._group_tables:
+        for g, tables in enumerate(self._group_tables):
             table = tables[seq.seq_id]
             while len(table) * self.block_size < end:
-                table.append(self.gpu.allocate())
+                table.append(self.gpu.allocate(tag=g))
 
     def commit_lookahead(self, seq: Sequence, first_written: int, ahead: int = 0) -> None:
         """After tokens from position `first_written` on were appended to `seq` into its
@@ -526,7 +531,7 @@ class BlockSpaceManager:
                 block_id = table[i]
                 moved = mapping.get(block_id)
                 if moved is None:
-                    moved = dst.allocate()
+                    moved = dst.allocate(tag=g)
                     mapping[block_id] = moved
                 else:
                     dst.share(moved)
@@ -539,13 +544,16 @@ class BlockSpaceManager:
         """Hold device blocks (in use, or cached and free) for an export: they stay allocated,
         unwritten by new sequences, until `unpin`."""
         for block_id in block_ids:
-            self.gpu.hold(block_id)
+            self.gpu.hold(block_id, self.transfer_tag)
         self.pins[transfer_id] = list(block_ids)
 
     def allocate_pinned(self, transfer_id: int, hashed: list[tuple[int, int]]) -> list[int]:
         """Device blocks for an import, one per (block hash, hashed tokens), registered under
         those hashes but not computed (`mark_imported` makes them prefix-cache hits)."""
-        block_ids = [self.gpu.allocate(block_hash, tokens) for block_hash, tokens in hashed]
+        block_ids = [
+            self.gpu.allocate(block_hash, tokens, self.transfer_tag)
+            for block_hash, tokens in hashed
+        ]
         self.pins[transfer_id] = block_ids
         return block_ids
 
@@ -680,18 +688,10 @@ class BlockSpaceManager:
         return 1.0 - self.cpu.get_num_free_blocks() / max(self.num_total_cpu_blocks, 1)
 
     def group_usage(self) -> list[int]:
-        """Device blocks each group's tables hold (a block shared by sequences counted once)."""
-        return [
-            len(
-                {
-                    b
-                    for seq_id, table in tables.items()
-                    if seq_id not in self._on_cpu
-                    for b in table[self._live[g].get(seq_id, 0) :]
-                }
-            )
-            for g, tables in enumerate(self._group_tables)
-        ]
+        """Device blocks in use by each group (taken for its tables; a block shared by
+        sequences counted once); blocks that transfers pinned before any sequence held them
+        are not counted."""
+        return self.gpu.in_use_by_tag[: self.num_groups]
 
     def check_invariants(self) -> None:
         """Free + in use == total on each device; ref counts equal table references; no block

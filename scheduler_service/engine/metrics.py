@@ -29,7 +29,12 @@ ROLE = Gauge(
     "1 per replica, labelled with its worker's role (mixed, prefill, decode): join on replica",
     [*_R, "role"],
 )
-KV_USAGE = Gauge("llmserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", [*_R, "device"])
+KV_USAGE = Gauge(
+    "llmserve_kv_cache_usage_ratio",
+    "Fraction of KV blocks in use: of each device (group=all), and of the device blocks each "
+    "KV group holds (group=0, 1, ...)",
+    [*_R, "device", "group"],
+)
 PREFIX_QUERIES = Counter(
     "llmserve_prefix_cache_queries", "Prompt blocks looked up in the prefix cache", _R
 )
@@ -136,8 +141,10 @@ def record_stats(replica_id: int, stats: SchedulerStats) -> None:
     _child(WAITING, r).set(stats.num_waiting)
     _child(SWAPPED, r).set(stats.num_swapped)
     _child(WAITING_PREFILL_TOKENS, r).set(stats.num_waiting_prefill_tokens)
-    _child(KV_USAGE, r, "gpu").set(stats.gpu_kv_usage)
-    _child(KV_USAGE, r, "cpu").set(stats.cpu_kv_usage)
+    _child(KV_USAGE, r, "gpu", "all").set(stats.gpu_kv_usage)
+    _child(KV_USAGE, r, "cpu", "all").set(stats.cpu_kv_usage)
+    for group, usage in enumerate(stats.kv_group_usage):
+        _child(KV_USAGE, r, "gpu", str(group)).set(usage)
     _advance(PREFIX_QUERIES, (r,), stats.prefix_cache_queries)
     _advance(PREFIX_HITS, (r,), stats.prefix_cache_hits)
     _advance(PREEMPTIONS, (r, "recompute"), stats.num_preemptions_recompute)

@@ -150,4 +150,8 @@ class SchedulerQueues:
             spec_accepted_per_position=tuple(spec.accepted_per_position),
             num_spec_after_drafts=spec.num_after_drafts,
             num_spec_after_drafts_dropped=spec.num_after_drafts_dropped,
+            kv_group_usage=tuple(
+                used / max(bm.num_total_gpu_blocks - bm.num_reserved, 1)
+                for used in bm.group_usage()
+            ),
         )

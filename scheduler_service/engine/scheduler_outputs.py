@@ -103,3 +103,5 @@ class SchedulerStats:
     # Updates sent assuming the step in flight keeps its drafts, and those dropped.
     num_spec_after_drafts: int = 0
     num_spec_after_drafts_dropped: int = 0
+    # Per KV group (`llmserve.kv_layout`), the fraction of the usable device blocks it holds.
+    kv_group_usage: tuple[float, ...] = ()

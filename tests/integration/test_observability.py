@@ -432,9 +432,11 @@ def test_token_and_latency_metrics_on_every_service(observed: Observed) -> None:
     assert _value(after, "llmserve_requests_waiting", replica="0") == 0
     assert _value(after, "llmserve_requests_swapped", replica="0") == 0
     usage = after["llmserve_kv_cache_usage_ratio"]
+    # Each device's, and the one KV group's share of the device blocks (SmolLM2: one group).
     assert set(usage) == {
-        (("device", "gpu"), ("replica", "0")),
-        (("device", "cpu"), ("replica", "0")),
+        (("device", "gpu"), ("group", "all"), ("replica", "0")),
+        (("device", "cpu"), ("group", "all"), ("replica", "0")),
+        (("device", "gpu"), ("group", "0"), ("replica", "0")),
     }
     steps = _delta(observed, "worker", "llmserve_worker_steps_total", "before", "after")
     assert steps > 0
