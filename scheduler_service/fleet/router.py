@@ -308,7 +308,7 @@ class Router:
                 s.num_swapped,
             )
             entry.gpu_blocks_free = bm.get_num_free_gpu_blocks()
-            entry.gpu_blocks_total = engine.cache_config.num_gpu_blocks
+            entry.gpu_blocks_total = engine.cache_config.num_gpu_blocks - bm.num_reserved
             entry.cpu_blocks_free = bm.get_num_free_cpu_blocks()
             entry.cpu_blocks_total = engine.cache_config.num_cpu_blocks
             entry.max_model_len = engine.scheduler_config.model_len

@@ -16,6 +16,7 @@ import asyncio
 import random
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,11 @@ from tests.support.fleet import (
     spare_worker,
     start_fleet,
 )
+from tests.support.models import SERVICE_WINDOW
+from worker_service.config import WorkerConfig
+
+# The block size the stacks' workers run with (their default).
+WORKER_BLOCK_SIZE = next(f.default for f in fields(WorkerConfig) if f.name == "block_size")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
@@ -210,3 +216,44 @@ def test_a_peer_without_the_credential_is_refused_and_the_moves_fall_back(stack_
     assert all('"how": "recompute"' in line for line in migrated)
     stack.wait_for(lambda s: source not in {r.address for r in s.replicas}, "the drain")
     stack.assert_no_leak()
+
+
+@pytest.fixture(scope="module")
+def windowed_baseline(
+    tiny_windowed_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Received]:
+    stack = one_worker_stack(str(tiny_windowed_dir), tmp_path_factory.mktemp("kv-windowed"))
+    try:
+        received = asyncio.run(run_workload(stack.gateway.address, WORKLOAD))  # type: ignore[union-attr]
+        stack.assert_no_leak()
+        return received
+    finally:
+        stack.stop()
+
+
+def test_drain_moves_windowed_streams_with_the_blocks_of_every_kv_group(
+    tiny_windowed_dir: Path, tmp_path: Path, windowed_baseline: dict[str, Received]
+) -> None:
+    """A hybrid model (a full KV group beside windowed ones): each stream's windowed groups
+    hold only their windows' blocks while it runs, and the drain moves the blocks of every
+    group, so the streams continue on the spare with their outputs unchanged."""
+    stack = one_worker_stack(str(tiny_windowed_dir), tmp_path / "windowed")
+    try:
+        source = stack.workers[0].address
+        spare = spare_worker(stack, "spare")
+
+        def move_off() -> None:
+            stack.assert_windows_hold_little(SERVICE_WINDOW, WORKER_BLOCK_SIZE)
+            stack.lease(spare.address)
+            stack.wait_for(lambda s: len(stack.ready_replicas(s)) == 2, "the spare ready")
+            stack.drain(source)
+
+        received = run_with(stack, move_off, at_chunk=4 * NUM_STREAMS)
+        assert_same_outputs(windowed_baseline, received)
+        moved = events(stack, "request moved with its KV blocks")
+        assert len(moved) == NUM_STREAMS, moved
+        assert not events(stack, "KV transfer failed; the request moves by recompute")
+        stack.wait_for(lambda s: source not in {r.address for r in s.replicas}, "the drain")
+        stack.assert_no_leak()
+    finally:
+        stack.stop()

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
+from llmserve.kv_layout import NULL_BLOCK
 from scheduler_service.engine.config import PreemptionMode
+from scheduler_service.engine.sequence import SequenceStatus
 from scheduler_service.engine.offline import generate
 from tests.integration.test_worker_engine_tiny import (
     BLOCK,
@@ -110,6 +112,54 @@ def test_prefix_cache_hits_keep_greedy_exact(family: tuple[Worker, Any, Any]) ->
     assert engine.get_stats().prefix_cache_hits > 0
     got = [o.outputs[0].token_ids for o in first + rest]
     assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert_all_free(engine, worker)
+
+
+@pytest.mark.parametrize(
+    "family", [p for p in FAMILIES if p[0] == "gemma3"], ids=_family_id, indirect=True
+)
+@pytest.mark.parametrize("mode", [PreemptionMode.SWAP, PreemptionMode.RECOMPUTE])
+def test_windowed_groups_free_what_their_windows_left_under_preemption(
+    family: tuple[Worker, Any, list[list[int]]], mode: PreemptionMode
+) -> None:
+    """Gemma 3's local layers form windowed KV groups: before every step, no running
+    sequence's windowed table holds a block its window left, and the worker's windowed
+    groups hold fewer blocks than its full group; preempted (swapped or recomputed) and
+    resumed, the outputs still equal HF's."""
+    worker, _, expected = family
+    layout = worker.model_info.kv_layout
+    assert len(layout.groups) > 1 and layout.reserves_null_block
+    engine = make_engine(worker, gpu_blocks=14, preemption=mode)
+    bm = engine.scheduler.block_manager
+    execute = worker.execute
+    checked: list[list[int]] = []
+
+    def checking(step: Any, *args: Any) -> Any:
+        for seq_group in engine.scheduler.running:
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+                for g, group in enumerate(layout.groups):
+                    first = group.first_live_block(seq.num_computed_tokens, BLOCK)
+                    assert set(bm.get_block_table(seq, g)[:first]) <= {NULL_BLOCK}
+        result = execute(step, *args)
+        checked.append(worker.group_blocks_used())
+        return result
+
+    worker.execute = checking  # type: ignore[method-assign]
+    try:
+        outputs = generate(engine, PROMPTS, GREEDY)
+    finally:
+        del worker.execute
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = engine.get_stats()
+    preemptions = {
+        PreemptionMode.SWAP: stats.num_preemptions_swap,
+        PreemptionMode.RECOMPUTE: stats.num_preemptions_recompute,
+    }
+    assert preemptions[mode] > 0
+    # Once the sequences outgrow the window, each windowed group holds less than the full one.
+    full = [g for g, group in enumerate(layout.groups) if group.sliding_window is None]
+    windowed = [g for g, group in enumerate(layout.groups) if group.sliding_window is not None]
+    assert any(all(used[w] < used[full[0]] for w in windowed) for used in checked), checked
     assert_all_free(engine, worker)
 
 

@@ -181,6 +181,24 @@ class FleetStack:
         assert self.ready_replicas(stats), stats
         assert all(not r.invariant_violation for r in stats.replicas), stats
 
+    def assert_windows_hold_little(self, window: int, block_size: int) -> None:
+        """Mid-run, on every ready replica with running requests: each windowed KV group holds
+        at most a window's blocks (and a prefill chunk's) per running sequence, far fewer than
+        its full group, which holds every token's. Blocks outside the windows were freed."""
+        stats = self.stats()
+        replicas = [r for r in self.ready_replicas(stats) if r.num_running]
+        assert replicas, stats
+        for replica in replicas:
+            full = [g.blocks_used for g in replica.kv_groups if not g.HasField("sliding_window")]
+            windowed = [g for g in replica.kv_groups if g.HasField("sliding_window")]
+            assert full and windowed, replica
+            # Running sequences: at least the requests (n=2 ones hold two, but share).
+            bound = 2 * replica.num_running * (-(-(window - 1) // block_size) + 2)
+            for group in windowed:
+                assert group.sliding_window == window
+                assert 0 < group.blocks_used <= bound, (group, bound, replica)
+                assert group.blocks_used < min(full) / 2, replica
+
     def stop(self) -> None:
         """Gateway, then the schedulers, then the workers; each group signalled at once."""
         for lease in self.leases:

@@ -95,10 +95,11 @@ def _family_config(kind: str, common: dict[str, Any]) -> Any:
             tie_word_embeddings=True,
         )
     if kind in ("gemma3", "gemma3_mm"):
+        window = common.pop("sliding_window", WINDOW)
         text = tf.Gemma3TextConfig(
             **common,
             head_dim=32,
-            sliding_window=WINDOW,
+            sliding_window=window,
             layer_types=_GEMMA3_TYPES,
             query_pre_attn_scalar=24,
             final_logit_softcapping=20.0,
@@ -366,22 +367,50 @@ def load_spec(spec: str) -> tuple[Any, Any]:
 def build_tiny_llama(directory: Path, seed: int = 0, num_layers: int = 2) -> Path:
     """A random Llama with SmolLM2's real tokenizer and chat template, so text tests exercise
     the real byte-level BPE while the model stays fast."""
+    return _with_smollm2_tokenizer(
+        "llama",
+        directory,
+        seed=seed,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+
+
+# The window of the windowed service model: far shorter than its tests' sequences.
+SERVICE_WINDOW = 24
+
+
+def build_tiny_windowed(directory: Path, seed: int = 0) -> Path:
+    """A random Gemma 3 (two sliding layers of SERVICE_WINDOW tokens to each global one, so a
+    hybrid KV layout: a full group and two windowed ones) with SmolLM2's tokenizer, for the
+    service tests of the hybrid KV cache."""
+    return _with_smollm2_tokenizer(
+        "gemma3",
+        directory,
+        seed=seed,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        sliding_window=SERVICE_WINDOW,
+        tie_word_embeddings=True,
+    )
+
+
+def _with_smollm2_tokenizer(kind: str, directory: Path, seed: int, **overrides: Any) -> Path:
     from transformers import AutoTokenizer
 
     source = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
     save_tiny_model(
-        "llama",
+        kind,
         directory,
         seed=seed,
         sharpen=False,
         vocab_size=len(tokenizer),
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **overrides,
     )
     tokenizer.save_pretrained(directory)
     return directory
