@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.integration.test_kv_migration import WORKER_BLOCK_SIZE, long_workload
 from tests.support.fleet import (
     FleetStack,
     Received,
@@ -28,6 +29,7 @@ from tests.support.fleet import (
     run_workload,
     start_fleet,
 )
+from tests.support.models import SERVICE_WINDOW
 
 
 def http_workload(count: int, seed: int = 0) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
@@ -104,7 +106,7 @@ def baseline(fleet: FleetStack) -> dict[str, Received]:
 
 
 async def run_with_fault_async(
-    fleet: FleetStack, fault, at_chunk: int = 150
+    fleet: FleetStack, fault, at_chunk: int = 150, workload=WORKLOAD
 ) -> dict[str, Received]:  # type: ignore[no-untyped-def]
     """The workload, with `fault()` called once `at_chunk` responses have arrived."""
     fired = []
@@ -114,13 +116,15 @@ async def run_with_fault_async(
             fired.append(total)
             fault()
 
-    received = await run_workload(fleet.gateway.address, WORKLOAD, on_chunk)  # type: ignore[union-attr]
+    received = await run_workload(fleet.gateway.address, workload, on_chunk)  # type: ignore[union-attr]
     assert fired, "the workload ended before the fault was injected"
     return received
 
 
-def run_with_fault(fleet: FleetStack, fault, at_chunk: int = 150) -> dict[str, Received]:  # type: ignore[no-untyped-def]
-    return asyncio.run(run_with_fault_async(fleet, fault, at_chunk))
+def run_with_fault(
+    fleet: FleetStack, fault, at_chunk: int = 150, workload=WORKLOAD
+) -> dict[str, Received]:  # type: ignore[no-untyped-def]
+    return asyncio.run(run_with_fault_async(fleet, fault, at_chunk, workload))
 
 
 LOSS_CAUSES = ("stream", "health", "lease", "watchdog")
@@ -285,3 +289,56 @@ def test_step_failure_and_zero_swap_lose_nothing(
     after = next(r for r in faulty_fleet.stats().replicas if r.replica_id == failed[0].replica_id)
     assert after.num_steps > steps_before
     faulty_fleet.assert_no_leak()
+
+
+# A hybrid model's fleet: a tiny Gemma 3 whose windowed KV groups hold only their windows'
+# blocks. Eight streams far longer than the window (tests/integration/test_kv_migration.py).
+WINDOWED_WORKLOAD = long_workload(count=8, seed=5)
+
+
+@pytest.fixture(scope="module")
+def windowed_fleet(
+    tiny_windowed_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FleetStack]:
+    stack = start_fleet(
+        str(tiny_windowed_dir),
+        tmp_path_factory.mktemp("windowed-fleet-logs"),
+        2,
+        scheduler_args=["--max-num-seqs", "32"],
+    )
+    yield stack
+    stack.stop()
+
+
+def test_windowed_worker_kill_and_scheduler_restart_lose_nothing(windowed_fleet: FleetStack):
+    """A worker killed, then the scheduler restarted, mid-run on a hybrid model: each time
+    the windowed groups held only their windows' blocks before the fault, and every stream
+    ends as the undisturbed run did, every block free."""
+    fleet = windowed_fleet
+    baseline = asyncio.run(run_workload(fleet.gateway.address, WINDOWED_WORKLOAD))  # type: ignore[union-attr]
+    fleet.assert_no_leak()
+    at_chunk = 8 * len(WINDOWED_WORKLOAD)  # every stream past its prompt, longer than a window
+    victim = fleet.workers[0]
+
+    def kill() -> None:
+        fleet.assert_windows_hold_little(SERVICE_WINDOW, WORKER_BLOCK_SIZE)
+        victim.kill()
+
+    received = run_with_fault(fleet, kill, at_chunk, WINDOWED_WORKLOAD)
+    assert_same_outputs(baseline, received)
+    fleet.assert_no_leak()
+    victim.start()
+    fleet.wait_for(lambda s: len(fleet.ready_replicas(s)) == 2, "the restarted worker ready")
+
+    scheduler = fleet.scheduler
+    assert scheduler is not None
+
+    def restart() -> None:
+        fleet.assert_windows_hold_little(SERVICE_WINDOW, WORKER_BLOCK_SIZE)
+        scheduler.kill()
+        scheduler.start(wait=False)
+
+    received = run_with_fault(fleet, restart, at_chunk, WINDOWED_WORKLOAD)
+    assert_same_outputs(baseline, received)
+    fleet.wait_for(lambda s: len(fleet.ready_replicas(s)) == 2, "workers back")
+    fleet.assert_no_leak()

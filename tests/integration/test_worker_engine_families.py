@@ -16,8 +16,8 @@ import pytest
 
 from llmserve.kv_layout import NULL_BLOCK
 from scheduler_service.engine.config import PreemptionMode
-from scheduler_service.engine.sequence import SequenceStatus
 from scheduler_service.engine.offline import generate
+from scheduler_service.engine.sequence import SequenceStatus
 from tests.integration.test_worker_engine_tiny import (
     BLOCK,
     GREEDY,
