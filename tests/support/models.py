@@ -243,8 +243,7 @@ def _gemma4_config(common: dict[str, Any], moe: bool) -> Any:
         top_k_experts=2,
         moe_intermediate_size=48,
     )
-    return tf.Gemma4TextConfig(
-        **common,
+    settings: dict[str, Any] = dict(
         head_dim=32,
         global_head_dim=32,
         sliding_window=WINDOW,
@@ -265,6 +264,7 @@ def _gemma4_config(common: dict[str, Any], moe: bool) -> Any:
         pad_token_id=0,
         **(experts if moe else {}),
     )
+    return tf.Gemma4TextConfig(**{**settings, **common})  # the caller's overrides win
 
 
 def _gpt_oss_config(common: dict[str, Any]) -> Any:
