@@ -148,7 +148,8 @@ class Worker:
         if self._model.native_decode_refused is not None:
             log.info("native decode step off", reason=self._model.native_decode_refused)
         eos = _eos_ids(hf_model)
-        layout = plan_layout([kind.sliding_window for kind in arch.layers])
+        # Layers that read another layer's K/V (Gemma 4) store none: they map to its slot.
+        layout = plan_layout([kind.sliding_window for kind in arch.layers], arch.kv_sources)
         self._info = ModelInfo(
             model=self.config.model,
             architecture=arch.architecture,

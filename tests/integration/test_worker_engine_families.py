@@ -6,7 +6,10 @@ untied embeddings), on the `torch` and `cpu` attention backends; greedy output m
 `generate(do_sample=False)` token for token in float32, also with chunked prefill, recompute
 preemption and prefix-cache hits. On `cpu` the dense families' decode steps run as one native
 call (models/native.py), and the tests check that they did; the experts families decode per
-layer (and so does gpt-oss, whose attention sinks the native step lacks too)."""
+layer (and so does gpt-oss, whose attention sinks the native step lacks too, and Gemma 4,
+whose per-layer inputs, KV-shared layers, value norm and layer scalars it lacks). Gemma 4's
+KV-shared layers store no K/V: its layout holds blocks for the other layers only, and the
+tests check that every block comes back."""
 
 from __future__ import annotations
 
@@ -167,11 +170,14 @@ def test_windowed_groups_free_what_their_windows_left_under_preemption(
 EXPERTS = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"}
 # Families with attention sinks, which the native decode step refuses too.
 SINKS = {"GptOssForCausalLM"}
+# Gemma 4 decodes per layer, with or without experts (the features the native step lacks).
+GEMMA4 = {"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"}
+GEMMA4_BLOCKERS = ("KV-shared layers", "value norm", "per-layer inputs", "layer scalars")
 
 
 def _runs_native(worker: Worker) -> bool:
     info = worker.model_info
-    return info.attention_backend == "cpu" and info.architecture not in EXPERTS
+    return info.attention_backend == "cpu" and info.architecture not in EXPERTS | GEMMA4
 
 
 def _count_native_steps(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -212,5 +218,10 @@ def test_cpu_backend_selects_the_native_step_for_dense_families(
     if on_cpu and architecture in EXPERTS:
         assert "mixture of experts" in (model.native_decode_refused or "")
         assert ("attention sinks" in (model.native_decode_refused or "")) == (architecture in SINKS)
+    elif on_cpu and architecture in GEMMA4:
+        refused = model.native_decode_refused or ""
+        assert all(blocker in refused for blocker in GEMMA4_BLOCKERS), refused
+        text = getattr(family[1].config, "text_config", family[1].config)
+        assert ("mixture of experts" in refused) == text.enable_moe_block
     else:
         assert model.native_decode_refused is None

@@ -2,7 +2,7 @@
 tokens as with the torch backend, through batched prefill, chunked prefill mixed with decodes,
 a prefix-cache hit and shuffled block ids; the tiny models of the families with sliding
 windows shorter than the sequences (and Gemma 2's soft-capped scores, gpt-oss's attention
-sinks) sample HF's greedy tokens."""
+sinks, Gemma 4's KV-shared layers) sample HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -146,15 +146,17 @@ def test_auto_picks_triton_on_cuda() -> None:
 
 
 # Gemma 2 (every other layer windowed, scores soft-capped), Gemma 3 (two windowed layers in
-# three, query_pre_attn_scalar) and gpt-oss (every other layer windowed, attention sinks) run
-# in the default suite; the other windowed families (tests/support/models.py) are slow.
+# three, query_pre_attn_scalar), gpt-oss (every other layer windowed, attention sinks) and
+# Gemma 4 (layers that read other layers' K/V and write none) run in the default suite; the
+# other windowed families (tests/support/models.py) are slow.
 WINDOWED_KINDS = [
     "gemma2",
     "gemma3",
     "gpt_oss",
+    "gemma4",
     *(
         pytest.param(kind, marks=pytest.mark.slow)
-        for kind in ("gemma3_mm", "qwen3", "phi3", "smollm3", "olmo3", "mixtral")
+        for kind in ("gemma3_mm", "qwen3", "phi3", "smollm3", "olmo3", "mixtral", "gemma4_mm")
     ),
 ]
 

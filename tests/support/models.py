@@ -33,11 +33,15 @@ FAMILY_KINDS = (
     "qwen3_moe",
     "mixtral",
     "gpt_oss",
+    "gemma4",
+    "gemma4_mm",
 )
 # A window smaller than the test prompts plus their outputs, so that it matters.
 WINDOW = 8
 _SIX = dict(num_hidden_layers=6)
 _GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+# Gemma 4: the last two layers read the K/V of layers 3 (sliding) and 2 (full).
+_GEMMA4_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 # OLMo 3's three sliding layers in four, then one more of each kind.
 _OLMO3_TYPES = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
 
@@ -217,7 +221,51 @@ def _family_config(kind: str, common: dict[str, Any]) -> Any:
         )
     if kind == "gpt_oss":
         return _gpt_oss_config(common)
+    if kind == "gemma4":
+        return _gemma4_config(common, moe=False)
+    if kind == "gemma4_mm":  # a Gemma4ForConditionalGeneration checkpoint without towers
+        text = _gemma4_config(common, moe=True)
+        return tf.Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
     raise ValueError(kind)
+
+
+def _gemma4_config(common: dict[str, Any], moe: bool) -> Any:
+    """Per-layer inputs, the last two layers reading earlier layers' K/V, keys reused as values
+    on the global layers, proportional rotary on a quarter of their head; `moe`: alternating
+    layer types (other KV sources), experts beside double-wide dense MLPs. The global layers'
+    head_dim equals the local one: one KV pool holds one shape (the worker refuses others)."""
+    import transformers as tf
+
+    types = ["sliding_attention", "full_attention"] * 3 if moe else _GEMMA4_TYPES
+    experts = dict(
+        enable_moe_block=True,
+        use_double_wide_mlp=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=48,
+    )
+    settings: dict[str, Any] = dict(
+        head_dim=32,
+        global_head_dim=32,
+        sliding_window=WINDOW,
+        layer_types=types,
+        num_kv_shared_layers=2,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1e6,
+            },
+        },
+        pad_token_id=0,
+        **(experts if moe else {}),
+    )
+    return tf.Gemma4TextConfig(**{**settings, **common})  # the caller's overrides win
 
 
 def _gpt_oss_config(common: dict[str, Any]) -> Any:
@@ -278,7 +326,8 @@ def widen_logits(model: Any, factor: float) -> None:
     out.mul_(0.1)
     inner = model.model
     norm = getattr(inner, "language_model", inner).norm.weight
-    if "Gemma" in type(model).__name__:  # the norm scales by (1 + weight)
+    name = type(model).__name__
+    if "Gemma" in name and "Gemma4" not in name:  # the norm scales by (1 + weight)
         norm.copy_((1.0 + norm) * 10 * factor - 1.0)
     else:
         norm.mul_(10 * factor)
@@ -287,9 +336,13 @@ def widen_logits(model: Any, factor: float) -> None:
 def perturb(model: Any) -> None:
     """Move every parameter off its init: norm weights by N(0, 0.2), biases by N(0, 0.02)
     (larger ones, added in every layer, make every output the same token), matrices by
-    N(0, 0.05); sharpen routers (x 40) so top-k picks are never near-ties."""
+    N(0, 0.05); sharpen routers (x 40) so top-k picks are never near-ties. Layer scalars
+    (Gemma 4's, buffers that init leaves at 1) are spread over [0.75, 1.25]."""
     import torch
 
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buffer.copy_(0.75 + 0.5 * torch.rand_like(buffer))
     for name, param in model.named_parameters():
         if name.endswith(".bias"):
             param.add_(torch.randn_like(param) * 0.02)
@@ -297,7 +350,7 @@ def perturb(model: Any) -> None:
             param.add_(torch.randn_like(param) * 0.2)
         else:
             param.add_(torch.randn_like(param) * 0.05)
-        if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+        if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.proj.weight")):
             param.mul_(40.0)
 
 

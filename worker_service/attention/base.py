@@ -4,7 +4,9 @@ A step's tokens are laid out prefill-first: the `num_prefills` sequences that co
 than one token (prompt chunks, attending to their cached prefix and causally to each other),
 then the `num_decodes` sequences that compute exactly one token. A backend gets, per layer,
 this step's new queries/keys/values for all tokens, writes the keys/values into their cache
-slots, and returns the attention output for every query token.
+slots, and returns the attention output for every query token. A layer that reads another
+layer's K/V (Gemma 4's KV sharing) passes that layer's keys/values of the step, already in
+the cache it is given, with `write_kv=False`: nothing is written.
 
 KV cache layout (per layer, see `cache_engine.py`): key and value caches are each
 `[num_blocks, block_size, num_kv_heads, head_dim]`; token `i` of a sequence lives in block
@@ -150,11 +152,13 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads], this layer's sink logits
+        write_kv: bool = True,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write key/value into their slots, then attend every query to its sequence: to
-        every earlier key, or with `sliding_window` to the keys less than that many
-        positions behind it (the query's own included). With `sinks`, head h's softmax
-        denominator also holds exp(sinks[h]): a logit no value belongs to."""
+        """Write key/value into their slots (unless `write_kv` is False: they are there
+        already, written by the layer whose K/V this one reads), then attend every query to
+        its sequence: to every earlier key, or with `sliding_window` to the keys less than
+        that many positions behind it (the query's own included). With `sinks`, head h's
+        softmax denominator also holds exp(sinks[h]): a logit no value belongs to."""
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
@@ -200,6 +204,7 @@ class PagedKernelBackend(AttentionBackend):
         metadata: AttentionMetadata,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads]
+        write_kv: bool = True,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # Only backends whose kernels take these get them (`unsupported_reason` refuses the
         # models that need them elsewhere).
@@ -210,9 +215,10 @@ class PagedKernelBackend(AttentionBackend):
             extra["softcap"] = self.softcap
         if sinks is not None:
             extra["sinks"] = sinks
-        if key.stride() != value.stride():  # the kernels take one row stride for both
-            key, value = key.contiguous(), value.contiguous()
-        self.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if write_kv:
+            if key.stride() != value.stride():  # the kernels take one row stride for both
+                key, value = key.contiguous(), value.contiguous()
+            self.write_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         # query may be a row-strided view (of a fused QKV projection); out is contiguous.
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         n_pre = metadata.num_prefill_tokens

@@ -125,11 +125,13 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads]
+        write_kv: bool = True,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         self._sinks = sinks
-        write_to_cache(
-            key, value, key_cache, value_cache, metadata.slot_mapping, self._all_slots_valid
-        )
+        if write_kv:
+            write_to_cache(
+                key, value, key_cache, value_cache, metadata.slot_mapping, self._all_slots_valid
+            )
         n_pre = metadata.num_prefill_tokens
         parts = []
         if metadata.num_prefills:

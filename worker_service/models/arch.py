@@ -25,8 +25,10 @@ QKNorm = Literal["head", "full"] | None
 Activation = Literal["silu", "gelu_tanh"]
 # How a router turns logits into top-k weights: "softmax_topk" takes the top k of a float32
 # softmax over every expert (Mixtral, Qwen3-MoE); "topk_softmax" takes the top k logits and
-# softmaxes only those, in the model dtype (gpt-oss).
-Routing = Literal["softmax_topk", "topk_softmax"]
+# softmaxes only those, in the model dtype (gpt-oss); "scaled_softmax_topk" routes an
+# RMS-normalized input times a learned scale and hidden ** -0.5, takes "softmax_topk" always
+# renormalised, then scales each pick by its expert's learned scale (Gemma 4).
+Routing = Literal["softmax_topk", "topk_softmax", "scaled_softmax_topk"]
 
 _ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
@@ -42,6 +44,9 @@ class LayerKind:
 
     sliding_window: int | None  # keys with query_pos - key_pos < window; None = all
     rope: int | None  # index into ModelArchConfig.ropes; None = no rotary (NoPE)
+    # The layer whose K/V this one reads (KV shared across layers, Gemma 4): it projects no
+    # keys or values and stores none. None: it stores its own.
+    kv_source: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,9 @@ class MoeSpec:
     # sides at this limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate).
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    # The experts run beside the layer's dense MLP, not instead of it (Gemma 4): each with
+    # its own norms, outputs added (`moe.parallel_moe_mlp`).
+    beside_dense: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +108,14 @@ class ModelArchConfig:
     # A learned per-head logit in every softmax's denominator (gpt-oss's `sinks`): each layer
     # has its own `LayerWeights.sinks`, which the attention backend takes per call.
     attention_sinks: bool = False
+    # Values normalized per head (RMS, no weight) before they are stored (Gemma 4).
+    value_norm: bool = False
+    # Per-layer inputs (Gemma 4): each token gets a vector of this width per layer, from an
+    # embedding of its id and a projection of its embedding, that gates a residual branch
+    # after the MLP (`decoder.PerLayerInputs`). None: none.
+    per_layer_input_size: int | None = None
+    # Every layer's output (the residual stream) times its learned scalar (Gemma 4).
+    layer_scalars: bool = False
 
     @property
     def scale(self) -> float:
@@ -109,6 +125,11 @@ class ModelArchConfig:
     def rope(self) -> RopeSpec:
         """The first rotary table (the only one for most families)."""
         return self.ropes[0]
+
+    @property
+    def kv_sources(self) -> dict[int, int]:
+        """Layer -> the layer whose K/V it reads, for the layers that store none."""
+        return {i: k.kv_source for i, k in enumerate(self.layers) if k.kv_source is not None}
 
     @property
     def sliding_windows(self) -> tuple[int, ...]:
@@ -129,6 +150,7 @@ class ModelArchConfig:
             f"q/k norm {self.qk_norm!r}": self.qk_norm is not None,
             f"activation {self.activation!r}": self.activation != "silu",
             "partial rotary": any(r.rotary_dim != self.head_dim for r in self.ropes),
+            "KV-shared layers": bool(self.kv_sources),
         }
         return [name for name, present in checks.items() if present]
 
@@ -139,6 +161,10 @@ class ModelArchConfig:
             "mixture of experts": self.moe is not None,
             "attention sinks": self.attention_sinks,
             "rotary tables of different widths": len({r.rotary_dim for r in self.ropes}) > 1,
+            "KV-shared layers": bool(self.kv_sources),
+            "value norm": self.value_norm,
+            "per-layer inputs": self.per_layer_input_size is not None,
+            "layer scalars": self.layer_scalars,
         }
         return [name for name, present in checks.items() if present]
 

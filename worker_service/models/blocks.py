@@ -11,13 +11,15 @@ from worker_service.models.arch import Activation, NormKind
 
 def rms_norm(
     x: torch.Tensor,  # [..., dim]
-    weight: torch.Tensor,  # [dim]
+    weight: torch.Tensor | None,  # [dim]; None: a norm without weight (Gemma 4's values)
     eps: float,
     kind: NormKind = "rms",
 ) -> torch.Tensor:  # [..., dim] in x's dtype
     """Normalize in float32; apply the weight as the family does (see `arch.NormKind`)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return x32.to(x.dtype)
     if kind == "rms":
         return weight * x32.to(x.dtype)
     if kind == "rms_f32":
@@ -25,14 +27,18 @@ def rms_norm(
     return (x32 * (1.0 + weight.float())).to(x.dtype)
 
 
+def activate(x: torch.Tensor, activation: Activation) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh")
+
+
 def gated_activation(
     gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate]: gate, then up
     activation: Activation,
 ) -> torch.Tensor:  # [num_tokens, intermediate]
     gate, up = gate_up.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up
+    return activate(gate, activation) * up
 
 
 def clamped_swiglu(

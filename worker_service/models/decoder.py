@@ -4,8 +4,11 @@ Every linear layer runs once per step over all tokens of all sequences (`[num_to
 q/k/v and gate/up are fused into one matmul each, and attention goes through an
 `AttentionBackend` that reads and writes the paged KV cache. A layer is: (input norm) ->
 attention (q/k norms, rotary unless NoPE, the layer's sliding window) -> (output norm) ->
-residual add -> (pre-MLP norm) -> dense or sparse MLP -> (output norm) -> residual add; what
-each family has of these is declared in its `ModelArchConfig` (see `registry`).
+residual add -> (pre-MLP norm) -> dense or sparse MLP (or both, Gemma 4) -> (output norm) ->
+residual add -> (a per-layer input branch, `per_layer_inputs`) -> (times a layer scalar); what
+each family has of these is declared in its `ModelArchConfig` (see `registry`). A layer that
+reads another layer's K/V (`LayerKind.kv_source`) projects queries only and attends over its
+source's keys and values, this step's included, without writing the cache.
 
 CPU fast paths: with `fused_ops` the residual add + RMSNorm, rotary and SiLU-and-multiply are
 single C++ calls from `kernels.cpu` (for models without the features those kernels lack,
@@ -44,16 +47,21 @@ from worker_service.models.linear import (
     packed_linear_available,
     packed_matmul,
 )
-from worker_service.models.moe import moe_mlp
+from worker_service.models.moe import moe_mlp, parallel_moe_mlp
 from worker_service.models.native import (
     NativeDecode,
     default_native_max_batch,
     native_decode_unsupported_reason,
 )
+from worker_service.models.per_layer_inputs import (
+    PerLayerInputWeights,
+    per_layer_branch,
+    per_layer_inputs,
+)
 from worker_service.models.rope import apply_rotary, cos_sin_for
 from worker_service.models.weights import LayerWeights
 
-_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+_PROJECTIONS = ("qkv", "o", "gate_up", "down", "per_layer_gate", "per_layer_proj")
 
 
 class DecoderModel:
@@ -72,7 +80,10 @@ class DecoderModel:
         packed_linear: bool = False,
         native_linear: bool = False,
         native_decode_max_batch: int | None = 0,
+        per_layer_input_weights: PerLayerInputWeights | None = None,
     ) -> None:
+        if (per_layer_input_weights is None) != (arch.per_layer_input_size is None):
+            raise ValueError("per-layer input weights are given exactly when the arch has them")
         self.arch = arch
         # CPU only: RMSNorm, rotary and SiLU-and-multiply in C++ where the model's are those.
         self.fused_ops = fused_ops and not arch.fused_blockers()
@@ -117,10 +128,15 @@ class DecoderModel:
                     f"not {embed.device} {embed.dtype}"
                 )
             self._convert_projections(layers, pack_weight)
+            if per_layer_input_weights is not None:
+                per_layer_input_weights.projection = pack_weight(per_layer_input_weights.projection)
             lm_head = pack_weight(lm_head)  # a copy: the embedding (often the same tensor) stays
             self.linear = packed_matmul
         elif native_linear:
             self._convert_projections(layers, lambda t: t.contiguous())
+            if per_layer_input_weights is not None:
+                projection = per_layer_input_weights.projection.contiguous()
+                per_layer_input_weights.projection = projection
             lm_head = lm_head.contiguous()
             self.linear = native_matmul
         # How the weights are held: their dtype, or what models/gguf_weights.py installed.
@@ -136,6 +152,9 @@ class DecoderModel:
         # The KV group of each layer (`llmserve.kv_layout`): which of a step's metadata and
         # backends it attends with. One group unless the worker lays the cache out in more.
         self.layer_groups: tuple[int, ...] = (0,) * arch.num_layers
+        self.per_layer_input_weights = per_layer_input_weights
+        # The layers whose K/V of a step a later layer reads (KV sharing).
+        self._kv_sources = frozenset(arch.kv_sources.values())
         self._embed_scale = embedding_multiplier(
             arch.embed_scale, arch.round_embed_scale, self.dtype
         )
@@ -155,6 +174,8 @@ class DecoderModel:
         which may keep plain copies of packed weights) points to but the rotary tables, each
         storage once."""
         held: list[object] = [self.embed, self.final_norm, self.lm_head]
+        if self.per_layer_input_weights is not None:
+            held += self.per_layer_input_weights.tensors()
         for layer in self.layers:
             held += [getattr(layer, f.name) for f in fields(layer) if f.name != "moe"]
             if layer.moe is not None:
@@ -207,13 +228,26 @@ class DecoderModel:
         x = self.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         if self._embed_scale is not None:
             x = x * self._embed_scale
+        layer_inputs = None  # [num_tokens, num_layers, P]
+        if self.per_layer_input_weights is not None:
+            layer_inputs = per_layer_inputs(
+                input_ids, x, self.per_layer_input_weights, arch, self.linear
+            )
+        # This step's K/V of the layers that later layers read (KV sharing).
+        step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         delta: torch.Tensor | None = None  # the last block's output, not yet added to x
         for i, (weights, (key_cache, value_cache)) in enumerate(
             zip(self.layers, kv_caches, strict=True)
         ):
             kind = arch.layers[i]
             h, x = self._add_norm(delta, x, weights.input_norm)
-            q, k, v = self._qkv(h, weights, positions, rotations[kind.rope], kind.rope)
+            if kind.kv_source is None:
+                q, k, v = self._qkv(h, weights, positions, rotations[kind.rope], kind.rope)
+                if i in self._kv_sources:
+                    step_kv[i] = (k, v)
+            else:
+                q = self._q_only(h, weights, rotations[kind.rope])
+                k, v = step_kv[kind.kv_source]
             g = layer_groups[i]
             attn = backends[g].forward(
                 q,
@@ -224,19 +258,37 @@ class DecoderModel:
                 metadatas[g],
                 sliding_window=kind.sliding_window,
                 sinks=weights.sinks,
+                write_kv=kind.kv_source is None,
             )
             o = self.linear(attn.reshape(-1, self.q_size), weights.o, weights.o_bias)
             delta = self._block_output(o, weights.attn_out_norm)
             h, x = self._add_norm(delta, x, weights.post_norm)
-            delta = self._block_output(self._mlp(h, weights, i), weights.mlp_out_norm)
-        assert delta is not None
-        selected, _ = self._add_norm(delta[logit_rows], x[logit_rows], self.final_norm)
+            delta = self._block_output(self._mlp(h, x, weights), weights.mlp_out_norm)
+            if layer_inputs is not None or weights.layer_scalar is not None:
+                x, delta = self._layer_tail(x + delta, weights, layer_inputs, i), None
+        selected, _ = self._add_norm(
+            None if delta is None else delta[logit_rows], x[logit_rows], self.final_norm
+        )
         logits = self.linear(selected, self.lm_head)
         if arch.logits_divisor is not None:
             logits = logits / arch.logits_divisor
         if arch.final_softcap is not None:
             logits = softcap(logits, arch.final_softcap)
         return logits
+
+    def _layer_tail(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden], the residual stream after the MLP
+        weights: LayerWeights,
+        layer_inputs: torch.Tensor | None,  # [num_tokens, num_layers, P]
+        index: int,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Gemma 4's end of a layer: the per-layer input branch, then the layer scalar."""
+        if layer_inputs is not None:
+            x = x + per_layer_branch(x, layer_inputs[:, index], weights, self.arch, self.linear)
+        if weights.layer_scalar is not None:
+            x = x * weights.layer_scalar
+        return x
 
     def _check_native_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Once per forward, what the unchecked native calls rely on: the rotary tables cover
@@ -317,14 +369,38 @@ class DecoderModel:
             assert weights.q_norm is not None and weights.k_norm is not None
             q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
             k = rms_norm(k, weights.k_norm, arch.rms_norm_eps, arch.norm)
+        if arch.value_norm:
+            v = rms_norm(v, None, arch.rms_norm_eps)
         if rotation is not None:
             cos, sin = rotation
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
-    def _mlp(self, h: torch.Tensor, weights: LayerWeights, index: int) -> torch.Tensor:
+    def _q_only(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        weights: LayerWeights,  # qkv: the query projection alone
+        rotation: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """The queries of a layer that reads another layer's K/V (per-head q norm only:
+        `fused_blockers` keeps the fused ops off for the families that share K/V)."""
         arch = self.arch
-        if weights.moe is not None:
+        assert not self.fused_ops and arch.qk_norm != "full"
+        q = self.linear(h, weights.qkv, weights.qkv_bias).view(-1, arch.num_heads, arch.head_dim)
+        if weights.q_norm is not None:
+            q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
+        if rotation is not None:
+            q = apply_rotary(q, *rotation)
+        return q
+
+    def _mlp(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden], the normalized block input
+        x: torch.Tensor,  # [num_tokens, hidden], the block input (Gemma 4's experts read it)
+        weights: LayerWeights,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        arch = self.arch
+        if weights.moe is not None and weights.gate_up is None:
             assert arch.moe is not None
             return moe_mlp(h, weights.moe, arch.moe, arch.activation)
         gate_up = self.linear(h, weights.gate_up, weights.gate_up_bias)
@@ -332,7 +408,10 @@ class DecoderModel:
             act = cpu_ops.silu_mul(gate_up, check=False)
         else:
             act = gated_activation(gate_up, arch.activation)
-        return self.linear(act, weights.down, weights.down_bias)
+        dense = self.linear(act, weights.down, weights.down_bias)
+        if weights.moe is not None:  # experts beside the dense MLP
+            return parallel_moe_mlp(dense, x, weights.moe, arch)
+        return dense
 
     def linear_layers_only(self, num_tokens: int) -> None:
         """Run just the dense matmuls of one forward over `num_tokens` tokens (bench
@@ -342,13 +421,14 @@ class DecoderModel:
         def zeros(width: int) -> torch.Tensor:  # [num_tokens, width]
             return torch.zeros(num_tokens, width, dtype=self.dtype, device=self.device)
 
-        x, attn, act = zeros(arch.hidden_size), zeros(self.q_size), zeros(arch.intermediate_size)
+        x, attn = zeros(arch.hidden_size), zeros(self.q_size)
         for weights in self.layers:
             linear(x, weights.qkv, weights.qkv_bias)
             linear(attn, weights.o)
             if weights.gate_up is not None and weights.down is not None:
                 linear(x, weights.gate_up)
-                linear(act, weights.down)
+                # Layers' MLPs may differ in width (Gemma 4's double-wide ones).
+                linear(zeros(weights.down.shape[1]), weights.down)
         linear(x, self.lm_head)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker_service.models.arch import ModelArchConfig
+from worker_service.models.per_layer_inputs import PerLayerInputWeights
 from worker_service.models.weights import LayerWeights, read_layer
 
 
@@ -19,6 +20,10 @@ def causal_lm_parts(hf_model: Any) -> tuple[Any, Any]:
 
 def same_config(config: Any) -> Any:
     return config
+
+
+def no_per_layer_inputs(inner: Any, arch: ModelArchConfig) -> PerLayerInputWeights | None:
+    return None
 
 
 def llama_layer(layer: Any, arch: ModelArchConfig, index: int) -> LayerWeights:
@@ -34,3 +39,7 @@ class Family:
     # The text model's config (a multimodal checkpoint nests it) and modules.
     text_config: Callable[[Any], Any] = same_config
     text_parts: Callable[[Any], tuple[Any, Any]] = causal_lm_parts
+    # The model-level weights of per-layer inputs (Gemma 4), from the text model's module.
+    read_per_layer_inputs: Callable[[Any, ModelArchConfig], PerLayerInputWeights | None] = (
+        no_per_layer_inputs
+    )

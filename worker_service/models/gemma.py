@@ -65,11 +65,11 @@ def read_gemma_layer(layer: Any, arch: ModelArchConfig, index: int) -> LayerWeig
     )
 
 
-def _multimodal_text_config(config: Any) -> Any:
+def multimodal_text_config(config: Any) -> Any:
     return getattr(config, "text_config", config)
 
 
-def _multimodal_text_parts(hf_model: Any) -> tuple[Any, Any]:
+def multimodal_text_parts(hf_model: Any) -> tuple[Any, Any]:
     inner = hf_model.model
     return getattr(inner, "language_model", inner), hf_model.lm_head
 
@@ -81,6 +81,6 @@ GEMMA3_MULTIMODAL = Family(
     ("Gemma3ForConditionalGeneration",),
     read_gemma3,
     read_gemma_layer,
-    text_config=_multimodal_text_config,
-    text_parts=_multimodal_text_parts,
+    text_config=multimodal_text_config,
+    text_parts=multimodal_text_parts,
 )

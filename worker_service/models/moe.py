@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker_service.models.arch import Activation, MoeSpec
-from worker_service.models.blocks import clamped_swiglu, gated_activation
+from worker_service.models.arch import Activation, ModelArchConfig, MoeSpec
+from worker_service.models.blocks import clamped_swiglu, gated_activation, rms_norm
 from worker_service.models.weights import MoeWeights
 
 
@@ -24,9 +24,12 @@ def route(
     router: torch.Tensor,  # [num_experts, hidden]
     spec: MoeSpec,
     router_bias: torch.Tensor | None = None,  # [num_experts]
+    expert_scale: torch.Tensor | None = None,  # [num_experts]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k] weights, expert ids
     """ "softmax_topk": softmax over all experts in float32, top-k, renormalised when
-    `norm_topk_prob`; "topk_softmax": top-k logits, softmaxed in the model dtype."""
+    `norm_topk_prob`; "topk_softmax": top-k logits, softmaxed in the model dtype;
+    "scaled_softmax_topk": "softmax_topk" (x already scaled, see `parallel_moe_mlp`), each
+    weight then times its expert's `expert_scale`."""
     logits = F.linear(x, router, router_bias)  # [num_tokens, num_experts]
     if spec.routing == "topk_softmax":
         top, experts = torch.topk(logits, spec.top_k, dim=-1)
@@ -35,13 +38,16 @@ def route(
     weights, experts = torch.topk(probs, spec.top_k, dim=-1)
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if spec.routing == "scaled_softmax_topk":
+        assert expert_scale is not None
+        weights = weights * expert_scale[experts]
     return weights, experts
 
 
 def _routed(
     x: torch.Tensor, w: MoeWeights, spec: MoeSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k] weights, expert ids
-    weights, experts = route(x, w.router, spec, w.router_bias)
+    weights, experts = route(x, w.router, spec, w.router_bias, w.expert_scale)
     if spec.round_weights:  # Qwen3-MoE casts the routing weights to the model dtype first
         weights = weights.to(x.dtype)
     return weights, experts
@@ -52,10 +58,11 @@ def moe_mlp(
     w: MoeWeights,
     spec: MoeSpec,
     activation: Activation,
+    router_input: torch.Tensor | None = None,  # [num_tokens, hidden]; None: x
 ) -> torch.Tensor:  # [num_tokens, hidden]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return every_expert_mlp(x, w, spec, activation)
-    weights, experts = _routed(x, w, spec)
+        return every_expert_mlp(x, w, spec, activation, router_input)
+    weights, experts = _routed(x if router_input is None else router_input, w, spec)
     flat = experts.reshape(-1)  # [num_tokens * top_k], token t's picks at t * top_k ...
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending
     token_of = order // spec.top_k  # [num_pairs]
@@ -86,12 +93,13 @@ def every_expert_mlp(
     w: MoeWeights,
     spec: MoeSpec,
     activation: Activation,
+    router_input: torch.Tensor | None = None,  # [num_tokens, hidden]; None: x
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """`moe_mlp` without a host sync (see the module docstring): every expert over every token,
     weighted by a [num_tokens, num_experts] gate that holds each token's routing weights at its
     picks and zeros elsewhere; outputs are added in ascending expert order, like the grouped
     path's."""
-    weights, experts = _routed(x, w, spec)
+    weights, experts = _routed(x if router_input is None else router_input, w, spec)
     gates = torch.zeros(x.shape[0], spec.num_experts, dtype=weights.dtype, device=x.device)
     gates.scatter_(1, experts, weights)
     final = torch.zeros_like(x)
@@ -119,3 +127,21 @@ def _expert(
     if w.down_bias is not None:
         out = out + w.down_bias[expert]
     return out
+
+
+def parallel_moe_mlp(
+    dense_out: torch.Tensor,  # [num_tokens, hidden], the dense MLP's output
+    x: torch.Tensor,  # [num_tokens, hidden], the block's input (before the pre-MLP norm)
+    w: MoeWeights,
+    arch: ModelArchConfig,
+) -> torch.Tensor:  # [num_tokens, hidden], before the layer's post-MLP norm
+    """Gemma 4's experts beside the dense MLP (see the module docstring)."""
+    assert arch.moe is not None and w.router_scale is not None
+    eps, norm = arch.rms_norm_eps, arch.norm
+    router_input = rms_norm(x, None, eps) * w.router_scale * arch.hidden_size**-0.5
+    experts = moe_mlp(
+        rms_norm(x, w.input_norm, eps, norm), w, arch.moe, arch.activation, router_input
+    )
+    return rms_norm(dense_out, w.dense_out_norm, eps, norm) + rms_norm(
+        experts, w.out_norm, eps, norm
+    )

@@ -10,6 +10,7 @@ from typing import Any
 
 from worker_service.models import (
     gemma,
+    gemma4,
     gpt_oss,
     granite,
     llama,
@@ -31,6 +32,8 @@ _FAMILIES: tuple[Family, ...] = (
     gemma.GEMMA2,
     gemma.GEMMA3,
     gemma.GEMMA3_MULTIMODAL,
+    gemma4.FAMILY,
+    gemma4.MULTIMODAL,
     phi3.FAMILY,
     olmo2.FAMILY,
     olmo3.FAMILY,
@@ -76,5 +79,6 @@ def model_from_hf(hf_model: Any, max_positions: int, **options: Any) -> DecoderM
         final_norm=inner.norm.weight.detach(),
         lm_head=lm_head.weight.detach(),
         max_positions=max_positions,
+        per_layer_input_weights=family.read_per_layer_inputs(inner, arch),
         **options,
     )

@@ -1,5 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (default, linear, llama3, yarn, longrope),
-partial rotary, and the cos/sin tables the decoder indexes by position."""
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3, yarn, longrope,
+proportional), partial rotary, and the cos/sin tables the decoder indexes by position."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 
 class UnsupportedModelError(ValueError):
@@ -46,6 +46,10 @@ def read_rope_spec(params: dict[str, Any], head_dim: int, config: Any) -> RopeSp
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if rope_type == "proportional":
+        # The table spans every dim of a head; the factor zeroes frequencies instead
+        # (`_proportional`), so the pairs stay (i, i + head_dim / 2) as in full rotary.
+        factor = 1.0
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
     return RopeSpec(
@@ -73,6 +77,8 @@ def inverse_frequencies(
         return _llama3_scaling(inv_freq, params)
     if rope_type == "yarn":
         return _yarn(head_dim, theta, params)[0]
+    if rope_type == "proportional":
+        return _proportional(head_dim, theta, params)
     raise UnsupportedModelError(
         f"rope type {rope_type!r} is not supported here; supported: "
         f"{', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -92,6 +98,18 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     interpolated = (1 - blend) * slowed / factor + blend * slowed
     in_band = (wavelength >= original_len / high) & (wavelength <= original_len / low)
     return torch.where(in_band, interpolated, slowed)
+
+
+def _proportional(head_dim: int, theta: float, params: dict[str, Any]) -> torch.Tensor:
+    """Gemma 4's global layers: the first partial_rotary_factor of the head's frequency
+    pairs turn at the rates full rotary over `head_dim` gives them (exponents over the whole
+    head, not over the rotated part), the rest do not turn (frequency 0: cos 1, sin 0);
+    all divided by `factor`."""
+    rotated = int(float(params.get("partial_rotary_factor") or 1.0) * head_dim // 2)
+    exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = torch.zeros(head_dim // 2, dtype=torch.float32)
+    inv_freq[:rotated] = 1.0 / (theta**exponents)
+    return inv_freq / float(params.get("factor", 1.0))
 
 
 def _yarn(

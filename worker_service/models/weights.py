@@ -21,12 +21,30 @@ class MoeWeights:
     router_bias: torch.Tensor | None = None  # [num_experts]
     gate_up_bias: torch.Tensor | None = None  # [num_experts, 2 * moe_intermediate]
     down_bias: torch.Tensor | None = None  # [num_experts, hidden]
+    # Gemma 4's router scales its normalized input by `router_scale` and each pick by its
+    # expert's `expert_scale`; its experts, beside the dense MLP, have their own norms: on
+    # the block's input (`input_norm`), on their sum (`out_norm`) and on the dense MLP's
+    # output (`dense_out_norm`) before the two are added.
+    router_scale: torch.Tensor | None = None  # [hidden]
+    expert_scale: torch.Tensor | None = None  # [num_experts]
+    input_norm: torch.Tensor | None = None  # [hidden]
+    out_norm: torch.Tensor | None = None  # [hidden]
+    dense_out_norm: torch.Tensor | None = None  # [hidden]
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor held, biases included."""
+        """Every tensor held, biases and scales included."""
         held = [self.router, self.gate_up, self.down]
-        biases = (self.router_bias, self.gate_up_bias, self.down_bias)
-        return held + [b for b in biases if b is not None]
+        extra = (
+            self.router_bias,
+            self.gate_up_bias,
+            self.down_bias,
+            self.router_scale,
+            self.expert_scale,
+            self.input_norm,
+            self.out_norm,
+            self.dense_out_norm,
+        )
+        return held + [t for t in extra if t is not None]
 
 
 @dataclass(slots=True)
@@ -51,6 +69,11 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
     moe: MoeWeights | None = None
     sinks: torch.Tensor | None = None  # [num_heads], attention sink logits (gpt-oss)
+    # Gemma 4's per-layer input branch (`arch.per_layer_input_size` P wide) and scalar.
+    per_layer_gate: torch.Tensor | None = None  # [P, hidden]
+    per_layer_proj: torch.Tensor | None = None  # [hidden, P]
+    per_layer_norm: torch.Tensor | None = None  # [hidden]
+    layer_scalar: torch.Tensor | None = None  # [1]
 
 
 def _w(module: Any) -> torch.Tensor:
@@ -77,20 +100,26 @@ def norm_weight(module: Any | None) -> torch.Tensor | None:
     return None if module is None else module.weight.detach()
 
 
-def read_attention(attn: Any) -> dict[str, Any]:  # LayerWeights fields
-    """q/k/v fused into one projection (or taken fused: Phi-3's qkv_proj), o, and q/k norms."""
+def read_attention(attn: Any, kv_shared: bool = False) -> dict[str, Any]:  # LayerWeights fields
+    """q/k/v fused into one projection (or taken fused: Phi-3's qkv_proj), o, and q/k norms.
+    A layer without `v_proj` (Gemma 4's attention_k_eq_v) uses its keys' projection for the
+    values too: its rows come twice. `kv_shared`: the layer reads another layer's K/V, and
+    its "qkv" is the query projection alone."""
     if hasattr(attn, "qkv_proj"):
         qkv, qkv_bias = _w(attn.qkv_proj), _b(attn.qkv_proj)
+    elif kv_shared:
+        qkv, qkv_bias = _w(attn.q_proj), _b(attn.q_proj)
     else:
-        qkv = torch.cat([_w(attn.q_proj), _w(attn.k_proj), _w(attn.v_proj)])
-        qkv_bias = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        v_proj = attn.k_proj if getattr(attn, "v_proj", None) is None else attn.v_proj
+        qkv = torch.cat([_w(attn.q_proj), _w(attn.k_proj), _w(v_proj)])
+        qkv_bias = _cat_bias(attn.q_proj, attn.k_proj, v_proj)
     return dict(
         qkv=qkv,
         qkv_bias=qkv_bias,
         o=_w(attn.o_proj),
         o_bias=_b(attn.o_proj),
         q_norm=norm_weight(getattr(attn, "q_norm", None)),
-        k_norm=norm_weight(getattr(attn, "k_norm", None)),
+        k_norm=None if kv_shared else norm_weight(getattr(attn, "k_norm", None)),
         sinks=_sinks(attn),
     )
 
@@ -158,13 +187,17 @@ def read_layer(
     post_norm: str | None = "post_attention_layernorm",
     mlp_out_norm: str | None = None,
     moe: MoeWeights | None = None,
+    dense_beside_moe: bool = False,
+    kv_shared: bool = False,
 ) -> LayerWeights:
-    """A layer whose norms have these module names (None: the layer has no such norm)."""
+    """A layer whose norms have these module names (None: the layer has no such norm).
+    `dense_beside_moe`: the layer keeps its dense MLP next to `moe` (Gemma 4); `kv_shared`:
+    see `read_attention`."""
 
     def norm(name: str | None) -> torch.Tensor | None:
         return None if name is None else _w(getattr(layer, name))
 
-    mlp = {} if moe is not None else read_dense_mlp(layer.mlp)
+    mlp = {} if moe is not None and not dense_beside_moe else read_dense_mlp(layer.mlp)
     return LayerWeights(
         input_norm=norm(input_norm),
         post_norm=norm(post_norm),
@@ -175,5 +208,5 @@ def read_layer(
         gate_up_bias=mlp.get("gate_up_bias"),
         down_bias=mlp.get("down_bias"),
         moe=moe,
-        **read_attention(layer.self_attn),
+        **read_attention(layer.self_attn, kv_shared),
     )

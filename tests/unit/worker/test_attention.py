@@ -279,3 +279,60 @@ def test_decode_metadata_has_no_prefill_part() -> None:
     assert meta.decode_seq_lens is lens and meta.decode_block_tables is tables
     assert meta.slot_mapping is slots
     assert (meta.max_decode_seq_len, meta.block_size) == (7, BS)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", TRITON_ON_CPU])
+def test_a_layer_that_reads_another_layers_kv_writes_nothing(backend_name: str) -> None:
+    """`write_kv=False` (Gemma 4's KV-shared layers): the cache, already holding every
+    position's K/V (the source layer wrote them), stays as it is whatever keys/values come
+    along, and queries attend over what it holds: a prefill over a cached prefix and a
+    decode, one with a window."""
+    torch.manual_seed(2)
+    seqs = [(5, 3), (9, 1)]  # (context, new tokens)
+    key_cache, value_cache = torch.randn(8, BS, KVH, D) * 3, torch.randn(8, BS, KVH, D)
+    tables = [[6, 1], [3, 7, 0]]
+    slots = [
+        tables[i][p // BS] * BS + p % BS for i, (c, n) in enumerate(seqs) for p in range(c, c + n)
+    ]
+
+    def cached(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # [context + n, KVH, D] each
+        total = sum(seqs[i])
+        rows = torch.tensor([tables[i][p // BS] * BS + p % BS for p in range(total)])
+        return key_cache.view(-1, KVH, D)[rows], value_cache.view(-1, KVH, D)[rows]
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    meta = AttentionMetadata(
+        num_prefills=1,
+        num_prefill_tokens=3,
+        num_decodes=1,
+        slot_mapping=torch.tensor(slots),
+        prefill_query_start_loc=i32([0, 3]),
+        prefill_query_lens=i32([3]),
+        prefill_context_lens=i32([5]),
+        prefill_seq_lens=i32([8]),
+        prefill_block_tables=i32([tables[0] + [0]]),
+        max_prefill_query_len=3,
+        max_prefill_seq_len=8,
+        prefill_no_context=False,
+        decode_seq_lens=i32([10]),
+        decode_block_tables=i32([tables[1]]),
+        max_decode_seq_len=10,
+        block_size=BS,
+    )
+    expected_caches = key_cache.clone(), value_cache.clone()
+    q = torch.randn(4, H, D)
+    for window in (None, 3):
+        backend = get_backend_class(backend_name, CPU_SPEC)(H, KVH, D, D**-0.5)
+        backend.begin_step(meta)
+        garbage = torch.randn(4, KVH, D), torch.randn(4, KVH, D)
+        out = backend.forward(
+            q, *garbage, key_cache, value_cache, meta, sliding_window=window, write_kv=False
+        )
+        assert torch.equal(key_cache, expected_caches[0])
+        assert torch.equal(value_cache, expected_caches[1])
+        expected = torch.cat(
+            [reference(q[:3], *cached(0), 5, window), reference(q[3:], *cached(1), 9, window)]
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

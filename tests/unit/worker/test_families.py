@@ -232,7 +232,7 @@ def test_multimodal_gemma3_serves_its_text_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("linear_impl", ["onednn", "native"])
-@pytest.mark.parametrize("kind", ["gemma2", "phi3", "qwen3_moe", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "phi3", "qwen3_moe", "granite", "gemma4_mm"])
 def test_families_with_every_matmul_implementation(
     kind: str, linear_impl: str, tmp_path: Path
 ) -> None:

@@ -24,7 +24,10 @@ from .factories import GreedyDriver, make_worker
 PROMPTS = {0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 1: [2, 71, 82], 2: [11, 12, 13, 14, 15]}
 # The families whose decode steps stay on the per-layer path (models/native.py).
 MOE_KINDS = ("qwen3_moe", "mixtral", "gpt_oss")
-DENSE_FAMILIES = [kind for kind in FAMILY_KINDS if kind not in MOE_KINDS]
+# Gemma 4: per-layer inputs, KV-shared layers, value norm, layer scalars (and experts in the
+# multimodal tiny model) are not in decode.cpp.
+GEMMA4_KINDS = ("gemma4", "gemma4_mm")
+DENSE_FAMILIES = [kind for kind in FAMILY_KINDS if kind not in MOE_KINDS + GEMMA4_KINDS]
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +108,18 @@ def test_experts_decode_per_layer_saying_why(kind: str, model_dir: dict[str, Pat
     assert worker.model.decode_step is None
     assert "mixture of experts" in (worker.model.native_decode_refused or "")
     assert ("attention sinks" in (worker.model.native_decode_refused or "")) == (kind == "gpt_oss")
+
+
+@pytest.mark.parametrize("kind", GEMMA4_KINDS)
+def test_gemma4_decodes_per_layer_naming_its_features(
+    kind: str, model_dir: dict[str, Path]
+) -> None:
+    worker = make_worker(model_dir[kind])
+    assert worker.model.decode_step is None
+    refused = worker.model.native_decode_refused or ""
+    for feature in ("KV-shared layers", "value norm", "per-layer inputs", "layer scalars"):
+        assert feature in refused, (feature, refused)
+    assert ("mixture of experts" in refused) == (kind == "gemma4_mm")
 
 
 def test_batches_over_the_limit_take_the_per_layer_path(
