@@ -96,6 +96,14 @@ class WorkerConfig:
         "(worker_service/models/native.py)",
     )
     block_size: int = flag(16, "tokens per KV block (a power of two)")
+    # Lay the layers out in KV groups by kind (llmserve/kv_layout.py), so windowed layers keep
+    # only their windows' blocks; False keeps every layer's K/V for every token in one group
+    # (the layout before groups: for comparisons, or a scheduler that predates groups).
+    hybrid_kv_cache: bool = flag(
+        True,
+        "group layers by attention kind so sliding-window layers keep only their windows' "
+        "K/V (off: every layer keeps every token's)",
+    )
     # Caps the model's own max_position_embeddings (None = the model's limit).
     max_model_len: int | None = flag(
         None, "the longest prompt + output served (unset: the model's own limit)"

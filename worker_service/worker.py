@@ -149,7 +149,10 @@ class Worker:
             log.info("native decode step off", reason=self._model.native_decode_refused)
         eos = _eos_ids(hf_model)
         # Layers that read another layer's K/V (Gemma 4) store none: they map to its slot.
-        layout = plan_layout([kind.sliding_window for kind in arch.layers], arch.kv_sources)
+        windows = [kind.sliding_window for kind in arch.layers]
+        if not self.config.hybrid_kv_cache:
+            windows = [None] * len(windows)  # one full group: every layer keeps every token
+        layout = plan_layout(windows, arch.kv_sources)
         self._info = ModelInfo(
             model=self.config.model,
             architecture=arch.architecture,
