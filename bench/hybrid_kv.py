@@ -8,8 +8,8 @@ come from the same loaded worker, in the same run:
 1. Accounting, no forward pass: the real scheduler (LLMEngine) over each layout's block
    count in the worker's default --kv-cache-memory, driven by a bookkeeping-only executor
    that follows the step contract and samples token 1: resident K/V bytes of one sequence at
-   1k, 8k and 32k tokens (after its prefill); how many 8k-token requests run at once; whether
-   eight 32k-token sequences run at once, without preemption.
+   1k, 8k and 32k tokens (after its prefill); how many of 64 requests of 8k tokens (7936 +
+   256) run at once; whether eight of 32k tokens (32256 + 512) run at once, and preemptions.
 2. Serving: 16 streams of 4k-token prompts, 32 greedy tokens each, through the in-process
    engine on the real worker (cpu backend), one run per layout; output tokens per second of
    wall time, prefill included.
@@ -175,10 +175,13 @@ def main() -> None:
         for tokens in (1024, 8192, 32760):
             print(f"resident K/V at {tokens} tokens: "
                   f"{resident_bytes(worker, layout, tokens) / MiB:.1f} MiB")  # fmt: skip
-        most, preempted = concurrency(worker, layout, 64, 8192, 16)
-        print(f"64 requests of 8192 tokens: {most} at once, {preempted} preemptions")
-        most, preempted = concurrency(worker, layout, 8, 32760, 8)
-        print(f"8 requests of 32760 tokens: {most} at once, {preempted} preemptions")
+        # Outputs long enough that the requests admitted first still run when the last are
+        # admitted (one 2048-token prefill chunk a step): memory, not the arrival of
+        # prefills, bounds how many run at once.
+        most, preempted = concurrency(worker, layout, 64, 8192 - 256, 256)
+        print(f"64 requests of 8192 tokens (7936 + 256): {most} at once, {preempted} preemptions")
+        most, preempted = concurrency(worker, layout, 8, 32768 - 512, 512)
+        print(f"8 requests of 32768 tokens (32256 + 512): {most} at once, {preempted} preemptions")
     if args.skip_serving:
         return
     for hybrid in (False, True):
