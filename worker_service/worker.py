@@ -173,6 +173,7 @@ class Worker:
         if len(layout.groups) > 1 or layout.reserves_null_block:
             log.info(
                 "hybrid KV cache",
+                cuda_graphs_allowed=len(layout.groups) == 1,
                 groups=[
                     f"{'full' if g.sliding_window is None else g.sliding_window}:{len(g.layers)}"
                     for g in layout.groups
@@ -262,7 +263,13 @@ class Worker:
         return max(available // block_bytes, 0), num_host
 
     def _graphs_enabled(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager
+        """CUDA decode graphs: captured over one set of block tables, so not for a model laid
+        out in several KV groups (those decode eagerly; issue: capture per group)."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and len(self.model_info.kv_layout.groups) == 1
+        )
 
     def _probe_graphs(self) -> tuple[DecodeGraphs, CacheEngine] | None:
         """The decode graphs captured over a one-block throwaway cache (None when eager);

@@ -42,9 +42,14 @@ NUM = 60
 class StubReplica:
     """What `KvMover` uses of a `Replica`, stepping an in-process engine."""
 
-    def __init__(self, address: str, num_gpu_blocks: int = 400) -> None:
+    def __init__(
+        self,
+        address: str,
+        num_gpu_blocks: int = 400,
+        windows: tuple[int | None, ...] = (None,),
+    ) -> None:
         self.address = address
-        self.engine = make_engine(num_gpu_blocks, 0)
+        self.engine = make_engine(num_gpu_blocks, 0, windows=windows)
         self.model: FakeModel = self.engine.executor  # type: ignore[assignment]
         self.transfers: TransferQueue | None = TransferQueue(lambda: None)
         self.state = ReplicaState.READY
@@ -160,6 +165,37 @@ def test_moved_with_their_blocks_requests_finish_as_if_they_never_moved(mode: Mi
         assert replica.engine.scheduler.block_manager.pins == {}
         assert replica.model.exports == {}, "every export was released"
         assert_empty(replica.engine)
+
+
+# A hybrid layout: a full KV group beside two windows (`llmserve.kv_layout`).
+WINDOWS = (None, 6, 9)
+
+
+def test_moves_on_a_hybrid_layout_copy_every_groups_blocks():
+    """With windowed groups (the fake model reads each window back), requests moved with
+    their blocks finish as the reference, and the target computes far fewer tokens than when
+    every import fails (then each moved context is recomputed): the windows' blocks came
+    along with the full group's."""
+    computed = {}
+    for fail in (False, True):
+        a, b = StubReplica("a", 1200, WINDOWS), StubReplica("b", 1200, WINDOWS)
+        linked(a, b)
+        b.model.fail_imports = fail
+        host = Host(fallback=b)
+        moves = KvMover(host, MigrationMode.STOP_AND_COPY)  # type: ignore[arg-type]
+        start(a)
+
+        def on_step(step: int, a: StubReplica = a, b: StubReplica = b, moves=moves) -> None:  # type: ignore[no-untyped-def]
+            if step == 8:
+                move_running(moves, a, b)
+
+        totals = run([a, b], moves, on_step)
+        assert summarize([totals[f"r{i}"] for i in range(NUM)]) == reference(NUM, WINDOWS)
+        assert (host.fell_back == []) != fail
+        assert_empty(a.engine)
+        assert_empty(b.engine)
+        computed[fail] = b.model.num_computed_tokens
+    assert computed[False] < computed[True] * 0.6, computed
 
 
 def test_a_move_computes_on_the_target_only_what_was_not_copied():

@@ -22,12 +22,23 @@ from .fake_model import FakeModel
 from .test_preemption_equivalence import BLOCK, EOS, workload
 
 
-def make_engine(num_gpu_blocks: int, num_cpu_blocks: int, caching: bool = True) -> LLMEngine:
+def make_engine(
+    num_gpu_blocks: int,
+    num_cpu_blocks: int,
+    caching: bool = True,
+    windows: tuple[int | None, ...] = (None,),
+) -> LLMEngine:
     cache = CacheConfig(
-        BLOCK, num_gpu_blocks, num_cpu_blocks, watermark=0.0, enable_prefix_caching=caching
+        BLOCK,
+        num_gpu_blocks,
+        num_cpu_blocks,
+        watermark=0.0,
+        enable_prefix_caching=caching,
+        kv_windows=windows,
     )
     sched = SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=96, max_model_len=128)
-    return LLMEngine(sched, cache, FakeModel(num_gpu_blocks, num_cpu_blocks, BLOCK))
+    model = FakeModel(num_gpu_blocks, num_cpu_blocks, BLOCK, windows=windows)
+    return LLMEngine(sched, cache, model)
 
 
 def summarize(outputs: list[RequestOutput]) -> list[tuple]:
@@ -55,12 +66,12 @@ def assert_empty(engine: LLMEngine) -> None:
     bm = engine.scheduler.block_manager
     bm.check_invariants()
     assert not engine.has_unfinished_requests()
-    assert bm.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
+    assert bm.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks - bm.num_reserved
     assert bm.get_num_free_cpu_blocks() == engine.cache_config.num_cpu_blocks
 
 
-def reference(num: int) -> list[tuple]:
-    engine = make_engine(4000, 8)
+def reference(num: int, windows: tuple[int | None, ...] = (None,)) -> list[tuple]:
+    engine = make_engine(4000, 8, windows=windows)
     prompts, params = workload(num)
     outputs = generate(engine, prompts, params, eos_token_id=EOS)
     return summarize([_renamed(o, f"r{i}") for i, o in enumerate(outputs)])
