@@ -163,7 +163,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    )
     config = WorkerConfig(model=GEMMA3_270M)
     worker = Worker(config)
     worker.load_model()
