@@ -95,15 +95,20 @@ def run_with(stack: FleetStack, fault: Callable[[], None], at_chunk: int) -> dic
     return received
 
 
-@pytest.fixture(scope="module")
-def baseline(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Received]:
-    stack = one_worker_stack(str(tiny_model_dir), tmp_path_factory.mktemp("kv-baseline"))
+def undisturbed(model_dir: Path, log_dir: Path) -> dict[str, Received]:
+    """The workload on one worker of `model_dir`, nothing moved."""
+    stack = one_worker_stack(str(model_dir), log_dir)
     try:
         received = asyncio.run(run_workload(stack.gateway.address, WORKLOAD))  # type: ignore[union-attr]
         stack.assert_no_leak()
         return received
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Received]:
+    return undisturbed(tiny_model_dir, tmp_path_factory.mktemp("kv-baseline"))
 
 
 @pytest.fixture
@@ -222,13 +227,7 @@ def test_a_peer_without_the_credential_is_refused_and_the_moves_fall_back(stack_
 def windowed_baseline(
     tiny_windowed_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Received]:
-    stack = one_worker_stack(str(tiny_windowed_dir), tmp_path_factory.mktemp("kv-windowed"))
-    try:
-        received = asyncio.run(run_workload(stack.gateway.address, WORKLOAD))  # type: ignore[union-attr]
-        stack.assert_no_leak()
-        return received
-    finally:
-        stack.stop()
+    return undisturbed(tiny_windowed_dir, tmp_path_factory.mktemp("kv-windowed"))
 
 
 def test_drain_moves_windowed_streams_with_the_blocks_of_every_kv_group(
