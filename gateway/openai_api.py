@@ -32,7 +32,7 @@ from gateway.openai_protocol import (
 )
 from gateway.openai_requests import chat_input, completion_inputs
 from gateway.openai_responses import respond
-from gateway.openai_shapers import ChatShaper, CompletionShaper, Shaper, ToolChatShaper
+from gateway.openai_shapers import ChatShaper, CompletionShaper, Shaper
 from llmserve.security import KeySet, installed
 from llmserve.telemetry import context_from_metadata
 from llmserve.tls import uvicorn_ssl
@@ -129,8 +129,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     core = _core(request)
     inp = await chat_input(core, body)
-    shaper_type = ChatShaper if inp.tools is None else ToolChatShaper
-    shaper = shaper_type(core, inp.request_id, int(time.time()), body.n)
+    shaper = ChatShaper(core, inp.request_id, int(time.time()), body.n, inp)
     return await _respond(request, body, [inp], shaper, "chat")
 
 

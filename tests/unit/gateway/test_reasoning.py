@@ -11,8 +11,18 @@ FORMAT = ThinkTagsFormat()
 
 # (output, the prompt opened the block, expected reasoning, expected answer)
 CASES = [
-    ("<think>\nLet me add 2 and 2.\n</think>\n\nIt is 4.", False, "Let me add 2 and 2.", "It is 4."),
-    ("<think>a < b and </thin is not a tag</think>yes", False, "a < b and </thin is not a tag", "yes"),
+    (
+        "<think>\nLet me add 2 and 2.\n</think>\n\nIt is 4.",
+        False,
+        "Let me add 2 and 2.",
+        "It is 4.",
+    ),
+    (
+        "<think>a < b and </thin is not a tag</think>yes",
+        False,
+        "a < b and </thin is not a tag",
+        "yes",
+    ),
     ("The answer is 4.", False, "", "The answer is 4."),
     ("  <thinking> is not the tag", False, "", "<thinking> is not the tag"),
     ("I say <think>x</think> later", False, "", "I say <think>x</think> later"),
@@ -24,7 +34,12 @@ CASES = [
     ("<thi", False, "", "<thi"),
     ("", False, "", ""),
     ("\n\n", True, "", ""),
-    ("<think>two  spaces inside  \n\n</think>answer  with tail  ", False, "two  spaces inside", "answer  with tail  "),
+    (
+        "<think>two  spaces inside  \n\n</think>answer  with tail  ",
+        False,
+        "two  spaces inside",
+        "answer  with tail  ",
+    ),
 ]
 
 
