@@ -33,6 +33,8 @@ from gateway.openai_protocol import (
 from gateway.openai_requests import chat_input, completion_inputs
 from gateway.openai_responses import respond
 from gateway.openai_shapers import ChatShaper, CompletionShaper, Shaper
+from gateway.responses_api import ResponseStore
+from gateway.responses_api import router as responses_router
 from llmserve.security import KeySet, installed
 from llmserve.telemetry import context_from_metadata
 from llmserve.tls import uvicorn_ssl
@@ -66,6 +68,8 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=core.limits.max_body_bytes)
     app.add_middleware(Auth, api_keys=api_keys or KeySet())
     app.include_router(router)
+    app.state.response_store = ResponseStore()
+    app.include_router(responses_router)
     return app
 
 
