@@ -22,6 +22,7 @@ from gateway.generation import GenerationCore
 from gateway.generation_types import GenerationInput
 from gateway.http_errors import error_responses, generation_responses, install_error_handlers
 from gateway.http_middleware import Auth
+from gateway.messages_api import router as messages_router
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -70,6 +71,7 @@ def build_app(
     app.include_router(router)
     app.state.response_store = ResponseStore()
     app.include_router(responses_router)
+    app.include_router(messages_router)
     return app
 
 
