@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health,
-/ready, /metrics. Both generation routes go through the same GenerationCore as the gRPC API.
+/ready, /metrics; /v1/responses, /v1/messages and /tokenize live in their own modules. Both generation routes go through the same GenerationCore as the gRPC API.
 
 The routes are module functions; what they share (the core, the in-flight count, the
 readiness probe) lives on `app.state`, set by `build_app`.
@@ -36,6 +36,7 @@ from gateway.openai_responses import respond
 from gateway.openai_shapers import ChatShaper, CompletionShaper, Shaper
 from gateway.responses_api import ResponseStore
 from gateway.responses_api import router as responses_router
+from gateway.tokenize_api import router as tokenize_router
 from llmserve.security import KeySet, installed
 from llmserve.telemetry import context_from_metadata
 from llmserve.tls import uvicorn_ssl
@@ -72,6 +73,7 @@ def build_app(
     app.state.response_store = ResponseStore()
     app.include_router(responses_router)
     app.include_router(messages_router)
+    app.include_router(tokenize_router)
     return app
 
 
