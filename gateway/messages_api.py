@@ -220,7 +220,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     try:
         inp = await chat_input(core, to_chat(body))
     except FieldError as exc:
-        raise FieldError(_client_field(exc.field), exc.detail) from exc
+        raise FieldError(_client_field(exc.field or "body"), exc.detail) from exc
     metrics.REQUESTS.labels("messages", "stream" if body.stream else "full").inc()
     parent = context_from_metadata(list(request.headers.items()))
     run = _Run(core, inp.reasoning, inp.tools)
@@ -246,7 +246,7 @@ async def _sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[st
 
 
 # common.proto's FinishReason as Anthropic's stop_reason (a stop string: stop_sequence).
-_STOP_REASONS = {
+_STOP_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "end_turn",
     common_pb2.FINISH_REASON_LENGTH: "max_tokens",
     common_pb2.FINISH_REASON_IGNORED: "max_tokens",

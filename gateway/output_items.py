@@ -141,7 +141,8 @@ async def first_update(
     """The request's updates, its first one already awaited: an error before any token (a
     full queue, an unavailable scheduler) is raised here, as an HTTP error, not an event
     after a 200."""
-    updates = core.generate(inp, parent)
+    updates = aiter(core.generate(inp, parent))
+    assert isinstance(updates, AsyncGenerator)
     try:
         first = await anext(updates)
     except BaseException:

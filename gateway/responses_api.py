@@ -77,7 +77,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     try:
         inp = await chat_input(core, chat)
     except FieldError as exc:
-        raise FieldError(client_field(exc.field), exc.detail) from exc
+        raise FieldError(client_field(exc.field or "body"), exc.detail) from exc
     run = _Run(core, body, inp, chat.model_dump()["messages"], store)
     metrics.REQUESTS.labels("responses", "stream" if body.stream else "full").inc()
     parent = context_from_metadata(list(request.headers.items()))
@@ -172,7 +172,7 @@ class _Run:
             if kind is ItemKind.CALL:
                 return [self._event("response.function_call_arguments.delta", **at, delta=e.delta)]
             name = "reasoning_text" if kind is ItemKind.REASONING else "output_text"
-            extra = {"logprobs": []} if kind is ItemKind.TEXT else {}
+            extra: dict[str, Any] = {"logprobs": []} if kind is ItemKind.TEXT else {}
             return [
                 self._event(f"response.{name}.delta", **at, content_index=0, delta=e.delta, **extra)
             ]
