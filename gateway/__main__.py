@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+from typing import Any
 
+from gateway.reasoning import REASONING_PARSERS
 from llmserve.config_env import parse_service_args
 from llmserve.limits import add_limit_flags, limits_from_args
 from llmserve.logs import get_logger
@@ -99,8 +102,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "generic (tools in the system prompt, a JSON envelope), or auto: read off "
         "the chat template (one that never uses `tools` gets generic)",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=REASONING_PARSERS,
+        help="how a chat's reasoning is told from its answer (message.reasoning_content): "
+        "think_tags (<think>...</think>: Qwen3, DeepSeek-R1, also when the template opens "
+        "the block in the prompt), none, or auto: think_tags when the chat template writes "
+        "both tags",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="variables every chat template rendering gets, e.g. '{\"enable_thinking\": false}'; "
+        "a request's chat_template_kwargs override them",
+    )
     add_limit_flags(p)
     return parse_service_args(p, argv, validate)
+
+
+def template_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """--default-chat-template-kwargs, parsed; ValueError naming the flag."""
+    from gateway.tokenization import check_template_kwargs
+    from llmserve.errors import FieldError
+
+    if args.default_chat_template_kwargs is None:
+        return {}
+    flag = "--default-chat-template-kwargs"
+    try:
+        return check_template_kwargs(json.loads(args.default_chat_template_kwargs), flag)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not JSON: {exc}") from None
+    except FieldError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -124,6 +159,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"model: {exc}") from None
     template = None if args.chat_template is None else read_chat_template(args.chat_template)
     check_tool_call_parser(args.tool_call_parser, template, args.model)
+    template_kwargs_from_args(args)
 
 
 def check_tool_call_parser(name: str, template: str | None, model: str) -> None:
@@ -175,6 +211,8 @@ def main(argv: list[str]) -> int:
         if args.chat_template is None
         else read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=template_kwargs_from_args(args),
     )
     asyncio.run(serve(config))
     return 0

@@ -128,12 +128,14 @@ class GenerationCore:
         add_generation_prompt: bool = True,
         field_name: str = "messages",
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Prompt:
         text = self.tokenization.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             field_name=field_name,
             tools=tools,
+            template_kwargs=template_kwargs,
         )
         ids = self.tokenization.encode(text, add_special_tokens=False)
         return self._checked(Prompt(ids, text), field_name)

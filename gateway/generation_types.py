@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.reasoning import ReasoningRequest
 from gateway.tools import ToolRequest
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.priority import check_priority
@@ -43,6 +44,8 @@ class GenerationInput:
     grammar: GrammarSpec | None = None
     # Chat tools (the tool format's grammar is `grammar`); None: no tool calls.
     tools: ToolRequest | None = None
+    # How the chat's reasoning is told from its answer; None: the output is all answer.
+    reasoning: ReasoningRequest | None = None
 
     def __post_init__(self) -> None:
         check_priority(self.priority)

@@ -29,13 +29,39 @@ def error_body(exc: BaseException) -> dict[str, Any]:
     ).model_dump()
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+# Anthropic's error types by HTTP status, for the Messages API (/v1/messages).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(exc: BaseException) -> dict[str, Any]:
+    """Anthropic's `{"type": "error", "error": {"type", "message"}}` for an exception."""
+    if not isinstance(exc, ApiError):
+        log.error("request failed", exc_info=exc)
+    e = http_error(exc)
+    kind = _ANTHROPIC_TYPES.get(e.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(exc: BaseException, path: str = "") -> JSONResponse:
     status = http_error(exc).status
     headers = None
     if status == 429:  # a refusal that says when to come back
         retry_after = getattr(exc, "retry_after_s", RETRY_AFTER_S)
         headers = {"retry-after": str(max(1, math.ceil(retry_after)))}
-    return JSONResponse(error_body(exc), status_code=status, headers=headers)
+    body = anthropic_error_body(exc) if is_anthropic_path(path) else error_body(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -43,7 +69,7 @@ def install_error_handlers(app: FastAPI) -> None:
     # `Exception` alone runs in Starlette's outermost middleware, which re-raises after
     # answering: every 400 was logged as a crash and the connection could be reset.
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _framework_error)
@@ -56,7 +82,7 @@ async def _framework_error(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's own refusals (a body it cannot parse, such as JSON nested too deep)."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400:
-        return error_response(FieldError("body", str(exc.detail)))
+        return error_response(FieldError("body", str(exc.detail)), request.url.path)
     return JSONResponse(
         ErrorResponse(
             error=ErrorBody(
@@ -74,8 +100,8 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     param = param_name(first.get("loc", ()))
     detail = first.get("msg", "invalid request")
     if param is None:
-        return error_response(ApiError(f"body: {detail}"))
-    return error_response(FieldError(param, detail))
+        return error_response(ApiError(f"body: {detail}"), request.url.path)
+    return error_response(FieldError(param, detail), request.url.path)
 
 
 def param_name(loc: Any) -> str | None:

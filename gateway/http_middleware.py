@@ -31,8 +31,15 @@ class Auth:
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         if len(self.api_keys):
             given = [v for k, v in scope["headers"] if k == b"authorization"]
-            if len(given) != 1 or not self.api_keys.accepts_authorization(given[0]):
+            # Anthropic's clients send the key as `x-api-key`: accepted the same way.
+            keys = [v for k, v in scope["headers"] if k == b"x-api-key"]
+            bearer = len(given) == 1 and self.api_keys.accepts_authorization(given[0])
+            plain = len(keys) == 1 and self.api_keys.accepts(keys[0])
+            if not (bearer or plain):
                 return error_response(
-                    UnauthenticatedError("Incorrect or missing API key (Authorization: Bearer)")
+                    UnauthenticatedError(
+                        "Incorrect or missing API key (Authorization: Bearer, or x-api-key)"
+                    ),
+                    scope["path"],
                 )
         return None

@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health,
-/ready, /metrics. Both generation routes go through the same GenerationCore as the gRPC API.
+/ready, /metrics; /v1/responses, /v1/messages and /tokenize live in their own modules. Both generation routes go through the same GenerationCore as the gRPC API.
 
 The routes are module functions; what they share (the core, the in-flight count, the
 readiness probe) lives on `app.state`, set by `build_app`.
@@ -22,6 +22,7 @@ from gateway.generation import GenerationCore
 from gateway.generation_types import GenerationInput
 from gateway.http_errors import error_responses, generation_responses, install_error_handlers
 from gateway.http_middleware import Auth
+from gateway.messages_api import router as messages_router
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,7 +33,10 @@ from gateway.openai_protocol import (
 )
 from gateway.openai_requests import chat_input, completion_inputs
 from gateway.openai_responses import respond
-from gateway.openai_shapers import ChatShaper, CompletionShaper, Shaper, ToolChatShaper
+from gateway.openai_shapers import ChatShaper, CompletionShaper, Shaper
+from gateway.responses_api import ResponseStore
+from gateway.responses_api import router as responses_router
+from gateway.tokenize_api import router as tokenize_router
 from llmserve.security import KeySet, installed
 from llmserve.telemetry import context_from_metadata
 from llmserve.tls import uvicorn_ssl
@@ -66,6 +70,10 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=core.limits.max_body_bytes)
     app.add_middleware(Auth, api_keys=api_keys or KeySet())
     app.include_router(router)
+    app.state.response_store = ResponseStore()
+    app.include_router(responses_router)
+    app.include_router(messages_router)
+    app.include_router(tokenize_router)
     return app
 
 
@@ -129,8 +137,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     core = _core(request)
     inp = await chat_input(core, body)
-    shaper_type = ChatShaper if inp.tools is None else ToolChatShaper
-    shaper = shaper_type(core, inp.request_id, int(time.time()), body.n)
+    shaper = ChatShaper(core, inp.request_id, int(time.time()), body.n, inp)
     return await _respond(request, body, [inp], shaper, "chat")
 
 

@@ -92,6 +92,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Variables the chat template reads (Qwen3's enable_thinking), over the gateway's
+    # --default-chat-template-kwargs.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template as `reasoning_effort`, for templates that read it.
+    reasoning_effort: str | None = None
 
 
 class ErrorBody(BaseModel):
@@ -116,10 +121,17 @@ class SpeculativeUsage(BaseModel):
     accepted_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    # Output tokens up to the end of the reasoning block, its tags included.
+    reasoning_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Present when a reasoning parser read the output.
+    completion_tokens_details: CompletionTokensDetails | None = None
     # Present only when the request ran with speculative decoding.
     speculative_decoding: SpeculativeUsage | None = None
 
@@ -166,6 +178,8 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    # The model's thinking, with a reasoning parser (--reasoning-parser).
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 

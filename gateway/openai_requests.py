@@ -11,7 +11,9 @@ from gateway.generation import GenerationCore
 from gateway.generation_types import GenerationInput, Prompt, TextOptions
 from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.prompts import chat_prompt, text_prompt
+from gateway.reasoning import ReasoningRequest
 from gateway.structured_outputs import check_admissible, grammar_of
+from gateway.tokenization import check_template_kwargs
 from gateway.tools import parse_tools
 from llmserve.errors import FieldError
 from llmserve.grammar.spec import GrammarSpec
@@ -63,8 +65,11 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
         grammar = fmt.grammar(tools)
     grammar = await _checked_grammar(core, grammar)
     messages, template_tools = fmt.render([_message(m) for m in body.messages], tools)
+    template_kwargs = check_template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
+    if body.reasoning_effort is not None:
+        template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     prompt = await chat_prompt(
-        core, messages, body.add_generation_prompt, "messages", template_tools
+        core, messages, body.add_generation_prompt, "messages", template_tools, template_kwargs
     )
     max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
@@ -83,7 +88,16 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
         priority=body.priority,
         grammar=grammar,
         tools=tools,
+        reasoning=_reasoning(core, prompt),
     )
+
+
+def _reasoning(core: GenerationCore, prompt: Prompt) -> ReasoningRequest | None:
+    fmt = core.tokenization.reasoning_format
+    if fmt is None:
+        return None
+    assert prompt.text is not None  # a chat prompt keeps its rendered text
+    return ReasoningRequest(fmt, fmt.opened_in(prompt.text))
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:

@@ -6,22 +6,25 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from gateway.chat_output import ChatDelta, ChatOutput, read_all
 from gateway.generation import GenerationCore
 from gateway.generation_types import ChoiceUpdate, GenerationInput, LogprobEntry, Usage
-from gateway.tool_formats import CallParser, ToolCallDelta
+from gateway.tool_formats import ToolCallDelta
 from llmserve.v1 import common_pb2
 
 PromptLogprobs = list[LogprobEntry | None]
 
 
-def usage_dict(usage: Usage) -> dict[str, Any]:
-    """OpenAI's usage block; with speculative decoding, llmserve's extension field
-    `speculative_decoding` (`UsageInfo`)."""
+def usage_dict(usage: Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage block; with a reasoning parser, `completion_tokens_details`; with
+    speculative decoding, llmserve's extension field `speculative_decoding` (`UsageInfo`)."""
     out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     if usage.spec_draft_tokens:
         out["speculative_decoding"] = {
             "draft_tokens": usage.spec_draft_tokens,
@@ -84,7 +87,11 @@ class Shaper(abc.ABC):
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {**self.envelope(self.chunk_name), "choices": [], "usage": usage_dict(usage)}
+        return {**self.envelope(self.chunk_name), "choices": [], "usage": self.usage(usage)}
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        """The usage block, once every choice has been shaped."""
+        return usage_dict(usage)
 
     def full(
         self,
@@ -110,11 +117,11 @@ class Shaper(abc.ABC):
             i = key // self.n
             result.append(
                 {
-                    **self.full_choice(i, key, joined, prompt_logprobs.get(i)),
+                    **self.full_choice(i, key, joined, prompt_logprobs.get(i), parts),
                     **self.ending(key, parts[-1]),
                 }
             )
-        return {**self.envelope(self.object_name), "choices": result, "usage": usage_dict(usage)}
+        return {**self.envelope(self.object_name), "choices": result, "usage": self.usage(usage)}
 
     def ending(self, key: int, c: ChoiceUpdate) -> dict[str, Any]:
         """The finish and stop reasons of choice `key` (after its text was shaped)."""
@@ -128,9 +135,15 @@ class Shaper(abc.ABC):
 
     @abc.abstractmethod
     def full_choice(
-        self, i: int, key: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
+        self,
+        i: int,
+        key: int,
+        c: ChoiceUpdate,
+        prompt_logprobs: PromptLogprobs | None,
+        parts: list[ChoiceUpdate],
     ) -> dict[str, Any]:
-        """A whole choice of prompt `i`, without its finish and stop reasons."""
+        """A whole choice of prompt `i` (`c`: its `parts` joined), without its finish and
+        stop reasons."""
 
 
 def _ending(c: ChoiceUpdate) -> dict[str, Any]:
@@ -157,10 +170,15 @@ class CompletionShaper(Shaper):
     def chunk_choice(
         self, i: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
     ) -> dict[str, Any]:
-        return self.full_choice(i, i * self.n + c.index, c, prompt_logprobs)
+        return self.full_choice(i, i * self.n + c.index, c, prompt_logprobs, [c])
 
     def full_choice(
-        self, i: int, key: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
+        self,
+        i: int,
+        key: int,
+        c: ChoiceUpdate,
+        prompt_logprobs: PromptLogprobs | None,
+        parts: list[ChoiceUpdate],
     ) -> dict[str, Any]:
         prefix, entries = self._echo(i, key, prompt_logprobs)
         lp = None
@@ -207,11 +225,32 @@ class CompletionShaper(Shaper):
 
 
 class ChatShaper(Shaper):
+    """A chat's choices, read by `ChatOutput`: with a reasoning parser, the thinking goes to
+    `reasoning_content`; with tools, the tool format's parser turns the answer into
+    `tool_calls` and content, and a choice that made calls finishes with "tool_calls"."""
+
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, core: GenerationCore, response_id: str, created: int, n: int) -> None:
+    def __init__(
+        self,
+        core: GenerationCore,
+        response_id: str,
+        created: int,
+        n: int,
+        inp: GenerationInput | None = None,
+    ) -> None:
         super().__init__(core, response_id, created, n)
         self.started: set[int] = set()
+        self.reasoning = None if inp is None else inp.reasoning
+        self.tools = None if inp is None else inp.tools
+        self.outputs: dict[int, ChatOutput] = {}
+
+    def _output(self, key: int) -> ChatOutput:
+        if key not in self.outputs:
+            self.outputs[key] = ChatOutput(
+                self.reasoning, self.tools, self.core.tokenization.tool_format
+            )
+        return self.outputs[key]
 
     def chunk_choice(
         self, i: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
@@ -220,18 +259,52 @@ class ChatShaper(Shaper):
         if c.index not in self.started:
             self.started.add(c.index)
             delta["role"] = "assistant"
-        if c.text or not c.finish_reason:
-            delta["content"] = c.text
+        output = self._output(c.index)
+        d = output.feed(c.text, len(c.token_ids))
+        if c.finish_reason:
+            rest = output.finish()
+            d = ChatDelta(
+                d.reasoning + rest.reasoning, d.content + rest.content, d.calls + rest.calls
+            )
+        if d.reasoning:
+            delta["reasoning_content"] = d.reasoning
+        if d.content or (self.tools is None and self.reasoning is None and not c.finish_reason):
+            delta["content"] = d.content
+        if d.calls:
+            delta["tool_calls"] = [_call_delta(x) for x in d.calls]
         return {"index": c.index, "delta": delta, "logprobs": _chat_logprobs(c.logprobs)}
 
     def full_choice(
-        self, i: int, key: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
+        self,
+        i: int,
+        key: int,
+        c: ChoiceUpdate,
+        prompt_logprobs: PromptLogprobs | None,
+        parts: list[ChoiceUpdate],
     ) -> dict[str, Any]:
-        return {
-            "index": key,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": _chat_logprobs(c.logprobs),
-        }
+        output = self.outputs[key] = ChatOutput(
+            self.reasoning, self.tools, self.core.tokenization.tool_format
+        )
+        d = read_all(output, [(p.text, len(p.token_ids)) for p in parts])
+        message: dict[str, Any] = {"role": "assistant", "content": d.content}
+        if output.calls:
+            message["tool_calls"] = output.calls
+            message["content"] = d.content or None
+        if output.parses_reasoning:
+            message["reasoning_content"] = d.reasoning or None
+        return {"index": key, "message": message, "logprobs": _chat_logprobs(c.logprobs)}
+
+    def ending(self, key: int, c: ChoiceUpdate) -> dict[str, Any]:
+        out = _ending(c)
+        output = self.outputs.get(key)  # a chat has one prompt: key == choice index
+        if c.finish_reason == common_pb2.FINISH_REASON_STOP and output and output.calls:
+            out["finish_reason"] = TOOL_CALLS_FINISH
+        return out
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        if self.reasoning is None:
+            return usage_dict(usage)
+        return usage_dict(usage, sum(o.reasoning_tokens for o in self.outputs.values()))
 
 
 def _chat_logprobs(entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
@@ -244,54 +317,6 @@ def _chat_logprobs(entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
     return {
         "content": [{**token(e.token), "top_logprobs": [token(t) for t in e.top]} for e in entries]
     }
-
-
-class ToolChatShaper(ChatShaper):
-    """A chat with tools: the tool format's parser (gateway/tool_formats/) turns the output
-    into `message.tool_calls` / streamed `delta.tool_calls` and content, and a choice that
-    made calls finishes with "tool_calls"."""
-
-    def __init__(self, core: GenerationCore, response_id: str, created: int, n: int) -> None:
-        super().__init__(core, response_id, created, n)
-        self.parsers: dict[int, CallParser] = {}
-        self.format = core.tokenization.tool_format
-
-    def chunk_choice(
-        self, i: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
-    ) -> dict[str, Any]:
-        delta: dict[str, Any] = {}
-        if c.index not in self.started:
-            self.started.add(c.index)
-            delta["role"] = "assistant"
-        parser = self.parsers.setdefault(c.index, self.format.parser())
-        content, calls = parser.feed(c.text)
-        if c.finish_reason:
-            held, more = parser.finish()
-            content, calls = content + held, calls + more
-        if content:
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = [_call_delta(d) for d in calls]
-        return {"index": c.index, "delta": delta, "logprobs": _chat_logprobs(c.logprobs)}
-
-    def full_choice(
-        self, i: int, key: int, c: ChoiceUpdate, prompt_logprobs: PromptLogprobs | None
-    ) -> dict[str, Any]:
-        parser = self.parsers[key] = self.format.parser()
-        content = parser.feed(c.text)[0] + parser.finish()[0]
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if parser.calls:
-            message["tool_calls"] = parser.calls
-        elif not content:
-            message["content"] = ""
-        return {"index": key, "message": message, "logprobs": _chat_logprobs(c.logprobs)}
-
-    def ending(self, key: int, c: ChoiceUpdate) -> dict[str, Any]:
-        out = _ending(c)
-        parser = self.parsers.get(key)  # a chat has one prompt: key == choice index
-        if c.finish_reason == common_pb2.FINISH_REASON_STOP and parser and parser.calls:
-            out["finish_reason"] = TOOL_CALLS_FINISH
-        return out
 
 
 def _call_delta(d: ToolCallDelta) -> dict[str, Any]:

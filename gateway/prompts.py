@@ -27,6 +27,7 @@ async def chat_prompt(
     add_generation_prompt: bool = True,
     field_name: str = "messages",
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> Prompt:
     """core.prompt_from_chat, in a thread when the messages (or tools) are long."""
     size = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
@@ -34,6 +35,13 @@ async def chat_prompt(
         size += INLINE_TOKENIZE_CHARS  # schemas rendered by a template: never inline
     if size > INLINE_TOKENIZE_CHARS:
         return await asyncio.to_thread(
-            core.prompt_from_chat, messages, add_generation_prompt, field_name, tools
+            core.prompt_from_chat,
+            messages,
+            add_generation_prompt,
+            field_name,
+            tools,
+            template_kwargs,
         )
-    return core.prompt_from_chat(messages, add_generation_prompt, field_name, tools)
+    return core.prompt_from_chat(
+        messages, add_generation_prompt, field_name, tools, template_kwargs
+    )

@@ -6,6 +6,7 @@ import asyncio
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from grpc_health.v1.health import HealthServicer
 
@@ -51,6 +52,10 @@ class GatewayConfig:
     chat_template: str | None = None
     # --tool-call-parser: a format of gateway/tool_formats/, or "auto" (read off the template).
     tool_call_parser: str = "auto"
+    # --reasoning-parser: a format of gateway/reasoning.py, "none", or "auto".
+    reasoning_parser: str = "auto"
+    # --default-chat-template-kwargs: variables every chat template rendering gets.
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def scheduler_addresses(self) -> list[str]:
@@ -66,9 +71,16 @@ async def serve(config: GatewayConfig) -> None:
 
     source = resolve_model(config.model)
     tokenization = await asyncio.to_thread(
-        Tokenization.for_model, source, config.chat_template, config.tool_call_parser
+        Tokenization.for_model,
+        source,
+        config.chat_template,
+        config.tool_call_parser,
+        config.reasoning_parser,
+        config.default_chat_template_kwargs,
     )
     log.info("tool calls", format=tokenization.tool_format.name)
+    reasoning = tokenization.reasoning_format
+    log.info("reasoning", format="none" if reasoning is None else reasoning.name)
     shards = config.scheduler_addresses
     scheduler = SchedulerClient(
         shards, config.max_message_bytes, config.scheduler_reconnect_timeout_s

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.reasoning import reasoning_format
 from gateway.tool_formats import tool_format
 from llmserve.errors import FieldError
 from llmserve.model_spec import ModelSource, load_tokenizer
@@ -18,19 +19,41 @@ class Tokenization:
     """Prompt-side text operations on one tokenizer."""
 
     def __init__(
-        self, tokenizer: Any, chat_template: str | None = None, tool_parser: str = "auto"
+        self,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        tool_parser: str = "auto",
+        reasoning_parser: str = "auto",
+        default_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         # A Jinja chat template that replaces the tokenizer's own (`--chat-template FILE`).
         self.chat_template = chat_template
         # How chats with tools are rendered and their calls read back (--tool-call-parser).
         self.tool_format = tool_format(tool_parser, self.template_source())
+        # How the model's reasoning is told from its answer (--reasoning-parser); None: no
+        # reasoning is parsed.
+        self.reasoning_format = reasoning_format(reasoning_parser, self.template_source())
+        # Variables every chat template rendering gets (--default-chat-template-kwargs); a
+        # request's chat_template_kwargs override them.
+        self.default_template_kwargs = dict(default_template_kwargs or {})
 
     @classmethod
     def for_model(
-        cls, source: ModelSource, chat_template: str | None = None, tool_parser: str = "auto"
+        cls,
+        source: ModelSource,
+        chat_template: str | None = None,
+        tool_parser: str = "auto",
+        reasoning_parser: str = "auto",
+        default_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Tokenization:
-        return cls(load_tokenizer(source), chat_template, tool_parser)
+        return cls(
+            load_tokenizer(source),
+            chat_template,
+            tool_parser,
+            reasoning_parser,
+            default_template_kwargs,
+        )
 
     def template_source(self) -> str | None:
         """The chat template in use (a model's named templates, joined)."""
@@ -64,10 +87,13 @@ class Tokenization:
         add_generation_prompt: bool = True,
         field_name: str = "messages",
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The chat template's text for `messages` ({role, content[, name, tool_calls,
-        tool_call_id]} each) and `tools` (for templates that render them)."""
+        tool_call_id]} each) and `tools` (for templates that render them); `template_kwargs`
+        (a request's chat_template_kwargs) are variables the template may read."""
         checked = _check_messages(messages, field_name)
+        variables = {**self.default_template_kwargs, **(template_kwargs or {})}
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise FieldError(
@@ -82,6 +108,7 @@ class Tokenization:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=template,
                 tools=tools,
+                **variables,
             )
         except Exception as exc:  # jinja raises TemplateError / exceptions the template raises
             raise FieldError(field_name, f"the chat template rejected the messages: {exc}") from exc
@@ -101,6 +128,42 @@ class Tokenization:
             messages, add_generation_prompt=add_generation_prompt, field_name=field_name
         )
         return self.encode(text, add_special_tokens=False)
+
+
+# apply_chat_template's own arguments: a template variable of one of these names could not
+# be passed (or would change how the prompt is made).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def check_template_kwargs(kwargs: Any, field_name: str) -> dict[str, Any]:
+    """A request's (or the gateway's default) chat_template_kwargs: an object whose keys are
+    not apply_chat_template's own arguments."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise FieldError(field_name, "must be an object")
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise FieldError(f"{field_name}.{key}", "cannot be passed to the chat template")
+    return dict(kwargs)
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]], field_name: str) -> list[dict[str, Any]]:

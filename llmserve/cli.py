@@ -126,6 +126,18 @@ def _up_parser() -> argparse.ArgumentParser:
         help="the gateway's tool-call format (default: auto, read off the chat "
         "template); see `llmserve gateway --help`",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="the gateway's reasoning format: auto (the default, read off the chat "
+        "template), none or think_tags; see `llmserve gateway --help`",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="variables every chat template rendering gets (gateway)",
+    )
     # --tls-cert/--tls-key/--tls-ca (one certificate for every service: they all listen on
     # loopback) and --internal-token-file, passed to every service.
     add_security_flags(p)
@@ -167,6 +179,8 @@ _GATEWAY_FLAGS = [
     "served-model-name",
     "chat-template",
     "tool-call-parser",
+    "reasoning-parser",
+    "default-chat-template-kwargs",
 ]
 
 

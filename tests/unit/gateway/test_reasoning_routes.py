@@ -1,0 +1,153 @@
+"""Reasoning on the chat route, in process against the fake scheduler: SmolLM2's tokenizer with
+`<think>` and `</think>` added as tokens (as Qwen3's has them) and tests/support/templates/
+think.jinja, which opens the block in the prompt unless `enable_thinking` is false. The
+official `openai` SDK reads the responses."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.generation import GenerationCore
+from gateway.openai_api import build_app
+from gateway.tokenization import Tokenization
+from llmserve.v1 import common_pb2
+from tests.support.templates import template_text
+from tests.unit.gateway.test_openai_routes import MODEL, FakeScheduler
+
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def think_tokenizer(smollm2_tokenizer: Any) -> Any:
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    return tokenizer
+
+
+def ids(tokenizer: Any, *pieces: str) -> list[int]:
+    """One token per piece (each piece is a single token of the tokenizer)."""
+    out = []
+    for piece in pieces:
+        got = tokenizer.encode(piece, add_special_tokens=False)
+        assert len(got) == 1, (piece, got)
+        out += got
+    return out
+
+
+def serve(
+    tokenizer: Any, tokens: list[int], template: str = "think", **tokenization: Any
+) -> tuple[openai.OpenAI, FakeScheduler, TestClient]:
+    scheduler = FakeScheduler(tokens, finish=common_pb2.FINISH_REASON_STOP)
+    core = GenerationCore(
+        MODEL,
+        Tokenization(tokenizer, template_text(template), **tokenization),
+        scheduler,  # type: ignore[arg-type]
+        4096,
+    )
+    http = TestClient(build_app(core), raise_server_exceptions=False)
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+    return client, scheduler, http
+
+
+# Output of a model whose prompt opened the block: reasoning, `</think>`, the answer.
+OPENED = ["Add", " them", ".", "\n", "</think>", "\n\n", "It", " is", " four", "."]
+
+
+def test_reasoning_and_content_come_apart(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    completion = client.chat.completions.create(model=MODEL, messages=ASK)
+    message = completion.choices[0].message
+    assert message.content == "It is four."
+    assert message.reasoning_content == "Add them."  # type: ignore[attr-defined]
+    # The prompt itself ends inside the block the template opened.
+    assert think_tokenizer.decode(scheduler.submitted[0].prompt_token_ids).endswith(
+        "assistant\n<think>\n"
+    )
+    # Tokens up to and with </think>: "Add", " them", ".", "\n", "</think>".
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 5
+
+
+def test_streamed_deltas_join_to_the_same(think_tokenizer: Any) -> None:
+    client, _, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    reasoning, content, usage = "", "", None
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == ("Add them.", "It is four.")
+    assert usage is not None and usage.completion_tokens_details.reasoning_tokens == 5
+
+
+def test_a_block_the_model_opens(think_tokenizer: Any) -> None:
+    # enable_thinking false: the template closes an empty block; a model may still think.
+    tokens = ids(think_tokenizer, "<think>", "Maybe", "</think>", "Yes")
+    client, scheduler, _ = serve(think_tokenizer, tokens)
+    completion = client.chat.completions.create(
+        model=MODEL, messages=ASK, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    prompt = think_tokenizer.decode(scheduler.submitted[0].prompt_token_ids)
+    assert prompt.endswith("<think>\n\n</think>\n\n")
+    message = completion.choices[0].message
+    assert (message.reasoning_content, message.content) == ("Maybe", "Yes")  # type: ignore[attr-defined]
+
+
+def test_thinking_off_leaves_everything_to_content(think_tokenizer: Any) -> None:
+    tokens = ids(think_tokenizer, "It", " is", " four", ".")
+    client, _, _ = serve(
+        think_tokenizer, tokens, default_template_kwargs={"enable_thinking": False}
+    )
+    message = client.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
+    assert message.content == "It is four."
+    assert message.reasoning_content is None  # type: ignore[attr-defined]
+
+
+def test_without_a_parser_the_tags_stay_in_content(think_tokenizer: Any) -> None:
+    client, _, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED), reasoning_parser="none")
+    completion = client.chat.completions.create(model=MODEL, messages=ASK)
+    assert completion.choices[0].message.content == "Add them.\n</think>\n\nIt is four."
+    assert completion.usage.completion_tokens_details is None
+
+
+def test_tool_calls_are_read_from_the_answer_only(think_tokenizer: Any) -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    # A call written while thinking is reasoning, not a call.
+    text = f"I could write {call} here.\n</think>\n\n{call}"
+    tokens = think_tokenizer.encode(text, add_special_tokens=False)
+    client, _, _ = serve(think_tokenizer, tokens)
+    choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER]).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == f"I could write {call} here."  # type: ignore[attr-defined]
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+
+
+def test_reserved_template_kwargs_are_refused(think_tokenizer: Any) -> None:
+    _, scheduler, http = serve(think_tokenizer, ids(think_tokenizer, "x"))
+    for kwargs, field in (
+        ({"tools": []}, "chat_template_kwargs.tools"),
+        ([1], "chat_template_kwargs"),
+    ):
+        r = http.post(
+            "/v1/chat/completions", json={"messages": ASK, "chat_template_kwargs": kwargs}
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+    assert scheduler.submitted == []
