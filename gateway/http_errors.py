@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import RETRY_AFTER_S
@@ -148,6 +149,24 @@ _ERROR_TEXT = {
     429: "Too many requests",
     503: "Overloaded (--max-pending-requests) or the scheduler is unavailable",
 }
+
+
+class AnthropicErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """The error shape of the Messages API's paths (`anthropic_error_body`)."""
+
+    type: str
+    error: AnthropicErrorBody
+
+
+def anthropic_error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        status: {"model": AnthropicError, "description": _ERROR_TEXT[status]} for status in statuses
+    }
 
 
 def generation_responses(model: type) -> dict[int | str, dict[str, Any]]:

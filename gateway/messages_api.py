@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway import metrics
 from gateway.chat_output import ChatOutput
 from gateway.generation import GenerationCore
-from gateway.http_errors import anthropic_error_body
+from gateway.http_errors import anthropic_error_body, anthropic_error_responses
 from gateway.openai_protocol import ChatCompletionRequest
 from gateway.openai_requests import chat_input
 from gateway.output_items import (
@@ -192,7 +192,11 @@ def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
     raise FieldError("tool_choice.type", "must be auto, any, tool or none")
 
 
-@router.post("/v1/messages/count_tokens", response_model=None)
+@router.post(
+    "/v1/messages/count_tokens",
+    response_model=None,
+    responses=anthropic_error_responses(400, 401, 404, 503),
+)
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     core: GenerationCore = request.app.state.core
     core.check_model(body.model)
@@ -214,7 +218,11 @@ def _plain(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@router.post("/v1/messages", response_model=None)
+@router.post(
+    "/v1/messages",
+    response_model=None,
+    responses=anthropic_error_responses(400, 401, 404, 409, 429, 503),
+)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     core: GenerationCore = request.app.state.core
     try:

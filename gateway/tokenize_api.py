@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from gateway.generation import GenerationCore
+from gateway.http_errors import error_responses
 from gateway.openai_protocol import ChatMessage
 from gateway.tokenization import check_template_kwargs, check_unicode
 from llmserve.errors import FieldError
@@ -37,7 +38,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=error_responses(400, 401, 404, 503))
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     core: GenerationCore = request.app.state.core
     core.check_model(body.model)
@@ -66,7 +67,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     return out
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=error_responses(400, 401, 404, 503))
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     core: GenerationCore = request.app.state.core
     core.check_model(body.model)

@@ -57,6 +57,11 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
 CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
 
@@ -73,9 +78,25 @@ def _shortened(case: Case) -> Case:
             value = case.body.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 32:
                 case.body[name] = 32
-        if "messages" in case.body and case.body.get("max_tokens") is None:
+        if case.path == "/v1/chat/completions" and case.body.get("max_tokens") is None:
             case.body.setdefault("max_completion_tokens", 8)
+        if case.path.startswith("/v1/messages"):
+            _plausible_conversation(case.body)
     return case
+
+
+def _plausible_conversation(body: dict[str, Any]) -> None:
+    """The Messages API documents its messages and system blocks as free-form objects (the
+    handler checks them, naming the field); random ones are nearly always refused, so one
+    plain user turn stands in for them, leaving the other generated fields as they are."""
+    body["messages"] = [{"role": "user", "content": "Say hi."}]
+    if not isinstance(body.get("system"), str | None):
+        body["system"] = "Be brief."
+    for name in ("tools", "tool_choice", "thinking"):
+        body.pop(name, None)
+    if "max_tokens" in body:
+        value = body["max_tokens"]
+        body["max_tokens"] = min(max(value, 1), 32) if isinstance(value, int) else 8
 
 
 # Reproducible runs: a fixed example order, no example database, no time limit per example.
