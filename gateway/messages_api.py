@@ -34,7 +34,7 @@ from gateway.output_items import (
 from gateway.prompts import chat_prompt
 from gateway.tokenization import check_template_kwargs
 from gateway.tools import parse_tools
-from llmserve.errors import FieldError
+from llmserve.errors import FieldError, string_field
 from llmserve.telemetry import context_from_metadata
 from llmserve.v1 import common_pb2
 
@@ -128,16 +128,16 @@ def _messages(m: dict[str, Any], where: str) -> list[dict[str, Any]]:
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(string_field(block, "text", at))
         elif kind == "tool_use" and role == "assistant":
             arguments = json.dumps(block.get("input") or {})
-            name = _string(block, "name", at)
+            name = string_field(block, "name", at)
             fn = {"name": name, "arguments": arguments}
-            calls.append({"id": _string(block, "id", at), "type": "function", "function": fn})
+            calls.append({"id": string_field(block, "id", at), "type": "function", "function": fn})
         elif kind == "tool_result" and role == "user":
             result = block.get("content", "")
             text = result if isinstance(result, str) else _text(result, f"{at}.content")
-            tool_id = _string(block, "tool_use_id", at)
+            tool_id = string_field(block, "tool_use_id", at)
             out.append({"role": "tool", "tool_call_id": tool_id, "content": text})
         elif kind not in ("thinking", "redacted_thinking"):
             raise FieldError(f"{at}.type", f"{kind!r} blocks are not supported in {role} turns")
@@ -154,15 +154,8 @@ def _text(blocks: list[dict[str, Any]], where: str) -> str:
     for j, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text":
             raise FieldError(f"{where}[{j}].type", "only text blocks are supported here")
-        texts.append(_string(block, "text", f"{where}[{j}]"))
+        texts.append(string_field(block, "text", f"{where}[{j}]"))
     return "".join(texts)
-
-
-def _string(block: dict[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise FieldError(f"{where}.{key}", "must be a string")
-    return value
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

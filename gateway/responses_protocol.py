@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from gateway.openai_protocol import ChatCompletionRequest
-from llmserve.errors import FieldError
+from llmserve.errors import FieldError, string_field
 
 
 class ResponsesRequest(BaseModel):
@@ -103,11 +103,11 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(_message(item, where))
         elif kind == "function_call":
             call = {
-                "id": _string(item, "call_id", where),
+                "id": string_field(item, "call_id", where),
                 "type": "function",
                 "function": {
-                    "name": _string(item, "name", where),
-                    "arguments": _string(item, "arguments", where),
+                    "name": string_field(item, "name", where),
+                    "arguments": string_field(item, "arguments", where),
                 },
             }
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
@@ -118,7 +118,11 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             output = item.get("output")
             text = output if isinstance(output, str) else _text_parts(output, f"{where}.output")
             out.append(
-                {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text}
+                {
+                    "role": "tool",
+                    "tool_call_id": string_field(item, "call_id", where),
+                    "content": text,
+                }
             )
         elif kind != "reasoning":
             raise FieldError(f"{where}.type", f"{kind!r} items are not supported")
@@ -144,15 +148,8 @@ def _text_parts(parts: Any, where: str) -> str:
     for j, part in enumerate(parts):
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
             raise FieldError(f"{where}[{j}].type", "only text parts are supported")
-        texts.append(_string(part, "text", f"{where}[{j}]"))
+        texts.append(string_field(part, "text", f"{where}[{j}]"))
     return "".join(texts)
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise FieldError(f"{where}.{key}", "must be a string")
-    return value
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

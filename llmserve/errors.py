@@ -9,7 +9,7 @@ as the client's mistake (a stray `LookupError` is not a 404).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import grpc
 
@@ -177,3 +177,12 @@ def http_error(exc: BaseException) -> HttpError:
     if isinstance(exc, ApiError):
         return HttpError(exc.http_status, exc.kind, exc.message, exc.field, exc.code)
     return HttpError(500, "internal_error", f"internal error: {type(exc).__name__}", None, None)
+
+
+def string_field(item: dict[str, Any], key: str, where: str) -> str:
+    """`item[key]` when it is a string, else a FieldError naming `where.key` (request bodies
+    of free-form objects: the Responses and Messages APIs' items and blocks)."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise FieldError(f"{where}.{key}", "must be a string")
+    return value
