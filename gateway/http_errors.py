@@ -169,30 +169,48 @@ def anthropic_error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]
     }
 
 
-def generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
-    ok: dict[int | str, dict[str, Any]] = {
-        200: {
-            "model": model,
-            "description": "The full response, or with `stream: true` server-sent events "
-            "(`data: <chunk>` lines, then `data: [DONE]`)",
-            # Before OpenAPI 3.2 the schema of an event stream describes one event.
-            "content": {
-                "text/event-stream": {
-                    "schema": {
-                        "type": "object",
-                        "required": ["data"],
-                        "properties": {
-                            "data": {
-                                "type": "string",
-                                "description": "a JSON chunk, an error, or [DONE]",
-                            }
-                        },
-                    }
-                }
-            },
-        }
+def _ok_or_events(model: type, description: str, event: dict[str, Any]) -> dict[str, Any]:
+    # Before OpenAPI 3.2 the schema of an event stream describes one event.
+    return {
+        "model": model,
+        "description": description,
+        "content": {"text/event-stream": {"schema": event}},
     }
-    return {**ok, **error_responses(400, 401, 404, 409, 429, 503)}
+
+
+def generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string", "description": "a JSON chunk, an error, or [DONE]"}
+        },
+    }
+    ok = _ok_or_events(
+        model,
+        "The full response, or with `stream: true` server-sent events "
+        "(`data: <chunk>` lines, then `data: [DONE]`)",
+        event,
+    )
+    return {200: ok, **error_responses(400, 401, 404, 409, 429, 503)}
+
+
+def messages_responses(model: type) -> dict[int | str, dict[str, Any]]:
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string", "description": "the event's type, e.g. message_start"},
+            "data": {"type": "string", "description": "the event as JSON"},
+        },
+    }
+    ok = _ok_or_events(
+        model,
+        "The message, or with `stream: true` server-sent events "
+        "(`event: <type>` and `data: <json>` lines, ending with message_stop)",
+        event,
+    )
+    return {200: ok, **anthropic_error_responses(400, 401, 404, 409, 429, 503)}
 
 
 def _drop_default_422(app: FastAPI) -> None:

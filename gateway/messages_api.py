@@ -18,7 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway import metrics
 from gateway.chat_output import ChatOutput
 from gateway.generation import GenerationCore
-from gateway.http_errors import anthropic_error_body, anthropic_error_responses
+from gateway.http_errors import (
+    anthropic_error_body,
+    anthropic_error_responses,
+    messages_responses,
+)
 from gateway.openai_protocol import ChatCompletionRequest
 from gateway.openai_requests import chat_input
 from gateway.output_items import (
@@ -214,7 +218,7 @@ def _plain(m: dict[str, Any]) -> dict[str, Any]:
 @router.post(
     "/v1/messages",
     response_model=None,
-    responses=anthropic_error_responses(400, 401, 404, 409, 429, 503),
+    responses=messages_responses(dict),
 )
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     core: GenerationCore = request.app.state.core
