@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from llmserve.batch_limits import GivenBatchLimits
 from llmserve.errors import FieldError
+from llmserve.grammar.reasoning import ReasoningSpec
 from llmserve.grammar.spec import GrammarKind, GrammarSpec
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import (
@@ -174,6 +175,29 @@ def grammar_from_proto(msg: common_pb2.Grammar, field: str = "grammar") -> Gramm
     if kind != GrammarKind.JSON_OBJECT and not msg.source:
         raise FieldError(f"{name}.source", "must not be empty")
     return GrammarSpec(kind, msg.source, name)
+
+
+def reasoning_to_proto(spec: ReasoningSpec) -> common_pb2.Reasoning:
+    msg = common_pb2.Reasoning(
+        open_token_ids=spec.open_ids,
+        end_token_ids=spec.end_ids,
+        close_token_ids=spec.close_ids,
+        opened=spec.opened,
+    )
+    if spec.budget is not None:
+        msg.budget = spec.budget
+    return msg
+
+
+def reasoning_from_proto(msg: common_pb2.Reasoning) -> ReasoningSpec:
+    """Raises FieldError naming the part that is inconsistent."""
+    return ReasoningSpec(
+        tuple(msg.open_token_ids),
+        tuple(msg.end_token_ids),
+        tuple(msg.close_token_ids),
+        msg.opened,
+        msg.budget if msg.HasField("budget") else None,
+    )
 
 
 # --- finish reasons -----------------------------------------------------------------------

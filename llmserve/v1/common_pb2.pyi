@@ -137,3 +137,17 @@ class Grammar(_message.Message):
     source: str
     field: str
     def __init__(self, kind: _Optional[_Union[GrammarKind, str]] = ..., source: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
+class Reasoning(_message.Message):
+    __slots__ = ("open_token_ids", "end_token_ids", "close_token_ids", "opened", "budget")
+    OPEN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    open_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    close_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    opened: bool
+    budget: int
+    def __init__(self, open_token_ids: _Optional[_Iterable[int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., close_token_ids: _Optional[_Iterable[int]] = ..., opened: _Optional[bool] = ..., budget: _Optional[int] = ...) -> None: ...

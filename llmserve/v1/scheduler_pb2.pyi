@@ -66,7 +66,7 @@ class GatewayMessageBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[GatewayMessage, _Mapping]]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "traceparent", "continuation", "stop", "decode_special_tokens", "timeout_ms", "grammar")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "traceparent", "continuation", "stop", "decode_special_tokens", "timeout_ms", "grammar", "reasoning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class AddRequest(_message.Message):
     DECODE_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -89,7 +90,8 @@ class AddRequest(_message.Message):
     decode_special_tokens: bool
     timeout_ms: int
     grammar: _common_pb2.Grammar
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., decode_special_tokens: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ...) -> None: ...
+    reasoning: _common_pb2.Reasoning
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., decode_special_tokens: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.Reasoning, _Mapping]] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("choices",)

@@ -22,6 +22,7 @@ from typing import Any
 from llmserve.grammar.backend import CompiledGrammar, GrammarError, GrammarMatcher
 from llmserve.grammar.cache import GrammarCache
 from llmserve.grammar.masks import encode_mask
+from llmserve.grammar.reasoning import BUDGET_FIELD, ReasoningGrammar, ReasoningSpec
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.steps import MaskKind, TokenMask
 
@@ -56,24 +57,38 @@ class GrammarCompiler:
         with contextlib.suppress(Exception):
             self.cache.backend(self._load_tokenizer())
 
-    def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
-        return self._pool.submit(self._compile, spec)
+    def submit(
+        self,
+        spec: GrammarSpec | None,
+        reasoning: ReasoningSpec | None = None,
+        stop_ids: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> Future[CompiledGrammar]:
+        """`spec` (None: free text), behind the reasoning block when `reasoning` is given
+        (`llmserve.grammar.reasoning`; `stop_ids` may not end the output inside it)."""
+        assert spec is not None or reasoning is not None
+        return self._pool.submit(self._compile, spec, reasoning, stop_ids)
 
-    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def _compile(
+        self, spec: GrammarSpec | None, reasoning: ReasoningSpec | None, stop_ids: set[int]
+    ) -> CompiledGrammar:
+        field = spec.field if spec is not None else BUDGET_FIELD
         try:
             tokenizer = self._load_tokenizer()
         except Exception as exc:  # the model's tokenizer files are not reachable here
             self._on_error()
-            raise GrammarError(
-                spec.field, f"the model's tokenizer cannot be loaded: {exc}"
-            ) from exc
+            raise GrammarError(field, f"the model's tokenizer cannot be loaded: {exc}") from exc
         try:
-            return self.cache.get(tokenizer, spec)
+            inner = self.cache.get(tokenizer, spec) if spec is not None else None
+            if reasoning is None:
+                assert inner is not None
+                return inner
+            vocab_size = self.cache.backend(tokenizer).vocab_size
+            return ReasoningGrammar(reasoning, inner, vocab_size, stop_ids)
         except GrammarError:
-            raise  # the cache counted it
+            raise  # the cache counted it, or the reasoning's ids are not the model's
         except Exception as exc:  # the backend refused the tokenizer (not a fast one), ...
             self._on_error()
-            raise GrammarError(spec.field, f"cannot be compiled for this model: {exc}") from exc
+            raise GrammarError(field, f"cannot be compiled for this model: {exc}") from exc
 
 
 class GrammarTimings:

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from llmserve.errors import ApiError, FieldError, ResourceExhaustedError
 from llmserve.grammar.backend import CompiledGrammar, GrammarError
 from llmserve.grammar.cache import GrammarCache
+from llmserve.grammar.reasoning import BUDGET_FIELD
 from scheduler_service.engine import metrics
 from scheduler_service.engine.grammar import GrammarCompiler, SequenceGrammar
 from scheduler_service.engine.sequence import SequenceGroup
@@ -60,12 +61,18 @@ class GrammarRequests:
     def start(self, group: SequenceGroup) -> None:
         """Give each unfinished sequence of a constrained group a matcher that replays its
         output so far (nothing for a new request) once the grammar is compiled."""
-        spec = group.grammar
-        if spec is None:
+        spec, reasoning = group.grammar, group.reasoning
+        if reasoning is not None and spec is None and reasoning.budget is None:
+            reasoning = None  # nothing to enforce in the block or after it
+        if spec is None and reasoning is None:
             return
+        field = spec.field if spec is not None else BUDGET_FIELD
         if self._compiler is None:
-            raise FieldError(spec.field, "this scheduler has no tokenizer to compile grammars")
-        compiled = self._compiler.submit(spec)
+            raise FieldError(field, "this scheduler has no tokenizer to compile grammars")
+        stop_ids: set[int] = set(group.sampling_params.stop_token_ids)
+        if (eos := group.seqs[0].eos_token_id) is not None:
+            stop_ids.add(eos)
+        compiled = self._compiler.submit(spec, reasoning, stop_ids)
         for seq in group.get_unfinished_seqs():
             seq.grammar = SequenceGrammar(
                 compiled, seq.get_output_token_ids(), metrics.record_grammar_refused_token
@@ -120,12 +127,11 @@ class GrammarRequests:
         failures: list[tuple[SequenceGroup, ApiError]] = []
         now: float | None = None
         for group, grammar, deadline in self._pending():
-            spec = group.grammar
-            assert spec is not None
+            field = group.grammar.field if group.grammar is not None else BUDGET_FIELD
             if grammar.is_ready():
                 del self._compiling[group.request_id]
                 if (exc := grammar.failure()) is not None:
-                    failures.append((group, grammar_failure(exc, spec.field)))
+                    failures.append((group, grammar_failure(exc, field)))
                 continue
             if now is None:
                 now = self._clock()
@@ -133,9 +139,9 @@ class GrammarRequests:
                 del self._compiling[group.request_id]
                 metrics.record_grammar_compile_timeout()
                 failures.append((group, ResourceExhaustedError(
-                    f"{spec.field}: the grammar took longer than {self._max_compile_ms} ms to "
+                    f"{field}: the grammar took longer than {self._max_compile_ms} ms to "
                     "compile on the scheduler (--max-grammar-compile-ms)",
-                    spec.field,
+                    field,
                 )))  # fmt: skip
         return failures
 

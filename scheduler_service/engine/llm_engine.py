@@ -15,6 +15,7 @@ from typing import Any
 from llmserve.errors import ApiError, FieldError
 from llmserve.grammar.backend import CompiledGrammar
 from llmserve.grammar.cache import GrammarCache
+from llmserve.grammar.reasoning import ReasoningSpec
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import check_prompt_fits
 from llmserve.priority import check_priority
@@ -101,9 +102,11 @@ class LLMEngine:
         priority: int = 0,
         stop_strings: StopStrings | None = None,
         grammar: GrammarSpec | None = None,
+        reasoning: ReasoningSpec | None = None,
     ) -> None:
         """Queue a request. Raises `FieldError` (naming the field) on bad input. A `grammar`
-        is compiled in the background; one that fails finishes the request (ABORT)."""
+        is compiled in the background; one that fails finishes the request (ABORT). With
+        `reasoning`, the grammar applies after the output's reasoning block."""
         if not isinstance(request_id, str) or not request_id:
             raise FieldError("request_id", "must be a non-empty string")
         if self.scheduler.get_seq_group(request_id) is not None:
@@ -126,7 +129,14 @@ class LLMEngine:
         )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(
-            request_id, [seq], sampling_params, arrival, priority, stop_strings or None, grammar
+            request_id,
+            [seq],
+            sampling_params,
+            arrival,
+            priority,
+            stop_strings or None,
+            grammar,
+            reasoning,
         )
         self._start_text_stops(group)
         self._grammars.start(group)

@@ -89,7 +89,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
                 speculating
                 and seq.seq_id not in prev.drafts
                 and speculates(group)
-                and group.grammar is None
+                and seq.grammar is None
                 and speculator.waits_for_draft(seq)
             ):
                 return None  # the next step may start a run of drafts (_add_drafts)
@@ -182,7 +182,7 @@ def _constrained_drafts(prev: SchedulerOutputs) -> bool:
     """Whether a constrained sequence has drafts in `prev`: the masks of a step after it
     depend on how many it keeps, so it is not continued."""
     return any(
-        s.seq_group.grammar is not None and s.seq_group.seqs[0].seq_id in prev.drafts
+        s.seq_group.seqs[0].grammar is not None and s.seq_group.seqs[0].seq_id in prev.drafts
         for s in prev.scheduled
     )
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from llmserve.errors import ApiError
 from llmserve.grammar.backend import GrammarError
+from llmserve.grammar.reasoning import ReasoningSpec
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob, TokenLogprob
@@ -297,6 +298,7 @@ class SequenceGroup:
         "priority",
         "stop_strings",
         "grammar",
+        "reasoning",
     )
 
     def __init__(
@@ -308,10 +310,14 @@ class SequenceGroup:
         priority: int = 0,
         stop_strings: StopStrings | None = None,
         grammar: GrammarSpec | None = None,
+        reasoning: ReasoningSpec | None = None,
     ) -> None:
         self.request_id = request_id
         # What every sequence's output must match (each holds its own matcher).
         self.grammar = grammar
+        # The output's reasoning block: `grammar` applies after it, a budget closes it
+        # (llmserve.grammar.reasoning).
+        self.reasoning = reasoning
         # Lower is served first (vLLM's convention); queues are kept in (priority, arrival)
         # order (`order_key`).
         self.priority = priority

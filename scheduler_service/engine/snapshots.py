@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from llmserve.grammar.reasoning import ReasoningSpec
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import PromptLogprob
@@ -77,6 +78,8 @@ class GroupSnapshot:
     # What the output must match (None: free text); the target replays the output through a
     # fresh matcher per sequence.
     grammar: GrammarSpec | None = None
+    # The output's reasoning block (None: none), replayed with the grammar.
+    reasoning: ReasoningSpec | None = None
 
 
 def snapshot_from_choices(
@@ -89,6 +92,7 @@ def snapshot_from_choices(
     priority: int = 0,
     stop_strings: StopStrings | None = None,
     grammar: GrammarSpec | None = None,
+    reasoning: ReasoningSpec | None = None,
 ) -> GroupSnapshot:
     """The snapshot of a request whose choices stream (`params.streams_choices`), from what
     its client has been sent: one `SequenceSnapshot` per choice, indexed by choice index.
@@ -113,6 +117,7 @@ def snapshot_from_choices(
         priority=priority,
         stop_strings=stop_strings,
         grammar=grammar,
+        reasoning=reasoning,
     )
 
 
@@ -142,6 +147,7 @@ def snapshot_group(seq_group: SequenceGroup) -> GroupSnapshot:
         priority=seq_group.priority,
         stop_strings=seq_group.stop_strings,
         grammar=seq_group.grammar,
+        reasoning=seq_group.reasoning,
     )
 
 
@@ -171,6 +177,7 @@ def rebuild_group(
         snapshot.priority,
         snapshot.stop_strings,
         snapshot.grammar,
+        snapshot.reasoning,
     )
     if snapshot.metrics is not None:
         group.metrics = replace(snapshot.metrics)

@@ -19,9 +19,14 @@ import time
 from dataclasses import dataclass, field
 
 from llmserve.errors import AlreadyExistsError, ApiError, DeadlineExceededError, FieldError
+from llmserve.grammar.reasoning import ReasoningSpec
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.logs import get_logger
-from llmserve.proto_convert import grammar_from_proto, sampling_params_from_proto
+from llmserve.proto_convert import (
+    grammar_from_proto,
+    reasoning_from_proto,
+    sampling_params_from_proto,
+)
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.v1 import scheduler_pb2
 from scheduler_service.engine import metrics
@@ -78,6 +83,7 @@ class _Route:
     priority: int = 0
     stop_strings: StopStrings | None = None
     grammar: GrammarSpec | None = None
+    reasoning: ReasoningSpec | None = None
 
 
 class Router:
@@ -146,6 +152,7 @@ class Router:
             if add.stop
             else None,
             grammar=grammar_from_proto(add.grammar) if add.HasField("grammar") else None,
+            reasoning=reasoning_from_proto(add.reasoning) if add.HasField("reasoning") else None,
         )
         if add.HasField("continuation"):
             route.sent = continued_choices(add.continuation, params)
@@ -182,6 +189,7 @@ class Router:
             route.priority,
             route.stop_strings,
             route.grammar,
+            route.reasoning,
         )
 
     def abort(self, stream: GatewayStream, request_id: str) -> None:
