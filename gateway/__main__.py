@@ -118,6 +118,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="variables every chat template rendering gets, e.g. '{\"enable_thinking\": false}'; "
         "a request's chat_template_kwargs override them",
     )
+    p.add_argument(
+        "--thinking-token-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens a chat's reasoning may take when the request names no "
+        "thinking_token_budget; the scheduler then closes the block (needs a reasoning "
+        "parser). Default: no bound but max_tokens",
+    )
     add_limit_flags(p)
     return parse_service_args(p, argv, validate)
 
@@ -150,6 +159,8 @@ def validate(args: argparse.Namespace) -> None:
     limits_from_args(args)  # each limit at least 1
     if args.max_pending_requests < 1:
         raise ValueError("--max-pending-requests: must be at least 1")
+    if args.thinking_token_budget is not None and args.thinking_token_budget < 0:
+        raise ValueError("--thinking-token-budget: must be at least 0")
     shard_addresses(args.scheduler)
     if args.metrics_port is not None and args.metrics_port == args.http_port:
         raise ValueError("--metrics-port: the HTTP port already serves /metrics")
@@ -213,6 +224,7 @@ def main(argv: list[str]) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         default_chat_template_kwargs=template_kwargs_from_args(args),
+        thinking_token_budget=args.thinking_token_budget,
     )
     asyncio.run(serve(config))
     return 0

@@ -268,6 +268,9 @@ class GenerationCore:
             not inp.text.skip_special_tokens,
             timeout_s=inp.timeout_s,
             grammar=inp.grammar,
+            reasoning=None
+            if inp.reasoning is None
+            else inp.reasoning.scheduler_spec(self.tokenization.text_ids, inp.grammar is not None),
         )
         try:
             first = True

@@ -39,6 +39,7 @@ from gateway.prompts import chat_prompt
 from gateway.tokenization import check_template_kwargs
 from gateway.tools import parse_tools
 from llmserve.errors import FieldError, string_field
+from llmserve.grammar.reasoning import BUDGET_FIELD
 from llmserve.telemetry import context_from_metadata
 from llmserve.v1 import common_pb2
 
@@ -77,6 +78,8 @@ class MessagesRequest(_Conversation):
 def _client_field(chat_field: str) -> str:
     if chat_field == "stop" or chat_field.startswith("stop["):
         return "stop_sequences" + chat_field.removeprefix("stop")
+    if chat_field == BUDGET_FIELD:
+        return "thinking.budget_tokens"
     return chat_field
 
 
@@ -89,14 +92,19 @@ def to_chat(body: _Conversation) -> ChatCompletionRequest:
         messages += _messages(m, f"messages[{i}]")
     kwargs = check_template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
     thinking = (body.thinking or {}).get("type")
+    fields: dict[str, Any] = {}
     if thinking in ("enabled", "disabled"):
-        # budget_tokens is not enforced yet (the scheduler's thinking budget).
         kwargs.setdefault("enable_thinking", thinking == "enabled")
+        budget = (body.thinking or {}).get("budget_tokens")
+        if thinking == "enabled" and budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise FieldError("thinking.budget_tokens", "must be an integer of at least 0")
+            # The scheduler's thinking budget: the block closes after this many tokens.
+            fields["thinking_token_budget"] = budget
     elif body.thinking is not None:
         raise FieldError("thinking.type", "must be enabled or disabled")
-    fields: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):
-        fields = {
+        fields |= {
             "max_tokens": body.max_tokens,
             "stop": body.stop_sequences,
             "temperature": body.temperature,

@@ -97,6 +97,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # Passed to the chat template as `reasoning_effort`, for templates that read it.
     reasoning_effort: str | None = None
+    # Tokens the model may think before the scheduler closes its reasoning block (needs a
+    # reasoning parser); default the gateway's --thinking-token-budget.
+    thinking_token_budget: int | None = None
 
 
 class ErrorBody(BaseModel):

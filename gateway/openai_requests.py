@@ -16,6 +16,7 @@ from gateway.structured_outputs import check_admissible, grammar_of
 from gateway.tokenization import check_template_kwargs
 from gateway.tools import parse_tools
 from llmserve.errors import FieldError
+from llmserve.grammar.reasoning import BUDGET_FIELD
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import check_prompt_count
 from llmserve.sampling_params import SamplingParams
@@ -88,16 +89,29 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
         priority=body.priority,
         grammar=grammar,
         tools=tools,
-        reasoning=_reasoning(core, prompt),
+        reasoning=chat_reasoning(core, prompt, body.thinking_token_budget),
     )
 
 
-def _reasoning(core: GenerationCore, prompt: Prompt) -> ReasoningRequest | None:
+def chat_reasoning(
+    core: GenerationCore, prompt: Prompt, budget: int | None, field: str = BUDGET_FIELD
+) -> ReasoningRequest | None:
+    """How a chat's output keeps its reasoning, with the thinking budget the scheduler
+    enforces (`budget`, the request's; None: the gateway's --thinking-token-budget)."""
     fmt = core.tokenization.reasoning_format
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise FieldError(field, f"must be an integer of at least 0, got {budget!r}")
+        if fmt is None:
+            raise FieldError(
+                field, "needs a reasoning parser (--reasoning-parser): this model has none"
+            )
     if fmt is None:
         return None
+    if budget is None:
+        budget = core.tokenization.default_thinking_budget
     assert prompt.text is not None  # a chat prompt keeps its rendered text
-    return ReasoningRequest(fmt, fmt.opened_in(prompt.text))
+    return ReasoningRequest(fmt, fmt.opened_in(prompt.text), fmt.closed_in(prompt.text), budget)
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:

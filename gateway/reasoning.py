@@ -15,8 +15,11 @@ whole and streamed.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+
+from llmserve.grammar.reasoning import ReasoningSpec
 
 AUTO = "auto"
 NONE = "none"
@@ -55,10 +58,20 @@ class ReasoningFormat(abc.ABC):
     """One way models write their reasoning."""
 
     name: str
+    # The texts that open and end the block, and what the scheduler appends to close it when
+    # a thinking budget is spent (ends with `end_text`).
+    open_text: str
+    end_text: str
+    close_text: str
 
     @abc.abstractmethod
     def opened_in(self, prompt_text: str) -> bool:
         """Whether the rendered prompt leaves the reasoning block open for the output."""
+
+    @abc.abstractmethod
+    def closed_in(self, prompt_text: str) -> bool:
+        """Whether the rendered prompt ends with a closed block (thinking turned off): the
+        output is all answer."""
 
     @abc.abstractmethod
     def parser(self, opened: bool) -> ReasoningParser:
@@ -155,9 +168,15 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 class ThinkTagsFormat(ReasoningFormat):
     name = THINK_TAGS
+    open_text = THINK_OPEN
+    end_text = THINK_CLOSE
+    close_text = "\n" + THINK_CLOSE
 
     def opened_in(self, prompt_text: str) -> bool:
         return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
+
+    def closed_in(self, prompt_text: str) -> bool:
+        return prompt_text.rstrip().endswith(THINK_CLOSE)
 
     def parser(self, opened: bool) -> ReasoningParser:
         return ThinkTagsParser(opened)
@@ -165,13 +184,31 @@ class ThinkTagsFormat(ReasoningFormat):
 
 @dataclass(frozen=True, slots=True)
 class ReasoningRequest:
-    """A chat request's reasoning: its format, and whether the prompt opened the block."""
+    """A chat request's reasoning: its format, whether the prompt opened the block or closed
+    it (thinking turned off), and the thinking budget the scheduler enforces (None: none)."""
 
     format: ReasoningFormat
     opened: bool
+    closed: bool = False
+    budget: int | None = None
 
     def parser(self) -> ReasoningParser:
         return self.format.parser(self.opened)
+
+    def scheduler_spec(
+        self, token_ids: Callable[[str], list[int]], constrained: bool
+    ) -> ReasoningSpec | None:
+        """What the scheduler must enforce (`llmserve.grammar.reasoning`), with the format's
+        texts as `token_ids(text)` gives them; None when nothing is: thinking turned off, or
+        neither a budget nor a grammar (`constrained`) to start after the block."""
+        if self.closed or (self.budget is None and not constrained):
+            return None
+        fmt = self.format
+        end_ids = tuple(token_ids(fmt.end_text))
+        close_ids = tuple(token_ids(fmt.close_text[: -len(fmt.end_text)])) + end_ids
+        return ReasoningSpec(
+            tuple(token_ids(fmt.open_text)), end_ids, close_ids, self.opened, self.budget
+        )
 
 
 FORMATS: dict[str, ReasoningFormat] = {THINK_TAGS: ThinkTagsFormat()}

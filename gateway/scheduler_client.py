@@ -31,10 +31,15 @@ from llmserve.errors import (
     UnavailableError,
     from_status_value,
 )
+from llmserve.grammar.reasoning import ReasoningSpec
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.grpc_utils import channel_options
 from llmserve.logs import get_logger
-from llmserve.proto_convert import grammar_to_proto, sampling_params_to_proto
+from llmserve.proto_convert import (
+    grammar_to_proto,
+    reasoning_to_proto,
+    sampling_params_to_proto,
+)
 from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -306,12 +311,15 @@ class SchedulerClient:
         decode_special_tokens: bool = False,
         timeout_s: float | None = None,
         grammar: GrammarSpec | None = None,
+        reasoning: ReasoningSpec | None = None,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
         """Yield the request's outputs until the finished one; raise the scheduler's error
         (an ApiError with its status code) on failure. With `stop` strings the scheduler
         finishes each choice at the token that completes one (its text decoded with special
         tokens when `decode_special_tokens`). With a `grammar` (checked by the caller) every
         choice's output matches it; a re-submission after a scheduler restart carries it too.
+        With `reasoning` the scheduler follows the output's reasoning block (its budget; the
+        grammar starts after it).
 
         While no scheduler is connected (one was reached before), the request waits for one.
         With `timeout_s`, the scheduler is told the time left and the request fails with
@@ -331,6 +339,8 @@ class SchedulerClient:
         )
         if grammar is not None:
             add.grammar.CopyFrom(grammar_to_proto(grammar))
+        if reasoning is not None:
+            add.reasoning.CopyFrom(reasoning_to_proto(reasoning))
         if eos_token_id is not None:
             add.eos_token_id = eos_token_id
         deadline = None

@@ -56,6 +56,8 @@ class GatewayConfig:
     reasoning_parser: str = "auto"
     # --default-chat-template-kwargs: variables every chat template rendering gets.
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # --thinking-token-budget: a chat's thinking budget when it names none (None: no bound).
+    thinking_token_budget: int | None = None
 
     @property
     def scheduler_addresses(self) -> list[str]:
@@ -77,6 +79,7 @@ async def serve(config: GatewayConfig) -> None:
         config.tool_call_parser,
         config.reasoning_parser,
         config.default_chat_template_kwargs,
+        config.thinking_token_budget,
     )
     log.info("tool calls", format=tokenization.tool_format.name)
     reasoning = tokenization.reasoning_format

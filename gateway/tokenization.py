@@ -25,6 +25,7 @@ class Tokenization:
         tool_parser: str = "auto",
         reasoning_parser: str = "auto",
         default_template_kwargs: Mapping[str, Any] | None = None,
+        default_thinking_budget: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         # A Jinja chat template that replaces the tokenizer's own (`--chat-template FILE`).
@@ -37,6 +38,9 @@ class Tokenization:
         # Variables every chat template rendering gets (--default-chat-template-kwargs); a
         # request's chat_template_kwargs override them.
         self.default_template_kwargs = dict(default_template_kwargs or {})
+        # Thinking tokens a chat gets when it names no budget (--thinking-token-budget; None:
+        # no bound but max_tokens).
+        self.default_thinking_budget = default_thinking_budget
 
     @classmethod
     def for_model(
@@ -46,6 +50,7 @@ class Tokenization:
         tool_parser: str = "auto",
         reasoning_parser: str = "auto",
         default_template_kwargs: Mapping[str, Any] | None = None,
+        default_thinking_budget: int | None = None,
     ) -> Tokenization:
         return cls(
             load_tokenizer(source),
@@ -53,6 +58,7 @@ class Tokenization:
             tool_parser,
             reasoning_parser,
             default_template_kwargs,
+            default_thinking_budget,
         )
 
     def template_source(self) -> str | None:
@@ -72,6 +78,10 @@ class Tokenization:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def text_ids(self, text: str) -> list[int]:
+        """`text` as output tokens (no special tokens added)."""
+        return self.encode(text, add_special_tokens=False)
 
     def count_tokens(self, text: str, *, add_special_tokens: bool = True) -> int:
         return len(self.encode(text, add_special_tokens=add_special_tokens))

@@ -138,6 +138,12 @@ def _up_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="variables every chat template rendering gets (gateway)",
     )
+    p.add_argument(
+        "--thinking-token-budget",
+        default=None,
+        metavar="N",
+        help="thinking tokens a chat gets when it names no thinking_token_budget (gateway)",
+    )
     # --tls-cert/--tls-key/--tls-ca (one certificate for every service: they all listen on
     # loopback) and --internal-token-file, passed to every service.
     add_security_flags(p)
@@ -181,6 +187,7 @@ _GATEWAY_FLAGS = [
     "tool-call-parser",
     "reasoning-parser",
     "default-chat-template-kwargs",
+    "thinking-token-budget",
 ]
 
 

@@ -18,6 +18,7 @@ from gateway.generation import GenerationCore
 from gateway.openai_api import build_app
 from gateway.tokenization import Tokenization
 from llmserve.errors import from_status_value
+from llmserve.grammar.reasoning import ReasoningSpec
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.sampling_params import SamplingParams
 from llmserve.security import KeySet
@@ -33,6 +34,7 @@ class Submitted:
     prompt_token_ids: list[int]
     params: SamplingParams
     grammar: GrammarSpec | None = None
+    reasoning: ReasoningSpec | None = None
 
 
 @dataclass
@@ -63,8 +65,9 @@ class FakeScheduler:
         decode_special_tokens: bool = False,
         timeout_s: float | None = None,
         grammar: GrammarSpec | None = None,
+        reasoning: ReasoningSpec | None = None,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
-        self.submitted.append(Submitted(request_id, prompt_token_ids, params, grammar))
+        self.submitted.append(Submitted(request_id, prompt_token_ids, params, grammar, reasoning))
         if isinstance(self.error, BaseException):
             raise self.error
         if self.error is not None:

@@ -151,3 +151,93 @@ def test_reserved_template_kwargs_are_refused(think_tokenizer: Any) -> None:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == field
     assert scheduler.submitted == []
+
+
+# -- what the scheduler is told to enforce (llmserve.grammar.reasoning) ------------------------
+
+
+def test_the_budget_reaches_the_scheduler_with_the_tags_as_ids(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    client.chat.completions.create(
+        model=MODEL, messages=ASK, extra_body={"thinking_token_budget": 16}
+    )
+    spec = scheduler.submitted[0].reasoning
+    assert spec is not None
+    open_id, end_id, newline = ids(think_tokenizer, "<think>", "</think>", "\n")
+    assert (spec.open_ids, spec.end_ids, spec.close_ids) == (
+        (open_id,),
+        (end_id,),
+        (newline, end_id),
+    )
+    # think.jinja ends the generation prompt inside the block.
+    assert spec.opened and spec.budget == 16
+
+
+def test_a_grammar_starts_after_the_block(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    client.chat.completions.create(
+        model=MODEL, messages=ASK, response_format={"type": "json_object"}
+    )
+    submitted = scheduler.submitted[0]
+    assert submitted.grammar is not None
+    assert submitted.reasoning is not None and submitted.reasoning.budget is None
+
+
+def test_nothing_to_enforce_sends_no_block(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    client.chat.completions.create(model=MODEL, messages=ASK)
+    # Thinking off: the block is closed in the prompt, the grammar applies from the start.
+    client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        response_format={"type": "json_object"},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "thinking_token_budget": 4},
+    )
+    assert [s.reasoning for s in scheduler.submitted] == [None, None]
+
+
+def test_the_gateway_default_budget(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(
+        think_tokenizer, ids(think_tokenizer, *OPENED), default_thinking_budget=8
+    )
+    client.chat.completions.create(model=MODEL, messages=ASK)
+    client.chat.completions.create(
+        model=MODEL, messages=ASK, extra_body={"thinking_token_budget": 0}
+    )
+    assert [s.reasoning.budget for s in scheduler.submitted] == [8, 0]
+
+
+def test_bad_budgets_are_refused_before_the_scheduler(think_tokenizer: Any) -> None:
+    _, scheduler, http = serve(think_tokenizer, ids(think_tokenizer, "x"))
+    _, plain_scheduler, plain_http = serve(
+        think_tokenizer, ids(think_tokenizer, "x"), reasoning_parser="none"
+    )
+    for client, budget, detail in (
+        (http, -1, "at least 0"),
+        (http, "many", "integer"),
+        (plain_http, 16, "reasoning parser"),
+    ):
+        r = client.post(
+            "/v1/chat/completions", json={"messages": ASK, "thinking_token_budget": budget}
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "thinking_token_budget"
+        assert detail in r.json()["error"]["message"]
+    assert scheduler.submitted == plain_scheduler.submitted == []
+
+
+def test_the_messages_api_maps_budget_tokens(think_tokenizer: Any) -> None:
+    _, scheduler, http = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    body = {"model": MODEL, "max_tokens": 64, "messages": ASK}
+    ok = http.post(
+        "/v1/messages", json={**body, "thinking": {"type": "enabled", "budget_tokens": 12}}
+    )
+    assert ok.status_code == 200, ok.text
+    assert scheduler.submitted[0].reasoning.budget == 12
+    bad = http.post(
+        "/v1/messages", json={**body, "thinking": {"type": "enabled", "budget_tokens": -3}}
+    )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["type"] == "invalid_request_error"
+    assert "thinking.budget_tokens" in bad.json()["error"]["message"]
+    assert len(scheduler.submitted) == 1

@@ -20,6 +20,7 @@ from gateway.generation import GenerationCore
 from gateway.grpc_api import GenerationServicer
 from gateway.openai_api import build_app
 from gateway.tokenization import Tokenization
+from llmserve.grammar.reasoning import ReasoningSpec
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.grpc_utils import create_server
 from llmserve.limits import RequestLimits, prompt_too_long
@@ -50,6 +51,7 @@ class RecordingScheduler:
         decode_special_tokens: bool = False,
         timeout_s: float | None = None,
         grammar: GrammarSpec | None = None,
+        reasoning: ReasoningSpec | None = None,
     ) -> AsyncGenerator[scheduler_pb2.RequestOutput, None]:
         self.sent.append(params)
         for step, token in enumerate(TOKENS):
