@@ -450,16 +450,47 @@ def build_tiny_windowed(directory: Path, seed: int = 0) -> Path:
     )
 
 
-def _with_smollm2_tokenizer(kind: str, directory: Path, seed: int, **overrides: Any) -> Path:
+def build_tiny_thinker(directory: Path, seed: int = 0) -> Path:
+    """A random Qwen3 that thinks: SmolLM2's tokenizer with `<think>` and `</think>` added as
+    tokens (as Qwen3's has them) and tests/support/templates/think.jinja as its chat template
+    (the prompt opens the block), for the service tests of reasoning. Its logits are widened,
+    so greedy choices do not flip between a prefill and the decode steps it replaces."""
+    from tests.support.templates import template_text
+
+    return _with_smollm2_tokenizer(
+        "qwen3",
+        directory,
+        seed=seed,
+        sharpen=True,
+        added_tokens=["<think>", "</think>"],
+        chat_template=template_text("think"),
+        intermediate_size=128,
+        max_position_embeddings=512,
+    )
+
+
+def _with_smollm2_tokenizer(
+    kind: str,
+    directory: Path,
+    seed: int,
+    sharpen: bool = False,
+    added_tokens: list[str] = (),  # type: ignore[assignment]
+    chat_template: str | None = None,
+    **overrides: Any,
+) -> Path:
     from transformers import AutoTokenizer
 
     source = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     save_tiny_model(
         kind,
         directory,
         seed=seed,
-        sharpen=False,
+        sharpen=sharpen,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
