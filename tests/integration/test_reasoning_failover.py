@@ -166,6 +166,32 @@ def test_a_worker_kill_changes_no_byte(fleet: FleetStack, baseline: dict[str, St
     log = fleet.scheduler.log.read_text(errors="replace")  # type: ignore[union-attr]
     assert '"event": "request migrated"' in log, "the kill moved no request"
     fleet.assert_no_leak()
+    fleet.workers[0].start()
+    fleet.wait_for(lambda s: len(fleet.ready_replicas(s)) == 2, "the restarted worker ready")
+
+
+def test_a_scheduler_restart_changes_no_byte(
+    fleet: FleetStack, baseline: dict[str, Stream]
+) -> None:
+    """The gateway re-submits each stream with what it already sent; the new scheduler
+    replays it through a fresh matcher: inside the block, or past it under the schema."""
+    scheduler = fleet.scheduler
+    assert scheduler is not None
+    fired: list[int] = []
+    at = sum(s.completion_tokens or 0 for s in baseline.values()) // 3
+
+    def restart(total: int) -> None:
+        if total >= at and not fired:
+            fired.append(total)
+            scheduler.kill()
+            scheduler.start(wait=False)
+
+    streams = asyncio.run(run_chats(fleet, restart))
+    assert fired, "the workload ended before the restart"
+    check_valid(streams)
+    assert streams == baseline
+    fleet.wait_for(lambda s: len(fleet.ready_replicas(s)) == 2, "workers back")
+    fleet.assert_no_leak()
 
 
 def test_the_model_dir_thinks(tmp_path: Path) -> None:
