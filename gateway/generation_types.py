@@ -46,6 +46,9 @@ class GenerationInput:
     tools: ToolRequest | None = None
     # How the chat's reasoning is told from its answer; None: the output is all answer.
     reasoning: ReasoningRequest | None = None
+    # The most output tokens the reasoning may take (the scheduler's thinking budget); None:
+    # no limit. Set only with `reasoning` (a model with a reasoning parser).
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         check_priority(self.priority)
