@@ -7,11 +7,11 @@ import functools
 import uuid
 from typing import Any
 
+from gateway.chat_inputs import prepare_chat
 from gateway.generation import GenerationCore
 from gateway.generation_types import GenerationInput, Prompt, TextOptions
 from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from gateway.prompts import chat_prompt, text_prompt
-from gateway.reasoning import ReasoningRequest
+from gateway.prompts import text_prompt
 from gateway.structured_outputs import check_admissible, grammar_of
 from gateway.tokenization import check_template_kwargs
 from gateway.tools import parse_tools
@@ -55,21 +55,16 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
     """The input of a /v1/chat/completions body; id `chatcmpl-<hex>`."""
     core.check_model(body.model)
     tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, core.limits)
-    fmt = core.tokenization.tool_format
-    grammar = grammar_of(body.response_format, body.structured_outputs)
-    if tools is not None:
-        if grammar is not None:
-            raise FieldError(
-                grammar.field, "cannot be combined with tools (unless tool_choice is none)"
-            )
-        grammar = fmt.grammar(tools)
-    grammar = await _checked_grammar(core, grammar)
-    messages, template_tools = fmt.render([_message(m) for m in body.messages], tools)
     template_kwargs = check_template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
     if body.reasoning_effort is not None:
         template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-    prompt = await chat_prompt(
-        core, messages, body.add_generation_prompt, "messages", template_tools, template_kwargs
+    chat = await prepare_chat(
+        core,
+        [_message(m) for m in body.messages],
+        tools,
+        grammar_of(body.response_format, body.structured_outputs),
+        body.add_generation_prompt,
+        template_kwargs,
     )
     max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
@@ -77,27 +72,19 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
     if body.top_logprobs is not None and not body.logprobs:
         raise FieldError("top_logprobs", "needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(core, body, prompt, max_tokens, field, logprobs, None)
+    params = _sampling_params(core, body, chat.prompt, max_tokens, field, logprobs, None)
     return GenerationInput(
         f"chatcmpl-{uuid.uuid4().hex}",
-        prompt,
+        chat.prompt,
         params,
         _text_options(body),
         "chat",
         timeout_s=core.timeout_for(None),
         priority=body.priority,
-        grammar=grammar,
-        tools=tools,
-        reasoning=_reasoning(core, prompt),
+        grammar=chat.grammar,
+        tools=chat.tools,
+        reasoning=chat.reasoning,
     )
-
-
-def _reasoning(core: GenerationCore, prompt: Prompt) -> ReasoningRequest | None:
-    fmt = core.tokenization.reasoning_format
-    if fmt is None:
-        return None
-    assert prompt.text is not None  # a chat prompt keeps its rendered text
-    return ReasoningRequest(fmt, fmt.opened_in(prompt.text))
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
