@@ -53,6 +53,14 @@ class ChatOutput:
         out.reasoning = split.reasoning
         return out
 
+    def feed_last(self, text: str, num_tokens: int, last: bool) -> ChatDelta:
+        """`feed` one update of a stream; on the choice's `last` one, with what `finish`
+        gives joined to it."""
+        out = self.feed(text, num_tokens)
+        if last:
+            _join(out, self.finish())
+        return out
+
     def finish(self) -> ChatDelta:
         out = ChatDelta()
         if self._reasoning is not None:

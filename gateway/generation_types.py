@@ -44,7 +44,8 @@ class GenerationInput:
     grammar: GrammarSpec | None = None
     # Chat tools (the tool format's grammar is `grammar`); None: no tool calls.
     tools: ToolRequest | None = None
-    # How the chat's reasoning is told from its answer; None: the output is all answer.
+    # How the chat's reasoning is told from its answer, and its thinking budget; None: the
+    # output is all answer.
     reasoning: ReasoningRequest | None = None
 
     def __post_init__(self) -> None:

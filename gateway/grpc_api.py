@@ -17,7 +17,8 @@ from gateway.generation_types import (
     TextOptions,
     TokenInfo,
 )
-from gateway.prompts import chat_prompt, text_prompt
+from gateway.grpc_chat import ChatChoices, prepared_chat, rendered_prompt
+from gateway.prompts import text_prompt
 from gateway.structured_outputs import check_admissible
 from llmserve.errors import FieldError
 from llmserve.proto_convert import grammar_from_proto, sampling_params_from_proto
@@ -35,22 +36,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.core = core
 
     async def _prompt(self, request: generation_pb2.GenerateRequest) -> Prompt:
+        """A text or token-id prompt (a chat's is prepared with its tools: `_input`)."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
             return await text_prompt(self.core, request.text, "text")
         if kind == "token_ids":
             return self.core.prompt_from_ids(list(request.token_ids.ids), "token_ids.ids")
-        if kind == "chat":
-            add_gen = (
-                request.chat.add_generation_prompt
-                if request.chat.HasField("add_generation_prompt")
-                else True
-            )
-            messages = [
-                {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                for m in request.chat.messages
-            ]
-            return await chat_prompt(self.core, messages, add_gen, "chat.messages")
         raise FieldError("prompt", "set one of text, token_ids or chat")
 
     async def Generate(
@@ -61,12 +52,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for response in self._generate(request, context):
                 yield response
 
-    async def _generate(
+    async def _input(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    ) -> GenerationInput:
         core = self.core
         core.check_model(request.model)
-        prompt = await self._prompt(request)
+        grammar = None
+        if request.HasField("grammar"):
+            grammar = grammar_from_proto(request.grammar, "grammar")
+        chat = None
+        if request.WhichOneof("prompt") == "chat":
+            chat = await prepared_chat(core, request.chat, grammar)
+            prompt, grammar = chat.prompt, chat.grammar
+        else:
+            prompt = await self._prompt(request)
+            if grammar is not None:
+                await check_admissible(grammar, core.limits)
         params = core.sampling_params(
             prompt,
             lambda left: sampling_params_from_proto(
@@ -83,13 +84,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
             detokenize=request.detokenize if request.HasField("detokenize") else True,
         )
-        grammar = None
-        if request.HasField("grammar"):
-            grammar = grammar_from_proto(request.grammar, "grammar")
-            await check_admissible(grammar, core.limits)
-        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         inp = GenerationInput(
-            request_id,
+            request.request_id or f"grpc-{uuid.uuid4().hex}",
             prompt,
             params,
             options,
@@ -97,14 +93,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             timeout_s=core.timeout_for(context.time_remaining()),
             grammar=grammar,
         )
+        if chat is not None:
+            inp.tools, inp.reasoning = chat.tools, chat.reasoning
+        return inp
+
+    async def _generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        inp = await self._input(request, context)
+        reader = ChatChoices.needed(inp, self.core)
         parent = context_from_metadata(context.invocation_metadata())
         first = True
-        async for update in core.generate(inp, parent):
-            response = _response(request_id, update)
+        async for update in self.core.generate(inp, parent):
+            response = _response(inp.request_id, update, reader)
             if first and (request.echo or update.prompt_logprobs):
                 if request.echo:
-                    response.prompt.text = prompt.text or ""
-                    response.prompt.token_ids.extend(prompt.token_ids)
+                    response.prompt.text = inp.prompt.text or ""
+                    response.prompt.token_ids.extend(inp.prompt.token_ids)
                 for entry in update.prompt_logprobs or ():
                     target = response.prompt.logprobs.add()
                     if entry is not None:
@@ -124,8 +129,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
             ids = tokenization.encode(request.text, add_special_tokens=add_special)
         elif kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            ids = self.core.prompt_from_chat(messages, True, "chat.messages").token_ids
+            ids = (await rendered_prompt(self.core, request.chat)).token_ids
         else:
             raise FieldError("input", "set text or chat")
         reply = generation_pb2.TokenizeResponse(
@@ -163,10 +167,12 @@ def _logprob(entry: LogprobEntry) -> generation_pb2.TextOutputLogprob:
     )
 
 
-def _choice(c: ChoiceUpdate) -> generation_pb2.Choice:
+def _choice(c: ChoiceUpdate, reader: ChatChoices | None) -> generation_pb2.Choice:
     msg = generation_pb2.Choice(
         index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason
     )
+    if reader is not None:
+        reader.fill(c, msg)
     if c.logprobs:
         msg.logprobs.extend(_logprob(e) for e in c.logprobs)
     if isinstance(c.stop_reason, str):
@@ -176,15 +182,19 @@ def _choice(c: ChoiceUpdate) -> generation_pb2.Choice:
     return msg
 
 
-def _response(request_id: str, update: GenerationUpdate) -> generation_pb2.GenerateResponse:
+def _response(
+    request_id: str, update: GenerationUpdate, reader: ChatChoices | None
+) -> generation_pb2.GenerateResponse:
     response = generation_pb2.GenerateResponse(
-        request_id=request_id, choices=[_choice(c) for c in update.choices]
+        request_id=request_id, choices=[_choice(c, reader) for c in update.choices]
     )
     if update.usage is not None:
         response.usage.prompt_tokens = update.usage.prompt_tokens
         response.usage.completion_tokens = update.usage.completion_tokens
         response.usage.spec_draft_tokens = update.usage.spec_draft_tokens
         response.usage.spec_accepted_tokens = update.usage.spec_accepted_tokens
+        if reader is not None and reader.reasoning_tokens is not None:
+            response.usage.reasoning_tokens = reader.reasoning_tokens
     if update.metrics is not None:
         m = update.metrics
         response.timings.first_token_ns = m.first_token_ns

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import metrics
+from gateway.chat_inputs import tool_chat_prompt
 from gateway.chat_output import ChatOutput
 from gateway.generation import GenerationCore
 from gateway.http_errors import (
@@ -35,7 +36,6 @@ from gateway.output_items import (
     first_update,
     item_events,
 )
-from gateway.prompts import chat_prompt
 from gateway.tokenization import check_template_kwargs
 from gateway.tools import parse_tools
 from llmserve.errors import FieldError, string_field
@@ -206,12 +206,9 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     core: GenerationCore = request.app.state.core
     core.check_model(body.model)
     chat = to_chat(body)
-    fmt = core.tokenization.tool_format
     tools = parse_tools(chat.tools, chat.tool_choice, None, core.limits)
-    messages, template_tools = fmt.render([_plain(m) for m in chat.model_dump()["messages"]], tools)
-    prompt = await chat_prompt(
-        core, messages, True, "messages", template_tools, chat.chat_template_kwargs
-    )
+    messages = [_plain(m) for m in chat.model_dump()["messages"]]
+    prompt = await tool_chat_prompt(core, messages, tools, True, chat.chat_template_kwargs)
     return JSONResponse({"input_tokens": len(prompt.token_ids)})
 
 

@@ -7,16 +7,15 @@ import functools
 import uuid
 from typing import Any
 
+from gateway.chat_inputs import prepare_chat
 from gateway.generation import GenerationCore
 from gateway.generation_types import GenerationInput, Prompt, TextOptions
 from gateway.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from gateway.prompts import chat_prompt, text_prompt
-from gateway.reasoning import ReasoningRequest
+from gateway.prompts import text_prompt
 from gateway.structured_outputs import check_admissible, grammar_of
 from gateway.tokenization import check_template_kwargs
 from gateway.tools import parse_tools
 from llmserve.errors import FieldError
-from llmserve.grammar.reasoning import BUDGET_FIELD
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.limits import check_prompt_count
 from llmserve.sampling_params import SamplingParams
@@ -56,21 +55,17 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
     """The input of a /v1/chat/completions body; id `chatcmpl-<hex>`."""
     core.check_model(body.model)
     tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, core.limits)
-    fmt = core.tokenization.tool_format
-    grammar = grammar_of(body.response_format, body.structured_outputs)
-    if tools is not None:
-        if grammar is not None:
-            raise FieldError(
-                grammar.field, "cannot be combined with tools (unless tool_choice is none)"
-            )
-        grammar = fmt.grammar(tools)
-    grammar = await _checked_grammar(core, grammar)
-    messages, template_tools = fmt.render([_message(m) for m in body.messages], tools)
     template_kwargs = check_template_kwargs(body.chat_template_kwargs, "chat_template_kwargs")
     if body.reasoning_effort is not None:
         template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-    prompt = await chat_prompt(
-        core, messages, body.add_generation_prompt, "messages", template_tools, template_kwargs
+    chat = await prepare_chat(
+        core,
+        [_message(m) for m in body.messages],
+        tools,
+        grammar_of(body.response_format, body.structured_outputs),
+        body.add_generation_prompt,
+        template_kwargs,
+        body.thinking_token_budget,
     )
     max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
@@ -78,40 +73,19 @@ async def chat_input(core: GenerationCore, body: ChatCompletionRequest) -> Gener
     if body.top_logprobs is not None and not body.logprobs:
         raise FieldError("top_logprobs", "needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(core, body, prompt, max_tokens, field, logprobs, None)
+    params = _sampling_params(core, body, chat.prompt, max_tokens, field, logprobs, None)
     return GenerationInput(
         f"chatcmpl-{uuid.uuid4().hex}",
-        prompt,
+        chat.prompt,
         params,
         _text_options(body),
         "chat",
         timeout_s=core.timeout_for(None),
         priority=body.priority,
-        grammar=grammar,
-        tools=tools,
-        reasoning=chat_reasoning(core, prompt, body.thinking_token_budget),
+        grammar=chat.grammar,
+        tools=chat.tools,
+        reasoning=chat.reasoning,
     )
-
-
-def chat_reasoning(
-    core: GenerationCore, prompt: Prompt, budget: int | None, field: str = BUDGET_FIELD
-) -> ReasoningRequest | None:
-    """How a chat's output keeps its reasoning, with the thinking budget the scheduler
-    enforces (`budget`, the request's; None: the gateway's --thinking-token-budget)."""
-    fmt = core.tokenization.reasoning_format
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise FieldError(field, f"must be an integer of at least 0, got {budget!r}")
-        if fmt is None:
-            raise FieldError(
-                field, "needs a reasoning parser (--reasoning-parser): this model has none"
-            )
-    if fmt is None:
-        return None
-    if budget is None:
-        budget = core.tokenization.default_thinking_budget
-    assert prompt.text is not None  # a chat prompt keeps its rendered text
-    return ReasoningRequest(fmt, fmt.opened_in(prompt.text), fmt.closed_in(prompt.text), budget)
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:

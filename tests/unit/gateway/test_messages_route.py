@@ -17,9 +17,7 @@ from llmserve.security import KeySet
 from llmserve.v1 import common_pb2
 from tests.support.templates import template_text
 from tests.unit.gateway.test_openai_routes import MODEL, FakeScheduler
-from tests.unit.gateway.test_reasoning_routes import OPENED, ids, think_tokenizer
-
-__all__ = ["think_tokenizer"]  # the fixture, shared
+from tests.unit.gateway.test_reasoning_routes import OPENED, ids
 
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 WEATHER = {

@@ -1,15 +1,13 @@
 """Reasoning on the chat route, in process against the fake scheduler: SmolLM2's tokenizer with
-`<think>` and `</think>` added as tokens (as Qwen3's has them) and tests/support/templates/
+`<think>` and `</think>` added as tokens (conftest's think_tokenizer) and tests/support/templates/
 think.jinja, which opens the block in the prompt unless `enable_thinking` is false. The
 official `openai` SDK reads the responses."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import openai
-import pytest
 from fastapi.testclient import TestClient
 
 from gateway.generation import GenerationCore
@@ -27,13 +25,6 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
     },
 }
-
-
-@pytest.fixture(scope="module")
-def think_tokenizer(smollm2_tokenizer: Any) -> Any:
-    tokenizer = copy.deepcopy(smollm2_tokenizer)
-    tokenizer.add_tokens(["<think>", "</think>"])
-    return tokenizer
 
 
 def ids(tokenizer: Any, *pieces: str) -> list[int]:

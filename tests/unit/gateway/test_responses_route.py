@@ -10,9 +10,7 @@ import pytest
 
 from llmserve.grammar.spec import GrammarKind
 from tests.unit.gateway.test_openai_routes import MODEL
-from tests.unit.gateway.test_reasoning_routes import OPENED, ids, serve, think_tokenizer
-
-__all__ = ["think_tokenizer"]  # the fixture, shared
+from tests.unit.gateway.test_reasoning_routes import OPENED, ids, serve
 
 WEATHER = {
     "type": "function",
