@@ -21,8 +21,9 @@ class ChatDelta:
 
 class ChatOutput:
     """Reasoning, content and tool calls of one choice. `reasoning_tokens` counts the
-    output tokens that arrived while the reasoning block was open (the update that closes
-    it included): with one token per update, the tokens up to and with `</think>`."""
+    output tokens of updates that opened the reasoning block, arrived while it was open, or
+    closed it: with one token per update, the tokens up to and with `</think>`, and none
+    when the output never opens a block."""
 
     def __init__(
         self,
@@ -46,9 +47,10 @@ class ChatOutput:
     def feed(self, text: str, num_tokens: int) -> ChatDelta:
         if self._reasoning is None:
             return self._answer(text)
-        if self._reasoning.in_reasoning:
-            self.reasoning_tokens += num_tokens
+        was_open = self._reasoning.in_block
         split = self._reasoning.feed(text)
+        if was_open or self._reasoning.in_block:
+            self.reasoning_tokens += num_tokens
         out = self._answer(split.answer)
         out.reasoning = split.reasoning
         return out

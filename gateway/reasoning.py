@@ -53,6 +53,11 @@ class ReasoningParser(abc.ABC):
     def in_reasoning(self) -> bool:
         """Whether the output is (or may still be) inside the reasoning block."""
 
+    @property
+    @abc.abstractmethod
+    def in_block(self) -> bool:
+        """Whether the output is inside an opened reasoning block."""
+
 
 class ReasoningFormat(abc.ABC):
     """One way models write their reasoning."""
@@ -94,6 +99,10 @@ class ThinkTagsParser(ReasoningParser):
     @property
     def in_reasoning(self) -> bool:
         return self._state is not _State.ANSWER
+
+    @property
+    def in_block(self) -> bool:
+        return self._state is _State.REASONING
 
     def feed(self, new: str) -> ReasoningDelta:
         out = ReasoningDelta()

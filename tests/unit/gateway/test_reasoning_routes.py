@@ -104,9 +104,12 @@ def test_thinking_off_leaves_everything_to_content(think_tokenizer: Any) -> None
     client, _, _ = serve(
         think_tokenizer, tokens, default_template_kwargs={"enable_thinking": False}
     )
-    message = client.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
+    completion = client.chat.completions.create(model=MODEL, messages=ASK)
+    message = completion.choices[0].message
     assert message.content == "It is four."
     assert message.reasoning_content is None  # type: ignore[attr-defined]
+    # No block was opened: no output token was reasoning.
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_without_a_parser_the_tags_stay_in_content(think_tokenizer: Any) -> None:
