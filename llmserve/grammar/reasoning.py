@@ -103,7 +103,7 @@ class ReasoningGrammar(CompiledGrammar):
 
 
 class ReasoningMatcher(GrammarMatcher):
-    __slots__ = ("_grammar", "_inner", "_where", "_at", "_spent", "_error")
+    __slots__ = ("_grammar", "_inner", "_where", "_at", "_spent", "_error", "_answer")
 
     def __init__(self, grammar: ReasoningGrammar, inner: GrammarMatcher | None) -> None:
         self._grammar = grammar
@@ -113,6 +113,9 @@ class ReasoningMatcher(GrammarMatcher):
         self._at = 0
         self._spent = 0  # tokens inside the block
         self._error = ""
+        # BEFORE: whether the output so far may also be the answer's start (the inner
+        # matcher has accepted it), as well as the start of the opening.
+        self._answer = True
         self._where = _Where.BEFORE
         if grammar.spec.opened:
             self._enter()
@@ -122,6 +125,9 @@ class ReasoningMatcher(GrammarMatcher):
         return self._where is not _Where.AFTER
 
     def _enter(self) -> None:
+        inner = self._grammar.inner
+        if self._where is _Where.BEFORE and inner is not None and self._at:
+            self._inner = inner.matcher()  # it followed the opening as a possible answer
         self._where, self._at, self._spent = _Where.INSIDE, 0, 0
         if self._grammar.spec.budget == 0:
             self._where = _Where.CLOSING
@@ -138,15 +144,7 @@ class ReasoningMatcher(GrammarMatcher):
         if where is _Where.AFTER:
             return self._inner is None or self._inner.accept(token_id)
         if where is _Where.BEFORE:
-            if token_id == spec.open_ids[self._at]:
-                self._at += 1
-                if self._at == len(spec.open_ids):
-                    self._enter()
-                return True
-            if self._at:
-                return self._refuse("the reasoning block's opening was cut short")
-            self._where = _Where.AFTER  # no reasoning: the output is all answer
-            return self._inner is None or self._inner.accept(token_id)
+            return self._before(token_id)
         if where is _Where.CLOSING:
             if token_id != spec.close_ids[self._at]:
                 return self._refuse("the thinking budget is spent: the block must close")
@@ -167,6 +165,27 @@ class ReasoningMatcher(GrammarMatcher):
             self._where, self._at = _Where.CLOSING, 0
         return True
 
+    def _before(self, token_id: int) -> bool:
+        """The output may open the block, or be the answer from its first token; while what
+        it wrote is a beginning of the opening, both stay possible (harmony's opening and its
+        answer's channel header begin alike)."""
+        spec = self._grammar.spec
+        opens = token_id == spec.open_ids[self._at]
+        if self._answer and self._inner is not None:
+            probe = self._inner.copy() if opens else self._inner
+            self._answer = probe.accept(token_id)
+            if self._answer:
+                self._inner = probe
+        if opens:
+            self._at += 1
+            if self._at == len(spec.open_ids):
+                self._enter()
+            return True
+        if not self._answer:
+            return self._refuse("neither the reasoning block's opening nor the answer")
+        self._where = _Where.AFTER  # no reasoning: the output is all answer
+        return True
+
     def bitmask(self) -> bytes:
         where = self._where
         grammar = self._grammar
@@ -178,7 +197,7 @@ class ReasoningMatcher(GrammarMatcher):
         if where is _Where.CLOSING:
             return _bits(grammar.vocab_size, {spec.close_ids[self._at]}).tobytes()
         opening = _bits(grammar.vocab_size, {spec.open_ids[self._at]})
-        if self._at:
+        if not self._answer:
             return opening.tobytes()
         if self._inner is None:
             return grammar.thinking_bytes
@@ -206,10 +225,11 @@ class ReasoningMatcher(GrammarMatcher):
         twin = ReasoningMatcher.__new__(ReasoningMatcher)
         twin._grammar = self._grammar
         twin._inner = self._inner.copy() if self._inner is not None else None
-        twin._where, twin._at, twin._spent, twin._error = (
+        twin._where, twin._at, twin._spent, twin._error, twin._answer = (
             self._where,
             self._at,
             self._spent,
             self._error,
+            self._answer,
         )
         return twin

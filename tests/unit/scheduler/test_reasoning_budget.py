@@ -280,3 +280,40 @@ def test_pipelined_reasoning_outputs_equal_synchronous_ones(tok, cache, tags, fo
     assert summary(results) == expected
     assert stepper.num_continuations > 10
     assert_empty(engine)
+
+
+def test_an_opening_that_begins_like_the_answer(tok, cache, tags):
+    """harmony's opening (`<|channel|>analysis<|message|>`) and its answer's header
+    (`<|channel|>final<|message|>`) share their first token: until they part, the output may
+    still become either, and the mask allows both continuations."""
+    open_id, end_id, newline = tags
+    (yes,) = tok.encode("yes", add_special_tokens=False)
+    inner = cache.get(
+        tok, GrammarSpec.choice(["yes, certainly", "no"], "structured_outputs.choice")
+    )
+    spec = ReasoningSpec((yes, open_id), (end_id,), (newline, end_id), False, 4)
+    grammar = ReasoningGrammar(spec, inner, len(tok))
+    m = grammar.matcher()
+    assert m.accept(yes)
+    after_yes = allowed(m, len(tok))
+    comma = tok.encode(",", add_special_tokens=False)[0]
+    assert {open_id, comma} <= after_yes and len(after_yes) < 10
+    # The block opens: its thinking is free, and the answer starts afresh after it.
+    thinking = m.copy()
+    assert thinking.accept(open_id) and thinking.in_reasoning
+    for t in (100, 101, 102, 103):
+        assert thinking.accept(t)
+    assert thinking.forced_tokens() == [newline, end_id]
+    assert thinking.accept(newline) and thinking.accept(end_id)
+    for t in tok.encode("yes, certainly", add_special_tokens=False):
+        assert thinking.accept(t)
+    assert thinking.is_terminated()
+    # Or the first token was the answer's: the rest must be the answer.
+    assert m.accept(comma) and not m.in_reasoning
+    assert open_id not in allowed(m, len(tok))
+    for t in tok.encode(" certainly", add_special_tokens=False):
+        assert m.accept(t)
+    assert m.is_terminated()
+    # A token that is neither is refused.
+    fresh = grammar.matcher()
+    assert fresh.accept(yes) and not fresh.accept(newline) and fresh.error()
