@@ -169,8 +169,14 @@ def anthropic_error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]
     }
 
 
-def _ok_or_events(model: type, description: str, event: dict[str, Any]) -> dict[str, Any]:
-    # Before OpenAPI 3.2 the schema of an event stream describes one event.
+def _ok_or_events(model: type, description: str, **lines: str) -> dict[str, Any]:
+    """A 200 answered as `model`'s JSON, or as server-sent events with these `lines` (name:
+    what it holds). Before OpenAPI 3.2 the schema of an event stream describes one event."""
+    event = {
+        "type": "object",
+        "required": list(lines),
+        "properties": {name: {"type": "string", "description": d} for name, d in lines.items()},
+    }
     return {
         "model": model,
         "description": description,
@@ -179,36 +185,22 @@ def _ok_or_events(model: type, description: str, event: dict[str, Any]) -> dict[
 
 
 def generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
-    event = {
-        "type": "object",
-        "required": ["data"],
-        "properties": {
-            "data": {"type": "string", "description": "a JSON chunk, an error, or [DONE]"}
-        },
-    }
     ok = _ok_or_events(
         model,
         "The full response, or with `stream: true` server-sent events "
         "(`data: <chunk>` lines, then `data: [DONE]`)",
-        event,
+        data="a JSON chunk, an error, or [DONE]",
     )
     return {200: ok, **error_responses(400, 401, 404, 409, 429, 503)}
 
 
 def messages_responses(model: type) -> dict[int | str, dict[str, Any]]:
-    event = {
-        "type": "object",
-        "required": ["event", "data"],
-        "properties": {
-            "event": {"type": "string", "description": "the event's type, e.g. message_start"},
-            "data": {"type": "string", "description": "the event as JSON"},
-        },
-    }
     ok = _ok_or_events(
         model,
         "The message, or with `stream: true` server-sent events "
         "(`event: <type>` and `data: <json>` lines, ending with message_stop)",
-        event,
+        event="the event's type, e.g. message_start",
+        data="the event as JSON",
     )
     return {200: ok, **anthropic_error_responses(400, 401, 404, 409, 429, 503)}
 
