@@ -204,6 +204,32 @@ def test_x_api_key_is_accepted_like_authorization(think_tokenizer: Any) -> None:
     assert r.status_code == 200
 
 
+def test_a_call_cut_off_by_max_tokens_is_no_tool_use(think_tokenizer: Any) -> None:
+    # The limit ends the answer inside the call's arguments: nothing a client could run.
+    cut = CALL[: CALL.index("Paris")]
+    tokens = think_tokenizer.encode(f"Look.\n</think>\n\n{cut}", add_special_tokens=False)
+    client, _, _ = serve(think_tokenizer, tokens, finish=common_pb2.FINISH_REASON_LENGTH)
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=len(tokens),
+        messages=ASK,
+        tools=[WEATHER],  # type: ignore[arg-type,list-item]
+    )
+    assert message.content[-1].type == "tool_use"
+    assert message.stop_reason == "max_tokens"
+
+
+def test_message_start_counts_the_prompt(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    events = list(client.messages.create(model=MODEL, max_tokens=40, messages=ASK, stream=True))  # type: ignore[arg-type]
+    assert events[0].type == "message_start"
+    prompt_tokens = len(scheduler.submitted[0].prompt_token_ids)
+    assert (events[0].message.usage.input_tokens, events[0].message.usage.output_tokens) == (
+        prompt_tokens,
+        0,
+    )
+
+
 def _anthropic_shaped(body: object, kind: str) -> str:
     """The message of an Anthropic error body of type `kind` (and nothing of OpenAI's)."""
     assert isinstance(body, dict) and set(body) == {"type", "error"}, body
