@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import math
 from collections.abc import Iterator
 
 from prometheus_client import Gauge
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmserve.errors import ApiError, FieldError, OverloadedError, UnavailableError, http_error
+from gateway.http_errors import RETRY_AFTER_S, error_response
+from llmserve.errors import ApiError, FieldError, OverloadedError, UnavailableError
 from llmserve.logs import get_logger
 
 log = get_logger(__name__)
@@ -33,8 +32,6 @@ IN_FLIGHT = Gauge(
 SCHEDULER_REQUESTS = Gauge(
     "llmserve_gateway_scheduler_requests", "Requests the gateway holds state for at the scheduler"
 )
-# Seconds a refused client is told to wait (Retry-After): about one request's time.
-RETRY_AFTER_S = 1.0
 
 
 class Admission:
@@ -90,24 +87,10 @@ class Admission:
         return True
 
 
-async def send_error(send: Send, exc: ApiError) -> None:
-    """An OpenAI-shaped error response from inside ASGI middleware."""
-    err = http_error(exc)
-    body = json.dumps(
-        {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
-    ).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers.extend(retry_after_header(exc))
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def retry_after_header(exc: BaseException) -> list[tuple[bytes, bytes]]:
-    """Retry-After for a refusal that says when to come back (whole seconds, at least 1)."""
-    retry_after = getattr(exc, "retry_after_s", None)
-    if retry_after is None:
-        return []
-    return [(b"retry-after", str(max(1, math.ceil(retry_after))).encode())]
+async def send_error(scope: Scope, receive: Receive, send: Send, exc: ApiError) -> None:
+    """A refusal from inside ASGI middleware, in the shape of the API the path belongs to
+    (Anthropic's on /v1/messages, OpenAI's elsewhere), as the routes' own errors are."""
+    await error_response(exc, scope["path"])(scope, receive, send)
 
 
 def _is_generation(scope: Scope) -> bool:
@@ -129,7 +112,7 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await send_error(send, self._too_large(int(declared)))
+            await send_error(scope, receive, send, self._too_large(int(declared)))
             return
         chunks: list[bytes] = []
         size = 0
@@ -141,7 +124,7 @@ class BodyLimitMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await send_error(send, self._too_large(size))
+                await send_error(scope, receive, send, self._too_large(size))
                 return
             if not message.get("more_body", False):
                 break
@@ -178,7 +161,7 @@ class AdmissionMiddleware:
         try:
             self.admission.admit()
         except ApiError as exc:
-            await send_error(send, exc)
+            await send_error(scope, receive, send, exc)
             return
         try:
             await self.app(scope, receive, send)

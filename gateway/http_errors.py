@@ -12,12 +12,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.admission import RETRY_AFTER_S
 from gateway.openai_protocol import ErrorBody, ErrorResponse
 from llmserve.errors import ApiError, FieldError, http_error
 from llmserve.logs import get_logger
 
 log = get_logger(__name__)
+
+# Seconds a refused client is told to wait (Retry-After): about one request's time.
+RETRY_AFTER_S = 1.0
 
 
 def error_body(exc: BaseException) -> dict[str, Any]:
@@ -42,6 +44,11 @@ _ANTHROPIC_TYPES = {
 }
 
 
+def _anthropic_type(status: int) -> str:
+    # Anthropic uses invalid_request_error for the client errors it lists no type for.
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
 def is_anthropic_path(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
@@ -51,8 +58,7 @@ def anthropic_error_body(exc: BaseException) -> dict[str, Any]:
     if not isinstance(exc, ApiError):
         log.error("request failed", exc_info=exc)
     e = http_error(exc)
-    kind = _ANTHROPIC_TYPES.get(e.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    return {"type": "error", "error": {"type": _anthropic_type(e.status), "message": e.message}}
 
 
 def error_response(exc: BaseException, path: str = "") -> JSONResponse:
@@ -84,6 +90,10 @@ async def _framework_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400:
         return error_response(FieldError("body", str(exc.detail)), request.url.path)
+    if is_anthropic_path(request.url.path):  # a wrong method on /v1/messages, say
+        error = {"type": _anthropic_type(exc.status_code), "message": str(exc.detail)}
+        body = {"type": "error", "error": error}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
     return JSONResponse(
         ErrorResponse(
             error=ErrorBody(

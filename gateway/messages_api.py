@@ -19,6 +19,7 @@ from gateway import metrics
 from gateway.chat_inputs import tool_chat_prompt
 from gateway.chat_output import ChatOutput
 from gateway.generation import GenerationCore
+from gateway.generation_types import GenerationInput
 from gateway.http_errors import (
     anthropic_error_body,
     anthropic_error_responses,
@@ -233,7 +234,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         raise FieldError(_client_field(exc.field or "body"), exc.detail) from exc
     metrics.REQUESTS.labels("messages", "stream" if body.stream else "full").inc()
     parent = context_from_metadata(list(request.headers.items()))
-    run = _Run(core, inp.reasoning, inp.tools)
+    run = _Run(core, inp)
     events = run.events(await first_update(core, inp, parent))
     if body.stream:
         return StreamingResponse(_sse(events), media_type="text/event-stream")
@@ -265,16 +266,18 @@ _STOP_REASONS: dict[int, str] = {
 
 
 class _Run:
-    def __init__(self, core: GenerationCore, reasoning: Any, tools: Any) -> None:
+    def __init__(self, core: GenerationCore, inp: GenerationInput) -> None:
         self.core = core
         self.id = f"msg_{uuid.uuid4().hex}"
-        self.output = ChatOutput(reasoning, tools, core.tokenization.tool_format)
+        self.prompt_tokens = len(inp.prompt.token_ids)
+        self.output = ChatOutput(inp.reasoning, inp.tools, core.tokenization.tool_format)
         self.items = OutputItems()
         self.outcome = Outcome()
 
     async def events(self, updates: Any) -> AsyncGenerator[dict[str, Any], None]:
         start = {**self.message(), "content": [], "stop_reason": None}
-        start["usage"] = {"input_tokens": 0, "output_tokens": 0}
+        # The prompt is counted before the first token, as Anthropic's message_start has it.
+        start["usage"] = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
         yield {"type": "message_start", "message": start}
         async for e in item_events(updates, self.output, self.items, self.outcome):
             yield self._block_event(e)
@@ -300,7 +303,10 @@ class _Run:
         return {"type": "content_block_delta", "index": e.index, "delta": delta}
 
     def _stop(self) -> tuple[str | None, str | None]:
-        if any(i.kind is ItemKind.CALL for i in self.items.items):
+        # Calls end the turn only when the model stopped after them: a call cut off by
+        # max_tokens is no call to run (the chat route's "tool_calls" rule).
+        stopped = self.outcome.finish_reason == common_pb2.FINISH_REASON_STOP
+        if stopped and any(i.kind is ItemKind.CALL for i in self.items.items):
             return "tool_use", None
         if isinstance(self.outcome.stop_reason, str):
             return "stop_sequence", self.outcome.stop_reason

@@ -84,7 +84,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     updates = await first_update(core, inp, parent)
     events = run.events(updates)
     if body.stream:
-        return StreamingResponse(_sse(events), media_type="text/event-stream")
+        return StreamingResponse(_sse(run, events), media_type="text/event-stream")
     try:
         async for _ in events:
             pass
@@ -93,14 +93,14 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return JSONResponse(run.response())
 
 
-async def _sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
+async def _sse(run: _Run, events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
     except Exception as exc:  # the status line is sent: the error travels as an event
         body = error_body(exc)["error"]
-        event = {"type": "error", "code": body["code"], "message": body["message"]}
-        yield f"event: error\ndata: {json.dumps({**event, 'param': body['param']})}\n\n"
+        fields = {k: body[k] for k in ("code", "message", "param")}
+        yield f"event: error\ndata: {json.dumps(run.event('error', **fields))}\n\n"
     finally:
         await events.aclose()
 
@@ -128,20 +128,28 @@ class _Run:
 
     async def events(self, updates: Any) -> AsyncGenerator[dict[str, Any], None]:
         output = ChatOutput(self.inp.reasoning, self.inp.tools, self.core.tokenization.tool_format)
-        yield self._event("response.created", response=self.response())
-        yield self._event("response.in_progress", response=self.response())
+        yield self.event("response.created", response=self.response())
+        yield self.event("response.in_progress", response=self.response())
         async for e in item_events(updates, output, self.items, self.outcome):
             for event in self._item_event(e):
                 yield event
         self.status = "completed" if self._complete() else "incomplete"
         if self.body.store:
             self.store.put(self.id, self.conversation())
-        yield self._event(f"response.{self.status}", response=self.response())
+        yield self.event(f"response.{self.status}", response=self.response())
 
     def _complete(self) -> bool:
         return self.outcome.finish_reason == common_pb2.FINISH_REASON_STOP
 
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def _item_status(self, index: int) -> str:
+        """An item's status once closed: the one being written when the generation ended
+        without stopping (max_output_tokens) is incomplete, a call's arguments cut short."""
+        ended = self.outcome.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        cut_off = ended and not self._complete() and index == len(self.items.items) - 1
+        return "incomplete" if cut_off else "completed"
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """An event of this response's stream, numbered in sending order."""
         self._seq += 1
         return {"type": kind, "sequence_number": self._seq - 1, **fields}
 
@@ -156,7 +164,7 @@ class _Run:
         at = {"item_id": item_id, "output_index": e.index}
         kind = e.item.kind
         if e.kind is EventKind.OPENED:
-            added = self._event(
+            added = self.event(
                 "response.output_item.added",
                 output_index=e.index,
                 item=self._item(e.index, e.item, "in_progress", empty=True),
@@ -166,20 +174,20 @@ class _Run:
             part = {"type": "output_text", "text": "", "annotations": []}
             return [
                 added,
-                self._event("response.content_part.added", **at, content_index=0, part=part),
+                self.event("response.content_part.added", **at, content_index=0, part=part),
             ]
         if e.kind is EventKind.DELTA:
             if kind is ItemKind.CALL:
-                return [self._event("response.function_call_arguments.delta", **at, delta=e.delta)]
+                return [self.event("response.function_call_arguments.delta", **at, delta=e.delta)]
             name = "reasoning_text" if kind is ItemKind.REASONING else "output_text"
             extra: dict[str, Any] = {"logprobs": []} if kind is ItemKind.TEXT else {}
             return [
-                self._event(f"response.{name}.delta", **at, content_index=0, delta=e.delta, **extra)
+                self.event(f"response.{name}.delta", **at, content_index=0, delta=e.delta, **extra)
             ]
         out = []
         if kind is ItemKind.CALL:
             out.append(
-                self._event(
+                self.event(
                     "response.function_call_arguments.done",
                     **at,
                     name=e.item.name,
@@ -188,18 +196,18 @@ class _Run:
             )
         elif kind is ItemKind.REASONING:
             out.append(
-                self._event("response.reasoning_text.done", **at, content_index=0, text=e.item.text)
+                self.event("response.reasoning_text.done", **at, content_index=0, text=e.item.text)
             )
         else:
             text, part = e.item.text, _output_text(e.item.text)
             out.append(
-                self._event(
+                self.event(
                     "response.output_text.done", **at, content_index=0, text=text, logprobs=[]
                 )
             )
-            out.append(self._event("response.content_part.done", **at, content_index=0, part=part))
-        item = self._item(e.index, e.item, "completed")
-        out.append(self._event("response.output_item.done", output_index=e.index, item=item))
+            out.append(self.event("response.content_part.done", **at, content_index=0, part=part))
+        item = self._item(e.index, e.item, self._item_status(e.index))
+        out.append(self.event("response.output_item.done", output_index=e.index, item=item))
         return out
 
     def _item(self, index: int, item: Item, status: str, empty: bool = False) -> dict[str, Any]:
@@ -240,7 +248,9 @@ class _Run:
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "model": self.core.model_name,
-            "output": [self._item(i, item, "completed") for i, item in enumerate(self.items.items)]
+            "output": [
+                self._item(i, item, self._item_status(i)) for i, item in enumerate(self.items.items)
+            ]
             if done
             else [],
             "parallel_tool_calls": body.parallel_tool_calls is not False,

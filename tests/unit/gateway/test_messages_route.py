@@ -10,9 +10,11 @@ import anthropic
 import pytest
 from fastapi.testclient import TestClient
 
+from gateway.admission import Admission
 from gateway.generation import GenerationCore
 from gateway.openai_api import build_app
 from gateway.tokenization import Tokenization
+from llmserve.limits import RequestLimits
 from llmserve.security import KeySet
 from llmserve.v1 import common_pb2
 from tests.support.templates import template_text
@@ -33,6 +35,7 @@ def serve(
     tokens: list[int],
     finish: int = common_pb2.FINISH_REASON_STOP,
     keys: tuple[str, ...] = (),
+    **core_options: Any,
 ) -> tuple[anthropic.Anthropic, FakeScheduler, TestClient]:
     scheduler = FakeScheduler(tokens, finish=finish)  # type: ignore[arg-type]
     core = GenerationCore(
@@ -40,6 +43,7 @@ def serve(
         Tokenization(tokenizer, template_text("think")),
         scheduler,  # type: ignore[arg-type]
         4096,
+        **core_options,
     )
     http = TestClient(build_app(core, api_keys=KeySet(keys)), raise_server_exceptions=False)
     client = anthropic.Anthropic(
@@ -196,3 +200,74 @@ def test_x_api_key_is_accepted_like_authorization(think_tokenizer: Any) -> None:
     assert r.json()["error"]["type"] == "authentication_error"
     r = http.post("/v1/messages", json=body, headers={"authorization": "Bearer key"})
     assert r.status_code == 200
+
+
+def test_a_call_cut_off_by_max_tokens_is_no_tool_use(think_tokenizer: Any) -> None:
+    # The limit ends the answer inside the call's arguments: nothing a client could run.
+    cut = CALL[: CALL.index("Paris")]
+    tokens = think_tokenizer.encode(f"Look.\n</think>\n\n{cut}", add_special_tokens=False)
+    client, _, _ = serve(think_tokenizer, tokens, finish=common_pb2.FINISH_REASON_LENGTH)
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=len(tokens),
+        messages=ASK,
+        tools=[WEATHER],  # type: ignore[arg-type,list-item]
+    )
+    assert message.content[-1].type == "tool_use"
+    assert message.stop_reason == "max_tokens"
+
+
+def test_message_start_counts_the_prompt(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    events = list(client.messages.create(model=MODEL, max_tokens=40, messages=ASK, stream=True))  # type: ignore[arg-type]
+    assert events[0].type == "message_start"
+    prompt_tokens = len(scheduler.submitted[0].prompt_token_ids)
+    assert (events[0].message.usage.input_tokens, events[0].message.usage.output_tokens) == (
+        prompt_tokens,
+        0,
+    )
+
+
+def _anthropic_shaped(body: object, kind: str) -> str:
+    """The message of an Anthropic error body of type `kind` (and nothing of OpenAI's)."""
+    assert isinstance(body, dict) and set(body) == {"type", "error"}, body
+    assert body["type"] == "error"
+    assert body["error"]["type"] == kind
+    return str(body["error"]["message"])
+
+
+def test_a_full_gateway_refuses_in_anthropics_shape(think_tokenizer: Any) -> None:
+    admission = Admission(1, retry_after_s=2.5)
+    admission.admit()  # the one slot is taken
+    client, scheduler, http = serve(think_tokenizer, ids(think_tokenizer, "x"), admission=admission)
+    with pytest.raises(anthropic.RateLimitError) as caught:
+        client.messages.create(model=MODEL, max_tokens=5, messages=ASK)  # type: ignore[arg-type]
+    assert "--max-pending-requests" in _anthropic_shaped(caught.value.body, "rate_limit_error")
+    assert caught.value.response.headers["retry-after"] == "3"
+    # The OpenAI routes keep OpenAI's shape for the same refusal.
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    assert scheduler.submitted == []
+
+
+def test_a_body_over_the_limit_is_refused_in_anthropics_shape(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(
+        think_tokenizer, ids(think_tokenizer, "x"), limits=RequestLimits(max_body_bytes=200)
+    )
+    long = [{"role": "user", "content": "x" * 300}]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=MODEL, max_tokens=5, messages=long)  # type: ignore[arg-type]
+    message = _anthropic_shaped(caught.value.body, "invalid_request_error")
+    assert message.startswith("body: ") and "over this server's limit of 200" in message
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.count_tokens(model=MODEL, messages=long)  # type: ignore[arg-type]
+    _anthropic_shaped(caught.value.body, "invalid_request_error")
+    assert scheduler.submitted == []
+
+
+def test_a_wrong_method_is_refused_in_anthropics_shape(think_tokenizer: Any) -> None:
+    _, _, http = serve(think_tokenizer, ids(think_tokenizer, "x"))
+    r = http.get("/v1/messages")
+    assert r.status_code == 405
+    assert "POST" in r.headers["allow"]
+    _anthropic_shaped(r.json(), "invalid_request_error")

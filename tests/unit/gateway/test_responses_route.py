@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import pytest
 
 from llmserve.grammar.spec import GrammarKind
+from llmserve.v1 import common_pb2
 from tests.unit.gateway.test_openai_routes import MODEL
 from tests.unit.gateway.test_reasoning_routes import OPENED, ids, serve
 
@@ -141,3 +143,46 @@ def test_store_false_is_not_kept_and_the_store_is_bounded(think_tokenizer: Any) 
             json={"input": "on", "previous_response_id": response_id, "store": False},
         )
         assert (r.status_code == 200) == kept, (response_id, r.text)
+
+
+def test_the_item_max_output_tokens_cut_off_is_incomplete(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    scheduler.finish = common_pb2.FINISH_REASON_LENGTH
+    whole = client.responses.create(model=MODEL, input="What is 2 + 2?", max_output_tokens=10)
+    assert whole.status == "incomplete"
+    assert whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    # The reasoning was closed by the answer that followed it; the answer was cut.
+    assert [(item.type, item.status) for item in whole.output] == [
+        ("reasoning", None),
+        ("message", "incomplete"),
+    ]
+    events = list(
+        client.responses.create(
+            model=MODEL, input="What is 2 + 2?", max_output_tokens=10, stream=True
+        )
+    )
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.status for item in done if item.type == "message"] == ["incomplete"]
+    assert events[-1].type == "response.incomplete"
+    assert [item.status for item in events[-1].response.output] == [None, "incomplete"]  # type: ignore[union-attr]
+
+
+def test_a_call_max_output_tokens_cut_off_is_incomplete(think_tokenizer: Any) -> None:
+    cut = CALL[: CALL.index("Paris")]
+    tokens = think_tokenizer.encode(f"x</think>{cut}", add_special_tokens=False)
+    client, scheduler, _ = serve(think_tokenizer, tokens)
+    scheduler.finish = common_pb2.FINISH_REASON_LENGTH
+    response = client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER])
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [c.status for c in calls] == ["incomplete"]
+    assert '{"city": "Paris"}'.startswith(calls[0].arguments)
+
+
+def test_an_error_after_the_status_line_is_a_numbered_event(think_tokenizer: Any) -> None:
+    client, scheduler, _ = serve(think_tokenizer, ids(think_tokenizer, *OPENED))
+    scheduler.error_after_first = (grpc.StatusCode.INTERNAL.value[0], "the worker died", "")
+    events = list(client.responses.create(model=MODEL, input="What is 2 + 2?", stream=True))
+    assert events[-1].type == "error"
+    assert events[-1].message == "the worker died"  # type: ignore[union-attr]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
