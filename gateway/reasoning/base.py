@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmserve.grammar.reasoning import ReasoningSpec
+from llmserve.grammar.spec import GrammarSpec
 
 
 @dataclass(slots=True)
@@ -38,6 +39,12 @@ class ReasoningParser(abc.ABC):
     def in_block(self) -> bool:
         """Whether the output is inside an opened reasoning block."""
 
+    @property
+    @abc.abstractmethod
+    def opening(self) -> bool:
+        """Whether the text held back may still turn out to open the block (a tag, or a
+        header, not yet complete): the tokens that wrote it are reasoning if it does."""
+
 
 class ReasoningFormat(abc.ABC):
     """One way models write their reasoning."""
@@ -48,6 +55,11 @@ class ReasoningFormat(abc.ABC):
     open_text: str
     end_text: str
     close_text: str
+    # Tags the parser reads that tokenizers may hold as special tokens: decoded for it even
+    # when a request skips special tokens (the parser leaves them out of what the client gets).
+    special_tags: tuple[str, ...] = ()
+    # Why chats with tools cannot be served in this format (None: they can).
+    tools_refused: str | None = None
 
     @abc.abstractmethod
     def opened_in(self, prompt_text: str) -> bool:
@@ -61,6 +73,12 @@ class ReasoningFormat(abc.ABC):
     @abc.abstractmethod
     def parser(self, opened: bool) -> ReasoningParser:
         """A parser for one choice; `opened`: the prompt opened the block."""
+
+    def answer_grammar(self, grammar: GrammarSpec, closed: bool) -> GrammarSpec:
+        """The grammar of what follows the block (or, `closed`: of the whole output) for a
+        request whose answer must match `grammar`: the answer itself, unless the format
+        frames it (harmony's final-message header)."""
+        return grammar
 
 
 def partial_suffix(text: str, tag: str) -> int:
@@ -83,6 +101,11 @@ class ReasoningRequest:
 
     def parser(self) -> ReasoningParser:
         return self.format.parser(self.opened)
+
+    def answer_grammar(self, grammar: GrammarSpec) -> GrammarSpec:
+        """The grammar the scheduler enforces for a request whose answer must match
+        `grammar` (`ReasoningFormat.answer_grammar`)."""
+        return self.format.answer_grammar(grammar, self.closed)
 
     def scheduler_spec(
         self, token_ids: Callable[[str], list[int]], constrained: bool

@@ -41,6 +41,10 @@ class ThinkTagsParser(ReasoningParser):
     def in_block(self) -> bool:
         return self._state is _State.REASONING
 
+    @property
+    def opening(self) -> bool:
+        return self._state is _State.START and bool(self._held)
+
     def feed(self, new: str) -> ReasoningDelta:
         out = ReasoningDelta()
         text, self._held = self._held + new, ""
