@@ -10,6 +10,7 @@ from gateway.reasoning.base import (
     ReasoningParser,
     ReasoningRequest,
 )
+from gateway.reasoning.harmony import CHANNEL, HARMONY, MESSAGE, HarmonyFormat
 from gateway.reasoning.think_tags import THINK_CLOSE, THINK_OPEN, THINK_TAGS, ThinkTagsFormat
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "ReasoningFormat",
     "ReasoningParser",
     "ReasoningRequest",
+    "HarmonyFormat",
     "ThinkTagsFormat",
     "detect_format",
     "reasoning_format",
@@ -26,15 +28,20 @@ __all__ = [
 
 AUTO = "auto"
 NONE = "none"
-REASONING_PARSERS = (AUTO, NONE, THINK_TAGS)
+REASONING_PARSERS = (AUTO, NONE, THINK_TAGS, HARMONY)
 _FLAG = "--reasoning-parser"
 
-FORMATS: dict[str, ReasoningFormat] = {THINK_TAGS: ThinkTagsFormat()}
+FORMATS: dict[str, ReasoningFormat] = {THINK_TAGS: ThinkTagsFormat(), HARMONY: HarmonyFormat()}
 
 
 def detect_format(template: str | None) -> str:
-    """`think_tags` for a chat template that writes both tags, else `none`."""
-    if template and THINK_OPEN in template and THINK_CLOSE in template:
+    """`harmony` for a chat template that writes harmony's message headers (gpt-oss's),
+    `think_tags` for one that writes both think tags, else `none`."""
+    if not template:
+        return NONE
+    if CHANNEL in template and MESSAGE in template:
+        return HARMONY
+    if THINK_OPEN in template and THINK_CLOSE in template:
         return THINK_TAGS
     return NONE
 
