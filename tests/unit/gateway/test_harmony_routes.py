@@ -2,7 +2,7 @@
 tokenizer with harmony's tags added as special tokens (conftest's harmony_tokenizer) and
 tests/support/templates/harmony.jinja, whose generation prompt ends with `<|start|>assistant`.
 The tags reach the parser although special tokens are skipped, and never the client. The
-official `openai` SDK reads the responses."""
+official `openai` SDK reads the responses; the gRPC Chat answers the same."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ from gateway.tokenization import Tokenization
 from llmserve.grammar.llguidance_backend import LLGuidanceBackend
 from llmserve.grammar.reasoning import ReasoningGrammar
 from llmserve.grammar.spec import GrammarKind
+from llmserve.v1 import generation_pb2
 from tests.support.templates import template_text
+from tests.unit.gateway.test_grpc_chat import make_core, refused
 from tests.unit.gateway.test_openai_routes import MODEL
 from tests.unit.gateway.test_reasoning_routes import ASK, WEATHER, ids, serve
+from tests.unit.gateway.test_validation_path import grpc_generate
 
 # One token a piece: the analysis message, then the final one (SmolLM2 writes "assistant" in
 # two tokens).
@@ -194,3 +197,17 @@ def test_tools_are_refused(harmony_tokenizer: Any) -> None:
     )
     assert ok.status_code == 200, ok.text
     assert len(scheduler.submitted) == 1
+
+
+def test_the_grpc_chat_answers_the_same(harmony_tokenizer: Any) -> None:
+    core, _, _ = make_core(harmony_tokenizer, ids(harmony_tokenizer, *THINKING, *ANSWER), "harmony")
+    ask = generation_pb2.ChatMessage(role="user", content="What is 2 + 2?")
+    chat = generation_pb2.Chat(messages=[ask])
+    responses = grpc_generate(core, generation_pb2.GenerateRequest(chat=chat))
+    assert isinstance(responses, list), responses
+    choices = [c for r in responses for c in r.choices]
+    assert "".join(c.reasoning for c in choices) == "Add them."
+    assert [c.text for c in choices if c.text] == ["It", " is", " four", "."]
+    assert responses[-1].usage.reasoning_tokens == len(THINKING)
+    tool = generation_pb2.Tool(name="get_weather", parameters='{"type": "object"}')
+    assert refused(core, generation_pb2.Chat(messages=[ask], tools=[tool])) == "chat.tools"
