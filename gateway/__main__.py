@@ -108,8 +108,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=REASONING_PARSERS,
         help="how a chat's reasoning is told from its answer (message.reasoning_content): "
         "think_tags (<think>...</think>: Qwen3, DeepSeek-R1, also when the template opens "
-        "the block in the prompt), none, or auto: think_tags when the chat template writes "
-        "both tags",
+        "the block in the prompt), harmony (gpt-oss's analysis and final channels; no "
+        "tools), none, or auto: harmony when the chat template writes <|channel|> and "
+        "<|message|>, think_tags when it writes both think tags",
     )
     p.add_argument(
         "--default-chat-template-kwargs",

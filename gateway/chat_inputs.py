@@ -44,14 +44,16 @@ async def prepare_chat(
 ) -> PreparedChat:
     """`messages` ({role, content[, name, tool_calls, tool_call_id]} each) and the checked
     `tools` and `template_kwargs` rendered into a prompt; `grammar` (the request's structured
-    output) checked for admission. FieldError naming the field (OpenAI's names: `messages`,
-    `tools`, `thinking_token_budget`) for what cannot be served."""
+    output) checked for admission, then framed as the reasoning format writes an answer.
+    FieldError naming the field (OpenAI's names: `messages`, `tools`,
+    `thinking_token_budget`) for what cannot be served."""
+    fmt = core.tokenization.reasoning_format
     if thinking_budget is not None:
         if isinstance(thinking_budget, bool) or not isinstance(thinking_budget, int):
             raise FieldError(BUDGET_FIELD, f"must be an integer, got {thinking_budget!r}")
         if thinking_budget < 0:
             raise FieldError(BUDGET_FIELD, f"must be at least 0, got {thinking_budget}")
-        if core.tokenization.reasoning_format is None:
+        if fmt is None:
             # The budget ends the reasoning: only a parsed reasoning has an end to find.
             raise FieldError(
                 BUDGET_FIELD,
@@ -60,6 +62,8 @@ async def prepare_chat(
                 "--reasoning-parser none)",
             )
     if tools is not None:
+        if fmt is not None and fmt.tools_refused:
+            raise FieldError("tools", fmt.tools_refused)
         if grammar is not None:
             raise FieldError(
                 grammar.field, "cannot be combined with tools (unless tool_choice is none)"
@@ -68,7 +72,10 @@ async def prepare_chat(
     if grammar is not None:
         await check_admissible(grammar, core.limits)
     prompt = await tool_chat_prompt(core, messages, tools, add_generation_prompt, template_kwargs)
-    return PreparedChat(prompt, grammar, tools, _reasoning(core, prompt, thinking_budget))
+    reasoning = _reasoning(core, prompt, thinking_budget)
+    if grammar is not None and reasoning is not None:
+        grammar = reasoning.answer_grammar(grammar)
+    return PreparedChat(prompt, grammar, tools, reasoning)
 
 
 async def tool_chat_prompt(

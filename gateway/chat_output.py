@@ -21,9 +21,10 @@ class ChatDelta:
 
 class ChatOutput:
     """Reasoning, content and tool calls of one choice. `reasoning_tokens` counts the
-    output tokens of updates that opened the reasoning block, arrived while it was open, or
-    closed it: with one token per update, the tokens up to and with `</think>`, and none
-    when the output never opens a block."""
+    output tokens of updates that opened the reasoning block (with those before that the
+    parser held as its possible opening), arrived while it was open, or closed it: with one
+    token per update, the tokens up to and with `</think>` (harmony: every analysis message,
+    header to `<|end|>`), and none when the output never opens a block."""
 
     def __init__(
         self,
@@ -34,6 +35,8 @@ class ChatOutput:
         self._reasoning: ReasoningParser | None = None if reasoning is None else reasoning.parser()
         self._calls: CallParser | None = None if tools is None else tool_format.parser()
         self.reasoning_tokens = 0
+        # Tokens of updates held as a possible opening: reasoning if the block opens.
+        self._opening_tokens = 0
 
     @property
     def parses_reasoning(self) -> bool:
@@ -50,7 +53,12 @@ class ChatOutput:
         was_open = self._reasoning.in_block
         split = self._reasoning.feed(text)
         if was_open or self._reasoning.in_block:
-            self.reasoning_tokens += num_tokens
+            self.reasoning_tokens += self._opening_tokens + num_tokens
+            self._opening_tokens = 0
+        elif self._reasoning.opening:
+            self._opening_tokens += num_tokens
+        else:
+            self._opening_tokens = 0
         out = self._answer(split.answer)
         out.reasoning = split.reasoning
         return out

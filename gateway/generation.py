@@ -5,7 +5,9 @@ request asks for (both APIs, one path; errors name the field); `generate()` send
 the request to the scheduler and turns its token deltas into text deltas per choice:
 incremental detokenization, stop strings, logprobs with token text. Usage and timings are
 the scheduler's, carried from its last message; finish reasons stay common.proto's
-FinishReason until an API shapes them.
+FinishReason until an API shapes them. A chat whose reasoning parser reads tags that are
+special tokens (harmony's headers) has those decoded even when special tokens are skipped;
+the parser keeps them out of what the client is sent.
 
 Stop strings are sent to the scheduler, which finishes each choice at the token that completes
 one (scheduler_service/engine/text_stops.py says why there). Here the same text is matched again only
@@ -231,6 +233,7 @@ class GenerationCore:
                     tokenizer,
                     inp.prompt.token_ids,
                     skip_special_tokens=inp.text.skip_special_tokens,
+                    skip_ids=self._skipped_ids(inp),
                 )
                 if inp.text.detokenize
                 else None,
@@ -316,6 +319,15 @@ class GenerationCore:
         finally:
             # Sends Abort when the request is not finished (the client went away).
             await stream.aclose()
+
+    def _skipped_ids(self, inp: GenerationInput) -> frozenset[int] | None:
+        """Special tokens skipped but the tags the chat's reasoning parser reads (harmony's
+        headers), which it takes out of what the client gets; None: the tokenizer's own
+        skip_special_tokens decides."""
+        fmt = None if inp.reasoning is None else inp.reasoning.format
+        if not inp.text.skip_special_tokens or fmt is None or not fmt.special_tags:
+            return None
+        return self.tokenization.special_ids_but(fmt.special_tags)
 
     def _choice_update(
         self, state: _ChoiceState, delta: scheduler_pb2.ChoiceDelta

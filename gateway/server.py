@@ -52,7 +52,7 @@ class GatewayConfig:
     chat_template: str | None = None
     # --tool-call-parser: a format of gateway/tool_formats/, or "auto" (read off the template).
     tool_call_parser: str = "auto"
-    # --reasoning-parser: a format of gateway/reasoning.py, "none", or "auto".
+    # --reasoning-parser: a format of gateway/reasoning/, "none", or "auto".
     reasoning_parser: str = "auto"
     # --default-chat-template-kwargs: variables every chat template rendering gets.
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -41,6 +41,8 @@ class Tokenization:
         # Thinking tokens a chat gets when it names no budget (--thinking-token-budget; None:
         # no bound but max_tokens).
         self.default_thinking_budget = default_thinking_budget
+        # special_ids_but's answers, by the tags kept.
+        self._special_ids_but: dict[tuple[str, ...], frozenset[int]] = {}
 
     @classmethod
     def for_model(
@@ -82,6 +84,19 @@ class Tokenization:
     def text_ids(self, text: str) -> list[int]:
         """`text` as output tokens (no special tokens added)."""
         return self.encode(text, add_special_tokens=False)
+
+    def special_ids_but(self, kept: tuple[str, ...]) -> frozenset[int]:
+        """The ids that decoding with skip_special_tokens leaves out (the tokenizer's special
+        tokens), but those whose text is one of `kept`."""
+        found = self._special_ids_but.get(kept)
+        if found is None:
+            added = self.tokenizer.added_tokens_decoder
+            special = {i for i, t in added.items() if t.special} | set(
+                self.tokenizer.all_special_ids
+            )
+            keep = {i for i, t in added.items() if t.content in kept}
+            found = self._special_ids_but[kept] = frozenset(special - keep)
+        return found
 
     def count_tokens(self, text: str, *, add_special_tokens: bool = True) -> int:
         return len(self.encode(text, add_special_tokens=add_special_tokens))

@@ -20,7 +20,11 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """Detokenizes one sequence's output. `add(ids)` returns the text those ids completed."""
+    """Detokenizes one sequence's output. `add(ids)` returns the text those ids completed.
+
+    `skip_ids`, when given, replaces `skip_special_tokens`: exactly those ids are left out,
+    and every other token is decoded, special or not (a reasoning parser that reads some
+    special tokens gets them, and no others)."""
 
     def __init__(
         self,
@@ -28,9 +32,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         *,
         skip_special_tokens: bool = True,
+        skip_ids: frozenset[int] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._skip_special_tokens = skip_special_tokens and skip_ids is None
+        self._skip_ids = skip_ids
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._num_context = len(context)
         self._ids: list[int] = context
@@ -56,6 +62,8 @@ class IncrementalDetokenizer:
         return "".join(self._text_parts)
 
     def _decode_ids(self, ids: list[int]) -> str:
+        if self._skip_ids:
+            ids = [t for t in ids if t not in self._skip_ids]
         return self._tokenizer.decode(
             ids,
             skip_special_tokens=self._skip_special_tokens,

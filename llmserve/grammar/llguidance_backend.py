@@ -49,6 +49,19 @@ def grammar_text(spec: GrammarSpec) -> str:
     raise GrammarError(spec.field, f"unknown grammar kind {kind!r}")
 
 
+def lark_text(spec: GrammarSpec) -> str:
+    """`spec` as one Lark grammar of llguidance's dialect (a JSON schema as `%json`, with the
+    layout options above), for a grammar that nests it (`%lark { ... }`)."""
+    text = grammar_text(spec)
+    if spec.kind in (GrammarKind.CHOICE, GrammarKind.LARK, GrammarKind.GBNF):
+        return text  # Lark already
+    # The others are llguidance's top-level grammars (JSON): one grammar, Lark or a schema.
+    (grammar,) = json.loads(text)["grammars"]
+    if grammar.get("lark_grammar"):
+        return str(grammar["lark_grammar"])
+    return "start: %json " + json.dumps(grammar["json_schema"])
+
+
 def check_grammar(spec: GrammarSpec) -> None:
     """Admission check without a tokenizer (the gateway's): raises `GrammarError` for a
     malformed grammar or an unenforceable schema feature. Costs a grammar compile, not the

@@ -1,7 +1,7 @@
 """The reasoning block of a thinking model's output, as the scheduler enforces it.
 
 A reasoning model writes its thinking first, between an opening and a closing tag (`<think>`
-and `</think>`: `gateway/reasoning.py` tells the gateway's parser the same), then its answer.
+and `</think>`: `gateway/reasoning/` tells the gateway's parser the same), then its answer.
 A `ReasoningSpec` names those tags as token ids. The scheduler follows each sequence through
 the block with a `ReasoningMatcher`, a grammar matcher in front of the request's own grammar:
 

@@ -3,6 +3,7 @@ valid output is short, so a model that picks allowed tokens at random still fini
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -54,3 +55,30 @@ def _tokenizer() -> Any:
 def smollm2_tokenizer() -> Any:
     """The SmolLM2 tokenizer, loaded once per test process (`make setup` installs it)."""
     return _tokenizer()
+
+
+# gpt-oss's harmony tags, all special tokens of its tokenizer.
+HARMONY_TAGS = (
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|constrain|>",
+)
+
+
+@functools.cache
+def _harmony_tokenizer() -> Any:
+    tokenizer = copy.deepcopy(_tokenizer())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_TAGS)})
+    tokenizer.add_special_tokens({"eos_token": "<|return|>"})
+    return tokenizer
+
+
+def harmony_tokenizer() -> Any:
+    """SmolLM2's tokenizer with harmony's tags added as special tokens and `<|return|>` its
+    EOS, as gpt-oss's tokenizer has them (for tests/support/templates/harmony.jinja). Shared:
+    do not change it."""
+    return _harmony_tokenizer()

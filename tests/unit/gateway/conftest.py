@@ -1,5 +1,5 @@
 """Tokenizers for the gateway tests: SmolLM2's (byte-level BPE), the same with `<think>` tags
-added, and a tiny SentencePiece one."""
+added, or with gpt-oss's harmony tags as special tokens, and a tiny SentencePiece one."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def think_tokenizer(smollm2_tokenizer: Any) -> Any:
     tokenizer = copy.deepcopy(smollm2_tokenizer)
     tokenizer.add_tokens(["<think>", "</think>"])
     return tokenizer
+
+
+@pytest.fixture(scope="session")
+def harmony_tokenizer() -> Any:
+    """SmolLM2's tokenizer with gpt-oss's harmony tags as special tokens and `<|return|>` its
+    EOS (for tests/support/templates/harmony.jinja)."""
+    from tests.support.grammar import harmony_tokenizer
+
+    return harmony_tokenizer()
 
 
 @pytest.fixture(scope="session")

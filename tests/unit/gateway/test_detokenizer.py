@@ -100,6 +100,14 @@ def test_special_tokens(smollm2_tokenizer: Any, skip: bool) -> None:
     assert text == expected
 
 
+def test_skip_ids_leave_out_those_tokens_only(smollm2_tokenizer: Any) -> None:
+    ids = smollm2_tokenizer.encode("Hi there<|im_end|>\n<|im_start|>user", add_special_tokens=False)
+    (im_end,) = smollm2_tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    for chunk in (1, 2):
+        detok = IncrementalDetokenizer(smollm2_tokenizer, skip_ids=frozenset({im_end}))
+        assert "".join(_stream(detok, ids, chunk)) == "Hi there\n<|im_start|>user"
+
+
 def test_prompt_ending_mid_character_gives_the_character_to_the_output(
     smollm2_tokenizer: Any,
 ) -> None:

@@ -94,4 +94,4 @@ def test_the_format_is_read_off_the_template() -> None:
     assert reasoning_format("none", "<think></think>") is None
     assert reasoning_format("think_tags", None).name == "think_tags"  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="--reasoning-parser"):
-        reasoning_format("harmony", None)
+        reasoning_format("deepseek_r1", None)
