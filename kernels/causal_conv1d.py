@@ -52,7 +52,7 @@ def causal_conv1d(
     has_initial_state is False); its slot then keeps its last kernel_size - 1 inputs,
     old ones included when the sequence brought fewer. A sequence of no tokens keeps its
     slot as it was."""
-    _check(x, conv_state, weight, bias, activation)
+    check_conv1d_args(x, conv_state, weight, bias, activation)
     starts = check_query_start_loc(query_start_loc, x.shape[0])
     slots = check_state_slots(state_slots, len(starts) - 1, conv_state.shape[0])
     initial = check_has_initial_state(has_initial_state, len(slots))
@@ -79,7 +79,7 @@ def causal_conv1d_update(
     activation: Activation = "silu",
 ) -> torch.Tensor:  # [num_seqs, dim]
     """One decode token per sequence, every slot holding a state: the batch at once."""
-    _check(x, conv_state, weight, bias, activation)
+    check_conv1d_args(x, conv_state, weight, bias, activation)
     slots = check_state_slots(state_slots, x.shape[0], conv_state.shape[0])
     index = torch.tensor(slots, dtype=torch.long, device=x.device)
     windows = torch.cat([conv_state[index].float(), x[:, None].float()], dim=1)
@@ -106,14 +106,14 @@ def _convolve(
     return F.silu(out) if activation == "silu" else out
 
 
-def _check(
+def check_conv1d_args(
     x: torch.Tensor,
     conv_state: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     activation: Activation,
 ) -> None:
-    """Validates the tensors of a call but its offsets and slots."""
+    """Validates a call's tensors (its offsets and slots are checked apart)."""
     check_ndim("x", x, 2, "[num_tokens, dim]")
     check_dtype("x", x, FLOAT_DTYPES)
     dim = x.shape[1]

@@ -131,7 +131,7 @@ def gated_delta_rule_decode(
     qk_l2norm: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_v_heads, v_dim]
     """One step of the rule for every sequence at once, every slot holding a state."""
-    _check(q, k, v, g, beta, state)
+    check_delta_rule_args(q, k, v, g, beta, state)
     slots = check_state_slots(state_slots, v.shape[0], state.shape[0])
     q32, k32 = _normalized(q, k, v.shape[1], scale, qk_l2norm)  # [num_seqs, num_v_heads, k_dim]
     index = torch.tensor(slots, dtype=torch.long, device=v.device)
@@ -238,14 +238,14 @@ def _prepare(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor | None,
 ) -> _Batch:
-    _check(q, k, v, g, beta, state)
+    check_delta_rule_args(q, k, v, g, beta, state)
     starts = check_query_start_loc(query_start_loc, q.shape[0])
     slots = check_state_slots(state_slots, len(starts) - 1, state.shape[0])
     initial = check_has_initial_state(has_initial_state, len(slots))
     return _Batch(q, k, v, g, beta, state, starts, slots, initial)
 
 
-def _check(
+def check_delta_rule_args(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -253,6 +253,7 @@ def _check(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> None:
+    """Validates a call's tensors (its offsets and slots are checked apart)."""
     check_ndim("q", q, 3, "[num_tokens, num_k_heads, k_dim]")
     check_dtype("q", q, FLOAT_DTYPES)
     check_ndim("k", k, 3, "[num_tokens, num_k_heads, k_dim]")
