@@ -164,3 +164,47 @@ def is_interpreted(kernel: object) -> bool:
 
 def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def check_query_start_loc(query_start_loc: torch.Tensor, num_tokens: int) -> list[int]:
+    """Offsets of sequences packed one after another: [num_seqs + 1] integers, starting at 0,
+    never decreasing, ending at num_tokens. Returns them as a list."""
+    check_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    if query_start_loc.dtype not in (torch.int32, torch.int64) or query_start_loc.shape[0] < 1:
+        raise KernelArgumentError("query_start_loc", "expected [num_seqs + 1] int32 or int64")
+    starts = query_start_loc.tolist()
+    if starts[0] != 0 or starts[-1] != num_tokens:
+        raise KernelArgumentError(
+            "query_start_loc",
+            f"must run from 0 to {num_tokens} (tokens), got {starts[0]}..{starts[-1]}",
+        )
+    if any(b < a for a, b in zip(starts, starts[1:], strict=False)):
+        raise KernelArgumentError("query_start_loc", "must not decrease")
+    return starts
+
+
+def check_state_slots(state_slots: torch.Tensor, num_seqs: int, num_slots: int) -> list[int]:
+    """Each sequence's slot in a state pool: [num_seqs] integers in [0, num_slots), no two
+    alike (two sequences writing one slot would race). Returns them as a list."""
+    check_ndim("state_slots", state_slots, 1, "[num_seqs]")
+    check_dim("state_slots", state_slots, 0, num_seqs, "num_seqs")
+    if state_slots.dtype not in (torch.int32, torch.int64):
+        raise KernelArgumentError(
+            "state_slots", f"expected int32 or int64, got {state_slots.dtype}"
+        )
+    slots = state_slots.tolist()
+    if any(not 0 <= slot < num_slots for slot in slots):
+        raise KernelArgumentError("state_slots", f"slots must lie in [0, {num_slots})")
+    if len(set(slots)) != len(slots):
+        raise KernelArgumentError("state_slots", "a slot appears twice")
+    return slots
+
+
+def check_has_initial_state(has_initial_state: torch.Tensor | None, num_seqs: int) -> list[bool]:
+    """Per sequence, whether its slot holds a state to continue from (None: all do)."""
+    if has_initial_state is None:
+        return [True] * num_seqs
+    check_ndim("has_initial_state", has_initial_state, 1, "[num_seqs]")
+    check_dim("has_initial_state", has_initial_state, 0, num_seqs, "num_seqs")
+    check_dtype("has_initial_state", has_initial_state, (torch.bool,))
+    return [bool(x) for x in has_initial_state.tolist()]

@@ -32,6 +32,7 @@ SOURCES = {
     # Dequantized weights must round as numpy's d * q + m does (two roundings).
     "quant.cpp": ("-ffp-contract=off",),
     "quant_fast.cpp": (),
+    "linear_attention.cpp": (),
 }
 HEADERS = (
     "vec.h",
@@ -166,6 +167,21 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_masked_argmax": [i32, ptr, ptr, i64, i64, ptr, ptr],
         # dtype, x, n, in, weight, bias (or NULL), out, out features
         "llmserve_linear_rows": [i32, ptr, i64, i64, ptr, ptr, ptr, i64],
+        # dtype, x, conv state, taps ([kernel size, dim]), bias (or NULL), slots, n, dim,
+        # kernel size, silu, out
+        "llmserve_conv1d_update": [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, ptr],
+        # dtype, q, k, v, their row strides, g, beta, state, slots, n, key heads, value heads,
+        # k dim, v dim, scale, l2norm, out
+        "llmserve_gated_delta_decode": [
+            i32,
+            *[ptr] * 3,
+            *[i64] * 3,
+            *[ptr] * 4,
+            *[i64] * 5,
+            f32,
+            i32,
+            ptr,
+        ],
         # threads
         "llmserve_set_num_threads": [i32],
         # chunk counts, how many, loops, threads, spin -> loops with a chunk not run once

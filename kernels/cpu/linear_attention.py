@@ -1,0 +1,143 @@
+"""Decode steps of a Gated DeltaNet layer's state on CPUs (linear_attention.cpp).
+
+Both take the arguments of their torch references, `kernels.causal_conv1d.causal_conv1d_update`
+and `kernels.gated_delta_rule.gated_delta_rule_decode`, plus `check`. Activations may be
+float32 or bfloat16; the recurrent state pool must be float32 (it accumulates over the whole
+sequence). `check=False` skips the argument checks, for callers that validated a step once;
+the kernels themselves do not bounds-check.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from kernels._checks import KernelArgumentError, check_state_slots
+from kernels.causal_conv1d import Activation, check_conv1d_args
+from kernels.cpu.attention import DTYPE_CODES
+from kernels.cpu.build import library
+from kernels.gated_delta_rule import check_delta_rule_args
+
+MAX_HEAD_DIM = 512  # linear_attention.cpp's kMaxKeyDim and kMaxValueDim
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,  # [num_seqs, dim]: one token per sequence
+    conv_state: torch.Tensor,  # [num_slots, kernel_size - 1, dim], updated in place
+    weight: torch.Tensor,  # [dim, kernel_size]
+    bias: torch.Tensor | None,  # [dim]
+    state_slots: torch.Tensor,  # [num_seqs] int32 or int64
+    activation: Activation = "silu",
+    check: bool = True,
+) -> torch.Tensor:  # [num_seqs, dim]
+    """Each sequence's token convolved after the inputs its slot keeps; the slot shifts.
+
+    The kernel reads the weight tap by tap: a `weight` that is the transposed view of a
+    contiguous [kernel_size, dim] tensor is read as it is, any other is copied so first."""
+    if check:
+        check_conv1d_args(x, conv_state, weight, bias, activation)
+        check_state_slots(state_slots, x.shape[0], conv_state.shape[0])
+        _check_cpu("x", x)
+        _check_cpu("conv_state", conv_state, like=x)
+        _check_cpu("weight", weight, like=x, layout="any")
+        if bias is not None:
+            _check_cpu("bias", bias, like=x)
+    slots = state_slots.to(torch.int64).contiguous()
+    taps = weight.t().contiguous()  # [kernel_size, dim]
+    out = torch.empty_like(x)
+    status = library().llmserve_conv1d_update(
+        DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        conv_state.data_ptr(),
+        taps.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        slots.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        weight.shape[1],
+        int(activation == "silu"),
+        out.data_ptr(),
+    )
+    assert status == 0, f"llmserve_conv1d_update refused weight {tuple(weight.shape)}"
+    return out
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,  # [num_seqs, num_k_heads, k_dim]: one token per sequence, rows may be strided
+    k: torch.Tensor,  # [num_seqs, num_k_heads, k_dim], rows may be strided
+    v: torch.Tensor,  # [num_seqs, num_v_heads, v_dim], rows may be strided
+    g: torch.Tensor,  # [num_seqs, num_v_heads]
+    beta: torch.Tensor,  # [num_seqs, num_v_heads]
+    state: torch.Tensor,  # [num_slots, num_v_heads, k_dim, v_dim] float32, updated in place
+    state_slots: torch.Tensor,  # [num_seqs] int32 or int64
+    *,
+    scale: float | None = None,  # None: k_dim ** -0.5
+    qk_l2norm: bool = True,
+    check: bool = True,
+) -> torch.Tensor:  # [num_seqs, num_v_heads, v_dim]
+    """One step of the gated delta rule for every sequence, its state read and written in
+    its slot."""
+    if check:
+        check_delta_rule_args(q, k, v, g, beta, state)
+        check_state_slots(state_slots, v.shape[0], state.shape[0])
+        _check_cpu("state", state)
+        if state.dtype != torch.float32:
+            raise KernelArgumentError("state", f"must be float32, got {state.dtype}")
+        for name, tensor in (("q", q), ("k", k), ("v", v)):
+            _check_cpu(name, tensor, layout="rows")
+            if tensor.shape[2] > MAX_HEAD_DIM:
+                raise KernelArgumentError(name, f"head dims above {MAX_HEAD_DIM} have no kernel")
+    num_seqs, num_k_heads, k_dim = q.shape
+    num_v_heads, v_dim = v.shape[1:]
+    g32 = g.to(torch.float32).contiguous()
+    beta32 = beta.to(torch.float32).contiguous()
+    slots = state_slots.to(torch.int64).contiguous()
+    out = torch.empty(num_seqs, num_v_heads, v_dim, dtype=v.dtype)
+    status = library().llmserve_gated_delta_decode(
+        DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        g32.data_ptr(),
+        beta32.data_ptr(),
+        state.data_ptr(),
+        slots.data_ptr(),
+        num_seqs,
+        num_k_heads,
+        num_v_heads,
+        k_dim,
+        v_dim,
+        k_dim**-0.5 if scale is None else scale,
+        int(qk_l2norm),
+        out.data_ptr(),
+    )
+    assert status == 0, (
+        f"llmserve_gated_delta_decode refused heads {tuple(q.shape)}, {tuple(v.shape)}"
+    )
+    return out
+
+
+def _check_cpu(
+    name: str,
+    tensor: torch.Tensor,
+    like: torch.Tensor | None = None,
+    layout: Literal["dense", "rows", "any"] = "dense",  # rows: [n, heads, dim], rows apart
+) -> None:
+    """On the CPU, in a dtype the kernels have (like's, when given), laid out as asked."""
+    if tensor.device.type != "cpu":
+        raise KernelArgumentError(name, f"must be on the CPU, got {tensor.device}")
+    if tensor.dtype not in DTYPE_CODES:
+        raise KernelArgumentError(name, f"dtype {tensor.dtype} not supported")
+    if like is not None and tensor.dtype != like.dtype:
+        raise KernelArgumentError(name, f"dtype {tensor.dtype} differs from {like.dtype}")
+    if layout == "rows":
+        _, heads, dim = tensor.shape
+        dense = tensor.stride(2) == 1 and (heads == 1 or tensor.stride(1) == dim)
+    else:
+        dense = layout == "any" or tensor.is_contiguous()
+    if not dense:
+        raise KernelArgumentError(name, f"must be dense, got strides {tensor.stride()}")
