@@ -12,6 +12,8 @@ from gateway.reasoning import HarmonyFormat, ReasoningDelta, detect_format, reas
 from llmserve.grammar.llguidance_backend import LLGuidanceBackend, check_grammar
 from llmserve.grammar.spec import GrammarKind, GrammarSpec
 from tests.support.grammar import harmony_tokenizer
+from tests.support.reasoning_parsers import parse as parse_with
+from tests.support.reasoning_parsers import parser_tests
 from tests.support.templates import template_text
 
 FORMAT = HarmonyFormat()
@@ -67,31 +69,11 @@ CASES = [
 ]
 
 
+test_whole, test_every_split_point, test_one_character_at_a_time = parser_tests(FORMAT, CASES)
+
+
 def parse(pieces: list[str], opened: bool) -> tuple[str, str]:
-    parser = FORMAT.parser(opened)
-    total = ReasoningDelta()
-    for piece in pieces:
-        d = parser.feed(piece)
-        total.reasoning += d.reasoning
-        total.answer += d.answer
-    d = parser.finish()
-    return total.reasoning + d.reasoning, total.answer + d.answer
-
-
-@pytest.mark.parametrize(("text", "opened", "reasoning", "answer"), CASES)
-def test_whole(text: str, opened: bool, reasoning: str, answer: str) -> None:
-    assert parse([text], opened) == (reasoning, answer)
-
-
-@pytest.mark.parametrize(("text", "opened", "reasoning", "answer"), CASES)
-def test_every_split_point(text: str, opened: bool, reasoning: str, answer: str) -> None:
-    for cut in range(len(text) + 1):
-        assert parse([text[:cut], text[cut:]], opened) == (reasoning, answer), cut
-
-
-@pytest.mark.parametrize(("text", "opened", "reasoning", "answer"), CASES)
-def test_one_character_at_a_time(text: str, opened: bool, reasoning: str, answer: str) -> None:
-    assert parse(list(text), opened) == (reasoning, answer)
+    return parse_with(FORMAT, pieces, opened)
 
 
 def test_headers_and_partial_end_tags_are_held_back_until_decided() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.reasoning import ReasoningDelta, ThinkTagsFormat, detect_format, reasoning_format
+from tests.support.reasoning_parsers import parse as parse_with
+from tests.support.reasoning_parsers import parser_tests
 
 FORMAT = ThinkTagsFormat()
 
@@ -43,31 +45,11 @@ CASES = [
 ]
 
 
+test_whole, test_every_split_point, test_one_character_at_a_time = parser_tests(FORMAT, CASES)
+
+
 def parse(pieces: list[str], opened: bool) -> tuple[str, str]:
-    parser = FORMAT.parser(opened)
-    total = ReasoningDelta()
-    for piece in pieces:
-        d = parser.feed(piece)
-        total.reasoning += d.reasoning
-        total.answer += d.answer
-    d = parser.finish()
-    return total.reasoning + d.reasoning, total.answer + d.answer
-
-
-@pytest.mark.parametrize(("text", "opened", "reasoning", "answer"), CASES)
-def test_whole(text: str, opened: bool, reasoning: str, answer: str) -> None:
-    assert parse([text], opened) == (reasoning, answer)
-
-
-@pytest.mark.parametrize(("text", "opened", "reasoning", "answer"), CASES)
-def test_every_split_point(text: str, opened: bool, reasoning: str, answer: str) -> None:
-    for cut in range(len(text) + 1):
-        assert parse([text[:cut], text[cut:]], opened) == (reasoning, answer), cut
-
-
-@pytest.mark.parametrize(("text", "opened", "reasoning", "answer"), CASES)
-def test_one_character_at_a_time(text: str, opened: bool, reasoning: str, answer: str) -> None:
-    assert parse(list(text), opened) == (reasoning, answer)
+    return parse_with(FORMAT, pieces, opened)
 
 
 def test_a_partial_close_tag_is_held_back_until_decided() -> None:
