@@ -17,6 +17,7 @@ from kernels._checks import KernelArgumentError, check_state_slots
 from kernels.causal_conv1d import Activation, check_conv1d_args
 from kernels.cpu.attention import DTYPE_CODES
 from kernels.cpu.build import library
+from kernels.cpu.ops import check_cpu_dtype
 from kernels.gated_delta_rule import check_delta_rule_args
 
 MAX_HEAD_DIM = 512  # linear_attention.cpp's kMaxKeyDim and kMaxValueDim
@@ -128,12 +129,7 @@ def _check_cpu(
     layout: Literal["dense", "rows", "any"] = "dense",  # rows: [n, heads, dim], rows apart
 ) -> None:
     """On the CPU, in a dtype the kernels have (like's, when given), laid out as asked."""
-    if tensor.device.type != "cpu":
-        raise KernelArgumentError(name, f"must be on the CPU, got {tensor.device}")
-    if tensor.dtype not in DTYPE_CODES:
-        raise KernelArgumentError(name, f"dtype {tensor.dtype} not supported")
-    if like is not None and tensor.dtype != like.dtype:
-        raise KernelArgumentError(name, f"dtype {tensor.dtype} differs from {like.dtype}")
+    check_cpu_dtype(name, tensor, like)
     if layout == "rows":
         _, heads, dim = tensor.shape
         dense = tensor.stride(2) == 1 and (heads == 1 or tensor.stride(1) == dim)

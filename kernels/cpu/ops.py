@@ -197,6 +197,16 @@ def masked_argmax(
     return argmax, rank
 
 
+def check_cpu_dtype(name: str, tensor: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    """On the CPU, in a dtype the kernels have (like's, when given)."""
+    if tensor.device.type != "cpu":
+        raise KernelArgumentError(name, f"must be on the CPU, got {tensor.device}")
+    if tensor.dtype not in DTYPE_CODES:
+        raise KernelArgumentError(name, f"dtype {tensor.dtype} not supported")
+    if like is not None and tensor.dtype != like.dtype:
+        raise KernelArgumentError(name, f"dtype {tensor.dtype} differs from {like.dtype}")
+
+
 def _check(
     name: str,
     tensor: torch.Tensor,
@@ -206,12 +216,7 @@ def _check(
 ) -> None:
     if tensor.dim() != ndim:
         raise KernelArgumentError(name, f"expected {ndim} dimensions, got {tuple(tensor.shape)}")
-    if tensor.device.type != "cpu":
-        raise KernelArgumentError(name, f"must be on the CPU, got {tensor.device}")
-    if tensor.dtype not in DTYPE_CODES:
-        raise KernelArgumentError(name, f"dtype {tensor.dtype} not supported")
-    if like is not None and tensor.dtype != like.dtype:
-        raise KernelArgumentError(name, f"dtype {tensor.dtype} differs from {like.dtype}")
+    check_cpu_dtype(name, tensor, like)
     dense = tensor.stride(-1) == 1 if strided_rows else tensor.is_contiguous()
     if not dense:
         raise KernelArgumentError(name, f"must be contiguous, got strides {tensor.stride()}")

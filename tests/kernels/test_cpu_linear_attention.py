@@ -12,8 +12,6 @@ from kernels.causal_conv1d import causal_conv1d_update
 from kernels.gated_delta_rule import gated_delta_rule_decode
 from tests.kernels.linear_state import make_delta_inputs, make_state_pool, slots
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.is_available(), reason="no C++ compiler")
-
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # Outputs: float32 agrees to summation order; bfloat16 outputs to one rounding.
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
