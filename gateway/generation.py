@@ -273,7 +273,7 @@ class GenerationCore:
             grammar=inp.grammar,
             reasoning=None
             if inp.reasoning is None
-            else inp.reasoning.scheduler_spec(self.tokenization.text_ids, inp.grammar is not None),
+            else inp.reasoning.scheduler_spec(self.tokenization.tag_ids, inp.grammar is not None),
         )
         try:
             first = True

@@ -41,6 +41,7 @@ class Tokenization:
         # Thinking tokens a chat gets when it names no budget (--thinking-token-budget; None:
         # no bound but max_tokens).
         self.default_thinking_budget = default_thinking_budget
+        self._tag_ids: dict[str, list[int]] = {}
         # special_ids_but's answers, by the tags kept.
         self._special_ids_but: dict[tuple[str, ...], frozenset[int]] = {}
 
@@ -81,9 +82,13 @@ class Tokenization:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def text_ids(self, text: str) -> list[int]:
-        """`text` as output tokens (no special tokens added)."""
-        return self.encode(text, add_special_tokens=False)
+    def tag_ids(self, text: str) -> list[int]:
+        """A reasoning format's tag `text` as output tokens (no special tokens added), encoded
+        once per tag: every reasoning request sends them."""
+        ids = self._tag_ids.get(text)
+        if ids is None:
+            ids = self._tag_ids[text] = self.encode(text, add_special_tokens=False)
+        return ids
 
     def special_ids_but(self, kept: tuple[str, ...]) -> frozenset[int]:
         """The ids that decoding with skip_special_tokens leaves out (the tokenizer's special
