@@ -16,7 +16,7 @@ from worker_service.models.rope import RopeSpec, UnsupportedModelError, read_rop
 
 # How an RMSNorm applies its weight. "rms": weight * normalized.to(dtype) (Llama);
 # "rms_f32": (weight * normalized).to(dtype) (OLMo 2); "gemma": (normalized * (1 + weight))
-# in float32, then cast (Gemma 2 and 3).
+# in float32, then cast (Gemma 2 and 3, Qwen3.5, Qwen3-Next).
 NormKind = Literal["rms", "rms_f32", "gemma"]
 # "head": one [head_dim] norm per head after the projection (Qwen3, Gemma 3); "full": one
 # norm over the whole q (or k) projection (OLMo 2).
@@ -36,6 +36,8 @@ _ACTIVATIONS: dict[str, Activation] = {
     "gelu_tanh": "gelu_tanh",
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+# A Gated DeltaNet layer's type (`LayerKind.linear`), where a family's layer types have it.
+LINEAR_ATTENTION = "linear_attention"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,43 @@ class LayerKind:
     # The layer whose K/V this one reads (KV shared across layers, Gemma 4): it projects no
     # keys or values and stores none. None: it stores its own.
     kv_source: int | None = None
+    # A Gated DeltaNet layer (`ModelArchConfig.linear_attention`): it stores no K/V and keeps
+    # a fixed-size state per sequence instead (`delta_net`); window and rope do not apply.
+    linear: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttentionSpec:
+    """The shape of a model's Gated DeltaNet layers (`delta_net`) and of their per-sequence
+    states (`worker_service.linear_state`)."""
+
+    num_k_heads: int  # query and key heads
+    num_v_heads: int  # value heads, a multiple of num_k_heads
+    k_dim: int  # per query/key head
+    v_dim: int  # per value head
+    conv_kernel: int  # taps of the causal convolution over q, k and v
+
+    @property
+    def key_width(self) -> int:
+        return self.num_k_heads * self.k_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.num_v_heads * self.v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_width + self.value_width
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One sequence's conv state: its last conv_kernel - 1 inputs, in the model dtype."""
+        return (self.conv_kernel - 1, self.conv_dim)
+
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """One sequence's delta-rule state: a [k_dim, v_dim] matrix per value head, in
+        float32."""
+        return (self.num_v_heads, self.k_dim, self.v_dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +99,8 @@ class MoeSpec:
     norm_topk_prob: bool
     # Layers that keep a dense MLP of the model's intermediate_size.
     dense_layers: frozenset[int] = frozenset()
-    # Cast the routing weights to the model dtype before scaling expert outputs (Qwen3-MoE);
-    # Mixtral scales in float32.
+    # Cast the routing weights to the model dtype before scaling expert outputs (Qwen3-MoE,
+    # Qwen3-Next, Qwen3.5-MoE); Mixtral scales in float32.
     round_weights: bool = False
     routing: Routing = "softmax_topk"
     # The clamped SwiGLU of gpt-oss's experts when set: gate clamped above and up on both
@@ -71,6 +110,10 @@ class MoeSpec:
     # The experts run beside the layer's dense MLP, not instead of it (Gemma 4): each with
     # its own norms, outputs added (`moe.parallel_moe_mlp`).
     beside_dense: bool = False
+    # A shared expert of this width beside the routed ones (Qwen3-Next, Qwen3.5-MoE): a SwiGLU
+    # MLP every token runs, times sigmoid of a learned gate on the token, added to their sum
+    # (`moe.moe_mlp`). None: none.
+    shared_expert_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +159,12 @@ class ModelArchConfig:
     per_layer_input_size: int | None = None
     # Every layer's output (the residual stream) times its learned scalar (Gemma 4).
     layer_scalars: bool = False
+    # The query projection also yields a gate per query dim; the attention output times its
+    # sigmoid goes into the output projection (Qwen3.5, Qwen3-Next). The gate rows follow
+    # q, k and v in `LayerWeights.qkv`.
+    attention_output_gate: bool = False
+    # The Gated DeltaNet layers' shape (the layers with `LayerKind.linear`); None: none.
+    linear_attention: LinearAttentionSpec | None = None
 
     @property
     def scale(self) -> float:
@@ -130,6 +179,11 @@ class ModelArchConfig:
     def kv_sources(self) -> dict[int, int]:
         """Layer -> the layer whose K/V it reads, for the layers that store none."""
         return {i: k.kv_source for i, k in enumerate(self.layers) if k.kv_source is not None}
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers: they keep a state per sequence, not K/V."""
+        return tuple(i for i, k in enumerate(self.layers) if k.linear)
 
     @property
     def sliding_windows(self) -> tuple[int, ...]:
@@ -165,6 +219,8 @@ class ModelArchConfig:
             "value norm": self.value_norm,
             "per-layer inputs": self.per_layer_input_size is not None,
             "layer scalars": self.layer_scalars,
+            "attention output gate": self.attention_output_gate,
+            "linear-attention layers": bool(self.linear_layers),
         }
         return [name for name, present in checks.items() if present]
 
@@ -185,11 +241,14 @@ def read_layer_kinds(
     rope_of_type: dict[str, int] | None = None,
     use_rope: list[bool] | None = None,
     windows: bool = True,
+    supported: tuple[str, ...] = _LAYER_TYPES,
 ) -> tuple[LayerKind, ...]:
     """Per-layer attention: `layer_types` when the config has them (a layer of type
-    `sliding_attention` gets `sliding_window`), else the model-wide `sliding_window` on every
-    layer (Mistral, Phi-3, Mixtral). `rope_of_type` maps a layer type to its rotary table;
-    `use_rope[i]` False makes layer i a NoPE layer; `windows` False turns windows off."""
+    `sliding_attention` gets `sliding_window`, one of type `linear_attention` is a Gated
+    DeltaNet layer), else the model-wide `sliding_window` on every layer (Mistral, Phi-3,
+    Mixtral). `rope_of_type` maps a layer type to its rotary table; `use_rope[i]` False makes
+    layer i a NoPE layer; `windows` False turns windows off; `supported`: the layer types the
+    family runs, others are refused by name."""
     window = (getattr(config, "sliding_window", None) or None) if windows else None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
@@ -200,13 +259,16 @@ def read_layer_kinds(
             raise UnsupportedModelError(
                 f"layer_types has {len(types)} entries for {num_layers} layers"
             )
-    unknown = sorted({t for t in types if t not in _LAYER_TYPES})
+    unknown = sorted({t for t in types if t not in supported})
     if unknown:
         raise UnsupportedModelError(
-            f"layer types {unknown} are not supported; supported: {', '.join(_LAYER_TYPES)}"
+            f"layer types {unknown} are not supported; supported: {', '.join(supported)}"
         )
     kinds = []
     for i, kind in enumerate(types):
+        if kind == LINEAR_ATTENTION:
+            kinds.append(LayerKind(sliding_window=None, rope=None, linear=True))
+            continue
         rope: int | None = (rope_of_type or {}).get(kind, 0)
         if use_rope is not None and not use_rope[i]:
             rope = None
@@ -239,7 +301,8 @@ def read_common(
     config: Any, architecture: str, *, rope_params: dict[str, Any] | None = None, **features: Any
 ) -> ModelArchConfig:
     """The fields every family shares, plus `features` (ModelArchConfig's other fields).
-    `layers`/`ropes` default to one rotary table and `read_layer_kinds`."""
+    `layers`/`ropes` default to one rotary table and `read_layer_kinds`; `intermediate_size`
+    to the config's (a model whose every MLP is sparse may have none)."""
     num_heads = config.num_attention_heads
     head_dim = read_head_dim(config)
     num_layers = config.num_hidden_layers
@@ -250,11 +313,12 @@ def read_common(
         features["layers"] = read_layer_kinds(config, num_layers)
     if "activation" not in features:
         features["activation"] = read_activation(config, "hidden_act")
+    if "intermediate_size" not in features:
+        features["intermediate_size"] = config.intermediate_size
     return ModelArchConfig(
         architecture=architecture,
         num_layers=num_layers,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
