@@ -8,16 +8,22 @@ residual add -> (pre-MLP norm) -> dense or sparse MLP (or both, Gemma 4) -> (out
 residual add -> (a per-layer input branch, `per_layer_inputs`) -> (times a layer scalar); what
 each family has of these is declared in its `ModelArchConfig` (see `registry`). A layer that
 reads another layer's K/V (`LayerKind.kv_source`) projects queries only and attends over its
-source's keys and values, this step's included, without writing the cache.
+source's keys and values, this step's included, without writing the cache. A linear-attention
+layer (`LayerKind.linear`, Qwen3.5 and Qwen3-Next) runs the Gated DeltaNet mixer
+(`delta_net`) over its state pools in place of attention; with `attention_output_gate` the
+attention output is gated (times the sigmoid of the gate rows of the q/k/v projection)
+before the output projection.
 
 CPU fast paths: with `fused_ops` the residual add + RMSNorm, rotary and SiLU-and-multiply are
 single C++ calls from `kernels.cpu` (for models without the features those kernels lack,
 `arch.fused_blockers`: Gemma/OLMo norms, q/k norms, GeGLU, partial rotary; such models take
-the plain torch elementwise path); with `packed_linear` every matmul runs through oneDNN on
-weights prepacked at load; with `native_linear` through `kernels.cpu.decode.linear_rows`; and
-pure decode steps of up to `native_decode_max_batch` tokens run as one native call
-(`native.NativeDecode`) for every dense family; it refuses the others
-(`arch.native_blockers`: experts, attention sinks) by feature name and they decode on the per-layer path.
+the plain torch elementwise path), and the linear-attention layers' decode rows run on the C++
+state kernels (`kernels.cpu.linear_attention`); with `packed_linear` every matmul runs through
+oneDNN on weights prepacked at load; with `native_linear` through
+`kernels.cpu.decode.linear_rows`; and pure decode steps of up to `native_decode_max_batch`
+tokens run as one native call (`native.NativeDecode`) for every dense family; it refuses the
+others (`arch.native_blockers`: experts, attention sinks, linear-attention layers...) by
+feature name and they decode on the per-layer path.
 The elementwise arithmetic follows each reference's order, so float32 greedy output matches
 transformers token for token.
 """
@@ -34,12 +40,19 @@ from kernels.cpu import ops as cpu_ops
 from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep, set_num_threads
 from kernels.cpu.quant import QuantWeight
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
+from worker_service.linear_state import StateMetadata
 from worker_service.models.arch import ModelArchConfig
 from worker_service.models.blocks import (
     embedding_multiplier,
     gated_activation,
     rms_norm,
     softcap,
+)
+from worker_service.models.delta_net import (
+    NATIVE_DECODE,
+    TORCH_DECODE,
+    StateStep,
+    gated_delta_net,
 )
 from worker_service.models.linear import (
     native_matmul,
@@ -62,6 +75,7 @@ from worker_service.models.rope import apply_rotary, cos_sin_for
 from worker_service.models.weights import LayerWeights
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down", "per_layer_gate", "per_layer_proj")
+_NESTED = ("moe", "delta_net")  # LayerWeights fields that hold weights of their own
 
 
 class DecoderModel:
@@ -96,6 +110,9 @@ class DecoderModel:
             cos_sin_for(spec, max_positions, embed.dtype, embed.device) for spec in arch.ropes
         ]
         self.cos, self.sin = self.rope_tables[0]
+        # The kernels linear-attention layers decode with: C++ where the native CPU ops were
+        # asked for (whether or not the model's elementwise ops can take them).
+        self.state_decode_ops = NATIVE_DECODE if fused_ops else TORCH_DECODE
         self.native_decode: NativeDecode | None = None
         # Why decode steps run per layer although the native step was asked for, or None.
         self.native_decode_refused: str | None = None
@@ -168,6 +185,9 @@ class DecoderModel:
                 tensor = getattr(w, name)
                 if tensor is not None:
                     setattr(w, name, convert(tensor))
+            if w.delta_net is not None:
+                w.delta_net.in_proj = convert(w.delta_net.in_proj)
+                w.delta_net.out_proj = convert(w.delta_net.out_proj)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this model holds: every tensor it (or its native decode step,
@@ -177,9 +197,11 @@ class DecoderModel:
         if self.per_layer_input_weights is not None:
             held += self.per_layer_input_weights.tensors()
         for layer in self.layers:
-            held += [getattr(layer, f.name) for f in fields(layer) if f.name != "moe"]
+            held += [getattr(layer, f.name) for f in fields(layer) if f.name not in _NESTED]
             if layer.moe is not None:
                 held += layer.moe.tensors()
+            if layer.delta_net is not None:
+                held += layer.delta_net.tensors()
         if self.native_decode is not None:
             held += self.native_decode.step._tensors
         tables = {t.untyped_storage().data_ptr() for pair in self.rope_tables for t in pair}
@@ -205,10 +227,13 @@ class DecoderModel:
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer K, V caches
+        # Per layer: its K and V caches; a linear-attention layer's conv and recurrent state
+        # pools (`linear_state`)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata | list[AttentionMetadata],  # one, or one per KV group
         backend: AttentionBackend | list[AttentionBackend],  # one, or one per KV group
         logit_rows: torch.Tensor,  # [num_logit_rows] int64, token rows that need logits
+        state_metadata: StateMetadata | None = None,  # with linear-attention layers
     ) -> torch.Tensor:  # [num_logit_rows, vocab] in the model dtype (the sampler upcasts)
         self.argmax_logprobs = None
         if self.fused_ops:  # the native ops below run unchecked: validate their inputs once
@@ -225,6 +250,7 @@ class DecoderModel:
         for group_backend, group_metadata in zip(backends, metadatas, strict=True):
             group_backend.begin_step(group_metadata)
         layer_groups = self.layer_groups if len(metadatas) > 1 else (0,) * arch.num_layers
+        states = self._state_step(state_metadata, input_ids.shape[0])
         x = self.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         if self._embed_scale is not None:
             x = x * self._embed_scale
@@ -241,26 +267,32 @@ class DecoderModel:
         ):
             kind = arch.layers[i]
             h, x = self._add_norm(delta, x, weights.input_norm)
-            if kind.kv_source is None:
-                q, k, v = self._qkv(h, weights, positions, rotations[kind.rope], kind.rope)
-                if i in self._kv_sources:
-                    step_kv[i] = (k, v)
+            if kind.linear:
+                o = self._linear_attention(h, weights, key_cache, value_cache, states)
             else:
-                q = self._q_only(h, weights, rotations[kind.rope])
-                k, v = step_kv[kind.kv_source]
-            g = layer_groups[i]
-            attn = backends[g].forward(
-                q,
-                k,
-                v,
-                key_cache,
-                value_cache,
-                metadatas[g],
-                sliding_window=kind.sliding_window,
-                sinks=weights.sinks,
-                write_kv=kind.kv_source is None,
-            )
-            o = self.linear(attn.reshape(-1, self.q_size), weights.o, weights.o_bias)
+                gate = None  # [num_tokens, num_heads * head_dim]
+                if kind.kv_source is None:
+                    q, k, v, gate = self._qkv(
+                        h, weights, positions, rotations[kind.rope], kind.rope
+                    )
+                    if i in self._kv_sources:
+                        step_kv[i] = (k, v)
+                else:
+                    q = self._q_only(h, weights, rotations[kind.rope])
+                    k, v = step_kv[kind.kv_source]
+                g = layer_groups[i]
+                attn = backends[g].forward(
+                    q,
+                    k,
+                    v,
+                    key_cache,
+                    value_cache,
+                    metadatas[g],
+                    sliding_window=kind.sliding_window,
+                    sinks=weights.sinks,
+                    write_kv=kind.kv_source is None,
+                )
+                o = self._attention_output(attn, gate, weights)
             delta = self._block_output(o, weights.attn_out_norm)
             h, x = self._add_norm(delta, x, weights.post_norm)
             delta = self._block_output(self._mlp(h, x, weights), weights.mlp_out_norm)
@@ -289,6 +321,54 @@ class DecoderModel:
         if weights.layer_scalar is not None:
             x = x * weights.layer_scalar
         return x
+
+    def _attention_output(
+        self,
+        attn: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        gate: torch.Tensor | None,  # [num_tokens, num_heads * head_dim]
+        weights: LayerWeights,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The output projection of the attention, gated first where the arch gates it."""
+        out = attn.reshape(-1, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.linear(out, weights.o, weights.o_bias)
+
+    def _state_step(
+        self, state_metadata: StateMetadata | None, num_tokens: int
+    ) -> StateStep | None:
+        """The step's states split once for every linear-attention layer (None: the model
+        has none)."""
+        if not self.arch.linear_layers:
+            return None
+        if state_metadata is None:
+            raise ValueError(
+                f"{self.arch.architecture} has linear-attention layers: forward needs "
+                f"state_metadata"
+            )
+        return StateStep.split(state_metadata, num_tokens)
+
+    def _linear_attention(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        weights: LayerWeights,
+        conv_state: torch.Tensor,  # [num_slots, conv_kernel - 1, conv_dim]
+        recurrent_state: torch.Tensor,  # [num_slots, num_v_heads, k_dim, v_dim] float32
+        states: StateStep | None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        spec = self.arch.linear_attention
+        assert spec is not None and states is not None and weights.delta_net is not None
+        return gated_delta_net(
+            h,
+            weights.delta_net,
+            spec,
+            conv_state,
+            recurrent_state,
+            states,
+            self.arch.rms_norm_eps,
+            self.linear,
+            self.state_decode_ops,
+        )
 
     def _check_native_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Once per forward, what the unchecked native calls rely on: the rotary tables cover
@@ -348,8 +428,11 @@ class DecoderModel:
         positions: torch.Tensor,  # [num_tokens] int64
         rotation: tuple[torch.Tensor, torch.Tensor] | None,
         rope: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [tokens, heads, head_dim] each
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q, k, v [num_tokens, heads, head_dim] each, and the output gate [num_tokens,
+        num_heads * head_dim] with `arch.attention_output_gate` (else None)."""
         arch = self.arch
+        assert weights.qkv is not None
         qkv = self.linear(h, weights.qkv, weights.qkv_bias)
         n = qkv.shape[0]
         if self.fused_ops and rope is not None:
@@ -357,7 +440,8 @@ class DecoderModel:
             heads = arch.num_heads + arch.num_kv_heads  # q and k lead each row
             cpu_ops.rotary_(qkv, positions, cos, sin, heads, check=False)
             rotation = None
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        gate_size = self.q_size if arch.attention_output_gate else 0
+        q, k, v, gate = qkv.split([self.q_size, self.kv_size, self.kv_size, gate_size], dim=-1)
         if arch.qk_norm == "full":
             assert weights.q_norm is not None and weights.k_norm is not None
             q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
@@ -374,7 +458,7 @@ class DecoderModel:
         if rotation is not None:
             cos, sin = rotation
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return q, k, v
+        return q, k, v, gate if gate_size else None
 
     def _q_only(
         self,
@@ -385,7 +469,8 @@ class DecoderModel:
         """The queries of a layer that reads another layer's K/V (per-head q norm only:
         `fused_blockers` keeps the fused ops off for the families that share K/V)."""
         arch = self.arch
-        assert not self.fused_ops and arch.qk_norm != "full"
+        assert not self.fused_ops and arch.qk_norm != "full" and not arch.attention_output_gate
+        assert weights.qkv is not None
         q = self.linear(h, weights.qkv, weights.qkv_bias).view(-1, arch.num_heads, arch.head_dim)
         if weights.q_norm is not None:
             q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
@@ -423,8 +508,12 @@ class DecoderModel:
 
         x, attn = zeros(arch.hidden_size), zeros(self.q_size)
         for weights in self.layers:
-            linear(x, weights.qkv, weights.qkv_bias)
-            linear(attn, weights.o)
+            if weights.delta_net is not None:
+                linear(x, weights.delta_net.in_proj)
+                linear(zeros(weights.delta_net.out_proj.shape[1]), weights.delta_net.out_proj)
+            else:
+                linear(x, weights.qkv, weights.qkv_bias)
+                linear(attn, weights.o)
             if weights.gate_up is not None and weights.down is not None:
                 linear(x, weights.gate_up)
                 # Layers' MLPs may differ in width (Gemma 4's double-wide ones).

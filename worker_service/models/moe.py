@@ -1,7 +1,8 @@
 """Sparse MLP: a router picks the top-k experts of each token (`MoeSpec.routing`); the experts
 (with biases and gpt-oss's clamped SwiGLU where the family has them) run
 grouped (the step's (token, expert) pairs sorted by expert, one matmul pair per active
-expert), so the Python loop is over the few experts in use, never over tokens.
+expert), so the Python loop is over the few experts in use, never over tokens. A shared
+expert (`MoeSpec.shared_expert_size`), gated per token, is added to the routed experts' sum.
 
 Grouping needs each expert's token count on the host, which a CUDA graph cannot capture
 (worker_service/cuda_graphs.py). While a stream is capturing, every expert runs over every
@@ -61,7 +62,33 @@ def moe_mlp(
     router_input: torch.Tensor | None = None,  # [num_tokens, hidden]; None: x
 ) -> torch.Tensor:  # [num_tokens, hidden]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return every_expert_mlp(x, w, spec, activation, router_input)
+        routed = every_expert_mlp(x, w, spec, activation, router_input)
+    else:
+        routed = _grouped_experts(x, w, spec, activation, router_input)
+    if spec.shared_expert_size is None:
+        return routed
+    return routed + shared_expert_mlp(x, w, activation)
+
+
+def shared_expert_mlp(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w: MoeWeights,
+    activation: Activation,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The shared expert's MLP times sigmoid of its gate's logit for each token."""
+    assert w.shared_gate_up is not None and w.shared_down is not None
+    assert w.shared_gate is not None
+    out = F.linear(gated_activation(F.linear(x, w.shared_gate_up), activation), w.shared_down)
+    return torch.sigmoid(F.linear(x, w.shared_gate)) * out
+
+
+def _grouped_experts(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w: MoeWeights,
+    spec: MoeSpec,
+    activation: Activation,
+    router_input: torch.Tensor | None,  # [num_tokens, hidden]; None: x
+) -> torch.Tensor:  # [num_tokens, hidden]
     weights, experts = _routed(x if router_input is None else router_input, w, spec)
     flat = experts.reshape(-1)  # [num_tokens * top_k], token t's picks at t * top_k ...
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending

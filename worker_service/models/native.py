@@ -115,6 +115,7 @@ def _decode_layer(
     w: LayerWeights, window: int | None, rotation: tuple[torch.Tensor, torch.Tensor] | None
 ) -> DecodeLayer:
     assert w.gate_up is not None and w.down is not None, "a dense layer"
+    assert w.qkv is not None and w.o is not None, "an attention layer"
     cos, sin = rotation if rotation is not None else (None, None)
     return DecodeLayer(
         input_norm=w.input_norm,

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from worker_service.models.delta_net import DeltaNetWeights
+
 
 @dataclass(slots=True)
 class MoeWeights:
@@ -30,6 +32,10 @@ class MoeWeights:
     input_norm: torch.Tensor | None = None  # [hidden]
     out_norm: torch.Tensor | None = None  # [hidden]
     dense_out_norm: torch.Tensor | None = None  # [hidden]
+    # The shared expert (`MoeSpec.shared_expert_size` S wide) and its gate.
+    shared_gate_up: torch.Tensor | None = None  # [2 * S, hidden]: gate rows, up rows
+    shared_down: torch.Tensor | None = None  # [hidden, S]
+    shared_gate: torch.Tensor | None = None  # [1, hidden]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held, biases and scales included."""
@@ -43,6 +49,9 @@ class MoeWeights:
             self.input_norm,
             self.out_norm,
             self.dense_out_norm,
+            self.shared_gate_up,
+            self.shared_down,
+            self.shared_gate,
         )
         return held + [t for t in extra if t is not None]
 
@@ -51,12 +60,15 @@ class MoeWeights:
 class LayerWeights:
     """One decoder layer. Norm names say where a norm sits: `input_norm` before attention,
     `attn_out_norm` on the attention output, `post_norm` before the MLP (Llama's
-    post_attention_layernorm), `mlp_out_norm` on the MLP output."""
+    post_attention_layernorm), `mlp_out_norm` on the MLP output. A linear-attention layer
+    (`LayerKind.linear`) has `delta_net` in place of qkv and o."""
 
     input_norm: torch.Tensor | None  # [hidden]
-    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
-    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]: q, k, v rows, then num_heads *
+    # head_dim gate rows with `arch.attention_output_gate`
+    qkv: torch.Tensor | None
+    qkv_bias: torch.Tensor | None  # [qkv rows]
+    o: torch.Tensor | None  # [hidden, num_heads * head_dim]
     post_norm: torch.Tensor | None  # [hidden]
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in an MoE layer
     down: torch.Tensor | None  # [hidden, intermediate]
@@ -74,6 +86,7 @@ class LayerWeights:
     per_layer_proj: torch.Tensor | None = None  # [hidden, P]
     per_layer_norm: torch.Tensor | None = None  # [hidden]
     layer_scalar: torch.Tensor | None = None  # [1]
+    delta_net: DeltaNetWeights | None = None  # a linear-attention layer's mixer
 
 
 def _w(module: Any) -> torch.Tensor:
@@ -100,13 +113,18 @@ def norm_weight(module: Any | None) -> torch.Tensor | None:
     return None if module is None else module.weight.detach()
 
 
-def read_attention(attn: Any, kv_shared: bool = False) -> dict[str, Any]:  # LayerWeights fields
+def read_attention(
+    attn: Any, kv_shared: bool = False, output_gate: bool = False
+) -> dict[str, Any]:  # LayerWeights fields
     """q/k/v fused into one projection (or taken fused: Phi-3's qkv_proj), o, and q/k norms.
     A layer without `v_proj` (Gemma 4's attention_k_eq_v) uses its keys' projection for the
     values too: its rows come twice. `kv_shared`: the layer reads another layer's K/V, and
-    its "qkv" is the query projection alone."""
+    its "qkv" is the query projection alone. `output_gate`: `q_proj` holds each head's query
+    rows then its gate rows (Qwen3.5, Qwen3-Next); the gate rows move after v's."""
     if hasattr(attn, "qkv_proj"):
         qkv, qkv_bias = _w(attn.qkv_proj), _b(attn.qkv_proj)
+    elif output_gate:
+        qkv, qkv_bias = _gated_qkv(attn)
     elif kv_shared:
         qkv, qkv_bias = _w(attn.q_proj), _b(attn.q_proj)
     else:
@@ -122,6 +140,25 @@ def read_attention(attn: Any, kv_shared: bool = False) -> dict[str, Any]:  # Lay
         k_norm=None if kv_shared else norm_weight(getattr(attn, "k_norm", None)),
         sinks=_sinks(attn),
     )
+
+
+def _gated_qkv(attn: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k and v rows, then the gate rows, of a gated attention's projections."""
+
+    def reorder(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        heads = q.view(-1, 2, attn.head_dim, *q.shape[1:])  # [num_heads, query/gate, ...]
+        return torch.cat([heads[:, 0].flatten(0, 1), k, v, heads[:, 1].flatten(0, 1)])
+
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    weight = reorder(*(_w(m) for m in projections))
+    biases = [_b(m) for m in projections]
+    if all(b is None for b in biases):
+        return weight, None
+    filled = [
+        b if b is not None else torch.zeros_like(m.weight[:, 0])
+        for b, m in zip(biases, projections, strict=True)
+    ]
+    return weight, reorder(*filled)
 
 
 def _sinks(attn: Any) -> torch.Tensor | None:
@@ -189,15 +226,22 @@ def read_layer(
     moe: MoeWeights | None = None,
     dense_beside_moe: bool = False,
     kv_shared: bool = False,
+    output_gate: bool = False,
+    delta_net: DeltaNetWeights | None = None,
 ) -> LayerWeights:
     """A layer whose norms have these module names (None: the layer has no such norm).
-    `dense_beside_moe`: the layer keeps its dense MLP next to `moe` (Gemma 4); `kv_shared`:
-    see `read_attention`."""
+    `dense_beside_moe`: the layer keeps its dense MLP next to `moe` (Gemma 4); `kv_shared`
+    and `output_gate`: see `read_attention`; `delta_net`: a linear-attention layer's mixer,
+    read by its family, in place of attention."""
 
     def norm(name: str | None) -> torch.Tensor | None:
         return None if name is None else _w(getattr(layer, name))
 
     mlp = {} if moe is not None and not dense_beside_moe else read_dense_mlp(layer.mlp)
+    if delta_net is None:
+        attention = read_attention(layer.self_attn, kv_shared, output_gate)
+    else:
+        attention = dict(qkv=None, qkv_bias=None, o=None)
     return LayerWeights(
         input_norm=norm(input_norm),
         post_norm=norm(post_norm),
@@ -208,5 +252,6 @@ def read_layer(
         gate_up_bias=mlp.get("gate_up_bias"),
         down_bias=mlp.get("down_bias"),
         moe=moe,
-        **read_attention(layer.self_attn, kv_shared),
+        delta_net=delta_net,
+        **attention,
     )
