@@ -12,19 +12,24 @@ from worker_service.models.family import Family
 from worker_service.models.weights import LayerWeights, read_layer, read_moe
 
 
-def read_qwen3_moe(config: Any, architecture: str) -> ModelArchConfig:
+def qwen3_moe_dense_layers(config: Any) -> frozenset[int]:
+    """The layers with a dense MLP: `mlp_only_layers` and those off the
+    `decoder_sparse_step` grid (all of them without experts)."""
     step = config.decoder_sparse_step
-    dense = frozenset(
+    return frozenset(
         i
         for i in range(config.num_hidden_layers)
         if i in set(config.mlp_only_layers) or not (config.num_experts > 0 and (i + 1) % step == 0)
     )
+
+
+def read_qwen3_moe(config: Any, architecture: str) -> ModelArchConfig:
     moe = MoeSpec(
         num_experts=config.num_experts,
         top_k=config.num_experts_per_tok,
         intermediate_size=config.moe_intermediate_size,
         norm_topk_prob=bool(config.norm_topk_prob),
-        dense_layers=dense,
+        dense_layers=qwen3_moe_dense_layers(config),
         round_weights=True,
     )
     return read_common(config, architecture, qk_norm="head", moe=moe)

@@ -19,6 +19,8 @@ from worker_service.models import (
     olmo3,
     phi3,
     qwen3,
+    qwen3_5,
+    qwen3_next,
     smollm3,
 )
 from worker_service.models.arch import ModelArchConfig
@@ -42,6 +44,11 @@ _FAMILIES: tuple[Family, ...] = (
     mixture.QWEN3_MOE,
     mixture.MIXTRAL,
     gpt_oss.FAMILY,
+    qwen3_5.QWEN3_5,
+    qwen3_5.QWEN3_5_MULTIMODAL,
+    qwen3_5.QWEN3_5_MOE,
+    qwen3_5.QWEN3_5_MOE_MULTIMODAL,
+    qwen3_next.FAMILY,
 )
 ARCHITECTURES: dict[str, Family] = {a: f for f in _FAMILIES for a in f.architectures}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
