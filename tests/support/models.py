@@ -3,7 +3,8 @@
 `save_tiny_model(kind, ...)` builds every architecture the worker supports from one shared
 config (`KINDS`: the Llama family; `FAMILY_KINDS`: one model per other family, each with
 the features that family is about switched on: explicit head_dim, sliding windows smaller
-than prompt + output, soft-caps, NoPE layers, experts...). After init every parameter is
+than prompt + output, soft-caps, NoPE layers, experts...; `HYBRID_KINDS`: the families with
+linear-attention layers, apart until the model runner keeps their states). After init every parameter is
 perturbed (transformers sets biases to 0 and norms to their neutral value, which would hide
 a wrong bias or norm formula), the router weights are sharpened (so near-ties cannot flip
 routing) and the output embedding is widened (so greedy near-ties cannot flip tokens).
@@ -36,6 +37,13 @@ FAMILY_KINDS = (
     "gemma4",
     "gemma4_mm",
 )
+# Qwen3.5 and Qwen3-Next: Gated DeltaNet and gated attention layers; `qwen3_5_mm` is saved as
+# a Qwen3_5ForConditionalGeneration checkpoint (with a vision tower), as Qwen3.5 ships.
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_mm")
+# Three linear-attention layers to each full one, twice.
+_HYBRID_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 2
+# The classes kinds are saved as where the causal-LM auto class would build another.
+_SAVED_AS = {"qwen3_5_mm": "Qwen3_5ForConditionalGeneration"}
 # A window smaller than the test prompts plus their outputs, so that it matters.
 WINDOW = 8
 _SIX = dict(num_hidden_layers=6)
@@ -221,6 +229,8 @@ def _family_config(kind: str, common: dict[str, Any]) -> Any:
         )
     if kind == "gpt_oss":
         return _gpt_oss_config(common)
+    if kind in HYBRID_KINDS:
+        return _hybrid_config(kind, common)
     if kind == "gemma4":
         return _gemma4_config(common, moe=False)
     if kind == "gemma4_mm":  # a Gemma4ForConditionalGeneration checkpoint without towers
@@ -268,6 +278,63 @@ def _gemma4_config(common: dict[str, Any], moe: bool) -> Any:
     return tf.Gemma4TextConfig(**{**settings, **common})  # the caller's overrides win
 
 
+def _hybrid_config(kind: str, common: dict[str, Any]) -> Any:
+    """Eight layers (`_HYBRID_TYPES`), linear attention with twice as many value heads as key
+    heads, rotary on a quarter of each head (the families' default); experts with a shared
+    one for `qwen3_5_moe`, and for `qwen3_next` beside dense MLPs on a linear-attention layer
+    and a full one."""
+    import transformers as tf
+
+    settings: dict[str, Any] = dict(
+        common,
+        num_hidden_layers=len(_HYBRID_TYPES),
+        layer_types=_HYBRID_TYPES,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    experts = dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+    )
+    if kind == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**settings)
+    if kind == "qwen3_5_moe":
+        settings.pop("intermediate_size")
+        return tf.Qwen3_5MoeTextConfig(**settings, **experts)
+    if kind == "qwen3_next":
+        return tf.Qwen3NextConfig(
+            **settings,
+            **experts,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0, 3],
+        )
+    vision = tf.Qwen3_5VisionConfig(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=common["hidden_size"],
+        patch_size=14,
+    )
+    return tf.Qwen3_5Config(
+        text_config=tf.Qwen3_5TextConfig(**settings).to_dict(),
+        vision_config=vision.to_dict(),
+        image_token_id=VOCAB - 1,
+        video_token_id=VOCAB - 2,
+        vision_start_token_id=VOCAB - 3,
+        vision_end_token_id=VOCAB - 4,
+    )
+
+
 def _gpt_oss_config(common: dict[str, Any]) -> Any:
     """Windows on alternate layers, YaRN without truncation, a SwiGLU limit the tiny model's
     activations reach (the released 7.0 never clamps here) and a non-default alpha."""
@@ -302,10 +369,15 @@ def save_tiny_model(
     """A randomly initialised `kind` model saved at `path` (like a checkpoint). `sharpen`
     widens the logits: random init keeps them near-uniform, where greedy ties could flip."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32)
+    config = tiny_config(kind, **overrides)
+    if kind in _SAVED_AS:
+        model = getattr(transformers, _SAVED_AS[kind])(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if sharpen:
         with torch.no_grad():
             perturb(model)
