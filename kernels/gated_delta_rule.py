@@ -46,10 +46,11 @@ def gated_delta_gates(
     b: torch.Tensor,  # [num_tokens, num_v_heads]: the layer's in_proj_b output
     a_log: torch.Tensor,  # [num_v_heads]: the layer's A_log
     dt_bias: torch.Tensor,  # [num_v_heads]
-) -> tuple[torch.Tensor, torch.Tensor]:  # g, beta: [num_tokens, num_v_heads] float32 each
-    """The log-decay g = -exp(A_log) softplus(a + dt_bias) and step beta = sigmoid(b)."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # g, beta: [num_tokens, num_v_heads] each
+    """The log-decay g = -exp(A_log) softplus(a + dt_bias) in float32 and the step
+    beta = sigmoid(b) in b's dtype (where transformers' layer rounds it; the rule upcasts)."""
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, b.float().sigmoid()
+    return g, b.sigmoid()
 
 
 def gated_delta_rule_recurrent(

@@ -3,10 +3,12 @@ tokens and the layer's state pools (`worker_service.linear_state`).
 
 One matmul projects the normalized input into the convolution's channels (q, k and v), the
 output gate z and the per-head inputs b and a of the delta rule's step and decay. q, k and v
-run through a short causal convolution with SiLU (`kernels.causal_conv1d`), then the gated
+run through a short causal convolution (`kernels.causal_conv1d`), then SiLU, then the gated
 delta rule (`kernels.gated_delta_rule`, q and k L2-normalised inside); each value head's
 output is RMS-normalized, times its weight, times SiLU(z), and projected back to the hidden
-size. The arithmetic follows transformers' `Qwen3_5GatedDeltaNet` step by step.
+size. The arithmetic and its rounding points follow transformers' `Qwen3_5GatedDeltaNet`:
+the convolution's output and the step beta are rounded to the model dtype, as there (which
+keeps bfloat16 outputs as close to transformers' as the attention families' are).
 
 The step's prefill sequences (several tokens each, first in the step) run through the packed
 kernels, which carry each sequence's state across its chunks; the decode rows (one token per
@@ -122,8 +124,9 @@ def gated_delta_net(
             step.prefill_starts,
             step.prefill_slots,
             step.prefill_initial,
+            activation=None,
         )
-        q, k, v = _heads(convolved, spec)
+        q, k, v = _heads(F.silu(convolved), spec)
         core[:p] = delta_ops.gated_delta_rule_chunked(
             q,
             k,
@@ -140,9 +143,9 @@ def gated_delta_net(
             conv_state[step.fresh_decode_slots] = 0
             recurrent_state[step.fresh_decode_slots] = 0
         convolved = decode_ops.conv_update(
-            mixed[p:].contiguous(), conv_state, w.conv, w.conv_bias, step.decode_slots
+            mixed[p:].contiguous(), conv_state, w.conv, w.conv_bias, step.decode_slots, None
         )
-        q, k, v = _heads(convolved, spec)
+        q, k, v = _heads(F.silu(convolved), spec)
         core[p:] = decode_ops.delta_decode(
             q, k, v, g[p:], beta[p:], recurrent_state, step.decode_slots
         )
