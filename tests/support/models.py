@@ -282,7 +282,7 @@ def _hybrid_config(kind: str, common: dict[str, Any]) -> Any:
     """Eight layers (`_HYBRID_TYPES`), linear attention with twice as many value heads as key
     heads, rotary on a quarter of each head (the families' default); experts with a shared
     one for `qwen3_5_moe`, and for `qwen3_next` beside dense MLPs on a linear-attention layer
-    and a full one."""
+    and a full one, with biased attention projections."""
     import transformers as tf
 
     settings: dict[str, Any] = dict(
@@ -316,6 +316,7 @@ def _hybrid_config(kind: str, common: dict[str, Any]) -> Any:
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=[0, 3],
+            attention_bias=True,
         )
     vision = tf.Qwen3_5VisionConfig(
         depth=1,

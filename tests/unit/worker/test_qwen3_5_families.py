@@ -31,8 +31,14 @@ PROMPTS = ([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [2, 71, 82, 18, 28, 44, 
 FIRST_CHUNKS = (5, 4)  # the first two prompts' first chunks
 SLOTS = (2, 0, 3)  # a slot per sequence, not in sequence order
 # Options of `model_from_hf`: plain torch; the native CPU state kernels on decode rows (the
-# fused elementwise ops the hybrids' norms refuse); every matmul on prepacked oneDNN weights.
-PATHS = {"torch": {}, "native_states": {"fused_ops": True}, "onednn": {"packed_linear": True}}
+# fused elementwise ops the hybrids' norms refuse); every matmul on prepacked oneDNN weights,
+# or on the native matmul kernel.
+PATHS = {
+    "torch": {},
+    "native_states": {"fused_ops": True},
+    "onednn": {"packed_linear": True},
+    "native_linear": {"native_linear": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +80,8 @@ class Seq:
 
 class Engine:
     """Caches laid out as the worker lays them out (K/V per attention layer, two state pools
-    per linear-attention layer), and steps built by hand, prefill rows first."""
+    per linear-attention layer: the conv state's in the model dtype, the recurrent state's in
+    float32), and steps built by hand, prefill rows first."""
 
     def __init__(self, model: DecoderModel) -> None:
         self.model = model
@@ -86,11 +93,13 @@ class Engine:
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for kind in arch.layers:
             if kind.linear:  # leftovers of other sequences: what no fresh sequence may read
-                conv = torch.full((NUM_SLOTS, *spec.conv_state_shape()), float("nan"))
+                conv_shape = (NUM_SLOTS, *spec.conv_state_shape())
+                conv = torch.full(conv_shape, float("nan"), dtype=model.dtype)
                 state = torch.full((NUM_SLOTS, *spec.recurrent_state_shape()), float("nan"))
                 self.caches.append((conv, state))
             else:
-                self.caches.append((torch.zeros(kv_shape), torch.zeros(kv_shape)))
+                kv = (torch.zeros(kv_shape, dtype=model.dtype) for _ in range(2))
+                self.caches.append((next(kv), next(kv)))
         self.backend = TorchAttentionBackend(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.scale
         )
@@ -98,6 +107,19 @@ class Engine:
     def step(self, rows: list[tuple[Seq, int]]) -> None:
         """Compute `rows` (a sequence and its number of new tokens; several-token rows
         first); a sequence whose row reaches its last token samples its next greedily."""
+        logits = self.forward(rows)
+        for (seq, n), row in zip(rows, logits, strict=True):
+            seq.computed += n
+            if seq.computed == len(seq.tokens):
+                token = int(row.argmax())
+                seq.tokens.append(token)
+                seq.out.append(token)
+
+    def forward(
+        self, rows: list[tuple[Seq, int]], every_token: bool = False
+    ) -> torch.Tensor:  # [len(rows) (every_token: tokens), vocab]
+        """The logits of each row's last token (or of every token) of one step over `rows`;
+        the sequences' computed counts stay as they were."""
         prefills = [(s, n) for s, n in rows if n > 1]
         decodes = [(s, n) for s, n in rows if n == 1]
         assert rows == prefills + decodes
@@ -107,9 +129,10 @@ class Engine:
             ids += [seq.tokens[p] for p in span]
             positions += list(span)
             slots += [seq.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in span]
+            logit_rows += list(range(starts[-1], starts[-1] + n)) if every_token else []
             starts.append(starts[-1] + n)
-            logit_rows.append(starts[-1] - 1)
-        logits = self.model.forward(
+            logit_rows += [] if every_token else [starts[-1] - 1]
+        return self.model.forward(
             torch.tensor(ids),
             torch.tensor(positions),
             self.caches,
@@ -124,12 +147,6 @@ class Engine:
                 has_initial_state=torch.tensor([seq.computed > 0 for seq, _ in rows]),
             ),
         )
-        for (seq, n), row in zip(rows, logits, strict=True):
-            seq.computed += n
-            if seq.computed == len(seq.tokens):
-                token = int(row.argmax())
-                seq.tokens.append(token)
-                seq.out.append(token)
 
 
 def _i32(values: list[int]) -> torch.Tensor:
@@ -187,6 +204,22 @@ def test_chunked_prefills_beside_decodes_match_transformers_greedy(
     while len(b.out) < NEW_TOKENS:
         engine.step([(seq, 1) for seq in (a, b, c) if len(seq.out) < NEW_TOKENS])
     assert [a.out, b.out, c.out] == expected[kind]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@torch.no_grad()
+def test_bfloat16_rounds_where_transformers_does(kind: str, saved: dict[str, Path]) -> None:
+    """The first position's logits in bfloat16, on the prefill and the decode path: the
+    mixer rounds the convolution's output and the step beta to the model dtype as
+    transformers does (rounding them anywhere else moves these logits by a tenth or more)."""
+    hf = load_hf(saved[kind]).to(torch.bfloat16)
+    prompt = PROMPTS[0]
+    expected = hf(torch.tensor([prompt])).logits[0, 0].float()
+    engine = Engine(model_from_hf(hf, max_positions=64))
+    prefill = engine.forward([(Seq(list(prompt), 0, 0), len(prompt))], every_token=True)[0]
+    decode = engine.forward([(Seq(prompt[:1], 1, BLOCKS_PER_SEQ), 1)])[0]
+    for logits in (prefill, decode):
+        torch.testing.assert_close(logits.float(), expected, rtol=0, atol=0.02)
 
 
 def test_hybrid_features_are_read_from_the_config() -> None:
