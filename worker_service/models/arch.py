@@ -79,12 +79,12 @@ class LinearAttentionSpec:
         return 2 * self.key_width + self.value_width
 
     def conv_state_shape(self) -> tuple[int, int]:
-        """One sequence's conv state: its last conv_kernel - 1 inputs, in the model dtype."""
+        """One sequence's conv state (its last conv_kernel - 1 inputs); its pool's dtype is
+        in `linear_state`, as the recurrent state's."""
         return (self.conv_kernel - 1, self.conv_dim)
 
     def recurrent_state_shape(self) -> tuple[int, int, int]:
-        """One sequence's delta-rule state: a [k_dim, v_dim] matrix per value head, in
-        float32."""
+        """One sequence's delta-rule state: a [k_dim, v_dim] matrix per value head."""
         return (self.num_v_heads, self.k_dim, self.v_dim)
 
 

@@ -65,7 +65,7 @@ class LayerWeights:
 
     input_norm: torch.Tensor | None  # [hidden]
     # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]: q, k, v rows, then num_heads *
-    # head_dim gate rows with `arch.attention_output_gate`
+    # head_dim gate rows with `arch.attention_output_gate`; None in a linear-attention layer
     qkv: torch.Tensor | None
     qkv_bias: torch.Tensor | None  # [qkv rows]
     o: torch.Tensor | None  # [hidden, num_heads * head_dim]

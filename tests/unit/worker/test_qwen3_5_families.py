@@ -211,7 +211,7 @@ def test_chunked_prefills_beside_decodes_match_transformers_greedy(
 def test_bfloat16_rounds_where_transformers_does(kind: str, saved: dict[str, Path]) -> None:
     """The first position's logits in bfloat16, on the prefill and the decode path: the
     mixer rounds the convolution's output and the step beta to the model dtype as
-    transformers does (rounding them anywhere else moves these logits by a tenth or more)."""
+    transformers does (rounding them anywhere else moves these logits past the tolerance)."""
     hf = load_hf(saved[kind]).to(torch.bfloat16)
     prompt = PROMPTS[0]
     expected = hf(torch.tensor([prompt])).logits[0, 0].float()
@@ -297,3 +297,13 @@ def test_forward_without_state_metadata_is_refused(hf_models: dict[str, Any]) ->
             engine.backend,
             torch.tensor([0]),
         )
+
+
+def test_multi_token_prediction_layers_are_logged_as_not_loaded() -> None:
+    from structlog.testing import capture_logs
+    from transformers import Qwen3_5ForCausalLM
+
+    hf = Qwen3_5ForCausalLM(tiny_config("qwen3_5", mtp_num_hidden_layers=1)).eval()
+    with capture_logs() as logs:
+        model_from_hf(hf, max_positions=64)
+    assert [e["mtp_layers"] for e in logs if "mtp_layers" in e] == [1]
