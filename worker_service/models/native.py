@@ -107,6 +107,8 @@ def native_linear_unsupported_reason(arch: ModelArchConfig, dtype: torch.dtype) 
         "intermediate size": arch.intermediate_size,
         "query width": arch.num_heads * arch.head_dim,
     }
+    if arch.linear_attention is not None:  # the mixer's output projection's input
+        widths["linear-attention value width"] = arch.linear_attention.value_width
     odd = [f"{name} {value}" for name, value in widths.items() if value % 8]
     return f"{', '.join(odd)} not a multiple of 8" if odd else None
 
