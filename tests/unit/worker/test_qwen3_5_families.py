@@ -201,7 +201,7 @@ def test_chunked_prefills_beside_decodes_match_transformers_greedy(
     engine.step([(a, len(PROMPTS[0]) - first_a)])  # its second, from its state
     engine.step([(b, first_b), (a, 1)])  # one prefills while the other decodes
     engine.step([(b, len(PROMPTS[1]) - first_b), (a, 1), (c, 1)])  # c: a fresh decode row
-    while len(b.out) < NEW_TOKENS:
+    while any(len(seq.out) < NEW_TOKENS for seq in (a, b, c)):
         engine.step([(seq, 1) for seq in (a, b, c) if len(seq.out) < NEW_TOKENS])
     assert [a.out, b.out, c.out] == expected[kind]
 
@@ -239,15 +239,26 @@ def test_hybrid_features_are_read_from_the_config() -> None:
     assert nxt is not None and nxt.dense_layers == {0, 3}
 
 
+@torch.no_grad()
 def test_a_conditional_generation_checkpoint_reads_as_its_text_model(
     saved: dict[str, Path], hf_models: dict[str, Any]
 ) -> None:
+    from transformers import Qwen3_5ForConditionalGeneration
+
     config = AutoConfig.from_pretrained(saved["qwen3_5_mm"])
     assert config.architectures == ["Qwen3_5ForConditionalGeneration"]
     loaded = hf_models["qwen3_5_mm"]  # the auto class loads the text model alone
     assert type(loaded).__name__ == "Qwen3_5ForCausalLM"
     text_arch = read_arch(loaded.config, type(loaded).__name__)
     assert read_arch(config) == replace(text_arch, architecture=config.architectures[0])
+    # The whole multimodal model gives the decoder the same text weights.
+    whole = Qwen3_5ForConditionalGeneration.from_pretrained(saved["qwen3_5_mm"]).eval()
+    prompt = PROMPTS[0]
+    logits = [
+        Engine(model_from_hf(hf, max_positions=64)).forward([(Seq(prompt, 0, 0), len(prompt))])
+        for hf in (loaded, whole)
+    ]
+    assert torch.equal(*logits)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
