@@ -17,6 +17,11 @@ indexed by position (entry i holds positions [i * block_size, (i + 1) * block_si
 entries before the window hold `NULL_BLOCK`, a block reserved at start-up that is never
 written and reads as zeros (backends mask it: it lies outside every window).
 
+Recurrent layers (Gated DeltaNet linear attention, Qwen3.5) keep no K/V per token: each
+sequence has one **state slot**, in pools of their own beside the blocks
+(`worker_service.linear_state`). They are in no group; `state_layers` lists them. (A model of
+recurrent layers alone is refused: every layout has a group.)
+
 The scheduler and the worker both read their rules from here: the scheduler learns the
 groups' windows from the worker (`InfoResponse.kv_groups`), the worker builds its cache from
 the same layout.
@@ -58,6 +63,14 @@ class KvLayout:
     # Layers that store no K/V of their own and read another layer's (KV shared across
     # layers, Gemma 4): layer -> the layer whose cache it reads. In no group.
     shared: tuple[tuple[int, int], ...] = ()
+    # Layers that keep a recurrent state per sequence (a state slot) instead of K/V. In no
+    # group.
+    state_layers: tuple[int, ...] = ()
+
+    @property
+    def has_states(self) -> bool:
+        """Whether sequences hold state slots (some layer is recurrent)."""
+        return bool(self.state_layers)
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -82,7 +95,7 @@ class KvLayout:
 
     @property
     def num_layers(self) -> int:
-        return sum(len(g.layers) for g in self.groups) + len(self.shared)
+        return sum(len(g.layers) for g in self.groups) + len(self.shared) + len(self.state_layers)
 
     def blocks_for(self, num_tokens: int, block_size: int, chunk: int | None = None) -> int:
         """Device blocks one sequence of `num_tokens` holds at most, computing at most `chunk`
@@ -121,13 +134,20 @@ def single_group(num_layers: int) -> KvLayout:
 
 
 def plan_layout(
-    layer_windows: Sequence[int | None], kv_sources: dict[int, int] | None = None
+    layer_windows: Sequence[int | None],
+    kv_sources: dict[int, int] | None = None,
+    state_layers: Sequence[int] = (),
 ) -> KvLayout:
     """Group layers by their window (None: full attention), full-attention groups first, then
     by window size; every group at most as large as the smallest kind. `kv_sources` maps a
     layer that reads another layer's K/V (and stores none) to that layer, which must store
-    its own and attend with the same window."""
+    its own and attend with the same window. `state_layers` keep a recurrent state instead
+    of K/V (their windows are not read)."""
     sources = dict(kv_sources or {})
+    states = tuple(sorted(set(state_layers)))
+    for layer in states:
+        if not 0 <= layer < len(layer_windows) or layer in sources or layer in sources.values():
+            raise KvLayoutError(f"layer {layer}: a recurrent layer neither stores nor shares K/V")
     for layer, source in sources.items():
         if not 0 <= source < len(layer_windows) or source in sources or source == layer:
             raise KvLayoutError(
@@ -138,7 +158,7 @@ def plan_layout(
                 f"layer {layer}: window {layer_windows[layer]} reads the K/V of layer {source}, "
                 f"window {layer_windows[source]}"
             )
-    storing = [i for i in range(len(layer_windows)) if i not in sources]
+    storing = [i for i in range(len(layer_windows)) if i not in sources and i not in states]
     if not storing:
         raise KvLayoutError("a model needs at least one layer that stores K/V")
     for i, window in enumerate(layer_windows):
@@ -154,4 +174,4 @@ def plan_layout(
         for window in order
         for start in range(0, len(kinds[window]), size)
     )
-    return KvLayout(groups, size, tuple(sorted(sources.items())))
+    return KvLayout(groups, size, tuple(sorted(sources.items())), states)

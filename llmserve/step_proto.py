@@ -163,6 +163,7 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
             group_tables=[worker_pb2.BlockTable(block_ids=t) for t in s.group_block_ids],
             num_scheduled_tokens=s.num_scheduled_tokens,
             sampling_params=sampling_params_to_proto(s.sampling_params),
+            state_slot=s.state_slot,
         )
     _set_cached(msg.cached_seqs, step.cached_seqs)
     for f in step.forks:
@@ -170,6 +171,7 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
             parent_seq_id=f.parent_seq_id,
             child_seq_id=f.child_seq_id,
             child_seq_index=f.child_seq_index,
+            child_state_slot=f.child_state_slot,
         )
     _set_mapping(msg.blocks_to_swap_out, step.blocks_to_swap_out)
     _set_mapping(msg.blocks_to_swap_in, step.blocks_to_swap_in)
@@ -202,11 +204,20 @@ def step_input_from_proto(msg: worker_pb2.ExecuteRequest) -> StepInput:
                 num_scheduled_tokens=s.num_scheduled_tokens,
                 sampling_params=sampling_params_from_proto(s.sampling_params),
                 group_block_ids=[list(t.block_ids) for t in s.group_tables],
+                state_slot=s.state_slot if s.HasField("state_slot") else None,
             )
             for s in msg.new_seqs
         ],
         cached_seqs=_cached(msg.cached_seqs),
-        forks=[Fork(f.parent_seq_id, f.child_seq_id, f.child_seq_index) for f in msg.forks],
+        forks=[
+            Fork(
+                f.parent_seq_id,
+                f.child_seq_id,
+                f.child_seq_index,
+                f.child_state_slot if f.HasField("child_state_slot") else None,
+            )
+            for f in msg.forks
+        ],
         freed_seq_ids=list(msg.freed_seq_ids),
         blocks_to_swap_out=_mapping(msg.blocks_to_swap_out),
         blocks_to_swap_in=_mapping(msg.blocks_to_swap_in),

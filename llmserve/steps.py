@@ -11,7 +11,8 @@ last saw it (normally one), the block-table change, and how many tokens to compu
 The worker applies a step in this order:
   1. drop the state of `freed_seq_ids` (finished, aborted, or preempted by recompute);
   2. apply `forks`: the child starts as a copy of the parent's worker-side state (tokens,
-     block table, computed count) as it was *before* this step's updates;
+     block table, computed count, and the recurrent layers' state, copied into the child's
+     state slot) as it was *before* this step's updates;
   3. register `new_seqs`;
   4. apply `cached_seqs` updates (append tokens, patch block tables);
   5. `blocks_to_swap_out` (device -> host), then `blocks_to_swap_in` (host -> device), then
@@ -95,6 +96,9 @@ class NewSequence:
     # The tables of KV groups 1, 2, ... (empty for a model of one group). A windowed group's
     # table covers the step's window and tokens; entries before the window are NULL_BLOCK.
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # The recurrent layers' state slot (`llmserve.kv_layout`: state layers), None for a
+    # model without them. Computing from token 0 it starts from zeros, whatever it held.
+    state_slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -141,6 +145,8 @@ class Fork:
     parent_seq_id: int
     child_seq_id: int
     child_seq_index: int
+    # The child's state slot (recurrent layers), into which the parent's state is copied.
+    child_state_slot: int | None = None
 
 
 class MaskKind(IntEnum):

@@ -35,7 +35,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "max_model_len", "eos_token_id", "vocab_size", "num_gpu_blocks_available", "num_cpu_blocks_available", "num_gpu_blocks", "num_cpu_blocks", "device", "attention_backend", "linear_impl", "weight_format", "weight_bytes", "execute_stream_open", "role", "kv_groups", "kv_group_blocks_used")
+    __slots__ = ("model", "dtype", "block_size", "max_model_len", "eos_token_id", "vocab_size", "num_gpu_blocks_available", "num_cpu_blocks_available", "num_gpu_blocks", "num_cpu_blocks", "device", "attention_backend", "linear_impl", "weight_format", "weight_bytes", "execute_stream_open", "role", "kv_groups", "kv_group_blocks_used", "state_layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class InfoResponse(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -74,7 +75,8 @@ class InfoResponse(_message.Message):
     role: WorkerRole
     kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroup]
     kv_group_blocks_used: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_gpu_blocks_available: _Optional[int] = ..., num_cpu_blocks_available: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., linear_impl: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., execute_stream_open: _Optional[bool] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroup, _Mapping]]] = ..., kv_group_blocks_used: _Optional[_Iterable[int]] = ...) -> None: ...
+    state_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_gpu_blocks_available: _Optional[int] = ..., num_cpu_blocks_available: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., linear_impl: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., execute_stream_open: _Optional[bool] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroup, _Mapping]]] = ..., kv_group_blocks_used: _Optional[_Iterable[int]] = ..., state_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvGroup(_message.Message):
     __slots__ = ("sliding_window", "layers")
@@ -97,17 +99,19 @@ class InitializeCacheRequest(_message.Message):
     def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
 
 class InitializeCacheResponse(_message.Message):
-    __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "init_ns")
+    __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "init_ns", "num_state_slots")
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INIT_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     num_gpu_blocks: int
     num_cpu_blocks: int
     init_ns: int
-    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., init_ns: _Optional[int] = ...) -> None: ...
+    num_state_slots: int
+    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., init_ns: _Optional[int] = ..., num_state_slots: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "request_id", "seq_index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_scheduled_tokens", "sampling_params", "group_tables")
+    __slots__ = ("seq_id", "request_id", "seq_index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_scheduled_tokens", "sampling_params", "group_tables", "state_slot")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +122,7 @@ class NewSequence(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     GROUP_TABLES_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     request_id: str
     seq_index: int
@@ -128,7 +133,8 @@ class NewSequence(_message.Message):
     num_scheduled_tokens: int
     sampling_params: _common_pb2.SamplingParams
     group_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
-    def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., group_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., group_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("block_ids",)
@@ -167,14 +173,16 @@ class CachedSequences(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., after_drafts: _Optional[_Iterable[bool]] = ..., group_block_offsets: _Optional[_Iterable[int]] = ..., num_group_block_ids: _Optional[_Iterable[int]] = ..., group_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Fork(_message.Message):
-    __slots__ = ("parent_seq_id", "child_seq_id", "child_seq_index")
+    __slots__ = ("parent_seq_id", "child_seq_id", "child_seq_index", "child_state_slot")
     PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CHILD_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CHILD_SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHILD_STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     parent_seq_id: int
     child_seq_id: int
     child_seq_index: int
-    def __init__(self, parent_seq_id: _Optional[int] = ..., child_seq_id: _Optional[int] = ..., child_seq_index: _Optional[int] = ...) -> None: ...
+    child_state_slot: int
+    def __init__(self, parent_seq_id: _Optional[int] = ..., child_seq_id: _Optional[int] = ..., child_seq_index: _Optional[int] = ..., child_state_slot: _Optional[int] = ...) -> None: ...
 
 class BlockMapping(_message.Message):
     __slots__ = ("src", "dst")

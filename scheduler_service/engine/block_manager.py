@@ -12,6 +12,10 @@ Prefix caching hashes each group's blocks under its own key (group 0 under the t
 hash, so KV transfers between replicas name blocks as before). A hit is the longest prefix
 that every group can serve: all of a full group's blocks, the blocks of a windowed group that
 the first computed position's window reads.
+
+A model with recurrent layers also gives each sequence a state slot (`state_slots`) beside
+its tables. Its sequences are not swapped (a preemption recomputes them) and get no
+prefix-cache hits: no state is kept at a block boundary for a hit to start from.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from enum import Enum
 from llmserve.kv_layout import NULL_BLOCK, first_live_block, window_span
 from scheduler_service.engine.block_allocator import BlockAllocator, Device
 from scheduler_service.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from scheduler_service.engine.state_slots import StateSlots, slots_needed
 
 
 class AllocStatus(Enum):
@@ -51,6 +56,7 @@ class BlockSpaceManager:
         watermark: float = 0.01,
         enable_caching: bool = True,
         windows: tuple[int | None, ...] = (None,),
+        num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
         self.num_total_gpu_blocks = num_gpu_blocks
@@ -94,6 +100,8 @@ class BlockSpaceManager:
         # Device blocks held by KV transfers between workers, by transfer id, besides the
         # tables (`scheduler_service.fleet.kv_mover`).
         self.pins: dict[int, list[int]] = {}
+        # The recurrent layers' state slots (None: the model has none).
+        self.states = StateSlots(num_state_slots) if num_state_slots else None
 
     @property
     def is_hybrid(self) -> bool:
@@ -140,6 +148,12 @@ class BlockSpaceManager:
         usable = self.num_total_gpu_blocks - self.num_reserved
         if usable - (smallest if smallest is not None else required) < self.watermark_blocks:
             return AllocStatus.NEVER
+        if self.states is not None:
+            slots = slots_needed(seq_group)
+            if slots > self.states.num_slots:
+                return AllocStatus.NEVER
+            if slots > self.states.num_free():
+                return AllocStatus.LATER
         if self.gpu.get_num_free_blocks() - required >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -160,8 +174,12 @@ class BlockSpaceManager:
     def allocate(self, seq_group: SequenceGroup) -> None:
         """Give every waiting sequence its tables: a full group's covers all its tokens
         (sharing cached blocks), a windowed group's the blocks of the longest prefix hit
-        (`get_num_computed_tokens`) that its window reads; `append_slots` adds the rest."""
+        (`get_num_computed_tokens`) that its window reads; `append_slots` adds the rest. With
+        recurrent layers, the request reserves its state slots and each sequence takes one."""
         bs = self.block_size
+        states = self.states
+        if states is not None:
+            states.reserve(seq_group.request_id, slots_needed(seq_group))
         for seq in seq_group.get_seqs(SequenceStatus.WAITING):
             seq_id = seq.seq_id
             assert seq_id not in self._tables, f"{seq} already has blocks"
@@ -177,7 +195,9 @@ class BlockSpaceManager:
                         table.append(self.gpu.allocate(tag=g))
                 self._group_tables[g][seq_id] = table
             self._num_marked[seq_id] = 0
-            hit = self._find_hit(seq, num_full) if self.enable_caching else 0
+            if states is not None:
+                states.take(seq_group.request_id, seq_id)
+            hit = self._find_hit(seq, num_full) if self.enable_caching and states is None else 0
             self._hits[seq_id] = hit
             start = self._hit_start(seq, hit)
             for g in self._windowed:
@@ -284,6 +304,22 @@ class BlockSpaceManager:
                         needed += 1
         # The usual decode writes into room its last block already has.
         return needed <= 0 or needed <= self.gpu.get_num_free_blocks()
+
+    def max_append_chunk(self, seq_group: SequenceGroup, chunk: int) -> int:
+        """The largest next chunk of the group's running prefill, up to `chunk` tokens and in
+        whole blocks below it, that `can_append_slots` allows; 0 when none does. Only a
+        windowed group's needs shrink with the chunk (a full group holds every known token's
+        blocks already)."""
+        if self.can_append_slots(seq_group, chunk):
+            return chunk
+        if not self._windowed:
+            return 0
+        bs = self.block_size
+        while chunk > bs:
+            chunk = (chunk - 1) // bs * bs
+            if self.can_append_slots(seq_group, chunk):
+                return chunk
+        return 0
 
     def append_slots(
         self,
@@ -461,6 +497,8 @@ class BlockSpaceManager:
         if parent_id in self._on_cpu:
             self._on_cpu.add(child_id)
         self._num_marked[child_id] = self._num_marked[parent_id]
+        if self.states is not None:
+            self.states.take_for_fork(parent_id, child_id)
 
     # -- swapping ---------------------------------------------------------------------------
 
@@ -476,6 +514,8 @@ class BlockSpaceManager:
         return len({b for s in seqs for b in self._live_blocks(s.seq_id)})
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        if self.states is not None:  # state slots stay on the device: recompute instead
+            return False
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
         return self._unique_blocks(seqs) <= self.cpu.get_num_free_blocks()
 
@@ -642,6 +682,8 @@ class BlockSpaceManager:
         self._on_cpu.discard(seq_id)
         self._num_marked.pop(seq_id, None)
         self._hits.pop(seq_id, None)
+        if self.states is not None:
+            self.states.release(seq_id)
         for g, tables in enumerate(self._group_tables):
             table = tables.pop(seq_id)
             live = self._live[g].pop(seq_id, 0)
@@ -652,6 +694,10 @@ class BlockSpaceManager:
 
     def has_table(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tables
+
+    def state_slot(self, seq_id: int) -> int | None:
+        """The state slot of a sequence holding tables (None: the model keeps no states)."""
+        return None if self.states is None else self.states.slot_of(seq_id)
 
     def get_block_table(self, seq: Sequence, group: int = 0) -> list[int]:
         return self._group_tables[group][seq.seq_id]
@@ -697,7 +743,7 @@ class BlockSpaceManager:
         """Free + in use == total on each device; ref counts equal table references; no block
         both free and referenced; every group holds a table for the same sequences; a
         windowed table holds NULL entries exactly before its live part, none of them
-        referenced."""
+        referenced; the state slots are held by exactly the sequences with tables."""
         gpu_refs = [0] * self.num_total_gpu_blocks
         cpu_refs = [0] * self.num_total_cpu_blocks
         if self._windowed:
@@ -718,5 +764,7 @@ class BlockSpaceManager:
             for block_id in block_ids:
                 gpu_refs[block_id] += 1
         assert self._on_cpu <= self._tables.keys()
+        if self.states is not None:
+            self.states.check_invariants(set(self._tables))
         self.gpu.check_invariants(gpu_refs)
         self.cpu.check_invariants(cpu_refs)

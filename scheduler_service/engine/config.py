@@ -209,6 +209,9 @@ class CacheConfig:
     # The sliding window of each KV group (None: full attention), as the worker lays out its
     # layers (`llmserve.kv_layout`); one full group by default.
     kv_windows: tuple[int | None, ...] = (None,)
+    # State slots of the recurrent layers (`scheduler_service.engine.state_slots`), as the
+    # worker allocated them; 0 for a model without recurrent layers.
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         if not self.kv_windows:
@@ -219,5 +222,7 @@ class CacheConfig:
             raise ConfigError("num_gpu_blocks", f"must be at least 1, got {self.num_gpu_blocks}")
         if self.num_cpu_blocks < 0:
             raise ConfigError("num_cpu_blocks", f"must be >= 0, got {self.num_cpu_blocks}")
+        if self.num_state_slots < 0:
+            raise ConfigError("num_state_slots", f"must be >= 0, got {self.num_state_slots}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")

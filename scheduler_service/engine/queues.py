@@ -33,6 +33,7 @@ class SchedulerQueues:
             watermark=cache_config.watermark,
             enable_caching=cache_config.enable_prefix_caching,
             windows=cache_config.kv_windows,
+            num_state_slots=cache_config.num_state_slots,
         )
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()

@@ -210,7 +210,9 @@ class Scheduler(SchedulerQueues):
             )
             if chunk <= 0:
                 continue
-            if not bm.can_append_slots(seq_group, chunk):
+            # A windowed group's next blocks grow with the chunk: a shorter one may fit.
+            chunk = bm.max_append_chunk(seq_group, chunk)
+            if chunk == 0:
                 self._preempt(seq_group, out)
                 preempted.add(seq_group.request_id)
                 continue

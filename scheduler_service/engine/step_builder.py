@@ -199,7 +199,9 @@ class StepBuilder:
             if not bm.has_table(child):
                 continue
             views[child.seq_id] = list(views[parent.seq_id])
-            step.forks.append(Fork(parent.seq_id, child.seq_id, child.seq_index))
+            step.forks.append(
+                Fork(parent.seq_id, child.seq_id, child.seq_index, bm.state_slot(child.seq_id))
+            )
             fork_parents.add(parent.seq_id)
         return fork_parents
 
@@ -243,7 +245,7 @@ class StepBuilder:
                 tokens = seq.token_ids
                 view = views.get(seq_id)
                 if view is None:
-                    new = self._new_seq(seq, seq_group, table, chunk)
+                    new = self._new_seq(seq, seq_group, table, chunk, bm.state_slot(seq_id))
                     views[seq_id] = [len(tokens), len(table)]
                     if any_dirty:
                         pop_dirty_from(seq_id)
@@ -298,7 +300,11 @@ class StepBuilder:
 
     @staticmethod
     def _new_seq(
-        seq: Sequence, seq_group: SequenceGroup, table: list[int], chunk: int
+        seq: Sequence,
+        seq_group: SequenceGroup,
+        table: list[int],
+        chunk: int,
+        state_slot: int | None,
     ) -> NewSequence:
         return NewSequence(
             seq_id=seq.seq_id,
@@ -310,4 +316,5 @@ class StepBuilder:
             block_ids=list(table),
             num_scheduled_tokens=chunk,
             sampling_params=seq_group.sampling_params,
+            state_slot=state_slot,
         )

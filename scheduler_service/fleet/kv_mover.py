@@ -125,7 +125,9 @@ class KvMover:
 
     def _can_take_part(self, request_id: str, source: Replica, target: Replica) -> bool:
         """Whether a move of `request_id` from `source` to `target` can start: none already,
-        both connected, the target caching prefixes, the same block size and KV groups."""
+        both connected, the target caching prefixes, the same block size and KV groups, and
+        no recurrent layers (their states do not travel yet: such requests move by
+        recompute)."""
         target_engine = target.engine
         return not (
             request_id in self.moves
@@ -137,6 +139,7 @@ class KvMover:
             or target.block_size != source.block_size
             or target_engine.scheduler.block_manager.windows
             != source.engine.scheduler.block_manager.windows
+            or source.engine.scheduler.block_manager.states is not None
         )
 
     def _new_move(

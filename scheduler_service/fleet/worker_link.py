@@ -168,6 +168,7 @@ async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> W
         watermark=cfg.watermark,
         enable_prefix_caching=cfg.enable_prefix_caching,
         kv_windows=kv_windows(info),
+        num_state_slots=reply.num_state_slots,
     )
     return WorkerLink(info, scheduler_config, cache_config)
 

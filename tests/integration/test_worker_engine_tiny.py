@@ -88,6 +88,8 @@ def assert_all_free(engine: LLMEngine, worker: Worker) -> None:
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks - bm.num_reserved
     assert bm.get_num_free_cpu_blocks() == engine.cache_config.num_cpu_blocks
+    if bm.states is not None:
+        assert bm.states.num_free() == bm.states.num_slots
     # Finished ids reach the worker with the next step.
     engine.step()
     assert worker.num_sequences == 0

@@ -9,6 +9,12 @@ With KV groups (`windows`, as `llmserve.kv_layout` lays a hybrid model out) it w
 token through each group's table and reads a windowed group back only over its window, as
 attention would: a block freed while its window still reads it, or one never written, changes
 the output; a write into the null block fails at once.
+
+With state slots (`num_state_slots`, a model with recurrent layers) it also keeps, per slot, a
+running hash of the tokens its sequence computed, as a recurrent layer keeps its state: a
+sequence starting from its first token starts it afresh, a fork copies it, and every sample
+depends on it. A slot shared by two live sequences, or a fork that does not copy, changes the
+output.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class _SeqState:
     # Whether the last step that verified its drafts dropped some (an update `after_drafts`
     # is then skipped but for its block table).
     drafts_cut: bool = False
+    state_slot: int | None = None
 
 
 class FakeModel:
@@ -65,8 +72,11 @@ class FakeModel:
         block_size: int,
         vocab_size: int = 64,
         windows: tuple[int | None, ...] = (None,),
+        num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
+        # Per state slot, the running hash of the tokens its sequence computed.
+        self.state_slots: list[int] = [0] * num_state_slots
         self.windows = windows
         self.vocab_size = vocab_size
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
@@ -151,7 +161,11 @@ class FakeModel:
                 list(p.table),
                 p.params,
                 [list(t) for t in p.group_tables],
+                state_slot=fork.child_state_slot,
             )
+            if p.state_slot is not None:
+                assert fork.child_state_slot is not None, "a fork without a state slot"
+                self.state_slots[fork.child_state_slot] = self.state_slots[p.state_slot]
         for new in step.new_seqs:
             assert new.seq_id not in self.seqs, f"new sequence {new.seq_id} already known"
             self.seqs[new.seq_id] = _SeqState(
@@ -163,8 +177,12 @@ class FakeModel:
                 list(new.block_ids),
                 new.sampling_params,
                 [list(t) for t in new.group_block_ids],
+                state_slot=new.state_slot,
             )
             assert len(new.group_block_ids) == len(self.windows) - 1, "a table per KV group"
+            assert (new.state_slot is None) == (not self.state_slots), "a state slot iff states"
+            if new.state_slot is not None:
+                assert new.num_computed_tokens == 0, "a prefix hit without a kept state"
         skipped: set[int] = set()
         for upd in step.cached_seqs:
             st = self.seqs[upd.seq_id]
@@ -213,6 +231,11 @@ class FakeModel:
                     block_id = table[pos // bs]
                     assert block_id != NULL_BLOCK or self.windows == (None,), "wrote the null block"
                     self.gpu[block_id][pos % bs] = st.tokens[pos]
+            if st.state_slot is not None:
+                state = self.state_slots[st.state_slot] if st.num_computed else 17
+                for pos in range(st.num_computed, st.num_computed + num):
+                    state = _mix(state, st.tokens[pos])
+                self.state_slots[st.state_slot] = state
             self.num_computed_tokens += num
         outputs = []
         for seq_id, num in scheduled:
@@ -333,6 +356,8 @@ class FakeModel:
         if st.num_computed < len(st.tokens):
             return SequenceOutput(seq_id, [], [], prompt_lps) if prompt_lps else None
         h = self._context_hash(st, len(st.tokens))
+        if st.state_slot is not None:
+            h = _mix(h, self.state_slots[st.state_slot])
         first = len(st.tokens) == st.num_prompt_tokens
         allowed = None
         if mask is not None:

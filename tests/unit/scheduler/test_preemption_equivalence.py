@@ -57,6 +57,7 @@ def run(
     num: int = 200,
     priorities: bool = False,
     windows: tuple[int | None, ...] = (None,),
+    state_slots: int = 0,
 ):
     cache = CacheConfig(
         BLOCK,
@@ -65,6 +66,7 @@ def run(
         watermark=0.0,
         enable_prefix_caching=caching,
         kv_windows=windows,
+        num_state_slots=state_slots,
     )
     sched = SchedulerConfig(
         max_num_seqs=48,
@@ -72,7 +74,9 @@ def run(
         max_model_len=128,
         enable_chunked_prefill=chunked,
     )
-    model = FakeModel(num_gpu_blocks, num_cpu_blocks, BLOCK, windows=windows)
+    model = FakeModel(
+        num_gpu_blocks, num_cpu_blocks, BLOCK, windows=windows, num_state_slots=state_slots
+    )
     engine = LLMEngine(sched, cache, model)
     if windows != (None,):
         execute = model.execute
@@ -90,6 +94,8 @@ def run(
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == num_gpu_blocks - bm.num_reserved
     assert bm.get_num_free_cpu_blocks() == num_cpu_blocks
+    if bm.states is not None:
+        assert bm.states.num_free() == state_slots
     assert not engine.has_unfinished_requests()
     summary = [
         (
@@ -177,3 +183,34 @@ def test_windows_change_what_the_fake_model_reads():
     full, _, _, _ = run(4000, 8, chunked=True, caching=True, num=40)
     windowed, _, _, _ = run(4000, 8, chunked=True, caching=True, num=40, windows=(None, 6, 9))
     assert full != windowed
+
+
+# A model with recurrent layers (a state slot per sequence): preemptions recompute (slots are
+# not swapped), prefix hits are off (no state kept at a block boundary), and a request takes
+# the slots its forks will need at admission. Few slots (beam search of width 3 needs 6 of
+# the 8) make admissions wait for slots as well as for blocks.
+# The block counts are the smallest that hold the workload's largest request without its
+# prompt's prefix hits.
+@pytest.mark.parametrize(
+    ("windows", "blocks"), [((None,), 32), ((None, 6), 48)], ids=["full", "full-and-window"]
+)
+def test_tiny_cache_and_few_state_slots_equal_an_ample_cache(windows, blocks):
+    ample, ample_stats, _, _ = run(
+        4000, 8, chunked=True, caching=True, num=120, windows=windows, state_slots=200
+    )
+    assert ample_stats.num_preemptions_swap == ample_stats.num_preemptions_recompute == 0
+    tiny, stats, _, _ = run(
+        blocks, 400, chunked=True, caching=True, num=120, windows=windows, state_slots=8
+    )
+    assert stats.num_preemptions_recompute >= 5
+    assert stats.num_preemptions_swap == 0
+    assert stats.prefix_cache_hits == 0
+    assert tiny == ample
+
+
+def test_state_slots_change_what_the_fake_model_samples():
+    """The runs above compare something: the same workload with states gives other outputs
+    (every sample depends on the slot's running state)."""
+    plain, _, _, _ = run(4000, 8, chunked=True, caching=True, num=40)
+    with_states, _, _, _ = run(4000, 8, chunked=True, caching=True, num=40, state_slots=200)
+    assert plain != with_states

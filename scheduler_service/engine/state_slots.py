@@ -1,0 +1,116 @@
+"""State slots: the per-sequence memory of a model's recurrent layers (DESIGN.md, section 13).
+
+A Gated DeltaNet layer keeps one fixed-size state per sequence instead of K/V per token. The
+worker holds `num_slots` of them in pools (`worker_service.linear_state`); the scheduler
+decides which slot each sequence uses, as it decides blocks.
+
+A request takes its slots at admission, as many as its sequences can ever hold at once
+(`slots_needed`), so a fork (n > 1 at the first sample, a new beam) always finds one: the
+request's sequences take slots from its reservation and give them back to it when freed. When
+none of its sequences holds a slot any more (it finished, or was preempted by recompute) the
+reservation goes back to the pool. A slot's contents belong to the sequence holding it: a
+sequence that starts computing from its first token reads none of it.
+"""
+
+from __future__ import annotations
+
+from scheduler_service.engine.sequence import SequenceGroup
+
+
+def slots_needed(seq_group: SequenceGroup) -> int:
+    """The most slots the group's sequences hold at once from now on: beam search forks up to
+    width new beams (when a parent's own extension finished) before it frees the parents
+    (2 * width); a group that has not sampled yet forks into `best_of` sequences at its first
+    sample; otherwise its live sequences."""
+    params = seq_group.sampling_params
+    live = len(seq_group.get_unfinished_seqs())
+    if params.use_beam_search:
+        return max(2 * params.num_sampled, live)
+    if not seq_group.has_sampled:
+        return max(params.num_sampled, live)
+    return live
+
+
+class StateSlotError(RuntimeError):
+    """A slot was asked of a request that has none left (a scheduler bug)."""
+
+
+class StateSlots:
+    """The device state slots: free ones, each request's reservation, each sequence's slot."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        # Lowest first, so a lightly loaded worker touches few slots.
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._reserved: dict[str, list[int]] = {}  # request id -> slots no sequence holds
+        self._holders: dict[str, int] = {}  # request id -> how many of its sequences hold one
+        self._slot: dict[int, int] = {}  # seq id -> slot
+        self._owner: dict[int, str] = {}  # seq id -> request id
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def num_in_use(self) -> int:
+        """Slots held by sequences or reserved by their requests."""
+        return self.num_slots - len(self._free)
+
+    def reserve(self, request_id: str, count: int) -> None:
+        """Set aside `count` slots for the request (more if it already has some: it tops up)."""
+        pool = self._reserved.setdefault(request_id, [])
+        self._holders.setdefault(request_id, 0)
+        wanted = count - len(pool) - self._holders[request_id]
+        if wanted > len(self._free):
+            raise StateSlotError(
+                f"request {request_id}: {wanted} slots wanted, {self.num_free()} free"
+            )
+        for _ in range(max(wanted, 0)):
+            pool.append(self._free.pop())
+
+    def take(self, request_id: str, seq_id: int) -> int:
+        """A slot of the request's reservation for `seq_id`."""
+        assert seq_id not in self._slot, f"seq {seq_id} already holds slot {self._slot[seq_id]}"
+        pool = self._reserved.get(request_id)
+        if not pool:
+            raise StateSlotError(f"request {request_id}: no reserved slot left for seq {seq_id}")
+        slot = pool.pop()
+        self._slot[seq_id] = slot
+        self._owner[seq_id] = request_id
+        self._holders[request_id] += 1
+        return slot
+
+    def take_for_fork(self, parent_seq_id: int, child_seq_id: int) -> int:
+        """A slot of the parent's request for its new child."""
+        return self.take(self._owner[parent_seq_id], child_seq_id)
+
+    def slot_of(self, seq_id: int) -> int:
+        return self._slot[seq_id]
+
+    def holds(self, seq_id: int) -> bool:
+        return seq_id in self._slot
+
+    def release(self, seq_id: int) -> None:
+        """The sequence's slot back to its request; the request's reservation back to the
+        pool once no sequence of it holds one."""
+        slot = self._slot.pop(seq_id, None)
+        if slot is None:
+            return
+        request_id = self._owner.pop(seq_id)
+        self._reserved[request_id].append(slot)
+        self._holders[request_id] -= 1
+        if self._holders[request_id] == 0:
+            self._free.extend(sorted(self._reserved.pop(request_id), reverse=True))
+            del self._holders[request_id]
+
+    def check_invariants(self, seq_ids: set[int]) -> None:
+        """Every slot is free, reserved or held, exactly once; the holders are `seq_ids`
+        (the sequences with block tables); every reservation has a holder."""
+        reserved = [s for pool in self._reserved.values() for s in pool]
+        everywhere = self._free + reserved + list(self._slot.values())
+        assert sorted(everywhere) == list(range(self.num_slots)), "state slots lost or doubled"
+        assert self._slot.keys() == seq_ids, (
+            f"state slots held by {sorted(self._slot)}, block tables of {sorted(seq_ids)}"
+        )
+        for request_id, count in self._holders.items():
+            assert count == sum(1 for o in self._owner.values() if o == request_id)
+            assert count > 0, f"request {request_id} reserves slots with no sequence"
+        assert self._holders.keys() == self._reserved.keys()

@@ -1,0 +1,88 @@
+"""State slots in the block manager (a model with recurrent layers): a request reserves what
+its forks will need at admission, forks take from the reservation, and the reservation goes
+back to the pool with the request's last sequence."""
+
+from __future__ import annotations
+
+from scheduler_service.engine import AllocStatus, BlockSpaceManager, SamplingParams
+from scheduler_service.engine.sequence import SequenceStatus
+from scheduler_service.engine.state_slots import slots_needed
+
+from .factories import make_seq_group
+
+
+def _manager(slots: int) -> BlockSpaceManager:
+    return BlockSpaceManager(4, 64, 8, watermark=0.0, num_state_slots=slots)
+
+
+def _admit(bm: BlockSpaceManager, request_id: str, params: SamplingParams | None = None):
+    group = make_seq_group(request_id, list(range(1, 10)), params=params)
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    for seq in group.seqs:
+        seq.status = SequenceStatus.RUNNING
+    bm.check_invariants()
+    return group
+
+
+def test_slots_needed_covers_every_fork_to_come() -> None:
+    assert slots_needed(make_seq_group("a", [1, 2])) == 1
+    assert slots_needed(make_seq_group("b", [1, 2], params=SamplingParams(n=2, best_of=5))) == 5
+    beam = SamplingParams(best_of=3, use_beam_search=True, temperature=0.0)
+    assert slots_needed(make_seq_group("c", [1, 2], params=beam)) == 6
+
+
+def test_each_sequence_gets_its_own_slot_and_forks_take_the_reserved_ones() -> None:
+    bm = _manager(6)
+    one = _admit(bm, "one")
+    many = _admit(bm, "many", SamplingParams(n=4))
+    slot_one = bm.state_slot(one.seqs[0].seq_id)
+    parent = many.seqs[0]
+    assert bm.state_slot(parent.seq_id) != slot_one
+    assert bm.states is not None and bm.states.num_free() == 1  # 1 + 4 of 6 taken
+    children = [parent.fork(100 + i, i + 1) for i in range(3)]
+    for child in children:
+        many.add(child)
+        bm.fork(parent, child)
+    held = {bm.state_slot(s.seq_id) for s in [one.seqs[0], *many.seqs]}
+    assert len(held) == 5  # no slot given twice
+    assert bm.states.num_free() == 1  # the forks took reserved slots, not free ones
+    bm.check_invariants()
+
+
+def test_the_reservation_returns_with_the_requests_last_sequence() -> None:
+    bm = _manager(4)
+    many = _admit(bm, "many", SamplingParams(n=3))
+    parent = many.seqs[0]
+    child = parent.fork(200, 1)
+    many.add(child)
+    bm.fork(parent, child)
+    assert bm.states is not None and bm.states.num_free() == 1
+    bm.free(child)  # its slot goes back to the request, not to the pool
+    assert bm.states.num_free() == 1
+    bm.check_invariants()
+    bm.free(parent)
+    assert bm.states.num_free() == 4
+    bm.check_invariants()
+
+
+def test_admission_waits_for_slots_and_refuses_a_request_that_never_fits() -> None:
+    bm = _manager(4)
+    _admit(bm, "first", SamplingParams(n=3))
+    later = make_seq_group("later", [1, 2, 3], params=SamplingParams(n=2))
+    assert bm.can_allocate(later) is AllocStatus.LATER  # 1 slot free, 2 needed
+    beam = SamplingParams(best_of=3, use_beam_search=True, temperature=0.0)
+    assert bm.can_allocate(make_seq_group("wide", [1], params=beam)) is AllocStatus.NEVER
+
+
+def test_a_state_model_is_never_swapped_and_gets_no_prefix_hit() -> None:
+    bm = _manager(4)
+    first = _admit(bm, "first")
+    seq = first.seqs[0]
+    seq.num_computed_tokens = seq.get_len()
+    bm.mark_computed(seq)
+    assert not bm.can_swap_out(first)
+    again = make_seq_group("again", list(range(1, 10)))
+    bm.allocate(again)
+    assert bm.get_num_computed_tokens(again.seqs[0]) == 0
+    bm.check_invariants()
