@@ -10,6 +10,10 @@ scheduler gave it to, slot j for the group's j-th layer), and all slots live in 
 block in one indexed copy, whatever group holds it; `layer_caches()[i]` are views of layer
 i's slot. A model of one group has a slot per layer.
 
+The recurrent layers of a hybrid model (`layout.state_layers`) keep a state slot per sequence
+instead (`worker_service.linear_state.StatePools`); `layer_caches()[i]` of such a layer is
+its (conv, recurrent) pools.
+
 Host (swap) blocks use the same layout on the CPU, pinned when the device is CUDA so copies
 can run asynchronously. The scheduler decides every block id; this class only moves data.
 """
@@ -23,6 +27,7 @@ import sys
 import torch
 
 from llmserve.kv_layout import KvLayout
+from worker_service.linear_state import StatePools
 
 _MADV_HUGEPAGE = 14  # linux/mman.h
 _PAGE = 4096
@@ -49,8 +54,12 @@ class CacheEngine:
         num_host_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        states: StatePools | None = None,  # the recurrent layers' slots, if the model has any
     ) -> None:
+        if (states is None) != (not layout.state_layers):
+            raise ValueError("state pools are given exactly when the layout has state layers")
         self.layout = layout
+        self.states = states
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
@@ -76,11 +85,14 @@ class CacheEngine:
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads,
-        head_dim]: the views of its slot."""
+        head_dim]: the views of its slot; a recurrent layer's (conv, recurrent) state pools."""
         slot_of = self.layout.slot_of_layer()
+        pools = {} if self.states is None else self.states.layer_pools()
         return [
-            (self.device_cache[slot_of[i][1], 0], self.device_cache[slot_of[i][1], 1])
-            for i in range(len(slot_of))
+            pools[i]
+            if i in pools
+            else (self.device_cache[slot_of[i][1], 0], self.device_cache[slot_of[i][1], 1])
+            for i in range(self.layout.num_layers)
         ]
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:

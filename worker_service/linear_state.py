@@ -16,9 +16,13 @@ contiguous; `query_start_loc` bounds them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+# The recurrent state's dtype, whatever the model's.
+RECURRENT_DTYPE = torch.float32
 
 
 @dataclass(slots=True)
@@ -37,3 +41,57 @@ class StateMetadata:
     @property
     def num_seqs(self) -> int:
         return self.num_prefills + self.num_decodes
+
+
+@dataclass(frozen=True, slots=True)
+class StateShapes:
+    """One slot's tensors in one recurrent layer."""
+
+    conv: tuple[int, int]  # [conv_kernel - 1, conv_dim], the model dtype
+    recurrent: tuple[int, int, int]  # [num_v_heads, k_dim, v_dim], float32
+
+    def slot_bytes(self, num_layers: int, dtype: torch.dtype) -> int:
+        """Bytes one slot takes over `num_layers` recurrent layers."""
+        conv = math.prod(self.conv) * _element_size(dtype)
+        recurrent = math.prod(self.recurrent) * _element_size(RECURRENT_DTYPE)
+        return num_layers * (conv + recurrent)
+
+
+class StatePools:
+    """The state slots of one worker: per kind, one allocation over every recurrent layer
+    (`[num_layers, num_slots, ...]`), so that copying a slot (a fork) is one indexed copy
+    per kind whatever the layer count. Zeroed: a fresh sequence reads its slot as zeros
+    anyway, and the kernels never see non-finite leftovers."""
+
+    def __init__(
+        self,
+        layers: tuple[int, ...],  # the recurrent layers, ascending
+        shapes: StateShapes,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layers = layers
+        self.num_slots = num_slots
+        # [num_layers, num_slots, conv_kernel - 1, conv_dim]
+        self.conv = torch.zeros((len(layers), num_slots, *shapes.conv), dtype=dtype, device=device)
+        # [num_layers, num_slots, num_v_heads, k_dim, v_dim]
+        self.recurrent = torch.zeros(
+            (len(layers), num_slots, *shapes.recurrent), dtype=RECURRENT_DTYPE, device=device
+        )
+
+    def layer_pools(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Layer -> its (conv, recurrent) pools, views of the allocations."""
+        return {layer: (self.conv[j], self.recurrent[j]) for j, layer in enumerate(self.layers)}
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy slots, (source, destination) pairs, in every recurrent layer."""
+        if pairs:
+            index = torch.tensor(pairs, dtype=torch.int64, device=self.conv.device)
+            src, dst = index[:, 0], index[:, 1]
+            self.conv[:, dst] = self.conv[:, src]
+            self.recurrent[:, dst] = self.recurrent[:, src]
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -5,7 +5,8 @@ patches and scheduled counts. `ModelRunner` mirrors that state (`SequenceStates`
 sequence_state.py, which the simulated worker of the fleet benchmark shares), lays the
 step's tokens out prefill-first (sequences computing several tokens, then single-token ones),
 builds input ids, positions, slot mapping, block tables and lengths, runs the model with
-logits only for the rows that need them, and hands those to the sampler.
+logits only for the rows that need them, and hands those to the sampler. A model with
+recurrent layers also gets the step's state slots (`linear_state.StateMetadata`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from llmserve.kv_layout import NULL_BLOCK, KvLayout, single_group
 from llmserve.steps import SequenceOutput, StepResult, TokenMask
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.linear_state import StateMetadata
 from worker_service.models.decoder import DecoderModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
 from worker_service.sequence_state import Scheduled, SequenceState, SequenceStates, StateError
@@ -45,7 +47,10 @@ class ModelRunner(SequenceStates):
         super().__init__(block_size, len(layout.groups))
         self.layout = layout
         slot_of = layout.slot_of_layer()
-        model.layer_groups = tuple(slot_of[i][0] for i in range(model.arch.num_layers))
+        # A recurrent layer is in no group; the model reads no group of it.
+        model.layer_groups = tuple(
+            slot_of[i][0] if i in slot_of else 0 for i in range(model.arch.num_layers)
+        )
         self.model = model
         # One backend per KV group (each keeps per-step state of its group's tables).
         self.backends = backends if isinstance(backends, list) else [backends]
@@ -54,6 +59,8 @@ class ModelRunner(SequenceStates):
                 f"{len(self.backends)} attention backends for {len(layout.groups)} KV groups"
             )
         self.backend = self.backends[0]
+        # A layer holding K/V: its cache's first dimension is the block count.
+        self._kv_layer = layout.groups[0].layers[0]
         self.sampler = sampler
         self.device = model.device
         # Captured decode forwards (CUDA); None runs every step eagerly. Set by the worker.
@@ -75,7 +82,8 @@ class ModelRunner(SequenceStates):
         t0 = time.perf_counter_ns()
         # Prefill-first layout; stable so the step order survives within each part.
         layout = sorted(scheduled, key=lambda s: s.is_decode)
-        inputs = self._prepare(layout, num_blocks=kv_caches[0][0].shape[0] if kv_caches else 0)
+        num_blocks = kv_caches[self._kv_layer][0].shape[0] if kv_caches else 0
+        inputs = self._prepare(layout, num_blocks)
         logits = None  # [num_logit_rows, vocab]
         if self.decode_graphs is not None:
             logits = self.decode_graphs.run(
@@ -89,6 +97,7 @@ class ModelRunner(SequenceStates):
                 inputs.metadatas if len(inputs.metadatas) > 1 else inputs.metadata,
                 self.backends if len(self.backends) > 1 else self.backend,
                 inputs.logit_rows,
+                **({} if inputs.states is None else {"state_metadata": inputs.states}),
             )
         for s in scheduled:
             s.state.num_computed += s.count
@@ -186,6 +195,15 @@ class ModelRunner(SequenceStates):
             )
             for g in range(1, self.num_groups)
         ]
+        states = None
+        if self.num_state_slots:
+            states = StateMetadata(
+                num_prefills=n_pre,
+                num_decodes=len(parts) - n_pre,
+                query_start_loc=tensor(np.concatenate(([0], np.cumsum(counts)))),
+                state_slots=tensor([_slot(s.state) for s, _, _ in parts]),
+                has_initial_state=tensor(starts > 0, torch.bool),
+            )
         return _PreparedInputs(
             input_ids=tensor(input_ids, torch.int64),
             positions=tensor(positions, torch.int64),
@@ -194,6 +212,7 @@ class ModelRunner(SequenceStates):
             logit_rows=tensor(logit_rows, torch.int64),
             sample_items=sample_items,
             prompt_items=prompt_items,
+            states=states,
         )
 
     def _prepare_decodes(self, layout: list[Scheduled], num_blocks: int) -> _PreparedInputs:
@@ -235,6 +254,17 @@ class ModelRunner(SequenceStates):
                 )
             )
         metadata = metadatas[0]
+        states = None
+        if self.num_state_slots:  # no drafts with states: one row per sequence
+            states = StateMetadata(
+                num_prefills=0,
+                num_decodes=n,
+                query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+                state_slots=torch.tensor(
+                    [_slot(s.state) for s, _ in rows], dtype=torch.int32, device=device
+                ),
+                has_initial_state=torch.ones(n, dtype=torch.bool, device=device),
+            )
         return _PreparedInputs(
             input_ids=torch.tensor(
                 [s.state.token_ids[p] for s, p in rows], dtype=torch.int64, device=device
@@ -245,6 +275,7 @@ class ModelRunner(SequenceStates):
             metadatas=metadatas,
             sample_items=[(s, i, p) for i, (s, p) in enumerate(rows)],
             prompt_items=[],
+            states=states,
         )
 
     def _sample(
@@ -329,6 +360,12 @@ class ModelRunner(SequenceStates):
         return [len(blocks) for blocks in used]
 
 
+def _slot(state: SequenceState) -> int:
+    """The state slot of a sequence of a model with recurrent layers."""
+    assert state.state_slot is not None, f"seq {state.seq_id} has no state slot"
+    return state.state_slot
+
+
 def _table(state: SequenceState, group: int) -> list[int]:
     """KV group `group`'s block table of a sequence."""
     return state.block_ids if group == 0 else state.group_tables[group - 1]
@@ -357,6 +394,8 @@ class _PreparedInputs:
     prompt_items: list[tuple[Scheduled, int, int, int]]
     # One per KV group (the first is `metadata`): the same step, each group's tables and slots.
     metadatas: list[AttentionMetadata]
+    # The recurrent layers' inputs (None: the model has none).
+    states: StateMetadata | None = None
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:  # [num_seqs, max_blocks] int64

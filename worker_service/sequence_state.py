@@ -42,8 +42,12 @@ class SequenceState:
     # Whether the last step that verified drafts for this sequence dropped some of them (an
     # update `after_drafts` is then skipped).
     drafts_cut: bool = False
+    # The recurrent layers' state slot (None: the model has none).
+    state_slot: int | None = None
 
-    def fork(self, child_seq_id: int, child_seq_index: int) -> SequenceState:
+    def fork(
+        self, child_seq_id: int, child_seq_index: int, child_state_slot: int | None
+    ) -> SequenceState:
         return SequenceState(
             child_seq_id,
             self.request_id,
@@ -54,6 +58,7 @@ class SequenceState:
             list(self.block_ids),
             self.params,
             [list(t) for t in self.group_tables],
+            state_slot=child_state_slot,
         )
 
 
@@ -97,6 +102,12 @@ class SequenceStates:
     def __init__(self, block_size: int, num_groups: int = 1) -> None:
         self.block_size = block_size
         self.num_groups = num_groups
+        # State slots of the recurrent layers in the cache (0: the model has none, or no
+        # cache yet); set with the cache.
+        self.num_state_slots = 0
+        # The step's slot copies for its forks, (parent slot, child slot): made before the
+        # forward pass.
+        self.state_copies: list[tuple[int, int]] = []
         self.states: dict[int, SequenceState] = {}
         # The current step's allowed tokens per constrained sequence (structured output), and
         # whether more follow the step (`StepInput.deferred_mask_seq_ids`).
@@ -109,9 +120,14 @@ class SequenceStates:
             self.states.pop(seq_id, None)
         self.token_masks = {(m.seq_id, m.row): m for m in step.token_masks}
         self.masks_deferred = bool(step.deferred_mask_seq_ids)
+        self.state_copies = []
         for fork in step.forks:
             parent = self._state(fork.parent_seq_id)
-            self.states[fork.child_seq_id] = parent.fork(fork.child_seq_id, fork.child_seq_index)
+            child = parent.fork(fork.child_seq_id, fork.child_seq_index, fork.child_state_slot)
+            self._check_state_slot(child, registered=False)
+            if parent.state_slot is not None and child.state_slot is not None:
+                self.state_copies.append((parent.state_slot, child.state_slot))
+            self.states[fork.child_seq_id] = child
         scheduled: list[Scheduled] = []
         for new in step.new_seqs:
             state = SequenceState(
@@ -124,8 +140,10 @@ class SequenceStates:
                 list(new.block_ids),
                 new.sampling_params,
                 [list(t) for t in new.group_block_ids],
+                state_slot=new.state_slot,
             )
             self._check_groups(state, len(new.group_block_ids))
+            self._check_state_slot(state, registered=True)
             self.states[new.seq_id] = state
             if new.num_scheduled_tokens:
                 scheduled.append(
@@ -149,6 +167,11 @@ class SequenceStates:
             drafts = cached.draft_token_ids
             if drafts:
                 self._check_drafts(state, cached.num_scheduled_tokens, len(drafts))
+                if state.state_slot is not None:
+                    raise StateError(
+                        f"seq {state.seq_id}: drafts for a model with recurrent layers "
+                        "(no state is kept per draft row)"
+                    )
                 state.token_ids.extend(drafts)
             if cached.num_scheduled_tokens:
                 scheduled.append(
@@ -169,6 +192,34 @@ class SequenceStates:
             ):
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
         return scheduled
+
+    def _check_state_slot(self, state: SequenceState, registered: bool) -> None:
+        """A model with recurrent layers gives every sequence its own slot in the cache, and
+        a `registered` (new) sequence computes from its first token (no state is kept for a
+        prefix hit)."""
+        seq_id, slot = state.seq_id, state.state_slot
+        if (slot is None) != (self.num_state_slots == 0):
+            raise StateError(
+                f"seq {seq_id}: state slot {slot}, the cache has {self.num_state_slots} slots"
+            )
+        if slot is None:
+            return
+        if not 0 <= slot < self.num_state_slots:
+            raise StateError(
+                f"seq {seq_id}: state slot {slot} is outside the cache "
+                f"({self.num_state_slots} slots)"
+            )
+        if state.num_computed and registered:
+            raise StateError(
+                f"seq {seq_id}: {state.num_computed} tokens computed before its first step, "
+                "and no state of them is kept"
+            )
+        holder = next(
+            (s.seq_id for s in self.states.values() if s.state_slot == slot and s is not state),
+            None,
+        )
+        if holder is not None:
+            raise StateError(f"seq {seq_id}: state slot {slot} is held by seq {holder}")
 
     def _check_groups(self, state: SequenceState, num_other: int) -> None:
         if num_other != self.num_groups - 1:

@@ -139,6 +139,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for group in info.kv_layout.groups:
             reply.kv_groups.add(sliding_window=group.sliding_window, layers=group.layers)
         reply.kv_group_blocks_used.extend(self.worker.group_blocks_used())
+        reply.state_layers.extend(info.kv_layout.state_layers)
         return reply
 
     async def InitializeCache(
@@ -195,6 +196,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_gpu_blocks=wanted[0],
             num_cpu_blocks=wanted[1],
             init_ns=time.perf_counter_ns() - start,
+            num_state_slots=self.worker.num_state_slots,
         )
 
     async def _use_batch_limits(self, limits: BatchLimits) -> None:

@@ -26,9 +26,11 @@ from worker_service.exports import Exports
 from worker_service.heap import return_freed_heap
 from worker_service.kv_transfer import import_blocks
 from worker_service.linear_impl import choose_linear_impl
+from worker_service.linear_state import StatePools, StateShapes
 from worker_service.model_info import ModelInfo
 from worker_service.model_runner import ModelRunner
 from worker_service.models import DecoderModel, model_from_hf, mxfp4, read_arch
+from worker_service.models.arch import ModelArchConfig
 from worker_service.models.native import default_native_max_batch
 from worker_service.models.quantize_at_load import load_blocks
 from worker_service.sampler import Sampler
@@ -152,7 +154,7 @@ class Worker:
         windows = [kind.sliding_window for kind in arch.layers]
         if not self.config.hybrid_kv_cache:
             windows = [None] * len(windows)  # one full group: every layer keeps every token
-        layout = plan_layout(windows, arch.kv_sources)
+        layout = plan_layout(windows, arch.kv_sources, arch.linear_layers)
         self._info = ModelInfo(
             model=self.config.model,
             architecture=arch.architecture,
@@ -223,6 +225,21 @@ class Worker:
             self.dtype,
         )
 
+    @property
+    def num_state_slots(self) -> int:
+        """State slots of the recurrent layers: one per sequence a step may hold (the batch
+        limit), none for a model without such layers."""
+        return self.batch_limits.max_num_seqs if self.model_info.kv_layout.has_states else 0
+
+    def state_bytes(self, num_slots: int | None = None) -> int:
+        """Device bytes of `num_slots` state slots (None: `num_state_slots`)."""
+        shapes = _state_shapes(self.model.arch)
+        if shapes is None:
+            return 0
+        num_slots = self.num_state_slots if num_slots is None else num_slots
+        layers = len(self.model_info.kv_layout.state_layers)
+        return num_slots * shapes.slot_bytes(layers, self.dtype)
+
     def group_blocks_used(self) -> list[int]:
         """Device blocks each KV group's tables hold now, over the sequences this worker
         holds (a block shared by sequences counted once; the null block not counted)."""
@@ -233,11 +250,13 @@ class Worker:
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, host swap blocks). CUDA: profile a forward of the largest step under
         `batch_limits` and give the KV cache what is left of `gpu_memory_utilization`; CPU:
-        from `kv_cache_memory_bytes`. Call it with no cache allocated."""
+        from `kv_cache_memory_bytes`. The recurrent layers' state slots come out of the same
+        memory first. Call it with no cache allocated."""
         block_bytes = self.get_cache_block_size_bytes()
         num_host = self.config.swap_space_bytes // block_bytes
         if self.device.type != "cuda":
-            return self.config.kv_cache_memory_bytes // block_bytes, num_host
+            kv_bytes = self.config.kv_cache_memory_bytes - self.state_bytes()
+            return max(kv_bytes // block_bytes, 0), num_host
         torch.cuda.empty_cache()
         # The decode graphs, captured over a one-block throwaway cache, stay alive through the
         # profile run, so that what they hold (their memory pool, the warm-ups' blocks cached
@@ -257,7 +276,7 @@ class Worker:
         # Reserved, not allocated: the allocator's rounding and fragmentation are memory too.
         peak = torch.cuda.max_memory_reserved(self.device) + max(used_by_others, 0)
         peak += PROFILE_HEADROOM_BYTES
-        available = int(total * self.config.gpu_memory_utilization) - peak
+        available = int(total * self.config.gpu_memory_utilization) - peak - self.state_bytes()
         del probe
         torch.cuda.empty_cache()
         return max(available // block_bytes, 0), num_host
@@ -265,10 +284,12 @@ class Worker:
     def _graphs_enabled(self) -> bool:
         """CUDA decode graphs: captured over one set of block tables, so not for a model laid
         out in several KV groups (those decode eagerly; issue: capture per group)."""
+        layout = self.model_info.kv_layout
         return (
             self.device.type == "cuda"
             and not self.config.enforce_eager
-            and len(self.model_info.kv_layout.groups) == 1
+            and len(layout.groups) == 1
+            and not layout.has_states
         )
 
     def _probe_graphs(self) -> tuple[DecodeGraphs, CacheEngine] | None:
@@ -305,7 +326,8 @@ class Worker:
         limits, bs = self.batch_limits, self.config.block_size
         num_seqs = min(limits.max_num_seqs, limits.max_num_batched_tokens)
         lengths = [limits.max_num_batched_tokens // num_seqs] * num_seqs
-        cache = self._new_cache(sum(-(-n // bs) for n in lengths), 0)
+        slots = num_seqs if self.model_info.kv_layout.has_states else 0
+        cache = self._new_cache(sum(-(-n // bs) for n in lengths), 0, slots)
         # Every group writes the same blocks: the throwaway cache's contents do not matter.
         other_groups = len(self.model_info.kv_layout.groups) - 1
         step, next_block = StepInput(step_id=-1), 0
@@ -323,13 +345,18 @@ class Worker:
                     n,
                     SamplingParams(temperature=1.0, top_p=0.9, top_k=50),
                     group_block_ids=[list(range(next_block, next_block + nb))] * other_groups,
+                    state_slot=i if slots else None,
                 )
             )
             next_block += nb
         runner = self.runner
-        scheduled = runner.apply_updates(step)
-        runner.run(scheduled, cache.layer_caches(), step.step_id)
-        runner.states.clear()
+        runner.num_state_slots = slots
+        try:
+            scheduled = runner.apply_updates(step)
+            runner.run(scheduled, cache.layer_caches(), step.step_id)
+        finally:
+            runner.states.clear()
+            runner.num_state_slots = 0
         del cache
 
     def batch_limits_for(self, sent: GivenBatchLimits) -> BatchLimits:
@@ -350,8 +377,17 @@ class Worker:
             self.batch_limits = previous
             raise
 
-    def _new_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
+    def _new_cache(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, num_state_slots: int = 0
+    ) -> CacheEngine:
         arch = self.model.arch
+        layout = self.model_info.kv_layout
+        shapes = _state_shapes(self.model.arch)
+        states = None
+        if shapes is not None:
+            states = StatePools(
+                layout.state_layers, shapes, num_state_slots, self.dtype, self.device
+            )
         return CacheEngine(
             self.model_info.kv_layout,
             arch.num_kv_heads,
@@ -361,6 +397,7 @@ class Worker:
             num_cpu_blocks,
             self.dtype,
             self.device,
+            states,
         )
 
     def _drop_cache(self) -> None:
@@ -370,12 +407,16 @@ class Worker:
         self.cache_engine = None
         self._kv_caches = []
         self.runner.states.clear()
+        self.runner.num_state_slots = 0
         self.exports.clear()
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the cache: these blocks, and `num_state_slots` state slots."""
         self._check_thread()
         self._drop_cache()  # before allocating the new one
-        self.cache_engine = self._new_cache(num_gpu_blocks, num_cpu_blocks)
+        slots = self.num_state_slots
+        self.cache_engine = self._new_cache(num_gpu_blocks, num_cpu_blocks, slots)
+        self.runner.num_state_slots = slots
         self._kv_caches = self.cache_engine.layer_caches()
         if self._graphs_enabled():
             start = time.perf_counter()
@@ -416,6 +457,8 @@ class Worker:
         self.exports.apply(step)
         imported, failed = import_blocks(self.cache_engine, step.imports)
         scheduled = runner.apply_updates(step)
+        if self.cache_engine.states is not None:
+            self.cache_engine.states.copy(runner.state_copies)
         self.cache_engine.swap_out(step.blocks_to_swap_out)
         self.cache_engine.swap_in(step.blocks_to_swap_in)
         self.cache_engine.copy_blocks(step.blocks_to_copy)
@@ -431,6 +474,14 @@ class Worker:
     def num_sequences(self) -> int:
         """Sequences whose state this worker holds (0 once every request is finished)."""
         return len(self.runner.states)
+
+
+def _state_shapes(arch: ModelArchConfig) -> StateShapes | None:
+    """One state slot's tensors in each recurrent layer (None: the model has none)."""
+    spec = arch.linear_attention
+    if spec is None:
+        return None
+    return StateShapes(spec.conv_state_shape(), spec.recurrent_state_shape())
 
 
 def _eos_ids(hf_model: Any) -> tuple[int, ...]:

@@ -47,6 +47,7 @@ def engine_on_worker(
             watermark=0.0,
             enable_prefix_caching=prefix,
             kv_windows=worker.model_info.kv_layout.windows,
+            num_state_slots=worker.num_state_slots,
         ),
         worker,
     )

@@ -156,6 +156,11 @@ class SimulatedWorker:
     def num_sequences(self) -> int:
         return len(self.runner.states)
 
+    @property
+    def num_state_slots(self) -> int:
+        """No recurrent layers: no state slots."""
+        return 0
+
     def batch_limits_for(self, sent: GivenBatchLimits) -> BatchLimits:
         """What a scheduler sends (no flags of its own pin them)."""
         return adopt_batch_limits(GivenBatchLimits(), sent)
