@@ -2,7 +2,8 @@
 tokens as with the torch backend, through batched prefill, chunked prefill mixed with decodes,
 a prefix-cache hit and shuffled block ids; the tiny models of the families with sliding
 windows shorter than the sequences (and Gemma 2's soft-capped scores, gpt-oss's attention
-sinks, Gemma 4's KV-shared layers) sample HF's greedy tokens."""
+sinks, Gemma 4's KV-shared layers) and of the hybrid families (Gated DeltaNet layers on
+their state slots beside the attention layers) sample HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
 from scheduler_service.engine.offline import generate
 from tests.integration.test_worker_engine_tiny import PROMPTS as ENGINE_PROMPTS
-from tests.integration.test_worker_engine_tiny import hf_greedy, make_engine
-from tests.support.models import WINDOW, load_hf, save_tiny_model
+from tests.integration.test_worker_engine_tiny import assert_all_free, hf_greedy, make_engine
+from tests.support.models import HYBRID_KINDS, WINDOW, load_hf, save_tiny_model
 from worker_service.attention import AttentionBackendError, AttentionSpec, get_backend_class
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
@@ -184,3 +185,26 @@ def test_windowed_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
     assert [o.outputs[0].token_ids for o in outputs] == [
         hf_greedy(hf, p, new_tokens) for p in prompts
     ]
+
+
+@pytest.mark.parametrize("kind", HYBRID_KINDS)
+def test_hybrid_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
+    """The gated attention layers on the Triton kernels, the linear-attention layers on their
+    state slots, through the engine with prompts in several chunks: greedy tokens equal HF's
+    in float32, and every block and slot comes back."""
+    path = save_tiny_model(kind, tmp_path / kind)
+    hf = load_hf(path)
+    worker = Worker(
+        WorkerConfig(model=str(path), block_size=4, num_threads=1, attention_backend="triton")
+    )
+    worker.load_model()
+    assert worker.model_info.attention_backend == "triton"
+    prompts = ENGINE_PROMPTS[:3]
+    new_tokens = 8
+    engine = make_engine(worker, batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outputs = generate(engine, prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        hf_greedy(hf, p, new_tokens) for p in prompts
+    ]
+    assert_all_free(engine, worker)

@@ -4,7 +4,7 @@
 config (`KINDS`: the Llama family; `FAMILY_KINDS`: one model per other family, each with
 the features that family is about switched on: explicit head_dim, sliding windows smaller
 than prompt + output, soft-caps, NoPE layers, experts...; `HYBRID_KINDS`: the families with
-linear-attention layers, apart until the model runner keeps their states). After init every parameter is
+linear-attention layers, tested apart: tests/integration/test_worker_engine_hybrid.py). After init every parameter is
 perturbed (transformers sets biases to 0 and norms to their neutral value, which would hide
 a wrong bias or norm formula), the router weights are sharpened (so near-ties cannot flip
 routing) and the output embedding is widened (so greedy near-ties cannot flip tokens).
