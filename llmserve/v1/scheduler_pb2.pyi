@@ -198,7 +198,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, check_invariants: _Optional[bool] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy", "state", "num_migrated_out", "max_model_len", "invariant_violation", "num_transfers", "kv_groups")
+    __slots__ = ("replica_id", "address", "num_waiting", "num_running", "num_swapped", "gpu_blocks_free", "gpu_blocks_total", "cpu_blocks_free", "cpu_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "healthy", "state", "num_migrated_out", "max_model_len", "invariant_violation", "num_transfers", "kv_groups", "state_slots_free", "state_slots_total")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,8 @@ class ReplicaStats(_message.Message):
     INVARIANT_VIOLATION_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     address: str
     num_waiting: int
@@ -239,7 +241,9 @@ class ReplicaStats(_message.Message):
     invariant_violation: str
     num_transfers: int
     kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroupUsage]
-    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ..., max_model_len: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_transfers: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupUsage, _Mapping]]] = ...) -> None: ...
+    state_slots_free: int
+    state_slots_total: int
+    def __init__(self, replica_id: _Optional[int] = ..., address: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., healthy: _Optional[bool] = ..., state: _Optional[_Union[WorkerState, str]] = ..., num_migrated_out: _Optional[int] = ..., max_model_len: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_transfers: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupUsage, _Mapping]]] = ..., state_slots_free: _Optional[int] = ..., state_slots_total: _Optional[int] = ...) -> None: ...
 
 class KvGroupUsage(_message.Message):
     __slots__ = ("sliding_window", "blocks_used")

@@ -323,6 +323,9 @@ class Router:
             entry.num_transfers = len(bm.pins)
             for window, used in zip(bm.windows, bm.group_usage(), strict=True):
                 entry.kv_groups.add(sliding_window=window, blocks_used=used)
+            if bm.states is not None:
+                entry.state_slots_free = bm.states.num_free()
+                entry.state_slots_total = bm.states.num_slots
             if check_invariants:
                 try:
                     bm.check_invariants()

@@ -40,9 +40,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 NUM_STREAMS = 16
 
 
-def long_workload(count: int = NUM_STREAMS, seed: int = 3) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
+def long_workload(
+    count: int = NUM_STREAMS, seed: int = 3, max_tokens: int = 280
+) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
     """Streams long enough to be mid-run when the drain comes: 100-160 token prompts (some
-    sharing a 48-token prefix), 280 tokens each; greedy and seeded, one n=2, some logprobs."""
+    sharing a 48-token prefix), `max_tokens` tokens each; greedy and seeded, one n=2, some
+    logprobs."""
     rng = random.Random(seed)
     shared = [rng.randrange(100, 20000) for _ in range(48)]
     requests = []
@@ -50,7 +53,7 @@ def long_workload(count: int = NUM_STREAMS, seed: int = 3) -> list[tuple[str, di
         prompt = (shared if i % 4 == 0 else []) + [
             rng.randrange(100, 20000) for _ in range(rng.randrange(100, 160))
         ]
-        params: dict = {"max_tokens": 280, "ignore_eos": True, "temperature": 0.0}  # type: ignore[type-arg]
+        params: dict = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}  # type: ignore[type-arg]
         if i % 2:
             params.update(temperature=0.8, seed=500 + i)
         if i == 3:

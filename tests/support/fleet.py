@@ -166,13 +166,14 @@ class FleetStack:
 
     def assert_no_leak(self, scheduler: Proc | None = None) -> None:
         """Every ready replica of `scheduler` (default: the first) ends with free == total
-        blocks (device and host), no transfer holding blocks, and its block accounting's
-        invariants holding."""
+        blocks (device and host) and state slots, no transfer holding blocks, and its block
+        accounting's invariants holding."""
 
         def idle(stats: scheduler_pb2.GetStatsResponse) -> bool:
             return stats.num_unfinished_requests == 0 and all(
                 r.gpu_blocks_free == r.gpu_blocks_total
                 and r.cpu_blocks_free == r.cpu_blocks_total
+                and r.state_slots_free == r.state_slots_total
                 and r.num_transfers == 0
                 for r in self.ready_replicas(stats)
             )

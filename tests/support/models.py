@@ -542,6 +542,16 @@ def build_tiny_thinker(directory: Path, seed: int = 0) -> Path:
     )
 
 
+def build_tiny_hybrid(directory: Path, seed: int = 0) -> Path:
+    """A random Qwen3.5 (Gated DeltaNet layers beside gated attention ones: a state slot per
+    sequence beside its block table) with SmolLM2's tokenizer, for the service tests of the
+    hybrid families. Its logits are widened, so greedy choices do not flip between a
+    prefill and the decode steps it replaces."""
+    return _with_smollm2_tokenizer(
+        "qwen3_5", directory, seed=seed, sharpen=True, max_position_embeddings=512
+    )
+
+
 def _with_smollm2_tokenizer(
     kind: str,
     directory: Path,
