@@ -164,6 +164,7 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
             num_scheduled_tokens=s.num_scheduled_tokens,
             sampling_params=sampling_params_to_proto(s.sampling_params),
             state_slot=s.state_slot,
+            state_from_slot=s.state_from_slot,
         )
     _set_cached(msg.cached_seqs, step.cached_seqs)
     for f in step.forks:
@@ -173,6 +174,7 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
             child_seq_index=f.child_seq_index,
             child_state_slot=f.child_state_slot,
         )
+    _set_mapping(msg.state_saves, step.state_saves)
     _set_mapping(msg.blocks_to_swap_out, step.blocks_to_swap_out)
     _set_mapping(msg.blocks_to_swap_in, step.blocks_to_swap_in)
     _set_mapping(msg.blocks_to_copy, step.blocks_to_copy)
@@ -205,6 +207,7 @@ def step_input_from_proto(msg: worker_pb2.ExecuteRequest) -> StepInput:
                 sampling_params=sampling_params_from_proto(s.sampling_params),
                 group_block_ids=[list(t.block_ids) for t in s.group_tables],
                 state_slot=s.state_slot if s.HasField("state_slot") else None,
+                state_from_slot=s.state_from_slot if s.HasField("state_from_slot") else None,
             )
             for s in msg.new_seqs
         ],
@@ -222,6 +225,7 @@ def step_input_from_proto(msg: worker_pb2.ExecuteRequest) -> StepInput:
         blocks_to_swap_out=_mapping(msg.blocks_to_swap_out),
         blocks_to_swap_in=_mapping(msg.blocks_to_swap_in),
         blocks_to_copy=_mapping(msg.blocks_to_copy),
+        state_saves=_mapping(msg.state_saves),
         token_masks=[token_mask_from_proto(m) for m in msg.token_masks],
         deferred_mask_seq_ids=list(msg.deferred_mask_seq_ids),
         released_transfer_ids=list(msg.released_transfer_ids),

@@ -18,7 +18,8 @@ The worker applies a step in this order:
   5. `blocks_to_swap_out` (device -> host), then `blocks_to_swap_in` (host -> device), then
      `blocks_to_copy` (device -> device, copy-on-write), for every layer;
   6. run the forward pass over the scheduled tokens of every sequence in `new_seqs` and
-     `cached_seqs`, in that order, and sample where a sequence reaches its last known token.
+     `cached_seqs`, in that order, and sample where a sequence reaches its last known token;
+  7. `state_saves` (recurrent layers): copy state slots into snapshot slots (prefix caching).
 
 A scheduled sequence computes tokens `[num_computed, num_computed + num_scheduled_tokens)` of
 its known tokens, then `num_computed += num_scheduled_tokens`. It samples iff afterwards
@@ -99,6 +100,9 @@ class NewSequence:
     # The recurrent layers' state slot (`llmserve.kv_layout`: state layers), None for a
     # model without them. Computing from token 0 it starts from zeros, whatever it held.
     state_slot: int | None = None
+    # A prefix-cache hit's snapshot: the slot whose state (after `num_computed_tokens`) is
+    # copied into `state_slot` before the forward pass (after the step's forks).
+    state_from_slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -221,6 +225,8 @@ class StepInput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # (sequence's state slot, snapshot slot) pairs copied after the forward pass.
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
     # Allowed tokens of the constrained sequences that sample in this step.
     token_masks: list[TokenMask] = field(default_factory=list)
     # Constrained sequences sampling in this step whose masks follow the step (computed while
@@ -250,6 +256,7 @@ class StepInput:
             or self.blocks_to_swap_out
             or self.blocks_to_swap_in
             or self.blocks_to_copy
+            or self.state_saves
             or self.released_transfer_ids
             or self.exports
             or self.imports

@@ -124,7 +124,7 @@ class SequenceStates:
         for fork in step.forks:
             parent = self._state(fork.parent_seq_id)
             child = parent.fork(fork.child_seq_id, fork.child_seq_index, fork.child_state_slot)
-            self._check_state_slot(child, registered=False)
+            self._check_state_slot(child)
             if parent.state_slot is not None and child.state_slot is not None:
                 self.state_copies.append((parent.state_slot, child.state_slot))
             self.states[fork.child_seq_id] = child
@@ -143,7 +143,7 @@ class SequenceStates:
                 state_slot=new.state_slot,
             )
             self._check_groups(state, len(new.group_block_ids))
-            self._check_state_slot(state, registered=True)
+            self._check_state_slot(state, new=True, source=new.state_from_slot)
             self.states[new.seq_id] = state
             if new.num_scheduled_tokens:
                 scheduled.append(
@@ -193,10 +193,12 @@ class SequenceStates:
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
         return scheduled
 
-    def _check_state_slot(self, state: SequenceState, registered: bool) -> None:
-        """A model with recurrent layers gives every sequence its own slot in the cache, and
-        a `registered` (new) sequence computes from its first token (no state is kept for a
-        prefix hit)."""
+    def _check_state_slot(
+        self, state: SequenceState, new: bool = False, source: int | None = None
+    ) -> None:
+        """A model with recurrent layers gives every sequence its own slot in the cache; a
+        new sequence starts from its first token, or from a copy of the snapshot `source`
+        (a prefix hit), which the step's copies get before the forward pass."""
         seq_id, slot = state.seq_id, state.state_slot
         if (slot is None) != (self.num_state_slots == 0):
             raise StateError(
@@ -209,11 +211,15 @@ class SequenceStates:
                 f"seq {seq_id}: state slot {slot} is outside the cache "
                 f"({self.num_state_slots} slots)"
             )
-        if state.num_computed and registered:
+        if new and state.num_computed and source is None:
             raise StateError(
                 f"seq {seq_id}: {state.num_computed} tokens computed before its first step, "
-                "and no state of them is kept"
+                "and no snapshot of their state given"
             )
+        if source is not None:
+            if not 0 <= source < self.num_state_slots:
+                raise StateError(f"seq {seq_id}: snapshot slot {source} is outside the cache")
+            self.state_copies.append((source, slot))
         holder = next(
             (s.seq_id for s in self.states.values() if s.state_slot == slot and s is not state),
             None,

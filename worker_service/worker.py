@@ -464,6 +464,8 @@ class Worker:
         self.cache_engine.copy_blocks(step.blocks_to_copy)
         start = time.perf_counter_ns()
         result = runner.run(scheduled, self._kv_caches, step.step_id, take_masks)
+        if self.cache_engine.states is not None:
+            self.cache_engine.states.copy(step.state_saves)
         # The forward pass (input preparation and the model call) starts `run`; sampling follows.
         self.last_forward_ns = (start, start + result.forward_ns) if scheduled else None
         runner.remember_samples(scheduled, result)

@@ -111,7 +111,7 @@ class InitializeCacheResponse(_message.Message):
     def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., init_ns: _Optional[int] = ..., num_state_slots: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "request_id", "seq_index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_scheduled_tokens", "sampling_params", "group_tables", "state_slot")
+    __slots__ = ("seq_id", "request_id", "seq_index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "num_scheduled_tokens", "sampling_params", "group_tables", "state_slot", "state_from_slot")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class NewSequence(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     GROUP_TABLES_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FROM_SLOT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     request_id: str
     seq_index: int
@@ -134,7 +135,8 @@ class NewSequence(_message.Message):
     sampling_params: _common_pb2.SamplingParams
     group_tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
     state_slot: int
-    def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., group_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., state_slot: _Optional[int] = ...) -> None: ...
+    state_from_slot: int
+    def __init__(self, seq_id: _Optional[int] = ..., request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., group_tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., state_slot: _Optional[int] = ..., state_from_slot: _Optional[int] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("block_ids",)
@@ -193,7 +195,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent", "token_masks", "deferred_mask_seq_ids", "step_masks", "released_transfer_ids", "exports", "imports")
+    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent", "token_masks", "deferred_mask_seq_ids", "step_masks", "released_transfer_ids", "exports", "imports", "state_saves")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +211,7 @@ class ExecuteRequest(_message.Message):
     RELEASED_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPORTS_FIELD_NUMBER: _ClassVar[int]
     IMPORTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SAVES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cached_seqs: CachedSequences
@@ -224,7 +227,8 @@ class ExecuteRequest(_message.Message):
     released_transfer_ids: _containers.RepeatedScalarFieldContainer[int]
     exports: _containers.RepeatedCompositeFieldContainer[BlockExport]
     imports: _containers.RepeatedCompositeFieldContainer[BlockImport]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., deferred_mask_seq_ids: _Optional[_Iterable[int]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ..., released_transfer_ids: _Optional[_Iterable[int]] = ..., exports: _Optional[_Iterable[_Union[BlockExport, _Mapping]]] = ..., imports: _Optional[_Iterable[_Union[BlockImport, _Mapping]]] = ...) -> None: ...
+    state_saves: BlockMapping
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., deferred_mask_seq_ids: _Optional[_Iterable[int]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ..., released_transfer_ids: _Optional[_Iterable[int]] = ..., exports: _Optional[_Iterable[_Union[BlockExport, _Mapping]]] = ..., imports: _Optional[_Iterable[_Union[BlockImport, _Mapping]]] = ..., state_saves: _Optional[_Union[BlockMapping, _Mapping]] = ...) -> None: ...
 
 class BlockExport(_message.Message):
     __slots__ = ("transfer_id", "block_ids")

@@ -14,8 +14,11 @@ that every group can serve: all of a full group's blocks, the blocks of a window
 the first computed position's window reads.
 
 A model with recurrent layers also gives each sequence a state slot (`state_slots`) beside
-its tables. Its sequences are not swapped (a preemption recomputes them) and get no
-prefix-cache hits: no state is kept at a block boundary for a hit to start from.
+its tables. Its sequences are not swapped (a preemption recomputes them). With prefix caching,
+the state after a prompt's prefix is kept at block boundaries (snapshots, keyed by the block's
+hash): where a prefill chunk ends on one within the prompt, and the scheduler ends a chunk at
+the prompt's last boundary (`state_chunk`). A hit then also needs the snapshot at its end,
+and the sequence starts from a copy of it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ class AllocStatus(Enum):
 def _group_hash(group: int, block_hash: int) -> int:
     """The key of a block of `group` holding the tokens hashed to `block_hash`."""
     return block_hash if group == 0 else hash((group, block_hash))
+
+
+def _state_key(block_hash: int) -> int:
+    """The key of the state snapshot after the tokens hashed to `block_hash`."""
+    return hash(("state", block_hash))
 
 
 class BlockSpaceManager:
@@ -94,7 +102,7 @@ class BlockSpaceManager:
         # A prefix hit found at allocation, in blocks, until `get_num_computed_tokens`.
         self._hits: dict[int, int] = {}
         # Logical clock for the evictor's LRU order; the scheduler advances it every step.
-        self.now = 0.0
+        self._now = 0.0
         self.prefix_cache_queries = 0  # full prompt blocks looked up
         self.prefix_cache_hits = 0  # of those, found computed in the cache
         # Device blocks held by KV transfers between workers, by transfer id, besides the
@@ -102,6 +110,20 @@ class BlockSpaceManager:
         self.pins: dict[int, list[int]] = {}
         # The recurrent layers' state slots (None: the model has none).
         self.states = StateSlots(num_state_slots) if num_state_slots else None
+        # Per sequence: the snapshot slot a prefix hit starts it from, until the step builder
+        # takes it; and the snapshots its steps in flight write, (tokens, key).
+        self._state_sources: dict[int, tuple[int, int]] = {}  # seq id -> (slot, tokens)
+        self._pending_saves: dict[int, list[tuple[int, int]]] = {}
+
+    @property
+    def now(self) -> float:
+        return self._now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self._now = value
+        if self.states is not None:
+            self.states.now = value
 
     @property
     def is_hybrid(self) -> bool:
@@ -197,7 +219,11 @@ class BlockSpaceManager:
             self._num_marked[seq_id] = 0
             if states is not None:
                 states.take(seq_group.request_id, seq_id)
-            hit = self._find_hit(seq, num_full) if self.enable_caching and states is None else 0
+            hit = self._find_hit(seq, num_full) if self.enable_caching else 0
+            if states is not None and hit:
+                source = states.lookup(_state_key(seq.block_hash(hit - 1)))
+                assert source is not None, "a hit without its snapshot"
+                self._state_sources[seq_id] = (source, hit * bs)
             self._hits[seq_id] = hit
             start = self._hit_start(seq, hit)
             for g in self._windowed:
@@ -222,7 +248,8 @@ class BlockSpaceManager:
         return min(hit * self.block_size, seq.get_len() - 1)
 
     def _find_hit(self, seq: Sequence, num_full: int) -> int:
-        """Blocks of the longest prefix of `seq` whose K/V every group holds computed."""
+        """Blocks of the longest prefix of `seq` whose K/V every group holds computed (and,
+        with recurrent layers, whose state after its last block a snapshot holds)."""
         gpu = self.gpu
         hashes = gpu.block_hashes
         computed = gpu.computed
@@ -233,10 +260,13 @@ class BlockSpaceManager:
             while cached < hit and hashes[b := table[cached]] is not None and computed[b]:
                 cached += 1
             hit = cached
+        states = self.states
+        if states is not None:  # a hit starts from its snapshot: exactly at the boundary
+            hit = min(hit, (seq.get_len() - 1) // self.block_size)
         while hit > 0:
-            served = True
+            served = states is None or states.is_saved(_state_key(seq.block_hash(hit - 1)))
             start = self._hit_start(seq, hit)
-            for g in self._windowed:
+            for g in self._windowed if served else ():
                 for i in range(self._live_index(g, start), hit):
                     block_id = gpu.lookup(_group_hash(g, seq.block_hash(i)))
                     if block_id is None or not computed[block_id]:
@@ -305,6 +335,44 @@ class BlockSpaceManager:
         # The usual decode writes into room its last block already has.
         return needed <= 0 or needed <= self.gpu.get_num_free_blocks()
 
+    def state_chunk(self, seq: Sequence, chunk: int) -> int:
+        """`chunk`, or less so that it ends at the last block boundary of the prompt: the
+        state there is kept for prefix hits (recurrent layers with prefix caching only)."""
+        if self.states is None or not self.enable_caching:
+            return chunk
+        start = seq.num_computed_tokens
+        boundary = seq.num_prompt_tokens // self.block_size * self.block_size
+        return boundary - start if start < boundary < start + chunk else chunk
+
+    def save_state(self, seq: Sequence, chunk: int) -> tuple[int, int] | None:
+        """When computing `chunk` tokens of `seq` ends on a block boundary within its prompt:
+        a new snapshot of its state there, as (its slot, the snapshot's slot) for the worker
+        to copy after the step; None otherwise (or when one is kept already)."""
+        states = self.states
+        end = seq.num_computed_tokens + chunk
+        if (
+            states is None
+            or not self.enable_caching
+            or end % self.block_size
+            or not 0 < end <= seq.num_prompt_tokens
+        ):
+            return None
+        key = _state_key(seq.block_hash(end // self.block_size - 1))
+        slot = states.save(key)
+        if slot is None:
+            return None
+        self._pending_saves.setdefault(seq.seq_id, []).append((end, key))
+        return states.slot_of(seq.seq_id), slot
+
+    def pop_state_source(self, seq: Sequence) -> int | None:
+        """The snapshot slot a new sequence starts from (its prefix hit), once; None when it
+        computes from its first token (no hit, or one it does not use: prompt logprobs)."""
+        source = self._state_sources.pop(seq.seq_id, None)
+        if source is None or seq.num_computed_tokens == 0:
+            return None
+        assert source[1] == seq.num_computed_tokens, "a hit used at another boundary"
+        return source[0]
+
     def max_append_chunk(self, seq_group: SequenceGroup, chunk: int) -> int:
         """The largest next chunk of the group's running prefill, up to `chunk` tokens and in
         whole blocks below it, that `can_append_slots` allows; 0 when none does. Only a
@@ -351,7 +419,7 @@ class BlockSpaceManager:
                 src = table[write_index]
                 dst = gpu.allocate(tag=g)
                 table[write_index] = dst
-                gpu.free(src, self.now)
+                gpu.free(src, self._now)
                 copies.append((src, dst))
                 self._mark_dirty(g, seq_id, write_index)
             if self.enable_caching and num_tokens // bs > write_index:
@@ -372,7 +440,7 @@ class BlockSpaceManager:
             on_cpu = seq_id in self._on_cpu
             allocator = self.cpu if on_cpu else self.gpu
             for i in range(live, min(first, len(table))):
-                allocator.free(table[i], self.now)
+                allocator.free(table[i], self._now)
                 table[i] = NULL_BLOCK
         else:
             # Only a sequence computing from its first token (a hit left unused) reads no
@@ -435,7 +503,7 @@ class BlockSpaceManager:
             table = tables[seq.seq_id]
             if len(table) > needed:
                 while len(table) > needed:
-                    self.gpu.free(table.pop(), self.now)
+                    self.gpu.free(table.pop(), self._now)
                 self._mark_dirty(g, seq.seq_id, needed)  # the worker's table shrinks too
             if self.enable_caching:
                 self._promote_full(g, seq, table, first_written // self.block_size)
@@ -475,6 +543,11 @@ class BlockSpaceManager:
                     if hashes[table[i]] is not None:
                         computed[table[i]] = True
             self._num_marked[seq_id] = end
+        pending = self._pending_saves.get(seq_id)
+        if pending:
+            assert self.states is not None
+            while pending and pending[0][0] <= seq.num_computed_tokens:
+                self.states.mark_saved(pending.pop(0)[1])
         # After marking: the blocks a window leaves stay in the prefix cache as hits.
         for g in self._windowed:
             self._slide(g, seq)
@@ -576,7 +649,7 @@ class BlockSpaceManager:
                 else:
                     dst.share(moved)
                 table[i] = moved
-                src.free(block_id, self.now)
+                src.free(block_id, self._now)
 
     # -- KV transfers -----------------------------------------------------------------------
 
@@ -607,7 +680,7 @@ class BlockSpaceManager:
         """Let go of a transfer's blocks (unknown ids are ignored); hashed ones stay findable
         in the prefix cache until evicted."""
         for block_id in self.pins.pop(transfer_id, ()):
-            self.gpu.free(block_id, self.now)
+            self.gpu.free(block_id, self._now)
 
     # -- prefixes for other replicas (KV moves, prefix fetches, routing) ---------------------
 
@@ -684,13 +757,15 @@ class BlockSpaceManager:
         self._hits.pop(seq_id, None)
         if self.states is not None:
             self.states.release(seq_id)
+            self._state_sources.pop(seq_id, None)
+            self._pending_saves.pop(seq_id, None)
         for g, tables in enumerate(self._group_tables):
             table = tables.pop(seq_id)
             live = self._live[g].pop(seq_id, 0)
             self._dirty[g].pop(seq_id, None)
             # Free the tail first: at equal LRU time the evictor prefers deeper blocks anyway.
             for i in range(len(table) - 1, live - 1, -1):
-                allocator.free(table[i], self.now)
+                allocator.free(table[i], self._now)
 
     def has_table(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tables

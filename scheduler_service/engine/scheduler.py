@@ -210,6 +210,7 @@ class Scheduler(SchedulerQueues):
             )
             if chunk <= 0:
                 continue
+            chunk = bm.state_chunk(seq, chunk)
             # A windowed group's next blocks grow with the chunk: a shorter one may fit.
             chunk = bm.max_append_chunk(seq_group, chunk)
             if chunk == 0:
@@ -315,8 +316,8 @@ class Scheduler(SchedulerQueues):
                 s.num_computed_tokens = computed
                 s.status = _RUNNING
             chunk = num_tokens - computed
-            if chunked:
-                chunk = min(chunk, share)
+            if chunked:  # ending at the prompt's last block boundary keeps the state there
+                chunk = bm.state_chunk(seq, min(chunk, share))
             budget.num_seqs += num_new_seqs
             insert_in_order(self.running, seq_group)
             self._schedule(seq_group, chunk, budget, out)

@@ -10,9 +10,20 @@ request's sequences take slots from its reservation and give them back to it whe
 none of its sequences holds a slot any more (it finished, or was preempted by recompute) the
 reservation goes back to the pool. A slot's contents belong to the sequence holding it: a
 sequence that starts computing from its first token reads none of it.
+
+Prefix caching: a **snapshot** is a slot holding the state after a prompt's first tokens up to
+a block boundary, keyed by that block's hash (the chain of the tokens, as the blocks are).
+The worker copies a sequence's slot into it after the step that reaches the boundary
+(`StepInput.state_saves`); once that step is done (`mark_saved`) a later request whose prompt
+shares the prefix starts from a copy of it (`NewSequence.state_from_slot`). Snapshots are
+cached, not held: a request that needs slots takes free ones first, then evicts the least
+recently used snapshots, never one read or written in the step being built (its copy has not
+run yet).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 from scheduler_service.engine.sequence import SequenceGroup
 
@@ -46,25 +57,41 @@ class StateSlots:
         self._holders: dict[str, int] = {}  # request id -> how many of its sequences hold one
         self._slot: dict[int, int] = {}  # seq id -> slot
         self._owner: dict[int, str] = {}  # seq id -> request id
+        # Snapshots by key, least recently used first: (slot, saved, last step used).
+        self._snapshots: OrderedDict[int, tuple[int, bool, float]] = OrderedDict()
+        # The step being built (the block manager's clock): snapshots used in it stay.
+        self.now = 0.0
 
     def num_free(self) -> int:
-        return len(self._free)
+        """Slots a request may take now: free ones and snapshots it may evict."""
+        return len(self._free) + sum(
+            1 for _, _, used in self._snapshots.values() if used < self.now
+        )
 
-    def num_in_use(self) -> int:
-        """Slots held by sequences or reserved by their requests."""
-        return self.num_slots - len(self._free)
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
+
+    def _pop_free(self) -> int:
+        """A free slot, else the least recently used snapshot's, evicted."""
+        if self._free:
+            return self._free.pop()
+        for key, (slot, _, used) in self._snapshots.items():
+            if used < self.now:
+                del self._snapshots[key]
+                return slot
+        raise StateSlotError("no free state slot and no snapshot to evict")
 
     def reserve(self, request_id: str, count: int) -> None:
         """Set aside `count` slots for the request (more if it already has some: it tops up)."""
         pool = self._reserved.setdefault(request_id, [])
         self._holders.setdefault(request_id, 0)
         wanted = count - len(pool) - self._holders[request_id]
-        if wanted > len(self._free):
+        if wanted > self.num_free():
             raise StateSlotError(
                 f"request {request_id}: {wanted} slots wanted, {self.num_free()} free"
             )
         for _ in range(max(wanted, 0)):
-            pool.append(self._free.pop())
+            pool.append(self._pop_free())
 
     def take(self, request_id: str, seq_id: int) -> int:
         """A slot of the request's reservation for `seq_id`."""
@@ -98,14 +125,50 @@ class StateSlots:
         self._reserved[request_id].append(slot)
         self._holders[request_id] -= 1
         if self._holders[request_id] == 0:
-            self._free.extend(sorted(self._reserved.pop(request_id), reverse=True))
+            self._free.extend(self._reserved.pop(request_id))
+            self._free.sort(reverse=True)
             del self._holders[request_id]
 
+    # -- snapshots (prefix caching) ------------------------------------------------------
+
+    def save(self, key: int) -> int | None:
+        """A slot for a new snapshot under `key`, written after the step being built; None
+        when one is cached or pending under it already, or no slot can be had."""
+        if key in self._snapshots:
+            slot, saved, _ = self._snapshots.pop(key)
+            self._snapshots[key] = (slot, saved, self.now)
+            return None
+        if self.num_free() == 0:
+            return None
+        slot = self._pop_free()
+        self._snapshots[key] = (slot, False, self.now)
+        return slot
+
+    def mark_saved(self, key: int) -> None:
+        """The step that writes the snapshot is done: hits may read it from now on."""
+        entry = self._snapshots.get(key)
+        if entry is not None:
+            self._snapshots[key] = (entry[0], True, entry[2])
+
+    def lookup(self, key: int) -> int | None:
+        """The slot of the saved snapshot under `key` (marked used in this step), or None."""
+        entry = self._snapshots.get(key)
+        if entry is None or not entry[1]:
+            return None
+        del self._snapshots[key]
+        self._snapshots[key] = (entry[0], True, self.now)
+        return entry[0]
+
+    def is_saved(self, key: int) -> bool:
+        entry = self._snapshots.get(key)
+        return entry is not None and entry[1]
+
     def check_invariants(self, seq_ids: set[int]) -> None:
-        """Every slot is free, reserved or held, exactly once; the holders are `seq_ids`
-        (the sequences with block tables); every reservation has a holder."""
+        """Every slot is free, reserved, held or a snapshot, exactly once; the holders are
+        `seq_ids` (the sequences with block tables); every reservation has a holder."""
         reserved = [s for pool in self._reserved.values() for s in pool]
-        everywhere = self._free + reserved + list(self._slot.values())
+        snapshots = [slot for slot, _, _ in self._snapshots.values()]
+        everywhere = self._free + reserved + list(self._slot.values()) + snapshots
         assert sorted(everywhere) == list(range(self.num_slots)), "state slots lost or doubled"
         assert self._slot.keys() == seq_ids, (
             f"state slots held by {sorted(self._slot)}, block tables of {sorted(seq_ids)}"

@@ -232,6 +232,7 @@ class StepBuilder:
         cached_seqs = step.cached_seqs
         drafts = sched_out.drafts
         constrained: list[_MaskRow] = []
+        saves_states = bm.states is not None and bm.enable_caching
         for scheduled in sched_out.scheduled:
             seq_group = scheduled.seq_group
             chunk = scheduled.token_chunk_size
@@ -241,11 +242,14 @@ class StepBuilder:
                 if seq.grammar is not None and seq.num_computed_tokens + chunk == seq.get_len():
                     constrained.append((seq, seq_group, chunk, drafts.get(seq.seq_id, [])))
                 seq_id = seq.seq_id
+                if saves_states and (save := bm.save_state(seq, chunk)) is not None:
+                    step.state_saves.append(save)
                 table = tables[seq_id]
                 tokens = seq.token_ids
                 view = views.get(seq_id)
                 if view is None:
                     new = self._new_seq(seq, seq_group, table, chunk, bm.state_slot(seq_id))
+                    new.state_from_slot = bm.pop_state_source(seq)
                     views[seq_id] = [len(tokens), len(table)]
                     if any_dirty:
                         pop_dirty_from(seq_id)

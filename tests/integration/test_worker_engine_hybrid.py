@@ -4,8 +4,9 @@ attention) through the scheduler and a real worker, against HF generate in float
 Each sequence's recurrent layers keep their state in a slot the scheduler gives it
 (`scheduler_service.engine.state_slots`); the tests check greedy equality under chunked
 prefill (the state carried from chunk to chunk) and recompute preemption (the state rebuilt),
-forks that copy the state (n > 1 under top-k 1 sampling, which is greedy, and beam search
-against HF's), and that every block and state slot comes back."""
+prefix-cache hits (the state starts from the snapshot kept at the hit's last block), forks
+that copy the state (n > 1 under top-k 1 sampling, which is greedy, and beam search against
+HF's), and that every block and state slot comes back."""
 
 from __future__ import annotations
 
@@ -71,6 +72,22 @@ def test_greedy_batch_matches_hf(
     if "preemption" in setup:
         assert stats.num_preemptions_recompute > 0
         assert stats.num_preemptions_swap == 0  # a state slot is not swapped
+    assert_all_free(engine, worker)
+
+
+def test_prefix_cache_hits_start_from_the_kept_state(
+    hybrid: tuple[Worker, Any, list[list[int]]],
+) -> None:
+    worker, hf, _ = hybrid
+    shared = PROMPTS[2] + PROMPTS[0]  # 34 tokens: the state is kept after 32
+    prompts = [shared + [7, 8, 9], shared + [100], shared[:20] + [3, 3]]
+    engine = make_engine(worker, batched_tokens=16)
+    first = generate(engine, prompts[:1], GREEDY)
+    rest = generate(engine, prompts[1:], GREEDY)
+    stats = engine.get_stats()
+    assert stats.prefix_cache_hits > 0
+    got = [o.outputs[0].token_ids for o in first + rest]
+    assert got == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     assert_all_free(engine, worker)
 
 

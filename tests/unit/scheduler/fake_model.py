@@ -12,9 +12,10 @@ the output; a write into the null block fails at once.
 
 With state slots (`num_state_slots`, a model with recurrent layers) it also keeps, per slot, a
 running hash of the tokens its sequence computed, as a recurrent layer keeps its state: a
-sequence starting from its first token starts it afresh, a fork copies it, and every sample
-depends on it. A slot shared by two live sequences, or a fork that does not copy, changes the
-output.
+sequence starting from its first token starts it afresh, a fork copies it, a prefix hit
+starts from a copy of its snapshot (saved after the step that reached it), and every sample
+depends on it. A slot shared by two live sequences, a fork that does not copy, or a snapshot
+of another prefix changes the output.
 """
 
 from __future__ import annotations
@@ -182,7 +183,10 @@ class FakeModel:
             assert len(new.group_block_ids) == len(self.windows) - 1, "a table per KV group"
             assert (new.state_slot is None) == (not self.state_slots), "a state slot iff states"
             if new.state_slot is not None:
-                assert new.num_computed_tokens == 0, "a prefix hit without a kept state"
+                source = new.state_from_slot
+                assert (source is None) == (new.num_computed_tokens == 0), "a hit's snapshot"
+                if source is not None:
+                    self.state_slots[new.state_slot] = self.state_slots[source]
         skipped: set[int] = set()
         for upd in step.cached_seqs:
             st = self.seqs[upd.seq_id]
@@ -237,6 +241,8 @@ class FakeModel:
                     state = _mix(state, st.tokens[pos])
                 self.state_slots[st.state_slot] = state
             self.num_computed_tokens += num
+        for src, dst in step.state_saves:
+            self.state_slots[dst] = self.state_slots[src]
         outputs = []
         for seq_id, num in scheduled:
             st = self.seqs[seq_id]

@@ -75,7 +75,7 @@ def test_admission_waits_for_slots_and_refuses_a_request_that_never_fits() -> No
     assert bm.can_allocate(make_seq_group("wide", [1], params=beam)) is AllocStatus.NEVER
 
 
-def test_a_state_model_is_never_swapped_and_gets_no_prefix_hit() -> None:
+def test_a_state_model_is_never_swapped_and_gets_no_hit_without_a_snapshot() -> None:
     bm = _manager(4)
     first = _admit(bm, "first")
     seq = first.seqs[0]
@@ -85,4 +85,24 @@ def test_a_state_model_is_never_swapped_and_gets_no_prefix_hit() -> None:
     again = make_seq_group("again", list(range(1, 10)))
     bm.allocate(again)
     assert bm.get_num_computed_tokens(again.seqs[0]) == 0
+    bm.check_invariants()
+
+
+def test_a_hit_starts_from_the_snapshot_saved_at_its_last_block() -> None:
+    bm = _manager(4)
+    first = _admit(bm, "first")  # 9 tokens: two full blocks of 4
+    seq = first.seqs[0]
+    assert bm.state_chunk(seq, 9) == 8  # the prefill stops at the prompt's last boundary
+    save = bm.save_state(seq, 8)
+    assert save is not None and save[0] == bm.state_slot(seq.seq_id)
+    seq.num_computed_tokens = 8
+    bm.mark_computed(seq)  # the step that wrote the snapshot is done
+    bm.check_invariants()
+    bm.now += 1
+    again = make_seq_group("again", list(range(1, 10)))
+    bm.allocate(again)
+    other = again.seqs[0]
+    other.num_computed_tokens = bm.get_num_computed_tokens(other)
+    assert other.num_computed_tokens == 8
+    assert bm.pop_state_source(other) == save[1]
     bm.check_invariants()
