@@ -175,6 +175,8 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
             child_state_slot=f.child_state_slot,
         )
     _set_mapping(msg.state_saves, step.state_saves)
+    _set_mapping(msg.states_to_swap_out, step.states_to_swap_out)
+    _set_mapping(msg.states_to_swap_in, step.states_to_swap_in)
     _set_mapping(msg.blocks_to_swap_out, step.blocks_to_swap_out)
     _set_mapping(msg.blocks_to_swap_in, step.blocks_to_swap_in)
     _set_mapping(msg.blocks_to_copy, step.blocks_to_copy)
@@ -226,6 +228,8 @@ def step_input_from_proto(msg: worker_pb2.ExecuteRequest) -> StepInput:
         blocks_to_swap_in=_mapping(msg.blocks_to_swap_in),
         blocks_to_copy=_mapping(msg.blocks_to_copy),
         state_saves=_mapping(msg.state_saves),
+        states_to_swap_out=_mapping(msg.states_to_swap_out),
+        states_to_swap_in=_mapping(msg.states_to_swap_in),
         token_masks=[token_mask_from_proto(m) for m in msg.token_masks],
         deferred_mask_seq_ids=list(msg.deferred_mask_seq_ids),
         released_transfer_ids=list(msg.released_transfer_ids),

@@ -16,7 +16,10 @@ The worker applies a step in this order:
   3. register `new_seqs`;
   4. apply `cached_seqs` updates (append tokens, patch block tables);
   5. `blocks_to_swap_out` (device -> host), then `blocks_to_swap_in` (host -> device), then
-     `blocks_to_copy` (device -> device, copy-on-write), for every layer;
+     `blocks_to_copy` (device -> device, copy-on-write), for every layer; the recurrent
+     layers' states move first, with the same direction lists (`states_to_swap_out`, then
+     `states_to_swap_in`), then the forks' and prefix hits' state copies (steps 2 and 3 name
+     them; a slot a swapped-out state left may be one they write);
   6. run the forward pass over the scheduled tokens of every sequence in `new_seqs` and
      `cached_seqs`, in that order, and sample where a sequence reaches its last known token;
   7. `state_saves` (recurrent layers): copy state slots into snapshot slots (prefix caching).
@@ -227,6 +230,10 @@ class StepInput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # (sequence's state slot, snapshot slot) pairs copied after the forward pass.
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Recurrent layers' states of swapped sequences: (device slot, host slot) pairs out,
+    # (host slot, device slot) pairs in; a sequence swapped in may get another device slot.
+    states_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    states_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Allowed tokens of the constrained sequences that sample in this step.
     token_masks: list[TokenMask] = field(default_factory=list)
     # Constrained sequences sampling in this step whose masks follow the step (computed while
@@ -257,6 +264,8 @@ class StepInput:
             or self.blocks_to_swap_in
             or self.blocks_to_copy
             or self.state_saves
+            or self.states_to_swap_out
+            or self.states_to_swap_in
             or self.released_transfer_ids
             or self.exports
             or self.imports

@@ -79,19 +79,44 @@ class StatePools:
         self.recurrent = torch.zeros(
             (len(layers), num_slots, *shapes.recurrent), dtype=RECURRENT_DTYPE, device=device
         )
+        # Swap space: as many host slots, written by swap_out before any swap_in reads them.
+        pinned = device.type == "cuda"
+        self.host_conv = torch.empty(self.conv.shape, dtype=dtype, pin_memory=pinned)
+        self.host_recurrent = torch.empty(
+            self.recurrent.shape, dtype=RECURRENT_DTYPE, pin_memory=pinned
+        )
 
     def layer_pools(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Layer -> its (conv, recurrent) pools, views of the allocations."""
         return {layer: (self.conv[j], self.recurrent[j]) for j, layer in enumerate(self.layers)}
 
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device slots to host slots, (device, host) pairs, every recurrent layer."""
+        if pairs:
+            src, dst = _split(pairs)
+            self.host_conv[:, dst] = self.conv[:, src.to(self.conv.device)].cpu()
+            self.host_recurrent[:, dst] = self.recurrent[:, src.to(self.conv.device)].cpu()
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host slots to device slots, (host, device) pairs, every recurrent layer."""
+        if pairs:
+            src, dst = _split(pairs)
+            dst = dst.to(self.conv.device)
+            self.conv[:, dst] = self.host_conv[:, src].to(self.conv.device)
+            self.recurrent[:, dst] = self.host_recurrent[:, src].to(self.conv.device)
+
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy slots, (source, destination) pairs, in every recurrent layer."""
         if pairs:
-            index = torch.tensor(pairs, dtype=torch.int64, device=self.conv.device)
-            src, dst = index[:, 0], index[:, 1]
+            src, dst = (t.to(self.conv.device) for t in _split(pairs))
             self.conv[:, dst] = self.conv[:, src]
             self.recurrent[:, dst] = self.recurrent[:, src]
 
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _split(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    index = torch.tensor(pairs, dtype=torch.int64)  # [num_pairs, 2]
+    return index[:, 0], index[:, 1]

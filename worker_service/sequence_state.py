@@ -42,8 +42,10 @@ class SequenceState:
     # Whether the last step that verified drafts for this sequence dropped some of them (an
     # update `after_drafts` is then skipped).
     drafts_cut: bool = False
-    # The recurrent layers' state slot (None: the model has none).
+    # The recurrent layers' state slot (None: the model has none, or it is swapped out: then
+    # `host_state_slot` holds it).
     state_slot: int | None = None
+    host_state_slot: int | None = None
 
     def fork(
         self, child_seq_id: int, child_seq_index: int, child_state_slot: int | None
@@ -118,6 +120,8 @@ class SequenceStates:
         """Steps 1-4 of the contract (free, fork, register, update); returns what to compute."""
         for seq_id in step.freed_seq_ids:
             self.states.pop(seq_id, None)
+        if step.states_to_swap_out or step.states_to_swap_in:
+            self._swap_states(step)
         self.token_masks = {(m.seq_id, m.row): m for m in step.token_masks}
         self.masks_deferred = bool(step.deferred_mask_seq_ids)
         self.state_copies = []
@@ -192,6 +196,24 @@ class SequenceStates:
             ):
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
         return scheduled
+
+    def _swap_states(self, step: StepInput) -> None:
+        """Where swapped sequences' states go: out to host slots, in to device slots."""
+        on_device = {s.state_slot: s for s in self.states.values() if s.state_slot is not None}
+        on_host = {
+            s.host_state_slot: s for s in self.states.values() if s.host_state_slot is not None
+        }
+        for device, host in step.states_to_swap_out:
+            state = on_device.pop(device, None)
+            if state is None:
+                raise StateError(f"no sequence holds state slot {device} to swap out")
+            state.state_slot, state.host_state_slot = None, host
+            on_host[host] = state
+        for host, device in step.states_to_swap_in:
+            state = on_host.pop(host, None)
+            if state is None:
+                raise StateError(f"no sequence holds host state slot {host} to swap in")
+            state.state_slot, state.host_state_slot = device, None
 
     def _check_state_slot(
         self, state: SequenceState, new: bool = False, source: int | None = None

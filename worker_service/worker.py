@@ -251,9 +251,10 @@ class Worker:
         """(device blocks, host swap blocks). CUDA: profile a forward of the largest step under
         `batch_limits` and give the KV cache what is left of `gpu_memory_utilization`; CPU:
         from `kv_cache_memory_bytes`. The recurrent layers' state slots come out of the same
-        memory first. Call it with no cache allocated."""
+        memory first, and their host slots out of the swap space. Call it with no cache
+        allocated."""
         block_bytes = self.get_cache_block_size_bytes()
-        num_host = self.config.swap_space_bytes // block_bytes
+        num_host = max(self.config.swap_space_bytes - self.state_bytes(), 0) // block_bytes
         if self.device.type != "cuda":
             kv_bytes = self.config.kv_cache_memory_bytes - self.state_bytes()
             return max(kv_bytes // block_bytes, 0), num_host
@@ -457,8 +458,11 @@ class Worker:
         self.exports.apply(step)
         imported, failed = import_blocks(self.cache_engine, step.imports)
         scheduled = runner.apply_updates(step)
-        if self.cache_engine.states is not None:
-            self.cache_engine.states.copy(runner.state_copies)
+        states = self.cache_engine.states
+        if states is not None:  # swaps first: a slot a state left may be copied into
+            states.swap_out(step.states_to_swap_out)
+            states.swap_in(step.states_to_swap_in)
+            states.copy(runner.state_copies)
         self.cache_engine.swap_out(step.blocks_to_swap_out)
         self.cache_engine.swap_in(step.blocks_to_swap_in)
         self.cache_engine.copy_blocks(step.blocks_to_copy)

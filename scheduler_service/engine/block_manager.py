@@ -14,7 +14,7 @@ that every group can serve: all of a full group's blocks, the blocks of a window
 the first computed position's window reads.
 
 A model with recurrent layers also gives each sequence a state slot (`state_slots`) beside
-its tables. Its sequences are not swapped (a preemption recomputes them). With prefix caching,
+its tables, swapped to a host slot with the blocks. With prefix caching,
 the state after a prompt's prefix is kept at block boundaries (snapshots, keyed by the block's
 hash): where a prefill chunk ends on one within the prompt, and the scheduler ends a chunk at
 the prompt's last boundary (`state_chunk`). A hit then also needs the snapshot at its end,
@@ -587,9 +587,9 @@ class BlockSpaceManager:
         return len({b for s in seqs for b in self._live_blocks(s.seq_id)})
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
-        if self.states is not None:  # state slots stay on the device: recompute instead
-            return False
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        if self.states is not None and len(seqs) > self.states.num_host_free():
+            return False
         return self._unique_blocks(seqs) <= self.cpu.get_num_free_blocks()
 
     def _swap_in_blocks(self, seqs: list[Sequence]) -> int:
@@ -603,30 +603,50 @@ class BlockSpaceManager:
         )
 
     def can_swap_in(self, seq_group: SequenceGroup) -> bool:
+        if self.states is not None and slots_needed(seq_group) > self.states.num_free():
+            return False
         required = self._swap_in_blocks(seq_group.get_seqs(SequenceStatus.SWAPPED))
         return self.gpu.get_num_free_blocks() - required >= self.watermark_blocks
 
     def can_ever_swap_in(self, seq_group: SequenceGroup) -> bool:
         """Whether the swapped group fits the empty cache (else only a recompute, which
         frees what its windows left, can bring it back)."""
+        if self.states is not None and slots_needed(seq_group) > self.states.num_slots:
+            return False
         required = self._swap_in_blocks(seq_group.get_seqs(SequenceStatus.SWAPPED))
         usable = self.num_total_gpu_blocks - self.num_reserved
         return usable - required >= self.watermark_blocks
 
-    def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:
+    def swap_out(
+        self, seq_group: SequenceGroup, state_moves: list[tuple[int, int]] | None = None
+    ) -> dict[int, int]:
         """Move the running sequences' blocks to host blocks. Returns {gpu block: cpu block};
-        a block shared inside the group is copied once and stays shared."""
+        a block shared inside the group is copied once and stays shared. Their states' moves,
+        (device slot, host slot), go to `state_moves`."""
         mapping: dict[int, int] = {}
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
             self._move(seq.seq_id, self.gpu, self.cpu, mapping)
             self._on_cpu.add(seq.seq_id)
+            if self.states is not None:
+                assert state_moves is not None, "a state model's swap needs its state moves"
+                state_moves.append(self.states.swap_out(seq.seq_id))
+                self._pending_saves.pop(seq.seq_id, None)
         return mapping
 
-    def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
-        """Move the swapped sequences' blocks back to device blocks. Returns {cpu: gpu}."""
+    def swap_in(
+        self, seq_group: SequenceGroup, state_moves: list[tuple[int, int]] | None = None
+    ) -> dict[int, int]:
+        """Move the swapped sequences' blocks back to device blocks. Returns {cpu: gpu}. Their
+        states' moves, (host slot, device slot), go to `state_moves`."""
         mapping: dict[int, int] = {}
+        if self.states is not None:
+            assert state_moves is not None, "a state model's swap needs its state moves"
+            self.states.reserve(seq_group.request_id, slots_needed(seq_group))
         for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
             seq_id = seq.seq_id
+            if self.states is not None:
+                assert state_moves is not None
+                state_moves.append(self.states.swap_in(seq_group.request_id, seq_id))
             self._move(seq_id, self.cpu, self.gpu, mapping)
             self._on_cpu.discard(seq_id)
             for g in range(self.num_groups):
@@ -756,7 +776,7 @@ class BlockSpaceManager:
         self._num_marked.pop(seq_id, None)
         self._hits.pop(seq_id, None)
         if self.states is not None:
-            self.states.release(seq_id)
+            self.states.drop(seq_id)
             self._state_sources.pop(seq_id, None)
             self._pending_saves.pop(seq_id, None)
         for g, tables in enumerate(self._group_tables):

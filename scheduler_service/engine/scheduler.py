@@ -246,7 +246,7 @@ class Scheduler(SchedulerQueues):
                 if len(seqs) > budget.remaining_tokens:
                     break
             self.swapped.popleft()
-            out.blocks_to_swap_in.extend(bm.swap_in(seq_group).items())
+            out.blocks_to_swap_in.extend(bm.swap_in(seq_group, out.states_to_swap_in).items())
             for seq in seqs:
                 seq.status = _RUNNING
             budget.num_seqs += num_new_seqs
@@ -348,7 +348,8 @@ class Scheduler(SchedulerQueues):
                 seq.reset_for_recompute()
             insert_in_order(self.waiting, seq_group, ahead_of_ties=True)
         else:
-            out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq_group).items())
+            moved = self.block_manager.swap_out(seq_group, out.states_to_swap_out)
+            out.blocks_to_swap_out.extend(moved.items())
             for seq in seq_group.get_seqs(_RUNNING):
                 seq.status = SequenceStatus.SWAPPED
             insert_in_order(self.swapped, seq_group, ahead_of_ties=True)

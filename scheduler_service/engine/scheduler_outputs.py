@@ -29,6 +29,10 @@ class SchedulerOutputs:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Recurrent layers' states moved with swapped blocks: (host slot, device slot) in,
+    # (device slot, host slot) out.
+    states_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    states_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     # Finished as IGNORED this step (never ran); `seq_group.error` says why.
     ignored: list[SequenceGroup] = field(default_factory=list)
     preempted: list[PreemptedGroup] = field(default_factory=list)

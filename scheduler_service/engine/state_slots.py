@@ -19,6 +19,10 @@ shares the prefix starts from a copy of it (`NewSequence.state_from_slot`). Snap
 cached, not held: a request that needs slots takes free ones first, then evicts the least
 recently used snapshots, never one read or written in the step being built (its copy has not
 run yet).
+
+Swap preemption moves a sequence's state to a host slot (the worker keeps as many host slots
+as device slots) and gives its device slot back; swapped in, it takes a device slot of its
+request's new reservation, which may be another one.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class StateSlots:
         self._snapshots: OrderedDict[int, tuple[int, bool, float]] = OrderedDict()
         # The step being built (the block manager's clock): snapshots used in it stay.
         self.now = 0.0
+        self._host_free = list(range(num_slots - 1, -1, -1))
+        self._host_slot: dict[int, int] = {}  # seq id -> host slot (swapped out)
 
     def num_free(self) -> int:
         """Slots a request may take now: free ones and snapshots it may evict."""
@@ -129,6 +135,35 @@ class StateSlots:
             self._free.sort(reverse=True)
             del self._holders[request_id]
 
+    # -- swapping --------------------------------------------------------------------------
+
+    def num_host_free(self) -> int:
+        return len(self._host_free)
+
+    def swap_out(self, seq_id: int) -> tuple[int, int]:
+        """Move the sequence's state to a host slot: (device slot, host slot)."""
+        device = self._slot[seq_id]
+        self.release(seq_id)
+        host = self._host_free.pop()
+        self._host_slot[seq_id] = host
+        return device, host
+
+    def swap_in(self, request_id: str, seq_id: int) -> tuple[int, int]:
+        """Move the sequence's state back into a slot of its request's reservation:
+        (host slot, device slot)."""
+        host = self._host_slot.pop(seq_id)
+        device = self.take(request_id, seq_id)
+        self._host_free.append(host)
+        return host, device
+
+    def drop(self, seq_id: int) -> None:
+        """Forget the sequence's state, on the device or the host."""
+        host = self._host_slot.pop(seq_id, None)
+        if host is None:
+            self.release(seq_id)
+        else:
+            self._host_free.append(host)
+
     # -- snapshots (prefix caching) ------------------------------------------------------
 
     def save(self, key: int) -> int | None:
@@ -170,8 +205,12 @@ class StateSlots:
         snapshots = [slot for slot, _, _ in self._snapshots.values()]
         everywhere = self._free + reserved + list(self._slot.values()) + snapshots
         assert sorted(everywhere) == list(range(self.num_slots)), "state slots lost or doubled"
-        assert self._slot.keys() == seq_ids, (
-            f"state slots held by {sorted(self._slot)}, block tables of {sorted(seq_ids)}"
+        host = self._host_free + list(self._host_slot.values())
+        assert sorted(host) == list(range(self.num_slots)), "host state slots lost or doubled"
+        assert not self._slot.keys() & self._host_slot.keys(), "a state on device and host"
+        assert self._slot.keys() | self._host_slot.keys() == seq_ids, (
+            f"states of {sorted(self._slot)} (device), {sorted(self._host_slot)} (host); "
+            f"block tables of {sorted(seq_ids)}"
         )
         for request_id, count in self._holders.items():
             assert count == sum(1 for o in self._owner.values() if o == request_id)

@@ -83,6 +83,8 @@ class StepBuilder:
             step_id=self._step_id,
             blocks_to_swap_out=sched_out.blocks_to_swap_out,
             blocks_to_swap_in=sched_out.blocks_to_swap_in,
+            states_to_swap_out=sched_out.states_to_swap_out,
+            states_to_swap_in=sched_out.states_to_swap_in,
             blocks_to_copy=sched_out.blocks_to_copy,
         )
         self._step_id += 1

@@ -76,8 +76,9 @@ class FakeModel:
         num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
-        # Per state slot, the running hash of the tokens its sequence computed.
+        # Per state slot, the running hash of the tokens its sequence computed; the host's.
         self.state_slots: list[int] = [0] * num_state_slots
+        self.host_state_slots: list[int] = [0] * num_state_slots
         self.windows = windows
         self.vocab_size = vocab_size
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
@@ -151,6 +152,7 @@ class FakeModel:
         imported, failed = self._transfer(step)
         for seq_id in step.freed_seq_ids:
             del self.seqs[seq_id]
+        self._swap_states(step)
         for fork in step.forks:
             p = self.seqs[fork.parent_seq_id]
             self.seqs[fork.child_seq_id] = _SeqState(
@@ -266,6 +268,18 @@ class FakeModel:
         return StepResult(
             step.step_id, outputs, imported_transfer_ids=imported, failed_imports=failed
         )
+
+    def _swap_states(self, step: StepInput) -> None:
+        """Swapped sequences' states, before any state copy: out, then in (to the slot the
+        scheduler gives the sequence now)."""
+        by_slot = {st.state_slot: st for st in self.seqs.values() if st.state_slot is not None}
+        for device, host in step.states_to_swap_out:
+            self.host_state_slots[host] = self.state_slots[device]
+            by_slot.pop(device).state_slot = -1 - host  # on the host
+        by_host = {-1 - st.state_slot: st for st in by_slot.values() if st.state_slot < 0}
+        for host, device in step.states_to_swap_in:
+            self.state_slots[device] = self.host_state_slots[host]
+            by_host.pop(host).state_slot = device
 
     def _edit_groups(self, st: _SeqState, edits: list[TableEdit]) -> None:
         assert len(edits) == len(self.windows) - 1, "an edit per KV group"

@@ -185,8 +185,8 @@ def test_windows_change_what_the_fake_model_reads():
     assert full != windowed
 
 
-# A model with recurrent layers (a state slot per sequence): preemptions recompute (slots are
-# not swapped), a prefix hit starts from the state snapshot kept at its last block (the
+# A model with recurrent layers (a state slot per sequence): a swap moves each state to a
+# host slot and back (maybe to another device slot), a prefix hit starts from the state snapshot kept at its last block (the
 # snapshots share the slots, evicted when requests need them), and a request takes the slots
 # its forks will need at admission. Few slots (beam search of width 3 needs 6 of the 8) make
 # admissions wait for slots as well as for blocks.
@@ -202,8 +202,7 @@ def test_tiny_cache_and_few_state_slots_equal_an_ample_cache(windows, blocks):
     tiny, stats, _, _ = run(
         blocks, 400, chunked=True, caching=True, num=120, windows=windows, state_slots=8
     )
-    assert stats.num_preemptions_recompute >= 5
-    assert stats.num_preemptions_swap == 0
+    assert stats.num_preemptions_swap >= 5
     assert stats.prefix_cache_hits > 0
     assert tiny == ample
     # Nothing cached, every state computed from the first token: the same outputs.

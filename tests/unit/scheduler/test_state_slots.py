@@ -75,13 +75,34 @@ def test_admission_waits_for_slots_and_refuses_a_request_that_never_fits() -> No
     assert bm.can_allocate(make_seq_group("wide", [1], params=beam)) is AllocStatus.NEVER
 
 
-def test_a_state_model_is_never_swapped_and_gets_no_hit_without_a_snapshot() -> None:
+def test_a_swap_moves_the_state_to_a_host_slot_and_back_to_a_free_one() -> None:
+    bm = _manager(2)
+    first = _admit(bm, "first")
+    seq = first.seqs[0]
+    slot = bm.state_slot(seq.seq_id)
+    assert bm.can_swap_out(first)
+    moves: list[tuple[int, int]] = []
+    bm.swap_out(first, moves)
+    seq.status = SequenceStatus.SWAPPED
+    assert [device for device, _ in moves] == [slot]
+    bm.check_invariants()
+    _admit(bm, "second")  # takes the slot the swapped state left
+    assert bm.states is not None and bm.states.num_free() == 1
+    back: list[tuple[int, int]] = []
+    assert bm.can_swap_in(first)
+    bm.swap_in(first, back)
+    seq.status = SequenceStatus.RUNNING
+    assert back == [(moves[0][1], bm.state_slot(seq.seq_id))]
+    assert bm.state_slot(seq.seq_id) != slot
+    bm.check_invariants()
+
+
+def test_no_hit_without_a_snapshot() -> None:
     bm = _manager(4)
     first = _admit(bm, "first")
     seq = first.seqs[0]
     seq.num_computed_tokens = seq.get_len()
     bm.mark_computed(seq)
-    assert not bm.can_swap_out(first)
     again = make_seq_group("again", list(range(1, 10)))
     bm.allocate(again)
     assert bm.get_num_computed_tokens(again.seqs[0]) == 0
