@@ -11,14 +11,13 @@ and one decode worker give HF's greedy tokens (short prompts prefill on the deco
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.test_kv_migration import events, long_workload
+from tests.integration.test_kv_migration import events, long_workload, run_with
 from tests.support.fleet import (
     FleetStack,
     Received,
@@ -60,16 +59,7 @@ def baseline(fleet: FleetStack) -> dict[str, Received]:
 
 def run_with_fault(stack: FleetStack, fault: Callable[[], None]) -> dict[str, Received]:
     """The workload; `fault()` runs on a thread once every stream is past its prompt."""
-    thread = threading.Thread(target=fault)
-
-    def on_chunk(total: int) -> None:
-        if total >= 8 * len(WORKLOAD) and thread.ident is None:
-            thread.start()
-
-    received = asyncio.run(run_workload(stack.gateway.address, WORKLOAD, on_chunk))  # type: ignore[union-attr]
-    assert thread.ident is not None, "the workload ended before the fault"
-    thread.join()
-    return received
+    return run_with(stack, fault, 8 * len(WORKLOAD), WORKLOAD)
 
 
 def test_worker_kill_and_scheduler_restart_change_no_stream(

@@ -83,7 +83,12 @@ def events(stack: FleetStack, event: str) -> list[str]:
     return [line for line in scheduler_log(stack).splitlines() if f'"event": "{event}"' in line]
 
 
-def run_with(stack: FleetStack, fault: Callable[[], None], at_chunk: int) -> dict[str, Received]:
+def run_with(
+    stack: FleetStack,
+    fault: Callable[[], None],
+    at_chunk: int,
+    workload: list[tuple[str, dict]] = WORKLOAD,  # type: ignore[type-arg]
+) -> dict[str, Received]:
     """The workload; `fault()` runs on a thread once `at_chunk` responses have arrived (every
     stream running by then), and must be done before the workload's end."""
     thread = threading.Thread(target=fault)
@@ -92,7 +97,7 @@ def run_with(stack: FleetStack, fault: Callable[[], None], at_chunk: int) -> dic
         if total >= at_chunk and thread.ident is None:
             thread.start()
 
-    received = asyncio.run(run_workload(stack.gateway.address, WORKLOAD, on_chunk))  # type: ignore[union-attr]
+    received = asyncio.run(run_workload(stack.gateway.address, workload, on_chunk))  # type: ignore[union-attr]
     assert thread.ident is not None, "the workload ended before the fault"
     thread.join()
     return received

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from llmserve.sampling_params import SamplingParams
 from scheduler_service.engine.config import PreemptionMode
@@ -25,6 +24,7 @@ from tests.integration.test_worker_engine_tiny import (
     NEW_TOKENS,
     PROMPTS,
     assert_all_free,
+    hf_beam_best,
     hf_greedy,
     make_engine,
 )
@@ -113,16 +113,5 @@ def test_beam_search_matches_hf(hybrid: tuple[Worker, Any, list[list[int]]]) -> 
         n=2, best_of=4, use_beam_search=True, temperature=0.0, max_tokens=10, ignore_eos=True
     )
     (beamed,) = generate(engine, [prompt], [beam])
-    with torch.no_grad():
-        ref = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=10,
-            num_beams=4,
-            num_return_sequences=2,
-            do_sample=False,
-            length_penalty=1.0,
-            early_stopping=False,
-            pad_token_id=0,
-        )
-    assert beamed.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+    assert beamed.outputs[0].token_ids == hf_beam_best(hf, prompt, 10, 4)
     assert_all_free(engine, worker)

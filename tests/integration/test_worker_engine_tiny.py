@@ -68,6 +68,22 @@ def make_engine(
     )
 
 
+def hf_beam_best(hf: Any, prompt: list[int], n: int, width: int) -> list[int]:
+    """HF's best beam of `width` for `n` new tokens (no early stop, length penalty 1)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            num_beams=width,
+            num_return_sequences=2,
+            do_sample=False,
+            length_penalty=1.0,
+            early_stopping=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -203,17 +219,5 @@ def test_n4_and_beam4_run_to_the_end_and_free_everything(tiny: tuple[Worker, Any
     assert len(sampled.outputs) == 4 and all(len(c.token_ids) == 10 for c in sampled.outputs)
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
     assert len(beamed.outputs) == 2
-    with torch.no_grad():
-        ref = hf.generate(
-            torch.tensor([PROMPTS[4]]),
-            max_new_tokens=10,
-            num_beams=4,
-            num_return_sequences=2,
-            do_sample=False,
-            length_penalty=1.0,
-            early_stopping=False,
-            pad_token_id=0,
-        )
-    hf_best = ref[0, len(PROMPTS[4]) :].tolist()
-    assert beamed.outputs[0].token_ids == hf_best
+    assert beamed.outputs[0].token_ids == hf_beam_best(hf, PROMPTS[4], 10, 4)
     assert_all_free(engine, worker)
