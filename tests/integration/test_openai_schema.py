@@ -6,8 +6,6 @@ schema (schemathesis' negative mode) and raw malformed bodies get a 4xx, never a
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,24 +20,14 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.support.stack import RunningStack, start_stack
+from tests.support.stack import RunningStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.services]
 
-MODEL = "tiny"
-
 
 @pytest.fixture(scope="module")
-def schema_stack(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningStack]:
-    running = start_stack(
-        str(tiny_model_dir),
-        tmp_path_factory.mktemp("schema-stack-logs"),
-        gateway_args=["--served-model-name", MODEL],
-    )
-    yield running
-    running.stop()
+def schema_stack(tiny_stack: RunningStack) -> RunningStack:
+    return tiny_stack
 
 
 @pytest.fixture(scope="module")

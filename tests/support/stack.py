@@ -14,6 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.supervisor import free_ports, stop_process
 
+# The model name that the gateway of the shared tiny stack (tests/integration/conftest.py,
+# `tiny_stack`) serves.
+TINY_SERVED_NAME = "tiny"
+
 
 @dataclass
 class RunningStack:
