@@ -12,12 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.fleet import FleetStack, run_workload, start_fleet
-from tests.support.models import (
-    SMOLLM2_EXACTNESS_NEW,
-    SMOLLM2_EXACTNESS_TEXTS,
-    hf_greedy_outputs,
-    load_smollm2,
-)
+from tests.support.models import SMOLLM2_EXACTNESS_NEW, smollm2_exactness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
@@ -48,9 +43,7 @@ def scheduler_events(stack: FleetStack, event: str) -> list[dict]:  # type: igno
 
 
 def test_one_prefill_and_one_decode_worker_serve_hf_equal_greedy_output(stack: FleetStack):
-    tok, hf = load_smollm2()
-    prompts = [tok(text)["input_ids"] for text in SMOLLM2_EXACTNESS_TEXTS]
-    expected = hf_greedy_outputs(hf, prompts, SMOLLM2_EXACTNESS_NEW)
+    prompts, expected = smollm2_exactness()
     requests = [
         (f"pd-{i}", {"prompt": p, "max_tokens": SMOLLM2_EXACTNESS_NEW, "temperature": 0.0,
                      "ignore_eos": True})

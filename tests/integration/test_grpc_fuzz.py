@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,11 +17,11 @@ from hypothesis import strategies as st
 
 from llmserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.support.hardening import blocks, gateway_gauges, is_idle, wait_idle
-from tests.support.stack import RunningStack, start_stack
+from tests.support.stack import TINY_SERVED_NAME, RunningStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.services]
 
-MODEL = "tiny"
+MODEL = TINY_SERVED_NAME
 UINT32 = 2**32 - 1
 INT64 = 2**63 - 1
 # What a malformed request may get: a client error, never INTERNAL, UNKNOWN or UNAVAILABLE.
@@ -36,14 +34,8 @@ CLIENT_ERRORS = {
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    running = start_stack(
-        str(tiny_model_dir),
-        tmp_path_factory.mktemp("fuzz-logs"),
-        gateway_args=["--served-model-name", MODEL],
-    )
-    yield running
-    running.stop()
+def stack(tiny_stack: RunningStack) -> RunningStack:
+    return tiny_stack
 
 
 def _uint32(small: int) -> st.SearchStrategy[int]:

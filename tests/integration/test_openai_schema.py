@@ -6,8 +6,6 @@ schema (schemathesis' negative mode) and raw malformed bodies get a 4xx, never a
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,24 +20,14 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.support.stack import RunningStack, start_stack
+from tests.support.stack import RunningStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.services]
 
-MODEL = "tiny"
-
 
 @pytest.fixture(scope="module")
-def schema_stack(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningStack]:
-    running = start_stack(
-        str(tiny_model_dir),
-        tmp_path_factory.mktemp("schema-stack-logs"),
-        gateway_args=["--served-model-name", MODEL],
-    )
-    yield running
-    running.stop()
+def schema_stack(tiny_stack: RunningStack) -> RunningStack:
+    return tiny_stack
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +62,7 @@ def test_operations_list_matches_document(api_schema: BaseSchema) -> None:
 def _shortened(case: Case) -> Case:
     """Keep generation short: a response's conformance does not depend on its length."""
     if isinstance(case.body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = case.body.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 32:
                 case.body[name] = 32
@@ -86,6 +74,8 @@ def _shortened(case: Case) -> Case:
             # get through validation for their success bodies to be checked.
             if case.body.get("messages") == []:
                 case.body["messages"] = [{"role": "user", "content": "Say hi."}]
+        if case.path == "/v1/responses":
+            case.body.setdefault("max_output_tokens", 8)
         if case.path.startswith("/v1/messages"):
             _plausible_conversation(case.body)
     return case

@@ -12,13 +12,12 @@ from scheduler_service.engine import LLMEngine
 from scheduler_service.engine.config import PreemptionMode
 from scheduler_service.engine.offline import generate
 from tests.support.engines import engine_on_worker
-from tests.support.models import SMOLLM2_EXACTNESS_NEW, SMOLLM2_EXACTNESS_TEXTS, load_smollm2
+from tests.support.models import SMOLLM2_EXACTNESS_NEW, load_smollm2, smollm2_exactness
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
 pytestmark = pytest.mark.slow
 
-TEXTS = SMOLLM2_EXACTNESS_TEXTS
 NEW = SMOLLM2_EXACTNESS_NEW
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -27,10 +26,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 @pytest.fixture(scope="module")
 def smol() -> tuple[Worker, Any, list[list[int]]]:
     torch.set_num_threads(2)
-    tok, hf = load_smollm2()
+    _, hf = load_smollm2()
     worker = Worker(WorkerConfig(model="smollm2", dtype="float32", num_threads=2))
     worker.load_from_hf(hf)
-    return worker, hf, [tok(t)["input_ids"] for t in TEXTS]
+    return worker, hf, smollm2_exactness()[0]
 
 
 def hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
@@ -42,8 +41,8 @@ def hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def expected(smol: tuple[Worker, Any, list[list[int]]]) -> list[list[int]]:
-    return [hf_greedy(smol[1], p) for p in smol[2]]
+def expected() -> list[list[int]]:
+    return smollm2_exactness()[1]
 
 
 def make_engine(

@@ -22,6 +22,7 @@ from tests.support.models import (
     hf_greedy_outputs,
     load_smollm2,
     load_spec,
+    smollm2_exactness,
 )
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.models.gguf_weights import dequantize_rows, quant_matmul
@@ -60,7 +61,7 @@ def gguf_worker(hf: Any, mode: str) -> Worker:
 def loaded() -> tuple[Worker, Any, list[list[int]], Any]:
     torch.set_num_threads(2)
     tok, hf = load_smollm2()
-    return gguf_worker(hf, "exact"), hf, [tok(t)["input_ids"] for t in TEXTS], tok
+    return gguf_worker(hf, "exact"), hf, smollm2_exactness()[0], tok
 
 
 def test_every_weight_with_a_kernel_runs_on_blocks_and_the_dense_copies_are_gone(
@@ -104,8 +105,8 @@ def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(loaded
 
 
 def test_greedy_output_equals_hf_on_the_dequantized_file(loaded: Any) -> None:
-    worker, hf, prompts, _ = loaded
-    expected = hf_greedy_outputs(hf, prompts, NEW)
+    worker, _, prompts, _ = loaded
+    expected = smollm2_exactness()[1]
     engine = engine_on_worker(
         worker, gpu_blocks=64, cpu_blocks=0, batched_tokens=64, max_model_len=2048
     )

@@ -13,6 +13,7 @@ routing) and the output embedding is widened (so greedy near-ties cannot flip to
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -456,8 +457,18 @@ SMOLLM2_EXACTNESS_NEW = 64
 
 def load_smollm2() -> tuple[Any, Any]:
     """The embedded SmolLM2 (its shipped Q4_1 file, dequantized by transformers) as float32
-    HF (tokenizer, model), generating exactly max_new_tokens (no EOS stop)."""
+    HF (tokenizer, model), generating exactly max_new_tokens (no EOS stop); shared, as
+    load_spec's are."""
     return load_spec("smollm2")
+
+
+@functools.cache
+def smollm2_exactness() -> tuple[list[list[int]], list[list[int]]]:
+    """The exactness prompts (SMOLLM2_EXACTNESS_TEXTS) as SmolLM2's token ids, and HF's greedy
+    continuation of each, SMOLLM2_EXACTNESS_NEW tokens: computed once per test session."""
+    tok, hf = load_smollm2()
+    prompts = [tok(text)["input_ids"] for text in SMOLLM2_EXACTNESS_TEXTS]
+    return prompts, hf_greedy_outputs(hf, prompts, SMOLLM2_EXACTNESS_NEW)
 
 
 def hf_greedy_outputs(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -474,9 +485,12 @@ def hf_greedy_outputs(hf: Any, prompts: list[list[int]], new_tokens: int) -> lis
     return outputs
 
 
+@functools.cache
 def load_spec(spec: str) -> tuple[Any, Any]:
     """A model spec (llmserve.model_spec: an alias, a directory, a .gguf file) as float32 HF
-    (tokenizer, model), generating exactly max_new_tokens (no EOS stop)."""
+    (tokenizer, model), generating exactly max_new_tokens (no EOS stop). Loaded once per test
+    session and shared by every caller, which must not change it (a worker's load_from_hf
+    reads its weights and leaves them as they are)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -14,6 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.supervisor import free_ports, stop_process
 
+# The model name that the gateway of the shared tiny stack (tests/integration/conftest.py,
+# `tiny_stack`) serves.
+TINY_SERVED_NAME = "tiny"
+
 
 @dataclass
 class RunningStack:
@@ -40,6 +44,16 @@ class RunningStack:
             stop_process(proc, grace_s=15)
 
 
+# gRPC's reconnect backoff grows each time a connection is refused, so a channel opened while
+# a service still starts would see it SERVING only at its next attempt, long after it began to
+# listen. With these options the channel reconnects about as often as the checks poll.
+_PROMPT_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 200),
+]
+
+
 def wait_healthy(
     address: str,
     proc: subprocess.Popen[bytes],
@@ -51,9 +65,9 @@ def wait_healthy(
     """`credentials`: for services that serve TLS only."""
     deadline = time.monotonic() + timeout_s
     with (
-        grpc.insecure_channel(address)
+        grpc.insecure_channel(address, options=_PROMPT_RECONNECT)
         if credentials is None
-        else grpc.secure_channel(address, credentials)
+        else grpc.secure_channel(address, credentials, options=_PROMPT_RECONNECT)
     ) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:

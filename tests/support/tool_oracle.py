@@ -102,7 +102,7 @@ def _greedy(
     its end of turn, `max_tokens`, or `done` of the text so far."""
     import torch
 
-    tokenizer, model = _smollm2()
+    tokenizer, model = load_smollm2()
     ids, cache, new = torch.tensor([prompt]), None, []
     text = ""
     for _ in range(max_tokens):
@@ -122,11 +122,6 @@ def _greedy(
             break
         ids = torch.tensor([[token]])
     return text
-
-
-@functools.cache
-def _smollm2() -> tuple[Any, Any]:
-    return load_smollm2()
 
 
 @functools.cache
