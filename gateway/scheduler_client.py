@@ -33,7 +33,7 @@ from llmserve.errors import (
 )
 from llmserve.grammar.reasoning import ReasoningSpec
 from llmserve.grammar.spec import GrammarSpec
-from llmserve.grpc_utils import channel_options
+from llmserve.grpc_utils import PROMPT_RECONNECT, channel_options
 from llmserve.logs import get_logger
 from llmserve.proto_convert import (
     grammar_to_proto,
@@ -46,13 +46,6 @@ from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 log = get_logger(__name__)
 
 _RECONNECT_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 5.0)
-# gRPC's own reconnect backoff (used while channel_ready() waits) would grow to 120 s; a
-# restarting scheduler should be found within about a second of it listening again.
-_CHANNEL_BACKOFF = [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 DEFAULT_RECONNECT_TIMEOUT_S = 60.0
 
 
@@ -93,7 +86,9 @@ class SchedulerClient:
             raise ValueError(f"scheduler addresses must be distinct and given: {addresses!r}")
         self.address = ",".join(addresses)
         self.reconnect_timeout_s = reconnect_timeout_s
-        options = [*channel_options(max_message_bytes), *_CHANNEL_BACKOFF]
+        # channel_ready() waits on gRPC's own reconnects: a restarting scheduler is found
+        # within about a second of it listening again.
+        options = [*channel_options(max_message_bytes), *PROMPT_RECONNECT]
         self._shards: dict[str, _Shard] = {}
         for address in addresses:
             channel = security.aio_channel(address, options=options)

@@ -97,6 +97,16 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
 KEEPALIVE_TIME_MS = 30_000
 
 
+# gRPC's reconnect backoff grows each time a connection is refused (to 120 s): a channel
+# opened while a service still starts, or restarts, would find it listening only at its next
+# attempt, long after. With these options it reconnects within about a second.
+PROMPT_RECONNECT: list[tuple[str, Any]] = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """Options for our client channels."""
     return [
@@ -154,7 +164,7 @@ async def wait_for_health(address: str, timeout_s: float = 60.0, service: str = 
     """Poll grpc.health.v1 at `address` until SERVING (with this process's credentials,
     llmserve.security). Raises TimeoutError."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with security.aio_channel(address) as channel:
+    async with security.aio_channel(address, PROMPT_RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve.grpc_utils import PROMPT_RECONNECT
 from llmserve.supervisor import free_ports, stop_process
 
 # The model name that the gateway of the shared tiny stack (tests/integration/conftest.py,
@@ -44,16 +45,6 @@ class RunningStack:
             stop_process(proc, grace_s=15)
 
 
-# gRPC's reconnect backoff grows each time a connection is refused, so a channel opened while
-# a service still starts would see it SERVING only at its next attempt, long after it began to
-# listen. With these options the channel reconnects about as often as the checks poll.
-_PROMPT_RECONNECT = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 200),
-]
-
-
 def wait_healthy(
     address: str,
     proc: subprocess.Popen[bytes],
@@ -65,9 +56,9 @@ def wait_healthy(
     """`credentials`: for services that serve TLS only."""
     deadline = time.monotonic() + timeout_s
     with (
-        grpc.insecure_channel(address, options=_PROMPT_RECONNECT)
+        grpc.insecure_channel(address, options=PROMPT_RECONNECT)
         if credentials is None
-        else grpc.secure_channel(address, credentials, options=_PROMPT_RECONNECT)
+        else grpc.secure_channel(address, credentials, options=PROMPT_RECONNECT)
     ) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
