@@ -180,6 +180,19 @@ class BlockSpaceManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
+    def never_reason(self, seq_group: SequenceGroup) -> str:
+        """Why `can_allocate` says NEVER for the group: what it needs beyond the whole cache."""
+        if self.states is not None and (slots := slots_needed(seq_group)) > self.states.num_slots:
+            return (
+                f"the request needs {slots} state slots at once (n, best_of, beam width), "
+                f"more than the worker has ({self.states.num_slots})"
+            )
+        return (
+            f"prompt needs {self.required_blocks(seq_group, self.block_size)} KV blocks, "
+            f"more than the cache can ever hold ({self.num_total_gpu_blocks} blocks, "
+            f"watermark {self.watermark_blocks})"
+        )
+
     def max_chunk(self, seqs: list[Sequence], chunk: int) -> int:
         """The largest first step, up to `chunk` tokens, whose windowed blocks fit the free
         ones (what `can_allocate` with that chunk would call OK); `chunk` itself without a

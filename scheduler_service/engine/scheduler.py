@@ -283,13 +283,7 @@ class Scheduler(SchedulerQueues):
             share = budget.remaining_tokens // len(seqs)
             can_allocate = bm.can_allocate(seq_group, share if chunked else None)
             if can_allocate is AllocStatus.NEVER:
-                self._ignore(
-                    seq_group,
-                    f"prompt needs {bm.required_blocks(seq_group, bm.block_size)} KV blocks, "
-                    f"more than the cache can ever hold ({bm.num_total_gpu_blocks} blocks, "
-                    f"watermark {bm.watermark_blocks})",
-                    out,
-                )
+                self._ignore(seq_group, bm.never_reason(seq_group), out)
                 continue
             if can_allocate is AllocStatus.LATER:
                 # A first step shorter than the share may fit (a windowed group's blocks

@@ -72,7 +72,9 @@ def test_admission_waits_for_slots_and_refuses_a_request_that_never_fits() -> No
     later = make_seq_group("later", [1, 2, 3], params=SamplingParams(n=2))
     assert bm.can_allocate(later) is AllocStatus.LATER  # 1 slot free, 2 needed
     beam = SamplingParams(best_of=3, use_beam_search=True, temperature=0.0)
-    assert bm.can_allocate(make_seq_group("wide", [1], params=beam)) is AllocStatus.NEVER
+    wide = make_seq_group("wide", [1], params=beam)
+    assert bm.can_allocate(wide) is AllocStatus.NEVER
+    assert "6 state slots" in bm.never_reason(wide) and "has (4)" in bm.never_reason(wide)
 
 
 def test_a_swap_moves_the_state_to_a_host_slot_and_back_to_a_free_one() -> None:
