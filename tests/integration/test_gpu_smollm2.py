@@ -17,8 +17,8 @@ import torch
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
 from scheduler_service.engine.offline import generate
-from tests.integration.test_worker_engine_smollm2 import TEXTS
 from tests.support.engines import engine_on_worker
+from tests.support.models import SMOLLM2_EXACTNESS_TEXTS
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
 
@@ -47,7 +47,7 @@ def prompts() -> list[list[int]]:
 
     src = resolve_model("smollm2")
     tok = AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs())
-    return [tok(t)["input_ids"] for t in TEXTS]
+    return [tok(t)["input_ids"] for t in SMOLLM2_EXACTNESS_TEXTS]
 
 
 def hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
