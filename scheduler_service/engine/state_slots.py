@@ -74,6 +74,11 @@ class StateSlots:
             1 for _, _, used in self._snapshots.values() if used < self.now
         )
 
+    def num_unheld(self) -> int:
+        """Slots no sequence holds or reserves: free ones and every snapshot (the next step
+        may evict any of them)."""
+        return len(self._free) + len(self._snapshots)
+
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 

@@ -324,7 +324,7 @@ class Router:
             for window, used in zip(bm.windows, bm.group_usage(), strict=True):
                 entry.kv_groups.add(sliding_window=window, blocks_used=used)
             if bm.states is not None:
-                entry.state_slots_free = bm.states.num_free()
+                entry.state_slots_free = bm.states.num_unheld()
                 entry.state_slots_total = bm.states.num_slots
             if check_invariants:
                 try:

@@ -129,3 +129,8 @@ def test_a_hit_starts_from_the_snapshot_saved_at_its_last_block() -> None:
     assert other.num_computed_tokens == 8
     assert bm.pop_state_source(other) == save[1]
     bm.check_invariants()
+    assert bm.states is not None and bm.states.num_snapshots() == 1
+    bm.free(seq)
+    bm.free(other)
+    # The snapshot stays cached, and counts as free (the next step may evict it).
+    assert bm.states.num_unheld() == bm.states.num_slots
