@@ -97,7 +97,7 @@ class ModelRunner(SequenceStates):
                 inputs.metadatas if len(inputs.metadatas) > 1 else inputs.metadata,
                 self.backends if len(self.backends) > 1 else self.backend,
                 inputs.logit_rows,
-                **({} if inputs.states is None else {"state_metadata": inputs.states}),
+                state_metadata=inputs.states,
             )
         for s in scheduled:
             s.state.num_computed += s.count

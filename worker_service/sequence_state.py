@@ -107,9 +107,11 @@ class SequenceStates:
         # State slots of the recurrent layers in the cache (0: the model has none, or no
         # cache yet); set with the cache.
         self.num_state_slots = 0
-        # The step's slot copies for its forks, (parent slot, child slot): made before the
-        # forward pass.
+        # The step's state slot copies, (source, destination): a fork's parent to its child,
+        # a prefix hit's snapshot to its sequence; made before the forward pass.
         self.state_copies: list[tuple[int, int]] = []
+        # This step: state slot -> the sequence holding it (built when a step adds one).
+        self._slot_holders: dict[int, int] = {}
         self.states: dict[int, SequenceState] = {}
         # The current step's allowed tokens per constrained sequence (structured output), and
         # whether more follow the step (`StepInput.deferred_mask_seq_ids`).
@@ -125,6 +127,10 @@ class SequenceStates:
         self.token_masks = {(m.seq_id, m.row): m for m in step.token_masks}
         self.masks_deferred = bool(step.deferred_mask_seq_ids)
         self.state_copies = []
+        if self.num_state_slots and (step.forks or step.new_seqs):
+            self._slot_holders = {
+                s.state_slot: s.seq_id for s in self.states.values() if s.state_slot is not None
+            }
         for fork in step.forks:
             parent = self._state(fork.parent_seq_id)
             child = parent.fork(fork.child_seq_id, fork.child_seq_index, fork.child_state_slot)
@@ -242,11 +248,8 @@ class SequenceStates:
             if not 0 <= source < self.num_state_slots:
                 raise StateError(f"seq {seq_id}: snapshot slot {source} is outside the cache")
             self.state_copies.append((source, slot))
-        holder = next(
-            (s.seq_id for s in self.states.values() if s.state_slot == slot and s is not state),
-            None,
-        )
-        if holder is not None:
+        holder = self._slot_holders.setdefault(slot, seq_id)
+        if holder != seq_id:
             raise StateError(f"seq {seq_id}: state slot {slot} is held by seq {holder}")
 
     def _check_groups(self, state: SequenceState, num_other: int) -> None:

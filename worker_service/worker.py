@@ -231,14 +231,13 @@ class Worker:
         limit), none for a model without such layers."""
         return self.batch_limits.max_num_seqs if self.model_info.kv_layout.has_states else 0
 
-    def state_bytes(self, num_slots: int | None = None) -> int:
-        """Device bytes of `num_slots` state slots (None: `num_state_slots`)."""
+    def state_bytes(self) -> int:
+        """Device bytes of the `num_state_slots` state slots (as many again on the host)."""
         shapes = _state_shapes(self.model.arch)
         if shapes is None:
             return 0
-        num_slots = self.num_state_slots if num_slots is None else num_slots
         layers = len(self.model_info.kv_layout.state_layers)
-        return num_slots * shapes.slot_bytes(layers, self.dtype)
+        return self.num_state_slots * shapes.slot_bytes(layers, self.dtype)
 
     def group_blocks_used(self) -> list[int]:
         """Device blocks each KV group's tables hold now, over the sequences this worker
