@@ -14,11 +14,11 @@ that every group can serve: all of a full group's blocks, the blocks of a window
 the first computed position's window reads.
 
 A model with recurrent layers also gives each sequence a state slot (`state_slots`) beside
-its tables, swapped to a host slot with the blocks. With prefix caching,
-the state after a prompt's prefix is kept at block boundaries (snapshots, keyed by the block's
-hash): where a prefill chunk ends on one within the prompt, and the scheduler ends a chunk at
-the prompt's last boundary (`state_chunk`). A hit then also needs the snapshot at its end,
-and the sequence starts from a copy of it.
+its tables, swapped to a host slot with the blocks. With prefix caching, the state after a
+prompt's prefix is kept at block boundaries (snapshots, keyed by the block's hash): where a
+prefill chunk ends on one within the prompt, and the scheduler ends a chunk at the prompt's
+last boundary (`state_chunk`). A hit then also needs the snapshot at its end, and the
+sequence starts from a copy of it.
 """
 
 from __future__ import annotations
