@@ -11,13 +11,16 @@ state slot, chosen by the scheduler, in two pools per layer:
 
 The step's tokens are laid out as for attention: the sequences that compute several tokens
 first (`num_prefills`), then the decode rows of one token each. Every sequence's tokens are
-contiguous; `query_start_loc` bounds them.
+contiguous; `query_start_loc` bounds them. A sequence with drafts (speculative decoding) has
+a decode row for its known token and one for each draft, all on its slot: `DraftRows` runs
+them one after another and keeps the state after each, so that the state after the last kept
+token can be put back once the sampler has settled the drafts.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,10 +40,57 @@ class StateMetadata:
     # [num_seqs] bool: False for a sequence computing its first tokens (its slot holds
     # another's leftovers and is read as zeros).
     has_initial_state: torch.Tensor
+    # The decode rows of sequences with drafts, in waves (None: every decode row is a
+    # sequence of its own).
+    draft_rows: DraftRows | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.num_prefills + self.num_decodes
+
+
+@dataclass(slots=True)
+class DraftRows:
+    """The decode rows of a step where some sequences verify drafts. A sequence's rows compute
+    its known token, then each draft, from one state, so they run in waves: wave j computes
+    every sequence's j-th row. After each wave but the last, the recurrent layers keep the
+    state of every sequence that has a row in the next wave (`keep`); once the sampler has
+    kept the first `kept` drafts of a sequence, `restore` puts back the state after its
+    `kept`-th wave (all kept: its slot already holds the state after its last row)."""
+
+    waves: list[torch.Tensor]  # per wave: [rows] int64, indices among the step's decode rows
+    kept_slots: list[list[int]]  # per wave but the last: the slots whose state after it is kept
+    # Per recurrent layer: its (conv, recurrent) pools and, per wave, the kept states.
+    kept: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, ...]]]] = (
+        field(default_factory=dict)
+    )
+
+    @classmethod
+    def build(cls, rows: list[tuple[int, int]], device: torch.device) -> DraftRows | None:
+        """From each decode row's (state slot, index among its sequence's rows); None when
+        every sequence has one row."""
+        num_waves = 1 + max((j for _, j in rows), default=0)
+        if num_waves == 1:
+            return None
+        waves = [[i for i, (_, j) in enumerate(rows) if j == wave] for wave in range(num_waves)]
+        kept_slots = [
+            [slot for slot, j in rows if j == wave + 1] for wave in range(num_waves - 1)
+        ]
+        return cls([torch.tensor(w, dtype=torch.int64, device=device) for w in waves], kept_slots)
+
+    def keep(self, layer: int, wave: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """After `wave` of `layer`: copy the states the next wave's sequences may go back to."""
+        pools, states = self.kept.setdefault(layer, ((conv, recurrent), []))
+        if wave < len(self.kept_slots):
+            index = torch.tensor(self.kept_slots[wave], dtype=torch.int64, device=conv.device)
+            states.append((conv[index], recurrent[index]))  # indexing copies
+
+    def restore(self, slot: int, kept: int) -> None:
+        """Put the state after wave `kept` back into `slot` in every recurrent layer (its
+        sequence kept `kept` drafts, fewer than it had)."""
+        row = self.kept_slots[kept].index(slot)
+        for (conv, recurrent), states in self.kept.values():
+            conv[slot], recurrent[slot] = states[kept][0][row], states[kept][1][row]
 
 
 @dataclass(frozen=True, slots=True)

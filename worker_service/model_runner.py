@@ -23,7 +23,7 @@ from llmserve.kv_layout import NULL_BLOCK, KvLayout, single_group
 from llmserve.steps import SequenceOutput, StepResult, TokenMask
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.cuda_graphs import DecodeGraphs
-from worker_service.linear_state import StateMetadata
+from worker_service.linear_state import DraftRows, StateMetadata
 from worker_service.models.decoder import DecoderModel
 from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
 from worker_service.sequence_state import Scheduled, SequenceState, SequenceStates, StateError
@@ -203,6 +203,9 @@ class ModelRunner(SequenceStates):
                 query_start_loc=tensor(np.concatenate(([0], np.cumsum(counts)))),
                 state_slots=tensor([_slot(s.state) for s, _, _ in parts]),
                 has_initial_state=tensor(starts > 0, torch.bool),
+                draft_rows=DraftRows.build(
+                    [(_slot(s.state), p - s.start) for s, p, _ in parts[n_pre:]], device
+                ),
             )
         return _PreparedInputs(
             input_ids=tensor(input_ids, torch.int64),
@@ -255,15 +258,18 @@ class ModelRunner(SequenceStates):
             )
         metadata = metadatas[0]
         states = None
-        if self.num_state_slots:  # no drafts with states: one row per sequence
+        if self.num_state_slots:
+            slots = [_slot(s.state) for s, _ in rows]
             states = StateMetadata(
                 num_prefills=0,
                 num_decodes=n,
                 query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
-                state_slots=torch.tensor(
-                    [_slot(s.state) for s, _ in rows], dtype=torch.int32, device=device
-                ),
+                state_slots=torch.tensor(slots, dtype=torch.int32, device=device),
                 has_initial_state=torch.ones(n, dtype=torch.bool, device=device),
+                draft_rows=DraftRows.build(
+                    [(slot, p - s.start) for slot, (s, p) in zip(slots, rows, strict=True)],
+                    device,
+                ),
             )
         return _PreparedInputs(
             input_ids=torch.tensor(
@@ -309,9 +315,10 @@ class ModelRunner(SequenceStates):
             ):
                 out = SequenceOutput(s.state.seq_id, res.samples, res.top_logprobs)
                 outputs.setdefault(s.order, []).append(out)
+            draft_rows = inputs.states.draft_rows if inputs.states is not None else None
             for s, _, p in inputs.sample_items:
                 if s.num_drafts and p == s.start + s.count - 1:  # its last row: settle drafts
-                    outputs[s.order] = self._verify(s, outputs[s.order])
+                    outputs[s.order] = self._verify(s, outputs[s.order], draft_rows)
         for s, first_row, n, first_pos in inputs.prompt_items:
             positions = list(range(first_pos, first_pos + n))
             targets = [s.state.token_ids[p] for p in positions]
@@ -329,16 +336,21 @@ class ModelRunner(SequenceStates):
                 s.state.pending_prompt_logprobs = []
         return [out for k in sorted(outputs) for out in outputs[k]]
 
-    def _verify(self, s: Scheduled, samples: list[SequenceOutput]) -> list[SequenceOutput]:
+    def _verify(
+        self, s: Scheduled, samples: list[SequenceOutput], draft_rows: DraftRows | None
+    ) -> list[SequenceOutput]:
         """Keep `s`'s drafts while each equals the sample taken at the position before it;
         returns the outputs of the tokens produced (the kept drafts, then the next sample).
         Each sample is drawn as a step without drafts would draw it, so the tokens produced
-        are the ones such steps would have produced."""
+        are the ones such steps would have produced. A recurrent state goes back to the one
+        after the last kept token (`draft_rows`, with recurrent layers)."""
         end = s.start + s.count
         drafts = s.state.token_ids[end - s.num_drafts : end]
         kept = 0
         while kept < len(drafts) and samples[kept].samples[0].token_id == drafts[kept]:
             kept += 1
+        if draft_rows is not None and kept < len(drafts):
+            draft_rows.restore(_slot(s.state), kept)
         self.keep_drafts(s, kept)
         return samples[: kept + 1]
 

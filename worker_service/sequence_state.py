@@ -177,11 +177,6 @@ class SequenceStates:
             drafts = cached.draft_token_ids
             if drafts:
                 self._check_drafts(state, cached.num_scheduled_tokens, len(drafts))
-                if state.state_slot is not None:
-                    raise StateError(
-                        f"seq {state.seq_id}: drafts for a model with recurrent layers "
-                        "(no state is kept per draft row)"
-                    )
                 state.token_ids.extend(drafts)
             if cached.num_scheduled_tokens:
                 scheduled.append(

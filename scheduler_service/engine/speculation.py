@@ -115,9 +115,8 @@ class Speculator:
     def draft(self, out: SchedulerOutputs, held: Container[int]) -> None:
         """Give the decision's eligible decodes their drafts, within the token budget and
         the free blocks. `held`: the ids of the sequences the worker holds (drafts follow
-        its known tokens; a sequence admitted or recomputed in this step has none there).
-        A model with recurrent layers gets none: the worker keeps no state per draft row."""
-        if self.proposer is None or self.block_manager.states is not None:
+        its known tokens; a sequence admitted or recomputed in this step has none there)."""
+        if self.proposer is None:
             return  # speculation is off
         rows = sum(len(s.seq_group.seqs) for s in out.scheduled)  # at least one per sequence
         if rows >= self.max_batch or rows > self.max_seqs:

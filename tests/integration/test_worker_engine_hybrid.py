@@ -7,7 +7,8 @@ prefill (the state carried from chunk to chunk), recompute preemption (the state
 swap preemption (the state moved to a host slot and back, maybe into another slot),
 prefix-cache hits (the state starts from the snapshot kept at the hit's last block), forks
 that copy the state (n > 1 under top-k 1 sampling, which is greedy, and beam search against
-HF's), and that every block and state slot comes back."""
+HF's), drafts (the state put back to the one after the last kept draft), and that every block
+and state slot comes back."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from llmserve.sampling_params import SamplingParams
 from scheduler_service.engine.config import PreemptionMode
 from scheduler_service.engine.offline import generate
+from tests.integration.test_speculative_tiny import make_engine as drafting_engine
 from tests.integration.test_worker_engine_tiny import (
     BLOCK,
     GREEDY,
@@ -28,6 +30,7 @@ from tests.integration.test_worker_engine_tiny import (
     hf_greedy,
     make_engine,
 )
+from tests.support.drafts import ScriptProposer
 from tests.support.models import HYBRID_KINDS, load_hf, save_tiny_model
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker
@@ -114,4 +117,25 @@ def test_beam_search_matches_hf(hybrid: tuple[Worker, Any, list[list[int]]]) -> 
     )
     (beamed,) = generate(engine, [prompt], [beam])
     assert beamed.outputs[0].token_ids == hf_beam_best(hf, prompt, 10, 4)
+    assert_all_free(engine, worker)
+
+
+@pytest.mark.parametrize("drafts", ["ngram", "mixed"])
+def test_drafts_change_no_token(hybrid: tuple[Worker, Any, list[list[int]]], drafts: str) -> None:
+    """Drafts verified beside chunked prompts: n-gram ones, and the known outputs with every
+    third draft wrong, so runs of 0, 1 and 2 kept drafts end in a rejected one and the state
+    goes back to the one after the last kept token."""
+    worker, _, expected = hybrid
+    script = {tuple(p): e for p, e in zip(PROMPTS, expected, strict=True)}
+    vocab = worker.model_info.vocab_size
+    proposer = (
+        None if drafts == "ngram" else ScriptProposer(script, 4, vocab, off=lambda p: p % 3 == 2)
+    )
+    engine = drafting_engine(worker, proposer, batched_tokens=16)
+    outputs = generate(engine, PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = engine.get_stats()
+    assert stats.num_spec_draft_tokens > 0
+    if drafts == "mixed":
+        assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
     assert_all_free(engine, worker)

@@ -16,8 +16,10 @@ import torch
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
 from scheduler_service.engine.offline import generate
+from tests.integration.test_speculative_tiny import make_engine as drafting_engine
 from tests.integration.test_worker_engine_tiny import PROMPTS as ENGINE_PROMPTS
 from tests.integration.test_worker_engine_tiny import assert_all_free, hf_greedy, make_engine
+from tests.support.drafts import ScriptProposer
 from tests.support.models import HYBRID_KINDS, WINDOW, load_hf, save_tiny_model
 from worker_service.attention import AttentionBackendError, AttentionSpec, get_backend_class
 from worker_service.config import WorkerConfig
@@ -190,8 +192,9 @@ def test_windowed_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
 def test_hybrid_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
     """The gated attention layers on the Triton kernels, the linear-attention layers on their
-    state slots, through the engine with prompts in several chunks: greedy tokens equal HF's
-    in float32, and every block and slot comes back."""
+    state slots, through the engine with prompts in several chunks, then again with drafts
+    (every third one wrong): greedy tokens equal HF's in float32, and every block and slot
+    comes back."""
     path = save_tiny_model(kind, tmp_path / kind)
     hf = load_hf(path)
     worker = Worker(
@@ -204,7 +207,12 @@ def test_hybrid_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
     engine = make_engine(worker, batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     outputs = generate(engine, prompts, params)
-    assert [o.outputs[0].token_ids for o in outputs] == [
-        hf_greedy(hf, p, new_tokens) for p in prompts
-    ]
+    expected = [hf_greedy(hf, p, new_tokens) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_all_free(engine, worker)
+    script = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
+    proposer = ScriptProposer(script, 3, worker.model_info.vocab_size, off=lambda p: p % 3 == 2)
+    drafting = drafting_engine(worker, proposer, k=3, batched_tokens=16)
+    assert [o.outputs[0].token_ids for o in generate(drafting, prompts, params)] == expected
+    assert drafting.get_stats().num_spec_accepted_tokens > 0
+    assert_all_free(drafting, worker)

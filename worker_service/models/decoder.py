@@ -268,7 +268,7 @@ class DecoderModel:
             kind = arch.layers[i]
             h, x = self._add_norm(delta, x, weights.input_norm)
             if kind.linear:
-                o = self._linear_attention(h, weights, key_cache, value_cache, states)
+                o = self._linear_attention(h, weights, key_cache, value_cache, states, i)
             else:
                 gate = None  # [num_tokens, num_heads * head_dim]
                 if kind.kv_source is None:
@@ -355,6 +355,7 @@ class DecoderModel:
         conv_state: torch.Tensor,  # [num_slots, conv_kernel - 1, conv_dim]
         recurrent_state: torch.Tensor,  # [num_slots, num_v_heads, k_dim, v_dim] float32
         states: StateStep | None,
+        layer: int,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         spec = self.arch.linear_attention
         assert spec is not None and states is not None and weights.delta_net is not None
@@ -368,6 +369,7 @@ class DecoderModel:
             self.arch.rms_norm_eps,
             self.linear,
             self.state_decode_ops,
+            layer,
         )
 
     def _check_native_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:

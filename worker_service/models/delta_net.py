@@ -15,6 +15,8 @@ kernels, which carry each sequence's state across its chunks; the decode rows (o
 sequence, last) through the decode kernels, which update every sequence's state at once
 instead of looping over sequences. A one-token sequence with no state yet
 (`has_initial_state` False) has its slot zeroed first: the decode kernels always read it.
+Sequences verifying drafts have several decode rows: they run in waves (`DraftRows`), one row
+of each sequence at a time, keeping the states a rejected draft goes back to.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from kernels import causal_conv1d as conv_ops
 from kernels import gated_delta_rule as delta_ops
 from kernels.cpu import linear_attention as cpu_ops
-from worker_service.linear_state import StateMetadata
+from worker_service.linear_state import DraftRows, StateMetadata
 from worker_service.models.arch import LinearAttentionSpec
 from worker_service.models.blocks import rms_norm
 
@@ -77,6 +79,7 @@ class StateStep:
     prefill_initial: torch.Tensor  # [num_prefills] bool
     decode_slots: torch.Tensor  # [num_decodes] int32
     fresh_decode_slots: torch.Tensor  # [num_fresh] int64: decode rows' slots without a state
+    draft_rows: DraftRows | None  # the decode rows in waves, when some sequences have drafts
 
     @classmethod
     def split(cls, metadata: StateMetadata, num_tokens: int) -> StateStep:
@@ -92,6 +95,7 @@ class StateStep:
             prefill_initial=metadata.has_initial_state[:p],
             decode_slots=decode_slots,
             fresh_decode_slots=fresh,
+            draft_rows=metadata.draft_rows,
         )
 
 
@@ -105,6 +109,7 @@ def gated_delta_net(
     eps: float,
     linear: Callable[..., torch.Tensor],
     decode_ops: DecodeOps = TORCH_DECODE,
+    layer: int = 0,  # the layer's index, for the states kept between draft rows
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """The mixer over a step's tokens; each sequence's slot then holds its state after its
     last token. `linear` is the model's matmul (`DecoderModel.linear`)."""
@@ -142,13 +147,18 @@ def gated_delta_net(
         if step.fresh_decode_slots.numel():
             conv_state[step.fresh_decode_slots] = 0
             recurrent_state[step.fresh_decode_slots] = 0
-        convolved = decode_ops.conv_update(
-            mixed[p:].contiguous(), conv_state, w.conv, w.conv_bias, step.decode_slots, None
-        )
-        q, k, v = _heads(F.silu(convolved), spec)
-        core[p:] = decode_ops.delta_decode(
-            q, k, v, g[p:], beta[p:], recurrent_state, step.decode_slots
-        )
+        rows = step.draft_rows
+        # Per wave: its token rows, and the same rows among the decode rows.
+        waves = [(slice(p, n), slice(None))] if rows is None else [(p + i, i) for i in rows.waves]
+        for wave, (at, among) in enumerate(waves):
+            slots = step.decode_slots[among]
+            convolved = decode_ops.conv_update(
+                mixed[at].contiguous(), conv_state, w.conv, w.conv_bias, slots, None
+            )
+            q, k, v = _heads(F.silu(convolved), spec)
+            core[at] = decode_ops.delta_decode(q, k, v, g[at], beta[at], recurrent_state, slots)
+            if rows is not None:
+                rows.keep(layer, wave, conv_state, recurrent_state)
     gated = _gated_norm(core, z.reshape(n, spec.num_v_heads, spec.v_dim), w.norm, eps)
     return linear(gated.reshape(n, spec.value_width), w.out_proj)
 
