@@ -149,7 +149,9 @@ def gated_delta_net(
             recurrent_state[step.fresh_decode_slots] = 0
         rows = step.draft_rows
         # Per wave: its token rows, and the same rows among the decode rows.
-        waves = [(slice(p, n), slice(None))] if rows is None else [(p + i, i) for i in rows.waves]
+        waves: list[tuple[slice | torch.Tensor, slice | torch.Tensor]] = (
+            [(slice(p, n), slice(None))] if rows is None else [(p + i, i) for i in rows.waves]
+        )
         for wave, (at, among) in enumerate(waves):
             slots = step.decode_slots[among]
             convolved = decode_ops.conv_update(
