@@ -186,9 +186,11 @@ def step_input_to_proto(step: StepInput) -> worker_pb2.ExecuteRequest:
     if step.released_transfer_ids:
         msg.released_transfer_ids.extend(step.released_transfer_ids)
     for e in step.exports:
-        msg.exports.add(transfer_id=e.transfer_id, block_ids=e.block_ids)
+        msg.exports.add(transfer_id=e.transfer_id, block_ids=e.block_ids, state_slot=e.state_slot)
     for i in step.imports:
-        msg.imports.add(transfer_id=i.transfer_id, peer=i.peer, block_ids=i.block_ids)
+        msg.imports.add(
+            transfer_id=i.transfer_id, peer=i.peer, block_ids=i.block_ids, state_slot=i.state_slot
+        )
     return msg
 
 
@@ -233,8 +235,21 @@ def step_input_from_proto(msg: worker_pb2.ExecuteRequest) -> StepInput:
         token_masks=[token_mask_from_proto(m) for m in msg.token_masks],
         deferred_mask_seq_ids=list(msg.deferred_mask_seq_ids),
         released_transfer_ids=list(msg.released_transfer_ids),
-        exports=[BlockExport(e.transfer_id, list(e.block_ids)) for e in msg.exports],
-        imports=[BlockImport(i.transfer_id, i.peer, list(i.block_ids)) for i in msg.imports],
+        exports=[
+            BlockExport(
+                e.transfer_id, list(e.block_ids), e.state_slot if e.HasField("state_slot") else None
+            )
+            for e in msg.exports
+        ],
+        imports=[
+            BlockImport(
+                i.transfer_id,
+                i.peer,
+                list(i.block_ids),
+                i.state_slot if i.HasField("state_slot") else None,
+            )
+            for i in msg.imports
+        ],
     )
 
 

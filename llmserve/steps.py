@@ -199,6 +199,8 @@ class BlockExport:
 
     transfer_id: int
     block_ids: list[int]
+    # A state slot (recurrent layers: a prefix snapshot) peers read after the blocks.
+    state_slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -209,6 +211,9 @@ class BlockImport:
     transfer_id: int
     peer: str
     block_ids: list[int]
+    # The state slot the export's snapshot goes into (None: it exports none, or this import
+    # takes none).
+    state_slot: int | None = None
 
 
 @dataclass(slots=True)

@@ -73,9 +73,7 @@ class DraftRows:
         if num_waves == 1:
             return None
         waves = [[i for i, (_, j) in enumerate(rows) if j == wave] for wave in range(num_waves)]
-        kept_slots = [
-            [slot for slot, j in rows if j == wave + 1] for wave in range(num_waves - 1)
-        ]
+        kept_slots = [[slot for slot, j in rows if j == wave + 1] for wave in range(num_waves - 1)]
         return cls([torch.tensor(w, dtype=torch.int64, device=device) for w in waves], kept_slots)
 
     def keep(self, layer: int, wave: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
@@ -154,6 +152,27 @@ class StatePools:
             dst = dst.to(self.conv.device)
             self.conv[:, dst] = self.host_conv[:, src].to(self.conv.device)
             self.recurrent[:, dst] = self.host_recurrent[:, src].to(self.conv.device)
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot over every recurrent layer (as `read_slot` returns them)."""
+        conv, recurrent = self.conv[:, 0], self.recurrent[:, 0]
+        return conv.numel() * conv.element_size() + recurrent.numel() * recurrent.element_size()
+
+    def read_slot(self, slot: int) -> bytes:
+        """One slot's states as bytes: every layer's conv state, then every recurrent one."""
+        parts = (self.conv[:, slot].contiguous().cpu(), self.recurrent[:, slot].contiguous().cpu())
+        return b"".join(t.view(torch.uint8).numpy().tobytes() for t in parts)
+
+    def write_slot(self, slot: int, data: bytes | bytearray | memoryview) -> None:
+        """Store states laid out as `read_slot` returns them into `slot`."""
+        if len(data) != self.slot_bytes():
+            raise ValueError(f"a state slot holds {self.slot_bytes()} bytes, got {len(data)}")
+        conv = self.conv[:, slot]
+        split = conv.numel() * conv.element_size()
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        conv.copy_(raw[:split].view(conv.dtype).view(conv.shape))
+        recurrent = self.recurrent[:, slot]
+        recurrent.copy_(raw[split:].view(recurrent.dtype).view(recurrent.shape))
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy slots, (source, destination) pairs, in every recurrent layer."""

@@ -289,18 +289,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ReadBlocks(
         self, request: worker_pb2.ReadBlocksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.BlockChunk]:
-        from worker_service.kv_transfer import data_chunks, header  # torch: not at import
+        from worker_service.kv_transfer import data_chunks, header, read_export  # torch
 
-        block_ids = self.worker.exports.blocks.get(request.transfer_id)
+        exports = self.worker.exports
+        block_ids = exports.blocks.get(request.transfer_id)
+        state_slot = exports.state_slots.get(request.transfer_id)
         cache = self.worker.cache_engine  # None before InitializeCache
         if block_ids is None or cache is None:
             raise NotFoundError(f"transfer_id: no export {request.transfer_id} on this worker")
-        yield header(cache, len(block_ids))
+        state_bytes = 0 if state_slot is None or cache.states is None else cache.states.slot_bytes()
+        yield header(cache, len(block_ids), state_bytes)
         failpoints.crash("worker.read_blocks", str(request.transfer_id))
         # The copy out of the cache runs off the event loop (it may be large).
-        blocks = await asyncio.to_thread(cache.read_blocks, block_ids)
+        data = await asyncio.to_thread(read_export, cache, block_ids, state_slot)
         start, sent = time.monotonic(), 0
-        for chunk in data_chunks(blocks):
+        for chunk in data_chunks(data):
             yield chunk
             sent += len(chunk.data)
             if self.kv_send_rate:

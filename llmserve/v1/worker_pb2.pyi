@@ -235,22 +235,26 @@ class ExecuteRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., deferred_mask_seq_ids: _Optional[_Iterable[int]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ..., released_transfer_ids: _Optional[_Iterable[int]] = ..., exports: _Optional[_Iterable[_Union[BlockExport, _Mapping]]] = ..., imports: _Optional[_Iterable[_Union[BlockImport, _Mapping]]] = ..., state_saves: _Optional[_Union[BlockMapping, _Mapping]] = ..., states_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., states_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ...) -> None: ...
 
 class BlockExport(_message.Message):
-    __slots__ = ("transfer_id", "block_ids")
+    __slots__ = ("transfer_id", "block_ids", "state_slot")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, transfer_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class BlockImport(_message.Message):
-    __slots__ = ("transfer_id", "peer", "block_ids")
+    __slots__ = ("transfer_id", "peer", "block_ids", "state_slot")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     peer: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[int] = ..., peer: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, transfer_id: _Optional[int] = ..., peer: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
     __slots__ = ("transfer_id",)
@@ -259,16 +263,18 @@ class ReadBlocksRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
-    __slots__ = ("num_blocks", "block_bytes", "dtype", "data")
+    __slots__ = ("num_blocks", "block_bytes", "dtype", "data", "state_bytes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_bytes: int
     dtype: str
     data: bytes
-    def __init__(self, num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    state_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class StepMasks(_message.Message):
     __slots__ = ("step_id", "token_masks")

@@ -15,10 +15,12 @@ the first computed position's window reads.
 
 A model with recurrent layers also gives each sequence a state slot (`state_slots`) beside
 its tables, swapped to a host slot with the blocks. With prefix caching, the state after a
-prompt's prefix is kept at block boundaries (snapshots, keyed by the block's hash): where a
-prefill chunk ends on one within the prompt, and the scheduler ends a chunk at the prompt's
-last boundary (`state_chunk`). A hit then also needs the snapshot at its end, and the
-sequence starts from a copy of it.
+sequence's prefix is kept at block boundaries (snapshots, keyed by the block's hash): where a
+step of it ends on one (a prefill chunk; a decode without drafts, into a free slot only), and
+the scheduler ends a chunk at the prompt's last boundary (`state_chunk`). A hit then also needs the snapshot at
+its end, and the sequence starts from a copy of it. A KV transfer carries the snapshot at the
+deepest boundary of the blocks it moves (`transfer_snapshot`), held on both sides as the
+blocks are.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class BlockSpaceManager:
         # Device blocks held by KV transfers between workers, by transfer id, besides the
         # tables (`scheduler_service.fleet.kv_mover`).
         self.pins: dict[int, list[int]] = {}
+        self.state_pins: dict[int, int] = {}  # transfer id -> the snapshot key it holds
         # The recurrent layers' state slots (None: the model has none).
         self.states = StateSlots(num_state_slots) if num_state_slots else None
         # Per sequence: the snapshot slot a prefix hit starts it from, until the step builder
@@ -358,20 +361,22 @@ class BlockSpaceManager:
         return boundary - start if start < boundary < start + chunk else chunk
 
     def save_state(self, seq: Sequence, chunk: int) -> tuple[int, int] | None:
-        """When computing `chunk` tokens of `seq` ends on a block boundary within its prompt:
-        a new snapshot of its state there, as (its slot, the snapshot's slot) for the worker
-        to copy after the step; None otherwise (or when one is kept already)."""
+        """When computing `chunk` tokens of `seq` (no drafts after them) ends on a block
+        boundary: a new snapshot of its state there, as (its slot, the snapshot's slot) for
+        the worker to copy after the step; None otherwise (or when one is kept already)."""
         states = self.states
         end = seq.num_computed_tokens + chunk
         if (
             states is None
             or not self.enable_caching
             or end % self.block_size
-            or not 0 < end <= seq.num_prompt_tokens
+            or not 0 < end <= seq.get_len()
         ):
             return None
         key = _state_key(seq.block_hash(end // self.block_size - 1))
-        slot = states.save(key)
+        # Past the prompt (a decode) only into a free slot: a prompt's snapshots, which
+        # other requests share, are not evicted for one sequence's own.
+        slot = states.save(key, evict=end <= seq.num_prompt_tokens)
         if slot is None:
             return None
         self._pending_saves.setdefault(seq.seq_id, []).append((end, key))
@@ -686,34 +691,73 @@ class BlockSpaceManager:
 
     # -- KV transfers -----------------------------------------------------------------------
 
-    def pin(self, transfer_id: int, block_ids: list[int]) -> None:
-        """Hold device blocks (in use, or cached and free) for an export: they stay allocated,
-        unwritten by new sequences, until `unpin`."""
+    def pin(
+        self, transfer_id: int, block_ids: list[int], state_key: int | None = None
+    ) -> int | None:
+        """Hold device blocks (in use, or cached and free) for an export, and the snapshot
+        under `state_key` if one is saved: they stay allocated, unwritten by new sequences,
+        until `unpin`. Returns the snapshot's slot (None: none held)."""
         for block_id in block_ids:
             self.gpu.hold(block_id, self.transfer_tag)
         self.pins[transfer_id] = list(block_ids)
+        if state_key is None:
+            return None
+        assert self.states is not None
+        slot = self.states.pin(state_key)
+        if slot is not None:
+            self.state_pins[transfer_id] = state_key
+        return slot
 
-    def allocate_pinned(self, transfer_id: int, hashed: list[tuple[int, int]]) -> list[int]:
+    def allocate_pinned(
+        self, transfer_id: int, hashed: list[tuple[int, int]], state_key: int | None = None
+    ) -> tuple[list[int], int | None]:
         """Device blocks for an import, one per (block hash, hashed tokens), registered under
-        those hashes but not computed (`mark_imported` makes them prefix-cache hits)."""
+        those hashes but not computed (`mark_imported` makes them prefix-cache hits); and a
+        state slot for the snapshot under `state_key`, if given and one can be had."""
         block_ids = [
             self.gpu.allocate(block_hash, tokens, self.transfer_tag)
             for block_hash, tokens in hashed
         ]
         self.pins[transfer_id] = block_ids
-        return block_ids
+        slot = None
+        if state_key is not None:
+            assert self.states is not None
+            slot = self.states.receive(state_key)
+            if slot is not None:
+                self.state_pins[transfer_id] = state_key
+        return block_ids, slot
 
     def mark_imported(self, transfer_id: int) -> None:
-        """The import's K/V have arrived: its blocks count as computed."""
+        """The import's K/V (and snapshot) have arrived: its blocks count as computed."""
         for block_id in self.pins[transfer_id]:
             if self.gpu.block_hashes[block_id] is not None:
                 self.gpu.computed[block_id] = True
+        key = self.state_pins.get(transfer_id)
+        if key is not None:
+            assert self.states is not None
+            self.states.mark_saved(key)
 
     def unpin(self, transfer_id: int) -> None:
-        """Let go of a transfer's blocks (unknown ids are ignored); hashed ones stay findable
-        in the prefix cache until evicted."""
+        """Let go of a transfer's blocks and snapshot (unknown ids are ignored); hashed ones
+        stay findable in the prefix cache until evicted, an import's snapshot once saved."""
         for block_id in self.pins.pop(transfer_id, ()):
             self.gpu.free(block_id, self._now)
+        key = self.state_pins.pop(transfer_id, None)
+        if key is not None:
+            assert self.states is not None
+            self.states.unpin(key)
+
+    def transfer_snapshot(self, block_hashes: list[int], num_blocks: int) -> int | None:
+        """The key of the saved snapshot at the deepest block boundary of the first
+        `num_blocks` blocks hashed `block_hashes` (a transfer of those blocks carries it), or
+        None (no recurrent layers, or no snapshot among them)."""
+        if self.states is None:
+            return None
+        for i in range(min(num_blocks, len(block_hashes)) - 1, -1, -1):
+            key = _state_key(block_hashes[i])
+            if self.states.is_saved(key):
+                return key
+        return None
 
     # -- prefixes for other replicas (KV moves, prefix fetches, routing) ---------------------
 

@@ -11,14 +11,16 @@ none of its sequences holds a slot any more (it finished, or was preempted by re
 reservation goes back to the pool. A slot's contents belong to the sequence holding it: a
 sequence that starts computing from its first token reads none of it.
 
-Prefix caching: a **snapshot** is a slot holding the state after a prompt's first tokens up to
-a block boundary, keyed by that block's hash (the chain of the tokens, as the blocks are).
-The worker copies a sequence's slot into it after the step that reaches the boundary
-(`StepInput.state_saves`); once that step is done (`mark_saved`) a later request whose prompt
-shares the prefix starts from a copy of it (`NewSequence.state_from_slot`). Snapshots are
-cached, not held: a request that needs slots takes free ones first, then evicts the least
-recently used snapshots, never one read or written in the step being built (its copy has not
-run yet).
+Prefix caching: a **snapshot** is a slot holding the state after a sequence's first tokens up
+to a block boundary (in its prompt, or in its output: a later turn's prompt holds it), keyed
+by that block's hash (the chain of the tokens, as the blocks are). The worker copies a
+sequence's slot into it after the step that reaches the boundary (`StepInput.state_saves`);
+once that step is done (`mark_saved`) a later request whose prompt shares the prefix starts
+from a copy of it (`NewSequence.state_from_slot`). Snapshots are cached, not held: a request
+that needs slots takes free ones first, then evicts the least recently used snapshots, never
+one read or written in the step being built (its copy has not run yet), nor one pinned for a
+transfer: a KV move exports a snapshot beside its blocks (`pin`) and imports it on the
+target into a slot taken for it (`receive`), saved once the import is done.
 
 Swap preemption moves a sequence's state to a host slot (the worker keeps as many host slots
 as device slots) and gives its device slot back; swapped in, it takes a device slot of its
@@ -63,6 +65,8 @@ class StateSlots:
         self._owner: dict[int, str] = {}  # seq id -> request id
         # Snapshots by key, least recently used first: (slot, saved, last step used).
         self._snapshots: OrderedDict[int, tuple[int, bool, float]] = OrderedDict()
+        # Snapshots a transfer holds (an export reading, an import writing): key -> holds.
+        self._pins: dict[int, int] = {}
         # The step being built (the block manager's clock): snapshots used in it stay.
         self.now = 0.0
         self._host_free = list(range(num_slots - 1, -1, -1))
@@ -70,9 +74,10 @@ class StateSlots:
 
     def num_free(self) -> int:
         """Slots a request may take now: free ones and snapshots it may evict."""
-        return len(self._free) + sum(
-            1 for _, _, used in self._snapshots.values() if used < self.now
-        )
+        return len(self._free) + sum(1 for key in self._snapshots if self._evictable(key))
+
+    def _evictable(self, key: int) -> bool:
+        return self._snapshots[key][2] < self.now and key not in self._pins
 
     def num_unheld(self) -> int:
         """Slots no sequence holds or reserves: free ones and every snapshot (the next step
@@ -86,8 +91,8 @@ class StateSlots:
         """A free slot, else the least recently used snapshot's, evicted."""
         if self._free:
             return self._free.pop()
-        for key, (slot, _, used) in self._snapshots.items():
-            if used < self.now:
+        for key, (slot, _, _) in self._snapshots.items():
+            if self._evictable(key):
                 del self._snapshots[key]
                 return slot
         raise StateSlotError("no free state slot and no snapshot to evict")
@@ -171,14 +176,15 @@ class StateSlots:
 
     # -- snapshots (prefix caching) ------------------------------------------------------
 
-    def save(self, key: int) -> int | None:
+    def save(self, key: int, evict: bool = True) -> int | None:
         """A slot for a new snapshot under `key`, written after the step being built; None
-        when one is cached or pending under it already, or no slot can be had."""
+        when one is cached or pending under it already, or no slot can be had (without
+        `evict`, only a free one: no other snapshot is evicted for it)."""
         if key in self._snapshots:
             slot, saved, _ = self._snapshots.pop(key)
             self._snapshots[key] = (slot, saved, self.now)
             return None
-        if self.num_free() == 0:
+        if self.num_free() == 0 or not (evict or self._free):
             return None
         slot = self._pop_free()
         self._snapshots[key] = (slot, False, self.now)
@@ -203,6 +209,39 @@ class StateSlots:
         entry = self._snapshots.get(key)
         return entry is not None and entry[1]
 
+    # -- transfers (KV moves) --------------------------------------------------------------
+
+    def pin(self, key: int) -> int | None:
+        """Hold the saved snapshot under `key` for an export until `unpin`: its slot, or None
+        when none is saved."""
+        slot = self.lookup(key)
+        if slot is not None:
+            self._pins[key] = self._pins.get(key, 0) + 1
+        return slot
+
+    def receive(self, key: int) -> int | None:
+        """A slot for a snapshot an import writes under `key`, held until `unpin`: hits read
+        it once `mark_saved` (the import done). None when one is kept under `key` already,
+        or no slot can be had."""
+        if key in self._snapshots or self.num_free() == 0:
+            return None
+        slot = self._pop_free()
+        self._snapshots[key] = (slot, False, self.now)
+        self._pins[key] = 1
+        return slot
+
+    def unpin(self, key: int) -> None:
+        """Let go of a transfer's hold; a snapshot whose import never finished is dropped."""
+        holds = self._pins.pop(key, 0) - 1
+        if holds > 0:
+            self._pins[key] = holds
+            return
+        entry = self._snapshots.get(key)
+        if entry is not None and not entry[1]:
+            del self._snapshots[key]
+            self._free.append(entry[0])
+            self._free.sort(reverse=True)
+
     def check_invariants(self, seq_ids: set[int]) -> None:
         """Every slot is free, reserved, held or a snapshot, exactly once; the holders are
         `seq_ids` (the sequences with block tables); every reservation has a holder."""
@@ -217,6 +256,7 @@ class StateSlots:
             f"states of {sorted(self._slot)} (device), {sorted(self._host_slot)} (host); "
             f"block tables of {sorted(seq_ids)}"
         )
+        assert self._pins.keys() <= self._snapshots.keys(), "a pin on no snapshot"
         for request_id, count in self._holders.items():
             assert count == sum(1 for o in self._owner.values() if o == request_id)
             assert count > 0, f"request {request_id} reserves slots with no sequence"

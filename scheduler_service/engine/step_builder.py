@@ -244,7 +244,12 @@ class StepBuilder:
                 if seq.grammar is not None and seq.num_computed_tokens + chunk == seq.get_len():
                     constrained.append((seq, seq_group, chunk, drafts.get(seq.seq_id, [])))
                 seq_id = seq.seq_id
-                if saves_states and (save := bm.save_state(seq, chunk)) is not None:
+                # With drafts the state after the step is not known here: no snapshot.
+                if (
+                    saves_states
+                    and seq.seq_id not in drafts
+                    and (save := bm.save_state(seq, chunk)) is not None
+                ):
                     step.state_saves.append(save)
                 table = tables[seq_id]
                 tokens = seq.token_ids

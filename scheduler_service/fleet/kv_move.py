@@ -11,7 +11,7 @@ from opentelemetry.trace import Span
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.sequence import SequenceGroup, SequenceStatus
 from scheduler_service.engine.snapshots import GroupSnapshot
-from scheduler_service.fleet.placement import cached_prefix_blocks
+from scheduler_service.fleet.placement import cached_prefix_blocks, prompt_block_hashes
 from scheduler_service.fleet.tracing import RequestTrace
 from scheduler_service.fleet.transfer_queue import TransferQueue
 
@@ -58,6 +58,8 @@ class Move:
     # When the round in flight started (time.monotonic()), and its span.
     round_started: float = 0.0
     span: Span | None = None
+    # The target's state slot the round in flight imports a snapshot into (None: none).
+    import_state_slot: int | None = None
 
 
 def prefilled(group: SequenceGroup) -> bool:
@@ -85,19 +87,42 @@ def missing_blocks(move: Move, group: SequenceGroup) -> list[tuple[int, int, int
     return found
 
 
+def move_snapshot(move: Move, group: SequenceGroup) -> int | None:
+    """The key of the source's state snapshot (recurrent layers) at the deepest block boundary
+    of the group's first running sequence's computed tokens, for the last round to carry;
+    None when there is none, or the target holds it already."""
+    bm = move.source_engine.scheduler.block_manager
+    for seq in group.get_seqs(SequenceStatus.RUNNING):
+        if bm.states is None or not bm.has_table(seq):
+            continue
+        num_blocks = seq.num_computed_tokens // bm.block_size
+        key = bm.transfer_snapshot([seq.block_hash(i) for i in range(num_blocks)], num_blocks)
+        return _unless_held(move.target_engine, key)
+    return None
+
+
 def cached_blocks(
     peer: LLMEngine, target: LLMEngine, prompt: list[int]
-) -> list[tuple[int, int, int]]:
+) -> tuple[list[tuple[int, int, int]], int | None]:
     """(peer block, key, hashed tokens) of the blocks of the prompt's longest prefix that the
     peer's prefix cache serves computed and the target's does not hold, in order (a prefix
-    fetch)."""
+    fetch); and the key of the peer's state snapshot at the deepest boundary of that prefix
+    (None: no recurrent layers, none kept, or the target holds it)."""
     target_gpu = target.scheduler.block_manager.gpu
-    _, blocks = cached_prefix_blocks(peer, prompt)
-    return [
+    hit, blocks = cached_prefix_blocks(peer, prompt)
+    peer_bm = peer.scheduler.block_manager
+    state_key = peer_bm.transfer_snapshot(prompt_block_hashes(peer_bm.block_size, prompt), hit)
+    missing = [
         (block_id, key, tokens)
         for block_id, key, tokens in blocks
         if target_gpu.lookup(key) is None
     ]
+    return missing, _unless_held(target, state_key)
+
+
+def _unless_held(target: LLMEngine, key: int | None) -> int | None:
+    states = target.scheduler.block_manager.states
+    return None if key is None or states is None or states.is_saved(key) else key
 
 
 class LinearFit:

@@ -21,6 +21,13 @@ While a round is in flight its blocks are pinned on both sides (`BlockSpaceManag
 neither engine reuses them. The target's pins last until the request is queued there; the
 source's end with the round.
 
+A model with recurrent layers keeps no K/V to copy for them: its last round (and a prefix
+fetch) also carries the source's state snapshot at the deepest block boundary of the copied
+prefix (`kv_move.move_snapshot`), pinned on the source and received into a slot taken for it
+on the target, saved there once the import is done. The target's prefix cache then serves
+the request from that boundary (a hit needs the snapshot as much as the blocks); without one
+it recomputes from the deepest boundary it has a snapshot for.
+
 Two more kinds of move take the same rounds (`move_policy` says when): a prefill worker's
 hand-off (`Move.until_prefilled`: the prompt's blocks copied chunk by chunk as its prefill
 computes them, the last round once its first token is out), and a prefix fetch (`fetch`: the
@@ -57,6 +64,7 @@ from scheduler_service.fleet.kv_move import (
     Rates,
     cached_blocks,
     missing_blocks,
+    move_snapshot,
     prefilled,
 )
 from scheduler_service.fleet.replica_events import Evicted, MoveFinished, ReplicaState, Report
@@ -125,21 +133,23 @@ class KvMover:
 
     def _can_take_part(self, request_id: str, source: Replica, target: Replica) -> bool:
         """Whether a move of `request_id` from `source` to `target` can start: none already,
-        both connected, the target caching prefixes, the same block size and KV groups, and
-        no recurrent layers (their states do not travel yet: such requests move by
-        recompute)."""
+        both connected, the target caching prefixes, the same block size, KV groups and
+        recurrent layers (whose states travel as prefix snapshots)."""
         target_engine = target.engine
+        if source.engine is None or target_engine is None:
+            return False
+        source_bm, target_bm = (
+            source.engine.scheduler.block_manager,
+            target_engine.scheduler.block_manager,
+        )
         return not (
             request_id in self.moves
-            or source.engine is None
-            or target_engine is None
             or source.transfers is None
             or target.transfers is None
-            or not target_engine.scheduler.block_manager.enable_caching
+            or not target_bm.enable_caching
             or target.block_size != source.block_size
-            or target_engine.scheduler.block_manager.windows
-            != source.engine.scheduler.block_manager.windows
-            or source.engine.scheduler.block_manager.states is not None
+            or target_bm.windows != source_bm.windows
+            or (target_bm.states is None) != (source_bm.states is None)
         )
 
     def _new_move(
@@ -189,9 +199,11 @@ class KvMover:
         move.rounds += 1
         transfer_id = next(self._transfer_ids)
         source_bm = move.source_engine.scheduler.block_manager
-        if blocks:
+        state_key = move_snapshot(move, group) if final else None
+        state_slot = None
+        if blocks or state_key is not None:
             # Pinned before the stop below frees the request's blocks on the source.
-            source_bm.pin(transfer_id, [b for b, _, _ in blocks])
+            state_slot = source_bm.pin(transfer_id, [b for b, _, _ in blocks], state_key)
         if final:
             move.final = True
             snapshots, traces = move.source.take_requests([move.request_id])
@@ -200,7 +212,8 @@ class KvMover:
                 self._end(move)
                 return
             move.snapshot, move.trace = snapshots[0], traces.get(move.request_id)
-        if not blocks:
+        if not blocks and state_slot is None:
+            source_bm.unpin(transfer_id)
             if final:
                 self._finish(move)
             elif move.until_prefilled:
@@ -208,18 +221,31 @@ class KvMover:
             else:
                 self._next_round(move)
             return
-        self._send(move, transfer_id, blocks)
+        self._send(move, transfer_id, blocks, (state_slot, state_key))
 
     def resume(self, move: Move) -> None:
         """Another round for a parked hand-off (its prefill computed more, or finished)."""
         if move.parked:
             self._next_round(move)
 
-    def _send(self, move: Move, transfer_id: int, blocks: list[tuple[int, int, int]]) -> None:
+    def _send(
+        self,
+        move: Move,
+        transfer_id: int,
+        blocks: list[tuple[int, int, int]],
+        state: tuple[int | None, int | None] = (None, None),
+    ) -> None:
         """Start a round: the source's blocks (pinned already) exported, and blocks under the
-        same hashes pinned on the target for the import that follows the export."""
+        same hashes pinned on the target for the import that follows the export; `state`:
+        the source's pinned snapshot (slot, key), which goes into a slot taken for it there."""
         target_bm = move.target_engine.scheduler.block_manager
-        target_bm.allocate_pinned(transfer_id, [(h, n) for _, h, n in blocks])
+        source_slot, state_key = state
+        _, target_slot = target_bm.allocate_pinned(
+            transfer_id,
+            [(h, n) for _, h, n in blocks],
+            state_key if source_slot is not None else None,
+        )
+        move.import_state_slot = target_slot
         move.target_pins.append(transfer_id)
         move.transfer_id, move.exported = transfer_id, False
         move.round_started = time.monotonic()
@@ -229,7 +255,9 @@ class KvMover:
             transfer_id, move.source.address, move.target.address, len(blocks), move.cause, request
         )
         self._by_transfer[transfer_id] = move
-        move.source_queue.export(transfer_id, [b for b, _, _ in blocks])
+        move.source_queue.export(
+            transfer_id, [b for b, _, _ in blocks], source_slot if target_slot is not None else None
+        )
 
     # -- prefix fetch (move_policy.maybe_fetch) --------------------------------------------
 
@@ -239,19 +267,20 @@ class KvMover:
         if not self._can_take_part(snapshot.request_id, peer, target):
             return False
         assert peer.engine is not None and target.engine is not None
-        blocks = cached_blocks(peer.engine, target.engine, snapshot.prompt_token_ids)
+        blocks, state_key = cached_blocks(peer.engine, target.engine, snapshot.prompt_token_ids)
         target_bm = target.engine.scheduler.block_manager
-        blocks = blocks[
-            : max(target_bm.get_num_free_gpu_blocks() - target_bm.watermark_blocks - 1, 0)
-        ]
+        room = max(target_bm.get_num_free_gpu_blocks() - target_bm.watermark_blocks - 1, 0)
+        if len(blocks) > room:
+            blocks, state_key = blocks[:room], None  # the snapshot may lie past what fits
         if not blocks:
             return False
         move = self._new_move(
             snapshot.request_id, peer, target, FETCH, final=True, snapshot=snapshot, trace=trace
         )
         transfer_id = next(self._transfer_ids)
-        peer.engine.scheduler.block_manager.pin(transfer_id, [b for b, _, _ in blocks])
-        self._send(move, transfer_id, blocks)
+        peer_bm = peer.engine.scheduler.block_manager
+        state_slot = peer_bm.pin(transfer_id, [b for b, _, _ in blocks], state_key)
+        self._send(move, transfer_id, blocks, (state_slot, state_key))
         return True
 
     # -- news from the workers -------------------------------------------------------------------
@@ -265,7 +294,10 @@ class KvMover:
             move.exported = True
             target_bm = move.target_engine.scheduler.block_manager
             move.target_queue.import_blocks(
-                transfer_id, move.source.address, target_bm.pins[transfer_id]
+                transfer_id,
+                move.source.address,
+                target_bm.pins[transfer_id],
+                move.import_state_slot,
             )
         for transfer_id in news.imported:
             move = self._by_transfer.pop(transfer_id, None)

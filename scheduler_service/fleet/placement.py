@@ -74,13 +74,17 @@ def cached_prefix_blocks(
     bm = engine.scheduler.block_manager
     if not bm.enable_caching:
         return 0, []
-    bs = bm.block_size
+    return bm.cached_prefix(prompt_block_hashes(bm.block_size, prompt), len(prompt))
+
+
+def prompt_block_hashes(block_size: int, prompt: Sequence[int]) -> list[int]:
+    """The chain hashes of the prompt's full blocks (the prefix cache's names for them)."""
     hashes: list[int] = []
     parent: int | None = None
-    for start in range(0, len(prompt) - bs + 1, bs):
-        parent = chain_block_hash(parent, tuple(prompt[start : start + bs]))
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        parent = chain_block_hash(parent, tuple(prompt[start : start + block_size]))
         hashes.append(parent)
-    return bm.cached_prefix(hashes, len(prompt))
+    return hashes
 
 
 def cached_prefix_tokens(engine: LLMEngine, prompt: Sequence[int]) -> int:

@@ -45,8 +45,8 @@ class TransferQueue:
         """Whether the replica must keep stepping (or its stream open) for transfers."""
         return bool(self) or bool(self.held)
 
-    def export(self, transfer_id: int, block_ids: list[int]) -> None:
-        self.exports.append(BlockExport(transfer_id, list(block_ids)))
+    def export(self, transfer_id: int, block_ids: list[int], state_slot: int | None = None) -> None:
+        self.exports.append(BlockExport(transfer_id, list(block_ids), state_slot))
         self.held.add(transfer_id)
         self._wake()
 
@@ -62,8 +62,10 @@ class TransferQueue:
         self.releases.append(transfer_id)
         self._wake()
 
-    def import_blocks(self, transfer_id: int, peer: str, block_ids: list[int]) -> None:
-        self.imports.append(BlockImport(transfer_id, peer, list(block_ids)))
+    def import_blocks(
+        self, transfer_id: int, peer: str, block_ids: list[int], state_slot: int | None = None
+    ) -> None:
+        self.imports.append(BlockImport(transfer_id, peer, list(block_ids), state_slot))
         self._wake()
 
     def cancel_import(self, transfer_id: int) -> bool:

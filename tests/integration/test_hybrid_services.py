@@ -3,10 +3,11 @@ lives in a slot per sequence, beside gated attention layers; SmolLM2's tokenizer
 tests/support/models.py build_tiny_hybrid), eight long streams (greedy and seeded, one n=2).
 
 A worker SIGKILLed mid-run, the scheduler restarted mid-run and a drain each leave every
-stream as the undisturbed run ended it, and every block and state slot free. The states do
-not travel between workers yet: a drained request is recomputed on its new worker, and a
-prefill worker keeps the requests it prefilled and decodes them itself. One prefill worker
-and one decode worker give HF's greedy tokens (short prompts prefill on the decode worker)."""
+stream as the undisturbed run ended it, and every block and state slot free. A drain moves
+the requests with their KV blocks and a state snapshot at the last block boundary: the new
+worker starts them from it (a prefix-cache hit there, which needs the snapshot). One prefill
+worker and one decode worker give HF's greedy tokens, the prompts handed off the same way
+(short prompts prefill on the decode worker)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,9 @@ def test_a_drain_changes_no_stream(
 
         assert_same_outputs(baseline, run_with_fault(stack, move_off))
         stack.wait_for(lambda s: source not in {r.address for r in s.replicas}, "the drain")
-        assert not events(stack, "request moved with its KV blocks")  # states do not travel
+        assert events(stack, "request moved with its KV blocks")
+        (target,) = stack.stats().replicas
+        assert target.prefix_cache_hits > 0  # started from a snapshot that travelled
         stack.assert_no_leak()
     finally:
         stack.stop()
@@ -135,9 +138,11 @@ def test_one_prefill_and_one_decode_worker_give_hf_greedy_tokens(
         ]  # fmt: skip
         received = asyncio.run(run_workload(stack.gateway.address, requests))  # type: ignore[union-attr]
         assert [received[f"pd-{i}"].token_ids[0] for i in range(len(prompts))] == expected
-        stats = {r.address: r.num_steps for r in stack.stats().replicas}
-        assert all(steps > 0 for steps in stats.values()), stats  # both workers computed
-        assert not events(stack, "request moved with its KV blocks")  # states do not travel
+        replicas = stack.stats().replicas
+        assert all(r.num_steps > 0 for r in replicas), replicas  # both workers computed
+        assert events(stack, "request moved with its KV blocks")
+        decode = next(r for r in replicas if r.address == stack.workers[1].address)
+        assert decode.prefix_cache_hits > 0  # the handed-off prompts' snapshots
         stack.assert_no_leak()
     finally:
         stack.stop()

@@ -1,10 +1,12 @@
 """State slots in the block manager (a model with recurrent layers): a request reserves what
 its forks will need at admission, forks take from the reservation, and the reservation goes
-back to the pool with the request's last sequence."""
+back to the pool with the request's last sequence; snapshots for prefix hits, kept for
+decoded blocks too, and held by KV transfers."""
 
 from __future__ import annotations
 
 from scheduler_service.engine import AllocStatus, BlockSpaceManager, SamplingParams
+from scheduler_service.engine.block_manager import _state_key
 from scheduler_service.engine.sequence import SequenceStatus
 from scheduler_service.engine.state_slots import slots_needed
 
@@ -134,3 +136,62 @@ def test_a_hit_starts_from_the_snapshot_saved_at_its_last_block() -> None:
     bm.free(other)
     # The snapshot stays cached, and counts as free (the next step may evict it).
     assert bm.states.num_unheld() == bm.states.num_slots
+
+
+def test_decoded_blocks_keep_snapshots_in_free_slots_only() -> None:
+    """A decode that ends on a block boundary keeps the state there (a later turn's prompt, or
+    a move, starts from it), but only into a free slot: it never evicts a prompt's snapshot."""
+    bm = _manager(3)
+    group = make_seq_group("a", [1, 2, 3])  # 3 tokens: the boundary at 4 is a decoded one
+    bm.allocate(group)
+    seq = group.seqs[0]
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = 3
+    seq.append_token_id(7, {7: 0.0})
+    assert bm.save_state(seq, 1) is not None  # slots 1 and 2 were free
+    seq.num_computed_tokens = 4
+    bm.mark_computed(seq)
+    states = bm.states
+    assert states is not None and states.num_snapshots() == 1
+    bm.check_invariants()
+    # A prompt snapshot takes the last free slot; then a decode finds none and evicts none.
+    assert states.save(12345) is not None
+    bm.now += 1
+    states.now = bm.now
+    assert states.save(777, evict=False) is None and states.num_snapshots() == 2
+    assert states.save(778) is not None  # a prompt's snapshot may evict the LRU one
+
+
+def test_a_transfer_carries_the_deepest_snapshot_and_holds_it_on_both_sides() -> None:
+    source, target = _manager(2), _manager(2)
+    assert source.states is not None and target.states is not None
+    key = _state_key(6)  # the snapshot after the block hashed 6
+    slot = source.states.save(key)
+    assert slot is not None
+    source.states.mark_saved(key)
+    assert source.transfer_snapshot([5, 6, 7], 3) == key  # none after block 7
+    assert source.transfer_snapshot([5, 6, 7], 1) is None  # past the blocks moved
+    # The export pins it: a request needing every slot cannot evict it.
+    assert source.pin(1, [], _state_key(5)) is None  # none saved there
+    assert source.pin(2, [], key) == slot
+    source.now += 1
+    source.states.now = source.now
+    assert source.states.num_free() == 1
+    blocks, received = target.allocate_pinned(3, [], key)
+    assert blocks == [] and received is not None
+    assert not target.states.is_saved(key) and target.states.num_free() == 1
+    target.mark_imported(3)
+    target.unpin(3)
+    assert target.states.is_saved(key)  # a hit may read it now, and it is evictable
+    target.now += 1
+    target.states.now = target.now
+    assert target.states.num_free() == 2
+    # An import that never arrived leaves nothing behind.
+    assert target.allocate_pinned(4, [], _state_key(8))[1] is not None
+    target.unpin(4)
+    assert not target.states.is_saved(_state_key(8)) and target.states.num_snapshots() == 1
+    source.unpin(2)
+    source.unpin(1)
+    assert source.states.num_free() == 2
+    source.check_invariants()
+    target.check_invariants()
