@@ -94,6 +94,30 @@ def check_paged_cache(
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
+def check_block_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
+    """Paged caches of one shape `[num_blocks, block_size, num_kv_heads, head_dim]` whose
+    blocks are each dense (a block's rows back to back) and lie one stride apart in both
+    caches, at least a block's size: further when a layer's caches are views into a
+    block-major pool that all layers share. Returns that block stride, in elements."""
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.shape[0] and not cache[0].is_contiguous():
+            raise KernelArgumentError(
+                name, f"each block must be contiguous, got strides {cache.stride()}"
+            )
+    stride = key_cache.stride(0)
+    if key_cache.shape[0] > 1:  # a single block's stride is never used
+        if value_cache.stride(0) != stride:
+            raise KernelArgumentError(
+                "value_cache",
+                f"block stride {value_cache.stride(0)} differs from key_cache's {stride}",
+            )
+        if stride < key_cache[0].numel():
+            raise KernelArgumentError(
+                "key_cache", f"blocks overlap: {stride} elements apart, of {key_cache[0].numel()}"
+            )
+    return stride
+
+
 def check_block_tables(block_tables: torch.Tensor, num_seqs: int) -> None:
     check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     check_dim("block_tables", block_tables, 0, num_seqs, "num_seqs")

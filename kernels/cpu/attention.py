@@ -2,6 +2,9 @@
 
 Both wrappers take the same arguments as their Triton and reference counterparts in
 `kernels` and `kernels.reference`. Storage may be float32 or bfloat16; arithmetic is fp32.
+Each cache block must be dense, but blocks may lie further apart than a block (a layer's
+view into a block-major pool of all layers), one stride for both caches
+(`check_block_layout`).
 `check=False` skips the argument checks (about 10 us a call): for callers that have
 validated a step's tables once, like the worker's `cpu` backend. The kernels themselves do
 not bounds-check.
@@ -13,6 +16,7 @@ import torch
 
 from kernels._checks import (
     KernelArgumentError,
+    check_block_layout,
     check_dim,
     check_dtype,
     check_ndim,
@@ -91,6 +95,7 @@ def paged_attention_decode(
             num_heads,
             key_cache.shape[2],
             key_cache.shape[1],
+            key_cache.stride(0),  # one block stride for both caches (checked)
             scale,
             0,  # kv heads per work item: the kernel picks (paged_attention.cpp, DecodeArgs)
             query.stride(0),
@@ -151,6 +156,7 @@ def prefill_attention(
             query.shape[1],
             key_cache.shape[2],
             key_cache.shape[1],
+            key_cache.stride(0),  # one block stride for both caches (checked)
             scale,
             query.stride(0),
             sliding_window or 0,
@@ -198,8 +204,7 @@ def _check_common(
     ):
         if tensor.device.type != "cpu":
             raise KernelArgumentError(name, f"must be on the CPU, got {tensor.device}")
-        if name in ("key_cache", "value_cache") and not tensor.is_contiguous():
-            raise KernelArgumentError(name, f"must be contiguous, got strides {tensor.stride()}")
+    check_block_layout(key_cache, value_cache)
     # Query rows may be strided (views into the fused QKV projection); heads may not.
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         raise KernelArgumentError(

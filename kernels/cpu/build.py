@@ -141,7 +141,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr,
         i64,
     ]  # dtype, head_dim, q, k, v, tables, stride
-    shape: list[Any] = [i64, i64, i64, i64, f32]  # seqs, heads, kv heads, block size, scale
+    # seqs, heads, kv heads, block size, block stride (elements between blocks), scale
+    shape: list[Any] = [i64, i64, i64, i64, i64, f32]
     signatures: dict[str, list[Any]] = {
         # ..., seq_lens, out, shape, kv heads per work item, query row stride, window, softcap,
         # sinks (float32 [num_heads] or NULL)
@@ -159,8 +160,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_gelu_tanh_mul": [i32, ptr, ptr, i64, i64],
         # dtype, x (in place), count, cap
         "llmserve_softcap": [i32, ptr, i64, f32],
-        # dtype, key, value, row stride, slots, n, row elems, key cache, value cache
-        "llmserve_write_kv": [i32, ptr, ptr, i64, ptr, i64, i64, ptr, ptr],
+        # dtype, key, value, row stride, slots, n, row elems, key cache, value cache, block
+        # size, block stride
+        "llmserve_write_kv": [i32, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64],
         # dtype, logits, n, vocab, argmax out, lse out, max out
         "llmserve_argmax_logsumexp": [i32, ptr, i64, i64, ptr, ptr, ptr],
         # dtype, logits, refused (bytes), n, vocab, argmax out, rank out

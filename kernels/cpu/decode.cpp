@@ -50,12 +50,12 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
                           const void* value_cache, const int32_t* block_tables,
                           int64_t table_stride, const int32_t* seq_lens, void* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t block_size, float scale, int64_t kv_heads_per_item,
-                          int64_t query_stride, int64_t window, float softcap,
-                          const float* sinks);
+                          int64_t block_size, int64_t block_stride, float scale,
+                          int64_t kv_heads_per_item, int64_t query_stride, int64_t window,
+                          float softcap, const float* sinks);
 int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
-                      void* value_cache);
+                      void* value_cache, int64_t block_size, int64_t block_stride);
 int llmserve_quant_block_bytes(int type);
 int llmserve_quant_block_weights(int type);
 int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, int64_t cols,
@@ -71,9 +71,12 @@ namespace {
 using namespace llmserve;
 using projection::linear_rows;
 
-// Indices into `dims` (int64), `params` (float32) and each layer's pointers.
+// Indices into `dims` (int64), `params` (float32) and each layer's pointers. Every layer's
+// caches have the block size and the block stride (elements from one block to the next,
+// paged_attention.cpp) of kBlockSize and kBlockStride.
 enum Dim {
-  kLayers, kHidden, kInter, kHeads, kKvHeads, kHeadDim, kVocab, kBlockSize, kRotaryDim,
+  kLayers, kHidden, kInter, kHeads, kKvHeads, kHeadDim, kVocab, kBlockSize, kBlockStride,
+  kRotaryDim,
   kNormKind,   // ops.cpp's NormKind, for every norm of the model
   kQkNorm,     // QkNorm
   kActivation, // Activation
@@ -258,12 +261,14 @@ struct Step {
     const int64_t* slots = a.slots + group * n;
     const int32_t* tables = a.block_tables + group * a.group_stride;
     llmserve_write_kv(dtype, qkv + q_size, qkv + q_size + kv_size, qkv_size, slots, n, kv_size,
-                      const_cast<void*>(p[kKeyCache]), const_cast<void*>(p[kValueCache]));
+                      const_cast<void*>(p[kKeyCache]), const_cast<void*>(p[kValueCache]),
+                      d[kBlockSize], d[kBlockStride]);
     // The queries are read in place from the qkv rows (query stride qkv_size).
     return llmserve_paged_decode(dtype, head_dim, qkv, p[kKeyCache], p[kValueCache],
                                  tables, a.table_stride, a.seq_lens, attn, n, d[kHeads],
-                                 d[kKvHeads], d[kBlockSize], a.params[kScale], 0, qkv_size,
-                                 a.windows[layer], a.params[kAttnSoftcap], nullptr);
+                                 d[kKvHeads], d[kBlockSize], d[kBlockStride], a.params[kScale],
+                                 0, qkv_size, a.windows[layer], a.params[kAttnSoftcap],
+                                 nullptr);
   }
 
   void mlp(const T* x, const void* const* p, const int64_t* types) {

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import KernelArgumentError
+from kernels._checks import KernelArgumentError, check_block_layout
 from kernels.cpu.attention import DTYPE_CODES, unsupported_shape_reason
 from kernels.cpu.build import library
 from kernels.cpu.quant import MAX_IN_FEATURES, MODES, QuantMode, QuantWeight
@@ -33,8 +33,10 @@ _LAYER_FIELDS = 18
 _NORMS = {"rms": 0, "rms_f32": 1, "gemma": 2}
 _QK_NORMS: dict[str | None, int] = {None: 0, "head": 1, "full": 2}
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-# Index of the block size in the dims array (decode.cpp's Dim order).
+# Indices of the caches' block size and block stride in the dims array (decode.cpp's Dim
+# order).
 _BLOCK_SIZE_DIM = 7
+_BLOCK_STRIDE_DIM = 8
 
 
 def set_num_threads(threads: int) -> None:
@@ -228,7 +230,7 @@ class DecodeShape:
         return f"{', '.join(odd)} not a multiple of 32" if odd else None
 
     def dims(self) -> list[int]:
-        """decode.cpp's Dim order; the block size (set by bind_caches) is 0."""
+        """decode.cpp's Dim order; the block size and stride (set by bind_caches) are 0."""
         return [
             self.num_layers,
             self.hidden_size,
@@ -237,6 +239,7 @@ class DecodeShape:
             self.num_kv_heads,
             self.head_dim,
             self.vocab_size,
+            0,
             0,
             self.head_dim if self.rotary_dim is None else self.rotary_dim,
             _NORMS[self.norm],
@@ -310,7 +313,9 @@ class DecodeStep:
         self._bound_first = 0
 
     def bind_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Point the layers at these K/V caches (each [blocks, block_size, kv_heads, dim])."""
+        """Point the layers at these K/V caches (each [blocks, block_size, kv_heads, dim]),
+        whose blocks are dense and lie one stride apart in every layer's caches
+        (`check_block_layout`; views into one block-major pool of all layers are)."""
         # The runner passes the same list every step until the caches are reallocated: that
         # list (held, so its identity cannot be reused) and its first cache identify the
         # binding without touching every tensor.
@@ -321,11 +326,13 @@ class DecodeStep:
             raise KernelArgumentError(
                 "kv_caches", f"{len(kv_caches)} layers, expected {len(self._layers)}"
             )
+        block_stride = _block_stride(kv_caches)
         pointers: list[int | None] = []
         for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
             pointers += [*layer.pointers(), key_cache.data_ptr(), value_cache.data_ptr()]
         assert len(pointers) == _LAYER_FIELDS * len(self._layers)
         self._dims[_BLOCK_SIZE_DIM] = kv_caches[0][0].shape[1]
+        self._dims[_BLOCK_STRIDE_DIM] = block_stride
         self._table = (ctypes.c_void_p * len(pointers))(*pointers)
         self._bound_list, self._bound_first = kv_caches, first
 
@@ -387,6 +394,19 @@ class DecodeStep:
         if status != 0:
             raise RuntimeError(f"llmserve_decode_step failed with status {status}")
         return logits, ArgmaxLogprobs(self._argmax[:n], self._argmax_logprob[:n])
+
+
+def _block_stride(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The one block stride of every layer's caches (the step takes one)."""
+    strides = []
+    for i, (key_cache, value_cache) in enumerate(kv_caches):
+        try:
+            strides.append(check_block_layout(key_cache, value_cache))
+        except KernelArgumentError as exc:
+            raise KernelArgumentError("kv_caches", f"layer {i}: {exc}") from exc
+    if len(set(strides)) > 1:
+        raise KernelArgumentError("kv_caches", f"the layers' block strides differ: {strides}")
+    return strides[0]
 
 
 def _dense(weight: Weight) -> bool:

@@ -205,16 +205,20 @@ void softcap(T* x, int64_t count, float cap) {
 }
 
 // Copies each token's key and value rows (row_elems values, rows row_stride apart, e.g. views
-// into the QKV projection) to its flat cache slot; a negative slot means padding: skipped.
+// into the QKV projection) to its flat cache slot, block * block_size + offset, at element
+// block * block_stride + offset * row_elems of each cache (blocks may lie further apart than
+// block_size rows: paged_attention.cpp); a negative slot means padding: skipped.
 template <typename T>
 void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* slots, int64_t n,
-              int64_t row_elems, T* key_cache, T* value_cache) {
+              int64_t row_elems, T* key_cache, T* value_cache, int64_t block_size,
+              int64_t block_stride) {
   parallel_for(n, n * row_elems >= kParallelElements, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
       if (slot < 0) continue;
-      std::memcpy(key_cache + slot * row_elems, key + i * row_stride, row_elems * sizeof(T));
-      std::memcpy(value_cache + slot * row_elems, value + i * row_stride, row_elems * sizeof(T));
+      const int64_t at = slot / block_size * block_stride + slot % block_size * row_elems;
+      std::memcpy(key_cache + at, key + i * row_stride, row_elems * sizeof(T));
+      std::memcpy(value_cache + at, value + i * row_stride, row_elems * sizeof(T));
     }
   });
 }
@@ -403,13 +407,15 @@ int llmserve_softcap(int dtype, void* x, int64_t count, float cap) {
 
 int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
-                      void* value_cache) {
+                      void* value_cache, int64_t block_size, int64_t block_stride) {
   if (dtype == 0) {
     write_kv(static_cast<const float*>(key), static_cast<const float*>(value), row_stride, slots,
-             n, row_elems, static_cast<float*>(key_cache), static_cast<float*>(value_cache));
+             n, row_elems, static_cast<float*>(key_cache), static_cast<float*>(value_cache),
+             block_size, block_stride);
   } else if (dtype == 1) {
     write_kv(static_cast<const bf16*>(key), static_cast<const bf16*>(value), row_stride, slots, n,
-             row_elems, static_cast<bf16*>(key_cache), static_cast<bf16*>(value_cache));
+             row_elems, static_cast<bf16*>(key_cache), static_cast<bf16*>(value_cache),
+             block_size, block_stride);
   } else {
     return -1;
   }

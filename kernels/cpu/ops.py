@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import KernelArgumentError
+from kernels._checks import KernelArgumentError, check_block_layout
 from kernels.cpu.attention import DTYPE_CODES
 from kernels.cpu.build import library
 
@@ -111,7 +111,9 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [n] int64 flat slots; negative = skip (padding)
     check: bool = True,
 ) -> None:
-    """Store token i's key and value at flat slot slot_mapping[i] of the caches."""
+    """Store token i's key and value at flat slot slot_mapping[i] (block * block_size +
+    offset) of the caches, whose blocks may lie further apart than a block (one stride for
+    both: `check_block_layout`)."""
     if check:
         slot_mapping = slot_mapping.contiguous()
         _check_write_kv(key, value, key_cache, value_cache, slot_mapping)
@@ -125,6 +127,8 @@ def write_kv(
         key.shape[1] * key.shape[2],
         key_cache.data_ptr(),
         value_cache.data_ptr(),
+        key_cache.shape[1],
+        key_cache.stride(0),
     )
 
 
@@ -139,9 +143,10 @@ def _check_write_kv(
         if tensor.dim() != 3 or tensor.stride(2) != 1 or tensor.stride(1) != tensor.shape[2]:
             raise KernelArgumentError(name, f"expected [n, heads, dim] rows, got {tensor.stride()}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check(name, cache.view(-1, cache.shape[-1]), 2, like=key)
-        if cache.shape[2:] != key.shape[1:]:
+        if cache.dim() != 4 or cache.shape != key_cache.shape or cache.shape[2:] != key.shape[1:]:
             raise KernelArgumentError(name, f"shape {tuple(cache.shape)} does not fit the keys")
+        check_cpu_dtype(name, cache, like=key)
+    check_block_layout(key_cache, value_cache)
     if value.shape != key.shape or value.stride() != key.stride() or value.dtype != key.dtype:
         raise KernelArgumentError("value", "must have the key's shape, strides and dtype")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):

@@ -2,9 +2,12 @@
 //
 // Cache layout per layer, as everywhere in llmserve: key and value caches are
 // [num_blocks, block_size, num_kv_heads, head_dim]; token t of a sequence lives in block
-// block_table[t / block_size] at offset t % block_size. The kernels read K/V straight from the
-// blocks: no gathered copy of a sequence's context is ever made, so each cached byte is read
-// once per layer (decode attention is bound by that traffic).
+// block_table[t / block_size] at offset t % block_size. A block's rows are back to back;
+// blocks lie `block_stride` elements apart, which may be more than a block when a layer's
+// caches are views into one block-major pool that all layers share (the key and value caches
+// share one block stride). The kernels read K/V straight from the blocks: no gathered copy of
+// a sequence's context is ever made, so each cached byte is read once per layer (decode
+// attention is bound by that traffic).
 //
 // Arithmetic is fp32 whatever the storage type (float or bfloat16), with the vectors of
 // vec.h. The library is built by kernels/cpu/build.py with -march=native. Work items run on
@@ -55,6 +58,7 @@ struct DecodeArgs {
   int64_t num_heads;
   int64_t num_kv_heads;
   int64_t block_size;
+  int64_t block_stride;  // elements from one block to the next, in both caches
   float scale;
   // Work split: a piece's kv heads in chunks of this many (a piece: a row, or rows that read
   // the same blocks; decode()); 0 picks all of them (each block one contiguous run) when
@@ -134,7 +138,7 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t heads = (h_end - h_begin) * group;  // query heads of this item, per row
   const int64_t token_stride = a.num_kv_heads * kHeadDim;
-  const int64_t block_stride = a.block_size * token_stride;
+  const int64_t block_stride = a.block_stride;
   const int32_t* table = a.block_tables + seq * a.table_stride;  // the rows': the same blocks
   const T* keys = static_cast<const T*>(a.key_cache) + h_begin * kHeadDim;
   const T* values = static_cast<const T*>(a.value_cache) + h_begin * kHeadDim;
@@ -364,13 +368,14 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
                           const void* value_cache, const int32_t* block_tables,
                           int64_t table_stride, const int32_t* seq_lens, void* out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t block_size, float scale, int64_t kv_heads_per_item,
-                          int64_t query_stride, int64_t window, float softcap,
-                          const float* sinks) {
-  const DecodeArgs args{query,      key_cache, value_cache,       block_tables, table_stride,
-                        seq_lens,   out,       num_seqs,          num_heads,    num_kv_heads,
-                        block_size, scale,     kv_heads_per_item, query_stride, window,
-                        softcap,    sinks};
+                          int64_t block_size, int64_t block_stride, float scale,
+                          int64_t kv_heads_per_item, int64_t query_stride, int64_t window,
+                          float softcap, const float* sinks) {
+  const DecodeArgs args{query,        key_cache,    value_cache, block_tables,
+                        table_stride, seq_lens,     out,         num_seqs,
+                        num_heads,    num_kv_heads, block_size,  block_stride,
+                        scale,        kv_heads_per_item, query_stride, window,
+                        softcap,      sinks};
   return dispatch<DecodeOp>(dtype, head_dim, args);
 }
 

@@ -1,7 +1,8 @@
 // Paged prefill attention for CPUs: a chunk of query tokens per sequence at positions
 // context_len .. seq_len - 1, causal over its cached context (chunked prefill, prefix-cache
-// hits), read straight from the KV blocks. Layout, arithmetic, windows, soft-caps and sinks as
-// in paged_attention.cpp (decode), whose key scoring it shares (attention.h).
+// hits), read straight from the KV blocks. Layout (blocks `block_stride` apart), arithmetic,
+// windows, soft-caps and sinks as in paged_attention.cpp (decode), whose key scoring it
+// shares (attention.h).
 //
 // Entry point (extern "C", called through ctypes): llmserve_paged_prefill.
 
@@ -36,6 +37,7 @@ struct PrefillArgs {
   int64_t num_heads;
   int64_t num_kv_heads;
   int64_t block_size;
+  int64_t block_stride;  // elements from one block to the next, in both caches
   float scale;
   int64_t query_stride;  // elements between query rows (heads are contiguous in a row)
   int64_t window;        // sliding window, 0 = none
@@ -185,7 +187,7 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
   const int64_t first = tile * kQueryTile;  // within the chunk
   const int64_t rows = std::min<int64_t>(kQueryTile, q_len - first);
   const int64_t token_stride = a.num_kv_heads * kHeadDim;
-  const int64_t block_stride = a.block_size * token_stride;
+  const int64_t block_stride = a.block_stride;
   const int32_t* table = a.block_tables + seq * a.table_stride;
   const T* keys = static_cast<const T*>(a.key_cache) + kv_head * kHeadDim;
   const T* values = static_cast<const T*>(a.value_cache) + kv_head * kHeadDim;
@@ -319,12 +321,13 @@ int llmserve_paged_prefill(int dtype, int64_t head_dim, const void* query, const
                            int64_t table_stride, const int32_t* query_start_loc,
                            const int32_t* seq_lens, void* out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                           float scale, int64_t query_stride, int64_t window,
-                           float softcap, const float* sinks) {
-  const PrefillArgs args{query,           key_cache,  value_cache, block_tables, table_stride,
-                         query_start_loc, seq_lens,   out,         num_seqs,     num_heads,
-                         num_kv_heads,    block_size, scale,       query_stride, window,
-                         softcap,         sinks};
+                           int64_t block_stride, float scale, int64_t query_stride,
+                           int64_t window, float softcap, const float* sinks) {
+  const PrefillArgs args{query,        key_cache,       value_cache,  block_tables,
+                         table_stride, query_start_loc, seq_lens,     out,
+                         num_seqs,     num_heads,       num_kv_heads, block_size,
+                         block_stride, scale,           query_stride, window,
+                         softcap,      sinks};
   return dispatch<PrefillOp>(dtype, head_dim, args);
 }
 

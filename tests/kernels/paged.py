@@ -1,4 +1,5 @@
-"""Factories for paged KV caches with shuffled, ragged block tables."""
+"""Factories for paged KV caches with shuffled, ragged block tables, in their own memory or as
+one layer's views into a block-major pool of several layers (the worker's layout)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ DTYPES = [
 ]
 
 
+# Where a test's caches live (`pool_pad` of the factories): None, in their own contiguous
+# tensors; a number, as views into a block-major pool of POOL_LAYERS layers whose blocks end in
+# that many more elements (7: blocks no whole number of rows apart).
+LAYOUTS = [
+    pytest.param(None, id="contiguous"),
+    pytest.param(0, id="pooled"),
+    pytest.param(7, id="pooled-odd"),
+]
+POOL_LAYERS = 3
+
+
 def skip_unsupported(device: str, dtype: torch.dtype) -> None:
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter has no bf16")
@@ -31,6 +43,7 @@ class PagedCache:
     value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
+    pool: torch.Tensor | None = None  # [num_blocks, pool row] the caches are views into
 
     @property
     def block_size(self) -> int:
@@ -48,12 +61,14 @@ def make_paged_cache(
     spare_blocks: int = 3,
     spare_columns: int = 1,
     generator: torch.Generator,
+    pool_pad: int | None = None,
 ) -> PagedCache:
     """Random caches where each sequence owns a random, non-contiguous set of blocks.
 
     Slots no sequence owns, including the tail of each partial last block, hold NaN, and
     block-table entries past a sequence's last block hold -1: a kernel that reads past the
-    context poisons its output instead of passing by luck.
+    context poisons its output instead of passing by luck. With `pool_pad` (LAYOUTS) the
+    caches are the middle layer's views into a pool (`in_pool`) whose other layers hold NaN.
     """
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -75,11 +90,72 @@ def make_paged_cache(
         slots = blocks[tokens // block_size] * block_size + tokens % block_size
         key_cache.view(-1, num_kv_heads, head_dim)[slots] = keys
         value_cache.view(-1, num_kv_heads, head_dim)[slots] = values
+    key_cache, value_cache = key_cache.to(device), value_cache.to(device)
+    pool = None
+    if pool_pad is not None:
+        key_cache, value_cache, pool = in_pool(key_cache, value_cache, pool_pad)
     return PagedCache(
-        key_cache=key_cache.to(device),
-        value_cache=value_cache.to(device),
+        key_cache=key_cache,
+        value_cache=value_cache,
         block_tables=block_tables.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        pool=pool,
+    )
+
+
+def block_pool(
+    num_layers: int,
+    shape: tuple[int, ...],  # a layer's [num_blocks, block_size, num_kv_heads, head_dim]
+    pad: int,
+    *,
+    fill: float = float("nan"),
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:  # [num_blocks, 2 * num_layers * block elements + pad]
+    """A block-major KV pool, as the worker lays out every layer's cache: per block, each
+    layer's keys ([block_size, num_kv_heads, head_dim] each), then each layer's values, then
+    `pad` more elements; all `fill`."""
+    block = shape[1] * shape[2] * shape[3]
+    return torch.full((shape[0], 2 * num_layers * block + pad), fill, dtype=dtype, device=device)
+
+
+def layer_views(
+    pool: torch.Tensor, layer: int, num_layers: int, shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s key and value caches in a `block_pool`: views of `shape` whose blocks
+    lie a pool row apart."""
+    block = shape[1] * shape[2] * shape[3]
+    key = pool[:, layer * block : (layer + 1) * block].view(shape)
+    value = pool[:, (num_layers + layer) * block : (num_layers + layer + 1) * block].view(shape)
+    return key, value
+
+
+def in_pool(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copies of the caches as the middle layer's views into a NaN-filled `block_pool` of
+    POOL_LAYERS layers: (key_cache, value_cache, pool)."""
+    shape = tuple(key_cache.shape)
+    pool = block_pool(POOL_LAYERS, shape, pad, dtype=key_cache.dtype, device=key_cache.device)
+    key, value = layer_views(pool, POOL_LAYERS // 2, POOL_LAYERS, shape)
+    key.copy_(key_cache)
+    value.copy_(value_cache)
+    assert not key.is_contiguous() and key.stride(0) > key[0].numel()
+    return key, value, pool
+
+
+def assert_unchanged_outside(
+    before: torch.Tensor, after: torch.Tensor, *views: torch.Tensor
+) -> None:
+    """Every element of the pool `after` outside `views` (of it) is bit for bit as in
+    `before`: writes through the views landed in them only."""
+    outside = torch.ones(after.numel(), dtype=torch.bool, device=after.device)
+    index = torch.arange(after.numel(), device=after.device)
+    for view in views:
+        offset = view.storage_offset() - after.storage_offset()
+        outside[index.as_strided(view.shape, view.stride(), offset).reshape(-1)] = False
+    torch.testing.assert_close(
+        after.reshape(-1)[outside], before.reshape(-1)[outside], rtol=0, atol=0, equal_nan=True
     )
 
 
@@ -107,6 +183,7 @@ def make_attention_case(
     dtype: torch.dtype,
     device: str,
     seed: int,
+    pool_pad: int | None = None,
 ) -> tuple[PagedCache, torch.Tensor]:
     """A random paged cache for `seq_lens` and `num_query_rows` random query rows
     ([num_query_rows, NUM_KV_HEADS * queries_per_kv, head_dim]), from one seeded generator."""
@@ -119,6 +196,7 @@ def make_attention_case(
         dtype=dtype,
         device=device,
         generator=generator,
+        pool_pad=pool_pad,
     )
     num_heads = NUM_KV_HEADS * queries_per_kv
     query = torch.randn(num_query_rows, num_heads, head_dim, generator=generator).to(dtype)

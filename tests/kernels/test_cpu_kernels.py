@@ -1,7 +1,8 @@
 """The native CPU kernels (kernels.cpu) against the torch references, on poisoned paged caches.
 
 Caches come from `make_paged_cache`: shuffled blocks, NaN in every slot no sequence owns and
--1 past each block table's end, so reading outside a context shows up as NaN or a crash.
+-1 past each block table's end, so reading outside a context shows up as NaN or a crash; in
+the pooled LAYOUTS, NaN in every other layer's part of the pool too.
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ import torch
 
 from kernels import KernelArgumentError, reference
 from kernels import cpu as cpu_kernels
-from tests.kernels.paged import PagedCache, assert_close, make_paged_cache, random_lens
+from tests.kernels.paged import (
+    LAYOUTS,
+    PagedCache,
+    assert_close,
+    assert_unchanged_outside,
+    in_pool,
+    make_paged_cache,
+    random_lens,
+)
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # (num_heads, num_kv_heads, head_dim): the tiny test models, MHA, GQA 3:1 (SmolLM2), GQA 4:1,
@@ -19,11 +28,17 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 SHAPES = [(4, 2, 16), (4, 4, 32), (9, 3, 64), (8, 2, 64), (4, 1, 128), (2, 2, 256), (6, 2, 96)]
 
 
+@pytest.mark.parametrize("pool_pad", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_decode_matches_reference(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    pool_pad: int | None,
 ) -> None:
     gen = torch.Generator().manual_seed(head_dim * 100 + block_size)
     # Lengths around block and 16-lane boundaries, plus a long one and a single token.
@@ -36,6 +51,7 @@ def test_decode_matches_reference(
         dtype=dtype,
         device="cpu",
         generator=gen,
+        pool_pad=pool_pad,
     )
     query = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
@@ -43,10 +59,11 @@ def test_decode_matches_reference(
     assert_close(cpu_kernels.paged_attention_decode(*args), reference.paged_attention_decode(*args))
 
 
+@pytest.mark.parametrize("pool_pad", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
 def test_prefill_matches_reference_with_cached_prefix(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, pool_pad: int | None
 ) -> None:
     gen = torch.Generator().manual_seed(head_dim + num_heads)
     # (cached prefix, new tokens): a plain prompt, chunks after a prefix hit, a one-token
@@ -61,6 +78,7 @@ def test_prefill_matches_reference_with_cached_prefix(
         dtype=dtype,
         device="cpu",
         generator=gen,
+        pool_pad=pool_pad,
     )
     q_lens = torch.tensor([q for _, q in parts])
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
@@ -163,8 +181,14 @@ def test_writes_into_given_output_rows() -> None:
         (lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, "seq_lens"),
         (lambda a: {**a, "value_cache": a["value_cache"][:2]}, "value_cache"),
         (lambda a: {**a, "query": a["query"].transpose(0, 1)}, "query"),
+        # blocks a pool row apart, the key cache's a block apart: the kernels take one stride
+        (lambda a: {**a, "value_cache": in_pool(a["key_cache"], a["value_cache"], 0)[1]},
+         "value_cache"),
+        # a block's rows not back to back (its heads are)
+        (lambda a: {**a, "key_cache": a["key_cache"].transpose(1, 2).contiguous().transpose(1, 2)},
+         "key_cache"),
     ],
-)
+)  # fmt: skip
 def test_bad_arguments_name_the_argument(change: object, name: str) -> None:
     cache, gen = small_cache(4, [5, 9], num_kv_heads=2)
     args = dict(
@@ -301,8 +325,11 @@ def test_argmax_logsumexp_matches_torch_and_takes_the_first_maximum(dtype: torch
     torch.testing.assert_close(lse[:5], expected, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("pool_pad", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_write_kv_matches_the_reference_and_skips_padding(dtype: torch.dtype) -> None:
+def test_write_kv_matches_the_reference_and_skips_padding(
+    dtype: torch.dtype, pool_pad: int | None
+) -> None:
     gen = torch.Generator().manual_seed(9)
     n, kv_heads, head_dim = 11, 2, 16
     qkv = torch.randn(n, (4 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
@@ -313,8 +340,13 @@ def test_write_kv_matches_the_reference_and_skips_padding(dtype: torch.dtype) ->
     caches = [torch.randn(6, 4, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
     expected = [c.clone() for c in caches]
     reference.reshape_and_cache(key, value, *expected, slots)
+    if pool_pad is not None:
+        caches[0], caches[1], pool = in_pool(caches[0], caches[1], pool_pad)
+        before = pool.clone()
     cpu_kernels.write_kv(key, value, *caches, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    if pool_pad is not None:  # the pool's other layers and padding are untouched
+        assert_unchanged_outside(before, pool, *caches)
 
 
 @pytest.mark.parametrize(
@@ -329,6 +361,16 @@ def test_write_kv_matches_the_reference_and_skips_padding(dtype: torch.dtype) ->
                 torch.tensor([0, 8]),
             ),
             "slot_mapping",
+        ),
+        (
+            lambda: cpu_kernels.write_kv(
+                torch.zeros(2, 1, 16),
+                torch.zeros(2, 1, 16),
+                torch.zeros(2, 4, 1, 16),
+                torch.zeros(2, 8, 1, 16)[:, ::2],  # rows of a block two rows apart
+                torch.tensor([0, 5]),
+            ),
+            "value_cache",
         ),
         (lambda: cpu_kernels.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-5), "weight"),
         (lambda: cpu_kernels.rms_norm(torch.zeros(2, 8).half(), torch.zeros(8), 1e-5), "x"),

@@ -18,7 +18,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from kernels import KernelArgumentError
 from kernels.cpu.quant import MODES, QuantMode, QuantWeight
+from tests.kernels.paged import assert_unchanged_outside, block_pool, layer_views
 from worker_service.attention import AttentionMetadata, AttentionSpec, get_backend_class
 from worker_service.models.arch import LayerKind, ModelArchConfig
 from worker_service.models.decoder import DecoderModel
@@ -196,8 +198,10 @@ def _logits(
     batch: DecodeBatch,
     native: bool,
     blocks: Blocks | None = None,
+    caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """One decode step's logits ([n, vocab], float32) on fresh copies of the caches."""
+    """One decode step's logits ([n, vocab], float32) on `caches` (written in place), by
+    default fresh copies of the batch's."""
     model = DecoderModel(
         arch,
         w.embed,
@@ -215,7 +219,8 @@ def _logits(
     backend = get_backend_class("cpu", spec)(
         HEADS, KV_HEADS, HEAD_DIM, arch.scale, arch.attn_softcap
     )
-    caches = [(k.clone(), v.clone()) for k, v in batch.caches]
+    if caches is None:
+        caches = [(k.clone(), v.clone()) for k, v in batch.caches]
     rows = torch.arange(len(CONTEXTS))
     logits = model.forward(batch.input_ids, batch.positions, caches, batch.metadata, backend, rows)
     assert (model.argmax_logprobs is not None) == native  # the native step ran, or not
@@ -237,6 +242,59 @@ def test_native_step_equals_the_per_layer_path(case: str, dtype: torch.dtype) ->
     # The feature changes the logits: a step that ignored it would fail above.
     plain = _logits(without, weights, batch, native=True)
     assert (native - plain).abs().max().item() > MATTERS, case
+
+
+def _pooled(
+    caches: list[tuple[torch.Tensor, torch.Tensor]], pad: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Copies of every layer's caches as views into one NaN-filled block-major pool (the
+    worker's layout: blocks a pool row apart); and the pool."""
+    shape = tuple(caches[0][0].shape)
+    pool = block_pool(len(caches), shape, pad, dtype=caches[0][0].dtype)
+    views = [layer_views(pool, layer, len(caches), shape) for layer in range(len(caches))]
+    for (key, value), (key_view, value_view) in zip(caches, views, strict=True):
+        key_view.copy_(key)
+        value_view.copy_(value)
+    return views, pool
+
+
+@pytest.mark.parametrize("pool_pad", [0, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_step_over_a_block_pool_equals_it_over_caches_of_their_own(
+    dtype: torch.dtype, pool_pad: int
+) -> None:
+    """Every layer's caches as views into one pool: the native step's logits are bit for bit
+    those over caches in their own memory, each layer's cache afterwards holds what theirs
+    does (the new tokens' K/V in their slots), nothing else in the pool changed; the
+    per-layer path over the pool agrees too."""
+    arch = CASES["window"][0]
+    gen = torch.Generator().manual_seed(31)
+    weights = _weights(arch, dtype, gen)
+    batch = _batch(dtype, gen)
+    own = [(k.clone(), v.clone()) for k, v in batch.caches]
+    expected = _logits(arch, weights, batch, native=True, caches=own)
+    views, pool = _pooled(batch.caches, pool_pad)
+    before = pool.clone()
+    assert torch.equal(_logits(arch, weights, batch, native=True, caches=views), expected)
+    for (key, value), (key_view, value_view) in zip(own, views, strict=True):
+        torch.testing.assert_close(key_view, key, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(value_view, value, rtol=0, atol=0, equal_nan=True)
+    assert_unchanged_outside(before, pool, *(cache for pair in views for cache in pair))
+    views, _ = _pooled(batch.caches, pool_pad)
+    per_layer = _logits(arch, weights, batch, native=False, caches=views)
+    assert (per_layer - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_native_step_refuses_layers_whose_blocks_lie_differently_apart() -> None:
+    arch = _arch()
+    gen = torch.Generator().manual_seed(32)
+    weights = _weights(arch, torch.float32, gen)
+    batch = _batch(torch.float32, gen)
+    views, _ = _pooled(batch.caches, 0)
+    views[1] = batch.caches[1]  # one layer in its own memory: blocks a block apart
+    with pytest.raises(KernelArgumentError) as info:
+        _logits(arch, weights, batch, native=True, caches=views)
+    assert info.value.name == "kv_caches"
 
 
 # Block types of the four projections, in turn per layer, so every type meets every shape.
