@@ -11,7 +11,9 @@ the cache it is given, with `write_kv=False`: nothing is written.
 KV cache layout (per layer, see `cache_engine.py`): key and value caches are each
 `[num_blocks, block_size, num_kv_heads, head_dim]`; token `i` of a sequence lives in block
 `block_table[i // block_size]` at offset `i % block_size`, i.e. flat slot
-`block_id * block_size + offset`.
+`block_id * block_size + offset`. A block's rows are back to back, but blocks may lie
+further apart than a block (a layer's caches are then views into one block-major pool of all
+layers), so slot s is row s of a flat view only of a contiguous cache.
 
 Backends are registered by name (`register_backend`) so that `--attention-backend` can pick
 one without this package importing the optional ones eagerly.

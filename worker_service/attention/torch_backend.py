@@ -10,6 +10,11 @@ computed explicitly (matmul, scale, cap * tanh(s / cap), mask, float32 softmax),
 transformers reference does, since SDPA cannot cap them; so are they with attention sinks
 (gpt-oss): each head's sink logit joins the softmax as one more column, which is dropped
 before the values are summed.
+
+A layer's cache may be a view whose blocks lie further apart than a block (into a block-major
+pool of all layers): slots are then rows of a flat view over its blocks and what lies between
+them (`cache_rows`), or, where no such view exists, (block, offset) pairs. Either index is
+made once per step and layout, as every layer of a pool shares its layout.
 """
 
 from __future__ import annotations
@@ -20,21 +25,23 @@ import torch.nn.functional as F
 from worker_service.attention.base import AttentionBackend, AttentionMetadata, register_backend
 
 
-def write_to_cache(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = skip
-    all_valid: bool,
-) -> None:
-    """Store each token's key/value at its flat slot (`block * block_size + offset`)."""
-    if not all_valid:
-        keep = slot_mapping >= 0
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat_shape = (-1, key_cache.shape[2], key_cache.shape[3])
-    key_cache.view(flat_shape).index_copy_(0, slot_mapping, key)
-    value_cache.view(flat_shape).index_copy_(0, slot_mapping, value)
+def cache_rows(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+) -> tuple[torch.Tensor, int] | None:
+    """The cache as a view of rows [rows, num_kv_heads, head_dim] in which slot
+    (block, offset) is row block * rows_per_block + offset, and rows_per_block; None when its
+    blocks are not dense or lie no whole number of rows apart. A contiguous cache's rows are
+    its slots; a view into a pool has the pool's other rows between its blocks, which no row
+    of its slots reaches."""
+    num_blocks, block_size, heads, dim = cache.shape
+    if cache.is_contiguous():
+        return cache.view(-1, heads, dim), block_size
+    row, stride = heads * dim, cache.stride(0)
+    if not num_blocks or not cache[0].is_contiguous() or stride % row or stride < block_size * row:
+        return None
+    per_block = stride // row
+    rows = (num_blocks - 1) * per_block + block_size
+    return cache.as_strided((rows, heads, dim), (row, dim, 1)), per_block
 
 
 def _slot_index(
@@ -59,7 +66,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def begin_step(self, metadata: AttentionMetadata) -> None:
         device = metadata.slot_mapping.device
-        self._all_slots_valid = bool((metadata.slot_mapping >= 0).all())
+        slots = metadata.slot_mapping
+        self._write_keep = None if bool((slots >= 0).all()) else slots >= 0
+        # Flat slots per use ("write", "prefill", "decode"), and their indices into caches
+        # whose blocks lie further apart (`_rows`, `_block_offsets`).
+        self._slots = {"write": slots if self._write_keep is None else slots[self._write_keep]}
+        self._row_index: dict[tuple[str, int], torch.Tensor] = {}
+        self._block_index: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if metadata.num_prefills:
             q_max = metadata.max_prefill_query_len
             offsets = torch.arange(q_max, device=device)
@@ -77,6 +90,7 @@ class TorchAttentionBackend(AttentionBackend):
                 self._prefill_slots = _slot_index(
                     metadata.prefill_block_tables, metadata.block_size, key_len
                 )
+                self._slots["prefill"] = self._prefill_slots
             keys = torch.arange(key_len, device=device)
             # Query i of a sequence sits at position context + i and sees key j iff
             # j <= context + i (causal over the prefix). Padded query rows still see key 0
@@ -87,7 +101,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._prefill_mask = allowed[:, None]  # [num_prefills, 1, q_max, key_len]
         if metadata.num_decodes:
             seq_max = metadata.max_decode_seq_len
-            self._decode_slots = _slot_index(
+            self._slots["decode"] = _slot_index(
                 metadata.decode_block_tables, metadata.block_size, seq_max
             )
             keys = torch.arange(seq_max, device=device)
@@ -129,9 +143,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         self._sinks = sinks
         if write_kv:
-            write_to_cache(
-                key, value, key_cache, value_cache, metadata.slot_mapping, self._all_slots_valid
-            )
+            if self._write_keep is not None:
+                key, value = key[self._write_keep], value[self._write_keep]
+            self._scatter(key_cache, key)
+            self._scatter(value_cache, value)
         n_pre = metadata.num_prefill_tokens
         parts = []
         if metadata.num_prefills:
@@ -162,9 +177,8 @@ class TorchAttentionBackend(AttentionBackend):
             k = key[self._prefill_rows]
             v = value[self._prefill_rows]
         else:
-            flat = (-1, self.num_kv_heads, self.head_dim)
-            k = key_cache.view(flat).index_select(0, self._prefill_slots)
-            v = value_cache.view(flat).index_select(0, self._prefill_slots)
+            k = self._gather(key_cache, "prefill")
+            v = self._gather(value_cache, "prefill")
             k = k.view(num_prefills, -1, self.num_kv_heads, self.head_dim)
             v = v.view(num_prefills, -1, self.num_kv_heads, self.head_dim)
         # Without a cached prefix or window, padded keys sit after every real query: plain
@@ -224,11 +238,56 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
         num_decodes = query.shape[0]
-        flat = (-1, self.num_kv_heads, self.head_dim)
-        k = key_cache.view(flat).index_select(0, self._decode_slots)
-        v = value_cache.view(flat).index_select(0, self._decode_slots)
+        k = self._gather(key_cache, "decode")
+        v = self._gather(value_cache, "decode")
         k = k.view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         mask = self._decode_mask if window is None else self._decode_window_mask(window)
         out = self._attend(query[:, :, None, :], k, v, mask)  # [num_decodes, num_heads, 1, dim]
         return out[:, :, 0, :]
+
+    # -- cache indexing (see the module docstring) ----------------------------------------------
+
+    def _scatter(
+        self,
+        cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        values: torch.Tensor,  # [num_written, num_kv_heads, head_dim]
+    ) -> None:
+        """values[i] into the cache at the step's i-th written slot."""
+        flat = cache_rows(cache)
+        if flat is None:
+            cache.index_put_(self._block_offsets("write", cache.shape[1]), values)
+        else:
+            rows, per_block = flat
+            rows.index_copy_(0, self._rows("write", cache.shape[1], per_block), values)
+
+    def _gather(
+        self,
+        cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        use: str,  # "prefill" | "decode"
+    ) -> torch.Tensor:  # [num_slots, num_kv_heads, head_dim]
+        flat = cache_rows(cache)
+        if flat is None:
+            return cache[self._block_offsets(use, cache.shape[1])]
+        rows, per_block = flat
+        return rows.index_select(0, self._rows(use, cache.shape[1], per_block))
+
+    def _rows(self, use: str, block_size: int, per_block: int) -> torch.Tensor:
+        """The rows (`cache_rows`) of the step's slots for `use`: the slots themselves when
+        blocks lie back to back."""
+        slots = self._slots[use]
+        if per_block == block_size:
+            return slots
+        rows = self._row_index.get((use, per_block))
+        if rows is None:
+            rows = slots // block_size * per_block + slots % block_size
+            self._row_index[use, per_block] = rows
+        return rows
+
+    def _block_offsets(self, use: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (blocks, offsets) of the step's slots for `use`."""
+        pair = self._block_index.get(use)
+        if pair is None:
+            slots = self._slots[use]
+            pair = self._block_index[use] = (slots // block_size, slots % block_size)
+        return pair

@@ -1,5 +1,6 @@
 """The CPU attention backends (torch, native, and Triton under its interpreter) against a
-per-sequence reference, and backend selection."""
+per-sequence reference, over caches of their own or views into a block-major pool of layers,
+and backend selection."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.kernels.paged import LAYOUTS, assert_unchanged_outside, in_pool
 from worker_service.attention import (
     AttentionBackendError,
     AttentionMetadata,
@@ -76,8 +78,13 @@ SEQS = [(0, 7), (5, 6), (70, 9), (9, 1), (3, 1), (14, 1), (90, 1)]
     ],
 )
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", TRITON_ON_CPU])
+@pytest.mark.parametrize("pool_pad", LAYOUTS)
 def test_mixed_batch_of_chunks_prefix_hits_and_decodes(
-    backend_name: str, window: int | None, softcap: float | None, with_sinks: bool
+    backend_name: str,
+    window: int | None,
+    softcap: float | None,
+    with_sinks: bool,
+    pool_pad: int | None,
 ) -> None:
     torch.manual_seed(0)
     # Sinks around the scores' size (keys are scaled up below), one per query head.
@@ -104,6 +111,9 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes(
     ]
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    if pool_pad is not None:  # the middle layer's views into a pool (NaN elsewhere)
+        key_cache, value_cache, pool = in_pool(key_cache, value_cache, pool_pad)
+        before = pool.clone()
     pre = [s for s in seqs if s[1] > 1]
     dec = seqs[len(pre) :]
 
@@ -151,10 +161,12 @@ def test_mixed_batch_of_chunks_prefix_hits_and_decodes(
         ]
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    # Every new token's K/V landed in its slot.
-    flat_k = key_cache.view(-1, KVH, D)
+    # Every new token's K/V landed in its slot, and nowhere outside the layer's caches.
+    flat_k = key_cache.reshape(-1, KVH, D)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)])
     assert torch.equal(flat_k[torch.tensor(slots)], new_k)
+    if pool_pad is not None:
+        assert_unchanged_outside(before, pool, key_cache, value_cache)
     if window is not None or softcap is not None or sinks is not None:  # features matter
         plain = torch.cat(
             [
