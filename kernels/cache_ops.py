@@ -1,7 +1,9 @@
 """Cache writes: new K/V into their slots, and whole-block copies for copy-on-write.
 
 Cache layout: `[num_blocks, block_size, num_kv_heads, head_dim]`; a slot is
-`block * block_size + offset`.
+`block * block_size + offset`. The kernels take the caches' strides, so blocks may lie further
+apart than a block (a layer's views into a block-major pool of all layers); head_dim must be
+unit-stride.
 """
 
 from __future__ import annotations

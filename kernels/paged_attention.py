@@ -2,7 +2,8 @@
 
 Cache layout (per layer): key and value `[num_blocks, block_size, num_kv_heads, head_dim]`;
 token `t` of a sequence lives in block `block_tables[seq, t // block_size]` at offset
-`t % block_size`.
+`t % block_size`. The kernels take the caches' strides (head_dim unit-stride), so blocks may
+lie further apart than a block: a layer's views into a block-major pool of all layers.
 
 One program handles (sequence, KV head, context partition). The query heads that share the KV
 head are stacked into the rows of one tile, so every K/V row loaded from memory serves the whole

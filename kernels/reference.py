@@ -2,7 +2,8 @@
 
 They favour clarity over speed (a Python loop per sequence) and compute softmax in fp32; tests
 compare the Triton kernels against them. Cache layout as in kernels/paged_attention.py:
-`[num_blocks, block_size, num_kv_heads, head_dim]`.
+`[num_blocks, block_size, num_kv_heads, head_dim]`, of any strides (they index by block and
+offset).
 """
 
 from __future__ import annotations

@@ -7,7 +7,15 @@ import torch
 
 import kernels
 from kernels import reference
-from tests.kernels.paged import DTYPES, skip_unsupported
+from tests.kernels.paged import (
+    DTYPES,
+    LAYOUTS,
+    assert_unchanged_outside,
+    block_pool,
+    in_pool,
+    layer_views,
+    skip_unsupported,
+)
 
 
 def random_cache(
@@ -17,10 +25,11 @@ def random_cache(
     return torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
 
 
+@pytest.mark.parametrize("pool_pad", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_reshape_and_cache_matches_reference(
-    device: str, dtype: torch.dtype, block_size: int
+    device: str, dtype: torch.dtype, block_size: int, pool_pad: int | None
 ) -> None:
     skip_unsupported(device, dtype)
     torch.manual_seed(block_size)
@@ -34,12 +43,17 @@ def test_reshape_and_cache_matches_reference(
     slots[::4] = -1  # padding tokens
     slots = slots.to(device)
     expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    if pool_pad is not None:  # the middle layer's views into a pool of layers
+        key_cache, value_cache, pool = in_pool(key_cache, value_cache, pool_pad)
+        before = pool.clone()
 
     kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
     reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
 
     assert torch.equal(key_cache, expected_key)
     assert torch.equal(value_cache, expected_value)
+    if pool_pad is not None:
+        assert_unchanged_outside(before, pool, key_cache, value_cache)
 
 
 def test_reshape_and_cache_skips_negative_slots(device: str) -> None:
@@ -56,8 +70,11 @@ def test_reshape_and_cache_skips_negative_slots(device: str) -> None:
     assert value_cache.sum().item() == 2.0 * 2 * 64
 
 
+@pytest.mark.parametrize("pool_pad", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_copy_blocks_matches_reference(device: str, dtype: torch.dtype) -> None:
+def test_copy_blocks_matches_reference(
+    device: str, dtype: torch.dtype, pool_pad: int | None
+) -> None:
     skip_unsupported(device, dtype)
     torch.manual_seed(1)
     layers = 2
@@ -65,6 +82,15 @@ def test_copy_blocks_matches_reference(device: str, dtype: torch.dtype) -> None:
     value_caches = [random_cache(8, 16, 2, 64, dtype).to(device) for _ in range(layers)]
     expected_keys = [c.clone() for c in key_caches]
     expected_values = [c.clone() for c in value_caches]
+    if pool_pad is not None:  # every layer's caches as views into one pool of layers
+        shape = tuple(key_caches[0].shape)
+        pool = block_pool(layers, shape, pool_pad, dtype=dtype, device=device)
+        for layer in range(layers):
+            key, value = layer_views(pool, layer, layers, shape)
+            key.copy_(key_caches[layer])
+            value.copy_(value_caches[layer])
+            key_caches[layer], value_caches[layer] = key, value
+        before = pool.clone()
     mapping = torch.tensor([[3, 0], [3, 5], [7, 1]], device=device)
 
     kernels.copy_blocks(key_caches, value_caches, mapping)
@@ -75,6 +101,8 @@ def test_copy_blocks_matches_reference(device: str, dtype: torch.dtype) -> None:
     ):
         assert torch.equal(actual, expected)
     assert torch.equal(key_caches[1][5], key_caches[1][3])
+    if pool_pad is not None:  # the padding after each block's layers is untouched
+        assert_unchanged_outside(before, pool, *key_caches, *value_caches)
 
 
 def test_cache_ops_reject_bad_arguments(device: str) -> None:

@@ -9,6 +9,7 @@ import kernels
 from kernels import decode_plan, paged_attention, reference
 from tests.kernels.paged import (
     DTYPES,
+    LAYOUTS,
     assert_close,
     make_attention_case,
     make_paged_cache,
@@ -26,6 +27,7 @@ def run_decode(
     block_size: int = 16,
     head_dim: int = 64,
     seed: int = 0,
+    pool_pad: int | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, reference output) for one random batch."""
@@ -38,6 +40,7 @@ def run_decode(
         dtype=dtype,
         device=device,
         seed=seed,
+        pool_pad=pool_pad,
     )
     scale = head_dim**-0.5
     args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, scale)
@@ -69,13 +72,22 @@ def test_decode_matches_reference(
     assert_close(actual, expected)
 
 
+@pytest.mark.parametrize("pool_pad", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_decode_block_sizes(device: str, dtype: torch.dtype, block_size: int) -> None:
+def test_decode_block_sizes(
+    device: str, dtype: torch.dtype, block_size: int, pool_pad: int | None
+) -> None:
     skip_unsupported(device, dtype)
     seq_lens = [block_size, block_size + 1, 3 * block_size - 1, 150]
     actual, expected = run_decode(
-        device, dtype, seq_lens, queries_per_kv=3, block_size=block_size, partition_size=64
+        device,
+        dtype,
+        seq_lens,
+        queries_per_kv=3,
+        block_size=block_size,
+        partition_size=64,
+        pool_pad=pool_pad,
     )
     assert_close(actual, expected)
 

@@ -9,6 +9,7 @@ import kernels
 from kernels import reference
 from tests.kernels.paged import (
     DTYPES,
+    LAYOUTS,
     assert_close,
     make_attention_case,
     skip_unsupported,
@@ -25,6 +26,7 @@ def run_prefill(
     block_size: int = 16,
     head_dim: int = 64,
     seed: int = 0,
+    pool_pad: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, reference output): sequence s has query_lens[s] new tokens at its end."""
     cache, query = make_attention_case(  # query: [num_tokens, num_heads, head_dim]
@@ -36,6 +38,7 @@ def run_prefill(
         dtype=dtype,
         device=device,
         seed=seed,
+        pool_pad=pool_pad,
     )
     starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32).to(device)  # [num_seqs+1]
     args = (
@@ -67,12 +70,19 @@ def test_prefill_matches_reference(
     assert_close(actual, expected)
 
 
+@pytest.mark.parametrize("pool_pad", LAYOUTS)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_prefill_block_sizes(device: str, block_size: int) -> None:
+def test_prefill_block_sizes(device: str, block_size: int, pool_pad: int | None) -> None:
     seq_lens = [block_size + 3, 2 * block_size, 100]
     query_lens = [block_size + 3, 5, 33]
     actual, expected = run_prefill(
-        device, torch.float32, seq_lens, query_lens, queries_per_kv=3, block_size=block_size
+        device,
+        torch.float32,
+        seq_lens,
+        query_lens,
+        queries_per_kv=3,
+        block_size=block_size,
+        pool_pad=pool_pad,
     )
     assert_close(actual, expected)
 
