@@ -100,7 +100,7 @@ def check_block_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> in
     caches, at least a block's size: further when a layer's caches are views into a
     block-major pool that all layers share. Returns that block stride, in elements."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.shape[0] and not cache[0].is_contiguous():
+        if not cache.is_contiguous() and not _dense_blocks(cache):
             raise KernelArgumentError(
                 name, f"each block must be contiguous, got strides {cache.stride()}"
             )
@@ -111,11 +111,23 @@ def check_block_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> in
                 "value_cache",
                 f"block stride {value_cache.stride(0)} differs from key_cache's {stride}",
             )
-        if stride < key_cache[0].numel():
+        block = math.prod(key_cache.shape[1:])
+        if stride < block:
             raise KernelArgumentError(
-                "key_cache", f"blocks overlap: {stride} elements apart, of {key_cache[0].numel()}"
+                "key_cache", f"blocks overlap: {stride} elements apart, of {block} each"
             )
     return stride
+
+
+def _dense_blocks(cache: torch.Tensor) -> bool:
+    """Whether every dimension but the first is laid out row-major without gaps (strides of
+    dimensions of size 1 do not count, as in `is_contiguous`)."""
+    expected = 1
+    for size, stride in zip(reversed(cache.shape[1:]), reversed(cache.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def check_block_tables(block_tables: torch.Tensor, num_seqs: int) -> None:
