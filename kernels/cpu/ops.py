@@ -1,7 +1,8 @@
 """Fused elementwise ops of the Llama decoder, and the sampler's per-row argmax / log-sum-exp.
 
 Each replaces a chain of torch calls with one pass over memory and one call (see ops.cpp
-for the rounding they keep). Tensors must be contiguous CPU float32 or bfloat16 tensors;
+for the rounding they keep). Tensors must be contiguous CPU float32 or bfloat16 tensors
+(but for row-strided inputs where noted, and write_kv's caches, whose blocks may lie apart);
 anything else raises `KernelArgumentError` naming the argument.
 `check=False` skips those checks, for callers that validated their inputs once per step
 (the model's decoder layers call these 4-5 times per layer).
