@@ -71,14 +71,13 @@ class BookkeepingExecutor:
 
 def layouts(worker: Worker) -> dict[str, KvLayout]:
     hybrid = worker.model_info.kv_layout
-    return {"before (one group)": single_group(hybrid.num_layers), "hybrid": hybrid}
+    # The layout before groups: every layer of the model's one width keeps every token.
+    before = single_group(hybrid.num_layers, hybrid.unit)
+    return {"before (one group)": before, "hybrid": hybrid}
 
 
 def block_bytes(worker: Worker, layout: KvLayout) -> int:
-    arch = worker.model.arch
-    return cache_block_size_bytes(
-        layout.slots, arch.num_kv_heads, arch.head_dim, worker.config.block_size, worker.dtype
-    )
+    return cache_block_size_bytes(layout, worker.config.block_size, worker.dtype)
 
 
 def accounting_engine(worker: Worker, layout: KvLayout, max_model_len: int) -> LLMEngine:
@@ -172,7 +171,7 @@ def main() -> None:
     print(f"model {GEMMA3_270M}: {worker.model_info.kv_layout}")
     print(f"KV memory {config.kv_cache_memory_bytes // MiB} MiB, {worker.dtype}")
     for name, layout in layouts(worker).items():
-        print(f"\n## {name}: {len(layout.groups)} groups of {layout.slots} layers, "
+        print(f"\n## {name}: {len(layout.groups)} groups, {layout.slots} slots a block, "
               f"{config.kv_cache_memory_bytes // block_bytes(worker, layout)} blocks")  # fmt: skip
         for tokens in (1024, 8192, 32760):
             print(f"resident K/V at {tokens} tokens: "

@@ -1,16 +1,20 @@
 """How a model's layers keep their K/V in the paged cache: KV groups (DESIGN.md, section 13).
 
 Layers that attend alike share one block table per sequence: a **group** is a list of layers
-of one kind (full attention, or a sliding window of W tokens). Every block of the worker's
-one pool holds the K/V of `slots` layers for `block_size` tokens; a block given to group g
-holds its layers in slots 0, 1, ... (slot j = `group.layers[j]`). So one block id space
-serves every group, memory moves between groups as the load changes, and swaps, copies and
-transfers move whole blocks whatever group they belong to.
+of one kind (full attention, or a sliding window of W tokens) and one K/V width (elements
+per token: kv heads x head dim). Every block of the worker's one pool holds `slots` slots of
+`unit` elements per token, K and V; a layer takes `width / unit` consecutive slots
+(`KvGroup.units`), so a block given to group g holds its j-th layer in slots
+[j * units, (j + 1) * units). The unit is the greatest common divisor of the layers' widths:
+layers of different head sizes (Gemma 4's 256 and 512) share the one pool without padding.
+So one block id space serves every group, memory moves between groups as the load changes,
+and swaps, copies and transfers move whole blocks whatever group they belong to.
 
-Groups are cut to equal sizes so that no slot sits idle: each kind's layers are split into
-groups of as many layers as the smallest kind has (the last group of a kind may be shorter,
-its spare slots unused). A model whose layers all attend alike is one group of every layer,
-the layout before groups existed.
+Groups are cut to equal sizes so that no slot sits idle: a block holds as many slots as the
+smallest kind needs for all its layers (at least one layer of the widest), and each kind's
+layers are split into groups that fill it (the last group of a kind may be shorter, its
+spare slots unused). A model whose layers all attend alike is one group of every layer, the
+layout before groups existed.
 
 A windowed group keeps only the blocks that the window can still read. Its table stays
 indexed by position (entry i holds positions [i * block_size, (i + 1) * block_size)); the
@@ -29,6 +33,7 @@ the same layout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,7 +51,12 @@ class KvGroup:
     """Layers that share one block table per sequence."""
 
     sliding_window: int | None  # keys less than this many positions behind a query; None: all
-    layers: tuple[int, ...]  # the layers whose K/V its blocks hold, slot j = layers[j]
+    layers: tuple[int, ...]  # the layers whose K/V its blocks hold, in slot order
+    units: int = 1  # slots each layer takes: its K/V width per token over the layout's unit
+
+    def first_slot(self, j: int) -> int:
+        """The first slot of the group's j-th layer in each of its blocks."""
+        return j * self.units
 
     def first_live_block(self, position: int, block_size: int) -> int:
         """The first table index a windowed group keeps while its next computed position is
@@ -59,13 +69,14 @@ class KvGroup:
 @dataclass(frozen=True, slots=True)
 class KvLayout:
     groups: tuple[KvGroup, ...]
-    slots: int  # layers one block holds: the size of the largest group
+    slots: int  # slots one block holds (each `unit` elements per token, K and V)
     # Layers that store no K/V of their own and read another layer's (KV shared across
     # layers, Gemma 4): layer -> the layer whose cache it reads. In no group.
     shared: tuple[tuple[int, int], ...] = ()
     # Layers that keep a recurrent state per sequence (a state slot) instead of K/V. In no
     # group.
     state_layers: tuple[int, ...] = ()
+    unit: int = 1  # elements per token of one slot, K or V: the gcd of the layers' widths
 
     @property
     def has_states(self) -> bool:
@@ -82,12 +93,12 @@ class KvLayout:
         return any(w is not None for w in self.windows)
 
     def slot_of_layer(self) -> dict[int, tuple[int, int]]:
-        """Layer -> (group, slot) of the blocks that hold its K/V (a shared layer: its
-        source's)."""
+        """Layer -> (group, first slot) of the blocks that hold its K/V (a shared layer: its
+        source's); it spans its group's `units` slots from there."""
         slots = {
-            layer: (g, slot)
+            layer: (g, group.first_slot(j))
             for g, group in enumerate(self.groups)
-            for slot, layer in enumerate(group.layers)
+            for j, layer in enumerate(group.layers)
         }
         for layer, source in self.shared:
             slots[layer] = slots[source]
@@ -128,21 +139,28 @@ def window_span(window: int, block_size: int, chunk: int) -> int:
     return -(-(window - 1) // block_size) + (chunk + block_size - 2) // block_size + 1
 
 
-def single_group(num_layers: int) -> KvLayout:
-    """The layout of a model whose layers all attend to every key."""
-    return KvLayout((KvGroup(None, tuple(range(num_layers))),), num_layers)
+def single_group(num_layers: int, width: int = 1) -> KvLayout:
+    """The layout of a model whose layers all attend to every key, each storing `width`
+    elements per token (K or V)."""
+    return KvLayout((KvGroup(None, tuple(range(num_layers))),), num_layers, unit=width)
 
 
 def plan_layout(
     layer_windows: Sequence[int | None],
     kv_sources: dict[int, int] | None = None,
     state_layers: Sequence[int] = (),
+    widths: Sequence[int] | int = 1,
 ) -> KvLayout:
-    """Group layers by their window (None: full attention), full-attention groups first, then
-    by window size; every group at most as large as the smallest kind. `kv_sources` maps a
-    layer that reads another layer's K/V (and stores none) to that layer, which must store
-    its own and attend with the same window. `state_layers` keep a recurrent state instead
-    of K/V (their windows are not read)."""
+    """Group layers by their kind, a window (None: full attention) and a K/V width per token
+    (`widths`, per layer or one for all): full-attention groups first, then by window size,
+    then by width. A block holds as many slots as the smallest kind fills (at least one layer
+    of the widest), each kind cut into groups that fit it. `kv_sources` maps a layer that
+    reads another layer's K/V (and stores none) to that layer, which must store its own and
+    attend with the same window and width. `state_layers` keep a recurrent state instead of
+    K/V (their windows and widths are not read)."""
+    width_of = [widths] * len(layer_windows) if isinstance(widths, int) else list(widths)
+    if len(width_of) != len(layer_windows):
+        raise KvLayoutError(f"{len(width_of)} widths for {len(layer_windows)} layers")
     sources = dict(kv_sources or {})
     states = tuple(sorted(set(state_layers)))
     for layer in states:
@@ -158,20 +176,31 @@ def plan_layout(
                 f"layer {layer}: window {layer_windows[layer]} reads the K/V of layer {source}, "
                 f"window {layer_windows[source]}"
             )
+        if width_of[layer] != width_of[source]:
+            raise KvLayoutError(
+                f"layer {layer}: width {width_of[layer]} reads the K/V of layer {source}, "
+                f"width {width_of[source]}"
+            )
     storing = [i for i in range(len(layer_windows)) if i not in sources and i not in states]
     if not storing:
         raise KvLayoutError("a model needs at least one layer that stores K/V")
     for i, window in enumerate(layer_windows):
         if window is not None and window < 1:
             raise KvLayoutError(f"layer {i}: sliding window must be at least 1, got {window}")
-    kinds: dict[int | None, list[int]] = {}
+        if width_of[i] < 1 and i in storing:
+            raise KvLayoutError(f"layer {i}: K/V width must be at least 1, got {width_of[i]}")
+    unit = math.gcd(*(width_of[layer] for layer in storing))
+    kinds: dict[tuple[int | None, int], list[int]] = {}
     for layer in storing:
-        kinds.setdefault(layer_windows[layer], []).append(layer)
-    size = min(len(layers) for layers in kinds.values())
-    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
-    groups = tuple(
-        KvGroup(window, tuple(kinds[window][start : start + size]))
-        for window in order
-        for start in range(0, len(kinds[window]), size)
+        kinds.setdefault((layer_windows[layer], width_of[layer] // unit), []).append(layer)
+    slots = max(
+        min(len(layers) * units for (_, units), layers in kinds.items()),
+        max(units for _, units in kinds),
     )
-    return KvLayout(groups, size, tuple(sorted(sources.items())), states)
+    order = sorted(kinds, key=lambda kind: (kind[0] is not None, kind[0] or 0, kind[1]))
+    groups = tuple(
+        KvGroup(window, tuple(kinds[window, units][start : start + slots // units]), units)
+        for window, units in order
+        for start in range(0, len(kinds[window, units]), slots // units)
+    )
+    return KvLayout(groups, slots, tuple(sorted(sources.items())), states, unit)

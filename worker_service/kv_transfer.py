@@ -130,7 +130,6 @@ def _pull(cache: CacheEngine, item: BlockImport) -> tuple[torch.Tensor, memoryvi
             received = end
     if received != len(data):
         raise ValueError(f"the export sent {received} bytes, not {len(data)}")
-    layers_kv, block = cache.device_cache.shape[:2], cache.device_cache.shape[3:]
     count = blocks_bytes // cache.device_cache.element_size()
     # A round may carry a state snapshot alone (its blocks copied by earlier rounds).
     blocks = (
@@ -139,4 +138,4 @@ def _pull(cache: CacheEngine, item: BlockImport) -> tuple[torch.Tensor, memoryvi
         else torch.empty(0, dtype=cache.dtype)
     )
     state = memoryview(data)[blocks_bytes:] if state_bytes else None
-    return blocks.view(*layers_kv, expected[0], *block), state
+    return blocks.view(expected[0], *cache.device_cache.shape[1:]), state

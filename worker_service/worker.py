@@ -12,7 +12,7 @@ import torch
 
 from llmserve.batch_limits import BatchLimits, GivenBatchLimits, adopt_batch_limits
 from llmserve.gguf_files import reading_gguf_once
-from llmserve.kv_layout import plan_layout
+from llmserve.kv_layout import KvLayout, KvLayoutError, plan_layout
 from llmserve.logs import get_logger
 from llmserve.model_spec import memoize_gguf_name_maps, resolve_model
 from llmserve.steps import StepInput, StepResult, TokenMask
@@ -111,17 +111,21 @@ class Worker:
         max_len = arch.max_position_embeddings
         if self.config.max_model_len is not None:
             max_len = min(max_len, self.config.max_model_len)
-        spec = AttentionSpec(
-            self.device,
-            self.dtype,
-            arch.num_heads,
-            arch.num_kv_heads,
-            arch.head_dim,
-            sliding_window=arch.sliding_window,
-            softcap=arch.attn_softcap,
-            sinks=arch.attention_sinks,
-        )
-        backend_cls = get_backend_class(self.config.attention_backend, spec)
+        kv_layers = [i for i, kind in enumerate(arch.layers) if not kind.linear]
+        specs = [
+            AttentionSpec(
+                self.device,
+                self.dtype,
+                arch.num_heads,
+                num_kv_heads,
+                head_dim,
+                sliding_window=arch.sliding_window,
+                softcap=arch.attn_softcap,
+                sinks=arch.attention_sinks,
+            )
+            for num_kv_heads, head_dim in sorted({arch.kv_shape(i) for i in kv_layers})
+        ]
+        backend_cls = get_backend_class(self.config.attention_backend, specs)
         hf_model = hf_model.to(device=self.device, dtype=self.dtype)
         # The native CPU backend brings the fused elementwise kernels and the prepacked
         # matmuls along; `torch` stays plain torch throughout, as the reference.
@@ -154,7 +158,11 @@ class Worker:
         windows = [kind.sliding_window for kind in arch.layers]
         if not self.config.hybrid_kv_cache:
             windows = [None] * len(windows)  # one full group: every layer keeps every token
-        layout = plan_layout(windows, arch.kv_sources, arch.linear_layers)
+        widths = [
+            heads * head_dim for heads, head_dim in map(arch.kv_shape, range(arch.num_layers))
+        ]
+        layout = plan_layout(windows, arch.kv_sources, arch.linear_layers, widths)
+        _check_group_shapes(layout, arch)
         self._info = ModelInfo(
             model=self.config.model,
             architecture=arch.architecture,
@@ -180,17 +188,18 @@ class Worker:
                     f"{'full' if g.sliding_window is None else g.sliding_window}:{len(g.layers)}"
                     for g in layout.groups
                 ],
-                layers_per_block=layout.slots,
+                slots_per_block=layout.slots,
             )
         metrics.WEIGHT_BYTES.labels(format=self._info.weight_format).set(self._info.weight_bytes)
         # One backend per KV group: a backend keeps per-step state (masks, gather indices)
         # built from its group's block tables.
-        backends: list[AttentionBackend] = [
-            backend_cls(
-                arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.scale, arch.attn_softcap
+        backends: list[AttentionBackend] = []
+        for group in layout.groups:
+            num_kv_heads, head_dim = arch.kv_shape(group.layers[0])
+            scale = arch.layer_scale(group.layers[0])
+            backends.append(
+                backend_cls(arch.num_heads, num_kv_heads, head_dim, scale, arch.attn_softcap)
             )
-            for _ in layout.groups
-        ]
         sampler = Sampler(
             arch.vocab_size, eos, seed=self.config.seed, native_reductions=backend_cls.name == "cpu"
         )
@@ -216,14 +225,7 @@ class Worker:
 
     # -- KV cache --------------------------------------------------------------------------
     def get_cache_block_size_bytes(self) -> int:
-        arch = self.model.arch
-        return cache_block_size_bytes(
-            self.model_info.kv_layout.slots,
-            arch.num_kv_heads,
-            arch.head_dim,
-            self.config.block_size,
-            self.dtype,
-        )
+        return cache_block_size_bytes(self.model_info.kv_layout, self.config.block_size, self.dtype)
 
     @property
     def num_state_slots(self) -> int:
@@ -388,10 +390,10 @@ class Worker:
             states = StatePools(
                 layout.state_layers, shapes, num_state_slots, self.dtype, self.device
             )
+        state_layers = set(arch.linear_layers)
         return CacheEngine(
             self.model_info.kv_layout,
-            arch.num_kv_heads,
-            arch.head_dim,
+            [None if i in state_layers else arch.kv_shape(i) for i in range(arch.num_layers)],
             self.config.block_size,
             num_gpu_blocks,
             num_cpu_blocks,
@@ -479,6 +481,16 @@ class Worker:
     def num_sequences(self) -> int:
         """Sequences whose state this worker holds (0 once every request is finished)."""
         return len(self.runner.states)
+
+
+def _check_group_shapes(layout: KvLayout, arch: ModelArchConfig) -> None:
+    """A group's layers attend with one backend: refuse layers of one width but different
+    shapes laid out together (say 2 heads of 256 beside 1 of 512), by name."""
+    for group in layout.groups:
+        shapes = {arch.kv_shape(layer): layer for layer in group.layers}
+        if len(shapes) > 1:
+            described = ", ".join(f"layer {i}: {h} kv heads x {d}" for (h, d), i in shapes.items())
+            raise KvLayoutError(f"one KV group holds layers of different shapes ({described})")
 
 
 def _state_shapes(arch: ModelArchConfig) -> StateShapes | None:

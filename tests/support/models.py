@@ -244,11 +244,14 @@ def _gemma4_config(common: dict[str, Any], moe: bool) -> Any:
     """Per-layer inputs, the last two layers reading earlier layers' K/V, keys reused as values
     on the global layers, proportional rotary on a quarter of their head; `moe`: alternating
     layer types (other KV sources), experts beside double-wide dense MLPs. The global layers'
-    head_dim equals the local one: one KV pool holds one shape (the worker refuses others)."""
+    heads are twice as wide as the local ones (64 against 32, as Gemma 4's 512 against 256):
+    twice the K/V width per token, or with `moe` the same width in one K/V head (as the
+    large Gemma 4 models' fewer global K/V heads)."""
     import transformers as tf
 
     types = ["sliding_attention", "full_attention"] * 3 if moe else _GEMMA4_TYPES
     experts = dict(
+        num_global_key_value_heads=1,
         enable_moe_block=True,
         use_double_wide_mlp=True,
         num_experts=4,
@@ -257,7 +260,7 @@ def _gemma4_config(common: dict[str, Any], moe: bool) -> Any:
     )
     settings: dict[str, Any] = dict(
         head_dim=32,
-        global_head_dim=32,
+        global_head_dim=64,
         sliding_window=WINDOW,
         layer_types=types,
         num_kv_shared_layers=2,

@@ -22,6 +22,7 @@ one without this package importing the optional ones eagerly.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,19 +286,23 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
-def get_backend_class(name: str, spec: AttentionSpec) -> type[AttentionBackend]:
-    """Resolve `auto|cpu|triton|torch` to a backend class that can run `spec`.
+def get_backend_class(
+    name: str, spec: AttentionSpec | Sequence[AttentionSpec]
+) -> type[AttentionBackend]:
+    """Resolve `auto|cpu|triton|torch` to a backend class that can run `spec` (or every one
+    of several: a model whose layers attend in different shapes).
 
     `auto` picks `triton` on CUDA and the native `cpu` kernels on CPU when they can run the
     model here, else `torch`.
     """
+    specs = [spec] if isinstance(spec, AttentionSpec) else list(spec)
     if name == "auto":
-        for candidate in _AUTO_ORDER.get(spec.device.type, ()):
+        for candidate in _AUTO_ORDER.get(specs[0].device.type, ()):
             try:
-                return get_backend_class(candidate, spec)
+                return get_backend_class(candidate, specs)
             except AttentionBackendError:
                 pass
-        return get_backend_class("torch", spec)
+        return get_backend_class("torch", specs)
     if name not in _REGISTRY and name in _LAZY_MODULES:
         import importlib
 
@@ -311,7 +316,8 @@ def get_backend_class(name: str, spec: AttentionSpec) -> type[AttentionBackend]:
         known = sorted({*_REGISTRY, *_LAZY_MODULES})
         raise AttentionBackendError(f"unknown attention backend {name!r}; known: {known}")
     cls = _REGISTRY[name]
-    reason = cls.unsupported_reason(spec)
-    if reason is not None:
-        raise AttentionBackendError(f"attention backend {name!r} cannot run here: {reason}")
+    for one in specs:
+        reason = cls.unsupported_reason(one)
+        if reason is not None:
+            raise AttentionBackendError(f"attention backend {name!r} cannot run here: {reason}")
     return cls

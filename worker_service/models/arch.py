@@ -52,6 +52,10 @@ class LayerKind:
     # A Gated DeltaNet layer (`ModelArchConfig.linear_attention`): it stores no K/V and keeps
     # a fixed-size state per sequence instead (`delta_net`); window and rope do not apply.
     linear: bool = False
+    # This layer's attention shape where it differs from the model's (Gemma 4's global
+    # layers): its head size (queries, keys and values) and its K/V heads. None: the model's.
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +172,28 @@ class ModelArchConfig:
 
     @property
     def scale(self) -> float:
-        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+        return self.layer_scale(0)
+
+    def layer_scale(self, layer: int) -> float:
+        """The attention scale of one layer (its head size's, unless the family fixes one)."""
+        if self.attention_scale is not None:
+            return self.attention_scale
+        return self.layer_head_dim(layer) ** -0.5
+
+    def layer_head_dim(self, layer: int) -> int:
+        kind = self.layers[layer]
+        return self.head_dim if kind.head_dim is None else kind.head_dim
+
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """One layer's (num_kv_heads, head_dim) as its K/V cache holds them."""
+        kind = self.layers[layer]
+        heads = self.num_kv_heads if kind.num_kv_heads is None else kind.num_kv_heads
+        return heads, self.layer_head_dim(layer)
+
+    @property
+    def uniform_attention(self) -> bool:
+        """Whether every layer attends with the model's head size and K/V heads."""
+        return all(k.head_dim is None and k.num_kv_heads is None for k in self.layers)
 
     @property
     def rope(self) -> RopeSpec:
@@ -205,6 +230,7 @@ class ModelArchConfig:
             f"activation {self.activation!r}": self.activation != "silu",
             "partial rotary": any(r.rotary_dim != self.head_dim for r in self.ropes),
             "KV-shared layers": bool(self.kv_sources),
+            "per-layer attention shapes": not self.uniform_attention,
         }
         return [name for name, present in checks.items() if present]
 
@@ -221,6 +247,7 @@ class ModelArchConfig:
             "layer scalars": self.layer_scalars,
             "attention output gate": self.attention_output_gate,
             "linear-attention layers": bool(self.linear_layers),
+            "per-layer attention shapes": not self.uniform_attention,
         }
         return [name for name, present in checks.items() if present]
 
@@ -281,10 +308,13 @@ def read_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def read_ropes_by_layer_type(config: Any) -> tuple[tuple[RopeSpec, ...], dict[str, int]]:
+def read_ropes_by_layer_type(
+    config: Any, head_dims: dict[str, int] | None = None
+) -> tuple[tuple[RopeSpec, ...], dict[str, int]]:
     """One rotary table per layer type, from `rope_parameters` keyed by layer type (Gemma 3,
     OLMo 3): the tables, and the map from layer type to table that `read_layer_kinds`
-    takes. Refuses rope parameters that do not name every layer type."""
+    takes. `head_dims`: the head size of a layer type where it is not the config's. Refuses
+    rope parameters that do not name every layer type."""
     params = getattr(config, "rope_parameters", None) or {}
     missing = [t for t in _LAYER_TYPES if t not in params]
     if missing:
@@ -293,7 +323,8 @@ def read_ropes_by_layer_type(config: Any) -> tuple[tuple[RopeSpec, ...], dict[st
             f"missing {missing}, got {list(params)}"
         )
     head_dim = read_head_dim(config)
-    ropes = tuple(read_rope_spec(params[t], head_dim, config) for t in _LAYER_TYPES)
+    sizes = head_dims or {}
+    ropes = tuple(read_rope_spec(params[t], sizes.get(t, head_dim), config) for t in _LAYER_TYPES)
     return ropes, {t: i for i, t in enumerate(_LAYER_TYPES)}
 
 

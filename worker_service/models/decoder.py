@@ -164,8 +164,6 @@ class DecoderModel:
         self.lm_head = lm_head
         self.dtype = embed.dtype
         self.device = embed.device
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
         # The KV group of each layer (`llmserve.kv_layout`): which of a step's metadata and
         # backends it attends with. One group unless the worker lays the cache out in more.
         self.layer_groups: tuple[int, ...] = (0,) * arch.num_layers
@@ -273,12 +271,12 @@ class DecoderModel:
                 gate = None  # [num_tokens, num_heads * head_dim]
                 if kind.kv_source is None:
                     q, k, v, gate = self._qkv(
-                        h, weights, positions, rotations[kind.rope], kind.rope
+                        h, weights, positions, rotations[kind.rope], kind.rope, i
                     )
                     if i in self._kv_sources:
                         step_kv[i] = (k, v)
                 else:
-                    q = self._q_only(h, weights, rotations[kind.rope])
+                    q = self._q_only(h, weights, rotations[kind.rope], i)
                     k, v = step_kv[kind.kv_source]
                 g = layer_groups[i]
                 attn = backends[g].forward(
@@ -329,7 +327,7 @@ class DecoderModel:
         weights: LayerWeights,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """The output projection of the attention, gated first where the arch gates it."""
-        out = attn.reshape(-1, self.q_size)
+        out = attn.reshape(attn.shape[0], -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.linear(out, weights.o, weights.o_bias)
@@ -430,27 +428,31 @@ class DecoderModel:
         positions: torch.Tensor,  # [num_tokens] int64
         rotation: tuple[torch.Tensor, torch.Tensor] | None,
         rope: int | None,
+        layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """q, k, v [num_tokens, heads, head_dim] each, and the output gate [num_tokens,
-        num_heads * head_dim] with `arch.attention_output_gate` (else None)."""
+        """q, k, v [num_tokens, heads, head_dim] each (the layer's head size), and the output
+        gate [num_tokens, num_heads * head_dim] with `arch.attention_output_gate` (else
+        None)."""
         arch = self.arch
         assert weights.qkv is not None
+        num_kv_heads, head_dim = arch.kv_shape(layer)
+        q_size, kv_size = arch.num_heads * head_dim, num_kv_heads * head_dim
         qkv = self.linear(h, weights.qkv, weights.qkv_bias)
         n = qkv.shape[0]
         if self.fused_ops and rope is not None:
             cos, sin = self.rope_tables[rope]
-            heads = arch.num_heads + arch.num_kv_heads  # q and k lead each row
+            heads = arch.num_heads + num_kv_heads  # q and k lead each row
             cpu_ops.rotary_(qkv, positions, cos, sin, heads, check=False)
             rotation = None
-        gate_size = self.q_size if arch.attention_output_gate else 0
-        q, k, v, gate = qkv.split([self.q_size, self.kv_size, self.kv_size, gate_size], dim=-1)
+        gate_size = q_size if arch.attention_output_gate else 0
+        q, k, v, gate = qkv.split([q_size, kv_size, kv_size, gate_size], dim=-1)
         if arch.qk_norm == "full":
             assert weights.q_norm is not None and weights.k_norm is not None
             q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
             k = rms_norm(k, weights.k_norm, arch.rms_norm_eps, arch.norm)
-        q = q.view(n, arch.num_heads, arch.head_dim)
-        k = k.view(n, arch.num_kv_heads, arch.head_dim)
-        v = v.view(n, arch.num_kv_heads, arch.head_dim)
+        q = q.view(n, arch.num_heads, head_dim)
+        k = k.view(n, num_kv_heads, head_dim)
+        v = v.view(n, num_kv_heads, head_dim)
         if arch.qk_norm == "head":
             assert weights.q_norm is not None and weights.k_norm is not None
             q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
@@ -467,13 +469,15 @@ class DecoderModel:
         h: torch.Tensor,  # [num_tokens, hidden]
         weights: LayerWeights,  # qkv: the query projection alone
         rotation: tuple[torch.Tensor, torch.Tensor] | None,
+        layer: int,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """The queries of a layer that reads another layer's K/V (per-head q norm only:
         `fused_blockers` keeps the fused ops off for the families that share K/V)."""
         arch = self.arch
         assert not self.fused_ops and arch.qk_norm != "full" and not arch.attention_output_gate
         assert weights.qkv is not None
-        q = self.linear(h, weights.qkv, weights.qkv_bias).view(-1, arch.num_heads, arch.head_dim)
+        head_dim = arch.layer_head_dim(layer)
+        q = self.linear(h, weights.qkv, weights.qkv_bias).view(-1, arch.num_heads, head_dim)
         if weights.q_norm is not None:
             q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
         if rotation is not None:
@@ -508,14 +512,14 @@ class DecoderModel:
         def zeros(width: int) -> torch.Tensor:  # [num_tokens, width]
             return torch.zeros(num_tokens, width, dtype=self.dtype, device=self.device)
 
-        x, attn = zeros(arch.hidden_size), zeros(self.q_size)
-        for weights in self.layers:
+        x = zeros(arch.hidden_size)
+        for i, weights in enumerate(self.layers):
             if weights.delta_net is not None:
                 linear(x, weights.delta_net.in_proj)
                 linear(zeros(weights.delta_net.out_proj.shape[1]), weights.delta_net.out_proj)
             else:
                 linear(x, weights.qkv, weights.qkv_bias)
-                linear(attn, weights.o)
+                linear(zeros(arch.num_heads * arch.layer_head_dim(i)), weights.o)
             if weights.gate_up is not None and weights.down is not None:
                 linear(x, weights.gate_up)
                 # Layers' MLPs may differ in width (Gemma 4's double-wide ones).

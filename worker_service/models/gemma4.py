@@ -10,15 +10,21 @@ output, and these options of the config:
   projection for the values (normalized as values, not as keys);
 - proportional rotary on the global layers (frequencies for part of the head, the rest zero);
 - double-wide MLPs on the KV-shared layers (`use_double_wide_mlp`): wider weights, nothing else;
-- an expert block beside every dense MLP (`enable_moe_block`, `moe.parallel_moe_mlp`).
+- an expert block beside every dense MLP (`enable_moe_block`, `moe.parallel_moe_mlp`);
+- per-layer attention shapes (`per_layer_config`: the global layers' `global_head_dim` and
+  `num_global_key_value_heads`), as `LayerKind.head_dim` and `num_kv_heads`: the KV cache
+  gives each layer as many slots as its width takes (`llmserve.kv_layout`).
 
 `Gemma4ForConditionalGeneration` checkpoints load their text model (the vision and audio
-towers are not used). Refused by name: per-layer K/V shapes (one KV pool holds one shape),
-bidirectional attention over all tokens, and a per-layer input vocabulary smaller than the
+towers are not used). Refused by name: bidirectional attention over all tokens, a layer
+type whose layers differ in shape, and a per-layer input vocabulary smaller than the
 model's."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from worker_service.models.arch import (
@@ -38,9 +44,38 @@ from worker_service.models.weights import LayerWeights, MoeWeights, read_layer, 
 
 
 def read_config(config: Any, architecture: str) -> ModelArchConfig:
+    with _global_values(config):
+        return _read_config(config, architecture)
+
+
+@contextmanager
+def _global_values(config: Any) -> Iterator[None]:
+    """Let `config.head_dim` and `num_key_value_heads` read the config's own values while a
+    `per_layer_config` overrides them for some layers (transformers refuses such reads
+    unless asked): they are the model's shape, which `LayerKind` overrides per layer."""
+    flag = "allow_global_per_layer_attribute_access"
+    before = getattr(config, flag, None)
+    if before is None:  # a config without per-layer attributes
+        yield
+        return
+    setattr(config, flag, True)
+    try:
+        yield
+    finally:
+        setattr(config, flag, before)
+
+
+def _read_config(config: Any, architecture: str) -> ModelArchConfig:
     _refuse_unrun_features(config)
-    ropes, rope_of_type = read_ropes_by_layer_type(config)
+    shapes = _shapes_by_type(config)
+    ropes, rope_of_type = read_ropes_by_layer_type(
+        config, {t: head_dim for t, (_, head_dim) in shapes.items()}
+    )
     layers = read_layer_kinds(config, config.num_hidden_layers, rope_of_type=rope_of_type)
+    types = config.layer_types[: config.num_hidden_layers]
+    layers = tuple(
+        _with_shape(kind, shapes[t], config) for kind, t in zip(layers, types, strict=True)
+    )
     per_layer = config.hidden_size_per_layer_input or None
     return read_common(
         config,
@@ -67,20 +102,37 @@ def _refuse_unrun_features(config: Any) -> None:
         raise UnsupportedModelError(
             "use_bidirectional_attention 'all' is not supported (causal attention only)"
         )
-    shapes = {
-        (layer.head_dim, layer.num_key_value_heads)
-        for layer in (config.per_layer_config[i] for i in range(config.num_hidden_layers))
-    }
-    if len(shapes) > 1:
-        described = ", ".join(f"head_dim {d} x {h} kv heads" for d, h in sorted(shapes))
-        raise UnsupportedModelError(
-            f"per-layer KV head sizes ({described}): one KV pool holds one shape"
-        )
     if config.hidden_size_per_layer_input and config.vocab_size_per_layer_input < config.vocab_size:
         raise UnsupportedModelError(
             f"vocab_size_per_layer_input {config.vocab_size_per_layer_input} smaller than "
             f"vocab_size {config.vocab_size} is not supported"
         )
+
+
+def _shapes_by_type(config: Any) -> dict[str, tuple[int, int]]:
+    """Layer type -> its layers' (num_kv_heads, head_dim) from `per_layer_config`; refuses a
+    type whose layers differ (a rotary table and a KV group serve a type)."""
+    shapes: dict[str, set[tuple[int, int]]] = {}
+    for i, layer_type in enumerate(config.layer_types[: config.num_hidden_layers]):
+        layer = config.per_layer_config[i]
+        shapes.setdefault(layer_type, set()).add((layer.num_key_value_heads, layer.head_dim))
+    for layer_type, found in shapes.items():
+        if len(found) > 1:
+            described = ", ".join(f"{h} kv heads x head_dim {d}" for h, d in sorted(found))
+            raise UnsupportedModelError(
+                f"per_layer_config: {layer_type} layers of different shapes ({described})"
+            )
+    return {layer_type: next(iter(found)) for layer_type, found in shapes.items()}
+
+
+def _with_shape(kind: LayerKind, shape: tuple[int, int], config: Any) -> LayerKind:
+    """`kind` with its own K/V heads and head size where they differ from the config's."""
+    num_kv_heads, head_dim = shape
+    return replace(
+        kind,
+        num_kv_heads=None if num_kv_heads == config.num_key_value_heads else num_kv_heads,
+        head_dim=None if head_dim == config.head_dim else head_dim,
+    )
 
 
 def _with_kv_sources(config: Any, layers: tuple[LayerKind, ...]) -> tuple[LayerKind, ...]:
@@ -96,8 +148,7 @@ def _with_kv_sources(config: Any, layers: tuple[LayerKind, ...]) -> tuple[LayerK
                 f"num_kv_shared_layers {config.num_kv_shared_layers}: layer {i} "
                 f"({types[i]}) has no earlier {types[i]} layer that stores K/V"
             )
-        kind = kinds[i]
-        kinds[i] = LayerKind(kind.sliding_window, kind.rope, kv_source=sources[-1])
+        kinds[i] = replace(kinds[i], kv_source=sources[-1])
     return tuple(kinds)
 
 

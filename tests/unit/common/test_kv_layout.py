@@ -50,6 +50,22 @@ def test_shared_layers_store_nothing_and_read_their_source() -> None:
     assert layout.num_layers == 4
 
 
+def test_layers_take_slots_by_their_width_over_the_common_unit() -> None:
+    # The large Gemma 4s: local layers of 16 kv heads x 256, global of 4 x 512 (half as wide).
+    windows = ([1024] * 5 + [None]) * 2
+    layout = plan_layout(windows, widths=([16 * 256] * 5 + [4 * 512]) * 2)
+    assert (layout.unit, layout.slots) == (4 * 512, 2)
+    assert [(g.sliding_window, g.layers, g.units) for g in layout.groups] == [
+        (None, (5, 11), 1),
+        *[(1024, (layer,), 2) for layer in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)],
+    ]
+    assert layout.slot_of_layer()[11] == (0, 1)
+    # One kind too small to fill a layer of the widest: a block still holds one such layer.
+    narrow = plan_layout([4, None], widths=[8, 24])
+    assert (narrow.unit, narrow.slots) == (8, 3)
+    assert [(g.layers, g.units) for g in narrow.groups] == [((1,), 3), ((0,), 1)]
+
+
 @pytest.mark.parametrize(
     ("windows", "sources", "named"),
     [
@@ -64,6 +80,21 @@ def test_layouts_that_cannot_be_built_are_refused_naming_the_layer(
 ) -> None:
     with pytest.raises(KvLayoutError, match=named):
         plan_layout(windows, sources)
+
+
+@pytest.mark.parametrize(
+    ("widths", "sources", "named"),
+    [
+        ([64, 128], {1: 0}, "layer 1: width 128 reads the K/V of layer 0, width 64"),
+        ([64, 0], None, "layer 1: K/V width must be at least 1"),
+        ([64], None, "1 widths for 2 layers"),
+    ],
+)
+def test_widths_that_cannot_be_laid_out_are_refused_by_name(
+    widths: list[int], sources: dict[int, int] | None, named: str
+) -> None:
+    with pytest.raises(KvLayoutError, match=named):
+        plan_layout([None, None], sources, widths=widths)
 
 
 def test_a_window_keeps_every_block_its_queries_read() -> None:

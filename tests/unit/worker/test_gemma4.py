@@ -30,10 +30,15 @@ def test_features_are_read_from_the_config() -> None:
     assert arch.value_norm and arch.layer_scalars and arch.per_layer_input_size == 8
     assert arch.moe is None
     full = arch.ropes[arch.layers[2].rope]  # type: ignore[index]
-    assert (full.rope_type, full.rotary_dim, full.theta) == ("proportional", 32, 1e6)
+    assert (full.rope_type, full.rotary_dim, full.theta) == ("proportional", 64, 1e6)
+    # The global layers' heads are twice as wide; the shared layer 5 reads layer 2's.
+    assert [arch.kv_shape(i) for i in range(6)] == [(2, 32), (2, 32), (2, 64)] * 2
+    assert arch.layer_head_dim(5) == 64 and not arch.uniform_attention
     text = tiny_config("gemma4_mm").text_config
     text.architectures = None
-    moe = read_arch(text, CAUSAL).moe
+    moe_arch = read_arch(text, CAUSAL)
+    assert moe_arch.kv_shape(1) == (1, 64) and moe_arch.kv_shape(0) == (2, 32)
+    moe = moe_arch.moe
     assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (4, 2, 48)
     assert moe.routing == "scaled_softmax_topk" and moe.beside_dense and moe.norm_topk_prob
 
@@ -43,20 +48,20 @@ def test_proportional_frequencies_equal_transformers() -> None:
     others stay still (frequency 0)."""
     config = tiny_config("gemma4")
     params = config.rope_parameters["full_attention"]
-    ours = inverse_frequencies(32, 1e6, params)
+    ours = inverse_frequencies(64, 1e6, params)
     theirs, factor = ROPE_INIT_FUNCTIONS["proportional"](config, None, layer_type="full_attention")
     assert factor == 1.0
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-    assert ours[:4].gt(0).all() and ours[4:].eq(0).all()
+    assert ours[:8].gt(0).all() and ours[8:].eq(0).all()
 
 
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        (dict(global_head_dim=64), r"per-layer KV head sizes \(head_dim 32 .*head_dim 64"),
         (
-            dict(num_global_key_value_heads=1),
-            r"per-layer KV head sizes .*: one KV pool holds one shape",
+            dict(per_layer_config={2: {"head_dim": 64}}),
+            r"per_layer_config: full_attention layers of different shapes \(2 kv heads x "
+            r"head_dim 32, 2 kv heads x head_dim 64\)",
         ),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
         (dict(vocab_size_per_layer_input=64), "vocab_size_per_layer_input 64"),
@@ -71,18 +76,19 @@ def test_unimplemented_config_features_are_refused_by_name(
 
 
 def test_kv_shared_layers_store_nothing(tmp_path: Path) -> None:
-    """The layout holds blocks for the four layers that store K/V (one per group here: the
-    full layer 2 and the sliding layers 0, 1, 3); layers 4 and 5 read the slots of 3 and 2."""
+    """The layout holds blocks for the four layers that store K/V: the full layer 2, twice as
+    wide (two slots), and the sliding layers 0, 1, 3 (one slot each, in groups that fill two);
+    layers 4 and 5 read the slots of 3 and 2."""
     worker = make_worker(save_tiny_model("gemma4", tmp_path / "gemma4"), attention_backend="torch")
     layout = worker.model_info.kv_layout
-    assert [(g.sliding_window, g.layers) for g in layout.groups] == [
-        (None, (2,)),
-        (8, (0,)),
-        (8, (1,)),
-        (8, (3,)),
+    assert (layout.unit, layout.slots) == (64, 2)
+    assert [(g.sliding_window, g.layers, g.units) for g in layout.groups] == [
+        (None, (2,), 2),
+        (8, (0, 1), 1),
+        (8, (3,), 1),
     ]
     assert layout.shared == ((4, 3), (5, 2))
-    assert worker.model.layer_groups == (1, 2, 0, 3, 3, 0)
+    assert worker.model.layer_groups == (1, 1, 0, 2, 2, 0)
     caches = worker.cache_engine.layer_caches()
     assert caches[4][0].data_ptr() == caches[3][0].data_ptr()
     assert caches[5][1].data_ptr() == caches[2][1].data_ptr()
