@@ -26,7 +26,7 @@ def test_initialize_cache_takes_more_blocks_than_the_worker_offers(tiny_llama):
         assert (reply.num_gpu_blocks, reply.num_cpu_blocks) == (80, 20)
         cache = w.worker.cache_engine
         assert (cache.num_device_blocks, cache.num_host_blocks) == (80, 20)
-        assert cache.device_cache.shape[2] == 80
+        assert cache.device_cache.shape[0] == 80
         stream = Stream(w.stub)
         assert len(await stream.step(first_step())) == 1
         stream.call.cancel()

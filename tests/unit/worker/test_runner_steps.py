@@ -118,7 +118,7 @@ def test_swap_out_and_in_to_new_blocks_keeps_generation(tiny_llama: tuple[Path, 
     tokens = [out.outputs[0].samples[0].token_id]
     # Swap out to host blocks 10-14, clobber the device blocks, swap back into blocks 20-24.
     worker.execute(StepInput(1, blocks_to_swap_out=[(i, 10 + i) for i in range(5)]))
-    worker.cache_engine.device_cache[:, :, :5] = 7.0  # type: ignore[union-attr]
+    worker.cache_engine.device_cache[:5] = 7.0  # type: ignore[union-attr]
     out = worker.execute(
         StepInput(
             2,
