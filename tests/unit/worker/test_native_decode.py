@@ -24,8 +24,8 @@ from .factories import GreedyDriver, make_worker
 PROMPTS = {0: [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 1: [2, 71, 82], 2: [11, 12, 13, 14, 15]}
 # The families whose decode steps stay on the per-layer path (models/native.py).
 MOE_KINDS = ("qwen3_moe", "mixtral", "gpt_oss")
-# Gemma 4: per-layer inputs, KV-shared layers, value norm, layer scalars (and experts in the
-# multimodal tiny model) are not in decode.cpp.
+# Gemma 4: per-layer inputs, KV-shared layers, value norm, layer scalars, global layers of
+# another shape (and experts in the multimodal tiny model) are not in decode.cpp.
 GEMMA4_KINDS = ("gemma4", "gemma4_mm")
 DENSE_FAMILIES = [kind for kind in FAMILY_KINDS if kind not in MOE_KINDS + GEMMA4_KINDS]
 
@@ -117,7 +117,8 @@ def test_gemma4_decodes_per_layer_naming_its_features(
     worker = make_worker(model_dir[kind])
     assert worker.model.decode_step is None
     refused = worker.model.native_decode_refused or ""
-    for feature in ("KV-shared layers", "value norm", "per-layer inputs", "layer scalars"):
+    features = ("KV-shared layers", "value norm", "per-layer inputs", "layer scalars")
+    for feature in (*features, "per-layer attention shapes"):
         assert feature in refused, (feature, refused)
     assert ("mixture of experts" in refused) == (kind == "gemma4_mm")
 
