@@ -15,7 +15,6 @@ spread (min-max) of each over the rounds, and the machine.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import describe  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 from scheduler_service.engine.offline import generate  # noqa: E402
 from tests.support.engines import engine_on_worker  # noqa: E402
@@ -97,9 +97,7 @@ def main() -> None:
             for name in order:
                 run = {"llmserve cold": cold, "llmserve hit": warm, "HF": lambda: timed(peer)}
                 times[name].append(run[name]())
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    )
+    print(f"machine: {describe()}")
     print(f"prompt: {args.prefix} shared + {args.tail} tokens; {args.rounds} rounds")
     print("| run | TTFT median (s) | min-max (s) |")
     print("|---|---|---|")
