@@ -27,7 +27,7 @@ from kernels._checks import (
 from kernels.cpu.build import library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 256, 512)
 MAX_GROUP = 16  # query heads per kv head
 
 

@@ -25,7 +25,16 @@ from tests.kernels.paged import (
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # (num_heads, num_kv_heads, head_dim): the tiny test models, MHA, GQA 3:1 (SmolLM2), GQA 4:1,
 # MQA, wide and odd-sized heads.
-SHAPES = [(4, 2, 16), (4, 4, 32), (9, 3, 64), (8, 2, 64), (4, 1, 128), (2, 2, 256), (6, 2, 96)]
+SHAPES = [
+    (4, 2, 16),
+    (4, 4, 32),
+    (9, 3, 64),
+    (8, 2, 64),
+    (4, 1, 128),
+    (2, 2, 256),
+    (6, 2, 96),
+    (2, 1, 512),
+]
 
 
 @pytest.mark.parametrize("pool_pad", LAYOUTS)
