@@ -42,6 +42,7 @@ HEADERS = (
     "quant.h",
     "quant_fast.h",
     "quant_chunked.h",
+    "linear_attention.h",
 )
 
 

@@ -19,31 +19,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "linear_attention.h"
 #include "pool.h"
 #include "vec.h"
 
 namespace {
 
 using namespace llmserve;
-
-constexpr int64_t kParallelElements = 1 << 15;  // smaller steps run on the calling thread
-constexpr int64_t kMaxKeyDim = 512;             // q and k of one head are copied to the stack
-constexpr int64_t kMaxValueDim = 512;
-
-// x * sigmoid(x), sigmoid from e = exp(-|x|) <= 1: 1 / (1 + e) for x >= 0, e / (1 + e) below.
-inline vfloat silu(vfloat x) {
-  const vfloat e = exp_nonpositive(x < 0.0f ? x : -x);
-  return x * (x < 0.0f ? e : splat(1.0f)) / (1.0f + e);
-}
-
-// Loads n <= kLanes values (a whole vector, or a tail padded with zeros).
-template <typename T>
-inline vfloat load_lanes(const T* src, int64_t n) {
-  if (n == kLanes) return load(src);
-  alignas(64) float tmp[kLanes] = {};
-  for (int64_t i = 0; i < n; ++i) tmp[i] = to_float(src[i]);
-  return load(tmp);
-}
 
 // out[r, c] = act(bias[c] + sum_j taps[j, c] window_r[j, c]), where window_r is the
 // kernel_size - 1 inputs kept in row r's slot followed by x[r]; then the slot keeps the last
@@ -93,19 +75,6 @@ struct DeltaDecodeArgs {
   float scale;
   bool l2norm;
 };
-
-// Copies one head's row to float32, L2-normalised when asked (x / sqrt(|x|^2 + eps)), times
-// `scale`.
-template <typename T>
-void load_head(const T* src, int64_t dim, bool l2norm, float scale, float* dst) {
-  float squares = 0.0f;
-  for (int64_t i = 0; i < dim; ++i) {
-    dst[i] = to_float(src[i]);
-    squares += dst[i] * dst[i];
-  }
-  const float factor = l2norm ? scale / std::sqrt(squares + 1e-6f) : scale;
-  for (int64_t i = 0; i < dim; ++i) dst[i] *= factor;
-}
 
 // One value head of one sequence: state [k_dim, v_dim] updated in place, out [v_dim].
 template <typename T>
