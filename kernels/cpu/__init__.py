@@ -5,7 +5,8 @@ K/V straight from the paged cache; `decode.cpp` runs a whole decode step; `ops.c
 RMSNorm, rotary embedding, SiLU-and-multiply and the sampler's reductions (argmax and
 log-sum-exp; the best token a mask allows); `quant.cpp` keeps weights in GGUF blocks (Q4_0,
 Q4_1, Q8_0: dequantization, the linear layer in exact and fast mode, `kernels.cpu.quant`);
-`linear_attention.cpp` steps a Gated DeltaNet layer's conv and recurrent states at decode.
+`linear_attention.cpp` steps a Gated DeltaNet layer's conv and recurrent states at decode,
+`linear_prefill.cpp` runs them over packed prefill sequences.
 `build.py` compiles them for this CPU on first use.
 """
 
@@ -16,7 +17,12 @@ from kernels.cpu.attention import (
     unsupported_reason,
 )
 from kernels.cpu.build import NativeKernelUnavailable, is_available, library
-from kernels.cpu.linear_attention import causal_conv1d_update, gated_delta_rule_decode
+from kernels.cpu.linear_attention import (
+    causal_conv1d,
+    causal_conv1d_update,
+    gated_delta_rule_decode,
+    gated_delta_rule_prefill,
+)
 from kernels.cpu.ops import (
     argmax_logsumexp,
     masked_argmax,
@@ -30,8 +36,10 @@ __all__ = [
     "DTYPE_CODES",
     "NativeKernelUnavailable",
     "argmax_logsumexp",
+    "causal_conv1d",
     "causal_conv1d_update",
     "gated_delta_rule_decode",
+    "gated_delta_rule_prefill",
     "masked_argmax",
     "is_available",
     "library",

@@ -33,6 +33,7 @@ SOURCES = {
     "quant.cpp": ("-ffp-contract=off",),
     "quant_fast.cpp": (),
     "linear_attention.cpp": (),
+    "linear_prefill.cpp": (),
 }
 HEADERS = (
     "vec.h",
@@ -180,6 +181,22 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             *[ptr] * 3,
             *[i64] * 3,
             *[ptr] * 4,
+            *[i64] * 5,
+            f32,
+            i32,
+            ptr,
+        ],
+        # dtype, x, its row stride, conv state, taps, bias (or NULL), query_start_loc, slots,
+        # has_initial_state (bytes, or NULL), num seqs, dim, kernel size, silu, out
+        "llmserve_causal_conv1d": [i32, ptr, i64, *[ptr] * 6, i64, i64, i64, i32, ptr],
+        # dtype, q, k, v, their row strides, g, beta, state, query_start_loc, slots,
+        # has_initial_state (bytes, or NULL), num seqs, key heads, value heads, k dim, v dim,
+        # scale, l2norm, out
+        "llmserve_gated_delta_prefill": [
+            i32,
+            *[ptr] * 3,
+            *[i64] * 3,
+            *[ptr] * 6,
             *[i64] * 5,
             f32,
             i32,
