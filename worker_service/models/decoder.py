@@ -49,8 +49,8 @@ from worker_service.models.blocks import (
     softcap,
 )
 from worker_service.models.delta_net import (
-    NATIVE_DECODE,
-    TORCH_DECODE,
+    NATIVE_STATE_OPS,
+    TORCH_STATE_OPS,
     StateStep,
     gated_delta_net,
 )
@@ -110,9 +110,9 @@ class DecoderModel:
             cos_sin_for(spec, max_positions, embed.dtype, embed.device) for spec in arch.ropes
         ]
         self.cos, self.sin = self.rope_tables[0]
-        # The kernels linear-attention layers decode with: C++ where the native CPU ops were
-        # asked for (whether or not the model's elementwise ops can take them).
-        self.state_decode_ops = NATIVE_DECODE if fused_ops else TORCH_DECODE
+        # The kernels linear-attention layers' states run on: C++ where the native CPU ops
+        # were asked for (whether or not the model's elementwise ops can take them).
+        self.state_ops = NATIVE_STATE_OPS if fused_ops else TORCH_STATE_OPS
         self.native_decode: NativeDecode | None = None
         # Why decode steps run per layer although the native step was asked for, or None.
         self.native_decode_refused: str | None = None
@@ -366,7 +366,7 @@ class DecoderModel:
             states,
             self.arch.rms_norm_eps,
             self.linear,
-            self.state_decode_ops,
+            self.state_ops,
             layer,
         )
 

@@ -13,7 +13,8 @@ keeps bfloat16 outputs as close to transformers' as the attention families' are)
 The step's prefill sequences (several tokens each, first in the step) run through the packed
 kernels, which carry each sequence's state across its chunks; the decode rows (one token per
 sequence, last) through the decode kernels, which update every sequence's state at once
-instead of looping over sequences. A one-token sequence with no state yet
+instead of looping over sequences. `StateOps` names both sets: the torch references, or the
+C++ kernels of `kernels.cpu` (the `cpu` backend). A one-token sequence with no state yet
 (`has_initial_state` False) has its slot zeroed first: the decode kernels always read it.
 Sequences verifying drafts have several decode rows: they run in waves (`DraftRows`), one row
 of each sequence at a time, keeping the states a rejected draft goes back to.
@@ -57,15 +58,28 @@ class DeltaNetWeights:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeOps:
-    """The one-token-per-sequence kernels the decode rows run on."""
+class StateOps:
+    """The kernels a layer's states run on: the packed kernels for the prefill sequences, the
+    one-token-per-sequence kernels for the decode rows."""
 
+    conv: Callable[..., torch.Tensor]  # as `causal_conv1d.causal_conv1d`
+    delta_prefill: Callable[..., torch.Tensor]  # as `gated_delta_rule.gated_delta_rule_chunked`
     conv_update: Callable[..., torch.Tensor]  # as `causal_conv1d.causal_conv1d_update`
     delta_decode: Callable[..., torch.Tensor]  # as `gated_delta_rule.gated_delta_rule_decode`
 
 
-TORCH_DECODE = DecodeOps(conv_ops.causal_conv1d_update, delta_ops.gated_delta_rule_decode)
-NATIVE_DECODE = DecodeOps(cpu_ops.causal_conv1d_update, cpu_ops.gated_delta_rule_decode)
+TORCH_STATE_OPS = StateOps(
+    conv_ops.causal_conv1d,
+    delta_ops.gated_delta_rule_chunked,
+    conv_ops.causal_conv1d_update,
+    delta_ops.gated_delta_rule_decode,
+)
+NATIVE_STATE_OPS = StateOps(
+    cpu_ops.causal_conv1d,
+    cpu_ops.gated_delta_rule_prefill,
+    cpu_ops.causal_conv1d_update,
+    cpu_ops.gated_delta_rule_decode,
+)
 
 
 @dataclass(slots=True)
@@ -108,7 +122,7 @@ def gated_delta_net(
     step: StateStep,
     eps: float,
     linear: Callable[..., torch.Tensor],
-    decode_ops: DecodeOps = TORCH_DECODE,
+    ops: StateOps = TORCH_STATE_OPS,
     layer: int = 0,  # the layer's index, for the states kept between draft rows
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """The mixer over a step's tokens; each sequence's slot then holds its state after its
@@ -121,7 +135,7 @@ def gated_delta_net(
     g, beta = delta_ops.gated_delta_gates(a, b, w.a_log, w.dt_bias)  # [num_tokens, v_heads]
     core = h.new_empty(n, spec.num_v_heads, spec.v_dim)
     if p > 0:
-        convolved = conv_ops.causal_conv1d(
+        convolved = ops.conv(
             mixed[:p],
             conv_state,
             w.conv,
@@ -132,7 +146,7 @@ def gated_delta_net(
             activation=None,
         )
         q, k, v = _heads(F.silu(convolved), spec)
-        core[:p] = delta_ops.gated_delta_rule_chunked(
+        core[:p] = ops.delta_prefill(
             q,
             k,
             v,
@@ -154,11 +168,11 @@ def gated_delta_net(
         )
         for wave, (at, among) in enumerate(waves):
             slots = step.decode_slots[among]
-            convolved = decode_ops.conv_update(
+            convolved = ops.conv_update(
                 mixed[at].contiguous(), conv_state, w.conv, w.conv_bias, slots, None
             )
             q, k, v = _heads(F.silu(convolved), spec)
-            core[at] = decode_ops.delta_decode(q, k, v, g[at], beta[at], recurrent_state, slots)
+            core[at] = ops.delta_decode(q, k, v, g[at], beta[at], recurrent_state, slots)
             if rows is not None:
                 rows.keep(layer, wave, conv_state, recurrent_state)
     gated = _gated_norm(core, z.reshape(n, spec.num_v_heads, spec.v_dim), w.norm, eps)
