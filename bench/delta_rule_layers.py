@@ -22,7 +22,6 @@ the spread (min-max) over the rounds, and the machine.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import sys
@@ -36,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import describe  # noqa: E402
 from kernels import cpu as cpu_kernels  # noqa: E402
 from kernels.cpu.decode import set_num_threads  # noqa: E402
 from kernels.gated_delta_rule import gated_delta_rule_chunked  # noqa: E402
@@ -203,7 +203,7 @@ def main() -> None:
     heads = [named.get(name) or parse_heads(name) for name in args.delta_heads.split(";")]
     delta_times = time_delta_rule(args, contexts, heads)
 
-    print(f"machine: {platform.processor() or platform.machine()}, {args.threads} threads")
+    print(f"machine: {describe()}")
     print(f"{args.rounds} rounds; decode: median of {args.decode_steps} steps")
     print("| context | layer, phase | per layer median (ms) | min-max (ms) |")
     print("|---|---|---|---|")
