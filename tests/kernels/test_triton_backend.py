@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import CachedSequence, NewSequence, StepInput
+from scheduler_service.engine.config import PreemptionMode
 from scheduler_service.engine.offline import generate
 from tests.integration.test_speculative_tiny import make_engine as drafting_engine
 from tests.integration.test_worker_engine_tiny import PROMPTS as ENGINE_PROMPTS
-from tests.integration.test_worker_engine_tiny import assert_all_free, hf_greedy, make_engine
+from tests.integration.test_worker_engine_tiny import (
+    assert_all_free,
+    hf_beam_best,
+    hf_greedy,
+    make_engine,
+)
 from tests.support.drafts import ScriptProposer
 from tests.support.models import HYBRID_KINDS, WINDOW, load_hf, save_tiny_model
 from worker_service.attention import AttentionBackendError, AttentionSpec, get_backend_class
@@ -189,30 +196,71 @@ def test_windowed_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("kind", HYBRID_KINDS)
-def test_hybrid_families_match_hf_greedy(kind: str, tmp_path: Path) -> None:
-    """The gated attention layers on the Triton kernels, the linear-attention layers on their
-    state slots, through the engine with prompts in several chunks, then again with drafts
-    (every third one wrong): greedy tokens equal HF's in float32, and every block and slot
-    comes back."""
-    path = save_tiny_model(kind, tmp_path / kind)
-    hf = load_hf(path)
+@pytest.fixture(scope="module", params=HYBRID_KINDS)
+def triton_hybrid(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Worker, Any]:
+    """A hybrid family's worker with its gated attention layers on the Triton kernels (the
+    linear-attention layers on their state slots), and its HF model."""
+    kind = request.param
+    path = save_tiny_model(kind, tmp_path_factory.mktemp(kind) / kind)
     worker = Worker(
         WorkerConfig(model=str(path), block_size=4, num_threads=1, attention_backend="triton")
     )
     worker.load_model()
     assert worker.model_info.attention_backend == "triton"
+    return worker, load_hf(path)
+
+
+HYBRID_TOKENS = 8
+HYBRID_GREEDY = SamplingParams(temperature=0.0, max_tokens=HYBRID_TOKENS, ignore_eos=True)
+
+
+def test_hybrid_families_match_hf_greedy(triton_hybrid: tuple[Worker, Any]) -> None:
+    """Through the engine with prompts in several chunks, then again with drafts (every third
+    one wrong): greedy tokens equal HF's in float32, and every block and slot comes back."""
+    worker, hf = triton_hybrid
     prompts = ENGINE_PROMPTS[:3]
-    new_tokens = 8
     engine = make_engine(worker, batched_tokens=16)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    outputs = generate(engine, prompts, params)
-    expected = [hf_greedy(hf, p, new_tokens) for p in prompts]
+    outputs = generate(engine, prompts, HYBRID_GREEDY)
+    expected = [hf_greedy(hf, p, HYBRID_TOKENS) for p in prompts]
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_all_free(engine, worker)
     script = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
     proposer = ScriptProposer(script, 3, worker.model_info.vocab_size, off=lambda p: p % 3 == 2)
     drafting = drafting_engine(worker, proposer, k=3, batched_tokens=16)
-    assert [o.outputs[0].token_ids for o in generate(drafting, prompts, params)] == expected
+    assert [o.outputs[0].token_ids for o in generate(drafting, prompts, HYBRID_GREEDY)] == expected
     assert drafting.get_stats().num_spec_accepted_tokens > 0
     assert_all_free(drafting, worker)
+
+
+def test_hybrid_families_keep_their_states_through_the_engine(
+    triton_hybrid: tuple[Worker, Any],
+) -> None:
+    """The state's engine paths on the Triton backend: swap and recompute preemption on a
+    small cache, a prefix-cache hit (the state from its snapshot), n = 2 forks under top-k 1
+    (greedy) and beam search: tokens equal HF's."""
+    worker, hf = triton_hybrid
+    # Every prompt at once on 10 blocks of 4: the running ones outgrow the cache.
+    expected = [hf_greedy(hf, p, HYBRID_TOKENS) for p in ENGINE_PROMPTS]
+    for mode in (PreemptionMode.SWAP, PreemptionMode.RECOMPUTE):
+        engine = make_engine(worker, gpu_blocks=10, batched_tokens=64, preemption=mode)
+        outputs = generate(engine, ENGINE_PROMPTS, HYBRID_GREEDY)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, mode
+        stats = engine.get_stats()
+        assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0, mode
+        assert_all_free(engine, worker)
+    shared = ENGINE_PROMPTS[2] + ENGINE_PROMPTS[0]  # the state is kept after 32 tokens
+    engine = make_engine(worker, batched_tokens=16)
+    generate(engine, [shared + [7, 8]], HYBRID_GREEDY)
+    (hit,) = generate(engine, [shared + [100]], HYBRID_GREEDY)
+    assert engine.get_stats().prefix_cache_hits > 0
+    assert hit.outputs[0].token_ids == hf_greedy(hf, shared + [100], HYBRID_TOKENS)
+    top1 = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=HYBRID_TOKENS, ignore_eos=True)
+    beam = SamplingParams(
+        n=2, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=6, ignore_eos=True
+    )
+    forked, beamed = generate(engine, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[4]], [top1, beam])
+    assert [c.token_ids for c in forked.outputs] == [expected[0]] * 2
+    assert beamed.outputs[0].token_ids == hf_beam_best(hf, ENGINE_PROMPTS[4], 6, 2)
+    assert_all_free(engine, worker)
