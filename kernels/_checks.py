@@ -100,7 +100,7 @@ def check_block_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> in
     caches, at least a block's size: further when a layer's caches are views into a
     block-major pool that all layers share. Returns that block stride, in elements."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not cache.is_contiguous() and not _dense_blocks(cache):
+        if not cache.is_contiguous() and not rows_dense(cache):
             raise KernelArgumentError(
                 name, f"each block must be contiguous, got strides {cache.stride()}"
             )
@@ -119,11 +119,12 @@ def check_block_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> in
     return stride
 
 
-def _dense_blocks(cache: torch.Tensor) -> bool:
+def rows_dense(tensor: torch.Tensor) -> bool:
     """Whether every dimension but the first is laid out row-major without gaps (strides of
-    dimensions of size 1 do not count, as in `is_contiguous`)."""
+    dimensions of size 1 do not count, as in `is_contiguous`): each row (a cache's block) is
+    dense, and rows may lie apart."""
     expected = 1
-    for size, stride in zip(reversed(cache.shape[1:]), reversed(cache.stride()[1:]), strict=True):
+    for size, stride in zip(reversed(tensor.shape[1:]), reversed(tensor.stride()[1:]), strict=True):
         if size != 1 and stride != expected:
             return False
         expected *= size

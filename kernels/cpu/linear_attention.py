@@ -22,6 +22,7 @@ from kernels._checks import (
     check_has_initial_state,
     check_query_start_loc,
     check_state_slots,
+    rows_dense,
 )
 from kernels.causal_conv1d import Activation, check_conv1d_args
 from kernels.cpu.attention import DTYPE_CODES
@@ -268,20 +269,10 @@ def _check_cpu(
     """On the CPU, in a dtype the kernels have (like's, when given), laid out as asked."""
     check_cpu_dtype(name, tensor, like)
     if layout == "rows":
-        dense = _rows_dense(tensor)
+        dense = rows_dense(tensor)
     elif layout == "dense":
         dense = tensor.is_contiguous()
     else:
         dense = True
     if not dense:
         raise KernelArgumentError(name, f"must be dense, got strides {tensor.stride()}")
-
-
-def _rows_dense(tensor: torch.Tensor) -> bool:
-    """Whether each row (all dimensions but the first) is dense; rows may lie apart."""
-    expected = 1
-    for size, stride in zip(reversed(tensor.shape[1:]), reversed(tensor.stride()[1:]), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
