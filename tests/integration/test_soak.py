@@ -175,7 +175,12 @@ async def _grpc(stub: generation_pb2_grpc.GenerationStub, p: dict[str, Any]) -> 
 
 async def _soak(stack: RunningStack, plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
     semaphore = asyncio.Semaphore(CONCURRENCY)
-    limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
+    # Idle connections expire on the client before the server's keep-alive timeout (uvicorn's
+    # 5 s): else a request may go out on a connection the server is closing at that moment,
+    # a race that HTTP/1.1 leaves to the client (a ReadError, not a server failure).
+    limits = httpx.Limits(
+        max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY, keepalive_expiry=2.0
+    )
     deadline = time.monotonic() + SOAK_BUDGET_S
     async with (
         httpx.AsyncClient(base_url=stack.http_url, timeout=120, limits=limits) as client,
