@@ -63,3 +63,21 @@ def make_state_pool(
 ) -> torch.Tensor:  # [num_slots, *inner]
     """A pool of states of moderate size (what a layer carries after some tokens)."""
     return (0.3 * torch.randn(num_slots, *inner, generator=generator)).to(dtype)
+
+
+def delta_args(**change: object) -> dict[str, object]:
+    """A valid call of the delta rule's prefill (two sequences, slots 0 and 3 of 4), changed."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = make_delta_inputs(6, 2, 4, 16, 8, gen)
+    args: dict[str, object] = dict(
+        q=inputs.q,
+        k=inputs.k,
+        v=inputs.v,
+        g=inputs.g,
+        beta=inputs.beta,
+        state=make_state_pool(4, 4, 16, 8, generator=gen),
+        query_start_loc=offsets([4, 2]),
+        state_slots=slots([0, 3]),
+        has_initial_state=None,
+    )
+    return {**args, **change}

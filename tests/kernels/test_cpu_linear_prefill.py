@@ -14,7 +14,13 @@ from kernels import KernelArgumentError
 from kernels import cpu as cpu_kernels
 from kernels.causal_conv1d import causal_conv1d
 from kernels.gated_delta_rule import gated_delta_rule_chunked
-from tests.kernels.linear_state import make_delta_inputs, make_state_pool, offsets, slots
+from tests.kernels.linear_state import (
+    delta_args,
+    make_delta_inputs,
+    make_state_pool,
+    offsets,
+    slots,
+)
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # Outputs: float32 agrees to summation order; bfloat16 outputs to one rounding. The float32
@@ -191,24 +197,6 @@ def test_conv1d_carries_state_across_calls(cut: int) -> None:
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
     used = [slot for slot, n in zip(SLOTS, LENS, strict=True) if n > 0]
     assert torch.equal(pool[used], expected_pool[used])
-
-
-def delta_args(**change: object) -> dict[str, object]:
-    """A valid call of the delta rule's prefill (two sequences, slots 0 and 3 of 4), changed."""
-    gen = torch.Generator().manual_seed(0)
-    inputs = make_delta_inputs(6, 2, 4, 16, 8, gen)
-    args: dict[str, object] = dict(
-        q=inputs.q,
-        k=inputs.k,
-        v=inputs.v,
-        g=inputs.g,
-        beta=inputs.beta,
-        state=make_state_pool(4, 4, 16, 8, generator=gen),
-        query_start_loc=offsets([4, 2]),
-        state_slots=slots([0, 3]),
-        has_initial_state=None,
-    )
-    return {**args, **change}
 
 
 def conv_args(**change: object) -> dict[str, object]:

@@ -17,6 +17,7 @@ from kernels.gated_delta_rule import (
 )
 from tests.kernels.linear_state import (
     DeltaInputs,
+    delta_args,
     make_delta_inputs,
     make_state_pool,
     offsets,
@@ -248,20 +249,7 @@ def test_matches_transformers(
     ],
 )
 def test_argument_errors_name_the_argument(change: dict[str, torch.Tensor], name: str) -> None:
-    gen = torch.Generator().manual_seed(0)
-    inputs = make_delta_inputs(6, 2, 4, 16, 8, gen)
-    args = dict(
-        q=inputs.q,
-        k=inputs.k,
-        v=inputs.v,
-        g=inputs.g,
-        beta=inputs.beta,
-        state=make_state_pool(4, 4, 16, 8, generator=gen),
-        query_start_loc=offsets([4, 2]),
-        state_slots=slots([0, 3]),
-        has_initial_state=None,
-    )
-    args.update(change)
+    args = delta_args(**change)
     for form in (gated_delta_rule_recurrent, gated_delta_rule_chunked):
         with pytest.raises(KernelArgumentError) as error:
             form(**args)
