@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml scripts/install.sh scripts/requirements.py
 	scripts/install.sh $(BIN)/python dev --editable
 	touch $(STAMP)
 
-# The embedded SmolLM2 is served from its shipped Q4_1 file's blocks, in exact mode (README,
-# "Weights kept in GGUF blocks", says why); LLMSERVE_LINEAR_IMPL / LLMSERVE_QUANT_MODE override.
+# `llmserve up` with its defaults: the embedded SmolLM2 on its shipped Q4_1 file's blocks
+# (README, "Weights kept in GGUF blocks"); LLMSERVE_QUANT_MODE=exact serves HF's model.
 serve: setup
-	LLMSERVE_LINEAR_IMPL=$${LLMSERVE_LINEAR_IMPL:-gguf} $(BIN)/llmserve up
+	$(BIN)/llmserve up
 
 # The whole suite but GPU-only tests (which need CUDA and are skipped without it) and the
 # podman run of the compose stack (test-deploy). deploy/'s static checks are in here.

@@ -183,7 +183,12 @@ def main() -> None:
             src.path, **src.pretrained_kwargs(), dtype=dtype
         ).eval()
         hf.generation_config.eos_token_id = None  # ignore EOS, as the engine run does
-        worker = Worker(WorkerConfig(model=args.model, dtype=dtype_name, num_threads=args.threads))
+        # Dense weights, as HF's (a GGUF file would run on its blocks in float32).
+        linear_impl = "onednn" if dtype_name == "float32" else "auto"
+        config = WorkerConfig(
+            model=args.model, dtype=dtype_name, num_threads=args.threads, linear_impl=linear_impl
+        )
+        worker = Worker(config)
         worker.load_from_hf(hf)
         info = worker.model_info
         print(

@@ -1,15 +1,17 @@
 """What fast mode costs in output quality: SmolLM2 on its GGUF blocks against HF (issue #27).
 
 HF's model is the GGUF file dequantized by transformers, in float32. For each quant mode
-(`--linear-impl gguf --quant-mode exact|fast`) a worker runs on the file's blocks, and this
-reports:
+(`--linear-impl gguf --quant-mode exact|fast`) a worker runs on the file's blocks (or, with
+`--quantization`, on the model saved in float32 and quantized at load into that type), and
+this reports:
 - greedy agreement on the exactness prompts (tests/support/models.py, 64 new tokens each):
-  how many outputs equal HF's token for token, and the mean length of the common prefix;
+  how many outputs equal HF's, and exact mode's, token for token, and the mean length of the
+  common prefix;
 - perplexity on a fixed text (`FIXED_TEXT` of tests/integration/test_worker_gguf_blocks.py)
   from the prompt logprobs, read in chunks of 32 tokens so that every token goes through the
   mode's kernel (larger inputs take the dequantizing path: gguf_weights.dequantize_rows).
 
-    .venv/bin/python bench/quant_quality.py [--model path/to/file.gguf]
+    .venv/bin/python bench/quant_quality.py [--model path/to/file.gguf] [--quantization q8_0]
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from typing import Any
 
 import torch
 
@@ -49,9 +53,30 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def worker_for(args: argparse.Namespace, model: str, mode: str, hf: Any) -> Worker:
+    worker = Worker(
+        WorkerConfig(
+            model=model,
+            dtype="float32",
+            num_threads=args.threads,
+            linear_impl="gguf",
+            quantization=args.quantization,
+            quant_mode=mode,
+        )
+    )
+    worker.load_from_hf(hf)
+    return worker
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="a Llama-shaped GGUF model spec")
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "q8_0", "q4_1"],
+        default="none",
+        help="the model dequantized, saved, and quantized at load into this type instead",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -60,33 +85,36 @@ def main() -> None:
     new = SMOLLM2_EXACTNESS_NEW
     expected = hf_greedy_outputs(hf, prompts, new)
     ids = tok(FIXED_TEXT)["input_ids"]
-    hf_ppl = hf_perplexity(hf, ids)
-    rows = [f"| HF (dequantized, float32) | {len(prompts)}/{len(prompts)} | {new:.1f} | "
-            f"{hf_ppl:.4f} |"]  # fmt: skip
-    for mode in ("exact", "fast"):
-        worker = Worker(
-            WorkerConfig(
-                model=args.model,
-                dtype="float32",
-                num_threads=args.threads,
-                linear_impl="gguf",
-                quant_mode=mode,
+    rows = [f"| HF (dequantized, float32) | - | - | {hf_perplexity(hf, ids):.4f} |"]
+    with tempfile.TemporaryDirectory() as saved:
+        model = args.model
+        if args.quantization != "none":  # a float checkpoint of the same weights
+            hf.save_pretrained(saved)
+            tok.save_pretrained(saved)
+            model = saved
+        outputs: dict[str, list[list[int]]] = {}
+        for mode in ("exact", "fast"):
+            worker = worker_for(args, model, mode, hf)
+            engine = engine_on_worker(
+                worker, gpu_blocks=128, cpu_blocks=0, batched_tokens=64, max_model_len=2048
             )
-        )
-        worker.load_from_hf(hf)
-        engine = engine_on_worker(
-            worker, gpu_blocks=128, cpu_blocks=0, batched_tokens=64, max_model_len=2048
-        )
-        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        got = [o.outputs[0].token_ids for o in generate(engine, prompts, params)]
-        equal = sum(g == e for g, e in zip(got, expected, strict=True))
-        prefix = sum(common_prefix(g, e) for g, e in zip(got, expected, strict=True)) / len(got)
-        rows.append(
-            f"| llmserve gguf, {mode} | {equal}/{len(prompts)} | {prefix:.1f} | "
-            f"{perplexity(worker, ids):.4f} |"
-        )
+            params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+            got = [o.outputs[0].token_ids for o in generate(engine, prompts, params)]
+            outputs[mode] = got
+            agree = [
+                f"{sum(g == e for g, e in zip(got, ref, strict=True))}/{len(prompts)}, "
+                f"{sum(common_prefix(g, e) for g, e in zip(got, ref, strict=True)) / len(got):.1f}"
+                for ref in (expected, outputs["exact"])
+            ]
+            rows.append(
+                f"| {worker.model_info.weight_format} | {agree[0]} | {agree[1]} | "
+                f"{perplexity(worker, ids):.4f} |"
+            )
     print(f"{args.model}, {len(ids)} tokens of fixed text, {args.threads} threads")
-    print("| model | greedy outputs equal to HF's | mean common prefix (tokens) | perplexity |")
+    print(
+        "| weights, mode | greedy outputs equal to HF's, mean common prefix (tokens) | "
+        "to exact mode's | perplexity |"
+    )
     print("|---|---|---|---|")
     print("\n".join(rows))
 

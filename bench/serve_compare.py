@@ -60,11 +60,19 @@ class Server:
         return f"http://127.0.0.1:{self.port}/health"
 
 
+def dense_flags(dtype: str) -> list[str]:
+    """`llmserve up` flags that keep a GGUF model's weights dense in `dtype`, as a peer that
+    reads them dequantized has them: in float32 they would run on the file's blocks (the
+    default), which no other dtype can."""
+    return ["--linear-impl", "onednn"] if dtype == "float32" else []
+
+
 def make_server(name: str, args: argparse.Namespace) -> Server:
     port, grpc_port = free_ports(2)
     if name == "llmserve":
         command = [str(BIN / "llmserve"), "up", "--model", "smollm2", "--dtype", args.dtype,
-                   "--grpc-port", str(grpc_port), "--http-port", str(port)]  # fmt: skip
+                   "--grpc-port", str(grpc_port), "--http-port", str(port),
+                   *dense_flags(args.dtype)]  # fmt: skip
         return Server(name, f"llmserve ({args.dtype})", command, port, "smollm2")
     hf_model = str(args.hf_model)
     command = [str(BIN / "transformers"), "serve", hf_model, "--host", "127.0.0.1",

@@ -2,14 +2,15 @@
 
 For each dtype and workload the two servers run back to back, each started on a free loopback
 port, waited for (/health 200), measured with bench/serve.py (one unmeasured warm-up request,
-then the workload, bounded by --max-duration) and stopped. Before each run the 1-minute load
+then the workload, bounded by --max-duration) and stopped; --rounds times (3 by default), the
+order reversed every other round (bench/rounds.py), the machine named in the report. Before each run the 1-minute load
 average must fall under --max-load. Then a markdown table is printed and written, with every
 figure of every run in a JSON beside it (<out-dir>/vs-llama-cpp.{md,json}; serve.py's own
 per-request JSONs and plots under <out-dir>/runs/).
 
     .venv/bin/python bench/vs_llama_cpp.py    # the full table: ~25 min on a quiet machine
     .venv/bin/python bench/vs_llama_cpp.py --workloads 1 --dtypes float32 --scale 0.25
-    .venv/bin/python bench/vs_llama_cpp.py --dtypes file q8_0 --quant-mode fast  # GGUF blocks
+    .venv/bin/python bench/vs_llama_cpp.py --dtypes file q8_0  # GGUF blocks, the default mode
 
 Workloads (streaming /v1/completions, greedy, ignore_eos, the same seeded random-token prompts
 for both servers; --scale shrinks the request counts for smoke runs):
@@ -42,10 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from llama_cpp import gguf_for, llama_server
+from machine import describe
+from rounds import median_run, ratio_spread, round_order, spread
 from serve_compare import (
     BENCH,
     BIN,
     Server,
+    dense_flags,
     ensure_hf_model,
     measure_server,
     shown,
@@ -95,7 +99,8 @@ def server_for(name: str, w: Workload, dtype: str, args: argparse.Namespace) -> 
         command = [str(BIN / "llmserve"), "up", "--model", model,
                    "--dtype", "float32" if dtype in FILES else dtype,
                    "--grpc-port", str(grpc_port), "--http-port", str(port),
-                   "--max-num-seqs", str(max(64, w.streams)), *MODELS[args.model]]  # fmt: skip
+                   "--max-num-seqs", str(max(64, w.streams)), *MODELS[args.model],
+                   *([] if dtype in FILES else dense_flags(dtype))]  # fmt: skip
         return Server(name, f"llmserve ({dtype})", command, port, args.model)
     binary, _ = llama_server()
     command = [str(binary), "-m", str(gguf_for(dtype, args.model)), "--host", "127.0.0.1",
@@ -180,17 +185,18 @@ def memory_bandwidth(threads: int, runs: int = 5) -> dict[str, Any]:
 
 
 # The worker's histograms read after an llmserve run (worker_service/metrics.py).
-def run_path(args: argparse.Namespace, server: str, streams: int, dtype: str) -> Path:
+def run_path(args: argparse.Namespace, server: str, streams: int, dtype: str, rnd: int) -> Path:
     """serve.py's --out prefix for one run (no dot in the name: it appends .json / .png)."""
-    return args.out_dir / "runs" / f"{server.replace('.', '-')}-{streams}-{dtype}"
+    return args.out_dir / "runs" / f"round{rnd}" / f"{server.replace('.', '-')}-{streams}-{dtype}"
 
 
 def same_text(args: argparse.Namespace, streams: int, dtype: str) -> str | None:
-    """How many completed responses are identical: greedy decoding of the same weights, so
-    they should mostly match (a near-tie may flip with a different summation order)."""
+    """How many completed responses of the first round are identical: greedy decoding of the
+    same weights, so they should mostly match (a near-tie may flip with a different summation
+    order)."""
     texts = []
     for name in SERVERS:
-        path = run_path(args, name, streams, dtype).with_suffix(".json")
+        path = run_path(args, name, streams, dtype, 0).with_suffix(".json")
         if not path.exists():
             return None
         requests = json.loads(path.read_text())["requests"]
@@ -207,11 +213,28 @@ def fmt(s: dict[str, Any] | None, key: str) -> str:
     return f"{s[key].get('p50', 0):.1f}" if s.get(key) else "-"
 
 
-def ratio(runs: dict[str, dict[str, Any]]) -> float | None:
-    ours, peer = runs.get("llmserve", {}), runs.get("llama.cpp", {})
-    if ours.get("output_tokens_per_s") and peer.get("output_tokens_per_s"):
-        return float(ours["output_tokens_per_s"] / peer["output_tokens_per_s"])
-    return None
+def run_one(name: str, w: Workload, dtype: str, rnd: int, args: argparse.Namespace) -> Any:
+    """One server's run of workload `w` in round `rnd`: its summary (serve.py's, with the
+    server's probe)."""
+    server = server_for(name, w, dtype, args)
+    out = run_path(args, name, w.streams, dtype, rnd)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    client = client_for(server, w, out, args)
+    env = {"LLMSERVE_NUM_THREADS": str(args.threads)} if name == "llmserve" else {}
+    if name == "llmserve" and dtype in FILES:
+        env["LLMSERVE_LINEAR_IMPL"] = "gguf"
+        if args.quant_mode:
+            env["LLMSERVE_QUANT_MODE"] = args.quant_mode
+        env["LLMSERVE_SERVED_MODEL_NAME"] = args.model
+    probe = worker_metrics if name == "llmserve" else server_memory
+    return measure_server(server, client, out.with_suffix(".json"), args, env, probe)
+
+
+def spread_cell(value: str, s: dict[str, float] | None, unit: str = "") -> str:
+    """`value` with the range over rounds, when there was more than one."""
+    if value == "-" or not s or s["min"] == s["max"]:
+        return value
+    return f"{value} ({s['min']:.{2 if unit else 1}f}-{s['max']:.{2 if unit else 1}f}{unit})"
 
 
 def floor_lines(result: dict[str, Any]) -> list[str]:
@@ -242,9 +265,15 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     rows, notes, bw = [], [], result["bandwidth"]
     for key, runs in result["runs"].items():
         streams, dtype = key.split("-", 1)
-        cells = [fmt(runs.get(n), k) for n in SERVERS for k in ("tok/s", "tpot_ms", "ttft_ms")]
-        r = ratio(runs)
-        rows.append(f"| {streams} | {dtype} | {' | '.join(cells)} | {f'{r:.2f}x' if r else '-'} |")
+        spreads = result["spreads"].get(key, {})
+        cells = [
+            spread_cell(fmt(runs.get(n), k), spreads.get(n) if k == "tok/s" else None)
+            for n in SERVERS
+            for k in ("tok/s", "tpot_ms", "ttft_ms")
+        ]
+        r = result["ratios"].get(key)
+        ratio_cell = spread_cell(f"{r['median']:.2f}x", r, "x") if r else "-"
+        rows.append(f"| {streams} | {dtype} | {' | '.join(cells)} | {ratio_cell} |")
         for name, s in runs.items():
             extra = s.get("notes", []) + ([s["error"]] if "error" in s else [])
             load = f"load before / others' cores {s.get('contention', '?')}"
@@ -263,6 +292,11 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     commands = [c for runs in result["runs"].values() for s in runs.values() for c in s["commands"]]
     return "\n".join(
         [
+            f"Machine: {result['machine']}. {len(result['rounds'])} rounds, the servers' order "
+            "reversed every other round; each server's figures are its median round's (by "
+            "tok/s), with the range of tok/s over rounds, and the ratio is the median of the "
+            "rounds' own ratios (range in brackets).",
+            "",
             "Streaming /v1/completions, greedy, ignore_eos, the same seeded random-token prompts "
             f"for both servers, seed {args.seed}; {'; '.join(workloads)}. "
             "Output tokens: each server's usage.completion_tokens. TPOT and TTFT are medians.",
@@ -302,8 +336,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", choices=[*DTYPES, *FILES], default=list(DTYPES),
                    help=f"{FILE}: the model's GGUF file as shipped, {Q8_0}: requantized to Q8_0 "
                    "(llmserve: --linear-impl gguf)")  # fmt: skip
-    p.add_argument("--quant-mode", choices=["exact", "fast"], default="exact",
-                   help="llmserve's --quant-mode on the GGUF files")  # fmt: skip
+    p.add_argument("--quant-mode", choices=["exact", "fast"], default=None,
+                   help="llmserve's --quant-mode on the GGUF files (default: the worker's)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3,
+                   help="each pair of runs this many times, the order reversed every other "
+                   "round; figures are the median round's, ranges over rounds")  # fmt: skip
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     p.add_argument("--scale", type=float, default=1.0, help="request counts x this (smoke runs)")
     p.add_argument("--threads", type=int, default=2, help="compute threads of each server")
@@ -326,6 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.scale <= 0:
         p.error("--scale: must be positive")
+    if args.rounds < 1:
+        p.error("--rounds: must be at least 1")
     args.hf_model = args.hf_model or Path(f"/tmp/bench/{args.model}-hf")
     suffix = "" if args.model == "smollm2" else f"-{args.model}"
     args.out_dir = args.out_dir or BENCH / "results" / f"vs-llama-cpp{suffix}"
@@ -355,36 +394,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             },
         },
         "bandwidth": {**memory_bandwidth(args.threads), "load_before": load},
+        "machine": describe(),
         "floor": {},
+        "rounds": [],
         "runs": {},
+        "spreads": {},
+        "ratios": {},
         "same_text": {},
     }
     for dtype in args.dtypes:
         nbytes = weight_bytes(args.hf_model, dtype, args.model)
         ms = nbytes / (result["bandwidth"]["gb_per_s"] * 1e9) * 1000
         result["floor"][dtype] = {"bytes": nbytes, "ms": ms}
+    rounds: list[dict[str, dict[str, Any]]] = result["rounds"]
     try:
-        for w in workloads:
-            for dtype in args.dtypes:
-                runs = result["runs"].setdefault(f"{w.streams}-{dtype}", {})
-                for name in args.servers:
-                    server = server_for(name, w, dtype, args)
-                    out = run_path(args, name, w.streams, dtype)
-                    client = client_for(server, w, out, args)
-                    env = {"LLMSERVE_NUM_THREADS": str(args.threads)} if name == "llmserve" else {}
-                    if name == "llmserve" and dtype in FILES:
-                        env["LLMSERVE_LINEAR_IMPL"] = "gguf"
-                        env["LLMSERVE_QUANT_MODE"] = args.quant_mode
-                        env["LLMSERVE_SERVED_MODEL_NAME"] = args.model
-                    probe = worker_metrics if name == "llmserve" else server_memory
-                    runs[name] = measure_server(
-                        server, client, out.with_suffix(".json"), args, env, probe
-                    )
-                if len(runs) == len(SERVERS):
-                    result["same_text"][f"{w.streams}-{dtype}"] = same_text(args, w.streams, dtype)
+        for rnd in range(args.rounds):
+            rounds.append({})
+            for w in workloads:
+                for dtype in args.dtypes:
+                    runs = rounds[rnd].setdefault(f"{w.streams}-{dtype}", {})
+                    for name in round_order(args.servers, rnd):
+                        runs[name] = run_one(name, w, dtype, rnd, args)
+                    if rnd == 0 and len(runs) == len(SERVERS):
+                        key = f"{w.streams}-{dtype}"
+                        result["same_text"][key] = same_text(args, w.streams, dtype)
     except (KeyboardInterrupt, SystemExit):
         print("stopped; reporting the runs that finished")
-    result["ratios"] = {key: ratio(runs) for key, runs in result["runs"].items()}
+    for key in rounds[0] if rounds else {}:
+        by_server: dict[str, list[dict[str, Any]]] = {}
+        for r in rounds:
+            for name, summary in r.get(key, {}).items():
+                by_server.setdefault(name, []).append(summary)
+        result["runs"][key] = {
+            name: median_run(runs, "output_tokens_per_s") for name, runs in by_server.items()
+        }
+        result["spreads"][key] = {
+            name: spread([s["output_tokens_per_s"] for s in runs if "error" not in s])
+            for name, runs in by_server.items()
+            if any("error" not in s for s in runs)
+        }
+        pairs = [r[key] for r in rounds if key in r]
+        result["ratios"][key] = ratio_spread(pairs, *SERVERS, "output_tokens_per_s")
     text = report(result, args)
     (args.out_dir / "vs-llama-cpp.md").write_text(text + "\n")
     (args.out_dir / "vs-llama-cpp.json").write_text(json.dumps(result, indent=1) + "\n")

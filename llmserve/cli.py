@@ -89,6 +89,18 @@ def _up_parser() -> argparse.ArgumentParser:
         help="workers quantize a float checkpoint's weights as they load it (CPU, float32); "
         "the formats are those of `llmserve worker --help`, which checks the name",
     )
+    p.add_argument(
+        "--quant-mode",
+        default=None,
+        help="how workers multiply on GGUF blocks: fast (the default) or exact (HF's model); "
+        "see `llmserve worker --help`",
+    )
+    p.add_argument(
+        "--linear-impl",
+        default=None,
+        help="workers' matmuls (auto, the default: a quantized GGUF file on its blocks); see "
+        "`llmserve worker --help`",
+    )
     p.add_argument("--kv-cache-memory", type=float, default=None, help="per worker, GiB (CPU)")
     p.add_argument("--swap-space", type=float, default=None, help="per worker, GiB")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -168,6 +180,8 @@ _WORKER_FLAGS = [
     "block-size",
     "max-model-len",
     "quantization",
+    "quant-mode",
+    "linear-impl",
     "kv-cache-memory",
     "swap-space",
     "log-level",

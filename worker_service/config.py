@@ -55,16 +55,16 @@ class WorkerConfig:
     # Matmuls: `torch` (F.linear), `onednn` (weights prepacked once at load; CPU float32 /
     # bfloat16 where oneDNN supports it), or `native` (kernels/cpu/decode.cpp's projections,
     # which widen bfloat16 in registers: on CPUs without AVX-512 they run bfloat16 matmuls
-    # several times faster than F.linear). `auto` takes onednn with the native `cpu` attention
-    # backend where it can run, else native there, and torch otherwise, so the `torch`
-    # backend stays the plain-torch reference. `gguf` keeps a GGUF file's blocks as they are
-    # and multiplies with them (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K, CPU float32:
-    # models/gguf_weights.py).
+    # several times faster than F.linear). `gguf` keeps a GGUF file's blocks as they are and
+    # multiplies with them (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K, CPU float32:
+    # models/gguf_weights.py). `auto`, with the native `cpu` attention backend, takes gguf
+    # for a GGUF file with such blocks, else onednn where it can run, else native; with
+    # other backends torch, so the `torch` backend stays the plain-torch reference.
     linear_impl: LinearImplName = flag(
         "auto",
         "matmuls: onednn prepacks the weights (CPU); native = kernels/cpu projections; gguf = "
-        "on a GGUF file's blocks as they are (CPU float32); auto = onednn with the cpu backend "
-        "where oneDNN runs the dtype, else native there",
+        "on a GGUF file's blocks as they are (CPU float32); auto = with the cpu backend gguf "
+        "for a quantized GGUF file, else onednn where oneDNN runs the dtype, else native",
     )
     # `q8_0` / `q4_1` quantize a float checkpoint's projections, embedding and LM head at load
     # into those GGUF blocks (per row, 32 weights per scale) and multiply with them as `gguf`
@@ -78,12 +78,14 @@ class WorkerConfig:
     )
     # How `gguf` and `quantization` multiply (kernels/cpu/quant.py): `exact` dequantizes each
     # block to float32 (the model equals HF's dequantized one up to summation order); `fast`
-    # rounds the activations to 8 bits per block of 32 and takes integer dot products.
+    # rounds the activations to 8 bits per block of 32 and takes integer dot products, as
+    # llama.cpp does. Fast is the default: its quality on each file type is measured in
+    # bench/RESULTS.md ("Defaults"); exact is for work that must equal HF's model.
     quant_mode: QuantMode = flag(
-        "exact",
-        "with --linear-impl gguf or --quantization: exact = blocks dequantized to float32 "
-        "(HF's model up to summation order); fast = activations rounded to 8 bits, integer "
-        "dot products",
+        "fast",
+        "on GGUF blocks (a quantized GGUF file, or --quantization): fast = activations "
+        "rounded to 8 bits, integer dot products, as llama.cpp; exact = blocks dequantized "
+        "to float32 (HF's model up to summation order)",
     )
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks

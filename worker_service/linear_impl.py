@@ -9,6 +9,7 @@ import torch
 from llmserve.model_spec import ModelSource
 from worker_service.config import WorkerConfigError
 from worker_service.models import ModelArchConfig
+from worker_service.models.gguf_weights import holds_blocks
 from worker_service.models.gguf_weights import unsupported_reason as gguf_reason
 from worker_service.models.linear import packed_linear_available
 from worker_service.models.native import native_linear_unsupported_reason
@@ -25,10 +26,11 @@ def choose_linear_impl(
     quantization: str = "none",
 ) -> str:
     """`requested` if it can run this model here (else `WorkerConfigError` naming
-    `linear_impl` and why), or what `auto` picks: onednn with the native `cpu` attention
-    backend where oneDNN runs the dtype, else native there, and torch otherwise. A
-    `quantization` other than none multiplies on blocks: gguf (else `WorkerConfigError`
-    naming `quantization`; WorkerConfig refused linear_impls other than auto and gguf)."""
+    `linear_impl` and why), or what `auto` picks with the native `cpu` attention backend:
+    gguf for a GGUF file with blocks that the kernels read here, else onednn where oneDNN runs
+    the dtype, else native; torch with any other backend. A `quantization` other than none
+    multiplies on blocks: gguf (else `WorkerConfigError` naming `quantization`;
+    WorkerConfig refused linear_impls other than auto and gguf)."""
     if quantization != "none":
         if reason := quantize_reason(source(), device, dtype):
             raise WorkerConfigError(
@@ -55,4 +57,7 @@ def choose_linear_impl(
         return requested
     if attention_backend != "cpu":
         return "torch"
+    model = source()
+    if gguf_reason(model, device, dtype) is None and holds_blocks(model):
+        return "gguf"
     return "onednn" if onednn else "torch" if native_reason is not None else "native"

@@ -160,3 +160,13 @@ def quantize_activations(
         scales[..., 1],
         raw[..., 8:].contiguous().view(torch.int8).reshape(n, cols),
     )
+
+
+def round_activations(
+    x: torch.Tensor,  # [n, cols] float32, cols a multiple of 32
+) -> torch.Tensor:  # [n, cols] float32: q * d, the values fast mode's integer dots multiply
+    """x as fast mode sees it (`quantize_activations`), back in float32: a product with a
+    dequantized weight is then fast mode's up to summation order."""
+    d, _, q = quantize_activations(x)
+    n, cols = x.shape
+    return (q.view(n, cols // BLOCK, BLOCK).float() * d[..., None]).view(n, cols)

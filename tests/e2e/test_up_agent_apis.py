@@ -23,6 +23,7 @@ from openai.types.responses import (
     ResponseTextDeltaEvent,
 )
 
+from tests.support.models import EXACT_MODE_ARGS
 from tests.support.up import interrupt, start_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.services]
@@ -45,7 +46,8 @@ def http_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     tmp_path = tmp_path_factory.mktemp("up")
     keys = tmp_path / "api_keys"
     keys.write_text(KEY + "\n")
-    proc, log, _, port = start_up(tmp_path, "--api-key-file", str(keys))
+    # Exact mode: the answers checked below are HF's model's.
+    proc, log, _, port = start_up(tmp_path, "--api-key-file", str(keys), *EXACT_MODE_ARGS)
     try:
         yield port
     finally:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmserve.client import Client
-from tests.support.models import load_spec
+from tests.support.models import EXACT_MODE_ARGS, load_spec
 from tests.support.up import interrupt, start_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.services]
@@ -58,6 +58,7 @@ def test_up_serves_gemma3_270m_token_equal_to_hf(tmp_path: Path) -> None:
         "gemma3-270m",
         "--dtype",
         "float32",
+        *EXACT_MODE_ARGS,
         "--kv-cache-memory",
         "1.5",  # GiB: a whole 32768-token context (36 KiB a token) fits
     )

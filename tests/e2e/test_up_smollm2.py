@@ -13,21 +13,22 @@ import grpc
 import pytest
 
 from llmserve.client import AsyncClient, Client
+from tests.support.models import EXACT_MODE_ARGS
 from tests.support.up import interrupt, start_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.services]
 
 
-def test_up_answers_the_capital_of_france(tmp_path: Path):
+def test_up_answers_a_chat_with_its_defaults(tmp_path: Path):
     proc, log, grpc_port, _ = start_up(tmp_path)
     try:
         with Client(f"127.0.0.1:{grpc_port}", timeout_s=300) as client:
             answer = client.complete(
-                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                messages=[{"role": "user", "content": "Name three colors."}],
                 temperature=0.0,
                 max_tokens=48,
             )
-        assert "Paris" in answer.text, answer.text
+        assert all(color in answer.text for color in ("Red", "Blue", "Green")), answer.text
         assert answer.finish_reasons[0] in ("stop", "length")
     finally:
         interrupt(proc)
@@ -81,13 +82,17 @@ async def _stream_all(port: int, on_token) -> list[str]:  # type: ignore[no-unty
 def test_up_survives_a_worker_kill_with_the_same_text(tmp_path: Path):
     """The issue's user-level check: SIGKILL of one worker of `llmserve up --workers 2` during
     16 streaming greedy requests (float32); all 16 complete with the undisturbed text, and
-    `up` starts the worker again instead of stopping the stack."""
+    `up` starts the worker again instead of stopping the stack. Exact mode: a stream moved to
+    the other worker recomputes its tokens as a prompt, whose K/V then differ from its decode
+    steps' by summation order; fast mode's 8-bit rounding can widen that into a different
+    token at a near tie (README, "Weights kept in GGUF blocks")."""
     proc, log, port, _ = start_up(
         tmp_path,
         "--workers",
         "2",
         "--dtype",
         "float32",
+        *EXACT_MODE_ARGS,
         "--kv-cache-memory",
         "0.5",
         "--swap-space",

@@ -12,11 +12,14 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.fleet import FleetStack, run_workload, start_fleet
-from tests.support.models import SMOLLM2_EXACTNESS_NEW, smollm2_exactness
+from tests.support.models import EXACT_MODE_ARGS, SMOLLM2_EXACTNESS_NEW, smollm2_exactness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
-WORKER_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "0.1", "--num-threads", "1"]
+WORKER_ARGS = [
+    "--max-model-len", "1024", "--kv-cache-memory", "0.1", "--num-threads", "1",
+    *EXACT_MODE_ARGS,
+]  # fmt: skip
 
 
 # Prompts with fewer tokens than this prefill on the decode worker; the rest hand off.

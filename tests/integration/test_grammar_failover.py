@@ -24,6 +24,7 @@ from llmserve.limits import RequestLimits
 from llmserve.v1 import common_pb2
 from tests.support.fleet import FleetStack, Received, assert_same_outputs, run_workload, start_fleet
 from tests.support.grammar import BOUNDED_SCHEMA, WEATHER_TOOL, smollm2_tokenizer
+from tests.support.models import EXACT_MODE_ARGS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
@@ -37,6 +38,7 @@ WORKER_ARGS = [
     "0.02",
     "--num-threads",
     "1",
+    *EXACT_MODE_ARGS,  # outputs compared with undisturbed runs
 ]
 # Lease long enough for a loaded machine; the health checks still see a killed worker at once.
 SCHEDULER_ARGS = ["--worker-lease-s", "60"]
@@ -180,6 +182,7 @@ SMALL_CACHE_WORKER_ARGS = [
     "0.02",
     "--num-threads",
     "1",
+    *EXACT_MODE_ARGS,
 ]
 SMALL_CACHE_SCHEDULER_ARGS = [*SCHEDULER_ARGS, "--num-gpu-blocks-override", "8"]
 # Longer than BOUNDED_SCHEMA's objects, and bounded: 60 to 90 tokens, below max_tokens (110,

@@ -21,13 +21,17 @@ from pydantic import BaseModel, Field
 from gateway.tool_formats.generic import system_text
 from gateway.tools import parse_tools
 from llmserve.limits import RequestLimits
+from tests.support.models import EXACT_MODE_ARGS
 from tests.support.stack import RunningStack, start_stack
 from tests.support.tool_oracle import GENERIC_CALL, Answer, auto_answer, chat_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 MODEL = "smollm2"
-WORKER_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "0.1", "--num-threads", "1"]
+WORKER_ARGS = [
+    "--max-model-len", "2048", "--kv-cache-memory", "0.1", "--num-threads", "1",
+    *EXACT_MODE_ARGS,
+]  # fmt: skip
 SAMPLINGS = [
     pytest.param({"temperature": 0.0}, id="greedy"),
     pytest.param({"temperature": 1.0, "seed": 3}, id="t1"),

@@ -27,7 +27,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 def smol() -> tuple[Worker, Any, list[list[int]]]:
     torch.set_num_threads(2)
     _, hf = load_smollm2()
-    worker = Worker(WorkerConfig(model="smollm2", dtype="float32", num_threads=2))
+    # Dense float32 weights, prepacked by oneDNN (the GGUF blocks' own test:
+    # test_worker_gguf_blocks.py).
+    config = WorkerConfig(model="smollm2", dtype="float32", num_threads=2, linear_impl="onednn")
+    worker = Worker(config)
     worker.load_from_hf(hf)
     return worker, hf, smollm2_exactness()[0]
 

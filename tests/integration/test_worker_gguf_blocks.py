@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.cpu.quant import QuantWeight
+from kernels.cpu.quant import QuantMode, QuantWeight
 from llmserve.gguf_files import open_gguf
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
@@ -91,14 +91,18 @@ def test_every_weight_with_a_kernel_runs_on_blocks_and_the_dense_copies_are_gone
     assert info.weight_bytes == sum(int(t.n_bytes) for t in tensors)
 
 
-def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(loaded: Any) -> None:
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(
+    loaded: Any, mode: QuantMode
+) -> None:
     """Prefill-sized inputs dequantize the weight whole (dequantize_rows); the product is the
-    kernel's, row by row, up to summation order."""
+    kernel's in the same mode, row by row, up to summation order (fast mode's 8-bit
+    activations included, so a token's product does not depend on its step's rows)."""
     weight = loaded[0]._model.layers[0].gate_up
-    rows = dequantize_rows(weight, "exact")
+    rows = dequantize_rows(weight, mode)
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(3))
-    whole = quant_matmul(x, weight)
-    by_row = torch.cat([quant_matmul(x[i : i + 1], weight) for i in range(x.shape[0])])
+    whole = quant_matmul(x, weight, mode=mode)
+    by_row = torch.cat([quant_matmul(x[i : i + 1], weight, mode=mode) for i in range(rows)])
     assert isinstance(weight, QuantWeight)
     assert whole.shape == by_row.shape == (rows, weight.shape[0])
     torch.testing.assert_close(whole, by_row, rtol=1e-5, atol=1e-5)
@@ -173,8 +177,11 @@ def test_gemma3s_mixed_file_runs_on_its_q5_0_q4_k_q6_k_q8_0_blocks_as_hf() -> No
     prompts = [tok(t)["input_ids"] for t in TEXTS[:4]]
     expected = hf_greedy_outputs(hf, prompts, 32)
     worker = Worker(
-        WorkerConfig(model="gemma3-270m", dtype="float32", num_threads=2, linear_impl="gguf")
-    )
+        WorkerConfig(
+            model="gemma3-270m", dtype="float32", num_threads=2, linear_impl="gguf",
+            quant_mode="exact",
+        )
+    )  # fmt: skip
     worker.load_from_hf(hf)
     model = worker._model
     assert worker.model_info.weight_format == "gguf Q4_K+Q5_0+Q6_K+Q8_0 exact"

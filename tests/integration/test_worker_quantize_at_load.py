@@ -77,7 +77,11 @@ def test_greedy_output_equals_hf_on_the_dequantized_blocks(
 ) -> None:
     torch.set_num_threads(1)
     config = WorkerConfig(
-        model=str(checkpoints[model]), num_threads=1, block_size=4, quantization=quantization
+        model=str(checkpoints[model]),
+        num_threads=1,
+        block_size=4,
+        quantization=quantization,
+        quant_mode="exact",
     )
     worker = Worker(config)
     worker.load_model()

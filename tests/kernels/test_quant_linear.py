@@ -232,3 +232,15 @@ def test_fast_linear_is_the_product_on_8_bit_activations(ggml_type, n, in_featur
     # ... and it is not exact mode: 8-bit activations move the product measurably.
     exact = reference(x, blocks, ggml_type)
     assert (out.double() - exact).abs().max() > 1e-4 * scale.max()
+
+
+def test_rounded_activations_are_the_kernels_quants_times_their_scales():
+    """round_activations: what fast mode's integer dots multiply, back in float32 (the
+    dequantizing path's input in fast mode)."""
+    x = torch.randn(5, 640, generator=torch.Generator().manual_seed(6)) * 4
+    ref_d, _, ref_q = rounded_activations(x)
+    expected = (ref_q.view(5, 20, 32).float() * ref_d[..., None]).view(5, 640)
+    rounded = quant.round_activations(x)
+    assert torch.equal(rounded, expected)
+    assert not torch.equal(rounded, x)
+    assert torch.equal(quant.round_activations(rounded), rounded)  # already on the grid

@@ -441,6 +441,14 @@ def load_hf(path: Path) -> Any:
     return model
 
 
+# A GGUF file runs on its blocks in fast mode by default (llama.cpp's numerics: 8-bit
+# activations). Stacks whose outputs are compared with HF's model, or with an undisturbed run
+# after a fault, run their workers in exact mode: HF's model, where a sequence recomputed as a
+# prompt differs from its decode steps by summation order only, which fast mode's rounding
+# of each layer's input can widen into another token at a near tie.
+EXACT_MODE_ARGS = ["--quant-mode", "exact"]
+
+
 # The exactness prompts: greedy output of the real model on these, SMOLLM2_EXACTNESS_NEW tokens
 # each, must equal HF's token for token (tests/integration/test_worker_engine_smollm2.py, and
 # the GGUF-blocks worker's test).

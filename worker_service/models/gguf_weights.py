@@ -14,7 +14,9 @@ Modes (`--quant-mode`, kernels/cpu/quant.py):
 - fast: activations are rounded to 8 bits per block of 32 and multiplied with integer dot
   products (every type above).
 Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: 80 to 192 by
-mode and weight size, measured) dequantize the weight whole and multiply with torch.
+mode and weight size, measured) dequantize the weight whole and multiply with torch; in fast
+mode on the activations rounded as the kernel rounds them, so that a token's product does not
+depend on how many rows share its step (a recomputed or transferred sequence, a prefix hit).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def quant_matmul(
         return F.linear(x, weight, bias)
     if x.shape[0] >= dequantize_rows(weight, mode):
         dense = quant.dequantize(weight.ggml_type, weight.blocks, weight.in_features)
+        if mode == "fast":  # the same 8-bit activations as the kernel's, whatever the rows
+            x = quant.round_activations(x.contiguous())
         return F.linear(x, dense, bias)
     out = quant.linear(x.contiguous(), weight.ggml_type, weight.blocks, mode)
     return out if bias is None else out + bias
@@ -111,6 +115,14 @@ def unsupported_reason(source: ModelSource, device: torch.device, dtype: torch.d
         names = ", ".join(sorted(MAPPED_ARCHITECTURES))
         return f"the GGUF architectures mapped so far are {names}, not {arch!r}"
     return None
+
+
+def holds_blocks(source: ModelSource) -> bool:
+    """Whether `source` (a GGUF file) has a tensor in a type the kernels read: a file of
+    float32 or bfloat16 tensors would only be dequantized."""
+    return any(
+        quant.block_bytes(GGMLQuantizationType(int(t.tensor_type))) for t in _reader(source).tensors
+    )
 
 
 def _reader(source: ModelSource) -> GGUFReader:
