@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH_DIR]
 sys.path.insert(0, os.path.dirname(_BENCH_DIR))
 
+from bench.export_hf_model import export  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 from scheduler_service.engine.offline import generate  # noqa: E402
 from tests.integration.test_worker_gguf_blocks import (  # noqa: E402
@@ -89,8 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as saved:
         model = args.model
         if args.quantization != "none":  # a float checkpoint of the same weights
-            hf.save_pretrained(saved)
-            tok.save_pretrained(saved)
+            export(args.model, Path(saved), torch.float32)
             model = saved
         outputs: dict[str, list[list[int]]] = {}
         for mode in ("exact", "fast"):
