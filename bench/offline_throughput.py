@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from serve_compare import dense_linear_impl
 
 from llmserve.batch_limits import BatchLimits
 from llmserve.model_spec import resolve_model
@@ -183,10 +184,11 @@ def main() -> None:
             src.path, **src.pretrained_kwargs(), dtype=dtype
         ).eval()
         hf.generation_config.eos_token_id = None  # ignore EOS, as the engine run does
-        # Dense weights, as HF's (a GGUF file would run on its blocks in float32).
-        linear_impl = "onednn" if dtype_name == "float32" else "auto"
         config = WorkerConfig(
-            model=args.model, dtype=dtype_name, num_threads=args.threads, linear_impl=linear_impl
+            model=args.model,
+            dtype=dtype_name,
+            num_threads=args.threads,
+            linear_impl=dense_linear_impl(dtype_name),  # type: ignore[arg-type]
         )
         worker = Worker(config)
         worker.load_from_hf(hf)

@@ -60,11 +60,16 @@ class Server:
         return f"http://127.0.0.1:{self.port}/health"
 
 
+def dense_linear_impl(dtype: str) -> str:
+    """The worker's linear_impl that keeps a GGUF model's weights dense in `dtype`, as a peer
+    that reads them dequantized has them: in float32 `auto` would run them on the file's
+    blocks (the default), which no other dtype can."""
+    return "onednn" if dtype == "float32" else "auto"
+
+
 def dense_flags(dtype: str) -> list[str]:
-    """`llmserve up` flags that keep a GGUF model's weights dense in `dtype`, as a peer that
-    reads them dequantized has them: in float32 they would run on the file's blocks (the
-    default), which no other dtype can."""
-    return ["--linear-impl", "onednn"] if dtype == "float32" else []
+    """`llmserve up`'s flags for `dense_linear_impl`."""
+    return ["--linear-impl", dense_linear_impl(dtype)]
 
 
 def make_server(name: str, args: argparse.Namespace) -> Server:
