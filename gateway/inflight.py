@@ -36,6 +36,8 @@ class InFlight:
     expiry: asyncio.TimerHandle | None = None
     # The shard whose stream it was last sent on; None while it waits for one.
     shard: str | None = None
+    # It has been sent on some shard's stream: every later send is a re-submission.
+    sent: bool = False
 
     def record(self, output: scheduler_pb2.RequestOutput) -> None:
         if output.prompt_logprobs:
@@ -58,8 +60,11 @@ class InFlight:
                 choice.stop_token_id = delta.stop_token_id
 
     def resubmission(self) -> scheduler_pb2.AddRequest:
+        """The AddRequest to send now: the first one as submitted; a later one marked
+        `resubmitted`, with a continuation of what was received."""
         add = scheduler_pb2.AddRequest()
         add.CopyFrom(self.add)
+        add.resubmitted = self.sent
         if self.choices:
             add.continuation.choices.extend(self.choices[i] for i in sorted(self.choices))
         return add

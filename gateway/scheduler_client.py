@@ -231,6 +231,7 @@ class SchedulerClient:
         request.shard = shard.address
         shard.requests.add(request.add.request_id)
         add = request.resubmission()
+        request.sent = True
         shard.outbox.put_nowait(scheduler_pb2.GatewayMessage(add=add))
         return add.HasField("continuation")
 

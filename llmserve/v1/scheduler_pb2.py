@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from llmserve.v1 import common_pb2 as llmserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmserve/v1/scheduler.proto\x12\x0bllmserve.v1\x1a\x18llmserve/v1/common.proto\"(\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\">\n\x16RegisterWorkerResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"%\n\x12\x44rainWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"?\n\x13\x44rainWorkerResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\"\x9f\x01\n\x0eGatewayMessage\x12&\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x17.llmserve.v1.AddRequestH\x00\x12*\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.AbortRequestH\x00\x12\x31\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32 .llmserve.v1.GatewayMessageBatchH\x00\x42\x06\n\x04kind\"D\n\x13GatewayMessageBatch\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.llmserve.v1.GatewayMessage\"\x87\x03\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12/\n\x0c\x63ontinuation\x18\x07 \x01(\x0b\x32\x19.llmserve.v1.Continuation\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1d\n\x15\x64\x65\x63ode_special_tokens\x18\t \x01(\x08\x12\x12\n\ntimeout_ms\x18\n \x01(\r\x12%\n\x07grammar\x18\x0b \x01(\x0b\x32\x14.llmserve.v1.Grammar\x12)\n\treasoning\x18\x0c \x01(\x0b\x32\x16.llmserve.v1.ReasoningB\x0f\n\r_eos_token_id\"=\n\x0c\x43ontinuation\x12-\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x1c.llmserve.v1.ContinuedChoice\"\xdd\x01\n\x0f\x43ontinuedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.llmserve.v1.OutputLogprob\x12\x1a\n\x12\x63umulative_logprob\x18\x04 \x01(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xa9\x01\n\x10SchedulerMessage\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1a.llmserve.v1.RequestOutputH\x00\x12*\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.RequestErrorH\x00\x12\x33\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\".llmserve.v1.SchedulerMessageBatchH\x00\x42\x06\n\x04kind\"H\n\x15SchedulerMessageBatch\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.llmserve.v1.SchedulerMessage\"\xd9\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.llmserve.v1.OutputLogprob\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\x12\x63umulative_logprob\x18\x06 \x01(\x02\x42\x10\n\x0e_stop_token_id\"a\n\x0eRequestMetrics\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_token_ns\x18\x02 \x01(\x04\x12\x0e\n\x06\x65\x32\x65_ns\x18\x03 \x01(\x04J\x04\x08\x04\x10\x05R\x0fnum_preemptions\"\xe6\x01\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChoiceDelta\x12\x33\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.llmserve.v1.PromptLogprob\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12,\n\x07metrics\x18\x06 \x01(\x0b\x32\x1b.llmserve.v1.RequestMetrics\"P\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t\"+\n\x0fGetStatsRequest\x12\x18\n\x10\x63heck_invariants\x18\x01 \x01(\x08\"\xbf\x04\n\x0cReplicaStats\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x05 \x01(\r\x12\x17\n\x0fgpu_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10gpu_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0f\x63pu_blocks_free\x18\x08 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\t \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x11\n\tnum_steps\x18\r \x01(\x04\x12\x0f\n\x07healthy\x18\x0e \x01(\x08\x12\'\n\x05state\x18\x0f \x01(\x0e\x32\x18.llmserve.v1.WorkerState\x12\x18\n\x10num_migrated_out\x18\x10 \x01(\x04\x12\x15\n\rmax_model_len\x18\x11 \x01(\r\x12\x1b\n\x13invariant_violation\x18\x12 \x01(\t\x12\x15\n\rnum_transfers\x18\x13 \x01(\r\x12,\n\tkv_groups\x18\x14 \x03(\x0b\x32\x19.llmserve.v1.KvGroupUsage\x12\x18\n\x10state_slots_free\x18\x15 \x01(\r\x12\x19\n\x11state_slots_total\x18\x16 \x01(\r\"S\n\x0cKvGroupUsage\x12\x1b\n\x0esliding_window\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\rB\x11\n\x0f_sliding_window\"\xc6\x01\n\x10GetStatsResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.llmserve.v1.ReplicaStats\x12\x1f\n\x17num_unfinished_requests\x18\x02 \x01(\r\x12\x14\n\x0cnum_gateways\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12(\n\x06totals\x18\x05 \x01(\x0b\x32\x18.llmserve.v1.FleetTotals\x12\r\n\x05shard\x18\x06 \x01(\t\"\x8c\x01\n\x0b\x46leetTotals\x12\x11\n\tnum_steps\x18\x01 \x01(\x04\x12\x18\n\x10num_migrated_out\x18\x02 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04*\x8f\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_JOINING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x15\n\x11WORKER_STATE_LOST\x10\x04\x32\xcc\x02\n\tScheduler\x12Y\n\x0eRegisterWorker\x12\".llmserve.v1.RegisterWorkerRequest\x1a#.llmserve.v1.RegisterWorkerResponse\x12P\n\x0b\x44rainWorker\x12\x1f.llmserve.v1.DrainWorkerRequest\x1a .llmserve.v1.DrainWorkerResponse\x12I\n\x07\x43onnect\x12\x1b.llmserve.v1.GatewayMessage\x1a\x1d.llmserve.v1.SchedulerMessage(\x01\x30\x01\x12G\n\x08GetStats\x12\x1c.llmserve.v1.GetStatsRequest\x1a\x1d.llmserve.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmserve/v1/scheduler.proto\x12\x0bllmserve.v1\x1a\x18llmserve/v1/common.proto\"(\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\">\n\x16RegisterWorkerResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"%\n\x12\x44rainWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"?\n\x13\x44rainWorkerResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\"\x9f\x01\n\x0eGatewayMessage\x12&\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x17.llmserve.v1.AddRequestH\x00\x12*\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.AbortRequestH\x00\x12\x31\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32 .llmserve.v1.GatewayMessageBatchH\x00\x42\x06\n\x04kind\"D\n\x13GatewayMessageBatch\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.llmserve.v1.GatewayMessage\"\x9c\x03\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x19\n\x0c\x65os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12/\n\x0c\x63ontinuation\x18\x07 \x01(\x0b\x32\x19.llmserve.v1.Continuation\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1d\n\x15\x64\x65\x63ode_special_tokens\x18\t \x01(\x08\x12\x12\n\ntimeout_ms\x18\n \x01(\r\x12%\n\x07grammar\x18\x0b \x01(\x0b\x32\x14.llmserve.v1.Grammar\x12)\n\treasoning\x18\x0c \x01(\x0b\x32\x16.llmserve.v1.Reasoning\x12\x13\n\x0bresubmitted\x18\r \x01(\x08\x42\x0f\n\r_eos_token_id\"=\n\x0c\x43ontinuation\x12-\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x1c.llmserve.v1.ContinuedChoice\"\xdd\x01\n\x0f\x43ontinuedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.llmserve.v1.OutputLogprob\x12\x1a\n\x12\x63umulative_logprob\x18\x04 \x01(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xa9\x01\n\x10SchedulerMessage\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1a.llmserve.v1.RequestOutputH\x00\x12*\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.RequestErrorH\x00\x12\x33\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\".llmserve.v1.SchedulerMessageBatchH\x00\x42\x06\n\x04kind\"H\n\x15SchedulerMessageBatch\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.llmserve.v1.SchedulerMessage\"\xd9\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.llmserve.v1.OutputLogprob\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\x12\x63umulative_logprob\x18\x06 \x01(\x02\x42\x10\n\x0e_stop_token_id\"a\n\x0eRequestMetrics\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_token_ns\x18\x02 \x01(\x04\x12\x0e\n\x06\x65\x32\x65_ns\x18\x03 \x01(\x04J\x04\x08\x04\x10\x05R\x0fnum_preemptions\"\xe6\x01\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChoiceDelta\x12\x33\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.llmserve.v1.PromptLogprob\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12,\n\x07metrics\x18\x06 \x01(\x0b\x32\x1b.llmserve.v1.RequestMetrics\"P\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t\"+\n\x0fGetStatsRequest\x12\x18\n\x10\x63heck_invariants\x18\x01 \x01(\x08\"\xbf\x04\n\x0cReplicaStats\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x05 \x01(\r\x12\x17\n\x0fgpu_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10gpu_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0f\x63pu_blocks_free\x18\x08 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\t \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x11\n\tnum_steps\x18\r \x01(\x04\x12\x0f\n\x07healthy\x18\x0e \x01(\x08\x12\'\n\x05state\x18\x0f \x01(\x0e\x32\x18.llmserve.v1.WorkerState\x12\x18\n\x10num_migrated_out\x18\x10 \x01(\x04\x12\x15\n\rmax_model_len\x18\x11 \x01(\r\x12\x1b\n\x13invariant_violation\x18\x12 \x01(\t\x12\x15\n\rnum_transfers\x18\x13 \x01(\r\x12,\n\tkv_groups\x18\x14 \x03(\x0b\x32\x19.llmserve.v1.KvGroupUsage\x12\x18\n\x10state_slots_free\x18\x15 \x01(\r\x12\x19\n\x11state_slots_total\x18\x16 \x01(\r\"S\n\x0cKvGroupUsage\x12\x1b\n\x0esliding_window\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\rB\x11\n\x0f_sliding_window\"\xc6\x01\n\x10GetStatsResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.llmserve.v1.ReplicaStats\x12\x1f\n\x17num_unfinished_requests\x18\x02 \x01(\r\x12\x14\n\x0cnum_gateways\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12(\n\x06totals\x18\x05 \x01(\x0b\x32\x18.llmserve.v1.FleetTotals\x12\r\n\x05shard\x18\x06 \x01(\t\"\x8c\x01\n\x0b\x46leetTotals\x12\x11\n\tnum_steps\x18\x01 \x01(\x04\x12\x18\n\x10num_migrated_out\x18\x02 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04*\x8f\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_JOINING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x15\n\x11WORKER_STATE_LOST\x10\x04\x32\xcc\x02\n\tScheduler\x12Y\n\x0eRegisterWorker\x12\".llmserve.v1.RegisterWorkerRequest\x1a#.llmserve.v1.RegisterWorkerResponse\x12P\n\x0b\x44rainWorker\x12\x1f.llmserve.v1.DrainWorkerRequest\x1a .llmserve.v1.DrainWorkerResponse\x12I\n\x07\x43onnect\x12\x1b.llmserve.v1.GatewayMessage\x1a\x1d.llmserve.v1.SchedulerMessage(\x01\x30\x01\x12G\n\x08GetStats\x12\x1c.llmserve.v1.GetStatsRequest\x1a\x1d.llmserve.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=3162
-  _globals['_WORKERSTATE']._serialized_end=3305
+  _globals['_WORKERSTATE']._serialized_start=3183
+  _globals['_WORKERSTATE']._serialized_end=3326
   _globals['_REGISTERWORKERREQUEST']._serialized_start=70
   _globals['_REGISTERWORKERREQUEST']._serialized_end=110
   _globals['_REGISTERWORKERRESPONSE']._serialized_start=112
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GATEWAYMESSAGEBATCH']._serialized_start=442
   _globals['_GATEWAYMESSAGEBATCH']._serialized_end=510
   _globals['_ADDREQUEST']._serialized_start=513
-  _globals['_ADDREQUEST']._serialized_end=904
-  _globals['_CONTINUATION']._serialized_start=906
-  _globals['_CONTINUATION']._serialized_end=967
-  _globals['_CONTINUEDCHOICE']._serialized_start=970
-  _globals['_CONTINUEDCHOICE']._serialized_end=1191
-  _globals['_ABORTREQUEST']._serialized_start=1193
-  _globals['_ABORTREQUEST']._serialized_end=1227
-  _globals['_SCHEDULERMESSAGE']._serialized_start=1230
-  _globals['_SCHEDULERMESSAGE']._serialized_end=1399
-  _globals['_SCHEDULERMESSAGEBATCH']._serialized_start=1401
-  _globals['_SCHEDULERMESSAGEBATCH']._serialized_end=1473
-  _globals['_CHOICEDELTA']._serialized_start=1476
-  _globals['_CHOICEDELTA']._serialized_end=1693
-  _globals['_REQUESTMETRICS']._serialized_start=1695
-  _globals['_REQUESTMETRICS']._serialized_end=1792
-  _globals['_REQUESTOUTPUT']._serialized_start=1795
-  _globals['_REQUESTOUTPUT']._serialized_end=2025
-  _globals['_REQUESTERROR']._serialized_start=2027
-  _globals['_REQUESTERROR']._serialized_end=2107
-  _globals['_GETSTATSREQUEST']._serialized_start=2109
-  _globals['_GETSTATSREQUEST']._serialized_end=2152
-  _globals['_REPLICASTATS']._serialized_start=2155
-  _globals['_REPLICASTATS']._serialized_end=2730
-  _globals['_KVGROUPUSAGE']._serialized_start=2732
-  _globals['_KVGROUPUSAGE']._serialized_end=2815
-  _globals['_GETSTATSRESPONSE']._serialized_start=2818
-  _globals['_GETSTATSRESPONSE']._serialized_end=3016
-  _globals['_FLEETTOTALS']._serialized_start=3019
-  _globals['_FLEETTOTALS']._serialized_end=3159
-  _globals['_SCHEDULER']._serialized_start=3308
-  _globals['_SCHEDULER']._serialized_end=3640
+  _globals['_ADDREQUEST']._serialized_end=925
+  _globals['_CONTINUATION']._serialized_start=927
+  _globals['_CONTINUATION']._serialized_end=988
+  _globals['_CONTINUEDCHOICE']._serialized_start=991
+  _globals['_CONTINUEDCHOICE']._serialized_end=1212
+  _globals['_ABORTREQUEST']._serialized_start=1214
+  _globals['_ABORTREQUEST']._serialized_end=1248
+  _globals['_SCHEDULERMESSAGE']._serialized_start=1251
+  _globals['_SCHEDULERMESSAGE']._serialized_end=1420
+  _globals['_SCHEDULERMESSAGEBATCH']._serialized_start=1422
+  _globals['_SCHEDULERMESSAGEBATCH']._serialized_end=1494
+  _globals['_CHOICEDELTA']._serialized_start=1497
+  _globals['_CHOICEDELTA']._serialized_end=1714
+  _globals['_REQUESTMETRICS']._serialized_start=1716
+  _globals['_REQUESTMETRICS']._serialized_end=1813
+  _globals['_REQUESTOUTPUT']._serialized_start=1816
+  _globals['_REQUESTOUTPUT']._serialized_end=2046
+  _globals['_REQUESTERROR']._serialized_start=2048
+  _globals['_REQUESTERROR']._serialized_end=2128
+  _globals['_GETSTATSREQUEST']._serialized_start=2130
+  _globals['_GETSTATSREQUEST']._serialized_end=2173
+  _globals['_REPLICASTATS']._serialized_start=2176
+  _globals['_REPLICASTATS']._serialized_end=2751
+  _globals['_KVGROUPUSAGE']._serialized_start=2753
+  _globals['_KVGROUPUSAGE']._serialized_end=2836
+  _globals['_GETSTATSRESPONSE']._serialized_start=2839
+  _globals['_GETSTATSRESPONSE']._serialized_end=3037
+  _globals['_FLEETTOTALS']._serialized_start=3040
+  _globals['_FLEETTOTALS']._serialized_end=3180
+  _globals['_SCHEDULER']._serialized_start=3329
+  _globals['_SCHEDULER']._serialized_end=3661
 # @@protoc_insertion_point(module_scope)

@@ -66,7 +66,7 @@ class GatewayMessageBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[GatewayMessage, _Mapping]]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "traceparent", "continuation", "stop", "decode_special_tokens", "timeout_ms", "grammar", "reasoning")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority", "traceparent", "continuation", "stop", "decode_special_tokens", "timeout_ms", "grammar", "reasoning", "resubmitted")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class AddRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
+    RESUBMITTED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -91,7 +92,8 @@ class AddRequest(_message.Message):
     timeout_ms: int
     grammar: _common_pb2.Grammar
     reasoning: _common_pb2.Reasoning
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., decode_special_tokens: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.Reasoning, _Mapping]] = ...) -> None: ...
+    resubmitted: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., decode_special_tokens: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.Reasoning, _Mapping]] = ..., resubmitted: _Optional[bool] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("choices",)

@@ -4,8 +4,8 @@ per-request deadlines.
 The waiting queue is every request not yet running: the replicas' `waiting` queues and the
 fleet's requests that wait for a ready worker. Beyond `max_waiting` a new request is refused
 at once (RESOURCE_EXHAUSTED, which the gateway passes on as 429 / RESOURCE_EXHAUSTED), so
-memory does not climb with the offered load. A re-submission after a scheduler restart (a
-request with a continuation) is always taken: its client has been streaming already.
+memory does not climb with the offered load. A re-submission after a shard was lost or
+restarted (AddRequest.resubmitted) is always taken: it was admitted once and its client waits.
 """
 
 from __future__ import annotations

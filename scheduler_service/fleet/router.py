@@ -136,7 +136,7 @@ class Router:
             )
         if not add.HasField("sampling_params"):
             raise FieldError("sampling_params", "required")
-        self.admission.check(self.fleet, add.HasField("continuation"))
+        self.admission.check(self.fleet, add.resubmitted)
         params = with_admission_seed(sampling_params_from_proto(add.sampling_params), self._seeds)
         key = stream.key(add.request_id)
         route = _Route(

@@ -86,7 +86,12 @@ class FleetStack:
         """What the test's own calls to the scheduler carry: the internal token, if any."""
         return [("authorization", f"Bearer {self.token}")] if self.token else None
 
-    def add_worker(self, wait: bool = True, args: list[str] = ()) -> Proc:  # type: ignore[assignment]
+    def add_worker(
+        self,
+        wait: bool = True,
+        args: list[str] = (),  # type: ignore[assignment]
+        env: dict[str, str] | None = None,
+    ) -> Proc:
         port, metrics_port = free_ports(2)
         assert self.scheduler is not None
         index = len(self.workers)
@@ -107,7 +112,7 @@ class FleetStack:
             ],
             f"127.0.0.1:{port}",
             self.log_dir / f"worker-{index}.log",
-            self.env,
+            {**self.env, **(env or {})},
         )
         self.workers.append(proc)
         proc.start(wait)
@@ -218,10 +223,12 @@ def start_fleet(
     env: dict[str, str] | None = None,
     num_schedulers: int = 1,
     per_worker_args: list[list[str]] = (),  # type: ignore[assignment]
+    per_worker_env: list[dict[str, str]] = (),  # type: ignore[assignment]
     token: str = "",
 ) -> FleetStack:
     """Scheduler(s) first (workers register with them), then the workers (worker i with
-    `per_worker_args[i]` too, if given), then the gateway. With one scheduler, the workers and
+    `per_worker_args[i]` too and `per_worker_env[i]` in its environment, where given), then the
+    gateway. With one scheduler, the workers and
     the gateway start together (the gateway follows the scheduler's readiness), then each is
     waited for; with several (shards), workers start one by one, each joining the shard with
     the fewest workers. With a `token`, every service requires it (and sends it) on the
@@ -286,7 +293,9 @@ def start_fleet(
             stack.gateway.start(wait=False)
         for index in range(num_workers):
             stack.add_worker(
-                wait=not together, args=per_worker_args[index] if per_worker_args else []
+                wait=not together,
+                args=per_worker_args[index] if index < len(per_worker_args) else [],
+                env=per_worker_env[index] if index < len(per_worker_env) else None,
             )
         for worker in stack.workers if together else ():
             wait_healthy(worker.address, worker.popen, worker.name, worker.log)  # type: ignore[arg-type]

@@ -74,8 +74,9 @@ def wait_healthy(
     raise TimeoutError(f"{name} not healthy in {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
-# A port picked free can be taken before the service binds it (an outgoing connection's
-# ephemeral port, another test's process): the service exits with this in its log, and is
+# A port picked free can be taken before the service binds it (by another test's process;
+# free_ports keeps out of the ephemeral range, so an outgoing connection cannot take it where
+# the kernel leaves room below that range): the service exits with this in its log, and is
 # started again on new ports, up to this many times in all.
 _BIND_FAILED = "address already in use"
 _ATTEMPTS = 3

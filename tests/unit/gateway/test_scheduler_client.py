@@ -82,6 +82,7 @@ def reference_run() -> dict[str, Received]:
         await until(lambda: len(server.fake.requests) == len(REQUESTS), "all added")
         await run_to_end(server, got)
         result.update(got)
+        assert not any(add.resubmitted for add in server.fake.adds)  # each a first submission
 
     run(test)
     return result
@@ -132,6 +133,8 @@ def test_restart_mid_stream_gives_the_uninterrupted_stream():
     # best_of > n streams nothing: it starts over from the prompt.
     assert delivered["best-of"] == {}
     assert not by_id["best-of"].HasField("continuation")
+    # Every one is marked: the new stream's waiting-queue limit must not refuse it.
+    assert all(add.resubmitted for add in sent_again)
     for add in sent_again:
         assert list(add.prompt_token_ids) == PROMPTS[add.request_id]
         assert sampling_params_from_proto(add.sampling_params) == REQUESTS[add.request_id]
@@ -233,6 +236,7 @@ def test_request_submitted_while_disconnected_is_sent_on_reconnect():
         await task
         assert got.tokens == {0: [token_at([7], 0, k) for k in range(6)]}
         assert not server.fake.adds[0].HasField("continuation")
+        assert not server.fake.adds[0].resubmitted  # its first send
 
     run(test)
 
