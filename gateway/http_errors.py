@@ -64,7 +64,9 @@ def anthropic_error_body(exc: BaseException) -> dict[str, Any]:
 def error_response(exc: BaseException, path: str = "") -> JSONResponse:
     status = http_error(exc).status
     headers = None
-    if status == 429:  # a refusal that says when to come back
+    # A refusal that says when to come back: a full queue (429), a draining gateway or a lost
+    # scheduler (503; behind a load balancer the retry may go to another replica at once).
+    if status in (429, 503):
         retry_after = getattr(exc, "retry_after_s", RETRY_AFTER_S)
         headers = {"retry-after": str(max(1, math.ceil(retry_after)))}
     body = anthropic_error_body(exc) if is_anthropic_path(path) else error_body(exc)

@@ -141,6 +141,7 @@ def test_sigterm_on_the_gateway_finishes_every_stream_then_exits_0(
         assert int(seen["full_http"].headers["retry-after"]) >= 1
         assert seen["draining_grpc"] == grpc.StatusCode.UNAVAILABLE
         assert seen["draining_http"].status_code == 503, seen["draining_http"].text
+        assert int(seen["draining_http"].headers["retry-after"]) >= 1
         assert seen["tokens"] == [TOKENS] * STREAMS
         assert seen["finished"] == [True] * STREAMS
         assert seen["exit"] == 0, stack.logs("gateway")[-3000:]

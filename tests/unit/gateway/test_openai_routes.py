@@ -307,6 +307,14 @@ def test_api_key(make_client: Any) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_an_unavailable_scheduler_is_503_with_retry_after(make_client: Any, stream: bool) -> None:
+    client, _ = make_client(FakeScheduler([1], error=(14, "the scheduler is shutting down", None)))
+    r = client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+    assert r.status_code == 503
+    assert int(r.headers["retry-after"]) >= 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_full_scheduler_queue_is_429_with_retry_after(make_client: Any, stream: bool) -> None:
     """RESOURCE_EXHAUSTED from the scheduler (--max-waiting-requests) is the status line, with
     Retry-After, streamed or not: a stream's first update is awaited before its 200."""
