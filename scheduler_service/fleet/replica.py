@@ -91,6 +91,7 @@ class Replica:
         self._task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._lost: WorkerLostError | None = None
+        self._stopping = False  # `stop` was called: the loop must not connect again
         self.drain_started: float | None = None
         # Request ids of the steps in flight (between begin_step and finish_step; two steps
         # with asynchronous scheduling).
@@ -139,13 +140,18 @@ class Replica:
         )
 
     async def stop(self, cause: str = "removed") -> None:
-        """End the loop; requests still here move elsewhere (`Evicted` with `cause`)."""
+        """End the loop; requests still here move elsewhere (`Evicted` with `cause`). The loop
+        also ends at its next failure or wake-up if the cancellation is lost on its way (a
+        removed replica that reconnected would hold its worker from every shard)."""
+        self._stopping = True
+        self._wake.set()
         for task in (self._health_task, self._task):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         self._evict_all(cause)
         await self._channel.close()
+        log.info("replica stopped", replica=self.replica_id, address=self.address, cause=cause)
 
     # -- requests (called by the fleet and its mover, on the same event loop) ------------------
 
@@ -218,6 +224,8 @@ class Replica:
     async def _run(self) -> None:
         attempt = 0
         while self.state is not ReplicaState.DRAINING or self.engine is not None:
+            if self._stopping:
+                raise asyncio.CancelledError
             try:
                 await self._connect()
                 attempt = 0
@@ -314,6 +322,8 @@ class Replica:
                     self._wake.clear()
                     metrics.record_stats(self.replica_id, engine.get_stats())
                     await self._wake.wait()
+                if self._stopping:
+                    raise asyncio.CancelledError
                 if self._lost is not None:
                     raise self._lost
                 if stream.closed:

@@ -28,6 +28,7 @@ import pytest
 
 from tests.support.campaign import (
     CampaignStack,
+    Fault,
     Received,
     run_campaign,
     start_campaign_stack,
@@ -37,6 +38,7 @@ from tests.support.grammar import smollm2_tokenizer
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 
 SEED = int(os.environ.get("LLMSERVE_CAMPAIGN_SEED", "1"))
+ROUNDS = 2
 
 
 def validate(spec: dict[str, Any], got: Received) -> str | None:
@@ -50,7 +52,9 @@ def validate(spec: dict[str, Any], got: Received) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CampaignStack]:
+def stack(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CampaignStack]:
     running = start_campaign_stack(str(tiny_model_dir), tmp_path_factory.mktemp("campaign"))
     yield running
     running.stop()
@@ -58,8 +62,24 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         assert proc.popen is None or proc.popen.poll() is not None, f"{proc.name} left running"
 
 
-def test_a_short_seeded_campaign_changes_no_stream_and_leaks_nothing(stack: CampaignStack):
-    report = run_campaign(stack, SEED, rounds=1, faults_per_round=6, validate=validate)
+def test_a_lost_gateway_s_clients_see_unavailable_and_get_the_same_output_elsewhere(
+    stack: CampaignStack,
+):
+    """The second gateway killed early in a round (DESIGN.md 8): each of its clients sees
+    UNAVAILABLE, retries on the first gateway and gets the undisturbed output; the schedulers
+    aborted the lost gateway's requests (every block is free after the round)."""
+    kill = Fault(at_response=40, kind="gateway_kill", target=0)
+    report = run_campaign(stack, SEED + 1000, rounds=1, validate=validate, fixed_faults=[kill])
     assert not report.failures, "\n".join(report.failures[:20])
-    assert sum(report.faults.values()) == 6, report.faults
+    assert report.faults == {"gateway_kill": 1}
+    assert report.retried > 0
+    assert set(report.lost_codes) == {"UNAVAILABLE"}, report.lost_codes
+    shard_logs = "".join(s.log.read_text(errors="replace") for s in stack.fleet.schedulers)
+    assert '"event": "gateway disconnected"' in shard_logs
+
+
+def test_a_short_seeded_campaign_changes_no_stream_and_leaks_nothing(stack: CampaignStack):
+    report = run_campaign(stack, SEED, rounds=ROUNDS, faults_per_round=6, validate=validate)
+    assert not report.failures, "\n".join(report.failures[:20])
+    assert sum(report.faults.values()) == 6 * ROUNDS, report.faults
     assert report.requests_checked > 0 and report.differing == 0

@@ -10,6 +10,7 @@ asserts what must hold (module docstring of tests/integration/test_fault_campaig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -83,14 +84,19 @@ def draw_faults(rng: random.Random, count: int, responses: int) -> list[Fault]:
 
 
 TOOL_SCHEMA = WEATHER_TOOL["function"]["parameters"]
+# Long prompts share a prefix this long: more than a prefix fetch's minimum (64), so a worker
+# lacking it may copy its KV blocks from one that holds it.
+LONG_PREFIX_TOKENS = 192
 
 
 def campaign_workload(seed: int, count: int = WORKLOAD_SIZE) -> list[tuple[str, dict[str, Any]]]:
     """The fleet tests' mixed workload (greedy, seeded, n=2, best_of, beam search, logprobs,
     shared prefixes) with, in place of some of it: a JSON schema and a tool-argument schema,
-    text prompts with stop strings, priorities, and streams their clients cancel."""
+    text prompts with stop strings, long prompts sharing a long prefix; priorities; and
+    streams their clients cancel."""
     rng = random.Random(seed)
     requests = mixed_workload(count, seed)
+    long_prefix = [rng.randrange(100, 20000) for _ in range(LONG_PREFIX_TOKENS)]
     out = []
     for i, (request_id, spec) in enumerate(requests):
         spec = dict(spec)
@@ -112,6 +118,10 @@ def campaign_workload(seed: int, count: int = WORKLOAD_SIZE) -> list[tuple[str, 
                 "seed": 7000 + i,
                 "stop": ["e ", "."],
             }
+        elif i % 8 == 6:
+            tail = [rng.randrange(100, 20000) for _ in range(rng.randrange(8, 24))]
+            spec = {"prompt": long_prefix + tail, "max_tokens": 16, "ignore_eos": True,
+                    "temperature": rng.choice((0.0, 0.7)), "seed": 8000 + i}  # fmt: skip
         spec["priority"] = rng.choice((-1, 0, 0, 1))
         if i % 8 == 4:
             spec["cancel_after"] = rng.randrange(2, 6)
@@ -130,6 +140,7 @@ class Outcome:
     times: list[float] = field(default_factory=list)  # when each response arrived
     retries: int = 0  # starts again on the other gateway after its gateway was killed
     refusals: int = 0  # refused with RESOURCE_EXHAUSTED, then sent again
+    lost_codes: list[grpc.StatusCode] = field(default_factory=list)  # from a killed gateway
 
 
 @dataclass
@@ -195,7 +206,11 @@ def start_campaign_stack(model: str, log_dir: Path) -> CampaignStack:
         log_dir / "gateway-1.log",
         fleet.env,
     )  # fmt: skip
-    second.start()
+    try:
+        second.start()
+    except BaseException:
+        fleet.stop()
+        raise
     stack = CampaignStack(fleet, [fleet.gateway, second])
     stack.monitor()
     return stack
@@ -215,12 +230,10 @@ class Round:
         self.bursts: dict[str, Outcome] = {}
         self.fired: list[tuple[Fault, float]] = []
         self.responses = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stubs: list[generation_pb2_grpc.GenerationStub] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     async def run(self) -> None:
-        self._loop = asyncio.get_running_loop()
         channels = [
             grpc.aio.insecure_channel(g.address, options=channel_options())
             for g in self.stack.gateways
@@ -276,9 +289,15 @@ class Round:
             raise ValueError(f"unknown fault {fault.kind}")
 
     def _pause(self, proc: Proc, duration_s: float) -> None:
-        _signal(proc, signal.SIGSTOP)
-        assert self._loop is not None
-        self._loop.call_later(duration_s, _signal, proc, signal.SIGCONT)
+        """SIGSTOP the process, and SIGCONT that same process `duration_s` later, from a timer
+        thread: the round may end first."""
+        if proc.popen is None or proc.popen.poll() is not None:
+            return
+        pid = proc.popen.pid
+        os.kill(pid, signal.SIGSTOP)
+        timer = threading.Timer(duration_s, _resume, (pid,))
+        timer.daemon = True
+        timer.start()
 
     async def _one(
         self, request_id: str, spec: dict[str, Any], gateway: int, into: dict[str, Outcome]
@@ -310,6 +329,7 @@ class Round:
                     exc.code() == grpc.StatusCode.UNAVAILABLE and kills > 0
                 )
                 if lost and outcome.gateway == 1:
+                    outcome.lost_codes.append(exc.code())
                     outcome.retries += 1
                     outcome.gateway = 0
                     continue
@@ -336,6 +356,11 @@ def _record(got: Received, response: Any) -> None:
             got.finish_reasons[choice.index] = choice.finish_reason
     if response.HasField("usage"):
         got.completion_tokens = response.usage.completion_tokens
+
+
+def _resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # killed while paused
+        os.kill(pid, signal.SIGCONT)
 
 
 def _signal(proc: Proc, sig: signal.Signals) -> None:
@@ -385,6 +410,9 @@ class Report:
     differing: int = 0
     cancelled: int = 0
     retried: int = 0
+    resent_after_refusal: int = 0  # workload requests refused under overload, then served
+    # The codes clients of a killed gateway saw, with how many times each.
+    lost_codes: dict[str, int] = field(default_factory=dict)
     refused: int = 0
     bursts_served: int = 0
     # Per fault kind: for each stream mid-flight when it fired, the seconds from its last
@@ -401,10 +429,12 @@ def run_campaign(
     until: float | None = None,
     faults_per_round: int = 4,
     validate: Callable[[dict[str, Any], Received], str | None] = lambda spec, got: None,
+    fixed_faults: list[Fault] | None = None,
 ) -> Report:
     """Rounds of (undisturbed reference, faulted run) until `rounds` are done or the clock
     passes `until` (time.monotonic()). `validate(spec, received)` names what is wrong with a
-    constrained output, or returns None."""
+    constrained output, or returns None. `fixed_faults`: every round's faults, in place of
+    drawn ones."""
     rng = random.Random(seed)
     report = Report(seed)
     while (rounds is None or report.rounds < rounds) and (
@@ -415,7 +445,8 @@ def run_campaign(
                        for rid, spec in workload]  # fmt: skip
         reference = run_round(stack, undisturbed, [])
         responses = reference.responses
-        faulted = run_round(stack, workload, draw_faults(rng, faults_per_round, responses))
+        faults = draw_faults(rng, faults_per_round, responses)
+        faulted = run_round(stack, workload, faults if fixed_faults is None else fixed_faults)
         for fault, _ in faulted.fired:
             report.faults[fault.kind] = report.faults.get(fault.kind, 0) + 1
         check_round(report, workload, reference, faulted, validate)
@@ -442,6 +473,9 @@ def check_round(
         want, got = reference.outcomes[request_id], faulted.outcomes[request_id]
         report.requests_checked += 1
         report.retried += got.retries
+        report.resent_after_refusal += got.refusals
+        for code in got.lost_codes:
+            report.lost_codes[code.name] = report.lost_codes.get(code.name, 0) + 1
         if want.error is not None or got.error is not None:
             fail(f"{request_id}: errors {want.error} (undisturbed), {got.error} (faults)")
             continue

@@ -7,8 +7,8 @@ import asyncio
 
 import grpc
 
-from llmserve.sampling_params import SamplingParams
 from llmserve.proto_convert import sampling_params_to_proto
+from llmserve.sampling_params import SamplingParams
 from llmserve.v1 import scheduler_pb2
 from scheduler_service.engine import SchedulerConfig
 from scheduler_service.fleet.admission import SchedulerAdmission
