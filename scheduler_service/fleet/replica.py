@@ -145,10 +145,14 @@ class Replica:
         removed replica that reconnected would hold its worker from every shard)."""
         self._stopping = True
         self._wake.set()
-        for task in (self._health_task, self._task):
-            if task is not None and task is not asyncio.current_task():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        tasks = [
+            task
+            for task in (self._health_task, self._task)
+            if task is not None and task is not asyncio.current_task()
+        ]
+        for task in tasks:  # both at once: the loop is not left running while one ends
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._evict_all(cause)
         await self._channel.close()
         log.info("replica stopped", replica=self.replica_id, address=self.address, cause=cause)
