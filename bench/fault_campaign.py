@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import describe  # noqa: E402
 from tests.integration.test_fault_campaign import validate  # noqa: E402
-from tests.support.campaign import run_campaign, start_campaign_stack  # noqa: E402
+from tests.support.campaign import start_campaign_stack  # noqa: E402
+from tests.support.campaign_checks import run_campaign  # noqa: E402
 from tests.support.models import build_tiny_llama  # noqa: E402
 
 

@@ -26,13 +26,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.support.campaign import (
-    CampaignStack,
-    Fault,
-    Received,
-    run_campaign,
-    start_campaign_stack,
-)
+from tests.support.campaign import CampaignStack, Fault, start_campaign_stack
+from tests.support.campaign_checks import run_campaign
+from tests.support.fleet import Received
 from tests.support.grammar import smollm2_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]

@@ -22,7 +22,7 @@ import grpc
 from llmserve.client import build_request
 from llmserve.grpc_utils import channel_options
 from llmserve.supervisor import free_ports, stop_process, stop_processes
-from llmserve.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from llmserve.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.stack import wait_healthy
 
 WORKER_ARGS = ["--kv-cache-memory", "0.02", "--swap-space", "0.02", "--num-threads", "1"]
@@ -385,6 +385,22 @@ class Received:
     finish_reasons: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
 
+    def add(self, response: generation_pb2.GenerateResponse) -> None:
+        """Record one streamed response."""
+        for choice in response.choices:
+            self.token_ids.setdefault(choice.index, []).extend(choice.token_ids)
+            self.logprobs.setdefault(choice.index, []).extend(
+                lp.token.logprob for lp in choice.logprobs
+            )
+            if choice.finish_reason:
+                self.finish_reasons[choice.index] = choice.finish_reason
+        if response.HasField("usage"):
+            self.completion_tokens = response.usage.completion_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids.values())
+
 
 def mixed_workload(count: int, seed: int = 0) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
     """`count` requests: greedy, seeded sampling, n=2, best_of=3, one beam search; some with
@@ -440,15 +456,7 @@ async def run_workload(
             got = received[request_id] = Received()
             call = stub.Generate(build_request(prompt, request_id=request_id, **spec), timeout=300)
             async for response in call:
-                for choice in response.choices:
-                    got.token_ids.setdefault(choice.index, []).extend(choice.token_ids)
-                    got.logprobs.setdefault(choice.index, []).extend(
-                        lp.token.logprob for lp in choice.logprobs
-                    )
-                    if choice.finish_reason:
-                        got.finish_reasons[choice.index] = choice.finish_reason
-                if response.HasField("usage"):
-                    got.completion_tokens = response.usage.completion_tokens
+                got.add(response)
                 total += 1
                 if on_chunk is not None:
                     on_chunk(total)
