@@ -37,10 +37,15 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--faults-per-round", type=int, default=6)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--log-dir", type=Path, help="where the services' logs go (default: a new temporary one)"
+    )
     args = parser.parse_args()
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="fault-campaign-"))
+    print(f"logs: {log_dir}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_llama(Path(tmp) / "model")
-        stack = start_campaign_stack(str(model), Path(tmp) / "logs")
+        stack = start_campaign_stack(str(model), log_dir)
         started = time.monotonic()
         try:
             report = run_campaign(

@@ -29,7 +29,8 @@ RETRY_S = 1.0
 
 
 class SchedulerReadiness:
-    """Follows the scheduler's health; `ready` combines it with the Connect stream's state.
+    """Follows the scheduler's health; `ready` combines it with the Connect stream's state,
+    and `on_change` hears of each change of it.
 
     Each time the scheduler turns SERVING (a worker is ready there), the gateway asks it for
     the model's max_model_len (GetStats) and hands it to `on_max_model_len`: the scheduler
@@ -41,11 +42,13 @@ class SchedulerReadiness:
         is_connected: Callable[[], bool],
         retry_s: float = RETRY_S,
         on_max_model_len: Callable[[int], None] | None = None,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.address = address
         self._is_connected = is_connected
         self._retry_s = retry_s
         self._on_max_model_len = on_max_model_len
+        self._on_change = on_change
         self._scheduler_serving = False
         self._draining = False
         self._task: asyncio.Task[None] | None = None
@@ -93,11 +96,17 @@ class SchedulerReadiness:
                             log.info("scheduler health", address=self.address, serving=serving)
                             if serving:
                                 await self._learn_max_model_len(ch)
-                        self._scheduler_serving = serving
+                            self._set_serving(serving)
             except grpc.aio.AioRpcError as exc:
                 log.debug("scheduler health watch broke", code=exc.code().name)
-            self._scheduler_serving = False
+            self._set_serving(False)
             await asyncio.sleep(self._retry_s)
+
+    def _set_serving(self, serving: bool) -> None:
+        changed = serving != self._scheduler_serving
+        self._scheduler_serving = serving
+        if changed:
+            self._on_change()
 
     async def _learn_max_model_len(self, channel: grpc.aio.Channel) -> None:
         if self._on_max_model_len is None:

@@ -72,7 +72,9 @@ class SchedulerClient:
     `shard_routing.pick_shard` (its prompt's prefix, bounded by load), preferring shards that
     `is_serving` says have a ready worker. When a shard's stream breaks, its unfinished
     requests are re-submitted at once, as continuations, to the other connected shards; with
-    none connected they wait, up to `reconnect_timeout_s`, for the first shard that connects."""
+    none connected they wait, up to `reconnect_timeout_s`, for the first shard that connects.
+    A shard left without a ready worker has its requests moved the same way
+    (`move_off_idle_shards`)."""
 
     def __init__(
         self,
@@ -173,14 +175,17 @@ class SchedulerClient:
                 await asyncio.sleep(delay)
 
     def _on_connected(self, shard: _Shard, outbox: Outbox, attempt: int) -> None:
-        """Adopt a new stream and send it every unfinished request that waits for a shard."""
+        """Adopt a new stream and send every unfinished request that waits for a shard to a
+        connected one (a serving one, if any: the shard that connects first may have no
+        worker)."""
         shard.outbox = outbox
         self._connected.set()
         resent = continued = 0
         for request in self._requests.values():
             if request.done or request.shard is not None:
                 continue
-            continued += self._send(request, shard)
+            target = self._choose(request.add.prompt_token_ids) or shard
+            continued += self._send(request, target)
             resent += 1
         if shard.ever_connected:
             log.info(
@@ -213,6 +218,40 @@ class SchedulerClient:
                 moved += 1
         if moved:
             log.info("requests moved to other shards", address=shard.address, moved=moved)
+
+    def move_off_idle_shards(self) -> int:
+        """Move the requests of every connected shard without a ready worker (`is_serving`)
+        to serving ones, when there are any: aborted there, re-submitted here as
+        continuations. A shard that restarted empty gets no workers back, so requests placed
+        on it (or re-submitted to it, the first shard to connect) would wait there for none.
+        Returns how many moved. The readiness watch calls this when a shard's health
+        changes."""
+        connected = [s for s in self._shards.values() if s.outbox is not None]
+        if not any(self.is_serving(s.address) for s in connected):
+            return 0
+        moved = 0
+        for shard in connected:
+            if self.is_serving(shard.address) or shard.outbox is None:
+                continue
+            moved_here = 0
+            for request_id in list(shard.requests):
+                request = self._requests[request_id]
+                target = self._choose(request.add.prompt_token_ids)
+                if request.done or target is None or target is shard:
+                    continue
+                self._release(request)
+                shard.outbox.put_nowait(
+                    scheduler_pb2.GatewayMessage(
+                        abort=scheduler_pb2.AbortRequest(request_id=request_id)
+                    )
+                )
+                self._send(request, target)
+                moved_here += 1
+            if moved_here:
+                log.info("requests moved off a shard without a ready worker",
+                         address=shard.address, moved=moved_here)  # fmt: skip
+            moved += moved_here
+        return moved
 
     def _choose(self, prompt_token_ids: Sequence[int]) -> _Shard | None:
         """The connected shard for a request (serving ones first); None if none is connected."""

@@ -115,6 +115,7 @@ async def serve(config: GatewayConfig) -> None:
                 address,
                 functools.partial(scheduler.shard_connected, address),
                 on_max_model_len=learned,
+                on_change=scheduler.move_off_idle_shards,
             )
             for address in shards
         ]

@@ -134,6 +134,7 @@ class Outcome:
 
     received: Received = field(default_factory=Received)
     error: grpc.StatusCode | None = None
+    error_details: str = ""
     gateway: int = 0
     cancelled: bool = False
     times: list[float] = field(default_factory=list)  # when each response arrived
@@ -339,7 +340,7 @@ class Round:
                     outcome.refusals += 1
                     await asyncio.sleep(RETRY_AFTER_S)
                     continue
-                outcome.error = exc.code()
+                outcome.error, outcome.error_details = exc.code(), exc.details() or ""
                 return
 
 

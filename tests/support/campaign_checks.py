@@ -101,7 +101,10 @@ def check_round(
         for code in got.lost_codes:
             report.lost_codes[code.name] = report.lost_codes.get(code.name, 0) + 1
         if want.error is not None or got.error is not None:
-            fail(f"{request_id}: errors {want.error} (undisturbed), {got.error} (faults)")
+            fail(
+                f"{request_id}: errors {want.error} {want.error_details!r} (undisturbed), "
+                f"{got.error} {got.error_details!r} (faults)"
+            )
             continue
         if got.cancelled:
             report.cancelled += 1

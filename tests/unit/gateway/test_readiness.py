@@ -23,7 +23,13 @@ def test_ready_only_while_connected_and_the_scheduler_serves():
         port = free_port()
         address = f"127.0.0.1:{port}"
         connected = {"value": True}
-        readiness = SchedulerReadiness(address, lambda: connected["value"], retry_s=0.1)
+        changes: list[bool] = []
+        readiness = SchedulerReadiness(
+            address,
+            lambda: connected["value"],
+            retry_s=0.1,
+            on_change=lambda: changes.append(readiness.scheduler_serving),
+        )
         readiness.start()
         try:
             # Nothing listens yet.
@@ -58,6 +64,10 @@ def test_ready_only_while_connected_and_the_scheduler_serves():
             readiness.drain()
             assert readiness.not_ready_reason() == "draining"
             await server.stop(grace=None)
+            await wait_for(lambda: len(changes) == 4)
+            # Each change of the scheduler's health was heard once, in order (the gateway
+            # moves requests off a shard that stopped serving).
+            assert changes == [True, False, True, False]
         finally:
             await readiness.close()
 

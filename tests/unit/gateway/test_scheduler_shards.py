@@ -208,3 +208,38 @@ async def consume_one(
     await step_until_done(servers, {name: got})
     await task
     assert got.finished and got.error is None
+
+
+def test_requests_on_a_shard_left_without_workers_move_to_a_serving_one():
+    """A shard whose workers all left (its health turns NOT_SERVING) keeps no request while
+    another serves: each is aborted there and continues on the other with the same tokens
+    (found by the fault campaign: they waited there for --no-worker-timeout-s, then failed)."""
+    expected = reference()
+
+    async def test(servers: list[FakeServer], client: SchedulerClient) -> None:
+        idle, serving = servers
+        got = await submit_all(client)
+        await until(
+            lambda: len(idle.fake.adds) + len(serving.fake.adds) == len(REQUESTS), "all added"
+        )
+        on_idle = {a.request_id for a in idle.fake.adds}
+        assert 0 < len(on_idle) < len(REQUESTS), "both shards should take requests"
+        for server in servers:
+            server.fake.step()
+        await asyncio.sleep(0.05)
+        assert client.move_off_idle_shards() == 0  # every shard serves
+        client.is_serving = lambda address: address == serving.address
+        assert client.move_off_idle_shards() == len(on_idle)
+        await until(lambda: set(idle.fake.aborts) == on_idle, "aborted on the idle shard")
+        await until(
+            lambda: on_idle <= {a.request_id for a in serving.fake.adds}, "moved to the other"
+        )
+        assert all(a.resubmitted for a in serving.fake.adds if a.request_id in on_idle)
+        await step_until_done([serving], got)
+        assert [g.error for g in got.values()] == [None] * len(got)
+        for name, g in got.items():
+            assert g.tokens == expected[name].tokens, name
+            assert g.finish == expected[name].finish, name
+        assert client.shard_load(idle.address) == 0
+
+    run_shards(test)
