@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -40,6 +42,10 @@ BURST_SIZE = 2 * MAX_WAITING + 16
 # How often a workload request refused under overload is sent again before that counts as a
 # failure.
 MAX_REFUSALS = 30
+# What a refusal before the first token may be: a full queue (429) or no ready worker (503).
+REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# What gRPC says of a connection that broke or was refused (a gateway that is gone).
+TRANSPORT = re.compile(r"failed to connect|Socket closed|Connection reset|Broken pipe|GOAWAY")
 SCHEDULER_ARGS = [
     "--max-num-seqs", "16",
     "--max-waiting-requests", str(MAX_WAITING),
@@ -228,6 +234,7 @@ class Round:
         self.faults = list(faults)
         self.outcomes: dict[str, Outcome] = {}
         self.bursts: dict[str, Outcome] = {}
+        self._bursts = itertools.count()
         self.fired: list[tuple[Fault, float]] = []
         self.responses = 0
         self._stubs: list[generation_pb2_grpc.GenerationStub] = []
@@ -278,7 +285,7 @@ class Round:
             stack.gateway_kills[1] += 1
             _signal(stack.gateways[1], signal.SIGKILL)
         elif fault.kind == "burst":
-            start = len(self.bursts)
+            start = next(self._bursts) * BURST_SIZE
             for i in range(BURST_SIZE):
                 spec = {"prompt": [100 + i, 200 + start, 300], "max_tokens": 4,
                         "ignore_eos": True, "temperature": 0.0}  # fmt: skip
@@ -323,19 +330,20 @@ class Round:
                         return
                 return
             except grpc.aio.AioRpcError as exc:
-                # The second gateway was killed during the call, or is down since a kill: the
-                # client retries on the first, as a client behind a load balancer would.
-                lost = self.stack.gateway_kills[outcome.gateway] != kills or (
-                    exc.code() == grpc.StatusCode.UNAVAILABLE and kills > 0
-                )
+                # The connection broke (not an answer of the gateway's): the second gateway
+                # was killed during the call, or is down since a kill. The client retries on
+                # the first, as a client behind a load balancer would.
+                code, details = exc.code(), exc.details() or ""
+                broken = code == grpc.StatusCode.UNAVAILABLE and bool(TRANSPORT.search(details))
+                lost = self.stack.gateway_kills[outcome.gateway] != kills or (broken and kills > 0)
                 if lost and outcome.gateway == 1:
-                    outcome.lost_codes.append(exc.code())
+                    outcome.lost_codes.append(code)
                     outcome.retries += 1
                     outcome.gateway = 0
                     continue
-                # Refused before its first token (a retry is a new request, and a burst may
-                # fill the queue): the client waits as told and sends it again.
-                refused = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not got.num_tokens
+                # Refused before its first token, under overload (429) or with no ready worker
+                # anywhere (503): the client waits as told and sends it again.
+                refused = code in REFUSALS and not broken and not got.num_tokens
                 if refused and into is self.outcomes and outcome.refusals < MAX_REFUSALS:
                     outcome.refusals += 1
                     await asyncio.sleep(RETRY_AFTER_S)

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from tests.support.campaign import (
+    REFUSALS,
     CampaignStack,
     Fault,
     Round,
@@ -121,7 +122,7 @@ def check_round(
     for request_id, got in faulted.bursts.items():
         if got.error is not None:
             report.refused += 1
-            if got.error != grpc.StatusCode.RESOURCE_EXHAUSTED or got.received.num_tokens:
+            if got.error not in REFUSALS or got.received.num_tokens:
                 fail(
                     f"{request_id}: refused with {got.error} after {got.received.num_tokens} tokens"
                 )
