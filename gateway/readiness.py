@@ -42,7 +42,7 @@ class SchedulerReadiness:
         is_connected: Callable[[], bool],
         retry_s: float = RETRY_S,
         on_max_model_len: Callable[[int], None] | None = None,
-        on_change: Callable[[], None] = lambda: None,
+        on_change: Callable[[], object] = lambda: None,
     ) -> None:
         self.address = address
         self._is_connected = is_connected

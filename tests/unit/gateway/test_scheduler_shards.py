@@ -118,6 +118,17 @@ async def submit_all(client: SchedulerClient) -> dict[str, Received]:
     return got
 
 
+async def submit_to_both(
+    servers: list[FakeServer], client: SchedulerClient
+) -> tuple[dict[str, Received], set[str]]:
+    """Every request submitted, and the ids the first of two shards took (some, not all)."""
+    got = await submit_all(client)
+    await until(lambda: sum(len(s.fake.adds) for s in servers) == len(REQUESTS), "all added")
+    on_first = {a.request_id for a in servers[0].fake.adds}
+    assert 0 < len(on_first) < len(REQUESTS), "both shards should take requests"
+    return got, on_first
+
+
 async def step_until_done(servers: list[FakeServer], got: dict[str, Received]) -> None:
     while not all(g.finished or g.error for g in got.values()):
         for server in servers:
@@ -144,12 +155,7 @@ def test_a_lost_shards_requests_continue_on_the_other_with_the_same_tokens():
 
     async def test(servers: list[FakeServer], client: SchedulerClient) -> None:
         lost, survivor = servers
-        got = await submit_all(client)
-        await until(
-            lambda: len(lost.fake.adds) + len(survivor.fake.adds) == len(REQUESTS), "all added"
-        )
-        on_lost = {a.request_id for a in lost.fake.adds}
-        assert 0 < len(on_lost) < len(REQUESTS), "both shards should take requests"
+        got, on_lost = await submit_to_both(servers, client)
         for _ in range(2):
             for server in servers:
                 server.fake.step()
@@ -218,12 +224,7 @@ def test_requests_on_a_shard_left_without_workers_move_to_a_serving_one():
 
     async def test(servers: list[FakeServer], client: SchedulerClient) -> None:
         idle, serving = servers
-        got = await submit_all(client)
-        await until(
-            lambda: len(idle.fake.adds) + len(serving.fake.adds) == len(REQUESTS), "all added"
-        )
-        on_idle = {a.request_id for a in idle.fake.adds}
-        assert 0 < len(on_idle) < len(REQUESTS), "both shards should take requests"
+        got, on_idle = await submit_to_both(servers, client)
         for server in servers:
             server.fake.step()
         await asyncio.sleep(0.05)
