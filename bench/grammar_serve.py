@@ -49,7 +49,7 @@ from typing import Any
 
 from serve_compare import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
 
-from llmserve.supervisor import free_ports
+from llmserve.ports import free_ports
 
 MODEL = "smollm2"
 NOTES_SCHEMA = {

@@ -26,6 +26,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmserve.grpc_utils import channel_options  # noqa: E402
+from llmserve.ports import free_ports  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 from llmserve.step_proto import step_input_to_proto, step_result_from_proto  # noqa: E402
 from llmserve.steps import (  # noqa: E402
@@ -36,7 +37,7 @@ from llmserve.steps import (  # noqa: E402
     StepInput,
     StepResult,
 )
-from llmserve.supervisor import free_ports, stop_process  # noqa: E402
+from llmserve.supervisor import stop_process  # noqa: E402
 from llmserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from tests.support.stack import wait_healthy  # noqa: E402
 

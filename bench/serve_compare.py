@@ -36,7 +36,8 @@ from typing import Any
 import httpx
 import psutil  # installed with accelerate
 
-from llmserve.supervisor import free_ports, stop_process
+from llmserve.ports import free_ports
+from llmserve.supervisor import stop_process
 
 BENCH = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent

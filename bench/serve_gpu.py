@@ -37,7 +37,7 @@ import serve  # noqa: E402  (bench/serve.py)
 from serve_compare import stop, wait_healthy  # noqa: E402
 
 from llmserve.model_spec import resolve_model  # noqa: E402
-from llmserve.supervisor import free_ports  # noqa: E402
+from llmserve.ports import free_ports  # noqa: E402
 
 
 def export_tokenizer(model: str, path: Path) -> None:

@@ -78,7 +78,7 @@ from serve import build_workload
 from serve_compare import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
 from spec_report import plain_of, pool_rounds, report
 
-from llmserve.supervisor import free_ports
+from llmserve.ports import free_ports
 
 MODEL = "smollm2"
 # llmserve-spec-continue: llmserve-spec with --continue-after-drafts (for a GPU worker, where

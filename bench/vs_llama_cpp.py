@@ -57,7 +57,7 @@ from serve_compare import (
 )
 from server_probes import gap_lines, memory_lines, server_memory, worker_metrics
 
-from llmserve.supervisor import free_ports
+from llmserve.ports import free_ports
 
 SERVERS = ("llmserve", "llama.cpp")
 DTYPES = ("bfloat16", "float32")

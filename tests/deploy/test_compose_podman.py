@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from llmserve.client import Client
-from llmserve.supervisor import free_ports
+from llmserve.ports import free_ports
 from tests.deploy.manifests import load_compose
 from tests.deploy.podman import (
     BASE_IMAGE,

@@ -27,7 +27,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve.supervisor import free_ports
+from llmserve.ports import free_ports
 from tests.support.stack import start_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]

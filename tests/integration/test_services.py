@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.client import AsyncClient, Client, build_request
+from llmserve.ports import free_ports
 from llmserve.sampling_params import SamplingParams
-from llmserve.supervisor import free_ports
 from llmserve.v1 import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_service.engine import CacheConfig, LLMEngine, SchedulerConfig
 from scheduler_service.engine.offline import generate

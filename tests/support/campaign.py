@@ -27,7 +27,7 @@ import grpc
 from llmserve.client import build_request
 from llmserve.grammar.spec import GrammarSpec
 from llmserve.grpc_utils import channel_options
-from llmserve.supervisor import free_ports
+from llmserve.ports import free_ports
 from llmserve.v1 import generation_pb2_grpc
 from scheduler_service.fleet.admission import RETRY_AFTER_S
 from tests.support.fleet import FleetStack, Proc, Received, mixed_workload, start_fleet

@@ -21,7 +21,8 @@ import grpc
 
 from llmserve.client import build_request
 from llmserve.grpc_utils import channel_options
-from llmserve.supervisor import free_ports, stop_process, stop_processes
+from llmserve.ports import free_ports
+from llmserve.supervisor import stop_process, stop_processes
 from llmserve.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.stack import wait_healthy
 

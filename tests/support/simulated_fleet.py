@@ -33,7 +33,8 @@ import grpc
 
 from llmserve.grpc_utils import channel_options, create_server, set_serving
 from llmserve.logs import configure_logging
-from llmserve.supervisor import free_ports, stop_process
+from llmserve.ports import free_ports
+from llmserve.supervisor import stop_process
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.support.simulated_worker import (
     SimulatedConfig,

@@ -13,7 +13,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.grpc_utils import PROMPT_RECONNECT
-from llmserve.supervisor import free_ports, stop_process
+
+# The model name that the gateway of the shared tiny stack (tests/integration/conftest.py,
+from llmserve.ports import free_ports
+from llmserve.supervisor import stop_process
 
 # The model name that the gateway of the shared tiny stack (tests/integration/conftest.py,
 # `tiny_stack`) serves.

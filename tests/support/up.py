@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from llmserve.supervisor import free_port, stop_process
+from llmserve.ports import free_port
+from llmserve.supervisor import stop_process
 
 
 def start_up(

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from gateway.readiness import SCHEDULER_SERVICE, SchedulerReadiness
 from llmserve.grpc_utils import create_server, set_serving
-from llmserve.supervisor import free_port
+from llmserve.ports import free_port
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 

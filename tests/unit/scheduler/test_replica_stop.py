@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from llmserve.supervisor import free_port
+from llmserve.ports import free_port
 from scheduler_service.engine import SchedulerConfig
 from scheduler_service.fleet import replica as replica_module
 from scheduler_service.fleet.fleet_config import ReplicaConfig

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from llmserve import security
+from llmserve.ports import free_port
 from llmserve.security import Security
 from llmserve.step_proto import step_input_to_proto, step_result_from_proto
 from llmserve.steps import BlockExport, BlockImport, CachedSequence, StepInput, StepResult
-from llmserve.supervisor import free_port
 from llmserve.v1 import worker_pb2
 from worker_service import kv_transfer
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-from llmserve.supervisor import free_port
+from llmserve.ports import free_port
 from worker_service.membership import (
     DRAIN_ATTEMPTS,
     LeaseKeeper,

@@ -18,10 +18,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.grpc_utils import create_server, set_serving
+from llmserve.ports import free_port
 from llmserve.security import AuthInterceptor, KeySet, aio_bearer
 from llmserve.step_proto import step_input_to_proto, step_result_from_proto
 from llmserve.steps import CachedSequence, StepInput
-from llmserve.supervisor import free_port
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.config import WorkerConfig
 from worker_service.membership import LeaseKeeper, WorkerDrain

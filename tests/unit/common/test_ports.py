@@ -1,10 +1,10 @@
-"""Ports picked for the stack's servers lie below the ephemeral range and are free."""
+"""Ports picked for the stack's servers lie below the ephemeral range and are free (llmserve/ports.py)."""
 
 import socket
 
 import pytest
 
-from llmserve.supervisor import LOWEST_PICKED_PORT, ephemeral_range, free_ports
+from llmserve.ports import LOWEST_PICKED_PORT, ephemeral_range, free_ports
 
 
 def test_picked_ports_are_distinct_free_and_below_the_ephemeral_range():
@@ -25,7 +25,7 @@ def test_a_listening_port_is_never_picked(monkeypatch):
         held.listen()
         # A range of two ports below the ephemeral range, one of them taken.
         monkeypatch.setattr(
-            "llmserve.supervisor.ephemeral_range", lambda: (LOWEST_PICKED_PORT + 2, 60999)
+            "llmserve.ports.ephemeral_range", lambda: (LOWEST_PICKED_PORT + 2, 60999)
         )
         assert free_ports(1) == [LOWEST_PICKED_PORT + 1]
 
