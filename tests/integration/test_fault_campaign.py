@@ -9,7 +9,8 @@ killed, bursts that fill the waiting queues.
 What must hold: every stream its client did not cancel equals the undisturbed one, token for
 token (a cancelled one is a prefix of it); every constrained output is valid; a client of the
 killed gateway sees UNAVAILABLE and gets the same output from the other gateway; a burst
-request is served whole or refused with RESOURCE_EXHAUSTED before any token; afterwards every
+request is served whole or refused (429 / 503) before any token, and a refused workload
+request is sent again after Retry-After and then checked like the others; afterwards every
 replica's blocks, slots and transfers are free, its invariants hold, and no process is left.
 
 LLMSERVE_CAMPAIGN_SEED picks the seed (`bench/fault_campaign.py` runs long campaigns).

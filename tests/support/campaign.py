@@ -158,7 +158,6 @@ class CampaignStack:
     # For each gateway, how many times it was killed (a client error from a gateway killed
     # during its request is a retry, any other a failure).
     gateway_kills: list[int] = field(default_factory=lambda: [0, 0])
-    restarts: dict[str, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def processes(self) -> list[Proc]:
@@ -175,7 +174,6 @@ class CampaignStack:
                         continue
                     if proc.popen.poll() is not None:
                         proc.env = {k: v for k, v in proc.env.items() if k != "LLMSERVE_FAILPOINTS"}
-                        self.restarts[proc.name] = self.restarts.get(proc.name, 0) + 1
                         proc.start(wait=False)
 
         thread = threading.Thread(target=watch, daemon=True)

@@ -10,6 +10,8 @@ from llmserve.ports import LOWEST_PICKED_PORT, ephemeral_range, free_ports
 def test_picked_ports_are_distinct_free_and_below_the_ephemeral_range():
     low, _ = ephemeral_range()
     if low <= LOWEST_PICKED_PORT + 16:
+        # A kernel configured with a very low ephemeral range: free_ports then lets the OS
+        # pick (the fallback), so there is no range below to check.
         pytest.skip("this kernel's ephemeral range leaves no room below it")
     ports = free_ports(16)
     assert len(set(ports)) == 16
