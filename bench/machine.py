@@ -1,5 +1,6 @@
-"""The machine a benchmark ran on, named for its results: the CPU's model and the threads
-torch uses (and the GPU, when there is one)."""
+"""The machine a benchmark ran on, named for its results: the CPU's model, the instruction
+sets llmserve's CPU kernels were built for, the threads torch uses (and the GPU, when there
+is one)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import platform
 from pathlib import Path
 
 import torch
+
+from kernels.cpu.build import NativeKernelUnavailable, isa
 
 
 def describe() -> str:
@@ -21,5 +24,9 @@ def describe() -> str:
         if names:
             family, model = fields.get("cpu family", ["?"])[0], fields.get("model", ["?"])[0]
             cpu = f"{names[0]} (family {family} model {model}) x {len(names)}"
+    try:
+        kernels = f", kernels {'+'.join(isa()) or 'scalar'}"
+    except NativeKernelUnavailable:
+        kernels = ", no native kernels"
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {torch.get_num_threads()} torch threads{gpu}"
+    return f"{cpu}{kernels}, {torch.get_num_threads()} torch threads{gpu}"

@@ -1,9 +1,11 @@
 """Builds and loads the C++ kernel library of this package.
 
 The sources are compiled with the system C++ compiler (`$CXX`, default `g++`) for this
-machine's CPU (`-march=native`) and cached under `$LLMSERVE_KERNEL_CACHE` (default
-`~/.cache/llmserve/kernels`), keyed by the sources, the flags, the compiler and the CPU, so a
-change to any of them rebuilds it (a few seconds). Several processes may build at once: each
+machine's CPU (`-march=native`, then the flags in `$LLMSERVE_KERNEL_FLAGS`, e.g.
+`-mno-avx512f` for the AVX2 kernels on an AVX-512 CPU) and cached under
+`$LLMSERVE_KERNEL_CACHE` (default `~/.cache/llmserve/kernels`), keyed by the sources, the
+flags, the compiler and the CPU, so a change to any of them rebuilds it (a few seconds).
+`isa()` names the instruction sets the kernels were compiled for. Several processes may build at once: each
 writes its own file and the last rename wins. The library is loaded with ctypes; calls
 release the GIL, and its parallel loops run on its own threads (pool.h), never OpenMP's.
 """
@@ -14,6 +16,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -23,6 +26,9 @@ from typing import Any
 
 HERE = Path(__file__).parent
 COMMON_FLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-std=c++20")
+FLAGS_ENV = "LLMSERVE_KERNEL_FLAGS"  # extra compiler flags, after COMMON_FLAGS
+# llmserve_kernel_isa()'s bits, in order.
+ISA_NAMES = ("avx2", "avx512", "avx512vnni", "avx512bf16")
 # Per source: extra flags. ops.cpp mirrors torch's rounding, so no multiply-add contraction.
 SOURCES = {
     "paged_attention.cpp": (),
@@ -78,6 +84,17 @@ def is_available() -> bool:
     return True
 
 
+def isa() -> list[str]:
+    """The instruction sets the loaded kernels were compiled for (ISA_NAMES), which choose
+    their code paths. Raises NativeKernelUnavailable."""
+    bits = library().llmserve_kernel_isa()
+    return [name for i, name in enumerate(ISA_NAMES) if bits >> i & 1]
+
+
+def _flags() -> tuple[str, ...]:
+    return (*COMMON_FLAGS, *shlex.split(os.environ.get(FLAGS_ENV, "")))
+
+
 def _compiler() -> str:
     compiler = os.environ.get("CXX", "g++")
     path = shutil.which(compiler)
@@ -105,7 +122,8 @@ def _build() -> Path:
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update(name.encode() + (HERE / name).read_bytes())
-    digest.update(repr((COMMON_FLAGS, SOURCES)).encode() + version.encode())
+    flags = _flags()
+    digest.update(repr((flags, SOURCES)).encode() + version.encode())
     digest.update(_cpu_signature().encode())
     root = Path(
         os.environ.get("LLMSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "llmserve" / "kernels"
@@ -116,9 +134,9 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         objects = []
-        for name, flags in SOURCES.items():
+        for name, extra in SOURCES.items():
             obj = Path(scratch) / (name + ".o")
-            _run([compiler, *COMMON_FLAGS, *flags, "-c", str(HERE / name), "-o", str(obj)])
+            _run([compiler, *flags, *extra, "-c", str(HERE / name), "-o", str(obj)])
             objects.append(str(obj))
         linked = Path(scratch) / target.name
         _run([compiler, "-shared", "-pthread", *objects, "-o", str(linked)])
@@ -204,6 +222,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ],
         # threads
         "llmserve_set_num_threads": [i32],
+        # -> instruction-set bits (ISA_NAMES)
+        "llmserve_kernel_isa": [],
         # chunk counts, how many, loops, threads, spin -> loops with a chunk not run once
         "llmserve_pool_check": [ptr, i64, i64, i32, i64],
         # ggml type -> bytes per 32-weight block (0: no kernel)

@@ -5,7 +5,8 @@
 //   ActBlock: float d = max|x| / 127, q = round_half_even(x * (1 / d)), float s = d * sum(q),
 // and a weight block's dot with it is an integer dot product of the 32 pairs of quants
 // (AVX2: `vpmaddubsw` multiplies unsigned by signed bytes and adds pairs to 16 bits, then
-// `vpmaddwd` adds pairs to 32 bits) and one float multiply-add per block:
+// `vpmaddwd` adds pairs to 32 bits; with AVX512-VNNI one `vpdpbusd` does both, to the same
+// integers: quant_fast.h's block_dot) and one float multiply-add per block:
 //   Q4_0: d_w * d * sum(q_w q) - 8 * d_w * s     (w = d_w * (q_w - 8))
 //   Q4_1: d_w * d * sum(q_w q) + m_w * s         (w = d_w * q_w + m_w)
 //   Q8_0: d_w * d * sum(q_w q)

@@ -1,0 +1,64 @@
+"""The CPU kernels' instruction sets: the default build uses every one this CPU has
+(`-march=native`), and on a CPU with AVX-512 the AVX2 code paths (what CPUs without it run)
+still pass the kernel tests, built with `$LLMSERVE_KERNEL_FLAGS=-mno-avx512f`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels.cpu import build
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def test_the_default_build_uses_what_this_cpu_has():
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    expected = {
+        "avx2": {"avx2", "fma", "f16c"} <= flags,
+        "avx512": {"avx512f", "avx512bw", "avx512vl"} <= flags,
+        "avx512vnni": "avx512_vnni" in flags,
+        "avx512bf16": "avx512_bf16" in flags,
+    }
+    assert build.isa() == [name for name in build.ISA_NAMES if expected[name]]
+
+
+@pytest.mark.slow
+def test_the_avx2_paths_pass_the_kernel_tests_on_an_avx512_cpu():
+    """One build of the library without AVX-512 (about 30 s), then the tests of the kernels
+    whose code differs by instruction set: fast mode's integer dots (maddubs against VNNI's
+    dpbusd), exact mode's tiles (4 x 2 against 4 x 4), paged attention (bfloat16 keys
+    widened or dotted by AVX512-BF16) and the fused ops."""
+    if "avx512" not in build.isa():
+        pytest.skip("this CPU has no AVX-512: the default build is the AVX2 one")
+    env = {**os.environ, build.FLAGS_ENV: "-mno-avx512f"}
+    probe = "from kernels.cpu.build import isa; print('+'.join(isa()))"
+    built = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.split() == ["avx2"]
+    tests = ["test_quant_linear.py", "test_cpu_kernels.py"]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+        + [str(ROOT / "tests" / "kernels" / name) for name in tests],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1]
