@@ -43,7 +43,7 @@ CMAKE_FLAGS = (
 # -march=native turns on whatever the CPU lists; AMX also needs the OS to grant its tile state,
 # which a sandbox may not (SIGILL on `tilezero`), and our kernels do not use it either.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "q8_0": "Q8_0"}
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
 def cache_dir() -> Path:
@@ -156,7 +156,7 @@ def model_gguf(spec: str = "smollm2") -> Path:
 
 
 def gguf_for(dtype: str, spec: str = "smollm2") -> Path:
-    """The model's GGUF requantized to `dtype` (float32, bfloat16, or q8_0) by llama-quantize;
+    """The model's GGUF requantized to `dtype` (float32, bfloat16, q8_0 or q4_0) by llama-quantize;
     `dtype` "file": the model's GGUF file as it is."""
     if dtype == "file":
         return model_gguf(spec)

