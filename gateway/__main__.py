@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.reasoning import REASONING_PARSERS
 from llmserve.config_env import parse_service_args
@@ -14,26 +14,32 @@ from llmserve.logs import get_logger
 from llmserve.service_main import add_common_flags, start_service
 from llmserve.tool_parsers import TOOL_CALL_PARSERS
 
+if TYPE_CHECKING:
+    from gateway.server import GatewayConfig
+
 log = get_logger(__name__)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from gateway.server import GatewayConfig
+
+    defaults = GatewayConfig()  # every flag's default is the config's
     p = argparse.ArgumentParser(prog="llmserve gateway", description=__doc__)
-    add_common_flags(p, default_port=50051)
+    add_common_flags(p, default_port=defaults.grpc_port)
     p.add_argument(
         "--http-port",
         type=int,
-        default=8000,
+        default=defaults.http_port,
         help="OpenAI-compatible API, /health and /metrics (0 disables HTTP)",
     )
     p.add_argument(
         "--scheduler",
-        default="127.0.0.1:50071",
+        default=defaults.scheduler_address,
         help="scheduler host:port; several comma-separated for scheduler shards "
         "(each owns its own workers): requests go to a shard by prompt prefix and "
         "load, and a lost shard's requests continue on the others",
     )
-    p.add_argument("--model", default="smollm2", help="model spec (for the tokenizer)")
+    p.add_argument("--model", default=defaults.model, help="model spec (for the tokenizer)")
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -54,35 +60,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--tls-require-client-cert",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=defaults.tls_require_client_cert,
         help="with TLS, API clients too must present a certificate signed by "
         "--tls-ca (--no-tls-require-client-cert: keys alone, over TLS)",
     )
     p.add_argument(
         "--max-pending-requests",
         type=int,
-        default=1024,
+        default=defaults.max_pending_requests,
         help="generation requests in flight (HTTP and gRPC) before new ones are "
         "refused at once: HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED",
     )
     p.add_argument(
         "--request-timeout-s",
         type=float,
-        default=None,
+        default=defaults.request_timeout_s,
         help="a request still running after this long is aborted (504 / "
         "DEADLINE_EXCEEDED) and its blocks freed; a gRPC deadline may be shorter",
     )
     p.add_argument(
         "--shutdown-grace-s",
         type=float,
-        default=30.0,
+        default=defaults.shutdown_grace_s,
         help="on SIGTERM: health turns NOT_SERVING, new requests get 503 / "
         "UNAVAILABLE, and those in flight have this long to finish",
     )
     p.add_argument(
         "--scheduler-reconnect-timeout-s",
         type=float,
-        default=60.0,
+        default=defaults.scheduler_reconnect_timeout_s,
         help="when the scheduler stream breaks, requests in flight wait this long "
         "for it to come back (they are re-submitted and continue), then fail 503",
     )
@@ -95,7 +101,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--tool-call-parser",
-        default="auto",
+        default=defaults.tool_call_parser,
         choices=TOOL_CALL_PARSERS,
         help="how chats with tools are prompted and their calls parsed: hermes "
         "(<tool_call> blocks: Hermes, Qwen), llama3_json (Llama 3.x JSON calls), "
@@ -104,7 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--reasoning-parser",
-        default="auto",
+        default=defaults.reasoning_parser,
         choices=REASONING_PARSERS,
         help="how a chat's reasoning is told from its answer (message.reasoning_content): "
         "think_tags (<think>...</think>: Qwen3, DeepSeek-R1, also when the template opens "
@@ -122,7 +128,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--thinking-token-budget",
         type=int,
-        default=None,
+        default=defaults.thinking_token_budget,
         metavar="N",
         help="tokens a chat's reasoning may take when the request names no "
         "thinking_token_budget; the scheduler then closes the block (needs a reasoning "
@@ -197,13 +203,11 @@ def read_chat_template(path: str) -> str:
         raise ValueError(f"--chat-template: cannot read {path!r}: {exc.strerror}") from None
 
 
-def main(argv: list[str]) -> int:
-    from gateway.server import GatewayConfig, serve
+def build_config(args: argparse.Namespace) -> GatewayConfig:
+    from gateway.server import GatewayConfig
     from llmserve.security import api_keys_from_args
 
-    args = parse_args(argv)
-    start_service("gateway", args)
-    config = GatewayConfig(
+    return GatewayConfig(
         host=args.host,
         grpc_port=args.port,
         http_port=args.http_port,
@@ -227,5 +231,12 @@ def main(argv: list[str]) -> int:
         default_chat_template_kwargs=template_kwargs_from_args(args),
         thinking_token_budget=args.thinking_token_budget,
     )
-    asyncio.run(serve(config))
+
+
+def main(argv: list[str]) -> int:
+    from gateway.server import serve
+
+    args = parse_args(argv)
+    start_service("gateway", args)
+    asyncio.run(serve(build_config(args)))
     return 0

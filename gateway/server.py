@@ -13,6 +13,7 @@ from grpc_health.v1.health import HealthServicer
 from gateway.admission import SCHEDULER_REQUESTS, Admission
 from gateway.metrics import SHARD_REQUESTS
 from gateway.readiness import SchedulerReadiness, ShardsReadiness
+from gateway.scheduler_client import DEFAULT_RECONNECT_TIMEOUT_S
 from llmserve import security
 from llmserve.grpc_utils import create_server, set_serving
 from llmserve.limits import RequestLimits
@@ -42,7 +43,7 @@ class GatewayConfig:
     # RESOURCE_EXHAUSTED.
     max_pending_requests: int = 1024
     max_message_bytes: int = 64 * 1024 * 1024
-    scheduler_reconnect_timeout_s: float = 60.0
+    scheduler_reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Longest a request may take (None: no limit); a gRPC client's deadline may be shorter.
     request_timeout_s: float | None = None

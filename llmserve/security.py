@@ -64,6 +64,12 @@ class KeySet:
     def __repr__(self) -> str:
         return f"KeySet({len(self._keys)} keys)"
 
+    def __eq__(self, other: object) -> bool:  # two configurations' sets, never a client's key
+        return isinstance(other, KeySet) and self._keys == other._keys
+
+    def __hash__(self) -> int:
+        return hash(self._keys)
+
     def accepts(self, given: bytes) -> bool:
         # Every key is compared, in constant time each: the time taken says nothing about
         # which key, or how much of one, matched.

@@ -11,6 +11,9 @@ from typing import Literal
 
 import pytest
 
+from gateway.__main__ import build_config as build_gateway_config
+from gateway.__main__ import parse_args as gateway_args
+from gateway.server import GatewayConfig
 from llmserve.config_flags import add_flags, flag, flag_name, flag_values
 from scheduler_service.__main__ import build_fleet_config
 from scheduler_service.__main__ import parse_args as scheduler_args
@@ -85,3 +88,9 @@ def test_the_scheduler_flags_default_to_its_configs_defaults():
 
 def test_the_worker_flags_default_to_its_configs_defaults():
     assert build_config(worker_args([])) == WorkerConfig()
+
+
+def test_the_gateway_flags_default_to_its_configs_defaults(monkeypatch):
+    for name in ("LLMSERVE_API_KEY", "LLMSERVE_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    assert build_gateway_config(gateway_args([])) == GatewayConfig()

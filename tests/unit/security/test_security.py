@@ -51,6 +51,9 @@ def test_keyset_accepts_any_of_its_keys_and_nothing_else():
     ):
         assert not keys.accepts_authorization(header), header
     assert "alpha" not in repr(keys) and "beta" not in repr(keys)
+    # Equal when they accept the same keys (two configurations compared), whatever the order.
+    assert keys == KeySet(["beta-key", "alpha-key"]) and keys != KeySet(["alpha-key"])
+    assert KeySet() == KeySet([""]) and len({keys, KeySet(["beta-key", "alpha-key"])}) == 1
 
 
 def _args(**values: object) -> argparse.Namespace:
