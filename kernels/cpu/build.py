@@ -5,9 +5,10 @@ machine's CPU (`-march=native`, then the flags in `$LLMSERVE_KERNEL_FLAGS`, e.g.
 `-mno-avx512f` for the AVX2 kernels on an AVX-512 CPU) and cached under
 `$LLMSERVE_KERNEL_CACHE` (default `~/.cache/llmserve/kernels`), keyed by the sources, the
 flags, the compiler and the CPU, so a change to any of them rebuilds it (a few seconds).
-`isa()` names the instruction sets the kernels were compiled for. Several processes may build at once: each
-writes its own file and the last rename wins. The library is loaded with ctypes; calls
-release the GIL, and its parallel loops run on its own threads (pool.h), never OpenMP's.
+`isa()` names the instruction sets the kernels were compiled for. Several processes may
+build at once: each writes its own file and the last rename wins. The library is loaded with
+ctypes; calls release the GIL, and its parallel loops run on its own threads (pool.h), never
+OpenMP's.
 """
 
 from __future__ import annotations
