@@ -92,7 +92,13 @@ def test_a_killed_shard_loses_no_stream_and_its_workers_move(shards: FleetStack)
         lambda s: len(shards.ready_replicas(s)) == 4, "workers taken over", scheduler=survivor
     )
     gateway_log = shards.gateway.log.read_text(errors="replace")  # type: ignore[union-attr]
-    assert '"event": "requests moved to other shards"' in gateway_log
+    # The gateway moves the lost shard's requests when its stream breaks, or earlier when the
+    # readiness watch sees the shard without a ready worker (move_off_idle_shards): whichever
+    # notices first moves them, and the other finds none left.
+    assert (
+        '"event": "requests moved to other shards"' in gateway_log
+        or '"event": "requests moved off a shard without a ready worker"' in gateway_log
+    )
     shards.assert_no_leak(survivor)
     # The killed shard restarts with no worker (they stay where they are) and the stack keeps
     # serving: the gateway places requests on the shard that has workers.

@@ -36,13 +36,18 @@ def bf16_ulp(magnitude: float) -> float:
 # heads of 64): HF's own bfloat16 model is 17.9 tolerances from its float32 one, as ours is on
 # either backend; ours is 2.25 tolerances from HF's bfloat16 on `torch` and 3.25 on `cpu`.
 # Float32 output is HF's token for token on both: a rounding order, not a feature, differs.
-# Strict, so that matching SDPA's rounding turns it into a failure to fix.
-_GEMMA4_ROUNDING = pytest.mark.xfail(
-    strict=True, reason="bfloat16 rounding orders vs SDPA on unscaled, peaked scores"
-)
-_ROUNDING_CASES = {("gemma4", "torch"), ("gemma4", "cpu"), ("gemma4_mm", "cpu")}
+# Strict on our kernels (`cpu`), so that matching SDPA's rounding turns it into a failure to
+# fix. On `torch` the rounding is torch's own bfloat16 kernels', which differ by CPU: on a
+# Zen 4 EPYC (family 25 model 17) gemma4 falls within the tolerance there, on the Xeon and the
+# AVX2 EPYCs it did not, so that case may pass.
+_REASON = "bfloat16 rounding orders vs SDPA on unscaled, peaked scores"
+_ROUNDING_CASES = {
+    ("gemma4", "torch"): pytest.mark.xfail(strict=False, reason=_REASON + " (torch's, by CPU)"),
+    ("gemma4", "cpu"): pytest.mark.xfail(strict=True, reason=_REASON),
+    ("gemma4_mm", "cpu"): pytest.mark.xfail(strict=True, reason=_REASON),
+}
 CASES = [
-    pytest.param(kind, backend, marks=_GEMMA4_ROUNDING)
+    pytest.param(kind, backend, marks=_ROUNDING_CASES[kind, backend])
     if (kind, backend) in _ROUNDING_CASES
     else (kind, backend)
     for kind in ["qwen2", *FAMILY_KINDS]
