@@ -13,14 +13,17 @@ Modes (`--quant-mode`, kernels/cpu/quant.py):
   model equals HF's dequantized one up to summation order;
 - fast: activations are rounded to 8 bits per block of 32 and multiplied with integer dot
   products (every type above).
-Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: 80 to 192 by
-mode and weight size, measured) dequantize the weight whole and multiply with torch; in fast
-mode on the activations rounded as the kernel rounds them, so that a token's product does not
-depend on how many rows share its step (a recomputed or transferred sequence, a prefix hit).
+Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: fixed by
+weight size in exact mode, measured on this machine per weight shape in fast mode) dequantize
+the weight whole and multiply with torch; in fast mode on the activations rounded as the
+kernel rounds them, so that a token's product does not depend on how many rows share its step
+(a recomputed or transferred sequence, a prefix hit).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -43,33 +46,81 @@ log = get_logger("worker.gguf")
 
 # From this many input rows on (prefill chunks, large decode batches), a block weight is
 # dequantized whole and multiplied by torch, which wins from there; either way the product is
-# the mode's up to the activations' rounding (fast) and summation order. Fast mode's, measured
-# on the 2-core AMD EPYC (2 threads, min of 15; ms for exact kernel / fast kernel /
-# dequantize + F.linear, the exact kernel before it tiled four weight rows by two tokens):
-#   rows              32                  64                  96
-#   Q4_1 960x576      0.54 / 0.40 / 0.63  1.11 / 0.79 / 1.03  1.70 / 1.21 / 1.14
-#   Q4_1 3072x576     1.70 / 1.12 / 2.14  3.50 / 2.37 / 2.67  5.18 / 3.30 / 2.79
-#   Q8_0 3072x576     1.75 / 1.16 / 1.46  3.48 / 2.29 / 2.03  5.20 / 3.33 / 2.17
-# A weight whose float32 copy outgrows the caches (LARGE_WEIGHT_BYTES: the LM head) writes it
-# to memory and reads it back, so it is dequantized later:
-#   rows              64                  96                  192
-#   Q8_0 49152x576    61 / 38 / 75        94 / 58 / 85        177 / 146 / 142
-# Exact mode's, with the tiled kernel, on the 2-core Xeon (AVX-512; ms for exact kernel /
-# dequantize + F.linear, SmolLM2's tensors):
+# the mode's up to the activations' rounding (fast) and summation order. Exact mode's, on the
+# 2-core Xeon (AVX-512; ms for exact kernel / dequantize + F.linear, SmolLM2's tensors):
 #   rows              48           64           96           128          192
 #   Q4_1 576x576      0.27 / 0.52  0.35 / 0.64  0.48 / 0.69  0.66 / 0.76  1.02 / 0.99
 #   Q4_1 1536x576     0.67 / 1.09  0.97 / 1.65  1.33 / 1.53  1.74 / 1.55  2.48 / 2.32
 #   Q8_0 49152x576    22 / 61      31 / 64      40 / 67      52 / 74      98 / 112
-DEQUANTIZE_ROWS: dict[QuantMode, int] = {"exact": 96, "fast": 80}
+# Fast mode's crossover is the machine's: on the 2-core AMD EPYC (AVX2) dequantizing won from
+# 64-96 rows, on a Zen 4 EPYC (AVX512-VNNI) the integer kernel won at every size up to 512
+# (bench/RESULTS.md), so it is measured here (`fast_dequantize_rows`) for each weight shape
+# below LARGE_WEIGHT_BYTES. A weight whose float32 copy outgrows the caches (the LM head)
+# writes it to memory and reads it back, so it is dequantized later, from a fixed count.
+DEQUANTIZE_ROWS_EXACT = 96
 LARGE_WEIGHT_BYTES = 32 << 20
-LARGE_DEQUANTIZE_ROWS: dict[QuantMode, int] = {"exact": 192, "fast": 192}
+LARGE_DEQUANTIZE_ROWS = 192
+# Fast mode's measurement: these input sizes, smallest first, each path timed best of
+# CROSSOVER_REPEATS; dequantizing takes over at the first size where it is faster by
+# CROSSOVER_MARGIN, and never (NEVER_DEQUANTIZE) if at none.
+CROSSOVER_ROWS = (64, 128, 256, 512)
+CROSSOVER_REPEATS = 3
+CROSSOVER_MARGIN = 0.9
+NEVER_DEQUANTIZE = 1 << 31
+
+_fast_crossover: dict[tuple[int, tuple[int, int]], int] = {}  # (type, shape) -> rows
 
 
 def dequantize_rows(weight: QuantWeight, mode: QuantMode) -> int:
     """Inputs of this many rows or more multiply `weight` dequantized whole (see above)."""
     rows, in_features = weight.shape
-    large = rows * in_features * 4 > LARGE_WEIGHT_BYTES
-    return (LARGE_DEQUANTIZE_ROWS if large else DEQUANTIZE_ROWS)[mode]
+    if rows * in_features * 4 > LARGE_WEIGHT_BYTES:
+        return LARGE_DEQUANTIZE_ROWS
+    return DEQUANTIZE_ROWS_EXACT if mode == "exact" else fast_dequantize_rows(weight)
+
+
+def fast_dequantize_rows(weight: QuantWeight) -> int:
+    """Fast mode's crossover for `weight`'s type and shape, measured on first use in this
+    process (a few tens of ms: every weight of a shape shares it)."""
+    key = (weight.ggml_type, weight.shape)
+    if key not in _fast_crossover:
+        _fast_crossover[key] = first_faster(*time_both_paths(weight))
+    return _fast_crossover[key]
+
+
+def time_both_paths(weight: QuantWeight) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds (best of CROSSOVER_REPEATS) of fast mode's kernel and of the dequantizing
+    path on random inputs of each CROSSOVER_ROWS size, stopping at the first size where
+    dequantizing wins."""
+    kernel: dict[int, float] = {}
+    dequantizing: dict[int, float] = {}
+    generator = torch.Generator().manual_seed(0)
+    for rows in CROSSOVER_ROWS:
+        x = torch.randn(rows, weight.in_features, generator=generator)
+        kernel[rows] = _best_of(partial(quant.linear, x, weight.ggml_type, weight.blocks, "fast"))
+        dequantizing[rows] = _best_of(partial(dequantized_matmul, x, weight, None, "fast"))
+        if first_faster(kernel, dequantizing) == rows:
+            break
+    return kernel, dequantizing
+
+
+def _best_of(run: Callable[[], object]) -> float:
+    run()  # warm: first-touch pages, thread pools
+    times = []
+    for _ in range(CROSSOVER_REPEATS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def first_faster(kernel: dict[int, float], dequantizing: dict[int, float]) -> int:
+    """The fewest rows measured at which dequantizing took under CROSSOVER_MARGIN of the
+    kernel's time, else NEVER_DEQUANTIZE."""
+    for rows in sorted(kernel.keys() & dequantizing.keys()):
+        if dequantizing[rows] < CROSSOVER_MARGIN * kernel[rows]:
+            return rows
+    return NEVER_DEQUANTIZE
 
 
 def quant_matmul(
@@ -81,12 +132,21 @@ def quant_matmul(
     if not isinstance(weight, QuantWeight):
         return F.linear(x, weight, bias)
     if x.shape[0] >= dequantize_rows(weight, mode):
-        dense = quant.dequantize(weight.ggml_type, weight.blocks, weight.in_features)
-        if mode == "fast":  # the same 8-bit activations as the kernel's, whatever the rows
-            x = quant.round_activations(x.contiguous())
-        return F.linear(x, dense, bias)
+        return dequantized_matmul(x, weight, bias, mode)
     out = quant.linear(x.contiguous(), weight.ggml_type, weight.blocks, mode)
     return out if bias is None else out + bias
+
+
+def dequantized_matmul(
+    x: torch.Tensor,  # [rows, in] float32
+    weight: QuantWeight,
+    bias: torch.Tensor | None,
+    mode: QuantMode,
+) -> torch.Tensor:  # [rows, out]: quant.linear's product up to summation order
+    dense = quant.dequantize(weight.ggml_type, weight.blocks, weight.in_features)
+    if mode == "fast":  # the same 8-bit activations as the kernel's, whatever the rows
+        x = quant.round_activations(x.contiguous())
+    return F.linear(x, dense, bias)
 
 
 def quant_embedding(
@@ -228,6 +288,8 @@ def install_blocks(
         model.lm_head = head  # type: ignore[assignment]
         kept += 0 if head is embed else head.nbytes
     model.linear = partial(quant_matmul, mode=mode)
+    for w in installed:  # fast mode's crossovers measured now, not in a request's step
+        dequantize_rows(w, mode)
     types = {GGMLQuantizationType(w.ggml_type).name for w in installed}
     model.weight_format = weight_format or f"gguf {'+'.join(sorted(types))} {mode}"
     if (
