@@ -7,7 +7,8 @@ log-sum-exp; the best token a mask allows); `quant.cpp` keeps weights in GGUF bl
 Q4_1, Q8_0: dequantization, the linear layer in exact and fast mode, `kernels.cpu.quant`);
 `linear_attention.cpp` steps a Gated DeltaNet layer's conv and recurrent states at decode,
 `linear_prefill.cpp` runs them over packed prefill sequences.
-`build.py` compiles them for this CPU on first use.
+`build.py` compiles them for this CPU on first use, and `isa.cpp` says for which instruction
+sets (`build.isa()`).
 """
 
 from kernels.cpu.attention import (

@@ -41,6 +41,7 @@ SOURCES = {
     "quant_fast.cpp": (),
     "linear_attention.cpp": (),
     "linear_prefill.cpp": (),
+    "isa.cpp": (),
 }
 HEADERS = (
     "vec.h",

@@ -348,26 +348,6 @@ int llmserve_decode_step(int dtype, const int64_t* dims, const float* params,
   return -1;
 }
 
-// The instruction sets this library was compiled for (-march=native, and the flags of
-// $LLMSERVE_KERNEL_FLAGS): bit 0 AVX2 with FMA and F16C, 1 AVX-512 F/BW/VL, 2 AVX512-VNNI,
-// 3 AVX512-BF16. Each picks kernels' code paths at compile time (vec.h, quant_fast.h).
-int llmserve_kernel_isa() {
-  int bits = 0;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  bits |= 1;
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  bits |= 2;
-#endif
-#if defined(__AVX512VNNI__)
-  bits |= 4;
-#endif
-#if defined(__AVX512BF16__)
-  bits |= 8;
-#endif
-  return bits;
-}
-
 // The threads of every parallel loop of this library (the worker's --num-threads).
 int llmserve_set_num_threads(int threads) {
   if (threads < 1) return -1;
