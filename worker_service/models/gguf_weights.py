@@ -52,10 +52,8 @@ log = get_logger("worker.gguf")
 #   Q4_1 576x576      0.27 / 0.52  0.35 / 0.64  0.48 / 0.69  0.66 / 0.76  1.02 / 0.99
 #   Q4_1 1536x576     0.67 / 1.09  0.97 / 1.65  1.33 / 1.53  1.74 / 1.55  2.48 / 2.32
 #   Q8_0 49152x576    22 / 61      31 / 64      40 / 67      52 / 74      98 / 112
-# Fast mode's crossover is the machine's: on the 2-core AMD EPYC (AVX2) dequantizing won from
-# 64-96 rows, on a Zen 4 EPYC (AVX512-VNNI) the integer kernel won at every size up to 512
-# (bench/RESULTS.md), so it is measured here (`fast_dequantize_rows`) for each weight shape
-# below LARGE_WEIGHT_BYTES. A weight whose float32 copy outgrows the caches (the LM head)
+# Fast mode's crossover differs by machine (bench/RESULTS.md, "on a Zen 4"), so it is measured
+# here (`fast_dequantize_rows`) for each weight shape below LARGE_WEIGHT_BYTES. A weight whose float32 copy outgrows the caches (the LM head)
 # writes it to memory and reads it back, so it is dequantized later, from a fixed count.
 DEQUANTIZE_ROWS_EXACT = 96
 LARGE_WEIGHT_BYTES = 32 << 20
@@ -289,7 +287,8 @@ def install_blocks(
         kept += 0 if head is embed else head.nbytes
     model.linear = partial(quant_matmul, mode=mode)
     for w in installed:  # fast mode's crossovers measured now, not in a request's step
-        dequantize_rows(w, mode)
+        if w is not embed or w is head:  # an untied embedding is looked up, not multiplied
+            dequantize_rows(w, mode)
     types = {GGMLQuantizationType(w.ggml_type).name for w in installed}
     model.weight_format = weight_format or f"gguf {'+'.join(sorted(types))} {mode}"
     if (
