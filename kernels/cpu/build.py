@@ -39,6 +39,7 @@ SOURCES = {
     # Dequantized weights must round as numpy's d * q + m does (two roundings).
     "quant.cpp": ("-ffp-contract=off",),
     "quant_fast.cpp": (),
+    "quant_interleaved.cpp": (),
     "linear_attention.cpp": (),
     "linear_prefill.cpp": (),
     "isa.cpp": (),
@@ -237,6 +238,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         # ggml type, x, n, in, weights, out features, out
         "llmserve_quant_linear": [i32, ptr, i64, i64, ptr, i64, ptr],
         "llmserve_quant_linear_fast": [i32, ptr, i64, i64, ptr, i64, ptr],
+        # ggml type -> 1 when this build interleaves it for fast mode (quant_interleaved.cpp)
+        "llmserve_quant_interleaves": [i32],
+        # ggml type, weights, rows, in, dst: to the interleaved layout and back
+        "llmserve_quant_interleave": [i32, ptr, i64, i64, ptr],
+        "llmserve_quant_deinterleave": [i32, ptr, i64, i64, ptr],
         # x, n, cols, out (40-byte activation blocks)
         "llmserve_quant_activations": [ptr, i64, i64, ptr],
         # dtype, dims, params, layer pointers, weight types, layer windows, embed, final

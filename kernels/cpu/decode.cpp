@@ -16,9 +16,10 @@
 // to the order of summation in the projections (float32 logits differ by ~1e-6).
 //
 // Weights are dense in the model dtype, or (float32 models) GGUF blocks: each projection, the
-// embedding and the LM head has a ggml type code in `weight_types` (0: dense), and quant.cpp
-// multiplies with blocks in the step's mode (kQuantMode: exact or fast) and dequantizes the
-// embedding rows of the step's tokens.
+// embedding and the LM head has a ggml type code in `weight_types` (0: dense; fast mode's
+// projections and LM head may be interleaved, quant_interleaved.cpp), and quant.cpp multiplies
+// with blocks in the step's mode (kQuantMode: exact or fast) and dequantizes the embedding rows
+// of the step's tokens.
 //
 // Entry point (extern "C", called through ctypes; dtype 0 = float32, 1 = bfloat16):
 //   llmserve_decode_step   every layer and the LM head for n tokens, one per sequence, and
@@ -33,6 +34,7 @@
 
 #include "linear.h"
 #include "pool.h"
+#include "quant.h"
 #include "vec.h"
 
 extern "C" {
@@ -335,6 +337,10 @@ int llmserve_decode_step(int dtype, const int64_t* dims, const float* params,
   for (int64_t i = 0; i < dims[kLayers] * kTypesPerLayer + 2; ++i) {
     if (weight_types[i] == 0) continue;
     if (dtype != 0 || llmserve_quant_block_bytes(int(weight_types[i])) == 0) return -1;
+    // Interleaved blocks (quant_interleaved.cpp): multiplied in fast mode, never looked up.
+    if (weight_types[i] & quant::kInterleaved &&
+        (dims[kQuantMode] == kExact || i == dims[kLayers] * kTypesPerLayer + kEmbedType))
+      return -1;
     if (dims[kHidden] % 32 || dims[kInter] % 32 || q_size % 32) return -1;
     const int64_t widest = std::max({dims[kHidden], dims[kInter], q_size});
     if (dims[kQuantMode] == kExact && widest > 16384) return -1;  // quant.cpp's kMaxRow

@@ -414,8 +414,9 @@ def _dense(weight: Weight) -> bool:
 
 
 def _ggml_type(weight: Weight) -> int:
-    """decode.cpp's weight type: the ggml type of blocks, 0 for a dense tensor."""
-    return 0 if isinstance(weight, torch.Tensor) else int(weight.ggml_type)
+    """decode.cpp's weight type: the type code of blocks (`QuantWeight.code`), 0 for a dense
+    tensor."""
+    return 0 if isinstance(weight, torch.Tensor) else weight.code
 
 
 def _check_blocks(shape: DecodeShape, dtype: torch.dtype, blocks: list[QuantWeight]) -> None:
@@ -425,6 +426,8 @@ def _check_blocks(shape: DecodeShape, dtype: torch.dtype, blocks: list[QuantWeig
         raise KernelArgumentError("weights", f"GGUF blocks need widths of 32s: {reason}")
     for weight in blocks:
         weight.check()
+    if shape.quant_mode == "exact" and any(weight.interleaved for weight in blocks):
+        raise KernelArgumentError("weights", "interleaved blocks are for fast mode only")
     widest = max((weight.in_features for weight in blocks), default=0)
     if shape.quant_mode == "exact" and widest > MAX_IN_FEATURES:
         raise KernelArgumentError(

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "pool.h"
 #include "quant.h"
@@ -220,15 +221,30 @@ using namespace llmserve::quant;
 
 extern "C" {
 
-// Bytes of one block of ggml type `type`; 0 for a type without a kernel here.
-int llmserve_quant_block_bytes(int type) { return int(block_bytes(type)); }
+// Bytes of one block of ggml type `type` (with kInterleaved: of its base type's, which it
+// interleaves); 0 for a type without a kernel here.
+int llmserve_quant_block_bytes(int type) {
+  if (type & kInterleaved)
+    return interleaves(type & ~kInterleaved) ? int(block_bytes(type & ~kInterleaved)) : 0;
+  return int(block_bytes(type));
+}
 
 // Weights in one block of `type` (32, or 256 for the k-quants).
-int llmserve_quant_block_weights(int type) { return int(block_weights(type)); }
+int llmserve_quant_block_weights(int type) {
+  return int(block_weights(type & ~kInterleaved));
+}
 
-// weights [rows, cols / 32 blocks] -> out [rows, cols] float32. Returns -1 for an unknown type.
+// weights [rows, cols / 32 blocks] -> out [rows, cols] float32; interleaved weights (type with
+// kInterleaved) are put back in the file's layout first. Returns -1 for an unknown type.
 int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, int64_t cols,
                               float* out) {
+  if (type & kInterleaved) {
+    type &= ~kInterleaved;
+    if (!interleaves(type) || cols % kBlock != 0) return -1;
+    std::vector<uint8_t> file(size_t(rows * (cols / kBlock) * block_bytes(type)));
+    if (llmserve_quant_deinterleave(type, weights, rows, cols, file.data()) != 0) return -1;
+    return llmserve_quant_dequantize(type, file.data(), rows, cols, out);
+  }
   if (block_bytes(type) == 0 || cols % block_weights(type) != 0) return -1;
   return dispatch(type, [&]<int Type>() {
     const int64_t row_bytes = cols / block_weights(Type) * block_bytes(Type);

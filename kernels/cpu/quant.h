@@ -16,6 +16,12 @@ constexpr int kBlock = 32;       // weights per block of the 32-weight types
 constexpr int kSuperBlock = 256;  // weights per block of the k-quants
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 
+// A type code with this bit set: the type's blocks interleaved by groups of kInterleaveRows
+// weight rows for fast mode (quant_interleaved.cpp; Q4_0, Q4_1 and Q8_0 only).
+constexpr int kInterleaved = 256;
+constexpr int64_t kInterleaveRows = 8;
+constexpr bool interleaves(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+
 constexpr bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 constexpr int64_t block_weights(int type) { return is_k_quant(type) ? kSuperBlock : kBlock; }
 // Longest row exact mode (quant.cpp) dequantizes on the stack (floats): 64 KiB a row, and it
@@ -102,3 +108,11 @@ int dispatch(int type, Fn&& fn) {
 }
 
 }  // namespace llmserve::quant
+
+extern "C" {
+// quant_interleaved.cpp: fast mode on interleaved weights, and the layout's conversions.
+int llmserve_quant_linear_interleaved(int type, const float* x, int64_t n, int64_t in,
+                                      const uint8_t* weights, int64_t out_features, float* out);
+int llmserve_quant_deinterleave(int type, const uint8_t* weights, int64_t rows, int64_t in,
+                                uint8_t* dst);
+}

@@ -10,6 +10,11 @@ bit-identical to the gguf package's (what transformers loads). The linear layer'
 - fast: x quantized to 8 bits per block of 32 first (`quantize_activations`), then integer
   dot products: the exact product of those rounded activations with the weights, up to
   summation order.
+
+For fast mode, Q4_0, Q4_1 and Q8_0 weights can be interleaved by groups of
+`INTERLEAVE_ROWS` rows (`interleave`, quant_interleaved.cpp): the same bytes regrouped so that
+one integer multiply-add serves eight rows, with outputs bit for bit those of the file's
+layout. Kernels take such a weight's `code`: its type with `INTERLEAVED` set.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from kernels.cpu.build import library
 
 BLOCK = 32  # weights per block of the 32-weight types, and per block of fast mode's activations
 MAX_IN_FEATURES = 16384  # the longest row exact mode dequantizes at once (quant.cpp)
+INTERLEAVED = 256  # set in a type code: the weight's rows are interleaved (quant.h kInterleaved)
+INTERLEAVE_ROWS = 8  # rows per interleaved group (quant.h kInterleaveRows)
 QuantMode = Literal["exact", "fast"]
 MODES: tuple[QuantMode, ...] = ("exact", "fast")
 
@@ -35,6 +42,12 @@ class QuantWeight:
     ggml_type: int
     blocks: torch.Tensor  # [out_features, in_features / 32 * block bytes] uint8, contiguous
     in_features: int
+    interleaved: bool = False  # rows regrouped for fast mode (`interleave`)
+
+    @property
+    def code(self) -> int:
+        """The type code kernels take: `ggml_type`, with INTERLEAVED when interleaved."""
+        return self.ggml_type | (INTERLEAVED if self.interleaved else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -49,11 +62,12 @@ class QuantWeight:
 
     def check(self) -> None:
         """Raise `KernelArgumentError` unless the kernels can read it."""
-        _check_weight(self.ggml_type, self.blocks, self.in_features)
+        _check_weight(self.code, self.blocks, self.in_features)
 
 
 def block_bytes(ggml_type: int) -> int:
-    """Bytes of one block of `ggml_type`; 0 when it has no kernel here."""
+    """Bytes of one block of `ggml_type` (a type code: interleaved, its type's); 0 when it
+    has no kernel here."""
     return int(library().llmserve_quant_block_bytes(int(ggml_type)))
 
 
@@ -62,8 +76,30 @@ def block_weights(ggml_type: int) -> int:
     return int(library().llmserve_quant_block_weights(int(ggml_type)))
 
 
+def interleaves(ggml_type: int) -> bool:
+    """Whether this build multiplies weights of `ggml_type` interleaved (`interleave`)."""
+    return bool(library().llmserve_quant_interleaves(int(ggml_type)))
+
+
+def interleave(weight: QuantWeight) -> QuantWeight | None:
+    """`weight` with its rows interleaved for fast mode (new bytes; `weight` is unchanged), or
+    None when it cannot be: a type this build does not interleave, or rows that are not a
+    multiple of INTERLEAVE_ROWS."""
+    rows, in_features = weight.shape
+    if weight.interleaved or not interleaves(weight.ggml_type) or rows % INTERLEAVE_ROWS:
+        return None
+    weight.check()
+    out = torch.empty_like(weight.blocks)
+    status = library().llmserve_quant_interleave(
+        weight.ggml_type, weight.blocks.data_ptr(), rows, in_features, out.data_ptr()
+    )
+    assert status == 0, "checked above"
+    return QuantWeight(weight.ggml_type, out, in_features, interleaved=True)
+
+
 def _check_weight(ggml_type: int, weight: torch.Tensor, in_features: int) -> int:
-    """The weight's rows (out features), after checking it against `in_features`."""
+    """The weight's rows (out features), after checking it against `in_features` (ggml_type:
+    a type code)."""
     size = block_bytes(ggml_type)
     if size == 0:
         raise KernelArgumentError("ggml_type", f"no kernel for ggml type {ggml_type}")
@@ -82,11 +118,15 @@ def _check_weight(ggml_type: int, weight: torch.Tensor, in_features: int) -> int
             "weight",
             f"rows of {weight.shape[1]} bytes, expected {row_bytes} for {in_features} weights",
         )
+    if ggml_type & INTERLEAVED and weight.shape[0] % INTERLEAVE_ROWS:
+        raise KernelArgumentError(
+            "weight", f"{weight.shape[0]} interleaved rows, not a multiple of {INTERLEAVE_ROWS}"
+        )
     return int(weight.shape[0])
 
 
 def dequantize(
-    ggml_type: int,
+    ggml_type: int,  # a type code (`QuantWeight.code`)
     weight: torch.Tensor,  # [out_features, in_features / 32 * block bytes] uint8
     in_features: int,
 ) -> torch.Tensor:  # [out_features, in_features] float32
@@ -108,13 +148,15 @@ def _check_activations(x: torch.Tensor) -> None:
 
 def linear(
     x: torch.Tensor,  # [n, in_features] float32
-    ggml_type: int,
+    ggml_type: int,  # a type code (`QuantWeight.code`): interleaved in fast mode only
     weight: torch.Tensor,  # [out_features, in_features / 32 * block bytes] uint8
     mode: QuantMode = "exact",
 ) -> torch.Tensor:  # [n, out_features] float32: x @ dequantize(weight).T in `mode`
     _check_activations(x)
     if mode not in MODES:
         raise KernelArgumentError("mode", f"{mode!r}: one of {', '.join(MODES)}")
+    if mode == "exact" and ggml_type & INTERLEAVED:
+        raise KernelArgumentError("mode", "interleaved weights are multiplied in fast mode only")
     n, in_features = x.shape
     if mode == "exact" and in_features > MAX_IN_FEATURES:
         raise KernelArgumentError(

@@ -33,26 +33,6 @@ namespace {
 
 using namespace llmserve::quant;
 
-// Row x[0..cols) into cols / 32 ActBlocks (see the file comment).
-void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
-  for (int64_t b = 0; b < cols / kBlock; ++b) {
-    const float* v = x + b * kBlock;
-    ActBlock& block = out[b];
-    float amax = 0.0f;
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float d = amax / 127.0f;
-    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-    int sum = 0;
-    for (int j = 0; j < kBlock; ++j) {
-      const int q = int(std::nearbyint(v[j] * inverse));  // the default mode: half to even
-      block.q[j] = int8_t(q);
-      sum += q;
-    }
-    block.d = d;
-    block.s = d * float(sum);
-  }
-}
-
 #if defined(__AVX2__) && defined(__F16C__)
 // 32 weight quants of a block in weight order, as bytes: unsigned 0..15 for the 4-bit types,
 // signed for Q8_0.
@@ -222,10 +202,7 @@ template <int Type>
 void linear_fast(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out_features,
                  float* out) {
   const int64_t blocks = in / kBlock, row_bytes = in / block_weights(Type) * block_bytes(Type);
-  thread_local std::vector<ActBlock> activations;
-  activations.resize(size_t(n * blocks));
-  for (int64_t i = 0; i < n; ++i) quantize_activations(x + i * in, in, activations.data() + i * blocks);
-  const ActBlock* a = activations.data();
+  const ActBlock* a = quantize_rows(x, n, in);
   // Threads split the rows at multiples of 4, so which rows four_row_dots takes (and which
   // fast_dots: the last out_features % 4) depends on the weight alone, not on n or on the
   // threads: a token's output is the same whatever it is batched with.
@@ -271,10 +248,14 @@ using namespace llmserve::quant;
 extern "C" {
 
 // out [n, out_features] = x [n, in] @ dequantize(weights)^T in fast mode: x quantized to 8
-// bits per block of 32, integer dot products. `in` is a multiple of the type's block. Returns
-// -1 for an unknown type.
+// bits per block of 32, integer dot products. `in` is a multiple of the type's block; a type
+// with kInterleaved set reads interleaved weights (quant_interleaved.cpp). Returns -1 for an
+// unknown type.
 int llmserve_quant_linear_fast(int type, const float* x, int64_t n, int64_t in,
                                const uint8_t* weights, int64_t out_features, float* out) {
+  if (type & kInterleaved)
+    return llmserve_quant_linear_interleaved(type & ~kInterleaved, x, n, in, weights,
+                                             out_features, out);
   if (block_bytes(type) == 0 || in % block_weights(type) != 0) return -1;
   return dispatch(type, [&]<int Type>() { linear_fast<Type>(x, n, in, weights, out_features, out); });
 }

@@ -4,7 +4,10 @@
 
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include <immintrin.h>
 
@@ -17,6 +20,36 @@ struct ActBlock {  // d and s adjacent: block_scales reads them as a pair
   float s;  // d * sum(q)
   int8_t q[kBlock];
 };
+
+// Row x[0..cols) into cols / 32 ActBlocks (quant_fast.cpp's file comment says how).
+inline void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
+  for (int64_t b = 0; b < cols / kBlock; ++b) {
+    const float* v = x + b * kBlock;
+    ActBlock& block = out[b];
+    float amax = 0.0f;
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.0f;
+    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      const int q = int(std::nearbyint(v[j] * inverse));  // the default mode: half to even
+      block.q[j] = int8_t(q);
+      sum += q;
+    }
+    block.d = d;
+    block.s = d * float(sum);
+  }
+}
+
+// The n rows of x [n, in] quantized (n * in / 32 blocks), in this thread's buffer: valid until
+// its next call on this thread.
+inline const ActBlock* quantize_rows(const float* x, int64_t n, int64_t in) {
+  thread_local std::vector<ActBlock> activations;
+  const int64_t blocks = in / kBlock;
+  activations.resize(size_t(n * blocks));
+  for (int64_t i = 0; i < n; ++i) quantize_activations(x + i * in, in, activations.data() + i * blocks);
+  return activations.data();
+}
 
 #if defined(__AVX2__) && defined(__F16C__)
 // sum_j w[j] * a[j] over a block, in 8 int32 lanes.

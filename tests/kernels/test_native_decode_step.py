@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels import KernelArgumentError
+from kernels.cpu import quant
 from kernels.cpu.quant import MODES, QuantMode, QuantWeight
 from tests.kernels.paged import assert_unchanged_outside, block_pool, layer_views
 from worker_service.attention import AttentionMetadata, AttentionSpec, get_backend_class
@@ -350,3 +351,43 @@ def test_native_step_on_gguf_blocks_equals_the_per_layer_path(mode: QuantMode) -
         assert off_reference > 10 * tolerance
     # The blocks are what the step multiplies: the original dense weights give other logits.
     assert (native - _logits(arch, weights, batch, native=True)).abs().max().item() > MATTERS
+
+
+def test_fast_mode_interleaves_what_it_multiplies_and_changes_no_logit(monkeypatch) -> None:
+    """install_blocks in fast mode interleaves every projection and the head (all of these
+    have rows in eights; quant_interleaved.cpp): both paths then give the file layout's
+    logits bit for bit."""
+    if not quant.interleaves(GGMLQuantizationType.Q4_0):
+        pytest.skip("this build has no AVX2 kernels, so nothing is interleaved")
+    arch = _arch()
+    gen = torch.Generator().manual_seed(28)
+    weights = _weights(arch, torch.float32, gen)
+    batch = _batch(torch.float32, gen)
+    blocks, _ = _in_blocks(weights, "fast")
+    made: list[QuantWeight | None] = []
+    interleave = quant.interleave
+
+    def counted(weight: QuantWeight) -> QuantWeight | None:
+        made.append(interleave(weight))
+        return made[-1]
+
+    monkeypatch.setattr(quant, "interleave", counted)
+    native = _logits(arch, weights, batch, native=True, blocks=blocks)
+    per_layer = _logits(arch, weights, batch, native=False, blocks=blocks)
+    assert len(made) == 2 * (4 * arch.num_layers + 1) and all(w is not None for w in made)
+    monkeypatch.setattr(quant, "interleave", lambda weight: None)
+    assert torch.equal(native, _logits(arch, weights, batch, native=True, blocks=blocks))
+    assert torch.equal(per_layer, _logits(arch, weights, batch, native=False, blocks=blocks))
+
+
+def test_exact_mode_refuses_interleaved_blocks() -> None:
+    if not quant.interleaves(GGMLQuantizationType.Q4_0):
+        pytest.skip("this build has no AVX2 kernels, so nothing is interleaved")
+    arch = _arch()
+    gen = torch.Generator().manual_seed(29)
+    weights = _weights(arch, torch.float32, gen)
+    blocks, _ = _in_blocks(weights, "exact")
+    blocks.lm_head = quant.interleave(blocks.lm_head) or blocks.lm_head
+    assert blocks.lm_head.interleaved
+    with pytest.raises(KernelArgumentError, match="fast mode only"):
+        _logits(arch, weights, _batch(torch.float32, gen), native=True, blocks=blocks)

@@ -12,7 +12,9 @@ Modes (`--quant-mode`, kernels/cpu/quant.py):
 - exact: a block is dequantized to float32 and multiplied with float32 activations, so the
   model equals HF's dequantized one up to summation order;
 - fast: activations are rounded to 8 bits per block of 32 and multiplied with integer dot
-  products (every type above).
+  products (every type above). The Q4_0, Q4_1 and Q8_0 weights it multiplies are interleaved
+  when installed (`quant.interleave`: the same products, faster); a tied LM head becomes an
+  interleaved copy, and the embedding keeps the file's rows for its lookups.
 Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: fixed by
 weight size in exact mode, measured on this machine per weight shape in fast mode) dequantize
 the weight whole and multiply with torch; in fast mode on the activations rounded as the
@@ -80,7 +82,7 @@ def dequantize_rows(weight: QuantWeight, mode: QuantMode) -> int:
 def fast_dequantize_rows(weight: QuantWeight) -> int:
     """Fast mode's crossover for `weight`'s type and shape, measured on first use in this
     process (a few tens of ms: every weight of a shape shares it)."""
-    key = (weight.ggml_type, weight.shape)
+    key = (weight.code, weight.shape)
     if key not in _fast_crossover:
         _fast_crossover[key] = first_faster(*time_both_paths(weight))
     return _fast_crossover[key]
@@ -95,7 +97,7 @@ def time_both_paths(weight: QuantWeight) -> tuple[dict[int, float], dict[int, fl
     generator = torch.Generator().manual_seed(0)
     for rows in CROSSOVER_ROWS:
         x = torch.randn(rows, weight.in_features, generator=generator)
-        kernel[rows] = _best_of(partial(quant.linear, x, weight.ggml_type, weight.blocks, "fast"))
+        kernel[rows] = _best_of(partial(quant.linear, x, weight.code, weight.blocks, "fast"))
         dequantizing[rows] = _best_of(partial(dequantized_matmul, x, weight, None, "fast"))
         if first_faster(kernel, dequantizing) == rows:
             break
@@ -131,7 +133,7 @@ def quant_matmul(
         return F.linear(x, weight, bias)
     if x.shape[0] >= dequantize_rows(weight, mode):
         return dequantized_matmul(x, weight, bias, mode)
-    out = quant.linear(x.contiguous(), weight.ggml_type, weight.blocks, mode)
+    out = quant.linear(x.contiguous(), weight.code, weight.blocks, mode)
     return out if bias is None else out + bias
 
 
@@ -141,7 +143,7 @@ def dequantized_matmul(
     bias: torch.Tensor | None,
     mode: QuantMode,
 ) -> torch.Tensor:  # [rows, out]: quant.linear's product up to summation order
-    dense = quant.dequantize(weight.ggml_type, weight.blocks, weight.in_features)
+    dense = quant.dequantize(weight.code, weight.blocks, weight.in_features)
     if mode == "fast":  # the same 8-bit activations as the kernel's, whatever the rows
         x = quant.round_activations(x.contiguous())
     return F.linear(x, dense, bias)
@@ -153,6 +155,7 @@ def quant_embedding(
 ) -> torch.Tensor:  # [n, hidden] float32
     if not isinstance(weight, QuantWeight):
         return F.embedding(input_ids, weight)
+    assert not weight.interleaved, "an embedding keeps the file's rows (install_blocks)"
     return quant.dequantize(weight.ggml_type, weight.blocks[input_ids], weight.in_features)
 
 
@@ -267,6 +270,11 @@ def install_blocks(
     dense weights replaced are dropped. `weight_format` is what the model reports it holds
     (None: "gguf", the types installed and the mode). Returns the bytes of blocks installed."""
     kept = 0
+    if mode == "fast":  # multiplied weights interleaved where they can be: same outputs, faster
+        projections = [
+            {name: _interleaved(w) for name, w in swaps.items()} for swaps in projections
+        ]
+        head = _interleaved(head)  # a tied head becomes a copy: the embedding keeps its rows
     installed = [w for w in (embed, head) if w is not None]
     for layer, swaps in zip(model.layers, projections, strict=True):
         for name, new in swaps.items():
@@ -310,3 +318,11 @@ def install_blocks(
             quant_mode=mode,
         )
     return kept
+
+
+def _interleaved(weight: QuantWeight | None) -> QuantWeight | None:
+    """`weight` interleaved for fast mode's kernels (kernels/cpu/quant.py), or itself where
+    its type or shape keeps the file's layout."""
+    if weight is None:
+        return None
+    return quant.interleave(weight) or weight

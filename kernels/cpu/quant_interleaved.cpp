@@ -1,0 +1,241 @@
+// Fast mode on weights interleaved at load (issue #52): Q4_0, Q4_1 and Q8_0 rows regrouped so
+// that one 8-lane integer multiply-add advances the dots of eight weight rows at once.
+//
+// quant_fast.cpp's four_row_dots takes each weight row's block as it lies in the file: its 32
+// products fill eight int32 lanes, which three horizontal adds then fold into one sum per row.
+// Here the rows are interleaved once, when the worker loads them, so that no folding is left:
+// weight rows 8g .. 8g + 7 (a group; it occupies the bytes those rows did) hold, for each
+// block b in turn, 8 * block_bytes bytes:
+//   d[8]        the rows' fp16 scales, row r's at 2r;
+//   m[8]        Q4_1 only: the rows' fp16 minimums;
+//   chunks      of 32 bytes: lane r (bytes 4r .. 4r + 3) of chunk k holds row r's quant bytes
+//               4k .. 4k + 3 of the block. Q4_0/Q4_1 have 4 chunks (16 bytes a row: the low
+//               nibbles are weights 4k .. 4k + 3, the high ones 16 + 4k .. 16 + 4k + 3), Q8_0
+//               has 8 (weights 4k .. 4k + 3).
+// A chunk's nibbles (or bytes) times four activation quants broadcast to every lane is one
+// `vpdpbusd` (AVX2: `vpmaddubsw` + `vpmaddwd`, the same integers), which leaves row r's partial
+// sum in lane r. Each row's block sum is thus the same integer as four_row_dots', and it is
+// scaled and accumulated by the same float operations in the same order, so every output is
+// bit for bit quant_fast.cpp's: interleaving changes the speed, never a token.
+//
+// Weights with a row count that is not a multiple of 8, and builds without AVX2, keep the
+// file's layout (`llmserve_quant_interleaves` says which types this build interleaves).
+// Dequantizing an interleaved weight (the prompts' dequantizing path) puts each group back
+// first (llmserve_quant_deinterleave).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "pool.h"
+#include "quant.h"
+#include "quant_fast.h"
+
+namespace llmserve {
+namespace {
+
+using namespace llmserve::quant;
+
+constexpr int64_t kLanes = kInterleaveRows;
+// Bytes before a block's quants: in a file's block (d, and Q4_1's m), and in a group's.
+constexpr int64_t quant_offset(int type) { return type == kQ4_1 ? 4 : 2; }
+constexpr int64_t group_header(int type) { return kLanes * quant_offset(type); }
+// Quant bytes of one row's block, and the group's chunks of 32 bytes per block.
+constexpr int64_t quant_bytes(int type) { return type == kQ8_0 ? kBlock : kBlock / 2; }
+constexpr int64_t chunks(int type) { return quant_bytes(type) / 4; }
+
+// Rows src[0 .. 8) (`row_bytes` apart, `blocks` blocks each, in the file's layout) into one
+// group at dst; to_file: the other way.
+template <int Type>
+void regroup(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t blocks, bool to_file) {
+  const int64_t bytes = block_bytes(Type);
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* group = (to_file ? const_cast<uint8_t*>(src) : dst) + b * kLanes * bytes;
+    for (int64_t r = 0; r < kLanes; ++r) {
+      uint8_t* block = (to_file ? dst : const_cast<uint8_t*>(src)) + r * row_bytes + b * bytes;
+      auto move = [&](int64_t in_block, int64_t in_group, int64_t count) {
+        if (to_file)
+          std::memcpy(block + in_block, group + in_group, count);
+        else
+          std::memcpy(group + in_group, block + in_block, count);
+      };
+      move(0, 2 * r, 2);                                     // d
+      if constexpr (Type == kQ4_1) move(2, 2 * kLanes + 2 * r, 2);  // m
+      for (int64_t k = 0; k < chunks(Type); ++k)
+        move(quant_offset(Type) + 4 * k, group_header(Type) + 32 * k + 4 * r, 4);
+    }
+  }
+}
+
+template <int Type>
+void regroup_all(const uint8_t* src, int64_t rows, int64_t in, uint8_t* dst, bool to_file) {
+  const int64_t row_bytes = in / kBlock * block_bytes(Type);
+  parallel_for(rows / kLanes, rows * row_bytes > (1 << 20), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      regroup<Type>(src + g * kLanes * row_bytes, dst + g * kLanes * row_bytes, row_bytes,
+                    in / kBlock, to_file);
+  });
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+// Each block of a group, as it is read, prefetches the bytes this far ahead of it (groups lie
+// back to back, so this runs on into the next ones); chosen by timing the decode step
+// (bench/RESULTS.md, "Interleaved weights").
+constexpr int64_t kAhead = 4096;
+
+// sum + the four-byte dot in each lane of w (unsigned) and x (signed).
+inline __m256i dot4(__m256i sum, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(sum, w, x);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(w, x);  // |products| <= 2 * 128 * 127: no saturation
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// out[m * stride + r] = the fast-mode dot of the group's row r with activation rows
+// a[m * blocks ...], for r < 8 and m < M.
+template <int Type, int M>
+inline void group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a, float* out,
+                       int64_t stride, const uint8_t* end) {
+  constexpr int kChunks = 8;  // weight registers per block: 4 chunks x 2 nibbles, or 8 chunks
+  const int64_t bytes = kLanes * block_bytes(Type);
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = group + b * bytes;
+    if (end != nullptr)
+      for (int64_t line = 0; line < bytes; line += 64)
+        if (block + kAhead + line < end)
+          _mm_prefetch(reinterpret_cast<const char*>(block + kAhead + line), _MM_HINT_T0);
+    const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    __m256 o_w = _mm256_setzero_ps();  // what multiplies s: Q4_1's m_w, Q4_0's -8 * d_w
+    if constexpr (Type == kQ4_1)
+      o_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+    if constexpr (Type == kQ4_0) o_w = _mm256_mul_ps(d_w, _mm256_set1_ps(-8.0f));
+    const uint8_t* quants = block + group_header(Type);
+    __m256i w[kChunks];  // register j: the weights that take activation quants at[j] .. + 3
+    __m256i sign[kChunks];  // Q8_0: the signed weights (w holds their magnitudes)
+    int at[kChunks];
+    for (int k = 0; k < chunks(Type); ++k) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * k));
+      if constexpr (Type == kQ8_0) {
+        sign[k] = v;
+        w[k] = _mm256_sign_epi8(v, v);
+        at[k] = 4 * k;
+      } else {
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        w[k] = _mm256_and_si256(v, low);
+        w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        at[k] = 4 * k;
+        at[k + 4] = kBlock / 2 + 4 * k;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const ActBlock& x = a[m * blocks + b];
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < kChunks; ++j) {
+        int32_t four;
+        std::memcpy(&four, x.q + at[j], sizeof four);
+        const __m256i xs = _mm256_set1_epi32(four);
+        if constexpr (Type == kQ8_0)  // signed x signed: |w| times x with w's sign
+          sum = dot4(sum, w[j], _mm256_sign_epi8(xs, sign[j]));
+        else
+          sum = dot4(sum, w[j], xs);
+      }
+      // As four_row_dots: the block's dot times d_w * d, then o_w * s.
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d_w, _mm256_set1_ps(x.d)),
+                               acc[m]);
+      if constexpr (Type != kQ8_0) acc[m] = _mm256_fmadd_ps(o_w, _mm256_set1_ps(x.s), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * stride, acc[m]);
+}
+
+constexpr int kTileRows = 4;  // activation rows that share a group's unpacked block
+
+template <int Type>
+void linear_interleaved(const float* x, int64_t n, int64_t in, const uint8_t* w,
+                        int64_t out_features, float* out) {
+  const int64_t blocks = in / kBlock, group_bytes = kLanes * blocks * block_bytes(Type);
+  const ActBlock* a = quantize_rows(x, n, in);
+  const uint8_t* end = w + out_features / kLanes * group_bytes;
+  parallel_for(out_features / kLanes, out_features * n * in > (1 << 16),
+               [&](int64_t begin, int64_t stop) {
+    for (int64_t g = begin; g < stop; ++g) {
+      const uint8_t* group = w + g * group_bytes;
+      float* o = out + g * kLanes;
+      int64_t i = 0;
+      for (; i + kTileRows <= n; i += kTileRows)
+        group_dots<Type, kTileRows>(group, blocks, a + i * blocks, o + i * out_features,
+                                    out_features, i == 0 ? end : nullptr);
+      for (; i < n; ++i)
+        group_dots<Type, 1>(group, blocks, a + i * blocks, o + i * out_features, out_features,
+                            i == 0 ? end : nullptr);
+    }
+  });
+}
+#endif
+
+// Whether this build multiplies `type` interleaved.
+bool has_kernel(int type) {
+#if defined(__AVX2__) && defined(__F16C__)
+  return interleaves(type);
+#else
+  (void)type;
+  return false;
+#endif
+}
+
+int regroup_call(int type, const uint8_t* src, int64_t rows, int64_t in, uint8_t* dst,
+                 bool to_file) {
+  if (!has_kernel(type) || rows % kLanes != 0 || in % kBlock != 0) return -1;
+  return dispatch(type, [&]<int Type>() {
+    if constexpr (interleaves(Type)) regroup_all<Type>(src, rows, in, dst, to_file);
+  });
+}
+
+}  // namespace
+}  // namespace llmserve
+
+using namespace llmserve;
+using namespace llmserve::quant;
+
+extern "C" {
+
+// 1 when this build has the interleaved kernel for ggml type `type`, else 0.
+int llmserve_quant_interleaves(int type) { return has_kernel(type) ? 1 : 0; }
+
+// weights [rows, in / 32 * block bytes] of `type` in the file's layout -> dst (as many bytes)
+// interleaved (see the file comment). rows: a multiple of 8. Returns -1 for a type this build
+// does not interleave or a bad shape.
+int llmserve_quant_interleave(int type, const uint8_t* weights, int64_t rows, int64_t in,
+                              uint8_t* dst) {
+  return regroup_call(type, weights, rows, in, dst, false);
+}
+
+// The inverse of llmserve_quant_interleave.
+int llmserve_quant_deinterleave(int type, const uint8_t* weights, int64_t rows, int64_t in,
+                                uint8_t* dst) {
+  return regroup_call(type, weights, rows, in, dst, true);
+}
+
+// llmserve_quant_linear_fast on interleaved weights of `type` (out_features a multiple of 8).
+int llmserve_quant_linear_interleaved(int type, const float* x, int64_t n, int64_t in,
+                                      const uint8_t* weights, int64_t out_features, float* out) {
+  if (!has_kernel(type) || in % kBlock != 0 || out_features % kLanes != 0) return -1;
+#if defined(__AVX2__) && defined(__F16C__)
+  return dispatch(type, [&]<int Type>() {
+    if constexpr (interleaves(Type))
+      linear_interleaved<Type>(x, n, in, weights, out_features, out);
+  });
+#else
+  (void)x, (void)n, (void)weights, (void)out;
+  return -1;
+#endif
+}
+
+}  // extern "C"

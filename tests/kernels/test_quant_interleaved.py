@@ -1,0 +1,112 @@
+"""Fast mode on interleaved weights (kernels/cpu/quant_interleaved.cpp): the layout the file
+comment describes, written here in numpy; products bit for bit those of the file's layout
+(which test_quant_linear.py holds against the float64 product of the rounded activations);
+dequantizing an interleaved weight; the weights and modes it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from kernels import KernelArgumentError
+from kernels.cpu import quant
+from llmserve.gguf_files import open_gguf
+from llmserve.model_spec import resolve_model
+from tests.kernels.test_quant_linear import TYPES, quantized, reference, rounded_activations
+
+ROWS = quant.INTERLEAVE_ROWS
+
+
+def interleaved_in_numpy(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """The layout written out: per group of 8 rows and per block, the rows' fp16 scales (and
+    Q4_1's minimums), then chunks of 32 bytes whose 4-byte lane r holds row r's quant bytes
+    4k .. 4k + 3."""
+    rows = blocks.shape[0]
+    size = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}.get(ggml_type, 34)
+    header = 4 if ggml_type == GGMLQuantizationType.Q4_1 else 2
+    per_row = blocks.reshape(rows // ROWS, ROWS, -1, size).transpose(0, 2, 1, 3)  # [g, b, r, bytes]
+    scales = per_row[..., :header].reshape(*per_row.shape[:2], ROWS, -1, 2)  # [g, b, r, (d, m), 2]
+    scales = scales.transpose(0, 1, 3, 2, 4).reshape(*per_row.shape[:2], -1)  # all d, then all m
+    quants = per_row[..., header:].reshape(*per_row.shape[:2], ROWS, -1, 4)  # [g, b, r, k, 4]
+    quants = quants.transpose(0, 1, 3, 2, 4).reshape(*per_row.shape[:2], -1)  # [g, b, k, r, 4]
+    return np.concatenate([scales, quants], axis=-1).reshape(rows, -1)
+
+
+def weight(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int) -> quant.QuantWeight:
+    return quant.QuantWeight(
+        int(ggml_type), torch.from_numpy(quantized(ggml_type, rows, cols, seed)), cols
+    )
+
+
+pytestmark = pytest.mark.skipif(
+    not quant.interleaves(GGMLQuantizationType.Q4_0), reason="this build has no AVX2 kernels"
+)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_the_layout_is_the_documented_one_and_dequantizes_to_the_same_weights(ggml_type):
+    w = weight(ggml_type, 24, 640, seed=1)
+    inter = quant.interleave(w)
+    assert inter is not None and inter.interleaved and inter.shape == w.shape
+    assert inter.code == int(ggml_type) | quant.INTERLEAVED
+    assert np.array_equal(inter.blocks.numpy(), interleaved_in_numpy(w.blocks.numpy(), ggml_type))
+    assert torch.equal(w.blocks, torch.from_numpy(quantized(ggml_type, 24, 640, seed=1)))  # kept
+    assert torch.equal(
+        quant.dequantize(inter.code, inter.blocks, 640),
+        quant.dequantize(w.code, w.blocks, 640),
+    )
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize(
+    ("in_features", "out_features"), [(32, 8), (640, 40), (896, 64), (20480, 16)]
+)
+def test_fast_products_are_the_file_layouts_bit_for_bit(ggml_type, in_features, out_features):
+    """Every batch size from 1 to 9 (the kernel's 4-row tiles and remainders) and one of 64:
+    the same bits as the file's layout, so interleaving changes no token; and the product of
+    the rounded activations up to summation order."""
+    w = weight(ggml_type, out_features, in_features, seed=in_features + out_features)
+    inter = quant.interleave(w)
+    assert inter is not None
+    x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(in_features))
+    x[:, :32] *= 30
+    for n in [*range(1, 10), 64]:
+        out = quant.linear(x[:n], inter.code, inter.blocks, "fast")
+        assert torch.equal(out, quant.linear(x[:n], w.code, w.blocks, "fast")), n
+    d, _, q = rounded_activations(x)
+    rounded = (q.double().reshape(64, -1, 32) * d.double()[..., None]).reshape(64, in_features)
+    expected = reference(rounded, w.blocks.numpy(), ggml_type)
+    w_abs = quant.dequantize(w.code, w.blocks, in_features).double().abs()
+    assert ((out.double() - expected).abs() <= 1e-5 * (rounded.abs() @ w_abs.T) + 1e-30).all()
+
+
+def test_smollm2s_shipped_tensors_interleaved():
+    """The shipped file's Q4_1 projection and its Q8_0 embedding (SmolLM2's tied LM head)."""
+    source = resolve_model("smollm2")
+    tensors = {t.name: t for t in open_gguf(f"{source.path}/{source.gguf_file}").tensors}
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(2))
+    for name in ("blk.0.ffn_gate.weight", "token_embd.weight"):
+        tensor = tensors[name]
+        rows = torch.from_numpy(np.array(tensor.data).reshape(int(tensor.shape[1]), -1))
+        w = quant.QuantWeight(int(tensor.tensor_type), rows, 576)
+        inter = quant.interleave(w)
+        assert inter is not None, name
+        expected = quant.linear(x, w.code, w.blocks, "fast")
+        assert torch.equal(quant.linear(x, inter.code, inter.blocks, "fast"), expected), name
+
+
+def test_what_is_not_interleaved_and_bad_uses():
+    assert quant.interleave(weight(GGMLQuantizationType.Q8_0, 12, 64, seed=2)) is None  # 12 rows
+    q5 = quant.QuantWeight(
+        int(GGMLQuantizationType.Q5_0), torch.zeros(8, 22, dtype=torch.uint8), 32
+    )
+    assert quant.interleave(q5) is None  # no interleaved kernel
+    inter = quant.interleave(weight(GGMLQuantizationType.Q4_1, 16, 64, seed=3))
+    assert inter is not None and quant.interleave(inter) is None  # already
+    x = torch.randn(2, 64)
+    with pytest.raises(KernelArgumentError, match="mode"):
+        quant.linear(x, inter.code, inter.blocks, "exact")
+    with pytest.raises(KernelArgumentError, match="weight"):  # a group cut short
+        quant.linear(x, inter.code, inter.blocks[:12].contiguous(), "fast")
