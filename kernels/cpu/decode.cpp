@@ -58,14 +58,6 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
 int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
                       void* value_cache, int64_t block_size, int64_t block_stride);
-int llmserve_quant_block_bytes(int type);
-int llmserve_quant_block_weights(int type);
-int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, int64_t cols,
-                              float* out);
-int llmserve_quant_linear(int type, const float* x, int64_t n, int64_t in, const uint8_t* weights,
-                          int64_t out_features, float* out);
-int llmserve_quant_linear_fast(int type, const float* x, int64_t n, int64_t in,
-                               const uint8_t* weights, int64_t out_features, float* out);
 }
 
 namespace {

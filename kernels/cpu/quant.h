@@ -110,6 +110,15 @@ int dispatch(int type, Fn&& fn) {
 }  // namespace llmserve::quant
 
 extern "C" {
+// quant.cpp: block sizes, dequantization, exact mode; quant_fast.cpp: fast mode.
+int llmserve_quant_block_bytes(int type);
+int llmserve_quant_block_weights(int type);
+int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, int64_t cols,
+                              float* out);
+int llmserve_quant_linear(int type, const float* x, int64_t n, int64_t in, const uint8_t* weights,
+                          int64_t out_features, float* out);
+int llmserve_quant_linear_fast(int type, const float* x, int64_t n, int64_t in,
+                               const uint8_t* weights, int64_t out_features, float* out);
 // quant_interleaved.cpp: fast mode on interleaved weights, and the layout's conversions.
 int llmserve_quant_linear_interleaved(int type, const float* x, int64_t n, int64_t in,
                                       const uint8_t* weights, int64_t out_features, float* out);
