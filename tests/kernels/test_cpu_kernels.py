@@ -139,6 +139,48 @@ def test_rows_sharing_a_table_equal_each_row_alone(
     assert_close(together, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("window", "softcap", "with_sinks"), [
+    (None, None, False), (None, None, True), (300, None, False), (700, 3.0, True),
+])  # fmt: skip
+def test_long_rows_equal_the_reference_and_each_row_alone(
+    dtype: torch.dtype, window: int | None, softcap: float | None, with_sinks: bool
+) -> None:
+    """Contexts of several hundred to two thousand tokens with a window, a soft-cap and sinks,
+    and a sequence with drafts: the reference's output, and each row's bits the same alone
+    as in the batch (a lone sequence is where the kernel splits its work differently)."""
+    head_dim, block_size, num_heads, num_kv_heads = 64, 16, 9, 3
+    gen = torch.Generator().manual_seed(41 + (window or 0))
+    lens = [256, 257, 512, 513, 1000, 2049, 40]
+    cache = make_paged_cache(
+        [*lens, 260],
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cpu",
+        generator=gen,
+    )
+    # The last sequence: its token at 253 and drafts up to 260, one run of rows.
+    rows = [(i, n) for i, n in enumerate(lens)] + [(len(lens), n) for n in range(253, 261)]
+    tables = cache.block_tables[[i for i, _ in rows]].contiguous()
+    seq_lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    query = torch.randn(len(rows), num_heads, head_dim, generator=gen).to(dtype)
+    # Large sinks, so that a sink left out of a merged denominator shows.
+    sinks = torch.randn(num_heads, generator=gen) + 6 if with_sinks else None
+    scale = head_dim**-0.5
+    caches = (cache.key_cache, cache.value_cache)
+    opts = dict(sliding_window=window, softcap=softcap, sinks=sinks)
+    together = cpu_kernels.paged_attention_decode(query, *caches, tables, seq_lens, scale, **opts)
+    expected = reference.paged_attention_decode(query, *caches, tables, seq_lens, scale, **opts)
+    assert_close(together, expected)
+    for r in range(len(rows)):
+        alone = cpu_kernels.paged_attention_decode(
+            query[r : r + 1], *caches, tables[r : r + 1], seq_lens[r : r + 1], scale, **opts
+        )
+        assert torch.equal(together[r : r + 1], alone), f"row {r}"
+
+
 def small_cache(
     seed: int, lens: list[int], num_kv_heads: int
 ) -> tuple[PagedCache, torch.Generator]:
