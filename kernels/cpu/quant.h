@@ -17,13 +17,19 @@ constexpr int kSuperBlock = 256;  // weights per block of the k-quants
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 
 // A type code with this bit set: the type's blocks interleaved by groups of kInterleaveRows
-// weight rows for fast mode (quant_interleaved.cpp; Q4_0, Q4_1 and Q8_0 only).
+// weight rows for fast mode (quant_interleaved.cpp; the 32-weight types only).
 constexpr int kInterleaved = 256;
 constexpr int64_t kInterleaveRows = 8;
-constexpr bool interleaves(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+constexpr bool interleaves(int type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ8_0;
+}
 
 constexpr bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 constexpr int64_t block_weights(int type) { return is_k_quant(type) ? kSuperBlock : kBlock; }
+// A 32-weight block's bytes before its quants: fp16 d, Q4_1's fp16 m, Q5_0's fifth bits.
+constexpr int64_t quant_offset(int type) { return type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : 2; }
+// What Q4_0 and Q5_0 subtract from their unsigned quants: w = d * (q - z) = d * q + (-z * d).
+constexpr float zero_point(int type) { return type == kQ4_0 ? 8.0f : type == kQ5_0 ? 16.0f : 0.0f; }
 // Longest row exact mode (quant.cpp) dequantizes on the stack (floats): 64 KiB a row, and it
 // keeps a tile of four (256 KiB at most; a thread's stack is 8 MiB by default).
 constexpr int64_t kMaxRow = 16384;

@@ -1,14 +1,13 @@
-// Weights kept in GGUF blocks (issue #27): fast mode for Q5_0 and the k-quants (quant_fast.cpp
-// has the 32-weight types and the layer; quant.cpp the layouts).
+// Weights kept in GGUF blocks (issue #27): fast mode for the k-quants (quant_fast.cpp has the
+// 32-weight types and the layer; quant.cpp the layouts).
 //
-// A block (Q5_0's 32 weights, a k-quant's 256) is read as chunks of 32 weights, each matched
-// with one activation block (quant_fast.h's ActBlock):
-//   quants: the chunk's 32 weight quants as bytes, unsigned 0..31 (Q5_0, Q4_K, Q5_K) or
-//           signed q - 32 (Q6_K: its integer dot is taken as Q8_0's);
+// A k-quant's block of 256 weights is read as chunks of 32 weights, each matched with one
+// activation block (quant_fast.h's ActBlock):
+//   quants: the chunk's 32 weight quants as bytes, unsigned 0..31 (Q4_K, Q5_K) or signed
+//           q - 32 (Q6_K: its integer dot is taken as Q8_0's);
 //   scale:  what multiplies the integer dot of weights 0-15 and of 16-31 (the same for all
 //           but Q6_K, whose scales cover 16 weights) before the activation scale d;
-//   offset: what multiplies the activation block's s: Q5_0's -16 * d_w, the k-quants'
-//           -dmin * m_j (Q6_K: 0).
+//   offset: what multiplies the activation block's s: -dmin * m_j (Q6_K: 0).
 // So the chunk's dot is  d * sum_h scale[h] * sum(q_w q over half h) + offset * s, the product
 // of the dequantized weights with the rounded activations up to summation order.
 
@@ -25,15 +24,11 @@
 namespace llmserve::quant {
 
 template <int Type>
-constexpr int kChunks = Type == kQ5_0 ? 1 : kSuperBlock / kBlock;
+constexpr int kChunks = kSuperBlock / kBlock;
 
 template <int Type>
 inline void chunk_scales(const uint8_t* block, float (*scale)[2], float* offset) {
-  if constexpr (Type == kQ5_0) {
-    const float d = half_to_float(block);
-    scale[0][0] = scale[0][1] = d;
-    offset[0] = -16.0f * d;
-  } else if constexpr (Type == kQ6_K) {
+  if constexpr (Type == kQ6_K) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
     const float d = half_to_float(block + 208);
     for (int c = 0; c < kChunks<Type>; ++c) {
@@ -61,21 +56,7 @@ inline __m256i shift_right_16(__m256i v, int bits) {
 template <int Type>
 inline __m256i chunk_quants(const uint8_t* block, int c) {
   const __m256i nibbles = _mm256_set1_epi8(0x0f);
-  if constexpr (Type == kQ5_0) {
-    const __m256i packed = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 6)));
-    const __m256i low = _mm256_and_si256(
-        _mm256_srlv_epi32(packed, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), nibbles);
-    // Fifth bits: byte j of the 32 gets mask byte j / 8, and bit j % 8 of it is tested.
-    uint32_t high;
-    std::memcpy(&high, block + 2, sizeof high);
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(int(high)),
-        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
-    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-  } else if constexpr (Type == kQ6_K) {
+  if constexpr (Type == kQ6_K) {
     const int half = c / 4, s = c % 4;
     const __m256i low = _mm256_and_si256(
         shift_right_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
@@ -106,12 +87,7 @@ inline __m256i chunk_quants(const uint8_t* block, int c) {
 template <int Type>
 inline void chunk_quants(const uint8_t* block, int c, int* w) {
   for (int t = 0; t < kBlock; ++t) {
-    if constexpr (Type == kQ5_0) {
-      uint32_t high;
-      std::memcpy(&high, block + 2, sizeof high);
-      const int low = t < kBlock / 2 ? block[6 + t] & 0x0f : block[6 + t - kBlock / 2] >> 4;
-      w[t] = low | int((high >> t) & 1u) << 4;
-    } else if constexpr (Type == kQ6_K) {
+    if constexpr (Type == kQ6_K) {
       const int half = c / 4, s = c % 4;
       const int low = (block[64 * half + 32 * (s % 2) + t] >> (4 * (s / 2))) & 0x0f;
       const int high = (block[128 + 32 * half + t] >> (2 * s)) & 0x03;

@@ -9,8 +9,9 @@
 // integers: quant_fast.h's block_dot) and one float multiply-add per block:
 //   Q4_0: d_w * d * sum(q_w q) - 8 * d_w * s     (w = d_w * (q_w - 8))
 //   Q4_1: d_w * d * sum(q_w q) + m_w * s         (w = d_w * q_w + m_w)
+//   Q5_0: d_w * d * sum(q_w q) - 16 * d_w * s    (w = d_w * (q_w - 16), q_w 5 bits)
 //   Q8_0: d_w * d * sum(q_w q)
-// Q5_0 and the k-quants are read in chunks of 32 weights the same way (chunked_dots). So
+// The k-quants are read in chunks of 32 weights the same way (chunked_dots). So
 // fast mode's error against exact mode is the activations' rounding to 8 bits (about 0.4% of
 // a block's largest value per element). The 32-weight types are multiplied four weight rows at
 // a time (four_row_dots), and an unpacked weight block serves four activation rows.
@@ -34,8 +35,8 @@ namespace {
 using namespace llmserve::quant;
 
 #if defined(__AVX2__) && defined(__F16C__)
-// 32 weight quants of a block in weight order, as bytes: unsigned 0..15 for the 4-bit types,
-// signed for Q8_0.
+// 32 weight quants of a block in weight order, as bytes: unsigned 0..15 for the 4-bit types
+// (0..31 for Q5_0), signed for Q8_0.
 template <int Type>
 inline __m256i weight_quants(const uint8_t* block) {
   if constexpr (Type == kQ8_0) {
@@ -44,14 +45,25 @@ inline __m256i weight_quants(const uint8_t* block) {
     // The 16 packed bytes in both halves; the high half shifted right by 4: low nibbles
     // (weights 0-15) below, high nibbles (16-31) above.
     const __m256i packed = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (Type == kQ4_1 ? 4 : 2))));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + quant_offset(Type))));
     const __m256i shifted = _mm256_srlv_epi32(packed, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
-    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
+    const __m256i low = _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
+    if constexpr (Type != kQ5_0) return low;
+    // Q5_0's fifth bits: byte j of the 32 gets mask byte j / 8, and bit j % 8 of it is tested.
+    uint32_t high;
+    std::memcpy(&high, block + 2, sizeof high);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(int(high)),
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
   }
 }
 
 // A block's scale and offset times an activation block's, in two lanes of one multiply:
-// [d_w * d, o_w * s] with o_w Q4_1's m_w, Q4_0's -8 * d_w, Q8_0's 0 (its lane unused).
+// [d_w * d, o_w * s] with o_w Q4_1's m_w, Q4_0's -8 * d_w, Q5_0's -16 * d_w, Q8_0's 0 (its
+// lane unused).
 template <int Type>
 inline __m128 block_scales(const uint8_t* block, const float* d_and_s) {
   __m128 w;
@@ -63,8 +75,8 @@ inline __m128 block_scales(const uint8_t* block, const float* d_and_s) {
     uint16_t h;
     std::memcpy(&h, block, sizeof h);
     w = _mm_cvtph_ps(_mm_cvtsi32_si128(h));  // [d_w, 0, 0, 0]
-    if constexpr (Type == kQ4_0)  // [d_w, -8 * d_w, 0, 0]
-      w = _mm_mul_ps(_mm_shuffle_ps(w, w, 0), _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f));
+    if constexpr (zero_point(Type) != 0.0f)  // [d_w, -z * d_w, 0, 0]
+      w = _mm_mul_ps(_mm_shuffle_ps(w, w, 0), _mm_setr_ps(1.0f, -zero_point(Type), 0.0f, 0.0f));
   }
   double pair;
   std::memcpy(&pair, d_and_s, sizeof pair);
@@ -120,15 +132,20 @@ inline void fast_dots(const uint8_t* row, int64_t blocks, const ActBlock* a, flo
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * bytes;
     const float d = half_to_float(block);
-    const float m_w = Type == kQ4_1 ? half_to_float(block + 2) : Type == kQ4_0 ? -8.0f * d : 0.0f;
+    const float m_w = Type == kQ4_1 ? half_to_float(block + 2) : -zero_point(Type) * d;
     int w[kBlock];
     if constexpr (Type == kQ8_0) {
       for (int j = 0; j < kBlock; ++j) w[j] = reinterpret_cast<const int8_t*>(block + 2)[j];
     } else {
-      const uint8_t* q = block + (Type == kQ4_1 ? 4 : 2);
+      const uint8_t* q = block + quant_offset(Type);
       for (int j = 0; j < kBlock / 2; ++j) {
         w[j] = q[j] & 0x0f;
         w[j + kBlock / 2] = q[j] >> 4;
+      }
+      if constexpr (Type == kQ5_0) {
+        uint32_t high;
+        std::memcpy(&high, block + 2, sizeof high);
+        for (int j = 0; j < kBlock; ++j) w[j] |= int((high >> j) & 1u) << 4;
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -167,9 +184,9 @@ inline void four_row_dots(const uint8_t* row, int64_t row_bytes, int64_t blocks,
     __m256i w[4];
     for (int r = 0; r < 4; ++r) w[r] = weight_quants<Type>(block + r * row_bytes);
     const __m128 d_w = four_halves(block, row_bytes, 0);
-    __m128 o_w = _mm_setzero_ps();  // what multiplies s: Q4_1's m_w, Q4_0's -8 * d_w
+    __m128 o_w = _mm_setzero_ps();  // what multiplies s: Q4_1's m_w, Q4_0's and Q5_0's -z * d_w
     if constexpr (Type == kQ4_1) o_w = four_halves(block, row_bytes, 2);
-    if constexpr (Type == kQ4_0) o_w = _mm_mul_ps(d_w, _mm_set1_ps(-8.0f));
+    if constexpr (zero_point(Type) != 0.0f) o_w = _mm_mul_ps(d_w, _mm_set1_ps(-zero_point(Type)));
     for (int m = 0; m < M; ++m) {
       const ActBlock& x = a[m * blocks + b];
       __m256i p[4];
@@ -186,11 +203,11 @@ inline void four_row_dots(const uint8_t* row, int64_t row_bytes, int64_t blocks,
 }
 #endif
 
-// The dots of weight row `row` with M activation rows: chunked for Q5_0 and the k-quants.
+// The dots of weight row `row` with M activation rows: chunked for the k-quants.
 template <int Type, int M>
 inline void row_dots(const uint8_t* row, int64_t in, const ActBlock* a, float* out,
                      int64_t stride) {
-  if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ8_0)
+  if constexpr (!is_k_quant(Type))
     fast_dots<Type, M>(row, in / kBlock, a, out, stride);
   else
     chunked_dots<Type, M>(row, in / block_weights(Type), a, out, stride);
@@ -211,7 +228,7 @@ void linear_fast(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_
     const int64_t begin = 4 * tile_begin, end = std::min(out_features, 4 * tile_end);
     int64_t o = begin;
 #if defined(__AVX2__) && defined(__F16C__)
-    if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ8_0) {
+    if constexpr (!is_k_quant(Type)) {
       for (; o + 4 <= end; o += 4) {
         const uint8_t* row = w + o * row_bytes;
         for (int r = 0; r < 4; ++r)

@@ -1,5 +1,6 @@
-// Fast mode on weights interleaved at load (issue #52): Q4_0, Q4_1 and Q8_0 rows regrouped so
-// that one 8-lane integer multiply-add advances the dots of eight weight rows at once.
+// Fast mode on weights interleaved at load (issue #52): rows of the 32-weight types (Q4_0, Q4_1,
+// Q5_0, Q8_0) regrouped so that one 8-lane integer multiply-add advances the dots of eight
+// weight rows at once.
 //
 // quant_fast.cpp's four_row_dots takes each weight row's block as it lies in the file: its 32
 // products fill eight int32 lanes, which three horizontal adds then fold into one sum per row.
@@ -8,13 +9,17 @@
 // block b in turn, 8 * block_bytes bytes:
 //   d[8]        the rows' fp16 scales, row r's at 2r;
 //   m[8]        Q4_1 only: the rows' fp16 minimums;
+//   fifth bits  Q5_0 only, 32 bytes: bit j of byte 4r + i is the fifth bit of row r's weight
+//               at(j) + i, where at(j) = 4j for j < 4 and 16 + 4(j - 4) after: the weights
+//               that quant register j below covers;
 //   chunks      of 32 bytes: lane r (bytes 4r .. 4r + 3) of chunk k holds row r's quant bytes
-//               4k .. 4k + 3 of the block. Q4_0/Q4_1 have 4 chunks (16 bytes a row: the low
-//               nibbles are weights 4k .. 4k + 3, the high ones 16 + 4k .. 16 + 4k + 3), Q8_0
-//               has 8 (weights 4k .. 4k + 3).
-// A chunk's nibbles (or bytes) times four activation quants broadcast to every lane is one
-// `vpdpbusd` (AVX2: `vpmaddubsw` + `vpmaddwd`, the same integers), which leaves row r's partial
-// sum in lane r. Each row's block sum is thus the same integer as four_row_dots', and it is
+//               4k .. 4k + 3 of the block. Q4_0/Q4_1/Q5_0 have 4 chunks (16 bytes a row: the
+//               low nibbles are weights 4k .. 4k + 3, the high ones 16 + 4k .. 16 + 4k + 3),
+//               Q8_0 has 8 (weights 4k .. 4k + 3).
+// A block is read into 8 quant registers (the 4 chunks' low nibbles, then their high ones, with
+// Q5_0's fifth bits shifted into bit 4 of each byte; or Q8_0's 8 chunks). A register times
+// four activation quants broadcast to every lane is one `vpdpbusd` (AVX2: `vpmaddubsw` +
+// `vpmaddwd`, the same integers), which leaves row r's partial sum in lane r. Each row's block sum is thus the same integer as four_row_dots', and it is
 // scaled and accumulated by the same float operations in the same order, so every output is
 // bit for bit quant_fast.cpp's: interleaving changes the speed, never a token.
 //
@@ -40,9 +45,11 @@ namespace {
 using namespace llmserve::quant;
 
 constexpr int64_t kLanes = kInterleaveRows;
-// Bytes before a block's quants: in a file's block (d, and Q4_1's m), and in a group's.
-constexpr int64_t quant_offset(int type) { return type == kQ4_1 ? 4 : 2; }
+// Bytes before a block's quants in a group (quant.h's quant_offset: those in a file's block).
 constexpr int64_t group_header(int type) { return kLanes * quant_offset(type); }
+// The first of the four weights of a row that quant register j (0..7) holds, for the 4- and
+// 5-bit types.
+constexpr int first_weight(int j) { return j < 4 ? 4 * j : kBlock / 2 + 4 * (j - 4); }
 // Quant bytes of one row's block, and the group's chunks of 32 bytes per block.
 constexpr int64_t quant_bytes(int type) { return type == kQ8_0 ? kBlock : kBlock / 2; }
 constexpr int64_t chunks(int type) { return quant_bytes(type) / 4; }
@@ -64,6 +71,22 @@ void regroup(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t blocks
       };
       move(0, 2 * r, 2);                                     // d
       if constexpr (Type == kQ4_1) move(2, 2 * kLanes + 2 * r, 2);  // m
+      if constexpr (Type == kQ5_0) {  // row r's fifth bits <-> bytes 4r .. 4r + 3 of the plane
+        uint8_t* plane = group + 2 * kLanes + 4 * r;
+        uint32_t high = 0;
+        if (!to_file) std::memcpy(&high, block + 2, sizeof high);
+        for (int i = 0; i < 4; ++i) {
+          if (!to_file) plane[i] = 0;
+          for (int j = 0; j < 8; ++j) {
+            const int bit = first_weight(j) + i;
+            if (to_file)
+              high |= uint32_t((plane[i] >> j) & 1) << bit;
+            else
+              plane[i] |= uint8_t(((high >> bit) & 1) << j);
+          }
+        }
+        if (to_file) std::memcpy(block + 2, &high, sizeof high);
+      }
       for (int64_t k = 0; k < chunks(Type); ++k)
         move(quant_offset(Type) + 4 * k, group_header(Type) + 32 * k + 4 * r, 4);
     }
@@ -112,14 +135,16 @@ inline void group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a, 
         if (block + kAhead + line < end)
           _mm_prefetch(reinterpret_cast<const char*>(block + kAhead + line), _MM_HINT_T0);
     const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    __m256 o_w = _mm256_setzero_ps();  // what multiplies s: Q4_1's m_w, Q4_0's -8 * d_w
+    __m256 o_w = _mm256_setzero_ps();  // what multiplies s: Q4_1's m_w, Q4_0's and Q5_0's -z * d_w
     if constexpr (Type == kQ4_1)
       o_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
-    if constexpr (Type == kQ4_0) o_w = _mm256_mul_ps(d_w, _mm256_set1_ps(-8.0f));
+    if constexpr (zero_point(Type) != 0.0f)
+      o_w = _mm256_mul_ps(d_w, _mm256_set1_ps(-zero_point(Type)));
     const uint8_t* quants = block + group_header(Type);
     __m256i w[kChunks];  // register j: the weights that take activation quants at[j] .. + 3
     __m256i sign[kChunks];  // Q8_0: the signed weights (w holds their magnitudes)
     int at[kChunks];
+#pragma GCC unroll 8  // constant k: the shifts take immediates
     for (int k = 0; k < chunks(Type); ++k) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * k));
       if constexpr (Type == kQ8_0) {
@@ -130,8 +155,15 @@ inline void group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a, 
         const __m256i low = _mm256_set1_epi8(0x0f);
         w[k] = _mm256_and_si256(v, low);
         w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        at[k] = 4 * k;
-        at[k + 4] = kBlock / 2 + 4 * k;
+        if constexpr (Type == kQ5_0) {  // bit j of the plane's bytes -> bit 4 of register j's
+          const __m256i plane =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * kLanes));
+          const __m256i bit4 = _mm256_set1_epi8(0x10);
+          w[k] = _mm256_or_si256(w[k], _mm256_and_si256(_mm256_slli_epi16(plane, 4 - k), bit4));
+          w[k + 4] = _mm256_or_si256(w[k + 4], _mm256_and_si256(_mm256_srli_epi16(plane, k), bit4));
+        }
+        at[k] = first_weight(k);
+        at[k + 4] = first_weight(k + 4);
       }
     }
     for (int m = 0; m < M; ++m) {

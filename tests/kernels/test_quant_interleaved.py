@@ -17,21 +17,39 @@ from llmserve.model_spec import resolve_model
 from tests.kernels.test_quant_linear import TYPES, quantized, reference, rounded_activations
 
 ROWS = quant.INTERLEAVE_ROWS
+Q5_0 = GGMLQuantizationType.Q5_0
+INTERLEAVED_TYPES = [*TYPES, pytest.param(Q5_0, id="q5_0")]
+
+
+def fifth_bit_plane(per_row: np.ndarray) -> np.ndarray:
+    """Q5_0's fifth bits [g, b, r, 22 bytes] as the group's 32-byte plane: bit j of byte
+    4r + i is that of row r's weight 4j + i (j < 4) or 16 + 4(j - 4) + i."""
+    high = per_row[..., 2:6].copy().view("<u4")[..., 0]  # [g, b, r]
+    plane = np.zeros((*high.shape, 4), dtype=np.uint8)
+    for j in range(8):
+        first = 4 * j if j < 4 else 16 + 4 * (j - 4)
+        for i in range(4):
+            plane[..., i] |= (((high >> (first + i)) & 1) << j).astype(np.uint8)
+    return plane.reshape(*high.shape[:2], -1)
 
 
 def interleaved_in_numpy(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     """The layout written out: per group of 8 rows and per block, the rows' fp16 scales (and
-    Q4_1's minimums), then chunks of 32 bytes whose 4-byte lane r holds row r's quant bytes
-    4k .. 4k + 3."""
+    Q4_1's minimums, or Q5_0's plane of fifth bits), then chunks of 32 bytes whose 4-byte
+    lane r holds row r's quant bytes 4k .. 4k + 3."""
     rows = blocks.shape[0]
-    size = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}.get(ggml_type, 34)
-    header = 4 if ggml_type == GGMLQuantizationType.Q4_1 else 2
+    size = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, Q5_0: 22}.get(
+        ggml_type, 34
+    )
+    halves = 4 if ggml_type == GGMLQuantizationType.Q4_1 else 2  # d, and Q4_1's m
+    header = 6 if ggml_type == Q5_0 else halves
     per_row = blocks.reshape(rows // ROWS, ROWS, -1, size).transpose(0, 2, 1, 3)  # [g, b, r, bytes]
-    scales = per_row[..., :header].reshape(*per_row.shape[:2], ROWS, -1, 2)  # [g, b, r, (d, m), 2]
+    scales = per_row[..., :halves].reshape(*per_row.shape[:2], ROWS, -1, 2)  # [g, b, r, (d, m), 2]
     scales = scales.transpose(0, 1, 3, 2, 4).reshape(*per_row.shape[:2], -1)  # all d, then all m
     quants = per_row[..., header:].reshape(*per_row.shape[:2], ROWS, -1, 4)  # [g, b, r, k, 4]
     quants = quants.transpose(0, 1, 3, 2, 4).reshape(*per_row.shape[:2], -1)  # [g, b, k, r, 4]
-    return np.concatenate([scales, quants], axis=-1).reshape(rows, -1)
+    parts = [scales, fifth_bit_plane(per_row)] if ggml_type == Q5_0 else [scales]
+    return np.concatenate([*parts, quants], axis=-1).reshape(rows, -1)
 
 
 def weight(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int) -> quant.QuantWeight:
@@ -45,7 +63,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("ggml_type", INTERLEAVED_TYPES)
 def test_the_layout_is_the_documented_one_and_dequantizes_to_the_same_weights(ggml_type):
     w = weight(ggml_type, 24, 640, seed=1)
     inter = quant.interleave(w)
@@ -59,7 +77,7 @@ def test_the_layout_is_the_documented_one_and_dequantizes_to_the_same_weights(gg
     )
 
 
-@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("ggml_type", INTERLEAVED_TYPES)
 @pytest.mark.parametrize(
     ("in_features", "out_features"), [(32, 8), (640, 40), (896, 64), (20480, 16)]
 )
@@ -99,10 +117,10 @@ def test_smollm2s_shipped_tensors_interleaved():
 
 def test_what_is_not_interleaved_and_bad_uses():
     assert quant.interleave(weight(GGMLQuantizationType.Q8_0, 12, 64, seed=2)) is None  # 12 rows
-    q5 = quant.QuantWeight(
-        int(GGMLQuantizationType.Q5_0), torch.zeros(8, 22, dtype=torch.uint8), 32
+    q4_k = quant.QuantWeight(
+        int(GGMLQuantizationType.Q4_K), torch.zeros(8, 144, dtype=torch.uint8), 256
     )
-    assert quant.interleave(q5) is None  # no interleaved kernel
+    assert quant.interleave(q4_k) is None  # no interleaved kernel
     inter = quant.interleave(weight(GGMLQuantizationType.Q4_1, 16, 64, seed=3))
     assert inter is not None and quant.interleave(inter) is None  # already
     x = torch.randn(2, 64)

@@ -31,8 +31,9 @@ K_QUANTS = {
     GGMLQuantizationType.Q5_K: (176, (0, 2)),
     GGMLQuantizationType.Q6_K: (210, (208,)),
 }
-# Types the gguf package dequantizes but (but Q5_0) cannot quantize; fast mode reads them in
-# chunks of 32 weights (quant_fast.cpp's chunked_dots).
+# Q5_0 and the k-quants, which the gguf package dequantizes but (Q5_0 aside) cannot quantize;
+# fast mode reads the k-quants in chunks of 32 weights (quant_chunked.h), and Q5_0 as the other
+# 32-weight types.
 CHUNKED_TYPES = [
     pytest.param(GGMLQuantizationType.Q5_0, id="q5_0"),
     *(pytest.param(t, id=t.name.lower()) for t in K_QUANTS),
