@@ -52,6 +52,7 @@ HEADERS = (
     "quant.h",
     "quant_fast.h",
     "quant_chunked.h",
+    "quant_interleaved.h",
     "linear_attention.h",
 )
 

@@ -223,11 +223,7 @@ extern "C" {
 
 // Bytes of one block of ggml type `type` (with kInterleaved: of its base type's, which it
 // interleaves); 0 for a type without a kernel here.
-int llmserve_quant_block_bytes(int type) {
-  if (type & kInterleaved)
-    return interleaves(type & ~kInterleaved) ? int(block_bytes(type & ~kInterleaved)) : 0;
-  return int(block_bytes(type));
-}
+int llmserve_quant_block_bytes(int type) { return int(block_bytes(type & ~kInterleaved)); }
 
 // Weights in one block of `type` (32, or 256 for the k-quants).
 int llmserve_quant_block_weights(int type) {
@@ -240,8 +236,8 @@ int llmserve_quant_dequantize(int type, const uint8_t* weights, int64_t rows, in
                               float* out) {
   if (type & kInterleaved) {
     type &= ~kInterleaved;
-    if (!interleaves(type) || cols % kBlock != 0) return -1;
-    std::vector<uint8_t> file(size_t(rows * (cols / kBlock) * block_bytes(type)));
+    if (block_bytes(type) == 0 || cols % block_weights(type) != 0) return -1;
+    std::vector<uint8_t> file(size_t(rows * (cols / block_weights(type)) * block_bytes(type)));
     if (llmserve_quant_deinterleave(type, weights, rows, cols, file.data()) != 0) return -1;
     return llmserve_quant_dequantize(type, file.data(), rows, cols, out);
   }

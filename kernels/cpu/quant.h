@@ -17,12 +17,9 @@ constexpr int kSuperBlock = 256;  // weights per block of the k-quants
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 
 // A type code with this bit set: the type's blocks interleaved by groups of kInterleaveRows
-// weight rows for fast mode (quant_interleaved.cpp; the 32-weight types only).
+// weight rows for fast mode (quant_interleaved.cpp; every type here).
 constexpr int kInterleaved = 256;
 constexpr int64_t kInterleaveRows = 8;
-constexpr bool interleaves(int type) {
-  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ8_0;
-}
 
 constexpr bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 constexpr int64_t block_weights(int type) { return is_k_quant(type) ? kSuperBlock : kBlock; }
@@ -34,7 +31,7 @@ constexpr float zero_point(int type) { return type == kQ4_0 ? 8.0f : type == kQ5
 // keeps a tile of four (256 KiB at most; a thread's stack is 8 MiB by default).
 constexpr int64_t kMaxRow = 16384;
 
-inline int64_t block_bytes(int type) {
+constexpr int64_t block_bytes(int type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;

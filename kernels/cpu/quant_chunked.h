@@ -13,6 +13,7 @@
 
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -101,57 +102,63 @@ inline void chunk_quants(const uint8_t* block, int c, int* w) {
 }
 #endif
 
+// The integer dots of a chunk's weight quants with an activation block, over weights 0-15 and
+// 16-31.
+#if defined(__AVX2__) && defined(__F16C__)
+template <int Type>
+inline void half_dots(__m256i w, const int8_t* x, int32_t* sums) {
+  const __m256i lanes = Type == kQ6_K ? block_dot<kQ8_0>(w, x) : block_dot<kQ4_0>(w, x);
+  __m128i low = _mm256_castsi256_si128(lanes), high = _mm256_extracti128_si256(lanes, 1);
+  const __m128i pairs = _mm_hadd_epi32(low, high);  // [l0+l1, l2+l3, h0+h1, h2+h3]
+  const __m128i both = _mm_hadd_epi32(pairs, pairs);
+  sums[0] = _mm_cvtsi128_si32(both);
+  sums[1] = _mm_extract_epi32(both, 1);
+}
+#else
+template <int Type>
+inline void half_dots(const int* w, const int8_t* x, int32_t* sums) {
+  sums[0] = sums[1] = 0;
+  for (int t = 0; t < kBlock; ++t) sums[t / 16] += w[t] * x[t];
+}
+#endif
+
 // fast_dots for a chunked type: `blocks` blocks of the type, a[m * chunks ...] their
-// activation blocks (kChunks per block).
+// activation blocks (kChunks per block). Each output is one chain of fused multiply-adds, per
+// chunk in order: Q6_K's two half dots times scale[h] * d, the others' dot times scale * d,
+// then offset * s. quant_interleaved.cpp computes eight rows' chains in the lanes of a vector,
+// to the same bits.
 template <int Type, int M>
 inline void chunked_dots(const uint8_t* row, int64_t blocks, const ActBlock* a, float* out,
                          int64_t stride) {
   constexpr int kPer = kChunks<Type>;
   const int64_t bytes = block_bytes(Type), chunks = blocks * kPer;
   float scale[kPer][2], offset[kPer];
-  float shifted[M] = {};  // the sum of the offset terms
-#if defined(__AVX2__) && defined(__F16C__)
-  __m256 acc[2][M];  // two chains: chunks taken in turn
-  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * bytes;
-    chunk_scales<Type>(block, scale, offset);
-#pragma GCC unroll 8  // constant chunk indices: acc[c % 2] stays in registers
-    for (int c = 0; c < kPer; ++c) {
-      const __m256i w = chunk_quants<Type>(block, c);
-      const __m256 halves =  // lanes 0-3 hold weights 0-15's sums, 4-7 those of 16-31
-          _mm256_setr_m128(_mm_set1_ps(scale[c][0]), _mm_set1_ps(scale[c][1]));
-      for (int m = 0; m < M; ++m) {
-        const ActBlock& x = a[m * chunks + b * kPer + c];
-        const __m256 sum = _mm256_cvtepi32_ps(
-            Type == kQ6_K ? block_dot<kQ8_0>(w, x.q) : block_dot<kQ4_0>(w, x.q));
-        acc[c % 2][m] = _mm256_fmadd_ps(sum, _mm256_mul_ps(halves, _mm256_set1_ps(x.d)),
-                                        acc[c % 2][m]);
-        if constexpr (Type != kQ6_K) shifted[m] += offset[c] * x.s;
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    out[m * stride] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + shifted[m];
-#else
   float acc[M] = {};
-  int w[kBlock];
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * bytes;
     chunk_scales<Type>(block, scale, offset);
     for (int c = 0; c < kPer; ++c) {
+#if defined(__AVX2__) && defined(__F16C__)
+      const __m256i w = chunk_quants<Type>(block, c);
+#else
+      int w[kBlock];
       chunk_quants<Type>(block, c, w);
+#endif
       for (int m = 0; m < M; ++m) {
         const ActBlock& x = a[m * chunks + b * kPer + c];
-        int sums[2] = {0, 0};
-        for (int t = 0; t < kBlock; ++t) sums[t / 16] += w[t] * x.q[t];
-        acc[m] += (float(sums[0]) * scale[c][0] + float(sums[1]) * scale[c][1]) * x.d;
-        shifted[m] += offset[c] * x.s;
+        int32_t sums[2];
+        half_dots<Type>(w, x.q, sums);
+        if constexpr (Type == kQ6_K) {
+          acc[m] = std::fma(float(sums[0]), scale[c][0] * x.d, acc[m]);
+          acc[m] = std::fma(float(sums[1]), scale[c][1] * x.d, acc[m]);
+        } else {
+          acc[m] = std::fma(float(sums[0] + sums[1]), scale[c][0] * x.d, acc[m]);
+          acc[m] = std::fma(offset[c], x.s, acc[m]);
+        }
       }
     }
   }
-  for (int m = 0; m < M; ++m) out[m * stride] = acc[m] + shifted[m];
-#endif
+  for (int m = 0; m < M; ++m) out[m * stride] = acc[m];
 }
 
 }  // namespace llmserve::quant

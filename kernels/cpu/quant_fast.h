@@ -52,6 +52,18 @@ inline const ActBlock* quantize_rows(const float* x, int64_t n, int64_t in) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
+// sum + the four-byte dot in each lane of w (unsigned) and x (signed).
+inline __m256i dot4(__m256i sum, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  // Each lane's four byte products and their sum in one instruction: the same integers as
+  // the two below, which cannot saturate here.
+  return _mm256_dpbusd_epi32(sum, w, x);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(w, x);  // |products| <= 2 * 128 * 127: no saturation
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
 // sum_j w[j] * a[j] over a block, in 8 int32 lanes.
 template <int Type>
 inline __m256i block_dot(__m256i w, const int8_t* a) {
@@ -60,14 +72,7 @@ inline __m256i block_dot(__m256i w, const int8_t* a) {
     x = _mm256_sign_epi8(x, w);
     w = _mm256_sign_epi8(w, w);
   }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  // Each lane's four byte products and their sum in one instruction: the same integers as
-  // the two below, which cannot saturate here.
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#else
-  const __m256i pairs = _mm256_maddubs_epi16(w, x);  // |products| <= 2 * 128 * 127: no saturation
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-#endif
+  return dot4(_mm256_setzero_si256(), w, x);
 }
 
 inline float hsum(__m256 v) {

@@ -38,6 +38,7 @@
 #include "pool.h"
 #include "quant.h"
 #include "quant_fast.h"
+#include "quant_interleaved.h"
 
 namespace llmserve {
 namespace {
@@ -45,14 +46,11 @@ namespace {
 using namespace llmserve::quant;
 
 constexpr int64_t kLanes = kInterleaveRows;
-// Bytes before a block's quants in a group (quant.h's quant_offset: those in a file's block).
-constexpr int64_t group_header(int type) { return kLanes * quant_offset(type); }
 // The first of the four weights of a row that quant register j (0..7) holds, for the 4- and
 // 5-bit types.
 constexpr int first_weight(int j) { return j < 4 ? 4 * j : kBlock / 2 + 4 * (j - 4); }
-// Quant bytes of one row's block, and the group's chunks of 32 bytes per block.
-constexpr int64_t quant_bytes(int type) { return type == kQ8_0 ? kBlock : kBlock / 2; }
-constexpr int64_t chunks(int type) { return quant_bytes(type) / 4; }
+// A 32-weight group's chunks of 32 bytes per block.
+constexpr int64_t chunks(int type) { return (lane_end(type) - lane_begin(type)) / 4; }
 
 // Rows src[0 .. 8) (`row_bytes` apart, `blocks` blocks each, in the file's layout) into one
 // group at dst; to_file: the other way.
@@ -69,7 +67,12 @@ void regroup(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t blocks
         else
           std::memcpy(group + in_group, block + in_block, count);
       };
-      move(0, 2 * r, 2);                                     // d
+      if constexpr (is_k_quant(Type)) {
+        if (!to_file && r == 0) std::memset(group, 0, size_t(lanes_at(Type)));
+        regroup_k_header<Type>(block, group, int(r), to_file);
+      } else {
+        move(0, 2 * r, 2);  // d
+      }
       if constexpr (Type == kQ4_1) move(2, 2 * kLanes + 2 * r, 2);  // m
       if constexpr (Type == kQ5_0) {  // row r's fifth bits <-> bytes 4r .. 4r + 3 of the plane
         uint8_t* plane = group + 2 * kLanes + 4 * r;
@@ -87,38 +90,23 @@ void regroup(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t blocks
         }
         if (to_file) std::memcpy(block + 2, &high, sizeof high);
       }
-      for (int64_t k = 0; k < chunks(Type); ++k)
-        move(quant_offset(Type) + 4 * k, group_header(Type) + 32 * k + 4 * r, 4);
+      for (int64_t k = 0; k < chunks(Type); ++k)  // the lane run
+        move(lane_begin(Type) + 4 * k, lanes_at(Type) + 32 * k + 4 * r, 4);
     }
   }
 }
 
 template <int Type>
 void regroup_all(const uint8_t* src, int64_t rows, int64_t in, uint8_t* dst, bool to_file) {
-  const int64_t row_bytes = in / kBlock * block_bytes(Type);
+  const int64_t row_bytes = in / block_weights(Type) * block_bytes(Type);
   parallel_for(rows / kLanes, rows * row_bytes > (1 << 20), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       regroup<Type>(src + g * kLanes * row_bytes, dst + g * kLanes * row_bytes, row_bytes,
-                    in / kBlock, to_file);
+                    in / block_weights(Type), to_file);
   });
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
-// Each block of a group, as it is read, prefetches the bytes this far ahead of it (groups lie
-// back to back, so this runs on into the next ones); chosen by timing the decode step
-// (bench/RESULTS.md, "Interleaved weights").
-constexpr int64_t kAhead = 4096;
-
-// sum + the four-byte dot in each lane of w (unsigned) and x (signed).
-inline __m256i dot4(__m256i sum, __m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(sum, w, x);
-#else
-  const __m256i pairs = _mm256_maddubs_epi16(w, x);  // |products| <= 2 * 128 * 127: no saturation
-  return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-
 // out[m * stride + r] = the fast-mode dot of the group's row r with activation rows
 // a[m * blocks ...], for r < 8 and m < M.
 template <int Type, int M>
@@ -130,17 +118,14 @@ inline void group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a, 
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = group + b * bytes;
-    if (end != nullptr)
-      for (int64_t line = 0; line < bytes; line += 64)
-        if (block + kAhead + line < end)
-          _mm_prefetch(reinterpret_cast<const char*>(block + kAhead + line), _MM_HINT_T0);
+    prefetch_ahead_of(block, bytes, end);  // end: nullptr where another call prefetched
     const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
     __m256 o_w = _mm256_setzero_ps();  // what multiplies s: Q4_1's m_w, Q4_0's and Q5_0's -z * d_w
     if constexpr (Type == kQ4_1)
       o_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
     if constexpr (zero_point(Type) != 0.0f)
       o_w = _mm256_mul_ps(d_w, _mm256_set1_ps(-zero_point(Type)));
-    const uint8_t* quants = block + group_header(Type);
+    const uint8_t* quants = block + lanes_at(Type);
     __m256i w[kChunks];  // register j: the weights that take activation quants at[j] .. + 3
     __m256i sign[kChunks];  // Q8_0: the signed weights (w holds their magnitudes)
     int at[kChunks];
@@ -189,24 +174,37 @@ inline void group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a, 
 
 constexpr int kTileRows = 4;  // activation rows that share a group's unpacked block
 
+// The group's dots with activation rows i .. i + M (a: every row's blocks, `chunks` a row).
+template <int Type, int M>
+inline void tile_dots(const uint8_t* group, int64_t blocks, int64_t chunks, const ActBlock* a,
+                      const int32_t* sums, int64_t i, float* out, int64_t stride,
+                      const uint8_t* end) {
+  if constexpr (is_k_quant(Type))
+    k_group_dots<Type, M>(group, blocks, a + i * chunks, sums + 2 * i * chunks, out, stride, end);
+  else
+    group_dots<Type, M>(group, blocks, a + i * chunks, out, stride, end);
+}
+
 template <int Type>
 void linear_interleaved(const float* x, int64_t n, int64_t in, const uint8_t* w,
                         int64_t out_features, float* out) {
-  const int64_t blocks = in / kBlock, group_bytes = kLanes * blocks * block_bytes(Type);
+  const int64_t blocks = in / block_weights(Type), chunks = in / kBlock,
+                group_bytes = kLanes * blocks * block_bytes(Type);
   const ActBlock* a = quantize_rows(x, n, in);
+  const int32_t* sums = Type == kQ6_K ? half_sums(a, n * chunks) : nullptr;
   const uint8_t* end = w + out_features / kLanes * group_bytes;
   parallel_for(out_features / kLanes, out_features * n * in > (1 << 16),
                [&](int64_t begin, int64_t stop) {
     for (int64_t g = begin; g < stop; ++g) {
       const uint8_t* group = w + g * group_bytes;
       float* o = out + g * kLanes;
-      int64_t i = 0;
+      int64_t i = 0;  // the first call prefetches the next blocks
       for (; i + kTileRows <= n; i += kTileRows)
-        group_dots<Type, kTileRows>(group, blocks, a + i * blocks, o + i * out_features,
-                                    out_features, i == 0 ? end : nullptr);
+        tile_dots<Type, kTileRows>(group, blocks, chunks, a, sums, i, o + i * out_features,
+                                   out_features, i == 0 ? end : nullptr);
       for (; i < n; ++i)
-        group_dots<Type, 1>(group, blocks, a + i * blocks, o + i * out_features, out_features,
-                            i == 0 ? end : nullptr);
+        tile_dots<Type, 1>(group, blocks, chunks, a, sums, i, o + i * out_features,
+                           out_features, i == 0 ? end : nullptr);
     }
   });
 }
@@ -215,7 +213,7 @@ void linear_interleaved(const float* x, int64_t n, int64_t in, const uint8_t* w,
 // Whether this build multiplies `type` interleaved.
 bool has_kernel(int type) {
 #if defined(__AVX2__) && defined(__F16C__)
-  return interleaves(type);
+  return block_bytes(type) != 0;
 #else
   (void)type;
   return false;
@@ -224,10 +222,8 @@ bool has_kernel(int type) {
 
 int regroup_call(int type, const uint8_t* src, int64_t rows, int64_t in, uint8_t* dst,
                  bool to_file) {
-  if (!has_kernel(type) || rows % kLanes != 0 || in % kBlock != 0) return -1;
-  return dispatch(type, [&]<int Type>() {
-    if constexpr (interleaves(Type)) regroup_all<Type>(src, rows, in, dst, to_file);
-  });
+  if (!has_kernel(type) || rows % kLanes != 0 || in % block_weights(type) != 0) return -1;
+  return dispatch(type, [&]<int Type>() { regroup_all<Type>(src, rows, in, dst, to_file); });
 }
 
 }  // namespace
@@ -241,7 +237,7 @@ extern "C" {
 // 1 when this build has the interleaved kernel for ggml type `type`, else 0.
 int llmserve_quant_interleaves(int type) { return has_kernel(type) ? 1 : 0; }
 
-// weights [rows, in / 32 * block bytes] of `type` in the file's layout -> dst (as many bytes)
+// weights [rows, in / block weights * block bytes] of `type` in the file's layout -> dst (as many bytes)
 // interleaved (see the file comment). rows: a multiple of 8. Returns -1 for a type this build
 // does not interleave or a bad shape.
 int llmserve_quant_interleave(int type, const uint8_t* weights, int64_t rows, int64_t in,
@@ -258,11 +254,10 @@ int llmserve_quant_deinterleave(int type, const uint8_t* weights, int64_t rows, 
 // llmserve_quant_linear_fast on interleaved weights of `type` (out_features a multiple of 8).
 int llmserve_quant_linear_interleaved(int type, const float* x, int64_t n, int64_t in,
                                       const uint8_t* weights, int64_t out_features, float* out) {
-  if (!has_kernel(type) || in % kBlock != 0 || out_features % kLanes != 0) return -1;
+  if (!has_kernel(type) || in % block_weights(type) != 0 || out_features % kLanes != 0) return -1;
 #if defined(__AVX2__) && defined(__F16C__)
   return dispatch(type, [&]<int Type>() {
-    if constexpr (interleaves(Type))
-      linear_interleaved<Type>(x, n, in, weights, out_features, out);
+    linear_interleaved<Type>(x, n, in, weights, out_features, out);
   });
 #else
   (void)x, (void)n, (void)weights, (void)out;

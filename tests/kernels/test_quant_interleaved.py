@@ -14,11 +14,18 @@ from kernels import KernelArgumentError
 from kernels.cpu import quant
 from llmserve.gguf_files import open_gguf
 from llmserve.model_spec import resolve_model
-from tests.kernels.test_quant_linear import TYPES, quantized, reference, rounded_activations
+from tests.kernels.test_quant_linear import (
+    CHUNKED_TYPES,
+    K_QUANTS,
+    TYPES,
+    quantized,
+    reference,
+    rounded_activations,
+)
 
 ROWS = quant.INTERLEAVE_ROWS
-Q5_0 = GGMLQuantizationType.Q5_0
-INTERLEAVED_TYPES = [*TYPES, pytest.param(Q5_0, id="q5_0")]
+Q5_0, Q6_K = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K
+INTERLEAVED_TYPES = TYPES + CHUNKED_TYPES  # all of them
 
 
 def fifth_bit_plane(per_row: np.ndarray) -> np.ndarray:
@@ -33,10 +40,53 @@ def fifth_bit_plane(per_row: np.ndarray) -> np.ndarray:
     return plane.reshape(*high.shape[:2], -1)
 
 
+def lanes(run: np.ndarray) -> np.ndarray:
+    """Row bytes [g, b, r, n] as chunks of 32 bytes whose 4-byte lane r holds row r's bytes
+    4k .. 4k + 3: [g, b, n * 8]."""
+    quants = run.reshape(*run.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4)  # [g, b, k, r, 4]
+    return quants.reshape(*run.shape[:2], -1)
+
+
+def scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 packed bytes [..., 12] -> 6-bit scales and mins [..., 8], as the
+    gguf package unpacks them."""
+    p = packed.astype(np.int32)
+    sc = np.concatenate([p[..., 0:4] & 63, (p[..., 8:12] & 15) | (p[..., 0:4] >> 6) << 4], -1)
+    m = np.concatenate([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | (p[..., 4:8] >> 6) << 4], -1)
+    return sc, m
+
+
+def k_interleaved_in_numpy(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """quant_interleaved.h's k-quant layout written out: per group of 8 rows and super-block,
+    the rows' fp16 d (and dmin), their scales (Q6_K's int8 ones by sub-block of 16, then row;
+    Q4_K's and Q5_K's 6-bit ones as three planes indexed 8 * sub-block + row), then the rest
+    by lanes."""
+    rows, size = blocks.shape[0], K_QUANTS[ggml_type][0]
+    per_row = blocks.reshape(rows // ROWS, ROWS, -1, size).transpose(0, 2, 1, 3)  # [g, b, r, bytes]
+    g, b = per_row.shape[:2]
+    if ggml_type == Q6_K:
+        d = per_row[..., 208:210].reshape(g, b, -1)
+        scales = per_row[..., 192:208].transpose(0, 1, 3, 2).reshape(g, b, -1)
+        return np.concatenate([d, scales, lanes(per_row[..., :192])], -1).reshape(rows, -1)
+    d = per_row[..., 0:2].reshape(g, b, -1)
+    dmin = per_row[..., 2:4].reshape(g, b, -1)
+    sc, m = scales_and_mins(per_row[..., 4:16])  # [g, b, r, c]
+    sc, m = sc.transpose(0, 1, 3, 2).reshape(g, b, 64), m.transpose(0, 1, 3, 2).reshape(g, b, 64)
+    planes = [
+        (sc[..., :32] & 15) | (sc[..., 32:] & 15) << 4,
+        (m[..., :32] & 15) | (m[..., 32:] & 15) << 4,
+        sc[..., :32] >> 4 | (sc[..., 32:] >> 4) << 2 | (m[..., :32] >> 4) << 4 | (m[..., 32:] >> 4) << 6,
+    ]
+    header = [d, dmin, *(plane.astype(np.uint8) for plane in planes)]
+    return np.concatenate([*header, lanes(per_row[..., 16:])], -1).reshape(rows, -1)
+
+
 def interleaved_in_numpy(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     """The layout written out: per group of 8 rows and per block, the rows' fp16 scales (and
     Q4_1's minimums, or Q5_0's plane of fifth bits), then chunks of 32 bytes whose 4-byte
     lane r holds row r's quant bytes 4k .. 4k + 3."""
+    if ggml_type in K_QUANTS:
+        return k_interleaved_in_numpy(blocks, ggml_type)
     rows = blocks.shape[0]
     size = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, Q5_0: 22}.get(
         ggml_type, 34
@@ -46,10 +96,8 @@ def interleaved_in_numpy(blocks: np.ndarray, ggml_type: GGMLQuantizationType) ->
     per_row = blocks.reshape(rows // ROWS, ROWS, -1, size).transpose(0, 2, 1, 3)  # [g, b, r, bytes]
     scales = per_row[..., :halves].reshape(*per_row.shape[:2], ROWS, -1, 2)  # [g, b, r, (d, m), 2]
     scales = scales.transpose(0, 1, 3, 2, 4).reshape(*per_row.shape[:2], -1)  # all d, then all m
-    quants = per_row[..., header:].reshape(*per_row.shape[:2], ROWS, -1, 4)  # [g, b, r, k, 4]
-    quants = quants.transpose(0, 1, 3, 2, 4).reshape(*per_row.shape[:2], -1)  # [g, b, k, r, 4]
     parts = [scales, fifth_bit_plane(per_row)] if ggml_type == Q5_0 else [scales]
-    return np.concatenate([*parts, quants], axis=-1).reshape(rows, -1)
+    return np.concatenate([*parts, lanes(per_row[..., header:])], axis=-1).reshape(rows, -1)
 
 
 def weight(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int) -> quant.QuantWeight:
@@ -65,26 +113,30 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("ggml_type", INTERLEAVED_TYPES)
 def test_the_layout_is_the_documented_one_and_dequantizes_to_the_same_weights(ggml_type):
-    w = weight(ggml_type, 24, 640, seed=1)
+    cols = 512 if ggml_type in K_QUANTS else 640
+    w = weight(ggml_type, 24, cols, seed=1)
     inter = quant.interleave(w)
     assert inter is not None and inter.interleaved and inter.shape == w.shape
     assert inter.code == int(ggml_type) | quant.INTERLEAVED
     assert np.array_equal(inter.blocks.numpy(), interleaved_in_numpy(w.blocks.numpy(), ggml_type))
-    assert torch.equal(w.blocks, torch.from_numpy(quantized(ggml_type, 24, 640, seed=1)))  # kept
+    assert torch.equal(w.blocks, torch.from_numpy(quantized(ggml_type, 24, cols, seed=1)))  # kept
     assert torch.equal(
-        quant.dequantize(inter.code, inter.blocks, 640),
-        quant.dequantize(w.code, w.blocks, 640),
+        quant.dequantize(inter.code, inter.blocks, cols),
+        quant.dequantize(w.code, w.blocks, cols),
     )
 
 
 @pytest.mark.parametrize("ggml_type", INTERLEAVED_TYPES)
 @pytest.mark.parametrize(
-    ("in_features", "out_features"), [(32, 8), (640, 40), (896, 64), (20480, 16)]
+    ("in_32", "in_k", "out_features"),
+    [(32, 256, 8), (640, 512, 40), (896, 2048, 64), (20480, 20480, 16)],
 )
-def test_fast_products_are_the_file_layouts_bit_for_bit(ggml_type, in_features, out_features):
+def test_fast_products_are_the_file_layouts_bit_for_bit(ggml_type, in_32, in_k, out_features):
     """Every batch size from 1 to 9 (the kernel's 4-row tiles and remainders) and one of 64:
     the same bits as the file's layout, so interleaving changes no token; and the product of
-    the rounded activations up to summation order."""
+    the rounded activations up to summation order. in_32, in_k: the widths for the 32-weight
+    types and for the k-quants."""
+    in_features = in_k if ggml_type in K_QUANTS else in_32
     w = weight(ggml_type, out_features, in_features, seed=in_features + out_features)
     inter = quant.interleave(w)
     assert inter is not None
@@ -117,10 +169,10 @@ def test_smollm2s_shipped_tensors_interleaved():
 
 def test_what_is_not_interleaved_and_bad_uses():
     assert quant.interleave(weight(GGMLQuantizationType.Q8_0, 12, 64, seed=2)) is None  # 12 rows
-    q4_k = quant.QuantWeight(
-        int(GGMLQuantizationType.Q4_K), torch.zeros(8, 144, dtype=torch.uint8), 256
+    q2_k = quant.QuantWeight(
+        int(GGMLQuantizationType.Q2_K), torch.zeros(8, 84, dtype=torch.uint8), 256
     )
-    assert quant.interleave(q4_k) is None  # no interleaved kernel
+    assert quant.interleave(q2_k) is None  # no kernel
     inter = quant.interleave(weight(GGMLQuantizationType.Q4_1, 16, 64, seed=3))
     assert inter is not None and quant.interleave(inter) is None  # already
     x = torch.randn(2, 64)
