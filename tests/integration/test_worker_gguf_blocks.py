@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from kernels.cpu.quant import QuantMode, QuantWeight
 from llmserve.gguf_files import open_gguf
@@ -182,7 +183,8 @@ def test_a_model_that_is_not_a_gguf_file_is_refused_by_name(tmp_path: Any) -> No
 def test_gemma3s_mixed_file_runs_on_its_q5_0_q4_k_q6_k_q8_0_blocks_as_hf() -> None:
     """Gemma 3 270M's Q4_K_M file (the dev dependency): the k-quants and Q5_0 in exact mode,
     through the native step and the per-layer path, greedy as HF's dequantized model. Its
-    layers whose q/k/v tensors differ in type keep a dense q/k/v (one matmul needs one type)."""
+    layers whose v is Q8_0 and q, k Q5_0 run on a Q8_0 q/k/v (gguf_widen.py), the others on
+    Q5_0."""
     torch.set_num_threads(2)
     tok, hf = load_spec("gemma3-270m")
     prompts = [tok(t)["input_ids"] for t in TEXTS[:4]]
@@ -197,6 +199,8 @@ def test_gemma3s_mixed_file_runs_on_its_q5_0_q4_k_q6_k_q8_0_blocks_as_hf() -> No
     model = worker._model
     assert worker.model_info.weight_format == "gguf Q4_K+Q5_0+Q6_K+Q8_0 exact"
     assert all(isinstance(layer.down, QuantWeight) for layer in model.layers)
+    qkv_types = [GGMLQuantizationType(layer.qkv.ggml_type).name for layer in model.layers]
+    assert sorted(set(qkv_types)) == ["Q5_0", "Q8_0"], qkv_types
     assert isinstance(model.embed, QuantWeight) and model.decode_step is not None
     engine = engine_on_worker(
         worker, gpu_blocks=64, cpu_blocks=0, batched_tokens=64, max_model_len=2048

@@ -5,8 +5,9 @@ embedding and the LM head whose tensors in the file have a kernel (Q4_0, Q4_1, Q
 Q4_K, Q5_K, Q6_K: kernels/cpu/quant.py) get those blocks instead of their dense weights,
 which are dropped: the decoder's matmul becomes `quant_matmul` and its embedding lookup
 `quant_embedding`, and the native decode step is rebuilt on the blocks. Tensors of other
-types stay dense (dequantized, with a warning giving their cost), as does a fused q/k/v or
-gate/up whose parts differ in type.
+types stay dense (dequantized, with a warning giving their cost). The parts of a fused q/k/v
+or gate/up that differ in type are widened to a common one where that loses nothing
+(gguf_widen.py: Q4_0 and Q5_0 into Q5_0 or Q8_0), or else stay dense.
 
 Modes (`--quant-mode`, kernels/cpu/quant.py):
 - exact: a block is dequantized to float32 and multiplied with float32 activations, so the
@@ -41,6 +42,7 @@ from llmserve.gguf_files import open_gguf
 from llmserve.logs import get_logger
 from llmserve.model_spec import ModelSource
 from worker_service.models.decoder import DecoderModel
+from worker_service.models.gguf_widen import common_type, widen
 from worker_service.models.native import NativeDecode
 
 log = get_logger("worker.gguf")
@@ -218,13 +220,17 @@ def keep_gguf_blocks(model: DecoderModel, source: ModelSource, mode: QuantMode =
         return int(ggml_type), rows
 
     def weight(*parts: tuple[int, np.ndarray] | None) -> QuantWeight | None:
-        """The parts' rows stacked (q, k, v; gate, up) as one weight, or None: a part
-        without a kernel, or parts of different types, stay dense."""
+        """The parts' rows stacked (q, k, v; gate, up) as one weight, in their common type
+        (gguf_widen.py), or None: a part without a kernel, or parts without a common type,
+        stay dense."""
         present = [p for p in parts if p is not None]
-        if len(present) != len(parts) or len({t for t, _ in present}) != 1:
+        if len(present) != len(parts):
             return None
-        ggml_type = present[0][0]
-        rows = np.concatenate([r for _, r in present])
+        types = {t for t, _ in present}
+        ggml_type = types.pop() if len(types) == 1 else common_type(types)
+        if ggml_type is None:
+            return None
+        rows = np.concatenate([widen(t, r, ggml_type) for t, r in present])
         in_features = rows.shape[1] // quant.block_bytes(ggml_type) * quant.block_weights(ggml_type)
         return QuantWeight(ggml_type, torch.from_numpy(rows), in_features)
 
