@@ -11,10 +11,9 @@ bit-identical to the gguf package's (what transformers loads). The linear layer'
   dot products: the exact product of those rounded activations with the weights, up to
   summation order.
 
-For fast mode, weights of the 32-weight types (Q4_0, Q4_1, Q5_0, Q8_0) can be interleaved by
-groups of `INTERLEAVE_ROWS` rows (`interleave`, quant_interleaved.cpp): the same bytes
-regrouped so that one integer multiply-add serves eight rows, with outputs bit for bit those
-of the file's layout. Kernels take such a weight's `code`: its type with `INTERLEAVED` set.
+For fast mode, weights of every type here can be interleaved by groups of `INTERLEAVE_ROWS`
+rows (`interleave`, quant_interleaved.cpp and .h): the same bytes regrouped so that one integer
+multiply-add serves eight rows, with outputs bit for bit those of the file's layout. Kernels take such a weight's `code`: its type with `INTERLEAVED` set.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Modes (`--quant-mode`, kernels/cpu/quant.py):
 - exact: a block is dequantized to float32 and multiplied with float32 activations, so the
   model equals HF's dequantized one up to summation order;
 - fast: activations are rounded to 8 bits per block of 32 and multiplied with integer dot
-  products (every type above). The Q4_0, Q4_1, Q5_0 and Q8_0 weights it multiplies are
+  products (every type above). The weights it multiplies (with rows a multiple of 8) are
   interleaved when installed (`quant.interleave`: the same products, faster); a tied LM head
   becomes an interleaved copy, and the embedding keeps the file's rows for its lookups.
 Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: fixed by
