@@ -1,6 +1,7 @@
-// Fast mode on weights interleaved at load (issue #52): rows of the 32-weight types (Q4_0, Q4_1,
-// Q5_0, Q8_0) regrouped so that one 8-lane integer multiply-add advances the dots of eight
-// weight rows at once.
+// Fast mode on weights interleaved at load (issue #52): weight rows regrouped so that one 8-lane
+// integer multiply-add advances the dots of eight rows at once. This file has the 32-weight
+// types (Q4_0, Q4_1, Q5_0, Q8_0), the layer and the conversions; quant_interleaved.h the
+// k-quants' layout and dots.
 //
 // quant_fast.cpp's four_row_dots takes each weight row's block as it lies in the file: its 32
 // products fill eight int32 lanes, which three horizontal adds then fold into one sum per row.
@@ -19,12 +20,13 @@
 // A block is read into 8 quant registers (the 4 chunks' low nibbles, then their high ones, with
 // Q5_0's fifth bits shifted into bit 4 of each byte; or Q8_0's 8 chunks). A register times
 // four activation quants broadcast to every lane is one `vpdpbusd` (AVX2: `vpmaddubsw` +
-// `vpmaddwd`, the same integers), which leaves row r's partial sum in lane r. Each row's block sum is thus the same integer as four_row_dots', and it is
-// scaled and accumulated by the same float operations in the same order, so every output is
-// bit for bit quant_fast.cpp's: interleaving changes the speed, never a token.
+// `vpmaddwd`, the same integers), which leaves row r's partial sum in lane r. Each row's block
+// sum is thus the same integer as four_row_dots', and it is scaled and accumulated by the same
+// float operations in the same order, so every output is bit for bit quant_fast.cpp's:
+// interleaving changes the speed, never a token.
 //
 // Weights with a row count that is not a multiple of 8, and builds without AVX2, keep the
-// file's layout (`llmserve_quant_interleaves` says which types this build interleaves).
+// file's layout (`llmserve_quant_interleaves` says whether this build interleaves a type).
 // Dequantizing an interleaved weight (the prompts' dequantizing path) puts each group back
 // first (llmserve_quant_deinterleave).
 
@@ -49,7 +51,7 @@ constexpr int64_t kLanes = kInterleaveRows;
 // The first of the four weights of a row that quant register j (0..7) holds, for the 4- and
 // 5-bit types.
 constexpr int first_weight(int j) { return j < 4 ? 4 * j : kBlock / 2 + 4 * (j - 4); }
-// A 32-weight group's chunks of 32 bytes per block.
+// A group's chunks of 32 bytes per block: the lane run's 4-byte pieces of each row.
 constexpr int64_t chunks(int type) { return (lane_end(type) - lane_begin(type)) / 4; }
 
 // Rows src[0 .. 8) (`row_bytes` apart, `blocks` blocks each, in the file's layout) into one
@@ -172,7 +174,14 @@ inline void group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a, 
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * stride, acc[m]);
 }
 
-constexpr int kTileRows = 4;  // activation rows that share a group's unpacked block
+// Activation rows that share a group's unpacked block: eight where AVX-512 gives 32 vector
+// registers, four in AVX2's 16 (bench/RESULTS.md, "Interleaved weights"). A row's output does
+// not depend on it.
+#if defined(__AVX512VL__)
+constexpr int kTileRows = 8;
+#else
+constexpr int kTileRows = 4;
+#endif
 
 // The group's dots with activation rows i .. i + M (a: every row's blocks, `chunks` a row).
 template <int Type, int M>
