@@ -33,6 +33,8 @@
 #include <cstring>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "pool.h"
 #include "quant.h"
 #include "vec.h"
@@ -191,9 +193,106 @@ inline void rows_times_tokens(const float* x, int64_t n, int64_t in, const float
   for (; i < n; ++i) dot_tile<R, 1>(x + i * in, in, w, out + i * out_features, out_features);
 }
 
+#if defined(__AVX512F__) && defined(__F16C__)
+// A 32-weight block's weights in registers, dequantized by dequantize_block's (and
+// dequantize_q5_0's) float operations: Q8_0's as float(q) * d; the 4- and 5-bit types' by
+// looking their quants up (`vpermps`) in a table of the values they can take, computed with
+// those operations (16 values: d * float(q - 8), or d * float(q) + m; Q5_0: 32), which costs
+// fewer operations than converting and scaling every weight.
+//
+// block_table: the table (Q8_0: d in every lane); Q5_0's values for q >= 16 in `upper`.
+template <int Type>
+inline __m512 block_table(const uint8_t* block, __m512& upper) {
+  const __m512 d = _mm512_set1_ps(half_to_float(block));
+  const __m512i q = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  if constexpr (Type == kQ8_0) return d;
+  if constexpr (Type == kQ4_1)  // d * q + m: two roundings
+    return _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q)),
+                         _mm512_set1_ps(half_to_float(block + 2)));
+  const __m512i z = _mm512_set1_epi32(int(zero_point(Type)));  // d * (q - z)
+  if constexpr (Type == kQ5_0)
+    upper = _mm512_mul_ps(
+        d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(16)), z)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, z)));
+}
+
+// Weights 16h .. 16h + 15 of the block, from its block_table.
+template <int Type>
+inline vfloat block_half(const uint8_t* block, int h, __m512 table, __m512 upper) {
+  if constexpr (Type == kQ8_0) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * h));
+    return vfloat(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), table));
+  } else {
+    // Indices: the nibbles, widened; vpermps reads the low 4 bits of each.
+    const __m128i packed =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + quant_offset(Type)));
+    const __m512i index = _mm512_cvtepu8_epi32(h == 0 ? packed : _mm_srli_epi16(packed, 4));
+    const __m512 low = _mm512_permutexvar_ps(index, table);
+    if constexpr (Type != kQ5_0) return vfloat(low);
+    // Q5_0: weight t's fifth bit (bit 16h + t) picks the upper table.
+    uint32_t high;
+    std::memcpy(&high, block + 2, sizeof high);
+    return vfloat(_mm512_mask_permutexvar_ps(low, __mmask16(high >> (16 * h)), index, upper));
+  }
+}
+
+// dot_tile for R weight rows still in their blocks (`row_bytes` apart) and M activation rows:
+// each block's weights dequantized in registers, then the same multiply-adds in the same
+// order into the same accumulators, so the same bits as dequantizing the rows first. For the
+// few-token steps (a single stream's decode), where dequantizing into a buffer and reading it
+// back cost more than the multiply-adds.
+template <int Type, int R, int M>
+inline void fused_tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+                       float* out, int64_t out_stride, const uint8_t* end) {
+  static_assert(kLanes == 16 && !is_k_quant(Type));
+  vfloat acc[M][R] = {};
+  for (int64_t b = 0; b < in / kBlock; ++b) {
+    const uint8_t* block = w + b * block_bytes(Type);
+    for (int r = 0; r < R; ++r)
+      if (block + r * row_bytes + 4096 < end)
+        _mm_prefetch(reinterpret_cast<const char*>(block + r * row_bytes + 4096), _MM_HINT_T0);
+    __m512 table[R], upper[R];
+    for (int r = 0; r < R; ++r) table[r] = block_table<Type>(block + r * row_bytes, upper[r]);
+    for (int h = 0; h < 2; ++h) {
+      vfloat wk[R];
+      for (int r = 0; r < R; ++r) wk[r] = block_half<Type>(block + r * row_bytes, h, table[r], upper[r]);
+      for (int m = 0; m < M; ++m) {
+        vfloat xk;
+        std::memcpy(&xk, x + m * in + b * kBlock + 16 * h, sizeof xk);
+        for (int r = 0; r < R; ++r) acc[m][r] = fmadd(xk, wk[r], acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m * out_stride + r] = hsum(acc[m][r]);
+}
+
+// Steps of at most this many tokens take fused_tile.
+constexpr int64_t kFusedTokens = 2;
+
+template <int Type, int M>
+void fused_linear(const float* x, int64_t in, const uint8_t* w, int64_t out_features, float* out) {
+  const int64_t row_bytes = in / kBlock * block_bytes(Type);
+  const uint8_t* end = w + out_features * row_bytes;
+  parallel_for(out_features, out_features * M * in > (1 << 16), [&](int64_t begin, int64_t stop) {
+    int64_t o = begin;
+    for (; o + kTileRows <= stop; o += kTileRows)
+      fused_tile<Type, kTileRows, M>(x, in, w + o * row_bytes, row_bytes, out + o, out_features, end);
+    for (; o < stop; ++o)
+      fused_tile<Type, 1, M>(x, in, w + o * row_bytes, row_bytes, out + o, out_features, end);
+  });
+}
+#endif
+
 template <int Type>
 void linear(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out_features,
             float* out) {
+#if defined(__AVX512F__) && defined(__F16C__)
+  if constexpr (!is_k_quant(Type)) {
+    if (n == 1) return fused_linear<Type, 1>(x, in, w, out_features, out);
+    if (n == kFusedTokens) return fused_linear<Type, kFusedTokens>(x, in, w, out_features, out);
+  }
+#endif
   const int64_t row_bytes = in / block_weights(Type) * block_bytes(Type);
   parallel_for(out_features, out_features * n * in > (1 << 16), [&](int64_t begin, int64_t end) {
     alignas(64) float rows[kTileRows * kMaxRow];  // the tile's rows, `in` floats apart
