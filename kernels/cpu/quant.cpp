@@ -26,6 +26,8 @@
 // stack (in L1 for rows of up to about a thousand weights) and dotted with every activation
 // row, two or four activation rows at a time, so the output equals HF's dequantized float32
 // matmul up to summation order (which is the same for every row of a batch: `dot_tile`).
+// Steps of one or two tokens on AVX-512 dequantize the 32-weight types' blocks in registers
+// instead (`fused_tile`): the same weights and the same multiply-adds in the same order.
 //
 
 #include <algorithm>
