@@ -75,7 +75,10 @@ def k_interleaved_in_numpy(blocks: np.ndarray, ggml_type: GGMLQuantizationType) 
     planes = [
         (sc[..., :32] & 15) | (sc[..., 32:] & 15) << 4,
         (m[..., :32] & 15) | (m[..., 32:] & 15) << 4,
-        sc[..., :32] >> 4 | (sc[..., 32:] >> 4) << 2 | (m[..., :32] >> 4) << 4 | (m[..., 32:] >> 4) << 6,
+        sc[..., :32] >> 4
+        | (sc[..., 32:] >> 4) << 2
+        | (m[..., :32] >> 4) << 4
+        | (m[..., 32:] >> 4) << 6,
     ]
     header = [d, dmin, *(plane.astype(np.uint8) for plane in planes)]
     return np.concatenate([*header, lanes(per_row[..., 16:])], -1).reshape(rows, -1)
