@@ -5,6 +5,8 @@ dequantizing an interleaved weight; the weights and modes it refuses."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -168,6 +170,26 @@ def test_smollm2s_shipped_tensors_interleaved():
         assert inter is not None, name
         expected = quant.linear(x, w.code, w.blocks, "fast")
         assert torch.equal(quant.linear(x, inter.code, inter.blocks, "fast"), expected), name
+
+
+def test_gemma3s_shipped_tensors_interleaved():
+    """Gemma 3 270M's Q4_K_M file (the dev dependency): one tensor of each type it holds (Q5_0,
+    Q4_K, Q6_K, Q8_0), with the file's own scales and mins."""
+    source = resolve_model("gemma3-270m")
+    firsts: dict[int, Any] = {}
+    for tensor in open_gguf(f"{source.path}/{source.gguf_file}").tensors:
+        if tensor.name.startswith("blk.") and quant.block_bytes(int(tensor.tensor_type)):
+            firsts.setdefault(int(tensor.tensor_type), tensor)
+    assert sorted(GGMLQuantizationType(t).name for t in firsts) == ["Q4_K", "Q5_0", "Q6_K", "Q8_0"]
+    for ggml_type, tensor in firsts.items():
+        in_features, out_features = (int(d) for d in tensor.shape)
+        rows = torch.from_numpy(np.array(tensor.data).reshape(out_features, -1))
+        w = quant.QuantWeight(ggml_type, rows, in_features)
+        inter = quant.interleave(w)
+        assert inter is not None, ggml_type
+        x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(ggml_type))
+        expected = quant.linear(x, w.code, w.blocks, "fast")
+        assert torch.equal(quant.linear(x, inter.code, inter.blocks, "fast"), expected), ggml_type
 
 
 def test_what_is_not_interleaved_and_bad_uses():
