@@ -82,6 +82,15 @@ inline void dequantize_q5_0(const uint8_t* block, float* out) {
   }
 }
 
+// kLanes bytes, and as ints.
+typedef uint8_t vbytes __attribute__((vector_size(kLanes)));
+inline vbytes bytes_at(const uint8_t* p) {
+  vbytes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vint widen(vbytes v) { return __builtin_convertvector(v, vint); }
+
 // Q4_K's and Q5_K's super-block: w = (d * sc) * q - dmin * m, the package's operations.
 template <bool kFifthBit>
 inline void dequantize_q45_k(const uint8_t* block, float* out) {
@@ -94,10 +103,10 @@ inline void dequantize_q45_k(const uint8_t* block, float* out) {
     k_scale_min(packed, j, scale, min);
     const float dl = d * float(scale), ml = dmin * float(min);
     const uint8_t* pair = q + 32 * (j / 2);
-    for (int t = 0; t < 32; ++t) {
-      int value = (pair[t] >> (4 * (j % 2))) & 0x0f;
-      if constexpr (kFifthBit) value |= ((high[t] >> j) & 1) << 4;
-      out[32 * j + t] = dl * float(value) - ml;
+    for (int t = 0; t < 32; t += kLanes) {  // kLanes weights at once, the same operations
+      vint value = widen(bytes_at(pair + t) >> (4 * (j % 2))) & 0x0f;
+      if constexpr (kFifthBit) value |= (widen(bytes_at(high + t) >> j) & 1) << 4;
+      store(out + 32 * j + t, dl * __builtin_convertvector(value, vfloat) - ml);
     }
   }
 }
@@ -111,10 +120,11 @@ inline void dequantize_q6_k(const uint8_t* block, float* out) {
     const uint8_t* high = block + 128 + 32 * half;
     for (int s = 0; s < 4; ++s) {  // 32 weights: low nibbles of 32 bytes, then high ones
       float* dst = out + 128 * half + 32 * s;
-      for (int t = 0; t < 32; ++t) {
-        const int l = (low[32 * (s % 2) + t] >> (4 * (s / 2))) & 0x0f;
-        const int h = (high[t] >> (2 * s)) & 0x03;
-        dst[t] = (d * float(scales[8 * half + 2 * s + t / 16])) * float((l | h << 4) - 32);
+      for (int t = 0; t < 32; t += kLanes) {  // kLanes weights at once (kLanes divides 16)
+        const vint l = widen(bytes_at(low + 32 * (s % 2) + t) >> (4 * (s / 2))) & 0x0f;
+        const vint h = widen(bytes_at(high + t) >> (2 * s)) & 0x03;
+        const float dl = d * float(scales[8 * half + 2 * s + t / 16]);
+        store(dst + t, dl * __builtin_convertvector((l | h << 4) - 32, vfloat));
       }
     }
   }
