@@ -1,5 +1,5 @@
-"""Fast mode on interleaved weights (kernels/cpu/quant_interleaved.cpp): the layout the file
-comment describes, written here in numpy; products bit for bit those of the file's layout
+"""Fast mode on interleaved weights (kernels/cpu/quant_interleaved.cpp, and .h for the
+k-quants): the layouts their file comments describe, written here in numpy; products bit for bit those of the file's layout
 (which test_quant_linear.py holds against the float64 product of the rounded activations);
 dequantizing an interleaved weight; the weights and modes it refuses."""
 
