@@ -30,6 +30,9 @@ from worker_service.nucleus import top_k_top_p
 from worker_service.token_masks import refused_matrix
 
 _MASK64 = (1 << 64) - 1
+# Logits up to which the CPU sampler runs on one thread (`Sampler.sample`): beyond, torch's
+# threads pay for themselves.
+_ONE_THREAD_ELEMENTS = 1 << 18
 
 
 def _splitmix64(x: int) -> int:
@@ -125,7 +128,25 @@ class Sampler:
         argmax: ArgmaxLogprobs | None = None,  # of these logits, when the forward found them
     ) -> list[SampleResult]:
         """Arithmetic is float32. With native reductions bfloat16 logits are read as they are
-        (a greedy batch never copies them to float32); other paths convert what they use."""
+        (a greedy batch never copies them to float32); other paths convert what they use.
+        On a CPU, for up to `_ONE_THREAD_ELEMENTS` logits, torch's operations here run on the
+        calling thread: over a few rows of the vocabulary, waking torch's other threads costs
+        more than they save (bench/RESULTS.md, "Sampling on the CPU")."""
+        if logits.device.type != "cpu" or logits.numel() > _ONE_THREAD_ELEMENTS:
+            return self._sample(logits, rows, argmax)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._sample(logits, rows, argmax)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        argmax: ArgmaxLogprobs | None,
+    ) -> list[SampleResult]:
         # The usual decode step: each row's token is its argmax, of rank 1 and logprob
         # max - log-sum-exp, so nothing more reads the logits (at batch 1, ~0.1 ms less than
         # the general path's indexing, and ~0.2 ms less again when the forward found them).

@@ -257,6 +257,28 @@ def test_top_k_top_p_keep_the_same_tokens_whether_the_nucleus_is_narrow_or_wide(
         assert kept == _sorted_top_k_top_p(logits, top_k, top_p), i
 
 
+def test_each_row_is_ranked_until_its_nucleus_fits_and_unfiltered_rows_keep_every_token() -> None:
+    # 8192 tokens: nuclei inside the first guess, between the two guesses and beyond both,
+    # a row with neither top_k nor top_p, and a top_k wider than the first guess.
+    vocab = 8192
+    gen = torch.Generator().manual_seed(5)
+    scales = [8.0, 1.5, 0.05, 1.0, 1.0]
+    rows = torch.stack([torch.randn(vocab, generator=gen) * s for s in scales])
+    top_k, top_p = [0, 0, 0, 0, 1000], [0.9, 0.9, 0.9, 1.0, 0.8]
+    widths = []
+    for i in range(3):
+        nucleus = _sorted_top_k_top_p(rows[i], 0, 0.9)
+        widths.append(len(nucleus))
+    assert widths[0] <= 256 < widths[1] <= 4096 < widths[2], widths
+    filtered = top_k_top_p(rows, top_k, top_p)
+    for i in (0, 1, 2, 4):
+        kept = set(torch.isfinite(filtered[i]).nonzero()[:, 0].tolist())
+        assert kept == _sorted_top_k_top_p(rows[i], top_k[i], top_p[i]), i
+        finite = torch.isfinite(filtered[i])
+        assert torch.equal(filtered[i][finite], rows[i][finite]), i
+    assert torch.equal(filtered[3], rows[3])
+
+
 # -- token masks (structured output) ---------------------------------------------------------
 
 
