@@ -17,7 +17,9 @@ Each sequence keeps an `NgramIndex`: per n, the n-grams of its tokens mapped to 
 most recent occurrence ends. It is updated as tokens are committed (amortized O(max_n - min_n
 + 1) per token), so a proposal costs a few dictionary lookups, not a scan of the context. The
 index is derived from the tokens alone: rebuilt from them after a migration or a restart,
-never state to move.
+never state to move. Beside it, the shortest match the sequence drafts from grows while its
+drafts fail (`NgramIndex.shortest`, after how each step with drafts fared); a rebuilt index
+starts over at min_n.
 """
 
 from __future__ import annotations
@@ -37,11 +39,17 @@ def _check_range(min_n: int, max_n: int) -> None:
 
 
 class DraftState(ABC):
-    """What a proposer keeps per sequence, derived from its committed tokens."""
+    """What a proposer keeps per sequence, derived from its committed tokens (and from how
+    its drafts fared, which a rebuilt state starts over without)."""
 
     @abstractmethod
     def extend(self, new_tokens: Sequence[int]) -> None:
         """Commit tokens (accepted ones only: rejected drafts never enter the state)."""
+
+    @abstractmethod
+    def record(self, num_drafts: int, num_kept: int) -> None:
+        """A step verified `num_drafts` drafts of this sequence and kept the first `num_kept`
+        (a state whose proposer does not adapt ignores it)."""
 
     @property
     @abstractmethod
@@ -68,13 +76,19 @@ class NgramIndex(DraftState):
     """The n-grams (min_n <= n <= max_n) of one token sequence, each mapped to the end of its
     most recent occurrence that is not the sequence's current suffix."""
 
-    __slots__ = ("min_n", "max_n", "tokens", "_ends")
+    __slots__ = ("min_n", "max_n", "tokens", "shortest", "_ends")
 
     def __init__(self, min_n: int, max_n: int, tokens: Sequence[int] = ()) -> None:
         _check_range(min_n, max_n)
         self.min_n = min_n
         self.max_n = max_n
         self.tokens: list[int] = []
+        # The shortest match NgramProposer drafts from now: one token longer after each step
+        # that kept none of its drafts (up to max_n), back to min_n after one that kept some.
+        # Text that does not repeat its context still matches 2 or 3 tokens now and then, and
+        # each such draft costs a step's rows and its round trip; longer matches there are
+        # rare, and on text that copies they are kept.
+        self.shortest = min_n
         # _ends[n - min_n][gram] = e: tokens[e - n:e] == gram, e the largest such end below
         # len(tokens) (the suffix ending at len(tokens) is registered when a token follows).
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
@@ -91,6 +105,10 @@ class NgramIndex(DraftState):
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self._ends[n - self.min_n][tuple(tokens[end - n : end])] = end
             tokens.append(token)
+
+    def record(self, num_drafts: int, num_kept: int) -> None:
+        if num_drafts:
+            self.shortest = self.min_n if num_kept else min(self.shortest + 1, self.max_n)
 
     def longest_match(self, assumed: Sequence[int] = ()) -> tuple[int, int] | None:
         """(n, end): the longest suffix of the tokens followed by `assumed` found, n tokens
@@ -124,7 +142,7 @@ class NgramProposer(DraftProposer):
     def propose(self, state: DraftState, max_drafts: int, assumed: Sequence[int] = ()) -> list[int]:
         assert isinstance(state, NgramIndex)
         match = state.longest_match(assumed) if max_drafts > 0 else None
-        if match is None:
+        if match is None or match[0] < state.shortest:
             return []
         n, end = match
         stop = end + min(self.k, max_drafts, max_drafts_for_match(n))

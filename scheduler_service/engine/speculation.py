@@ -183,6 +183,8 @@ class Speculator:
         stats.num_accepted_tokens += num_kept
         for i in range(num_kept):
             stats.accepted_per_position[i] += 1
+        if seq.draft_state is not None:
+            seq.draft_state.record(num_drafts, num_kept)
         if seq.status != _RUNNING:
             return  # finished in the run: its blocks are freed already
         first_written = seq.num_computed_tokens  # the first draft's position

@@ -1,5 +1,5 @@
-"""Test proposers for speculative decoding: the per-sequence state (the tokens seen, nothing
-more: `scheduler_service.engine.proposer.DraftState`) and a proposer that drafts known outputs."""
+"""Test proposers for speculative decoding: the per-sequence state (the tokens seen, and what
+became of its drafts: `scheduler_service.engine.proposer.DraftState`) and a proposer that drafts known outputs."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from scheduler_service.engine.proposer import DraftProposer, DraftState
 class TokenList(DraftState):
     def __init__(self, tokens: Sequence[int]) -> None:
         self.tokens = list(tokens)
+        self.records: list[tuple[int, int]] = []  # (drafts, kept) per verifying step
 
     def extend(self, new_tokens: Sequence[int]) -> None:
         self.tokens.extend(new_tokens)
+
+    def record(self, num_drafts: int, num_kept: int) -> None:
+        self.records.append((num_drafts, num_kept))
 
     @property
     def num_tokens(self) -> int:

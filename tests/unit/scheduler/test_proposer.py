@@ -52,6 +52,28 @@ def test_a_longer_match_wins_over_a_more_recent_shorter_one():
     assert proposer.propose(state, 8) == [40, 41]  # "1 2 3", not the later "3"
 
 
+def test_drafts_that_fail_raise_the_match_length_they_need_until_some_are_kept():
+    proposer = NgramProposer(min_n=2, max_n=4, k=8)
+    #         0  1  2  3  4  5  6  7  8  9 10
+    tokens = [1, 2, 3, 4, 9, 2, 3, 8, 1, 2, 3]
+    state = proposer.new_state(tokens)
+    # "1 2 3" matches 3 tokens (ending at 3, followed by 4 9 2 3); "2 3" alone would be 2.
+    assert proposer.propose(state, 10) == [4, 9, 2, 3]
+    state.record(4, 0)  # none kept: 3-token matches are still enough
+    assert proposer.propose(state, 10) == [4, 9, 2, 3]
+    state.record(4, 0)  # none kept again: 4 tokens needed now
+    assert proposer.propose(state, 10) == []
+    state.record(0, 0)  # a step without drafts changes nothing
+    assert proposer.propose(state, 10) == []
+    state.record(4, 0)  # never beyond max_n: a 4-token match would still draft
+    assert state.shortest == 4
+    state.extend([4])  # "1 2 3 4" occurred: a 4-token match
+    assert proposer.propose(state, 10) == [9, 2, 3, 8, 1, 2]
+    state.record(6, 1)  # one kept: back to 2-token matches
+    state.extend([9, 2, 3, 5, 2, 3])
+    assert proposer.propose(state, 10) == [5, 2]  # "2 3" last seen followed by 5 2
+
+
 def test_nothing_matches_nothing_is_drafted():
     proposer = NgramProposer(min_n=2, max_n=4, k=3)
     state = proposer.new_state([1, 2, 3, 4, 5, 6])

@@ -33,9 +33,11 @@ class OracleProposer(DraftProposer):
     def __init__(self, model: FakeModel, wrong: bool = False) -> None:
         self.model = model
         self.wrong = wrong
+        self.states: list[TokenList] = []
 
     def new_state(self, tokens: Sequence[int]) -> TokenList:
-        return TokenList(tokens)
+        self.states.append(TokenList(tokens))
+        return self.states[-1]
 
     def propose(self, state: DraftState, max_tokens: int, assumed: Sequence[int] = ()) -> list[int]:
         assert isinstance(state, TokenList)
@@ -58,6 +60,14 @@ def with_oracle(wrong: bool):
         )
 
     return setup
+
+
+def recorded(engine: LLMEngine) -> tuple[int, int]:
+    """Drafts and kept drafts as the proposer's states were told of them (`record`)."""
+    proposer = engine.scheduler.speculator.proposer
+    assert isinstance(proposer, OracleProposer)
+    records = [r for state in proposer.states for r in state.records]
+    return sum(d for d, _ in records), sum(k for _, k in records)
 
 
 # How steps run: one at a time; one ahead (a step with drafts waits for its result); one
@@ -85,6 +95,7 @@ def test_right_drafts_are_all_kept_in_fewer_steps(num_gpu_blocks: int, mode: str
     # A draft is dropped only where the run stops (a stop token, max_tokens, an abort).
     assert stats.num_spec_accepted_tokens == model.num_drafts_kept
     assert stats.num_spec_accepted_tokens >= 0.9 * stats.num_spec_draft_tokens
+    assert recorded(engine) == (stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens)
     assert list(stats.spec_accepted_per_position) == sorted(
         stats.spec_accepted_per_position, reverse=True
     )
@@ -113,6 +124,7 @@ def test_wrong_drafts_are_never_kept_and_change_nothing(num_gpu_blocks: int, mod
     stats = engine.get_stats()
     assert stats.num_spec_draft_tokens > 100
     assert stats.num_spec_accepted_tokens == model.num_drafts_kept == 0
+    assert recorded(engine) == (stats.num_spec_draft_tokens, 0)
     assert model.num_after_drafts == 0  # every update that assumed kept drafts was skipped
     assert (model.num_skipped_after_drafts > 0) == after_drafts
 
