@@ -222,8 +222,9 @@ def server_for(name: str, args: argparse.Namespace) -> tuple[Server, dict[str, s
             command += ["--device", "cuda", "--dtype", "bfloat16"]
         else:  # the shipped file's blocks on --threads cores
             command += ["--dtype", "float32"]
-            env |= {"LLMSERVE_NUM_THREADS": str(args.threads), "LLMSERVE_LINEAR_IMPL": "gguf",
-                    "LLMSERVE_QUANT_MODE": args.quant_mode}  # fmt: skip
+            env |= {"LLMSERVE_NUM_THREADS": str(args.threads), "LLMSERVE_LINEAR_IMPL": "gguf"}
+            if args.quant_mode is not None:
+                env["LLMSERVE_QUANT_MODE"] = args.quant_mode
         if plain_of(name):
             env |= {"LLMSERVE_NUM_SPECULATIVE_TOKENS": str(args.num_speculative_tokens),
                     "LLMSERVE_NGRAM_MIN": str(args.ngram_min),
@@ -408,8 +409,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ngram-max", type=int, default=6, help="llmserve-spec's longest match")
     p.add_argument("--llama-spec", default="--spec-type ngram-map-k",
                    help="llama.cpp-spec's extra llama-server flags (one string)")  # fmt: skip
-    p.add_argument("--quant-mode", choices=["exact", "fast"], default="exact",
-                   help="llmserve's --quant-mode on the GGUF blocks")  # fmt: skip
+    p.add_argument("--quant-mode", choices=["exact", "fast"], default=None,
+                   help="llmserve's --quant-mode on the GGUF blocks (default: the worker's; "
+                        "the rounds up to the eighth ran exact)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="compute threads of each server")
     p.add_argument("--seed", type=int, default=0, help="the random workload's prompts")
     p.add_argument("--rounds", type=int, default=1,
