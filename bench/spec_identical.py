@@ -28,8 +28,9 @@ from typing import Any
 
 import httpx
 from serve_compare import Server, stop, wait_healthy
-from spec_decode import MODEL, parse_args, server_for, workload_bodies
+from spec_decode import parse_args, server_for
 from spec_report import plain_of
+from spec_workloads import MODEL, workload_bodies
 
 
 def start(

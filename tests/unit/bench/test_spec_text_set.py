@@ -1,5 +1,6 @@
-"""bench/spec_decode.py's text workload: paragraphs of prose from docstrings, with typos to
-correct. The paragraphs below are written here, each to pass or fail one of `prose`'s rules."""
+"""bench/spec_workloads.py's text set (bench/spec_decode.py's text workload): paragraphs of
+prose from docstrings, with typos to correct. The paragraphs below are written here, each to
+pass or fail one of `prose`'s rules."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-from spec_decode import prose, prose_paragraphs, with_typos  # noqa: E402
+from spec_workloads import prose, prose_paragraphs, with_typos  # noqa: E402
 
 SENTENCE = "The reader keeps a buffer of the bytes it has seen so far. "
 PROSE = (
