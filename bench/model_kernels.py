@@ -2,8 +2,9 @@
 
 Every quantized tensor of the file is grouped by (type, name: attn_q, ffn_down, ..., the
 embedding), interleaved where this build interleaves it (as `install_blocks` does in fast
-mode; each tensor on its own, where the worker fuses q/k/v and gate/up), and each group is multiplied in turn by random activations of 1 and 16 rows: best of
-`--repeats` passes, ms for the whole group, and the bytes per second it read. Small kinds sit
+mode; each tensor on its own, where the worker fuses q/k/v and gate/up), and each group is
+multiplied in turn by random activations of 1 and 16 rows: best of `--repeats` passes, ms
+for the whole group, and the bytes per second it read. Small kinds sit
 partly in the L3 between passes. Prints a markdown table and the sum over all groups for one
 row. Run it in another checkout to compare kernels (bench/RESULTS.md says which).
 

@@ -32,8 +32,8 @@ for every server, written to <out-dir>/runs/<workload>.prompts.json):
           module; 400-900 characters, no code, lists or phrases of its own repeated), with
           two letters swapped in about one word in eight (seeded); EOS ends it. Proofreading
           copies most of the paragraph, as an edit of prose does; the earlier text set
-          (summaries of whole module docstrings, quoting them) ran into repetition loops on 12
-          of 20 outputs, which drafts accept easily and no user asks for;
+          (summaries of whole module docstrings, quoting them) looped on most outputs, which
+          drafts accept easily and no user asks for (bench/RESULTS.md, "eighth round");
   random  /v1/completions: 128 random tokens (bench/serve.py's prompts), ignore_eos, sampled at
           temperature 1 with a seed per request: nothing to copy from the prompt, and sampled
           text does not loop (greedy output on such prompts soon does, and drafts match a

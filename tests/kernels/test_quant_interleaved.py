@@ -1,7 +1,8 @@
 """Fast mode on interleaved weights (kernels/cpu/quant_interleaved.cpp, and .h for the
-k-quants): the layouts their file comments describe, written here in numpy; products bit for bit those of the file's layout
-(which test_quant_linear.py holds against the float64 product of the rounded activations);
-dequantizing an interleaved weight; the weights and modes it refuses."""
+k-quants): the layouts their file comments describe, written here in numpy; products bit for
+bit those of the file's layout (which test_quant_linear.py holds against the float64 product
+of the rounded activations); dequantizing an interleaved weight; the weights and modes it
+refuses."""
 
 from __future__ import annotations
 
@@ -157,19 +158,24 @@ def test_fast_products_are_the_file_layouts_bit_for_bit(ggml_type, in_32, in_k, 
     assert ((out.double() - expected).abs() <= 1e-5 * (rounded.abs() @ w_abs.T) + 1e-30).all()
 
 
+def assert_file_tensor_interleaves_exactly(tensor: Any, x: torch.Tensor) -> None:
+    """A GGUF file's tensor, interleaved, multiplies `x` bit for bit as in the file's layout."""
+    in_features, out_features = (int(d) for d in tensor.shape)
+    rows = torch.from_numpy(np.array(tensor.data).reshape(out_features, -1))
+    w = quant.QuantWeight(int(tensor.tensor_type), rows, in_features)
+    inter = quant.interleave(w)
+    assert inter is not None, tensor.name
+    expected = quant.linear(x, w.code, w.blocks, "fast")
+    assert torch.equal(quant.linear(x, inter.code, inter.blocks, "fast"), expected), tensor.name
+
+
 def test_smollm2s_shipped_tensors_interleaved():
     """The shipped file's Q4_1 projection and its Q8_0 embedding (SmolLM2's tied LM head)."""
     source = resolve_model("smollm2")
     tensors = {t.name: t for t in open_gguf(f"{source.path}/{source.gguf_file}").tensors}
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(2))
     for name in ("blk.0.ffn_gate.weight", "token_embd.weight"):
-        tensor = tensors[name]
-        rows = torch.from_numpy(np.array(tensor.data).reshape(int(tensor.shape[1]), -1))
-        w = quant.QuantWeight(int(tensor.tensor_type), rows, 576)
-        inter = quant.interleave(w)
-        assert inter is not None, name
-        expected = quant.linear(x, w.code, w.blocks, "fast")
-        assert torch.equal(quant.linear(x, inter.code, inter.blocks, "fast"), expected), name
+        assert_file_tensor_interleaves_exactly(tensors[name], x)
 
 
 def test_gemma3s_shipped_tensors_interleaved():
@@ -182,14 +188,8 @@ def test_gemma3s_shipped_tensors_interleaved():
             firsts.setdefault(int(tensor.tensor_type), tensor)
     assert sorted(GGMLQuantizationType(t).name for t in firsts) == ["Q4_K", "Q5_0", "Q6_K", "Q8_0"]
     for ggml_type, tensor in firsts.items():
-        in_features, out_features = (int(d) for d in tensor.shape)
-        rows = torch.from_numpy(np.array(tensor.data).reshape(out_features, -1))
-        w = quant.QuantWeight(ggml_type, rows, in_features)
-        inter = quant.interleave(w)
-        assert inter is not None, ggml_type
-        x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(ggml_type))
-        expected = quant.linear(x, w.code, w.blocks, "fast")
-        assert torch.equal(quant.linear(x, inter.code, inter.blocks, "fast"), expected), ggml_type
+        x = torch.randn(9, int(tensor.shape[0]), generator=torch.Generator().manual_seed(ggml_type))
+        assert_file_tensor_interleaves_exactly(tensor, x)
 
 
 def test_what_is_not_interleaved_and_bad_uses():
