@@ -25,7 +25,8 @@ from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.linear_state import DraftRows, StateMetadata
 from worker_service.models.decoder import DecoderModel
-from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
+from worker_service.prompt_logprobs import prompt_logprobs
+from worker_service.sampler import Sampler, SamplingRow
 from worker_service.sequence_state import Scheduled, SequenceState, SequenceStates, StateError
 
 __all__ = ["ModelRunner", "StateError"]

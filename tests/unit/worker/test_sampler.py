@@ -10,7 +10,8 @@ import torch
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import MaskKind, TokenMask
 from worker_service.nucleus import top_k_top_p
-from worker_service.sampler import Sampler, SamplingRow, prompt_logprobs
+from worker_service.prompt_logprobs import prompt_logprobs
+from worker_service.sampler import Sampler, SamplingRow
 
 V = 10
 EOS = 9
