@@ -43,7 +43,7 @@ inline void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
 
 // The n rows of x [n, in] quantized (n * in / 32 blocks), in this thread's buffer: valid until
 // its next call on this thread.
-inline const ActBlock* quantize_rows(const float* x, int64_t n, int64_t in) {
+inline ActBlock* quantize_rows(const float* x, int64_t n, int64_t in) {
   thread_local std::vector<ActBlock> activations;
   const int64_t blocks = in / kBlock;
   activations.resize(size_t(n * blocks));
