@@ -79,13 +79,16 @@ class WorkerConfig:
     # How `gguf` and `quantization` multiply (kernels/cpu/quant.py): `exact` dequantizes each
     # block to float32 (the model equals HF's dequantized one up to summation order); `fast`
     # rounds the activations to 8 bits per block of 32 and takes integer dot products, as
-    # llama.cpp does. Fast is the default: its quality on each file type is measured in
-    # bench/RESULTS.md ("Defaults"); exact is for work that must equal HF's model.
+    # llama.cpp does, and (with the `cpu` backend, on CPUs with AVX512-BF16) computes the
+    # prompts' attention scores and value sums as bfloat16 dot products. Fast is the default:
+    # its quality on each file type is measured in bench/RESULTS.md ("Defaults", "Prompts'
+    # attention"); exact is for work that must equal HF's model.
     quant_mode: QuantMode = flag(
         "fast",
         "on GGUF blocks (a quantized GGUF file, or --quantization): fast = activations "
-        "rounded to 8 bits, integer dot products, as llama.cpp; exact = blocks dequantized "
-        "to float32 (HF's model up to summation order)",
+        "rounded to 8 bits, integer dot products, as llama.cpp, and bfloat16 dot products in "
+        "the prompts' attention where the CPU has AVX512-BF16; exact = blocks dequantized to "
+        "float32 (HF's model up to summation order)",
     )
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks

@@ -200,6 +200,9 @@ class Worker:
             backends.append(
                 backend_cls(arch.num_heads, num_kv_heads, head_dim, scale, arch.attn_softcap)
             )
+        if linear_impl == "gguf" and self.config.quant_mode == "fast":
+            taken = [backend.take_bf16_prompt_dots() for backend in backends]
+            log.info("prompts' attention in bfloat16 dot products", taken=all(taken))
         sampler = Sampler(
             arch.vocab_size, eos, seed=self.config.seed, native_reductions=backend_cls.name == "cpu"
         )

@@ -13,6 +13,7 @@ sets (`build.isa()`).
 
 from kernels.cpu.attention import (
     DTYPE_CODES,
+    has_bf16_dots,
     paged_attention_decode,
     prefill_attention,
     unsupported_reason,
@@ -41,6 +42,7 @@ __all__ = [
     "causal_conv1d_update",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
+    "has_bf16_dots",
     "masked_argmax",
     "is_available",
     "library",

@@ -24,7 +24,7 @@ from kernels._checks import (
     check_sinks,
     check_window_softcap,
 )
-from kernels.cpu.build import library
+from kernels.cpu.build import isa, library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 256, 512)
@@ -120,11 +120,14 @@ def prefill_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]
+    bf16_dots: bool = False,
     **_: object,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Query tokens at positions seq_len - q_len .. seq_len - 1, causal over the cache (and
     within `sliding_window` positions when given); scores soft-capped when `softcap`; sinks
-    as in `paged_attention_decode`."""
+    as in `paged_attention_decode`. `bf16_dots`: the scores and the weighted sums of values
+    as AVX512-BF16 dot products of operands rounded to bfloat16, where the CPU has them
+    (`has_bf16_dots`; fp32 elsewhere): paged_prefill.cpp."""
     if check:
         check_window_softcap(sliding_window, softcap)
         check_sinks(sinks, query.shape[1], query.device)
@@ -162,9 +165,15 @@ def prefill_attention(
             sliding_window or 0,
             softcap or 0.0,
             None if sinks32 is None else sinks32.data_ptr(),
+            int(bf16_dots),
         )
         _check_status(status, query, key_cache)
     return out
+
+
+def has_bf16_dots() -> bool:
+    """Whether `prefill_attention(bf16_dots=True)` takes the bfloat16 dot products here."""
+    return "avx512bf16" in isa()
 
 
 def _float32(sinks: torch.Tensor | None) -> torch.Tensor | None:

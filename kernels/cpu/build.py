@@ -49,6 +49,7 @@ HEADERS = (
     "pool.h",
     "linear.h",
     "attention.h",
+    "prefill_chunk.h",
     "quant.h",
     "quant_fast.h",
     "quant_chunked.h",
@@ -171,8 +172,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         # ..., seq_lens, out, shape, kv heads per work item, query row stride, window, softcap,
         # sinks (float32 [num_heads] or NULL)
         "llmserve_paged_decode": [*common, ptr, ptr, *shape, i64, i64, i64, f32, ptr],
-        # ..., query_start_loc, seq_lens, out, shape, query row stride, window, softcap, sinks
-        "llmserve_paged_prefill": [*common, ptr, ptr, ptr, *shape, i64, i64, f32, ptr],
+        # ..., query_start_loc, seq_lens, out, shape, query row stride, window, softcap, sinks,
+        # bf16_dots (0 / 1)
+        "llmserve_paged_prefill": [*common, ptr, ptr, ptr, *shape, i64, i64, f32, ptr, i32],
         # dtype, x, residual (or NULL), weight, out, n, hidden, eps
         "llmserve_rms_norm": [i32, ptr, ptr, ptr, ptr, i64, i64, f32],
         # dtype, norm kind, then as llmserve_rms_norm

@@ -15,39 +15,18 @@
 
 #include "attention.h"
 #include "pool.h"
+#include "prefill_chunk.h"
 #include "vec.h"
 
 namespace {
 
 using namespace llmserve;
 using namespace llmserve::attention;
+using namespace llmserve::prefill;
 
 // ---- prefill -------------------------------------------------------------------------------
 
-struct PrefillArgs {
-  const void* query;  // [num_tokens, num_heads, head_dim], sequences back to back
-  const void* key_cache;
-  const void* value_cache;
-  const int32_t* block_tables;  // [num_seqs, table_stride]
-  int64_t table_stride;
-  const int32_t* query_start_loc;  // [num_seqs + 1]
-  const int32_t* seq_lens;         // [num_seqs], cached context + this chunk
-  void* out;                       // [num_tokens, num_heads, head_dim]
-  int64_t num_seqs;
-  int64_t num_heads;
-  int64_t num_kv_heads;
-  int64_t block_size;
-  int64_t block_stride;  // elements from one block to the next, in both caches
-  float scale;
-  int64_t query_stride;  // elements between query rows (heads are contiguous in a row)
-  int64_t window;        // sliding window, 0 = none
-  float softcap;         // 0 = none
-  const float* sinks;    // [num_heads] sink logits, nullptr = none
-};
-
 constexpr int kQueryTile = 32;  // query tokens per work item (times the group's heads)
-constexpr int kKeyChunk = 64;  // keys per softmax update
-constexpr int kKeyVectors = kKeyChunk / kLanes;  // independent score accumulators
 
 // Per-thread scratch for prefill tiles; grows to the largest tile once.
 struct PrefillScratch {
@@ -57,116 +36,33 @@ struct PrefillScratch {
   std::vector<float> run_sum;
   std::vector<float> keys;    // [head_dim, kKeyChunk]: the key chunk, transposed
   std::vector<float> values;  // [kKeyChunk, head_dim]
+  // bf16_dots: the same, in pairs of bfloat16 along the dot products' sums
+  std::vector<bf16> query16;   // [vectors, head_dim], pre-scaled
+  std::vector<bf16> keys16;    // [head_dim / 2, kKeyChunk, 2]: dims 2p, 2p + 1 of key j at p, j
+  std::vector<bf16> values16;  // [kKeyChunk / 2, head_dim, 2]: keys 2i, 2i + 1 of dim d at i, d
 };
 
-// Query vectors scored together against a key chunk: each key (or value) vector loaded is
-// used by all of them, and their score and output accumulators (kQueryBlock x kKeyVectors,
-// kQueryBlock x output_slice) make independent multiply-add chains. Sixteen accumulators fill
-// half of AVX-512's registers; AVX2's sixteen take one query at a time.
-constexpr int kQueryBlock = kLanes >= 16 ? 4 : 1;
-constexpr int kAccumulators = 16;
-
-// The largest divisor of nv (output vectors) that keeps qb x it accumulators within
-// kAccumulators.
-constexpr int output_slice(int nv, int qb) {
-  int cb = std::min(nv, std::max(1, kAccumulators / qb));
-  while (nv % cb != 0) --cb;
-  return cb;
-}
-
-// One key chunk's online-softmax update for QB query vectors qv0 .. qv0 + QB - 1 of a tile,
-// each of which sees live[i] > 0 of the chunk's key vectors. A query's arithmetic (its
-// multiply-add order over head dims and keys) is the same whatever QB, so blocking changes no
-// bit of the output.
-template <int QB, int kHeadDim>
-inline void chunk_update(const PrefillArgs& a, const float* q, vfloat* acc, float* run_max,
-                         float* run_sum, const float* kt, const float* vt, int64_t qv0,
-                         int64_t group, int64_t first_pos, int64_t k0, int64_t n,
-                         const int* live, int live_max) {
+// bf16_dots: keys k0 .. k0 + n - 1 (row(j): key k0 + j's offset in either cache) rounded to
+// bfloat16 into the pair layouts of PrefillScratch::keys16 and ::values16; the chunk's other
+// keys are zero.
+template <typename T, int kHeadDim, typename Row>
+void stage_pairs(const T* keys, const T* values, const Row& row, int64_t n, bf16* kt16,
+                 bf16* vt16) {
   constexpr int NV = kHeadDim / kLanes;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  vfloat s[QB][kKeyVectors] = {};
-  if (live_max == kKeyVectors) {
-    for (int d = 0; d < kHeadDim; ++d) {
-      vfloat k[kKeyVectors];
-      for (int v = 0; v < kKeyVectors; ++v) k[v] = load(kt + d * kKeyChunk + v * kLanes);
-      for (int i = 0; i < QB; ++i) {
-        const vfloat qd = splat(q[(qv0 + i) * kHeadDim + d]);
-        for (int v = 0; v < kKeyVectors; ++v) s[i][v] += qd * k[v];
-      }
-    }
-  } else {
-    for (int d = 0; d < kHeadDim; ++d) {
-      for (int i = 0; i < QB; ++i) {
-        const vfloat qd = splat(q[(qv0 + i) * kHeadDim + d]);
-        for (int v = 0; v < kKeyVectors; ++v) {
-          if (v < live_max) s[i][v] += qd * load(kt + d * kKeyChunk + v * kLanes);
-        }
-      }
-    }
+  if (n < kKeyChunk) {
+    std::memset(kt16, 0, sizeof(bf16) * kHeadDim * kKeyChunk);
+    std::memset(vt16, 0, sizeof(bf16) * kHeadDim * kKeyChunk);
   }
-
-  alignas(64) float p[QB][kKeyChunk];
-  float correction[QB];
-  int64_t seen_min = n;
-  int64_t seen[QB];
-  const vint lane = lane_indices();
-  for (int i = 0; i < QB; ++i) {
-    const int64_t qv = qv0 + i;
-    const int64_t q_pos = first_pos + qv / group;
-    if (a.softcap > 0.0f) {
-      for (int v = 0; v < live[i]; ++v) {
-        alignas(64) float lanes[kLanes];
-        store(lanes, s[i][v]);
-        for (int l = 0; l < kLanes; ++l) lanes[l] = std::tanh(lanes[l] / a.softcap) * a.softcap;
-        s[i][v] = load(lanes);
-      }
+  alignas(64) bf16 k16[kHeadDim], v16[kHeadDim];
+  for (int64_t j = 0; j < n; ++j) {
+    for (int c = 0; c < NV; ++c) {
+      store(k16 + c * kLanes, load(keys + row(j) + c * kLanes));
+      store(v16 + c * kLanes, load(values + row(j) + c * kLanes));
     }
-    const int32_t oldest = a.window > 0 ? int32_t(q_pos - a.window) : -1;
-    vfloat chunk_max = splat(neg_inf);
-    for (int v = 0; v < kKeyVectors; ++v) {
-      const vint key = lane + int32_t(k0 + v * kLanes);
-      const vint visible = (key <= int32_t(q_pos)) & (key > oldest);
-      s[i][v] = v < live[i] ? (visible ? s[i][v] : splat(neg_inf)) : splat(neg_inf);
-      chunk_max = s[i][v] > chunk_max ? s[i][v] : chunk_max;
-    }
-    const float new_max = std::max(run_max[qv], hmax(chunk_max));
-    correction[i] = exp_nonpositive(run_max[qv] - new_max);
-    vfloat total = vfloat{};
-    for (int v = 0; v < kKeyVectors; ++v) {
-      const vfloat e = exp_nonpositive(s[i][v] - new_max);
-      store(p[i] + v * kLanes, e);
-      total += e;
-    }
-    run_sum[qv] = run_sum[qv] * correction[i] + hsum(total);
-    run_max[qv] = new_max;
-    seen[i] = std::min<int64_t>(n, int64_t(live[i]) * kLanes);
-    seen_min = std::min(seen_min, seen[i]);
-  }
-
-  // Outputs in slices of CB vectors: the keys all queries see together, then each query's
-  // own last keys (the causal diagonal), in key order either way.
-  constexpr int CB = output_slice(NV, QB);
-  for (int c0 = 0; c0 < NV; c0 += CB) {
-    vfloat o[QB][CB];
-    for (int i = 0; i < QB; ++i) {
-      for (int c = 0; c < CB; ++c) o[i][c] = acc[(qv0 + i) * NV + c0 + c] * correction[i];
-    }
-    for (int64_t j = 0; j < seen_min; ++j) {
-      vfloat v[CB];
-      for (int c = 0; c < CB; ++c) v[c] = load(vt + j * kHeadDim + (c0 + c) * kLanes);
-      for (int i = 0; i < QB; ++i) {
-        const vfloat pj = splat(p[i][j]);
-        for (int c = 0; c < CB; ++c) o[i][c] += pj * v[c];
-      }
-    }
-    for (int i = 0; i < QB; ++i) {
-      for (int64_t j = seen_min; j < seen[i]; ++j) {
-        const vfloat pj = splat(p[i][j]);
-        for (int c = 0; c < CB; ++c) o[i][c] += pj * load(vt + j * kHeadDim + (c0 + c) * kLanes);
-      }
-      for (int c = 0; c < CB; ++c) acc[(qv0 + i) * NV + c0 + c] = o[i][c];
-    }
+    for (int d = 0; d < kHeadDim / 2; ++d)  // dims 2d, 2d + 1 side by side
+      std::memcpy(kt16 + 2 * (d * kKeyChunk + j), k16 + 2 * d, 2 * sizeof(bf16));
+    bf16* pair = vt16 + (j / 2) * 2 * kHeadDim + (j & 1);  // keys 2i, 2i + 1 side by side
+    for (int d = 0; d < kHeadDim; ++d) pair[2 * d] = v16[d];
   }
 }
 
@@ -175,7 +71,7 @@ inline void chunk_update(const PrefillArgs& a, const float* q, vfloat* acc, floa
 // values) and used by every query vector of the tile, kQueryBlock of them at a time
 // (chunk_update), so the inner loops are broadcast multiply-adds with no horizontal sums and
 // one max / rescale per query and chunk.
-template <typename T, int NV>
+template <typename T, int NV, bool Dots>
 void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t tile,
                   PrefillScratch& scratch) {
   constexpr int kHeadDim = NV * kLanes;
@@ -212,6 +108,15 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
       q[r * group * kHeadDim + i] = to_float(src[i]) * a.scale;
     }
   }
+  if constexpr (Dots) {
+    scratch.query16.resize(size_t(vectors * kHeadDim));
+    scratch.keys16.resize(size_t(kHeadDim * kKeyChunk));
+    scratch.values16.resize(size_t(kKeyChunk * kHeadDim));
+    for (int64_t i = 0; i < vectors * kHeadDim; i += kLanes)
+      store(scratch.query16.data() + i, load(q + i));
+  }
+  const Staged in{q, kt, vt, scratch.query16.data(), scratch.keys16.data(),
+                  scratch.values16.data()};
   // A head's sink starts its running maximum, and its numerator (exp 0) the running sum.
   const float* sinks = a.sinks == nullptr ? nullptr : a.sinks + kv_head * group;
   for (int64_t qv = 0; qv < vectors; ++qv) {
@@ -227,18 +132,24 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
       a.window > 0 ? std::max<int64_t>(0, context + first - a.window + 1) : 0;
   for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyChunk) {
     const int64_t n = std::min<int64_t>(kKeyChunk, key_end - k0);
-    for (int64_t j = 0; j < n; ++j) {
+    const auto row = [&](int64_t j) {  // offset of key k0 + j's row in either cache
       const int64_t pos = k0 + j;
-      const int64_t offset = int64_t(table[pos / a.block_size]) * block_stride +
-                             (pos % a.block_size) * token_stride;
-      const T* krow = keys + offset;
-      const T* vrow = values + offset;
-      for (int c = 0; c < NV; ++c) store(vt + j * kHeadDim + c * kLanes, load(vrow + c * kLanes));
-      for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = to_float(krow[d]);
-    }
-    for (int64_t j = n; j < kKeyChunk; ++j) {
-      for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = 0.0f;
-      for (int d = 0; d < kHeadDim; ++d) vt[j * kHeadDim + d] = 0.0f;
+      return int64_t(table[pos / a.block_size]) * block_stride + (pos % a.block_size) * token_stride;
+    };
+    if constexpr (Dots) {
+      stage_pairs<T, kHeadDim>(keys, values, row, n, scratch.keys16.data(),
+                               scratch.values16.data());
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const T* krow = keys + row(j);
+        const T* vrow = values + row(j);
+        for (int c = 0; c < NV; ++c) store(vt + j * kHeadDim + c * kLanes, load(vrow + c * kLanes));
+        for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = to_float(krow[d]);
+      }
+      for (int64_t j = n; j < kKeyChunk; ++j) {
+        for (int d = 0; d < kHeadDim; ++d) kt[d * kKeyChunk + j] = 0.0f;
+        for (int d = 0; d < kHeadDim; ++d) vt[j * kHeadDim + d] = 0.0f;
+      }
     }
     for (int64_t qb = 0; qb < vectors; qb += kQueryBlock) {
       const int nq = int(std::min<int64_t>(kQueryBlock, vectors - qb));
@@ -257,13 +168,13 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
       bool whole = nq == kQueryBlock;
       for (int i = 0; i < nq; ++i) whole = whole && live[i] > 0;
       if (whole) {
-        chunk_update<kQueryBlock, kHeadDim>(a, q, acc, run_max, run_sum, kt, vt, qb, group,
-                                            context + first, k0, n, live, live_max);
+        chunk_update<kQueryBlock, kHeadDim, Dots>(a, in, acc, run_max, run_sum, qb, group,
+                                                  context + first, k0, n, live, live_max);
       } else {
         for (int i = 0; i < nq; ++i) {
           if (live[i] == 0) continue;
-          chunk_update<1, kHeadDim>(a, q, acc, run_max, run_sum, kt, vt, qb + i, group,
-                                    context + first, k0, n, live + i, live[i]);
+          chunk_update<1, kHeadDim, Dots>(a, in, acc, run_max, run_sum, qb + i, group,
+                                          context + first, k0, n, live + i, live[i]);
         }
       }
     }
@@ -302,7 +213,11 @@ void prefill(const PrefillArgs& a) {
     const int64_t seq = int64_t(std::upper_bound(tile_start.begin(), tile_start.end(),
                                                  flat_tile) -
                                 tile_start.begin() - 1);
-    prefill_tile<T, NV>(a, seq, kv_head, flat_tile - tile_start[size_t(seq)], scratch);
+    const int64_t t = flat_tile - tile_start[size_t(seq)];
+    if (kBf16Dots && a.bf16_dots)
+      prefill_tile<T, NV, kBf16Dots>(a, seq, kv_head, t, scratch);
+    else
+      prefill_tile<T, NV, false>(a, seq, kv_head, t, scratch);
   };
   ChunkPool::instance().run(items, pool_threads, item_at);
 }
@@ -322,12 +237,12 @@ int llmserve_paged_prefill(int dtype, int64_t head_dim, const void* query, const
                            const int32_t* seq_lens, void* out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                            int64_t block_stride, float scale, int64_t query_stride,
-                           int64_t window, float softcap, const float* sinks) {
+                           int64_t window, float softcap, const float* sinks, int bf16_dots) {
   const PrefillArgs args{query,        key_cache,       value_cache,  block_tables,
                          table_stride, query_start_loc, seq_lens,     out,
                          num_seqs,     num_heads,       num_kv_heads, block_size,
                          block_stride, scale,           query_stride, window,
-                         softcap,      sinks};
+                         softcap,      sinks,           bf16_dots != 0};
   return dispatch<PrefillOp>(dtype, head_dim, args);
 }
 

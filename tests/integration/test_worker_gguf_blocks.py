@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from kernels import cpu as cpu_kernels
 from kernels.cpu.quant import QuantMode, QuantWeight
 from llmserve.gguf_files import open_gguf
 from llmserve.model_spec import resolve_model
@@ -155,13 +156,19 @@ def hf_perplexity(hf: Any, ids: list[int]) -> float:
 def test_fast_mode_perplexity_on_a_fixed_text_is_exact_modes_within_two_percent(
     loaded: Any,
 ) -> None:
-    """Fast mode is not HF's model: its 8-bit activations cost a little perplexity. Exact
-    mode's is HF's; the figures are in bench/RESULTS.md (bench/quant_quality.py)."""
+    """Fast mode is not HF's model: its 8-bit activations, and its prompts' attention in
+    bfloat16 dot products where the CPU has them, cost a little perplexity. Exact mode's is
+    HF's; the figures are in bench/RESULTS.md (bench/quant_quality.py)."""
     exact_worker, hf, _, tok = loaded
+    fast_worker = gguf_worker(hf, "fast")
+    assert [b.bf16_prompt_dots for b in fast_worker.runner.backends] == [
+        cpu_kernels.has_bf16_dots()
+    ] * len(fast_worker.runner.backends)
+    assert not any(b.bf16_prompt_dots for b in exact_worker.runner.backends)
     ids = tok(FIXED_TEXT)["input_ids"]
     hf_ppl = hf_perplexity(hf, ids)
     exact = perplexity(exact_worker, ids)
-    fast = perplexity(gguf_worker(hf, "fast"), ids)
+    fast = perplexity(fast_worker, ids)
     assert exact == pytest.approx(hf_ppl, rel=1e-4)
     assert fast != exact  # the fast kernel ran
     assert fast == pytest.approx(exact, rel=0.02)

@@ -40,8 +40,9 @@ def test_the_default_build_uses_what_this_cpu_has():
 def test_the_avx2_paths_pass_the_kernel_tests_on_an_avx512_cpu():
     """One build of the library without AVX-512 (about 30 s), then the tests of the kernels
     whose code differs by instruction set: fast mode's integer dots (maddubs against VNNI's
-    dpbusd), on the file's layout and interleaved, exact mode's tiles (4 x 2 against 4 x 4), paged attention (bfloat16 keys
-    widened or dotted by AVX512-BF16) and the fused ops."""
+    dpbusd), on the file's layout and interleaved, exact mode's tiles (4 x 2 against 4 x 4),
+    paged attention (bfloat16 keys widened or dotted by AVX512-BF16; the prompts' bfloat16
+    dots, which fall back to fp32) and the fused ops."""
     if "avx512" not in build.isa():
         pytest.skip("this CPU has no AVX-512: the default build is the AVX2 one")
     env = {**os.environ, build.FLAGS_ENV: "-mno-avx512f"}
@@ -51,7 +52,12 @@ def test_the_avx2_paths_pass_the_kernel_tests_on_an_avx512_cpu():
     )
     assert built.returncode == 0, built.stderr
     assert built.stdout.split() == ["avx2"]
-    tests = ["test_quant_linear.py", "test_quant_interleaved.py", "test_cpu_kernels.py"]
+    tests = [
+        "test_quant_linear.py",
+        "test_quant_interleaved.py",
+        "test_cpu_kernels.py",
+        "test_prefill_bf16_dots.py",
+    ]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
         + [str(ROOT / "tests" / "kernels" / name) for name in tests],

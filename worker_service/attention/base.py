@@ -144,6 +144,12 @@ class AttentionBackend(ABC):
     def begin_step(self, metadata: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Called once per step before the first layer."""
 
+    def take_bf16_prompt_dots(self) -> bool:
+        """Fast mode asks: prompt tokens' scores and value sums as bfloat16 dot products
+        (operands rounded to bfloat16, sums in float32). Returns whether this backend now
+        does, on this machine; by default it does not."""
+        return False
+
     @abstractmethod
     def forward(
         self,
@@ -178,6 +184,9 @@ class PagedKernelBackend(AttentionBackend):
     cached prefix) and decode tokens, each kernel writing its rows of one output tensor.
     Both attention kernels read K/V from the paged cache by block table: nothing is gathered
     or padded per step."""
+
+    # `take_bf16_prompt_dots` sets it where the prefill kernel takes `bf16_dots`.
+    bf16_prompt_dots = False
 
     @staticmethod
     @abstractmethod
@@ -237,6 +246,7 @@ class PagedKernelBackend(AttentionBackend):
                 out=out[:n_pre],
                 max_query_len=metadata.max_prefill_query_len,
                 **extra,
+                **({"bf16_dots": True} if self.bf16_prompt_dots else {}),
             )
         if metadata.num_decodes:
             self.decode(query[n_pre:], key_cache, value_cache, out[n_pre:], metadata, extra)

@@ -31,6 +31,10 @@ class CpuAttentionBackend(PagedKernelBackend):
     prefill_attention = staticmethod(partial(cpu_kernels.prefill_attention, check=False))
     decode_attention = staticmethod(partial(cpu_kernels.paged_attention_decode, check=False))
 
+    def take_bf16_prompt_dots(self) -> bool:
+        self.bf16_prompt_dots = cpu_kernels.has_bf16_dots()
+        return self.bf16_prompt_dots
+
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
         reason = super().unsupported_reason(spec)
