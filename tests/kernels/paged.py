@@ -201,3 +201,32 @@ def make_attention_case(
     num_heads = NUM_KV_HEADS * queries_per_kv
     query = torch.randn(num_query_rows, num_heads, head_dim, generator=generator).to(dtype)
     return cache, query.to(device)
+
+
+def make_prefill_args(
+    parts: list[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    pool_pad: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """A prefill call's positional arguments on CPU for sequences of (cached prefix, new
+    tokens) `parts`: (query [new tokens, num_heads, head_dim], key cache, value cache, block
+    tables, query_start_loc, seq_lens), a 16-token-block cache from `make_paged_cache`."""
+    cache = make_paged_cache(
+        [c + q for c, q in parts],
+        block_size=16,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cpu",
+        generator=generator,
+        pool_pad=pool_pad,
+    )
+    q_lens = torch.tensor([q for _, q in parts])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
+    query = torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=generator).to(dtype)
+    return query, cache.key_cache, cache.value_cache, cache.block_tables, starts, cache.seq_lens

@@ -19,6 +19,7 @@ from tests.kernels.paged import (
     assert_unchanged_outside,
     in_pool,
     make_paged_cache,
+    make_prefill_args,
     random_lens,
 )
 
@@ -78,21 +79,15 @@ def test_prefill_matches_reference_with_cached_prefix(
     # (cached prefix, new tokens): a plain prompt, chunks after a prefix hit, a one-token
     # chunk, lengths that straddle the 16-token query tile and key tile.
     parts = [(0, 37), (48, 16), (5, 1), (100, 70), (0, 1), (16, 33)]
-    lens = [c + q for c, q in parts]
-    cache = make_paged_cache(
-        lens,
-        block_size=16,
+    args = make_prefill_args(
+        parts,
+        num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=dtype,
-        device="cpu",
         generator=gen,
         pool_pad=pool_pad,
     )
-    q_lens = torch.tensor([q for _, q in parts])
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
-    query = torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=gen).to(dtype)
-    args = (query, cache.key_cache, cache.value_cache, cache.block_tables, starts, cache.seq_lens)
     scale = head_dim**-0.5
     assert_close(
         cpu_kernels.prefill_attention(*args, scale), reference.prefill_attention(*args, scale)

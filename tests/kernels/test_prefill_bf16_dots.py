@@ -13,7 +13,7 @@ import torch
 
 from kernels import cpu as cpu_kernels
 from kernels import reference
-from tests.kernels.paged import LAYOUTS, assert_unchanged_outside, make_paged_cache
+from tests.kernels.paged import LAYOUTS, assert_unchanged_outside, make_prefill_args
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # (num_heads, num_kv_heads, head_dim): SmolLM2's GQA 3:1, Gemma 3's MQA at 256, MHA, odd sizes.
@@ -38,21 +38,15 @@ TOLERANCE = 1e-2
 def _case(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, pool_pad: int | None
 ) -> tuple[tuple[torch.Tensor, ...], float]:
-    gen = torch.Generator().manual_seed(head_dim * 7 + num_heads)
-    cache = make_paged_cache(
-        [c + q for c, q in PARTS],
-        block_size=16,
+    args = make_prefill_args(
+        PARTS,
+        num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=dtype,
-        device="cpu",
-        generator=gen,
+        generator=torch.Generator().manual_seed(head_dim * 7 + num_heads),
         pool_pad=pool_pad,
     )
-    q_lens = torch.tensor([q for _, q in PARTS])
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
-    query = torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=gen).to(dtype)
-    args = (query, cache.key_cache, cache.value_cache, cache.block_tables, starts, cache.seq_lens)
     return args, head_dim**-0.5
 
 
