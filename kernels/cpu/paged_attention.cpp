@@ -10,9 +10,10 @@
 // attention is bound by that traffic).
 //
 // Arithmetic is fp32 whatever the storage type (float or bfloat16), with the vectors of
-// vec.h. The library is built by kernels/cpu/build.py with -march=native. Work items run on
-// the library's ChunkPool (pool.h), the threads of every other loop here: one pool, whose
-// loops never wait for a thread that another process keeps off its core.
+// vec.h; only the prefill's `bf16_dots` (fast mode, prefill_chunk.h) rounds its operands.
+// The library is built by kernels/cpu/build.py with -march=native. Work items run on the
+// library's ChunkPool (pool.h), the threads of every other loop here: one pool, whose loops
+// never wait for a thread that another process keeps off its core.
 //
 // Entry points (extern "C", called through ctypes):
 //   llmserve_paged_decode   (here) one query token per row, attending to its whole

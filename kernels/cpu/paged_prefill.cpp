@@ -2,7 +2,9 @@
 // context_len .. seq_len - 1, causal over its cached context (chunked prefill, prefix-cache
 // hits), read straight from the KV blocks. Layout (blocks `block_stride` apart), arithmetic,
 // windows, soft-caps and sinks as in paged_attention.cpp (decode), whose key scoring it
-// shares (attention.h).
+// shares (attention.h). This file tiles the queries and stages each key chunk; the chunk's
+// online-softmax update, in fp32 or (bf16_dots, fast mode) in bfloat16 pair dots, is
+// prefill_chunk.h's.
 //
 // Entry point (extern "C", called through ctypes): llmserve_paged_prefill.
 
