@@ -55,17 +55,33 @@ void stage_pairs(const T* keys, const T* values, const Row& row, int64_t n, bf16
     std::memset(kt16, 0, sizeof(bf16) * kHeadDim * kKeyChunk);
     std::memset(vt16, 0, sizeof(bf16) * kHeadDim * kKeyChunk);
   }
-  alignas(64) bf16 k16[kHeadDim], v16[kHeadDim];
+  alignas(64) bf16 k16[kHeadDim];
   for (int64_t j = 0; j < n; ++j) {
-    for (int c = 0; c < NV; ++c) {
-      store(k16 + c * kLanes, load(keys + row(j) + c * kLanes));
-      store(v16 + c * kLanes, load(values + row(j) + c * kLanes));
-    }
+    for (int c = 0; c < NV; ++c) store(k16 + c * kLanes, load(keys + row(j) + c * kLanes));
     for (int d = 0; d < kHeadDim / 2; ++d)  // dims 2d, 2d + 1 side by side
       std::memcpy(kt16 + 2 * (d * kKeyChunk + j), k16 + 2 * d, 2 * sizeof(bf16));
-    bf16* pair = vt16 + (j / 2) * 2 * kHeadDim + (j & 1);  // keys 2i, 2i + 1 side by side
-    for (int d = 0; d < kHeadDim; ++d) pair[2 * d] = v16[d];
   }
+#if LLMSERVE_BF16_DOTS
+  // Keys 2i and 2i + 1 side by side, 16 dims at a time: one permute of the two rounded rows.
+  alignas(64) static constexpr int16_t kPairs[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,
+                                                     37, 6, 38, 7, 39, 8,  40, 9,  41, 10, 42,
+                                                     11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  for (int64_t j = 0; j < n; j += 2) {
+    for (int c = 0; c < NV; ++c) {
+      __m256i even, odd = _mm256_setzero_si256();
+      const vhalf a = to_bf16(load(values + row(j) + c * kLanes));
+      std::memcpy(&even, &a, sizeof even);
+      if (j + 1 < n) {
+        const vhalf b = to_bf16(load(values + row(j + 1) + c * kLanes));
+        std::memcpy(&odd, &b, sizeof odd);
+      }
+      const __m512i mixed = _mm512_permutex2var_epi16(_mm512_castsi256_si512(even), pairs,
+                                                      _mm512_castsi256_si512(odd));
+      std::memcpy(vt16 + j * kHeadDim + 2 * c * kLanes, &mixed, sizeof mixed);
+    }
+  }
+#endif
 }
 
 // Flash-style: for a tile of query tokens and one kv head, walk chunks of kKeyChunk keys with
