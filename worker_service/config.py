@@ -82,7 +82,7 @@ class WorkerConfig:
     # llama.cpp does, and (with the `cpu` backend, on CPUs with AVX512-BF16) computes the
     # prompts' attention scores and value sums as bfloat16 dot products. Fast is the default:
     # its quality on each file type is measured in bench/RESULTS.md ("Defaults", "Prompts'
-    # attention"); exact is for work that must equal HF's model.
+    # integer dots and bfloat16 attention"); exact is for work that must equal HF's model.
     quant_mode: QuantMode = flag(
         "fast",
         "on GGUF blocks (a quantized GGUF file, or --quantization): fast = activations "

@@ -127,7 +127,7 @@ def prefill_attention(
     within `sliding_window` positions when given); scores soft-capped when `softcap`; sinks
     as in `paged_attention_decode`. `bf16_dots`: the scores and the weighted sums of values
     as AVX512-BF16 dot products of operands rounded to bfloat16, where the CPU has them
-    (`has_bf16_dots`; fp32 elsewhere): paged_prefill.cpp."""
+    (`has_bf16_dots`; fp32 elsewhere): prefill_chunk.h."""
     if check:
         check_window_softcap(sliding_window, softcap)
         check_sinks(sinks, query.shape[1], query.device)

@@ -68,6 +68,8 @@ def test_bf16_dots_match_the_reference_on_rounded_operands(
     pool_pad: int | None,
     options: dict[str, object],
 ) -> None:
+    # The two tests split by CPU: exactly one of them runs on any machine (the AVX2 build of
+    # test_kernel_isa.py runs the other one on an AVX512-BF16 CPU).
     if not cpu_kernels.has_bf16_dots():
         pytest.skip("no AVX512-BF16 here: bf16_dots is fp32 (the test below)")
     args, scale = _case(dtype, num_heads, num_kv_heads, head_dim, pool_pad)
@@ -92,6 +94,7 @@ def test_bf16_dots_match_the_reference_on_rounded_operands(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bf16_dots_are_fp32_where_the_cpu_has_no_avx512_bf16(dtype: torch.dtype) -> None:
+    # The other half of the split above: where the instruction exists, the flag rounds.
     if cpu_kernels.has_bf16_dots():
         pytest.skip("this CPU has AVX512-BF16 (the test above)")
     args, scale = _case(dtype, 9, 3, 64, None)
