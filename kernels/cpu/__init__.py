@@ -27,6 +27,8 @@ from kernels.cpu.linear_attention import (
 )
 from kernels.cpu.ops import (
     argmax_logsumexp,
+    gelu_tanh_mul,
+    head_norm_,
     masked_argmax,
     rms_norm,
     rotary_,
@@ -42,7 +44,9 @@ __all__ = [
     "causal_conv1d_update",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
+    "gelu_tanh_mul",
     "has_bf16_dots",
+    "head_norm_",
     "masked_argmax",
     "is_available",
     "library",

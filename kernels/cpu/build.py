@@ -176,11 +176,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         # bf16_dots (0 / 1)
         "llmserve_paged_prefill": [*common, ptr, ptr, ptr, *shape, i64, i64, f32, ptr, i32],
         # dtype, x, residual (or NULL), weight, out, n, hidden, eps
-        "llmserve_rms_norm": [i32, ptr, ptr, ptr, ptr, i64, i64, f32],
-        # dtype, norm kind, then as llmserve_rms_norm
+        # dtype, norm kind, x, residual, weight, out, n, hidden, eps
         "llmserve_norm": [i32, i32, ptr, ptr, ptr, ptr, i64, i64, f32],
-        # dtype, qkv, row stride, positions, cos, sin, n, heads, head_dim
-        "llmserve_rotary": [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
+        # dtype, norm kind, x, row stride, n, heads, head_dim, weight, eps
+        "llmserve_head_norm": [i32, i32, ptr, i64, i64, i64, i64, ptr, f32],
+        # dtype, qkv, row stride, positions, cos, sin, n, heads, head stride, rotary_dim
+        "llmserve_rotary": [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64],
         # dtype, gate_up, out, n, intermediate size
         "llmserve_silu_mul": [i32, ptr, ptr, i64, i64],
         "llmserve_gelu_tanh_mul": [i32, ptr, ptr, i64, i64],

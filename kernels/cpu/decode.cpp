@@ -40,9 +40,11 @@
 extern "C" {
 int llmserve_norm(int dtype, int kind, const void* x, void* residual, const void* weight,
                   void* out, int64_t n, int64_t hidden, float eps);
+int llmserve_head_norm(int dtype, int kind, void* x, int64_t row_stride, int64_t n,
+                       int64_t heads, int64_t head_dim, const void* weight, float eps);
 int llmserve_rotary(int dtype, void* qkv, int64_t row_stride, const int64_t* positions,
                     const void* cos, const void* sin, int64_t n, int64_t num_heads,
-                    int64_t head_dim);
+                    int64_t head_stride, int64_t rotary_dim);
 int llmserve_silu_mul(int dtype, const void* gate_up, void* out, int64_t n, int64_t inter);
 int llmserve_gelu_tanh_mul(int dtype, const void* gate_up, void* out, int64_t n, int64_t inter);
 int llmserve_softcap(int dtype, void* x, int64_t count, float cap);
@@ -226,25 +228,17 @@ struct Step {
   void qk_norms(const void* const* p) {
     if (d[kQkNorm] == kNoQkNorm) return;
     const bool per_head = d[kQkNorm] == kPerHead;
-    for (int64_t i = 0; i < n; ++i) {
-      T* q = qkv + i * qkv_size;
-      T* k = q + q_size;
-      norm(q, nullptr, p[kQNorm], q, per_head ? d[kHeads] : 1, per_head ? head_dim : q_size);
-      norm(k, nullptr, p[kKNorm], k, per_head ? d[kKvHeads] : 1, per_head ? head_dim : kv_size);
-    }
+    llmserve_head_norm(dtype, kind, qkv, qkv_size, n, per_head ? d[kHeads] : 1,
+                       per_head ? head_dim : q_size, p[kQNorm], eps);
+    llmserve_head_norm(dtype, kind, qkv + q_size, qkv_size, n, per_head ? d[kKvHeads] : 1,
+                       per_head ? head_dim : kv_size, p[kKNorm], eps);
   }
 
   // The first rotary_dim dims of every q and k head, unless a NoPE layer.
   void rotary(const void* const* p) {
     if (p[kCos] == nullptr) return;
-    const int64_t heads = d[kHeads] + d[kKvHeads], rotary_dim = d[kRotaryDim];
-    if (rotary_dim == head_dim) {
-      llmserve_rotary(dtype, qkv, qkv_size, a.positions, p[kCos], p[kSin], n, heads, head_dim);
-      return;
-    }
-    for (int64_t h = 0; h < heads; ++h)
-      llmserve_rotary(dtype, qkv + h * head_dim, qkv_size, a.positions, p[kCos], p[kSin], n, 1,
-                      rotary_dim);
+    llmserve_rotary(dtype, qkv, qkv_size, a.positions, p[kCos], p[kSin], n,
+                    d[kHeads] + d[kKvHeads], head_dim, d[kRotaryDim]);
   }
 
   int attention(const T* x, const void* const* p, const int64_t* types, int64_t layer) {

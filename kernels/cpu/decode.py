@@ -23,14 +23,15 @@ import torch
 from kernels._checks import KernelArgumentError, check_block_layout
 from kernels.cpu.attention import DTYPE_CODES, unsupported_shape_reason
 from kernels.cpu.build import library
+from kernels.cpu.ops import NORM_KINDS
 from kernels.cpu.quant import MAX_IN_FEATURES, MODES, QuantMode, QuantWeight
 
 Weight = torch.Tensor | QuantWeight
 
 # Fields per layer in the pointer table, in decode.cpp's LayerField order.
 _LAYER_FIELDS = 18
-# decode.cpp's codes of the model-wide features (ops.cpp's NormKind, QkNorm, Activation).
-_NORMS = {"rms": 0, "rms_f32": 1, "gemma": 2}
+# decode.cpp's codes of the model-wide features (ops.cpp's NormKind: NORM_KINDS; QkNorm,
+# Activation).
 _QK_NORMS: dict[str | None, int] = {None: 0, "head": 1, "full": 2}
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # Indices of the caches' block size and block stride in the dims array (decode.cpp's Dim
@@ -208,7 +209,7 @@ class DecodeShape:
         if rotary % 2 or not 0 < rotary <= self.head_dim:
             return f"rotary dims {rotary}: even, at most head_dim {self.head_dim}"
         for name, value, codes in (
-            ("norm", self.norm, _NORMS),
+            ("norm", self.norm, NORM_KINDS),
             ("qk_norm", self.qk_norm, _QK_NORMS),
             ("activation", self.activation, _ACTIVATIONS),
             ("quant_mode", self.quant_mode, {m: i for i, m in enumerate(MODES)}),
@@ -242,7 +243,7 @@ class DecodeShape:
             0,
             0,
             self.head_dim if self.rotary_dim is None else self.rotary_dim,
-            _NORMS[self.norm],
+            NORM_KINDS[self.norm],
             _QK_NORMS[self.qk_norm],
             _ACTIVATIONS[self.activation],
             MODES.index(self.quant_mode),

@@ -9,8 +9,9 @@
 // order of summation in the RMSNorm mean and the exp in SiLU (last-bit differences).
 //
 // Entry points (extern "C", called through ctypes; dtype 0 = float32, 1 = bfloat16):
-//   llmserve_rms_norm         (residual += x, then) out = weight * normalize(x or residual)
-//   llmserve_norm             the same with the weight applied as OLMo 2 or Gemma do
+//   llmserve_norm             (residual += x, then) out = normalize(x or residual), the weight
+//                             applied as Llama, OLMo 2 or Gemma do
+//   llmserve_head_norm        the same in place on the first heads of each row (q/k norms)
 //   llmserve_rotary           rotary embedding in place on the first heads of each row
 //   llmserve_silu_mul         out = silu(gate) * up, gate and up side by side in one row
 //   llmserve_gelu_tanh_mul    out = gelu_tanh(gate) * up, likewise (GeGLU)
@@ -101,33 +102,57 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t n, int64
   });
 }
 
-template <typename T>
-int norm_of_kind(int kind, const void* x, void* residual, const void* weight, void* out,
-                 int64_t n, int64_t hidden, float eps) {
-  auto run = [&](auto tag) {
-    rms_norm<decltype(tag)::value>(static_cast<const T*>(x), static_cast<T*>(residual),
-                                   static_cast<const T*>(weight), static_cast<T*>(out), n,
-                                   hidden, eps);
-  };
-  if (kind == kRms) run(std::integral_constant<int, kRms>{});
-  else if (kind == kRmsF32) run(std::integral_constant<int, kRmsF32>{});
-  else if (kind == kGemma) run(std::integral_constant<int, kGemma>{});
+// Calls f(std::integral_constant<int, Kind>) for a NormKind code; -1 for any other code.
+template <typename F>
+int with_norm_kind(int kind, F&& f) {
+  if (kind == kRms) f(std::integral_constant<int, kRms>{});
+  else if (kind == kRmsF32) f(std::integral_constant<int, kRmsF32>{});
+  else if (kind == kGemma) f(std::integral_constant<int, kGemma>{});
   else return -1;
   return 0;
 }
 
+template <typename T>
+int norm_of_kind(int kind, const void* x, void* residual, const void* weight, void* out,
+                 int64_t n, int64_t hidden, float eps) {
+  return with_norm_kind(kind, [&](auto tag) {
+    rms_norm<decltype(tag)::value>(static_cast<const T*>(x), static_cast<T*>(residual),
+                                   static_cast<const T*>(weight), static_cast<T*>(out), n,
+                                   hidden, eps);
+  });
+}
+
+// Heads [0, heads) of each of n rows (rows row_stride apart), each head_dim wide, normalized
+// in place with one weight for every head.
+template <typename T>
+int head_norm_of_kind(int kind, void* x, int64_t row_stride, int64_t n, int64_t heads,
+                      int64_t head_dim, const void* weight, float eps) {
+  return with_norm_kind(kind, [&](auto tag) {
+    T* rows = static_cast<T*>(x);
+    const T* w = static_cast<const T*>(weight);
+    parallel_for(n, n * heads * head_dim >= kParallelElements, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t h = 0; h < heads; ++h) {
+          T* head = rows + r * row_stride + h * head_dim;
+          rms_norm_row<decltype(tag)::value>(head, w, head, head_dim, eps);
+        }
+    });
+  });
+}
+
 // out_i = x_i cos_i + rot(x)_i sin_i with rot(x) = (-x[half:], x[:half]); each product and
-// the sum rounded to T, as torch computes `x * cos + rotated * sin`.
+// the sum rounded to T, as torch computes `x * cos + rotated * sin`. The first rotary_dim
+// dims of each head rotate (the tables' width); heads lie head_stride apart in a row.
 template <typename T>
 void rotary(T* qkv, int64_t row_stride, const int64_t* positions, const T* cos, const T* sin,
-            int64_t n, int64_t num_heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
+            int64_t n, int64_t num_heads, int64_t head_stride, int64_t rotary_dim) {
+  const int64_t head_dim = rotary_dim, half = rotary_dim / 2;
   parallel_for(n, n * num_heads * head_dim >= kParallelElements, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* c = cos + positions[r] * head_dim;
       const T* s = sin + positions[r] * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
-        T* x = qkv + r * row_stride + h * head_dim;
+        T* x = qkv + r * row_stride + h * head_stride;
         for (int64_t i0 = 0; i0 < half; i0 += kLanes) {
           const int64_t m = std::min<int64_t>(kLanes, half - i0);
           const vfloat lo = load_partial(x + i0, m, 0.0f);
@@ -350,21 +375,26 @@ int llmserve_norm(int dtype, int kind, const void* x, void* residual, const void
   return -1;
 }
 
-int llmserve_rms_norm(int dtype, const void* x, void* residual, const void* weight, void* out,
-                      int64_t n, int64_t hidden, float eps) {
-  return llmserve_norm(dtype, kRms, x, residual, weight, out, n, hidden, eps);
+// x: heads [0, heads) of n rows, row_stride elements apart, normalized in place.
+int llmserve_head_norm(int dtype, int kind, void* x, int64_t row_stride, int64_t n,
+                       int64_t heads, int64_t head_dim, const void* weight, float eps) {
+  if (dtype == 0)
+    return head_norm_of_kind<float>(kind, x, row_stride, n, heads, head_dim, weight, eps);
+  if (dtype == 1)
+    return head_norm_of_kind<bf16>(kind, x, row_stride, n, heads, head_dim, weight, eps);
+  return -1;
 }
 
 int llmserve_rotary(int dtype, void* qkv, int64_t row_stride, const int64_t* positions,
                     const void* cos, const void* sin, int64_t n, int64_t num_heads,
-                    int64_t head_dim) {
-  if (head_dim % 2) return -1;
+                    int64_t head_stride, int64_t rotary_dim) {
+  if (rotary_dim % 2 || rotary_dim > head_stride) return -1;
   if (dtype == 0) {
     rotary(static_cast<float*>(qkv), row_stride, positions, static_cast<const float*>(cos),
-           static_cast<const float*>(sin), n, num_heads, head_dim);
+           static_cast<const float*>(sin), n, num_heads, head_stride, rotary_dim);
   } else if (dtype == 1) {
     rotary(static_cast<bf16*>(qkv), row_stride, positions, static_cast<const bf16*>(cos),
-           static_cast<const bf16*>(sin), n, num_heads, head_dim);
+           static_cast<const bf16*>(sin), n, num_heads, head_stride, rotary_dim);
   } else {
     return -1;
   }

@@ -1,4 +1,5 @@
-"""Fused elementwise ops of the Llama decoder, and the sampler's per-row argmax / log-sum-exp.
+"""Fused elementwise ops of the decoder (every family's norms, q/k norms, rotary, SiLU- and
+GELU-and-multiply), and the sampler's per-row argmax / log-sum-exp.
 
 Each replaces a chain of torch calls with one pass over memory and one call (see ops.cpp
 for the rounding they keep). Tensors must be contiguous CPU float32 or bfloat16 tensors
@@ -10,11 +11,17 @@ anything else raises `KernelArgumentError` naming the argument.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kernels._checks import KernelArgumentError, check_block_layout
 from kernels.cpu.attention import DTYPE_CODES
 from kernels.cpu.build import library
+
+# ops.cpp's NormKind codes: how each family applies the norm weight (the model arch's
+# `NormKind` names them).
+NORM_KINDS: dict[str, int] = {"rms": 0, "rms_f32": 1, "gemma": 2}
 
 
 def rms_norm(
@@ -22,8 +29,9 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [n, hidden], updated in place: residual += x
+    kind: str = "rms",
     check: bool = True,
-) -> torch.Tensor:  # [n, hidden]: weight * normalize(x, or residual + x when given)
+) -> torch.Tensor:  # [n, hidden]: normalize(x, or residual + x when given), weighted by kind
     if check:
         _check("x", x, 2)
         _check("weight", weight, 1, like=x)
@@ -33,9 +41,11 @@ def rms_norm(
             _check("residual", residual, 2, like=x)
             if residual.shape != x.shape:
                 raise KernelArgumentError("residual", f"shape {tuple(residual.shape)} != x's")
+        _check_kind(kind)
     out = torch.empty_like(x)
-    library().llmserve_rms_norm(
+    library().llmserve_norm(
         DTYPE_CODES[x.dtype],
+        NORM_KINDS[kind],
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
         weight.data_ptr(),
@@ -47,23 +57,61 @@ def rms_norm(
     return out
 
 
+def head_norm_(
+    x: torch.Tensor,  # [n, row_width], rows may be strided: per row, the heads come first
+    weight: torch.Tensor,  # [head_dim], shared by every head
+    eps: float,
+    num_heads: int,  # heads to normalize per row
+    kind: str = "rms",
+    check: bool = True,
+) -> torch.Tensor:  # x, its heads [0, num_heads) normalized in place
+    """The q/k norms: each head of width weight.shape[0] normalized on its own (one head as
+    wide as all of them is a norm over the whole projection, OLMo 2's)."""
+    head_dim = weight.shape[0]
+    if check:
+        _check("x", x, 2, strided_rows=True)
+        _check("weight", weight, 1, like=x)
+        if num_heads < 1 or num_heads * head_dim > x.shape[1]:
+            raise KernelArgumentError(
+                "x", f"{num_heads} heads of {head_dim} do not fit a row of {x.shape[1]}"
+            )
+        _check_kind(kind)
+    library().llmserve_head_norm(
+        DTYPE_CODES[x.dtype],
+        NORM_KINDS[kind],
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        num_heads,
+        head_dim,
+        weight.data_ptr(),
+        eps,
+    )
+    return x
+
+
 def rotary_(
     qkv: torch.Tensor,  # [n, row_width]: per row, the heads to rotate come first
     positions: torch.Tensor,  # [n] int64
-    cos: torch.Tensor,  # [max_positions, head_dim]
-    sin: torch.Tensor,  # [max_positions, head_dim]
+    cos: torch.Tensor,  # [max_positions, rotary_dim]
+    sin: torch.Tensor,  # [max_positions, rotary_dim]
     num_heads: int,  # heads to rotate per row (query heads + key heads)
+    head_dim: int | None = None,  # the heads' width; rotary_dim (the default) or wider
     check: bool = True,
 ) -> torch.Tensor:  # qkv, rotated in place
-    """Rotary embedding, in place, of heads [0, num_heads) of every row, by its position."""
-    head_dim = cos.shape[1]
+    """Rotary embedding, in place, of the first rotary_dim dims of heads [0, num_heads) of
+    every row, by its position (the rest of a wider head is left as it is)."""
+    rotary_dim = cos.shape[1]
+    head_dim = rotary_dim if head_dim is None else head_dim
     if check:
         _check("qkv", qkv, 2, strided_rows=True)
         _check("cos", cos, 2, like=qkv)
         _check("sin", sin, 2, like=qkv)
-        if num_heads * head_dim > qkv.shape[1] or head_dim % 2:
+        if num_heads * head_dim > qkv.shape[1] or rotary_dim % 2 or rotary_dim > head_dim:
             raise KernelArgumentError(
-                "qkv", f"{num_heads} heads of {head_dim} do not fit a row of {qkv.shape[1]}"
+                "qkv",
+                f"{num_heads} heads of {head_dim} rotating {rotary_dim} dims do not fit a row "
+                f"of {qkv.shape[1]}",
             )
         if positions.dtype != torch.int64 or positions.shape != (qkv.shape[0],):
             raise KernelArgumentError("positions", f"expected [{qkv.shape[0]}] int64")
@@ -79,6 +127,7 @@ def rotary_(
         qkv.shape[0],
         num_heads,
         head_dim,
+        rotary_dim,
     )
     return qkv
 
@@ -93,14 +142,23 @@ def silu_mul(
     gate_up: torch.Tensor,  # [n, 2 * intermediate]: gate, then up
     check: bool = True,
 ) -> torch.Tensor:  # [n, intermediate] = silu(gate) * up
+    return _gated(library().llmserve_silu_mul, gate_up, check)
+
+
+def gelu_tanh_mul(
+    gate_up: torch.Tensor,  # [n, 2 * intermediate]: gate, then up
+    check: bool = True,
+) -> torch.Tensor:  # [n, intermediate] = gelu(gate, approximate="tanh") * up (GeGLU)
+    return _gated(library().llmserve_gelu_tanh_mul, gate_up, check)
+
+
+def _gated(entry: Any, gate_up: torch.Tensor, check: bool) -> torch.Tensor:
     if check:
         _check("gate_up", gate_up, 2)
         if gate_up.shape[1] % 2:
             raise KernelArgumentError("gate_up", f"width {gate_up.shape[1]} is not even")
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    library().llmserve_silu_mul(
-        DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), *out.shape
-    )
+    entry(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), *out.shape)
     return out
 
 
@@ -211,6 +269,11 @@ def check_cpu_dtype(name: str, tensor: torch.Tensor, like: torch.Tensor | None =
         raise KernelArgumentError(name, f"dtype {tensor.dtype} not supported")
     if like is not None and tensor.dtype != like.dtype:
         raise KernelArgumentError(name, f"dtype {tensor.dtype} differs from {like.dtype}")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in NORM_KINDS:
+        raise KernelArgumentError("kind", f"{kind!r} is not one of {', '.join(NORM_KINDS)}")
 
 
 def _check(

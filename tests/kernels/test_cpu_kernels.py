@@ -265,9 +265,15 @@ OP_DTYPES = [
 ]
 
 
+NORM_KINDS = ["rms", "rms_f32", "gemma"]  # Llama's, OLMo 2's and Gemma's weight orders
+
+
 @pytest.mark.parametrize(("dtype", "tol"), OP_DTYPES)
 @pytest.mark.parametrize("hidden", [576, 64, 40])  # SmolLM2, a tiny model, a ragged tail
-def test_rms_norm_matches_the_model_reference(dtype: torch.dtype, tol: float, hidden: int) -> None:
+@pytest.mark.parametrize("kind", NORM_KINDS)
+def test_rms_norm_matches_the_model_reference(
+    dtype: torch.dtype, tol: float, hidden: int, kind: str
+) -> None:
     from worker_service.models.blocks import rms_norm
 
     gen = torch.Generator().manual_seed(hidden)
@@ -277,11 +283,44 @@ def test_rms_norm_matches_the_model_reference(dtype: torch.dtype, tol: float, hi
     expected_residual = residual + x
     updated = residual.clone()
     torch.testing.assert_close(
-        cpu_kernels.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), atol=tol, rtol=tol
+        cpu_kernels.rms_norm(x, weight, 1e-5, kind=kind),
+        rms_norm(x, weight, 1e-5, kind),  # type: ignore[arg-type]
+        atol=tol,
+        rtol=tol,
     )
-    out = cpu_kernels.rms_norm(x, weight, 1e-5, residual=updated)
+    out = cpu_kernels.rms_norm(x, weight, 1e-5, residual=updated, kind=kind)
     assert torch.equal(updated, expected_residual)  # the residual add rounds like torch
-    torch.testing.assert_close(out, rms_norm(expected_residual, weight, 1e-5), atol=tol, rtol=tol)
+    expected = rms_norm(expected_residual, weight, 1e-5, kind)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), OP_DTYPES)
+@pytest.mark.parametrize("kind", NORM_KINDS)
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "whole"])
+def test_head_norm_normalizes_each_head_of_the_strided_rows(
+    dtype: torch.dtype, tol: float, kind: str, per_head: bool
+) -> None:
+    """Qwen3's and Gemma's q/k norms (per head) and OLMo 2's (over all the heads), in place on
+    the q and k parts of projection rows; the rest of each row is left as it was."""
+    from worker_service.models.blocks import rms_norm
+
+    gen = torch.Generator().manual_seed(int(per_head))
+    n, heads, kv_heads, head_dim = 37, 4, 2, 48
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    q_width, k_width = (head_dim, head_dim) if per_head else (q_size, kv_size)
+    q_weight = torch.randn(q_width, generator=gen).to(dtype)
+    k_weight = torch.randn(k_width, generator=gen).to(dtype)
+    q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+    expected_q = rms_norm(q.reshape(n, -1, q_width), q_weight, 1e-6, kind).reshape(n, -1)  # type: ignore[arg-type]
+    expected_k = rms_norm(k.reshape(n, -1, k_width), k_weight, 1e-6, kind).reshape(n, -1)  # type: ignore[arg-type]
+    values = qkv[:, q_size + kv_size :].clone()
+    q_heads, k_heads = (heads, kv_heads) if per_head else (1, 1)
+    cpu_kernels.head_norm_(qkv, q_weight, 1e-6, q_heads, kind=kind)
+    cpu_kernels.head_norm_(qkv[:, q_size:], k_weight, 1e-6, k_heads, kind=kind)
+    torch.testing.assert_close(qkv[:, :q_size], expected_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(qkv[:, q_size : q_size + kv_size], expected_k, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, q_size + kv_size :], values)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -306,6 +345,30 @@ def test_rotary_is_bit_exact_with_the_torch_path(dtype: torch.dtype, head_dim: i
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], untouched)  # v is not rotated
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 16), (40, 24), (32, 32)])
+def test_partial_rotary_turns_the_first_dims_of_each_head_as_the_torch_path(
+    dtype: torch.dtype, head_dim: int, rotary_dim: int
+) -> None:
+    from worker_service.models.rope import apply_rotary, cos_sin_table, inverse_frequencies
+
+    gen = torch.Generator().manual_seed(rotary_dim)
+    heads, kv_heads, n = 4, 2, 21
+    cos, sin = cos_sin_table(
+        inverse_frequencies(rotary_dim, 10000.0, None), 256, dtype, torch.device("cpu")
+    )
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 256, (n,), generator=gen)
+    rotated = (heads + kv_heads) * head_dim
+    expected = apply_rotary(
+        qkv[:, :rotated].reshape(n, -1, head_dim), cos[positions][:, None], sin[positions][:, None]
+    ).reshape(n, -1)
+    untouched = qkv[:, rotated:].clone()
+    cpu_kernels.rotary_(qkv, positions, cos, sin, heads + kv_heads, head_dim=head_dim)
+    assert torch.equal(qkv[:, :rotated], expected)
+    assert torch.equal(qkv[:, rotated:], untouched)
+
+
 @pytest.mark.parametrize(("dtype", "tol"), OP_DTYPES)
 def test_silu_mul_matches_torch(dtype: torch.dtype, tol: float) -> None:
     gen = torch.Generator().manual_seed(7)
@@ -314,6 +377,21 @@ def test_silu_mul_matches_torch(dtype: torch.dtype, tol: float) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), OP_DTYPES)
+def test_gelu_tanh_mul_matches_torch(dtype: torch.dtype, tol: float) -> None:
+    gen = torch.Generator().manual_seed(8)
+    # Wide range: tanh saturates at both ends; a ragged width leaves a tail. Where the gate is
+    # far below 0, 1 + tanh cancels: an ulp of tanh is then the whole result, so the bound is
+    # absolute, on the scale of gate * up.
+    gate_up = (torch.randn(9, 2 * 1003, generator=gen) * 10).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    scale = float((gate.float() * up.float()).abs().max())
+    torch.testing.assert_close(
+        cpu_kernels.gelu_tanh_mul(gate_up), expected, atol=tol * scale, rtol=tol
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -426,7 +504,25 @@ def test_write_kv_matches_the_reference_and_skips_padding(
             ),
             "residual",
         ),
+        (lambda: cpu_kernels.rms_norm(torch.zeros(2, 8), torch.zeros(8), 1e-5, kind="l2"), "kind"),
+        (lambda: cpu_kernels.head_norm_(torch.zeros(2, 64), torch.zeros(16), 1e-5, 5), "x"),
+        (
+            lambda: cpu_kernels.head_norm_(torch.zeros(2, 64), torch.zeros(16).double(), 1e-5, 2),
+            "weight",
+        ),
         (lambda: cpu_kernels.silu_mul(torch.zeros(2, 7)), "gate_up"),
+        (lambda: cpu_kernels.gelu_tanh_mul(torch.zeros(2, 7)), "gate_up"),
+        (
+            lambda: cpu_kernels.rotary_(
+                torch.zeros(2, 64),
+                torch.tensor([0, 1]),
+                torch.zeros(8, 16),
+                torch.zeros(8, 16),
+                4,
+                head_dim=12,
+            ),
+            "qkv",
+        ),
         (lambda: cpu_kernels.argmax_logsumexp(torch.zeros(2, 7).half()), "logits"),
         (lambda: cpu_kernels.argmax_logsumexp(torch.zeros(2, 8)[:, ::2]), "logits"),
         (

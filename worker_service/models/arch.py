@@ -221,14 +221,11 @@ class ModelArchConfig:
         return windows[0] if windows else None
 
     def fused_blockers(self) -> list[str]:
-        """The features the fused CPU elementwise ops (RMSNorm with the weight applied after
-        the cast, full-width rotary on the q/k rows of the fused projection before any q/k
-        norm, SiLU-and-multiply) cannot compute; the rest of the decoder runs around them."""
+        """The features the fused CPU elementwise ops (the norms of every kind, the q/k
+        norms, rotary over the first rotary_dim dims of each head, SiLU- and GELU-and-
+        multiply, all on the layer's one attention shape) cannot compute; the rest of the
+        decoder runs around them."""
         checks = {
-            f"norm kind {self.norm!r}": self.norm != "rms",
-            f"q/k norm {self.qk_norm!r}": self.qk_norm is not None,
-            f"activation {self.activation!r}": self.activation != "silu",
-            "partial rotary": any(r.rotary_dim != self.head_dim for r in self.ropes),
             "KV-shared layers": bool(self.kv_sources),
             "per-layer attention shapes": not self.uniform_attention,
         }

@@ -14,10 +14,11 @@ layer (`LayerKind.linear`, Qwen3.5 and Qwen3-Next) runs the Gated DeltaNet mixer
 attention output is gated (times the sigmoid of the gate rows of the q/k/v projection)
 before the output projection.
 
-CPU fast paths: with `fused_ops` the residual add + RMSNorm, rotary and SiLU-and-multiply are
-single C++ calls from `kernels.cpu` (for models without the features those kernels lack,
-`arch.fused_blockers`: Gemma/OLMo norms, q/k norms, GeGLU, partial rotary; such models take
-the plain torch elementwise path), and the linear-attention layers' decode rows run on the C++
+CPU fast paths: with `fused_ops` the residual add + norm (each family's kind), the blocks'
+output norms, the q/k norms, rotary and SiLU- or GELU-and-multiply are single C++ calls from
+`kernels.cpu` (for models without the features those kernels lack, `arch.fused_blockers`:
+KV-shared layers, per-layer attention shapes; such models take the plain torch elementwise
+path), and the linear-attention layers' decode rows run on the C++
 state kernels (`kernels.cpu.linear_attention`); with `packed_linear` every matmul runs through
 oneDNN on weights prepacked at load; with `native_linear` through
 `kernels.cpu.decode.linear_rows`; and pure decode steps of up to `native_decode_max_batch`
@@ -99,7 +100,7 @@ class DecoderModel:
         if (per_layer_input_weights is None) != (arch.per_layer_input_size is None):
             raise ValueError("per-layer input weights are given exactly when the arch has them")
         self.arch = arch
-        # CPU only: RMSNorm, rotary and SiLU-and-multiply in C++ where the model's are those.
+        # CPU only: the norms, rotary and the gated activation in C++ (`fused_blockers`).
         self.fused_ops = fused_ops and not arch.fused_blockers()
         self.packed_linear = packed_linear
         self.linear: Callable[..., torch.Tensor] = F.linear
@@ -400,10 +401,11 @@ class DecoderModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + delta), and x + delta
         arch = self.arch
         if self.fused_ops and weight is not None:
+            eps, kind = arch.rms_norm_eps, arch.norm
             if delta is None:
-                return cpu_ops.rms_norm(x, weight, arch.rms_norm_eps, check=False), x
+                return cpu_ops.rms_norm(x, weight, eps, kind=kind, check=False), x
             # x += delta in place (x is the model's own residual stream)
-            normed = cpu_ops.rms_norm(delta, weight, arch.rms_norm_eps, residual=x, check=False)
+            normed = cpu_ops.rms_norm(delta, weight, eps, residual=x, kind=kind, check=False)
             return normed, x
         if delta is not None:
             x = x + delta
@@ -415,7 +417,9 @@ class DecoderModel:
         self, out: torch.Tensor, norm: torch.Tensor | None
     ) -> torch.Tensor:  # [num_tokens, hidden]
         arch = self.arch
-        if norm is not None:
+        if norm is not None and self.fused_ops:
+            out = cpu_ops.rms_norm(out, norm, arch.rms_norm_eps, kind=arch.norm, check=False)
+        elif norm is not None:
             out = rms_norm(out, norm, arch.rms_norm_eps, arch.norm)
         if arch.residual_scale is not None:
             out = out * arch.residual_scale
@@ -439,21 +443,18 @@ class DecoderModel:
         q_size, kv_size = arch.num_heads * head_dim, num_kv_heads * head_dim
         qkv = self.linear(h, weights.qkv, weights.qkv_bias)
         n = qkv.shape[0]
-        if self.fused_ops and rope is not None:
-            cos, sin = self.rope_tables[rope]
-            heads = arch.num_heads + num_kv_heads  # q and k lead each row
-            cpu_ops.rotary_(qkv, positions, cos, sin, heads, check=False)
-            rotation = None
+        if self.fused_ops:  # the q/k norms, then rotary, in place on the projection's rows
+            self._fused_qk_(qkv, weights, positions, rope, num_kv_heads, head_dim)
         gate_size = q_size if arch.attention_output_gate else 0
         q, k, v, gate = qkv.split([q_size, kv_size, kv_size, gate_size], dim=-1)
-        if arch.qk_norm == "full":
+        if arch.qk_norm == "full" and not self.fused_ops:
             assert weights.q_norm is not None and weights.k_norm is not None
             q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
             k = rms_norm(k, weights.k_norm, arch.rms_norm_eps, arch.norm)
         q = q.view(n, arch.num_heads, head_dim)
         k = k.view(n, num_kv_heads, head_dim)
         v = v.view(n, num_kv_heads, head_dim)
-        if arch.qk_norm == "head":
+        if arch.qk_norm == "head" and not self.fused_ops:
             assert weights.q_norm is not None and weights.k_norm is not None
             q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
             k = rms_norm(k, weights.k_norm, arch.rms_norm_eps, arch.norm)
@@ -463,6 +464,29 @@ class DecoderModel:
             cos, sin = rotation
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v, gate if gate_size else None
+
+    def _fused_qk_(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, qkv width]: q, then k, lead each row
+        weights: LayerWeights,
+        positions: torch.Tensor,  # [num_tokens] int64
+        rope: int | None,  # the layer's rotary table; None: NoPE
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        arch = self.arch
+        if arch.qk_norm is not None:
+            assert weights.q_norm is not None and weights.k_norm is not None
+            per_head = arch.qk_norm == "head"
+            eps, kind = arch.rms_norm_eps, arch.norm
+            q_heads, k_heads = (arch.num_heads, num_kv_heads) if per_head else (1, 1)
+            cpu_ops.head_norm_(qkv, weights.q_norm, eps, q_heads, kind=kind, check=False)
+            keys = qkv[:, arch.num_heads * head_dim :]
+            cpu_ops.head_norm_(keys, weights.k_norm, eps, k_heads, kind=kind, check=False)
+        if rope is not None:
+            cos, sin = self.rope_tables[rope]
+            heads = arch.num_heads + num_kv_heads
+            cpu_ops.rotary_(qkv, positions, cos, sin, heads, head_dim=head_dim, check=False)
 
     def _q_only(
         self,
@@ -496,7 +520,8 @@ class DecoderModel:
             return moe_mlp(h, weights.moe, arch.moe, arch.activation)
         gate_up = self.linear(h, weights.gate_up, weights.gate_up_bias)
         if self.fused_ops:
-            act = cpu_ops.silu_mul(gate_up, check=False)
+            fused = cpu_ops.silu_mul if arch.activation == "silu" else cpu_ops.gelu_tanh_mul
+            act = fused(gate_up, check=False)
         else:
             act = gated_activation(gate_up, arch.activation)
         dense = self.linear(act, weights.down, weights.down_bias)

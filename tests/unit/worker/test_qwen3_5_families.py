@@ -30,9 +30,9 @@ NEW_TOKENS = 6
 PROMPTS = ([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [2, 71, 82, 18, 28, 44, 5], [77])
 FIRST_CHUNKS = (5, 4)  # the first two prompts' first chunks
 SLOTS = (2, 0, 3)  # a slot per sequence, not in sequence order
-# Options of `model_from_hf`: plain torch; the native CPU state kernels on prefill and decode
-# rows (the fused elementwise ops the hybrids' norms refuse); every matmul on prepacked oneDNN
-# weights, or on the native matmul kernel.
+# Options of `model_from_hf`: plain torch; the native CPU ops (the fused elementwise ops, and
+# the state kernels on prefill and decode rows); every matmul on prepacked oneDNN weights, or
+# on the native matmul kernel.
 PATHS = {
     "torch": {},
     "native_states": {"fused_ops": True},
