@@ -16,9 +16,9 @@ before the output projection.
 
 CPU fast paths: with `fused_ops` the residual add + norm (each family's kind), the blocks'
 output norms, the q/k norms, rotary and SiLU- or GELU-and-multiply are single C++ calls from
-`kernels.cpu` (for models without the features those kernels lack, `arch.fused_blockers`:
-KV-shared layers, per-layer attention shapes; such models take the plain torch elementwise
-path), and the linear-attention layers' decode rows run on the C++
+`kernels.cpu` (`elementwise`; for models without the features those kernels lack,
+`arch.fused_blockers`: KV-shared layers, per-layer attention shapes; such models take the
+plain torch elementwise path), and the linear-attention layers' decode rows run on the C++
 state kernels (`kernels.cpu.linear_attention`); with `packed_linear` every matmul runs through
 oneDNN on weights prepacked at load; with `native_linear` through
 `kernels.cpu.decode.linear_rows`; and pure decode steps of up to `native_decode_max_batch`
@@ -37,24 +37,19 @@ from dataclasses import fields
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import ops as cpu_ops
 from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep, set_num_threads
 from kernels.cpu.quant import QuantWeight
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.linear_state import StateMetadata
 from worker_service.models.arch import ModelArchConfig
-from worker_service.models.blocks import (
-    embedding_multiplier,
-    gated_activation,
-    rms_norm,
-    softcap,
-)
+from worker_service.models.blocks import embedding_multiplier, rms_norm, softcap
 from worker_service.models.delta_net import (
     NATIVE_STATE_OPS,
     TORCH_STATE_OPS,
     StateStep,
     gated_delta_net,
 )
+from worker_service.models.elementwise import TorchElementwise, elementwise_ops
 from worker_service.models.linear import (
     native_matmul,
     pack_weight,
@@ -72,7 +67,7 @@ from worker_service.models.per_layer_inputs import (
     per_layer_branch,
     per_layer_inputs,
 )
-from worker_service.models.rope import apply_rotary, cos_sin_for
+from worker_service.models.rope import cos_sin_for
 from worker_service.models.weights import LayerWeights
 
 _PROJECTIONS = ("qkv", "o", "gate_up", "down", "per_layer_gate", "per_layer_proj")
@@ -100,8 +95,6 @@ class DecoderModel:
         if (per_layer_input_weights is None) != (arch.per_layer_input_size is None):
             raise ValueError("per-layer input weights are given exactly when the arch has them")
         self.arch = arch
-        # CPU only: the norms, rotary and the gated activation in C++ (`fused_blockers`).
-        self.fused_ops = fused_ops and not arch.fused_blockers()
         self.packed_linear = packed_linear
         self.linear: Callable[..., torch.Tensor] = F.linear
         # The embedding lookup: (input_ids, self.embed) -> [num_tokens, hidden].
@@ -110,7 +103,9 @@ class DecoderModel:
         self.rope_tables = [
             cos_sin_for(spec, max_positions, embed.dtype, embed.device) for spec in arch.ropes
         ]
-        self.cos, self.sin = self.rope_tables[0]
+        # CPU only: the norms, rotary and the gated activation in C++ (`fused_blockers`).
+        self.elementwise = elementwise_ops(arch, self.rope_tables, fused_ops)
+        self.fused_ops = self.elementwise.fused
         # The kernels linear-attention layers' states run on: C++ where the native CPU ops
         # were asked for (whether or not the model's elementwise ops can take them).
         self.state_ops = NATIVE_STATE_OPS if fused_ops else TORCH_STATE_OPS
@@ -235,8 +230,8 @@ class DecoderModel:
         state_metadata: StateMetadata | None = None,  # with linear-attention layers
     ) -> torch.Tensor:  # [num_logit_rows, vocab] in the model dtype (the sampler upcasts)
         self.argmax_logprobs = None
-        if self.fused_ops:  # the native ops below run unchecked: validate their inputs once
-            self._check_native_inputs(input_ids, positions)
+        if positions.shape != input_ids.shape:
+            raise ValueError(f"positions: expected [{input_ids.shape[0]}], like input_ids")
         metadatas = metadata if isinstance(metadata, list) else [metadata]
         backends = backend if isinstance(backend, list) else [backend]
         if self.native_decode is not None and self.native_decode.accepts(metadatas, logit_rows):
@@ -245,7 +240,7 @@ class DecoderModel:
             )
             return logits
         arch = self.arch
-        rotations = self._rotations(positions)
+        self.elementwise.begin_step(positions)
         for group_backend, group_metadata in zip(backends, metadatas, strict=True):
             group_backend.begin_step(group_metadata)
         layer_groups = self.layer_groups if len(metadatas) > 1 else (0,) * arch.num_layers
@@ -265,19 +260,17 @@ class DecoderModel:
             zip(self.layers, kv_caches, strict=True)
         ):
             kind = arch.layers[i]
-            h, x = self._add_norm(delta, x, weights.input_norm)
+            h, x = self.elementwise.add_norm(delta, x, weights.input_norm)
             if kind.linear:
                 o = self._linear_attention(h, weights, key_cache, value_cache, states, i)
             else:
                 gate = None  # [num_tokens, num_heads * head_dim]
                 if kind.kv_source is None:
-                    q, k, v, gate = self._qkv(
-                        h, weights, positions, rotations[kind.rope], kind.rope, i
-                    )
+                    q, k, v, gate = self._qkv(h, weights, kind.rope, i)
                     if i in self._kv_sources:
                         step_kv[i] = (k, v)
                 else:
-                    q = self._q_only(h, weights, rotations[kind.rope], i)
+                    q = self._q_only(h, weights, kind.rope, i)
                     k, v = step_kv[kind.kv_source]
                 g = layer_groups[i]
                 attn = backends[g].forward(
@@ -293,11 +286,11 @@ class DecoderModel:
                 )
                 o = self._attention_output(attn, gate, weights)
             delta = self._block_output(o, weights.attn_out_norm)
-            h, x = self._add_norm(delta, x, weights.post_norm)
+            h, x = self.elementwise.add_norm(delta, x, weights.post_norm)
             delta = self._block_output(self._mlp(h, x, weights), weights.mlp_out_norm)
             if layer_inputs is not None or weights.layer_scalar is not None:
                 x, delta = self._layer_tail(x + delta, weights, layer_inputs, i), None
-        selected, _ = self._add_norm(
+        selected, _ = self.elementwise.add_norm(
             None if delta is None else delta[logit_rows], x[logit_rows], self.final_norm
         )
         logits = self.linear(selected, self.lm_head)
@@ -371,67 +364,20 @@ class DecoderModel:
             layer,
         )
 
-    def _check_native_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Once per forward, what the unchecked native calls rely on: the rotary tables cover
-        every position, and activations are contiguous CPU tensors of a supported dtype (they
-        are: the model makes them, from its own weights)."""
-        if positions.dtype != torch.int64 or positions.shape != input_ids.shape:
-            raise ValueError(f"positions: expected [{input_ids.shape[0]}] int64")
-        if not positions.is_contiguous():
-            raise ValueError("positions: must be contiguous")
-        cpu_ops.check_positions(positions, self.cos.shape[0])
-
-    def _rotations(
-        self, positions: torch.Tensor
-    ) -> dict[int | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Per rotary table, this step's cos/sin rows ([num_tokens, 1, rotary_dim] each);
-        None for NoPE layers and for the fused path, which indexes the table itself."""
-        rotations: dict[int | None, tuple[torch.Tensor, torch.Tensor] | None] = {None: None}
-        for index, (cos, sin) in enumerate(self.rope_tables):
-            rotations[index] = (
-                None if self.fused_ops else (cos[positions][:, None, :], sin[positions][:, None, :])
-            )
-        return rotations
-
-    def _add_norm(
-        self,
-        delta: torch.Tensor | None,  # [num_tokens, hidden]; None before the first layer
-        x: torch.Tensor,  # [num_tokens, hidden], the residual stream
-        weight: torch.Tensor | None,  # [hidden]; None: no norm here (OLMo 2)
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + delta), and x + delta
-        arch = self.arch
-        if self.fused_ops and weight is not None:
-            eps, kind = arch.rms_norm_eps, arch.norm
-            if delta is None:
-                return cpu_ops.rms_norm(x, weight, eps, kind=kind, check=False), x
-            # x += delta in place (x is the model's own residual stream)
-            normed = cpu_ops.rms_norm(delta, weight, eps, residual=x, kind=kind, check=False)
-            return normed, x
-        if delta is not None:
-            x = x + delta
-        if weight is None:
-            return x, x
-        return rms_norm(x, weight, arch.rms_norm_eps, arch.norm), x
-
     def _block_output(
         self, out: torch.Tensor, norm: torch.Tensor | None
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        arch = self.arch
-        if norm is not None and self.fused_ops:
-            out = cpu_ops.rms_norm(out, norm, arch.rms_norm_eps, kind=arch.norm, check=False)
-        elif norm is not None:
-            out = rms_norm(out, norm, arch.rms_norm_eps, arch.norm)
-        if arch.residual_scale is not None:
-            out = out * arch.residual_scale
+        if norm is not None:
+            out = self.elementwise.norm(out, norm)
+        if self.arch.residual_scale is not None:
+            out = out * self.arch.residual_scale
         return out
 
     def _qkv(
         self,
         h: torch.Tensor,  # [num_tokens, hidden]
         weights: LayerWeights,
-        positions: torch.Tensor,  # [num_tokens] int64
-        rotation: tuple[torch.Tensor, torch.Tensor] | None,
-        rope: int | None,
+        rope: int | None,  # the layer's rotary table; None: NoPE
         layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q, k, v [num_tokens, heads, head_dim] each (the layer's head size), and the output
@@ -442,71 +388,30 @@ class DecoderModel:
         num_kv_heads, head_dim = arch.kv_shape(layer)
         q_size, kv_size = arch.num_heads * head_dim, num_kv_heads * head_dim
         qkv = self.linear(h, weights.qkv, weights.qkv_bias)
-        n = qkv.shape[0]
-        if self.fused_ops:  # the q/k norms, then rotary, in place on the projection's rows
-            self._fused_qk_(qkv, weights, positions, rope, num_kv_heads, head_dim)
-        gate_size = q_size if arch.attention_output_gate else 0
-        q, k, v, gate = qkv.split([q_size, kv_size, kv_size, gate_size], dim=-1)
-        if arch.qk_norm == "full" and not self.fused_ops:
-            assert weights.q_norm is not None and weights.k_norm is not None
-            q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
-            k = rms_norm(k, weights.k_norm, arch.rms_norm_eps, arch.norm)
-        q = q.view(n, arch.num_heads, head_dim)
-        k = k.view(n, num_kv_heads, head_dim)
-        v = v.view(n, num_kv_heads, head_dim)
-        if arch.qk_norm == "head" and not self.fused_ops:
-            assert weights.q_norm is not None and weights.k_norm is not None
-            q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
-            k = rms_norm(k, weights.k_norm, arch.rms_norm_eps, arch.norm)
+        q, k = self.elementwise.queries_keys(qkv, weights, rope, num_kv_heads, head_dim)
+        values = qkv[:, q_size + kv_size : q_size + 2 * kv_size]
+        v = values.view(qkv.shape[0], num_kv_heads, head_dim)
         if arch.value_norm:
             v = rms_norm(v, None, arch.rms_norm_eps)
-        if rotation is not None:
-            cos, sin = rotation
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return q, k, v, gate if gate_size else None
-
-    def _fused_qk_(
-        self,
-        qkv: torch.Tensor,  # [num_tokens, qkv width]: q, then k, lead each row
-        weights: LayerWeights,
-        positions: torch.Tensor,  # [num_tokens] int64
-        rope: int | None,  # the layer's rotary table; None: NoPE
-        num_kv_heads: int,
-        head_dim: int,
-    ) -> None:
-        arch = self.arch
-        if arch.qk_norm is not None:
-            assert weights.q_norm is not None and weights.k_norm is not None
-            per_head = arch.qk_norm == "head"
-            eps, kind = arch.rms_norm_eps, arch.norm
-            q_heads, k_heads = (arch.num_heads, num_kv_heads) if per_head else (1, 1)
-            cpu_ops.head_norm_(qkv, weights.q_norm, eps, q_heads, kind=kind, check=False)
-            keys = qkv[:, arch.num_heads * head_dim :]
-            cpu_ops.head_norm_(keys, weights.k_norm, eps, k_heads, kind=kind, check=False)
-        if rope is not None:
-            cos, sin = self.rope_tables[rope]
-            heads = arch.num_heads + num_kv_heads
-            cpu_ops.rotary_(qkv, positions, cos, sin, heads, head_dim=head_dim, check=False)
+        gate = qkv[:, q_size + 2 * kv_size :] if arch.attention_output_gate else None
+        return q, k, v, gate
 
     def _q_only(
         self,
         h: torch.Tensor,  # [num_tokens, hidden]
         weights: LayerWeights,  # qkv: the query projection alone
-        rotation: tuple[torch.Tensor, torch.Tensor] | None,
+        rope: int | None,
         layer: int,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """The queries of a layer that reads another layer's K/V (per-head q norm only:
         `fused_blockers` keeps the fused ops off for the families that share K/V)."""
         arch = self.arch
-        assert not self.fused_ops and arch.qk_norm != "full" and not arch.attention_output_gate
+        assert isinstance(self.elementwise, TorchElementwise)
+        assert arch.qk_norm != "full" and not arch.attention_output_gate
         assert weights.qkv is not None
         head_dim = arch.layer_head_dim(layer)
         q = self.linear(h, weights.qkv, weights.qkv_bias).view(-1, arch.num_heads, head_dim)
-        if weights.q_norm is not None:
-            q = rms_norm(q, weights.q_norm, arch.rms_norm_eps, arch.norm)
-        if rotation is not None:
-            q = apply_rotary(q, *rotation)
-        return q
+        return self.elementwise.queries(q, weights, rope)
 
     def _mlp(
         self,
@@ -519,11 +424,7 @@ class DecoderModel:
             assert arch.moe is not None
             return moe_mlp(h, weights.moe, arch.moe, arch.activation)
         gate_up = self.linear(h, weights.gate_up, weights.gate_up_bias)
-        if self.fused_ops:
-            fused = cpu_ops.silu_mul if arch.activation == "silu" else cpu_ops.gelu_tanh_mul
-            act = fused(gate_up, check=False)
-        else:
-            act = gated_activation(gate_up, arch.activation)
+        act = self.elementwise.gated_activation(gate_up)
         dense = self.linear(act, weights.down, weights.down_bias)
         if weights.moe is not None:  # experts beside the dense MLP
             return parallel_moe_mlp(dense, x, weights.moe, arch)
