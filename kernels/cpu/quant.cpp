@@ -260,9 +260,10 @@ inline void fused_tile(const float* x, int64_t in, const uint8_t* w, int64_t row
   vfloat acc[M][R] = {};
   for (int64_t b = 0; b < in / kBlock; ++b) {
     const uint8_t* block = w + b * block_bytes(Type);
-    for (int r = 0; r < R; ++r)
-      if (block + r * row_bytes + 4096 < end)
-        _mm_prefetch(reinterpret_cast<const char*>(block + r * row_bytes + 4096), _MM_HINT_T0);
+    // The tile's rows lie back to back: as a linear walk through them, b blocks into each
+    // row is b * R blocks into the tile. (Prefetching each row's own bytes ahead, four streams
+    // a row apart, read Gemma's head at about half the memory's speed.)
+    prefetch_ahead_of(w + b * R * block_bytes(Type), R * block_bytes(Type), end);
     __m512 table[R], upper[R];
     for (int r = 0; r < R; ++r) table[r] = block_table<Type>(block + r * row_bytes, upper[r]);
     for (int h = 0; h < 2; ++h) {

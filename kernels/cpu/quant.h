@@ -96,6 +96,21 @@ inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t*
     _mm_prefetch(reinterpret_cast<const char*>(next + byte), _MM_HINT_T0);
 }
 
+// A kernel that walks its weights' bytes in order, `bytes` at a time (an interleaved group's
+// block; a tile of rows' blocks, as far into the tile as the rows are into their blocks),
+// prefetches at each step the bytes this far ahead of it, which runs on into the next groups
+// or tiles; chosen by timing the decode step (bench/RESULTS.md, "Interleaved weights").
+constexpr int64_t kAhead = 4096;
+
+// Always inlined: a call inside a kernel's loop would spill its vector registers.
+[[gnu::always_inline]] inline void prefetch_ahead_of(const uint8_t* at, int64_t bytes,
+                                                     const uint8_t* end) {
+  if (end == nullptr) return;
+  for (int64_t line = 0; line < bytes; line += 64)
+    if (at + kAhead + line < end)
+      _mm_prefetch(reinterpret_cast<const char*>(at + kAhead + line), _MM_HINT_T0);
+}
+
 template <typename Fn>
 int dispatch(int type, Fn&& fn) {
   switch (type) {

@@ -41,18 +41,6 @@
 
 namespace llmserve::quant {
 
-// Each block of a group, as it is read, prefetches the bytes this far ahead of it (groups lie
-// back to back, so this runs on into the next ones); chosen by timing the decode step
-// (bench/RESULTS.md, "Interleaved weights").
-constexpr int64_t kAhead = 4096;
-
-inline void prefetch_ahead_of(const uint8_t* block, int64_t bytes, const uint8_t* end) {
-  if (end == nullptr) return;
-  for (int64_t line = 0; line < bytes; line += 64)
-    if (block + kAhead + line < end)
-      _mm_prefetch(reinterpret_cast<const char*>(block + kAhead + line), _MM_HINT_T0);
-}
-
 constexpr int kSubBlocks = kSuperBlock / kBlock;
 
 // The run of a file block's bytes [lane_begin, lane_end) that a group interleaves by lanes
