@@ -26,8 +26,8 @@
 // stack (in L1 for rows of up to about a thousand weights) and dotted with every activation
 // row, two or four activation rows at a time, so the output equals HF's dequantized float32
 // matmul up to summation order (which is the same for every row of a batch: `dot_tile`).
-// Steps of one or two tokens on AVX-512 dequantize the 32-weight types' blocks in registers
-// instead (`fused_tile`): the same weights and the same multiply-adds in the same order.
+// Steps of one or two tokens on AVX-512 dequantize the blocks in registers instead
+// (`fused_tile`, `fused_k_tile`): the same weights and the same multiply-adds in the same order.
 //
 
 #include <algorithm>
@@ -91,42 +91,49 @@ inline vbytes bytes_at(const uint8_t* p) {
 }
 inline vint widen(vbytes v) { return __builtin_convertvector(v, vint); }
 
-// Q4_K's and Q5_K's super-block: w = (d * sc) * q - dmin * m, the package's operations.
-template <bool kFifthBit>
-inline void dequantize_q45_k(const uint8_t* block, float* out) {
-  const float d = half_to_float(block), dmin = half_to_float(block + 2);
-  const uint8_t* packed = block + 4;
-  const uint8_t* high = block + 16;  // Q5_K only
-  const uint8_t* q = block + (kFifthBit ? 48 : 16);
-  for (int j = 0; j < 8; ++j) {
-    int scale, min;
-    k_scale_min(packed, j, scale, min);
-    const float dl = d * float(scale), ml = dmin * float(min);
-    const uint8_t* pair = q + 32 * (j / 2);
-    for (int t = 0; t < 32; t += kLanes) {  // kLanes weights at once, the same operations
-      vint value = widen(bytes_at(pair + t) >> (4 * (j % 2))) & 0x0f;
-      if constexpr (kFifthBit) value |= (widen(bytes_at(high + t) >> j) & 1) << 4;
-      store(out + 32 * j + t, dl * __builtin_convertvector(value, vfloat) - ml);
+// A k-quant super-block's float scales, by the package's operations: Q4_K's and Q5_K's
+// d * sc (`mul`) and dmin * m (`sub`) per sub-block of 32 weights, Q6_K's d * scale per 16.
+struct KScales {
+  float mul[16];
+  float sub[8];
+};
+
+template <int Type>
+inline KScales k_scales(const uint8_t* block) {
+  KScales sc;
+  if constexpr (Type == kQ6_K) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = half_to_float(block + 208);
+    for (int i = 0; i < 16; ++i) sc.mul[i] = d * float(scales[i]);
+  } else {
+    const float d = half_to_float(block), dmin = half_to_float(block + 2);
+    for (int j = 0; j < 8; ++j) {
+      int scale, min;
+      k_scale_min(block + 4, j, scale, min);
+      sc.mul[j] = d * float(scale);
+      sc.sub[j] = dmin * float(min);
     }
   }
+  return sc;
 }
 
-// Q6_K's super-block: w = (d * scale) * (q - 32).
-inline void dequantize_q6_k(const uint8_t* block, float* out) {
-  const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
-  const float d = half_to_float(block + 208);
-  for (int half = 0; half < 2; ++half) {
-    const uint8_t* low = block + 64 * half;
+// Weights at .. at + kLanes - 1 of a k-quant super-block (`at` a multiple of kLanes) with its
+// k_scales: Q4_K and Q5_K (d * sc) * q - dmin * m, Q6_K (d * scale) * (q - 32).
+template <int Type>
+inline vfloat k_lanes(const uint8_t* block, int at, const KScales& sc) {
+  if constexpr (Type == kQ6_K) {
+    const int half = at / 128, s = at % 128 / 32, t = at % 32;  // 32 weights per s
+    const uint8_t* low = block + 64 * half;  // the low nibbles of 32 bytes, then the high ones
     const uint8_t* high = block + 128 + 32 * half;
-    for (int s = 0; s < 4; ++s) {  // 32 weights: low nibbles of 32 bytes, then high ones
-      float* dst = out + 128 * half + 32 * s;
-      for (int t = 0; t < 32; t += kLanes) {  // kLanes weights at once (kLanes divides 16)
-        const vint l = widen(bytes_at(low + 32 * (s % 2) + t) >> (4 * (s / 2))) & 0x0f;
-        const vint h = widen(bytes_at(high + t) >> (2 * s)) & 0x03;
-        const float dl = d * float(scales[8 * half + 2 * s + t / 16]);
-        store(dst + t, dl * __builtin_convertvector((l | h << 4) - 32, vfloat));
-      }
-    }
+    const vint l = widen(bytes_at(low + 32 * (s % 2) + t) >> (4 * (s / 2))) & 0x0f;
+    const vint h = widen(bytes_at(high + t) >> (2 * s)) & 0x03;
+    return sc.mul[at / 16] * __builtin_convertvector((l | h << 4) - 32, vfloat);
+  } else {
+    const int j = at / 32, t = at % 32;  // sub-block j of 32 weights
+    const uint8_t* pair = block + (Type == kQ5_K ? 48 : 16) + 32 * (j / 2);
+    vint value = widen(bytes_at(pair + t) >> (4 * (j % 2))) & 0x0f;
+    if constexpr (Type == kQ5_K) value |= (widen(bytes_at(block + 16 + t) >> j) & 1) << 4;
+    return sc.mul[j] * __builtin_convertvector(value, vfloat) - sc.sub[j];
   }
 }
 
@@ -136,11 +143,14 @@ void dequantize_row(const uint8_t* row, int64_t cols, float* out) {
   for (int64_t b = 0; b < cols / weights; ++b) {
     const uint8_t* block = row + b * bytes;
     float* dst = out + b * weights;
-    if constexpr (Type == kQ5_0) dequantize_q5_0(block, dst);
-    else if constexpr (Type == kQ4_K) dequantize_q45_k<false>(block, dst);
-    else if constexpr (Type == kQ5_K) dequantize_q45_k<true>(block, dst);
-    else if constexpr (Type == kQ6_K) dequantize_q6_k(block, dst);
-    else dequantize_block<Type>(block, dst);
+    if constexpr (is_k_quant(Type)) {
+      const KScales sc = k_scales<Type>(block);
+      for (int at = 0; at < kSuperBlock; at += kLanes) store(dst + at, k_lanes<Type>(block, at, sc));
+    } else if constexpr (Type == kQ5_0) {
+      dequantize_q5_0(block, dst);
+    } else {
+      dequantize_block<Type>(block, dst);
+    }
   }
 }
 
@@ -167,6 +177,22 @@ constexpr int kTileTokens = 4;
 constexpr int kTileTokens = 2;
 #endif
 
+// acc[m][r] += x[m][0 .. kLanes) * wk[r] for M activation rows `in` floats apart.
+template <int R, int M>
+inline void multiply_add(vfloat (&acc)[M][R], const float* x, int64_t in, const vfloat (&wk)[R]) {
+  for (int m = 0; m < M; ++m) {
+    vfloat xk;
+    std::memcpy(&xk, x + m * in, sizeof xk);
+    for (int r = 0; r < R; ++r) acc[m][r] = fmadd(xk, wk[r], acc[m][r]);
+  }
+}
+
+template <int R, int M>
+inline void store_sums(const vfloat (&acc)[M][R], float* out, int64_t out_stride) {
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m * out_stride + r] = hsum(acc[m][r]);
+}
+
 // out[m * out_stride + r] = sum_k x[m][k] * w[r][k] for R weight rows (stride `in`) and M
 // activation rows (stride `in`), k < in (a multiple of kLanes). Each dot is one accumulator of
 // kLanes lanes taking k in order, then hsum's fixed tree: the same operations for any R and M,
@@ -181,14 +207,9 @@ inline void dot_tile(const float* x, int64_t in, const float* w, float* out, int
   for (int64_t k = 0; k < in; k += kLanes) {
     vfloat wk[R];
     for (int r = 0; r < R; ++r) std::memcpy(&wk[r], w + r * in + k, sizeof(vfloat));
-    for (int m = 0; m < M; ++m) {
-      vfloat xk;
-      std::memcpy(&xk, x + m * in + k, sizeof xk);
-      for (int r = 0; r < R; ++r) acc[m][r] = fmadd(xk, wk[r], acc[m][r]);
-    }
+    multiply_add(acc, x + k, in, wk);
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) out[m * out_stride + r] = hsum(acc[m][r]);
+  store_sums(acc, out, out_stride);
 }
 
 // R dequantized weight rows (`w`, stride `in`) against all n tokens.
@@ -261,38 +282,61 @@ inline void fused_tile(const float* x, int64_t in, const uint8_t* w, int64_t row
   for (int64_t b = 0; b < in / kBlock; ++b) {
     const uint8_t* block = w + b * block_bytes(Type);
     // The tile's rows lie back to back: as a linear walk through them, b blocks into each
-    // row is b * R blocks into the tile. (Prefetching each row's own bytes ahead, four streams
-    // a row apart, read Gemma's head at about half the memory's speed.)
+    // row is b * R blocks into the tile (one stream to prefetch, not R a row apart).
     prefetch_ahead_of(w + b * R * block_bytes(Type), R * block_bytes(Type), end);
     __m512 table[R], upper[R];
     for (int r = 0; r < R; ++r) table[r] = block_table<Type>(block + r * row_bytes, upper[r]);
     for (int h = 0; h < 2; ++h) {
       vfloat wk[R];
       for (int r = 0; r < R; ++r) wk[r] = block_half<Type>(block + r * row_bytes, h, table[r], upper[r]);
-      for (int m = 0; m < M; ++m) {
-        vfloat xk;
-        std::memcpy(&xk, x + m * in + b * kBlock + 16 * h, sizeof xk);
-        for (int r = 0; r < R; ++r) acc[m][r] = fmadd(xk, wk[r], acc[m][r]);
-      }
+      multiply_add(acc, x + b * kBlock + 16 * h, in, wk);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) out[m * out_stride + r] = hsum(acc[m][r]);
+  store_sums(acc, out, out_stride);
+}
+
+// fused_tile for the k-quants: each super-block's weights kLanes at a time by k_lanes, the
+// operations dequantize_row takes, then dot_tile's multiply-adds.
+template <int Type, int R, int M>
+inline void fused_k_tile(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+                         float* out, int64_t out_stride, const uint8_t* end) {
+  vfloat acc[M][R] = {};
+  for (int64_t b = 0; b < in / kSuperBlock; ++b) {
+    const uint8_t* block = w + b * block_bytes(Type);
+    prefetch_ahead_of(w + b * R * block_bytes(Type), R * block_bytes(Type), end);
+    KScales sc[R];
+    for (int r = 0; r < R; ++r) sc[r] = k_scales<Type>(block + r * row_bytes);
+    for (int at = 0; at < kSuperBlock; at += kLanes) {
+      vfloat wk[R];
+      for (int r = 0; r < R; ++r) wk[r] = k_lanes<Type>(block + r * row_bytes, at, sc[r]);
+      multiply_add(acc, x + b * kSuperBlock + at, in, wk);
+    }
+  }
+  store_sums(acc, out, out_stride);
 }
 
 // Steps of at most this many tokens take fused_tile.
 constexpr int64_t kFusedTokens = 2;
 
+template <int Type, int R, int M>
+inline void fused_rows(const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,
+                       float* out, int64_t out_stride, const uint8_t* end) {
+  if constexpr (is_k_quant(Type))
+    fused_k_tile<Type, R, M>(x, in, w, row_bytes, out, out_stride, end);
+  else
+    fused_tile<Type, R, M>(x, in, w, row_bytes, out, out_stride, end);
+}
+
 template <int Type, int M>
 void fused_linear(const float* x, int64_t in, const uint8_t* w, int64_t out_features, float* out) {
-  const int64_t row_bytes = in / kBlock * block_bytes(Type);
+  const int64_t row_bytes = in / block_weights(Type) * block_bytes(Type);
   const uint8_t* end = w + out_features * row_bytes;
   parallel_for(out_features, out_features * M * in > (1 << 16), [&](int64_t begin, int64_t stop) {
     int64_t o = begin;
     for (; o + kTileRows <= stop; o += kTileRows)
-      fused_tile<Type, kTileRows, M>(x, in, w + o * row_bytes, row_bytes, out + o, out_features, end);
+      fused_rows<Type, kTileRows, M>(x, in, w + o * row_bytes, row_bytes, out + o, out_features, end);
     for (; o < stop; ++o)
-      fused_tile<Type, 1, M>(x, in, w + o * row_bytes, row_bytes, out + o, out_features, end);
+      fused_rows<Type, 1, M>(x, in, w + o * row_bytes, row_bytes, out + o, out_features, end);
   });
 }
 #endif
@@ -301,10 +345,8 @@ template <int Type>
 void linear(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t out_features,
             float* out) {
 #if defined(__AVX512F__) && defined(__F16C__)
-  if constexpr (!is_k_quant(Type)) {
-    if (n == 1) return fused_linear<Type, 1>(x, in, w, out_features, out);
-    if (n == kFusedTokens) return fused_linear<Type, kFusedTokens>(x, in, w, out_features, out);
-  }
+  if (n == 1) return fused_linear<Type, 1>(x, in, w, out_features, out);
+  if (n == kFusedTokens) return fused_linear<Type, kFusedTokens>(x, in, w, out_features, out);
 #endif
   const int64_t row_bytes = in / block_weights(Type) * block_bytes(Type);
   parallel_for(out_features, out_features * n * in > (1 << 16), [&](int64_t begin, int64_t end) {
