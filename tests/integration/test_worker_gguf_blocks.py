@@ -29,7 +29,6 @@ from tests.support.models import (
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.models.gguf_weights import (
     CROSSOVER_ROWS,
-    DEQUANTIZE_ROWS_EXACT,
     NEVER_DEQUANTIZE,
     dequantize_rows,
     dequantized_matmul,
@@ -104,15 +103,13 @@ def test_every_weight_with_a_kernel_runs_on_blocks_and_the_dense_copies_are_gone
 def test_long_row_blocks_take_the_dequantizing_path_with_the_same_product(
     loaded: Any, mode: QuantMode
 ) -> None:
-    """Prefill-sized inputs may dequantize the weight whole (dequantize_rows: fixed in exact
-    mode, measured here in fast mode); that product is the kernel's in the same mode, row by
+    """Prefill-sized inputs may dequantize the weight whole (dequantize_rows, measured here
+    per mode); that product is the kernel's in the same mode, row by
     row, up to summation order (fast mode's 8-bit activations included, so a token's product
     does not depend on its step's rows)."""
     weight = loaded[0]._model.layers[0].gate_up
     assert isinstance(weight, QuantWeight)
-    assert dequantize_rows(weight, mode) in (
-        (DEQUANTIZE_ROWS_EXACT,) if mode == "exact" else (*CROSSOVER_ROWS, NEVER_DEQUANTIZE)
-    )
+    assert dequantize_rows(weight, mode) in (*CROSSOVER_ROWS, NEVER_DEQUANTIZE)
     rows = 96
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(3))
     whole = dequantized_matmul(x, weight, None, mode)

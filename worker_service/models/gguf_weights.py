@@ -16,9 +16,9 @@ Modes (`--quant-mode`, kernels/cpu/quant.py):
   products (every type above). The weights it multiplies (with rows a multiple of 8) are
   interleaved when installed (`quant.interleave`: the same products, faster); a tied LM head
   becomes an interleaved copy, and the embedding keeps the file's rows for its lookups.
-Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: fixed by
-weight size in exact mode, measured on this machine per weight shape in fast mode) dequantize
-the weight whole and multiply with torch; in fast mode on the activations rounded as the
+Inputs of `dequantize_rows` rows or more (prefill chunks, large decode batches: measured on
+this machine per mode and weight shape, fixed for weights too large to time) dequantize the
+weight whole and multiply with torch; in fast mode on the activations rounded as the
 kernel rounds them, so that a token's product does not depend on how many rows share its step
 (a recomputed or transferred sequence, a prefix hit).
 """
@@ -50,27 +50,23 @@ log = get_logger("worker.gguf")
 
 # From this many input rows on (prefill chunks, large decode batches), a block weight is
 # dequantized whole and multiplied by torch, which wins from there; either way the product is
-# the mode's up to the activations' rounding (fast) and summation order. Exact mode's, on the
-# 2-core Xeon (AVX-512; ms for exact kernel / dequantize + F.linear, SmolLM2's tensors):
-#   rows              48           64           96           128          192
-#   Q4_1 576x576      0.27 / 0.52  0.35 / 0.64  0.48 / 0.69  0.66 / 0.76  1.02 / 0.99
-#   Q4_1 1536x576     0.67 / 1.09  0.97 / 1.65  1.33 / 1.53  1.74 / 1.55  2.48 / 2.32
-#   Q8_0 49152x576    22 / 61      31 / 64      40 / 67      52 / 74      98 / 112
-# Fast mode's crossover differs by machine (bench/RESULTS.md, "on a Zen 4"), so it is measured
-# here (`fast_dequantize_rows`) for each weight shape below LARGE_WEIGHT_BYTES. A weight whose float32 copy outgrows the caches (the LM head)
-# writes it to memory and reads it back, so it is dequantized later, from a fixed count.
-DEQUANTIZE_ROWS_EXACT = 96
+# the mode's up to the activations' rounding (fast) and summation order. Where the two cross
+# differs by machine and mode (bench/RESULTS.md, "on a Zen 4" and "Every family's elementwise
+# ops fused"), so it is measured here (`measured_dequantize_rows`) for each mode, type and
+# weight shape below LARGE_WEIGHT_BYTES. A weight whose float32 copy outgrows the caches (the
+# LM head) writes it to memory and reads it back, so it is dequantized later, from a fixed
+# count.
 LARGE_WEIGHT_BYTES = 32 << 20
 LARGE_DEQUANTIZE_ROWS = 192
-# Fast mode's measurement: these input sizes, smallest first, each path timed best of
+# The measurement: these input sizes, smallest first, each path timed best of
 # CROSSOVER_REPEATS; dequantizing takes over at the first size where it is faster by
 # CROSSOVER_MARGIN, and never (NEVER_DEQUANTIZE) if at none.
-CROSSOVER_ROWS = (64, 128, 256, 512)
+CROSSOVER_ROWS = (64, 128, 256, 512, 1024)
 CROSSOVER_REPEATS = 3
 CROSSOVER_MARGIN = 0.9
 NEVER_DEQUANTIZE = 1 << 31
 
-_fast_crossover: dict[tuple[int, tuple[int, int]], int] = {}  # (type, shape) -> rows
+_crossover: dict[tuple[QuantMode, int, tuple[int, int]], int] = {}  # (mode, type, shape) -> rows
 
 
 def dequantize_rows(weight: QuantWeight, mode: QuantMode) -> int:
@@ -78,29 +74,31 @@ def dequantize_rows(weight: QuantWeight, mode: QuantMode) -> int:
     rows, in_features = weight.shape
     if rows * in_features * 4 > LARGE_WEIGHT_BYTES:
         return LARGE_DEQUANTIZE_ROWS
-    return DEQUANTIZE_ROWS_EXACT if mode == "exact" else fast_dequantize_rows(weight)
+    return measured_dequantize_rows(weight, mode)
 
 
-def fast_dequantize_rows(weight: QuantWeight) -> int:
-    """Fast mode's crossover for `weight`'s type and shape, measured on first use in this
-    process (a few tens of ms: every weight of a shape shares it)."""
-    key = (weight.code, weight.shape)
-    if key not in _fast_crossover:
-        _fast_crossover[key] = first_faster(*time_both_paths(weight))
-    return _fast_crossover[key]
+def measured_dequantize_rows(weight: QuantWeight, mode: QuantMode) -> int:
+    """The crossover for `weight`'s type and shape in `mode`, measured on first use in this
+    process (tens to hundreds of ms: every weight of a shape shares it)."""
+    key = (mode, weight.code, weight.shape)
+    if key not in _crossover:
+        _crossover[key] = first_faster(*time_both_paths(weight, mode))
+    return _crossover[key]
 
 
-def time_both_paths(weight: QuantWeight) -> tuple[dict[int, float], dict[int, float]]:
-    """Seconds (best of CROSSOVER_REPEATS) of fast mode's kernel and of the dequantizing
-    path on random inputs of each CROSSOVER_ROWS size, stopping at the first size where
+def time_both_paths(
+    weight: QuantWeight, mode: QuantMode
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds (best of CROSSOVER_REPEATS) of the mode's kernel and of the dequantizing path
+    on random inputs of each CROSSOVER_ROWS size, stopping at the first size where
     dequantizing wins."""
     kernel: dict[int, float] = {}
     dequantizing: dict[int, float] = {}
     generator = torch.Generator().manual_seed(0)
     for rows in CROSSOVER_ROWS:
         x = torch.randn(rows, weight.in_features, generator=generator)
-        kernel[rows] = _best_of(partial(quant.linear, x, weight.code, weight.blocks, "fast"))
-        dequantizing[rows] = _best_of(partial(dequantized_matmul, x, weight, None, "fast"))
+        kernel[rows] = _best_of(partial(quant.linear, x, weight.code, weight.blocks, mode))
+        dequantizing[rows] = _best_of(partial(dequantized_matmul, x, weight, None, mode))
         if first_faster(kernel, dequantizing) == rows:
             break
     return kernel, dequantizing
