@@ -12,28 +12,22 @@ import torch
 
 from llmserve.batch_limits import BatchLimits, GivenBatchLimits, adopt_batch_limits
 from llmserve.gguf_files import reading_gguf_once
-from llmserve.kv_layout import KvLayout, KvLayoutError, plan_layout
 from llmserve.logs import get_logger
 from llmserve.model_spec import memoize_gguf_name_maps, resolve_model
 from llmserve.steps import StepInput, StepResult, TokenMask
 from worker_service import metrics
-from worker_service.attention import AttentionSpec, get_backend_class
-from worker_service.attention.base import AttentionBackend
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
 from worker_service.config import WorkerConfig
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.exports import Exports
 from worker_service.heap import return_freed_heap
 from worker_service.kv_transfer import import_blocks
-from worker_service.linear_impl import choose_linear_impl
 from worker_service.linear_state import StatePools, StateShapes
 from worker_service.model_info import ModelInfo
 from worker_service.model_runner import ModelRunner
-from worker_service.models import DecoderModel, model_from_hf, mxfp4, read_arch
+from worker_service.model_setup import set_up_model
+from worker_service.models import DecoderModel, mxfp4
 from worker_service.models.arch import ModelArchConfig
-from worker_service.models.native import default_native_max_batch
-from worker_service.models.quantize_at_load import load_blocks
-from worker_service.sampler import Sampler
 
 log = get_logger(__name__)
 
@@ -107,106 +101,9 @@ class Worker:
     def load_from_hf(self, hf_model: Any) -> None:
         """Take the weights of an already-loaded transformers model (tests, benchmarks)."""
         self._check_thread()
-        arch = read_arch(hf_model.config, type(hf_model).__name__)
-        max_len = arch.max_position_embeddings
-        if self.config.max_model_len is not None:
-            max_len = min(max_len, self.config.max_model_len)
-        kv_layers = [i for i, kind in enumerate(arch.layers) if not kind.linear]
-        specs = [
-            AttentionSpec(
-                self.device,
-                self.dtype,
-                arch.num_heads,
-                num_kv_heads,
-                head_dim,
-                sliding_window=arch.sliding_window,
-                softcap=arch.attn_softcap,
-                sinks=arch.attention_sinks,
-            )
-            for num_kv_heads, head_dim in sorted({arch.kv_shape(i) for i in kv_layers})
-        ]
-        backend_cls = get_backend_class(self.config.attention_backend, specs)
-        hf_model = hf_model.to(device=self.device, dtype=self.dtype)
-        # The native CPU backend brings the fused elementwise kernels and the prepacked
-        # matmuls along; `torch` stays plain torch throughout, as the reference.
-        linear_impl = choose_linear_impl(
-            self.config.linear_impl, backend_cls.name, arch, self.device, self.dtype,
-            lambda: resolve_model(self.config.model), self.config.quantization,
-        )  # fmt: skip
-        # The model takes the native decode step where it can run it (models/native.py)
-        # and says why not otherwise: those models decode on the per-layer path.
-        native_max = self.config.native_decode_max_batch
-        if native_max is None:
-            native_max = default_native_max_batch(arch, blocks=linear_impl == "gguf")
-        self._model = model_from_hf(
-            hf_model,
-            max_positions=max_len,
-            fused_ops=backend_cls.name == "cpu",
-            packed_linear=linear_impl == "onednn",
-            native_linear=linear_impl == "native",
-            native_decode_max_batch=native_max if backend_cls.name == "cpu" else 0,
-        )
-        if linear_impl == "gguf":
-            load_blocks(
-                self._model, self.config.quantization, self.config.quant_mode,
-                resolve_model(self.config.model),
-            )  # fmt: skip
-        if self._model.native_decode_refused is not None:
-            log.info("native decode step off", reason=self._model.native_decode_refused)
-        eos = _eos_ids(hf_model)
-        # Layers that read another layer's K/V (Gemma 4) store none: they map to its slot.
-        windows = [kind.sliding_window for kind in arch.layers]
-        if not self.config.hybrid_kv_cache:
-            windows = [None] * len(windows)  # one full group: every layer keeps every token
-        widths = [
-            heads * head_dim for heads, head_dim in map(arch.kv_shape, range(arch.num_layers))
-        ]
-        layout = plan_layout(windows, arch.kv_sources, arch.linear_layers, widths)
-        _check_group_shapes(layout, arch)
-        self._info = ModelInfo(
-            model=self.config.model,
-            architecture=arch.architecture,
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device),
-            block_size=self.config.block_size,
-            max_model_len=max_len,
-            vocab_size=arch.vocab_size,
-            eos_token_id=eos[0] if eos else None,
-            eos_token_ids=eos,
-            attention_backend=backend_cls.name,
-            linear_impl=linear_impl,
-            num_threads=torch.get_num_threads(),
-            weight_format=self._model.weight_format,
-            weight_bytes=self._model.weight_bytes(),
-            kv_layout=layout,
-        )
-        if len(layout.groups) > 1 or layout.reserves_null_block:
-            log.info(
-                "hybrid KV cache",
-                cuda_graphs_allowed=len(layout.groups) == 1,
-                groups=[
-                    f"{'full' if g.sliding_window is None else g.sliding_window}:{len(g.layers)}"
-                    for g in layout.groups
-                ],
-                slots_per_block=layout.slots,
-            )
-        metrics.WEIGHT_BYTES.labels(format=self._info.weight_format).set(self._info.weight_bytes)
-        # One backend per KV group: a backend keeps per-step state (masks, gather indices)
-        # built from its group's block tables.
-        backends: list[AttentionBackend] = []
-        for group in layout.groups:
-            num_kv_heads, head_dim = arch.kv_shape(group.layers[0])
-            scale = arch.layer_scale(group.layers[0])
-            backends.append(
-                backend_cls(arch.num_heads, num_kv_heads, head_dim, scale, arch.attn_softcap)
-            )
-        if linear_impl == "gguf" and self.config.quant_mode == "fast":
-            taken = [backend.take_bf16_prompt_dots() for backend in backends]
-            log.info("prompts' attention in bfloat16 dot products", taken=all(taken))
-        sampler = Sampler(
-            arch.vocab_size, eos, seed=self.config.seed, native_reductions=backend_cls.name == "cpu"
-        )
-        self._runner = ModelRunner(self._model, backends, sampler, self.config.block_size, layout)
+        loaded = set_up_model(self.config, self.device, self.dtype, hf_model)
+        self._model, self._info, self._runner = loaded.model, loaded.info, loaded.runner
+        metrics.WEIGHT_BYTES.labels(format=loaded.info.weight_format).set(loaded.info.weight_bytes)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -486,29 +383,9 @@ class Worker:
         return len(self.runner.states)
 
 
-def _check_group_shapes(layout: KvLayout, arch: ModelArchConfig) -> None:
-    """A group's layers attend with one backend: refuse layers of one width but different
-    shapes laid out together (say 2 heads of 256 beside 1 of 512), by name."""
-    for group in layout.groups:
-        shapes = {arch.kv_shape(layer): layer for layer in group.layers}
-        if len(shapes) > 1:
-            described = ", ".join(f"layer {i}: {h} kv heads x {d}" for (h, d), i in shapes.items())
-            raise KvLayoutError(f"one KV group holds layers of different shapes ({described})")
-
-
 def _state_shapes(arch: ModelArchConfig) -> StateShapes | None:
     """One state slot's tensors in each recurrent layer (None: the model has none)."""
     spec = arch.linear_attention
     if spec is None:
         return None
     return StateShapes(spec.conv_state_shape(), spec.recurrent_state_shape())
-
-
-def _eos_ids(hf_model: Any) -> tuple[int, ...]:
-    gen = getattr(hf_model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos is None:
-        eos = getattr(hf_model.config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)

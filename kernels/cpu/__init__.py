@@ -2,9 +2,10 @@
 
 `paged_attention.cpp` (decode) and `paged_prefill.cpp` (prefill over a cached prefix) read
 K/V straight from the paged cache; `decode.cpp` runs a whole decode step; `ops.cpp` fuses
-RMSNorm, rotary embedding, SiLU-and-multiply and the sampler's reductions (argmax and
-log-sum-exp; the best token a mask allows); `quant.cpp` keeps weights in GGUF blocks (Q4_0,
-Q4_1, Q8_0: dequantization, the linear layer in exact and fast mode, `kernels.cpu.quant`);
+every family's norms, q/k norms, rotary embedding and gated activations;
+`sampling_rows.cpp` has the sampler's row reductions (argmax and log-sum-exp; the best token
+a mask allows); `quant.cpp` keeps weights in GGUF blocks (dequantization, the linear layer in
+exact mode; fast mode's in `quant_fast.cpp` and `quant_interleaved.cpp`, `kernels.cpu.quant`);
 `linear_attention.cpp` steps a Gated DeltaNet layer's conv and recurrent states at decode,
 `linear_prefill.cpp` runs them over packed prefill sequences.
 `build.py` compiles them for this CPU on first use, and `isa.cpp` says for which instruction

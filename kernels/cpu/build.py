@@ -30,11 +30,13 @@ COMMON_FLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-std=c++20")
 FLAGS_ENV = "LLMSERVE_KERNEL_FLAGS"  # extra compiler flags, after COMMON_FLAGS
 # llmserve_kernel_isa()'s bits, in order.
 ISA_NAMES = ("avx2", "avx512", "avx512vnni", "avx512bf16")
-# Per source: extra flags. ops.cpp mirrors torch's rounding, so no multiply-add contraction.
+# Per source: extra flags. ops.cpp and sampling_rows.cpp mirror torch's rounding, so no
+# multiply-add contraction.
 SOURCES = {
     "paged_attention.cpp": (),
     "paged_prefill.cpp": (),
     "ops.cpp": ("-ffp-contract=off",),
+    "sampling_rows.cpp": ("-ffp-contract=off",),
     "decode.cpp": (),
     # Dequantized weights must round as numpy's d * q + m does (two roundings).
     "quant.cpp": ("-ffp-contract=off",),

@@ -10,7 +10,6 @@
 
 namespace llmserve {
 
-constexpr int64_t kParallelElements = 1 << 15;  // smaller calls run on the calling thread
 constexpr int64_t kMaxKeyDim = 512;             // q and k of one head are copied to the stack
 constexpr int64_t kMaxValueDim = 512;
 

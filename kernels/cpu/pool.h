@@ -146,6 +146,10 @@ class ChunkPool {
 // Threads of every parallel loop in this library, the caller included (llmserve_set_num_threads).
 inline std::atomic<int> pool_threads{int(std::max(1u, std::thread::hardware_concurrency()))};
 
+// Elementwise loops over fewer elements than this run on the calling thread: waking the
+// pool would cost more than it saves.
+constexpr int64_t kParallelElements = 1 << 15;
+
 // body(begin, end) over [0, n) in chunks of about four per thread, on the pool's threads when
 // `parallel`, else on the calling thread alone.
 template <typename Body>
