@@ -232,6 +232,8 @@ class DecoderModel:
         self.argmax_logprobs = None
         if positions.shape != input_ids.shape:
             raise ValueError(f"positions: expected [{input_ids.shape[0]}], like input_ids")
+        # Before the native step too: it indexes the rotary tables unchecked, as the fused ops do.
+        self.elementwise.begin_step(positions)
         metadatas = metadata if isinstance(metadata, list) else [metadata]
         backends = backend if isinstance(backend, list) else [backend]
         if self.native_decode is not None and self.native_decode.accepts(metadatas, logit_rows):
@@ -240,7 +242,6 @@ class DecoderModel:
             )
             return logits
         arch = self.arch
-        self.elementwise.begin_step(positions)
         for group_backend, group_metadata in zip(backends, metadatas, strict=True):
             group_backend.begin_step(group_metadata)
         layer_groups = self.layer_groups if len(metadatas) > 1 else (0,) * arch.num_layers

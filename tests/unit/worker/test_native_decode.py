@@ -192,3 +192,19 @@ def test_linear_rows_names_bad_arguments() -> None:
         linear_rows(torch.randn(2, 16), torch.randn(5, 16), torch.randn(4))
     with pytest.raises(KernelArgumentError, match="weight"):
         linear_rows(torch.randn(2, 16), torch.randn(5, 16).bfloat16())
+
+
+def test_positions_past_the_rotary_tables_are_refused_on_the_native_step_too(
+    tiny_model_dir: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native step indexes the rotary tables unchecked: the model checks every step's
+    positions before it, as it does for the per-layer path. A worker driven past its length
+    (no scheduler stops it here) gets a named error, not a read past the tables."""
+    worker = make_worker(tiny_model_dir["llama"], max_model_len=12)
+    assert worker.model.decode_step is not None
+    steps = _count_native_steps(worker, monkeypatch)
+    driver = GreedyDriver(worker)
+    with pytest.raises(KernelArgumentError, match="positions"):
+        # The prompt's 10 positions, then decode steps at 10, 11 and 12.
+        driver.run_greedy({0: PROMPTS[0]}, max_new_tokens=4)
+    assert steps == [1, 1]  # positions 10 and 11 ran natively; 12 was refused before it
