@@ -53,6 +53,7 @@ HEADERS = (
     "attention.h",
     "prefill_chunk.h",
     "quant.h",
+    "quant_dequant.h",
     "quant_fast.h",
     "quant_chunked.h",
     "quant_interleaved.h",
