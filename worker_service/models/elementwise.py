@@ -105,7 +105,8 @@ class TorchElementwise:
 
 class FusedElementwise:
     """The elementwise steps as the fused C++ ops (`kernels.cpu.ops`), called unchecked: the
-    model makes their inputs from its own weights, and `begin_step` checks the positions."""
+    model makes their inputs from its own weights, and `begin_step` checks the positions
+    (for the native decode step too, which the decoder runs after it)."""
 
     fused = True
 
