@@ -30,6 +30,7 @@ from llmserve.steps import CachedSequence, NewSequence, StepInput
 from scheduler_service.engine import CacheConfig, LLMEngine, SchedulerConfig
 from scheduler_service.engine.offline import generate
 from worker_service.config import WorkerConfig
+from worker_service.models.held_weights import linear_layers_only
 from worker_service.worker import Worker
 
 
@@ -139,7 +140,7 @@ def decode_efficiency(
         last = {o.seq_id: o.samples[0].token_id for o in out.outputs}
         with torch.inference_mode():
             t = time.perf_counter()
-            worker.model.linear_layers_only(batch)
+            linear_layers_only(worker.model, batch)
             linear_ms.append((time.perf_counter() - t) * 1e3)
     return statistics.median(step_ms[1:]), statistics.median(linear_ms[1:])
 

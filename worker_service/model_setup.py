@@ -20,6 +20,7 @@ from worker_service.model_info import ModelInfo
 from worker_service.model_runner import ModelRunner
 from worker_service.models import DecoderModel, model_from_hf, read_arch
 from worker_service.models.arch import ModelArchConfig
+from worker_service.models.held_weights import weight_bytes
 from worker_service.models.native import default_native_max_batch
 from worker_service.models.quantize_at_load import load_blocks
 from worker_service.sampler import Sampler
@@ -86,7 +87,7 @@ def set_up_model(
         linear_impl=linear_impl,
         num_threads=torch.get_num_threads(),
         weight_format=model.weight_format,
-        weight_bytes=model.weight_bytes(),
+        weight_bytes=weight_bytes(model),
         kv_layout=layout,
     )
     # One backend per KV group: a backend keeps per-step state (masks, gather indices)

@@ -32,13 +32,11 @@ transformers token for token.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep, set_num_threads
-from kernels.cpu.quant import QuantWeight
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.linear_state import StateMetadata
 from worker_service.models.arch import ModelArchConfig
@@ -68,10 +66,7 @@ from worker_service.models.per_layer_inputs import (
     per_layer_inputs,
 )
 from worker_service.models.rope import cos_sin_for
-from worker_service.models.weights import LayerWeights
-
-_PROJECTIONS = ("qkv", "o", "gate_up", "down", "per_layer_gate", "per_layer_proj")
-_NESTED = ("moe", "delta_net")  # LayerWeights fields that hold weights of their own
+from worker_service.models.weights import LayerWeights, convert_projections
 
 
 class DecoderModel:
@@ -140,13 +135,13 @@ class DecoderModel:
                     f"packed linear layers need oneDNN on the CPU in float32 or bfloat16, "
                     f"not {embed.device} {embed.dtype}"
                 )
-            self._convert_projections(layers, pack_weight)
+            convert_projections(layers, pack_weight)
             if per_layer_input_weights is not None:
                 per_layer_input_weights.projection = pack_weight(per_layer_input_weights.projection)
             lm_head = pack_weight(lm_head)  # a copy: the embedding (often the same tensor) stays
             self.linear = packed_matmul
         elif native_linear:
-            self._convert_projections(layers, lambda t: t.contiguous())
+            convert_projections(layers, lambda t: t.contiguous())
             if per_layer_input_weights is not None:
                 projection = per_layer_input_weights.projection.contiguous()
                 per_layer_input_weights.projection = projection
@@ -169,48 +164,6 @@ class DecoderModel:
         self._embed_scale = embedding_multiplier(
             arch.embed_scale, arch.round_embed_scale, self.dtype
         )
-
-    @staticmethod
-    def _convert_projections(
-        layers: list[LayerWeights], convert: Callable[[torch.Tensor], torch.Tensor]
-    ) -> None:
-        for w in layers:
-            for name in _PROJECTIONS:
-                tensor = getattr(w, name)
-                if tensor is not None:
-                    setattr(w, name, convert(tensor))
-            if w.delta_net is not None:
-                w.delta_net.in_proj = convert(w.delta_net.in_proj)
-                w.delta_net.out_proj = convert(w.delta_net.out_proj)
-
-    def weight_bytes(self) -> int:
-        """Bytes of the weights this model holds: every tensor it (or its native decode step,
-        which may keep plain copies of packed weights) points to but the rotary tables, each
-        storage once."""
-        held: list[object] = [self.embed, self.final_norm, self.lm_head]
-        if self.per_layer_input_weights is not None:
-            held += self.per_layer_input_weights.tensors()
-        for layer in self.layers:
-            held += [getattr(layer, f.name) for f in fields(layer) if f.name not in _NESTED]
-            if layer.moe is not None:
-                held += layer.moe.tensors()
-            if layer.delta_net is not None:
-                held += layer.delta_net.tensors()
-        if self.native_decode is not None:
-            held += self.native_decode.step._tensors
-        tables = {t.untyped_storage().data_ptr() for pair in self.rope_tables for t in pair}
-        sizes: dict[int, int] = {}
-        for weight in held:
-            if isinstance(weight, QuantWeight):
-                sizes[weight.data_ptr()] = weight.nbytes
-            elif isinstance(weight, torch.Tensor):
-                if weight.is_mkldnn:  # opaque packed layout: no storage to share
-                    sizes[id(weight)] = weight.numel() * weight.element_size()
-                else:
-                    storage = weight.untyped_storage()
-                    if storage.data_ptr() not in tables:  # the step's rotary tables
-                        sizes[storage.data_ptr()] = storage.nbytes()
-        return sum(sizes.values())
 
     @property
     def decode_step(self) -> DecodeStep | None:
@@ -430,28 +383,6 @@ class DecoderModel:
         if weights.moe is not None:  # experts beside the dense MLP
             return parallel_moe_mlp(dense, x, weights.moe, arch)
         return dense
-
-    def linear_layers_only(self, num_tokens: int) -> None:
-        """Run just the dense matmuls of one forward over `num_tokens` tokens (bench
-        reference), with the model's own matmul implementation."""
-        arch, linear = self.arch, self.linear
-
-        def zeros(width: int) -> torch.Tensor:  # [num_tokens, width]
-            return torch.zeros(num_tokens, width, dtype=self.dtype, device=self.device)
-
-        x = zeros(arch.hidden_size)
-        for i, weights in enumerate(self.layers):
-            if weights.delta_net is not None:
-                linear(x, weights.delta_net.in_proj)
-                linear(zeros(weights.delta_net.out_proj.shape[1]), weights.delta_net.out_proj)
-            else:
-                linear(x, weights.qkv, weights.qkv_bias)
-                linear(zeros(arch.num_heads * arch.layer_head_dim(i)), weights.o)
-            if weights.gate_up is not None and weights.down is not None:
-                linear(x, weights.gate_up)
-                # Layers' MLPs may differ in width (Gemma 4's double-wide ones).
-                linear(zeros(weights.down.shape[1]), weights.down)
-        linear(x, self.lm_head)
 
 
 # The name the worker used before the families came.

@@ -6,6 +6,7 @@ qkv_proj/gate_up_proj, experts stored as fused 3-D tensors)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,3 +256,21 @@ def read_layer(
         delta_net=delta_net,
         **attention,
     )
+
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down", "per_layer_gate", "per_layer_proj")
+
+
+def convert_projections(
+    layers: list[LayerWeights], convert: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Each layer's projections (and a linear-attention layer's in/out projections) replaced
+    by `convert` of them, in place (prepacking, making contiguous)."""
+    for w in layers:
+        for name in _PROJECTIONS:
+            tensor = getattr(w, name)
+            if tensor is not None:
+                setattr(w, name, convert(tensor))
+        if w.delta_net is not None:
+            w.delta_net.in_proj = convert(w.delta_net.in_proj)
+            w.delta_net.out_proj = convert(w.delta_net.out_proj)

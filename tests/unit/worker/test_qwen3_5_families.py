@@ -18,6 +18,7 @@ from worker_service.attention.torch_backend import TorchAttentionBackend
 from worker_service.linear_state import StateMetadata
 from worker_service.models import UnsupportedModelError, model_from_hf, read_arch
 from worker_service.models.decoder import DecoderModel
+from worker_service.models.held_weights import weight_bytes
 
 from .factories import hf_greedy
 
@@ -269,7 +270,7 @@ def test_weight_bytes_are_the_checkpoints(kind: str, hf_models: dict[str, Any]) 
     storages = {
         p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in hf.parameters()
     }
-    assert model_from_hf(hf, max_positions=64).weight_bytes() == sum(storages.values())
+    assert weight_bytes(model_from_hf(hf, max_positions=64)) == sum(storages.values())
 
 
 @pytest.mark.parametrize(
