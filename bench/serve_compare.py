@@ -174,6 +174,26 @@ def our_cpu_s() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
+def server_cpu_s(server_pid: int) -> dict[str, float]:
+    """CPU seconds so far of a server's processes, by role: the service an `llmserve.cli`
+    process runs (worker, scheduler, gateway), else the process's name (`llama-server`, and
+    `llmserve up`'s supervisor as `llmserve`)."""
+    try:
+        root = psutil.Process(server_pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    roles: dict[str, float] = {}
+    for p in family:
+        try:
+            command, times, name = p.cmdline(), p.cpu_times(), p.name()
+        except psutil.NoSuchProcess:
+            continue
+        role = command[command.index("llmserve.cli") + 1] if "llmserve.cli" in command else name
+        roles[role] = roles.get(role, 0.0) + times.user + times.system
+    return roles
+
+
 def ensure_hf_model(path: Path, spec: str = "smollm2") -> None:
     """A model spec (default: the embedded model) as a plain HF directory (weights and
     tokenizer), exported once."""
@@ -212,8 +232,10 @@ def measure_clients(
     `env` added to ours), run each serve.py client command in turn (each writes its result
     path), stop the server. Uses args.max_load, load_patience, log_dir, start_timeout and
     max_duration. Returns each client's summary with the commands and the load during the
-    server's life, and under "probe" what `probe(server pid)` returned after the client
-    finished (the server still up). A client that fails fails the ones after it."""
+    server's life, under "server_cpu_s" the CPU seconds each of the server's processes took
+    while the client ran (`server_cpu_s`, by role), and under "probe" what `probe(server
+    pid)` returned after the client finished (the server still up). A client that fails fails
+    the ones after it."""
     load_before = wait_for_quiet(args.max_load, args.load_patience)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     log_path = args.log_dir / f"{clients[0][1].stem}.log"
@@ -232,10 +254,15 @@ def measure_clients(
         for client, result_path in clients:
             print("   $ " + shown(client))
             result_path.unlink(missing_ok=True)
+            cpu_before = server_cpu_s(proc.pid)
             run_client(client, args.max_duration)
+            cpu_after = server_cpu_s(proc.pid)
             if not result_path.exists():
                 raise RuntimeError("serve.py wrote no result")
             summary = json.loads(result_path.read_text())["summary"]
+            summary["server_cpu_s"] = {
+                role: seconds - cpu_before.get(role, 0.0) for role, seconds in cpu_after.items()
+            }
             if probe is not None:
                 summary["probe"] = probe(proc.pid)
             summaries.append(summary)

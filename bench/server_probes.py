@@ -1,6 +1,6 @@
 """What bench/vs_llama_cpp.py reads from the servers after a run, and its report lines:
-llmserve's worker step times and forward gaps (from its /metrics) and both servers' resident
-memory."""
+llmserve's worker step times and forward gaps (from its /metrics), both servers' resident
+memory, and the CPU time their processes and the client took per output token."""
 
 from __future__ import annotations
 
@@ -99,4 +99,26 @@ def gap_lines(result: dict[str, Any]) -> list[str]:
                     f"{100 * g['share_under_0.5ms']:.0f}% under 0.5 ms"
                 )
         lines.append(f"- {streams} streams ({dtype}): {'; '.join(parts)}")
+    return lines
+
+
+def cpu_lines(result: dict[str, Any], servers: tuple[str, str]) -> list[str]:
+    """One line per run pair: each server's CPU milliseconds per output token while its client
+    ran (serve_compare.measure_clients' `server_cpu_s`, by process role), and the client's."""
+    lines = []
+    for key, runs in result["runs"].items():
+        parts = []
+        for name in servers:
+            s = runs.get(name, {})
+            tokens = s.get("total_output_tokens")
+            if not tokens or "server_cpu_s" not in s:
+                continue
+            roles = sorted(s["server_cpu_s"].items(), key=lambda kv: -kv[1])
+            per_token = ", ".join(f"{role} {1000 * cpu / tokens:.2f}" for role, cpu in roles if cpu)
+            total = 1000 * sum(cpu for _, cpu in roles) / tokens
+            client = 1000 * s.get("client_cpu_s", 0.0) / tokens
+            parts.append(f"{name} {total:.2f} ({per_token}; client {client:.2f})")
+        if parts:
+            streams, dtype = key.split("-", 1)
+            lines.append(f"- {streams} streams ({dtype}): {'; '.join(parts)}")
     return lines

@@ -57,7 +57,7 @@ from serve_compare import (
     shown,
     wait_for_quiet,
 )
-from server_probes import gap_lines, memory_lines, server_memory, worker_metrics
+from server_probes import cpu_lines, gap_lines, memory_lines, server_memory, worker_metrics
 
 from llmserve.ports import free_ports
 
@@ -336,6 +336,11 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             "of one forward pass to the start of the next, sampling included; 'queued': the next "
             "step had arrived when the forward pass ended):",
             *gap_lines(result),
+            "",
+            "CPU time per output token while the client ran, ms (each server's processes, "
+            "largest first; on a machine the server fills, every millisecond outside the "
+            "forward pass is one the pass waits for):",
+            *cpu_lines(result, SERVERS),
             "",
             "Resident memory after the run (RSS; llmserve's worker holds its KV cache, sized by "
             "--kv-cache-memory, llama-server the -c context of its slots):",
