@@ -144,8 +144,9 @@ class StepPipeline:
         return seconds, len(masks)
 
     async def finish_oldest(self) -> tuple[list[RequestOutput], bool]:
-        """Receive the oldest step's result and finish it. Returns its outputs and whether
-        the step was empty."""
+        """Receive the oldest step's result and finish it, sending the continuation of the
+        step left in flight first if it has one. Returns its outputs and whether the step was
+        empty."""
         step = self._steps[0]
         result = None
         mask_seconds, num_masks = 0.0, len(step.step_input.token_masks)
@@ -167,6 +168,12 @@ class StepPipeline:
         outputs = engine.finish_step(step.sched_out, step.step_input, result)
         if self._steps:  # a continuation: its masks can be computed now
             self._start_masks(self._steps[0])
+            # Its own continuation goes out before this step's spans, metrics and outputs are
+            # dealt with: while the worker runs the step in flight, every process here shares
+            # its cores, and the next step should be waiting when that step's pass ends. The
+            # stream writes what is queued once this task yields, so it yields here.
+            if self.try_continue():
+                await asyncio.sleep(0)
         self.tracer.on_outputs(outputs)
         end_step_span(
             step.span,
