@@ -1,7 +1,7 @@
 """Structured output through the whole stack: what a grammar costs a served request.
 
 Issue #26's serving figures, on the embedded SmolLM2 through `llmserve up`
-(bench/serve_compare.py's measure_clients: quiet machine, health, serve.py clients, stop):
+(bench/server_runs.py's measure_clients: quiet machine, health, serve.py clients, stop):
 
   tpot-free         16 streams, one wave of 16 requests started together, input 128, output
                     64, no grammar;
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from serve_compare import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
+from server_runs import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
 
 from llmserve.ports import free_ports
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from serve_compare import ensure_hf_model, wait_for_quiet
+from server_runs import ensure_hf_model, wait_for_quiet
 from transformers import AutoModelForCausalLM
 
 

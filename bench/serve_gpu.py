@@ -34,7 +34,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 
 import serve  # noqa: E402  (bench/serve.py)
-from serve_compare import stop, wait_healthy  # noqa: E402
+from server_runs import stop, wait_healthy  # noqa: E402
 
 from llmserve.model_spec import resolve_model  # noqa: E402
 from llmserve.ports import free_ports  # noqa: E402

@@ -104,7 +104,7 @@ def gap_lines(result: dict[str, Any]) -> list[str]:
 
 def cpu_lines(result: dict[str, Any], servers: tuple[str, str]) -> list[str]:
     """One line per run pair: each server's CPU milliseconds per output token while its client
-    ran (serve_compare.measure_clients' `server_cpu_s`, by process role), and the client's."""
+    ran (server_runs.measure_clients' `server_cpu_s`, by process role), and the client's."""
     lines = []
     for key, runs in result["runs"].items():
         parts = []

@@ -75,7 +75,7 @@ from typing import Any
 
 import httpx
 from llama_cpp import gguf_for, llama_server
-from serve_compare import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
+from server_runs import BENCH, BIN, Server, ensure_hf_model, measure_clients, shown
 from spec_report import plain_of, pool_rounds, report
 from spec_workloads import MODEL, RANDOM_INPUT_LEN, code_sources, workload_bodies
 
@@ -180,7 +180,7 @@ def send(client: httpx.Client, base_url: str, body: dict[str, Any]) -> dict[str,
 
 def client_main(argv: list[str]) -> None:
     """`spec_decode.py client ...`: one workload's requests, one at a time, and its summary
-    (what serve_compare.measure_clients runs and reads)."""
+    (what server_runs.measure_clients runs and reads)."""
     p = argparse.ArgumentParser(prog="spec_decode.py client")
     for flag in ("--base-url", "--prompts", "--tokenizer", "--out"):
         p.add_argument(flag, required=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serve_compare import Server, stop, wait_healthy
+from server_runs import Server, stop, wait_healthy
 from spec_decode import parse_args, server_for
 from spec_report import plain_of
 from spec_workloads import MODEL, workload_bodies

@@ -47,17 +47,9 @@ from typing import Any
 from llama_cpp import gguf_for, llama_server
 from machine import describe
 from rounds import median_run, ratio_spread, round_order, spread
-from serve_compare import (
-    BENCH,
-    BIN,
-    Server,
-    dense_flags,
-    ensure_hf_model,
-    measure_server,
-    shown,
-    wait_for_quiet,
-)
+from serve_compare import dense_flags
 from server_probes import cpu_lines, gap_lines, memory_lines, server_memory, worker_metrics
+from server_runs import BENCH, BIN, Server, ensure_hf_model, measure_server, shown, wait_for_quiet
 
 from llmserve.ports import free_ports
 

@@ -1,4 +1,4 @@
-"""bench/serve_compare.py's CPU time by server process role, on real processes, and
+"""bench/server_runs.py's CPU time by server process role, on real processes, and
 bench/server_probes.py's per-token lines worked out here from the inputs."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-from serve_compare import server_cpu_s  # noqa: E402
 from server_probes import cpu_lines  # noqa: E402
+from server_runs import server_cpu_s  # noqa: E402
 
 # A child that burns 0.3 s of CPU, then waits for its stdin to close.
 _BURN = "import sys, time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\nsys.stdin.read()"  # noqa: E501
