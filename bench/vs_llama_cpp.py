@@ -39,7 +39,6 @@ import json
 import os
 import signal
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from rounds import median_run, ratio_spread, round_order, spread
 from serve_compare import dense_flags
 from server_probes import cpu_lines, gap_lines, memory_lines, server_memory, worker_metrics
 from server_runs import BENCH, BIN, Server, ensure_hf_model, measure_server, shown, wait_for_quiet
+from weight_floor import floor_lines, memory_bandwidth, weight_bytes
 
 from llmserve.ports import free_ports
 
@@ -128,65 +128,6 @@ def scaled(w: Workload, scale: float) -> int:
     return max(1, round(w.num_prompts * scale))
 
 
-def weight_bytes(hf_model: Path, dtype: str, spec: str) -> int:
-    """Bytes one decode step reads: each linear layer's weight (and bias) once, lm_head
-    included even when it shares the embedding's tensor, plus one embedding row. For the
-    GGUF files (`FILES`): their matrices' bytes (a tied head is the embedding's tensor)."""
-    import torch
-
-    if dtype in FILES:
-        from gguf import GGUFReader
-
-        tensors = GGUFReader(gguf_for(dtype, spec)).tensors
-        return sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(hf_model)
-    with torch.device("meta"):  # shapes only, nothing allocated
-        model = AutoModelForCausalLM.from_config(config)
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    tensors = {
-        id(p): p.numel()
-        for m in model.modules()
-        if isinstance(m, torch.nn.Linear)
-        for p in (m.weight, m.bias)
-        if p is not None
-    }
-    return (sum(tensors.values()) + config.hidden_size) * itemsize
-
-
-def memory_bandwidth(threads: int, runs: int = 5) -> dict[str, Any]:
-    """Read bandwidth of a plain pass over memory: x.sum() over 1 GiB, best of `runs` (the
-    floor's figure: a decode step reads its weights). A copy into a second 1 GiB tensor is
-    measured too, for reference (read + write bytes over its time)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    x = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, touched (no lazy zero pages)
-    y = torch.zeros_like(x)
-    nbytes = x.numel() * x.element_size()
-
-    def best(step: Any) -> list[float]:
-        step()
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return times
-
-    read_s, copy_s = best(x.sum), best(lambda: y.copy_(x))
-    return {
-        "method": f"torch x.sum() over a 1 GiB float32 tensor, {threads} threads, best of {runs}",
-        "bytes": nbytes,
-        "seconds": read_s,
-        "gb_per_s": nbytes / min(read_s) / 1e9,
-        "copy_seconds": copy_s,
-        "copy_gb_per_s": 2 * nbytes / min(copy_s) / 1e9,
-    }
-
-
-# The worker's histograms read after an llmserve run (worker_service/metrics.py).
 def run_path(args: argparse.Namespace, server: str, workload: str, dtype: str, rnd: int) -> Path:
     """serve.py's --out prefix for one run (no dot in the name: it appends .json / .png)."""
     name = f"{server.replace('.', '-')}-{workload}-{dtype}"
@@ -248,25 +189,6 @@ def spread_cell(value: str, s: dict[str, float] | None, unit: str = "") -> str:
     if value == "-" or not s or s["min"] == s["max"]:
         return value
     return f"{value} ({s['min']:.{2 if unit else 1}f}-{s['max']:.{2 if unit else 1}f}{unit})"
-
-
-def floor_lines(result: dict[str, Any]) -> list[str]:
-    bw = result["bandwidth"]
-    lines = []
-    for dtype, floor in result["floor"].items():
-        ours = result["runs"].get(f"1-{dtype}", {}).get("llmserve", {})
-        tpot = ours.get("tpot_ms", {}).get("p50")
-        versus = (
-            f"llmserve's median single-stream TPOT {tpot:.1f} ms is {tpot / floor['ms']:.2f}x "
-            "the floor (target <= 1.5x)"
-            if tpot
-            else "no llmserve single-stream run"
-        )
-        lines.append(
-            f"- {dtype}: {floor['bytes'] / 1e6:.1f} MB of weights per decode step / "
-            f"{bw['gb_per_s']:.1f} GB/s = {floor['ms']:.2f} ms per token; {versus}."
-        )
-    return lines
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
@@ -425,7 +347,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "same_text": {},
     }
     for dtype in args.dtypes:
-        nbytes = weight_bytes(args.hf_model, dtype, args.model)
+        gguf = gguf_for(dtype, args.model) if dtype in FILES else None
+        nbytes = weight_bytes(args.hf_model, dtype, gguf)
         ms = nbytes / (result["bandwidth"]["gb_per_s"] * 1e9) * 1000
         result["floor"][dtype] = {"bytes": nbytes, "ms": ms}
     rounds: list[dict[str, dict[str, Any]]] = result["rounds"]
