@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import describe  # noqa: E402
 from kernels import cpu as cpu_kernels  # noqa: E402
-from kernels.cpu.decode import set_num_threads  # noqa: E402
+from kernels.cpu.pool import set_num_threads  # noqa: E402
 from kernels.gated_delta_rule import gated_delta_rule_chunked  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 from scheduler_service.engine.offline import generate  # noqa: E402

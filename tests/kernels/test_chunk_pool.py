@@ -13,7 +13,7 @@ import os
 import pytest
 
 from kernels._checks import KernelArgumentError
-from kernels.cpu.decode import pool_check
+from kernels.cpu.pool import pool_check
 
 # Loops of different sizes back to back, as a decode step's projections and attention are.
 COUNTS = [2, 9, 3, 16]

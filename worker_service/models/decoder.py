@@ -36,7 +36,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep, set_num_threads
+from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep
+from kernels.cpu.pool import set_num_threads
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.linear_state import StateMetadata
 from worker_service.models.arch import ModelArchConfig
