@@ -168,12 +168,12 @@ class StepPipeline:
         outputs = engine.finish_step(step.sched_out, step.step_input, result)
         if self._steps:  # a continuation: its masks can be computed now
             self._start_masks(self._steps[0])
-            # Its own continuation goes out before this step's spans, metrics and outputs are
-            # dealt with: while the worker runs the step in flight, every process here shares
-            # its cores, and the next step should be waiting when that step's pass ends. The
-            # stream writes what is queued once this task yields, so it yields here.
-            if self.try_continue():
-                await asyncio.sleep(0)
+            # Its own continuation is queued before this step's outputs go to the fleet, so the
+            # stream's writer, woken first, sends it before they are handled: while the worker
+            # runs the step in flight, every process here shares its cores, and the next step
+            # should be waiting when that step's pass ends. (No await here: a cancellation
+            # must not find a step finished and its outputs not returned.)
+            self.try_continue()
         self.tracer.on_outputs(outputs)
         end_step_span(
             step.span,
