@@ -1,4 +1,4 @@
-"""A whole decode step in one native call (decode.cpp), and its projections on their own.
+"""A whole decode step in one native call (decode.cpp).
 
 `DecodeStep` holds the raw pointers of a dense model's weights (`DecodeLayer`; its
 model-wide features in `DecodeShape`), laid out once, and of its KV caches, rebound when the
@@ -8,8 +8,7 @@ blocks (`kernels.cpu.quant.QuantWeight`), multiplied in `DecodeShape.quant_mode`
 row's argmax with its logprob (`ArgmaxLogprobs`) while those logits are still in cache. The
 tensors it points into must outlive it: it keeps references to them.
 
-`linear_rows` is the projection kernel of that step, exposed for tests and benchmarks:
-`x @ weight.T + bias`, reading each weight row once for all rows of x.
+Its projection kernel on its own is `kernels.cpu.linear_rows.linear_rows`.
 """
 
 from __future__ import annotations
@@ -38,47 +37,6 @@ _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # order).
 _BLOCK_SIZE_DIM = 7
 _BLOCK_STRIDE_DIM = 8
-
-
-def linear_rows(
-    x: torch.Tensor,  # [n, in]
-    weight: torch.Tensor,  # [out, in]
-    bias: torch.Tensor | None = None,  # [out]
-    check: bool = True,
-) -> torch.Tensor:  # [n, out] = x @ weight.T + bias, in x's dtype
-    """`check=False` skips the argument checks, for the model's per-layer path, whose
-    weights were checked at load (`native_linear_unsupported_reason`) and whose activations
-    it makes itself."""
-    if check:
-        _check_linear(x, weight, bias)
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    library().llmserve_linear_rows(
-        DTYPE_CODES[x.dtype],
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        weight.shape[0],
-    )
-    return out
-
-
-def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    for name, tensor, ndim in (("x", x, 2), ("weight", weight, 2), ("bias", bias, 1)):
-        if tensor is None:
-            continue
-        if tensor.dim() != ndim or not tensor.is_contiguous() or tensor.device.type != "cpu":
-            raise KernelArgumentError(name, f"expected a contiguous {ndim}-d CPU tensor")
-        if tensor.dtype != x.dtype or x.dtype not in DTYPE_CODES:
-            raise KernelArgumentError(name, f"dtype {tensor.dtype}: expected float32 or bfloat16")
-    if weight.shape[1] != x.shape[1] or x.shape[1] % 8:
-        raise KernelArgumentError(
-            "weight", f"in features {weight.shape[1]} vs x's {x.shape[1]} (a multiple of 8)"
-        )
-    if bias is not None and bias.shape[0] != weight.shape[0]:
-        raise KernelArgumentError("bias", f"size {bias.shape[0]} != {weight.shape[0]} outputs")
 
 
 @dataclass(frozen=True, slots=True)

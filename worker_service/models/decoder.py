@@ -21,7 +21,7 @@ output norms, the q/k norms, rotary and SiLU- or GELU-and-multiply are single C+
 plain torch elementwise path), and the linear-attention layers' decode rows run on the C++
 state kernels (`kernels.cpu.linear_attention`); with `packed_linear` every matmul runs through
 oneDNN on weights prepacked at load; with `native_linear` through
-`kernels.cpu.decode.linear_rows`; and pure decode steps of up to `native_decode_max_batch`
+`kernels.cpu.linear_rows.linear_rows`; and pure decode steps of up to `native_decode_max_batch`
 tokens run as one native call (`native.NativeDecode`) for every dense family; it refuses the
 others (`arch.native_blockers`: experts, attention sinks, linear-attention layers...) by
 feature name and they decode on the per-layer path.

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from kernels import KernelArgumentError
 from kernels.cpu import argmax_logsumexp
-from kernels.cpu.decode import ArgmaxLogprobs, DecodeShape, linear_rows
+from kernels.cpu.decode import ArgmaxLogprobs, DecodeShape
+from kernels.cpu.linear_rows import linear_rows
 from tests.support.models import FAMILY_KINDS, KINDS, save_tiny_model
 from worker_service.models.native import default_native_max_batch
 from worker_service.worker import Worker
