@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 
+#include "pool.h"
 #include "quant.h"
 
 namespace llmserve::quant {
@@ -21,13 +22,30 @@ struct ActBlock {  // d and s adjacent: block_scales reads them as a pair
   int8_t q[kBlock];
 };
 
+// max |v[j]| over a block of 32; a NaN is passed over, as std::max(amax, |v|) does.
+inline float block_amax(const float* v) {
+#if defined(__AVX2__)
+  // max_ps returns its second operand when either is NaN: the running maxima stay NaN-free.
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int j = 0; j < kBlock; j += 8)
+    m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + j), magnitude), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+  float amax = 0.0f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+  return amax;
+#endif
+}
+
 // Row x[0..cols) into cols / 32 ActBlocks (quant_fast.cpp's file comment says how).
 inline void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
   for (int64_t b = 0; b < cols / kBlock; ++b) {
     const float* v = x + b * kBlock;
     ActBlock& block = out[b];
-    float amax = 0.0f;
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float amax = block_amax(v);
     const float d = amax / 127.0f;
     const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
@@ -42,13 +60,16 @@ inline void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
 }
 
 // The n rows of x [n, in] quantized (n * in / 32 blocks), in this thread's buffer: valid until
-// its next call on this thread.
+// its next call on this thread. Many rows (a prompt) are quantized on the pool's threads.
 inline ActBlock* quantize_rows(const float* x, int64_t n, int64_t in) {
   thread_local std::vector<ActBlock> activations;
   const int64_t blocks = in / kBlock;
   activations.resize(size_t(n * blocks));
-  for (int64_t i = 0; i < n; ++i) quantize_activations(x + i * in, in, activations.data() + i * blocks);
-  return activations.data();
+  ActBlock* a = activations.data();
+  parallel_for(n, n * in >= kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_activations(x + i * in, in, a + i * blocks);
+  });
+  return a;
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
