@@ -101,6 +101,12 @@ def _up_parser() -> argparse.ArgumentParser:
         help="workers' matmuls (auto, the default: a quantized GGUF file on its blocks); see "
         "`llmserve worker --help`",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="workers' K/V cache dtype (auto, the default: bfloat16 in fast mode on GGUF "
+        "blocks, else the model's); see `llmserve worker --help`",
+    )
     p.add_argument("--kv-cache-memory", type=float, default=None, help="per worker, GiB (CPU)")
     p.add_argument("--swap-space", type=float, default=None, help="per worker, GiB")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -182,6 +188,7 @@ _WORKER_FLAGS = [
     "quantization",
     "quant-mode",
     "linear-impl",
+    "kv-cache-dtype",
     "kv-cache-memory",
     "swap-space",
     "log-level",

@@ -24,6 +24,8 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "cpu", "triton", "torch"]
 LinearImplName = Literal["auto", "torch", "onednn", "native", "gguf"]
 QuantizationName = Literal["none", "q8_0", "q4_1"]
+KvCacheDtypeName = Literal["auto", "model", "bfloat16"]
+KV_CACHE_DTYPES: tuple[KvCacheDtypeName, ...] = ("auto", "model", "bfloat16")
 QUANTIZATIONS: tuple[QuantizationName, ...] = ("none", "q8_0", "q4_1")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -89,6 +91,17 @@ class WorkerConfig:
         "rounded to 8 bits, integer dot products, as llama.cpp, and bfloat16 dot products in "
         "the prompts' attention where the CPU has AVX512-BF16; exact = blocks dequantized to "
         "float32 (HF's model up to summation order)",
+    )
+    # The K/V cache's dtype. `auto`: bfloat16 where a float32 model runs in fast mode on GGUF
+    # blocks with the `cpu` backend (a decode step's attention reads every cached byte of
+    # its sequences, half as many as float32; llama.cpp keeps float16 by default; quality in
+    # bench/RESULTS.md), else the model dtype (`model`). bfloat16 in a float32 model needs
+    # the `cpu` backend: the step's q, k and v rows are rounded to it and the attention runs
+    # on bfloat16 rows, its output widened back.
+    kv_cache_dtype: KvCacheDtypeName = flag(
+        "auto",
+        "K/V cache dtype: model = the model dtype; bfloat16 (a float32 model: cpu backend "
+        "only); auto = bfloat16 in fast mode on GGUF blocks with the cpu backend, else model",
     )
     # Pure decode steps of up to this many sequences run every layer in one native call
     # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks
@@ -156,6 +169,11 @@ class WorkerConfig:
             raise WorkerConfigError("block_size", f"must be a power of two, got {self.block_size}")
         if self.dtype not in ("auto", *_DTYPES):
             raise WorkerConfigError("dtype", f"must be auto|{'|'.join(_DTYPES)}, got {self.dtype}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise WorkerConfigError(
+                "kv_cache_dtype",
+                f"must be {'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype}",
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise WorkerConfigError("device", f"must be auto|cpu|cuda, got {self.device}")
         if self.attention_backend not in ("auto", "cpu", "triton", "torch"):
@@ -224,6 +242,24 @@ class WorkerConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise WorkerConfigError("device", "cuda requested but no CUDA device is available")
         return torch.device(self.device)
+
+    def resolve_kv_cache_dtype(
+        self, model_dtype: torch.dtype, attention_backend: str, linear_impl: str
+    ) -> torch.dtype:
+        """The K/V cache's dtype, once the backend and the matmuls are chosen."""
+        wanted = self.kv_cache_dtype
+        if wanted == "auto":
+            fast_blocks = linear_impl == "gguf" and self.quant_mode == "fast"
+            wanted = "bfloat16" if fast_blocks and attention_backend == "cpu" else "model"
+        if wanted == "model" or model_dtype == torch.bfloat16:
+            return model_dtype
+        if model_dtype != torch.float32 or attention_backend != "cpu":
+            raise WorkerConfigError(
+                "kv_cache_dtype",
+                f"bfloat16 beside a {str(model_dtype).removeprefix('torch.')} model needs a "
+                f"float32 model on the cpu attention backend, not {attention_backend}",
+            )
+        return torch.bfloat16
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

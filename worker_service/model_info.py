@@ -27,5 +27,12 @@ class ModelInfo:
     # How the weights are held, and their bytes (`DecoderModel.weight_format/weight_bytes`).
     weight_format: str = ""
     weight_bytes: int = 0
+    # The K/V cache's dtype (`WorkerConfig.kv_cache_dtype`); "" where not given: the model's.
+    kv_cache_dtype: str = ""
     # How the layers keep K/V (`llmserve.kv_layout`).
     kv_layout: KvLayout = field(default_factory=lambda: single_group(1))
+
+    @property
+    def cache_dtype(self) -> str:
+        """The K/V cache's dtype name, as torch spells it ("float32", "bfloat16")."""
+        return self.kv_cache_dtype or self.dtype

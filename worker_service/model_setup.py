@@ -73,6 +73,12 @@ def set_up_model(
         log.info("native decode step off", reason=model.native_decode_refused)
     eos = _eos_ids(hf_model)
     layout = _kv_layout(config, arch)
+    kv_dtype = config.resolve_kv_cache_dtype(dtype, backend_cls.name, linear_impl)
+    if kv_dtype != dtype:
+        log.info(
+            "K/V cache in another dtype than the model",
+            kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        )
     info = ModelInfo(
         model=config.model,
         architecture=arch.architecture,
@@ -88,6 +94,7 @@ def set_up_model(
         num_threads=torch.get_num_threads(),
         weight_format=model.weight_format,
         weight_bytes=weight_bytes(model),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         kv_layout=layout,
     )
     # One backend per KV group: a backend keeps per-step state (masks, gather indices)

@@ -125,7 +125,16 @@ class Worker:
 
     # -- KV cache --------------------------------------------------------------------------
     def get_cache_block_size_bytes(self) -> int:
-        return cache_block_size_bytes(self.model_info.kv_layout, self.config.block_size, self.dtype)
+        return cache_block_size_bytes(
+            self.model_info.kv_layout, self.config.block_size, self.kv_dtype
+        )
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The K/V cache's dtype (`WorkerConfig.kv_cache_dtype`; the model's by default)."""
+        dtype = getattr(torch, self.model_info.cache_dtype)
+        assert isinstance(dtype, torch.dtype)
+        return dtype
 
     @property
     def num_state_slots(self) -> int:
@@ -297,7 +306,7 @@ class Worker:
             self.config.block_size,
             num_gpu_blocks,
             num_cpu_blocks,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             states,
         )

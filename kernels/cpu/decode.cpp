@@ -21,6 +21,11 @@
 // with blocks in the step's mode (kQuantMode: exact or fast) and dequantizes the embedding rows
 // of the step's tokens.
 //
+// The K/V caches are in the model dtype, or bfloat16 in a float32 model (kCacheDtype: the
+// worker's kv_cache_dtype): the step's q, k and v rows are then rounded to bfloat16 (nearest
+// even) before the cache write and the attention, which runs on bfloat16 rows as in a
+// bfloat16 model, and its output is widened back to float32.
+//
 // Entry point (extern "C", called through ctypes; dtype 0 = float32, 1 = bfloat16):
 //   llmserve_decode_step   every layer and the LM head for n tokens, one per sequence, and
 //                          optionally each row's argmax and its logprob
@@ -77,6 +82,7 @@ enum Dim {
   kQkNorm,     // QkNorm
   kActivation, // Activation
   kQuantMode,  // QuantMode, for weights in blocks
+  kCacheDtype, // the K/V caches' dtype code: the model's, or 1 (bfloat16) in a float32 model
   kNumDims
 };
 // A multiplier, divisor or cap of 0 is absent.
@@ -99,6 +105,7 @@ enum ModelWeightType { kEmbedType, kLmHeadType };
 struct Buffers {
   std::vector<float> x32;  // the current matmul input, widened to float32
   std::vector<uint8_t> residual, normed, qkv, attn, proj, gate_up, act;
+  std::vector<bf16> qkv16, attn16;  // a bfloat16 cache's q/k/v rows and attention output
 
   template <typename T>
   static T* sized(std::vector<uint8_t>& buffer, int64_t elements) {
@@ -248,15 +255,30 @@ struct Step {
     const int64_t group = a.layer_groups[layer];
     const int64_t* slots = a.slots + group * n;
     const int32_t* tables = a.block_tables + group * a.group_stride;
-    llmserve_write_kv(dtype, qkv + q_size, qkv + q_size + kv_size, qkv_size, slots, n, kv_size,
+    const int cache_dtype = int(d[kCacheDtype]);
+    const void* rows = qkv;
+    void* out = attn;
+    if (cache_dtype != dtype) {  // a bfloat16 cache in a float32 model (checked)
+      buffers.qkv16.resize(size_t(n * qkv_size));
+      buffers.attn16.resize(size_t(n * q_size));
+      for (int64_t i = 0; i < n * qkv_size; ++i) store_scalar(&buffers.qkv16[size_t(i)], to_float(qkv[i]));
+      rows = buffers.qkv16.data();
+      out = buffers.attn16.data();
+    }
+    const int64_t element = cache_dtype == 0 ? sizeof(float) : sizeof(bf16);
+    const auto* row_bytes = static_cast<const uint8_t*>(rows);
+    llmserve_write_kv(cache_dtype, row_bytes + q_size * element,
+                      row_bytes + (q_size + kv_size) * element, qkv_size, slots, n, kv_size,
                       const_cast<void*>(p[kKeyCache]), const_cast<void*>(p[kValueCache]),
                       d[kBlockSize], d[kBlockStride]);
     // The queries are read in place from the qkv rows (query stride qkv_size).
-    return llmserve_paged_decode(dtype, head_dim, qkv, p[kKeyCache], p[kValueCache],
-                                 tables, a.table_stride, a.seq_lens, attn, n, d[kHeads],
-                                 d[kKvHeads], d[kBlockSize], d[kBlockStride], a.params[kScale],
-                                 0, qkv_size, a.windows[layer], a.params[kAttnSoftcap],
-                                 nullptr);
+    const int status = llmserve_paged_decode(
+        cache_dtype, head_dim, rows, p[kKeyCache], p[kValueCache], tables, a.table_stride,
+        a.seq_lens, out, n, d[kHeads], d[kKvHeads], d[kBlockSize], d[kBlockStride],
+        a.params[kScale], 0, qkv_size, a.windows[layer], a.params[kAttnSoftcap], nullptr);
+    if (out != attn)
+      for (int64_t i = 0; i < n * q_size; ++i) store_scalar(attn + i, to_float(buffers.attn16[size_t(i)]));
+    return status;
   }
 
   void mlp(const T* x, const void* const* p, const int64_t* types) {
@@ -306,7 +328,8 @@ struct Step {
 extern "C" {
 
 // Returns 0, or -1 for an unsupported dtype or shape (widths not multiples of 8, an odd or
-// too wide rotary; blocks in a bfloat16 model, or a row not a whole number of blocks). With
+// too wide rotary; blocks in a bfloat16 model, or a row not a whole number of blocks; caches
+// neither in the model dtype nor bfloat16 in a float32 model). With
 // `argmax` (else null), also each row's first argmax and its logprob, as
 // llmserve_argmax_logsumexp gives them.
 int llmserve_decode_step(int dtype, const int64_t* dims, const float* params,
@@ -320,6 +343,7 @@ int llmserve_decode_step(int dtype, const int64_t* dims, const float* params,
   const int64_t q_size = dims[kHeads] * dims[kHeadDim];
   if (dims[kHidden] % 8 || dims[kInter] % 8 || q_size % 8 || dims[kHeadDim] % 8) return -1;
   if (dims[kRotaryDim] % 2 || dims[kRotaryDim] > dims[kHeadDim]) return -1;
+  if (dims[kCacheDtype] != dtype && !(dtype == 0 && dims[kCacheDtype] == 1)) return -1;
   for (int64_t i = 0; i < dims[kLayers] * kTypesPerLayer + 2; ++i) {
     if (weight_types[i] == 0) continue;
     if (dtype != 0 || llmserve_quant_block_bytes(int(weight_types[i])) == 0) return -1;

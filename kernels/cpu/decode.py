@@ -2,7 +2,8 @@
 
 `DecodeStep` holds the raw pointers of a dense model's weights (`DecodeLayer`; its
 model-wide features in `DecodeShape`), laid out once, and of its KV caches, rebound when the
-caches change. In a float32 model the projections, the embedding and the LM head may be GGUF
+caches change. The caches are in the model dtype, or bfloat16 in a float32 model (the step
+then rounds its q, k and v rows to bfloat16 for the cache write and the attention). In a float32 model the projections, the embedding and the LM head may be GGUF
 blocks (`kernels.cpu.quant.QuantWeight`), multiplied in `DecodeShape.quant_mode`; `run` computes the logits of n decode tokens
 (one per sequence, each attending to its paged context) with a single ctypes call, and each
 row's argmax with its logprob (`ArgmaxLogprobs`) while those logits are still in cache. The
@@ -33,10 +34,11 @@ _LAYER_FIELDS = 18
 # Activation).
 _QK_NORMS: dict[str | None, int] = {None: 0, "head": 1, "full": 2}
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-# Indices of the caches' block size and block stride in the dims array (decode.cpp's Dim
-# order).
+# Indices of the caches' block size, block stride and dtype code in the dims array
+# (decode.cpp's Dim order).
 _BLOCK_SIZE_DIM = 7
 _BLOCK_STRIDE_DIM = 8
+_CACHE_DTYPE_DIM = 14
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +166,8 @@ class DecodeShape:
         return f"{', '.join(odd)} not a multiple of 32" if odd else None
 
     def dims(self) -> list[int]:
-        """decode.cpp's Dim order; the block size and stride (set by bind_caches) are 0."""
+        """decode.cpp's Dim order; the caches' block size, stride and dtype (set by
+        bind_caches) are 0."""
         return [
             self.num_layers,
             self.hidden_size,
@@ -180,6 +183,7 @@ class DecodeShape:
             _QK_NORMS[self.qk_norm],
             _ACTIVATIONS[self.activation],
             MODES.index(self.quant_mode),
+            0,
         ]
 
     def params(self) -> list[float]:
@@ -261,12 +265,14 @@ class DecodeStep:
                 "kv_caches", f"{len(kv_caches)} layers, expected {len(self._layers)}"
             )
         block_stride = _block_stride(kv_caches)
+        cache_dtype = _cache_dtype(kv_caches, self.dtype)
         pointers: list[int | None] = []
         for layer, (key_cache, value_cache) in zip(self._layers, kv_caches, strict=True):
             pointers += [*layer.pointers(), key_cache.data_ptr(), value_cache.data_ptr()]
         assert len(pointers) == _LAYER_FIELDS * len(self._layers)
         self._dims[_BLOCK_SIZE_DIM] = kv_caches[0][0].shape[1]
         self._dims[_BLOCK_STRIDE_DIM] = block_stride
+        self._dims[_CACHE_DTYPE_DIM] = DTYPE_CODES[cache_dtype]
         self._table = (ctypes.c_void_p * len(pointers))(*pointers)
         self._bound_list, self._bound_first = kv_caches, first
 
@@ -341,6 +347,21 @@ def _block_stride(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int
     if len(set(strides)) > 1:
         raise KernelArgumentError("kv_caches", f"the layers' block strides differ: {strides}")
     return strides[0]
+
+
+def _cache_dtype(
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], model_dtype: torch.dtype
+) -> torch.dtype:
+    """The one dtype of every layer's caches: the model's, or bfloat16 in a float32 model."""
+    dtypes = {cache.dtype for pair in kv_caches for cache in pair}
+    allowed = {model_dtype, torch.bfloat16} if model_dtype == torch.float32 else {model_dtype}
+    if len(dtypes) != 1 or not dtypes <= allowed:
+        raise KernelArgumentError(
+            "kv_caches",
+            f"one dtype, the model's ({model_dtype}) or bfloat16 in a float32 model; got "
+            f"{sorted(map(str, dtypes))}",
+        )
+    return dtypes.pop()
 
 
 def _dense(weight: Weight) -> bool:

@@ -153,8 +153,9 @@ def hf_perplexity(hf: Any, ids: list[int]) -> float:
 def test_fast_mode_perplexity_on_a_fixed_text_is_exact_modes_within_two_percent(
     loaded: Any,
 ) -> None:
-    """Fast mode is not HF's model: its 8-bit activations, and its prompts' attention in
-    bfloat16 dot products where the CPU has them, cost a little perplexity. Exact mode's is
+    """Fast mode is not HF's model: its 8-bit activations, its K/V cache in bfloat16, and its
+    prompts' attention in bfloat16 dot products where the CPU has them, cost a little
+    perplexity. Exact mode's is
     HF's; the figures are in bench/RESULTS.md (bench/quant_quality.py)."""
     exact_worker, hf, _, tok = loaded
     fast_worker = gguf_worker(hf, "fast")
@@ -162,6 +163,8 @@ def test_fast_mode_perplexity_on_a_fixed_text_is_exact_modes_within_two_percent(
         cpu_kernels.has_bf16_dots()
     ] * len(fast_worker.runner.backends)
     assert not any(b.bf16_prompt_dots for b in exact_worker.runner.backends)
+    # ... and its K/V cache in bfloat16 (`kv_cache_dtype` auto); exact mode keeps float32.
+    assert fast_worker.kv_dtype == torch.bfloat16 and exact_worker.kv_dtype == torch.float32
     ids = tok(FIXED_TEXT)["input_ids"]
     hf_ppl = hf_perplexity(hf, ids)
     exact = perplexity(exact_worker, ids)

@@ -35,6 +35,9 @@ CONTEXTS = [5, 23, 40]  # tokens cached before the step; two exceed the window
 # Per dtype: how far native and per-layer logits may differ (summation order; bfloat16
 # roundings), and how far a feature must move them to count as exercised.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.1}
+# bfloat16 caches in a float32 model: a q, k or v element the paths' summation orders put on
+# either side of a bfloat16 rounding boundary differs by one bfloat16 step.
+BF16_CACHE_TOLERANCE = 5e-3
 MATTERS = 0.5
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
@@ -391,3 +394,45 @@ def test_exact_mode_refuses_interleaved_blocks() -> None:
     assert blocks.lm_head.interleaved
     with pytest.raises(KernelArgumentError, match="fast mode only"):
         _logits(arch, weights, _batch(torch.float32, gen), native=True, blocks=blocks)
+
+
+@pytest.mark.parametrize("case", ["window", "attn_softcap", "gemma"])
+def test_bfloat16_caches_of_a_float32_model_take_the_same_rows_on_both_paths(case: str) -> None:
+    """`kv_cache_dtype` bfloat16 in a float32 model: both paths round the step's q, k and v
+    rows to bfloat16, write k and v, attend on bfloat16 rows and widen the output, so their
+    logits agree as with float32 caches and they write the same cache rows; the float32
+    caches give other logits (the bfloat16 ones are what is read)."""
+    arch = CASES[case][0]
+    gen = torch.Generator().manual_seed(31)
+    weights = _weights(arch, torch.float32, gen)
+    batch = _batch(torch.float32, gen)
+
+    def bf16_copies() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in batch.caches]
+
+    native_caches, per_layer_caches = bf16_copies(), bf16_copies()
+    native = _logits(arch, weights, batch, native=True, caches=native_caches)
+    per_layer = _logits(arch, weights, batch, native=False, caches=per_layer_caches)
+    assert bool(native.isfinite().all())
+    assert (native - per_layer).abs().max().item() <= BF16_CACHE_TOLERANCE
+    slots = batch.metadata.slot_mapping
+    for (nk, nv), (pk, pv) in zip(native_caches, per_layer_caches, strict=True):
+        assert nk.dtype == torch.bfloat16
+        for native_cache, per_layer_cache in ((nk, pk), (nv, pv)):
+            written = native_cache.flatten(0, 1)[slots].float()
+            assert bool(written.isfinite().all())  # the step's rows replaced the NaN slots
+            torch.testing.assert_close(
+                written, per_layer_cache.flatten(0, 1)[slots].float(), rtol=2**-7, atol=1e-6
+            )
+    float_caches = _logits(arch, weights, batch, native=True)
+    assert (native - float_caches).abs().max().item() > TOLERANCE[torch.float32]
+
+
+def test_the_native_step_refuses_caches_of_another_dtype_but_bfloat16() -> None:
+    arch = _arch()
+    gen = torch.Generator().manual_seed(32)
+    weights = _weights(arch, torch.float32, gen)
+    batch = _batch(torch.float32, gen)
+    halves = [(k.half(), v.half()) for k, v in batch.caches]
+    with pytest.raises(KernelArgumentError, match="kv_caches"):
+        _logits(arch, weights, batch, native=True, caches=halves)

@@ -227,6 +227,12 @@ class PagedKernelBackend(AttentionBackend):
             extra["softcap"] = self.softcap
         if sinks is not None:
             extra["sinks"] = sinks
+        # A cache in another dtype (bfloat16 in a float32 model): the step's rows are rounded
+        # to it, the kernels run in it, and the output is widened back (decode.cpp does the
+        # same in the native step).
+        model_dtype = query.dtype
+        if key_cache.dtype != model_dtype:
+            query, key, value = (t.to(key_cache.dtype) for t in (query, key, value))
         if write_kv:
             if key.stride() != value.stride():  # the kernels take one row stride for both
                 key, value = key.contiguous(), value.contiguous()
@@ -250,7 +256,7 @@ class PagedKernelBackend(AttentionBackend):
             )
         if metadata.num_decodes:
             self.decode(query[n_pre:], key_cache, value_cache, out[n_pre:], metadata, extra)
-        return out
+        return out.to(model_dtype)
 
     def decode(
         self,

@@ -44,7 +44,7 @@ def parsed(spec: ServiceSpec) -> argparse.Namespace:
 
 def test_vllm_serve_flags_reach_the_services_that_own_them(up: list[StackConfig]) -> None:
     argv = ["up", "--device", "cpu", "--max-model-len", "512", "--quantization", "q8_0"]
-    argv += ["--quant-mode", "exact", "--linear-impl", "gguf"]
+    argv += ["--quant-mode", "exact", "--linear-impl", "gguf", "--kv-cache-dtype", "model"]
     argv += ["--served-model-name", "my-model", "--tool-call-parser", "generic"]
     assert cli.main(argv) == 0
     (config,) = up
@@ -60,7 +60,16 @@ def test_vllm_serve_flags_reach_the_services_that_own_them(up: list[StackConfig]
     assert has(gateway, "--tool-call-parser", "generic")
     for spec, foreign in (
         (worker, ["--served-model-name", "--tool-call-parser"]),
-        (scheduler, ["--max-model-len", "--quantization", "--quant-mode", "--served-model-name"]),
+        (
+            scheduler,
+            [
+                "--max-model-len",
+                "--quantization",
+                "--quant-mode",
+                "--kv-cache-dtype",
+                "--served-model-name",
+            ],
+        ),
         (gateway, ["--max-model-len", "--quantization"]),
     ):
         assert not set(foreign) & set(spec.args), (spec.name, spec.args)
@@ -68,6 +77,7 @@ def test_vllm_serve_flags_reach_the_services_that_own_them(up: list[StackConfig]
     worker_opts = parsed(worker)
     assert (worker_opts.max_model_len, worker_opts.quantization) == (512, "q8_0")
     assert (worker_opts.quant_mode, worker_opts.linear_impl) == ("exact", "gguf")
+    assert worker_opts.kv_cache_dtype == "model"
     assert parsed(scheduler).max_model_len is None
     gateway_opts = parsed(gateway)
     assert (gateway_opts.served_model_name, gateway_opts.tool_call_parser) == (
@@ -79,7 +89,8 @@ def test_vllm_serve_flags_reach_the_services_that_own_them(up: list[StackConfig]
 def test_without_them_every_service_keeps_its_default(up: list[StackConfig]) -> None:
     assert cli.main(["up", "--device", "cpu"]) == 0
     plan = services(up[0])
-    for flag in ("--max-model-len", "--quantization", "--quant-mode", "--served-model-name"):
+    flags = ["--max-model-len", "--quantization", "--quant-mode", "--kv-cache-dtype"]
+    for flag in (*flags, "--served-model-name"):
         assert all(flag not in spec.args for spec in plan.values()), flag
     assert parsed(plan["gateway"]).served_model_name is None  # the gateway serves --model's
 
