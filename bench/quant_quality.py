@@ -2,8 +2,9 @@
 
 HF's model is the GGUF file dequantized by transformers, in float32. For each quant mode
 (`--linear-impl gguf --quant-mode exact|fast`) a worker runs on the file's blocks (or, with
-`--quantization`, on the model saved in float32 and quantized at load into that type), and
-this reports:
+`--quantization`, on the model saved in float32 and quantized at load into that type); fast
+mode twice, with its K/V cache in float32 (`--kv-cache-dtype model`) and as it defaults
+(bfloat16). This reports, per run:
 - greedy agreement on the exactness prompts (tests/support/models.py, 64 new tokens each):
   how many outputs equal HF's, and exact mode's, token for token, and the mean length of the
   common prefix;
@@ -55,7 +56,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def worker_for(args: argparse.Namespace, model: str, mode: str, hf: Any) -> Worker:
+# (quant mode, K/V cache dtype) of each run; exact mode's outputs, the first, are the others'
+# reference.
+RUNS = (("exact", "model"), ("fast", "model"), ("fast", "auto"))
+
+
+def worker_for(
+    args: argparse.Namespace, model: str, mode: str, kv_cache_dtype: str, hf: Any
+) -> Worker:
     worker = Worker(
         WorkerConfig(
             model=model,
@@ -64,6 +72,7 @@ def worker_for(args: argparse.Namespace, model: str, mode: str, hf: Any) -> Work
             linear_impl="gguf",
             quantization=args.quantization,
             quant_mode=mode,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
     worker.load_from_hf(hf)
@@ -93,22 +102,23 @@ def main() -> None:
         if args.quantization != "none":  # a float checkpoint of the same weights
             export(args.model, Path(saved), torch.float32)
             model = saved
-        outputs: dict[str, list[list[int]]] = {}
-        for mode in ("exact", "fast"):
-            worker = worker_for(args, model, mode, hf)
+        exact: list[list[int]] = []
+        for mode, kv_cache_dtype in RUNS:
+            worker = worker_for(args, model, mode, kv_cache_dtype, hf)
             engine = engine_on_worker(
                 worker, gpu_blocks=128, cpu_blocks=0, batched_tokens=64, max_model_len=2048
             )
             params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
             got = [o.outputs[0].token_ids for o in generate(engine, prompts, params)]
-            outputs[mode] = got
+            exact = exact or got
             agree = [
                 f"{sum(g == e for g, e in zip(got, ref, strict=True))}/{len(prompts)}, "
                 f"{sum(common_prefix(g, e) for g, e in zip(got, ref, strict=True)) / len(got):.1f}"
-                for ref in (expected, outputs["exact"])
+                for ref in (expected, exact)
             ]
             rows.append(
-                f"| {worker.model_info.weight_format} | {agree[0]} | {agree[1]} | "
+                f"| {worker.model_info.weight_format}, K/V {worker.model_info.cache_dtype} | "
+                f"{agree[0]} | {agree[1]} | "
                 f"{perplexity(worker, ids):.4f} |"
             )
     print(f"{args.model}, {len(ids)} tokens of fixed text, {args.threads} threads")
