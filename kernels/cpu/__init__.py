@@ -28,6 +28,7 @@ from kernels.cpu.linear_attention import (
 )
 from kernels.cpu.ops import (
     argmax_logsumexp,
+    convert_rows,
     gelu_tanh_mul,
     head_norm_,
     masked_argmax,
@@ -43,6 +44,7 @@ __all__ = [
     "argmax_logsumexp",
     "causal_conv1d",
     "causal_conv1d_update",
+    "convert_rows",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gelu_tanh_mul",

@@ -193,6 +193,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         # dtype, key, value, row stride, slots, n, row elems, key cache, value cache, block
         # size, block stride
         "llmserve_write_kv": [i32, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64],
+        # source dtype, destination dtype, source, source row stride, rows, columns, destination
+        "llmserve_convert_rows": [i32, i32, ptr, i64, i64, i64, ptr],
         # dtype, logits, n, vocab, argmax out, lse out, max out
         "llmserve_argmax_logsumexp": [i32, ptr, i64, i64, ptr, ptr, ptr],
         # dtype, logits, refused (bytes), n, vocab, argmax out, rank out

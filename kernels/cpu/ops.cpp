@@ -18,6 +18,7 @@
 //   llmserve_gelu_tanh_mul    out = gelu_tanh(gate) * up, likewise (GeGLU)
 //   llmserve_softcap          x = tanh(x / cap) * cap in place
 //   llmserve_write_kv         store the step's keys and values in their cache slots
+//   llmserve_convert_rows     rows of float32 to bfloat16 (nearest even, as torch casts) or back
 
 #include <algorithm>
 #include <cmath>
@@ -227,6 +228,21 @@ void softcap(T* x, int64_t count, float cap) {
   });
 }
 
+// dst row i (contiguous, `cols` elements) = src row i (rows `src_stride` elements apart) in
+// D's type.
+template <typename S, typename D>
+void convert_rows(const S* src, int64_t src_stride, int64_t rows, int64_t cols, D* dst) {
+  parallel_for(rows, rows * cols >= kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const S* from = src + i * src_stride;
+      D* to = dst + i * cols;
+      int64_t j = 0;
+      for (; j + kLanes <= cols; j += kLanes) store(to + j, load(from + j));
+      for (; j < cols; ++j) store_scalar(to + j, to_float(from[j]));
+    }
+  });
+}
+
 // Copies each token's key and value rows (row_elems values, rows row_stride apart, e.g. views
 // into the QKV projection) to its flat cache slot, block * block_size + offset, at element
 // block * block_stride + offset * row_elems of each cache (blocks may lie further apart than
@@ -312,6 +328,19 @@ int llmserve_softcap(int dtype, void* x, int64_t count, float cap) {
     softcap(static_cast<float*>(x), count, cap);
   } else if (dtype == 1) {
     softcap(static_cast<bf16*>(x), count, cap);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// src_dtype -> dst_dtype: 0 -> 1 or 1 -> 0 (float32, bfloat16); -1 otherwise.
+int llmserve_convert_rows(int src_dtype, int dst_dtype, const void* src, int64_t src_stride,
+                          int64_t rows, int64_t cols, void* dst) {
+  if (src_dtype == 0 && dst_dtype == 1) {
+    convert_rows(static_cast<const float*>(src), src_stride, rows, cols, static_cast<bf16*>(dst));
+  } else if (src_dtype == 1 && dst_dtype == 0) {
+    convert_rows(static_cast<const bf16*>(src), src_stride, rows, cols, static_cast<float*>(dst));
   } else {
     return -1;
   }

@@ -191,6 +191,30 @@ def write_kv(
     )
 
 
+def convert_rows(
+    x: torch.Tensor,  # [rows, ...] float32 or bfloat16, each row's elements contiguous
+    dtype: torch.dtype,  # the other of the two
+    check: bool = True,
+) -> torch.Tensor:  # [rows, ...] contiguous, in `dtype`
+    """x in `dtype`, as `x.to(dtype)` gives it (float32 to bfloat16 rounds to nearest even),
+    on the kernels' threads; x's rows may lie further apart than a row (a view into a fused
+    QKV projection's rows)."""
+    rows, cols = x.shape[0], x[0].numel() if x.shape[0] else 0
+    if check:
+        check_cpu_dtype("x", x)
+        if dtype not in DTYPE_CODES or dtype == x.dtype:
+            raise KernelArgumentError("dtype", f"the other of float32 and bfloat16, not {dtype}")
+        if rows and not x[0].is_contiguous():
+            raise KernelArgumentError("x", "each row's elements must be contiguous")
+    out = torch.empty(x.shape, dtype=dtype)
+    if rows:
+        library().llmserve_convert_rows(
+            DTYPE_CODES[x.dtype], DTYPE_CODES[dtype], x.data_ptr(), x.stride(0), rows, cols,
+            out.data_ptr(),
+        )  # fmt: skip
+    return out
+
+
 def _check_write_kv(
     key: torch.Tensor,
     value: torch.Tensor,

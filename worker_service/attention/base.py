@@ -189,6 +189,12 @@ class PagedKernelBackend(AttentionBackend):
     bf16_prompt_dots = False
 
     @staticmethod
+    def cast_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x` ([rows, ...], each row contiguous) in `dtype`, contiguous: for a cache in
+        another dtype than the model's."""
+        return x.to(dtype).contiguous()
+
+    @staticmethod
     @abstractmethod
     def write_cache(
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -232,7 +238,7 @@ class PagedKernelBackend(AttentionBackend):
         # same in the native step).
         model_dtype = query.dtype
         if key_cache.dtype != model_dtype:
-            query, key, value = (t.to(key_cache.dtype) for t in (query, key, value))
+            query, key, value = (self.cast_rows(t, key_cache.dtype) for t in (query, key, value))
         if write_kv:
             if key.stride() != value.stride():  # the kernels take one row stride for both
                 key, value = key.contiguous(), value.contiguous()
@@ -256,7 +262,7 @@ class PagedKernelBackend(AttentionBackend):
             )
         if metadata.num_decodes:
             self.decode(query[n_pre:], key_cache, value_cache, out[n_pre:], metadata, extra)
-        return out.to(model_dtype)
+        return out if out.dtype == model_dtype else self.cast_rows(out, model_dtype)
 
     def decode(
         self,

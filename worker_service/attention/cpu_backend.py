@@ -30,6 +30,9 @@ class CpuAttentionBackend(PagedKernelBackend):
     write_cache = staticmethod(partial(cpu_kernels.write_kv, check=False))
     prefill_attention = staticmethod(partial(cpu_kernels.prefill_attention, check=False))
     decode_attention = staticmethod(partial(cpu_kernels.paged_attention_decode, check=False))
+    # A bfloat16 cache's rows on the kernels' threads (torch's casts wake its own threads,
+    # which then spin on the cores the kernels' pool needs).
+    cast_rows = staticmethod(partial(cpu_kernels.convert_rows, check=False))
 
     def take_bf16_prompt_dots(self) -> bool:
         self.bf16_prompt_dots = cpu_kernels.has_bf16_dots()
