@@ -38,6 +38,7 @@ SOURCES = {
     "ops.cpp": ("-ffp-contract=off",),
     "sampling_rows.cpp": ("-ffp-contract=off",),
     "decode.cpp": (),
+    "pool.cpp": (),
     # Dequantized weights must round as numpy's d * q + m does (two roundings).
     "quant.cpp": ("-ffp-contract=off",),
     "quant_fast.cpp": (),

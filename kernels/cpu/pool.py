@@ -1,5 +1,5 @@
-"""The C++ kernels' thread pool (pool.h) from Python: its thread count, and a check of its
-loops for tests."""
+"""The C++ kernels' thread pool (pool.h; its entry points: pool.cpp) from Python: its thread
+count, and a check of its loops for tests."""
 
 from __future__ import annotations
 
