@@ -115,7 +115,7 @@ def test_chat_completion_over_http(stack: Stack):
         },
     )
     assert reply["object"] == "chat.completion"
-    assert "Red" in reply["choices"][0]["message"]["content"]
+    assert "red" in reply["choices"][0]["message"]["content"].lower()  # case moves with roundings
     assert reply["usage"]["completion_tokens"] > 0
 
 

@@ -28,7 +28,10 @@ def test_up_answers_a_chat_with_its_defaults(tmp_path: Path):
                 temperature=0.0,
                 max_tokens=48,
             )
-        assert all(color in answer.text for color in ("Red", "Blue", "Green")), answer.text
+        # Fast mode's greedy answer moves with its roundings (the K/V cache's dtype among
+        # them): its words, not their case or order, are what any default must get right.
+        text = answer.text.lower()
+        assert all(color in text for color in ("red", "blue", "green")), answer.text
         assert answer.finish_reasons[0] in ("stop", "length")
     finally:
         interrupt(proc)
