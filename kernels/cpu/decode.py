@@ -3,9 +3,11 @@
 `DecodeStep` holds the raw pointers of a dense model's weights (`DecodeLayer`; its
 model-wide features in `DecodeShape`), laid out once, and of its KV caches, rebound when the
 caches change. The caches are in the model dtype, or bfloat16 in a float32 model (the step
-then rounds its q, k and v rows to bfloat16 for the cache write and the attention). In a float32 model the projections, the embedding and the LM head may be GGUF
-blocks (`kernels.cpu.quant.QuantWeight`), multiplied in `DecodeShape.quant_mode`; `run` computes the logits of n decode tokens
-(one per sequence, each attending to its paged context) with a single ctypes call, and each
+then rounds its q, k and v rows to bfloat16 for the cache write and the attention). In a
+float32 model the projections, the embedding and the LM head may be GGUF blocks
+(`kernels.cpu.quant.QuantWeight`), multiplied in `DecodeShape.quant_mode`; `run` computes the
+logits of n decode tokens (one per sequence, each attending to its paged context) with a
+single ctypes call, and each
 row's argmax with its logprob (`ArgmaxLogprobs`) while those logits are still in cache. The
 tensors it points into must outlive it: it keeps references to them.
 
