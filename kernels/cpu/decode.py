@@ -7,9 +7,9 @@ then rounds its q, k and v rows to bfloat16 for the cache write and the attentio
 float32 model the projections, the embedding and the LM head may be GGUF blocks
 (`kernels.cpu.quant.QuantWeight`), multiplied in `DecodeShape.quant_mode`; `run` computes the
 logits of n decode tokens (one per sequence, each attending to its paged context) with a
-single ctypes call, and each
-row's argmax with its logprob (`ArgmaxLogprobs`) while those logits are still in cache. The
-tensors it points into must outlive it: it keeps references to them.
+single ctypes call, and each row's argmax with its logprob (`ArgmaxLogprobs`) while those
+logits are still in cache. The tensors it points into must outlive it: it keeps references to
+them.
 
 Its projection kernel on its own is `kernels.cpu.linear_rows.linear_rows`.
 """
