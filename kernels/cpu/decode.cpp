@@ -63,6 +63,8 @@ int llmserve_paged_decode(int dtype, int64_t head_dim, const void* query, const 
 int llmserve_write_kv(int dtype, const void* key, const void* value, int64_t row_stride,
                       const int64_t* slots, int64_t n, int64_t row_elems, void* key_cache,
                       void* value_cache, int64_t block_size, int64_t block_stride);
+int llmserve_convert_rows(int src_dtype, int dst_dtype, const void* src, int64_t src_stride,
+                          int64_t rows, int64_t cols, void* dst);
 }
 
 namespace {
@@ -259,7 +261,7 @@ struct Step {
     if (cache_dtype != dtype) {  // a bfloat16 cache in a float32 model (checked)
       buffers.qkv16.resize(size_t(n * qkv_size));
       buffers.attn16.resize(size_t(n * q_size));
-      for (int64_t i = 0; i < n * qkv_size; ++i) store_scalar(&buffers.qkv16[size_t(i)], to_float(qkv[i]));
+      llmserve_convert_rows(dtype, cache_dtype, qkv, qkv_size, n, qkv_size, buffers.qkv16.data());
       rows = buffers.qkv16.data();
       out = buffers.attn16.data();
     }
@@ -274,8 +276,7 @@ struct Step {
         cache_dtype, head_dim, rows, p[kKeyCache], p[kValueCache], tables, a.table_stride,
         a.seq_lens, out, n, d[kHeads], d[kKvHeads], d[kBlockSize], d[kBlockStride],
         a.params[kScale], 0, qkv_size, a.windows[layer], a.params[kAttnSoftcap], nullptr);
-    if (out != attn)
-      for (int64_t i = 0; i < n * q_size; ++i) store_scalar(attn + i, to_float(buffers.attn16[size_t(i)]));
+    if (out != attn) llmserve_convert_rows(cache_dtype, dtype, out, q_size, n, q_size, attn);
     return status;
   }
 
