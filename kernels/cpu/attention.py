@@ -5,9 +5,9 @@ Both wrappers take the same arguments as their Triton and reference counterparts
 Each cache block must be dense, but blocks may lie further apart than a block (a layer's
 view into a block-major pool of all layers), one stride for both caches
 (`check_block_layout`).
-`check=False` skips the argument checks (about 10 us a call): for callers that have
-validated a step's tables once, like the worker's `cpu` backend. The kernels themselves do
-not bounds-check.
+`check=False` skips the argument checks (their cost per call: bench/RESULTS.md, "Offline
+throughput"): for callers that have validated a step's tables once, like the worker's `cpu`
+backend. The kernels themselves do not bounds-check.
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ inline float hsum8(v8 v) {
 
 constexpr int kTileRows = 4;  // weight rows per tile: 4 independent loads per step of k
 // Tiles ahead that the projections prefetch. A tile's rows are a few kilobytes, too short
-// for the hardware prefetcher to ramp up on: without this a core streams bfloat16 weights at
-// about half the rate it reaches with it (measured on the 2-core AMD EPYC: 5.6 -> 10 GB/s).
+// for the hardware prefetcher to ramp up on: without this a core streams bfloat16 weights
+// more slowly than with it (bench/RESULTS.md, "Figures moved out of code comments").
 constexpr int kPrefetchTiles = 2;
 
 // out[m][r] = dot(x[m], w[r]) for M tokens and R weight rows; k runs over all of `in`. Each
@@ -111,8 +111,8 @@ inline void tile_times_rows(const float* x, int64_t n, int64_t in, const W* w, c
 }
 
 // Tokens above which a bfloat16 tile is widened to float32 once, rather than in every pass:
-// with many tokens (prefill) the widening, not memory, bounds the loop (measured: 128 tokens
-// of a 3072 x 576 projection take 15 ms widening per pass, 8 ms widening once).
+// with many tokens (prefill) the widening, not memory, bounds the loop (bench/RESULTS.md,
+// "Figures moved out of code comments").
 constexpr int64_t kWidenOnceAbove = 2;
 
 template <int R, typename T>

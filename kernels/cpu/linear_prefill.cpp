@@ -21,8 +21,8 @@
 // k_dim x v_dim products, plus C (2 k_dim + v_dim) within a chunk of C tokens), but as matrix
 // products, which a BLAS runs nearer the CPU's peak than this loop of rank-one updates: at
 // small heads this kernel is far ahead of the torch reference, at 128 x 128 heads (Qwen3.5,
-// Qwen3-Next) less than 2x (bench/delta_rule_layers.py). A chunked form with its own matrix
-// micro-kernels is what would gain there.
+// Qwen3-Next) only a little (bench/RESULTS.md, "Linear-attention state: one layer of each
+// kind"). A chunked form with its own matrix micro-kernels is what would gain there.
 
 #include <algorithm>
 #include <cmath>

@@ -3,8 +3,9 @@
 // An OpenMP parallel-for ends in a barrier that every thread of the team must reach. When
 // another process holds a core (the gateway and the scheduler share the machine with the
 // worker), a team thread may not run for a scheduler time slice, several milliseconds, and
-// the barrier waits for it: a decode step has ~150 such loops, and measured on the 2-core
-// machine under load one step took 750 ms with two threads instead of 30 ms with one.
+// the barrier waits for it: a decode step has ~150 such loops, and on the 2-core machine
+// under load a step took far longer with two threads than with one (bench/RESULTS.md,
+// "Figures moved out of code comments").
 //
 // Here the calling thread publishes the loop and runs chunks itself; helper threads claim
 // chunks too, one at a time, by compare-and-swap on a ticket that holds the loop's
@@ -17,7 +18,8 @@
 // (every chunk claimed) while the next loop's larger count was already stored, but not its
 // ticket, would otherwise claim a chunk past the last loop's end, run the next loop's body
 // for it, and count it as done in the next loop, whose caller then returned while a chunk it
-// waited for was still running (seen about once in three million loops on 2 cores).
+// waited for was still running (seen rarely, on a busy machine: bench/RESULTS.md,
+// "Speculative decoding, fifth round").
 
 #pragma once
 
@@ -63,7 +65,9 @@ class ChunkPool {
   static constexpr int kIndexBits = 20;
   static constexpr uint64_t kIndexMask = (uint64_t(1) << kIndexBits) - 1;
   static constexpr int kGenerationShift = 2 * kIndexBits;
-  static constexpr int kSpins = 20000;  // ~50 us of polling before a helper sleeps
+  // Polls before a helper sleeps (how long they take: bench/RESULTS.md, "Figures moved out of
+  // code comments").
+  static constexpr int kSpins = 20000;
 
   static uint64_t generation_of(uint64_t ticket) { return ticket >> kGenerationShift; }
 

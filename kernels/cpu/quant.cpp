@@ -61,8 +61,8 @@ inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {
 // Weight rows dequantized together, and activation rows dotted with them together: 4 x 4
 // accumulators where 32 vector registers hold them with the weights (AVX-512), 4 x 2 where 16
 // do. Two accumulators per FMA unit and cycle of latency keep the units busy; more tokens
-// per tile load each weight vector for more of them (on the AVX-512 Xeon of bench/RESULTS.md,
-// SmolLM2's Q4_1 and Q8_0 matrices times 8 or 9 rows: 20-35% less time than 4 x 2 tiles).
+// per tile load each weight vector for more of them (on AVX-512, less time than 4 x 2 tiles
+// for SmolLM2's Q4_1 and Q8_0 matrices: bench/RESULTS.md, "Speculative decoding, fifth round").
 constexpr int kTileRows = 4;
 #if defined(__AVX512F__)
 constexpr int kTileTokens = 4;

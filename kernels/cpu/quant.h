@@ -86,8 +86,8 @@ inline float half_to_float(const uint8_t* p) {
 
 // Weight rows are a few hundred bytes, too short for the hardware prefetcher to ramp up on:
 // a kernel reading rows in order prefetches, at each row, the one kPrefetchBytes ahead of it
-// (measured on the 2-core EPYC, Q4_1 rows of 576 weights streamed from memory by the fast
-// kernel: 12.6 GB/s without, 18 with).
+// (fast mode's Q4_1 rows streamed from memory, with and without: bench/RESULTS.md, "Weights
+// kept in GGUF blocks, second round").
 constexpr int64_t kPrefetchBytes = 2048;
 
 inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {

@@ -62,7 +62,8 @@ void argmax_logsumexp(const T* logits, int64_t n, int64_t vocab, int64_t* argmax
 }
 
 // kLanes refused bytes as lane masks: all bits set where the byte is not 0. (A byte vector
-// of kLanes lanes is narrower than a register, and GCC widens it lane by lane: 4x slower.)
+// of kLanes lanes is narrower than a register, and GCC widens it lane by lane, which is
+// slower: bench/RESULTS.md, "Figures moved out of code comments".)
 inline vint refused_lanes(const uint8_t* src) {
   vint wide;
 #if LLMSERVE_LANES == 16

@@ -2,9 +2,9 @@
 //
 // Vectors are GCC vector extensions as wide as the CPU's registers: 16 floats with AVX-512, 8
 // otherwise. (Wider than a register, GCC 12 keeps them in memory and lowers comparisons,
-// `?:` and shuffles lane by lane: on AVX2 a pass of max() over 49152 logits took 56 us in
-// 16-lane vectors and 4 in 8-lane ones, an exp 175 us instead of ~20.) Code is written for
-// any kLanes. Storage is float32 or bfloat16 (as uint16_t bits).
+// `?:` and shuffles lane by lane, many times slower: bench/RESULTS.md, "Figures moved out of
+// code comments".) Code is written for any kLanes. Storage is float32 or bfloat16 (as
+// uint16_t bits).
 
 #pragma once
 
