@@ -301,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         # Before torch loads libgomp, which reads it once: torch's OpenMP threads sleep as
         # soon as a parallel region ends instead of spinning. The C++ kernels run on threads
         # of their own (kernels/cpu/pool.h) between torch's regions, and spinning OpenMP
-        # threads took the cores from them: a 128-token prefill took 530 ms spinning, 430 ms
-        # passive in bfloat16; in float32, beside oneDNN's matmuls, 560 / 480 ms.
+        # threads took the cores from them: prefills were slower spinning than passive, in
+        # bfloat16 and in float32 beside oneDNN's matmuls (bench/RESULTS.md, "Figures moved
+        # out of code comments").
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if command in ("gateway", "scheduler"):
         from llmserve.service_main import keep_triton_out

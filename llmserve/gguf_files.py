@@ -2,9 +2,10 @@
 
 `gguf.GGUFReader` walks a file's metadata element by element, and for each element makes a
 few numpy views of the file's `np.memmap`; a memmap view runs Python code as it is made. A
-vocabulary is an array of strings (262,144 in Gemma 3 270M), so one reader took 13.4 s for
-Gemma 3 270M and 3.6 s for SmolLM2 here, and loading a worker made up to four of them
-(transformers' config and weights, then ours for the architecture and the blocks).
+vocabulary is an array of strings (262,144 in Gemma 3 270M), so one reader took seconds for
+either model (bench/RESULTS.md, "Figures moved out of code comments"; both readers timed
+since: "Load times"), and loading a worker made up to four of them (transformers' config and
+weights, then ours for the architecture and the blocks).
 
 `FastGGUFReader` is the same reader, with the same fields, parts, indices and tensors, made
 from views of a plain ndarray over the same mapping, and arrays of strings and numbers

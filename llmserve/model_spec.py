@@ -94,11 +94,11 @@ def _gemma3_270m() -> ModelSource:
 def load_tokenizer(source: ModelSource) -> Any:
     """The Hugging Face tokenizer for `source`, loaded once per process.
 
-    A GGUF file's tokenizer is built from the file's metadata (SmolLM2: 2.5 s, Gemma 3 270M:
-    5.4 s here, the header parsed by llmserve/gguf_files.py), then saved under
-    `tokenizer_cache_dir()`, keyed by the file and the library versions; later loads read
-    the saved one (0.2 s / 2.1 s), which encodes, decodes and templates chats alike. Where the
-    cache cannot be written the tokenizer is used as built."""
+    A GGUF file's tokenizer is built from the file's metadata (the header parsed by
+    llmserve/gguf_files.py), then saved under `tokenizer_cache_dir()`, keyed by the file and
+    the library versions; later loads read the saved one, which is faster (bench/RESULTS.md,
+    "Figures moved out of code comments") and encodes, decodes and templates chats alike.
+    Where the cache cannot be written the tokenizer is used as built."""
     from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
 
     from llmserve.gguf_files import reading_gguf_once
@@ -151,9 +151,10 @@ def memoize_gguf_name_maps() -> None:
     """Make `gguf.get_tensor_name_map` remember its maps, once per process.
 
     transformers' GGUF loader asks for the tensor-name map of the architecture once per module
-    of the model it fills (397 times for SmolLM2), and each call builds the whole map anew:
-    5 of the 13 s a SmolLM2 worker took to load here. The map depends only on its arguments
-    (architecture, layer count) and the loader only reads it, so a cached one is the same map.
+    of the model it fills (397 times for SmolLM2), and each call builds the whole map anew: a
+    large part of a SmolLM2 worker's load (bench/RESULTS.md, "Figures moved out of code
+    comments"). The map depends only on its arguments (architecture, layer count) and the
+    loader only reads it, so a cached one is the same map.
     """
     import gguf
 

@@ -9,7 +9,8 @@ from llmserve.steps import MaskKind, TokenMask
 # Bytes per token id on the wire in a packed repeated uint32 (a varint of a 50k-160k vocab
 # id is 3 bytes).
 _ID_BYTES = 3
-# Set bits per byte value, where numpy has no bitwise_count (before 2.0; it is ~6x faster).
+# Set bits per byte value, where numpy has no bitwise_count (before 2.0; it is faster:
+# bench/RESULTS.md, "Figures moved out of code comments").
 _POPCOUNT8 = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(axis=1)
 
 
