@@ -62,12 +62,12 @@ class SchedulerConfig:
     # run that comes after a continuation was built costs its row one step
     # (scheduler_service.engine.pipelined_steps), so where grammars force often (JSON keys, tool
     # calls) the pipelined run took more steps and more time than the synchronous one
-    # (bench/mask_wait.py, SmolLM2 on this CPU: 20-22 steps and 2.2-2.3 s against 13 and
-    # 1.7-1.9 s), while in long strings nothing is forced and holding steps back only loses
-    # the pipeline. So a step is not continued while one of its constrained sequences got
-    # forced tokens within its last `forced_hold_tokens` tokens (the start of its output
-    # counts as forced); 0 continues every step. Its masks overlap its forward pass either
-    # way. Without forced tokens constrained steps are always continued.
+    # (bench/RESULTS.md, "Structured output: what the worker waits for"), while in long
+    # strings nothing is forced and holding steps back only loses the pipeline. So a step is
+    # not continued while one of its constrained sequences got forced tokens within its last
+    # `forced_hold_tokens` tokens (the start of its output counts as forced); 0 continues
+    # every step. Its masks overlap its forward pass either way. Without forced tokens
+    # constrained steps are always continued.
     forced_hold_tokens: int = flag(
         8,
         "with forced tokens on, asynchronous scheduling does not continue a step while one of "
@@ -106,10 +106,10 @@ class SchedulerConfig:
         "CPU worker's native decode step runs up to 16, 32 on GGUF blocks)",
     )
     # Drafts are given only to steps of at most this many sequences. Past one or two, a CPU
-    # step is compute-bound and a draft row costs what a sequence's row costs: measured on
-    # the 2-core CPU at 16 streams with 8 drafts, drafting as streams finished cost 5-10% of
-    # the tokens/s, and nothing with this limit (bench/RESULTS.md). A GPU worker, bound by
-    # its weight reads far longer, can take many more.
+    # step is compute-bound and a draft row costs what a sequence's row costs: on the 2-core
+    # CPU at 16 streams with 8 drafts, drafting as streams finished lowered the tokens/s, and
+    # this limit did not (bench/RESULTS.md, "Speculative decoding, second round"). A GPU worker,
+    # bound by its weight reads far longer, can take many more.
     speculative_max_seqs: int = flag(
         2,
         "drafts are given only to steps of at most this many sequences (on a CPU a step of "
@@ -118,8 +118,9 @@ class SchedulerConfig:
     # Asynchronous scheduling continues a step with drafts by assuming they are all kept
     # (scheduler_service.engine.pipelined_steps). Off by default: on the 2-core CPU benchmark the
     # round trip it saves is CPU time the forward pass then loses, and the drafts of such a
-    # step stand on a guessed token (bench/RESULTS.md: 1.57x against 1.72x decode speed on
-    # code edits); it is meant for a worker whose forward pass runs on a GPU.
+    # step stand on a guessed token (code edits decoded slower with it: bench/RESULTS.md,
+    # "Speculative decoding, second round"); it is meant for a worker whose forward pass runs
+    # on a GPU.
     continue_after_drafts: bool = flag(
         False,
         "with asynchronous scheduling, build the step after one with drafts before its "

@@ -5,10 +5,10 @@ probably be, guessed from tokens the scheduler already holds.
 and `max_n` tokens) that occurred earlier in its prompt or output, and draft the tokens that
 followed that earlier occurrence (the most recent one): up to `k`, and no more than
 `max_drafts_for_match(n)` for a match of n tokens, since a longer match is better evidence
-that the copy goes on (bench/RESULTS.md: replayed on bench/spec_decode.py's outputs, the cap
-with matches of 2 to 6 tokens and K = 8 drafts decodes 1.74x / 1.44x faster than without
-drafts on code edits / summaries, against 1.66x / 1.32x for K = 5 and matches of 2 to 4
-uncapped, bench/spec_replay.py; served, 1.72-1.81x and 1.34-1.45x).
+that the copy goes on (replayed on bench/spec_decode.py's outputs by bench/spec_replay.py,
+the cap with matches of 2 to 6 tokens and K = 8 drafts decodes code edits and summaries
+faster than K = 5 and matches of 2 to 4 uncapped; replayed and served figures:
+bench/RESULTS.md, "Speculative decoding, second round").
 Input-grounded work (code edits, summaries, answers that quote their sources) repeats its
 input, so such drafts are often right; where nothing matches, the proposal is empty and the
 sequence decodes as usual.
