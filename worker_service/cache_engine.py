@@ -79,8 +79,9 @@ class CacheEngine:
             self.device_cache = torch.zeros(device_shape, dtype=dtype, device=device)
         # device_cache: [num_device_blocks, 2, slots, block_size, unit]
         # Empty, not zeroed: a host block is read only by swap_in, after a swap_out wrote the
-        # whole block, so nothing reads what it held before. (Zeroing the default 4 GiB took
-        # ~5 s of a CPU worker's InitializeCache, touching every page up front.)
+        # whole block, so nothing reads what it held before. (Zeroing the default cache took
+        # seconds of a CPU worker's InitializeCache, touching every page up front:
+        # bench/RESULTS.md, "Figures moved out of code comments".)
         self.host_cache = torch.empty(
             (num_host_blocks, *block), dtype=dtype, pin_memory=device.type == "cuda"
         )  # [num_host_blocks, 2, slots, block_size, unit]
@@ -167,10 +168,11 @@ def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     """A zeroed CPU tensor whose memory the kernel may back with 2 MiB pages (Linux THP).
 
     Decode attention reads blocks scattered over the whole cache, a few KiB each; with 4 KiB
-    pages nearly every block costs TLB misses (measured here: decode attention at context 400,
-    batch 64, 3-8% faster on huge pages; no change at context 64). The advice must come
-    before the pages are first touched, hence empty, advise, then zero. Where it is refused
-    (another OS, THP off) the tensor is just zeroed.
+    pages nearly every block costs TLB misses (decode attention at long contexts is faster on
+    huge pages, at short ones no different: bench/RESULTS.md, "Offline throughput" and
+    "Figures moved out of code comments"). The advice must come before the pages are first
+    touched, hence empty, advise, then zero. Where it is refused (another OS, THP off) the
+    tensor is just zeroed.
     """
     tensor = torch.empty(shape, dtype=dtype)
     size = tensor.numel() * tensor.element_size()

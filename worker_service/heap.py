@@ -8,8 +8,8 @@ import gc
 
 def return_freed_heap() -> None:
     """Give the heap memory that loading freed (transformers' copies of the weights that the
-    model did not keep) back to the system, which glibc does not do by itself. Measured: the
-    worker of SmolLM2 on its GGUF blocks, 1037 MiB resident after loading, 548 after this."""
+    model did not keep) back to the system, which glibc does not do by itself (the resident
+    memory it saves: bench/RESULTS.md, "Weights kept in GGUF blocks, second round")."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc

@@ -148,8 +148,9 @@ class Sampler:
         argmax: ArgmaxLogprobs | None,
     ) -> list[SampleResult]:
         # The usual decode step: each row's token is its argmax, of rank 1 and logprob
-        # max - log-sum-exp, so nothing more reads the logits (at batch 1, ~0.1 ms less than
-        # the general path's indexing, and ~0.2 ms less again when the forward found them).
+        # max - log-sum-exp, so nothing more reads the logits (at batch 1 quicker than the
+        # general path's indexing, and quicker again when the forward found them:
+        # bench/RESULTS.md, "Figures moved out of code comments").
         plain_greedy = all(r.plain_greedy for r in rows)
         if plain_greedy and argmax is not None:
             return _argmax_results(argmax)
@@ -175,7 +176,9 @@ class Sampler:
                 greedy_tokens = best_token[greedy] if len(greedy) < len(rows) else best_token
             else:
                 chosen = adjusted if len(greedy) == len(rows) else adjusted[greedy]
-                if self.native_reductions:  # ~3x torch's argmax on a CPU
+                # Native reductions: faster than torch's argmax on a CPU (bench/RESULTS.md,
+                # "Figures moved out of code comments").
+                if self.native_reductions:
                     greedy_tokens = cpu_kernels.argmax_logsumexp(chosen)[0]
                 else:
                     greedy_tokens = chosen.argmax(dim=-1)
@@ -208,8 +211,8 @@ class Sampler:
     ) -> list[SampleResult]:
         """Greedy rows, some under token masks (structured output), with nothing else to
         apply: each row's best allowed token with its raw logprob and rank, by native passes
-        over the logits (~0.3 ms for 16 rows of SmolLM2's vocabulary, where copying and
-        filling the logits for the general path took ~2 ms)."""
+        over the logits, quicker than copying and filling the logits for the general path
+        (bench/RESULTS.md, "Figures moved out of code comments")."""
         vocab = logits.shape[-1]
         masked = [i for i, r in enumerate(rows) if r.token_mask is not None]
         refused = np.zeros((len(rows), vocab), dtype=np.bool_)

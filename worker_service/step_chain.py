@@ -66,8 +66,9 @@ class Outcome:
 class StepChain:
     """One Execute stream's steps, run in order on the model thread, back to back: a step that
     arrived while the previous one ran starts on the model thread right after it, without a
-    trip through the event loop. (Measured with the stack on 2 cores, the loop took ~0.3 ms to
-    see a result and the model thread ~0.45 ms more to see the next step it was handed.)
+    trip through the event loop. (Through the loop, a step waited for the loop to see the
+    result and then for the model thread to see the step it was handed: bench/RESULTS.md,
+    "Figures moved out of code comments".)
     Outcomes go to `outcomes` in order (through a relay thread, see __init__), then None once
     the steps end; a step that raises ends the chain, so no later step runs."""
 
@@ -87,10 +88,10 @@ class StepChain:
         self._closed = False
         # Outcomes reach the loop through a thread of their own. Handing one to the loop
         # directly wakes it with a write to its self-pipe, and while the model thread was in
-        # that write the loop's thread took the GIL to send the result: the next step waited
-        # ~0.5 ms for it (1 stream, 2 cores). Queued here instead, an outcome goes to the loop
-        # once the model thread lets go of the GIL: in the next forward pass's native code, or
-        # when it runs out of steps.
+        # that write the loop's thread took the GIL to send the result, and the next step
+        # waited for it (bench/RESULTS.md, "Figures moved out of code comments"). Queued here
+        # instead, an outcome goes to the loop once the model thread lets go of the GIL: in
+        # the next forward pass's native code, or when it runs out of steps.
         self._outbox: queue.SimpleQueue[Outcome | None | _EndOfOutcomes] = queue.SimpleQueue()
         threading.Thread(target=self._relay, name="execute-outcomes", daemon=True).start()
 

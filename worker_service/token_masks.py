@@ -2,9 +2,9 @@
 
 Built with numpy for every masked row of a step at once: a row's ids become one index array,
 so a deny list of a few hundred ids (free text inside a JSON string) costs one vectorized
-assignment rather than a Python list turned into a tensor index. On SmolLM2's 49152-token
-vocabulary, 16 such rows take ~0.3 ms this way, against ~2 ms for the 16 a row at a time in
-torch (the whole masked sampling step went from 4.4 to 2.4 ms).
+assignment rather than a Python list turned into a tensor index. On SmolLM2's vocabulary
+this is quicker than the rows one at a time in torch (bench/RESULTS.md, "Figures moved out of
+code comments"; the whole masked sampling step: "Structured output through the stack").
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ log = get_logger(__name__)
 
 # Left out of the KV cache beyond the profiled peak: device memory that appears outside
 # torch's allocator after profiling (CUDA modules loaded on first use, workspaces of new
-# streams). Measured on an H100: without it, SmolLM2 at 0.4 utilization ended 1.3 MB over.
+# streams). Without it, SmolLM2 at 0.4 utilization on an H100 ended over its budget
+# (bench/RESULTS.md, "Figures moved out of code comments").
 PROFILE_HEADROOM_BYTES = 64 << 20
 
 
@@ -48,11 +49,11 @@ class Worker:
     `use_batch_limits` gives the scheduler's.
 
     On CPU, construct it and call every method on one thread. The OpenMP thread count that
-    torch uses (the C++ kernels have threads of their own, pool.h) is a per-thread setting, and libgomp, once more of its
-    threads exist than cores (a second thread that ran a parallel region brings its own
-    team), stops spin-waiting at barriers and sleeps instead: a bfloat16 SmolLM2 decode step
-    at batch 16 went from 25 to 31 ms when the model was loaded on one thread and run on
-    another.
+    torch uses (the C++ kernels have threads of their own, pool.h) is a per-thread setting,
+    and libgomp, once more of its threads exist than cores (a second thread that ran a
+    parallel region brings its own team), stops spin-waiting at barriers and sleeps instead:
+    decode steps were slower when the model was loaded on one thread and run on another
+    (bench/RESULTS.md, "Serving: llmserve vs HF `transformers serve`").
     """
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -86,7 +87,7 @@ class Worker:
         if source.gguf_file:
             memoize_gguf_name_maps()
         # A GGUF file's header is parsed once for transformers' config and weights and for
-        # our blocks (llmserve/gguf_files.py: four parses of 13.4 s each for Gemma 3 270M).
+        # our blocks (llmserve/gguf_files.py: four parses otherwise, each a slow one).
         with reading_gguf_once():
             if not source.gguf_file and mxfp4.is_mxfp4_checkpoint(source.path):
                 hf_model = mxfp4.load_dequantized(source.path, self.dtype)
@@ -172,10 +173,11 @@ class Worker:
         # The decode graphs, captured over a one-block throwaway cache, stay alive through the
         # profile run, so that what they hold (their memory pool, the warm-ups' blocks cached
         # for their stream, the instantiated graphs outside torch's allocator) is inside the
-        # measured peak, beside a largest step, as it will be while serving. (Measured on an
-        # H100, SmolLM2 bfloat16 at 0.4: adding the graphs' own footprint, 74 MiB, to a peak
-        # profiled without them left the device 108 MiB over its budget once the cache was
-        # allocated and a profile-sized step ran beside the graphs.)
+        # measured peak, beside a largest step, as it will be while serving. (On an H100,
+        # SmolLM2 bfloat16 at 0.4: adding the graphs' own footprint to a peak profiled
+        # without them left the device over its budget once the cache was allocated and a
+        # profile-sized step ran beside the graphs: bench/RESULTS.md, "The GPU path on an
+        # H100: kernels, CUDA graphs, serving".)
         probe = self._probe_graphs()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()

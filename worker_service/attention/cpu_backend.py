@@ -24,9 +24,10 @@ class CpuAttentionBackend(PagedKernelBackend):
 
     name = "cpu"
     supports_sinks = True
-    # Unchecked calls (the wrappers' argument checks cost ~10 us each, 3-4 calls a layer): the
-    # model runner builds the step's tables and refuses block ids outside the cache, so slots
-    # and tables are in range; the query and cache shapes are fixed at load.
+    # Unchecked calls (the wrappers' argument checks cost time on each of 3-4 calls a layer:
+    # bench/RESULTS.md, "Offline throughput"): the model runner builds the step's tables and
+    # refuses block ids outside the cache, so slots and tables are in range; the query and
+    # cache shapes are fixed at load.
     write_cache = staticmethod(partial(cpu_kernels.write_kv, check=False))
     prefill_attention = staticmethod(partial(cpu_kernels.prefill_attention, check=False))
     decode_attention = staticmethod(partial(cpu_kernels.paged_attention_decode, check=False))

@@ -17,9 +17,9 @@ _PACKED_ROWS_HINT = 64
 def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN matmuls with prepacked weights can run: CPU, float32 or bfloat16.
 
-    Measured on the 2-core AVX-512 CPU of bench/RESULTS.md, the 30 layers of SmolLM2 at 32
-    rows take 41 ms instead of F.linear's 88 ms in float32 (F.linear goes to MKL there) and
-    24 instead of 36 ms in bfloat16, where F.linear re-lays its weights out on every call.
+    They are faster than F.linear on the 2-core AVX-512 CPU of bench/RESULTS.md ("Offline
+    throughput": the 30 layers of SmolLM2), in float32 (F.linear goes to MKL there) and in
+    bfloat16, where F.linear re-lays its weights out on every call.
     bfloat16 results are bit-identical to F.linear; float32 ones differ in summation order.
 
     oneDNN's bfloat16 path needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on an AVX2-only CPU

@@ -11,8 +11,8 @@ and rebuilds the native decode step on them: from there the model runs as one lo
 GGUF file with `--linear-impl gguf`, in the worker's `--quant-mode`. A weight whose rows are
 not a multiple of 32 weights stays dense, with a warning.
 
-The quantizer is gguf's numpy one: on a 49152x576 matrix (SmolLM2's embedding) it takes
-0.26 s for Q8_0 and 0.37 s for Q4_1 here, and all of SmolLM2 (135M) 1.7 s in either.
+The quantizer is gguf's numpy one (its time on SmolLM2: bench/RESULTS.md, "Figures moved out
+of code comments").
 """
 
 from __future__ import annotations
