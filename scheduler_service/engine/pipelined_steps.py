@@ -7,14 +7,18 @@ that token is reserved now (`BlockSpaceManager.reserve_lookahead`); the token it
 appended when N's result arrives, as in synchronous scheduling.
 
 Only a step whose outcome cannot change what N+1 schedules is continued
-(`plan_continuation`): nothing waiting or swapped (admissions, swaps and preemptions happen
-only at synchronous steps), every running group scheduled in N and sampling there, no beam
-search and no fork at a first sample, no sequence reaching max_tokens or max_model_len in N,
-and free blocks for the reserved slots. Anything that N's result does change (a stop, an
-abort, an export) takes effect one step later: a sequence that finished in N is computed in
-N+1 too, and its output there is dropped, because output processing only reads sequences that
-are still running. Its blocks are freed at once: the worker runs steps in order, so N+1's
-write into them happens before any later step that reuses them.
+(`plan_continuation`): nothing swapped (swaps and preemptions happen only at synchronous
+steps), every running group scheduled in N and sampling there, no beam search and no fork at
+a first sample, and free blocks for the reserved slots. A group that N surely brings to its
+length limit (max_tokens or max_model_len, whatever drafts it keeps) is left out of N+1, as a
+synchronous step after N would leave it. Waiting groups are admitted into N+1 with the blocks
+and budgets left (`Scheduler.admit_ahead`), as the admission stage of a synchronous step
+would admit them: only with chunked prefill, and not while a waiting group outranks a running
+one (a synchronous step might preempt for it). Anything else that N's result changes (a stop,
+an abort, an export) takes effect one step later: a sequence that finished in N is computed
+in N+1 too, and its output there is dropped, because output processing only reads sequences
+that are still running. Its blocks are freed at once: the worker runs steps in order, so
+N+1's write into them happens before any later step that reuses them.
 
 Speculative decoding (scheduler_service/engine/speculation.py) chains through continuations. A
 step N with drafts is continued by assuming N keeps them all: its sequences' updates in N+1
@@ -60,7 +64,9 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     """The continuation of `prev` (the step in flight), with its slots reserved; None when
     `prev`'s result may change what runs next, or the blocks are short."""
     config = scheduler.scheduler_config
-    if scheduler.waiting or scheduler.swapped or not prev.scheduled:
+    if scheduler.swapped or not prev.scheduled:
+        return None
+    if scheduler.waiting and not scheduler.can_admit_ahead():
         return None
     if prev.drafts and (not config.continue_after_drafts or _constrained_drafts(prev)):
         return None  # how many drafts it keeps decides where the next step starts
@@ -72,6 +78,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     seqs: list[Sequence] = []
     lookahead: list[int] = []  # per sequence: the slots it needs past its tokens
     num_tokens_scheduled = 0
+    num_finishing = 0  # running groups that `prev` brings to their length limit
     for scheduled in prev.scheduled:
         group = scheduled.seq_group
         params = group.sampling_params
@@ -80,6 +87,12 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
             continue  # finished or aborted since `prev` was scheduled
         if params.use_beam_search or (params.num_sampled > 1 and not group.has_sampled):
             return None
+        if all(
+            _finishes_in(seq, scheduled.token_chunk_size, params.max_tokens, model_len)
+            for seq in running
+        ):
+            num_finishing += 1
+            continue
         chunk = scheduled.token_chunk_size
         next_chunk = 1
         for seq in running:
@@ -108,7 +121,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         groups.append(ScheduledGroup(group, next_chunk))
         seqs.extend(running)
         num_tokens_scheduled += next_chunk * len(running)
-    if len(groups) != len(scheduler.running):
+    if len(groups) + num_finishing != len(scheduler.running):
         return None  # a running group was left out of `prev` (budget): schedule normally
     if num_tokens_scheduled > config.max_num_batched_tokens:
         return None
@@ -122,7 +135,23 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     for seq, ahead in zip(seqs, lookahead, strict=True):
         bm.reserve_lookahead(seq, ahead)
     scheduler.advance_clock()
+    if scheduler.waiting:
+        num_continued = len(cont.scheduled)
+        scheduler.admit_ahead(cont)
+        cont.num_admitted = len(cont.scheduled) - num_continued
+    if not cont.scheduled:
+        return None  # every group finishes in `prev`, and nothing was admitted
     return cont
+
+
+def _finishes_in(seq: Sequence, chunk: int, max_tokens: int, model_len: int) -> bool:
+    """Whether `prev` (computing `chunk` tokens of `seq`) surely brings `seq` to its length
+    limit: its sample is its last token even if it keeps none of its drafts. Such a sequence
+    is left out of the continuation, as a synchronous step after `prev` would leave it."""
+    return (
+        seq.num_computed_tokens + chunk == len(seq.token_ids)
+        and seq.tokens_left(max_tokens, model_len, 1) <= 0
+    )
 
 
 def _add_drafts(
@@ -216,7 +245,7 @@ def commit_continuation(scheduler: Scheduler, cont: SchedulerOutputs) -> None:
     sample is left to the next `schedule()`, which finds (or preempts for) their slots."""
     copies: list[tuple[int, int]] = []
     append_slots = scheduler.block_manager.append_slots
-    for scheduled in cont.scheduled:
+    for scheduled in cont.continued():
         chunk = scheduled.token_chunk_size
         for seq in scheduled.seq_group.seqs:
             if seq.status == _RUNNING and len(seq.token_ids) == seq.num_computed_tokens + chunk:

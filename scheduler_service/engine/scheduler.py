@@ -82,6 +82,32 @@ class Scheduler(SchedulerQueues):
             self._schedule_waiting(budget, out)
         return self._finish(out, budget)
 
+    def can_admit_ahead(self) -> bool:
+        """Whether a continuation step (pipelined_steps.py) may admit waiting groups: only
+        where a synchronous `schedule()` would admit them the same way, with chunked prefill
+        (without it, running groups sit out a step that admits), nothing swapped out, and no
+        waiting group that `_preempt_for_priority` could make room for."""
+        waiting, running = self.waiting, self.running
+        return (
+            self.scheduler_config.enable_chunked_prefill
+            and not self.swapped
+            and not (waiting and running and running[-1].priority > waiting[0].priority)
+        )
+
+    def admit_ahead(self, out: SchedulerOutputs) -> None:
+        """Admit waiting groups into the continuation step `out`, within the token and
+        sequence budgets it leaves (every running group counts, finishing ones too). A group
+        that would be ignored stops the admissions: the next synchronous step reports it."""
+        config = self.scheduler_config
+        budget = SchedulingBudget(
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            num_tokens=out.num_batched_tokens,
+            num_seqs=sum(g.get_max_num_running_seqs() for g in self.running),
+        )
+        self._schedule_waiting(budget, out, may_ignore=False)
+        out.num_batched_tokens = budget.num_tokens
+
     def _may_admit(self) -> bool:
         """Swapped groups come back before new prompts are admitted, unless the first waiting
         group has a higher priority than every swapped one."""
@@ -264,7 +290,11 @@ class Scheduler(SchedulerQueues):
         self.num_preemptions[PreemptionMode.RECOMPUTE] += 1
         out.preempted.append(PreemptedGroup(seq_group.request_id, PreemptionMode.RECOMPUTE))
 
-    def _schedule_waiting(self, budget: SchedulingBudget, out: SchedulerOutputs) -> None:
+    def _schedule_waiting(
+        self, budget: SchedulingBudget, out: SchedulerOutputs, may_ignore: bool = True
+    ) -> None:
+        """New prompts in order while blocks and budgets last; one that can never run is
+        ignored (`may_ignore`) or ends the admissions."""
         config = self.scheduler_config
         bm = self.block_manager
         chunked = config.enable_chunked_prefill
@@ -278,11 +308,15 @@ class Scheduler(SchedulerQueues):
             num_tokens = seq.get_len()
             too_long = prompt_too_long(num_tokens, config.model_len)
             if too_long is not None:
+                if not may_ignore:
+                    break
                 self._ignore(seq_group, too_long, out)
                 continue
             share = budget.remaining_tokens // len(seqs)
             can_allocate = bm.can_allocate(seq_group, share if chunked else None)
             if can_allocate is AllocStatus.NEVER:
+                if not may_ignore:
+                    break
                 self._ignore(seq_group, bm.never_reason(seq_group), out)
                 continue
             if can_allocate is AllocStatus.LATER:

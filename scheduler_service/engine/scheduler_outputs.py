@@ -48,6 +48,17 @@ class SchedulerOutputs:
     # every draft is kept (`CachedSequence.after_drafts`). One that keeps fewer leaves this
     # step when that result is processed (`drop`): the worker skips it.
     after_drafts: set[int] = field(default_factory=set)
+    # A continuation's last `num_admitted` groups came from the waiting queue as it was built
+    # (`Scheduler.admit_ahead`): they start their prompts instead of continuing.
+    num_admitted: int = 0
+
+    def continued(self) -> list[ScheduledGroup]:
+        """A continuation's groups that compute what the step in flight samples."""
+        return self.scheduled[: len(self.scheduled) - self.num_admitted]
+
+    def admitted(self) -> list[ScheduledGroup]:
+        """A continuation's groups admitted from the waiting queue (`num_admitted`)."""
+        return self.scheduled[len(self.scheduled) - self.num_admitted :]
 
     def drop(self, seq_group: SequenceGroup) -> None:
         """Take a group out of the step (a continuation whose assumption failed)."""

@@ -145,15 +145,16 @@ class StepBuilder:
         in flight was built (its chunk is their number) computes them: the placeholder stands
         for the first, which the step in flight samples under a mask allowing it alone. A
         sequence may compute drafts after the placeholder (`cont.drafts`), and one the step in
-        flight gave drafts is sent `after_drafts` (`cont.after_drafts`)."""
-        step = StepInput(step_id=self._step_id)
+        flight gave drafts is sent `after_drafts` (`cont.after_drafts`). Groups admitted from
+        the waiting queue (`cont.admitted()`) are sent as in a synchronous step."""
+        step = StepInput(step_id=self._step_id, blocks_to_copy=cont.blocks_to_copy)
         self._step_id += 1
         self._add_frees(step, self._add_forks(step))
         bm = self.scheduler.block_manager
         tables = bm.block_tables
         views = self.views
         constrained: list[_MaskRow] = []
-        for scheduled in cont.scheduled:
+        for scheduled in cont.continued():
             for seq in scheduled.seq_group.seqs:
                 if seq.status != _RUNNING:
                     continue
@@ -186,6 +187,9 @@ class StepBuilder:
                 step.cached_seqs.append(cached)
                 view[0] = known_tokens + chunk
                 view[1] = len(table)
+        if cont.num_admitted:
+            admitted = SchedulerOutputs(scheduled=cont.admitted())
+            constrained += self._add_sequences(step, admitted)
         self._defer_masks(step, constrained)
         return step
 

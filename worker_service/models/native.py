@@ -34,20 +34,16 @@ from worker_service.models.weights import LayerWeights
 
 # The native step's projections read each weight row once for every token, which beats
 # oneDNN's prepacked matmuls on small batches but not on large ones, and the sooner the
-# larger the model. Native / per-layer step time (bench/native_decode.py, context 256, 2
-# threads, bench/RESULTS.md "Native decode step per family"): SmolLM2-135M float32 0.57 at 1
-# sequence, 0.88 at 8, 0.99 at 12, 1.16 at 16; bfloat16 0.92 at 8, 1.13 at 12, 1.19 at 16;
-# Gemma 3 270M (262144 x 640 head weights) float32 0.88 at 1, 0.93 at 4, 1.12 at 8. Models
-# whose head holds more weights than LARGE_HEAD_WEIGHTS take the native step up to
-# SMALL_NATIVE_BATCH sequences, others up to NATIVE_BATCH.
+# larger the model (bench/RESULTS.md, "Native decode step per family"). Models whose head
+# holds more weights than LARGE_HEAD_WEIGHTS take the native step up to SMALL_NATIVE_BATCH
+# sequences, others up to NATIVE_BATCH.
 LARGE_HEAD_WEIGHTS = 64 * 2**20
 SMALL_NATIVE_BATCH = 4
 NATIVE_BATCH = 8
 # Weights kept in GGUF blocks (models/gguf_weights.py) multiply with the same block kernels on
 # both paths, so the native step only saves the per-layer path's overhead, up to where the
-# per-layer path would dequantize (96 rows in exact mode). SmolLM2's Q4_1 file, native /
-# per-layer (bench/native_decode.py, context 256): fast mode 0.63 at 16 sequences, 0.85 at
-# 32; exact mode 0.87 at 16, 1.05 at 32.
+# per-layer path would dequantize (bench/RESULTS.md, "Weights kept in GGUF blocks, third
+# round").
 BLOCKS_NATIVE_BATCH = 32
 
 

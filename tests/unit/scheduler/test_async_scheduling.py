@@ -126,10 +126,26 @@ def drive(
 @pytest.mark.parametrize("num_gpu_blocks", [400, 60])
 def test_pipelined_streams_equal_synchronous_ones(num_gpu_blocks):
     aborts = {5: 2, 6: 4, 7: 1, 9: 5, 14: 7, 24: 3}  # streamed requests
+    admitted: list[int] = []  # per continuation, the groups it admitted
+
+    def count_admissions(engine: LLMEngine, _: FakeModel) -> None:
+        begin = engine.begin_continuation
+
+        def counted(prev):
+            cont = begin(prev)
+            if cont is not None:
+                admitted.append(cont[0].num_admitted)
+            return cont
+
+        engine.begin_continuation = counted  # type: ignore[method-assign]
+
     sync, sync_engine, _ = drive(num_gpu_blocks, pipelined=False, abort_after=aborts)
-    pipe, pipe_engine, model = drive(num_gpu_blocks, pipelined=True, abort_after=aborts)
+    pipe, pipe_engine, model = drive(
+        num_gpu_blocks, pipelined=True, abort_after=aborts, setup=count_admissions
+    )
     assert pipe == sync
     assert model.num_placeholders > 50  # many decode steps ran ahead of their results
+    assert sum(a > 0 for a in admitted) >= 5  # prompts admitted into continuations
     num_aborted = 0
     for i, limit in aborts.items():
         choices = sync[f"r{i}"].values()
@@ -167,21 +183,61 @@ def test_generate_pipelined_equals_synchronous_with_max_model_len():
             assert reason is FinishReason.LENGTH and prompt_len + len(tokens) == 24
 
 
-def test_no_continuation_while_requests_wait():
+def small_engine(max_num_seqs: int) -> LLMEngine:
     cache = CacheConfig(BLOCK, 40, 0, watermark=0.0)
-    engine = LLMEngine(
-        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64),
-        cache,
-        FakeModel(40, 0, BLOCK),
-    )
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64)
+    return LLMEngine(sched, cache, FakeModel(40, 0, BLOCK))
+
+
+def run_step(engine: LLMEngine, sched_out, step) -> list[RequestOutput]:
+    return engine.finish_step(sched_out, step, engine.executor.execute(step))
+
+
+def test_a_continuation_admits_what_the_budget_leaves_room_for():
+    engine = small_engine(max_num_seqs=2)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
+    run_step(engine, *engine.begin_step())
     sched_out, step = engine.begin_step()
-    engine.finish_step(sched_out, step, engine.executor.execute(step))
-    sched_out, step = engine.begin_step()
-    assert engine.begin_continuation(sched_out) is not None  # decoding alone: runs ahead
-    engine.add_request("b", [4, 5], SamplingParams(max_tokens=3))
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("c", [6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    cont = engine.begin_continuation(sched_out)
+    assert cont is not None
+    cont_out, cont_step = cont
+    assert [g.seq_group.request_id for g in cont_out.continued()] == ["a"]
+    assert [g.seq_group.request_id for g in cont_out.admitted()] == ["b"]  # max_num_seqs=2
+    assert [(s.request_id, s.token_ids) for s in cont_step.new_seqs] == [("b", [4, 5])]
+    assert cont_out.num_batched_tokens == 1 + 2
+    assert [r.request_id for r in engine.scheduler.waiting] == ["c"]
     engine.executor.execute(step)
     assert engine.begin_continuation(sched_out) is None  # one step ahead at most
+
+
+def test_no_admission_ahead_of_a_higher_priority_request():
+    engine = small_engine(max_num_seqs=4)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=10), priority=1)
+    run_step(engine, *engine.begin_step())
+    sched_out, _ = engine.begin_step()
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=3), priority=0)
+    # A synchronous step would first see whether b must preempt a: no continuation.
+    assert engine.begin_continuation(sched_out) is None
+
+
+def test_a_group_that_finishes_in_the_step_in_flight_is_left_out():
+    engine = small_engine(max_num_seqs=4)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=5, ignore_eos=True))
+    run_step(engine, *engine.begin_step())  # each samples its first token
+    sched_out, step = engine.begin_step()  # a samples its last
+    cont = engine.begin_continuation(sched_out)
+    assert cont is not None
+    cont_out, cont_step = cont
+    assert [g.seq_group.request_id for g in cont_out.scheduled] == ["b"]
+    assert cont_out.num_batched_tokens == 1
+    (b_seq,) = engine.scheduler.running[1].seqs
+    assert [s.seq_id for s in cont_step.cached_seqs] == [b_seq.seq_id]
+    outputs = run_step(engine, sched_out, step)
+    assert [o.request_id for o in outputs if o.finished] == ["a"]
+    assert not run_step(engine, cont_out, cont_step)[0].finished  # b: 3 tokens of 5
 
 
 def test_no_token_streamed_past_a_stop_string():
