@@ -15,10 +15,11 @@ A model with recurrent layers also gives each sequence a state slot (`state_slot
 its tables, swapped to a host slot with the blocks. With prefix caching, the state after a
 sequence's prefix is kept at block boundaries (snapshots, keyed by the block's hash): where a
 step of it ends on one (a prefill chunk; a decode without drafts, into a free slot only), and
-the scheduler ends a chunk at the prompt's last boundary (`state_chunk`). A hit then also needs the snapshot at
-its end, and the sequence starts from a copy of it. A KV transfer carries the snapshot at the
-deepest boundary of the blocks it moves (`transfer_snapshot`), held on both sides as the
-blocks are.
+the scheduler ends a chunk at the prompt's last boundary (`state_chunk`). A hit then also
+needs the snapshot at its end, and the sequence starts from a copy of it.
+
+KV transfers between replicas hold blocks and snapshots beside the tables (`transfers`, a
+`scheduler_service.engine.kv_transfers.TransferPins`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from enum import Enum
 
 from llmserve.kv_layout import NULL_BLOCK, first_live_block, window_span
 from scheduler_service.engine.block_allocator import BlockAllocator, Device
+from scheduler_service.engine.kv_transfers import TransferPins
 from scheduler_service.engine.prefix_hits import PrefixHits, group_key, hit_start, state_key
 from scheduler_service.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.engine.state_slots import StateSlots, slots_needed
@@ -92,12 +94,10 @@ class BlockSpaceManager:
         self._num_marked: dict[int, int] = {}
         # Logical clock for the evictor's LRU order; the scheduler advances it every step.
         self._now = 0.0
-        # Device blocks held by KV transfers between workers, by transfer id, besides the
-        # tables (`scheduler_service.fleet.kv_mover`).
-        self.pins: dict[int, list[int]] = {}
-        self.state_pins: dict[int, int] = {}  # transfer id -> the snapshot key it holds
         # The recurrent layers' state slots (None: the model has none).
         self.states = StateSlots(num_state_slots) if num_state_slots else None
+        # Blocks and snapshots that KV transfers between replicas hold, besides the tables.
+        self.transfers = TransferPins(self.gpu, self.states, self.transfer_tag)
         # New sequences' prefix hits, and the prefix-cache queries and hits counted.
         self.prefix = PrefixHits(self.gpu, block_size, windows, enable_caching, self.states)
         # Per sequence: the snapshot slot a prefix hit starts it from, until the step builder
@@ -112,6 +112,7 @@ class BlockSpaceManager:
     @now.setter
     def now(self, value: float) -> None:
         self._now = value
+        self.transfers.now = value
         if self.states is not None:
             self.states.now = value
 
@@ -633,76 +634,6 @@ class BlockSpaceManager:
                 table[i] = moved
                 src.free(block_id, self._now)
 
-    # -- KV transfers -----------------------------------------------------------------------
-
-    def pin(
-        self, transfer_id: int, block_ids: list[int], state_key: int | None = None
-    ) -> int | None:
-        """Hold device blocks (in use, or cached and free) for an export, and the snapshot
-        under `state_key` if one is saved: they stay allocated, unwritten by new sequences,
-        until `unpin`. Returns the snapshot's slot (None: none held)."""
-        for block_id in block_ids:
-            self.gpu.hold(block_id, self.transfer_tag)
-        self.pins[transfer_id] = list(block_ids)
-        if state_key is None:
-            return None
-        assert self.states is not None
-        slot = self.states.pin(state_key)
-        if slot is not None:
-            self.state_pins[transfer_id] = state_key
-        return slot
-
-    def allocate_pinned(
-        self, transfer_id: int, hashed: list[tuple[int, int]], state_key: int | None = None
-    ) -> tuple[list[int], int | None]:
-        """Device blocks for an import, one per (block hash, hashed tokens), registered under
-        those hashes but not computed (`mark_imported` makes them prefix-cache hits); and a
-        state slot for the snapshot under `state_key`, if given and one can be had."""
-        block_ids = [
-            self.gpu.allocate(block_hash, tokens, self.transfer_tag)
-            for block_hash, tokens in hashed
-        ]
-        self.pins[transfer_id] = block_ids
-        slot = None
-        if state_key is not None:
-            assert self.states is not None
-            slot = self.states.receive(state_key)
-            if slot is not None:
-                self.state_pins[transfer_id] = state_key
-        return block_ids, slot
-
-    def mark_imported(self, transfer_id: int) -> None:
-        """The import's K/V (and snapshot) have arrived: its blocks count as computed."""
-        for block_id in self.pins[transfer_id]:
-            if self.gpu.block_hashes[block_id] is not None:
-                self.gpu.computed[block_id] = True
-        key = self.state_pins.get(transfer_id)
-        if key is not None:
-            assert self.states is not None
-            self.states.mark_saved(key)
-
-    def unpin(self, transfer_id: int) -> None:
-        """Let go of a transfer's blocks and snapshot (unknown ids are ignored); hashed ones
-        stay findable in the prefix cache until evicted, an import's snapshot once saved."""
-        for block_id in self.pins.pop(transfer_id, ()):
-            self.gpu.free(block_id, self._now)
-        key = self.state_pins.pop(transfer_id, None)
-        if key is not None:
-            assert self.states is not None
-            self.states.unpin(key)
-
-    def transfer_snapshot(self, block_hashes: list[int], num_blocks: int) -> int | None:
-        """The key of the saved snapshot at the deepest block boundary of the first
-        `num_blocks` blocks hashed `block_hashes` (a transfer of those blocks carries it), or
-        None (no recurrent layers, or no snapshot among them)."""
-        if self.states is None:
-            return None
-        for i in range(min(num_blocks, len(block_hashes)) - 1, -1, -1):
-            key = state_key(block_hashes[i])
-            if self.states.is_saved(key):
-                return key
-        return None
-
     # -- prefixes for other replicas (KV moves) ---------------------------------------------
 
     def hit_blocks(self, seq: Sequence) -> list[tuple[int, int, int]]:
@@ -813,11 +744,11 @@ class BlockSpaceManager:
                     assert all(b == NULL_BLOCK for b in table[:live])
                 for block_id in table[live:]:
                     refs[block_id] += 1
-        for block_ids in self.pins.values():
-            for block_id in block_ids:
-                gpu_refs[block_id] += 1
+        for block_id in self.transfers.held_blocks():
+            gpu_refs[block_id] += 1
         assert self._on_cpu <= self._tables.keys()
         self.prefix.check_invariants(self._tables.keys())
+        self.transfers.check_invariants()
         if self.states is not None:
             self.states.check_invariants(set(self._tables))
         self.gpu.check_invariants(gpu_refs)
