@@ -47,6 +47,10 @@ class BlockSpaceManager:
     Besides the tables it remembers, per sequence and group, the first table index that
     changed in place (copy-on-write, swap, a refilled window) since `pop_dirty_from` was last
     called, so the engine can send workers a table diff without comparing whole tables.
+
+    It owns the parts that share its device allocator: the recurrent layers' state slots
+    (`states`), new sequences' prefix hits (`prefix`) and the KV transfers' pins
+    (`transfers`).
     """
 
     def __init__(
@@ -725,9 +729,10 @@ class BlockSpaceManager:
 
     def check_invariants(self) -> None:
         """Free + in use == total on each device; ref counts equal table references; no block
-        both free and referenced; every group holds a table for the same sequences; a
-        windowed table holds NULL entries exactly before its live part, none of them
-        referenced; the state slots are held by exactly the sequences with tables."""
+        both free and referenced (a transfer's pin counts as one); every group holds a table
+        for the same sequences; a windowed table holds NULL entries exactly before its live
+        part, none of them referenced; the state slots are held by exactly the sequences with
+        tables; and each part's own (`PrefixHits`, `TransferPins`, `StateSlots`)."""
         gpu_refs = [0] * self.num_total_gpu_blocks
         cpu_refs = [0] * self.num_total_cpu_blocks
         if self._windowed:

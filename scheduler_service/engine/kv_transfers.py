@@ -6,8 +6,8 @@ tables: an export holds blocks some sequence may still use, or cached free ones,
 new sequence writes them; an import holds fresh blocks registered under the source's hashes
 but not computed, so that no hit reads them before their K/V arrive. With recurrent layers a
 transfer also carries the state snapshot at the deepest block boundary of the blocks it moves,
-held as the blocks are. The pinned blocks carry the transfer tag, so the groups' usage
-leaves out blocks that no sequence has taken yet.
+held as the blocks are. Blocks a transfer takes out of the free pool (an import's, or cached
+free ones an export holds) are counted under the transfers' allocator tag, not a group's.
 """
 
 from __future__ import annotations
