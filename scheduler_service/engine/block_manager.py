@@ -104,9 +104,7 @@ class BlockSpaceManager:
         self.transfers = TransferPins(self.gpu, self.states, self.transfer_tag)
         # New sequences' prefix hits, and the prefix-cache queries and hits counted.
         self.prefix = PrefixHits(self.gpu, block_size, windows, enable_caching, self.states)
-        # Per sequence: the snapshot slot a prefix hit starts it from, until the step builder
-        # takes it; and the snapshots its steps in flight write, (tokens, key).
-        self._state_sources: dict[int, tuple[int, int]] = {}  # seq id -> (slot, tokens)
+        # Per sequence: the snapshots its steps in flight write, (tokens, key).
         self._pending_saves: dict[int, list[tuple[int, int]]] = {}
 
     @property
@@ -205,7 +203,8 @@ class BlockSpaceManager:
         """Give every waiting sequence its tables: a full group's covers all its tokens
         (sharing cached blocks), a windowed group's the blocks of the longest prefix hit
         (`get_num_computed_tokens`) that its window reads; `append_slots` adds the rest. With
-        recurrent layers, the request reserves its state slots and each sequence takes one."""
+        recurrent layers, the request reserves its state slots and each sequence takes one
+        (a hit's snapshot is copied into it: `pop_state_source`)."""
         bs = self.block_size
         states = self.states
         if states is not None:
@@ -228,10 +227,6 @@ class BlockSpaceManager:
             if states is not None:
                 states.take(seq_group.request_id, seq_id)
             hit = self.prefix.admit(seq, [self._group_tables[g][seq_id] for g in self._full])
-            if states is not None and hit:
-                source = states.lookup(state_key(seq.block_hash(hit - 1)))
-                assert source is not None, "a hit without its snapshot"
-                self._state_sources[seq_id] = (source, hit * bs)
             start = hit_start(seq, hit, bs)
             for g in self._windowed:
                 first = self._live_index(g, start)
@@ -334,11 +329,7 @@ class BlockSpaceManager:
     def pop_state_source(self, seq: Sequence) -> int | None:
         """The snapshot slot a new sequence starts from (its prefix hit), once; None when it
         computes from its first token (no hit, or one it does not use: prompt logprobs)."""
-        source = self._state_sources.pop(seq.seq_id, None)
-        if source is None or seq.num_computed_tokens == 0:
-            return None
-        assert source[1] == seq.num_computed_tokens, "a hit used at another boundary"
-        return source[0]
+        return self.prefix.pop_state_source(seq)
 
     def max_append_chunk(self, seq_group: SequenceGroup, chunk: int) -> int:
         """The largest next chunk of the group's running prefill, up to `chunk` tokens and in
@@ -670,7 +661,6 @@ class BlockSpaceManager:
         self.prefix.forget(seq_id)
         if self.states is not None:
             self.states.drop(seq_id)
-            self._state_sources.pop(seq_id, None)
             self._pending_saves.pop(seq_id, None)
         for g, tables in enumerate(self._group_tables):
             table = tables.pop(seq_id)

@@ -10,7 +10,7 @@ sequence starts from a copy of it).
 
 A sequence's hit is found when the block manager gives it its tables and kept until the
 scheduler asks how many of its tokens are computed, which counts the prefix-cache queries and
-hits. Other replicas ask for the longest cached prefix of a prompt that has no tables here
+hits; the slot of the snapshot it starts from, until the step builder sends it. Other replicas ask for the longest cached prefix of a prompt that has no tables here
 (KV moves, prefix fetches, routing).
 """
 
@@ -42,7 +42,8 @@ def hit_start(seq: Sequence, hit: int, block_size: int) -> int:
 
 class PrefixHits:
     """The longest prefix every KV group serves from the device's prefix cache: a new
-    sequence's (kept until `take`), or a prompt's that another replica asks about."""
+    sequence's (kept until `take`, its snapshot until `pop_state_source`), or a prompt's that
+    another replica asks about."""
 
     def __init__(
         self,
@@ -61,6 +62,9 @@ class PrefixHits:
         self.states = states
         # A new sequence's hit, in blocks, until `take`.
         self._found: dict[int, int] = {}
+        # A new sequence's snapshot slot to start from, with the tokens it holds, until
+        # `pop_state_source`.
+        self._sources: dict[int, tuple[int, int]] = {}  # seq id -> (slot, tokens)
         self.queries = 0  # full prompt blocks looked up
         self.hits = 0  # of those, found computed in the cache
 
@@ -73,8 +77,13 @@ class PrefixHits:
 
     def admit(self, seq: Sequence, full_tables: list[list[int]]) -> int:
         """The hit of a sequence just given its full groups' tables (in group order), in
-        blocks, kept until `take`; 0 without prefix caching."""
+        blocks, kept until `take`; 0 without prefix caching. With recurrent layers its
+        snapshot is marked used and kept until `pop_state_source`."""
         hit = self._find(seq, full_tables) if self.enable_caching else 0
+        if self.states is not None and hit:
+            source = self.states.lookup(state_key(seq.block_hash(hit - 1)))
+            assert source is not None, "a hit without its snapshot"
+            self._sources[seq.seq_id] = (source, hit * self.block_size)
         self._found[seq.seq_id] = hit
         return hit
 
@@ -122,9 +131,19 @@ class PrefixHits:
         self.hits += hit
         return hit_start(seq, hit, self.block_size)
 
+    def pop_state_source(self, seq: Sequence) -> int | None:
+        """The snapshot slot a new sequence starts from (its hit), once; None when it
+        computes from its first token (no hit, or one it does not use: prompt logprobs)."""
+        source = self._sources.pop(seq.seq_id, None)
+        if source is None or seq.num_computed_tokens == 0:
+            return None
+        assert source[1] == seq.num_computed_tokens, "a hit used at another boundary"
+        return source[0]
+
     def forget(self, seq_id: int) -> None:
-        """Drop a freed sequence's hit not taken."""
+        """Drop a freed sequence's hit and snapshot not taken."""
         self._found.pop(seq_id, None)
+        self._sources.pop(seq_id, None)
 
     def cached_prefix(
         self, block_hashes: list[int], num_tokens: int
@@ -166,5 +185,6 @@ class PrefixHits:
         return hit, [(block_id, key, tokens) for _, block_id, key, tokens in found]
 
     def check_invariants(self, seq_ids: Set[int]) -> None:
-        """Every hit not taken belongs to a sequence with tables (`seq_ids`)."""
+        """Every hit and snapshot not taken belongs to a sequence with tables (`seq_ids`)."""
         assert self._found.keys() <= seq_ids, "a prefix hit kept for a freed sequence"
+        assert self._sources.keys() <= seq_ids, "a snapshot kept for a freed sequence"
