@@ -10,8 +10,9 @@ sequence starts from a copy of it).
 
 A sequence's hit is found when the block manager gives it its tables and kept until the
 scheduler asks how many of its tokens are computed, which counts the prefix-cache queries and
-hits; the slot of the snapshot it starts from, until the step builder sends it. Other replicas ask for the longest cached prefix of a prompt that has no tables here
-(KV moves, prefix fetches, routing).
+hits; the slot of the snapshot it starts from is kept until the step builder sends it. Other
+replicas ask for the longest cached prefix of a prompt that has no tables here (KV moves,
+prefix fetches, routing).
 """
 
 from __future__ import annotations
