@@ -8,19 +8,18 @@ group keeps only the blocks its window can still read: entries before the window
 evictor when they carry a prefix hash. A windowed group also grows lazily: it holds blocks
 for the positions a step computes, not for the whole prompt at admission.
 
-Prefix caching hashes each group's blocks under its own key (group 0 under the token chain's
-hash, so KV transfers between replicas name blocks as before). A hit is the longest prefix
-that every group can serve: all of a full group's blocks, the blocks of a windowed group that
-the first computed position's window reads.
+Prefix caching hashes each group's blocks under its own key; what a hit is, and the hit each
+new sequence starts from, is `PrefixHits`' (`scheduler_service.engine.prefix_hits`).
 
 A model with recurrent layers also gives each sequence a state slot (`state_slots`) beside
 its tables, swapped to a host slot with the blocks. With prefix caching, the state after a
 sequence's prefix is kept at block boundaries (snapshots, keyed by the block's hash): where a
 step of it ends on one (a prefill chunk; a decode without drafts, into a free slot only), and
-the scheduler ends a chunk at the prompt's last boundary (`state_chunk`). A hit then also needs the snapshot at
-its end, and the sequence starts from a copy of it. A KV transfer carries the snapshot at the
-deepest boundary of the blocks it moves (`transfer_snapshot`), held on both sides as the
-blocks are.
+the scheduler ends a chunk at the prompt's last boundary (`state_chunk`). A hit then also
+needs the snapshot at its end, and the sequence starts from a copy of it.
+
+KV transfers between replicas hold blocks and snapshots beside the tables (`transfers`, a
+`scheduler_service.engine.kv_transfers.TransferPins`).
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ from enum import Enum
 
 from llmserve.kv_layout import NULL_BLOCK, first_live_block, window_span
 from scheduler_service.engine.block_allocator import BlockAllocator, Device
+from scheduler_service.engine.kv_transfers import TransferPins
+from scheduler_service.engine.prefix_hits import PrefixHits, group_key, hit_start, state_key
 from scheduler_service.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from scheduler_service.engine.state_slots import StateSlots, slots_needed
 
@@ -40,22 +41,16 @@ class AllocStatus(Enum):
     NEVER = "never"  # larger than the whole cache (minus the watermark)
 
 
-def _group_hash(group: int, block_hash: int) -> int:
-    """The key of a block of `group` holding the tokens hashed to `block_hash`."""
-    return block_hash if group == 0 else hash((group, block_hash))
-
-
-def _state_key(block_hash: int) -> int:
-    """The key of the state snapshot after the tokens hashed to `block_hash`."""
-    return hash(("state", block_hash))
-
-
 class BlockSpaceManager:
     """Maps sequences to device (GPU) and host (CPU swap) blocks, one table per KV group.
 
     Besides the tables it remembers, per sequence and group, the first table index that
     changed in place (copy-on-write, swap, a refilled window) since `pop_dirty_from` was last
     called, so the engine can send workers a table diff without comparing whole tables.
+
+    It owns the parts that share its device allocator: the recurrent layers' state slots
+    (`states`), new sequences' prefix hits (`prefix`) and the KV transfers' pins
+    (`transfers`).
     """
 
     def __init__(
@@ -101,21 +96,15 @@ class BlockSpaceManager:
         self._dirty: list[dict[int, int]] = [{} for _ in windows]
         # Leading blocks of each table already marked computed (the same for every group).
         self._num_marked: dict[int, int] = {}
-        # A prefix hit found at allocation, in blocks, until `get_num_computed_tokens`.
-        self._hits: dict[int, int] = {}
         # Logical clock for the evictor's LRU order; the scheduler advances it every step.
         self._now = 0.0
-        self.prefix_cache_queries = 0  # full prompt blocks looked up
-        self.prefix_cache_hits = 0  # of those, found computed in the cache
-        # Device blocks held by KV transfers between workers, by transfer id, besides the
-        # tables (`scheduler_service.fleet.kv_mover`).
-        self.pins: dict[int, list[int]] = {}
-        self.state_pins: dict[int, int] = {}  # transfer id -> the snapshot key it holds
         # The recurrent layers' state slots (None: the model has none).
         self.states = StateSlots(num_state_slots) if num_state_slots else None
-        # Per sequence: the snapshot slot a prefix hit starts it from, until the step builder
-        # takes it; and the snapshots its steps in flight write, (tokens, key).
-        self._state_sources: dict[int, tuple[int, int]] = {}  # seq id -> (slot, tokens)
+        # Blocks and snapshots that KV transfers between replicas hold, besides the tables.
+        self.transfers = TransferPins(self.gpu, self.states, self.transfer_tag)
+        # New sequences' prefix hits, and the prefix-cache queries and hits counted.
+        self.prefix = PrefixHits(self.gpu, block_size, windows, enable_caching, self.states)
+        # Per sequence: the snapshots its steps in flight write, (tokens, key).
         self._pending_saves: dict[int, list[tuple[int, int]]] = {}
 
     @property
@@ -125,6 +114,7 @@ class BlockSpaceManager:
     @now.setter
     def now(self, value: float) -> None:
         self._now = value
+        self.transfers.now = value
         if self.states is not None:
             self.states.now = value
 
@@ -213,7 +203,8 @@ class BlockSpaceManager:
         """Give every waiting sequence its tables: a full group's covers all its tokens
         (sharing cached blocks), a windowed group's the blocks of the longest prefix hit
         (`get_num_computed_tokens`) that its window reads; `append_slots` adds the rest. With
-        recurrent layers, the request reserves its state slots and each sequence takes one."""
+        recurrent layers, the request reserves its state slots and each sequence takes one
+        (a hit's snapshot is copied into it: `pop_state_source`)."""
         bs = self.block_size
         states = self.states
         if states is not None:
@@ -227,7 +218,7 @@ class BlockSpaceManager:
                 table: list[int] = []
                 for i in range(num_blocks):
                     if self.enable_caching and i < num_full:
-                        key = _group_hash(g, seq.block_hash(i))
+                        key = group_key(g, seq.block_hash(i))
                         table.append(self.gpu.allocate(key, (i + 1) * bs, g))
                     else:
                         table.append(self.gpu.allocate(tag=g))
@@ -235,18 +226,13 @@ class BlockSpaceManager:
             self._num_marked[seq_id] = 0
             if states is not None:
                 states.take(seq_group.request_id, seq_id)
-            hit = self._find_hit(seq, num_full) if self.enable_caching else 0
-            if states is not None and hit:
-                source = states.lookup(_state_key(seq.block_hash(hit - 1)))
-                assert source is not None, "a hit without its snapshot"
-                self._state_sources[seq_id] = (source, hit * bs)
-            self._hits[seq_id] = hit
-            start = self._hit_start(seq, hit)
+            hit = self.prefix.admit(seq, [self._group_tables[g][seq_id] for g in self._full])
+            start = hit_start(seq, hit, bs)
             for g in self._windowed:
                 first = self._live_index(g, start)
                 table = [NULL_BLOCK] * first
                 for i in range(first, hit):
-                    key = _group_hash(g, seq.block_hash(i))
+                    key = group_key(g, seq.block_hash(i))
                     table.append(self.gpu.allocate(key, (i + 1) * bs, g))
                 self._group_tables[g][seq_id] = table
                 self._live[g][seq_id] = first
@@ -258,55 +244,13 @@ class BlockSpaceManager:
         assert window is not None
         return first_live_block(position, window, self.block_size)
 
-    def _hit_start(self, seq: Sequence, hit: int) -> int:
-        """The first position computed after a hit of `hit` blocks (at least the last token
-        is computed, to sample from)."""
-        return min(hit * self.block_size, seq.get_len() - 1)
-
-    def _find_hit(self, seq: Sequence, num_full: int) -> int:
-        """Blocks of the longest prefix of `seq` whose K/V every group holds computed (and,
-        with recurrent layers, whose state after its last block a snapshot holds)."""
-        gpu = self.gpu
-        hashes = gpu.block_hashes
-        computed = gpu.computed
-        hit = num_full
-        for g in self._full:
-            table = self._group_tables[g][seq.seq_id]
-            cached = 0
-            while cached < hit and hashes[b := table[cached]] is not None and computed[b]:
-                cached += 1
-            hit = cached
-        states = self.states
-        if states is not None:  # a hit starts from its snapshot: exactly at the boundary
-            hit = min(hit, (seq.get_len() - 1) // self.block_size)
-        while hit > 0:
-            served = states is None or states.is_saved(_state_key(seq.block_hash(hit - 1)))
-            start = self._hit_start(seq, hit)
-            for g in self._windowed if served else ():
-                for i in range(self._live_index(g, start), hit):
-                    block_id = gpu.lookup(_group_hash(g, seq.block_hash(i)))
-                    if block_id is None or not computed[block_id]:
-                        served = False
-                        break
-                if not served:
-                    break
-            if served:
-                return hit
-            hit -= 1
-        return 0
-
     def get_num_computed_tokens(self, seq: Sequence) -> int:
         """Tokens of `seq` whose K/V a prefix-cache hit already holds in every group.
 
         Always leaves at least the last token to compute, so the step has logits to sample.
-        Counts one prefix-cache query per full block of the sequence.
+        Counts one prefix-cache query per full block of the sequence (`PrefixHits.take`).
         """
-        hit = self._hits.pop(seq.seq_id, 0)
-        if not self.enable_caching:
-            return 0
-        self.prefix_cache_queries += seq.get_len() // self.block_size
-        self.prefix_cache_hits += hit
-        return self._hit_start(seq, hit)
+        return self.prefix.take(seq)
 
     # -- running sequences ----------------------------------------------------------------
 
@@ -373,7 +317,7 @@ class BlockSpaceManager:
             or not 0 < end <= seq.get_len()
         ):
             return None
-        key = _state_key(seq.block_hash(end // self.block_size - 1))
+        key = state_key(seq.block_hash(end // self.block_size - 1))
         # Past the prompt (a decode) only into a free slot: a prompt's snapshots, which
         # other requests share, are not evicted for one sequence's own.
         slot = states.save(key, evict=end <= seq.num_prompt_tokens)
@@ -385,11 +329,7 @@ class BlockSpaceManager:
     def pop_state_source(self, seq: Sequence) -> int | None:
         """The snapshot slot a new sequence starts from (its prefix hit), once; None when it
         computes from its first token (no hit, or one it does not use: prompt logprobs)."""
-        source = self._state_sources.pop(seq.seq_id, None)
-        if source is None or seq.num_computed_tokens == 0:
-            return None
-        assert source[1] == seq.num_computed_tokens, "a hit used at another boundary"
-        return source[0]
+        return self.prefix.pop_state_source(seq)
 
     def max_append_chunk(self, seq_group: SequenceGroup, chunk: int) -> int:
         """The largest next chunk of the group's running prefill, up to `chunk` tokens and in
@@ -481,7 +421,7 @@ class BlockSpaceManager:
         for i in range(first, min(len(seq.token_ids) // bs, len(table))):
             block_id = table[i]
             if hashes[block_id] is None and ref_counts[block_id] == 1:
-                gpu.promote(block_id, _group_hash(group, seq.block_hash(i)), (i + 1) * bs)
+                gpu.promote(block_id, group_key(group, seq.block_hash(i)), (i + 1) * bs)
 
     # -- asynchronous scheduling ----------------------------------------------------------
 
@@ -689,81 +629,7 @@ class BlockSpaceManager:
                 table[i] = moved
                 src.free(block_id, self._now)
 
-    # -- KV transfers -----------------------------------------------------------------------
-
-    def pin(
-        self, transfer_id: int, block_ids: list[int], state_key: int | None = None
-    ) -> int | None:
-        """Hold device blocks (in use, or cached and free) for an export, and the snapshot
-        under `state_key` if one is saved: they stay allocated, unwritten by new sequences,
-        until `unpin`. Returns the snapshot's slot (None: none held)."""
-        for block_id in block_ids:
-            self.gpu.hold(block_id, self.transfer_tag)
-        self.pins[transfer_id] = list(block_ids)
-        if state_key is None:
-            return None
-        assert self.states is not None
-        slot = self.states.pin(state_key)
-        if slot is not None:
-            self.state_pins[transfer_id] = state_key
-        return slot
-
-    def allocate_pinned(
-        self, transfer_id: int, hashed: list[tuple[int, int]], state_key: int | None = None
-    ) -> tuple[list[int], int | None]:
-        """Device blocks for an import, one per (block hash, hashed tokens), registered under
-        those hashes but not computed (`mark_imported` makes them prefix-cache hits); and a
-        state slot for the snapshot under `state_key`, if given and one can be had."""
-        block_ids = [
-            self.gpu.allocate(block_hash, tokens, self.transfer_tag)
-            for block_hash, tokens in hashed
-        ]
-        self.pins[transfer_id] = block_ids
-        slot = None
-        if state_key is not None:
-            assert self.states is not None
-            slot = self.states.receive(state_key)
-            if slot is not None:
-                self.state_pins[transfer_id] = state_key
-        return block_ids, slot
-
-    def mark_imported(self, transfer_id: int) -> None:
-        """The import's K/V (and snapshot) have arrived: its blocks count as computed."""
-        for block_id in self.pins[transfer_id]:
-            if self.gpu.block_hashes[block_id] is not None:
-                self.gpu.computed[block_id] = True
-        key = self.state_pins.get(transfer_id)
-        if key is not None:
-            assert self.states is not None
-            self.states.mark_saved(key)
-
-    def unpin(self, transfer_id: int) -> None:
-        """Let go of a transfer's blocks and snapshot (unknown ids are ignored); hashed ones
-        stay findable in the prefix cache until evicted, an import's snapshot once saved."""
-        for block_id in self.pins.pop(transfer_id, ()):
-            self.gpu.free(block_id, self._now)
-        key = self.state_pins.pop(transfer_id, None)
-        if key is not None:
-            assert self.states is not None
-            self.states.unpin(key)
-
-    def transfer_snapshot(self, block_hashes: list[int], num_blocks: int) -> int | None:
-        """The key of the saved snapshot at the deepest block boundary of the first
-        `num_blocks` blocks hashed `block_hashes` (a transfer of those blocks carries it), or
-        None (no recurrent layers, or no snapshot among them)."""
-        if self.states is None:
-            return None
-        for i in range(min(num_blocks, len(block_hashes)) - 1, -1, -1):
-            key = _state_key(block_hashes[i])
-            if self.states.is_saved(key):
-                return key
-        return None
-
-    # -- prefixes for other replicas (KV moves, prefix fetches, routing) ---------------------
-
-    def group_key(self, group: int, block_hash: int) -> int:
-        """The prefix-cache key of `group`'s block holding the tokens hashed `block_hash`."""
-        return _group_hash(group, block_hash)
+    # -- prefixes for other replicas (KV moves) ---------------------------------------------
 
     def hit_blocks(self, seq: Sequence) -> list[tuple[int, int, int]]:
         """(block id, key, hashed tokens) of the full, computed blocks of `seq`'s tables that
@@ -776,51 +642,12 @@ class BlockSpaceManager:
         for g, tables in enumerate(self._group_tables):
             table = tables[seq.seq_id]
             for i in range(self._live[g].get(seq.seq_id, 0), min(num_full, len(table))):
-                block_id, key = table[i], _group_hash(g, seq.block_hash(i))
+                block_id, key = table[i], group_key(g, seq.block_hash(i))
                 if gpu.block_hashes[block_id] != key or not gpu.computed[block_id]:
                     break  # later blocks cannot be prefix-cache hits without this one
                 found.append((i, block_id, key, (i + 1) * bs))
         found.sort(key=lambda f: f[0])
         return [(block_id, key, tokens) for _, block_id, key, tokens in found]
-
-    def cached_prefix(
-        self, block_hashes: list[int], num_tokens: int
-    ) -> tuple[int, list[tuple[int, int, int]]]:
-        """For a prompt of `num_tokens` tokens whose full blocks hash to `block_hashes`: the
-        blocks of the longest prefix hit every group serves from this cache, and the (block id,
-        key, hashed tokens) of the blocks that hit reads, in table order across groups."""
-        if not self.enable_caching:
-            return 0, []
-        gpu = self.gpu
-        bs = self.block_size
-
-        def cached(g: int, i: int) -> int | None:
-            block_id = gpu.lookup(_group_hash(g, block_hashes[i]))
-            return block_id if block_id is not None and gpu.computed[block_id] else None
-
-        hit = len(block_hashes)
-        for g in self._full:
-            count = 0
-            while count < hit and cached(g, count) is not None:
-                count += 1
-            hit = count
-        while hit > 0:
-            start = min(hit * bs, num_tokens - 1)
-            firsts = {g: self._live_index(g, start) for g in self._windowed}
-            if all(cached(g, i) is not None for g in self._windowed for i in range(firsts[g], hit)):
-                break
-            hit -= 1
-        found: list[tuple[int, int, int, int]] = []
-        for g in range(self.num_groups):
-            first = (
-                0 if self.windows[g] is None else self._live_index(g, min(hit * bs, num_tokens - 1))
-            )
-            for i in range(first, hit):
-                block_id = cached(g, i)
-                assert block_id is not None
-                found.append((i, block_id, _group_hash(g, block_hashes[i]), (i + 1) * bs))
-        found.sort(key=lambda f: f[0])
-        return hit, [(block_id, key, tokens) for _, block_id, key, tokens in found]
 
     # -- freeing and queries ----------------------------------------------------------------
 
@@ -831,10 +658,9 @@ class BlockSpaceManager:
         allocator = self.cpu if seq_id in self._on_cpu else self.gpu
         self._on_cpu.discard(seq_id)
         self._num_marked.pop(seq_id, None)
-        self._hits.pop(seq_id, None)
+        self.prefix.forget(seq_id)
         if self.states is not None:
             self.states.drop(seq_id)
-            self._state_sources.pop(seq_id, None)
             self._pending_saves.pop(seq_id, None)
         for g, tables in enumerate(self._group_tables):
             table = tables.pop(seq_id)
@@ -893,9 +719,10 @@ class BlockSpaceManager:
 
     def check_invariants(self) -> None:
         """Free + in use == total on each device; ref counts equal table references; no block
-        both free and referenced; every group holds a table for the same sequences; a
-        windowed table holds NULL entries exactly before its live part, none of them
-        referenced; the state slots are held by exactly the sequences with tables."""
+        both free and referenced (a transfer's pin counts as one); every group holds a table
+        for the same sequences; a windowed table holds NULL entries exactly before its live
+        part, none of them referenced; the state slots are held by exactly the sequences with
+        tables; and each part's own (`PrefixHits`, `TransferPins`, `StateSlots`)."""
         gpu_refs = [0] * self.num_total_gpu_blocks
         cpu_refs = [0] * self.num_total_cpu_blocks
         if self._windowed:
@@ -912,10 +739,11 @@ class BlockSpaceManager:
                     assert all(b == NULL_BLOCK for b in table[:live])
                 for block_id in table[live:]:
                     refs[block_id] += 1
-        for block_ids in self.pins.values():
-            for block_id in block_ids:
-                gpu_refs[block_id] += 1
+        for block_id in self.transfers.held_blocks():
+            gpu_refs[block_id] += 1
         assert self._on_cpu <= self._tables.keys()
+        self.prefix.check_invariants(self._tables.keys())
+        self.transfers.check_invariants()
         if self.states is not None:
             self.states.check_invariants(set(self._tables))
         self.gpu.check_invariants(gpu_refs)

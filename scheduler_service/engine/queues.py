@@ -139,8 +139,8 @@ class SchedulerQueues:
             cpu_kv_usage=bm.cpu_usage(),
             num_preemptions_recompute=self.num_preemptions[PreemptionMode.RECOMPUTE],
             num_preemptions_swap=self.num_preemptions[PreemptionMode.SWAP],
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
+            prefix_cache_queries=bm.prefix.queries,
+            prefix_cache_hits=bm.prefix.hits,
             num_ignored=self.num_ignored,
             num_waiting_prefill_tokens=sum(
                 g.seqs[0].get_len() - g.seqs[0].num_computed_tokens for g in self.waiting

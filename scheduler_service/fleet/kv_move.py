@@ -96,7 +96,7 @@ def move_snapshot(move: Move, group: SequenceGroup) -> int | None:
         if bm.states is None or not bm.has_table(seq):
             continue
         num_blocks = seq.num_computed_tokens // bm.block_size
-        key = bm.transfer_snapshot([seq.block_hash(i) for i in range(num_blocks)], num_blocks)
+        key = bm.transfers.snapshot_key([seq.block_hash(i) for i in range(num_blocks)], num_blocks)
         return _unless_held(move.target_engine, key)
     return None
 
@@ -111,7 +111,7 @@ def cached_blocks(
     target_gpu = target.scheduler.block_manager.gpu
     hit, blocks = cached_prefix_blocks(peer, prompt)
     peer_bm = peer.scheduler.block_manager
-    state_key = peer_bm.transfer_snapshot(prompt_block_hashes(peer_bm.block_size, prompt), hit)
+    state_key = peer_bm.transfers.snapshot_key(prompt_block_hashes(peer_bm.block_size, prompt), hit)
     missing = [
         (block_id, key, tokens)
         for block_id, key, tokens in blocks

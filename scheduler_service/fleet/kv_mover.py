@@ -17,7 +17,7 @@ A move takes a running request from a source replica to a target:
    way a moved request follows the recompute migration's path, which every fleet test covers.
    Stop-and-copy (`MigrationMode.STOP_AND_COPY`) is this last round alone.
 
-While a round is in flight its blocks are pinned on both sides (`BlockSpaceManager.pin`), so
+While a round is in flight its blocks are pinned on both sides (`TransferPins.pin`), so
 neither engine reuses them. The target's pins last until the request is queued there; the
 source's end with the round.
 
@@ -203,17 +203,17 @@ class KvMover:
         state_slot = None
         if blocks or state_key is not None:
             # Pinned before the stop below frees the request's blocks on the source.
-            state_slot = source_bm.pin(transfer_id, [b for b, _, _ in blocks], state_key)
+            state_slot = source_bm.transfers.pin(transfer_id, [b for b, _, _ in blocks], state_key)
         if final:
             move.final = True
             snapshots, traces = move.source.take_requests([move.request_id])
             if not snapshots:
-                source_bm.unpin(transfer_id)
+                source_bm.transfers.unpin(transfer_id)
                 self._end(move)
                 return
             move.snapshot, move.trace = snapshots[0], traces.get(move.request_id)
         if not blocks and state_slot is None:
-            source_bm.unpin(transfer_id)
+            source_bm.transfers.unpin(transfer_id)
             if final:
                 self._finish(move)
             elif move.until_prefilled:
@@ -240,7 +240,7 @@ class KvMover:
         the source's pinned snapshot (slot, key), which goes into a slot taken for it there."""
         target_bm = move.target_engine.scheduler.block_manager
         source_slot, state_key = state
-        _, target_slot = target_bm.allocate_pinned(
+        _, target_slot = target_bm.transfers.allocate_pinned(
             transfer_id,
             [(h, n) for _, h, n in blocks],
             state_key if source_slot is not None else None,
@@ -279,7 +279,7 @@ class KvMover:
         )
         transfer_id = next(self._transfer_ids)
         peer_bm = peer.engine.scheduler.block_manager
-        state_slot = peer_bm.pin(transfer_id, [b for b, _, _ in blocks], state_key)
+        state_slot = peer_bm.transfers.pin(transfer_id, [b for b, _, _ in blocks], state_key)
         self._send(move, transfer_id, blocks, (state_slot, state_key))
         return True
 
@@ -296,17 +296,19 @@ class KvMover:
             move.target_queue.import_blocks(
                 transfer_id,
                 move.source.address,
-                target_bm.pins[transfer_id],
+                target_bm.transfers.pins[transfer_id],
                 move.import_state_slot,
             )
         for transfer_id in news.imported:
             move = self._by_transfer.pop(transfer_id, None)
             if move is None or move.target is not replica:
                 continue
-            bm = move.target_engine.scheduler.block_manager
-            bm.mark_imported(transfer_id)
-            move.blocks_copied += len(bm.pins[transfer_id])
-            self.rates.on_round(len(bm.pins[transfer_id]), time.monotonic() - move.round_started)
+            transfers = move.target_engine.scheduler.block_manager.transfers
+            transfers.mark_imported(transfer_id)
+            move.blocks_copied += len(transfers.pins[transfer_id])
+            self.rates.on_round(
+                len(transfers.pins[transfer_id]), time.monotonic() - move.round_started
+            )
             self._release_source(move, transfer_id)
             move.transfer_id = None
             end_transfer_span(move.span, None)
@@ -343,14 +345,14 @@ class KvMover:
 
     def _release_source(self, move: Move, transfer_id: int) -> None:
         if move.source.engine is move.source_engine:
-            move.source_engine.scheduler.block_manager.unpin(transfer_id)
+            move.source_engine.scheduler.block_manager.transfers.unpin(transfer_id)
         move.source_queue.release(transfer_id)
 
     def _release_target(self, move: Move) -> None:
         alive = move.target.engine is move.target_engine
         for transfer_id in move.target_pins:
             if alive:
-                move.target_engine.scheduler.block_manager.unpin(transfer_id)
+                move.target_engine.scheduler.block_manager.transfers.unpin(transfer_id)
         move.target_pins = []
 
     def _end(self, move: Move, error: str = "cancelled") -> None:

@@ -70,11 +70,11 @@ def cached_prefix_blocks(
 ) -> tuple[int, list[tuple[int, int, int]]]:
     """The prompt's leading full blocks that every KV group of the replica's prefix cache
     serves computed, and (block id, key, hashed tokens) of the blocks such a hit reads
-    (`BlockSpaceManager.cached_prefix`)."""
+    (`PrefixHits.cached_prefix`)."""
     bm = engine.scheduler.block_manager
     if not bm.enable_caching:
         return 0, []
-    return bm.cached_prefix(prompt_block_hashes(bm.block_size, prompt), len(prompt))
+    return bm.prefix.cached_prefix(prompt_block_hashes(bm.block_size, prompt), len(prompt))
 
 
 def prompt_block_hashes(block_size: int, prompt: Sequence[int]) -> list[int]:

@@ -320,7 +320,7 @@ class Router:
             entry.cpu_blocks_free = bm.get_num_free_cpu_blocks()
             entry.cpu_blocks_total = engine.cache_config.num_cpu_blocks
             entry.max_model_len = engine.scheduler_config.model_len
-            entry.num_transfers = len(bm.pins)
+            entry.num_transfers = len(bm.transfers.pins)
             for window, used in zip(bm.windows, bm.group_usage(), strict=True):
                 entry.kv_groups.add(sliding_window=window, blocks_used=used)
             if bm.states is not None:

@@ -119,7 +119,7 @@ def test_prefix_cache_hit_reuses_blocks_after_the_owner_finished():
     # Blocks 0 and 1 (tokens 0..7) come back from the cache; the tail is a fresh block 3.
     assert bm.get_block_table(reuser.seqs[0]) == [0, 1, 3]
     assert bm.get_num_computed_tokens(reuser.seqs[0]) == 8
-    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (4, 2)
+    assert (bm.prefix.queries, bm.prefix.hits) == (4, 2)
     # Same tokens at a different position do not hit: hashes chain through the parent.
     shifted = make_seq_group("c", [99, 0, 1, 2, 3, 4, 5, 6, 7])
     bm.allocate(shifted)

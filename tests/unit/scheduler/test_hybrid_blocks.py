@@ -63,7 +63,7 @@ def test_a_prefix_hit_needs_every_full_block_but_only_the_windows_last_blocks() 
     # The same prompt and more: the 24 tokens' 6 full blocks hit; the windowed group takes
     # the two cached blocks its window reads at position 24 (evicted ones are not needed).
     _, again = _run(bm, prompt + [99, 98], chunk=8)
-    assert bm.prefix_cache_hits == 6
+    assert bm.prefix.hits == 6
     assert again.num_computed_tokens == 26
     bm.check_invariants()
 
@@ -78,7 +78,7 @@ def test_a_hit_stops_where_the_windows_blocks_were_evicted() -> None:
     _, again = _run(bm, prompt + [7], chunk=8)
     # Some of the first prompt's blocks were evicted for the second: the hit is only what
     # both groups still hold, and the rest was computed again.
-    assert bm.prefix_cache_hits < 6
+    assert bm.prefix.hits < 6
     assert again.num_computed_tokens == 25
     bm.check_invariants()
 

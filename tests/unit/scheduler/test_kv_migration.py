@@ -162,7 +162,7 @@ def test_moved_with_their_blocks_requests_finish_as_if_they_never_moved(mode: Mi
     assert started[0] >= 5 and not host.fell_back
     assert len(host.moved) >= started[0]
     for replica in (a, b):
-        assert replica.engine.scheduler.block_manager.pins == {}
+        assert replica.engine.scheduler.block_manager.transfers.pins == {}
         assert replica.model.exports == {}, "every export was released"
         assert_empty(replica.engine)
 
@@ -240,7 +240,7 @@ def test_a_side_lost_mid_move_falls_back_to_recompute_and_leaks_nothing(lost, mo
     assert host.fell_back or lost == "source"
     for replica in (a, b, c):
         if replica.engine is not None:
-            assert replica.engine.scheduler.block_manager.pins == {}
+            assert replica.engine.scheduler.block_manager.transfers.pins == {}
             assert_empty(replica.engine)
 
 
@@ -266,7 +266,7 @@ def test_a_prefill_replica_hands_each_request_to_a_decode_replica_after_its_firs
         assert longer <= set(host.moved) | set(host.fell_back)
         assert bool(host.fell_back) == fail
         for replica in (a, b):
-            assert replica.engine.scheduler.block_manager.pins == {}
+            assert replica.engine.scheduler.block_manager.transfers.pins == {}
             assert_empty(replica.engine)
         computed[fail] = b.model.num_computed_tokens
     assert computed[False] < computed[True], computed
@@ -302,7 +302,7 @@ def test_a_request_fetches_a_cached_prefix_from_a_peer_and_runs_as_if_computed_t
     # b computed the 3 uncached prompt tokens and the decode steps, not the 40 fetched ones.
     assert b.model.num_computed_tokens - before == 3 + 5
     for replica in (a, b):
-        assert replica.engine.scheduler.block_manager.pins == {}
+        assert replica.engine.scheduler.block_manager.transfers.pins == {}
         assert replica.model.exports == {}
         assert_empty(replica.engine)
 
@@ -314,7 +314,7 @@ def test_a_failed_fetch_places_the_request_by_recompute():
     assert summarize([totals["fetched"]]) == summarize([expected])
     assert moves.report.fell_back == ["fetched"]  # type: ignore[attr-defined]
     for replica in (a, b):
-        assert replica.engine.scheduler.block_manager.pins == {}
+        assert replica.engine.scheduler.block_manager.transfers.pins == {}
         assert_empty(replica.engine)
 
 
@@ -389,7 +389,7 @@ def test_a_long_prompt_streams_its_blocks_to_the_decode_replica_chunk_by_chunk()
     # which sample the second token, then 3 decodes for the other 3.
     assert b.model.num_computed_tokens == 3 + 3
     for replica in (a, b):
-        assert replica.engine.scheduler.block_manager.pins == {}
+        assert replica.engine.scheduler.block_manager.transfers.pins == {}
         assert_empty(replica.engine)
 
 
@@ -400,6 +400,6 @@ def test_a_request_aborted_while_its_prefix_is_fetched_is_never_queued():
     totals = run([a, b], moves)
     assert "fetched" not in totals and moves.report.moved == []  # type: ignore[attr-defined]
     for replica in (a, b):
-        assert replica.engine.scheduler.block_manager.pins == {}
+        assert replica.engine.scheduler.block_manager.transfers.pins == {}
         assert replica.model.exports == {}
         assert_empty(replica.engine)

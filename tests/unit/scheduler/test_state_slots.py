@@ -6,7 +6,7 @@ decoded blocks too, and held by KV transfers."""
 from __future__ import annotations
 
 from scheduler_service.engine import AllocStatus, BlockSpaceManager, SamplingParams
-from scheduler_service.engine.block_manager import _state_key
+from scheduler_service.engine.prefix_hits import state_key
 from scheduler_service.engine.sequence import SequenceStatus
 from scheduler_service.engine.state_slots import slots_needed
 
@@ -165,33 +165,33 @@ def test_decoded_blocks_keep_snapshots_in_free_slots_only() -> None:
 def test_a_transfer_carries_the_deepest_snapshot_and_holds_it_on_both_sides() -> None:
     source, target = _manager(2), _manager(2)
     assert source.states is not None and target.states is not None
-    key = _state_key(6)  # the snapshot after the block hashed 6
+    key = state_key(6)  # the snapshot after the block hashed 6
     slot = source.states.save(key)
     assert slot is not None
     source.states.mark_saved(key)
-    assert source.transfer_snapshot([5, 6, 7], 3) == key  # none after block 7
-    assert source.transfer_snapshot([5, 6, 7], 1) is None  # past the blocks moved
+    assert source.transfers.snapshot_key([5, 6, 7], 3) == key  # none after block 7
+    assert source.transfers.snapshot_key([5, 6, 7], 1) is None  # past the blocks moved
     # The export pins it: a request needing every slot cannot evict it.
-    assert source.pin(1, [], _state_key(5)) is None  # none saved there
-    assert source.pin(2, [], key) == slot
+    assert source.transfers.pin(1, [], state_key(5)) is None  # none saved there
+    assert source.transfers.pin(2, [], key) == slot
     source.now += 1
     source.states.now = source.now
     assert source.states.num_free() == 1
-    blocks, received = target.allocate_pinned(3, [], key)
+    blocks, received = target.transfers.allocate_pinned(3, [], key)
     assert blocks == [] and received is not None
     assert not target.states.is_saved(key) and target.states.num_free() == 1
-    target.mark_imported(3)
-    target.unpin(3)
+    target.transfers.mark_imported(3)
+    target.transfers.unpin(3)
     assert target.states.is_saved(key)  # a hit may read it now, and it is evictable
     target.now += 1
     target.states.now = target.now
     assert target.states.num_free() == 2
     # An import that never arrived leaves nothing behind.
-    assert target.allocate_pinned(4, [], _state_key(8))[1] is not None
-    target.unpin(4)
-    assert not target.states.is_saved(_state_key(8)) and target.states.num_snapshots() == 1
-    source.unpin(2)
-    source.unpin(1)
+    assert target.transfers.allocate_pinned(4, [], state_key(8))[1] is not None
+    target.transfers.unpin(4)
+    assert not target.states.is_saved(state_key(8)) and target.states.num_snapshots() == 1
+    source.transfers.unpin(2)
+    source.transfers.unpin(1)
     assert source.states.num_free() == 2
     source.check_invariants()
     target.check_invariants()
