@@ -71,6 +71,8 @@ def measure(name: str, model_path: str, args: argparse.Namespace) -> list[dict[s
             attention_backend="cpu",
             num_threads=args.threads,
             max_num_seqs=max(batches),
+            # Every batch through the native step (past the worker's default limit too).
+            native_decode_max_batch=max(batches),
             linear_impl=args.linear_impl,
             quant_mode=args.quant_mode,
         )

@@ -99,11 +99,11 @@ class SchedulerConfig:
         "tokens)",
     )
     # Drafts are given while a step's sequences and drafts together stay within this many
-    # rows (the native decode step's batch limit on a CPU: past it a step costs per row).
+    # rows: past a few rows a CPU step is compute-bound, and a draft row costs what a
+    # sequence's row costs.
     speculative_max_batch: int = flag(
         16,
-        "drafts are given while a step's sequences and drafts stay within this many rows (the "
-        "CPU worker's native decode step runs up to 16, 32 on GGUF blocks)",
+        "drafts are given while a step's sequences and drafts stay within this many rows",
     )
     # Drafts are given only to steps of at most this many sequences. Past one or two, a CPU
     # step is compute-bound and a draft row costs what a sequence's row costs: on the 2-core
