@@ -25,7 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+# Before torch loads libgomp: its OpenMP threads sleep when a parallel region ends, as they do
+# in the served worker (`llmserve worker`, llmserve/cli.py), instead of spinning on the cores
+# the kernels' pool needs between the per-layer path's torch ops.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH_DIR]
