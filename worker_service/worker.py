@@ -32,9 +32,8 @@ from worker_service.models.arch import ModelArchConfig
 log = get_logger(__name__)
 
 # Left out of the KV cache beyond the profiled peak: device memory that appears outside
-# torch's allocator after profiling (CUDA modules loaded on first use, workspaces of new
-# streams). Without it, SmolLM2 at 0.4 utilization on an H100 ended over its budget
-# (bench/RESULTS.md, "Figures moved out of code comments").
+# torch's allocator later (CUDA modules loaded on first use, new streams' workspaces); a
+# worker without it ended over budget (bench/RESULTS.md, "Figures moved out of code comments").
 PROFILE_HEADROOM_BYTES = 64 << 20
 
 
@@ -173,11 +172,10 @@ class Worker:
         # The decode graphs, captured over a one-block throwaway cache, stay alive through the
         # profile run, so that what they hold (their memory pool, the warm-ups' blocks cached
         # for their stream, the instantiated graphs outside torch's allocator) is inside the
-        # measured peak, beside a largest step, as it will be while serving. (On an H100,
-        # SmolLM2 bfloat16 at 0.4: adding the graphs' own footprint to a peak profiled
-        # without them left the device over its budget once the cache was allocated and a
-        # profile-sized step ran beside the graphs: bench/RESULTS.md, "The GPU path on an
-        # H100: kernels, CUDA graphs, serving".)
+        # measured peak, beside a largest step, as it will be while serving. (Their footprint
+        # added to a peak profiled without them left the device over its budget once the
+        # cache was allocated: bench/RESULTS.md, "The GPU path on an H100: kernels, CUDA
+        # graphs, serving".)
         probe = self._probe_graphs()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()

@@ -87,13 +87,10 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
             continue  # finished or aborted since `prev` was scheduled
         if params.use_beam_search or (params.num_sampled > 1 and not group.has_sampled):
             return None
-        if all(
-            _finishes_in(seq, scheduled.token_chunk_size, params.max_tokens, model_len)
-            for seq in running
-        ):
+        chunk = scheduled.token_chunk_size
+        if all(_finishes_in(seq, chunk, params.max_tokens, model_len) for seq in running):
             num_finishing += 1
             continue
-        chunk = scheduled.token_chunk_size
         next_chunk = 1
         for seq in running:
             if hold_window and _forced_lately(seq, hold_window):
@@ -240,9 +237,10 @@ def _forced_lately(seq: Sequence, window: int) -> bool:
 
 def commit_continuation(scheduler: Scheduler, cont: SchedulerOutputs) -> None:
     """After the previous step's tokens are appended: what `schedule()` would have done for
-    the continuation's sequences that still run (their slots are reserved, so this only marks
-    newly full blocks for the prefix cache). A sequence that got forced tokens besides its
-    sample is left to the next `schedule()`, which finds (or preempts for) their slots."""
+    the continued sequences that still run (their slots are reserved, so this only marks
+    newly full blocks for the prefix cache; admitted ones got theirs when admitted). A
+    sequence that got forced tokens besides its sample is left to the next `schedule()`,
+    which finds (or preempts for) their slots."""
     copies: list[tuple[int, int]] = []
     append_slots = scheduler.block_manager.append_slots
     for scheduled in cont.continued():

@@ -305,10 +305,9 @@ class KvMover:
                 continue
             transfers = move.target_engine.scheduler.block_manager.transfers
             transfers.mark_imported(transfer_id)
-            move.blocks_copied += len(transfers.pins[transfer_id])
-            self.rates.on_round(
-                len(transfers.pins[transfer_id]), time.monotonic() - move.round_started
-            )
+            copied = len(transfers.pins[transfer_id])
+            move.blocks_copied += copied
+            self.rates.on_round(copied, time.monotonic() - move.round_started)
             self._release_source(move, transfer_id)
             move.transfer_id = None
             end_transfer_span(move.span, None)
