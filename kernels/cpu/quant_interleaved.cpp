@@ -222,6 +222,23 @@ constexpr int kTileRows = 8;
 constexpr int kTileRows = 4;
 #endif
 
+// fn.template operator()<M>() with M = rows (1 .. kTileRows): a tile's remainder in one pass.
+template <typename Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  switch (rows) {
+    case 1: fn.template operator()<1>(); return;
+    case 2: fn.template operator()<2>(); return;
+    case 3: fn.template operator()<3>(); return;
+    case 4: fn.template operator()<4>(); return;
+#if defined(__AVX512VL__)
+    case 5: fn.template operator()<5>(); return;
+    case 6: fn.template operator()<6>(); return;
+    case 7: fn.template operator()<7>(); return;
+    case 8: fn.template operator()<8>(); return;
+#endif
+  }
+}
+
 // The group's dots with activation rows i .. i + M (a: every row's blocks, `chunks` a row).
 template <int Type, int M>
 inline void tile_dots(const uint8_t* group, int64_t blocks, int64_t chunks, const ActBlock* a,
@@ -247,13 +264,11 @@ void linear_interleaved(const float* x, int64_t n, int64_t in, const uint8_t* w,
     for (int64_t g = begin; g < stop; ++g) {
       const uint8_t* group = w + g * group_bytes;
       float* o = out + g * kLanes;
-      int64_t i = 0;  // the first call prefetches the next blocks
-      for (; i + kTileRows <= n; i += kTileRows)
-        tile_dots<Type, kTileRows>(group, blocks, chunks, a, sums, i, o + i * out_features,
-                                   out_features, i == 0 ? end : nullptr);
-      for (; i < n; ++i)
-        tile_dots<Type, 1>(group, blocks, chunks, a, sums, i, o + i * out_features,
-                           out_features, i == 0 ? end : nullptr);
+      for (int64_t i = 0; i < n; i += kTileRows)  // the first tile prefetches the next blocks
+        with_rows(std::min<int64_t>(kTileRows, n - i), [&]<int M>() {
+          tile_dots<Type, M>(group, blocks, chunks, a, sums, i, o + i * out_features,
+                             out_features, i == 0 ? end : nullptr);
+        });
     }
   });
 }
