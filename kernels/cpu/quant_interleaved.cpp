@@ -223,20 +223,10 @@ constexpr int kTileRows = 4;
 #endif
 
 // fn.template operator()<M>() with M = rows (1 .. kTileRows): a tile's remainder in one pass.
-template <typename Fn>
+template <int M = 1, typename Fn>
 inline void with_rows(int64_t rows, Fn&& fn) {
-  switch (rows) {
-    case 1: fn.template operator()<1>(); return;
-    case 2: fn.template operator()<2>(); return;
-    case 3: fn.template operator()<3>(); return;
-    case 4: fn.template operator()<4>(); return;
-#if defined(__AVX512VL__)
-    case 5: fn.template operator()<5>(); return;
-    case 6: fn.template operator()<6>(); return;
-    case 7: fn.template operator()<7>(); return;
-    case 8: fn.template operator()<8>(); return;
-#endif
-  }
+  if (rows == M) return fn.template operator()<M>();
+  if constexpr (M < kTileRows) with_rows<M + 1>(rows, fn);
 }
 
 // The group's dots with activation rows i .. i + M (a: every row's blocks, `chunks` a row).
