@@ -27,6 +27,16 @@ constexpr int64_t block_weights(int type) { return is_k_quant(type) ? kSuperBloc
 constexpr int64_t quant_offset(int type) { return type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : 2; }
 // What Q4_0 and Q5_0 subtract from their unsigned quants: w = d * (q - z) = d * q + (-z * d).
 constexpr float zero_point(int type) { return type == kQ4_0 ? 8.0f : type == kQ5_0 ? 16.0f : 0.0f; }
+// The largest unsigned quant fast mode's integer dots multiply: the 4-bit types' 15, the 5-bit
+// ones' 31, Q6_K's 63, Q8_0's magnitudes 128 (|-128|).
+constexpr int max_quant(int type) {
+  switch (type) {
+    case kQ5_0: case kQ5_K: return 31;
+    case kQ6_K: return 63;
+    case kQ8_0: return 128;
+    default: return 15;
+  }
+}
 // Longest row exact mode (quant.cpp) dequantizes on the stack (floats): 64 KiB a row, and it
 // keeps a tile of four (256 KiB at most; a thread's stack is 8 MiB by default).
 constexpr int64_t kMaxRow = 16384;

@@ -85,6 +85,41 @@ inline __m256i dot4(__m256i sum, __m256i w, __m256i x) {
 #endif
 }
 
+// How many `vpmaddubsw` results may add up in 16 bits: each lane is a pair of products of an
+// unsigned quant (at most max_quant) and an activation quant (magnitude at most 127).
+constexpr int pairs_in_int16(int max_quant) { return 32767 / (2 * max_quant * 127); }
+
+// sum[m] += the four-byte dots of w[j] (unsigned, at most MaxQuant) with x(m, j) (signed), over
+// j < Count and m < M: the same integers as dot4's. With VNNI the rows' `vpdpbusd` chains go
+// side by side (each waits on its sum). Without it the 16-bit pair sums of up to
+// pairs_in_int16(MaxQuant) registers add up before one widening `vpmaddwd` (fewer multiplies:
+// bench/RESULTS.md, "16-bit pair sums on AVX2").
+template <int M, int Count, int MaxQuant, typename X>
+inline void row_dots(__m256i (&sum)[M], const __m256i* w, X&& x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  for (int j = 0; j < Count; ++j)
+    for (int m = 0; m < M; ++m) sum[m] = _mm256_dpbusd_epi32(sum[m], w[j], x(m, j));
+#else
+  constexpr int kRun = std::min(Count, pairs_in_int16(MaxQuant));
+  static_assert(kRun >= 1 && Count % kRun == 0);
+  if constexpr (kRun == 1) {  // Q8_0: each pair sum widened at once
+    for (int j = 0; j < Count; ++j)
+      for (int m = 0; m < M; ++m) sum[m] = dot4(sum[m], w[j], x(m, j));
+    return;
+  }
+  // One row after another: the chains are one add deep per register, and the rows' products
+  // need not all be live at once.
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < Count; j += kRun) {
+      __m256i pairs = _mm256_maddubs_epi16(w[j], x(m, j));
+      for (int t = 1; t < kRun; ++t)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j + t], x(m, j + t)));
+      sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+  }
+#endif
+}
+
 // sum_j w[j] * a[j] over a block, in 8 int32 lanes.
 template <int Type>
 inline __m256i block_dot(__m256i w, const int8_t* a) {

@@ -188,18 +188,19 @@ inline void group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a, 
     // after another's ran at the chain's latency: bench/RESULTS.md, "Prompts' integer dots").
     __m256i sum[M];
     for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
-    for (int j = 0; j < kChunks; ++j) {
-      for (int m = 0; m < M; ++m) {
-        int32_t four;
-        std::memcpy(&four, a[m * blocks + b].q + at[j], sizeof four);
-        const __m256i xs = _mm256_set1_epi32(four);
-        if constexpr (Type == kQ8_0 && kBiasedQ8)  // (x + 128) times w: less the bias below
-          sum[m] = _mm256_dpbusd_epi32(sum[m], xs, w[j]);
-        else if constexpr (Type == kQ8_0)  // signed x signed: |w| times x with w's sign
-          sum[m] = dot4(sum[m], w[j], _mm256_sign_epi8(xs, sign[j]));
-        else
-          sum[m] = dot4(sum[m], w[j], xs);
-      }
+    const auto x = [&](int m, int j) {  // row m's activation quants at[j] .. + 3, in every lane
+      int32_t four;
+      std::memcpy(&four, a[m * blocks + b].q + at[j], sizeof four);
+      const __m256i xs = _mm256_set1_epi32(four);
+      if constexpr (Type == kQ8_0 && !kBiasedQ8)  // signed x signed: |w| times x with w's sign
+        return _mm256_sign_epi8(xs, sign[j]);
+      return xs;
+    };
+    if constexpr (Type == kQ8_0 && kBiasedQ8) {  // (x + 128) times w: less the bias below
+      for (int j = 0; j < kChunks; ++j)
+        for (int m = 0; m < M; ++m) sum[m] = _mm256_dpbusd_epi32(sum[m], x(m, j), w[j]);
+    } else {
+      row_dots<M, kChunks, max_quant(Type)>(sum, w, x);
     }
     for (int m = 0; m < M; ++m) {
       const ActBlock& x = a[m * blocks + b];

@@ -201,21 +201,22 @@ inline void k_group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a
       for (int m = 0; m < M; ++m) {
         const int64_t at = m * chunks + b * kSubBlocks + c;
         const ActBlock& x = a[at];
-        __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // weights 0-15, 16-31
-        for (int k = 0; k < 8; ++k) {
-          int32_t four;
-          std::memcpy(&four, x.q + 4 * k, sizeof four);
-          dot[k / 4] = dot4(dot[k / 4], w[k], _mm256_set1_epi32(four));
-        }
+        __m256i dot[2][1] = {{_mm256_setzero_si256()}, {_mm256_setzero_si256()}};  // weights 0-15, 16-31
+        for (int h = 0; h < 2; ++h)
+          row_dots<1, 4, max_quant(Type)>(dot[h], w + 4 * h, [&](int, int k) {
+            int32_t four;
+            std::memcpy(&four, x.q + 16 * h + 4 * k, sizeof four);
+            return _mm256_set1_epi32(four);
+          });
         const __m256 d = _mm256_set1_ps(x.d);
         if constexpr (Type == kQ6_K) {
           for (int h = 0; h < 2; ++h) {
-            const __m256i signed_dot = _mm256_sub_epi32(dot[h], _mm256_set1_epi32(sums[2 * at + h]));
+            const __m256i signed_dot = _mm256_sub_epi32(dot[h][0], _mm256_set1_epi32(sums[2 * at + h]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(signed_dot), _mm256_mul_ps(scale[h], d),
                                      acc[m]);
           }
         } else {
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot[0], dot[1])),
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot[0][0], dot[1][0])),
                                    _mm256_mul_ps(scale[0], d), acc[m]);
           acc[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.s), acc[m]);
         }

@@ -158,6 +158,49 @@ def test_fast_products_are_the_file_layouts_bit_for_bit(ggml_type, in_32, in_k, 
     assert ((out.double() - expected).abs() <= 1e-5 * (rounded.abs() @ w_abs.T) + 1e-30).all()
 
 
+# Each type's bytes of a block that hold its quants (Q5's fifth bits included): all ones, every
+# quant is the type's largest unsigned one (Q6_K: 63; Q8_0: 0x80 = -128, the largest magnitude).
+QUANT_BYTES = {
+    GGMLQuantizationType.Q4_0: (2, 18),
+    GGMLQuantizationType.Q4_1: (4, 20),
+    Q5_0: (2, 22),
+    GGMLQuantizationType.Q8_0: (2, 34),
+    GGMLQuantizationType.Q4_K: (16, 144),
+    GGMLQuantizationType.Q5_K: (16, 176),
+    Q6_K: (0, 192),
+}
+
+
+@pytest.mark.parametrize("ggml_type", INTERLEAVED_TYPES)
+def test_the_widest_integer_sums_are_exact(ggml_type):
+    """Every weight quant at its largest against activation blocks whose quants are all 127 or
+    all -127: the integer dots at their widest (without VNNI several `vpmaddubsw` results add
+    up in 16 bits first) still give the file layout's bits and the float64 product."""
+    in_features, out_features = 512, 16
+    blocks = quantized(ggml_type, out_features, in_features, seed=3)
+    # block bytes: the 32-weight types' quants end their blocks
+    size = K_QUANTS[ggml_type][0] if ggml_type in K_QUANTS else QUANT_BYTES[ggml_type][1]
+    begin, end = QUANT_BYTES[ggml_type]
+    per_block = blocks.reshape(out_features, -1, size)
+    per_block[..., begin:end] = 0x80 if ggml_type == GGMLQuantizationType.Q8_0 else 0xFF
+    w = quant.QuantWeight(int(ggml_type), torch.from_numpy(blocks), in_features)
+    inter = quant.interleave(w)
+    assert inter is not None
+    x = torch.ones(9, in_features)
+    x[1::2] = -1.0  # rows of +1 and -1: every activation quant is 127 or -127
+    x[4, 100] = 0.5  # and one block with a smaller quant
+    out = quant.linear(x, inter.code, inter.blocks, "fast")
+    for n in range(1, 10):
+        assert torch.equal(quant.linear(x[:n], inter.code, inter.blocks, "fast"), out[:n]), n
+    assert torch.equal(out, quant.linear(x, w.code, w.blocks, "fast"))
+    d, _, q = rounded_activations(x)
+    assert q.abs().max() == 127
+    rounded = (q.double().reshape(9, -1, 32) * d.double()[..., None]).reshape(9, in_features)
+    expected = reference(rounded, blocks, ggml_type)
+    w_abs = quant.dequantize(w.code, w.blocks, in_features).double().abs()
+    assert ((out.double() - expected).abs() <= 1e-5 * (rounded.abs() @ w_abs.T) + 1e-30).all()
+
+
 def assert_file_tensor_interleaves_exactly(tensor: Any, x: torch.Tensor) -> None:
     """A GGUF file's tensor, interleaved, multiplies `x` bit for bit as in the file's layout."""
     in_features, out_features = (int(d) for d in tensor.shape)
