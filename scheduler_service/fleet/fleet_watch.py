@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from llmserve.logs import get_logger
 from scheduler_service.fleet.discovery import answers_health, resolve_workers
-from scheduler_service.fleet.membership import DNS, LEASE, STATIC, Membership
+from scheduler_service.fleet.membership import DNS, STATIC, Membership
 
 log = get_logger(__name__)
 
@@ -23,10 +23,7 @@ async def housekeeping(membership: Membership, expire_pending: Callable[[float],
     while True:
         await asyncio.sleep(1.0)
         now = time.monotonic()
-        for address, expiry in list(membership.leases.items()):
-            if expiry < now:
-                del membership.leases[address]
-                membership.drop_source(address, LEASE, "lease")
+        membership.lapse_leases(now)
         expire_pending(now)
         for address in [a for a in membership.held.since if a in membership.static]:
             if membership.held.may_try(address, now):

@@ -6,7 +6,10 @@ A worker becomes a replica through any of three sources, all kept live:
   scaled to N, a Kubernetes headless Service). An address that leaves the answer loses the
   source;
 - `lease`: `RegisterWorker`, renewed by the worker within `lease_s`. A lapsed lease loses the
-  source.
+  source, unless the replica is ready and its worker answered (a step, a health check) within
+  `lease_s`: that answer renews the lease. A scheduler too busy to answer the renewals in time
+  (they have a deadline of their own) thus keeps the workers it is stepping; a worker that
+  left, died or hung answers nothing, and its lease lapses as before.
 A replica that loses its last source is removed (stopped: its requests move). The loops that
 watch the sources are in `fleet_watch`.
 
@@ -118,6 +121,19 @@ class Membership:
         self.leases[address] = time.monotonic() + self.config.lease_s
         self.held.forget(address)
         return self.add(address, LEASE)
+
+    def lapse_leases(self, now: float) -> None:
+        """Drop the lease source of every address whose lease ended before `now`, unless its
+        replica answered within the last `lease_s` (see the module's docstring)."""
+        for address, expiry in list(self.leases.items()):
+            if expiry >= now:
+                continue
+            member = self.members.get(address)
+            if member is not None and member.replica.answered_since(now - self.config.lease_s):
+                self.leases[address] = member.replica.heard_at + self.config.lease_s
+                continue
+            del self.leases[address]
+            self.drop_source(address, LEASE, "lease")
 
     def drop_source(self, address: str, source: str, cause: str) -> None:
         member = self.members.get(address)

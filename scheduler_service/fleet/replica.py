@@ -98,6 +98,8 @@ class Replica:
         self._in_step: list[str] = []
         self.num_steps = 0
         self.num_migrated_out = 0
+        # When the worker last answered (a step result, a SERVING health check; monotonic).
+        self.heard_at = float("-inf")
         # The engine counters of the engines this replica has dropped (failed steps).
         self._dropped_engines = ReplicaCounters()
         self._watchdog = StepWatchdog(config)
@@ -112,6 +114,13 @@ class Replica:
     @property
     def healthy(self) -> bool:
         return self.state is ReplicaState.READY
+
+    def answered_since(self, since: float) -> bool:
+        """Ready, and its worker answered (a step, a health check) after monotonic `since`."""
+        return self.healthy and self.heard_at > since
+
+    def _heard(self) -> None:
+        self.heard_at = time.monotonic()
 
     @property
     def block_size(self) -> int:
@@ -133,6 +142,7 @@ class Replica:
                 self._health,
                 self.config,
                 lambda: self._stream is not None,
+                self._heard,
                 self.mark_lost,
                 self._on_not_serving,
             ),
@@ -346,6 +356,7 @@ class Replica:
             steps.try_continue()
             self._in_step = steps.request_ids()
             outputs, empty = await steps.finish_oldest()
+            self._heard()
             self._in_step = steps.request_ids()
             self.num_steps += 1
             if outputs:

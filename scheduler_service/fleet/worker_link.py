@@ -186,12 +186,14 @@ async def watch_health(
     health: health_pb2_grpc.HealthStub,
     cfg: ReplicaConfig,
     connected: Callable[[], bool],
+    on_serving: Callable[[], None],
     on_lost: Callable[[str, str], None],
     on_not_serving: Callable[[], None],
 ) -> None:
-    """While `connected()`, check the worker's health every `health_interval_s`:
-    `health_failures` failed checks in a row call `on_lost` (hung, or gone without closing its
-    stream); an answer other than SERVING calls `on_not_serving` (a worker told to stop)."""
+    """While `connected()`, check the worker's health every `health_interval_s`: SERVING
+    calls `on_serving`; `health_failures` failed checks in a row call `on_lost` (hung, or gone
+    without closing its stream); another answer calls `on_not_serving` (a worker told to
+    stop)."""
     failures = 0
     serving = health_pb2.HealthCheckResponse.SERVING
     while True:
@@ -210,7 +212,9 @@ async def watch_health(
                 failures = 0
             continue
         failures = 0
-        if reply.status != serving:
+        if reply.status == serving:
+            on_serving()
+        else:
             on_not_serving()
 
 
