@@ -23,7 +23,7 @@ serve: setup
 # The whole suite but GPU-only tests (which need CUDA and are skipped without it) and the
 # podman run of the compose stack (test-deploy). deploy/'s static checks are in here.
 test: setup
-	$(BIN)/python -m pytest -m "not gpu and not deploy" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not deploy" --durations=30 $(PYTEST_ARGS)
 
 # In-process tests only: nothing marked `services` (starts processes) or `slow`.
 test-fast: setup
