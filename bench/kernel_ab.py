@@ -57,6 +57,13 @@ def blocks_of(ggml_type: GGMLQuantizationType, out_features: int, in_features: i
     return torch.from_numpy(quantize(dense.numpy(), ggml_type))
 
 
+def interleaved(weight: quant.QuantWeight) -> quant.QuantWeight:
+    layout = quant.interleave(weight)
+    if layout is None:
+        raise SystemExit(f"type {weight.ggml_type}: no interleaved layout")
+    return layout
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--a", type=Path, required=True, help="checkout A")
@@ -75,9 +82,8 @@ def main() -> None:
             if ggml_type in K_QUANTS:
                 in_features = -(-in_features // 256) * 256  # whole super-blocks
             blocks = blocks_of(ggml_type, out_features, in_features)
-            weights = [quant.QuantWeight(int(ggml_type), blocks.clone(), in_features)
+            weights = [interleaved(quant.QuantWeight(int(ggml_type), blocks.clone(), in_features))
                        for _ in range(copies)]  # fmt: skip
-            weights = [quant.interleave(w) for w in weights]
             for rows in (int(n) for n in args.rows.split(",")):
                 x = torch.randn(rows, in_features)
                 out = torch.empty(rows, out_features)
@@ -89,7 +95,6 @@ def main() -> None:
                         time.sleep(SLEEP_S)
                         start = time.perf_counter()
                         for w in weights:
-                            assert w is not None
                             assert not kernel(int(ggml_type), x.data_ptr(), rows, in_features,
                                               w.blocks.data_ptr(), out_features, out.data_ptr())  # fmt: skip
                         times[k].append((time.perf_counter() - start) / copies * 1e3)
