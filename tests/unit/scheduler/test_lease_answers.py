@@ -10,13 +10,15 @@ here waits for the lease to run out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 from scheduler_service.engine.config import SchedulerConfig
 from scheduler_service.fleet.fleet_config import FleetConfig, ReplicaConfig
 from scheduler_service.fleet.membership import Membership
 from scheduler_service.fleet.replica import Replica
-from tests.support.simulated_fleet import serve_simulated
+from tests.support.simulated_fleet import SimulatedServer, serve_simulated
 from tests.support.simulated_worker import SimulatedConfig
 
 LEASE_S = 30.0
@@ -36,62 +38,52 @@ async def until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
         await asyncio.sleep(0.02)
 
 
-async def joined_and_heard(membership: Membership, address: str) -> Replica:
-    """The replica of a worker registered now, once ready and heard from after joining."""
-    registered = time.monotonic()
-    replica = membership.register(address)
-    await until(lambda: replica.answered_since(registered), "the replica's first answer")
-    return replica
+@contextlib.asynccontextmanager
+async def joined() -> AsyncIterator[tuple[SimulatedServer, Membership, Replica]]:
+    """A simulated worker registered now, and its replica once ready and heard from after
+    joining (the lease is never renewed)."""
+    server = await serve_simulated(SimulatedConfig(num_gpu_blocks=64, max_model_len=256), None)
+    membership = Membership(CONFIG, lambda event: None, lambda ready: None)
+    try:
+        registered = time.monotonic()
+        replica = membership.register(server.address)
+        await until(lambda: replica.answered_since(registered), "the replica's first answer")
+        yield server, membership, replica
+    finally:
+        await membership.stop()
+        await server.stop()
 
 
 def test_a_replica_answering_keeps_its_lapsed_lease():
     async def main() -> None:
-        server = await serve_simulated(SimulatedConfig(num_gpu_blocks=64, max_model_len=256), None)
-        membership = Membership(CONFIG, lambda event: None, lambda ready: None)
-        try:
-            replica = await joined_and_heard(membership, server.address)
+        async with joined() as (server, membership, replica):
             expiry = membership.leases[server.address]
-            heard = replica.heard_at
             # Past the lease's end, within LEASE_S of the worker's last answer: kept.
-            membership.lapse_leases(heard + LEASE_S - 1e-3)
+            membership.lapse_leases(replica.heard_at + LEASE_S - 1e-3)
             assert membership.members[server.address].replica is replica
             assert membership.leases[server.address] > expiry
-        finally:
-            await membership.stop()
-            await server.stop()
 
     asyncio.run(main())
 
 
 def test_a_replica_silent_for_a_lease_loses_it():
     async def main() -> None:
-        server = await serve_simulated(SimulatedConfig(num_gpu_blocks=64, max_model_len=256), None)
-        membership = Membership(CONFIG, lambda event: None, lambda ready: None)
-        try:
-            replica = await joined_and_heard(membership, server.address)
+        async with joined() as (server, membership, replica):
             # Ready, but its last answer is a whole lease old at this clock: removed.
             membership.lapse_leases(replica.heard_at + LEASE_S + 1e-3)
             assert server.address not in membership.members
             assert server.address not in membership.leases
-        finally:
-            await membership.stop()
-            await server.stop()
 
     asyncio.run(main())
 
 
 def test_a_lost_worker_loses_its_lease_however_recently_heard():
     async def main() -> None:
-        server = await serve_simulated(SimulatedConfig(num_gpu_blocks=64, max_model_len=256), None)
-        membership = Membership(CONFIG, lambda event: None, lambda ready: None)
-        try:
-            replica = await joined_and_heard(membership, server.address)
+        async with joined() as (server, membership, replica):
             heard = replica.heard_at
             await server.stop()
             await until(lambda: not replica.healthy, "the stopped worker's loss")
             membership.lapse_leases(max(heard, membership.leases[server.address]) + 1e-3)
             assert server.address not in membership.members
-        finally:
-            await membership.stop()
 
     asyncio.run(main())
