@@ -1,9 +1,10 @@
-"""Fast mode's interleaved kernel in two builds (two checkouts), in one process (issue #52).
+"""A GGUF-block kernel in two builds (two checkouts), in one process (issue #52): fast mode's
+interleaved one, or exact mode's on the file's layout (`--mode exact`).
 
 Runs in separate processes drift with the VM's neighbours by more than a kernel change moves
 (bench/RESULTS.md, "16-bit pair sums on AVX2"), so both builds' libraries are loaded here and
-called in turn on the same interleaved weights, the order reversed every other pass, each
-thread pool left to fall asleep before the other's pass. Shapes and copies are
+called in turn on the same weights, the order reversed every other pass, each thread pool
+left to fall asleep before the other's pass. Shapes and copies are
 bench/interleaved_kernels.py's (past the L3, as in a decode step). Checks that both builds
 give the same bits; prints the median ms per weight and each build's range.
 
@@ -34,6 +35,7 @@ from bench.machine import describe  # noqa: E402
 from kernels.cpu import quant  # noqa: E402
 from tests.kernels.test_quant_linear import K_QUANTS, quantized  # noqa: E402
 
+KERNELS = {"fast": "llmserve_quant_linear_interleaved", "exact": "llmserve_quant_linear"}
 SLEEP_S = 0.003  # longer than a pool's helpers spin before they sleep (pool.h)
 
 
@@ -45,8 +47,9 @@ def library(checkout: Path) -> ctypes.CDLL:
     ).stdout.strip()
     lib = ctypes.CDLL(path)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.llmserve_quant_linear_interleaved.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
-    lib.llmserve_quant_linear_interleaved.restype = ctypes.c_int
+    for kernel in KERNELS.values():  # (type, x, rows, in, blocks, out_features, out)
+        getattr(lib, kernel).argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
+        getattr(lib, kernel).restype = ctypes.c_int
     return lib
 
 
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q4_1", "Q8_0"])
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--passes", type=int, default=11)
+    parser.add_argument("--mode", choices=sorted(KERNELS), default="fast")
     args = parser.parse_args()
     libs = [library(args.a), library(args.b)]
     torch.manual_seed(0)
@@ -82,8 +86,10 @@ def main() -> None:
             if ggml_type in K_QUANTS:
                 in_features = -(-in_features // 256) * 256  # whole super-blocks
             blocks = blocks_of(ggml_type, out_features, in_features)
-            weights = [interleaved(quant.QuantWeight(int(ggml_type), blocks.clone(), in_features))
+            weights = [quant.QuantWeight(int(ggml_type), blocks.clone(), in_features)
                        for _ in range(copies)]  # fmt: skip
+            if args.mode == "fast":
+                weights = [interleaved(w) for w in weights]
             for rows in (int(n) for n in args.rows.split(",")):
                 x = torch.randn(rows, in_features)
                 out = torch.empty(rows, out_features)
@@ -91,7 +97,7 @@ def main() -> None:
                 results = []
                 for p in range(args.passes):
                     for k in (0, 1) if p % 2 == 0 else (1, 0):
-                        kernel = libs[k].llmserve_quant_linear_interleaved
+                        kernel = getattr(libs[k], KERNELS[args.mode])
                         time.sleep(SLEEP_S)
                         start = time.perf_counter()
                         for w in weights:
