@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,9 +91,25 @@ def _gemma3_270m() -> ModelSource:
     return ModelSource(GEMMA3_270M, str(path.parent), path.name)
 
 
-@functools.lru_cache(maxsize=8)
+# Held while a tokenizer loads: threads asking at once (replicas warming up) share one load.
+_tokenizer_lock = threading.Lock()
+
+
 def load_tokenizer(source: ModelSource) -> Any:
-    """The Hugging Face tokenizer for `source`, loaded once per process.
+    """The Hugging Face tokenizer for `source`, loaded once per process (`_load_tokenizer`)."""
+    with _tokenizer_lock:
+        return _load_tokenizer(source)
+
+
+def forget_tokenizers() -> None:
+    """Drop the per-process memo of `load_tokenizer` (the next call loads again)."""
+    with _tokenizer_lock:
+        _load_tokenizer.cache_clear()
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(source: ModelSource) -> Any:
+    """The Hugging Face tokenizer for `source`.
 
     A GGUF file's tokenizer is built from the file's metadata (the header parsed by
     llmserve/gguf_files.py), then saved under `tokenizer_cache_dir()`, keyed by the file and

@@ -33,6 +33,7 @@ class GrammarCache:
         )
         self._max = max_entries
         self._lock = threading.Lock()
+        self._building = threading.Lock()  # held while a backend is built
         self._on_compile = on_compile
         self.hits = 0
         self.misses = 0
@@ -42,9 +43,15 @@ class GrammarCache:
         with self._lock:
             entry = self._backends.get(key)
         if entry is None:
-            built = (tokenizer, self._factory(tokenizer))
-            with self._lock:
-                entry = self._backends.setdefault(key, built)
+            # One build (seconds, mostly holding the GIL) however many replicas warm up at
+            # once; compiles of grammars already cached do not wait for it.
+            with self._building:
+                with self._lock:
+                    entry = self._backends.get(key)
+                if entry is None:
+                    built = (tokenizer, self._factory(tokenizer))
+                    with self._lock:
+                        entry = self._backends.setdefault(key, built)
         return entry[1]
 
     def get(self, tokenizer: Any, spec: GrammarSpec) -> CompiledGrammar:

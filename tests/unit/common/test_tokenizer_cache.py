@@ -5,11 +5,20 @@ the file; a cache that cannot be written changes nothing but the speed."""
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from llmserve.model_spec import gguf_tokenizer_key, load_tokenizer, resolve_model
+from llmserve.model_spec import (
+    ModelSource,
+    forget_tokenizers,
+    gguf_tokenizer_key,
+    load_tokenizer,
+    resolve_model,
+)
 
 TEXTS = [
     "Hello world!",
@@ -19,11 +28,11 @@ TEXTS = [
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("LLMSERVE_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
-    load_tokenizer.cache_clear()  # the per-process memo would answer without the disk
+    forget_tokenizers()  # the per-process memo would answer without the disk
     yield tmp_path / "tokenizers"
-    load_tokenizer.cache_clear()
+    forget_tokenizers()
 
 
 def test_the_saved_tokenizer_behaves_like_the_built_one(cache: Path) -> None:
@@ -32,7 +41,7 @@ def test_the_saved_tokenizer_behaves_like_the_built_one(cache: Path) -> None:
     saved = list(cache.iterdir())
     assert len(saved) == 1 and (saved[0] / "tokenizer.json").is_file()
 
-    load_tokenizer.cache_clear()
+    forget_tokenizers()
     reread = load_tokenizer(source)
     assert reread is not built
     for text in TEXTS:
@@ -64,3 +73,33 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(cache: Path) -> None:
     tokenizer = load_tokenizer(resolve_model("smollm2"))
     assert tokenizer("Hello world!")["input_ids"] == [19556, 905, 17]
     assert cache.is_file()  # nothing was saved, and nothing broke
+
+
+def test_threads_asking_at_once_share_one_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas warming up at once ask for their model's tokenizer together: one load."""
+    import transformers
+
+    loads = []
+
+    def slow_load(path: str, **kwargs: object) -> object:
+        loads.append(path)
+        time.sleep(0.2)  # the other thread asks meanwhile
+        return object()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", slow_load)
+    forget_tokenizers()
+    source = ModelSource("a-model", "/nonexistent/a-model")
+    both_asking = threading.Barrier(2)
+    got = []
+
+    def ask() -> None:
+        both_asking.wait()
+        got.append(load_tokenizer(source))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    forget_tokenizers()
+    assert loads == ["/nonexistent/a-model"] and len(got) == 2 and got[0] is got[1]

@@ -4,6 +4,8 @@ the mask encodings a step carries."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -162,6 +164,32 @@ def test_cache_compiles_once_per_grammar_and_tokenizer(tok):
         with pytest.raises(GrammarError):
             cache.get(tok, bad)
     assert observed == [True, False]  # the failure is cached too
+
+
+def test_replicas_warming_up_at_once_build_one_backend(tok):
+    """Each replica's warm-up asks for the backend; built twice at once, the builds held the
+    GIL for seconds while the scheduler's loop had renewals to answer."""
+    built = []
+    both_asking = threading.Barrier(2)
+
+    def factory(t):
+        built.append(t)
+        time.sleep(0.2)  # the other thread asks meanwhile
+        return LLGuidanceBackend(t)
+
+    cache = GrammarCache(factory)
+    backends = []
+
+    def warm() -> None:
+        both_asking.wait()
+        backends.append(cache.backend(tok))
+
+    threads = [threading.Thread(target=warm) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(built) == 1 and len(backends) == 2 and backends[0] is backends[1]
 
 
 def test_mask_encodings_are_the_smallest_and_round_trip():
