@@ -45,13 +45,12 @@ class GrammarCache:
         if entry is None:
             # One build (seconds, mostly holding the GIL) however many replicas warm up at
             # once; compiles of grammars already cached do not wait for it.
-            with self._building:
-                with self._lock:
-                    entry = self._backends.get(key)
+            with self._building:  # every insertion holds it: reading here needs no _lock
+                entry = self._backends.get(key)
                 if entry is None:
-                    built = (tokenizer, self._factory(tokenizer))
+                    entry = (tokenizer, self._factory(tokenizer))
                     with self._lock:
-                        entry = self._backends.setdefault(key, built)
+                        self._backends[key] = entry
         return entry[1]
 
     def get(self, tokenizer: Any, spec: GrammarSpec) -> CompiledGrammar:
