@@ -216,7 +216,8 @@ class LeaseKeeper:
         ):
             self._lapse_logged = True
             log.warning(
-                "lease lapsed: the scheduler counts this worker as lost until it answers again",
+                "lease lapsed: unless the scheduler is stepping this worker (its steps and "
+                "health checks renew the lease), it counts it as lost until it answers again",
                 scheduler=self.scheduler,
                 lease_ms=lease.lease_ms,
             )
