@@ -31,7 +31,7 @@ from worker_service.attention.base import AttentionMetadata  # noqa: E402
 from worker_service.config import WorkerConfig  # noqa: E402
 from worker_service.worker import Worker  # noqa: E402
 
-BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def decode_inputs(

@@ -10,8 +10,12 @@ In one command, one after the other on the same device:
    a 1-token generate of the batch, TPOT the rest over the remaining tokens, output tok/s
    b x output_len over the whole generate (the best batch is HF's best static figure);
 3. HF continuous batching (`generate_batch`, paged attention) on the largest stream count's
-   requests, when this transformers has it.
-Writes <out-dir>/serve-gpu.json and .md and serve.py's per-run JSON, and prints the table.
+   requests, when this transformers has it (`--skip hf-cb` leaves it out).
+For each stream count it also reads where llmserve's steps went from the services' own
+metrics (bench/step_metrics.py: steps/s, iteration, forward pass, sampling, idle gap, graph
+replays and eager steps by reason, host CPU per step by service) and nvidia-smi's GPU
+utilization. Writes <out-dir>/serve-gpu.json and .md after each run (a run cut short keeps
+what it measured) and serve.py's per-run JSON, and prints the table.
 
     PYTHONPATH=$PWD python3 bench/serve_gpu.py --dtype bfloat16 --out-dir /tmp/out
 """
@@ -34,7 +38,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 
 import serve  # noqa: E402  (bench/serve.py)
-from server_runs import stop, wait_healthy  # noqa: E402
+import step_metrics  # noqa: E402
+from server_runs import server_cpu_s, stop, wait_healthy  # noqa: E402
 
 from llmserve.model_spec import resolve_model  # noqa: E402
 from llmserve.ports import free_ports  # noqa: E402
@@ -47,7 +52,8 @@ def export_tokenizer(model: str, path: Path) -> None:
     AutoTokenizer.from_pretrained(src.path, **src.pretrained_kwargs()).save_pretrained(path)
 
 
-def run_llmserve(args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, Any]:
+def run_llmserve(args: argparse.Namespace, tokenizer_dir: Path, result: dict[str, Any]) -> None:
+    """Each stream count's run into result["llmserve"], saved after each (`save`)."""
     http, grpc = free_ports(2)
     command = [sys.executable, "-m", "llmserve.cli", "up", "--model", args.model,
                "--dtype", args.dtype, "--http-port", str(http), "--grpc-port", str(grpc),
@@ -60,9 +66,11 @@ def run_llmserve(args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, Any
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     runs: dict[str, Any] = {"command": " ".join(command[1:])}
+    result["llmserve"] = runs
     try:
         wait_healthy(proc, f"http://127.0.0.1:{http}/health", 300)
         runs["startup_s"] = time.monotonic() - started
+        ports = step_metrics.metrics_ports(proc.pid)
         for streams in args.streams:
             prompts = max(args.min_prompts, args.prompts_per_stream * streams)
             argv = ["--base-url", f"http://127.0.0.1:{http}/v1", "--model", args.model,
@@ -74,13 +82,50 @@ def run_llmserve(args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, Any
                     "--label", f"llmserve {streams} streams",
                     "--out", str(args.out_dir / f"serve-llmserve-{streams}")]  # fmt: skip
             log = args.out_dir / f"serve-llmserve-{streams}.log"
-            with log.open("w") as out, contextlib.redirect_stdout(out):
+            metrics0, cpu0, t0 = (
+                step_metrics.snapshot(ports),
+                server_cpu_s(proc.pid),
+                time.monotonic(),
+            )
+            with log.open("w") as out, contextlib.redirect_stdout(out), GpuBusy() as busy:
                 summary = serve.main(argv)
-            runs[str(streams)] = {"summary": summary, "client": "bench/serve.py " + " ".join(argv)}
+            steps = step_metrics.step_breakdown(
+                metrics0, step_metrics.snapshot(ports), cpu0, server_cpu_s(proc.pid),
+                time.monotonic() - t0,
+            )  # fmt: skip
+            steps["gpu_busy_pct"] = busy.mean
+            runs[str(streams)] = {
+                "summary": summary, "steps": steps, "client": "bench/serve.py " + " ".join(argv)
+            }  # fmt: skip
             print(f"llmserve {streams} streams: {brief(summary)}", flush=True)
+            save(args, result)
     finally:
         stop(proc)
-    return runs
+
+
+class GpuBusy:
+    """nvidia-smi's GPU utilization, sampled every 200 ms while the block runs; `mean` is
+    None where nvidia-smi is missing (a CPU rehearsal)."""
+
+    def __enter__(self) -> GpuBusy:
+        self.mean: float | None = None
+        command = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                   "-lms", "200"]  # fmt: skip
+        try:
+            self._proc: subprocess.Popen[str] | None = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+        except FileNotFoundError:
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        values = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
+        self.mean = sum(values) / len(values) if values else None
 
 
 def brief(s: dict[str, Any]) -> str:
@@ -111,7 +156,9 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def run_hf(args: argparse.Namespace) -> dict[str, Any]:
+def run_hf(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Each static batch into result["hf"], saved after each (`save`), then continuous
+    batching unless skipped."""
     from transformers import AutoModelForCausalLM
 
     src = resolve_model(args.model)
@@ -120,7 +167,8 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
     model = model.to(DEVICE).eval()
     model.generation_config.eos_token_id = None
     vocab = model.config.vocab_size
-    results: dict[str, Any] = {"static": {}}
+    results: dict[str, Any] = {"static": {}, "continuous_batching": {}}
+    result["hf"] = results
 
     def generate(ids: torch.Tensor, new: int) -> None:
         with torch.no_grad():
@@ -147,8 +195,9 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
             f"TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms",
             flush=True,
         )
-    results["continuous_batching"] = run_hf_cb(model, args, vocab)
-    return results
+        save(args, result)
+    if "hf-cb" not in args.skip:
+        results["continuous_batching"] = run_hf_cb(model, args, vocab)
 
 
 def run_hf_cb(model: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -185,6 +234,12 @@ def run_hf_cb(model: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any
     return result
 
 
+def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The results so far, as JSON and as the markdown report: a run cut short keeps them."""
+    (args.out_dir / "serve-gpu.json").write_text(json.dumps(result, indent=1))
+    (args.out_dir / "serve-gpu.md").write_text(report(result) + "\n")
+
+
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"{result['device']}, driver {result['driver']}, torch {result['torch']}, triton "
@@ -212,11 +267,20 @@ def report(result: dict[str, Any]) -> str:
     cb = result["hf"]["continuous_batching"]
     if "error" in cb:
         lines.append(f"| HF generate_batch (continuous batching) | - | {cb['error']} | | | |")
-    else:
+    elif cb:
         lines.append(
             f"| HF generate_batch (continuous batching, in process) | {cb['requests']} requests "
             f"| {cb['output_tokens_per_s']:.0f} | - | - | {cb['seconds'] * 1e3:.0f} (all) |"
         )
+    levels = {
+        k: v["steps"] for k, v in result["llmserve"].items() if isinstance(v, dict) and "steps" in v
+    }
+    if levels:
+        lines += ["", "Where llmserve's steps went, from the services' own metrics (means per step; "
+                  "on CUDA 'forward' is the host's launch of the step and 'sample' includes "
+                  "waiting for the device; host CPU per step by service; GPU busy: "
+                  "nvidia-smi's utilization over the level):", ""]  # fmt: skip
+        lines += step_metrics.breakdown_table(levels)
     return "\n".join(lines)
 
 
@@ -228,7 +292,7 @@ def main() -> None:
                    help="completions for a model without a chat template")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64, 256, 512])
     p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -236,7 +300,8 @@ def main() -> None:
     p.add_argument("--min-prompts", type=int, default=16)
     p.add_argument("--max-duration", type=float, default=120.0)
     p.add_argument("--cb-max-batch-tokens", type=int, default=2048)
-    p.add_argument("--skip", nargs="*", default=[], choices=["llmserve", "hf"])
+    p.add_argument("--skip", nargs="*", action="extend", default=[], choices=["llmserve", "hf", "hf-cb"],
+                   help="hf-cb: HF's continuous batching alone")  # fmt: skip
     p.add_argument("--out-dir", type=Path, required=True)
     args = p.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -260,13 +325,11 @@ def main() -> None:
     tokenizer_dir = args.out_dir / "tokenizer"
     export_tokenizer(args.model, tokenizer_dir)
     if "llmserve" not in args.skip:
-        result["llmserve"] = run_llmserve(args, tokenizer_dir)
+        run_llmserve(args, tokenizer_dir, result)
     if "hf" not in args.skip:
-        result["hf"] = run_hf(args)
-    (args.out_dir / "serve-gpu.json").write_text(json.dumps(result, indent=1))
-    table = report(result)
-    (args.out_dir / "serve-gpu.md").write_text(table + "\n")
-    print(table)
+        run_hf(args, result)
+    save(args, result)
+    print(report(result))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker_service import metrics as worker_metrics
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -48,6 +49,42 @@ def capture_sizes(max_batch: int) -> list[int]:
     sizes = [s for s in SMALL_SIZES if s < max_batch]
     sizes += list(range(SIZE_STEP, max_batch, SIZE_STEP))
     return sizes + [max_batch]
+
+
+def padded_size(sizes: list[int], num_seqs: int) -> int | None:
+    """The smallest of the ascending `sizes` that holds `num_seqs` rows, or None."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+# Why a step runs eagerly: the label of `llmserve_worker_eager_steps`.
+EAGER_PREFILL = "prefill"  # the step computes a prompt chunk
+EAGER_PARTIAL_LOGITS = "partial_logits"  # rows that sample are not every row, in order (drafts)
+EAGER_WIDE_TABLES = "wide_tables"  # block tables wider than the captured ones
+EAGER_TOO_MANY = "too_many_seqs"  # more decodes than the largest captured batch
+EAGER_NOT_CAPTURED = "not_captured"  # its batch size has no graph (yet)
+
+
+def eager_reason(
+    sizes: list[int],
+    max_blocks: int,
+    *,
+    num_prefills: int,
+    num_decodes: int,
+    num_logit_rows: int,
+    table_width: int,
+) -> str | None:
+    """Why a step of this shape cannot replay a graph captured for `sizes` over block tables
+    `max_blocks` wide, or None when one replays it."""
+    if num_prefills or num_decodes == 0:
+        return EAGER_PREFILL
+    if num_logit_rows != num_decodes:
+        return EAGER_PARTIAL_LOGITS
+    if table_width > max_blocks:
+        return EAGER_WIDE_TABLES
+    if padded_size(sizes, num_decodes) is None:
+        return EAGER_TOO_MANY
+    return None
 
 
 @dataclass(slots=True)
@@ -136,8 +173,7 @@ class DecodeGraphs:
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured batch size a step of `num_seqs` decodes replays, or None (too many)."""
-        i = bisect.bisect_left(self.sizes, num_seqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return padded_size(self.sizes, num_seqs)
 
     def run(
         self,
@@ -147,20 +183,25 @@ class DecodeGraphs:
         logit_rows: torch.Tensor,  # [num_logit_rows] int64
     ) -> torch.Tensor | None:  # [num_tokens, vocab], or None: run this step eagerly
         """Replay the graph for a decode-only step in which every row samples, in order;
-        None when the step is not one (prefills, fewer logit rows, too many sequences, or
-        block tables wider than the captured ones)."""
+        None when the step is not one (`eager_reason` says why; the worker's
+        `llmserve_worker_eager_steps` counts it by reason)."""
         n = metadata.num_decodes
         tables = metadata.decode_block_tables  # [n, width]
-        if (
-            metadata.num_prefills
-            or n == 0
-            or logit_rows.shape[0] != n
-            or tables.shape[1] > self.max_blocks
-        ):
-            return None
+        reason = eager_reason(
+            self.sizes,
+            self.max_blocks,
+            num_prefills=metadata.num_prefills,
+            num_decodes=n,
+            num_logit_rows=logit_rows.shape[0],
+            table_width=tables.shape[1],
+        )
         batch = self.padded_size(n)
-        if batch is None or batch not in self.graphs:
+        if reason is None and batch not in self.graphs:
+            reason = EAGER_NOT_CAPTURED
+        if reason is not None:
+            worker_metrics.EAGER_STEPS.labels(reason).inc()
             return None
+        assert batch is not None
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
@@ -172,4 +213,5 @@ class DecodeGraphs:
         entry = self.graphs[batch]
         entry.graph.replay()
         self.replays += 1
+        worker_metrics.GRAPH_STEPS.inc()
         return entry.logits[:n]
