@@ -63,9 +63,10 @@ def run_llmserve(args: argparse.Namespace, tokenizer_dir: Path, result: dict[str
     env = dict(os.environ)
     if args.max_model_len is not None:  # the worker's --max-model-len (graphs' table width)
         env["LLMSERVE_MAX_MODEL_LEN"] = str(args.max_model_len)
+    env.update(item.split("=", 1) for item in args.up_env)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    runs: dict[str, Any] = {"command": " ".join(command[1:])}
+    runs: dict[str, Any] = {"command": " ".join([*args.up_env, *command[1:]])}
     result["llmserve"] = runs
     try:
         wait_healthy(proc, f"http://127.0.0.1:{http}/health", 300)
@@ -291,6 +292,9 @@ def main() -> None:
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="completions for a model without a chat template")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--up-env", nargs="*", action="extend", default=[], metavar="NAME=VALUE",
+                   help="set for `llmserve up`'s services, e.g. "
+                   "LLMSERVE_ENABLE_CHUNKED_PREFILL=false")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64, 256, 512])
     p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 16, 64, 256])

@@ -10,8 +10,11 @@ stage that fails or runs out of time is recorded and the next one runs:
 4. tests: `pytest -m gpu` over the files that hold gpu tests (`GPU_TESTS`);
 5. serve: bench/serve_gpu.py on SmolLM2's shape at 1, 16, 64, 256 and 512 streams, where the
    steps went at each, and HF `generate` static batches on the same GPU;
-6. graphs: bench/decode_graphs.py, eager against captured decode steps per batch size;
-7. serve-gemma3: the same serving table on Gemma 3 270M's shape, llmserve only, when time is
+6. serve-prefill-first: the serving table at 64-512 streams without chunked prefill (a step
+   runs prompts alone or decodes alone, so every decode step can replay a graph; contexts
+   of 2048 tokens, the step's token budget, which must hold a whole one then);
+7. graphs: bench/decode_graphs.py, eager against captured decode steps per batch size;
+8. serve-gemma3: the same serving table on Gemma 3 270M's shape, llmserve only, when time is
    left.
 Every output lands in one folder, bundled at the end into --out (the device tool's $OUT):
 summary.md (each stage's status and time, the tables), prepared.log, gpu-run.tar.xz.
@@ -85,62 +88,55 @@ def stages(work: Path, carry: Path, rehearse: bool) -> list[Stage]:
         tests.append("--collect-only")
     small = ["--streams", "1", "2", "--hf-batches", "1", "--input-len", "16",
              "--output-len", "8", "--min-prompts", "2", "--max-duration", "60"]  # fmt: skip
-    serve = [py, "bench/serve_gpu.py", "--dtype", "bfloat16", "--skip", "hf-cb",
-             "--max-duration", "30", *(small if rehearse else [])]  # fmt: skip
+
+    def serve(name: str, model: Path, label: str, *extra: str, streams: str = "") -> Stage:
+        """bench/serve_gpu.py on `model`, into work/<name>; `streams` replaces its default
+        stream counts (rehearsals run 1 and 2)."""
+        command = [py, "bench/serve_gpu.py", "--dtype", "bfloat16", "--skip", "hf-cb",
+                   "--max-duration", "30", "--model", str(model), "--model-label", label,
+                   "--out-dir", str(work / name), *extra]  # fmt: skip
+        if rehearse:
+            command += small
+        elif streams:
+            command += ["--streams", *streams.split()]
+        return Stage(name, command, cap_s=240, min_s=120)
+
+    graphs = [py, "bench/decode_graphs.py", "--model", str(smollm2), "--out",
+              str(work / "graphs.json")]  # fmt: skip
     return [
         Stage("install", install, cap_s=90),
         Stage("env", [py, "-c", _ENV], cap_s=30),
         Stage("shapes", ["bash", "-c", init], cap_s=150),
         Stage("tests", tests, cap_s=190),
-        Stage(
-            "serve",
-            [
-                *serve,
-                "--model",
-                str(smollm2),
-                "--model-label",
-                "SmolLM2-135M shape (random weights)",
-                "--out-dir",
-                str(work / "serve"),
-            ],
-            cap_s=240,
-            min_s=120,
-        ),  # fmt: skip
-        Stage(
-            "graphs",
-            [
-                py,
-                "bench/decode_graphs.py",
-                "--model",
-                str(smollm2),
-                "--out",
-                str(work / "graphs.json"),
-            ],
-            cap_s=75,
-            min_s=45,
-        ),  # fmt: skip
-        Stage(
+        serve("serve", smollm2, "SmolLM2-135M shape (random weights)"),
+        # Steps that carry a prompt chunk run eagerly; without chunked prefill a step runs
+        # either prompts alone or decodes alone (graphs): the same table at high concurrency.
+        serve(
+            "serve-prefill-first",
+            smollm2,
+            "SmolLM2-135M shape (random weights), prefill-first",
+            "--skip",
+            "hf",
+            "--up-env",
+            "LLMSERVE_ENABLE_CHUNKED_PREFILL=false",
+            # Without chunked prefill a step's token budget must hold a whole context.
+            "--max-model-len",
+            "2048",
+            streams="64 256 512",
+        ),
+        Stage("graphs", graphs, cap_s=75, min_s=45),
+        serve(
             "serve-gemma3",
-            [
-                *serve,
-                "--model",
-                str(gemma3),
-                "--model-label",
-                "Gemma 3 270M shape (random weights)",
-                "--endpoint",
-                "completions",
-                "--max-model-len",
-                "4096",
-                "--skip",
-                "hf",
-                "--streams",
-                *(["1", "2"] if rehearse else ["1", "64", "256", "512"]),
-                "--out-dir",
-                str(work / "serve-gemma3"),
-            ],
-            cap_s=240,
-            min_s=120,
-        ),  # fmt: skip
+            gemma3,
+            "Gemma 3 270M shape (random weights)",
+            "--endpoint",
+            "completions",
+            "--max-model-len",
+            "4096",
+            "--skip",
+            "hf",
+            streams="1 64 256 512",
+        ),
     ]
 
 
@@ -198,6 +194,7 @@ def summary(outcomes: list[Outcome], work: Path) -> str:
     for title, path in (
         ("Environment", work / "env.log"),
         ("Serving, SmolLM2 shape", work / "serve" / "serve-gpu.md"),
+        ("Serving, SmolLM2 shape, prefill-first", work / "serve-prefill-first" / "serve-gpu.md"),
         ("Serving, Gemma 3 270M shape", work / "serve-gemma3" / "serve-gpu.md"),
         ("Decode steps, eager and graphs", work / "graphs.log"),
     ):
@@ -232,7 +229,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/gpu-run"))
     p.add_argument("--deadline-s", type=float, default=DEADLINE_S)
     p.add_argument("--rehearse", action="store_true", help="here, on the CPU, small")
-    p.add_argument("--only", nargs="*", default=None, help="these stages alone (by name)")
+    p.add_argument("--only", nargs="*", default=None, help="these stages (and shapes) alone")
     args = p.parse_args()
     started = time.monotonic()
     carry = args.carry if args.carry.is_absolute() else ROOT / args.carry
@@ -247,7 +244,7 @@ def main() -> None:
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     outcomes: list[Outcome] = []
     for stage in stages(args.work, carry, args.rehearse):
-        if args.only is not None and stage.name not in args.only:
+        if args.only is not None and stage.name not in {"shapes", *args.only}:
             continue
         left = args.deadline_s - (time.monotonic() - started)
         outcome = run_stage(stage, left, args.work / f"{stage.name}.log", env)
