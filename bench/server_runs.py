@@ -115,17 +115,21 @@ def our_cpu_s() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
+def process_family(pid: int) -> list[psutil.Process]:
+    """The process and every descendant, or nothing once it is gone."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def server_cpu_s(server_pid: int) -> dict[str, float]:
     """CPU seconds so far of a server's processes, by role: the service an `llmserve.cli`
     process runs (worker, scheduler, gateway), else the process's name (`llama-server`, and
     `llmserve up`'s supervisor as `llmserve`)."""
-    try:
-        root = psutil.Process(server_pid)
-        family = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return {}
     roles: dict[str, float] = {}
-    for p in family:
+    for p in process_family(server_pid):
         try:
             command, times, name = p.cmdline(), p.cpu_times(), p.name()
         except psutil.NoSuchProcess:

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import psutil  # installed with accelerate
 from prometheus_client.parser import text_string_to_metric_families
+from server_runs import process_family
 
 # One sample per (name, labels): a labelled metric has a sample per label set.
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -38,13 +39,8 @@ def scrape(port: int, timeout_s: float = 5.0) -> Samples:
 
 def metrics_ports(server_pid: int) -> dict[str, int]:
     """`--metrics-port` of each `llmserve.cli` service under `server_pid`, by its role."""
-    try:
-        root = psutil.Process(server_pid)
-        family = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return {}
     ports: dict[str, int] = {}
-    for p in family:
+    for p in process_family(server_pid):
         try:
             command = p.cmdline()
         except psutil.NoSuchProcess:

@@ -52,13 +52,14 @@ def test_this_repository_s_runtime_is_covered_by_the_image_or_the_carry() -> Non
 
 
 def test_every_file_with_gpu_tests_is_in_the_list_prepared_runs() -> None:
-    marked = set()
-    for path in (ROOT / "tests").rglob("*.py"):
-        if re.search(r"mark\.gpu\b", path.read_text()):
-            marked.add(path.relative_to(ROOT).as_posix())
+    marked = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests").rglob("*.py")
+        if re.search(r"mark\.gpu\b", path.read_text())
+    }
     assert marked, "no gpu-marked test found: the pattern is stale"
-    for path in marked:
-        assert any(path == t or path.startswith(t + "/") for t in GPU_TESTS), path
+    for name in marked:
+        assert any(name == t or name.startswith(t + "/") for t in GPU_TESTS), name
     for listed in GPU_TESTS:
         assert (ROOT / listed).exists(), listed
 

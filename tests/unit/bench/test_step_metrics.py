@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -18,10 +20,10 @@ from llmserve.ports import free_port  # noqa: E402
 
 
 @pytest.fixture
-def worker_endpoint() -> tuple[int, dict[str, object]]:
+def worker_endpoint() -> Iterator[tuple[int, dict[str, Any]]]:
     """A registry with the worker's and scheduler's metric names, served on loopback."""
     registry = CollectorRegistry()
-    metrics: dict[str, object] = {
+    metrics: dict[str, Any] = {
         "steps": Counter("llmserve_worker_steps", "", registry=registry),
         "tokens": Counter("llmserve_worker_tokens", "", registry=registry),
         "forward": Histogram("llmserve_worker_forward_seconds", "", registry=registry),
@@ -40,7 +42,7 @@ def worker_endpoint() -> tuple[int, dict[str, object]]:
     thread.join(timeout=10)
 
 
-def test_an_interval_s_steps_come_out_per_step(worker_endpoint: tuple[int, dict]) -> None:
+def test_an_interval_s_steps_come_out_per_step(worker_endpoint: tuple[int, dict[str, Any]]) -> None:
     port, m = worker_endpoint
     m["steps"].inc(3)  # before the interval: left out of its figures
     m["eager"].labels("prefill").inc(3)
@@ -78,7 +80,7 @@ def test_an_interval_s_steps_come_out_per_step(worker_endpoint: tuple[int, dict]
     )
 
 
-def test_an_idle_interval_has_no_means(worker_endpoint: tuple[int, dict]) -> None:
+def test_an_idle_interval_has_no_means(worker_endpoint: tuple[int, dict[str, Any]]) -> None:
     port, m = worker_endpoint
     m["steps"].inc(2)
     snap = {"worker": scrape(port)}
