@@ -34,6 +34,7 @@ from worker_service import metrics as worker_metrics
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
+    from llmserve.kv_layout import KvLayout
     from worker_service.models.decoder import DecoderModel
 
 # Batch sizes captured below 8; from 8 on, every multiple of this step.
@@ -63,6 +64,17 @@ EAGER_PARTIAL_LOGITS = "partial_logits"  # rows that sample are not every row, i
 EAGER_WIDE_TABLES = "wide_tables"  # block tables wider than the captured ones
 EAGER_TOO_MANY = "too_many_seqs"  # more decodes than the largest captured batch
 EAGER_NOT_CAPTURED = "not_captured"  # its batch size has no graph (yet)
+# Why a CUDA worker has no graphs at all (every step eager, counted under this reason).
+EAGER_ENFORCED = "enforce_eager"  # --enforce-eager
+EAGER_KV_LAYOUT = "kv_layout"  # see `layout_allows_graphs`
+
+
+def layout_allows_graphs(layout: KvLayout) -> bool:
+    """Whether a model laid out this way can replay decode graphs: they are captured over one
+    set of block tables and no state pool, so a model with several KV groups (sliding windows
+    beside full layers, shared or differently sized K/V) or linear-attention state decodes
+    eagerly."""
+    return len(layout.groups) == 1 and not layout.has_states
 
 
 def eager_reason(

@@ -21,6 +21,7 @@ import torch
 from kernels.cpu.decode import ArgmaxLogprobs
 from llmserve.kv_layout import NULL_BLOCK, KvLayout, single_group
 from llmserve.steps import SequenceOutput, StepResult, TokenMask
+from worker_service import metrics as worker_metrics
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.linear_state import DraftRows, StateMetadata
@@ -66,6 +67,9 @@ class ModelRunner(SequenceStates):
         self.device = model.device
         # Captured decode forwards (CUDA); None runs every step eagerly. Set by the worker.
         self.decode_graphs: DecodeGraphs | None = None
+        # On a CUDA worker without graphs, why (`cuda_graphs.EAGER_*`): each step counts as
+        # eager for it. None elsewhere. Set by the worker.
+        self.graphs_off: str | None = None
 
     @torch.inference_mode()
     def run(
@@ -90,6 +94,8 @@ class ModelRunner(SequenceStates):
             logits = self.decode_graphs.run(
                 inputs.input_ids, inputs.positions, inputs.metadata, inputs.logit_rows
             )
+        elif self.graphs_off is not None:
+            worker_metrics.EAGER_STEPS.labels(self.graphs_off).inc()
         if logits is None:
             logits = self.model.forward(
                 inputs.input_ids,

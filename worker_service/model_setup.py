@@ -15,6 +15,7 @@ from llmserve.model_spec import resolve_model
 from worker_service.attention import AttentionSpec, get_backend_class
 from worker_service.attention.base import AttentionBackend
 from worker_service.config import WorkerConfig
+from worker_service.cuda_graphs import layout_allows_graphs
 from worker_service.linear_impl import choose_linear_impl
 from worker_service.model_info import ModelInfo
 from worker_service.model_runner import ModelRunner
@@ -149,7 +150,7 @@ def _kv_layout(config: WorkerConfig, arch: ModelArchConfig) -> KvLayout:
     if len(layout.groups) > 1 or layout.reserves_null_block:
         log.info(
             "hybrid KV cache",
-            cuda_graphs_allowed=len(layout.groups) == 1,
+            cuda_graphs_allowed=layout_allows_graphs(layout),
             groups=[
                 f"{'full' if g.sliding_window is None else g.sliding_window}:{len(g.layers)}"
                 for g in layout.groups

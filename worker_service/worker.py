@@ -15,7 +15,7 @@ from llmserve.gguf_files import reading_gguf_once
 from llmserve.logs import get_logger
 from llmserve.model_spec import memoize_gguf_name_maps, resolve_model
 from llmserve.steps import StepInput, StepResult, TokenMask
-from worker_service import metrics
+from worker_service import cuda_graphs, metrics
 from worker_service.cache_engine import CacheEngine, cache_block_size_bytes
 from worker_service.config import WorkerConfig
 from worker_service.cuda_graphs import DecodeGraphs
@@ -193,15 +193,15 @@ class Worker:
         return max(available // block_bytes, 0), num_host
 
     def _graphs_enabled(self) -> bool:
-        """CUDA decode graphs: captured over one set of block tables, so not for a model laid
-        out in several KV groups (those decode eagerly; issue: capture per group)."""
-        layout = self.model_info.kv_layout
-        return (
-            self.device.type == "cuda"
-            and not self.config.enforce_eager
-            and len(layout.groups) == 1
-            and not layout.has_states
-        )
+        return self.device.type == "cuda" and self._graphs_off() is None
+
+    def _graphs_off(self) -> str | None:
+        """Why this worker captures no decode graphs (`cuda_graphs.EAGER_*`), or None."""
+        if self.config.enforce_eager:
+            return cuda_graphs.EAGER_ENFORCED
+        if not cuda_graphs.layout_allows_graphs(self.model_info.kv_layout):
+            return cuda_graphs.EAGER_KV_LAYOUT
+        return None
 
     def _probe_graphs(self) -> tuple[DecodeGraphs, CacheEngine] | None:
         """The decode graphs captured over a one-block throwaway cache (None when eager);
@@ -329,6 +329,7 @@ class Worker:
         self.cache_engine = self._new_cache(num_gpu_blocks, num_cpu_blocks, slots)
         self.runner.num_state_slots = slots
         self._kv_caches = self.cache_engine.layer_caches()
+        self.runner.graphs_off = self._graphs_off() if self.device.type == "cuda" else None
         if self._graphs_enabled():
             start = time.perf_counter()
             self.runner.decode_graphs = self._capture_graphs(self._kv_caches)

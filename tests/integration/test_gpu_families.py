@@ -1,9 +1,12 @@
 """Tiny random models of the other families on a CUDA device (Triton attention, float32)
 against HF `generate` on the same device: sliding windows shorter than prompt + output (Gemma
-2 and 3, Qwen3, Phi-3), soft-capped scores (Gemma 2), experts (Mixtral, Qwen3-MoE: their
-decode graphs run every expert, see worker_service/models/moe.py). Greedy tokens equal HF's
-eagerly and with decode CUDA graphs (which must serve decode steps); and drafts verified in
-multi-row steps (speculative decoding) change no token on the GPU either."""
+2 and 3, Qwen3, Phi-3, OLMo 3), soft-capped scores (Gemma 2), attention sinks (gpt-oss), two
+head sizes and K/V shared across layers (Gemma 4), experts (Mixtral, Qwen3-MoE, gpt-oss: their
+decode graphs run every expert, see worker_service/models/moe.py), Gated DeltaNet state
+(Qwen3.5, Qwen3-Next). Greedy tokens equal HF's eagerly and with decode CUDA graphs where the
+model's layout allows them (which must then serve decode steps; the others decode eagerly,
+`cuda_graphs.layout_allows_graphs`); and drafts verified in multi-row steps (speculative
+decoding) change no token on the GPU either."""
 
 from __future__ import annotations
 
@@ -27,7 +30,10 @@ pytestmark = pytest.mark.gpu
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-KINDS = ["gemma3", "gemma2", "qwen3", "phi3", "mixtral", "qwen3_moe"]
+KINDS = ["gemma3", "gemma2", "qwen3", "phi3", "olmo3", "mixtral", "qwen3_moe", "gpt_oss", "gemma4"]
+KINDS += ["qwen3_5", "qwen3_next"]
+# Several KV groups (windows beside full layers, shared K/V) or a state pool: no graphs.
+EAGER_LAYOUTS = {"gemma3", "gemma2", "qwen3", "olmo3", "gpt_oss", "gemma4", "qwen3_5", "qwen3_next"}
 
 
 def hf_greedy_cuda(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -62,17 +68,17 @@ def cuda_worker(path: Path, enforce_eager: bool) -> Worker:
 
 @pytest.fixture(scope="module", params=KINDS)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    """(model path, HF's greedy tokens for PROMPTS on the GPU)."""
+    """(kind, model path, HF's greedy tokens for PROMPTS on the GPU)."""
     path = save_tiny_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
     hf = load_hf(path).to("cuda")
     expected = hf_greedy_cuda(hf, PROMPTS, NEW_TOKENS)
     del hf
-    return path, expected
+    return request.param, path, expected
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_family_greedy_equals_hf_on_the_gpu(family: tuple, enforce_eager: bool) -> None:
-    path, expected = family
+    kind, path, expected = family
     worker = cuda_worker(path, enforce_eager)
     assert worker.model_info.attention_backend == "triton"
     # Chunked prefill (16 tokens a step) mixed with decodes, then decode-only steps.
@@ -82,7 +88,7 @@ def test_family_greedy_equals_hf_on_the_gpu(family: tuple, enforce_eager: bool) 
     outputs = generate(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     graphs = worker.runner.decode_graphs
-    if enforce_eager:
+    if enforce_eager or kind in EAGER_LAYOUTS:
         assert graphs is None
     else:
         assert graphs is not None and graphs.replays > 0

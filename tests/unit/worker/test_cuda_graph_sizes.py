@@ -1,11 +1,24 @@
-"""Which decode batch sizes the worker captures as CUDA graphs, and the flag that turns them
-off (the capture itself runs on a GPU: tests/integration/test_gpu_smollm2.py)."""
+"""Which decode batch sizes the worker captures as CUDA graphs, which models' layouts allow
+them, the flag that turns them off, and why a step runs eagerly (the capture itself runs on a
+GPU: tests/integration/test_gpu_smollm2.py and test_gpu_families.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from worker_service.cuda_graphs import capture_sizes, eager_reason, padded_size
+from tests.support.models import save_tiny_model
+from worker_service.config import WorkerConfig
+from worker_service.cuda_graphs import (
+    EAGER_ENFORCED,
+    EAGER_KV_LAYOUT,
+    capture_sizes,
+    eager_reason,
+    layout_allows_graphs,
+    padded_size,
+)
+from worker_service.worker import Worker
 
 
 @pytest.mark.parametrize(
@@ -76,3 +89,23 @@ def test_padded_size_is_the_smallest_captured_size_that_holds_the_rows(
 ) -> None:
     assert padded_size(SIZES, num_seqs) == padded
     assert padded_size(SIZES, 21) is None
+
+
+# Which tiny models' layouts replay decode graphs: one KV group and no state pool. Windows
+# beside full layers (or NoPE layers, or K/V shared across layers) make several groups;
+# Gated DeltaNet layers keep a state.
+CAPTURES = {"llama": True, "phi3": True, "mixtral": True, "qwen3_moe": True, "granite": True}
+EAGER_BY_LAYOUT = ("gemma3", "gemma2", "qwen3", "gpt_oss", "gemma4", "olmo3", "smollm3")
+EAGER_BY_STATE = ("qwen3_5", "qwen3_next")
+
+
+@pytest.mark.parametrize("kind", [*CAPTURES, *EAGER_BY_LAYOUT, *EAGER_BY_STATE])
+def test_which_layouts_replay_decode_graphs(kind: str, tmp_path: Path) -> None:
+    worker = Worker(WorkerConfig(model=str(save_tiny_model(kind, tmp_path / kind))))
+    worker.load_model()
+    allowed = layout_allows_graphs(worker.model_info.kv_layout)
+    assert allowed == (kind in CAPTURES)
+    assert worker._graphs_off() == (None if allowed else EAGER_KV_LAYOUT)
+    eager = Worker(WorkerConfig(model=str(tmp_path / kind), enforce_eager=True))
+    eager.load_model()
+    assert eager._graphs_off() == EAGER_ENFORCED
