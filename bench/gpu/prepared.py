@@ -29,14 +29,16 @@ tests are collected, not run, and the serving runs are short.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +50,10 @@ GPU_TESTS = (
     "tests/integration/test_gpu_memory.py",
     "tests/integration/test_gpu_smollm2.py",
 )
-# What the device tool waits for one command, less what the bundling needs.
+# What the device tool waits for one command, less a stage's stop and the bundling.
 DEADLINE_S = 560.0
+# How long an interrupted stage has to stop its servers before it is killed.
+STOP_GRACE_S = 20.0
 
 
 @dataclass
@@ -58,7 +62,6 @@ class Stage:
     command: list[str]
     cap_s: float  # at most this long
     min_s: float = 0.0  # skipped when less than this is left
-    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,16 +179,38 @@ def run_stage(stage: Stage, left_s: float, log: Path, env: dict[str, str]) -> Ou
     with log.open("wb") as out:
         proc = subprocess.Popen(
             stage.command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-            env={**env, **stage.env}, start_new_session=True,
+            env=env, start_new_session=True,
         )  # fmt: skip
         try:
             rc = proc.wait(timeout=limit)
             status = "ok" if rc == 0 else f"failed (rc {rc})"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the stage and every process it started
-            proc.wait()
+            stop_tree(proc)
             status = f"timed out ({limit:.0f} s)"
     return Outcome(stage.name, status, time.monotonic() - start)
+
+
+def stop_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Interrupt a stage (its Python code stops the servers it started), then kill whatever
+    of it is left: its process group and every descendant, also those in sessions of their
+    own (`llmserve up` starts each service in one), which would otherwise keep the GPU."""
+    import psutil  # in the image and in our venv; only needed here
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs(family, timeout=STOP_GRACE_S)
 
 
 def summary(outcomes: list[Outcome], work: Path) -> str:

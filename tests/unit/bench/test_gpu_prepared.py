@@ -65,16 +65,18 @@ def test_every_file_with_gpu_tests_is_in_the_list_prepared_runs() -> None:
 
 
 def test_a_stage_past_its_cap_is_killed_with_its_children(tmp_path: Path) -> None:
-    pid_file = tmp_path / "child.pid"
-    # The stage starts a child that outlives it unless the whole group is killed.
-    command = ["bash", "-c", f"sleep 600 & echo $! > {pid_file}; wait"]
+    # The stage starts two children that outlive it unless each is killed: one in its process
+    # group, one in a session of its own (as `llmserve up` starts its services).
+    command = [
+        "bash",
+        "-c",
+        f"sleep 600 & echo $! > {tmp_path}/a; setsid sleep 600 & echo $! > {tmp_path}/b; wait",
+    ]
     outcome = run_stage(Stage("slow", command, cap_s=1.0), 100.0, tmp_path / "slow.log", {})
     assert outcome.status == "timed out (1 s)"
-    child = int(pid_file.read_text())
-    assert (
-        not Path(f"/proc/{child}").exists()
-        or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
-    )
+    for name in ("a", "b"):
+        stat = Path(f"/proc/{int((tmp_path / name).read_text())}/stat")
+        assert not stat.exists() or stat.read_text().split()[2] == "Z", name
 
 
 def test_stages_report_failure_and_are_skipped_when_time_is_short(tmp_path: Path) -> None:
