@@ -28,7 +28,8 @@ class SchedulerConfig:
 
     `enable_chunked_prefill`: prompts are split across iterations and mixed with decodes
     (decodes first). When off, an iteration runs either whole prompts or decodes, prompts
-    first (the prefill-first policy), and `max_num_batched_tokens` must fit `max_model_len`.
+    first (the prefill-first policy), and the step's token budget must fit `max_model_len`:
+    unset, it does (`token_budget`); set, it must.
     `preemption_mode`: None picks RECOMPUTE for groups with one live sequence and SWAP for
     the others; a SWAP that the host swap space cannot take recomputes instead.
     `max_model_len`: the longest prompt + output. The worker's model and cache decide it: a
@@ -40,8 +41,11 @@ class SchedulerConfig:
     max_num_seqs: int = flag(
         DEFAULT_MAX_NUM_SEQS, "sequences one step may run; sent to every worker"
     )
-    max_num_batched_tokens: int = flag(
-        DEFAULT_MAX_NUM_BATCHED_TOKENS, "tokens one step may compute; sent to every worker"
+    max_num_batched_tokens: int | None = flag(
+        None,
+        f"tokens one step may compute; sent to every worker (unset: "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or without chunked prefill the larger of that "
+        "and max_model_len)",
     )
     max_model_len: int | None = flag(
         None,
@@ -159,22 +163,32 @@ class SchedulerConfig:
             raise ConfigError(
                 "forced_hold_tokens", f"must be at least 0, got {self.forced_hold_tokens}"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.token_budget < self.max_num_seqs:
             raise ConfigError(
                 "max_num_batched_tokens",
-                f"must be at least max_num_seqs ({self.max_num_seqs}), "
-                f"got {self.max_num_batched_tokens}",
+                f"must be at least max_num_seqs ({self.max_num_seqs}), got {self.token_budget}",
             )
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
-            and self.max_num_batched_tokens < self.max_model_len
+            and self.token_budget < self.max_model_len
         ):
             raise ConfigError(
                 "max_num_batched_tokens",
                 f"must be at least max_model_len ({self.max_model_len}) without chunked "
-                f"prefill, got {self.max_num_batched_tokens}",
+                f"prefill, got {self.token_budget}",
             )
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute: `max_num_batched_tokens` where set; else the default,
+        or without chunked prefill enough for a whole context once `max_model_len` is
+        decided (as vLLM does)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill or self.max_model_len is None:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
     @property
     def model_len(self) -> int:

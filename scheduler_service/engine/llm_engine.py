@@ -171,7 +171,7 @@ class LLMEngine:
         first of them is past its deadline (`SchedulerConfig.max_grammar_compile_ms`). A
         caller with an event loop awaits them before `begin_step`, so the wait does not
         block the loop (the step builder would otherwise block on them)."""
-        return self._grammars.due(self.scheduler_config.max_num_batched_tokens)
+        return self._grammars.due(self.scheduler_config.token_budget)
 
     def _abort_failed_grammars(self, failures: list[tuple[SequenceGroup, ApiError]]) -> None:
         """Finish (ABORT) groups whose grammar failed, with the error the client gets;

@@ -120,7 +120,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         num_tokens_scheduled += next_chunk * len(running)
     if len(groups) + num_finishing != len(scheduler.running):
         return None  # a running group was left out of `prev` (budget): schedule normally
-    if num_tokens_scheduled > config.max_num_batched_tokens:
+    if num_tokens_scheduled > config.token_budget:
         return None
     cont = SchedulerOutputs(
         scheduled=groups, num_batched_tokens=num_tokens_scheduled, is_continuation=True
@@ -180,7 +180,7 @@ def _add_drafts(
     for scheduled in cont.scheduled:
         group = scheduled.seq_group
         seq, i = seqs[i], i + sum(s.status == _RUNNING for s in group.seqs)
-        room = config.max_num_batched_tokens - cont.num_batched_tokens
+        room = config.token_budget - cont.num_batched_tokens
         if rows >= config.speculative_max_batch or room <= 0:
             return
         in_flight = prev.drafts.get(seq.seq_id)

@@ -62,7 +62,7 @@ class Scheduler(SchedulerQueues):
     def schedule(self) -> SchedulerOutputs:
         self.advance_clock()
         config = self.scheduler_config
-        budget = SchedulingBudget(config.max_num_batched_tokens, config.max_num_seqs)
+        budget = SchedulingBudget(config.token_budget, config.max_num_seqs)
         out = SchedulerOutputs()
         self._preempt_for_priority(out)
         if not config.enable_chunked_prefill and self._may_admit():
@@ -100,7 +100,7 @@ class Scheduler(SchedulerQueues):
         that would be ignored stops the admissions: the next synchronous step reports it."""
         config = self.scheduler_config
         budget = SchedulingBudget(
-            config.max_num_batched_tokens,
+            config.token_budget,
             config.max_num_seqs,
             num_tokens=out.num_batched_tokens,
             num_seqs=sum(g.get_max_num_running_seqs() for g in self.running),
@@ -129,7 +129,7 @@ class Scheduler(SchedulerQueues):
         max_seqs = self.scheduler_config.max_num_seqs
         needed = head.get_max_num_running_seqs()
         num_seqs = sum(g.get_max_num_running_seqs() for g in running)
-        first_step = self.scheduler_config.max_num_batched_tokens
+        first_step = self.scheduler_config.token_budget
         while running and running[-1].priority > head.priority:
             can_allocate = bm.can_allocate(head, first_step)
             if can_allocate is AllocStatus.NEVER:

@@ -123,7 +123,7 @@ class Speculator:
             return
         bm = self.block_manager
         model_len = self.config.model_len
-        token_budget = self.config.max_num_batched_tokens
+        token_budget = self.config.token_budget
         for scheduled in out.scheduled:
             room = token_budget - out.num_batched_tokens
             if room <= 0:

@@ -148,8 +148,8 @@ async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> W
     # The batch limits are ours: the worker sizes its profile run and CUDA graphs by them.
     request = worker_pb2.InitializeCacheRequest(
         num_cpu_blocks=num_cpu,
-        max_num_seqs=cfg.scheduler.max_num_seqs,
-        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+        max_num_seqs=scheduler_config.max_num_seqs,
+        max_num_batched_tokens=scheduler_config.token_budget,
     )
     # An override replaces the worker's count, larger or smaller (as in vLLM); without one
     # the worker allocates what fits beside the largest step under our limits.

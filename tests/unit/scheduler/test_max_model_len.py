@@ -29,6 +29,25 @@ def test_prefill_first_budget_is_checked_against_the_decided_length() -> None:
     assert info.value.field == "max_num_batched_tokens"
 
 
+@pytest.mark.parametrize(
+    ("chunked", "worker_len", "budget"),
+    [
+        (True, 8192, 2048),  # chunked prefill: the default budget, whatever the length
+        (False, 8192, 8192),  # prefill-first: a whole context fits one step
+        (False, 1024, 2048),  # ... and never less than the default
+    ],
+)
+def test_an_unset_budget_fits_the_policy(chunked: bool, worker_len: int, budget: int) -> None:
+    config = SchedulerConfig(enable_chunked_prefill=chunked)
+    assert config.with_worker_max_model_len(worker_len).token_budget == budget
+
+
+def test_a_set_budget_is_kept_whatever_the_policy() -> None:
+    for chunked in (True, False):
+        config = SchedulerConfig(max_num_batched_tokens=4096, enable_chunked_prefill=chunked)
+        assert config.with_worker_max_model_len(4096).token_budget == 4096
+
+
 def test_an_engine_needs_it_decided() -> None:
     with pytest.raises(ConfigError) as info:
         LLMEngine(SchedulerConfig(), CacheConfig(num_gpu_blocks=8, num_cpu_blocks=0), None)  # type: ignore[arg-type]
