@@ -69,11 +69,12 @@ def test_limits_from_an_initialize_cache_request():
 
 def test_the_services_take_their_limits_from_one_place():
     scheduler = scheduler_args([])
-    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (256, 2048)
+    # The token budget unset: the scheduler decides it by its policy (`token_budget`).
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (256, None)
     worker = build_config(worker_args([]))
     assert worker.given_batch_limits == NONE
     assert build_config(worker_args(["--max-num-seqs", "8"])).given_batch_limits == (
         GivenBatchLimits(8, None)
     )
     engine = SchedulerConfig()
-    assert BatchLimits(engine.max_num_seqs, engine.max_num_batched_tokens) == BatchLimits()
+    assert BatchLimits(engine.max_num_seqs, engine.token_budget) == BatchLimits()
