@@ -1,5 +1,5 @@
 """Here, before a GPU call: everything bench/gpu/prepared.py needs on the lent GPU machine
-that its image lacks, in one folder the call carries (`.gpu/`, which .git/info/exclude
+that its image lacks, in one folder the call carries by name (`.gpu/`, which .gitignore
 ignores).
 
 - `wheels/`: for the machine's Python (3.12, manylinux x86_64), every distribution llmserve's
