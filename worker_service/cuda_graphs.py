@@ -69,6 +69,14 @@ EAGER_ENFORCED = "enforce_eager"  # --enforce-eager
 EAGER_KV_LAYOUT = "kv_layout"  # see `layout_allows_graphs`
 
 
+def graphs_off(enforce_eager: bool, layout: KvLayout) -> str | None:
+    """Why a CUDA worker with this flag and layout captures no decode graphs
+    (`EAGER_ENFORCED`, `EAGER_KV_LAYOUT`), or None when it captures them."""
+    if enforce_eager:
+        return EAGER_ENFORCED
+    return None if layout_allows_graphs(layout) else EAGER_KV_LAYOUT
+
+
 def layout_allows_graphs(layout: KvLayout) -> bool:
     """Whether a model laid out this way can replay decode graphs: they are captured over one
     set of block tables and no state pool, so a model with several KV groups (sliding windows
@@ -86,15 +94,15 @@ def eager_reason(
     num_logit_rows: int,
     table_width: int,
 ) -> str | None:
-    """Why a step of this shape cannot replay a graph captured for `sizes` over block tables
-    `max_blocks` wide, or None when one replays it."""
+    """Why a step of this shape cannot replay a graph captured for `sizes` (ascending) over
+    block tables `max_blocks` wide, or None when one replays it."""
     if num_prefills or num_decodes == 0:
         return EAGER_PREFILL
     if num_logit_rows != num_decodes:
         return EAGER_PARTIAL_LOGITS
     if table_width > max_blocks:
         return EAGER_WIDE_TABLES
-    if padded_size(sizes, num_decodes) is None:
+    if not sizes or num_decodes > sizes[-1]:
         return EAGER_TOO_MANY
     return None
 

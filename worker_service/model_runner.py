@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -28,7 +28,14 @@ from worker_service.linear_state import DraftRows, StateMetadata
 from worker_service.models.decoder import DecoderModel
 from worker_service.prompt_logprobs import prompt_logprobs
 from worker_service.sampler import Sampler, SamplingRow
-from worker_service.sequence_state import Scheduled, SequenceState, SequenceStates, StateError
+from worker_service.sequence_state import Scheduled, SequenceStates, StateError
+from worker_service.step_inputs import (
+    PreparedInputs,
+    block_table,
+    check_block_ids,
+    pad_tables,
+    state_slot,
+)
 
 __all__ = ["ModelRunner", "StateError"]
 
@@ -119,7 +126,7 @@ class ModelRunner(SequenceStates):
         result.sample_ns = time.perf_counter_ns() - t1 - result.mask_wait_ns
         return result
 
-    def _prepare(self, layout: list[Scheduled], num_blocks: int) -> _PreparedInputs:
+    def _prepare(self, layout: list[Scheduled], num_blocks: int) -> PreparedInputs:
         if all(s.is_decode and s.samples for s in layout) and not any(
             s.state.params.prompt_logprobs is not None for s in layout
         ):
@@ -146,8 +153,8 @@ class ModelRunner(SequenceStates):
         group_tables = []  # per KV group: [num_parts, max_blocks] int64
         group_slots = []  # per KV group: [num_tokens] int64
         for g in range(self.num_groups):
-            tables = _pad_tables([_table(s.state, g)[: -(-(p + c) // bs)] for s, p, c in parts])
-            _check_ids(tables, [s.state for s in layout], g, num_blocks)
+            tables = pad_tables([block_table(s.state, g)[: -(-(p + c) // bs)] for s, p, c in parts])
+            check_block_ids(tables, [s.state for s in layout], g, num_blocks)
             group_tables.append(tables)
             group_slots.append(tables[seq_of_token, positions // bs] * bs + positions % bs)
         tables, slots = group_tables[0], group_slots[0]
@@ -208,13 +215,13 @@ class ModelRunner(SequenceStates):
                 num_prefills=n_pre,
                 num_decodes=len(parts) - n_pre,
                 query_start_loc=tensor(np.concatenate(([0], np.cumsum(counts)))),
-                state_slots=tensor([_slot(s.state) for s, _, _ in parts]),
+                state_slots=tensor([state_slot(s.state) for s, _, _ in parts]),
                 has_initial_state=tensor(starts > 0, torch.bool),
                 draft_rows=DraftRows.build(
-                    [(_slot(s.state), p - s.start) for s, p, _ in parts[n_pre:]], device
+                    [(state_slot(s.state), p - s.start) for s, p, _ in parts[n_pre:]], device
                 ),
             )
-        return _PreparedInputs(
+        return PreparedInputs(
             input_ids=tensor(input_ids, torch.int64),
             positions=tensor(positions, torch.int64),
             metadata=metadata,
@@ -225,7 +232,7 @@ class ModelRunner(SequenceStates):
             states=states,
         )
 
-    def _prepare_decodes(self, layout: list[Scheduled], num_blocks: int) -> _PreparedInputs:
+    def _prepare_decodes(self, layout: list[Scheduled], num_blocks: int) -> PreparedInputs:
         """`_prepare` for a step of decodes only, each sampling (at each of its drafts too):
         the same inputs from plain lists (a few sequences cost microseconds here, numpy's
         set-up more)."""
@@ -237,7 +244,7 @@ class ModelRunner(SequenceStates):
         seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device)
         metadatas = []
         for g in range(self.num_groups):
-            tables = [_table(s.state, g)[: p // bs + 1] for s, p in rows]
+            tables = [block_table(s.state, g)[: p // bs + 1] for s, p in rows]
             for (s, _), table in zip(rows, tables, strict=True):
                 if min(table) < 0 or max(table) >= num_blocks:
                     bad = next(b for b in table if not 0 <= b < num_blocks)
@@ -266,7 +273,7 @@ class ModelRunner(SequenceStates):
         metadata = metadatas[0]
         states = None
         if self.num_state_slots:
-            slots = [_slot(s.state) for s, _ in rows]
+            slots = [state_slot(s.state) for s, _ in rows]
             states = StateMetadata(
                 num_prefills=0,
                 num_decodes=n,
@@ -278,7 +285,7 @@ class ModelRunner(SequenceStates):
                     device,
                 ),
             )
-        return _PreparedInputs(
+        return PreparedInputs(
             input_ids=torch.tensor(
                 [s.state.token_ids[p] for s, p in rows], dtype=torch.int64, device=device
             ),
@@ -294,7 +301,7 @@ class ModelRunner(SequenceStates):
     def _sample(
         self,
         logits: torch.Tensor,
-        inputs: _PreparedInputs,
+        inputs: PreparedInputs,
         argmax: ArgmaxLogprobs | None,  # of every logits row, when the forward found them
     ) -> list[SequenceOutput]:
         outputs: dict[int, list[SequenceOutput]] = {}
@@ -357,7 +364,7 @@ class ModelRunner(SequenceStates):
         while kept < len(drafts) and samples[kept].samples[0].token_id == drafts[kept]:
             kept += 1
         if draft_rows is not None and kept < len(drafts):
-            draft_rows.restore(_slot(s.state), kept)
+            draft_rows.restore(state_slot(s.state), kept)
         self.keep_drafts(s, kept)
         return samples[: kept + 1]
 
@@ -369,7 +376,7 @@ class ModelRunner(SequenceStates):
         used: list[set[int]] = [set() for _ in range(self.num_groups)]
         for state in self.states.values():
             for g, group in enumerate(self.layout.groups):
-                table = _table(state, g)
+                table = block_table(state, g)
                 # The first block the next computed position's window reads.
                 first = group.first_live_block(state.num_computed, bs)
                 used[g].update(table[first:])
@@ -377,49 +384,3 @@ class ModelRunner(SequenceStates):
             for blocks in used:
                 blocks.discard(NULL_BLOCK)
         return [len(blocks) for blocks in used]
-
-
-def _slot(state: SequenceState) -> int:
-    """The state slot of a sequence of a model with recurrent layers."""
-    assert state.state_slot is not None, f"seq {state.seq_id} has no state slot"
-    return state.state_slot
-
-
-def _table(state: SequenceState, group: int) -> list[int]:
-    """KV group `group`'s block table of a sequence."""
-    return state.block_ids if group == 0 else state.group_tables[group - 1]
-
-
-def _check_ids(
-    tables: np.ndarray, states: list[SequenceState], group: int, num_blocks: int
-) -> None:
-    """The kernels index the cache with these ids unchecked: a bad one must stop here."""
-    if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
-        bad = next(
-            (s.seq_id, b) for s in states for b in _table(s, group) if not 0 <= b < num_blocks
-        )
-        raise StateError(
-            f"seq {bad[0]}: block id {bad[1]} is outside the cache ({num_blocks} blocks)"
-        )
-
-
-@dataclass(slots=True)
-class _PreparedInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    metadata: AttentionMetadata  # KV group 0's
-    logit_rows: torch.Tensor  # [num_logit_rows] int64
-    sample_items: list[tuple[Scheduled, int, int]]  # (seq, logits row, position)
-    prompt_items: list[tuple[Scheduled, int, int, int]]
-    # One per KV group (the first is `metadata`): the same step, each group's tables and slots.
-    metadatas: list[AttentionMetadata]
-    # The recurrent layers' inputs (None: the model has none).
-    states: StateMetadata | None = None
-
-
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:  # [num_seqs, max_blocks] int64
-    width = max((len(t) for t in tables), default=0)
-    out = np.zeros((len(tables), max(width, 1)), dtype=np.int64)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
-    return out

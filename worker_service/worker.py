@@ -192,16 +192,15 @@ class Worker:
         torch.cuda.empty_cache()
         return max(available // block_bytes, 0), num_host
 
+    def _graphs_off(self) -> str | None:
+        """On CUDA, why this worker captures no decode graphs (`cuda_graphs.graphs_off`), or
+        None when it does; None elsewhere too (there are none to count)."""
+        if self.device.type != "cuda":
+            return None
+        return cuda_graphs.graphs_off(self.config.enforce_eager, self.model_info.kv_layout)
+
     def _graphs_enabled(self) -> bool:
         return self.device.type == "cuda" and self._graphs_off() is None
-
-    def _graphs_off(self) -> str | None:
-        """Why this worker captures no decode graphs (`cuda_graphs.EAGER_*`), or None."""
-        if self.config.enforce_eager:
-            return cuda_graphs.EAGER_ENFORCED
-        if not cuda_graphs.layout_allows_graphs(self.model_info.kv_layout):
-            return cuda_graphs.EAGER_KV_LAYOUT
-        return None
 
     def _probe_graphs(self) -> tuple[DecodeGraphs, CacheEngine] | None:
         """The decode graphs captured over a one-block throwaway cache (None when eager);
@@ -329,7 +328,7 @@ class Worker:
         self.cache_engine = self._new_cache(num_gpu_blocks, num_cpu_blocks, slots)
         self.runner.num_state_slots = slots
         self._kv_caches = self.cache_engine.layer_caches()
-        self.runner.graphs_off = self._graphs_off() if self.device.type == "cuda" else None
+        self.runner.graphs_off = self._graphs_off()
         if self._graphs_enabled():
             start = time.perf_counter()
             self.runner.decode_graphs = self._capture_graphs(self._kv_caches)
