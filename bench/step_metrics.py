@@ -1,7 +1,8 @@
 """Where a served step's time goes, read from the services' own Prometheus metrics.
 
-`llmserve up` starts each worker and scheduler with `--metrics-port`; `snapshot(pid)` finds
-those ports on the command lines of the server's processes and reads every sample, and
+`llmserve up` starts each worker and scheduler with `--metrics-port`; `metrics_ports(pid)`
+finds those ports on the command lines of the server's processes, `snapshot(ports)` reads
+every sample, and
 `step_breakdown(before, after, ...)` turns two snapshots (and the processes' CPU seconds at
 the same moments, `server_runs.server_cpu_s`) into per-step figures for the interval: steps
 and steps/s, the scheduler's iteration, the worker's forward pass, sampling and idle gap, how

@@ -24,10 +24,11 @@ IMPORT_SECONDS = Histogram(
 )
 IMPORT_FAILURES = Counter("llmserve_worker_kv_import_failures", "Imports that failed")
 # Decode CUDA graphs (worker_service/cuda_graphs.py): steps served by a replay, and steps run
-# eagerly by why (`cuda_graphs.eager_reason`). Neither counts on a worker without graphs.
+# eagerly by why (`cuda_graphs.eager_reason`; on a CUDA worker without graphs every step, as
+# `cuda_graphs.graphs_off` says). Neither counts on a CPU worker.
 GRAPH_STEPS = Counter("llmserve_worker_graph_steps", "Steps served by a decode CUDA graph")
 EAGER_STEPS = Counter(
-    "llmserve_worker_eager_steps", "Steps run eagerly on a worker with decode graphs", ["reason"]
+    "llmserve_worker_eager_steps", "Steps run eagerly on a CUDA worker, by why", ["reason"]
 )
 SAMPLE_SECONDS = Histogram(
     "llmserve_worker_sample_seconds", "Sampler time per step", buckets=_TIME_BUCKETS

@@ -12,7 +12,7 @@ stage that fails or runs out of time is recorded and the next one runs:
    steps went at each, and HF `generate` static batches on the same GPU;
 6. serve-prefill-first: the serving table at 64-512 streams without chunked prefill (a step
    runs prompts alone or decodes alone, so every decode step can replay a graph; contexts
-   of 2048 tokens, the step's token budget, which must hold a whole one then);
+   of at most 2048 tokens, so that its steps have the default run's token budget);
 7. graphs: bench/decode_graphs.py, eager against captured decode steps per batch size;
 8. serve-gemma3: the same serving table on Gemma 3 270M's shape, llmserve only, when time is
    left.
@@ -122,7 +122,8 @@ def stages(work: Path, carry: Path, rehearse: bool) -> list[Stage]:
             "hf",
             "--up-env",
             "LLMSERVE_ENABLE_CHUNKED_PREFILL=false",
-            # Without chunked prefill a step's token budget must hold a whole context.
+            # Contexts of at most 2048 tokens keep the default run's step budget (without
+            # chunked prefill an unset budget grows to hold a whole context).
             "--max-model-len",
             "2048",
             streams="64 256 512",
