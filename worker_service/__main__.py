@@ -23,7 +23,7 @@ from llmserve.service_main import (
 )
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.config import GiB, WorkerConfig
-from worker_service.membership import LeaseKeeper, WorkerDrain
+from worker_service.membership import WorkerDrain, keep_lease
 
 log = get_logger(__name__)
 
@@ -161,10 +161,7 @@ async def serve(args: argparse.Namespace) -> int:
     advertised = args.advertise_address or advertise_address(args.host, args.port)
     keeper = lease_task = None
     if args.scheduler:
-        keeper = LeaseKeeper(
-            shard_addresses(args.scheduler), advertised, stream_open=lambda: servicer.stream_open
-        )
-        lease_task = asyncio.create_task(keeper.run())
+        keeper, lease_task = keep_lease(servicer, shard_addresses(args.scheduler), advertised)
     drain = WorkerDrain(
         server,
         health,

@@ -8,6 +8,9 @@ one) is renewed every `DEFAULT_RENEW_INTERVAL_S`, which it treats as a harmless 
 same address. While the scheduler does not answer, the keeper retries with exponential backoff,
 never waiting longer than the renewal interval, on a fresh channel each time (a channel that
 saw its server go away may otherwise wait out gRPC's own reconnect backoff, up to two minutes).
+When the scheduler's Execute stream closes here (`renew_now`), the keeper registers at once
+instead of at its next renewal: a restarted scheduler, or one that dropped this worker, learns
+of it within the retry backoff rather than a whole renewal interval later.
 
 Shards. `--scheduler` may name several schedulers (shards), each driving its own workers. The
 worker registers with one: the one with the fewest replicas among those that answer GetStats
@@ -138,6 +141,7 @@ class LeaseKeeper:
         self.lease: Lease | None = None
         self.registrations = 0  # successful RegisterWorker calls
         self._sleep = sleep
+        self._renew = asyncio.Event()  # set by renew_now: cut the current wait short
         self._failures = 0
         self._lapse_logged = False
 
@@ -167,10 +171,28 @@ class LeaseKeeper:
                         self._failed(exc)
                         break  # a fresh channel for the next attempt
                     self._granted(reply)
-                    await self._sleep(self.interval_s)
+                    await self._wait(self.interval_s)
             if len(self.schedulers) > 1 and not self._stream_open():
                 await self._move()
-            await self._sleep(retry_delay_s(self._failures, self.interval_s))
+            await self._wait(retry_delay_s(self._failures, self.interval_s))
+
+    def renew_now(self) -> None:
+        """Register again at once rather than after the current wait: the scheduler's Execute
+        stream closed here (it went away, or dropped this worker)."""
+        self._renew.set()
+
+    async def _wait(self, seconds: float) -> None:
+        """`sleep(seconds)`, cut short by renew_now."""
+        if not self._renew.is_set():
+            sleeping = asyncio.ensure_future(self._sleep(seconds))
+            woken = asyncio.ensure_future(self._renew.wait())
+            try:
+                await asyncio.wait((sleeping, woken), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sleeping.cancel()
+                woken.cancel()
+                await asyncio.gather(sleeping, woken, return_exceptions=True)
+        self._renew.clear()
 
     async def _move(self) -> None:
         """Choose a shard again, among the others than the one that just failed."""
@@ -223,6 +245,26 @@ class LeaseKeeper:
             )
 
 
+class StreamHolder(Protocol):
+    """What the lease keeper watches: the Worker servicer's Execute stream."""
+
+    @property
+    def stream_open(self) -> bool: ...
+
+    # Called when a scheduler's Execute stream ends here.
+    on_stream_closed: Callable[[], None]
+
+
+def keep_lease(
+    holder: StreamHolder, schedulers: str | Sequence[str], advertised: str
+) -> tuple[LeaseKeeper, asyncio.Task[None]]:
+    """Register `advertised` with one of `schedulers` and keep renewing, at once when the
+    Execute stream ends (see LeaseKeeper): the keeper and its task."""
+    keeper = LeaseKeeper(schedulers, advertised, stream_open=lambda: holder.stream_open)
+    holder.on_stream_closed = keeper.renew_now
+    return keeper, asyncio.create_task(keeper.run())
+
+
 class DrainTarget(Protocol):
     """What the drain watches: the Worker servicer's stream and sequence state."""
 
@@ -259,7 +301,7 @@ async def request_drain(scheduler: str, address: str) -> scheduler_pb2.DrainWork
                     attempt=attempt,
                     will_retry=retryable and attempt < DRAIN_ATTEMPTS,
                 )
-                if not retryable:
+                if not retryable or attempt == DRAIN_ATTEMPTS:
                     return None
                 await asyncio.sleep(retry_delay_s(attempt, RETRY_MAX_S))
                 continue

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -81,6 +81,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_send_rate = 0.0
         # What the scheduler uses this worker for (--role; worker_pb2.WorkerRole).
         self.role = worker_pb2.WORKER_ROLE_MIXED
+        # Called when an Execute stream ends (the lease keeper then registers again at once).
+        self.on_stream_closed: Callable[[], None] = lambda: None
 
     @property
     def stream_open(self) -> bool:
@@ -285,6 +287,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._stream_open = False
             self._touch()
             log.info("execute stream closed")
+            self.on_stream_closed()
 
     async def ReadBlocks(
         self, request: worker_pb2.ReadBlocksRequest, context: grpc.aio.ServicerContext

@@ -120,7 +120,9 @@ class Membership:
             raise DrainedError(address)
         self.leases[address] = time.monotonic() + self.config.lease_s
         self.held.forget(address)
-        return self.add(address, LEASE)
+        replica = self.add(address, LEASE)
+        replica.retry_now()
+        return replica
 
     def lapse_leases(self, now: float) -> None:
         """Drop the lease source of every address whose lease ended before `now`, unless its

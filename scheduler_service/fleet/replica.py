@@ -18,12 +18,14 @@ blocks instead, `kv_mover`):
 - the replica drains: see `Replica.drain`.
 After a loss the replica reconnects with backoff and starts with a fresh engine (the worker
 drops the sequence state of a closed stream), so a restarted worker at the same address comes
-back.
+back; a RegisterWorker from that address (`retry_now`) ends the backoff, since the worker says
+it is up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -31,7 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from llmserve import security
-from llmserve.grpc_utils import channel_options
+from llmserve.grpc_utils import PROMPT_RECONNECT, channel_options
 from llmserve.logs import get_logger
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_service.engine import metrics
@@ -75,8 +77,9 @@ class Replica:
         self.address = address
         self.config = config
         self.report = report
+        # Reconnects promptly, so that a worker that comes back is reached at the next attempt.
         self._channel = security.aio_channel(
-            address, options=channel_options(config.max_message_bytes)
+            address, options=[*channel_options(config.max_message_bytes), *PROMPT_RECONNECT]
         )
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -88,6 +91,7 @@ class Replica:
         self.state = ReplicaState.JOINING
         self._stream: ExecuteStream | None = None
         self._wake = asyncio.Event()
+        self._retry = asyncio.Event()  # retry_now: end the backoff after a loss
         self._task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._lost: WorkerLostError | None = None
@@ -233,6 +237,12 @@ class Replica:
             self._stream.close()
         self._wake.set()
 
+    def retry_now(self) -> None:
+        """The worker registered (RegisterWorker): if the loop waits to reconnect after a
+        loss, it connects now, and its backoff starts again from the shortest delay."""
+        if self.state is ReplicaState.LOST:
+            self._retry.set()
+
     # -- the loop ----------------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -240,6 +250,7 @@ class Replica:
         while self.state is not ReplicaState.DRAINING or self.engine is not None:
             if self._stopping:
                 raise asyncio.CancelledError
+            self._retry.clear()
             try:
                 await self._connect()
                 attempt = 0
@@ -269,7 +280,9 @@ class Replica:
                 )
                 log.log(level, why, replica=self.replica_id, address=self.address,
                         reason=str(exc), retry_in_s=delay)  # fmt: skip
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._retry.wait(), delay)
+                    attempt = 0  # the worker registered: it is up
             except Exception as exc:  # a bug or an injected fault in this replica's step
                 log.exception("replica step failed", replica=self.replica_id, error=str(exc))
                 self._fail_step(exc)

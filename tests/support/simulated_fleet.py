@@ -3,7 +3,7 @@
 Each simulated worker (tests/support/simulated_worker.py) is a real Worker gRPC server on a
 loopback port the OS picks, served on the process's one event loop with a model thread of its
 own (as `llmserve worker` runs one), and joins the scheduler with a lease
-(`worker_service.membership.LeaseKeeper`), as `llmserve worker --scheduler` does.
+(`worker_service.membership.keep_lease`), as `llmserve worker --scheduler` does.
 
     python -m tests.support.simulated_fleet --scheduler 127.0.0.1:50071 --workers 16
 
@@ -42,7 +42,7 @@ from tests.support.simulated_worker import (
     SimulatedWorker,
     StepTimeModel,
 )
-from worker_service.membership import LeaseKeeper
+from worker_service.membership import keep_lease
 from worker_service.server import WorkerServicer
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -68,9 +68,10 @@ class SimulatedServer:
 
 
 async def serve_simulated(
-    config: SimulatedConfig, scheduler: str | None, host: str = "127.0.0.1"
+    config: SimulatedConfig, scheduler: str | None, host: str = "127.0.0.1", port: int = 0
 ) -> SimulatedServer:
-    """Start one simulated worker; with `scheduler`, it registers there and keeps its lease."""
+    """Start one simulated worker (on `port`, 0: one the OS picks); with `scheduler`, it
+    registers there and keeps its lease."""
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="simulated")
     worker = SimulatedWorker(config)
     server, health = create_server([SERVICE_NAME])
@@ -81,13 +82,13 @@ async def serve_simulated(
         model_thread,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{host}:0")
+    port = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     await set_serving(health, [SERVICE_NAME])
     address = f"{host}:{port}"
     lease = None
     if scheduler:
-        lease = asyncio.create_task(LeaseKeeper(scheduler, address).run())
+        _, lease = keep_lease(servicer, scheduler, address)
     return SimulatedServer(address, worker, server, model_thread, lease)
 
 

@@ -15,9 +15,11 @@ import time
 from collections.abc import AsyncIterator
 
 from scheduler_service.engine.config import SchedulerConfig
+from scheduler_service.fleet import replica as replica_module
 from scheduler_service.fleet.fleet_config import FleetConfig, ReplicaConfig
 from scheduler_service.fleet.membership import Membership
 from scheduler_service.fleet.replica import Replica
+from scheduler_service.fleet.replica_events import ReplicaState
 from tests.support.simulated_fleet import SimulatedServer, serve_simulated
 from tests.support.simulated_worker import SimulatedConfig
 
@@ -85,5 +87,27 @@ def test_a_lost_worker_loses_its_lease_however_recently_heard():
             await until(lambda: not replica.healthy, "the stopped worker's loss")
             membership.lapse_leases(max(heard, membership.leases[server.address]) + 1e-3)
             assert server.address not in membership.members
+
+    asyncio.run(main())
+
+
+def test_a_registration_ends_a_lost_replicas_backoff(monkeypatch):
+    """A worker that comes back at a lost replica's address says so by registering: the
+    replica reconnects then, not when its backoff runs out. The backoff here is an hour, so
+    only the registration can bring the replica back within `until`'s bound."""
+    monkeypatch.setattr(replica_module, "_RETRY_DELAYS_S", (3600.0,))
+
+    async def main() -> None:
+        async with joined() as (server, membership, replica):
+            port = int(server.address.rsplit(":", 1)[1])
+            await server.stop()
+            await until(lambda: replica.state is ReplicaState.LOST, "the stopped worker's loss")
+            config = SimulatedConfig(num_gpu_blocks=64, max_model_len=256)
+            back = await serve_simulated(config, None, port=port)
+            try:
+                assert membership.register(back.address) is replica  # the same member
+                await until(lambda: replica.healthy, "the returned worker's replica ready")
+            finally:
+                await back.stop()
 
     asyncio.run(main())

@@ -15,6 +15,7 @@ from worker_service.membership import (
     DRAIN_ATTEMPTS,
     LeaseKeeper,
     choose_scheduler,
+    keep_lease,
     renew_interval_s,
     request_drain,
     retry_delay_s,
@@ -102,6 +103,63 @@ def test_keeper_re_registers_with_a_restarted_scheduler_within_one_interval():
         assert events.count("registered with scheduler") == 2
         again = [e for e in logs if e["event"] == "registered with scheduler"][1]
         assert again["replica"] == 9 and again["failed_attempts"] >= 3
+
+    run(body)
+
+
+def test_keeper_registers_at_once_when_asked_instead_of_at_the_next_renewal():
+    """The worker's Execute stream closed (the scheduler restarted, or dropped it): renew_now
+    cuts the keeper's wait short. Its sleeps here never end, so only renew_now can bring the
+    second and third registrations."""
+
+    async def body() -> None:
+        fake = FakeScheduler(replica_id=3, lease_ms=60_000)  # renew every 20 s
+        server = await serve(fake, port := free_port())
+        waits: list[float] = []
+
+        async def forever(seconds: float) -> None:
+            waits.append(seconds)
+            await asyncio.Event().wait()
+
+        keeper = LeaseKeeper(f"127.0.0.1:{port}", WORKER, sleep=forever)
+        task = asyncio.create_task(keeper.run())
+        try:
+            await until(lambda: keeper.registrations == 1 and len(waits) == 1)
+            keeper.renew_now()
+            await until(lambda: keeper.registrations == 2 and len(waits) == 2)
+            keeper.renew_now()
+            await until(lambda: keeper.registrations == 3)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(0)
+        assert fake.registered == [WORKER] * 3
+        assert waits[:2] == [renew_interval_s(60_000)] * 2
+
+    run(body)
+
+
+def test_keep_lease_renews_when_the_holders_stream_closes():
+    async def body() -> None:
+        # Renewals every 200 s: longer than `until` waits, so only the closed stream renews.
+        fake = FakeScheduler(replica_id=5, lease_ms=600_000)
+        server = await serve(fake, port := free_port())
+
+        class Holder:
+            stream_open = False
+            on_stream_closed: Callable[[], None] = staticmethod(lambda: None)
+
+        holder = Holder()
+        keeper, task = keep_lease(holder, f"127.0.0.1:{port}", WORKER)
+        try:
+            await until(lambda: keeper.registrations == 1)
+            holder.on_stream_closed()  # as WorkerServicer.Execute does when its stream ends
+            await until(lambda: keeper.registrations == 2)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(0)
+        assert fake.registered == [WORKER] * 2
 
     run(body)
 

@@ -170,8 +170,11 @@ def test_a_restarted_scheduler_re_initializes_the_worker_and_starts_over(tiny_ll
         assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert w.worker.num_sequences == 1
 
+        closed: list[bool] = []  # the lease keeper's hook (worker_service.membership.keep_lease)
+        w.servicer.on_stream_closed = lambda: closed.append(w.servicer.stream_open)
         old.call.cancel()  # the scheduler process dies: its stream breaks
         await until(lambda: not w.servicer.stream_open)
+        assert closed == [False]  # called once, with the stream already counted as closed
         assert not (await w.stub.Info(worker_pb2.InfoRequest())).execute_stream_open
         assert await w.on_model_thread(lambda: w.worker.num_sequences) == 0
 
