@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -142,11 +143,14 @@ def _build() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        objects = []
-        for name, extra in SOURCES.items():
-            obj = Path(scratch) / (name + ".o")
-            _run([compiler, *flags, *extra, "-c", str(HERE / name), "-o", str(obj)])
-            objects.append(str(obj))
+        objects = [str(Path(scratch) / (name + ".o")) for name in SOURCES]
+        compiles = [
+            [compiler, *flags, *extra, "-c", str(HERE / name), "-o", obj]
+            for (name, extra), obj in zip(SOURCES.items(), objects, strict=True)
+        ]
+        # One compiler per core: the sources are independent until the link.
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as compilers:
+            list(compilers.map(_run, compiles))
         linked = Path(scratch) / target.name
         _run([compiler, "-shared", "-pthread", *objects, "-o", str(linked)])
         os.replace(linked, target)  # atomic: a concurrent build's file is equally good
