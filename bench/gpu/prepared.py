@@ -62,6 +62,8 @@ class Stage:
     command: list[str]
     cap_s: float  # at most this long
     min_s: float = 0.0  # skipped when less than this is left
+    # Past its cap: how long it has to stop after SIGINT, then its descendants to exit.
+    stop_grace_s: float = STOP_GRACE_S
 
 
 @dataclass
@@ -186,12 +188,12 @@ def run_stage(stage: Stage, left_s: float, log: Path, env: dict[str, str]) -> Ou
             rc = proc.wait(timeout=limit)
             status = "ok" if rc == 0 else f"failed (rc {rc})"
         except subprocess.TimeoutExpired:
-            stop_tree(proc)
+            stop_tree(proc, stage.stop_grace_s)
             status = f"timed out ({limit:.0f} s)"
     return Outcome(stage.name, status, time.monotonic() - start)
 
 
-def stop_tree(proc: subprocess.Popen[bytes]) -> None:
+def stop_tree(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     """Interrupt a stage (its Python code stops the servers it started), then kill whatever
     of it is left: its process group and every descendant, also those in sessions of their
     own (`llmserve up` starts each service in one), which would otherwise keep the GPU."""
@@ -204,14 +206,14 @@ def stop_tree(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGINT)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=STOP_GRACE_S)
+        proc.wait(timeout=grace_s)
     for p in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    psutil.wait_procs(family, timeout=STOP_GRACE_S)
+    psutil.wait_procs(family, timeout=grace_s)
 
 
 def summary(outcomes: list[Outcome], work: Path) -> str:

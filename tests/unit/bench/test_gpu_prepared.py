@@ -72,7 +72,9 @@ def test_a_stage_past_its_cap_is_killed_with_its_children(tmp_path: Path) -> Non
         "-c",
         f"sleep 600 & echo $! > {tmp_path}/a; setsid sleep 600 & echo $! > {tmp_path}/b; wait",
     ]
-    outcome = run_stage(Stage("slow", command, cap_s=1.0), 100.0, tmp_path / "slow.log", {})
+    # bash's background children ignore the SIGINT: only the kill that follows ends them.
+    stage = Stage("slow", command, cap_s=1.0, stop_grace_s=1.0)
+    outcome = run_stage(stage, 100.0, tmp_path / "slow.log", {})
     assert outcome.status == "timed out (1 s)"
     for name in ("a", "b"):
         stat = Path(f"/proc/{int((tmp_path / name).read_text())}/stat")
