@@ -41,6 +41,13 @@ def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(coro_fn())
 
 
+async def cancel_then_stop(task: asyncio.Task[None], server: grpc.aio.Server) -> None:
+    """End a keeper's task, then its fake scheduler's server."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await server.stop(0)
+
+
 def test_renew_interval_is_a_third_of_the_lease_or_the_default():
     assert renew_interval_s(30_000) == pytest.approx(10.0)
     assert renew_interval_s(300) == pytest.approx(0.1)
@@ -130,9 +137,7 @@ def test_keeper_registers_at_once_when_asked_instead_of_at_the_next_renewal():
             keeper.renew_now()
             await until(lambda: keeper.registrations == 3)
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await server.stop(0)
+            await cancel_then_stop(task, server)
         assert fake.registered == [WORKER] * 3
         assert waits[:2] == [renew_interval_s(60_000)] * 2
 
@@ -156,9 +161,7 @@ def test_keep_lease_renews_when_the_holders_stream_closes():
             holder.on_stream_closed()  # as WorkerServicer.Execute does when its stream ends
             await until(lambda: keeper.registrations == 2)
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await server.stop(0)
+            await cancel_then_stop(task, server)
         assert fake.registered == [WORKER] * 2
 
     run(body)
