@@ -16,40 +16,32 @@ blocks instead, `kv_mover`):
 - a step raises (a bug, an injected fault): the engine may be half-updated, so the router's
   record of what each client received is what continues (`cause="step_failed"`);
 - the replica drains: see `Replica.drain`.
-After a loss the replica reconnects with backoff and starts with a fresh engine (the worker
-drops the sequence state of a closed stream), so a restarted worker at the same address comes
-back; a RegisterWorker from that address (`retry_now`) ends the backoff, since the worker says
-it is up.
+After a loss the replica reconnects with backoff (`reconnect`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from llmserve import security
-from llmserve.grpc_utils import PROMPT_RECONNECT, channel_options
 from llmserve.logs import get_logger
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_service.engine import metrics
 from scheduler_service.engine.config import ConfigError
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.snapshots import GroupSnapshot
-from scheduler_service.engine.text_stops import tokenizer_loader
 from scheduler_service.fleet import replica_events as events
 from scheduler_service.fleet.compile_waits import wait_for_compiles
 from scheduler_service.fleet.fleet_config import ReplicaConfig
+from scheduler_service.fleet.reconnect import Reconnect, worker_channel
 from scheduler_service.fleet.replica_events import ReplicaCounters, ReplicaState, Report
 from scheduler_service.fleet.replica_steps import StepPipeline
 from scheduler_service.fleet.tracing import ReplicaTracer, RequestTrace
 from scheduler_service.fleet.transfer_queue import TransferQueue
 from scheduler_service.fleet.worker_link import (
-    UNUSED_EXECUTOR,
     ExecuteStream,
     HeldElsewhereError,
     StepWatchdog,
@@ -63,7 +55,6 @@ __all__ = ["Replica", "ReplicaConfig", "ReplicaState", "WorkerLostError"]
 
 log = get_logger(__name__)
 
-_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 5.0)
 _IDLE_STEPS_BEFORE_SLEEP = 3
 
 
@@ -77,10 +68,7 @@ class Replica:
         self.address = address
         self.config = config
         self.report = report
-        # Reconnects promptly, so that a worker that comes back is reached at the next attempt.
-        self._channel = security.aio_channel(
-            address, options=[*channel_options(config.max_message_bytes), *PROMPT_RECONNECT]
-        )
+        self._channel = worker_channel(address, config.max_message_bytes)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.engine: LLMEngine | None = None
@@ -91,7 +79,7 @@ class Replica:
         self.state = ReplicaState.JOINING
         self._stream: ExecuteStream | None = None
         self._wake = asyncio.Event()
-        self._retry = asyncio.Event()  # retry_now: end the backoff after a loss
+        self._reconnect = Reconnect()
         self._task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._lost: WorkerLostError | None = None
@@ -241,19 +229,18 @@ class Replica:
         """The worker registered (RegisterWorker): if the loop waits to reconnect after a
         loss, it connects now, and its backoff starts again from the shortest delay."""
         if self.state is ReplicaState.LOST:
-            self._retry.set()
+            self._reconnect.registered()
 
     # -- the loop ----------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        attempt = 0
         while self.state is not ReplicaState.DRAINING or self.engine is not None:
             if self._stopping:
                 raise asyncio.CancelledError
-            self._retry.clear()
+            self._reconnect.connecting()
             try:
                 await self._connect()
-                attempt = 0
+                self._reconnect.connected()
                 await self._step_loop()
                 break  # drained: nothing left on the replica
             except asyncio.CancelledError:
@@ -271,18 +258,7 @@ class Replica:
                 if self.state is ReplicaState.DRAINING:
                     break
                 self._set_state(ReplicaState.LOST)
-                delay = _RETRY_DELAYS_S[min(attempt, len(_RETRY_DELAYS_S) - 1)]
-                attempt += 1
-                level, why = (
-                    (logging.ERROR, "worker refused its configuration, retrying")
-                    if refused
-                    else (logging.WARNING, "worker not reachable, retrying")
-                )
-                log.log(level, why, replica=self.replica_id, address=self.address,
-                        reason=str(exc), retry_in_s=delay)  # fmt: skip
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._retry.wait(), delay)
-                    attempt = 0  # the worker registered: it is up
+                await self._reconnect.wait(self.replica_id, self.address, str(exc), refused)
             except Exception as exc:  # a bug or an injected fault in this replica's step
                 log.exception("replica step failed", replica=self.replica_id, error=str(exc))
                 self._fail_step(exc)
@@ -298,27 +274,16 @@ class Replica:
 
     async def _connect(self) -> None:
         link = await open_worker(self._stub, self.config)
-        info, scheduler_config, cache_config = link.info, link.scheduler, link.cache
-        self.info = info
+        self.info = link.info
         self._stream = ExecuteStream(self._stub)
         # An idle loop sleeps on _wake: a stream that ends meanwhile wakes it to reconnect,
         # rather than failing the next request that arrives.
         self._stream.on_close(self._wake.set)
-        self.engine = LLMEngine(
-            scheduler_config, cache_config, UNUSED_EXECUTOR, tokenizer_loader(info.model)
-        )
-        self.engine.warm_grammars()
+        self.engine = link.new_engine()
         self.transfers = TransferQueue(self._wake.set)
-        self.tracer = ReplicaTracer(self.replica_id, info.block_size)
+        self.tracer = ReplicaTracer(self.replica_id, link.info.block_size)
         log.info(
-            "replica ready",
-            replica=self.replica_id,
-            address=self.address,
-            model=info.model,
-            num_gpu_blocks=cache_config.num_gpu_blocks,
-            num_cpu_blocks=cache_config.num_cpu_blocks,
-            block_size=info.block_size,
-            max_model_len=scheduler_config.model_len,
+            "replica ready", replica=self.replica_id, address=self.address, **link.log_fields()
         )
         if self.state is not ReplicaState.DRAINING:
             self._set_state(ReplicaState.READY)

@@ -2,7 +2,8 @@
 
 `open_worker` asks the worker what it serves (`Info`), initializes its KV cache with the
 fleet's overrides and batch limits (`InitializeCache`), and derives the replica's scheduler
-and cache configurations from the answers. `ExecuteStream` carries the steps. `watch_health` probes a
+and cache configurations from the answers, from which each connection's engine is built
+(`WorkerLink.new_engine`). `ExecuteStream` carries the steps. `watch_health` probes a
 connected worker. `Replica` (replica.py) owns the link and runs the step loop over it.
 """
 
@@ -17,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_service.engine.config import CacheConfig, ConfigError, SchedulerConfig
+from scheduler_service.engine.llm_engine import LLMEngine
+from scheduler_service.engine.text_stops import tokenizer_loader
 from scheduler_service.fleet.fleet_config import ReplicaConfig
 
 # A worker that answers InitializeCache with one of these refuses its configuration (a cache
@@ -124,6 +127,25 @@ class WorkerLink:
     info: worker_pb2.InfoResponse
     scheduler: SchedulerConfig
     cache: CacheConfig
+
+    def new_engine(self) -> LLMEngine:
+        """A fresh engine for these configurations (every connection starts with one), its
+        grammar backend warming up."""
+        engine = LLMEngine(
+            self.scheduler, self.cache, UNUSED_EXECUTOR, tokenizer_loader(self.info.model)
+        )
+        engine.warm_grammars()
+        return engine
+
+    def log_fields(self) -> dict[str, object]:
+        """What the replica's "ready" line says of the link."""
+        return {
+            "model": self.info.model,
+            "num_gpu_blocks": self.cache.num_gpu_blocks,
+            "num_cpu_blocks": self.cache.num_cpu_blocks,
+            "block_size": self.info.block_size,
+            "max_model_len": self.scheduler.model_len,
+        }
 
 
 async def open_worker(stub: worker_pb2_grpc.WorkerStub, cfg: ReplicaConfig) -> WorkerLink:

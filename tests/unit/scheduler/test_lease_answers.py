@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 from scheduler_service.engine.config import SchedulerConfig
-from scheduler_service.fleet import replica as replica_module
+from scheduler_service.fleet import reconnect
 from scheduler_service.fleet.fleet_config import FleetConfig, ReplicaConfig
 from scheduler_service.fleet.membership import Membership
 from scheduler_service.fleet.replica import Replica
@@ -95,7 +95,7 @@ def test_a_registration_ends_a_lost_replicas_backoff(monkeypatch):
     """A worker that comes back at a lost replica's address says so by registering: the
     replica reconnects then, not when its backoff runs out. The backoff here is an hour, so
     only the registration can bring the replica back within `until`'s bound."""
-    monkeypatch.setattr(replica_module, "_RETRY_DELAYS_S", (3600.0,))
+    monkeypatch.setattr(reconnect, "RETRY_DELAYS_S", (3600.0,))
 
     async def main() -> None:
         async with joined() as (server, membership, replica):

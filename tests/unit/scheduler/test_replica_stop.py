@@ -10,6 +10,7 @@ import pytest
 
 from llmserve.ports import free_port
 from scheduler_service.engine import SchedulerConfig
+from scheduler_service.fleet import reconnect
 from scheduler_service.fleet import replica as replica_module
 from scheduler_service.fleet.fleet_config import ReplicaConfig
 from scheduler_service.fleet.replica import Replica
@@ -30,7 +31,7 @@ def test_a_stopped_replica_does_not_connect_again(monkeypatch: pytest.MonkeyPatc
             raise WorkerLostError("stream", "cancelled") from None
 
     monkeypatch.setattr(replica_module, "open_worker", open_worker_losing_a_cancellation)
-    monkeypatch.setattr(replica_module, "_RETRY_DELAYS_S", (0.0,))
+    monkeypatch.setattr(reconnect, "RETRY_DELAYS_S", (0.0,))
 
     async def main() -> bool:
         replica = Replica(
