@@ -44,6 +44,7 @@ SOURCES = {
     "quant.cpp": ("-ffp-contract=off",),
     "quant_fast.cpp": (),
     "quant_interleaved.cpp": (),
+    "quant_amx.cpp": (),
     "linear_attention.cpp": (),
     "linear_prefill.cpp": (),
     "isa.cpp": (),
@@ -57,6 +58,7 @@ HEADERS = (
     "quant.h",
     "quant_dequant.h",
     "quant_fast.h",
+    "quant_amx.h",
     "quant_chunked.h",
     "quant_interleaved.h",
     "linear_attention.h",
@@ -257,6 +259,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         # ggml type, weights, rows, in, dst: to the interleaved layout and back
         "llmserve_quant_interleave": [i32, ptr, i64, i64, ptr],
         "llmserve_quant_deinterleave": [i32, ptr, i64, i64, ptr],
+        # on (1), off (0) or as it is (-1) -> 1 when fast mode's matrix-engine path is on
+        "llmserve_quant_set_matrix_engine": [i32],
+        # -> calls the matrix engine has taken in this process
+        "llmserve_quant_matrix_engine_calls": [],
         # x, n, cols, out (40-byte activation blocks)
         "llmserve_quant_activations": [ptr, i64, i64, ptr],
         # dtype, dims, params, layer pointers, weight types, layer windows, embed, final
@@ -269,4 +275,5 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         function.argtypes = argtypes
         function.restype = i32
     lib.llmserve_pool_check.restype = i64
+    lib.llmserve_quant_matrix_engine_calls.restype = i64
     return lib

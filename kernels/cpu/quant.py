@@ -80,6 +80,19 @@ def interleaves(ggml_type: int) -> bool:
     return bool(library().llmserve_quant_interleaves(int(ggml_type)))
 
 
+def set_matrix_engine(on: bool | None) -> bool:
+    """Let fast mode's interleaved kernels hand calls of 16 rows or more of the 32-weight types
+    to the matrix engine (AMX tiles, quant_amx.cpp: the same outputs bit for bit), or not (None:
+    leave it as it is; on by default). Returns whether the path is on: False when off, or where
+    the CPU, the build or the OS lacks it."""
+    return bool(library().llmserve_quant_set_matrix_engine(-1 if on is None else int(on)))
+
+
+def matrix_engine_calls() -> int:
+    """How many calls the matrix-engine path has taken in this process."""
+    return int(library().llmserve_quant_matrix_engine_calls())
+
+
 def interleave(weight: QuantWeight) -> QuantWeight | None:
     """`weight` with its rows interleaved for fast mode (new bytes; `weight` is unchanged), or
     None when it cannot be: a type this build does not interleave, or rows that are not a

@@ -39,6 +39,7 @@
 
 #include "pool.h"
 #include "quant.h"
+#include "quant_amx.h"
 #include "quant_fast.h"
 #include "quant_interleaved.h"
 
@@ -146,35 +147,14 @@ inline void group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a, 
       o_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
     if constexpr (zero_point(Type) != 0.0f)
       o_w = _mm256_mul_ps(d_w, _mm256_set1_ps(-zero_point(Type)));
-    const uint8_t* quants = block + lanes_at(Type);
-    __m256i w[kChunks];  // register j: the weights that take activation quants at[j] .. + 3
-    __m256i sign[kChunks];  // Q8_0: the signed weights (w holds their magnitudes)
-    int at[kChunks];
-#pragma GCC unroll 8  // constant k: the shifts take immediates
-    for (int k = 0; k < chunks(Type); ++k) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * k));
-      if constexpr (Type == kQ8_0 && kBiasedQ8) {
-        w[k] = v;
-        at[k] = 4 * k;
-      } else if constexpr (Type == kQ8_0) {
-        sign[k] = v;
-        w[k] = _mm256_sign_epi8(v, v);
-        at[k] = 4 * k;
-      } else {
-        const __m256i low = _mm256_set1_epi8(0x0f);
-        w[k] = _mm256_and_si256(v, low);
-        w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        if constexpr (Type == kQ5_0) {  // bit j of the plane's bytes -> bit 4 of register j's
-          const __m256i plane =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * kLanes));
-          const __m256i bit4 = _mm256_set1_epi8(0x10);
-          w[k] = _mm256_or_si256(w[k], _mm256_and_si256(_mm256_slli_epi16(plane, 4 - k), bit4));
-          w[k + 4] = _mm256_or_si256(w[k + 4], _mm256_and_si256(_mm256_srli_epi16(plane, k), bit4));
-        }
-        at[k] = first_weight(k);
-        at[k + 4] = first_weight(k + 4);
+    __m256i w[kChunks];  // register j: each row's weights 4j .. 4j + 3
+    block_registers<Type>(block, w);
+    __m256i sign[kChunks];  // Q8_0 without the bias: the signed weights (w their magnitudes)
+    if constexpr (Type == kQ8_0 && !kBiasedQ8)
+      for (int k = 0; k < kChunks; ++k) {
+        sign[k] = w[k];
+        w[k] = _mm256_sign_epi8(w[k], w[k]);
       }
-    }
     __m256i bias = _mm256_setzero_si256();  // kBiasedQ8: 128 times each row's weight sum
     if constexpr (Type == kQ8_0 && kBiasedQ8) {
       __m256i half = _mm256_setzero_si256();  // two chains, as the rows' sums below do not wait
@@ -188,9 +168,9 @@ inline void group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a, 
     // after another's ran at the chain's latency: bench/RESULTS.md, "Prompts' integer dots").
     __m256i sum[M];
     for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
-    const auto x = [&](int m, int j) {  // row m's activation quants at[j] .. + 3, in every lane
+    const auto x = [&](int m, int j) {  // row m's activation quants 4j .. 4j + 3, in every lane
       int32_t four;
-      std::memcpy(&four, a[m * blocks + b].q + at[j], sizeof four);
+      std::memcpy(&four, a[m * blocks + b].q + 4 * j, sizeof four);
       const __m256i xs = _mm256_set1_epi32(four);
       if constexpr (Type == kQ8_0 && !kBiasedQ8)  // signed x signed: |w| times x with w's sign
         return _mm256_sign_epi8(xs, sign[j]);
@@ -247,6 +227,7 @@ void linear_interleaved(const float* x, int64_t n, int64_t in, const uint8_t* w,
   const int64_t blocks = in / block_weights(Type), chunks = in / kBlock,
                 group_bytes = kLanes * blocks * block_bytes(Type);
   ActBlock* a = quantize_rows(x, n, in);
+  if (matrix_engine_linear(Type, a, n, in, w, out_features, out)) return;
   if constexpr (Type == kQ8_0 && kBiasedQ8) bias_to_unsigned(a, n * chunks);
   const int32_t* sums = Type == kQ6_K ? half_sums(a, n * chunks) : nullptr;
   const uint8_t* end = w + out_features / kLanes * group_bytes;

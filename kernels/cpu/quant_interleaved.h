@@ -117,6 +117,33 @@ inline const int32_t* half_sums(const ActBlock* a, int64_t count) {
   return sums.data();
 }
 
+// The eight quant registers of a 32-weight type's block in a group (at `block`): register j
+// holds, in lane r, row r's quants of weights 4j .. 4j + 3: unsigned 0..15 (Q4_0, Q4_1) or
+// 0..31 (Q5_0, its fifth bits in bit 4), Q8_0's signed bytes as they are.
+template <int Type>
+inline void block_registers(const uint8_t* block, __m256i (&w)[8]) {
+  const uint8_t* quants = block + lanes_at(Type);
+  constexpr int kChunks = (lane_end(Type) - lane_begin(Type)) / 4;
+#pragma GCC unroll 8  // constant k: the shifts take immediates
+  for (int k = 0; k < kChunks; ++k) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * k));
+    if constexpr (Type == kQ8_0) {
+      w[k] = v;
+    } else {  // chunk k: weights 4k .. 4k + 3 in the low nibbles, 16 + 4k .. in the high ones
+      const __m256i low = _mm256_set1_epi8(0x0f);
+      w[k] = _mm256_and_si256(v, low);
+      w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if constexpr (Type == kQ5_0) {  // bit j of the plane's bytes -> bit 4 of register j's
+        const __m256i plane =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * kInterleaveRows));
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        w[k] = _mm256_or_si256(w[k], _mm256_and_si256(_mm256_slli_epi16(plane, 4 - k), bit4));
+        w[k + 4] = _mm256_or_si256(w[k + 4], _mm256_and_si256(_mm256_srli_epi16(plane, k), bit4));
+      }
+    }
+  }
+}
+
 inline __m256i shift16(__m256i v, int bits) {  // bits > 0: left, < 0: right
   return bits >= 0 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(bits))
                    : _mm256_srl_epi16(v, _mm_cvtsi32_si128(-bits));

@@ -1,0 +1,251 @@
+// Fast mode on the matrix engine (AMX, issue #52): interleaved weights of the 32-weight types
+// (quant_interleaved.cpp) times many activation rows at once in tiles, where the CPU has AMX
+// and the kernel grants this process the tiles' register state (arch_prctl).
+//
+// One tile multiply takes 16 activation rows and 16 weight rows (two interleaved groups) over
+// one block of 32 weights: A is the rows' 8-bit activation quants as they lie in their
+// ActBlocks (16 rows x 32 bytes, a row's blocks apart), B the two groups' quants as
+// block_registers unpacks them (register j, weights 4j .. 4j + 3, is B's row j: the VNNI
+// layout), and C the 16 x 16 block dots, the same integers as `vpdpbusd` makes. Each is then
+// scaled and accumulated by the same float operations in the same order as group_dots does
+// (the dot times d_w * d, then o_w * s), so every output is bit for bit the interleaved
+// kernel's, and so the file layout's: the engine changes the speed, never a token.
+//
+// Per pair of groups, every block is unpacked once into this thread's buffer (B, and the
+// rows' d_w and o_w as floats), then the tiles of 16 activation rows run over it; rows past the
+// last full tile are padded with zero quants and not stored.
+
+#include "quant_amx.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "pool.h"
+#include "quant.h"
+#include "quant_fast.h"
+#include "quant_interleaved.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512VL__) && defined(__F16C__)
+#define LLMSERVE_AMX 1
+#endif
+
+namespace llmserve::quant {
+namespace {
+
+std::atomic<bool> enabled{true};  // llmserve_quant_set_matrix_engine
+std::atomic<int64_t> calls{0};    // calls taken, llmserve_quant_matrix_engine_calls
+
+#if defined(LLMSERVE_AMX)
+constexpr int kTile = 16;  // activation rows of a tile, and weight rows (two groups)
+constexpr int64_t kGroupsPerTile = kTile / kInterleaveRows;
+
+// Whether the kernel lets this process use the tiles' data (asked once; granted to every
+// thread of the process).
+bool granted() {
+  static const bool ok = [] {
+    constexpr int kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr int kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return ok;
+}
+
+struct TileConfig {  // palette 1's layout, as LDTILECFG reads it
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+// Two sets of tiles, so that one block's multiply runs while the last one's dots are scaled:
+// set k has C in tile k, A in 2 + k and B in 4 + k (the intrinsics take tile numbers as
+// literals, hence the branches on k below).
+void configure_tiles() {
+  alignas(64) TileConfig config{};
+  config.palette = 1;
+  for (int k = 0; k < 2; ++k) {
+    config.rows[k] = kTile, config.bytes_per_row[k] = kTile * 4;  // C: int32 dots
+    config.rows[2 + k] = kTile, config.bytes_per_row[2 + k] = kBlock;  // A: a block a row
+    config.rows[4 + k] = kBlock / 4, config.bytes_per_row[4 + k] = kTile * 4;  // B
+  }
+  // Not _tile_loadconfig: GCC 12's says it reads 8 bytes of the config, so the stores to the
+  // rest may be dropped and LDTILECFG then faults on what it finds (seen here, at -O3).
+  __asm__ volatile("ldtilecfg %0" : : "m"(config));
+}
+
+struct alignas(64) PairBlock {  // one block of a pair of groups, unpacked
+  uint8_t b[kBlock / 4][kTile * 4];  // B: row j holds each weight row's quants 4j .. 4j + 3
+  float d[kTile];  // the weight rows' scales
+  float o[kTile];  // what multiplies the activations' s (group_dots' o_w)
+};
+
+template <int Type>
+void unpack_pair(const uint8_t* pair, int64_t blocks, PairBlock* out) {
+  const int64_t bytes = kInterleaveRows * block_bytes(Type), group_bytes = blocks * bytes;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t h = 0; h < kGroupsPerTile; ++h) {
+      const uint8_t* block = pair + h * group_bytes + b * bytes;
+      __m256i w[8];
+      block_registers<Type>(block, w);
+      for (int j = 0; j < 8; ++j)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].b[j] + 32 * h), w[j]);
+      const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+      __m256 o_w = _mm256_setzero_ps();
+      if constexpr (Type == kQ4_1)
+        o_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+      if constexpr (zero_point(Type) != 0.0f)
+        o_w = _mm256_mul_ps(d_w, _mm256_set1_ps(-zero_point(Type)));
+      _mm256_store_ps(out[b].d + 8 * h, d_w);
+      _mm256_store_ps(out[b].o + 8 * h, o_w);
+    }
+}
+
+// Tile set K's C = the dots of B (weights) and A (activations) of one block.
+template <int Type, int K>
+[[gnu::always_inline]] inline void multiply(const uint8_t* b, const int8_t* a, int64_t a_stride) {
+  if constexpr (K == 0) {
+    _tile_loadd(4, b, kTile * 4);
+    _tile_loadd(2, a, a_stride);
+    _tile_zero(0);
+    if constexpr (Type == kQ8_0)
+      _tile_dpbssd(0, 2, 4);  // signed activations, signed weights
+    else
+      _tile_dpbsud(0, 2, 4);  // signed activations, unsigned quants
+  } else {
+    _tile_loadd(5, b, kTile * 4);
+    _tile_loadd(3, a, a_stride);
+    _tile_zero(1);
+    if constexpr (Type == kQ8_0)
+      _tile_dpbssd(1, 3, 5);
+    else
+      _tile_dpbsud(1, 3, 5);
+  }
+}
+
+template <int K>
+[[gnu::always_inline]] inline void store_dots(int32_t* dots) {
+  if constexpr (K == 0)
+    _tile_stored(0, dots, kTile * 4);
+  else
+    _tile_stored(1, dots, kTile * 4);
+}
+
+// out[m * stride + r] for the pair's 16 rows r and activation rows m < rows of the tile at a.
+template <int Type>
+void tile_dots(const PairBlock* pair, int64_t blocks, const ActBlock* a, int64_t rows, float* out,
+               int64_t stride) {
+  const int64_t a_stride = blocks * int64_t(sizeof(ActBlock));
+  alignas(64) int32_t dots[2][kTile * kTile];  // set k's C, stored
+  __m512 acc[kTile];
+  for (int m = 0; m < kTile; ++m) acc[m] = _mm512_setzero_ps();
+  const auto scale = [&](int64_t b) {  // acc += block b's dots, scaled
+    const __m512 d_w = _mm512_load_ps(pair[b].d), o_w = _mm512_load_ps(pair[b].o);
+    const int32_t* dot_rows = dots[b % 2];
+    for (int m = 0; m < kTile; ++m) {
+      const ActBlock& x = a[m * blocks + b];
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dot_rows + kTile * m));
+      acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d_w, _mm512_set1_ps(x.d)), acc[m]);
+      if constexpr (Type != kQ8_0) acc[m] = _mm512_fmadd_ps(o_w, _mm512_set1_ps(x.s), acc[m]);
+    }
+  };
+  // Three blocks in flight: b + 1 multiplied (set (b + 1) % 2) while b's dots are stored and
+  // b - 1's, stored a step earlier, are scaled; the blocks are scaled in order.
+  multiply<Type, 0>(pair[0].b[0], a[0].q, a_stride);
+  for (int64_t b = 0; b < blocks; b += 2) {
+    if (b + 1 < blocks) multiply<Type, 1>(pair[b + 1].b[0], a[b + 1].q, a_stride);
+    store_dots<0>(dots[0]);
+    if (b > 0) scale(b - 1);
+    if (b + 1 == blocks) {
+      scale(b);
+      break;
+    }
+    if (b + 2 < blocks) multiply<Type, 0>(pair[b + 2].b[0], a[b + 2].q, a_stride);
+    store_dots<1>(dots[1]);
+    scale(b);
+    if (b + 2 == blocks) scale(b + 1);
+  }
+  for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(out + m * stride, acc[m]);
+}
+
+template <int Type>
+void linear_tiles(const ActBlock* a, int64_t n, int64_t in, const uint8_t* w,
+                  int64_t out_features, float* out) {
+  const int64_t blocks = in / kBlock, tiles = (n + kTile - 1) / kTile,
+                pair_bytes = kGroupsPerTile * kInterleaveRows * blocks * block_bytes(Type);
+  if (n % kTile) {  // the last tile's missing rows: zero quants, scales 0
+    thread_local std::vector<ActBlock> padded;
+    padded.assign(size_t(tiles * kTile * blocks), ActBlock{});
+    std::memcpy(padded.data(), a, size_t(n * blocks) * sizeof(ActBlock));
+    a = padded.data();
+  }
+  parallel_for(out_features / kTile, true, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    thread_local std::vector<PairBlock> unpacked;
+    unpacked.resize(size_t(blocks));
+    for (int64_t p = begin; p < end; ++p) {
+      unpack_pair<Type>(w + p * pair_bytes, blocks, unpacked.data());
+      for (int64_t t = 0; t < tiles; ++t)
+        tile_dots<Type>(unpacked.data(), blocks, a + t * kTile * blocks,
+                        std::min<int64_t>(kTile, n - t * kTile),
+                        out + t * kTile * out_features + p * kTile, out_features);
+    }
+    _tile_release();
+  });
+}
+#endif
+
+}  // namespace
+
+bool matrix_engine_available() {
+#if defined(LLMSERVE_AMX)
+  return granted();
+#else
+  return false;
+#endif
+}
+
+bool matrix_engine_linear(int type, const ActBlock* a, int64_t n, int64_t in, const uint8_t* w,
+                          int64_t out_features, float* out) {
+#if defined(LLMSERVE_AMX)
+  if (n < kMatrixEngineRows || out_features % kTile || is_k_quant(type) ||
+      !enabled.load(std::memory_order_relaxed) || !granted())
+    return false;
+  calls.fetch_add(1, std::memory_order_relaxed);
+  return dispatch(type, [&]<int Type>() {
+           if constexpr (!is_k_quant(Type)) linear_tiles<Type>(a, n, in, w, out_features, out);
+         }) == 0;
+#else
+  (void)type, (void)a, (void)n, (void)in, (void)w, (void)out_features, (void)out;
+  return false;
+#endif
+}
+
+}  // namespace llmserve::quant
+
+extern "C" {
+
+// Turns fast mode's matrix-engine path on (1) or off (0), or leaves it (-1); returns 1 when it is
+// on: turned on, and the CPU and this build have it and the kernel granted its tiles.
+int llmserve_quant_set_matrix_engine(int on) {
+  if (on >= 0) llmserve::quant::enabled.store(on != 0, std::memory_order_relaxed);
+  return llmserve::quant::enabled.load(std::memory_order_relaxed) &&
+                 llmserve::quant::matrix_engine_available()
+             ? 1
+             : 0;
+}
+
+// How many calls the matrix engine has taken in this process.
+int64_t llmserve_quant_matrix_engine_calls() {
+  return llmserve::quant::calls.load(std::memory_order_relaxed);
+}
+
+}  // extern "C"

@@ -1,0 +1,125 @@
+"""Fast mode on the matrix engine (kernels/cpu/quant_amx.cpp): calls of 16 rows or more on
+interleaved weights of the 32-weight types go to AMX tiles where the CPU, the build and the OS
+allow, with outputs bit for bit those of the interleaved kernel without it and of the file's
+layout (which test_quant_linear.py holds against the float64 product of the rounded
+activations). Where the engine cannot run, the same products are checked with it off, and the
+tests that need it are skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from kernels.cpu import quant
+from tests.kernels.test_quant_interleaved import QUANT_BYTES, weight
+from tests.kernels.test_quant_linear import TYPES, quantized
+
+Q5_0 = GGMLQuantizationType.Q5_0
+ENGINE_TYPES = [*TYPES, pytest.param(Q5_0, id="q5_0")]  # the 32-weight types
+# Rows around the tile of 16: below it (never the engine), one tile, a tile and a padded
+# remainder, several tiles.
+ROWS = (15, 16, 17, 31, 33, 64, 100)
+
+pytestmark = pytest.mark.skipif(
+    not quant.interleaves(GGMLQuantizationType.Q4_0), reason="this build has no AVX2 kernels"
+)
+
+
+def has_amx() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return "amx_int8" in cpuinfo.read()
+
+
+needs_engine = pytest.mark.skipif(
+    not quant.set_matrix_engine(None), reason="no matrix engine here (CPU, build or OS)"
+)
+
+
+@pytest.fixture
+def engine() -> Iterator[None]:
+    """The test may turn the engine off; it is on again after."""
+    yield
+    quant.set_matrix_engine(True)
+
+
+def products(
+    x: torch.Tensor, w: quant.QuantWeight, inter: quant.QuantWeight, on: bool
+) -> tuple[torch.Tensor, int]:
+    """The interleaved product with the engine on or off, and how many calls it took."""
+    quant.set_matrix_engine(on)
+    before = quant.matrix_engine_calls()
+    out = quant.linear(x, inter.code, inter.blocks, "fast")
+    return out, quant.matrix_engine_calls() - before
+
+
+@pytest.mark.parametrize("ggml_type", ENGINE_TYPES)
+@pytest.mark.parametrize(("in_features", "out_features"), [(32, 16), (640, 48), (2048, 96)])
+def test_products_are_the_file_layouts_bit_for_bit_with_and_without_the_engine(
+    engine, ggml_type, in_features, out_features
+):
+    w = weight(ggml_type, out_features, in_features, seed=in_features + out_features)
+    inter = quant.interleave(w)
+    assert inter is not None
+    x = torch.randn(max(ROWS), in_features, generator=torch.Generator().manual_seed(7))
+    x[:, :32] *= 30
+    x[3] = 0.0  # a row of zero activations (scale 0)
+    available = quant.set_matrix_engine(None)
+    for n in ROWS:
+        expected = quant.linear(x[:n], w.code, w.blocks, "fast")
+        off, taken_off = products(x[:n], w, inter, on=False)
+        on, taken_on = products(x[:n], w, inter, on=True)
+        assert taken_off == 0
+        assert taken_on == (1 if available and n >= 16 else 0), n
+        assert torch.equal(off, expected), n
+        assert torch.equal(on, expected), n
+
+
+@needs_engine
+@pytest.mark.parametrize("ggml_type", ENGINE_TYPES)
+def test_the_widest_integer_sums_are_exact_on_the_engine(ggml_type):
+    """Every weight quant at its largest (Q8_0: -128) against activation quants of +-127: the
+    tiles' int32 dots give the file layout's bits."""
+    in_features, out_features, n = 512, 32, 20
+    blocks = quantized(ggml_type, out_features, in_features, seed=3)
+    begin, end = QUANT_BYTES[ggml_type]
+    size = end  # the 32-weight types' quants end their blocks
+    blocks.reshape(out_features, -1, size)[..., begin:end] = (
+        0x80 if ggml_type == GGMLQuantizationType.Q8_0 else 0xFF
+    )
+    w = quant.QuantWeight(int(ggml_type), torch.from_numpy(blocks), in_features)
+    inter = quant.interleave(w)
+    assert inter is not None
+    x = torch.ones(n, in_features)
+    x[1::2] = -1.0
+    before = quant.matrix_engine_calls()
+    out = quant.linear(x, inter.code, inter.blocks, "fast")
+    assert quant.matrix_engine_calls() == before + 1
+    assert torch.equal(out, quant.linear(x, w.code, w.blocks, "fast"))
+
+
+def test_what_the_engine_does_not_take(engine):
+    """k-quants, out features not a multiple of 16, and the file's layout stay off it."""
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
+    before = quant.matrix_engine_calls()
+    k = quant.interleave(weight(GGMLQuantizationType.Q4_K, 16, 256, seed=1))
+    assert k is not None
+    quant.linear(x, k.code, k.blocks, "fast")
+    eight = quant.interleave(weight(GGMLQuantizationType.Q4_0, 24, 256, seed=1))
+    assert eight is not None
+    quant.linear(x, eight.code, eight.blocks, "fast")
+    plain = weight(GGMLQuantizationType.Q4_0, 32, 256, seed=1)
+    quant.linear(x, plain.code, plain.blocks, "fast")
+    assert quant.matrix_engine_calls() == before
+
+
+@pytest.mark.skipif(not has_amx(), reason="the CPU lists no AMX")
+def test_a_cpu_with_amx_runs_the_engine(engine):
+    """Where the CPU lists AMX, this build (-march=native) has the path and the OS grants the
+    tiles; turning it off and on is seen."""
+    assert quant.set_matrix_engine(None)
+    assert not quant.set_matrix_engine(False)
+    assert not quant.set_matrix_engine(None)
+    assert quant.set_matrix_engine(True)
