@@ -37,6 +37,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH_DIR]
 sys.path.insert(0, os.path.dirname(_BENCH_DIR))
 
 from bench.decode_graphs import decode_inputs  # noqa: E402
+from kernels.cpu import quant  # noqa: E402
 from tests.support.models import FAMILY_KINDS, save_tiny_model  # noqa: E402
 from worker_service.config import WorkerConfig  # noqa: E402
 from worker_service.models import decoder  # noqa: E402
@@ -139,8 +140,14 @@ def main() -> None:
         action="store_true",
         help="a batch of n is one sequence's last token and n - 1 drafts (speculation)",
     )
+    parser.add_argument(
+        "--no-matrix-engine",
+        action="store_true",
+        help="fast mode's interleaved kernels without AMX tiles (kernels/cpu/quant_amx.cpp)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    engine = quant.set_matrix_engine(not args.no_matrix_engine)
     torch.manual_seed(0)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -153,7 +160,7 @@ def main() -> None:
     print(
         f"{args.dtype}, linear {args.linear_impl} ({args.quant_mode}), context {args.context}"
         f"{' (batch n: one sequence with n - 1 drafts)' if args.one_sequence else ''}, "
-        f"{args.threads} threads, medians of {args.iters}"
+        f"{args.threads} threads, medians of {args.iters}, matrix engine {'on' if engine else 'off'}"
     )
     print("| model | batch | per-layer ms | native ms | native / per-layer | max logit diff |")
     print("|---|---|---|---|---|---|")

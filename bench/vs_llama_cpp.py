@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llama_cpp import gguf_for, llama_server
+from llama_cpp import build_flags, gguf_for, llama_server
 from machine import describe
 from rounds import median_run, ratio_spread, round_order, spread
 from serve_compare import dense_flags
@@ -235,6 +235,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             "tok/s), with the range of tok/s over rounds, and the ratio is the median of the "
             "rounds' own ratios (range in brackets).",
             "",
+            f"llama-server's build: {' '.join(result['llama_server'].get('cmake_flags') or [])}.",
+            "",
             "Streaming /v1/completions, greedy, ignore_eos, the same seeded random-token prompts "
             f"for both servers, seed {args.seed}; {'; '.join(workloads)}. "
             "Output tokens: each server's usage.completion_tokens. TPOT and TTFT are medians.",
@@ -332,6 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "llama_server": {
             "binary": str(llama_server()[0]) if "llama.cpp" in args.servers else None,
+            "cmake_flags": build_flags(),
             "gguf": {
                 d: str(gguf_for(d, args.model)) for d in args.dtypes if "llama.cpp" in args.servers
             },

@@ -81,7 +81,7 @@ def interleaves(ggml_type: int) -> bool:
 
 
 def set_matrix_engine(on: bool | None) -> bool:
-    """Let fast mode's interleaved kernels hand calls of 16 rows or more of the 32-weight types
+    """Let fast mode's interleaved kernels hand calls of 16 rows or more (every type but Q6_K)
     to the matrix engine (AMX tiles, quant_amx.cpp: the same outputs bit for bit), or not (None:
     leave it as it is; on by default). Returns whether the path is on: False when off, or where
     the CPU, the build or the OS lacks it."""

@@ -1,19 +1,22 @@
-// Fast mode on the matrix engine (AMX, issue #52): interleaved weights of the 32-weight types
-// (quant_interleaved.cpp) times many activation rows at once in tiles, where the CPU has AMX
-// and the kernel grants this process the tiles' register state (arch_prctl).
+// Fast mode on the matrix engine (AMX, issue #52): interleaved weights (quant_interleaved.cpp)
+// times many activation rows at once in tiles, where the CPU has AMX and the kernel grants this
+// process the tiles' register state (arch_prctl). Types: the 32-weight ones, Q4_K and Q5_K
+// (their 32-weight sub-blocks are the blocks here); Q6_K, whose halves of 16 have a scale
+// each, stays on the vector kernel.
 //
 // One tile multiply takes 16 activation rows and 16 weight rows (two interleaved groups) over
-// one block of 32 weights: A is the rows' 8-bit activation quants as they lie in their
-// ActBlocks (16 rows x 32 bytes, a row's blocks apart), B the two groups' quants as
-// block_registers unpacks them (register j, weights 4j .. 4j + 3, is B's row j: the VNNI
-// layout), and C the 16 x 16 block dots, the same integers as `vpdpbusd` makes. Each is then
-// scaled and accumulated by the same float operations in the same order as group_dots does
-// (the dot times d_w * d, then o_w * s), so every output is bit for bit the interleaved
-// kernel's, and so the file layout's: the engine changes the speed, never a token.
+// 32 weights: A is the rows' 8-bit activation quants as they lie in their ActBlocks (16 rows x
+// 32 bytes, a row's blocks apart), B the two groups' quants as block_registers or k_register
+// unpack them (register j, weights 4j .. 4j + 3, is B's row j: the VNNI layout), and C the
+// 16 x 16 dots, the same integers as `vpdpbusd` makes. Each is then scaled and accumulated by
+// the same float operations in the same order as group_dots and k_group_dots do (the dot
+// times the row's scale times d, then the row's offset times s), so every output is bit for
+// bit the interleaved kernel's, and so the file layout's: the engine changes the speed, never
+// a token.
 //
 // Per pair of groups, every block is unpacked once into this thread's buffer (B, and the
-// rows' d_w and o_w as floats), then the tiles of 16 activation rows run over it; rows past the
-// last full tile are padded with zero quants and not stored.
+// rows' scales and offsets as floats), then the tiles of 16 activation rows run over it; rows
+// past the last full tile are padded with zero quants and not stored.
 
 #include "quant_amx.h"
 
@@ -82,12 +85,30 @@ void configure_tiles() {
   __asm__ volatile("ldtilecfg %0" : : "m"(config));
 }
 
-struct alignas(64) PairBlock {  // one block of a pair of groups, unpacked
+struct alignas(64) PairBlock {  // 32 weights of a pair of groups' rows, unpacked
   uint8_t b[kBlock / 4][kTile * 4];  // B: row j holds each weight row's quants 4j .. 4j + 3
-  float d[kTile];  // the weight rows' scales
-  float o[kTile];  // what multiplies the activations' s (group_dots' o_w)
+  float d[kTile];  // what multiplies the dots, before the activations' d: the rows' scales
+  float o[kTile];  // what multiplies the activations' s (group_dots' o_w, k_group_dots' offset)
 };
 
+// The types the engine takes: the 32-weight ones, and the k-quants whose 32-weight sub-blocks
+// have one scale each (Q6_K's halves have two).
+constexpr bool engine_type(int type) { return type != kQ6_K; }
+
+// Group h's (0, 1) part of a pair's 32 weights: its quant registers (block_registers,
+// k_register) and its rows' d and o, as group_dots and k_group_dots compute them.
+inline void put_half(PairBlock& out, int64_t h, __m256i (&w)[8], __m256 d, __m256 o) {
+  for (int j = 0; j < 8; ++j)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.b[j] + 32 * h), w[j]);
+  _mm256_store_ps(out.d + 8 * h, d);
+  _mm256_store_ps(out.o + 8 * h, o);
+}
+
+inline __m256 fp16s(const uint8_t* at) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+}
+
+// A pair of groups' `blocks` blocks (of block_weights(Type)) -> out[in / 32].
 template <int Type>
 void unpack_pair(const uint8_t* pair, int64_t blocks, PairBlock* out) {
   const int64_t bytes = kInterleaveRows * block_bytes(Type), group_bytes = blocks * bytes;
@@ -95,17 +116,25 @@ void unpack_pair(const uint8_t* pair, int64_t blocks, PairBlock* out) {
     for (int64_t h = 0; h < kGroupsPerTile; ++h) {
       const uint8_t* block = pair + h * group_bytes + b * bytes;
       __m256i w[8];
-      block_registers<Type>(block, w);
-      for (int j = 0; j < 8; ++j)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].b[j] + 32 * h), w[j]);
-      const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-      __m256 o_w = _mm256_setzero_ps();
-      if constexpr (Type == kQ4_1)
-        o_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
-      if constexpr (zero_point(Type) != 0.0f)
-        o_w = _mm256_mul_ps(d_w, _mm256_set1_ps(-zero_point(Type)));
-      _mm256_store_ps(out[b].d + 8 * h, d_w);
-      _mm256_store_ps(out[b].o + 8 * h, o_w);
+      const __m256 d_w = fp16s(block);
+      if constexpr (is_k_quant(Type)) {
+        const __m256 neg_dmin = _mm256_sub_ps(_mm256_setzero_ps(), fp16s(block + 16));
+        alignas(32) uint8_t sc[64], mins[64];
+        k_scales_mins(block, sc, mins);
+        for (int c = 0; c < kSubBlocks; ++c) {
+          for (int k = 0; k < 8; ++k) w[k] = k_register<Type>(block + lanes_at(Type), c, k);
+          put_half(out[b * kSubBlocks + c], h, w,
+                   _mm256_mul_ps(d_w, bytes_as_floats(sc + 8 * c, false)),
+                   _mm256_mul_ps(neg_dmin, bytes_as_floats(mins + 8 * c, false)));
+        }
+      } else {
+        block_registers<Type>(block, w);
+        __m256 o_w = _mm256_setzero_ps();
+        if constexpr (Type == kQ4_1) o_w = fp16s(block + 16);
+        if constexpr (zero_point(Type) != 0.0f)
+          o_w = _mm256_mul_ps(d_w, _mm256_set1_ps(-zero_point(Type)));
+        put_half(out[b], h, w, d_w, o_w);
+      }
     }
 }
 
@@ -180,7 +209,8 @@ template <int Type>
 void linear_tiles(const ActBlock* a, int64_t n, int64_t in, const uint8_t* w,
                   int64_t out_features, float* out) {
   const int64_t blocks = in / kBlock, tiles = (n + kTile - 1) / kTile,
-                pair_bytes = kGroupsPerTile * kInterleaveRows * blocks * block_bytes(Type);
+                pair_bytes = kGroupsPerTile * kInterleaveRows * in / block_weights(Type) *
+                             block_bytes(Type);
   if (n % kTile) {  // the last tile's missing rows: zero quants, scales 0
     thread_local std::vector<ActBlock> padded;
     padded.assign(size_t(tiles * kTile * blocks), ActBlock{});
@@ -192,7 +222,7 @@ void linear_tiles(const ActBlock* a, int64_t n, int64_t in, const uint8_t* w,
     thread_local std::vector<PairBlock> unpacked;
     unpacked.resize(size_t(blocks));
     for (int64_t p = begin; p < end; ++p) {
-      unpack_pair<Type>(w + p * pair_bytes, blocks, unpacked.data());
+      unpack_pair<Type>(w + p * pair_bytes, in / block_weights(Type), unpacked.data());
       for (int64_t t = 0; t < tiles; ++t)
         tile_dots<Type>(unpacked.data(), blocks, a + t * kTile * blocks,
                         std::min<int64_t>(kTile, n - t * kTile),
@@ -216,12 +246,12 @@ bool matrix_engine_available() {
 bool matrix_engine_linear(int type, const ActBlock* a, int64_t n, int64_t in, const uint8_t* w,
                           int64_t out_features, float* out) {
 #if defined(LLMSERVE_AMX)
-  if (n < kMatrixEngineRows || out_features % kTile || is_k_quant(type) ||
+  if (n < kMatrixEngineRows || out_features % kTile || !engine_type(type) ||
       !enabled.load(std::memory_order_relaxed) || !granted())
     return false;
   calls.fetch_add(1, std::memory_order_relaxed);
   return dispatch(type, [&]<int Type>() {
-           if constexpr (!is_k_quant(Type)) linear_tiles<Type>(a, n, in, w, out_features, out);
+           if constexpr (engine_type(Type)) linear_tiles<Type>(a, n, in, w, out_features, out);
          }) == 0;
 #else
   (void)type, (void)a, (void)n, (void)in, (void)w, (void)out_features, (void)out;

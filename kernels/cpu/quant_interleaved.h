@@ -177,6 +177,24 @@ inline __m256i k_register(const uint8_t* lanes, int c, int k) {
   }
 }
 
+// A Q4_K or Q5_K group block's 6-bit scales and mins as bytes, sub-block c's eight rows' at
+// 8c of sc and mins (32-byte aligned, 64 bytes each).
+inline void k_scales_mins(const uint8_t* block, uint8_t* sc, uint8_t* mins) {
+  const __m256i nibble = _mm256_set1_epi8(0x0f), low = lane_run(block + 32),
+                low_m = lane_run(block + 64), top = lane_run(block + 96);
+  const auto put = [](uint8_t* at, __m256i v) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(at), v);
+  };
+  put(sc, _mm256_or_si256(_mm256_and_si256(low, nibble),
+                          _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(0x03)), 4)));
+  put(sc + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), nibble),
+                               _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(0x0c)), 2)));
+  put(mins, _mm256_or_si256(_mm256_and_si256(low_m, nibble),
+                            _mm256_and_si256(top, _mm256_set1_epi8(0x30))));
+  put(mins + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low_m, 4), nibble),
+                                 _mm256_and_si256(_mm256_srli_epi16(top, 2), _mm256_set1_epi8(0x30))));
+}
+
 inline __m256 bytes_as_floats(const uint8_t* eight, bool is_signed) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(eight));
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
@@ -199,19 +217,7 @@ inline void k_group_dots(const uint8_t* group, int64_t blocks, const ActBlock* a
     if constexpr (Type != kQ6_K) {
       neg_dmin = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128(
                                                         reinterpret_cast<const __m128i*>(block + 16))));
-      const __m256i nibble = _mm256_set1_epi8(0x0f), low = lane_run(block + 32),
-                    low_m = lane_run(block + 64), top = lane_run(block + 96);
-      const auto put = [](uint8_t* at, __m256i v) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(at), v);
-      };
-      put(sc, _mm256_or_si256(_mm256_and_si256(low, nibble),
-                              _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(0x03)), 4)));
-      put(sc + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), nibble),
-                                   _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(0x0c)), 2)));
-      put(mins, _mm256_or_si256(_mm256_and_si256(low_m, nibble),
-                                _mm256_and_si256(top, _mm256_set1_epi8(0x30))));
-      put(mins + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low_m, 4), nibble),
-                                     _mm256_and_si256(_mm256_srli_epi16(top, 2), _mm256_set1_epi8(0x30))));
+      k_scales_mins(block, sc, mins);
     }
     const uint8_t* lanes = block + lanes_at(Type);
     for (int c = 0; c < kSubBlocks; ++c) {

@@ -1,5 +1,5 @@
 """Fast mode on the matrix engine (kernels/cpu/quant_amx.cpp): calls of 16 rows or more on
-interleaved weights of the 32-weight types go to AMX tiles where the CPU, the build and the OS
+interleaved weights of every type but Q6_K go to AMX tiles where the CPU, the build and the OS
 allow, with outputs bit for bit those of the interleaved kernel without it and of the file's
 layout (which test_quant_linear.py holds against the float64 product of the rounded
 activations). Where the engine cannot run, the same products are checked with it off, and the
@@ -15,10 +15,14 @@ from gguf import GGMLQuantizationType
 
 from kernels.cpu import quant
 from tests.kernels.test_quant_interleaved import QUANT_BYTES, weight
-from tests.kernels.test_quant_linear import TYPES, quantized
+from tests.kernels.test_quant_linear import K_QUANTS, TYPES, quantized
 
-Q5_0 = GGMLQuantizationType.Q5_0
-ENGINE_TYPES = [*TYPES, pytest.param(Q5_0, id="q5_0")]  # the 32-weight types
+Q5_0, Q6_K = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K
+K_ENGINE_TYPES = [
+    pytest.param(GGMLQuantizationType.Q4_K, id="q4_k"),
+    pytest.param(GGMLQuantizationType.Q5_K, id="q5_k"),
+]
+ENGINE_TYPES = [*TYPES, pytest.param(Q5_0, id="q5_0"), *K_ENGINE_TYPES]  # all but Q6_K
 # Rows around the tile of 16: below it (never the engine), one tile, a tile and a padded
 # remainder, several tiles.
 ROWS = (15, 16, 17, 31, 33, 64, 100)
@@ -56,10 +60,14 @@ def products(
 
 
 @pytest.mark.parametrize("ggml_type", ENGINE_TYPES)
-@pytest.mark.parametrize(("in_features", "out_features"), [(32, 16), (640, 48), (2048, 96)])
+@pytest.mark.parametrize(
+    ("in_32", "in_k", "out_features"), [(32, 256, 16), (640, 512, 48), (2048, 2048, 96)]
+)
 def test_products_are_the_file_layouts_bit_for_bit_with_and_without_the_engine(
-    engine, ggml_type, in_features, out_features
+    engine, ggml_type, in_32, in_k, out_features
 ):
+    """in_32, in_k: the widths for the 32-weight types and for the k-quants."""
+    in_features = in_k if ggml_type in K_QUANTS else in_32
     w = weight(ggml_type, out_features, in_features, seed=in_features + out_features)
     inter = quant.interleave(w)
     assert inter is not None
@@ -85,7 +93,8 @@ def test_the_widest_integer_sums_are_exact_on_the_engine(ggml_type):
     in_features, out_features, n = 512, 32, 20
     blocks = quantized(ggml_type, out_features, in_features, seed=3)
     begin, end = QUANT_BYTES[ggml_type]
-    size = end  # the 32-weight types' quants end their blocks
+    # block bytes: the 32-weight types' quants end their blocks
+    size = K_QUANTS[ggml_type][0] if ggml_type in K_QUANTS else end
     blocks.reshape(out_features, -1, size)[..., begin:end] = (
         0x80 if ggml_type == GGMLQuantizationType.Q8_0 else 0xFF
     )
@@ -101,12 +110,12 @@ def test_the_widest_integer_sums_are_exact_on_the_engine(ggml_type):
 
 
 def test_what_the_engine_does_not_take(engine):
-    """k-quants, out features not a multiple of 16, and the file's layout stay off it."""
+    """Q6_K, out features not a multiple of 16, and the file's layout stay off it."""
     x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
     before = quant.matrix_engine_calls()
-    k = quant.interleave(weight(GGMLQuantizationType.Q4_K, 16, 256, seed=1))
-    assert k is not None
-    quant.linear(x, k.code, k.blocks, "fast")
+    q6_k = quant.interleave(weight(Q6_K, 16, 256, seed=1))
+    assert q6_k is not None
+    quant.linear(x, q6_k.code, q6_k.blocks, "fast")
     eight = quant.interleave(weight(GGMLQuantizationType.Q4_0, 24, 256, seed=1))
     assert eight is not None
     quant.linear(x, eight.code, eight.blocks, "fast")
