@@ -263,6 +263,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "llmserve_quant_set_matrix_engine": [i32],
         # -> calls the matrix engine has taken in this process
         "llmserve_quant_matrix_engine_calls": [],
+        # -> the fewest activation rows a call needs to go to the matrix engine
+        "llmserve_quant_matrix_engine_rows": [],
         # x, n, cols, out (40-byte activation blocks)
         "llmserve_quant_activations": [ptr, i64, i64, ptr],
         # dtype, dims, params, layer pointers, weight types, layer windows, embed, final
@@ -276,4 +278,5 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         function.restype = i32
     lib.llmserve_pool_check.restype = i64
     lib.llmserve_quant_matrix_engine_calls.restype = i64
+    lib.llmserve_quant_matrix_engine_rows.restype = i64
     return lib

@@ -273,6 +273,9 @@ int llmserve_quant_set_matrix_engine(int on) {
              : 0;
 }
 
+// The fewest activation rows a call needs to go to the matrix engine.
+int64_t llmserve_quant_matrix_engine_rows() { return llmserve::quant::kMatrixEngineRows; }
+
 // How many calls the matrix engine has taken in this process.
 int64_t llmserve_quant_matrix_engine_calls() {
   return llmserve::quant::calls.load(std::memory_order_relaxed);

@@ -9,9 +9,10 @@
 
 namespace llmserve::quant {
 
-// Activation rows from which a call goes to the matrix engine (a tile takes 16; fewer are
-// padded).
-constexpr int64_t kMatrixEngineRows = 16;
+// Activation rows from which a call goes to the matrix engine (a tile takes 16; a last tile
+// of fewer is padded). Under it the vector kernel was as fast or faster, alone and in a whole
+// decode step (bench/RESULTS.md, "Fast mode on AMX tiles").
+constexpr int64_t kMatrixEngineRows = 32;
 
 // Whether this build has the path and the kernel grants this process the tiles.
 bool matrix_engine_available();

@@ -1,5 +1,5 @@
-"""Fast mode on the matrix engine (kernels/cpu/quant_amx.cpp): calls of 16 rows or more on
-interleaved weights of every type but Q6_K go to AMX tiles where the CPU, the build and the OS
+"""Fast mode on the matrix engine (kernels/cpu/quant_amx.cpp): calls of enough rows
+(`quant.matrix_engine_rows()`) on interleaved weights of every type but Q6_K go to AMX tiles where the CPU, the build and the OS
 allow, with outputs bit for bit those of the interleaved kernel without it and of the file's
 layout (which test_quant_linear.py holds against the float64 product of the rounded
 activations). Where the engine cannot run, the same products are checked with it off, and the
@@ -23,9 +23,9 @@ K_ENGINE_TYPES = [
     pytest.param(GGMLQuantizationType.Q5_K, id="q5_k"),
 ]
 ENGINE_TYPES = [*TYPES, pytest.param(Q5_0, id="q5_0"), *K_ENGINE_TYPES]  # all but Q6_K
-# Rows around the tile of 16: below it (never the engine), one tile, a tile and a padded
-# remainder, several tiles.
-ROWS = (15, 16, 17, 31, 33, 64, 100)
+# Rows around the tile of 16 and its multiples: whole tiles, padded remainders, and (under
+# matrix_engine_rows) counts the engine does not take.
+ROWS = (15, 16, 17, 31, 32, 33, 47, 64, 100)
 
 pytestmark = pytest.mark.skipif(
     not quant.interleaves(GGMLQuantizationType.Q4_0), reason="this build has no AVX2 kernels"
@@ -80,7 +80,7 @@ def test_products_are_the_file_layouts_bit_for_bit_with_and_without_the_engine(
         off, taken_off = products(x[:n], w, inter, on=False)
         on, taken_on = products(x[:n], w, inter, on=True)
         assert taken_off == 0
-        assert taken_on == (1 if available and n >= 16 else 0), n
+        assert taken_on == (1 if available and n >= quant.matrix_engine_rows() else 0), n
         assert torch.equal(off, expected), n
         assert torch.equal(on, expected), n
 
@@ -90,7 +90,7 @@ def test_products_are_the_file_layouts_bit_for_bit_with_and_without_the_engine(
 def test_the_widest_integer_sums_are_exact_on_the_engine(ggml_type):
     """Every weight quant at its largest (Q8_0: -128) against activation quants of +-127: the
     tiles' int32 dots give the file layout's bits."""
-    in_features, out_features, n = 512, 32, 20
+    in_features, out_features, n = 512, 32, quant.matrix_engine_rows() + 4
     blocks = quantized(ggml_type, out_features, in_features, seed=3)
     begin, end = QUANT_BYTES[ggml_type]
     # block bytes: the 32-weight types' quants end their blocks
@@ -111,7 +111,7 @@ def test_the_widest_integer_sums_are_exact_on_the_engine(ggml_type):
 
 def test_what_the_engine_does_not_take(engine):
     """Q6_K, out features not a multiple of 16, and the file's layout stay off it."""
-    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(quant.matrix_engine_rows(), 256, generator=torch.Generator().manual_seed(1))
     before = quant.matrix_engine_calls()
     q6_k = quant.interleave(weight(Q6_K, 16, 256, seed=1))
     assert q6_k is not None
