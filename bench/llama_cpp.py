@@ -4,15 +4,16 @@
 sources vendored in the `llama-cpp-python` source distribution (fetched with pip from the
 package index this machine uses), with CMake, Ninja and the system compiler: Release,
 `GGML_NATIVE=ON` (tuned for this CPU, as our kernels are with -march=native), and
-`LLAMA_USE_PREBUILT_UI=OFF`, without which the build tries to download its web UI. On x86 the
-AMX instructions are left out (`-mno-amx-*`) unless `LLMSERVE_LLAMA_CPP_AMX=1`: built by GCC 12
-with them, llama-server died of a general protection fault at its first matmul's LDTILECFG.
-The cause is GCC 12's `_tile_loadconfig`, which tells the compiler it reads 8 bytes of the
-tile configuration, so the stores that fill the rest of ggml's local one can be dropped as
-dead (kernels/cpu/quant_amx.cpp met the same); with AMX the build therefore keeps dead stores
-(`-fno-dse -fno-tree-dse`), a flag, not a change to its sources. About 12 minutes on 2 cores;
-the binaries are cached under `$LLMSERVE_BENCH_CACHE` (default `~/.cache/llmserve/bench`),
-keyed by the sdist's version and the build flags.
+`LLAMA_USE_PREBUILT_UI=OFF`, without which the build tries to download its web UI. ggml's CPU
+backend adds its own `-march=native` after the flags given here, so on a CPU with AMX (a Xeon
+of the 4th generation on) llama-server runs its AMX kernels ("AMX model buffer" in its log):
+earlier builds here passed `-mno-amx-*`, which that later flag undid. ggml builds its tile
+configuration in a local, and GCC 12's `_tile_loadconfig` tells the compiler it reads only 8
+bytes of it, so the stores filling the rest may be dropped as dead and LDTILECFG then faults
+(kernels/cpu/quant_amx.cpp met it; a build here once died so at its first matmul): on x86 the
+build keeps dead stores (`-fno-dse -fno-tree-dse`), a flag, not a change to its sources.
+About 12 minutes on 2 cores; the binaries are cached under `$LLMSERVE_BENCH_CACHE` (default
+`~/.cache/llmserve/bench`), keyed by the sdist's version and the build flags.
 
 `gguf_for(dtype, spec)` requantizes a model's GGUF (default: the embedded SmolLM2 Q4_1) to F32 or BF16 with
 `llama-quantize --allow-requantize`, so both servers read the same weights (dequantized from
@@ -43,10 +44,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
-# -march=native turns on whatever the CPU lists; AMX is left out unless AMX_ENV is "1", and
-# then built keeping dead stores (the module comment says why).
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-AMX_ENV = "LLMSERVE_LLAMA_CPP_AMX"
+# On x86: GCC 12's tile-configuration intrinsic (the module comment says why).
 KEEP_DEAD_STORES = "-fno-dse -fno-tree-dse"
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
@@ -99,12 +97,14 @@ def _sdist() -> Path:
 
 
 def build_flags() -> list[str]:
-    """CMAKE_FLAGS, and on x86 the compiler told to leave AMX out, or (AMX_ENV) to keep dead
-    stores."""
+    """CMAKE_FLAGS, and on x86 the compiler told to keep dead stores."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return list(CMAKE_FLAGS)
-    extra = KEEP_DEAD_STORES if os.environ.get(AMX_ENV) == "1" else NO_AMX
-    return [*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={extra}", f"-DCMAKE_CXX_FLAGS={extra}"]
+    return [
+        *CMAKE_FLAGS,
+        f"-DCMAKE_C_FLAGS={KEEP_DEAD_STORES}",
+        f"-DCMAKE_CXX_FLAGS={KEEP_DEAD_STORES}",
+    ]
 
 
 def llama_server() -> tuple[Path, Path]:
