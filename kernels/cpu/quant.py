@@ -82,9 +82,9 @@ def interleaves(ggml_type: int) -> bool:
 
 def set_matrix_engine(on: bool | None) -> bool:
     """Let fast mode's interleaved kernels hand calls of `matrix_engine_rows()` rows or more
-    (every type but Q6_K) to the matrix engine (AMX tiles, quant_amx.cpp: the same outputs bit for bit), or not (None:
-    leave it as it is; on by default). Returns whether the path is on: False when off, or where
-    the CPU, the build or the OS lacks it."""
+    (every type but Q6_K) to the matrix engine (AMX tiles, quant_amx.cpp: the same outputs bit
+    for bit), or not (None: leave it as it is; on by default). Returns whether the path is on:
+    False when off, or where the CPU, the build or the OS lacks it."""
     return bool(library().llmserve_quant_set_matrix_engine(-1 if on is None else int(on)))
 
 

@@ -97,7 +97,7 @@ constexpr bool engine_type(int type) { return type != kQ6_K; }
 
 // Group h's (0, 1) part of a pair's 32 weights: its quant registers (block_registers,
 // k_register) and its rows' d and o, as group_dots and k_group_dots compute them.
-inline void put_half(PairBlock& out, int64_t h, __m256i (&w)[8], __m256 d, __m256 o) {
+inline void put_half(PairBlock& out, int64_t h, const __m256i (&w)[8], __m256 d, __m256 o) {
   for (int j = 0; j < 8; ++j)
     _mm256_store_si256(reinterpret_cast<__m256i*>(out.b[j] + 32 * h), w[j]);
   _mm256_store_ps(out.d + 8 * h, d);

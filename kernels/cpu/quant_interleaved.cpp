@@ -29,6 +29,9 @@
 // file's layout (`llmserve_quant_interleaves` says whether this build interleaves a type).
 // Dequantizing an interleaved weight (the prompts' dequantizing path) puts each group back
 // first (llmserve_quant_deinterleave).
+//
+// A call of many activation rows goes to the matrix engine first where the CPU has one
+// (quant_amx.cpp: AMX tiles, the same outputs bit for bit).
 
 #include <algorithm>
 #include <cstdint>
@@ -49,11 +52,6 @@ namespace {
 using namespace llmserve::quant;
 
 constexpr int64_t kLanes = kInterleaveRows;
-// The first of the four weights of a row that quant register j (0..7) holds, for the 4- and
-// 5-bit types.
-constexpr int first_weight(int j) { return j < 4 ? 4 * j : kBlock / 2 + 4 * (j - 4); }
-// A group's chunks of 32 bytes per block: the lane run's 4-byte pieces of each row.
-constexpr int64_t chunks(int type) { return (lane_end(type) - lane_begin(type)) / 4; }
 
 // Rows src[0 .. 8) (`row_bytes` apart, `blocks` blocks each, in the file's layout) into one
 // group at dst; to_file: the other way.
@@ -84,7 +82,7 @@ void regroup(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t blocks
         for (int i = 0; i < 4; ++i) {
           if (!to_file) plane[i] = 0;
           for (int j = 0; j < 8; ++j) {
-            const int bit = first_weight(j) + i;
+            const int bit = 4 * j + i;  // quant register j holds weights 4j .. 4j + 3
             if (to_file)
               high |= uint32_t((plane[i] >> j) & 1) << bit;
             else
@@ -93,7 +91,7 @@ void regroup(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t blocks
         }
         if (to_file) std::memcpy(block + 2, &high, sizeof high);
       }
-      for (int64_t k = 0; k < chunks(Type); ++k)  // the lane run
+      for (int64_t k = 0; k < lane_chunks(Type); ++k)  // the lane run
         move(lane_begin(Type) + 4 * k, lanes_at(Type) + 32 * k + 4 * r, 4);
     }
   }

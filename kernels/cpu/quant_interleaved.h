@@ -49,6 +49,8 @@ constexpr int64_t lane_begin(int type) {
   return type == kQ6_K ? 0 : is_k_quant(type) ? 16 : quant_offset(type);
 }
 constexpr int64_t lane_end(int type) { return type == kQ6_K ? 192 : block_bytes(type); }
+// A group's chunks of 32 bytes per block: the lane run's 4-byte pieces of each row.
+constexpr int64_t lane_chunks(int type) { return (lane_end(type) - lane_begin(type)) / 4; }
 constexpr int64_t lanes_at(int type) {
   return kInterleaveRows * (block_bytes(type) - (lane_end(type) - lane_begin(type)));
 }
@@ -123,9 +125,8 @@ inline const int32_t* half_sums(const ActBlock* a, int64_t count) {
 template <int Type>
 inline void block_registers(const uint8_t* block, __m256i (&w)[8]) {
   const uint8_t* quants = block + lanes_at(Type);
-  constexpr int kChunks = (lane_end(Type) - lane_begin(Type)) / 4;
 #pragma GCC unroll 8  // constant k: the shifts take immediates
-  for (int k = 0; k < kChunks; ++k) {
+  for (int k = 0; k < lane_chunks(Type); ++k) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * k));
     if constexpr (Type == kQ8_0) {
       w[k] = v;

@@ -27,6 +27,8 @@ ENGINE_TYPES = [*TYPES, pytest.param(Q5_0, id="q5_0"), *K_ENGINE_TYPES]  # all b
 # matrix_engine_rows) counts the engine does not take.
 ROWS = (15, 16, 17, 31, 32, 33, 47, 64, 100)
 
+# Without AVX2 nothing is interleaved, so there is neither kernel to compare (as in
+# test_quant_interleaved.py).
 pytestmark = pytest.mark.skipif(
     not quant.interleaves(GGMLQuantizationType.Q4_0), reason="this build has no AVX2 kernels"
 )
@@ -37,6 +39,8 @@ def has_amx() -> bool:
         return "amx_int8" in cpuinfo.read()
 
 
+# Tests that only mean something on the tiles (on a CPU without AMX, the CI's perhaps, the
+# products test above still compares the vector kernel with the file layout).
 needs_engine = pytest.mark.skipif(
     not quant.set_matrix_engine(None), reason="no matrix engine here (CPU, build or OS)"
 )
@@ -124,6 +128,7 @@ def test_what_the_engine_does_not_take(engine):
     assert quant.matrix_engine_calls() == before
 
 
+# Only a CPU that lists AMX can say whether the build and the OS gave us the engine.
 @pytest.mark.skipif(not has_amx(), reason="the CPU lists no AMX")
 def test_a_cpu_with_amx_runs_the_engine(engine):
     """Where the CPU lists AMX, this build (-march=native) has the path and the OS grants the
