@@ -61,6 +61,7 @@ HEADERS = (
     "quant_amx.h",
     "quant_chunked.h",
     "quant_interleaved.h",
+    "quant_wide.h",
     "linear_attention.h",
 )
 

@@ -45,6 +45,7 @@
 #include "quant_amx.h"
 #include "quant_fast.h"
 #include "quant_interleaved.h"
+#include "quant_wide.h"
 
 namespace llmserve {
 namespace {
@@ -223,21 +224,33 @@ template <int Type>
 void linear_interleaved(const float* x, int64_t n, int64_t in, const uint8_t* w,
                         int64_t out_features, float* out) {
   const int64_t blocks = in / block_weights(Type), chunks = in / kBlock,
-                group_bytes = kLanes * blocks * block_bytes(Type);
+                group_bytes = kLanes * blocks * block_bytes(Type), groups = out_features / kLanes;
   ActBlock* a = quantize_rows(x, n, in);
   if (matrix_engine_linear(Type, a, n, in, w, out_features, out)) return;
   if constexpr (Type == kQ8_0 && kBiasedQ8) bias_to_unsigned(a, n * chunks);
   const int32_t* sums = Type == kQ6_K ? half_sums(a, n * chunks) : nullptr;
-  const uint8_t* end = w + out_features / kLanes * group_bytes;
-  parallel_for(out_features / kLanes, out_features * n * in > (1 << 16),
+  const uint8_t* end = w + groups * group_bytes;
+  // A work item: one group, or two side by side on 512-bit registers (quant_wide.h; a last odd
+  // group alone).
+  const int64_t per = wide_type(Type) && n >= kWideRows ? 2 : 1;
+  parallel_for((groups + per - 1) / per, out_features * n * in > (1 << 16),
                [&](int64_t begin, int64_t stop) {
-    for (int64_t g = begin; g < stop; ++g) {
+    for (int64_t g = begin * per; g < std::min(groups, stop * per); g += per) {
       const uint8_t* group = w + g * group_bytes;
       float* o = out + g * kLanes;
+      const bool pair = per == 2 && g + 1 < groups;
       for (int64_t i = 0; i < n; i += kTileRows)  // the first tile prefetches the next blocks
         with_rows(std::min<int64_t>(kTileRows, n - i), [&]<int M>() {
+          const uint8_t* ahead = i == 0 ? end : nullptr;
+#if LLMSERVE_WIDE_GROUPS
+          if constexpr (wide_type(Type)) {
+            if (pair)
+              return pair_dots<Type, M>(group, group_bytes, blocks, a + i * chunks,
+                                        o + i * out_features, out_features, ahead);
+          }
+#endif
           tile_dots<Type, M>(group, blocks, chunks, a, sums, i, o + i * out_features,
-                             out_features, i == 0 ? end : nullptr);
+                             out_features, ahead);
         });
     }
   });
