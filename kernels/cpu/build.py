@@ -31,6 +31,9 @@ COMMON_FLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-std=c++20")
 FLAGS_ENV = "LLMSERVE_KERNEL_FLAGS"  # extra compiler flags, after COMMON_FLAGS
 # llmserve_kernel_isa()'s bits, in order.
 ISA_NAMES = ("avx2", "avx512", "avx512vnni", "avx512bf16")
+# The kernels that can run on the matrix engine, in amx::Path's order: fast mode's linear
+# layers (quant_amx.cpp) and its prompt attention (prefill_amx.h).
+MATRIX_ENGINE_PATHS = ("linear", "prefill")
 # Per source: extra flags. ops.cpp and sampling_rows.cpp mirror torch's rounding, so no
 # multiply-add contraction.
 SOURCES = {
@@ -45,6 +48,7 @@ SOURCES = {
     "quant_fast.cpp": (),
     "quant_interleaved.cpp": (),
     "quant_amx.cpp": (),
+    "amx.cpp": (),
     "linear_attention.cpp": (),
     "linear_prefill.cpp": (),
     "isa.cpp": (),
@@ -55,6 +59,8 @@ HEADERS = (
     "linear.h",
     "attention.h",
     "prefill_chunk.h",
+    "prefill_amx.h",
+    "amx.h",
     "quant.h",
     "quant_dequant.h",
     "quant_fast.h",
@@ -102,6 +108,20 @@ def isa() -> list[str]:
     their code paths. Raises NativeKernelUnavailable."""
     bits = library().llmserve_kernel_isa()
     return [name for i, name in enumerate(ISA_NAMES) if bits >> i & 1]
+
+
+def set_matrix_engine(on: bool | None) -> bool:
+    """Let the kernels use the matrix engine (AMX tiles, amx.h) or not (None: leave it as it
+    is; on by default): fast mode's linear layers on calls of `quant.matrix_engine_rows()`
+    rows or more (the same outputs bit for bit) and fast mode's prompt attention (bfloat16
+    tiles). Returns whether it is on: False when off, or where the CPU, the build or the OS
+    lacks it. Raises NativeKernelUnavailable."""
+    return bool(library().llmserve_set_matrix_engine(-1 if on is None else int(on)))
+
+
+def matrix_engine_calls(path: str) -> int:
+    """How many calls a matrix-engine path (MATRIX_ENGINE_PATHS) has taken in this process."""
+    return int(library().llmserve_matrix_engine_calls(MATRIX_ENGINE_PATHS.index(path)))
 
 
 def _flags() -> tuple[str, ...]:
@@ -260,10 +280,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         # ggml type, weights, rows, in, dst: to the interleaved layout and back
         "llmserve_quant_interleave": [i32, ptr, i64, i64, ptr],
         "llmserve_quant_deinterleave": [i32, ptr, i64, i64, ptr],
-        # on (1), off (0) or as it is (-1) -> 1 when fast mode's matrix-engine path is on
-        "llmserve_quant_set_matrix_engine": [i32],
-        # -> calls the matrix engine has taken in this process
-        "llmserve_quant_matrix_engine_calls": [],
+        # on (1), off (0) or as it is (-1) -> 1 when the matrix-engine paths are on (amx.h)
+        "llmserve_set_matrix_engine": [i32],
+        # path (MATRIX_ENGINE_PATHS' index) -> calls it has taken in this process
+        "llmserve_matrix_engine_calls": [i32],
         # -> the fewest activation rows a call needs to go to the matrix engine
         "llmserve_quant_matrix_engine_rows": [],
         # x, n, cols, out (40-byte activation blocks)
@@ -278,6 +298,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         function.argtypes = argtypes
         function.restype = i32
     lib.llmserve_pool_check.restype = i64
-    lib.llmserve_quant_matrix_engine_calls.restype = i64
+    lib.llmserve_matrix_engine_calls.restype = i64
     lib.llmserve_quant_matrix_engine_rows.restype = i64
     return lib

@@ -4,7 +4,7 @@
 // windows, soft-caps and sinks as in paged_attention.cpp (decode), whose key scoring it
 // shares (attention.h). This file tiles the queries and stages each key chunk; the chunk's
 // online-softmax update, in fp32 or (bf16_dots, fast mode) in bfloat16 pair dots, is
-// prefill_chunk.h's.
+// prefill_chunk.h's, or with bf16_dots on the matrix engine where it is on, prefill_amx.h's.
 //
 // Entry point (extern "C", called through ctypes): llmserve_paged_prefill.
 
@@ -15,8 +15,10 @@
 #include <limits>
 #include <vector>
 
+#include "amx.h"
 #include "attention.h"
 #include "pool.h"
+#include "prefill_amx.h"
 #include "prefill_chunk.h"
 #include "vec.h"
 
@@ -88,8 +90,9 @@ void stage_pairs(const T* keys, const T* values, const Row& row, int64_t n, bf16
 // an online softmax. Each chunk is loaded once (transposed for the scores, row-major for the
 // values) and used by every query vector of the tile, kQueryBlock of them at a time
 // (chunk_update), so the inner loops are broadcast multiply-adds with no horizontal sums and
-// one max / rescale per query and chunk.
-template <typename T, int NV, bool Dots>
+// one max / rescale per query and chunk. Tiles (with Dots): each chunk's update on the matrix
+// engine instead, 16 query vectors at a time (prefill_amx.h).
+template <typename T, int NV, bool Dots, bool Tiles>
 void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t tile,
                   PrefillScratch& scratch) {
   constexpr int kHeadDim = NV * kLanes;
@@ -127,7 +130,9 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
     }
   }
   if constexpr (Dots) {
-    scratch.query16.resize(size_t(vectors * kHeadDim));
+    // Tiles: A tiles of 16 query vectors, the last one's missing rows zero.
+    const int64_t padded = Tiles ? (vectors + kTileRows - 1) / kTileRows * kTileRows : vectors;
+    scratch.query16.assign(size_t(padded * kHeadDim), bf16(0));
     scratch.keys16.resize(size_t(kHeadDim * kKeyChunk));
     scratch.values16.resize(size_t(kKeyChunk * kHeadDim));
     for (int64_t i = 0; i < vectors * kHeadDim; i += kLanes)
@@ -157,6 +162,13 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
     if constexpr (Dots) {
       stage_pairs<T, kHeadDim>(keys, values, row, n, scratch.keys16.data(),
                                scratch.values16.data());
+#if LLMSERVE_PREFILL_TILES
+      if constexpr (Tiles) {
+        chunk_update_tiles<kHeadDim>(a, in, acc, run_max, run_sum, vectors, group,
+                                     context + first, k0, n);
+        continue;
+      }
+#endif
     } else {
       for (int64_t j = 0; j < n; ++j) {
         const T* krow = keys + row(j);
@@ -171,15 +183,10 @@ void prefill_tile(const PrefillArgs& a, int64_t seq, int64_t kv_head, int64_t ti
     }
     for (int64_t qb = 0; qb < vectors; qb += kQueryBlock) {
       const int nq = int(std::min<int64_t>(kQueryBlock, vectors - qb));
-      // Key vectors of the chunk each query sees at all (0: the chunk is wholly in its
-      // future, or wholly older than its window).
       int live[kQueryBlock] = {};
       int live_max = 0;
       for (int i = 0; i < nq; ++i) {
-        const int64_t q_pos = context + first + (qb + i) / group;
-        if (k0 > q_pos) continue;
-        if (a.window > 0 && k0 + n - 1 <= q_pos - a.window) continue;
-        live[i] = int(std::min<int64_t>(kKeyVectors, (q_pos - k0) / kLanes + 1));
+        live[i] = live_vectors(a, context + first + (qb + i) / group, k0, n);
         live_max = std::max(live_max, live[i]);
       }
       if (live_max == 0) continue;  // no query of the block sees the chunk
@@ -222,6 +229,12 @@ void prefill(const PrefillArgs& a) {
     tile_start[size_t(s + 1)] = tile_start[size_t(s)] + (q_len + kQueryTile - 1) / kQueryTile;
   }
   const int64_t items = tile_start[size_t(a.num_seqs)] * a.num_kv_heads;
+  // Fast mode's bfloat16 dots on the matrix engine where it is on and takes the head dim.
+  bool tiles = false;
+#if LLMSERVE_PREFILL_TILES
+  tiles = tiles_take(NV * kLanes) && a.bf16_dots && amx::enabled();
+  if (tiles) amx::count(amx::Path::kPrefill);
+#endif
   // Claimed in order, so the largest items go first.
   auto item_at = [&](int64_t claim) {
     thread_local PrefillScratch scratch;
@@ -232,10 +245,20 @@ void prefill(const PrefillArgs& a) {
                                                  flat_tile) -
                                 tile_start.begin() - 1);
     const int64_t t = flat_tile - tile_start[size_t(seq)];
+#if LLMSERVE_PREFILL_TILES
+    if constexpr (tiles_take(NV * kLanes)) {
+      if (tiles) {
+        configure_tiles();
+        prefill_tile<T, NV, true, true>(a, seq, kv_head, t, scratch);
+        _tile_release();
+        return;
+      }
+    }
+#endif
     if (kBf16Dots && a.bf16_dots)
-      prefill_tile<T, NV, kBf16Dots>(a, seq, kv_head, t, scratch);
+      prefill_tile<T, NV, kBf16Dots, false>(a, seq, kv_head, t, scratch);
     else
-      prefill_tile<T, NV, false>(a, seq, kv_head, t, scratch);
+      prefill_tile<T, NV, false, false>(a, seq, kv_head, t, scratch);
   };
   ChunkPool::instance().run(items, pool_threads, item_at);
 }

@@ -96,6 +96,54 @@ struct Staged {
   const bf16* vt16;
 };
 
+// Key vectors of the chunk at k0 (n keys) a query at q_pos sees at all (0: the chunk is wholly
+// in its future, or wholly older than its window).
+inline int live_vectors(const PrefillArgs& a, int64_t q_pos, int64_t k0, int64_t n) {
+  if (k0 > q_pos) return 0;
+  if (a.window > 0 && k0 + n - 1 <= q_pos - a.window) return 0;
+  return int(std::min<int64_t>(kKeyVectors, (q_pos - k0) / kLanes + 1));
+}
+
+// One query's softmax step over a key chunk: its scores s (the first `live` vectors scored,
+// the rest ignored) soft-capped, masked to the keys at or before q_pos (and within the window),
+// the running maximum and sum updated; the weights go to p (Dots: rounded, to p16 as well).
+// Returns the factor the query's accumulated output takes for the new maximum.
+template <bool Dots>
+inline float chunk_weights(const PrefillArgs& a, vfloat (&s)[kKeyVectors], int live,
+                           int64_t q_pos, int64_t k0, float& run_max, float& run_sum, float* p,
+                           bf16* p16) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (a.softcap > 0.0f) {
+    for (int v = 0; v < live; ++v) {
+      alignas(64) float lanes[kLanes];
+      store(lanes, s[v]);
+      for (int l = 0; l < kLanes; ++l) lanes[l] = std::tanh(lanes[l] / a.softcap) * a.softcap;
+      s[v] = load(lanes);
+    }
+  }
+  const vint lane = lane_indices();
+  const int32_t oldest = a.window > 0 ? int32_t(q_pos - a.window) : -1;
+  vfloat chunk_max = splat(neg_inf);
+  for (int v = 0; v < kKeyVectors; ++v) {
+    const vint key = lane + int32_t(k0 + v * kLanes);
+    const vint visible = (key <= int32_t(q_pos)) & (key > oldest);
+    s[v] = v < live ? (visible ? s[v] : splat(neg_inf)) : splat(neg_inf);
+    chunk_max = s[v] > chunk_max ? s[v] : chunk_max;
+  }
+  const float new_max = std::max(run_max, hmax(chunk_max));
+  const float correction = exp_nonpositive(run_max - new_max);
+  vfloat total = vfloat{};
+  for (int v = 0; v < kKeyVectors; ++v) {
+    const vfloat e = exp_nonpositive(s[v] - new_max);
+    store(p + v * kLanes, e);
+    if constexpr (Dots) store(p16 + v * kLanes, e);
+    total += e;
+  }
+  run_sum = run_sum * correction + hsum(total);
+  run_max = new_max;
+  return correction;
+}
+
 // One key chunk's online-softmax update for QB query vectors qv0 .. qv0 + QB - 1 of a tile,
 // each of which sees live[i] > 0 of the chunk's key vectors. A query's arithmetic (its
 // multiply-add order over head dims and keys) is the same whatever QB, so blocking changes no
@@ -105,7 +153,6 @@ inline void chunk_update(const PrefillArgs& a, const Staged& in, vfloat* acc, fl
                          float* run_sum, int64_t qv0, int64_t group, int64_t first_pos,
                          int64_t k0, int64_t n, const int* live, int live_max) {
   constexpr int NV = kHeadDim / kLanes;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   vfloat s[QB][kKeyVectors] = {};
   if constexpr (Dots) {
 #if LLMSERVE_BF16_DOTS
@@ -144,37 +191,10 @@ inline void chunk_update(const PrefillArgs& a, const Staged& in, vfloat* acc, fl
   float correction[QB];
   int64_t seen_min = n, seen_max = 0;
   int64_t seen[QB];
-  const vint lane = lane_indices();
   for (int i = 0; i < QB; ++i) {
     const int64_t qv = qv0 + i;
-    const int64_t q_pos = first_pos + qv / group;
-    if (a.softcap > 0.0f) {
-      for (int v = 0; v < live[i]; ++v) {
-        alignas(64) float lanes[kLanes];
-        store(lanes, s[i][v]);
-        for (int l = 0; l < kLanes; ++l) lanes[l] = std::tanh(lanes[l] / a.softcap) * a.softcap;
-        s[i][v] = load(lanes);
-      }
-    }
-    const int32_t oldest = a.window > 0 ? int32_t(q_pos - a.window) : -1;
-    vfloat chunk_max = splat(neg_inf);
-    for (int v = 0; v < kKeyVectors; ++v) {
-      const vint key = lane + int32_t(k0 + v * kLanes);
-      const vint visible = (key <= int32_t(q_pos)) & (key > oldest);
-      s[i][v] = v < live[i] ? (visible ? s[i][v] : splat(neg_inf)) : splat(neg_inf);
-      chunk_max = s[i][v] > chunk_max ? s[i][v] : chunk_max;
-    }
-    const float new_max = std::max(run_max[qv], hmax(chunk_max));
-    correction[i] = exp_nonpositive(run_max[qv] - new_max);
-    vfloat total = vfloat{};
-    for (int v = 0; v < kKeyVectors; ++v) {
-      const vfloat e = exp_nonpositive(s[i][v] - new_max);
-      store(p[i] + v * kLanes, e);
-      if constexpr (Dots) store(p16[i] + v * kLanes, e);
-      total += e;
-    }
-    run_sum[qv] = run_sum[qv] * correction[i] + hsum(total);
-    run_max[qv] = new_max;
+    correction[i] = chunk_weights<Dots>(a, s[i], live[i], first_pos + qv / group, k0,
+                                        run_max[qv], run_sum[qv], p[i], p16[i]);
     seen[i] = std::min<int64_t>(n, int64_t(live[i]) * kLanes);
     seen_min = std::min(seen_min, seen[i]);
     seen_max = std::max(seen_max, seen[i]);

@@ -80,22 +80,10 @@ def interleaves(ggml_type: int) -> bool:
     return bool(library().llmserve_quant_interleaves(int(ggml_type)))
 
 
-def set_matrix_engine(on: bool | None) -> bool:
-    """Let fast mode's interleaved kernels hand calls of `matrix_engine_rows()` rows or more
-    (every type but Q6_K) to the matrix engine (AMX tiles, quant_amx.cpp: the same outputs bit
-    for bit), or not (None: leave it as it is; on by default). Returns whether the path is on:
-    False when off, or where the CPU, the build or the OS lacks it."""
-    return bool(library().llmserve_quant_set_matrix_engine(-1 if on is None else int(on)))
-
-
 def matrix_engine_rows() -> int:
-    """The fewest activation rows a call needs to go to the matrix engine (quant_amx.h)."""
+    """The fewest activation rows a call needs to go to the matrix engine (quant_amx.h;
+    build.set_matrix_engine turns it on and off)."""
     return int(library().llmserve_quant_matrix_engine_rows())
-
-
-def matrix_engine_calls() -> int:
-    """How many calls the matrix-engine path has taken in this process."""
-    return int(library().llmserve_quant_matrix_engine_calls())
 
 
 def interleave(weight: QuantWeight) -> QuantWeight | None:

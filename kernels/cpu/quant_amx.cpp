@@ -21,68 +21,37 @@
 #include "quant_amx.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "pool.h"
 #include "quant.h"
 #include "quant_fast.h"
 #include "quant_interleaved.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
-    defined(__AVX512VL__) && defined(__F16C__)
-#define LLMSERVE_AMX 1
-#endif
-
 namespace llmserve::quant {
 namespace {
 
-std::atomic<bool> enabled{true};  // llmserve_quant_set_matrix_engine
-std::atomic<int64_t> calls{0};    // calls taken, llmserve_quant_matrix_engine_calls
-
-#if defined(LLMSERVE_AMX)
+#if LLMSERVE_AMX
 constexpr int kTile = 16;  // activation rows of a tile, and weight rows (two groups)
 constexpr int64_t kGroupsPerTile = kTile / kInterleaveRows;
-
-// Whether the kernel lets this process use the tiles' data (asked once; granted to every
-// thread of the process).
-bool granted() {
-  static const bool ok = [] {
-    constexpr int kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr int kTileData = 18;               // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return ok;
-}
-
-struct TileConfig {  // palette 1's layout, as LDTILECFG reads it
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t bytes_per_row[16];
-  uint8_t rows[16];
-};
 
 // Two sets of tiles, so that one block's multiply runs while the last one's dots are scaled:
 // set k has C in tile k, A in 2 + k and B in 4 + k (the intrinsics take tile numbers as
 // literals, hence the branches on k below).
 void configure_tiles() {
-  alignas(64) TileConfig config{};
+  alignas(64) amx::TileConfig config{};
   config.palette = 1;
   for (int k = 0; k < 2; ++k) {
     config.rows[k] = kTile, config.bytes_per_row[k] = kTile * 4;  // C: int32 dots
     config.rows[2 + k] = kTile, config.bytes_per_row[2 + k] = kBlock;  // A: a block a row
     config.rows[4 + k] = kBlock / 4, config.bytes_per_row[4 + k] = kTile * 4;  // B
   }
-  // Not _tile_loadconfig: GCC 12's says it reads 8 bytes of the config, so the stores to the
-  // rest may be dropped and LDTILECFG then faults on what it finds (seen here, at -O3).
-  __asm__ volatile("ldtilecfg %0" : : "m"(config));
+  amx::load_config(config);
 }
 
 struct alignas(64) PairBlock {  // 32 weights of a pair of groups' rows, unpacked
@@ -235,21 +204,12 @@ void linear_tiles(const ActBlock* a, int64_t n, int64_t in, const uint8_t* w,
 
 }  // namespace
 
-bool matrix_engine_available() {
-#if defined(LLMSERVE_AMX)
-  return granted();
-#else
-  return false;
-#endif
-}
-
 bool matrix_engine_linear(int type, const ActBlock* a, int64_t n, int64_t in, const uint8_t* w,
                           int64_t out_features, float* out) {
-#if defined(LLMSERVE_AMX)
-  if (n < kMatrixEngineRows || out_features % kTile || !engine_type(type) ||
-      !enabled.load(std::memory_order_relaxed) || !granted())
+#if LLMSERVE_AMX
+  if (n < kMatrixEngineRows || out_features % kTile || !engine_type(type) || !amx::enabled())
     return false;
-  calls.fetch_add(1, std::memory_order_relaxed);
+  amx::count(amx::Path::kLinear);
   return dispatch(type, [&]<int Type>() {
            if constexpr (engine_type(Type)) linear_tiles<Type>(a, n, in, w, out_features, out);
          }) == 0;
@@ -263,22 +223,7 @@ bool matrix_engine_linear(int type, const ActBlock* a, int64_t n, int64_t in, co
 
 extern "C" {
 
-// Turns fast mode's matrix-engine path on (1) or off (0), or leaves it (-1); returns 1 when it is
-// on: turned on, and the CPU and this build have it and the kernel granted its tiles.
-int llmserve_quant_set_matrix_engine(int on) {
-  if (on >= 0) llmserve::quant::enabled.store(on != 0, std::memory_order_relaxed);
-  return llmserve::quant::enabled.load(std::memory_order_relaxed) &&
-                 llmserve::quant::matrix_engine_available()
-             ? 1
-             : 0;
-}
-
 // The fewest activation rows a call needs to go to the matrix engine.
 int64_t llmserve_quant_matrix_engine_rows() { return llmserve::quant::kMatrixEngineRows; }
-
-// How many calls the matrix engine has taken in this process.
-int64_t llmserve_quant_matrix_engine_calls() {
-  return llmserve::quant::calls.load(std::memory_order_relaxed);
-}
 
 }  // extern "C"

@@ -14,14 +14,11 @@ namespace llmserve::quant {
 // decode step (bench/RESULTS.md, "Fast mode on AMX tiles").
 constexpr int64_t kMatrixEngineRows = 32;
 
-// Whether this build has the path and the kernel grants this process the tiles.
-bool matrix_engine_available();
-
 // out [n, out_features] = the fast-mode dots of interleaved weights w of `type` with the
 // quantized activations a (n rows of in / 32 blocks, not biased), bit for bit those of the
-// interleaved kernel; false, with nothing written, where the path does not take the call (no
-// engine, turned off, Q6_K, fewer than kMatrixEngineRows rows, out_features not a multiple of
-// 16).
+// interleaved kernel; false, with nothing written, where the path does not take the call (the
+// engine off or absent: amx::enabled; Q6_K; fewer than kMatrixEngineRows rows; out_features
+// not a multiple of 16).
 bool matrix_engine_linear(int type, const ActBlock* a, int64_t n, int64_t in, const uint8_t* w,
                           int64_t out_features, float* out);
 

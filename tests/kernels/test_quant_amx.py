@@ -7,13 +7,14 @@ tests that need it are skipped."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kernels.cpu import quant
+from kernels.cpu import build, quant
 from tests.kernels.test_quant_interleaved import QUANT_BYTES, weight
 from tests.kernels.test_quant_linear import K_QUANTS, TYPES, quantized
 
@@ -39,10 +40,15 @@ def has_amx() -> bool:
         return "amx_int8" in cpuinfo.read()
 
 
+def emulated() -> bool:
+    """Whether this is test_amx_emulated.py's build, whose tiles are a model in C++."""
+    return "LLMSERVE_AMX_EMULATE" in os.environ.get(build.FLAGS_ENV, "")
+
+
 # Tests that only mean something on the tiles (on a CPU without AMX, the CI's perhaps, the
 # products test above still compares the vector kernel with the file layout).
 needs_engine = pytest.mark.skipif(
-    not quant.set_matrix_engine(None), reason="no matrix engine here (CPU, build or OS)"
+    not build.set_matrix_engine(None), reason="no matrix engine here (CPU, build or OS)"
 )
 
 
@@ -50,17 +56,17 @@ needs_engine = pytest.mark.skipif(
 def engine() -> Iterator[None]:
     """The test may turn the engine off; it is on again after."""
     yield
-    quant.set_matrix_engine(True)
+    build.set_matrix_engine(True)
 
 
 def products(
     x: torch.Tensor, w: quant.QuantWeight, inter: quant.QuantWeight, on: bool
 ) -> tuple[torch.Tensor, int]:
     """The interleaved product with the engine on or off, and how many calls it took."""
-    quant.set_matrix_engine(on)
-    before = quant.matrix_engine_calls()
+    build.set_matrix_engine(on)
+    before = build.matrix_engine_calls("linear")
     out = quant.linear(x, inter.code, inter.blocks, "fast")
-    return out, quant.matrix_engine_calls() - before
+    return out, build.matrix_engine_calls("linear") - before
 
 
 @pytest.mark.parametrize("ggml_type", ENGINE_TYPES)
@@ -78,7 +84,7 @@ def test_products_are_the_file_layouts_bit_for_bit_with_and_without_the_engine(
     x = torch.randn(max(ROWS), in_features, generator=torch.Generator().manual_seed(7))
     x[:, :32] *= 30
     x[3] = 0.0  # a row of zero activations (scale 0)
-    available = quant.set_matrix_engine(None)
+    available = build.set_matrix_engine(None)
     for n in ROWS:
         expected = quant.linear(x[:n], w.code, w.blocks, "fast")
         off, taken_off = products(x[:n], w, inter, on=False)
@@ -107,16 +113,16 @@ def test_the_widest_integer_sums_are_exact_on_the_engine(ggml_type):
     assert inter is not None
     x = torch.ones(n, in_features)
     x[1::2] = -1.0
-    before = quant.matrix_engine_calls()
+    before = build.matrix_engine_calls("linear")
     out = quant.linear(x, inter.code, inter.blocks, "fast")
-    assert quant.matrix_engine_calls() == before + 1
+    assert build.matrix_engine_calls("linear") == before + 1
     assert torch.equal(out, quant.linear(x, w.code, w.blocks, "fast"))
 
 
 def test_what_the_engine_does_not_take(engine):
     """Q6_K, out features not a multiple of 16, and the file's layout stay off it."""
     x = torch.randn(quant.matrix_engine_rows(), 256, generator=torch.Generator().manual_seed(1))
-    before = quant.matrix_engine_calls()
+    before = build.matrix_engine_calls("linear")
     q6_k = quant.interleave(weight(Q6_K, 16, 256, seed=1))
     assert q6_k is not None
     quant.linear(x, q6_k.code, q6_k.blocks, "fast")
@@ -125,15 +131,15 @@ def test_what_the_engine_does_not_take(engine):
     quant.linear(x, eight.code, eight.blocks, "fast")
     plain = weight(GGMLQuantizationType.Q4_0, 32, 256, seed=1)
     quant.linear(x, plain.code, plain.blocks, "fast")
-    assert quant.matrix_engine_calls() == before
+    assert build.matrix_engine_calls("linear") == before
 
 
 # Only a CPU that lists AMX can say whether the build and the OS gave us the engine.
-@pytest.mark.skipif(not has_amx(), reason="the CPU lists no AMX")
+@pytest.mark.skipif(not has_amx() and not emulated(), reason="the CPU lists no AMX")
 def test_a_cpu_with_amx_runs_the_engine(engine):
     """Where the CPU lists AMX, this build (-march=native) has the path and the OS grants the
     tiles; turning it off and on is seen."""
-    assert quant.set_matrix_engine(None)
-    assert not quant.set_matrix_engine(False)
-    assert not quant.set_matrix_engine(None)
-    assert quant.set_matrix_engine(True)
+    assert build.set_matrix_engine(None)
+    assert not build.set_matrix_engine(False)
+    assert not build.set_matrix_engine(None)
+    assert build.set_matrix_engine(True)
