@@ -232,7 +232,7 @@ void linear_interleaved(const float* x, int64_t n, int64_t in, const uint8_t* w,
   const uint8_t* end = w + groups * group_bytes;
   // A work item: one group, or two side by side on 512-bit registers (quant_wide.h; a last odd
   // group alone).
-  const int64_t per = wide_type(Type) && n >= kWideRows ? 2 : 1;
+  const int64_t per = wide_type(Type) && n >= wide_rows(Type) ? 2 : 1;
   parallel_for((groups + per - 1) / per, out_features * n * in > (1 << 16),
                [&](int64_t begin, int64_t stop) {
     for (int64_t g = begin * per; g < std::min(groups, stop * per); g += per) {

@@ -18,18 +18,22 @@
 
 namespace llmserve::quant {
 
-// Activation rows from which a call takes the wide kernel. Under it the call is bound by its
-// weights' bytes, and the down projection's few long rows measured slower in pairs.
-constexpr int64_t kWideRows = 8;
+// Activation rows from which a call takes the wide kernel. Under them the call is bound by its
+// weights' bytes, and the down projection's few long rows measured slower in pairs. Q8_0, whose
+// quants need no unpacking, saves only scaling and measured faster in pairs from 32 rows
+// (bench/RESULTS.md, "Two groups on 512-bit registers").
+constexpr int64_t wide_rows(int type) { return type == kQ8_0 ? 32 : 8; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
     defined(__AVX512VL__) && defined(__F16C__)
 #define LLMSERVE_WIDE_GROUPS 1
 
-// Whether a type's dots take the wide kernel: the 4- and 5-bit 32-weight types, whose
-// unpacking and scaling it halves. Q8_0 (no unpacking) measured no faster, the k-quants keep
-// theirs (bench/RESULTS.md, "Two groups on 512-bit registers").
-constexpr bool wide_type(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ5_0; }
+// Whether a type's dots take the wide kernel: the 32-weight types, whose unpacking (Q8_0:
+// none) and scaling it halves; the k-quants keep theirs (bench/RESULTS.md, "Two groups on
+// 512-bit registers").
+constexpr bool wide_type(int type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ8_0;
+}
 
 inline __m512i join(__m256i low, __m256i high) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
