@@ -4,16 +4,12 @@ still pass the kernel tests, built with `$LLMSERVE_KERNEL_FLAGS=-mno-avx512f`.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kernels.cpu import build
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.other_build import probe, run_tests
 
 
 def cpu_flags() -> set[str]:
@@ -45,26 +41,12 @@ def test_the_avx2_paths_pass_the_kernel_tests_on_an_avx512_cpu():
     dots, which fall back to fp32) and the fused ops."""
     if "avx512" not in build.isa():
         pytest.skip("this CPU has no AVX-512: the default build is the AVX2 one")
-    env = {**os.environ, build.FLAGS_ENV: "-mno-avx512f"}
-    probe = "from kernels.cpu.build import isa; print('+'.join(isa()))"
-    built = subprocess.run(
-        [sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True
-    )
-    assert built.returncode == 0, built.stderr
-    assert built.stdout.split() == ["avx2"]
+    flags = "-mno-avx512f"
+    assert probe(flags, "from kernels.cpu.build import isa; print('+'.join(isa()))") == ["avx2"]
     tests = [
         "test_quant_linear.py",
         "test_quant_interleaved.py",
         "test_cpu_kernels.py",
         "test_prefill_bf16_dots.py",
     ]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
-        + [str(ROOT / "tests" / "kernels" / name) for name in tests],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout.splitlines()[-1]
+    assert " passed" in run_tests(flags, tests, "-m", "not slow")
