@@ -21,7 +21,7 @@ namespace llmserve::quant {
 // Activation rows from which a call takes the wide kernel. Under them the call is bound by its
 // weights' bytes, and the down projection's few long rows measured slower in pairs. Q8_0, whose
 // quants need no unpacking, saves only scaling and measured faster in pairs from 32 rows
-// (bench/RESULTS.md, "Two groups on 512-bit registers").
+// (bench/RESULTS.md, "Q8_0 in pairs from 32 rows").
 constexpr int64_t wide_rows(int type) { return type == kQ8_0 ? 32 : 8; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
