@@ -102,6 +102,7 @@ def server_for(name: str, w: Workload, dtype: str, args: argparse.Namespace) -> 
                    "--dtype", "float32" if dtype in FILES else dtype,
                    "--grpc-port", str(grpc_port), "--http-port", str(port),
                    "--max-num-seqs", str(max(64, w.streams)), *MODELS[args.model],
+                   *([] if args.decode_steps is None else ["--decode-steps", str(args.decode_steps)]),
                    *([] if dtype in FILES else dense_flags(dtype))]  # fmt: skip
         return Server(name, f"llmserve ({dtype})", command, port, args.model)
     binary, _ = llama_server()
@@ -283,6 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(llmserve: --linear-impl gguf)")  # fmt: skip
     p.add_argument("--quant-mode", choices=["exact", "fast"], default=None,
                    help="llmserve's --quant-mode on the GGUF files (default: the worker's)")  # fmt: skip
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="llmserve's --decode-steps (multi-step decoding; default: the "
+                   "scheduler's)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3,
                    help="each pair of runs this many times, the order reversed every other "
                    "round; figures are the median round's, ranges over rounds")  # fmt: skip

@@ -119,6 +119,13 @@ def _up_parser() -> argparse.ArgumentParser:
         help="speculative decoding: n-gram drafts per sequence and step (scheduler; "
         "0 = off, the default)",
     )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="multi-step decoding: tokens a decoding sequence computes in one step (scheduler; "
+        "1 = off, the default)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--api-key-file",
@@ -198,6 +205,7 @@ _SCHEDULER_FLAGS = [
     "max-num-seqs",
     "max-num-batched-tokens",
     "num-speculative-tokens",
+    "decode-steps",
     "log-level",
 ]
 _GATEWAY_FLAGS = [

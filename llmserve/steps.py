@@ -17,9 +17,11 @@ The worker applies a step in this order:
   4. apply `cached_seqs` updates (append tokens, patch block tables);
   5. `blocks_to_swap_out` (device -> host), then `blocks_to_swap_in` (host -> device), then
      `blocks_to_copy` (device -> device, copy-on-write), for every layer; the recurrent
-     layers' states move first, with the same direction lists (`states_to_swap_out`, then
-     `states_to_swap_in`), then the forks' and prefix hits' state copies (steps 2 and 3 name
-     them; a slot a swapped-out state left may be one they write);
+     layers' states go first: the forks' state copies (step 2 names them: a fork's child got
+     its slot before the step was scheduled, and the step may swap the child or its parent
+     out), then the states move with the same direction lists (`states_to_swap_out`, then
+     `states_to_swap_in`), then the prefix hits' state copies (step 3 names them; a slot a
+     swapped-out state left may be one they write);
   6. run the forward pass over the scheduled tokens of every sequence in `new_seqs` and
      `cached_seqs`, in that order, and sample where a sequence reaches its last known token;
   7. `state_saves` (recurrent layers): copy state slots into snapshot slots (prefix caching).
@@ -47,6 +49,14 @@ tokens (the kept drafts, then the sample after them) and appears j + 1 times in
 kept drafts as known, computed tokens; the rejected ones are gone (their cache slots are
 written again later). The scheduler counts the kept drafts as computed and sends only the
 last sample as the next step's new token.
+
+Multi-step decoding: drafts that are all `SAMPLED_TOKEN` stand for the worker's own samples.
+Such a sequence computes its last known token and samples, then computes that sample and
+samples again, once per placeholder, each in a forward pass of its own (the step's other
+sequences run in the first pass only), so every one is kept: with k placeholders it produces
+k + 1 tokens, appears k + 1 times in `StepResult.outputs`, and afterwards holds the first k
+as known, computed tokens, exactly as if they were k kept drafts. Its drafts are all
+placeholders or none, and no token mask names it.
 
 Transfers: a step may carry KV block transfers between workers, which the worker handles
 before step 1: `released_transfer_ids` are forgotten, `exports` registered (a peer may read

@@ -86,11 +86,40 @@ class ModelRunner(SequenceStates):
         step_id: int,
         take_masks: Callable[[], tuple[list[TokenMask], int]] | None = None,
     ) -> StepResult:
-        """Steps 6 of the contract: forward over the scheduled tokens, then sample.
+        """Steps 6 of the contract: forward over the scheduled tokens, then sample; then, for
+        the sequences decoding several tokens (multi-step), a pass per token more.
         `take_masks()`: the step's deferred masks and the ns spent waiting for them."""
         result = StepResult(step_id)
         if not scheduled:
             return result
+        outputs = last = self._pass(scheduled, kv_caches, step_id, result, take_masks)
+        pending = [s for s in scheduled if s.own_steps]
+        if pending:
+            self.token_masks = {}
+            outputs = list(outputs)
+        while pending:
+            sampled = {out.seq_id: out.samples[0].token_id for out in last}
+            for s in pending:
+                s.state.token_ids.append(sampled[s.state.seq_id])
+            passing = [
+                Scheduled(s.state, s.state.num_computed, 1, s.order, own_steps=s.own_steps - 1)
+                for s in pending
+            ]
+            last = self._pass(passing, kv_caches, step_id, result, None)
+            outputs.extend(last)
+            pending = [s for s in passing if s.own_steps]
+        result.outputs = outputs
+        return result
+
+    def _pass(
+        self,
+        scheduled: list[Scheduled],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        step_id: int,
+        result: StepResult,
+        take_masks: Callable[[], tuple[list[TokenMask], int]] | None,
+    ) -> list[SequenceOutput]:
+        """One forward pass over `scheduled` and its samples; adds its times to `result`."""
         t0 = time.perf_counter_ns()
         # Prefill-first layout; stable so the step order survives within each part.
         layout = sorted(scheduled, key=lambda s: s.is_decode)
@@ -119,12 +148,16 @@ class ModelRunner(SequenceStates):
         if self.masks_deferred:
             if take_masks is None:
                 raise StateError(f"step {step_id} defers masks, and nothing delivers them")
-            masks, result.mask_wait_ns = take_masks()
+            masks, waited = take_masks()
+            result.mask_wait_ns += waited
+            self.masks_deferred = False
             self.token_masks.update(((m.seq_id, m.row), m) for m in masks)
-        result.outputs = self._sample(logits, inputs, self.model.argmax_logprobs)
-        result.forward_ns = t1 - t0
-        result.sample_ns = time.perf_counter_ns() - t1 - result.mask_wait_ns
-        return result
+        else:
+            waited = 0
+        outputs = self._sample(logits, inputs, self.model.argmax_logprobs)
+        result.forward_ns += t1 - t0
+        result.sample_ns += time.perf_counter_ns() - t1 - waited
+        return outputs
 
     def _prepare(self, layout: list[Scheduled], num_blocks: int) -> PreparedInputs:
         if all(s.is_decode and s.samples for s in layout) and not any(

@@ -75,6 +75,9 @@ class Scheduled:
     # Draft tokens (speculative decoding): the last `num_drafts` of the computed tokens, held
     # in `state.token_ids` until the sampler settles them (`SequenceStates.keep_drafts`).
     num_drafts: int = 0
+    # Multi-step decoding: forward passes after this one, each computing the token the pass
+    # before sampled (the step's placeholder drafts, `llmserve.steps`).
+    own_steps: int = 0
 
     @property
     def samples(self) -> bool:
@@ -107,8 +110,10 @@ class SequenceStates:
         # State slots of the recurrent layers in the cache (0: the model has none, or no
         # cache yet); set with the cache.
         self.num_state_slots = 0
-        # The step's state slot copies, (source, destination): a fork's parent to its child,
-        # a prefix hit's snapshot to its sequence; made before the forward pass.
+        # The step's state slot copies, (source, destination): a fork's parent to its child
+        # (`fork_copies`, made before the step's state swaps), a prefix hit's snapshot to its
+        # sequence (`state_copies`, after them); all before the forward pass.
+        self.fork_copies: list[tuple[int, int]] = []
         self.state_copies: list[tuple[int, int]] = []
         # This step: state slot -> the sequence holding it (built when a step adds one).
         self._slot_holders: dict[int, int] = {}
@@ -122,22 +127,24 @@ class SequenceStates:
         """Steps 1-4 of the contract (free, fork, register, update); returns what to compute."""
         for seq_id in step.freed_seq_ids:
             self.states.pop(seq_id, None)
-        if step.states_to_swap_out or step.states_to_swap_in:
-            self._swap_states(step)
         self.token_masks = {(m.seq_id, m.row): m for m in step.token_masks}
         self.masks_deferred = bool(step.deferred_mask_seq_ids)
+        self.fork_copies = []
         self.state_copies = []
-        if self.num_state_slots and (step.forks or step.new_seqs):
-            self._slot_holders = {
-                s.state_slot: s.seq_id for s in self.states.values() if s.state_slot is not None
-            }
+        if self.num_state_slots and step.forks:
+            self._hold_slots()
         for fork in step.forks:
             parent = self._state(fork.parent_seq_id)
             child = parent.fork(fork.child_seq_id, fork.child_seq_index, fork.child_state_slot)
             self._check_state_slot(child)
             if parent.state_slot is not None and child.state_slot is not None:
-                self.state_copies.append((parent.state_slot, child.state_slot))
+                self.fork_copies.append((parent.state_slot, child.state_slot))
             self.states[fork.child_seq_id] = child
+        # After the forks: the step may swap out a child it forks, or its parent.
+        if step.states_to_swap_out or step.states_to_swap_in:
+            self._swap_states(step)
+        if self.num_state_slots and step.new_seqs:
+            self._hold_slots()
         scheduled: list[Scheduled] = []
         for new in step.new_seqs:
             state = SequenceState(
@@ -175,28 +182,45 @@ class SequenceStates:
             state.block_ids.extend(cached.block_ids)
             self._edit_groups(state, cached)
             drafts = cached.draft_token_ids
+            own = 0
             if drafts:
                 self._check_drafts(state, cached.num_scheduled_tokens, len(drafts))
-                state.token_ids.extend(drafts)
+                own = self._own_samples(state, drafts)
+                if not own:
+                    state.token_ids.extend(drafts)
             if cached.num_scheduled_tokens:
                 scheduled.append(
                     Scheduled(
                         state,
                         state.num_computed,
-                        cached.num_scheduled_tokens,
+                        cached.num_scheduled_tokens - own,
                         len(scheduled),
-                        len(drafts),
+                        len(drafts) - own,
+                        own,
                     )
                 )
+        masked: set[int] | None = None
         for s in scheduled:
+            if s.own_steps:
+                if masked is None:
+                    masked = {seq_id for seq_id, _ in self.token_masks}
+                    masked.update(step.deferred_mask_seq_ids)
+                if s.state.seq_id in masked:
+                    raise StateError(f"seq {s.state.seq_id}: a token mask for multi-step decoding")
             end = s.start + s.count
             if end > len(s.state.token_ids):
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its known tokens")
+            end += s.own_steps  # the block tables cover the later passes' positions too
             if end > len(s.state.block_ids) * self.block_size or any(
                 end > len(t) * self.block_size for t in s.state.group_tables
             ):
                 raise StateError(f"seq {s.state.seq_id}: scheduled past its block table")
         return scheduled
+
+    def _hold_slots(self) -> None:
+        self._slot_holders = {
+            s.state_slot: s.seq_id for s in self.states.values() if s.state_slot is not None
+        }
 
     def _swap_states(self, step: StepInput) -> None:
         """Where swapped sequences' states go: out to host slots, in to device slots."""
@@ -280,6 +304,18 @@ class SequenceStates:
             )
         if state.params.use_beam_search:
             raise StateError(f"seq {seq_id}: beam search cannot have drafts")
+
+    @staticmethod
+    def _own_samples(state: SequenceState, drafts: list[int]) -> int:
+        """How many of `drafts` stand for the worker's own samples (multi-step decoding): all
+        of them or none."""
+        own = drafts.count(SAMPLED_TOKEN)
+        if own not in (0, len(drafts)):
+            raise StateError(
+                f"seq {state.seq_id}: {own} of {len(drafts)} drafts are the sampled-token "
+                "placeholder; multi-step drafts are all placeholders"
+            )
+        return own
 
     @staticmethod
     def keep_drafts(s: Scheduled, kept: int) -> None:

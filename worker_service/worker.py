@@ -369,7 +369,8 @@ class Worker:
         imported, failed = import_blocks(self.cache_engine, step.imports)
         scheduled = runner.apply_updates(step)
         states = self.cache_engine.states
-        if states is not None:  # swaps first: a slot a state left may be copied into
+        if states is not None:  # forks, swaps, then prefix hits (`llmserve.steps`)
+            states.copy(runner.fork_copies)
             states.swap_out(step.states_to_swap_out)
             states.swap_in(step.states_to_swap_in)
             states.copy(runner.state_copies)

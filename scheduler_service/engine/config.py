@@ -131,6 +131,22 @@ class SchedulerConfig:
         "result, assuming every draft is kept (off: measured slower on a 2-core CPU)",
     )
 
+    # Multi-step decoding (scheduler_service.engine.speculation): a decoding sequence computes
+    # up to this many tokens in one step, the worker feeding each sample back in as the next
+    # pass's token, so one round trip through the scheduler and the gateway serves several
+    # tokens. Only steps of at most `decode_steps_max_seqs` sequences, and not where n-gram
+    # drafts are on (they take its place). 1 turns it off.
+    decode_steps: int = flag(
+        1,
+        "multi-step decoding: tokens a decoding sequence computes in one step, a forward pass "
+        "each on the worker (1: off; n-gram speculation replaces it)",
+    )
+    decode_steps_max_seqs: int = flag(
+        2,
+        "multi-step decoding only for steps of at most this many sequences (past them the "
+        "round trip is shared by the batch)",
+    )
+
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
@@ -149,6 +165,12 @@ class SchedulerConfig:
             raise ConfigError(
                 "ngram_min",
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}",
+            )
+        if self.decode_steps < 1:
+            raise ConfigError("decode_steps", f"must be at least 1, got {self.decode_steps}")
+        if self.decode_steps_max_seqs < 1:
+            raise ConfigError(
+                "decode_steps_max_seqs", f"must be at least 1, got {self.decode_steps_max_seqs}"
             )
         if self.speculative_max_seqs < 1:
             raise ConfigError(

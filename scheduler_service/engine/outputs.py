@@ -233,16 +233,18 @@ class OutputProcessor:
                 break
         self.num_generated += num_new
         kept = len(run) - 1
-        self.num_accepted_drafts += kept
+        speculator = self.scheduler.speculator
+        if not speculator.own_samples:
+            self.num_accepted_drafts += kept
         ahead = 0
         if next_step is not None and seq.seq_id in next_step.after_drafts:
             if kept < num_drafts and seq.status == _RUNNING:
                 next_step.drop(seq_group)
                 self._events.skipped.append(seq.seq_id)
-                self.scheduler.speculator.stats.num_after_drafts_dropped += 1
+                speculator.stats.num_after_drafts_dropped += 1
             else:
                 ahead = len(next_step.drafts.get(seq.seq_id, ()))
-        self.scheduler.speculator.commit(seq_group, num_drafts, kept, ahead)
+        speculator.commit(seq_group, num_drafts, kept, ahead)
         if seq.status == _RUNNING:
             self._events.kept_drafts.append((seq.seq_id, kept))
         num_new += self._append_forced(seq, params) if seq.grammar is not None else 0

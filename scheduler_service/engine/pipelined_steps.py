@@ -68,12 +68,16 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         return None
     if scheduler.waiting and not scheduler.can_admit_ahead():
         return None
-    if prev.drafts and (not config.continue_after_drafts or _constrained_drafts(prev)):
-        return None  # how many drafts it keeps decides where the next step starts
     speculator = scheduler.speculator
+    if (
+        prev.drafts
+        and not speculator.own_samples  # multi-step: every one is kept
+        and (not config.continue_after_drafts or _constrained_drafts(prev))
+    ):
+        return None  # how many drafts it keeps decides where the next step starts
     model_len = config.model_len
     hold_window = config.forced_hold_tokens if config.enable_forced_tokens else 0
-    speculating = speculator.enabled and len(scheduler.running) <= config.speculative_max_seqs
+    speculating = speculator.enabled and len(scheduler.running) <= speculator.max_seqs
     groups: list[ScheduledGroup] = []
     seqs: list[Sequence] = []
     lookahead: list[int] = []  # per sequence: the slots it needs past its tokens
@@ -169,19 +173,20 @@ def _add_drafts(
     sample itself."""
     speculator = scheduler.speculator
     cont.after_drafts.update(s.seq_id for s in seqs if s.seq_id in prev.drafts)
-    speculator.stats.num_after_drafts += len(cont.after_drafts)
     if not speculator.enabled:
         return
+    if not speculator.own_samples:
+        speculator.stats.num_after_drafts += len(cont.after_drafts)
     config = scheduler.scheduler_config
     rows = len(seqs)
-    if rows > config.speculative_max_seqs:
+    if rows > speculator.max_seqs:
         return
     i = 0  # seqs[i]: the first running sequence of the group
     for scheduled in cont.scheduled:
         group = scheduled.seq_group
         seq, i = seqs[i], i + sum(s.status == _RUNNING for s in group.seqs)
         room = config.token_budget - cont.num_batched_tokens
-        if rows >= config.speculative_max_batch or room <= 0:
+        if rows >= speculator.max_batch or room <= 0:
             return
         in_flight = prev.drafts.get(seq.seq_id)
         if not in_flight or scheduled.token_chunk_size != 1 or not speculates(group):
@@ -190,7 +195,7 @@ def _add_drafts(
         limit = min(
             speculator.k,
             room,
-            config.speculative_max_batch - rows,
+            speculator.max_batch - rows,
             seq.tokens_left(
                 group.sampling_params.max_tokens, config.model_len, end - len(seq.token_ids)
             )

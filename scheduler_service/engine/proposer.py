@@ -27,6 +27,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from llmserve.steps import SAMPLED_TOKEN
+
 
 def max_drafts_for_match(n: int) -> int:
     """The most drafts a suffix match of `n` tokens proposes: 2 (n - 1), and 1 for n = 1."""
@@ -70,6 +72,41 @@ class DraftProposer(ABC):
         """At most `max_drafts` (and the proposer's own limit) drafts to follow the tokens
         `state` has seen and then `assumed` (not committed: the drafts of a step in flight,
         whose result is not back); [] when it has no guess."""
+
+
+class _Seen(DraftState):
+    """A state that only counts tokens (a proposer that does not read them)."""
+
+    __slots__ = ("_num_tokens",)
+
+    def __init__(self, num_tokens: int) -> None:
+        self._num_tokens = num_tokens
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        self._num_tokens += len(new_tokens)
+
+    def record(self, num_drafts: int, num_kept: int) -> None:
+        pass
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+
+class OwnSamples(DraftProposer):
+    """Multi-step decoding as drafts: `k` placeholders that the worker fills with its own
+    samples, a forward pass each (`llmserve.steps`), so every one is kept."""
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        self.k = k
+
+    def new_state(self, tokens: Sequence[int]) -> DraftState:
+        return _Seen(len(tokens))
+
+    def propose(self, state: DraftState, max_drafts: int, assumed: Sequence[int] = ()) -> list[int]:
+        return [SAMPLED_TOKEN] * min(self.k, max_drafts)
 
 
 class NgramIndex(DraftState):

@@ -101,11 +101,16 @@ class SchedulerQueues:
             freed.append(seq.seq_id)
 
     def fork_seq(
-        self, parent: Sequence, child: Sequence, forks: list[tuple[Sequence, Sequence]]
+        self,
+        parent: Sequence,
+        child: Sequence,
+        forks: list[tuple[Sequence, Sequence, int | None]],
     ) -> None:
-        """Share the parent's blocks with the child, and add the pair to `forks`."""
-        self.block_manager.fork(parent, child)
-        forks.append((parent, child))
+        """Share the parent's blocks with the child, and add the pair and the child's state
+        slot to `forks`."""
+        bm = self.block_manager
+        bm.fork(parent, child)
+        forks.append((parent, child, bm.state_slot(child.seq_id)))
 
     def free_finished_seq_groups(self, finished: list[SequenceGroup]) -> None:
         """Forget the groups that finished this step and drop them from `running` (output

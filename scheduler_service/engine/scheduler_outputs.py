@@ -79,10 +79,12 @@ class SchedulerOutputs:
 @dataclass(slots=True)
 class WorkerEvents:
     """What output processing did that the worker must hear of in the next step (sequences
-    forked (parent, child), sequences whose blocks were freed), or already knows (drafts it
-    kept)."""
+    forked (parent, child, the child's state slot), sequences whose blocks were freed), or
+    already knows (drafts it kept)."""
 
-    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    # The slot is the one the child got at the fork: the step that carries the fork may swap
+    # the child out before it is built (the worker forks before it swaps).
+    forks: list[tuple[Sequence, Sequence, int | None]] = field(default_factory=list)
     freed_seq_ids: list[int] = field(default_factory=list)
     # (seq id, drafts kept) of the running sequences that verified drafts: the worker holds
     # the kept ones as known tokens now.

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from scheduler_service.engine.block_manager import BlockSpaceManager
 from scheduler_service.engine.config import SchedulerConfig
-from scheduler_service.engine.proposer import DraftProposer, NgramProposer
+from scheduler_service.engine.proposer import DraftProposer, NgramProposer, OwnSamples
 from scheduler_service.engine.scheduler_outputs import SchedulerOutputs
 from scheduler_service.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -84,7 +84,16 @@ class Speculator:
         self.max_seqs = config.speculative_max_seqs
         self.block_manager = block_manager
         self.proposer = proposer
-        if proposer is None and self.k > 0:
+        # Multi-step decoding: the drafts are the worker's own samples, all kept; they count
+        # in no speculation statistic.
+        self.own_samples = proposer is None and self.k == 0 and config.decode_steps > 1
+        if self.own_samples:
+            self.k = config.decode_steps - 1
+            self.max_seqs = config.decode_steps_max_seqs
+            # Each placeholder is a forward pass of its own: no step grows past its sequences.
+            self.max_batch = config.token_budget
+            self.proposer = OwnSamples(self.k)
+        elif proposer is None and self.k > 0:
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max, self.k)
         self.stats = SpeculationStats(accepted_per_position=[0] * self.k)
 
@@ -110,6 +119,8 @@ class Speculator:
         sample, which the continuation's placeholder stands for)."""
         if self.proposer is None or limit <= 0:
             return []
+        if self.own_samples:
+            return self.proposal(seq, limit)
         return self.proposal(seq, limit + 1, in_flight)[1:]
 
     def draft(self, out: SchedulerOutputs, held: Container[int]) -> None:
@@ -150,6 +161,8 @@ class Speculator:
                 continue
             drafts = self.proposal(seq, limit)
             if drafts and seq.grammar is not None:
+                if self.own_samples:
+                    continue  # each pass would need the grammar's mask after the last
                 drafts = seq.grammar.accepted_prefix(drafts)
             if not drafts or not bm.can_reserve_lookahead([seq], len(drafts)):
                 continue
@@ -174,17 +187,18 @@ class Speculator:
         the reserved blocks past its tokens and `ahead` slots more (the drafts of the
         continuation in flight after the step) go back."""
         seq = seq_group.seqs[0]
-        metrics = seq_group.metrics
-        metrics.num_draft_tokens += num_drafts
-        metrics.num_accepted_tokens += num_kept
-        stats = self.stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += num_drafts
-        stats.num_accepted_tokens += num_kept
-        for i in range(num_kept):
-            stats.accepted_per_position[i] += 1
-        if seq.draft_state is not None:
-            seq.draft_state.record(num_drafts, num_kept)
+        if not self.own_samples:
+            metrics = seq_group.metrics
+            metrics.num_draft_tokens += num_drafts
+            metrics.num_accepted_tokens += num_kept
+            stats = self.stats
+            stats.num_drafts += 1
+            stats.num_draft_tokens += num_drafts
+            stats.num_accepted_tokens += num_kept
+            for i in range(num_kept):
+                stats.accepted_per_position[i] += 1
+            if seq.draft_state is not None:
+                seq.draft_state.record(num_drafts, num_kept)
         if seq.status != _RUNNING:
             return  # finished in the run: its blocks are freed already
         first_written = seq.num_computed_tokens  # the first draft's position

@@ -47,7 +47,7 @@ class StepBuilder:
         # (the worker applies frees before forks).
         self._deferred_frees: list[int] = []
         # Forks and frees handed over since the last step.
-        self._forks: list[tuple[Sequence, Sequence]] = []
+        self._forks: list[tuple[Sequence, Sequence, int | None]] = []
         self._freed: list[int] = []
         self._step_id = 0
         # Time spent computing token masks, and how many.
@@ -201,13 +201,11 @@ class StepBuilder:
         bm = self.scheduler.block_manager
         views = self.views
         forks, self._forks = self._forks, []
-        for parent, child in forks:
+        for parent, child, child_slot in forks:
             if not bm.has_table(child):
                 continue
             views[child.seq_id] = list(views[parent.seq_id])
-            step.forks.append(
-                Fork(parent.seq_id, child.seq_id, child.seq_index, bm.state_slot(child.seq_id))
-            )
+            step.forks.append(Fork(parent.seq_id, child.seq_id, child.seq_index, child_slot))
             fork_parents.add(parent.seq_id)
         return fork_parents
 

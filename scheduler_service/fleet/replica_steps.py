@@ -178,7 +178,11 @@ class StepPipeline:
         end_step_span(
             step.span,
             *((result.forward_ns, result.sample_ns) if result else (0, 0)),
-            accepted_drafts=engine.last_num_accepted_drafts if step.sched_out.drafts else None,
+            accepted_drafts=(
+                engine.last_num_accepted_drafts
+                if step.sched_out.drafts and not engine.scheduler.speculator.own_samples
+                else None
+            ),
         )
         now = time.perf_counter()
         seconds = now - max(step.sent, self._last_finished)

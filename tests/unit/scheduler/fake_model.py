@@ -91,6 +91,8 @@ class FakeModel:
         self.num_placeholder_runs = 0
         self.num_masked_rows = 0
         self.num_drafts_kept = 0
+        # Tokens computed in multi-step passes after a step's first.
+        self.num_own_steps = 0
         # Token masks of rows after a draft (speculative decoding under a grammar).
         self.num_masked_draft_rows = 0
         # Updates `after_drafts` computed (their step kept every draft) and skipped.
@@ -149,10 +151,10 @@ class FakeModel:
         self.num_masked_rows += len(masks)
         self.num_masked_draft_rows += sum(m.row > 0 for m in step.token_masks)
         drafts: dict[int, int] = {}  # seq id -> how many draft tokens it computes
+        own: dict[int, int] = {}  # seq id -> passes after the first (multi-step decoding)
         imported, failed = self._transfer(step)
         for seq_id in step.freed_seq_ids:
             del self.seqs[seq_id]
-        self._swap_states(step)
         for fork in step.forks:
             p = self.seqs[fork.parent_seq_id]
             self.seqs[fork.child_seq_id] = _SeqState(
@@ -169,6 +171,7 @@ class FakeModel:
             if p.state_slot is not None:
                 assert fork.child_state_slot is not None, "a fork without a state slot"
                 self.state_slots[fork.child_state_slot] = self.state_slots[p.state_slot]
+        self._swap_states(step)  # after the forks' copies, before the prefix hits'
         for new in step.new_seqs:
             assert new.seq_id not in self.seqs, f"new sequence {new.seq_id} already known"
             self.seqs[new.seq_id] = _SeqState(
@@ -213,8 +216,12 @@ class FakeModel:
             if upd.draft_token_ids:  # computed after the known tokens, settled below
                 assert upd.num_scheduled_tokens == 1 + len(upd.draft_token_ids)
                 assert st.num_computed + 1 == len(st.tokens), "drafts after a prefill chunk"
-                st.tokens.extend(upd.draft_token_ids)
-                drafts[upd.seq_id] = len(upd.draft_token_ids)
+                if upd.draft_token_ids == [SAMPLED_TOKEN] * len(upd.draft_token_ids):
+                    own[upd.seq_id] = len(upd.draft_token_ids)  # multi-step: passes below
+                else:
+                    assert SAMPLED_TOKEN not in upd.draft_token_ids, "placeholder drafts mixed"
+                    st.tokens.extend(upd.draft_token_ids)
+                    drafts[upd.seq_id] = len(upd.draft_token_ids)
             assert upd.block_offset <= len(st.table)
             st.table[upd.block_offset :] = upd.block_ids
             self._edit_groups(st, upd.group_edits)
@@ -226,23 +233,13 @@ class FakeModel:
             self.gpu[dst] = list(self.gpu[src])
 
         scheduled = [(n.seq_id, n.num_scheduled_tokens) for n in step.new_seqs] + [
-            (c.seq_id, c.num_scheduled_tokens) for c in step.cached_seqs if c.seq_id not in skipped
+            (c.seq_id, c.num_scheduled_tokens - own.get(c.seq_id, 0))
+            for c in step.cached_seqs
+            if c.seq_id not in skipped
         ]
         # Write every scheduled token's "K/V" first, as a batched forward pass would.
         for seq_id, num in scheduled:
-            st = self.seqs[seq_id]
-            bs = self.block_size
-            for table in (st.table, *st.group_tables):
-                for pos in range(st.num_computed, st.num_computed + num):
-                    block_id = table[pos // bs]
-                    assert block_id != NULL_BLOCK or self.windows == (None,), "wrote the null block"
-                    self.gpu[block_id][pos % bs] = st.tokens[pos]
-            if st.state_slot is not None:
-                state = self.state_slots[st.state_slot] if st.num_computed else 17
-                for pos in range(st.num_computed, st.num_computed + num):
-                    state = _mix(state, st.tokens[pos])
-                self.state_slots[st.state_slot] = state
-            self.num_computed_tokens += num
+            self._write(self.seqs[seq_id], num)
         for src, dst in step.state_saves:
             self.state_slots[dst] = self.state_slots[src]
         outputs = []
@@ -260,6 +257,14 @@ class FakeModel:
                 outputs.extend(run)
                 continue
             out = self._outputs(seq_id, st, start, masks.pop((seq_id, 0), None))
+            for _ in range(own.get(seq_id, 0)):  # each a pass of its own, after the step's
+                assert out is not None and len(out.samples) == 1, "multi-step without a sample"
+                outputs.append(out)
+                st.tokens.append(out.samples[0].token_id)
+                self._write(st, 1)
+                st.num_computed += 1
+                out = self._outputs(seq_id, st, st.num_computed - 1)
+                self.num_own_steps += 1
             samples = [] if out is None else out.samples
             st.last_sampled = samples[0].token_id if len(samples) == 1 else None
             if out is not None:
@@ -269,9 +274,25 @@ class FakeModel:
             step.step_id, outputs, imported_transfer_ids=imported, failed_imports=failed
         )
 
+    def _write(self, st: _SeqState, num: int) -> None:
+        """The "K/V" of the sequence's next `num` tokens, through each group's table, and its
+        recurrent state (a hash of the tokens it computed)."""
+        bs = self.block_size
+        for table in (st.table, *st.group_tables):
+            for pos in range(st.num_computed, st.num_computed + num):
+                block_id = table[pos // bs]
+                assert block_id != NULL_BLOCK or self.windows == (None,), "wrote the null block"
+                self.gpu[block_id][pos % bs] = st.tokens[pos]
+        if st.state_slot is not None:
+            state = self.state_slots[st.state_slot] if st.num_computed else 17
+            for pos in range(st.num_computed, st.num_computed + num):
+                state = _mix(state, st.tokens[pos])
+            self.state_slots[st.state_slot] = state
+        self.num_computed_tokens += num
+
     def _swap_states(self, step: StepInput) -> None:
-        """Swapped sequences' states, before any state copy: out, then in (to the slot the
-        scheduler gives the sequence now)."""
+        """Swapped sequences' states, after the forks' copies and before the prefix hits':
+        out, then in (to the slot the scheduler gives the sequence now)."""
         by_slot = {st.state_slot: st for st in self.seqs.values() if st.state_slot is not None}
         for device, host in step.states_to_swap_out:
             self.host_state_slots[host] = self.state_slots[device]

@@ -161,6 +161,24 @@ def test_pipelined_streams_equal_synchronous_ones(num_gpu_blocks):
         assert stats.num_preemptions_recompute + stats.num_preemptions_swap >= 5
 
 
+@pytest.mark.parametrize("num_gpu_blocks", [400, 60])
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_multi_step_streams_equal_single_step_ones(num_gpu_blocks, pipelined):
+    """Multi-step decoding (the worker feeding its samples back, four tokens a step) streams
+    what single steps stream, stops and min_tokens included, synchronously or with
+    continuations, under pressure or not: at every batch size, and only at smaller ones."""
+    single, _, _ = drive(num_gpu_blocks, pipelined=False)
+    for max_seqs in (6, 24):
+        multi, engine, model = drive(
+            num_gpu_blocks, pipelined=pipelined, decode_steps=4, decode_steps_max_seqs=max_seqs
+        )
+        assert multi == single
+        assert model.num_own_steps > 20
+        assert engine.get_stats().num_spec_drafts == 0  # none counted as speculation
+        if pipelined:
+            assert model.num_after_drafts > 0  # continued before the passes' result came
+
+
 def test_generate_pipelined_equals_synchronous_with_max_model_len():
     def run(pipelined: bool):
         cache = CacheConfig(BLOCK, 30, 30, watermark=0.0, enable_prefix_caching=True)

@@ -58,6 +58,7 @@ def run(
     priorities: bool = False,
     windows: tuple[int | None, ...] = (None,),
     state_slots: int = 0,
+    **scheduler: int,
 ):
     cache = CacheConfig(
         BLOCK,
@@ -73,6 +74,7 @@ def run(
         max_num_batched_tokens=96 if chunked else 128,
         max_model_len=128,
         enable_chunked_prefill=chunked,
+        **scheduler,
     )
     model = FakeModel(
         num_gpu_blocks, num_cpu_blocks, BLOCK, windows=windows, num_state_slots=state_slots
@@ -210,6 +212,37 @@ def test_tiny_cache_and_few_state_slots_equal_an_ample_cache(windows, blocks):
         4000, 8, chunked=True, caching=False, num=120, windows=windows, state_slots=200
     )
     assert uncached == ample
+
+
+# Multi-step decoding under pressure: the sequences decoding four tokens a step grow faster,
+# so preemptions fall elsewhere, and a child forked at a first sample may be swapped out (or
+# its parent) by the step that carries the fork (`llmserve.steps`, step 5).
+@pytest.mark.parametrize(
+    ("windows", "blocks", "state_slots", "max_seqs"),
+    [((None,), 40, 0, 8), ((None,), 40, 0, 48), ((None, 6), 48, 8, 2), ((None, 6), 48, 8, 8)],
+    ids=["full-8", "full-48", "window-states-2", "window-states-8"],
+)
+def test_multi_step_decoding_in_a_tiny_cache_equals_an_ample_cache(
+    windows, blocks, state_slots, max_seqs
+):
+    slots = 200 if state_slots else 0
+    ample, _, _, _ = run(
+        4000, 8, chunked=True, caching=True, num=120, windows=windows, state_slots=slots
+    )
+    tiny, stats, model, _ = run(
+        blocks,
+        400,
+        chunked=True,
+        caching=True,
+        num=120,
+        windows=windows,
+        state_slots=state_slots,
+        decode_steps=4,
+        decode_steps_max_seqs=max_seqs,
+    )
+    assert model.num_own_steps > 10
+    assert stats.num_preemptions_swap + stats.num_preemptions_recompute >= 5
+    assert tiny == ample
 
 
 def test_state_slots_change_what_the_fake_model_samples():
