@@ -124,7 +124,7 @@ def _up_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="multi-step decoding: tokens a decoding sequence computes in one step (scheduler; "
-        "1 = off, the default)",
+        "1 = off; see `llmserve scheduler --help`)",
     )
     p.add_argument("--log-level", default="INFO")
     p.add_argument(

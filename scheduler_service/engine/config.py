@@ -134,10 +134,12 @@ class SchedulerConfig:
     # Multi-step decoding (scheduler_service.engine.speculation): a decoding sequence computes
     # up to this many tokens in one step, the worker feeding each sample back in as the next
     # pass's token, so one round trip through the scheduler and the gateway serves several
-    # tokens. Only steps of at most `decode_steps_max_seqs` sequences, and not where n-gram
-    # drafts are on (they take its place). 1 turns it off.
+    # tokens; where the worker shares its cores with them, their per-token work is time the
+    # forward pass waits for (bench/RESULTS.md, "Multi-step decoding"). Only steps of at most
+    # `decode_steps_max_seqs` sequences, and not where n-gram drafts are on (they take its
+    # place). 1 turns it off.
     decode_steps: int = flag(
-        1,
+        4,
         "multi-step decoding: tokens a decoding sequence computes in one step, a forward pass "
         "each on the worker (1: off; n-gram speculation replaces it)",
     )

@@ -29,6 +29,13 @@ Asynchronous scheduling does not continue a step with drafts before its result, 
 drafts of its own past them (`scheduler_service.engine.pipelined_steps`). A step without drafts is
 continued unless a sequence in it has a draft waiting (then the next step is built after
 the result, so it can carry drafts drawn from the real sample).
+
+Multi-step decoding (`SchedulerConfig.decode_steps`) runs through the same path when n-gram
+drafts are off: the proposer is `OwnSamples`, whose drafts are placeholders the worker fills
+with its own samples, a forward pass each (`llmserve.steps`), so every one is kept. Only steps
+of at most `decode_steps_max_seqs` sequences get them (each placeholder is a pass of its own,
+so no row limit applies), never a constrained sequence, and they count in no speculation
+statistic; a step with them is always continued.
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.services]
 MODEL = "smollm2"
 # A long lease: the first request with stop strings loads the tokenizer on the scheduler's
 # event loop, which on a loaded machine can stall it longer than the fleet harness's 3 s.
-SCHEDULER_ARGS = ["--worker-lease-s", "120"]
+# One token a step: the gaps counted below are per step (multi-step decoding would make
+# a few steps of several tokens out of the single streams).
+SCHEDULER_ARGS = ["--worker-lease-s", "120", "--decode-steps", "1"]
 WORKER_ARGS = [
     "--max-model-len",
     "512",

@@ -18,6 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_service.engine.config import SchedulerConfig
 from tests.support.stack import RunningStack, start_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.services]
@@ -147,8 +148,10 @@ def test_completion_stream_equals_full(client: openai.OpenAI) -> None:
         )
     )
     text_chunks = [c for c in chunks if c.choices]
-    # One token per chunk by default.
-    assert len(text_chunks) == 8
+    # A chunk per step: the prefill's token, then runs of up to --decode-steps tokens (one
+    # request alone decodes several tokens a step by default, multi-step decoding).
+    steps = SchedulerConfig().decode_steps
+    assert len(text_chunks) == 1 + -(-7 // steps)
     assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
     assert text_chunks[-1].choices[0].finish_reason == "length"
     assert all(c.usage is None for c in text_chunks)

@@ -427,7 +427,16 @@ def test_swap_preemption_on_a_tiny_cache_completes(tiny_model_dir: Path, tmp_pat
         str(tiny_model_dir),
         tmp_path,
         worker_args=["--block-size", "4", "--max-model-len", "16"],
-        scheduler_args=["--num-gpu-blocks-override", "4", "--preemption-mode", "swap"],
+        # One token a step: multi-step decoding finishes the first request before the
+        # second needs its blocks.
+        scheduler_args=[
+            "--num-gpu-blocks-override",
+            "4",
+            "--preemption-mode",
+            "swap",
+            "--decode-steps",
+            "1",
+        ],
     )
     try:
 

@@ -198,7 +198,13 @@ class SimulatedWorker:
         for s in scheduled:
             self._check_blocks(s)
             s.state.num_computed += s.count
-        end = start + int(self.config.step_time.step_s(num_tokens) * 1e9)
+        # Multi-step decoding: a forward pass more per placeholder draft, of the sequences
+        # that have one left (`llmserve.steps`).
+        most = max((s.own_steps for s in scheduled), default=0)
+        passes = [sum(s.own_steps > i for s in scheduled) for i in range(most)]
+        seconds = self.config.step_time.step_s(num_tokens)
+        seconds += sum(self.config.step_time.step_s(n) for n in passes)
+        end = start + int(seconds * 1e9)
         result = StepResult(step.step_id, imported_transfer_ids=imported)
         if runner.masks_deferred:
             if take_masks is None:
@@ -207,12 +213,26 @@ class SimulatedWorker:
             masks, result.mask_wait_ns = take_masks()
             runner.token_masks.update((m.seq_id, m) for m in masks)
         result.outputs = [out for s in scheduled if (out := self._outputs(s)) is not None]
+        pending = [s for s in scheduled if s.own_steps]
+        while pending:
+            sampled = {out.seq_id: out.samples[0].token_id for out in result.outputs}
+            passing = []
+            for s in pending:
+                state = s.state
+                state.token_ids.append(sampled[state.seq_id])
+                one = Scheduled(state, state.num_computed, 1, s.order, own_steps=s.own_steps - 1)
+                state.num_computed += 1
+                out = self._outputs(one)
+                assert out is not None, "a pass of multi-step decoding samples"
+                result.outputs.append(out)
+                passing.append(one)
+            pending = [s for s in passing if s.own_steps]
         runner.remember_samples(scheduled, result)
         self._sleep_until(end)
         # The sleep's overshoot counts as forward time, so that the gaps are the service's.
         woke = time.perf_counter_ns()
         result.forward_ns = woke - start
-        self._record(start, end, woke, num_tokens, result, moved)
+        self._record(start, end, woke, num_tokens + sum(passes), result, moved)
         return result
 
     def _record(

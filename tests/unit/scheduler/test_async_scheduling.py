@@ -167,7 +167,7 @@ def test_multi_step_streams_equal_single_step_ones(num_gpu_blocks, pipelined):
     """Multi-step decoding (the worker feeding its samples back, four tokens a step) streams
     what single steps stream, stops and min_tokens included, synchronously or with
     continuations, under pressure or not: at every batch size, and only at smaller ones."""
-    single, _, _ = drive(num_gpu_blocks, pipelined=False)
+    single, _, _ = drive(num_gpu_blocks, pipelined=False, decode_steps=1)
     for max_seqs in (6, 24):
         multi, engine, model = drive(
             num_gpu_blocks, pipelined=pipelined, decode_steps=4, decode_steps_max_seqs=max_seqs
@@ -203,7 +203,12 @@ def test_generate_pipelined_equals_synchronous_with_max_model_len():
 
 def small_engine(max_num_seqs: int) -> LLMEngine:
     cache = CacheConfig(BLOCK, 40, 0, watermark=0.0)
-    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64)
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        decode_steps=1,  # continuations of one token: the tests check their shape
+    )
     return LLMEngine(sched, cache, FakeModel(40, 0, BLOCK))
 
 

@@ -44,7 +44,8 @@ class Scripted:
 
 def make_engine(executor, gpu=16, chunked=True, batched_tokens=64):
     return LLMEngine(
-        SchedulerConfig(8, batched_tokens, 64, chunked),
+        # One token a step (`Scripted` answers no multi-step drafts).
+        SchedulerConfig(8, batched_tokens, 64, chunked, decode_steps=1),
         CacheConfig(4, gpu, 8, watermark=0.0),
         executor,
     )

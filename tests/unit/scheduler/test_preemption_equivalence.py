@@ -226,8 +226,15 @@ def test_multi_step_decoding_in_a_tiny_cache_equals_an_ample_cache(
     windows, blocks, state_slots, max_seqs
 ):
     slots = 200 if state_slots else 0
-    ample, _, _, _ = run(
-        4000, 8, chunked=True, caching=True, num=120, windows=windows, state_slots=slots
+    ample, _, _, _ = run(  # one token a step
+        4000,
+        8,
+        chunked=True,
+        caching=True,
+        num=120,
+        windows=windows,
+        state_slots=slots,
+        decode_steps=1,
     )
     tiny, stats, model, _ = run(
         blocks,

@@ -24,7 +24,12 @@ PROMPTS = {"a": [5, 6, 7], "b": [8, 9, 10, 11, 12], "c": [13, 14], "d": [15, 16,
 
 def make_engine(max_num_seqs: int = 2, num_gpu_blocks: int = 64) -> LLMEngine:
     return LLMEngine(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64),
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            decode_steps=1,  # one token a step: the preemptions fall where the tests expect
+        ),
         CacheConfig(block_size=BLOCK, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=16),
         FakeModel(num_gpu_blocks, 16, BLOCK),
     )

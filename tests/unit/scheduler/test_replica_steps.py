@@ -45,7 +45,10 @@ class LoggedStream:
 def make_engine() -> tuple[LLMEngine, FakeModel]:
     model = FakeModel(64, 0, BLOCK)
     engine = LLMEngine(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128),
+        # One token a step: the test counts the steps continued.
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, decode_steps=1
+        ),
         CacheConfig(BLOCK, 64, 0, watermark=0.0, enable_prefix_caching=False),
         model,
     )

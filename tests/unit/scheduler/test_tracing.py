@@ -39,7 +39,8 @@ def exporter(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
 
 def make_engine(gpu: int, mode: PreemptionMode | None = None) -> LLMEngine:
     return LLMEngine(
-        SchedulerConfig(8, 64, 64, True, preemption_mode=mode),
+        # One token a step: the preemptions fall where the tests expect.
+        SchedulerConfig(8, 64, 64, True, preemption_mode=mode, decode_steps=1),
         CacheConfig(BLOCK, gpu, 16, watermark=0.0),
         FakeModel(gpu, 16, BLOCK),
     )
@@ -178,7 +179,7 @@ def test_grammar_events_at_the_first_constrained_sample(exporter: InMemorySpanEx
 
     tok = smollm2_tokenizer()
     engine = LLMEngine(
-        SchedulerConfig(8, 64, 64, True),
+        SchedulerConfig(8, 64, 64, True, decode_steps=1),
         CacheConfig(BLOCK, 32, 16, watermark=0.0),
         FakeModel(32, 16, BLOCK, vocab_size=len(tok)),
         tokenizer=lambda: tok,

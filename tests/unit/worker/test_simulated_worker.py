@@ -46,6 +46,21 @@ def test_tokens_follow_the_sequence_through_placeholders() -> None:
     assert len(stats.gaps_ns) == 3
 
 
+def test_multi_step_drafts_are_a_pass_each() -> None:
+    worker = make_worker()
+    first = worker.execute(StepInput(0, new_seqs=[new_seq(1, PROMPT, [0, 1, 2])]))
+    decodes = [first.outputs[0].samples[0].token_id]
+    own = CachedSequence(1, [SAMPLED_TOKEN], 3, [], 4, [SAMPLED_TOKEN] * 3)
+    result = worker.execute(StepInput(1, cached_seqs=[own]))
+    assert result.forward_ns >= int(4 * MODEL.step_s(1) * 1e9)  # four passes of one token
+    decodes += [o.samples[0].token_id for o in result.outputs]
+    assert [o.seq_id for o in result.outputs] == [1] * 4
+    step = StepInput(2, cached_seqs=[CachedSequence(1, [SAMPLED_TOKEN], 3, [], 1)])
+    decodes.append(worker.execute(step).outputs[0].samples[0].token_id)
+    assert decodes == expected_tokens(PROMPT, 6)
+    assert worker.runner.states[1].num_computed == len(PROMPT) + 5
+
+
 def test_forks_sample_with_their_own_index() -> None:
     worker = make_worker()
     params = SamplingParams(n=2, temperature=0.8)
