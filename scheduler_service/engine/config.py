@@ -139,7 +139,7 @@ class SchedulerConfig:
     # `decode_steps_max_seqs` sequences, and not where n-gram drafts are on (they take its
     # place). 1 turns it off.
     decode_steps: int = flag(
-        4,
+        8,
         "multi-step decoding: tokens a decoding sequence computes in one step, a forward pass "
         "each on the worker (1: off; n-gram speculation replaces it)",
     )
