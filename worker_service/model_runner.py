@@ -98,13 +98,7 @@ class ModelRunner(SequenceStates):
             self.token_masks = {}
             outputs = list(outputs)
         while pending:
-            sampled = {out.seq_id: out.samples[0].token_id for out in last}
-            for s in pending:
-                s.state.token_ids.append(sampled[s.state.seq_id])
-            passing = [
-                Scheduled(s.state, s.state.num_computed, 1, s.order, own_steps=s.own_steps - 1)
-                for s in pending
-            ]
+            passing = self.next_pass(pending, last)
             last = self._pass(passing, kv_caches, step_id, result, None)
             outputs.extend(last)
             pending = [s for s in passing if s.own_steps]

@@ -14,6 +14,7 @@ from llmserve.steps import (
     SAMPLED_TOKEN,
     CachedSequence,
     PromptLogprob,
+    SequenceOutput,
     StepInput,
     StepResult,
     TokenMask,
@@ -304,6 +305,20 @@ class SequenceStates:
             )
         if state.params.use_beam_search:
             raise StateError(f"seq {seq_id}: beam search cannot have drafts")
+
+    @staticmethod
+    def next_pass(pending: list[Scheduled], outputs: list[SequenceOutput]) -> list[Scheduled]:
+        """Multi-step decoding: each of `pending` appends the token it sampled in the pass
+        before (`outputs`) and computes it in a pass of its own."""
+        sampled = {out.seq_id: out.samples[0].token_id for out in outputs}
+        passing = []
+        for s in pending:
+            state = s.state
+            state.token_ids.append(sampled[state.seq_id])
+            passing.append(
+                Scheduled(state, state.num_computed, 1, s.order, own_steps=s.own_steps - 1)
+            )
+        return passing
 
     @staticmethod
     def _own_samples(state: SequenceState, drafts: list[int]) -> int:

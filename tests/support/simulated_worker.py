@@ -214,18 +214,16 @@ class SimulatedWorker:
             runner.token_masks.update((m.seq_id, m) for m in masks)
         result.outputs = [out for s in scheduled if (out := self._outputs(s)) is not None]
         pending = [s for s in scheduled if s.own_steps]
+        last = result.outputs
         while pending:
-            sampled = {out.seq_id: out.samples[0].token_id for out in result.outputs}
-            passing = []
-            for s in pending:
-                state = s.state
-                state.token_ids.append(sampled[state.seq_id])
-                one = Scheduled(state, state.num_computed, 1, s.order, own_steps=s.own_steps - 1)
-                state.num_computed += 1
+            passing = runner.next_pass(pending, last)
+            last = []
+            for one in passing:
+                one.state.num_computed += 1
                 out = self._outputs(one)
                 assert out is not None, "a pass of multi-step decoding samples"
-                result.outputs.append(out)
-                passing.append(one)
+                last.append(out)
+            result.outputs += last
             pending = [s for s in passing if s.own_steps]
         runner.remember_samples(scheduled, result)
         self._sleep_until(end)
