@@ -302,7 +302,7 @@ def _hybrid_config(kind: str, common: dict[str, Any]) -> Any:
         tie_word_embeddings=False,
         pad_token_id=0,
     )
-    experts = dict(
+    experts: dict[str, Any] = dict(
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=48,

@@ -211,7 +211,7 @@ class SimulatedWorker:
                 raise StateError(f"step {step.step_id} defers masks, and nothing delivers them")
             self._sleep_until(end)  # masks are awaited after the forward pass
             masks, result.mask_wait_ns = take_masks()
-            runner.token_masks.update((m.seq_id, m) for m in masks)
+            runner.token_masks.update(((m.seq_id, m.row), m) for m in masks)
         result.outputs = [out for s in scheduled if (out := self._outputs(s)) is not None]
         pending = [s for s in scheduled if s.own_steps]
         last = result.outputs
@@ -303,7 +303,7 @@ class SimulatedWorker:
             return None
         params, tokens = state.params, state.token_ids
         last, length, vocab = tokens[-1], len(tokens), self.config.vocab_size
-        mask = self.runner.token_masks.get(state.seq_id)
+        mask = self.runner.token_masks.get((state.seq_id, 0))  # it samples row 0 only
         allowed = None if mask is None else mask.allowed_ids()
         if params.use_beam_search:
             base = next_token(last, length, 0, vocab)

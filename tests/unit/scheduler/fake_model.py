@@ -14,8 +14,9 @@ With state slots (`num_state_slots`, a model with recurrent layers) it also keep
 running hash of the tokens its sequence computed, as a recurrent layer keeps its state: a
 sequence starting from its first token starts it afresh, a fork copies it, a prefix hit
 starts from a copy of its snapshot (saved after the step that reached it), and every sample
-depends on it. A slot shared by two live sequences, a fork that does not copy, or a snapshot
-of another prefix changes the output.
+depends on it; drafts a step drops leave no trace in it, as the worker puts the state back. A
+slot shared by two live sequences, a fork that does not copy, or a snapshot of another prefix
+changes the output.
 """
 
 from __future__ import annotations
@@ -237,9 +238,14 @@ class FakeModel:
             for c in step.cached_seqs
             if c.seq_id not in skipped
         ]
-        # Write every scheduled token's "K/V" first, as a batched forward pass would.
+        # Write every scheduled token's "K/V" first, as a batched forward pass would. A
+        # sequence verifying drafts keeps its state from before them, to settle it after.
+        before: dict[int, tuple[int, int]] = {}  # seq id -> (num computed, state) before
         for seq_id, num in scheduled:
-            self._write(self.seqs[seq_id], num)
+            st = self.seqs[seq_id]
+            if seq_id in drafts and st.state_slot is not None:
+                before[seq_id] = (st.num_computed, self.state_slots[st.state_slot])
+            self._write(st, num)
         for src, dst in step.state_saves:
             self.state_slots[dst] = self.state_slots[src]
         outputs = []
@@ -251,7 +257,7 @@ class FakeModel:
             if seq_id in drafts:
                 n = drafts[seq_id]
                 row_masks = [masks.pop((seq_id, row), None) for row in range(n + 1)]
-                run = self._verify(seq_id, st, n, row_masks)
+                run = self._verify(seq_id, st, n, row_masks, before.get(seq_id))
                 st.last_sampled = run[-1].samples[0].token_id
                 st.drafts_cut = len(run) <= drafts[seq_id]
                 outputs.extend(run)
@@ -284,10 +290,8 @@ class FakeModel:
                 assert block_id != NULL_BLOCK or self.windows == (None,), "wrote the null block"
                 self.gpu[block_id][pos % bs] = st.tokens[pos]
         if st.state_slot is not None:
-            state = self.state_slots[st.state_slot] if st.num_computed else 17
-            for pos in range(st.num_computed, st.num_computed + num):
-                state = _mix(state, st.tokens[pos])
-            self.state_slots[st.state_slot] = state
+            before = (st.num_computed, self.state_slots[st.state_slot])
+            self.state_slots[st.state_slot] = self._state_after(st, before, st.num_computed + num)
         self.num_computed_tokens += num
 
     def _swap_states(self, step: StepInput) -> None:
@@ -331,15 +335,24 @@ class FakeModel:
         return imported, failed
 
     def _verify(
-        self, seq_id: int, st: _SeqState, num_drafts: int, masks: list[TokenMask | None]
+        self,
+        seq_id: int,
+        st: _SeqState,
+        num_drafts: int,
+        masks: list[TokenMask | None],
+        before: tuple[int, int] | None = None,
     ) -> list[SequenceOutput]:
         """Sample at the last known token and at each draft (from the context read back from
-        the cache up to that position, under that row's mask), keep drafts while they equal
-        the samples."""
+        the cache up to that position, under that row's mask; with a state slot, `before`
+        (tokens computed, state) before the step, from the state after that position), keep
+        drafts while they equal the samples. The state is left after the kept ones only: a
+        dropped draft leaves no trace (as the worker puts the state back)."""
         first_draft = len(st.tokens) - num_drafts
         run = []
         for i in range(num_drafts + 1):
             h = self._context_hash(st, first_draft + i)
+            if before is not None:
+                h = _mix(h, self._state_after(st, before, first_draft + i))
             mask = masks[i]
             allowed = (
                 None if mask is None else [t for t in mask.allowed_ids() if t < self.vocab_size]
@@ -352,14 +365,35 @@ class FakeModel:
         self.num_drafts_kept += len(run) - 1
         del st.tokens[first_draft + len(run) - 1 :]
         st.num_computed = len(st.tokens)
+        if before is not None:
+            assert st.state_slot is not None
+            self.state_slots[st.state_slot] = self._state_after(st, before, st.num_computed)
         return run
+
+    @staticmethod
+    def _state_after(st: _SeqState, before: tuple[int, int], length: int) -> int:
+        """A state slot after the sequence's first `length` tokens, from (tokens computed,
+        state) earlier."""
+        computed, state = before
+        state = state if computed else 17
+        for token in st.tokens[computed:length]:
+            state = _mix(state, token)
+        return state
 
     def next_token(self, tokens: list[int], seq_index: int = 0) -> int:
         """What the model samples after `tokens` (unconstrained, not beam search): the
-        oracle that test proposers draft from."""
+        oracle that test proposers draft from. As `_context_hash` reads the groups back,
+        and with states, as a slot that computed every token holds it."""
         h = 17
-        for t in tokens:
-            h = _mix(h, t)
+        for window in self.windows:
+            first = 0 if window is None else max(0, len(tokens) - window)
+            for t in tokens[first:]:
+                h = _mix(h, t)
+        if self.state_slots:
+            state = 17
+            for t in tokens:
+                state = _mix(state, t)
+            h = _mix(h, state)
         return self._sample(h, seq_index).token_id
 
     def _context_hash(self, st: _SeqState, length: int, windows: bool = True) -> int:

@@ -5,6 +5,7 @@ its context back from a simulated paged cache."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -12,8 +13,10 @@ from llmserve.kv_layout import NULL_BLOCK, first_live_block
 from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.engine.offline import generate
 from scheduler_service.engine.sequence import SequenceStatus
+from scheduler_service.engine.speculation import Speculator
 
 from .fake_model import FakeModel
+from .test_speculation import K, MixedProposer
 
 BLOCK = 4
 EOS = 0
@@ -58,6 +61,7 @@ def run(
     priorities: bool = False,
     windows: tuple[int | None, ...] = (None,),
     state_slots: int = 0,
+    setup: Callable[[LLMEngine, FakeModel], None] | None = None,
     **scheduler: int,
 ):
     cache = CacheConfig(
@@ -80,6 +84,8 @@ def run(
         num_gpu_blocks, num_cpu_blocks, BLOCK, windows=windows, num_state_slots=state_slots
     )
     engine = LLMEngine(sched, cache, model)
+    if setup is not None:
+        setup(engine, model)
     if windows != (None,):
         execute = model.execute
 
@@ -248,6 +254,46 @@ def test_multi_step_decoding_in_a_tiny_cache_equals_an_ample_cache(
         decode_steps_max_seqs=max_seqs,
     )
     assert model.num_own_steps > 10
+    assert stats.num_preemptions_swap + stats.num_preemptions_recompute >= 5
+    assert tiny == ample
+
+
+def with_mixed_drafts(engine: LLMEngine, model: FakeModel) -> None:
+    scheduler = engine.scheduler
+    config, bm = scheduler.scheduler_config, scheduler.block_manager
+    scheduler.speculator = Speculator(config, bm, MixedProposer(model))
+
+
+# Drafts (right ones, then wrong ones from a position on) of a model with recurrent layers:
+# the worker verifies each sequence's drafts from one state and puts back the state after the
+# ones it keeps, and the outputs are those of a run without drafts, under preemption.
+@pytest.mark.parametrize(("windows", "blocks"), [((None,), 32), ((None, 6), 48)])
+def test_drafts_with_state_slots_in_a_tiny_cache_equal_an_ample_cache_without(windows, blocks):
+    ample, _, _, _ = run(
+        4000,
+        8,
+        chunked=True,
+        caching=True,
+        num=120,
+        windows=windows,
+        state_slots=200,
+        decode_steps=1,
+    )
+    tiny, stats, model, _ = run(
+        blocks,
+        400,
+        chunked=True,
+        caching=True,
+        num=120,
+        windows=windows,
+        state_slots=8,
+        setup=with_mixed_drafts,
+        num_speculative_tokens=K,
+        speculative_max_seqs=48,
+        speculative_max_batch=96,
+    )
+    assert model.num_drafts_kept > 0
+    assert stats.num_spec_draft_tokens > stats.num_spec_accepted_tokens  # some dropped
     assert stats.num_preemptions_swap + stats.num_preemptions_recompute >= 5
     assert tiny == ample
 

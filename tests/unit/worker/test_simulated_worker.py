@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.steps import SAMPLED_TOKEN, CachedSequence, Fork, StepInput
+from llmserve.steps import SAMPLED_TOKEN, CachedSequence, Fork, MaskKind, StepInput, TokenMask
 from tests.support.simulated_worker import (
     SimulatedConfig,
     SimulatedWorker,
@@ -77,6 +77,15 @@ def test_forks_sample_with_their_own_index() -> None:
         (2, expected_tokens(PROMPT, 2, seq_index=1)[1]),
     ]
     assert worker.runner.states[2].block_ids == [0, 2]
+
+
+def test_masks_sent_with_the_step_constrain_its_sample() -> None:
+    worker = make_worker()
+    free = expected_tokens(PROMPT, 1)[0]
+    only = (free + 1) % worker.config.vocab_size
+    mask = TokenMask(1, MaskKind.ALLOW, worker.config.vocab_size, [only])
+    step = StepInput(0, new_seqs=[new_seq(1, PROMPT, [0, 1])], token_masks=[mask])
+    assert worker.execute(step).outputs[0].samples[0].token_id == only
 
 
 def test_blocks_outside_the_cache_are_refused() -> None:
