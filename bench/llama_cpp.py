@@ -13,7 +13,14 @@ bytes of it, so the stores filling the rest may be dropped as dead and LDTILECFG
 (kernels/cpu/quant_amx.cpp met it; a build here once died so at its first matmul): on x86 the
 build keeps dead stores (`-fno-dse -fno-tree-dse`), a flag, not a change to its sources.
 About 12 minutes on 2 cores; the binaries are cached under `$LLMSERVE_BENCH_CACHE` (default
-`~/.cache/llmserve/bench`), keyed by the sdist's version and the build flags.
+`~/.cache/llmserve/bench`), keyed by the sdist's version and the build flags. They load
+llama.cpp's shared libraries from the build directory, so each set of flags has a build
+directory of its own.
+
+`llama_server(blas=True)` builds with ggml's BLAS backend, which multiplies prompt-sized
+batches (32 rows and more) with `cblas_sgemm` on weights it dequantizes to float32: OpenBLAS
+from the `scipy-openblas32` wheel, whose symbols carry a `scipy_` prefix, behind a small
+library of ours (`openblas()`) that exports the names ggml calls and CMake's FindBLAS links.
 
 `gguf_for(dtype, spec)` requantizes a model's GGUF (default: the embedded SmolLM2 Q4_1) to F32 or BF16 with
 `llama-quantize --allow-requantize`, so both servers read the same weights (dequantized from
@@ -32,6 +39,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 SDIST_PACKAGE = "llama-cpp-python"
@@ -47,6 +55,48 @@ CMAKE_FLAGS = (
 # On x86: GCC 12's tile-configuration intrinsic (the module comment says why).
 KEEP_DEAD_STORES = "-fno-dse -fno-tree-dse"
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+OPENBLAS_WHEEL = "scipy-openblas32"
+# The names ggml's BLAS backend calls, and FindBLAS's link test (sgemm_), on the wheel's
+# prefixed ones.
+OPENBLAS_SHIM_C = """\
+#include <cblas.h>
+
+extern void scipy_sgemm_(const char*, const char*, const blasint*, const blasint*,
+                         const blasint*, const float*, const float*, const blasint*,
+                         const float*, const blasint*, const float*, float*, const blasint*);
+
+void sgemm_(const char* ta, const char* tb, const blasint* m, const blasint* n,
+            const blasint* k, const float* alpha, const float* a, const blasint* lda,
+            const float* b, const blasint* ldb, const float* beta, float* c,
+            const blasint* ldc) {
+  scipy_sgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void cblas_sgemm(enum CBLAS_ORDER order, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb,
+                 blasint m, blasint n, blasint k, float alpha, const float* a, blasint lda,
+                 const float* b, blasint ldb, float beta, float* c, blasint ldc) {
+  scipy_cblas_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void openblas_set_num_threads(int n) { scipy_openblas_set_num_threads(n); }
+
+int openblas_get_parallel(void) { return scipy_openblas_get_parallel(); }
+"""
+OPENBLAS_SHIM_H = """\
+#pragma once
+#include "{wheel_include}/cblas.h"
+#ifdef __cplusplus
+extern "C" {{
+#endif
+void cblas_sgemm(enum CBLAS_ORDER, enum CBLAS_TRANSPOSE, enum CBLAS_TRANSPOSE, blasint, blasint,
+                 blasint, float, const float*, blasint, const float*, blasint, float, float*,
+                 blasint);
+void openblas_set_num_threads(int);
+int openblas_get_parallel(void);
+#ifdef __cplusplus
+}}
+#endif
+"""
 
 
 def cache_dir() -> Path:
@@ -96,22 +146,83 @@ def _sdist() -> Path:
     return sorted(downloads.glob("llama_cpp_python-*.tar.gz"))[-1]
 
 
-def build_flags() -> list[str]:
-    """CMAKE_FLAGS, and on x86 the compiler told to keep dead stores."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return list(CMAKE_FLAGS)
-    return [
-        *CMAKE_FLAGS,
-        f"-DCMAKE_C_FLAGS={KEEP_DEAD_STORES}",
-        f"-DCMAKE_CXX_FLAGS={KEEP_DEAD_STORES}",
-    ]
+def openblas() -> Path:
+    """A directory holding lib/libopenblas.so and include/cblas.h for ggml's BLAS backend
+    (the module comment says why), made on first use."""
+    root = cache_dir() / "openblas"
+    library = root / "lib" / "libopenblas.so"
+    if library.exists():
+        return root
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(exist_ok=True)
+    if not list(wheels.glob("scipy_openblas32-*.whl")):
+        _log(f"fetching the {OPENBLAS_WHEEL} wheel")
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                OPENBLAS_WHEEL,
+                "--only-binary",
+                ":all:",
+                "--no-deps",
+                "-d",
+                str(wheels),
+            ],
+            check=True,
+        )
+    wheel = sorted(wheels.glob("scipy_openblas32-*.whl"))[-1]
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(root / "wheel")
+    wheel_lib = root / "wheel" / "scipy_openblas32" / "lib"
+    wheel_include = root / "wheel" / "scipy_openblas32" / "include"
+    (root / "include").mkdir(parents=True, exist_ok=True)
+    (root / "include" / "cblas.h").write_text(OPENBLAS_SHIM_H.format(wheel_include=wheel_include))
+    (root / "shim.c").write_text(OPENBLAS_SHIM_C)
+    library.parent.mkdir(exist_ok=True)
+    subprocess.run(
+        [
+            shutil.which("cc") or "gcc",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            f"-I{root / 'include'}",
+            str(root / "shim.c"),
+            "-o",
+            str(library),
+            f"-L{wheel_lib}",
+            "-lscipy_openblas",
+            f"-Wl,-rpath,{wheel_lib}",
+        ],
+        check=True,
+    )
+    return root
 
 
-def llama_server() -> tuple[Path, Path]:
-    """Paths of `llama-server` and `llama-quantize`, built on first use."""
+def build_flags(blas: bool = False) -> list[str]:
+    """CMAKE_FLAGS, on x86 the compiler told to keep dead stores, and with `blas` ggml's BLAS
+    backend on `openblas()`."""
+    flags = list(CMAKE_FLAGS)
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += [f"-DCMAKE_C_FLAGS={KEEP_DEAD_STORES}", f"-DCMAKE_CXX_FLAGS={KEEP_DEAD_STORES}"]
+    if blas:
+        shim = openblas()
+        flags += [
+            "-DGGML_BLAS=ON",
+            "-DGGML_BLAS_VENDOR=OpenBLAS",
+            f"-DCMAKE_PREFIX_PATH={shim}",
+            f"-DBLAS_INCLUDE_DIRS={shim / 'include'}",
+        ]
+    return flags
+
+
+def llama_server(blas: bool = False) -> tuple[Path, Path]:
+    """Paths of `llama-server` and `llama-quantize`, built on first use (`blas`: with ggml's
+    BLAS backend)."""
     sdist = _sdist()
     version = sdist.name.removesuffix(".tar.gz").split("-", 1)[1]
-    flags = build_flags()
+    flags = build_flags(blas)
     tag = hashlib.sha256("\0".join(flags).encode()).hexdigest()[:8]
     bin_dir = cache_dir() / f"llama.cpp-{version}" / f"bin-{tag}"
     binaries = tuple(bin_dir / name for name in TARGETS)
@@ -126,7 +237,7 @@ def llama_server() -> tuple[Path, Path]:
             shutil.rmtree(source_root, ignore_errors=True)
             source_root.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(top / "vendor" / "llama.cpp"), source_root)
-    build = source_root.parent / "build"
+    build = source_root.parent / f"build-{tag}"  # the binaries load its shared libraries
     _log(f"building {', '.join(TARGETS)} in {build} (about 12 minutes on 2 cores)")
     subprocess.run(
         [

@@ -105,7 +105,7 @@ def server_for(name: str, w: Workload, dtype: str, args: argparse.Namespace) -> 
                    *([] if args.decode_steps is None else ["--decode-steps", str(args.decode_steps)]),
                    *([] if dtype in FILES else dense_flags(dtype))]  # fmt: skip
         return Server(name, f"llmserve ({dtype})", command, port, args.model)
-    binary, _ = llama_server()
+    binary, _ = llama_server(args.llama_blas)
     command = [str(binary), "-m", str(gguf_for(dtype, args.model)), "--host", "127.0.0.1",
                "--port", str(port), "-np", str(w.streams), "-c", str(w.streams * w.ctx_per_slot),
                "-t", str(args.threads), "-tb", str(args.threads), "--no-webui",
@@ -291,6 +291,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="each pair of runs this many times, the order reversed every other "
                    "round; figures are the median round's, ranges over rounds")  # fmt: skip
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument(
+        "--llama-blas",
+        action="store_true",
+        help="llama-server with ggml's BLAS backend (OpenBLAS) for prompt batches",
+    )
     p.add_argument("--scale", type=float, default=1.0, help="request counts x this (smoke runs)")
     p.add_argument("--threads", type=int, default=2, help="compute threads of each server")
     p.add_argument("--seed", type=int, default=0)
@@ -337,8 +342,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             w.name: {**asdict(w), "num_prompts": scaled(w, args.scale)} for w in workloads
         },
         "llama_server": {
-            "binary": str(llama_server()[0]) if "llama.cpp" in args.servers else None,
-            "cmake_flags": build_flags(),
+            "binary": str(llama_server(args.llama_blas)[0])
+            if "llama.cpp" in args.servers
+            else None,
+            "cmake_flags": build_flags(args.llama_blas),
             "gguf": {
                 d: str(gguf_for(d, args.model)) for d in args.dtypes if "llama.cpp" in args.servers
             },
