@@ -220,6 +220,22 @@ def test_tiny_cache_and_few_state_slots_equal_an_ample_cache(windows, blocks):
     assert uncached == ample
 
 
+def ample_single_steps(windows: tuple[int | None, ...], state_slots: int):
+    """The 120-request workload with room for every request, one token a step: the outputs a
+    tiny cache must give."""
+    outputs, _, _, _ = run(
+        4000,
+        8,
+        chunked=True,
+        caching=True,
+        num=120,
+        windows=windows,
+        state_slots=state_slots,
+        decode_steps=1,
+    )
+    return outputs
+
+
 # Multi-step decoding under pressure: the sequences decoding four tokens a step grow faster,
 # so preemptions fall elsewhere, and a child forked at a first sample may be swapped out (or
 # its parent) by the step that carries the fork (`llmserve.steps`, step 5).
@@ -231,17 +247,6 @@ def test_tiny_cache_and_few_state_slots_equal_an_ample_cache(windows, blocks):
 def test_multi_step_decoding_in_a_tiny_cache_equals_an_ample_cache(
     windows, blocks, state_slots, max_seqs
 ):
-    slots = 200 if state_slots else 0
-    ample, _, _, _ = run(  # one token a step
-        4000,
-        8,
-        chunked=True,
-        caching=True,
-        num=120,
-        windows=windows,
-        state_slots=slots,
-        decode_steps=1,
-    )
     tiny, stats, model, _ = run(
         blocks,
         400,
@@ -255,7 +260,7 @@ def test_multi_step_decoding_in_a_tiny_cache_equals_an_ample_cache(
     )
     assert model.num_own_steps > 10
     assert stats.num_preemptions_swap + stats.num_preemptions_recompute >= 5
-    assert tiny == ample
+    assert tiny == ample_single_steps(windows, 200 if state_slots else 0)
 
 
 def with_mixed_drafts(engine: LLMEngine, model: FakeModel) -> None:
@@ -269,16 +274,6 @@ def with_mixed_drafts(engine: LLMEngine, model: FakeModel) -> None:
 # ones it keeps, and the outputs are those of a run without drafts, under preemption.
 @pytest.mark.parametrize(("windows", "blocks"), [((None,), 32), ((None, 6), 48)])
 def test_drafts_with_state_slots_in_a_tiny_cache_equal_an_ample_cache_without(windows, blocks):
-    ample, _, _, _ = run(
-        4000,
-        8,
-        chunked=True,
-        caching=True,
-        num=120,
-        windows=windows,
-        state_slots=200,
-        decode_steps=1,
-    )
     tiny, stats, model, _ = run(
         blocks,
         400,
@@ -295,7 +290,7 @@ def test_drafts_with_state_slots_in_a_tiny_cache_equal_an_ample_cache_without(wi
     assert model.num_drafts_kept > 0
     assert stats.num_spec_draft_tokens > stats.num_spec_accepted_tokens  # some dropped
     assert stats.num_preemptions_swap + stats.num_preemptions_recompute >= 5
-    assert tiny == ample
+    assert tiny == ample_single_steps(windows, 200)
 
 
 def test_state_slots_change_what_the_fake_model_samples():
