@@ -146,10 +146,15 @@ def _sdist() -> Path:
     return sorted(downloads.glob("llama_cpp_python-*.tar.gz"))[-1]
 
 
+def openblas_dir() -> Path:
+    """Where `openblas()` puts the library and header that ggml's BLAS backend builds on."""
+    return cache_dir() / "openblas"
+
+
 def openblas() -> Path:
     """A directory holding lib/libopenblas.so and include/cblas.h for ggml's BLAS backend
     (the module comment says why), made on first use."""
-    root = cache_dir() / "openblas"
+    root = openblas_dir()
     library = root / "lib" / "libopenblas.so"
     if library.exists():
         return root
@@ -202,12 +207,12 @@ def openblas() -> Path:
 
 def build_flags(blas: bool = False) -> list[str]:
     """CMAKE_FLAGS, on x86 the compiler told to keep dead stores, and with `blas` ggml's BLAS
-    backend on `openblas()`."""
+    backend on `openblas()` (which `llama_server` makes before building)."""
     flags = list(CMAKE_FLAGS)
     if platform.machine() in ("x86_64", "AMD64"):
         flags += [f"-DCMAKE_C_FLAGS={KEEP_DEAD_STORES}", f"-DCMAKE_CXX_FLAGS={KEEP_DEAD_STORES}"]
     if blas:
-        shim = openblas()
+        shim = openblas_dir()
         flags += [
             "-DGGML_BLAS=ON",
             "-DGGML_BLAS_VENDOR=OpenBLAS",
@@ -238,6 +243,8 @@ def llama_server(blas: bool = False) -> tuple[Path, Path]:
             source_root.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(top / "vendor" / "llama.cpp"), source_root)
     build = source_root.parent / f"build-{tag}"  # the binaries load its shared libraries
+    if blas:
+        openblas()
     _log(f"building {', '.join(TARGETS)} in {build} (about 12 minutes on 2 cores)")
     subprocess.run(
         [

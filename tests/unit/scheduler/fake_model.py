@@ -44,6 +44,12 @@ def _mix(h: int, x: int) -> int:
     return ((h ^ (x + 0x9E3779B97F4A7C15)) * 0x100000001B3) & _MASK
 
 
+def _mix_all(h: int, xs: list[int]) -> int:
+    for x in xs:
+        h = _mix(h, x)
+    return h
+
+
 @dataclass(slots=True)
 class _SeqState:
     request_id: str
@@ -375,10 +381,7 @@ class FakeModel:
         """A state slot after the sequence's first `length` tokens, from (tokens computed,
         state) earlier."""
         computed, state = before
-        state = state if computed else 17
-        for token in st.tokens[computed:length]:
-            state = _mix(state, token)
-        return state
+        return _mix_all(state if computed else 17, st.tokens[computed:length])
 
     def next_token(self, tokens: list[int], seq_index: int = 0) -> int:
         """What the model samples after `tokens` (unconstrained, not beam search): the
@@ -386,14 +389,9 @@ class FakeModel:
         and with states, as a slot that computed every token holds it."""
         h = 17
         for window in self.windows:
-            first = 0 if window is None else max(0, len(tokens) - window)
-            for t in tokens[first:]:
-                h = _mix(h, t)
+            h = _mix_all(h, tokens[0 if window is None else max(0, len(tokens) - window) :])
         if self.state_slots:
-            state = 17
-            for t in tokens:
-                state = _mix(state, t)
-            h = _mix(h, state)
+            h = _mix(h, _mix_all(17, tokens))
         return self._sample(h, seq_index).token_id
 
     def _context_hash(self, st: _SeqState, length: int, windows: bool = True) -> int:
