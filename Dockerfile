@@ -12,7 +12,7 @@ ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS runtime-base
 # The CPU kernels are compiled on first start for the CPU the container runs on (-march=native,
-# see kernels/cpu/build.py), so the image carries a C++ compiler. Triton, on CUDA, compiles its
+# see llmserve_kernels/cpu/build.py), so the image carries a C++ compiler. Triton, on CUDA, compiles its
 # launchers at run time with the same compiler.
 RUN if ! command -v g++ >/dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends g++ \
@@ -42,7 +42,7 @@ COPY llmserve/ llmserve/
 COPY scheduler_service/ scheduler_service/
 COPY worker_service/ worker_service/
 COPY gateway/ gateway/
-COPY kernels/ kernels/
+COPY llmserve_kernels/ llmserve_kernels/
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then \
         export PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels; \
     fi \

@@ -1,11 +1,11 @@
 """A decode step's paged attention on the CPU kernels, per K/V cache dtype (issue #52).
 
 `--seqs` sequences of `--context` cached tokens each, one query token per sequence, through
-every layer (`--layers` calls of `kernels.cpu.paged_attention_decode`, each layer's blocks
+every layer (`--layers` calls of `llmserve_kernels.cpu.paged_attention_decode`, each layer's blocks
 shuffled through one cache): float32 caches with float32 queries, as a float32 model's
 worker keeps them (`--kv-cache-dtype model`), against bfloat16 caches with the queries
 rounded to bfloat16, as fast mode's default does (`worker_service/attention/base.py`,
-`kernels/cpu/decode.cpp`). Best of `--repeats` steps; the K/V bytes a step reads per second
+`llmserve_kernels/cpu/decode.cpp`). Best of `--repeats` steps; the K/V bytes a step reads per second
 and the multiply-adds' rate. SmolLM2-135M's shape by default (9 heads, 3 kv heads of 64).
 
     .venv/bin/python bench/decode_attention.py --seqs 16 --contexts 128 300 512
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(_BENCH_DIR))
 import torch  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
-from kernels.cpu import paged_attention_decode  # noqa: E402
-from kernels.cpu.pool import set_num_threads  # noqa: E402
+from llmserve_kernels.cpu import paged_attention_decode  # noqa: E402
+from llmserve_kernels.cpu.pool import set_num_threads  # noqa: E402
 
 
 def step_seconds(args: argparse.Namespace, context: int, dtype: torch.dtype) -> float:

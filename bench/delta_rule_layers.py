@@ -2,8 +2,8 @@
 layer against a gated full-attention layer of a tiny random Qwen3.5 (tests/support/models.py
 `qwen3_5`, float32, 8 layers: 6 Gated DeltaNet, 2 attention), over a prefill of N tokens and
 decode steps at N tokens of context (N = 1k and 8k by default); then the gated delta rule
-alone, the torch reference (`kernels.gated_delta_rule.gated_delta_rule_chunked`) against the
-C++ kernel (`kernels.cpu.gated_delta_rule_prefill`), at the tiny model's heads and at
+alone, the torch reference (`llmserve_kernels.gated_delta_rule.gated_delta_rule_chunked`) against
+the C++ kernel (`llmserve_kernels.cpu.gated_delta_rule_prefill`), at the tiny model's heads and at
 Qwen3-Next's (16 key heads, 32 value heads, 128 x 128).
 
 The layers run in the real worker, timed by wrapping the model's methods: a linear-attention
@@ -36,10 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import describe  # noqa: E402
-from kernels import cpu as cpu_kernels  # noqa: E402
-from kernels.cpu.pool import set_num_threads  # noqa: E402
-from kernels.gated_delta_rule import gated_delta_rule_chunked  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
+from llmserve_kernels import cpu as cpu_kernels  # noqa: E402
+from llmserve_kernels.cpu.pool import set_num_threads  # noqa: E402
+from llmserve_kernels.gated_delta_rule import gated_delta_rule_chunked  # noqa: E402
 from scheduler_service.engine.offline import generate  # noqa: E402
 from tests.support.engines import engine_on_worker  # noqa: E402
 from tests.support.models import save_tiny_model  # noqa: E402

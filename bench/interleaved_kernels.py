@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import quantize  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
-from kernels.cpu import quant  # noqa: E402
+from llmserve_kernels.cpu import quant  # noqa: E402
 
 # name, out features, in features, copies
 SHAPES = (("gate/up 576 -> 3072", 3072, 576, 30), ("down 1536 -> 576", 576, 1536, 40),

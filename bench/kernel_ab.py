@@ -32,7 +32,7 @@ from gguf.quants import quantize  # noqa: E402
 
 from bench.interleaved_kernels import SHAPES  # noqa: E402
 from bench.machine import describe  # noqa: E402
-from kernels.cpu import quant  # noqa: E402
+from llmserve_kernels.cpu import quant  # noqa: E402
 from tests.kernels.test_quant_linear import K_QUANTS, quantized  # noqa: E402
 
 KERNELS = {"fast": "llmserve_quant_linear_interleaved", "exact": "llmserve_quant_linear"}
@@ -41,7 +41,7 @@ SLEEP_S = 0.003  # longer than a pool's helpers spin before they sleep (pool.h)
 
 def library(checkout: Path) -> ctypes.CDLL:
     """The checkout's kernel library, built by its own build.py."""
-    code = "from kernels.cpu import build; print(build._build())"
+    code = "from llmserve_kernels.cpu import build; print(build._build())"
     path = subprocess.run(
         [sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, check=True
     ).stdout.strip()

@@ -10,8 +10,8 @@ of the 4th generation on) llama-server runs its AMX kernels ("AMX model buffer" 
 earlier builds here passed `-mno-amx-*`, which that later flag undid. ggml builds its tile
 configuration in a local, and GCC 12's `_tile_loadconfig` tells the compiler it reads only 8
 bytes of it, so the stores filling the rest may be dropped as dead and LDTILECFG then faults
-(kernels/cpu/quant_amx.cpp met it; a build here once died so at its first matmul): on x86 the
-build keeps dead stores (`-fno-dse -fno-tree-dse`), a flag, not a change to its sources.
+(llmserve_kernels/cpu/quant_amx.cpp met it; a build here once died so at its first matmul): on x86
+the build keeps dead stores (`-fno-dse -fno-tree-dse`), a flag, not a change to its sources.
 About 12 minutes on 2 cores; the binaries are cached under `$LLMSERVE_BENCH_CACHE` (default
 `~/.cache/llmserve/bench`), keyed by the sdist's version and the build flags. They load
 llama.cpp's shared libraries from the build directory, so each set of flags has a build

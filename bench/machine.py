@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import NativeKernelUnavailable, isa
+from llmserve_kernels.cpu.build import NativeKernelUnavailable, isa
 
 
 def describe() -> str:

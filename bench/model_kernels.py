@@ -28,9 +28,9 @@ import torch  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
-from kernels.cpu import quant  # noqa: E402
 from llmserve.gguf_files import open_gguf  # noqa: E402
 from llmserve.model_spec import resolve_model  # noqa: E402
+from llmserve_kernels.cpu import quant  # noqa: E402
 
 
 def groups(model: str) -> dict[tuple[str, str], list[quant.QuantWeight]]:

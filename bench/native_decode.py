@@ -37,7 +37,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH_DIR]
 sys.path.insert(0, os.path.dirname(_BENCH_DIR))
 
 from bench.decode_graphs import decode_inputs  # noqa: E402
-from kernels.cpu import build  # noqa: E402
+from llmserve_kernels.cpu import build  # noqa: E402
 from tests.support.models import FAMILY_KINDS, save_tiny_model  # noqa: E402
 from worker_service.config import WorkerConfig  # noqa: E402
 from worker_service.models import decoder  # noqa: E402
@@ -143,7 +143,8 @@ def main() -> None:
     parser.add_argument(
         "--no-matrix-engine",
         action="store_true",
-        help="without AMX tiles (kernels/cpu/amx.h): fast mode's linear layers and prompt attention",
+        help="without AMX tiles (llmserve_kernels/cpu/amx.h): fast mode's linear layers and prompt "
+        "attention",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

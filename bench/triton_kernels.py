@@ -3,8 +3,8 @@
 For each (batch, context, heads, block size) it times the kernel, reports achieved memory
 bandwidth (the bytes the kernel must move: the K/V context, the queries and the output), the
 percentage of the device's peak bandwidth, and the speed-up over the torch reference
-(kernels.reference) and over `scaled_dot_product_attention` on an equivalent contiguous cache.
-Prints a markdown table (append it to bench/RESULTS.md). Without CUDA it says so and exits 0.
+(llmserve_kernels.reference) and over `scaled_dot_product_attention` on an equivalent contiguous
+cache. Prints a markdown table (append it to bench/RESULTS.md). Without CUDA it says so and exits 0.
 
 Decode times are device times: the calls are captured in a CUDA graph and replayed, so the
 host's launch cost is left out, and a graph cycles through enough copies of the inputs
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the
-# `kernels` package: put the repository root there instead.
+# Run as a script, this file's folder comes first on sys.path: put the repository root, where
+# the packages are, there instead.
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH_DIR]
 sys.path.insert(0, os.path.dirname(_BENCH_DIR))
@@ -156,9 +156,9 @@ def contiguous_kv(inputs: dict[str, torch.Tensor], shape: Shape) -> tuple[torch.
 
 
 def bench_decode(shape: Shape, dtype: torch.dtype, peak: float | None, with_ref: bool) -> str:
-    import kernels
-    from kernels import reference
-    from kernels.paged_attention import DecodePlan
+    import llmserve_kernels
+    from llmserve_kernels import reference
+    from llmserve_kernels.paged_attention import DecodePlan
 
     element = torch.finfo(dtype).bits // 8
     kv_bytes = 2 * shape.batch * shape.context * shape.num_kv_heads * shape.head_dim * element
@@ -170,7 +170,9 @@ def bench_decode(shape: Shape, dtype: torch.dtype, peak: float | None, with_ref:
 
     def call(x: dict[str, torch.Tensor], out: torch.Tensor) -> Callable[[], object]:
         args = (*x.values(), scale)
-        return lambda: kernels.paged_attention_decode(*args, out=out, max_seq_len=shape.context)
+        return lambda: llmserve_kernels.paged_attention_decode(
+            *args, out=out, max_seq_len=shape.context
+        )
 
     triton_us = device_us([call(x, out) for x, out in zip(sets, outs, strict=True)])
     inputs, out = sets[0], outs[0]
@@ -205,8 +207,8 @@ def bench_decode(shape: Shape, dtype: torch.dtype, peak: float | None, with_ref:
 
 def bench_prefill(shape: Shape, dtype: torch.dtype, with_ref: bool) -> str:
     """A batch of `batch` chunks of 512 new tokens after a cached prefix of `context - 512`."""
-    import kernels
-    from kernels import reference
+    import llmserve_kernels
+    from llmserve_kernels import reference
 
     chunk = min(512, shape.context)
     inputs = make_decode_inputs(shape, dtype)
@@ -224,7 +226,7 @@ def bench_prefill(shape: Shape, dtype: torch.dtype, with_ref: bool) -> str:
         inputs["seq_lens"],
         scale,
     )
-    triton_ms = time_ms(lambda: kernels.prefill_attention(*args, max_query_len=chunk))
+    triton_ms = time_ms(lambda: llmserve_kernels.prefill_attention(*args, max_query_len=chunk))
     key, value = contiguous_kv(inputs, shape)
     q = query.view(shape.batch, chunk, shape.num_heads, shape.head_dim).transpose(1, 2)
     prefix = shape.context - chunk

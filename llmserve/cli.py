@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "worker":
         # Before torch loads libgomp, which reads it once: torch's OpenMP threads sleep as
         # soon as a parallel region ends instead of spinning. The C++ kernels run on threads
-        # of their own (kernels/cpu/pool.h) between torch's regions, and spinning OpenMP
+        # of their own (llmserve_kernels/cpu/pool.h) between torch's regions, and spinning OpenMP
         # threads took the cores from them: prefills were slower spinning than passive, in
         # bfloat16 and in float32 beside oneDNN's matmuls (bench/RESULTS.md, "Figures moved
         # out of code comments").

@@ -7,8 +7,6 @@ from typing import Literal
 
 import torch
 
-from kernels.cpu.quant import MODES as QUANT_MODES
-from kernels.cpu.quant import QuantMode
 from llmserve.batch_limits import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -16,6 +14,8 @@ from llmserve.batch_limits import (
 )
 from llmserve.config_flags import flag
 from llmserve.errors import FieldError
+from llmserve_kernels.cpu.quant import MODES as QUANT_MODES
+from llmserve_kernels.cpu.quant import QuantMode
 
 GiB = 1 << 30
 
@@ -54,18 +54,18 @@ class WorkerConfig:
     attention_backend: AttentionBackendName = flag(
         "auto", "triton on CUDA, cpu (the C++ kernels) on a CPU, torch: the reference"
     )
-    # Matmuls: `torch` (F.linear), `onednn` (weights prepacked once at load; CPU float32 /
-    # bfloat16 where oneDNN supports it), or `native` (kernels/cpu/decode.cpp's projections,
-    # which widen bfloat16 in registers: on CPUs without AVX-512 they run bfloat16 matmuls
-    # several times faster than F.linear). `gguf` keeps a GGUF file's blocks as they are and
-    # multiplies with them (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K, CPU float32:
-    # models/gguf_weights.py). `auto`, with the native `cpu` attention backend, takes gguf
-    # for a GGUF file with such blocks, else onednn where it can run, else native; with
-    # other backends torch, so the `torch` backend stays the plain-torch reference.
+    # Matmuls: `torch` (F.linear), `onednn` (weights prepacked once at load; CPU float32 / bfloat16
+    # where oneDNN supports it), or `native` (llmserve_kernels/cpu/decode.cpp's projections, which
+    # widen bfloat16 in registers: on CPUs without AVX-512 they run bfloat16 matmuls several times
+    # faster than F.linear). `gguf` keeps a GGUF file's blocks as they are and multiplies with them
+    # (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K, CPU float32: models/gguf_weights.py). `auto`,
+    # with the native `cpu` attention backend, takes gguf for a GGUF file with such blocks, else
+    # onednn where it can run, else native; with other backends torch, so the `torch` backend stays
+    # the plain-torch reference.
     linear_impl: LinearImplName = flag(
         "auto",
-        "matmuls: onednn prepacks the weights (CPU); native = kernels/cpu projections; gguf = "
-        "on a GGUF file's blocks as they are (CPU float32); auto = with the cpu backend gguf "
+        "matmuls: onednn prepacks the weights (CPU); native = llmserve_kernels/cpu projections; "
+        "gguf = on a GGUF file's blocks as they are (CPU float32); auto = with the cpu backend gguf "
         "for a quantized GGUF file, else onednn where oneDNN runs the dtype, else native",
     )
     # `q8_0` / `q4_1` quantize a float checkpoint's projections, embedding and LM head at load
@@ -78,8 +78,8 @@ class WorkerConfig:
         "a scale per 32 weights) and multiply on them as --linear-impl gguf does (CPU float32, "
         "not a GGUF file); none = dense weights",
     )
-    # How `gguf` and `quantization` multiply (kernels/cpu/quant.py): `exact` dequantizes each
-    # block to float32 (the model equals HF's dequantized one up to summation order); `fast`
+    # How `gguf` and `quantization` multiply (llmserve_kernels/cpu/quant.py): `exact` dequantizes
+    # each block to float32 (the model equals HF's dequantized one up to summation order); `fast`
     # rounds the activations to 8 bits per block of 32 and takes integer dot products, as
     # llama.cpp does, and (with the `cpu` backend, on CPUs with AVX512-BF16) computes the
     # prompts' attention scores and value sums as bfloat16 dot products. Fast is the default:
@@ -104,7 +104,7 @@ class WorkerConfig:
         "only); auto = bfloat16 in fast mode on GGUF blocks with the cpu backend, else model",
     )
     # Pure decode steps of up to this many sequences run every layer in one native call
-    # (kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks
+    # (llmserve_kernels/cpu/decode.cpp) with the `cpu` attention backend; 0 turns it off; None picks
     # the model's measured default (models/native.py: default_native_max_batch). Larger
     # steps and prefills keep the per-layer path and its (prepacked) matmuls.
     native_decode_max_batch: int | None = flag(

@@ -4,9 +4,9 @@ of the step reads and writes (DESIGN.md, section 13).
 A Gated DeltaNet layer (Qwen3.5, Qwen3-Next) keeps no K/V per token; each sequence has one
 state slot, chosen by the scheduler, in two pools per layer:
 - the conv state `[num_slots, conv_kernel - 1, conv_dim]` in the model dtype (the last inputs
-  of the short causal convolution, `kernels.causal_conv1d`);
+  of the short causal convolution, `llmserve_kernels.causal_conv1d`);
 - the recurrent state `[num_slots, num_v_heads, k_dim, v_dim]` in float32 (the delta rule's
-  matrices, `kernels.gated_delta_rule`; transformers keeps them in float32 too).
+  matrices, `llmserve_kernels.gated_delta_rule`; transformers keeps them in float32 too).
 `DecoderModel.forward` takes a layer's pair in place of its (key, value) caches.
 
 The step's tokens are laid out as for attention: the sequences that compute several tokens

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu.decode import ArgmaxLogprobs
 from llmserve.kv_layout import NULL_BLOCK, KvLayout, single_group
 from llmserve.steps import SequenceOutput, StepResult, TokenMask
+from llmserve_kernels.cpu.decode import ArgmaxLogprobs
 from worker_service import metrics as worker_metrics
 from worker_service.attention.base import AttentionBackend
 from worker_service.cuda_graphs import DecodeGraphs

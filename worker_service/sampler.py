@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import cpu as cpu_kernels
-from kernels.cpu.decode import ArgmaxLogprobs
 from llmserve.sampling_params import SamplingParams
 from llmserve.steps import TokenLogprob, TokenMask
+from llmserve_kernels import cpu as cpu_kernels
+from llmserve_kernels.cpu.decode import ArgmaxLogprobs
 from worker_service.nucleus import top_k_top_p
 from worker_service.token_masks import refused_matrix
 
@@ -115,7 +115,7 @@ class Sampler:
         seed: int = 0,
         native_reductions: bool = False,
     ) -> None:
-        """`native_reductions`: argmax and log-sum-exp by kernels.cpu (CPU logits only)."""
+        """`native_reductions`: argmax and log-sum-exp by llmserve_kernels.cpu (CPU logits only)."""
         self.vocab_size = vocab_size
         self.native_reductions = native_reductions
         self.eos_token_ids = eos_token_ids

@@ -27,8 +27,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 
-from kernels import reference  # noqa: E402
-from kernels.paged_attention import DecodeLaunchConfig, paged_attention_decode  # noqa: E402
+from llmserve_kernels import reference  # noqa: E402
+from llmserve_kernels.paged_attention import DecodeLaunchConfig, paged_attention_decode  # noqa: E402
 
 # (batch, context, heads, kv heads, block size)
 SWEEP_SHAPES = [

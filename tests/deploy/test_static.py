@@ -579,17 +579,19 @@ def test_installed_package_ships_every_cpu_kernel_source():
     import tomllib
     from fnmatch import fnmatch
 
-    from kernels.cpu.build import HEADERS, SOURCES
+    from llmserve_kernels.cpu.build import HEADERS, SOURCES
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["kernels"]
+    globs = pyproject["tool"]["setuptools"]["package-data"]["llmserve_kernels"]
     for name in (*SOURCES, *HEADERS):
         assert any(fnmatch(f"cpu/{name}", glob) for glob in globs), name
 
 
 def test_every_cpu_kernel_file_is_in_the_build_and_its_cache_key():
     # A header left out of HEADERS would not rebuild the cached library when it changes.
-    from kernels.cpu.build import HEADERS, SOURCES
+    from llmserve_kernels.cpu.build import HEADERS, SOURCES
 
-    on_disk = {p.name for p in (ROOT / "kernels" / "cpu").iterdir() if p.suffix in (".h", ".cpp")}
+    on_disk = {
+        p.name for p in (ROOT / "llmserve_kernels" / "cpu").iterdir() if p.suffix in (".h", ".cpp")
+    }
     assert on_disk == {*SOURCES, *HEADERS}

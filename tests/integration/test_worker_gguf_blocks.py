@@ -11,11 +11,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kernels import cpu as cpu_kernels
-from kernels.cpu.quant import QuantMode, QuantWeight
 from llmserve.gguf_files import open_gguf
 from llmserve.model_spec import resolve_model
 from llmserve.sampling_params import SamplingParams
+from llmserve_kernels import cpu as cpu_kernels
+from llmserve_kernels.cpu.quant import QuantMode, QuantWeight
 from scheduler_service.engine.offline import generate
 from tests.support.engines import engine_on_worker
 from tests.support.models import (

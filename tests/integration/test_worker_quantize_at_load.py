@@ -12,9 +12,9 @@ import pytest
 import torch
 from gguf import quants
 
-from kernels.cpu import quant
-from kernels.cpu.quant import QuantWeight
 from llmserve.sampling_params import SamplingParams
+from llmserve_kernels.cpu import quant
+from llmserve_kernels.cpu.quant import QuantWeight
 from scheduler_service.engine.offline import generate
 from tests.support.engines import engine_on_worker
 from tests.support.models import hf_greedy_outputs, load_hf, save_tiny_model

@@ -1,6 +1,6 @@
 """Kernel tests run on CPU under the Triton interpreter, and on CUDA when present.
 
-TRITON_INTERPRET is read when a kernel is decorated, so it must be set before `kernels` is
+TRITON_INTERPRET is read when a kernel is decorated, so it must be set before `llmserve_kernels` is
 first imported; conftest.py is loaded before the test modules of this directory.
 """
 

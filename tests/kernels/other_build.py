@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.cpu import build
+from llmserve_kernels.cpu import build
 
 ROOT = Path(__file__).resolve().parents[2]
 

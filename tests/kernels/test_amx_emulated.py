@@ -1,4 +1,4 @@
-"""The matrix-engine paths (kernels/cpu/amx.h: fast mode's linear layers on 8-bit tiles,
+"""The matrix-engine paths (llmserve_kernels/cpu/amx.h: fast mode's linear layers on 8-bit tiles,
 its prompt attention on bfloat16 tiles) on a CPU without AMX: the library built with
 `$LLMSERVE_KERNEL_FLAGS=-DLLMSERVE_AMX_EMULATE`, whose tile instructions are a C++ model of
 their definitions, then those paths' tests, which need the engine to run. What this checks is
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.cpu import build
+from llmserve_kernels.cpu import build
 from tests.kernels.other_build import probe, run_tests
 
 
@@ -18,8 +18,8 @@ def test_the_tile_paths_pass_their_tests_on_the_model_of_the_tiles():
     if "avx512bf16" not in build.isa():
         pytest.skip("the tile paths need AVX-512 with BF16 around the tiles")
     flags = "-DLLMSERVE_AMX_EMULATE"
-    assert probe(flags, "from kernels.cpu import build; print(build.set_matrix_engine(None))") == [
-        "True"
-    ]
+    assert probe(
+        flags, "from llmserve_kernels.cpu import build; print(build.set_matrix_engine(None))"
+    ) == ["True"]
     summary = run_tests(flags, ["test_quant_amx.py", "test_prefill_amx.py"], "-rs")
     assert " passed" in summary and "skipped" not in summary, summary

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import llmserve_kernels
+from llmserve_kernels import reference
 from tests.kernels.paged import (
     DTYPES,
     LAYOUTS,
@@ -47,7 +47,7 @@ def test_reshape_and_cache_matches_reference(
         key_cache, value_cache, pool = in_pool(key_cache, value_cache, pool_pad)
         before = pool.clone()
 
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    llmserve_kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
     reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
 
     assert torch.equal(key_cache, expected_key)
@@ -63,7 +63,7 @@ def test_reshape_and_cache_skips_negative_slots(device: str) -> None:
     value = torch.full((3, 1, 64), 2.0, device=device)
     slots = torch.tensor([9, -1, 0], device=device)
 
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    llmserve_kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
 
     written = key_cache[:, :, 0, 0].flatten().nonzero().flatten().tolist()
     assert written == [0, 9]
@@ -93,7 +93,7 @@ def test_copy_blocks_matches_reference(
         before = pool.clone()
     mapping = torch.tensor([[3, 0], [3, 5], [7, 1]], device=device)
 
-    kernels.copy_blocks(key_caches, value_caches, mapping)
+    llmserve_kernels.copy_blocks(key_caches, value_caches, mapping)
     reference.copy_blocks(expected_keys, expected_values, mapping)
 
     for actual, expected in zip(
@@ -109,11 +109,13 @@ def test_cache_ops_reject_bad_arguments(device: str) -> None:
     key_cache = torch.zeros(2, 8, 2, 64, device=device)
     value_cache = torch.zeros(2, 8, 2, 64, device=device)
     key = torch.ones(3, 2, 64, device=device)
-    with pytest.raises(kernels.KernelArgumentError, match="slot_mapping: dimension 0"):
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="slot_mapping: dimension 0"):
         slots = torch.tensor([1, 2], device=device)
-        kernels.reshape_and_cache(key, key, key_cache, value_cache, slots)
-    with pytest.raises(kernels.KernelArgumentError, match="key_cache: dimension 2"):
+        llmserve_kernels.reshape_and_cache(key, key, key_cache, value_cache, slots)
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="key_cache: dimension 2"):
         slots = torch.tensor([1, 2, 3], device=device)
-        kernels.reshape_and_cache(key[:, :1], key[:, :1], key_cache, value_cache, slots)
-    with pytest.raises(kernels.KernelArgumentError, match="block_mapping: dtype"):
-        kernels.copy_blocks([key_cache], [value_cache], torch.zeros(1, 2, dtype=torch.int32))
+        llmserve_kernels.reshape_and_cache(key[:, :1], key[:, :1], key_cache, value_cache, slots)
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="block_mapping: dtype"):
+        llmserve_kernels.copy_blocks(
+            [key_cache], [value_cache], torch.zeros(1, 2, dtype=torch.int32)
+        )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import KernelArgumentError
-from kernels.causal_conv1d import Activation, causal_conv1d, causal_conv1d_update
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels.causal_conv1d import Activation, causal_conv1d, causal_conv1d_update
 from tests.kernels.linear_state import make_state_pool, offsets, slots
 
 TIGHT = dict(atol=1e-6, rtol=1e-6)

@@ -1,4 +1,4 @@
-"""The C++ kernels' thread pool (kernels/cpu/pool.h): every chunk of a parallel loop runs
+"""The C++ kernels' thread pool (llmserve_kernels/cpu/pool.h): every chunk of a parallel loop runs
 exactly once, and the loop returns only after all of them have run.
 
 The race this guards against needs a helper thread preempted between reading a loop's ticket
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from kernels._checks import KernelArgumentError
-from kernels.cpu.pool import pool_check
+from llmserve_kernels._checks import KernelArgumentError
+from llmserve_kernels.cpu.pool import pool_check
 
 # Loops of different sizes back to back, as a decode step's projections and attention are.
 COUNTS = [2, 9, 3, 16]

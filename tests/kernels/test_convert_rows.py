@@ -1,12 +1,12 @@
-"""kernels.cpu.convert_rows against torch's casts between float32 and bfloat16."""
+"""llmserve_kernels.cpu.convert_rows against torch's casts between float32 and bfloat16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import KernelArgumentError
-from kernels.cpu import convert_rows
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels.cpu import convert_rows
 
 
 def awkward_floats(rows: int, cols: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The native CPU kernels (kernels.cpu) against the torch references, on poisoned paged caches.
+"""The native CPU kernels (llmserve_kernels.cpu) against the torch references, on poisoned paged
+caches.
 
 Caches come from `make_paged_cache`: shuffled blocks, NaN in every slot no sequence owns and
 -1 past each block table's end, so reading outside a context shows up as NaN or a crash; in
@@ -10,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import KernelArgumentError, reference
-from kernels import cpu as cpu_kernels
+from llmserve_kernels import KernelArgumentError, reference
+from llmserve_kernels import cpu as cpu_kernels
 from tests.kernels.paged import (
     LAYOUTS,
     PagedCache,

@@ -1,4 +1,4 @@
-"""The C++ decode steps of a Gated DeltaNet layer's states (kernels.cpu) against the torch
+"""The C++ decode steps of a Gated DeltaNet layer's states (llmserve_kernels.cpu) against the torch
 references: the conv update and one step of the gated delta rule, in shuffled pool slots."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import KernelArgumentError
-from kernels import cpu as cpu_kernels
-from kernels.causal_conv1d import causal_conv1d_update
-from kernels.gated_delta_rule import gated_delta_rule_decode
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels import cpu as cpu_kernels
+from llmserve_kernels.causal_conv1d import causal_conv1d_update
+from llmserve_kernels.gated_delta_rule import gated_delta_rule_decode
 from tests.kernels.linear_state import make_delta_inputs, make_state_pool, slots
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

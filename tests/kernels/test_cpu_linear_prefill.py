@@ -1,6 +1,6 @@
-"""The C++ prefill of a Gated DeltaNet layer's states (kernels.cpu, linear_prefill.cpp) against
-the torch references: the packed causal conv and the gated delta rule over sequences of mixed
-lengths in shuffled pool slots, some new (their slots hold NaN: never read), states carried
+"""The C++ prefill of a Gated DeltaNet layer's states (llmserve_kernels.cpu, linear_prefill.cpp)
+against the torch references: the packed causal conv and the gated delta rule over sequences of
+mixed lengths in shuffled pool slots, some new (their slots hold NaN: never read), states carried
 across calls."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import KernelArgumentError
-from kernels import cpu as cpu_kernels
-from kernels.causal_conv1d import causal_conv1d
-from kernels.gated_delta_rule import gated_delta_rule_chunked
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels import cpu as cpu_kernels
+from llmserve_kernels.causal_conv1d import causal_conv1d
+from llmserve_kernels.gated_delta_rule import gated_delta_rule_chunked
 from tests.kernels.linear_state import (
     delta_args,
     make_delta_inputs,

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import KernelArgumentError
-from kernels.gated_delta_rule import (
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels.gated_delta_rule import (
     gated_delta_rule_chunked,
     gated_delta_rule_decode,
     gated_delta_rule_recurrent,

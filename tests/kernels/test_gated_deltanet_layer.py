@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
-from kernels.gated_delta_rule import (
+from llmserve_kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from llmserve_kernels.gated_delta_rule import (
     gated_delta_gates,
     gated_delta_rule_chunked,
     gated_delta_rule_decode,

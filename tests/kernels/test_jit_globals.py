@@ -14,10 +14,10 @@ import pytest
 import triton.language as tl
 
 KERNEL_MODULES = [
-    "kernels.cache_ops",
-    "kernels.paged_decode_kernels",
-    "kernels.prefill_attention",
-    "kernels.quant_matmul",
+    "llmserve_kernels.cache_ops",
+    "llmserve_kernels.paged_decode_kernels",
+    "llmserve_kernels.prefill_attention",
+    "llmserve_kernels.quant_matmul",
 ]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu import build
+from llmserve_kernels.cpu import build
 from tests.kernels.other_build import probe, run_tests
 
 
@@ -42,7 +42,9 @@ def test_the_avx2_paths_pass_the_kernel_tests_on_an_avx512_cpu():
     if "avx512" not in build.isa():
         pytest.skip("this CPU has no AVX-512: the default build is the AVX2 one")
     flags = "-mno-avx512f"
-    assert probe(flags, "from kernels.cpu.build import isa; print('+'.join(isa()))") == ["avx2"]
+    assert probe(flags, "from llmserve_kernels.cpu.build import isa; print('+'.join(isa()))") == [
+        "avx2"
+    ]
     tests = [
         "test_quant_linear.py",
         "test_quant_interleaved.py",

@@ -1,5 +1,5 @@
-"""The native decode step (kernels/cpu/decode.cpp) against the per-layer path, one feature at a
-time, on a tiny random model whose caches hold contexts longer than its sliding window.
+"""The native decode step (llmserve_kernels/cpu/decode.cpp) against the per-layer path, one feature
+at a time, on a tiny random model whose caches hold contexts longer than its sliding window.
 
 Each case builds the same weights twice: a `DecoderModel` that takes the native step and one
 that decodes per layer (the `cpu` backend's paged kernel, torch or fused elementwise ops).
@@ -18,9 +18,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels import KernelArgumentError
-from kernels.cpu import quant
-from kernels.cpu.quant import MODES, QuantMode, QuantWeight
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels.cpu import quant
+from llmserve_kernels.cpu.quant import MODES, QuantMode, QuantWeight
 from tests.kernels.paged import assert_unchanged_outside, block_pool, layer_views
 from worker_service.attention import AttentionMetadata, AttentionSpec, get_backend_class
 from worker_service.models.arch import LayerKind, ModelArchConfig

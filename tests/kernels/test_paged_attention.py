@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import decode_plan, paged_attention, reference
+import llmserve_kernels
+from llmserve_kernels import decode_plan, paged_attention, reference
 from tests.kernels.paged import (
     DTYPES,
     LAYOUTS,
@@ -45,7 +45,7 @@ def run_decode(
     scale = head_dim**-0.5
     args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, scale)
     return (
-        kernels.paged_attention_decode(*args, **kwargs),
+        llmserve_kernels.paged_attention_decode(*args, **kwargs),
         reference.paged_attention_decode(*args),
     )
 
@@ -133,7 +133,7 @@ def test_decode_writes_into_out_from_strided_query(device: str) -> None:
     query = qkv[:, :4]  # [num_seqs, num_heads, head_dim], stride(0) = 8 * 64
     out = torch.full_like(query, float("nan"))
     args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, 0.1)
-    result = kernels.paged_attention_decode(*args, out=out, partition_size=32)
+    result = llmserve_kernels.paged_attention_decode(*args, out=out, partition_size=32)
     assert result is out
     assert_close(out, reference.paged_attention_decode(*args))
 
@@ -151,16 +151,18 @@ def test_decode_rejects_bad_arguments(device: str) -> None:
     )
     good = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, 0.1)
 
-    with pytest.raises(kernels.KernelArgumentError, match="block_tables: dtype"):
-        kernels.paged_attention_decode(*good[:3], cache.block_tables.long(), *good[4:])
-    with pytest.raises(kernels.KernelArgumentError, match="not a multiple of num_kv_heads"):
-        kernels.paged_attention_decode(query[:, :3], *good[1:])
-    with pytest.raises(kernels.KernelArgumentError, match="query: dtype"):
-        kernels.paged_attention_decode(query.int(), *good[1:])
-    with pytest.raises(kernels.KernelArgumentError, match="key_cache: dtype"):
-        kernels.paged_attention_decode(query.half(), *good[1:])
-    with pytest.raises(kernels.KernelArgumentError, match="seq_lens: dimension 0"):
-        kernels.paged_attention_decode(*good[:4], cache.seq_lens.repeat(2), 0.1)
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="block_tables: dtype"):
+        llmserve_kernels.paged_attention_decode(*good[:3], cache.block_tables.long(), *good[4:])
+    with pytest.raises(
+        llmserve_kernels.KernelArgumentError, match="not a multiple of num_kv_heads"
+    ):
+        llmserve_kernels.paged_attention_decode(query[:, :3], *good[1:])
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="query: dtype"):
+        llmserve_kernels.paged_attention_decode(query.int(), *good[1:])
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="key_cache: dtype"):
+        llmserve_kernels.paged_attention_decode(query.half(), *good[1:])
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="seq_lens: dimension 0"):
+        llmserve_kernels.paged_attention_decode(*good[:4], cache.seq_lens.repeat(2), 0.1)
 
 
 def test_decode_pads_head_dims_that_are_not_powers_of_2(device: str) -> None:
@@ -237,7 +239,7 @@ def test_plan_refuses_a_query_of_another_shape(device: str) -> None:
         num_kv_heads=cache.key_cache.shape[2], head_dim=64, block_size=16,
         dtype=torch.float32, scale=0.125,
     )  # fmt: skip
-    with pytest.raises(kernels.KernelArgumentError, match="query"):
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="query"):
         plan.run(query[:1], cache.key_cache, cache.value_cache)
-    with pytest.raises(kernels.KernelArgumentError, match="query"):
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="query"):
         plan.run(query.half(), cache.key_cache, cache.value_cache)

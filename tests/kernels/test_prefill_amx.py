@@ -1,4 +1,4 @@
-"""Fast mode's prompt attention on the matrix engine (kernels/cpu/prefill_amx.h): with the
+"""Fast mode's prompt attention on the matrix engine (llmserve_kernels/cpu/prefill_amx.h): with the
 engine on, `prefill_attention(bf16_dots=True)` runs each key chunk's update on AMX bfloat16
 tiles for head dims that are multiples of 32, and its outputs hold against the torch
 reference on operands rounded to bfloat16 as the vector path's do (test_prefill_bf16_dots.py,
@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
-from kernels import reference
-from kernels.cpu import build
+from llmserve_kernels import cpu as cpu_kernels
+from llmserve_kernels import reference
+from llmserve_kernels.cpu import build
 from tests.kernels.paged import LAYOUTS
 from tests.kernels.test_prefill_bf16_dots import OPTIONS, SHAPES, TOLERANCE, _case, _options
 

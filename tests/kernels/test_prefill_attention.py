@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import llmserve_kernels
+from llmserve_kernels import reference
 from tests.kernels.paged import (
     DTYPES,
     LAYOUTS,
@@ -50,7 +50,7 @@ def run_prefill(
         cache.seq_lens,
         head_dim**-0.5,
     )
-    return kernels.prefill_attention(*args), reference.prefill_attention(*args)
+    return llmserve_kernels.prefill_attention(*args), reference.prefill_attention(*args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,10 +110,12 @@ def test_chunked_prefill_equals_whole_prompt(device: str) -> None:
     slots = block_table[0].long()[tokens // block_size] * block_size + tokens % block_size
 
     def attend(lo: int, hi: int) -> torch.Tensor:
-        kernels.reshape_and_cache(key[lo:hi], value[lo:hi], key_cache, value_cache, slots[lo:hi])
+        llmserve_kernels.reshape_and_cache(
+            key[lo:hi], value[lo:hi], key_cache, value_cache, slots[lo:hi]
+        )
         starts = torch.tensor([0, hi - lo], dtype=torch.int32, device=device)
         seq_lens = torch.tensor([hi], dtype=torch.int32, device=device)
-        return kernels.prefill_attention(
+        return llmserve_kernels.prefill_attention(
             query[lo:hi], key_cache, value_cache, block_table, starts, seq_lens, 0.125
         )
 
@@ -135,8 +137,8 @@ def test_prefill_of_one_token_equals_decode(device: str) -> None:
     )
     starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
     caches = (cache.key_cache, cache.value_cache, cache.block_tables)
-    prefill = kernels.prefill_attention(query, *caches, starts, cache.seq_lens, 0.1)
-    decode = kernels.paged_attention_decode(query, *caches, cache.seq_lens, 0.1)
+    prefill = llmserve_kernels.prefill_attention(query, *caches, starts, cache.seq_lens, 0.1)
+    decode = llmserve_kernels.paged_attention_decode(query, *caches, cache.seq_lens, 0.1)
     assert_close(prefill, decode)
 
 
@@ -153,13 +155,13 @@ def test_prefill_rejects_bad_arguments(device: str) -> None:
     )
     caches = (cache.key_cache, cache.value_cache, cache.block_tables)
     starts = torch.tensor([0, 4], dtype=torch.int32, device=device)
-    with pytest.raises(kernels.KernelArgumentError, match="query_start_loc: dtype"):
-        kernels.prefill_attention(query, *caches, starts.long(), cache.seq_lens, 0.1)
-    with pytest.raises(kernels.KernelArgumentError, match="key_cache: dimension 3"):
-        kernels.prefill_attention(query[..., :32], *caches, starts, cache.seq_lens, 0.1)
-    with pytest.raises(kernels.KernelArgumentError, match="block_tables: dimension 0"):
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="query_start_loc: dtype"):
+        llmserve_kernels.prefill_attention(query, *caches, starts.long(), cache.seq_lens, 0.1)
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="key_cache: dimension 3"):
+        llmserve_kernels.prefill_attention(query[..., :32], *caches, starts, cache.seq_lens, 0.1)
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match="block_tables: dimension 0"):
         three = torch.tensor([0, 1, 2, 4], dtype=torch.int32, device=device)
-        kernels.prefill_attention(query, *caches, three, cache.seq_lens, 0.1)
+        llmserve_kernels.prefill_attention(query, *caches, three, cache.seq_lens, 0.1)
 
 
 @pytest.mark.parametrize("queries_per_kv", [1, 3])
@@ -174,7 +176,7 @@ def test_cpu_prefill_query_bits_do_not_depend_on_its_chunk(
     gives as a chunk of its own (where a block never fills). (Not with a sliding window:
     there a tile's key chunks start at its first query's oldest key, so their bounds, and the
     online softmax's rounding, move with the tile.)"""
-    from kernels.cpu.attention import prefill_attention
+    from llmserve_kernels.cpu.attention import prefill_attention
 
     seq_len, chunk = 140, 77
     cache, query = make_attention_case(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
-from kernels import reference
+from llmserve_kernels import cpu as cpu_kernels
+from llmserve_kernels import reference
 from tests.kernels.paged import LAYOUTS, assert_unchanged_outside, make_prefill_args
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

@@ -1,4 +1,4 @@
-"""Fast mode on the matrix engine (kernels/cpu/quant_amx.cpp): calls of enough rows
+"""Fast mode on the matrix engine (llmserve_kernels/cpu/quant_amx.cpp): calls of enough rows
 (`quant.matrix_engine_rows()`) on interleaved weights of every type but Q6_K go to AMX tiles where the CPU, the build and the OS
 allow, with outputs bit for bit those of the interleaved kernel without it and of the file's
 layout (which test_quant_linear.py holds against the float64 product of the rounded
@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kernels.cpu import build, quant
+from llmserve_kernels.cpu import build, quant
 from tests.kernels.test_quant_interleaved import QUANT_BYTES, weight
 from tests.kernels.test_quant_linear import K_QUANTS, TYPES, quantized
 

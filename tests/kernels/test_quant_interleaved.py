@@ -1,4 +1,4 @@
-"""Fast mode on interleaved weights (kernels/cpu/quant_interleaved.cpp, and .h for the
+"""Fast mode on interleaved weights (llmserve_kernels/cpu/quant_interleaved.cpp, and .h for the
 k-quants): the layouts their file comments describe, written here in numpy; products bit for
 bit those of the file's layout (which test_quant_linear.py holds against the float64 product
 of the rounded activations); dequantizing an interleaved weight; the weights and modes it
@@ -13,10 +13,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kernels import KernelArgumentError
-from kernels.cpu import quant
 from llmserve.gguf_files import open_gguf
 from llmserve.model_spec import resolve_model
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels.cpu import quant
 from tests.kernels.test_quant_linear import (
     CHUNKED_TYPES,
     K_QUANTS,

@@ -1,4 +1,4 @@
-"""Weights kept in GGUF blocks (kernels.cpu.quant) against the gguf package, the reference
+"""Weights kept in GGUF blocks (llmserve_kernels.cpu.quant) against the gguf package, the reference
 transformers itself dequantizes GGUF files with: dequantized weights bit for bit, the
 exact-mode linear against x @ dequantize(w).T in float64, and the fast mode against the same
 product on activations rounded to 8 bits by a torch reference of the rounding. Blocks come
@@ -12,10 +12,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels import KernelArgumentError
-from kernels.cpu import quant
 from llmserve.gguf_files import open_gguf
 from llmserve.model_spec import resolve_model
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels.cpu import quant
 
 TYPES = [
     pytest.param(GGMLQuantizationType.Q4_0, id="q4_0"),

@@ -1,4 +1,4 @@
-"""The Triton weight-only matmul (kernels/quant_matmul.py) against the torch product of the
+"""The Triton weight-only matmul (llmserve_kernels/quant_matmul.py) against the torch product of the
 weights dequantized in float64: int8 and int4 with group scales (groups smaller than, equal to
 and larger than the K tile, the case a per-tile scale gets wrong), GGUF Q8_0 / Q4_0 / Q4_1
 blocks from the gguf package's quantizer and random Q4_K super-blocks (K tiles smaller than,
@@ -13,8 +13,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels import KernelArgumentError
-from kernels.quant_matmul import QuantFormat, quant_matmul
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels.quant_matmul import QuantFormat, quant_matmul
 
 N = 48
 

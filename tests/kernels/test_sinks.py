@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu as cpu_kernels
-from kernels import paged_attention, reference
+import llmserve_kernels
+from llmserve_kernels import cpu as cpu_kernels
+from llmserve_kernels import paged_attention, reference
 from tests.kernels.paged import assert_close, make_attention_case
 
 HEAD_DIM = 32
@@ -82,7 +82,7 @@ def test_triton_decode_sinks_match_reference(
     args = decode_args(device, block_size, queries_per_kv)
     sinks = sinks_for(args[0].shape[1], device)
     for window in WINDOWS:
-        actual = kernels.paged_attention_decode(
+        actual = llmserve_kernels.paged_attention_decode(
             *args, partition_size=partition_size, sliding_window=window, sinks=sinks
         )
         expected = reference.paged_attention_decode(*args, sliding_window=window, sinks=sinks)
@@ -112,7 +112,7 @@ def test_triton_prefill_sinks_match_reference(device: str, queries_per_kv: int) 
     args = prefill_args(device, 8, queries_per_kv)
     sinks = sinks_for(args[0].shape[1], device)
     for window in WINDOWS:
-        actual = kernels.prefill_attention(*args, sliding_window=window, sinks=sinks)
+        actual = llmserve_kernels.prefill_attention(*args, sliding_window=window, sinks=sinks)
         expected = reference.prefill_attention(*args, sliding_window=window, sinks=sinks)
         assert_close(actual, expected)
         assert not torch.allclose(actual, reference.prefill_attention(*args), atol=1e-3)
@@ -151,5 +151,5 @@ def test_cpu_kernels_sinks_match_reference(dtype: torch.dtype, queries_per_kv: i
 )
 def test_bad_sinks_are_refused_by_name(sinks: torch.Tensor, message: str) -> None:
     args = decode_args("cpu", 8, 2)
-    with pytest.raises(kernels.KernelArgumentError, match=message):
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match=message):
         cpu_kernels.paged_attention_decode(*args, sinks=sinks)

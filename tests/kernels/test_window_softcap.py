@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import paged_attention, reference
+import llmserve_kernels
+from llmserve_kernels import paged_attention, reference
 from tests.kernels.paged import (
     DTYPES,
     assert_close,
@@ -60,7 +60,7 @@ def test_decode_window_and_softcap_match_reference(
     skip_unsupported(device, dtype)
     args = decode_case(device, dtype, block_size, queries_per_kv)
     for window in WINDOWS:
-        actual = kernels.paged_attention_decode(
+        actual = llmserve_kernels.paged_attention_decode(
             *args, partition_size=partition_size, sliding_window=window, softcap=softcap
         )
         expected = reference.paged_attention_decode(*args, sliding_window=window, softcap=softcap)
@@ -86,7 +86,7 @@ def test_decode_reads_no_key_before_the_window(device: str) -> None:
             value_cache[block, pos % block_size] = float("nan")
     for partition_size in (512, 32):  # one pass; windows from mid-partition
         for cap in (None, SOFTCAP):
-            actual = kernels.paged_attention_decode(
+            actual = llmserve_kernels.paged_attention_decode(
                 *args, partition_size=partition_size, sliding_window=window, softcap=cap
             )
             assert_close(actual, expected[cap])
@@ -96,8 +96,8 @@ def test_decode_window_and_softcap_change_the_result(device: str) -> None:
     """The comparisons above can fail: ignoring the window or the cap gives another output."""
     args = decode_case(device, torch.float32, 8, 2)
     plain = reference.paged_attention_decode(*args)
-    windowed = kernels.paged_attention_decode(*args, partition_size=32, sliding_window=40)
-    capped = kernels.paged_attention_decode(*args, partition_size=32, softcap=SOFTCAP)
+    windowed = llmserve_kernels.paged_attention_decode(*args, partition_size=32, sliding_window=40)
+    capped = llmserve_kernels.paged_attention_decode(*args, partition_size=32, softcap=SOFTCAP)
     # Sequences 2 and 3 (77 and 150 tokens) have keys outside a window of 40.
     for seq in (2, 3):
         assert not torch.allclose(windowed[seq], plain[seq], atol=1e-3)
@@ -114,7 +114,7 @@ def test_decode_padding_rows_give_zeros_with_a_window(device: str) -> None:
     )  # fmt: skip
     args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, SCALE)
     for partition_size in (512, 16):
-        out = kernels.paged_attention_decode(
+        out = llmserve_kernels.paged_attention_decode(
             *args, partition_size=partition_size, sliding_window=20, softcap=SOFTCAP
         )
         assert torch.equal(out[0::2], torch.zeros_like(out[0::2]))
@@ -159,7 +159,7 @@ def test_prefill_window_and_softcap_match_reference(
     skip_unsupported(device, dtype)
     args = prefill_case(device, dtype, block_size, queries_per_kv)
     for window in PREFILL_WINDOWS:
-        actual = kernels.prefill_attention(*args, sliding_window=window, softcap=softcap)
+        actual = llmserve_kernels.prefill_attention(*args, sliding_window=window, softcap=softcap)
         expected = reference.prefill_attention(*args, sliding_window=window, softcap=softcap)
         assert_close(actual, expected)
 
@@ -167,8 +167,8 @@ def test_prefill_window_and_softcap_match_reference(
 def test_prefill_window_and_softcap_change_the_result(device: str) -> None:
     args = prefill_case(device, torch.float32, 8, 2)
     plain = reference.prefill_attention(*args)
-    windowed = kernels.prefill_attention(*args, sliding_window=6)
-    capped = kernels.prefill_attention(*args, softcap=SOFTCAP)
+    windowed = llmserve_kernels.prefill_attention(*args, sliding_window=6)
+    capped = llmserve_kernels.prefill_attention(*args, softcap=SOFTCAP)
     # The first 6 tokens of the first prompt see no more than the window: unchanged ...
     torch.testing.assert_close(windowed[:6], plain[:6], atol=2e-5, rtol=2e-5)
     # ... every later token, in every sequence, loses keys.
@@ -204,7 +204,7 @@ def prefill_case(device: str, dtype: torch.dtype, block_size: int, queries_per_k
 )
 def test_bad_window_or_softcap_is_refused_by_name(device: str, kwargs: dict, message: str) -> None:
     decode_args = decode_case(device, torch.float32, 16, 1)
-    with pytest.raises(kernels.KernelArgumentError, match=message):
-        kernels.paged_attention_decode(*decode_args, **kwargs)
-    with pytest.raises(kernels.KernelArgumentError, match=message):
-        kernels.prefill_attention(*prefill_case(device, torch.float32, 16, 1), **kwargs)
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match=message):
+        llmserve_kernels.paged_attention_decode(*decode_args, **kwargs)
+    with pytest.raises(llmserve_kernels.KernelArgumentError, match=message):
+        llmserve_kernels.prefill_attention(*prefill_case(device, torch.float32, 16, 1), **kwargs)

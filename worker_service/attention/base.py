@@ -179,7 +179,7 @@ class AttentionBackend(ABC):
 
 
 class PagedKernelBackend(AttentionBackend):
-    """A backend made of three kernels with the signatures of the `kernels` package: write
+    """A backend made of three kernels with the signatures of the `llmserve_kernels` package: write
     the step's K/V into their slots, then prefill tokens (prompt chunks, causal over their
     cached prefix) and decode tokens, each kernel writing its rows of one output tensor.
     Both attention kernels read K/V from the paged cache by block table: nothing is gathered

@@ -1,4 +1,4 @@
-"""Paged attention with the native C++ kernels of `kernels.cpu`: the CPU backend.
+"""Paged attention with the native C++ kernels of `llmserve_kernels.cpu`: the CPU backend.
 
 Per layer: the step's keys/values go into their slots, then the prefill tokens (prompt chunks,
 causal over their cached prefix) and the decode tokens each go through one kernel call that
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from kernels import cpu as cpu_kernels
+from llmserve_kernels import cpu as cpu_kernels
 from worker_service.attention.base import AttentionSpec, PagedKernelBackend, register_backend
 
 

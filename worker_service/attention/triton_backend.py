@@ -1,10 +1,10 @@
-"""Paged attention with the Triton kernels of `kernels/`: the CUDA backend.
+"""Paged attention with the Triton kernels of `llmserve_kernels/`: the CUDA backend.
 
 Per layer: `reshape_and_cache` writes the step's keys/values into their slots, then the prefill
 tokens (prompt chunks, causal over their cached prefix) go through `prefill_attention` and the
 decode tokens through `paged_attention_decode`, each writing into its rows of one output tensor.
 Both kernels read keys/values from the paged cache by block table, so nothing is gathered or
-padded per step. The decode launch is planned once per step (`kernels.DecodePlan`: checks,
+padded per step. The decode launch is planned once per step (`llmserve_kernels.DecodePlan`: checks,
 partitioning, scratch, the compiled kernel) and only launched per layer. Sliding windows and
 attention sinks (per layer) and soft-capping (per model) are arguments of both kernels.
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-import kernels
-from kernels.paged_attention import DecodePlan
+import llmserve_kernels
+from llmserve_kernels.paged_attention import DecodePlan
 from worker_service.attention.base import (
     AttentionMetadata,
     AttentionSpec,
@@ -34,9 +34,9 @@ class TritonAttentionBackend(PagedKernelBackend):
 
     name = "triton"
     supports_sinks = True
-    write_cache = staticmethod(kernels.reshape_and_cache)
-    prefill_attention = staticmethod(kernels.prefill_attention)
-    decode_attention = staticmethod(kernels.paged_attention_decode)
+    write_cache = staticmethod(llmserve_kernels.reshape_and_cache)
+    prefill_attention = staticmethod(llmserve_kernels.prefill_attention)
+    decode_attention = staticmethod(llmserve_kernels.paged_attention_decode)
 
     # The step's decode plan, made at its first decode layer (begin_step resets it).
     _plan: DecodePlan | None = None
@@ -82,6 +82,6 @@ class TritonAttentionBackend(PagedKernelBackend):
         reason = super().unsupported_reason(spec)
         if reason is not None:
             return reason
-        if not kernels.supports_device(spec.device):
+        if not llmserve_kernels.supports_device(spec.device):
             return f"the Triton kernels cannot run on {spec.device} (CPU needs TRITON_INTERPRET=1)"
         return None

@@ -232,7 +232,7 @@ class ModelArchConfig:
         return [name for name, present in checks.items() if present]
 
     def native_blockers(self) -> list[str]:
-        """The features of this model that the native decode step (kernels/cpu/decode.cpp)
+        """The features of this model that the native decode step (llmserve_kernels/cpu/decode.cpp)
         does not run, by name: such a model decodes on the per-layer path."""
         checks = {
             "mixture of experts": self.moe is not None,

@@ -14,17 +14,17 @@ layer (`LayerKind.linear`, Qwen3.5 and Qwen3-Next) runs the Gated DeltaNet mixer
 attention output is gated (times the sigmoid of the gate rows of the q/k/v projection)
 before the output projection.
 
-CPU fast paths: with `fused_ops` the residual add + norm (each family's kind), the blocks'
-output norms, the q/k norms, rotary and SiLU- or GELU-and-multiply are single C++ calls from
-`kernels.cpu` (`elementwise`; for models without the features those kernels lack,
-`arch.fused_blockers`: KV-shared layers, per-layer attention shapes; such models take the
-plain torch elementwise path), and the linear-attention layers' decode rows run on the C++
-state kernels (`kernels.cpu.linear_attention`); with `packed_linear` every matmul runs through
-oneDNN on weights prepacked at load; with `native_linear` through
-`kernels.cpu.linear_rows.linear_rows`; and pure decode steps of up to `native_decode_max_batch`
-tokens run as one native call (`native.NativeDecode`) for every dense family; it refuses the
-others (`arch.native_blockers`: experts, attention sinks, linear-attention layers...) by
-feature name and they decode on the per-layer path.
+CPU fast paths: with `fused_ops` the residual add + norm (each family's kind), the blocks' output
+norms, the q/k norms, rotary and SiLU- or GELU-and-multiply are single C++ calls from
+`llmserve_kernels.cpu` (`elementwise`; for models without the features those kernels lack,
+`arch.fused_blockers`: KV-shared layers, per-layer attention shapes; such models take the plain
+torch elementwise path), and the linear-attention layers' decode rows run on the C++ state kernels
+(`llmserve_kernels.cpu.linear_attention`); with `packed_linear` every matmul runs through oneDNN on
+weights prepacked at load; with `native_linear` through
+`llmserve_kernels.cpu.linear_rows.linear_rows`; and pure decode steps of up to
+`native_decode_max_batch` tokens run as one native call (`native.NativeDecode`) for every dense
+family; it refuses the others (`arch.native_blockers`: experts, attention sinks, linear-attention
+layers...) by feature name and they decode on the per-layer path.
 The elementwise arithmetic follows each reference's order, so float32 greedy output matches
 transformers token for token.
 """
@@ -36,8 +36,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.decode import ArgmaxLogprobs, DecodeStep
-from kernels.cpu.pool import set_num_threads
+from llmserve_kernels.cpu.decode import ArgmaxLogprobs, DecodeStep
+from llmserve_kernels.cpu.pool import set_num_threads
 from worker_service.attention.base import AttentionBackend, AttentionMetadata
 from worker_service.linear_state import StateMetadata
 from worker_service.models.arch import ModelArchConfig

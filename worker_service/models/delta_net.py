@@ -3,8 +3,8 @@ tokens and the layer's state pools (`worker_service.linear_state`).
 
 One matmul projects the normalized input into the convolution's channels (q, k and v), the
 output gate z and the per-head inputs b and a of the delta rule's step and decay. q, k and v
-run through a short causal convolution (`kernels.causal_conv1d`), then SiLU, then the gated
-delta rule (`kernels.gated_delta_rule`, q and k L2-normalised inside); each value head's
+run through a short causal convolution (`llmserve_kernels.causal_conv1d`), then SiLU, then the gated
+delta rule (`llmserve_kernels.gated_delta_rule`, q and k L2-normalised inside); each value head's
 output is RMS-normalized, times its weight, times SiLU(z), and projected back to the hidden
 size. The arithmetic and its rounding points follow transformers' `Qwen3_5GatedDeltaNet`:
 the convolution's output and the step beta are rounded to the model dtype, as there (which
@@ -14,7 +14,7 @@ The step's prefill sequences (several tokens each, first in the step) run throug
 kernels, which carry each sequence's state across its chunks; the decode rows (one token per
 sequence, last) through the decode kernels, which update every sequence's state at once
 instead of looping over sequences. `StateOps` names both sets: the torch references, or the
-C++ kernels of `kernels.cpu` (the `cpu` backend). A one-token sequence with no state yet
+C++ kernels of `llmserve_kernels.cpu` (the `cpu` backend). A one-token sequence with no state yet
 (`has_initial_state` False) has its slot zeroed first: the decode kernels always read it.
 Sequences verifying drafts have several decode rows: they run in waves (`DraftRows`), one row
 of each sequence at a time, keeping the states a rejected draft goes back to.
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import causal_conv1d as conv_ops
-from kernels import gated_delta_rule as delta_ops
-from kernels.cpu import linear_attention as cpu_ops
+from llmserve_kernels import causal_conv1d as conv_ops
+from llmserve_kernels import gated_delta_rule as delta_ops
+from llmserve_kernels.cpu import linear_attention as cpu_ops
 from worker_service.linear_state import DraftRows, StateMetadata
 from worker_service.models.arch import LinearAttentionSpec
 from worker_service.models.blocks import rms_norm

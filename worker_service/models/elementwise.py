@@ -3,7 +3,7 @@ the gated activation.
 
 Two implementations behind one interface, chosen once per model: `TorchElementwise`, torch
 ops in each reference's order (any device, every family), and `FusedElementwise`, one C++
-call each from `kernels.cpu` on the CPU (every family but those with the features
+call each from `llmserve_kernels.cpu` on the CPU (every family but those with the features
 `arch.fused_blockers` names). Both round every intermediate result to the model dtype where
 the reference does, so float32 greedy output matches transformers either way.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import ops as cpu_ops
+from llmserve_kernels.cpu import ops as cpu_ops
 from worker_service.models.arch import ModelArchConfig
 from worker_service.models.blocks import gated_activation, rms_norm
 from worker_service.models.rope import apply_rotary
@@ -104,8 +104,8 @@ class TorchElementwise:
 
 
 class FusedElementwise:
-    """The elementwise steps as the fused C++ ops (`kernels.cpu.ops`), called unchecked: the
-    model makes their inputs from its own weights, and `begin_step` checks the positions
+    """The elementwise steps as the fused C++ ops (`llmserve_kernels.cpu.ops`), called unchecked:
+    the model makes their inputs from its own weights, and `begin_step` checks the positions
     (for the native decode step too, which the decoder runs after it)."""
 
     fused = True

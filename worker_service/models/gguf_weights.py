@@ -2,14 +2,14 @@
 
 The model is loaded as today (transformers dequantizes the file); then each projection, the
 embedding and the LM head whose tensors in the file have a kernel (Q4_0, Q4_1, Q5_0, Q8_0,
-Q4_K, Q5_K, Q6_K: kernels/cpu/quant.py) get those blocks instead of their dense weights,
+Q4_K, Q5_K, Q6_K: llmserve_kernels/cpu/quant.py) get those blocks instead of their dense weights,
 which are dropped: the decoder's matmul becomes `quant_matmul` and its embedding lookup
 `quant_embedding`, and the native decode step is rebuilt on the blocks. Tensors of other
 types stay dense (dequantized, with a warning giving their cost). The parts of a fused q/k/v
 or gate/up that differ in type are widened to a common one where that loses nothing
 (gguf_widen.py: Q4_0 and Q5_0 into Q5_0 or Q8_0), or else stay dense.
 
-Modes (`--quant-mode`, kernels/cpu/quant.py):
+Modes (`--quant-mode`, llmserve_kernels/cpu/quant.py):
 - exact: a block is dequantized to float32 and multiplied with float32 activations, so the
   model equals HF's dequantized one up to summation order;
 - fast: activations are rounded to 8 bits per block of 32 and multiplied with integer dot
@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from gguf import GGUFReader
 from gguf.constants import GGMLQuantizationType
 
-from kernels.cpu import quant
-from kernels.cpu.quant import QuantMode, QuantWeight
 from llmserve.gguf_files import open_gguf
 from llmserve.logs import get_logger
 from llmserve.model_spec import ModelSource
+from llmserve_kernels.cpu import quant
+from llmserve_kernels.cpu.quant import QuantMode, QuantWeight
 from worker_service.models.decoder import DecoderModel
 from worker_service.models.gguf_widen import common_type, widen
 from worker_service.models.native import NativeDecode
@@ -325,7 +325,7 @@ def install_blocks(
 
 
 def _interleaved(weight: QuantWeight | None) -> QuantWeight | None:
-    """`weight` interleaved for fast mode's kernels (kernels/cpu/quant.py), or itself where
+    """`weight` interleaved for fast mode's kernels (llmserve_kernels/cpu/quant.py), or itself where
     its type or shape keeps the file's layout."""
     if weight is None:
         return None

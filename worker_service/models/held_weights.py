@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.cpu.quant import QuantWeight
+from llmserve_kernels.cpu.quant import QuantWeight
 
 if TYPE_CHECKING:
     from worker_service.models.decoder import DecoderModel

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.linear_rows import linear_rows
+from llmserve_kernels.cpu.linear_rows import linear_rows
 
 # Rows the packed weights are laid out for: oneDNN picks its blocking by this hint; the packed
 # weights serve any number of rows (measured here: packing for 64 runs 1-2048 rows as fast as

@@ -1,4 +1,4 @@
-"""The native whole-model decode step (kernels/cpu/decode.cpp) for the models it can run.
+"""The native whole-model decode step (llmserve_kernels/cpu/decode.cpp) for the models it can run.
 
 decode.cpp runs every dense family here: Llama-style layers, Qwen3 (per-head q/k norms),
 Gemma 2 and 3 ((1 + w) norms in float32, four norms a layer, GeGLU, scaled embeddings,
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.decode import ArgmaxLogprobs, DecodeLayer, DecodeShape, DecodeStep, Weight
-from kernels.cpu.quant import QuantMode
+from llmserve_kernels.cpu.decode import ArgmaxLogprobs, DecodeLayer, DecodeShape, DecodeStep, Weight
+from llmserve_kernels.cpu.quant import QuantMode
 from worker_service.attention.base import AttentionMetadata
 from worker_service.models.arch import ModelArchConfig
 from worker_service.models.blocks import embedding_multiplier

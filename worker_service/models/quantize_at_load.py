@@ -23,10 +23,10 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
-from kernels.cpu import quant
-from kernels.cpu.quant import QuantMode, QuantWeight
 from llmserve.logs import get_logger
 from llmserve.model_spec import ModelSource
+from llmserve_kernels.cpu import quant
+from llmserve_kernels.cpu.quant import QuantMode, QuantWeight
 from worker_service.config import WorkerConfigError
 from worker_service.models.decoder import DecoderModel
 from worker_service.models.gguf_weights import install_blocks, keep_gguf_blocks

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGES = ("llmserve", "gateway", "scheduler_service", "worker_service", "kernels")
+PACKAGES = ("llmserve", "gateway", "scheduler_service", "worker_service", "llmserve_kernels")
 SERVICES = ("gateway", "scheduler_service", "worker_service")
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import quant
-from kernels.cpu.quant import QuantWeight
+from llmserve_kernels.cpu import quant
+from llmserve_kernels.cpu.quant import QuantWeight
 from worker_service.models import gguf_weights
 from worker_service.models.gguf_weights import (
     CROSSOVER_ROWS,

@@ -1,7 +1,7 @@
-"""The native decode step (kernels/cpu/decode.cpp): one call per step for pure decode batches,
-against the per-layer path of the same worker and against torch's matmul, for the Llama kinds
-and every dense family (their tiny models have windows shorter than these sequences, soft-caps,
-NoPE layers, partial rotary...)."""
+"""The native decode step (llmserve_kernels/cpu/decode.cpp): one call per step for pure decode
+batches, against the per-layer path of the same worker and against torch's matmul, for the Llama
+kinds and every dense family (their tiny models have windows shorter than these sequences,
+soft-caps, NoPE layers, partial rotary...)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import KernelArgumentError
-from kernels.cpu import argmax_logsumexp
-from kernels.cpu.decode import ArgmaxLogprobs, DecodeShape
-from kernels.cpu.linear_rows import linear_rows
+from llmserve_kernels import KernelArgumentError
+from llmserve_kernels.cpu import argmax_logsumexp
+from llmserve_kernels.cpu.decode import ArgmaxLogprobs, DecodeShape
+from llmserve_kernels.cpu.linear_rows import linear_rows
 from tests.support.models import FAMILY_KINDS, KINDS, save_tiny_model
 from worker_service.models.native import default_native_max_batch
 from worker_service.worker import Worker

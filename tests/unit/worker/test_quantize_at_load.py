@@ -8,8 +8,8 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from kernels.cpu import quant
 from llmserve.model_spec import ModelSource
+from llmserve_kernels.cpu import quant
 from tests.support.models import tiny_config
 from worker_service.config import WorkerConfig, WorkerConfigError
 from worker_service.linear_impl import choose_linear_impl

@@ -11,7 +11,7 @@
 //
 // Arithmetic is fp32 whatever the storage type (float or bfloat16), with the vectors of
 // vec.h; only the prefill's `bf16_dots` (fast mode, prefill_chunk.h) rounds its operands.
-// The library is built by kernels/cpu/build.py with -march=native. Work items run on the
+// The library is built by llmserve_kernels/cpu/build.py with -march=native. Work items run on the
 // library's ChunkPool (pool.h), the threads of every other loop here: one pool, whose loops
 // never wait for a thread that another process keeps off its core.
 //

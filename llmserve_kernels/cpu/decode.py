@@ -5,13 +5,13 @@ model-wide features in `DecodeShape`), laid out once, and of its KV caches, rebo
 caches change. The caches are in the model dtype, or bfloat16 in a float32 model (the step
 then rounds its q, k and v rows to bfloat16 for the cache write and the attention). In a
 float32 model the projections, the embedding and the LM head may be GGUF blocks
-(`kernels.cpu.quant.QuantWeight`), multiplied in `DecodeShape.quant_mode`; `run` computes the
-logits of n decode tokens (one per sequence, each attending to its paged context) with a
+(`llmserve_kernels.cpu.quant.QuantWeight`), multiplied in `DecodeShape.quant_mode`; `run` computes
+the logits of n decode tokens (one per sequence, each attending to its paged context) with a
 single ctypes call, and each row's argmax with its logprob (`ArgmaxLogprobs`) while those
 logits are still in cache. The tensors it points into must outlive it: it keeps references to
 them.
 
-Its projection kernel on its own is `kernels.cpu.linear_rows.linear_rows`.
+Its projection kernel on its own is `llmserve_kernels.cpu.linear_rows.linear_rows`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import KernelArgumentError, check_block_layout
-from kernels.cpu.attention import DTYPE_CODES, unsupported_shape_reason
-from kernels.cpu.build import library
-from kernels.cpu.ops import NORM_KINDS
-from kernels.cpu.quant import MAX_IN_FEATURES, MODES, QuantMode, QuantWeight
+from llmserve_kernels._checks import KernelArgumentError, check_block_layout
+from llmserve_kernels.cpu.attention import DTYPE_CODES, unsupported_shape_reason
+from llmserve_kernels.cpu.build import library
+from llmserve_kernels.cpu.ops import NORM_KINDS
+from llmserve_kernels.cpu.quant import MAX_IN_FEATURES, MODES, QuantMode, QuantWeight
 
 Weight = torch.Tensor | QuantWeight
 
@@ -46,7 +46,7 @@ _CACHE_DTYPE_DIM = 14
 @dataclass(frozen=True, slots=True)
 class ArgmaxLogprobs:
     """Per logits row: the first argmax and its logprob (max - log-sum-exp, float32), as
-    `kernels.cpu.argmax_logsumexp` gives them; all a greedy sampler needs of the logits."""
+    `llmserve_kernels.cpu.argmax_logsumexp` gives them; all a greedy sampler needs of the logits."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -130,7 +130,9 @@ class DecodeShape:
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     logits_divisor: float | None = None  # logits / this
-    quant_mode: QuantMode = "exact"  # how weights in GGUF blocks multiply (kernels.cpu.quant)
+    quant_mode: QuantMode = (
+        "exact"  # how weights in GGUF blocks multiply (llmserve_kernels.cpu.quant)
+    )
 
     def unsupported_reason(self) -> str | None:
         widths = {

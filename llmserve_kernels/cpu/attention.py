@@ -1,7 +1,8 @@
 """Paged attention over the KV cache: decode and chunked/prefix-cached prefill.
 
 Both wrappers take the same arguments as their Triton and reference counterparts in
-`kernels` and `kernels.reference`. Storage may be float32 or bfloat16; arithmetic is fp32.
+`llmserve_kernels` and `llmserve_kernels.reference`. Storage may be float32 or bfloat16;
+arithmetic is fp32.
 Each cache block must be dense, but blocks may lie further apart than a block (a layer's
 view into a block-major pool of all layers), one stride for both caches
 (`check_block_layout`).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import (
+from llmserve_kernels._checks import (
     KernelArgumentError,
     check_block_layout,
     check_dim,
@@ -24,7 +25,7 @@ from kernels._checks import (
     check_sinks,
     check_window_softcap,
 )
-from kernels.cpu.build import isa, library
+from llmserve_kernels.cpu.build import isa, library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 256, 512)

@@ -1,5 +1,5 @@
-// The kernels' thread pool (pool.h) from Python (kernels/cpu/pool.py): its thread count, and
-// a check of its loops for tests.
+// The kernels' thread pool (pool.h) from Python (llmserve_kernels/cpu/pool.py): its thread count,
+// and a check of its loops for tests.
 
 #include <algorithm>
 #include <atomic>

@@ -3,30 +3,30 @@
 `paged_attention.cpp` (decode) and `paged_prefill.cpp` (prefill over a cached prefix) read
 K/V straight from the paged cache; `decode.cpp` runs a whole decode step; `ops.cpp` fuses
 every family's norms, q/k norms, rotary embedding and gated activations;
-`sampling_rows.cpp` has the sampler's row reductions (argmax and log-sum-exp; the best token
-a mask allows); `quant.cpp` keeps weights in GGUF blocks (dequantization, the linear layer in
-exact mode; fast mode's in `quant_fast.cpp` and `quant_interleaved.cpp`, `kernels.cpu.quant`);
+`sampling_rows.cpp` has the sampler's row reductions (argmax and log-sum-exp; the best token a mask
+allows); `quant.cpp` keeps weights in GGUF blocks (dequantization, the linear layer in exact mode;
+fast mode's in `quant_fast.cpp` and `quant_interleaved.cpp`, `llmserve_kernels.cpu.quant`);
 `linear_attention.cpp` steps a Gated DeltaNet layer's conv and recurrent states at decode,
 `linear_prefill.cpp` runs them over packed prefill sequences.
 `build.py` compiles them for this CPU on first use, and `isa.cpp` says for which instruction
 sets (`build.isa()`).
 """
 
-from kernels.cpu.attention import (
+from llmserve_kernels.cpu.attention import (
     DTYPE_CODES,
     has_bf16_dots,
     paged_attention_decode,
     prefill_attention,
     unsupported_reason,
 )
-from kernels.cpu.build import NativeKernelUnavailable, is_available, library
-from kernels.cpu.linear_attention import (
+from llmserve_kernels.cpu.build import NativeKernelUnavailable, is_available, library
+from llmserve_kernels.cpu.linear_attention import (
     causal_conv1d,
     causal_conv1d_update,
     gated_delta_rule_decode,
     gated_delta_rule_prefill,
 )
-from kernels.cpu.ops import (
+from llmserve_kernels.cpu.ops import (
     argmax_logsumexp,
     convert_rows,
     gelu_tanh_mul,

@@ -2,7 +2,7 @@
 
 User mistakes (a wrong shape, dtype or device) raise `KernelArgumentError` naming the argument,
 so callers can map them to INVALID_ARGUMENT; asserts stay for internal invariants. The C++
-kernels (kernels.cpu) share these checks, so this module does not import Triton.
+kernels (llmserve_kernels.cpu) share these checks, so this module does not import Triton.
 """
 
 from __future__ import annotations

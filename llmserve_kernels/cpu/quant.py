@@ -23,8 +23,8 @@ from typing import Literal
 
 import torch
 
-from kernels._checks import KernelArgumentError
-from kernels.cpu.build import library
+from llmserve_kernels._checks import KernelArgumentError
+from llmserve_kernels.cpu.build import library
 
 BLOCK = 32  # weights per block of the 32-weight types, and per block of fast mode's activations
 MAX_IN_FEATURES = 16384  # the longest row exact mode dequantizes at once (quant.cpp)

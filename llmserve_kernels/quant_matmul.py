@@ -5,7 +5,7 @@ whole. Formats (`QuantFormat`):
 - int8: `qweight` [N, K] int8, `scales` [N, K / group] : w = q * scale;
 - int4: `qweight` [N, K / 2] uint8, weight 2i in the low nibble of byte i and 2i + 1 in the
   high one, `scales` and `zeros` [N, K / group] : w = (q - zero) * scale;
-- GGUF blocks as kernels/cpu/quant.cpp lays them out, `qweight` [N, K / block weights *
+- GGUF blocks as llmserve_kernels/cpu/quant.cpp lays them out, `qweight` [N, K / block weights *
   block bytes] uint8: Q8_0 (w = q * d), Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m), fp16
   d and m in each 32-weight block; Q4_K, 144-byte super-blocks of 256 weights: fp16 d and
   dmin, 12 bytes of 6-bit scales sc and mins m packed for 8 sub-blocks of 32, 128 bytes of
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from llmserve_kernels._checks import (
     FLOAT_DTYPES,
     KernelArgumentError,
     check_device,
@@ -35,7 +35,7 @@ from kernels._checks import (
     check_inner_contiguous,
     check_ndim,
 )
-from kernels.paged_decode_kernels import dot_precision
+from llmserve_kernels.paged_decode_kernels import dot_precision
 
 
 class QuantFormat(IntEnum):

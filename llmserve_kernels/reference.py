@@ -1,7 +1,7 @@
 """Plain torch references for the kernels, with the same signatures.
 
 They favour clarity over speed (a Python loop per sequence) and compute softmax in fp32; tests
-compare the Triton kernels against them. Cache layout as in kernels/paged_attention.py:
+compare the Triton kernels against them. Cache layout as in llmserve_kernels/paged_attention.py:
 `[num_blocks, block_size, num_kv_heads, head_dim]`, of any strides (they index by block and
 offset).
 """
@@ -75,8 +75,8 @@ def paged_attention_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference for kernels.paged_attention_decode (max_seq_len / partition_size are ignored):
-    sliding_window (None or 0: every key), softcap (None: off) and sinks ([num_heads] or
+    """Reference for llmserve_kernels.paged_attention_decode (max_seq_len / partition_size are
+    ignored): sliding_window (None or 0: every key), softcap (None: off) and sinks ([num_heads] or
     None) as in `attend`.
 
     query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
@@ -112,7 +112,7 @@ def prefill_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference for kernels.prefill_attention (max_query_len is ignored): sliding_window
+    """Reference for llmserve_kernels.prefill_attention (max_query_len is ignored): sliding_window
     (None or 0: every earlier key), softcap (None: off) and sinks ([num_heads] or None) as
     in `attend`.
 
@@ -143,7 +143,8 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Reference for kernels.reshape_and_cache: write token i to slot slot_mapping[i] (< 0: skip).
+    """Reference for llmserve_kernels.reshape_and_cache: write token i to slot slot_mapping[i] (< 0:
+    skip).
 
     key/value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
     """
@@ -160,7 +161,7 @@ def copy_blocks(
     value_caches: list[torch.Tensor],
     block_mapping: torch.Tensor,
 ) -> None:
-    """Reference for kernels.copy_blocks: block dst := block src in every layer, per pair.
+    """Reference for llmserve_kernels.copy_blocks: block dst := block src in every layer, per pair.
 
     key_caches / value_caches: one [num_blocks, block_size, num_kv_heads, head_dim] per layer;
     block_mapping: [num_pairs, 2] int64 of (src, dst).

@@ -1,6 +1,6 @@
 // What this build of the library is: the instruction sets its code paths were compiled for
-// (kernels/cpu/build.py: -march=native, then $LLMSERVE_KERNEL_FLAGS), which build.isa() names.
-// Each picks kernels' code paths at compile time (vec.h, attention.h, quant_fast.h).
+// (llmserve_kernels/cpu/build.py: -march=native, then $LLMSERVE_KERNEL_FLAGS), which build.isa()
+// names. Each picks kernels' code paths at compile time (vec.h, attention.h, quant_fast.h).
 
 extern "C" {
 

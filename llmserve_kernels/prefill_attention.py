@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from llmserve_kernels._checks import (
     FLOAT_DTYPES,
     KernelArgumentError,
     check_block_tables,
@@ -41,7 +41,7 @@ from kernels._checks import (
     check_window_softcap,
     next_power_of_2,
 )
-from kernels.paged_decode_kernels import LOG2E, _soft_cap, dot_precision
+from llmserve_kernels.paged_decode_kernels import LOG2E, _soft_cap, dot_precision
 
 # Rows of one query tile (new tokens x padded GQA group).
 BLOCK_ROWS = 64

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from kernels._checks import KernelArgumentError, check_block_layout
-from kernels.cpu.attention import DTYPE_CODES
-from kernels.cpu.build import library
+from llmserve_kernels._checks import KernelArgumentError, check_block_layout
+from llmserve_kernels.cpu.attention import DTYPE_CODES
+from llmserve_kernels.cpu.build import library
 
 # ops.cpp's NormKind codes: how each family applies the norm weight (the model arch's
 # `NormKind` names them).

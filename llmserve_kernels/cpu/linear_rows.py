@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import KernelArgumentError
-from kernels.cpu.attention import DTYPE_CODES
-from kernels.cpu.build import library
+from llmserve_kernels._checks import KernelArgumentError
+from llmserve_kernels.cpu.attention import DTYPE_CODES
+from llmserve_kernels.cpu.build import library
 
 
 def linear_rows(

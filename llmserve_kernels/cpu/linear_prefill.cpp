@@ -1,8 +1,8 @@
 // Prefill of a Gated DeltaNet layer's states (Qwen3.5, Qwen3-Next) for CPUs: sequences of
 // several tokens packed one after another (query_start_loc), each continuing from the state
 // in its pool slot (or from zeros) and leaving its last state there. The torch references and
-// the layouts are in kernels/causal_conv1d.py (`causal_conv1d`) and kernels/gated_delta_rule.py
-// (`gated_delta_rule_chunked`).
+// the layouts are in llmserve_kernels/causal_conv1d.py (`causal_conv1d`) and
+// llmserve_kernels/gated_delta_rule.py (`gated_delta_rule_chunked`).
 //
 // Entry points (extern "C", called through ctypes; dtype 0 = float32, 1 = bfloat16):
 //   llmserve_causal_conv1d        causal depthwise conv of each sequence after the inputs its

@@ -2,10 +2,10 @@
 prefill sequences (linear_prefill.cpp).
 
 Each takes the arguments of its torch reference plus `check`: `causal_conv1d_update` and
-`gated_delta_rule_decode` those of `kernels.causal_conv1d.causal_conv1d_update` and
-`kernels.gated_delta_rule.gated_delta_rule_decode`; `causal_conv1d` those of
-`kernels.causal_conv1d.causal_conv1d`; `gated_delta_rule_prefill` those of
-`kernels.gated_delta_rule.gated_delta_rule_chunked` but its chunk size (it runs token by
+`gated_delta_rule_decode` those of `llmserve_kernels.causal_conv1d.causal_conv1d_update` and
+`llmserve_kernels.gated_delta_rule.gated_delta_rule_decode`; `causal_conv1d` those of
+`llmserve_kernels.causal_conv1d.causal_conv1d`; `gated_delta_rule_prefill` those of
+`llmserve_kernels.gated_delta_rule.gated_delta_rule_chunked` but its chunk size (it runs token by
 token). Activations may be float32 or bfloat16; the recurrent state pool must be float32 (it
 accumulates over the whole sequence). `check=False` skips the argument checks, for callers
 that validated a step once; the kernels themselves do not bounds-check.
@@ -17,18 +17,18 @@ from typing import Literal
 
 import torch
 
-from kernels._checks import (
+from llmserve_kernels._checks import (
     KernelArgumentError,
     check_has_initial_state,
     check_query_start_loc,
     check_state_slots,
     rows_dense,
 )
-from kernels.causal_conv1d import Activation, check_conv1d_args
-from kernels.cpu.attention import DTYPE_CODES
-from kernels.cpu.build import library
-from kernels.cpu.ops import check_cpu_dtype
-from kernels.gated_delta_rule import check_delta_rule_args
+from llmserve_kernels.causal_conv1d import Activation, check_conv1d_args
+from llmserve_kernels.cpu.attention import DTYPE_CODES
+from llmserve_kernels.cpu.build import library
+from llmserve_kernels.cpu.ops import check_cpu_dtype
+from llmserve_kernels.gated_delta_rule import check_delta_rule_args
 
 MAX_HEAD_DIM = 512  # linear_attention.h's kMaxKeyDim and kMaxValueDim
 

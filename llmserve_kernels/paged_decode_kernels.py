@@ -1,4 +1,4 @@
-"""The Triton programs of paged decode attention; `kernels.paged_attention` launches them
+"""The Triton programs of paged decode attention; `llmserve_kernels.paged_attention` launches them
 (layout, algorithm and the wrappers are described there). Also the pieces the prefill kernel
 shares with them: the log2-domain soft-cap and the dot precision per dtype.
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels._checks import (
+from llmserve_kernels._checks import (
     FLOAT_DTYPES,
     KernelArgumentError,
     check_dim,

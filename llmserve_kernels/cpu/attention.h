@@ -108,7 +108,7 @@ int dispatch(int dtype, int64_t head_dim, const Args& args) {
   LLMSERVE_CASE(T, 128)   \
   LLMSERVE_CASE(T, 256)   \
   LLMSERVE_CASE(T, 512)
-  // The head dims of kernels/cpu/attention.py's SUPPORTED_HEAD_DIMS (multiples of kLanes).
+  // The head dims of llmserve_kernels/cpu/attention.py's SUPPORTED_HEAD_DIMS (multiples of kLanes).
   if (dtype == 0) {
     LLMSERVE_CASES(float)
   } else if (dtype == 1) {

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from llmserve_kernels._checks import (
     FLOAT_DTYPES,
     KernelArgumentError,
     check_device,

@@ -1,6 +1,6 @@
 // Decode steps of a Gated DeltaNet layer's state (Qwen3.5, Qwen3-Next) for CPUs: one token per
 // sequence, each sequence's state in a slot of a pool. The torch references and the layouts
-// are in kernels/causal_conv1d.py and kernels/gated_delta_rule.py.
+// are in llmserve_kernels/causal_conv1d.py and llmserve_kernels/gated_delta_rule.py.
 //
 // Entry points (extern "C", called through ctypes; dtype 0 = float32, 1 = bfloat16):
 //   llmserve_conv1d_update       causal depthwise conv of each sequence's token after the

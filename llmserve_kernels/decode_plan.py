@@ -1,6 +1,6 @@
 """The decode attention launch planned once per step: `DecodePlan` checks the step's block
 tables and lengths, chooses the split-K partitioning and launch configuration, allocates the
-scratch and keeps the compiled kernels; `kernels.paged_attention` describes the kernels.
+scratch and keeps the compiled kernels; `llmserve_kernels.paged_attention` describes the kernels.
 
 The sliding window and the attention sinks are chosen per `run` (layers differ), the soft-cap
 per plan (per model). Their
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels._checks import (
+from llmserve_kernels._checks import (
     KernelArgumentError,
     check_block_tables,
     check_device,
@@ -29,7 +29,7 @@ from kernels._checks import (
     check_window_softcap,
     next_power_of_2,
 )
-from kernels.paged_decode_kernels import (
+from llmserve_kernels.paged_decode_kernels import (
     DEFAULT_PARTITION_SIZE,
     LOG2E,
     MAX_TILE_TOKENS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import ctypes
 
-from kernels._checks import KernelArgumentError
-from kernels.cpu.build import library
+from llmserve_kernels._checks import KernelArgumentError
+from llmserve_kernels.cpu.build import library
 
 
 def set_num_threads(threads: int) -> None:

@@ -19,16 +19,16 @@ A sliding window (the query at position p sees keys p - window < k <= p) starts 
 partition's tiles at the window's first key, so blocks before it are never read; a partition
 wholly before it does no work. A soft-cap turns each scaled score s into cap * tanh(s / cap)
 before the softmax. Attention sinks (one logit per head, with no value) join the softmax's
-denominator. All three are compile-time variants (kernels.paged_decode_kernels), tested under
-the Triton interpreter only: untested on a GPU so far. The launch plan lives in
-kernels.decode_plan.
+denominator. All three are compile-time variants (llmserve_kernels.paged_decode_kernels), tested
+under the Triton interpreter only: untested on a GPU so far. The launch plan lives in
+llmserve_kernels.decode_plan.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._checks import (
+from llmserve_kernels._checks import (
     FLOAT_DTYPES,
     check_block_tables,
     check_dtype,
@@ -36,8 +36,8 @@ from kernels._checks import (
     check_seq_lens,
     is_interpreted,
 )
-from kernels.decode_plan import DecodeLaunchConfig, DecodePlan, choose_partition_size
-from kernels.paged_decode_kernels import _paged_attention_decode_kernel
+from llmserve_kernels.decode_plan import DecodeLaunchConfig, DecodePlan, choose_partition_size
+from llmserve_kernels.paged_decode_kernels import _paged_attention_decode_kernel
 
 __all__ = [
     "DecodeLaunchConfig",

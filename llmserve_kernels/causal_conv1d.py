@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels._checks import (
+from llmserve_kernels._checks import (
     FLOAT_DTYPES,
     KernelArgumentError,
     check_dim,
