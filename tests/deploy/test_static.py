@@ -595,3 +595,17 @@ def test_every_cpu_kernel_file_is_in_the_build_and_its_cache_key():
         p.name for p in (ROOT / "llmserve_kernels" / "cpu").iterdir() if p.suffix in (".h", ".cpp")
     }
     assert on_disk == {*SOURCES, *HEADERS}
+
+
+def test_no_other_installed_distribution_has_a_top_level_name_of_ours():
+    # transformers 5.25 requires Hugging Face's `kernels`: while our kernels package had that
+    # name, one shadowed the other, and the image's workers died importing transformers.
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    ours = [pattern.removesuffix("*") for pattern in include]
+    owners = packages_distributions()
+    others = {name: set(owners.get(name, [])) - {"llmserve"} for name in ours}
+    assert {name: dists for name, dists in others.items() if dists} == {}
