@@ -118,26 +118,29 @@ inline void sum_values(const ValueRun<T>& run, vfloat* acc_out, int64_t group) {
     for (int c = 0; c < NV; ++c) acc_out[g * NV + c] = acc[g][c];
 }
 
-// Query rows seq .. seq + rows - 1 (one row each: a sequence, or a sequence's last token and
-// the drafted tokens after it, which read the same blocks up to one more token each) and
-// their kv heads [h_begin, h_end). The rows of those heads for one token are adjacent in the
-// cache, and a block holds block_size tokens back to back, so with all heads in one item a
-// block is one contiguous run of memory. Pass 1 scores every key (kept, heads x len floats a
-// row), then softmax, then pass 2 sums the value rows. Within a block the loops go head by
-// head, then row by row, so that a head's query (or accumulator) stays in registers and the
-// block's rows, brought in for the first query row, are in L1 for the others. Each row's
-// arithmetic is the same whatever the other rows, so its bits do not depend on them. The
-// same rows of the next block are prefetched meanwhile, since blocks sit anywhere in the
-// cache and the hardware prefetcher stalls at every block boundary. Across pass boundaries
-// too: the last key block prefetches the first value block, and the last value block the
-// first key block of `next_item` (seq, kv head range; nullptr if none), the item this thread
-// takes next.
+// Query rows seq .. seq + rows - 1 (one row each: a sequence, or a sequence's last token and the
+// drafted tokens after it, which read the same blocks up to one more token each) and their kv heads
+// [h_begin, h_end), of each kv head the query heads [g_begin, g_begin + g_count) of its group (the
+// whole group unless the item has one kv head). The rows of those heads for one token are adjacent
+// in the cache, and a block holds block_size tokens back to back, so with all heads in one item a
+// block is one contiguous run of memory. Pass 1 scores every key (kept, heads x len floats a row),
+// then softmax, then pass 2 sums the value rows. Within a block the loops go head by head, then row
+// by row, so that a head's query (or accumulator) stays in registers and the block's rows, brought
+// in for the first query row, are in L1 for the others. Each row's arithmetic is the same whatever
+// the other rows, so its bits do not depend on them. The same rows of the next block are prefetched
+// meanwhile, since blocks sit anywhere in the cache and the hardware prefetcher stalls at every
+// block boundary. Across pass boundaries too: the last key block prefetches the first value block,
+// and the last value block the first key block of `next_item` (seq, kv head range; nullptr if
+// none), the item this thread takes next.
 template <typename T, int NV>
 void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin, int64_t h_end,
-                 const int64_t* next_item, DecodeScratch& scratch) {
+                 int64_t g_begin, int64_t g_count, const int64_t* next_item,
+                 DecodeScratch& scratch) {
   constexpr int kHeadDim = NV * kLanes;
-  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t group = g_count;  // query heads of this item per kv head
   const int64_t heads = (h_end - h_begin) * group;  // query heads of this item, per row
+  // The item's first query head; the others follow it in the query and output rows.
+  const int64_t first_head = h_begin * (a.num_heads / a.num_kv_heads) + g_begin;
   const int64_t token_stride = a.num_kv_heads * kHeadDim;
   const int64_t block_stride = a.block_stride;
   const int32_t* table = a.block_tables + seq * a.table_stride;  // the rows': the same blocks
@@ -157,7 +160,7 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
     len_max = std::max(len_max, len[r]);
     if (len[r] > 0) block_min = std::min(block_min, first_block[r]);
     if (len[r] == 0) {
-      T* out = static_cast<T*>(a.out) + ((seq + r) * a.num_heads + h_begin * group) * kHeadDim;
+      T* out = static_cast<T*>(a.out) + ((seq + r) * a.num_heads + first_head) * kHeadDim;
       for (int64_t i = 0; i < heads * kHeadDim; ++i) store_scalar(out + i, 0.0f);
     }
   }
@@ -188,8 +191,8 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
       for (int64_t r = 0; r < rows; ++r) {
         if (!reads(r, b, start)) continue;
         const int64_t n = std::min(a.block_size, len[r] - start);
-        const T* query = static_cast<const T*>(a.query) + (seq + r) * a.query_stride +
-                         h_begin * group * kHeadDim;
+        const T* query =
+            static_cast<const T*>(a.query) + (seq + r) * a.query_stride + first_head * kHeadDim;
         float* scores = scratch.scores.data() + score_base[r];
         for (int64_t g = 0; g < group; ++g) {
           const int64_t head = h * group + g;
@@ -219,7 +222,7 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
       }
     }
     // A head's sink joins its maximum, and its numerator (below) the sum.
-    const float* sinks = a.sinks == nullptr ? nullptr : a.sinks + h_begin * group;
+    const float* sinks = a.sinks == nullptr ? nullptr : a.sinks + first_head;
     if (sinks != nullptr) {
       for (int64_t i = 0; i < heads; ++i) max[i] = std::max(max[i], sinks[i]);
     }
@@ -283,7 +286,7 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (len[r] == 0) continue;
-    T* out = static_cast<T*>(a.out) + ((seq + r) * a.num_heads + h_begin * group) * kHeadDim;
+    T* out = static_cast<T*>(a.out) + ((seq + r) * a.num_heads + first_head) * kHeadDim;
     for (int64_t i = 0; i < heads; ++i) {
       const float inv = scratch.inv_sum[size_t(r * heads + i)];
       const vfloat* acc = scratch.acc.data() + (r * heads + i) * NV;
@@ -329,13 +332,33 @@ void decode(const DecodeArgs& a) {
                                                          : 1;
   const int64_t per_item = std::min(chosen, a.num_kv_heads);
   const int64_t chunks = (a.num_kv_heads + per_item - 1) / per_item;
-  const int64_t items = num_pieces * chunks;
-  auto describe = [&](int64_t item, int64_t* out) {  // first row, first and end kv head, rows
-    const int64_t piece = item / chunks;
+  // Items of one kv head, too few for the threads and not a multiple of them (one sequence of
+  // Gemma 3 270M: its one kv head runs on one thread): each kv head's query heads split over
+  // `parts` items as well, the fewest parts that make the items a multiple of the threads, if
+  // any do. Each item reads its kv head's blocks, so the split pays only where the threads
+  // would idle otherwise: SmolLM2's 3 kv heads on 2 threads stay 2 and 1, as one query head to
+  // an item (9) took longer (bench/RESULTS.md, "A lone sequence's query heads over the
+  // threads"). A query head's arithmetic is the same whichever others share its item.
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  int64_t parts = 1;
+  if (a.kv_heads_per_item == 0 && per_item == 1 && num_pieces * chunks < 4 * threads_max) {
+    for (int64_t d = 2; d <= group && num_pieces * chunks % threads_max != 0; ++d) {
+      if (group % d == 0 && num_pieces * chunks * d % threads_max == 0) {
+        parts = d;
+        break;
+      }
+    }
+  }
+  const int64_t items = num_pieces * chunks * parts;
+  // first row, first and end kv head, rows, first query head of the group and their count
+  auto describe = [&](int64_t item, int64_t* out) {
+    const int64_t piece = item / (chunks * parts), rest = item % (chunks * parts);
     out[0] = pieces[size_t(piece)];
-    out[1] = (item % chunks) * per_item;
+    out[1] = (rest / parts) * per_item;
     out[2] = std::min(out[1] + per_item, a.num_kv_heads);
     out[3] = pieces[size_t(piece + 1)] - out[0];
+    out[4] = (rest % parts) * (group / parts);
+    out[5] = group / parts;
   };
   // Items go round-robin, one lane of every threads-th item per thread, so that each lane
   // knows which item it takes next and can start loading that item's first key block before
@@ -343,14 +366,14 @@ void decode(const DecodeArgs& a) {
   const int64_t threads = std::min<int64_t>(threads_max, items);
   auto lane = [&](int64_t first) {
     thread_local DecodeScratch scratch;
-    int64_t current[4], next[4];
+    int64_t current[6], next[6];
     for (int64_t item = first; item < items; item += threads) {
       describe(item, current);
       bool has_next = item + threads < items;
       if (has_next) describe(item + threads, next);
       has_next = has_next && a.seq_lens[next[0]] > 0;
-      decode_rows<T, NV>(a, current[0], current[3], current[1], current[2],
-                         has_next ? next : nullptr, scratch);
+      decode_rows<T, NV>(a, current[0], current[3], current[1], current[2], current[4],
+                         current[5], has_next ? next : nullptr, scratch);
     }
   };
   ChunkPool::instance().run(threads, int(threads), lane);

@@ -139,13 +139,20 @@ def test_rows_sharing_a_table_equal_each_row_alone(
 @pytest.mark.parametrize(("window", "softcap", "with_sinks"), [
     (None, None, False), (None, None, True), (300, None, False), (700, 3.0, True),
 ])  # fmt: skip
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 1)])
 def test_long_rows_equal_the_reference_and_each_row_alone(
-    dtype: torch.dtype, window: int | None, softcap: float | None, with_sinks: bool
+    dtype: torch.dtype,
+    window: int | None,
+    softcap: float | None,
+    with_sinks: bool,
+    num_heads: int,
+    num_kv_heads: int,
 ) -> None:
     """Contexts of several hundred to two thousand tokens with a window, a soft-cap and sinks,
     and a sequence with drafts: the reference's output, and each row's bits the same alone
-    as in the batch (a lone sequence is where the kernel splits its work differently)."""
-    head_dim, block_size, num_heads, num_kv_heads = 64, 16, 9, 3
+    as in the batch (a lone sequence is where the kernel splits its work differently: one kv
+    head's query heads over two threads, with 4:1)."""
+    head_dim, block_size = 64, 16
     gen = torch.Generator().manual_seed(41 + (window or 0))
     lens = [256, 257, 512, 513, 1000, 2049, 40]
     cache = make_paged_cache(
