@@ -63,7 +63,8 @@ struct DecodeArgs {
   float scale;
   // Work split: a piece's kv heads in chunks of this many (a piece: a row, or rows that read
   // the same blocks; decode()); 0 picks all of them (each block one contiguous run) when
-  // there are pieces enough to keep every thread busy, else one.
+  // there are pieces enough to keep every thread busy, else one, and splits a kv head's query
+  // heads too where the items would leave a thread idle.
   int64_t kv_heads_per_item;
   int64_t query_stride;       // elements between query rows (heads are contiguous in a row)
   int64_t window;             // sliding window, 0 = none
