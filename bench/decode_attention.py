@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _BENCH_DIR]
@@ -29,8 +30,9 @@ from llmserve_kernels.cpu import paged_attention_decode  # noqa: E402
 from llmserve_kernels.cpu.pool import set_num_threads  # noqa: E402
 
 
-def step_seconds(args: argparse.Namespace, context: int, dtype: torch.dtype) -> float:
-    """The best of `args.repeats` steps over every layer, in seconds."""
+def make_step(args: argparse.Namespace, context: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """A decode step's attention over every layer: `args.seqs` sequences of `context` tokens,
+    each layer's blocks shuffled through one cache. Returns the last layer's output."""
     gen = torch.Generator().manual_seed(context)
     block, layers, seqs = args.block_size, args.layers, args.seqs
     per_seq = -(-context // block)
@@ -48,12 +50,19 @@ def step_seconds(args: argparse.Namespace, context: int, dtype: torch.dtype) -> 
     lens = torch.full((seqs,), context, dtype=torch.int32)
     scale = args.head_dim**-0.5
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         for table in tables:
             paged_attention_decode(
                 query, key_cache, value_cache, table, lens, scale, out=out, check=False
             )
+        return out
 
+    return step
+
+
+def step_seconds(args: argparse.Namespace, context: int, dtype: torch.dtype) -> float:
+    """The best of `args.repeats` steps over every layer, in seconds."""
+    step = make_step(args, context, dtype)
     step()
     best = float("inf")
     for _ in range(args.repeats):
@@ -63,8 +72,8 @@ def step_seconds(args: argparse.Namespace, context: int, dtype: torch.dtype) -> 
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step's shape: SmolLM2-135M's by default."""
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 300, 512])
     parser.add_argument("--layers", type=int, default=30)
@@ -73,6 +82,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_arguments(parser)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

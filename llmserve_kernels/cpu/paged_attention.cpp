@@ -17,8 +17,9 @@
 //
 // Entry points (extern "C", called through ctypes):
 //   llmserve_paged_decode   (here) one query token per row, attending to its whole
-//                           context; consecutive rows that read the same blocks (a sequence's
-//                           last token and its drafts) share one pass over them.
+//                           context (a long one in partitions, merged); consecutive rows that
+//                           read the same blocks (a sequence's last token and its drafts)
+//                           share one pass over them.
 //   llmserve_paged_prefill  (paged_prefill.cpp) a chunk of query tokens per sequence at
 //                           positions context_len .. seq_len - 1, causal over the cached
 //                           context. Both score keys with attention.h.
@@ -30,6 +31,7 @@
 // passes its own.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,8 +65,8 @@ struct DecodeArgs {
   float scale;
   // Work split: a piece's kv heads in chunks of this many (a piece: a row, or rows that read
   // the same blocks; decode()); 0 picks all of them (each block one contiguous run) when
-  // there are pieces enough to keep every thread busy, else one, and splits a kv head's query
-  // heads too where the items would leave a thread idle.
+  // there are pieces, or pieces' partitions, enough to keep every thread busy, else one, and
+  // splits a kv head's query heads too where the items would leave a thread idle.
   int64_t kv_heads_per_item;
   int64_t query_stride;       // elements between query rows (heads are contiguous in a row)
   int64_t window;             // sliding window, 0 = none
@@ -119,23 +121,63 @@ inline void sum_values(const ValueRun<T>& run, vfloat* acc_out, int64_t group) {
     for (int c = 0; c < NV; ++c) acc_out[g * NV + c] = acc[g][c];
 }
 
+// A row attends to its keys [lo, len) in partitions: each leaves per head its maximum, its sum
+// of softmax numerators and its sum of value rows weighted by them, and merge_rows() combines
+// them in partition order. Partition k covers the tokens [k * size, (k + 1) * size), except
+// that the first starts at lo and takes in a partial first span, and the last ends at len and
+// takes in the rest: every partition of a row longer than `size` holds size to 2 * size - 1
+// tokens, and a row of under 2 * size tokens is one partition, attended with no merge. Where
+// a row's partitions begin and end follows from its length and the window alone, so its bits
+// do not depend on the other rows or on which work items the partitions went to. The size is
+// a whole number of blocks, so a block lies in one partition.
+constexpr int64_t kPartitionTokens = 256;
+
+inline int64_t partition_size(int64_t block_size) {
+  return std::max<int64_t>(1, kPartitionTokens / block_size) * block_size;
+}
+
+// One row's partitions: indexes first .. last, and the keys [lo, len) they cover (len > 0).
+struct RowPartitions {
+  int64_t lo, len, size, first, last;
+
+  RowPartitions(const DecodeArgs& a, int64_t row, int64_t size_) : size(size_) {
+    len = std::max<int32_t>(a.seq_lens[row], 0);
+    lo = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+    first = lo / size + (lo % size != 0 ? 1 : 0);
+    last = std::max(first, len / size - 1);
+  }
+  int64_t count() const { return last - first + 1; }
+  bool has(int64_t k) const { return len > 0 && k >= first && k <= last; }
+  int64_t begin(int64_t k) const { return k == first ? lo : k * size; }
+  int64_t end(int64_t k) const { return k == last ? len : (k + 1) * size; }
+};
+
+// A partition's results for one row and head, as merge_rows() reads them: [0] the maximum
+// (a sink included), [1] the sum of numerators (the sink's left out), then head_dim floats of
+// the weighted value sum.
+inline int64_t partial_floats(int64_t head_dim) { return head_dim + 2; }
+
 // Query rows seq .. seq + rows - 1 (one row each: a sequence, or a sequence's last token and the
-// drafted tokens after it, which read the same blocks up to one more token each) and their kv heads
-// [h_begin, h_end), of each kv head the query heads [g_begin, g_begin + g_count) of its group (the
-// whole group unless the item has one kv head). The rows of those heads for one token are adjacent
-// in the cache, and a block holds block_size tokens back to back, so with all heads in one item a
-// block is one contiguous run of memory. Pass 1 scores every key (kept, heads x len floats a row),
-// then softmax, then pass 2 sums the value rows. Within a block the loops go head by head, then row
-// by row, so that a head's query (or accumulator) stays in registers and the block's rows, brought
-// in for the first query row, are in L1 for the others. Each row's arithmetic is the same whatever
-// the other rows, so its bits do not depend on them. The same rows of the next block are prefetched
-// meanwhile, since blocks sit anywhere in the cache and the hardware prefetcher stalls at every
-// block boundary. Across pass boundaries too: the last key block prefetches the first value block,
-// and the last value block the first key block of `next_item` (seq, kv head range; nullptr if
-// none), the item this thread takes next.
+// drafted tokens after it, which read the same blocks up to one more token each), their
+// partition k (rows without one are skipped), and their kv heads [h_begin, h_end), of each kv
+// head the query heads [g_begin, g_begin + g_count) of its group (the whole group unless the
+// item has one kv head). The rows of those heads for one token are adjacent in the cache, and a
+// block holds block_size tokens back to back, so with all heads in one item a block is one
+// contiguous run of memory. Pass 1 scores every key (kept, heads x the partition's tokens a
+// row), then softmax, then pass 2 sums the value rows. Within a block the loops go head by
+// head, then row by row, so that a head's query (or accumulator) stays in registers and the
+// block's rows, brought in for the first query row, are in L1 for the others. Each row's
+// arithmetic is the same whatever the other rows, so its bits do not depend on them. The same
+// rows of the next block are prefetched meanwhile, since blocks sit anywhere in the cache and
+// the hardware prefetcher stalls at every block boundary. Across pass boundaries too: the last
+// key block prefetches the first value block, and the last value block the first key block of
+// `next_item` (seq, kv head range, block index; nullptr if none), what this thread takes next.
+// A row whose context is one partition gets its output; another leaves its partial results
+// at partials + part_base[row] for merge_rows().
 template <typename T, int NV>
-void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin, int64_t h_end,
-                 int64_t g_begin, int64_t g_count, const int64_t* next_item,
+void decode_rows(const DecodeArgs& a, int64_t size, int64_t seq, int64_t rows, int64_t h_begin,
+                 int64_t h_end, int64_t g_begin, int64_t g_count, int64_t k,
+                 const int64_t* next_item, float* partials, const int64_t* part_base,
                  DecodeScratch& scratch) {
   constexpr int kHeadDim = NV * kLanes;
   const int64_t group = g_count;  // query heads of this item per kv head
@@ -148,19 +190,27 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
   const T* keys = static_cast<const T*>(a.key_cache) + h_begin * kHeadDim;
   const T* values = static_cast<const T*>(a.value_cache) + h_begin * kHeadDim;
 
-  // Per row: its length, the first key in its window (keys before `lo` are neither scored
-  // nor summed, nor are blocks wholly before it), and where its scores start.
+  // Per row, in this partition: its keys [lo, len) (keys before `lo` are neither scored nor
+  // summed, nor are blocks wholly before it; len 0: the row has no keys here), the block its
+  // scores start at, where they start in the scratch and how many a head has (from the
+  // first block's start), and whether the partition is the row's whole context.
   int64_t len[kMaxRows], lo[kMaxRows], first_block[kMaxRows], score_base[kMaxRows];
+  int64_t score_len[kMaxRows], partition_of[kMaxRows];
+  bool whole[kMaxRows];
   int64_t scores_size = 0, len_max = 0, block_min = std::numeric_limits<int64_t>::max();
   for (int64_t r = 0; r < rows; ++r) {
-    len[r] = std::max<int32_t>(a.seq_lens[seq + r], 0);
-    lo[r] = a.window > 0 ? std::max<int64_t>(0, len[r] - a.window) : 0;
+    const RowPartitions parts(a, seq + r, size);
+    whole[r] = parts.count() == 1;
+    partition_of[r] = k - parts.first;
+    len[r] = parts.has(k) ? parts.end(k) : 0;
+    lo[r] = parts.has(k) ? parts.begin(k) : 0;
     first_block[r] = lo[r] / a.block_size;
     score_base[r] = scores_size;
-    scores_size += heads * len[r];
+    score_len[r] = len[r] > 0 ? len[r] - first_block[r] * a.block_size : 0;
+    scores_size += heads * score_len[r];
     len_max = std::max(len_max, len[r]);
     if (len[r] > 0) block_min = std::min(block_min, first_block[r]);
-    if (len[r] == 0) {
+    if (parts.len == 0) {
       T* out = static_cast<T*>(a.out) + ((seq + r) * a.num_heads + first_head) * kHeadDim;
       for (int64_t i = 0; i < heads * kHeadDim; ++i) store_scalar(out + i, 0.0f);
     }
@@ -174,9 +224,14 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
   auto reads = [&](int64_t r, int64_t b, int64_t start) {
     return start < len[r] && b >= first_block[r];
   };
+  // Row r's scores of head `head` for the keys from `start` on.
+  auto scores_at = [&](int64_t r, int64_t head, int64_t start) {
+    return scratch.scores.data() + score_base[r] + head * score_len[r] +
+           (start - first_block[r] * a.block_size);
+  };
 
-  // Pass 1: scores[head * len + t] = q_head . k_t, kLanes keys at a time per query head (the
-  // head's rows of a block stay in L1 across the group's query heads and the rows).
+  // Pass 1: scores[head][t] = q_head . k_t, kLanes keys at a time per query head (the head's
+  // rows of a block stay in L1 across the group's query heads and the rows).
   for (int64_t b = block_min, start = b * a.block_size; start < len_max;
        start += a.block_size, ++b) {
     const int64_t block = int64_t(table[b]) * block_stride;
@@ -187,19 +242,19 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
         for (int64_t o = 0; o < fetched; ++o) prefetch_row<T, NV>(keys + next + o * token_stride + h * kHeadDim);
       } else {  // last key block: bring in the first value block for pass 2
         const T* first = values + int64_t(table[block_min]) * block_stride + h * kHeadDim;
-        for (int64_t o = 0; o < std::min(a.block_size, len_max); ++o) prefetch_row<T, NV>(first + o * token_stride);
+        for (int64_t o = 0; o < std::min(a.block_size, len_max - block_min * a.block_size); ++o)
+          prefetch_row<T, NV>(first + o * token_stride);
       }
       for (int64_t r = 0; r < rows; ++r) {
         if (!reads(r, b, start)) continue;
         const int64_t n = std::min(a.block_size, len[r] - start);
         const T* query =
             static_cast<const T*>(a.query) + (seq + r) * a.query_stride + first_head * kHeadDim;
-        float* scores = scratch.scores.data() + score_base[r];
         for (int64_t g = 0; g < group; ++g) {
           const int64_t head = h * group + g;
           const KeyDot<T, NV> dot(query + head * kHeadDim, a.scale);
-          score_rows(dot, keys + block + h * kHeadDim, token_stride, n,
-                     scores + head * len[r] + start, scratch.max[size_t(r * heads + head)]);
+          score_rows(dot, keys + block + h * kHeadDim, token_stride, n, scores_at(r, head, start),
+                     scratch.max[size_t(r * heads + head)]);
         }
       }
     }
@@ -207,41 +262,46 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
 
   for (int64_t r = 0; r < rows; ++r) {
     if (len[r] == 0) continue;
-    float* scores = scratch.scores.data() + score_base[r];
     float* max = scratch.max.data() + r * heads;
     // With a window or a soft-cap, the maximum is retaken over the window's capped scores
     // (pass 1's counts the whole first block, uncapped).
     if (a.window > 0 || a.softcap > 0.0f) {
       for (int64_t i = 0; i < heads; ++i) {
-        float* row = scores + i * len[r];
+        float* row = scores_at(r, i, lo[r]);
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = lo[r]; t < len[r]; ++t) {
+        for (int64_t t = 0; t < len[r] - lo[r]; ++t) {
           if (a.softcap > 0.0f) row[t] = std::tanh(row[t] / a.softcap) * a.softcap;
           m = std::max(m, row[t]);
         }
         max[i] = m;
       }
     }
-    // A head's sink joins its maximum, and its numerator (below) the sum.
+    // A head's sink joins its maximum, and its numerator (below) the sum, once: in a row of
+    // several partitions, at the merge.
     const float* sinks = a.sinks == nullptr ? nullptr : a.sinks + first_head;
     if (sinks != nullptr) {
       for (int64_t i = 0; i < heads; ++i) max[i] = std::max(max[i], sinks[i]);
     }
-    // Softmax numerators in place; keep 1 / their sum.
+    // Softmax numerators in place; keep 1 / their sum, or their sum for the merge.
     for (int64_t i = 0; i < heads; ++i) {
-      float* row = scores + i * len[r];
+      float* row = scores_at(r, i, lo[r]);
+      const int64_t n = len[r] - lo[r];
       const float m = max[i];
       vfloat total = vfloat{};
-      int64_t t = lo[r];
-      for (; t + kLanes <= len[r]; t += kLanes) {
+      int64_t t = 0;
+      for (; t + kLanes <= n; t += kLanes) {
         const vfloat e = exp_nonpositive(load(row + t) - m);
         store(row + t, e);
         total += e;
       }
       float tail = 0.0f;
-      for (; t < len[r]; ++t) {
+      for (; t < n; ++t) {
         row[t] = exp_nonpositive(row[t] - m);
         tail += row[t];
+      }
+      if (!whole[r]) {
+        scratch.inv_sum[size_t(r * heads + i)] = hsum(total) + tail;
+        continue;
       }
       if (sinks != nullptr) tail += exp_nonpositive(sinks[i] - m);
       scratch.inv_sum[size_t(r * heads + i)] = 1.0f / (hsum(total) + tail);
@@ -255,10 +315,11 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
     const int64_t next = start + a.block_size < len_max ? int64_t(table[b + 1]) * block_stride : -1;
     if (next < 0 && next_item != nullptr) {
       // Last value block: bring in the first key block of this thread's next item.
-      const int64_t next_seq = next_item[0], next_len = a.seq_lens[next_seq];
+      const int64_t next_seq = next_item[0], next_block = next_item[3];
+      const int64_t rest = a.seq_lens[next_seq] - next_block * a.block_size;
       const T* first = static_cast<const T*>(a.key_cache) +
-                       int64_t(a.block_tables[next_seq * a.table_stride]) * block_stride;
-      for (int64_t o = 0; o < std::min(a.block_size, next_len); ++o)
+                       int64_t(a.block_tables[next_seq * a.table_stride + next_block]) * block_stride;
+      for (int64_t o = 0; o < std::min(a.block_size, rest); ++o)
         for (int64_t h = next_item[1]; h < next_item[2]; ++h)
           prefetch_row<T, NV>(first + o * token_stride + h * kHeadDim);
     }
@@ -271,8 +332,8 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
                               token_stride,
                               std::max<int64_t>(0, lo[r] - start),
                               n,
-                              scratch.scores.data() + score_base[r] + h * group * len[r] + start,
-                              len[r]};
+                              scores_at(r, h * group, start),
+                              score_len[r]};
         vfloat* acc = scratch.acc.data() + (r * heads + h * group) * NV;
         switch (group) {  // the group's accumulators in registers for the common sizes
           case 1: sum_values<T, NV, 1>(run, acc, 1); break;
@@ -287,11 +348,56 @@ void decode_rows(const DecodeArgs& a, int64_t seq, int64_t rows, int64_t h_begin
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (len[r] == 0) continue;
+    if (!whole[r]) {
+      const RowPartitions parts(a, seq + r, size);
+      for (int64_t i = 0; i < heads; ++i) {
+        float* partial = partials + part_base[seq + r] +
+                         ((first_head + i) * parts.count() + partition_of[r]) * partial_floats(kHeadDim);
+        partial[0] = scratch.max[size_t(r * heads + i)];
+        partial[1] = scratch.inv_sum[size_t(r * heads + i)];
+        const vfloat* acc = scratch.acc.data() + (r * heads + i) * NV;
+        for (int c = 0; c < NV; ++c) store(partial + 2 + c * kLanes, acc[c]);
+      }
+      continue;
+    }
     T* out = static_cast<T*>(a.out) + ((seq + r) * a.num_heads + first_head) * kHeadDim;
     for (int64_t i = 0; i < heads; ++i) {
       const float inv = scratch.inv_sum[size_t(r * heads + i)];
       const vfloat* acc = scratch.acc.data() + (r * heads + i) * NV;
       for (int c = 0; c < NV; ++c) store(out + i * kHeadDim + c * kLanes, acc[c] * inv);
+    }
+  }
+}
+
+// The outputs of rows seq .. seq + rows - 1 that have several partitions, for the query heads
+// [first_head, first_head + heads), from every partition's results, in partition order: each
+// partition's sums rescaled from its maximum to the largest, the sink's numerator added to
+// the denominator.
+template <typename T, int NV>
+void merge_rows(const DecodeArgs& a, int64_t size, int64_t seq, int64_t rows,
+                int64_t first_head, int64_t heads, const float* partials,
+                const int64_t* part_base) {
+  constexpr int kHeadDim = NV * kLanes;
+  for (int64_t r = seq; r < seq + rows; ++r) {
+    const RowPartitions parts(a, r, size);
+    if (parts.len == 0 || parts.count() == 1) continue;
+    const int64_t count = parts.count();
+    for (int64_t head = first_head; head < first_head + heads; ++head) {
+      const float* first = partials + part_base[r] + head * count * partial_floats(kHeadDim);
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < count; ++p) m = std::max(m, first[p * partial_floats(kHeadDim)]);
+      float sum = 0.0f;
+      vfloat acc[NV] = {};
+      for (int64_t p = 0; p < count; ++p) {
+        const float* partial = first + p * partial_floats(kHeadDim);
+        const float f = exp_nonpositive(partial[0] - m);
+        sum += f * partial[1];
+        for (int c = 0; c < NV; ++c) acc[c] += splat(f) * load(partial + 2 + c * kLanes);
+      }
+      if (a.sinks != nullptr) sum += exp_nonpositive(a.sinks[head] - m);
+      const vfloat inv = splat(1.0f / sum);
+      T* out = static_cast<T*>(a.out) + (r * a.num_heads + head) * kHeadDim;
+      for (int c = 0; c < NV; ++c) store(out + c * kLanes, acc[c] * inv);
     }
   }
 }
@@ -308,7 +414,9 @@ inline bool same_blocks(const DecodeArgs& a, int64_t i) {
 
 template <typename T, int NV>
 void decode(const DecodeArgs& a) {
+  constexpr int kHeadDim = NV * kLanes;
   const int64_t threads_max = int64_t(pool_threads);
+  const int64_t size = partition_size(a.block_size);
   // Runs of rows that read the same blocks, split into pieces (one per work item's rows): a
   // run into as many pieces as keep the threads busy when runs are fewer than threads, so
   // each piece reads the blocks once for its rows.
@@ -328,53 +436,173 @@ void decode(const DecodeArgs& a) {
   const int64_t num_pieces = int64_t(pieces.size());
   pieces.push_back(a.num_seqs);
 
-  const int64_t chosen = a.kv_heads_per_item > 0               ? a.kv_heads_per_item
-                         : num_pieces >= 4 * threads_max ? a.num_kv_heads
-                                                         : 1;
+  // Each piece's partitions (the union of its rows'; one for a piece of empty rows), and
+  // where each row of several partitions keeps its partial results.
+  std::vector<int64_t> k_first(static_cast<size_t>(num_pieces)), k_last(static_cast<size_t>(num_pieces));
+  std::vector<int64_t> part_base(static_cast<size_t>(a.num_seqs), -1);
+  std::vector<char> merged(static_cast<size_t>(num_pieces), 0);  // whether a row of the piece has several
+  int64_t partial_size = 0, units = 0;
+  for (int64_t p = 0; p < num_pieces; ++p) {
+    int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
+    for (int64_t r = pieces[size_t(p)]; r < pieces[size_t(p + 1)]; ++r) {
+      const RowPartitions parts(a, r, size);
+      if (parts.len == 0) continue;
+      first = std::min(first, parts.first);
+      last = std::max(last, parts.last);
+      if (parts.count() > 1) {
+        part_base[size_t(r)] = partial_size;
+        partial_size += parts.count() * a.num_heads * partial_floats(kHeadDim);
+        merged[size_t(p)] = 1;
+      }
+    }
+    if (first > last) first = last = 0;
+    k_first[size_t(p)] = first;
+    k_last[size_t(p)] = last;
+    units += last - first + 1;
+  }
+  // The caller's buffer, reused from call to call (the lanes, on other threads, get its address).
+  thread_local std::vector<float> partial_buffer;
+  if (int64_t(partial_buffer.size()) < partial_size) partial_buffer.resize(size_t(partial_size));
+  float* const partials = partial_buffer.data();
+
+  // The first key block a work item reads: that of the piece's first row in partition k (the
+  // shortest row, whose window starts first).
+  auto first_block = [&](int64_t piece, int64_t k) {
+    const RowPartitions parts(a, pieces[size_t(piece)], size);
+    return (k <= parts.first ? parts.lo : k * size) / a.block_size;
+  };
+
+  // Pieces enough to keep every thread busy: a work item is a piece, all its kv heads (each
+  // block one contiguous run) and all its partitions in order, merged at once. Items go
+  // round-robin, one lane of every threads-th item per thread, so that each lane knows which
+  // item it takes next and can start loading that item's first key block before it gets
+  // there. (Lanes are the pool's chunks: a thread that is late runs none.)
+  if (a.kv_heads_per_item == 0 && num_pieces >= 4 * threads_max) {
+    const int64_t threads = threads_max;
+    auto lane = [&](int64_t first) {
+      thread_local DecodeScratch scratch;
+      int64_t next[4];
+      for (int64_t piece = first; piece < num_pieces; piece += threads) {
+        const int64_t seq = pieces[size_t(piece)], rows = pieces[size_t(piece + 1)] - seq;
+        for (int64_t k = k_first[size_t(piece)]; k <= k_last[size_t(piece)]; ++k) {
+          const bool last = k == k_last[size_t(piece)];
+          const int64_t next_piece = last ? piece + threads : piece;
+          bool has_next = next_piece < num_pieces;
+          if (has_next) {
+            const int64_t next_k = last ? k_first[size_t(next_piece)] : k + 1;
+            next[0] = pieces[size_t(next_piece)];
+            next[1] = 0;
+            next[2] = a.num_kv_heads;
+            next[3] = first_block(next_piece, next_k);
+            has_next = a.seq_lens[next[0]] > 0;
+          }
+          decode_rows<T, NV>(a, size, seq, rows, 0, a.num_kv_heads, 0,
+                             a.num_heads / a.num_kv_heads, k, has_next ? next : nullptr,
+                             partials, part_base.data(), scratch);
+        }
+        if (merged[size_t(piece)])
+          merge_rows<T, NV>(a, size, seq, rows, 0, a.num_heads, partials, part_base.data());
+      }
+    };
+    ChunkPool::instance().run(threads, int(threads), lane);
+    return;
+  }
+
+  // Otherwise a work item is one partition of a piece and a chunk of its kv heads: all of
+  // them when there are at least two partitions to a thread (a lone long sequence: each block
+  // one contiguous run, and the lanes below even out), else one. Items of one kv head, too few
+  // for the threads and not a multiple of them (one short sequence of Gemma 3 270M: its one kv
+  // head runs on one thread): each kv head's query heads split over `parts` items as well,
+  // the fewest parts that make the items a multiple of the threads, if any do. Each item
+  // reads its kv head's blocks, so the split pays only where the threads would idle
+  // otherwise: SmolLM2's 3 kv heads on 2 threads stay 2 and 1, as one query head to an item
+  // (9) took longer (bench/RESULTS.md, "A lone sequence's query heads over the threads"). A
+  // query head's arithmetic is the same whichever others share its item.
+  const int64_t chosen = a.kv_heads_per_item > 0   ? a.kv_heads_per_item
+                         : units >= 2 * threads_max ? a.num_kv_heads
+                                                    : 1;
   const int64_t per_item = std::min(chosen, a.num_kv_heads);
   const int64_t chunks = (a.num_kv_heads + per_item - 1) / per_item;
-  // Items of one kv head, too few for the threads and not a multiple of them (one sequence of
-  // Gemma 3 270M: its one kv head runs on one thread): each kv head's query heads split over
-  // `parts` items as well, the fewest parts that make the items a multiple of the threads, if
-  // any do. Each item reads its kv head's blocks, so the split pays only where the threads
-  // would idle otherwise: SmolLM2's 3 kv heads on 2 threads stay 2 and 1, as one query head to
-  // an item (9) took longer (bench/RESULTS.md, "A lone sequence's query heads over the
-  // threads"). A query head's arithmetic is the same whichever others share its item.
   const int64_t group = a.num_heads / a.num_kv_heads;
   int64_t parts = 1;
-  if (a.kv_heads_per_item == 0 && per_item == 1 && num_pieces * chunks < 4 * threads_max) {
-    for (int64_t d = 2; d <= group && num_pieces * chunks % threads_max != 0; ++d) {
-      if (group % d == 0 && num_pieces * chunks * d % threads_max == 0) {
+  if (a.kv_heads_per_item == 0 && per_item == 1 && units * chunks < 4 * threads_max) {
+    for (int64_t d = 2; d <= group && units * chunks % threads_max != 0; ++d) {
+      if (group % d == 0 && units * chunks * d % threads_max == 0) {
         parts = d;
         break;
       }
     }
   }
-  const int64_t items = num_pieces * chunks * parts;
-  // first row, first and end kv head, rows, first query head of the group and their count
-  auto describe = [&](int64_t item, int64_t* out) {
-    const int64_t piece = item / (chunks * parts), rest = item % (chunks * parts);
-    out[0] = pieces[size_t(piece)];
-    out[1] = (rest / parts) * per_item;
-    out[2] = std::min(out[1] + per_item, a.num_kv_heads);
-    out[3] = pieces[size_t(piece + 1)] - out[0];
-    out[4] = (rest % parts) * (group / parts);
-    out[5] = group / parts;
+  // Items: piece, partition, kv head chunk, query head part; `cost` the keys it scores.
+  struct Item {
+    int64_t piece, k, chunk, part, cost;
   };
-  // Items go round-robin, one lane of every threads-th item per thread, so that each lane
-  // knows which item it takes next and can start loading that item's first key block before
-  // it gets there. (Lanes are the pool's chunks: a thread that is late runs none.)
-  const int64_t threads = std::min<int64_t>(threads_max, items);
-  auto lane = [&](int64_t first) {
+  std::vector<Item> items;
+  for (int64_t p = 0; p < num_pieces; ++p) {
+    for (int64_t k = k_first[size_t(p)]; k <= k_last[size_t(p)]; ++k) {
+      int64_t keys = 0;
+      for (int64_t r = pieces[size_t(p)]; r < pieces[size_t(p + 1)]; ++r) {
+        const RowPartitions row(a, r, size);
+        if (row.has(k)) keys += row.end(k) - row.begin(k);
+      }
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t kv = std::min(per_item, a.num_kv_heads - c * per_item);
+        for (int64_t q = 0; q < parts; ++q) items.push_back({p, k, c, q, keys * kv * group / parts});
+      }
+    }
+  }
+  const int64_t num_items = int64_t(items.size());
+  const int64_t threads = std::min<int64_t>(threads_max, num_items);
+  // Each lane's items: the largest first, each to the lane with the least work so far.
+  std::vector<int64_t> order(static_cast<size_t>(num_items));
+  for (int64_t i = 0; i < num_items; ++i) order[size_t(i)] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return items[size_t(x)].cost > items[size_t(y)].cost;
+  });
+  std::vector<std::vector<int64_t>> lanes(static_cast<size_t>(threads));
+  std::vector<int64_t> load(static_cast<size_t>(threads), 0);
+  for (const int64_t i : order) {
+    const size_t to = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+    lanes[to].push_back(i);
+    load[to] += items[size_t(i)].cost;
+  }
+  // Partitions of one piece, kv head chunk and query head part still to run: the item that
+  // brings it to zero merges their rows.
+  const int64_t groups = num_pieces * chunks * parts;
+  std::vector<std::atomic<int64_t>> pending(static_cast<size_t>(groups));
+  for (int64_t p = 0; p < num_pieces; ++p)
+    for (int64_t g = 0; g < chunks * parts; ++g)
+      pending[size_t(p * chunks * parts + g)].store(k_last[size_t(p)] - k_first[size_t(p)] + 1,
+                                                    std::memory_order_relaxed);
+  auto heads_of = [&](const Item& item, int64_t* out) {  // kv heads [out[0], out[1]), query part
+    out[0] = item.chunk * per_item;
+    out[1] = std::min(out[0] + per_item, a.num_kv_heads);
+  };
+  auto lane = [&](int64_t l) {
     thread_local DecodeScratch scratch;
-    int64_t current[6], next[6];
-    for (int64_t item = first; item < items; item += threads) {
-      describe(item, current);
-      bool has_next = item + threads < items;
-      if (has_next) describe(item + threads, next);
-      has_next = has_next && a.seq_lens[next[0]] > 0;
-      decode_rows<T, NV>(a, current[0], current[3], current[1], current[2], current[4],
-                         current[5], has_next ? next : nullptr, scratch);
+    const std::vector<int64_t>& mine = lanes[size_t(l)];
+    for (size_t j = 0; j < mine.size(); ++j) {
+      const Item& item = items[size_t(mine[j])];
+      const int64_t seq = pieces[size_t(item.piece)], rows = pieces[size_t(item.piece + 1)] - seq;
+      int64_t kv[2], next[4];
+      heads_of(item, kv);
+      bool has_next = j + 1 < mine.size();
+      if (has_next) {
+        const Item& after = items[size_t(mine[j + 1])];
+        next[0] = pieces[size_t(after.piece)];
+        heads_of(after, next + 1);
+        next[3] = first_block(after.piece, after.k);
+        has_next = a.seq_lens[next[0]] > 0;
+      }
+      const int64_t g_count = group / parts, g_begin = item.part * g_count;
+      decode_rows<T, NV>(a, size, seq, rows, kv[0], kv[1], g_begin, g_count, item.k,
+                         has_next ? next : nullptr, partials, part_base.data(), scratch);
+      if (!merged[size_t(item.piece)]) continue;
+      const int64_t id = (item.piece * chunks + item.chunk) * parts + item.part;
+      if (pending[size_t(id)].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        merge_rows<T, NV>(a, size, seq, rows, kv[0] * group + g_begin, (kv[1] - kv[0]) * g_count,
+                          partials, part_base.data());
+      }
     }
   };
   ChunkPool::instance().run(threads, int(threads), lane);

@@ -149,14 +149,17 @@ def test_long_rows_equal_the_reference_and_each_row_alone(
     num_kv_heads: int,
 ) -> None:
     """Contexts of several hundred to two thousand tokens with a window, a soft-cap and sinks,
-    and a sequence with drafts: the reference's output, and each row's bits the same alone
-    as in the batch (a lone sequence is where the kernel splits its work differently: one kv
-    head's query heads over two threads, with 4:1)."""
+    and sequences with drafts: the reference's output, and each row's bits the same alone as
+    in the batch. A lone sequence is where the kernel splits its work differently: a long
+    context's partitions over the threads, or one kv head's query heads over two threads,
+    with 4:1; in a batch a row's partitions run in one work item. The drafts of the second
+    run cross lengths where a context takes one more partition (at multiples of 128, 256 and
+    512 tokens)."""
     head_dim, block_size = 64, 16
     gen = torch.Generator().manual_seed(41 + (window or 0))
     lens = [256, 257, 512, 513, 1000, 2049, 40]
     cache = make_paged_cache(
-        [*lens, 260],
+        [*lens, 260, 1027],
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -164,8 +167,11 @@ def test_long_rows_equal_the_reference_and_each_row_alone(
         device="cpu",
         generator=gen,
     )
-    # The last sequence: its token at 253 and drafts up to 260, one run of rows.
-    rows = [(i, n) for i, n in enumerate(lens)] + [(len(lens), n) for n in range(253, 261)]
+    # The last two sequences: a token at 253 with drafts up to 260, and one at 1020 with
+    # drafts up to 1027, each one run of rows.
+    rows = [(i, n) for i, n in enumerate(lens)]
+    rows += [(len(lens), n) for n in range(253, 261)]
+    rows += [(len(lens) + 1, n) for n in range(1020, 1028)]
     tables = cache.block_tables[[i for i, _ in rows]].contiguous()
     seq_lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
     query = torch.randn(len(rows), num_heads, head_dim, generator=gen).to(dtype)
