@@ -53,7 +53,8 @@ def make_step(args: argparse.Namespace, context: int, dtype: torch.dtype) -> Cal
     def step() -> torch.Tensor:
         for table in tables:
             paged_attention_decode(
-                query, key_cache, value_cache, table, lens, scale, out=out, check=False
+                query, key_cache, value_cache, table, lens, scale, out=out, check=False,
+                sliding_window=args.window or None,
             )
         return out
 
@@ -82,6 +83,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--window", type=int, default=0, help="sliding window, 0 for none")
 
 
 def main() -> None:

@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "attention.h"
@@ -412,21 +413,47 @@ inline bool same_blocks(const DecodeArgs& a, int64_t i) {
                      size_t(blocks) * sizeof(int32_t)) == 0;
 }
 
+// A decode call's split of its rows into work items, kept by the calling thread from call to
+// call so that a step's layers reuse its buffers (lanes on other threads reach them through
+// the reference decode() takes, not as their own thread_local).
+struct DecodePlan {
+  struct Item {
+    int64_t piece, k, chunk, part;  // partition k, kv head chunk, query head part
+    int64_t cost, lane;             // the keys it scores, the lane that runs it
+  };
+  std::vector<int64_t> runs;       // first row of each run, then num_seqs
+  std::vector<int64_t> pieces;     // first row of each piece, then num_seqs
+  std::vector<int64_t> k_first;    // per piece, its first and last partition
+  std::vector<int64_t> k_last;
+  std::vector<int64_t> part_base;  // per row of several partitions, its partial results' offset
+  std::vector<char> merged;        // per piece, whether a row of it has several partitions
+  std::vector<float> partials;
+  std::vector<Item> items;
+  std::vector<int64_t> order;      // items, the largest first
+  std::vector<int64_t> load;       // per lane, the keys of its items
+  std::unique_ptr<std::atomic<int64_t>[]> pending;  // per group: partitions still to run
+  int64_t pending_size = 0;
+};
+
 template <typename T, int NV>
 void decode(const DecodeArgs& a) {
   constexpr int kHeadDim = NV * kLanes;
   const int64_t threads_max = int64_t(pool_threads);
   const int64_t size = partition_size(a.block_size);
+  thread_local DecodePlan caller_plan;
+  DecodePlan& plan = caller_plan;
   // Runs of rows that read the same blocks, split into pieces (one per work item's rows): a
   // run into as many pieces as keep the threads busy when runs are fewer than threads, so
   // each piece reads the blocks once for its rows.
-  std::vector<int64_t> runs;  // first row of each run, then num_seqs
+  std::vector<int64_t>& runs = plan.runs;
+  runs.clear();
   for (int64_t i = 0; i < a.num_seqs; ++i) {
     if (i == 0 || !same_blocks(a, i - 1)) runs.push_back(i);
   }
   const int64_t num_runs = int64_t(runs.size());
   runs.push_back(a.num_seqs);
-  std::vector<int64_t> pieces;  // first row of each piece, then num_seqs
+  std::vector<int64_t>& pieces = plan.pieces;
+  pieces.clear();
   const int64_t split = (threads_max + num_runs - 1) / std::max<int64_t>(num_runs, 1);
   for (int64_t k = 0; k < num_runs; ++k) {
     const int64_t count = runs[size_t(k + 1)] - runs[size_t(k)];
@@ -438,9 +465,10 @@ void decode(const DecodeArgs& a) {
 
   // Each piece's partitions (the union of its rows'; one for a piece of empty rows), and
   // where each row of several partitions keeps its partial results.
-  std::vector<int64_t> k_first(static_cast<size_t>(num_pieces)), k_last(static_cast<size_t>(num_pieces));
-  std::vector<int64_t> part_base(static_cast<size_t>(a.num_seqs), -1);
-  std::vector<char> merged(static_cast<size_t>(num_pieces), 0);  // whether a row of the piece has several
+  plan.k_first.assign(size_t(num_pieces), 0);
+  plan.k_last.assign(size_t(num_pieces), 0);
+  plan.merged.assign(size_t(num_pieces), 0);
+  plan.part_base.assign(size_t(a.num_seqs), -1);
   int64_t partial_size = 0, units = 0;
   for (int64_t p = 0; p < num_pieces; ++p) {
     int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
@@ -450,20 +478,22 @@ void decode(const DecodeArgs& a) {
       first = std::min(first, parts.first);
       last = std::max(last, parts.last);
       if (parts.count() > 1) {
-        part_base[size_t(r)] = partial_size;
+        plan.part_base[size_t(r)] = partial_size;
         partial_size += parts.count() * a.num_heads * partial_floats(kHeadDim);
-        merged[size_t(p)] = 1;
+        plan.merged[size_t(p)] = 1;
       }
     }
     if (first > last) first = last = 0;
-    k_first[size_t(p)] = first;
-    k_last[size_t(p)] = last;
+    plan.k_first[size_t(p)] = first;
+    plan.k_last[size_t(p)] = last;
     units += last - first + 1;
   }
-  // The caller's buffer, reused from call to call (the lanes, on other threads, get its address).
-  thread_local std::vector<float> partial_buffer;
-  if (int64_t(partial_buffer.size()) < partial_size) partial_buffer.resize(size_t(partial_size));
-  float* const partials = partial_buffer.data();
+  if (int64_t(plan.partials.size()) < partial_size) plan.partials.resize(size_t(partial_size));
+  float* const partials = plan.partials.data();
+  const int64_t* const part_base = plan.part_base.data();
+  const int64_t* const k_first = plan.k_first.data();
+  const int64_t* const k_last = plan.k_last.data();
+  const char* const merged = plan.merged.data();
 
   // The first key block a work item reads: that of the piece's first row in partition k (the
   // shortest row, whose window starts first).
@@ -484,24 +514,22 @@ void decode(const DecodeArgs& a) {
       int64_t next[4];
       for (int64_t piece = first; piece < num_pieces; piece += threads) {
         const int64_t seq = pieces[size_t(piece)], rows = pieces[size_t(piece + 1)] - seq;
-        for (int64_t k = k_first[size_t(piece)]; k <= k_last[size_t(piece)]; ++k) {
-          const bool last = k == k_last[size_t(piece)];
+        for (int64_t k = k_first[piece]; k <= k_last[piece]; ++k) {
+          const bool last = k == k_last[piece];
           const int64_t next_piece = last ? piece + threads : piece;
           bool has_next = next_piece < num_pieces;
           if (has_next) {
-            const int64_t next_k = last ? k_first[size_t(next_piece)] : k + 1;
             next[0] = pieces[size_t(next_piece)];
             next[1] = 0;
             next[2] = a.num_kv_heads;
-            next[3] = first_block(next_piece, next_k);
+            next[3] = first_block(next_piece, last ? k_first[next_piece] : k + 1);
             has_next = a.seq_lens[next[0]] > 0;
           }
           decode_rows<T, NV>(a, size, seq, rows, 0, a.num_kv_heads, 0,
                              a.num_heads / a.num_kv_heads, k, has_next ? next : nullptr,
-                             partials, part_base.data(), scratch);
+                             partials, part_base, scratch);
         }
-        if (merged[size_t(piece)])
-          merge_rows<T, NV>(a, size, seq, rows, 0, a.num_heads, partials, part_base.data());
+        if (merged[piece]) merge_rows<T, NV>(a, size, seq, rows, 0, a.num_heads, partials, part_base);
       }
     };
     ChunkPool::instance().run(threads, int(threads), lane);
@@ -533,13 +561,10 @@ void decode(const DecodeArgs& a) {
       }
     }
   }
-  // Items: piece, partition, kv head chunk, query head part; `cost` the keys it scores.
-  struct Item {
-    int64_t piece, k, chunk, part, cost;
-  };
-  std::vector<Item> items;
+  std::vector<DecodePlan::Item>& items = plan.items;
+  items.clear();
   for (int64_t p = 0; p < num_pieces; ++p) {
-    for (int64_t k = k_first[size_t(p)]; k <= k_last[size_t(p)]; ++k) {
+    for (int64_t k = k_first[p]; k <= k_last[p]; ++k) {
       int64_t keys = 0;
       for (int64_t r = pieces[size_t(p)]; r < pieces[size_t(p + 1)]; ++r) {
         const RowPartitions row(a, r, size);
@@ -547,48 +572,58 @@ void decode(const DecodeArgs& a) {
       }
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t kv = std::min(per_item, a.num_kv_heads - c * per_item);
-        for (int64_t q = 0; q < parts; ++q) items.push_back({p, k, c, q, keys * kv * group / parts});
+        for (int64_t q = 0; q < parts; ++q)
+          items.push_back({p, k, c, q, keys * kv * group / parts, 0});
       }
     }
   }
   const int64_t num_items = int64_t(items.size());
   const int64_t threads = std::min<int64_t>(threads_max, num_items);
-  // Each lane's items: the largest first, each to the lane with the least work so far.
-  std::vector<int64_t> order(static_cast<size_t>(num_items));
+  // Lanes: the items, the largest first, each to the lane with the least work so far; a lane
+  // runs its items in that order.
+  std::vector<int64_t>& order = plan.order;
+  order.resize(size_t(num_items));
   for (int64_t i = 0; i < num_items; ++i) order[size_t(i)] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
     return items[size_t(x)].cost > items[size_t(y)].cost;
   });
-  std::vector<std::vector<int64_t>> lanes(static_cast<size_t>(threads));
-  std::vector<int64_t> load(static_cast<size_t>(threads), 0);
+  plan.load.assign(size_t(threads), 0);
   for (const int64_t i : order) {
-    const size_t to = size_t(std::min_element(load.begin(), load.end()) - load.begin());
-    lanes[to].push_back(i);
-    load[to] += items[size_t(i)].cost;
+    const int64_t to = std::min_element(plan.load.begin(), plan.load.end()) - plan.load.begin();
+    plan.load[size_t(to)] += items[size_t(i)].cost;
+    items[size_t(i)].lane = to;
   }
   // Partitions of one piece, kv head chunk and query head part still to run: the item that
   // brings it to zero merges their rows.
   const int64_t groups = num_pieces * chunks * parts;
-  std::vector<std::atomic<int64_t>> pending(static_cast<size_t>(groups));
+  if (plan.pending_size < groups) {
+    plan.pending.reset(new std::atomic<int64_t>[size_t(groups)]);
+    plan.pending_size = groups;
+  }
+  std::atomic<int64_t>* const pending = plan.pending.get();
   for (int64_t p = 0; p < num_pieces; ++p)
     for (int64_t g = 0; g < chunks * parts; ++g)
-      pending[size_t(p * chunks * parts + g)].store(k_last[size_t(p)] - k_first[size_t(p)] + 1,
-                                                    std::memory_order_relaxed);
-  auto heads_of = [&](const Item& item, int64_t* out) {  // kv heads [out[0], out[1]), query part
+      pending[p * chunks * parts + g].store(k_last[p] - k_first[p] + 1, std::memory_order_relaxed);
+  auto heads_of = [&](const DecodePlan::Item& item, int64_t* out) {  // kv heads [out[0], out[1])
     out[0] = item.chunk * per_item;
     out[1] = std::min(out[0] + per_item, a.num_kv_heads);
   };
+  // Lane l's first item at or after position j of `order`, or num_items.
+  auto lane_item = [&](int64_t l, int64_t j) {
+    while (j < num_items && items[size_t(order[size_t(j)])].lane != l) ++j;
+    return j;
+  };
   auto lane = [&](int64_t l) {
     thread_local DecodeScratch scratch;
-    const std::vector<int64_t>& mine = lanes[size_t(l)];
-    for (size_t j = 0; j < mine.size(); ++j) {
-      const Item& item = items[size_t(mine[j])];
+    for (int64_t j = lane_item(l, 0); j < num_items;) {
+      const DecodePlan::Item& item = items[size_t(order[size_t(j)])];
       const int64_t seq = pieces[size_t(item.piece)], rows = pieces[size_t(item.piece + 1)] - seq;
       int64_t kv[2], next[4];
       heads_of(item, kv);
-      bool has_next = j + 1 < mine.size();
+      j = lane_item(l, j + 1);
+      bool has_next = j < num_items;
       if (has_next) {
-        const Item& after = items[size_t(mine[j + 1])];
+        const DecodePlan::Item& after = items[size_t(order[size_t(j)])];
         next[0] = pieces[size_t(after.piece)];
         heads_of(after, next + 1);
         next[3] = first_block(after.piece, after.k);
@@ -596,12 +631,12 @@ void decode(const DecodeArgs& a) {
       }
       const int64_t g_count = group / parts, g_begin = item.part * g_count;
       decode_rows<T, NV>(a, size, seq, rows, kv[0], kv[1], g_begin, g_count, item.k,
-                         has_next ? next : nullptr, partials, part_base.data(), scratch);
-      if (!merged[size_t(item.piece)]) continue;
+                         has_next ? next : nullptr, partials, part_base, scratch);
+      if (!merged[item.piece]) continue;
       const int64_t id = (item.piece * chunks + item.chunk) * parts + item.part;
-      if (pending[size_t(id)].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      if (pending[id].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         merge_rows<T, NV>(a, size, seq, rows, kv[0] * group + g_begin, (kv[1] - kv[0]) * g_count,
-                          partials, part_base.data());
+                          partials, part_base);
       }
     }
   };
