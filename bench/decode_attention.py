@@ -30,7 +30,9 @@ from llmserve_kernels.cpu import paged_attention_decode  # noqa: E402
 from llmserve_kernels.cpu.pool import set_num_threads  # noqa: E402
 
 
-def make_step(args: argparse.Namespace, context: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+def make_step(
+    args: argparse.Namespace, context: int, dtype: torch.dtype
+) -> Callable[[], torch.Tensor]:
     """A decode step's attention over every layer: `args.seqs` sequences of `context` tokens,
     each layer's blocks shuffled through one cache. Returns the last layer's output."""
     gen = torch.Generator().manual_seed(context)
@@ -53,7 +55,14 @@ def make_step(args: argparse.Namespace, context: int, dtype: torch.dtype) -> Cal
     def step() -> torch.Tensor:
         for table in tables:
             paged_attention_decode(
-                query, key_cache, value_cache, table, lens, scale, out=out, check=False,
+                query,
+                key_cache,
+                value_cache,
+                table,
+                lens,
+                scale,
+                out=out,
+                check=False,
                 sliding_window=args.window or None,
             )
         return out
