@@ -194,14 +194,13 @@ void decode_rows(const DecodeArgs& a, int64_t size, int64_t seq, int64_t rows, i
   // Per row, in this partition: its keys [lo, len) (keys before `lo` are neither scored nor
   // summed, nor are blocks wholly before it; len 0: the row has no keys here), the block its
   // scores start at, where they start in the scratch and how many a head has (from the
-  // first block's start), and whether the partition is the row's whole context.
+  // first block's start), this partition's index among the row's, and how many it has.
   int64_t len[kMaxRows], lo[kMaxRows], first_block[kMaxRows], score_base[kMaxRows];
-  int64_t score_len[kMaxRows], partition_of[kMaxRows];
-  bool whole[kMaxRows];
+  int64_t score_len[kMaxRows], partition_of[kMaxRows], partitions[kMaxRows];
   int64_t scores_size = 0, len_max = 0, block_min = std::numeric_limits<int64_t>::max();
   for (int64_t r = 0; r < rows; ++r) {
     const RowPartitions parts(a, seq + r, size);
-    whole[r] = parts.count() == 1;
+    partitions[r] = parts.count();
     partition_of[r] = k - parts.first;
     len[r] = parts.has(k) ? parts.end(k) : 0;
     lo[r] = parts.has(k) ? parts.begin(k) : 0;
@@ -300,7 +299,7 @@ void decode_rows(const DecodeArgs& a, int64_t size, int64_t seq, int64_t rows, i
         row[t] = exp_nonpositive(row[t] - m);
         tail += row[t];
       }
-      if (!whole[r]) {
+      if (partitions[r] > 1) {
         scratch.inv_sum[size_t(r * heads + i)] = hsum(total) + tail;
         continue;
       }
@@ -349,11 +348,10 @@ void decode_rows(const DecodeArgs& a, int64_t size, int64_t seq, int64_t rows, i
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (len[r] == 0) continue;
-    if (!whole[r]) {
-      const RowPartitions parts(a, seq + r, size);
+    if (partitions[r] > 1) {
       for (int64_t i = 0; i < heads; ++i) {
         float* partial = partials + part_base[seq + r] +
-                         ((first_head + i) * parts.count() + partition_of[r]) * partial_floats(kHeadDim);
+                         ((first_head + i) * partitions[r] + partition_of[r]) * partial_floats(kHeadDim);
         partial[0] = scratch.max[size_t(r * heads + i)];
         partial[1] = scratch.inv_sum[size_t(r * heads + i)];
         const vfloat* acc = scratch.acc.data() + (r * heads + i) * NV;
