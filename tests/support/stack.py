@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +42,18 @@ class RunningStack:
 
     def logs(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    @contextlib.contextmanager
+    def paused(self, name: str) -> Iterator[None]:
+        """SIGSTOP the service `name` for the body, SIGCONT it after: no step finishes while
+        its worker is paused, so a deadline passes before any request can finish, however
+        fast the machine."""
+        pid = self.procs[name].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def stop(self) -> None:
         for name in ("gateway", "scheduler", "worker"):
