@@ -438,7 +438,22 @@ def load_hf(path: Path) -> Any:
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
+    _honour_swiglu_config(model)
     return model
+
+
+def _honour_swiglu_config(model: Any) -> None:
+    """gpt-oss's experts clamp and gate with the config's swiglu_limit and swiglu_alpha; the
+    tiny model sets both away from their defaults. transformers before 5.18 fixed them at the
+    defaults in GptOssExperts (the GPU machine's image has 5.17), so they are set from the
+    config here, which changes nothing where transformers reads them itself."""
+    config = model.config
+    if not hasattr(config, "swiglu_limit"):
+        return
+    for module in model.modules():
+        if type(module).__name__ == "GptOssExperts":
+            module.limit = config.swiglu_limit
+            module.alpha = config.swiglu_alpha
 
 
 # A GGUF file runs on its blocks in fast mode by default (llama.cpp's numerics: 8-bit
