@@ -7,7 +7,8 @@ stage that fails or runs out of time is recorded and the next one runs:
 2. env: the GPU, its driver and the Python stack, for every figure's heading;
 3. shapes: SmolLM2's and Gemma 3 270M's configurations filled with random bfloat16 weights
    (bench/gpu/model_shape.py: the real files are over what a call carries);
-4. tests: `pytest -m gpu` over the files that hold gpu tests (`GPU_TESTS`);
+4. tests: `pytest -m gpu` over the files that hold gpu tests (`GPU_TESTS`), in
+   `TEST_WORKERS` pytest-xdist workers;
 5. serve: bench/serve_gpu.py on SmolLM2's shape at 1, 16, 64, 256 and 512 streams, where the
    steps went at each, and HF `generate` static batches on the same GPU;
 6. serve-prefill-first: the serving table at 64-512 streams without chunked prefill (a step
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -50,6 +52,8 @@ GPU_TESTS = (
     "tests/integration/test_gpu_memory.py",
     "tests/integration/test_gpu_smollm2.py",
 )
+# pytest-xdist workers for the gpu tests where the image has it (it does: KINDS.md).
+TEST_WORKERS = 4
 # What the device tool waits for one command, less a stage's stop and the bundling.
 DEADLINE_S = 560.0
 # How long an interrupted stage has to stop its servers before it is killed.
@@ -91,6 +95,10 @@ def stages(work: Path, carry: Path, rehearse: bool) -> list[Stage]:
              "--timeout", "300", f"--junitxml={work / 'gpu-tests.xml'}", *GPU_TESTS]  # fmt: skip
     if rehearse:
         tests.append("--collect-only")
+    elif importlib.util.find_spec("xdist") is not None:
+        # Most of the tests' time is Triton compiling each kernel variant on the host's CPU:
+        # workers compile side by side on the one GPU.
+        tests += ["-n", str(TEST_WORKERS)]
     small = ["--streams", "1", "2", "--hf-batches", "1", "--input-len", "16",
              "--output-len", "8", "--min-prompts", "2", "--max-duration", "60"]  # fmt: skip
 
@@ -112,7 +120,7 @@ def stages(work: Path, carry: Path, rehearse: bool) -> list[Stage]:
         Stage("install", install, cap_s=90),
         Stage("env", [py, "-c", _ENV], cap_s=30),
         Stage("shapes", ["bash", "-c", init], cap_s=150),
-        Stage("tests", tests, cap_s=190),
+        Stage("tests", tests, cap_s=220),
         serve("serve", smollm2, "SmolLM2-135M shape (random weights)"),
         # Steps that carry a prompt chunk run eagerly; without chunked prefill a step runs
         # either prompts alone or decodes alone (graphs): the same table at high concurrency.
