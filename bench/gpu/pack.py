@@ -33,6 +33,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
+RESULTS = "bench/results"  # raw benchmark outputs, the bulk of the tracked tree
 
 # The device tool's limit on what one call carries: the working tree and the carried folder.
 CARRY_LIMIT_BYTES = 64 * 2**20
@@ -164,7 +165,13 @@ def main() -> None:
     print(f"{args.dest}: {len(manifest['wheels'])} wheels, shapes of {', '.join(SHAPES)}")
     print(f"a call carrying it sends {size / 2**20:.1f} MiB of {CARRY_LIMIT_BYTES / 2**20:.0f}")
     if size > CARRY_LIMIT_BYTES:
-        sys.exit("over the device tool's limit: carry less")
+        sys.exit(
+            "over the device tool's limit: carry less. The benchmarks' raw results need not"
+            " travel; for the call, leave them out of git's index and exclude them:\n"
+            f"  git rm -r -q --cached {RESULTS} && echo /{RESULTS}/ >> .git/info/exclude\n"
+            "and after it, restore both:\n"
+            f"  git reset -q -- {RESULTS} && sed -i '\\#^/{RESULTS}/$#d' .git/info/exclude"
+        )
     rel = args.dest.relative_to(ROOT)
     print(f'device run: carry ["{rel}"], timeout_s 600, command: python3 bench/gpu/prepared.py '
           f"--carry {rel}")  # fmt: skip
