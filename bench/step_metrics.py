@@ -5,7 +5,8 @@ finds those ports on the command lines of the server's processes, `snapshot(port
 every sample, and
 `step_breakdown(before, after, ...)` turns two snapshots (and the processes' CPU seconds at
 the same moments, `server_runs.server_cpu_s`) into per-step figures for the interval: steps
-and steps/s, the scheduler's iteration, the worker's forward pass, sampling and idle gap, how
+and steps/s, the scheduler's iteration, the worker's forward pass, sampling, idle gap and
+the model thread's wait for the next step per step, how
 many steps replayed a decode CUDA graph and why the others ran eagerly, and each service's
 host CPU per step.
 """
@@ -104,6 +105,11 @@ def step_breakdown(
         "gap_queued_ms": _mean_ms(w0, w1, gap, next_step="queued"),
         "gaps_awaited": _delta(w0, w1, f"{gap}_count", next_step="awaited"),
         "gaps_queued": _delta(w0, w1, f"{gap}_count", next_step="queued"),
+        # Summed over the steps, not averaged over the waits: the model thread's idle time
+        # per step (a step that found the next one queued waited 0).
+        "worker_waited_ms": (
+            _delta(w0, w1, "llmserve_worker_step_wait_seconds_sum") / steps * 1e3 if steps else None
+        ),
         "graph_steps": _delta(w0, w1, "llmserve_worker_graph_steps_total"),
         "eager_steps": _by_label(w0, w1, "llmserve_worker_eager_steps_total", "reason"),
         "cpu_ms_per_step": {
@@ -122,10 +128,10 @@ def breakdown_table(levels: dict[str, dict[str, Any]]) -> list[str]:
     roles = sorted({role for b in levels.values() for role in b["cpu_ms_per_step"]})
     lines = [
         "| streams | steps/s | tokens/step | iteration ms | forward ms | sample ms "
-        "| gap awaited ms (n) | graph steps | eager steps (why) | "
+        "| gap awaited ms (n) | worker waited ms | graph steps | eager steps (why) | "
         + " | ".join(f"{r} CPU ms/step" for r in roles)
         + " | GPU busy % |",
-        "|" + "---|" * (10 + len(roles)),
+        "|" + "---|" * (11 + len(roles)),
     ]
     for streams, b in levels.items():
         eager = ", ".join(f"{n:.0f} {why}" for why, n in sorted(b["eager_steps"].items()))
@@ -134,7 +140,8 @@ def breakdown_table(levels: dict[str, dict[str, Any]]) -> list[str]:
             f"| {streams} | {b['steps_per_s'] or 0:.1f} | {b['tokens_per_step']:.1f} "
             f"| {ms(b['scheduler_iteration_ms'])} | {ms(b['worker_forward_ms'])} "
             f"| {ms(b['worker_sample_ms'])} | {ms(b['gap_awaited_ms'])} "
-            f"({b['gaps_awaited']:.0f}) | {b['graph_steps']:.0f} | {eager or '0'} | {cpu} "
+            f"({b['gaps_awaited']:.0f}) | {ms(b.get('worker_waited_ms'))} "
+            f"| {b['graph_steps']:.0f} | {eager or '0'} | {cpu} "
             f"| {ms(b.get('gpu_busy_pct'))} |"
         )
     return lines

@@ -47,6 +47,17 @@ FORWARD_GAP_SECONDS = Histogram(
     ["next_step"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0),
 )
+# How long the model thread sat idle between two steps of an Execute stream, waiting for the
+# next one to arrive: from the end of a step's execution (its result handed on) to the start
+# of the next's. With asynchronous scheduling at steady decode it is the part of the
+# scheduler's turnaround that the worker's own step did not cover; on a CUDA worker, whose
+# forward pass returns before the device is done, this rather than the forward gap says how
+# long the worker had nothing to run. Idle time with no request running counts too.
+STEP_WAIT_SECONDS = Histogram(
+    "llmserve_worker_step_wait_seconds",
+    "Time the model thread waited for the next step of a stream after finishing one",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0),
+)
 # Structured output: how long a step with deferred token masks waited for them after its
 # forward pass (0 when the scheduler's masks were there first). The scheduler computes them
 # while the forward pass runs, so this is the part of mask computation the worker still sees.
@@ -73,6 +84,10 @@ def observe_step(num_tokens: int, forward_ns: int, sample_ns: int) -> None:
 
 def observe_mask_wait(wait_ns: int) -> None:
     MASK_WAIT_SECONDS.observe(wait_ns / 1e9)
+
+
+def observe_step_wait(seconds: float) -> None:
+    STEP_WAIT_SECONDS.observe(seconds)
 
 
 def observe_forward_gap(seconds: float, queued: bool) -> None:

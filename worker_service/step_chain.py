@@ -17,6 +17,7 @@ from llmserve.proto_masks import step_masks_from_proto
 from llmserve.step_proto import step_input_from_proto
 from llmserve.steps import StepInput, StepResult, TokenMask
 from llmserve.v1 import worker_pb2
+from worker_service import metrics
 
 
 @dataclass(slots=True)
@@ -85,6 +86,9 @@ class StepChain:
         self._lock = threading.Lock()
         self._pending: deque[Received | None] = deque()
         self._running = False  # a `_drain` is queued or running on the model thread
+        # perf_counter_ns when the model thread last ran out of steps (None: before the first
+        # step, or while steps follow each other); the wait is observed when the next starts.
+        self._idle_since: int | None = None
         self._closed = False
         # Outcomes reach the loop through a thread of their own. Handing one to the loop
         # directly wakes it with a write to its self-pipe, and while the model thread was in
@@ -121,11 +125,15 @@ class StepChain:
             with self._lock:
                 if self._closed or not self._pending:
                     self._running = False
+                    self._idle_since = time.perf_counter_ns()
                     return
                 received = self._pending.popleft()
             if received is None:
                 self._post(None)
                 continue
+            if self._idle_since is not None:
+                metrics.observe_step_wait((time.perf_counter_ns() - self._idle_since) / 1e9)
+                self._idle_since = None
             try:
                 outcome = Outcome(self._execute(received), received.arrived_ns)
             except BaseException as exc:  # handed to the Execute loop, which raises it

@@ -31,6 +31,7 @@ def worker_endpoint() -> Iterator[tuple[int, dict[str, Any]]]:
         "gap": Histogram(
             "llmserve_worker_forward_gap_seconds", "", ["next_step"], registry=registry
         ),
+        "wait": Histogram("llmserve_worker_step_wait_seconds", "", registry=registry),
         "graph": Counter("llmserve_worker_graph_steps", "", registry=registry),
         "eager": Counter("llmserve_worker_eager_steps", "", ["reason"], registry=registry),
         "iteration": Histogram("llmserve_iteration_seconds", "", ["replica"], registry=registry),
@@ -49,7 +50,8 @@ def test_an_interval_s_steps_come_out_per_step(worker_endpoint: tuple[int, dict[
     before = {"worker": scrape(port), "scheduler": scrape(port)}
     # The interval: 4 steps of 10 tokens, 1 prefill step and 3 graph replays, forward
     # passes of 2, 4, 6 and 8 ms, sampling 1 ms each, gaps of 3 ms (awaited) and 1 ms (queued
-    # twice), scheduler iterations of 10 and 20 ms on two replicas.
+    # twice), the model thread waiting 2 and 6 ms before two of the steps, scheduler
+    # iterations of 10 and 20 ms on two replicas.
     m["steps"].inc(4)
     m["tokens"].inc(40)
     for f in (0.002, 0.004, 0.006, 0.008):
@@ -58,6 +60,8 @@ def test_an_interval_s_steps_come_out_per_step(worker_endpoint: tuple[int, dict[
     m["gap"].labels("awaited").observe(0.003)
     m["gap"].labels("queued").observe(0.001)
     m["gap"].labels("queued").observe(0.001)
+    m["wait"].observe(0.002)
+    m["wait"].observe(0.006)
     m["graph"].inc(3)
     m["eager"].labels("prefill").inc()
     m["iteration"].labels("r0").observe(0.010)
@@ -74,6 +78,7 @@ def test_an_interval_s_steps_come_out_per_step(worker_endpoint: tuple[int, dict[
     assert b["scheduler_iteration_ms"] == pytest.approx(15.0)  # both replicas' iterations
     assert b["gap_awaited_ms"] == pytest.approx(3.0) and b["gaps_awaited"] == 1
     assert b["gap_queued_ms"] == pytest.approx(1.0) and b["gaps_queued"] == 2
+    assert b["worker_waited_ms"] == pytest.approx(2.0)  # 8 ms over 4 steps
     assert b["graph_steps"] == 3 and b["eager_steps"] == {"prefill": 1}
     assert b["cpu_ms_per_step"] == pytest.approx(
         {"worker": 50.0, "scheduler": 10.0, "gateway": 0.0, "llmserve": 2.5}
@@ -86,6 +91,7 @@ def test_an_idle_interval_has_no_means(worker_endpoint: tuple[int, dict[str, Any
     snap = {"worker": scrape(port)}
     b = step_breakdown(snap, snap, {}, {}, wall_s=1.0)
     assert b["steps"] == 0 and b["worker_forward_ms"] is None and b["eager_steps"] == {}
+    assert b["worker_waited_ms"] is None
 
 
 def test_metrics_ports_are_read_off_the_services_command_lines() -> None:
