@@ -5,8 +5,8 @@ finds those ports on the command lines of the server's processes, `snapshot(port
 every sample, and
 `step_breakdown(before, after, ...)` turns two snapshots (and the processes' CPU seconds at
 the same moments, `server_runs.server_cpu_s`) into per-step figures for the interval: steps
-and steps/s, the scheduler's iteration, the worker's forward pass, sampling, idle gap and
-the model thread's wait for the next step per step, how
+and steps/s, the scheduler's iteration, the worker's forward pass, sampling, host preparation,
+idle gap and the model thread's wait for the next step per step, how
 many steps replayed a decode CUDA graph and why the others ran eagerly, and each service's
 host CPU per step.
 """
@@ -100,6 +100,7 @@ def step_breakdown(
         "tokens_per_step": _delta(w0, w1, "llmserve_worker_tokens_total") / per_step,
         "scheduler_iteration_ms": _mean_ms(s0, s1, "llmserve_iteration_seconds"),
         "worker_forward_ms": _mean_ms(w0, w1, "llmserve_worker_forward_seconds"),
+        "worker_prepare_ms": _mean_ms(w0, w1, "llmserve_worker_prepare_seconds"),
         "worker_sample_ms": _mean_ms(w0, w1, "llmserve_worker_sample_seconds"),
         "gap_awaited_ms": _mean_ms(w0, w1, gap, next_step="awaited"),
         "gap_queued_ms": _mean_ms(w0, w1, gap, next_step="queued"),
@@ -127,18 +128,19 @@ def breakdown_table(levels: dict[str, dict[str, Any]]) -> list[str]:
 
     roles = sorted({role for b in levels.values() for role in b["cpu_ms_per_step"]})
     lines = [
-        "| streams | steps/s | tokens/step | iteration ms | forward ms | sample ms "
+        "| streams | steps/s | tokens/step | iteration ms | prepare ms | forward ms | sample ms "
         "| gap awaited ms (n) | worker waited ms | graph steps | eager steps (why) | "
         + " | ".join(f"{r} CPU ms/step" for r in roles)
         + " | GPU busy % |",
-        "|" + "---|" * (11 + len(roles)),
+        "|" + "---|" * (12 + len(roles)),
     ]
     for streams, b in levels.items():
         eager = ", ".join(f"{n:.0f} {why}" for why, n in sorted(b["eager_steps"].items()))
         cpu = " | ".join(ms(b["cpu_ms_per_step"].get(r)) for r in roles)
         lines.append(
             f"| {streams} | {b['steps_per_s'] or 0:.1f} | {b['tokens_per_step']:.1f} "
-            f"| {ms(b['scheduler_iteration_ms'])} | {ms(b['worker_forward_ms'])} "
+            f"| {ms(b['scheduler_iteration_ms'])} | {ms(b.get('worker_prepare_ms'))} "
+            f"| {ms(b['worker_forward_ms'])} "
             f"| {ms(b['worker_sample_ms'])} | {ms(b['gap_awaited_ms'])} "
             f"({b['gaps_awaited']:.0f}) | {ms(b.get('worker_waited_ms'))} "
             f"| {b['graph_steps']:.0f} | {eager or '0'} | {cpu} "

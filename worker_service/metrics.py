@@ -47,6 +47,15 @@ FORWARD_GAP_SECONDS = Histogram(
     ["next_step"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0),
 )
+# Host time of a step before its model call: applying the step's updates, swaps and copies
+# (Worker.execute) and building each pass's inputs (step_inputs.prepare_inputs). The input
+# building is also inside llmserve_worker_forward_seconds, which times the whole pass up to
+# sampling; on a CUDA worker the device waits for the next launch during this time.
+PREPARE_SECONDS = Histogram(
+    "llmserve_worker_prepare_seconds",
+    "Host time per step before the model call: updates applied and inputs built",
+    buckets=_TIME_BUCKETS,
+)
 # How long the model thread sat idle between two steps of an Execute stream, waiting for the
 # next one to arrive: from the end of a step's execution (its result handed on) to the start
 # of the next's. With asynchronous scheduling at steady decode it is the part of the
@@ -84,6 +93,10 @@ def observe_step(num_tokens: int, forward_ns: int, sample_ns: int) -> None:
 
 def observe_mask_wait(wait_ns: int) -> None:
     MASK_WAIT_SECONDS.observe(wait_ns / 1e9)
+
+
+def observe_prepare(prepare_ns: int) -> None:
+    PREPARE_SECONDS.observe(prepare_ns / 1e9)
 
 
 def observe_step_wait(seconds: float) -> None:

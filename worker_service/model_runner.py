@@ -76,6 +76,8 @@ class ModelRunner(SequenceStates):
         # On a CUDA worker without graphs, why (`cuda_graphs.EAGER_*`): each step counts as
         # eager for it. None elsewhere. Set by the worker.
         self.graphs_off: str | None = None
+        # The last step's time building its passes' inputs (the worker's prepare metric).
+        self.prepare_ns = 0
 
     @property
     def geometry(self) -> InputGeometry:
@@ -93,6 +95,7 @@ class ModelRunner(SequenceStates):
         the sequences decoding several tokens (multi-step), a pass per token more.
         `take_masks()`: the step's deferred masks and the ns spent waiting for them."""
         result = StepResult(step_id)
+        self.prepare_ns = 0
         if not scheduled:
             return result
         outputs = last = self._pass(scheduled, kv_caches, step_id, result, take_masks)
@@ -122,6 +125,7 @@ class ModelRunner(SequenceStates):
         layout = sorted(scheduled, key=lambda s: s.is_decode)
         num_blocks = kv_caches[self._kv_layer][0].shape[0] if kv_caches else 0
         inputs = prepare_inputs(layout, num_blocks, self.geometry)
+        self.prepare_ns += time.perf_counter_ns() - t0
         logits = None  # [num_logit_rows, vocab]
         if self.decode_graphs is not None:
             logits = self.decode_graphs.run(

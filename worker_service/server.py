@@ -354,6 +354,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         step_id = step.step_id
         result = self.worker.execute(step, lambda: board.take(step_id))
         metrics.observe_step(step.num_scheduled_tokens, result.forward_ns, result.sample_ns)
+        metrics.observe_prepare(self.worker.last_prepare_ns)
         if step.deferred_mask_seq_ids:
             metrics.observe_mask_wait(result.mask_wait_ns)
         return result, self.worker.last_forward_ns

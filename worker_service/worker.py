@@ -66,6 +66,8 @@ class Worker:
         # The last step's forward pass as (start, end) in time.perf_counter_ns(); None when it
         # computed nothing. The server measures the gap between forward passes from it.
         self.last_forward_ns: tuple[int, int] | None = None
+        # The last step's host time before its model call (metrics.PREPARE_SECONDS).
+        self.last_prepare_ns = 0
         self._model: DecoderModel | None = None
         self._info: ModelInfo | None = None
         self._runner: ModelRunner | None = None
@@ -364,6 +366,7 @@ class Worker:
         self._check_thread()
         if self.cache_engine is None:
             raise WorkerNotReadyError("initialize_cache() first")
+        entered = time.perf_counter_ns()
         runner = self.runner
         self.exports.apply(step)
         imported, failed = import_blocks(self.cache_engine, step.imports)
@@ -383,6 +386,7 @@ class Worker:
             self.cache_engine.states.copy(step.state_saves)
         # The forward pass (input preparation and the model call) starts `run`; sampling follows.
         self.last_forward_ns = (start, start + result.forward_ns) if scheduled else None
+        self.last_prepare_ns = start - entered + runner.prepare_ns
         runner.remember_samples(scheduled, result)
         result.imported_transfer_ids, result.failed_imports = imported, failed
         return result

@@ -28,6 +28,7 @@ def worker_endpoint() -> Iterator[tuple[int, dict[str, Any]]]:
         "tokens": Counter("llmserve_worker_tokens", "", registry=registry),
         "forward": Histogram("llmserve_worker_forward_seconds", "", registry=registry),
         "sample": Histogram("llmserve_worker_sample_seconds", "", registry=registry),
+        "prepare": Histogram("llmserve_worker_prepare_seconds", "", registry=registry),
         "gap": Histogram(
             "llmserve_worker_forward_gap_seconds", "", ["next_step"], registry=registry
         ),
@@ -57,6 +58,7 @@ def test_an_interval_s_steps_come_out_per_step(worker_endpoint: tuple[int, dict[
     for f in (0.002, 0.004, 0.006, 0.008):
         m["forward"].observe(f)
         m["sample"].observe(0.001)
+        m["prepare"].observe(f / 2)
     m["gap"].labels("awaited").observe(0.003)
     m["gap"].labels("queued").observe(0.001)
     m["gap"].labels("queued").observe(0.001)
@@ -75,6 +77,7 @@ def test_an_interval_s_steps_come_out_per_step(worker_endpoint: tuple[int, dict[
     assert b["steps"] == 4 and b["steps_per_s"] == 2.0 and b["tokens_per_step"] == 10
     assert b["worker_forward_ms"] == pytest.approx(5.0)
     assert b["worker_sample_ms"] == pytest.approx(1.0)
+    assert b["worker_prepare_ms"] == pytest.approx(2.5)  # half of each forward pass
     assert b["scheduler_iteration_ms"] == pytest.approx(15.0)  # both replicas' iterations
     assert b["gap_awaited_ms"] == pytest.approx(3.0) and b["gaps_awaited"] == 1
     assert b["gap_queued_ms"] == pytest.approx(1.0) and b["gaps_queued"] == 2

@@ -30,8 +30,13 @@ def queued_gaps() -> float:
     return value or 0.0
 
 
+def prepare_count() -> float:
+    return REGISTRY.get_sample_value("llmserve_worker_prepare_seconds_count") or 0.0
+
+
 def test_steps_sent_ahead_run_in_order_and_fill_in_their_tokens(tiny_llama) -> None:
     async def body(w: Served) -> None:
+        prepared = prepare_count()
         await w.stub.InitializeCache(worker_pb2.InitializeCacheRequest(num_gpu_blocks=32))
         # One at a time, each sampled token sent back explicitly.
         one = Stream(w.stub)
@@ -67,6 +72,7 @@ def test_steps_sent_ahead_run_in_order_and_fill_in_their_tokens(tiny_llama) -> N
             got.append(result.outputs[0].samples[0].token_id)
         assert got == tokens
         assert queued_gaps() > before  # later steps were waiting when a forward pass ended
+        assert prepare_count() == prepared + 2 * STEPS  # each step's host preparation timed
         ahead.call.cancel()
 
     run(tiny_llama, body)
