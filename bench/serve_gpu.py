@@ -278,9 +278,11 @@ def report(result: dict[str, Any]) -> str:
     }
     if levels:
         lines += ["", "Where llmserve's steps went, from the services' own metrics (means per step; "
-                  "on CUDA 'forward' is the host's launch of the step and 'sample' includes "
-                  "waiting for the device; host CPU per step by service; GPU busy: "
-                  "nvidia-smi's utilization over the level):", ""]  # fmt: skip
+                  "'prepare' is the worker's host time before the model call, its input "
+                  "building also inside 'forward'; on CUDA 'forward' is the host's launch of "
+                  "the step and 'sample' includes waiting for the device; 'worker waited' is "
+                  "its model thread's idle time per step, waiting for the next; host CPU per "
+                  "step by service; GPU busy: nvidia-smi's utilization over the level):", ""]  # fmt: skip
         lines += step_metrics.breakdown_table(levels)
     return "\n".join(lines)
 
