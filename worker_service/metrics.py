@@ -6,11 +6,14 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
+# Waits between steps, from a tenth of a millisecond to seconds (an idle stream).
+_GAP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0)
+
 STEPS = Counter("llmserve_worker_steps", "Steps executed")
 TOKENS = Counter("llmserve_worker_tokens", "Tokens computed (prefill and decode)")
 FORWARD_SECONDS = Histogram(
     "llmserve_worker_forward_seconds",
-    "Forward pass time per step (incl. swap and copy)",
+    "Forward pass time per step: inputs built and the model called (not swaps or copies)",
     buckets=_TIME_BUCKETS,
 )
 # KV transfers between workers (worker_service/kv_transfer.py).
@@ -45,7 +48,7 @@ FORWARD_GAP_SECONDS = Histogram(
     "llmserve_worker_forward_gap_seconds",
     "Time from the end of one step's forward pass to the start of the next step's",
     ["next_step"],
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0),
+    buckets=_GAP_BUCKETS,
 )
 # Host time of a step before its model call: applying the step's updates, swaps and copies
 # (Worker.execute) and building each pass's inputs (step_inputs.prepare_inputs). The input
@@ -65,7 +68,7 @@ PREPARE_SECONDS = Histogram(
 STEP_WAIT_SECONDS = Histogram(
     "llmserve_worker_step_wait_seconds",
     "Time the model thread waited for the next step of a stream after finishing one",
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0),
+    buckets=_GAP_BUCKETS,
 )
 # Structured output: how long a step with deferred token masks waited for them after its
 # forward pass (0 when the scheduler's masks were there first). The scheduler computes them
