@@ -145,6 +145,7 @@ class SimulatedWorker:
         self.num_gpu_blocks = 0
         self.num_cpu_blocks = 0
         self.last_forward_ns: tuple[int, int] | None = None
+        self.last_prepare_ns = 0  # no inputs to build
         self.stats = SimulatedStats()
         self._lock = threading.Lock()
 
