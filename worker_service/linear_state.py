@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from worker_service.models.arch import ModelArchConfig
 
 # The recurrent state's dtype, whatever the model's.
 RECURRENT_DTYPE = torch.float32
@@ -97,6 +101,14 @@ class StateShapes:
 
     conv: tuple[int, int]  # [conv_kernel - 1, conv_dim], the model dtype
     recurrent: tuple[int, int, int]  # [num_v_heads, k_dim, v_dim], float32
+
+    @staticmethod
+    def of(arch: ModelArchConfig) -> StateShapes | None:
+        """One state slot's tensors in each recurrent layer of `arch` (None: it has none)."""
+        spec = arch.linear_attention
+        if spec is None:
+            return None
+        return StateShapes(spec.conv_state_shape(), spec.recurrent_state_shape())
 
     def slot_bytes(self, num_layers: int, dtype: torch.dtype) -> int:
         """Bytes one slot takes over `num_layers` recurrent layers."""

@@ -27,7 +27,6 @@ from worker_service.model_info import ModelInfo
 from worker_service.model_runner import ModelRunner
 from worker_service.model_setup import set_up_model
 from worker_service.models import DecoderModel, mxfp4
-from worker_service.models.arch import ModelArchConfig
 
 log = get_logger(__name__)
 
@@ -146,7 +145,7 @@ class Worker:
 
     def state_bytes(self) -> int:
         """Device bytes of the `num_state_slots` state slots (as many again on the host)."""
-        shapes = _state_shapes(self.model.arch)
+        shapes = StateShapes.of(self.model.arch)
         if shapes is None:
             return 0
         layers = len(self.model_info.kv_layout.state_layers)
@@ -294,7 +293,7 @@ class Worker:
     ) -> CacheEngine:
         arch = self.model.arch
         layout = self.model_info.kv_layout
-        shapes = _state_shapes(self.model.arch)
+        shapes = StateShapes.of(self.model.arch)
         states = None
         if shapes is not None:
             states = StatePools(
@@ -395,11 +394,3 @@ class Worker:
     def num_sequences(self) -> int:
         """Sequences whose state this worker holds (0 once every request is finished)."""
         return len(self.runner.states)
-
-
-def _state_shapes(arch: ModelArchConfig) -> StateShapes | None:
-    """One state slot's tensors in each recurrent layer (None: the model has none)."""
-    spec = arch.linear_attention
-    if spec is None:
-        return None
-    return StateShapes(spec.conv_state_shape(), spec.recurrent_state_shape())
