@@ -120,6 +120,7 @@ async def _serve_fleet(args: argparse.Namespace) -> int:
         num_gpu_blocks=args.num_gpu_blocks,
         num_cpu_blocks=args.num_cpu_blocks,
         max_model_len=args.max_model_len,
+        vocab_size=args.vocab_size,
     )
     shards = args.scheduler.split(",")
     servers = [await serve_simulated(config, shards[i % len(shards)]) for i in range(args.workers)]
@@ -155,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=defaults.num_gpu_blocks)
     p.add_argument("--num-cpu-blocks", type=int, default=defaults.num_cpu_blocks)
     p.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=defaults.vocab_size,
+        help="tokens are sampled below this (a gateway's tokenizer must know them all)",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     configure_logging("simulated-workers", args.log_level)
