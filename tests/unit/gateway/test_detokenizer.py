@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -120,3 +121,18 @@ def test_prompt_ending_mid_character_gives_the_character_to_the_output(
         texts.append("".join(_stream(detok, ids[cut:])))
     # Cutting inside the emoji's bytes still yields the whole emoji in the output.
     assert texts == ["😀y"] * (len(ids) - 2) + ["y"]
+
+
+def test_a_tokenizer_class_that_decodes_its_own_way_is_honoured(smollm2_tokenizer: Any) -> None:
+    """Decoding goes straight to the Rust tokenizer only when the class adds nothing to
+    transformers' decode: an override still decides the text."""
+
+    class Shouting(type(smollm2_tokenizer)):  # type: ignore[misc]
+        def _decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> str:
+            return super()._decode(token_ids, *args, **kwargs).upper()
+
+    shouting = copy.copy(smollm2_tokenizer)
+    shouting.__class__ = Shouting
+    ids = smollm2_tokenizer.encode("quiet words", add_special_tokens=False)
+    assert "".join(_stream(IncrementalDetokenizer(shouting), ids)) == "QUIET WORDS"
+    assert "".join(_stream(IncrementalDetokenizer(smollm2_tokenizer), ids)) == "quiet words"
