@@ -37,6 +37,7 @@ from gateway.output_items import (
     first_update,
     item_events,
 )
+from gateway.sse import named_event
 from gateway.tokenization import check_template_kwargs
 from gateway.tools import parse_tools
 from llmserve.errors import FieldError, string_field
@@ -246,12 +247,12 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     return JSONResponse(run.message())
 
 
-async def _sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
+async def _sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[bytes]:
     try:
         async for event in events:
-            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+            yield named_event(event["type"], event)
     except Exception as exc:  # the status line is sent: the error travels as an event
-        yield f"event: error\ndata: {json.dumps(anthropic_error_body(exc))}\n\n"
+        yield named_event("error", anthropic_error_body(exc))
     finally:
         await events.aclose()
 

@@ -4,7 +4,6 @@ send the shaped result, whole or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -15,6 +14,7 @@ from gateway.generation import GenerationCore
 from gateway.generation_types import ChoiceUpdate, GenerationInput, GenerationUpdate, Usage
 from gateway.http_errors import error_body
 from gateway.openai_shapers import PromptLogprobs, Shaper
+from gateway.sse import DONE, data_event
 
 
 async def respond(
@@ -78,24 +78,20 @@ async def _collect(
 
 async def _stream(
     updates: AsyncGenerator[tuple[int, GenerationUpdate], None], shaper: Shaper, include_usage: bool
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     usage = Usage(0, 0)
     try:
         async for i, update in updates:
             for chunk in shaper.chunks(i, update.choices, update.prompt_logprobs, include_usage):
-                yield _event(chunk)
+                yield data_event(chunk)
             usage = _add(usage, update)
         if include_usage:
-            yield _event(shaper.usage_chunk(usage))
+            yield data_event(shaper.usage_chunk(usage))
     except Exception as exc:  # the status line is sent: the error travels as an event
-        yield _event(error_body(exc))
+        yield data_event(error_body(exc))
     finally:
         await updates.aclose()
-    yield "data: [DONE]\n\n"
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+    yield DONE
 
 
 def _add(total: Usage, update: GenerationUpdate) -> Usage:

@@ -9,7 +9,6 @@ conversation a response ends is kept in the gateway's memory, the last
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections import OrderedDict
@@ -36,6 +35,7 @@ from gateway.output_items import (
     item_events,
 )
 from gateway.responses_protocol import ResponsesRequest, client_field, to_chat
+from gateway.sse import named_event
 from llmserve.errors import FieldError
 from llmserve.telemetry import context_from_metadata
 from llmserve.v1 import common_pb2
@@ -93,14 +93,14 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return JSONResponse(run.response())
 
 
-async def _sse(run: _Run, events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
+async def _sse(run: _Run, events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[bytes]:
     try:
         async for event in events:
-            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+            yield named_event(event["type"], event)
     except Exception as exc:  # the status line is sent: the error travels as an event
         body = error_body(exc)["error"]
         fields = {k: body[k] for k in ("code", "message", "param")}
-        yield f"event: error\ndata: {json.dumps(run.event('error', **fields))}\n\n"
+        yield named_event("error", run.event("error", **fields))
     finally:
         await events.aclose()
 
