@@ -160,6 +160,8 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                 "output_tok_s": round(tokens / wall, 1),
                 "tokens_per_step": round(tokens / steps, 1),
                 "worker_busy": round(pooled["forward_s"] / wall, 3),
+                "worker_steps": pooled["steps"],
+                "worker_gap_ms": {k: round(pooled["gap_ms"][k], 2) for k in ("mean", "p50", "p99")},
                 "us_per_token": {k: round(v / tokens * 1e6, 1) for k, v in cpu.items()},
                 "ms_per_step": {
                     k: round(cpu[k] / steps * 1e3, 3) for k in ("gateway", "scheduler")

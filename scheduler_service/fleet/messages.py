@@ -55,12 +55,10 @@ def error_message(request_id: str, exc: ApiError) -> scheduler_pb2.SchedulerMess
     )
 
 
-def _choice_to_proto(choice: CompletionOutput) -> scheduler_pb2.ChoiceDelta:
-    msg = scheduler_pb2.ChoiceDelta(
-        index=choice.index,
-        token_ids=choice.token_ids,
-        cumulative_logprob=choice.cumulative_logprob,
-    )
+def _fill_choice(msg: scheduler_pb2.ChoiceDelta, choice: CompletionOutput) -> None:
+    msg.index = choice.index
+    msg.token_ids.extend(choice.token_ids)
+    msg.cumulative_logprob = choice.cumulative_logprob
     if choice.finish_reason is not None:
         msg.finish_reason = finish_reason_to_proto(choice.finish_reason)
     if choice.stop_token_id is not None:
@@ -70,7 +68,6 @@ def _choice_to_proto(choice: CompletionOutput) -> scheduler_pb2.ChoiceDelta:
             token=token_logprob_to_proto(lp.token),
             top=[token_logprob_to_proto(t) for t in lp.top],
         )
-    return msg
 
 
 def _metrics_to_proto(m: RequestMetrics) -> scheduler_pb2.RequestMetrics:
@@ -84,16 +81,20 @@ def _metrics_to_proto(m: RequestMetrics) -> scheduler_pb2.RequestMetrics:
     )
 
 
-def output_to_proto(
-    request_id: str, num_prompt_tokens: int, num_output_tokens: int, output: RequestOutput
-) -> scheduler_pb2.RequestOutput:
-    """A delta for the gateway; a finished one carries usage (`num_output_tokens`, the
+def fill_output(
+    msg: scheduler_pb2.RequestOutput,
+    request_id: str,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    output: RequestOutput,
+) -> None:
+    """Write a delta for the gateway into `msg` (an empty one, usually a batch's slot: built in
+    place, it is never copied); a finished one carries usage (`num_output_tokens`, the
     request's returned tokens) and timings."""
-    msg = scheduler_pb2.RequestOutput(
-        request_id=request_id,
-        choices=[_choice_to_proto(c) for c in output.outputs],
-        finished=output.finished,
-    )
+    msg.request_id = request_id
+    for c in output.outputs:
+        _fill_choice(msg.choices.add(), c)
+    msg.finished = output.finished
     for p in output.prompt_logprobs or ():
         msg.prompt_logprobs.add(
             position=p.position,
@@ -107,20 +108,55 @@ def output_to_proto(
             msg.metrics.CopyFrom(_metrics_to_proto(output.metrics))
             msg.usage.spec_draft_tokens = output.metrics.num_draft_tokens
             msg.usage.spec_accepted_tokens = output.metrics.num_accepted_tokens
-    return msg
 
 
 # At most this many queued messages go out in one write (SchedulerMessage.batch).
 MAX_BATCH = 256
 
+Outbox = asyncio.Queue[scheduler_pb2.SchedulerMessage | None]
+
+
+class OutboxBatches:
+    """What one step sends each gateway: its messages written in place into one
+    SchedulerMessage.batch per outbox (a new one after MAX_BATCH), queued by `flush`.
+
+    A message built on its own and then batched is copied into the batch, and each queued
+    message costs a queue put and get: per token, that was most of what the scheduler spent
+    on a step's outputs for a gateway."""
+
+    def __init__(self) -> None:
+        self._open: dict[Outbox, scheduler_pb2.SchedulerMessage] = {}
+
+    def slot(self, outbox: Outbox) -> scheduler_pb2.SchedulerMessage:
+        """An empty message, next in `outbox`'s batch."""
+        batch = self._open.get(outbox)
+        if batch is None or len(batch.batch.messages) >= MAX_BATCH:
+            if batch is not None:
+                outbox.put_nowait(batch)
+            batch = self._open[outbox] = scheduler_pb2.SchedulerMessage()
+        return batch.batch.messages.add()
+
+    def alone(self, outbox: Outbox, message: scheduler_pb2.SchedulerMessage) -> None:
+        """Queue `message` by itself (an output with prompt logprobs), after what `outbox`'s
+        batch holds so far."""
+        batch = self._open.pop(outbox, None)
+        if batch is not None:
+            outbox.put_nowait(batch)
+        outbox.put_nowait(message)
+
+    def flush(self) -> None:
+        for outbox, batch in self._open.items():
+            outbox.put_nowait(batch)
+        self._open.clear()
+
 
 def take_batch(
-    first: scheduler_pb2.SchedulerMessage,
-    outbox: asyncio.Queue[scheduler_pb2.SchedulerMessage | None],
+    first: scheduler_pb2.SchedulerMessage, outbox: Outbox
 ) -> list[scheduler_pb2.SchedulerMessage]:
     """`first` and whatever else `outbox` holds now (up to MAX_BATCH messages in all), as the
     messages to write: runs of outputs and errors as one batch each, an output that carries
-    prompt logprobs alone. The stream's end (None) stays in the queue for the next read.
+    prompt logprobs alone, a batch already built (`OutboxBatches`) as it is. The stream's end
+    (None) stays in the queue for the next read.
 
     Each write to a Connect stream costs the scheduler a gRPC write and a turn of its event
     loop; one step's outputs to a gateway, written one by one, cost that per token."""
@@ -143,7 +179,8 @@ def take_batch(
         run.clear()
 
     for message in pending:
-        if message.WhichOneof("kind") == "output" and message.output.prompt_logprobs:
+        kind = message.WhichOneof("kind")
+        if kind == "batch" or (kind == "output" and message.output.prompt_logprobs):
             flush()
             messages.append(message)
         else:

@@ -41,9 +41,10 @@ from scheduler_service.fleet.admission import SchedulerAdmission, arm_deadline
 from scheduler_service.fleet.fleet import Fleet
 from scheduler_service.fleet.fleet_config import FleetConfig
 from scheduler_service.fleet.messages import (
+    OutboxBatches,
     continued_choices,
     error_message,
-    output_to_proto,
+    fill_output,
     record_sent,
 )
 from scheduler_service.fleet.tracing import end_request_trace, start_request_trace, trace_id_of
@@ -238,27 +239,37 @@ class Router:
         )
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            route = self.routes.get(output.request_id)
-            if route is None:
-                continue  # aborted meanwhile
-            route.num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-            if output.error is not None:
-                message = error_message(route.request_id, output.error)
-            else:
-                if route.params.streams_choices:
-                    record_sent(route.sent, output.outputs)
-                message = scheduler_pb2.SchedulerMessage(
-                    output=output_to_proto(
+        batches = OutboxBatches()
+        try:
+            for output in outputs:
+                route = self.routes.get(output.request_id)
+                if route is None:
+                    continue  # aborted meanwhile
+                route.num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                outbox = route.stream.outbox
+                if output.error is not None:
+                    batches.slot(outbox).CopyFrom(error_message(route.request_id, output.error))
+                else:
+                    if route.params.streams_choices:
+                        record_sent(route.sent, output.outputs)
+                    if output.prompt_logprobs:
+                        message = scheduler_pb2.SchedulerMessage()
+                        slot = message.output
+                    else:
+                        message, slot = None, batches.slot(outbox).output
+                    fill_output(
+                        slot,
                         route.request_id,
                         len(route.prompt_token_ids),
                         route.num_output_tokens,
                         output,
                     )
-                )
-            route.stream.outbox.put_nowait(message)
-            if output.finished:
-                self._finish(output, route)
+                    if message is not None:
+                        batches.alone(outbox, message)
+                if output.finished:
+                    self._finish(output, route)
+        finally:
+            batches.flush()
 
     def _finish(self, output: RequestOutput, route: _Route) -> None:
         del self.routes[output.request_id]

@@ -8,7 +8,7 @@ import asyncio
 
 from gateway.inflight import unbatched
 from llmserve.v1 import scheduler_pb2
-from scheduler_service.fleet.messages import MAX_BATCH, take_batch
+from scheduler_service.fleet.messages import MAX_BATCH, OutboxBatches, take_batch
 
 Queue = asyncio.Queue[scheduler_pb2.SchedulerMessage | None]
 
@@ -84,3 +84,63 @@ def test_a_batch_holds_at_most_max_batch_messages() -> None:
 def test_unbatched_passes_single_messages_through() -> None:
     single = error("x")
     assert unbatched(single) == [single]
+
+
+def fill(slot: scheduler_pb2.SchedulerMessage, request_id: str, token: int) -> None:
+    slot.output.request_id = request_id
+    slot.output.choices.add(index=0, token_ids=[token])
+
+
+def drained(queue: Queue) -> list[scheduler_pb2.SchedulerMessage]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def test_a_steps_outputs_go_to_each_outbox_as_one_batch_in_order() -> None:
+    first, second = queue_of(), queue_of()
+    batches = OutboxBatches()
+    for i, (outbox, request_id) in enumerate([(first, "a"), (second, "x"), (first, "b")]):
+        fill(batches.slot(outbox), request_id, i)
+    assert first.empty() and second.empty()  # nothing is queued before the flush
+    batches.flush()
+    sent_first, sent_second = drained(first), drained(second)
+    assert [m.WhichOneof("kind") for m in sent_first] == ["batch"]
+    assert ids(sent_first) == ["a", "b"] and ids(sent_second) == ["x"]
+    assert list(sent_first[0].batch.messages[1].output.choices[0].token_ids) == [2]
+
+
+def test_a_message_alone_keeps_its_place_between_batches() -> None:
+    outbox = queue_of()
+    batches = OutboxBatches()
+    fill(batches.slot(outbox), "a", 1)
+    batches.alone(outbox, output("p", [5], prompt_logprobs=2))
+    fill(batches.slot(outbox), "b", 2)
+    batches.flush()
+    sent = drained(outbox)
+    assert [m.WhichOneof("kind") for m in sent] == ["batch", "output", "batch"]
+    assert ids(sent) == ["a", "p", "b"]
+
+
+def test_an_outbox_batch_holds_at_most_max_batch_messages() -> None:
+    outbox = queue_of()
+    batches = OutboxBatches()
+    for i in range(MAX_BATCH + 3):
+        fill(batches.slot(outbox), f"r{i}", i)
+    batches.flush()
+    sent = drained(outbox)
+    assert [len(m.batch.messages) for m in sent] == [MAX_BATCH, 3]
+    assert ids(sent) == [f"r{i}" for i in range(MAX_BATCH + 3)]
+
+
+def test_a_built_batch_is_written_as_it_is_never_inside_another() -> None:
+    outbox = queue_of()
+    batches = OutboxBatches()
+    fill(batches.slot(outbox), "b", 2)
+    batches.flush()
+    outbox.put_nowait(output("c", [3]))
+    sent = take_batch(output("a", [1]), outbox)
+    assert [m.WhichOneof("kind") for m in sent] == ["output", "batch", "output"]
+    assert ids(sent) == ["a", "b", "c"]
+    assert all(m.WhichOneof("kind") != "batch" for m in sent[1].batch.messages)
