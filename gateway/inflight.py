@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from llmserve.v1 import scheduler_pb2
+from llmserve.v1 import common_pb2, scheduler_pb2
 
 Inbox = asyncio.Queue[scheduler_pb2.SchedulerMessage]
 Outbox = asyncio.Queue[scheduler_pb2.GatewayMessage | None]
@@ -16,6 +16,29 @@ Outbox = asyncio.Queue[scheduler_pb2.GatewayMessage | None]
 # once it holds this many prompt tokens (5 MiB or so: well under --max-message-bytes).
 MAX_BATCH = 256
 MAX_BATCH_PROMPT_TOKENS = 1 << 20
+
+
+@dataclass(slots=True)
+class ReceivedChoice:
+    """One choice's deltas so far, kept as Python values (extending a proto's repeated fields
+    per token cost several times more) and made a ContinuedChoice only for a re-submission."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.OutputLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: int = 0
+    stop_token_id: int | None = None
+
+    def to_proto(self) -> scheduler_pb2.ContinuedChoice:
+        return scheduler_pb2.ContinuedChoice(
+            index=self.index,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob,
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            stop_token_id=self.stop_token_id,
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -28,7 +51,7 @@ class InFlight:
     # continue them; the others restart from the prompt (their seed makes that reproduce).
     streams_choices: bool
     # Everything received so far, per choice index.
-    choices: dict[int, scheduler_pb2.ContinuedChoice] = field(default_factory=dict)
+    choices: dict[int, ReceivedChoice] = field(default_factory=dict)
     prompt_logprobs_received: bool = False
     # Its last message (finished output or error) was received: never sent again.
     done: bool = False
@@ -48,11 +71,10 @@ class InFlight:
         for delta in output.choices:
             choice = self.choices.get(delta.index)
             if choice is None:
-                choice = self.choices[delta.index] = scheduler_pb2.ContinuedChoice(
-                    index=delta.index
-                )
+                choice = self.choices[delta.index] = ReceivedChoice(delta.index)
             choice.token_ids.extend(delta.token_ids)
-            choice.logprobs.extend(delta.logprobs)
+            if delta.logprobs:
+                choice.logprobs.extend(delta.logprobs)
             choice.cumulative_logprob = delta.cumulative_logprob
             if delta.finish_reason:
                 choice.finish_reason = delta.finish_reason
@@ -66,7 +88,9 @@ class InFlight:
         add.CopyFrom(self.add)
         add.resubmitted = self.sent
         if self.choices:
-            add.continuation.choices.extend(self.choices[i] for i in sorted(self.choices))
+            add.continuation.choices.extend(
+                self.choices[i].to_proto() for i in sorted(self.choices)
+            )
         return add
 
     def stop_waiting(self) -> None:
