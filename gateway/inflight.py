@@ -99,6 +99,30 @@ class InFlight:
             self.expiry = None
 
 
+def absorb(output: scheduler_pb2.RequestOutput, later: scheduler_pb2.RequestOutput) -> None:
+    """Fold `later`, the next output of the same request, into `output`: each choice's new
+    tokens (and logprobs) joined, the later finish, usage and timings taken. A client that
+    falls behind then gets what queued up for it in one chunk, one write (vLLM's server
+    merges a slow consumer's outputs too)."""
+    choices = {c.index: c for c in output.choices}
+    for delta in later.choices:
+        choice = choices.get(delta.index)
+        if choice is None:
+            choices[delta.index] = choice = output.choices.add(index=delta.index)
+        choice.token_ids.extend(delta.token_ids)
+        choice.logprobs.extend(delta.logprobs)
+        choice.cumulative_logprob = delta.cumulative_logprob
+        if delta.finish_reason:
+            choice.finish_reason = delta.finish_reason
+        if delta.HasField("stop_token_id"):
+            choice.stop_token_id = delta.stop_token_id
+    output.prompt_logprobs.extend(later.prompt_logprobs)
+    if later.finished:
+        output.finished = True
+        output.usage.CopyFrom(later.usage)
+        output.metrics.CopyFrom(later.metrics)
+
+
 def unbatched(message: scheduler_pb2.SchedulerMessage) -> list[scheduler_pb2.SchedulerMessage]:
     """The outputs and errors a message read from a Connect stream carries, in order."""
     if message.WhichOneof("kind") == "batch":

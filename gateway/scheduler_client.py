@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.inflight import Inbox, InFlight, Outbox, outgoing, unbatched
+from gateway.inflight import Inbox, InFlight, Outbox, absorb, outgoing, unbatched
 from gateway.shard_routing import pick_shard, prefix_key
 from llmserve import security
 from llmserve.errors import (
@@ -390,13 +390,23 @@ class SchedulerClient:
         else:
             self._wait_for_scheduler(request)
         try:
+            held: scheduler_pb2.SchedulerMessage | None = None
             while True:
-                message = await _next(request.inbox, deadline, timeout_s)
+                message = held or await _next(request.inbox, deadline, timeout_s)
+                held = None
                 if message.WhichOneof("kind") == "error":
                     error = message.error
                     raise from_status_value(error.code, error.message, error.field or None)
-                yield message.output
-                if message.output.finished:
+                output = message.output
+                # Outputs that queued up behind this one (the consumer fell behind) go as one.
+                while not output.finished and not request.inbox.empty():
+                    later = request.inbox.get_nowait()
+                    if later.WhichOneof("kind") != "output":
+                        held = later  # an error: after what came before it
+                        break
+                    absorb(output, later.output)
+                yield output
+                if output.finished:
                     return
         finally:
             del self._requests[request_id]

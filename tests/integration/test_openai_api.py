@@ -148,10 +148,11 @@ def test_completion_stream_equals_full(client: openai.OpenAI) -> None:
         )
     )
     text_chunks = [c for c in chunks if c.choices]
-    # A chunk per step: the prefill's token, then runs of up to --decode-steps tokens (one
-    # request alone decodes several tokens a step by default, multi-step decoding).
+    # At most a chunk per step: the prefill's token, then runs of up to --decode-steps tokens
+    # (one request alone decodes several tokens a step by default, multi-step decoding); steps
+    # that queue up before the stream reads them go out as one chunk.
     steps = SchedulerConfig().decode_steps
-    assert len(text_chunks) == 1 + -(-7 // steps)
+    assert len(text_chunks) <= 1 + -(-7 // steps)
     assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
     assert text_chunks[-1].choices[0].finish_reason == "length"
     assert all(c.usage is None for c in text_chunks)

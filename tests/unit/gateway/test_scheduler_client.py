@@ -8,7 +8,7 @@ with no memory of the old one, on the same port.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
@@ -96,10 +96,20 @@ def test_restart_mid_stream_gives_the_uninterrupted_stream():
     async def test(server: FakeServer, client: SchedulerClient) -> None:
         got = await start_requests(client)
         await until(lambda: len(server.fake.requests) == len(REQUESTS), "all added")
+        # Waits on tokens, not messages: outputs that reach a consumer together come merged.
         for step in range(3):
             server.fake.step()
-            await until(lambda s=step: got["single"].messages == s + 1, "step delivered")
-        await until(lambda: got["pair-logprobs"].messages == 4, "prompt logprobs + 3 steps")
+            await until(
+                lambda s=step: len(got["single"].tokens.get(0, [])) == s + 1, "step delivered"
+            )
+        pair = got["pair-logprobs"]
+        await until(
+            lambda: (
+                pair.prompt_logprob_messages == 1
+                and [len(pair.tokens.get(i, [])) for i in (0, 1)] == [3, 3]
+            ),
+            "prompt logprobs + 3 steps",
+        )
         delivered.update(
             {name: {i: list(t) for i, t in g.tokens.items()} for name, g in got.items()}
         )
@@ -138,6 +148,41 @@ def test_restart_mid_stream_gives_the_uninterrupted_stream():
     for add in sent_again:
         assert list(add.prompt_token_ids) == PROMPTS[add.request_id]
         assert sampling_params_from_proto(add.sampling_params) == REQUESTS[add.request_id]
+
+
+def test_outputs_queued_behind_a_slow_consumer_reach_it_as_one_message():
+    expected = reference_run()["pair-logprobs"]
+    got = Received()
+
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        name = "pair-logprobs"
+        slow = client.submit(name, PROMPTS[name], REQUESTS[name], eos_token_id=None)
+        first = await anext(slow)  # sent; its first message is the prompt logprobs
+        while server.fake.requests:
+            server.fake.step()  # the request runs to its end while nobody reads it
+        # The Connect stream delivers in order: once a request sent later has finished,
+        # every output of the slow one waits in its inbox.
+        probe = {"single": Received()}
+        stream = client.submit("single", PROMPTS["single"], REQUESTS["single"], eos_token_id=None)
+        asyncio.create_task(consume(stream, probe["single"]))
+        await until(lambda: "single" in server.fake.requests, "probe added")
+        await run_to_end(server, probe)
+
+        async def resumed() -> AsyncIterator[scheduler_pb2.RequestOutput]:
+            yield first
+            async for out in slow:
+                yield out
+
+        await consume(resumed(), got)
+
+    run(test)
+    assert expected.messages > 2
+    assert got.messages == 2  # the prompt logprobs, then everything else at once
+    assert got.tokens == expected.tokens
+    assert got.logprobs == expected.logprobs
+    assert got.finish == expected.finish
+    assert got.prompt_logprob_messages == expected.prompt_logprob_messages == 1
+    assert got.finished
 
 
 def test_finished_choice_is_continued_as_finished():
