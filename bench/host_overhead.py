@@ -46,14 +46,32 @@ from tests.support.simulated_worker import StepTimeModel  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 SMOLLM2_VOCAB = 49152
+CHAT_WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "and",
+    "we",
+    "read",
+    "old",
+    "books",
+    "about",
+    "rivers",
+    "near",
+    "small",
+    "towns",
+]
 
 
-async def one_stream(port: int, body: bytes) -> int:
-    """One streaming completion on its own connection; returns the completion tokens the
-    usage chunk reports."""
+async def one_stream(port: int, path: str, body: bytes) -> int:
+    """One streaming request to `path` on its own connection; returns the completion tokens
+    the usage chunk reports."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode()
     writer.write(head + body)
@@ -79,21 +97,32 @@ async def one_stream(port: int, body: bytes) -> int:
 async def closed_loop(port: int, streams: int, requests: int, args: argparse.Namespace) -> int:
     """`requests` requests, `streams` at a time; the output tokens of all of them."""
     rng = random.Random(args.seed)
-    bodies = [
-        json.dumps({
-            "model": "smollm2", "max_tokens": args.output_len, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-            "prompt": [rng.randrange(100, SMOLLM2_VOCAB) for _ in range(args.input_len)],
-        }).encode()
-        for _ in range(requests)
-    ]  # fmt: skip
+    common = {
+        "model": "smollm2", "max_tokens": args.output_len, "ignore_eos": True,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    if args.endpoint == "chat":
+        # Random words: each of these is one SmolLM2 token with its leading space.
+        path = "/v1/chat/completions"
+        bodies = [
+            json.dumps({**common, "messages": [{"role": "user", "content": " ".join(
+                rng.choice(CHAT_WORDS) for _ in range(args.input_len))}]}).encode()
+            for _ in range(requests)
+        ]  # fmt: skip
+    else:
+        path = "/v1/completions"
+        bodies = [
+            json.dumps({**common, "prompt": [
+                rng.randrange(100, SMOLLM2_VOCAB) for _ in range(args.input_len)]}).encode()
+            for _ in range(requests)
+        ]  # fmt: skip
     pending = iter(bodies)
     total = 0
 
     async def lane() -> None:
         nonlocal total
         for body in pending:
-            tokens = await one_stream(port, body)  # read `total` only once this is done
+            tokens = await one_stream(port, path, body)  # read `total` only once this is done
             total += tokens
 
     await asyncio.gather(*(lane() for _ in range(streams)))
@@ -130,6 +159,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {
         "machine": describe(),
         "step_time": {"fixed_ms": args.fixed_ms, "per_token_ms": args.per_token_ms},
+        "endpoint": args.endpoint,
         "runs": [],
     }
     try:
@@ -181,6 +211,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, nargs="+", default=[64, 256])
     p.add_argument("--requests-per-stream", type=int, default=3)
+    p.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="completions: token-id prompts; chat: a user message of --input-len words",
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--fixed-ms", type=float, default=2.5)
