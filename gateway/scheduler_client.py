@@ -392,8 +392,10 @@ class SchedulerClient:
         try:
             held: scheduler_pb2.SchedulerMessage | None = None
             while True:
-                message = held or await _next(request.inbox, deadline, timeout_s)
-                held = None
+                if held is None:
+                    message = await _next(request.inbox, deadline, timeout_s)
+                else:
+                    message, held = held, None
                 if message.WhichOneof("kind") == "error":
                     error = message.error
                     raise from_status_value(error.code, error.message, error.field or None)

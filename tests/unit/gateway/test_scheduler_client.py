@@ -185,6 +185,41 @@ def test_outputs_queued_behind_a_slow_consumer_reach_it_as_one_message():
     assert got.finished
 
 
+def test_an_error_queued_behind_outputs_comes_after_them():
+    got = Received()
+
+    async def test(server: FakeServer, client: SchedulerClient) -> None:
+        slow = client.submit("r", [4], REQUESTS["single"], eos_token_id=None)
+        first = asyncio.create_task(anext(slow))
+        await until(lambda: "r" in server.fake.requests, "added")
+        server.fake.step()
+        head = await first
+        for _ in range(2):
+            server.fake.step()
+        server.fake.requests.pop("r").outbox.put_nowait(
+            scheduler_pb2.SchedulerMessage(
+                error=scheduler_pb2.RequestError(request_id="r", code=13, message="worker lost")
+            )
+        )
+        probe = {"single": Received()}
+        stream = client.submit("single", PROMPTS["single"], REQUESTS["single"], eos_token_id=None)
+        asyncio.create_task(consume(stream, probe["single"]))
+        await until(lambda: "single" in server.fake.requests, "probe added")
+        await run_to_end(server, probe)  # every message of "r" now waits in its inbox
+
+        async def resumed() -> AsyncIterator[scheduler_pb2.RequestOutput]:
+            yield head
+            async for out in slow:
+                yield out
+
+        await consume(resumed(), got)
+
+    run(test)
+    assert got.tokens == {0: [token_at([4], 0, k) for k in range(3)]}
+    assert got.messages == 2  # the two queued outputs as one, then the error
+    assert got.error is not None and got.error.grpc_code == grpc.StatusCode.INTERNAL
+
+
 def test_finished_choice_is_continued_as_finished():
     sent_again: list[scheduler_pb2.AddRequest] = []
 
