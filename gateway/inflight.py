@@ -72,14 +72,7 @@ class InFlight:
             choice = self.choices.get(delta.index)
             if choice is None:
                 choice = self.choices[delta.index] = ReceivedChoice(delta.index)
-            choice.token_ids.extend(delta.token_ids)
-            if delta.logprobs:
-                choice.logprobs.extend(delta.logprobs)
-            choice.cumulative_logprob = delta.cumulative_logprob
-            if delta.finish_reason:
-                choice.finish_reason = delta.finish_reason
-            if delta.HasField("stop_token_id"):
-                choice.stop_token_id = delta.stop_token_id
+            _fold(choice, delta)
 
     def resubmission(self) -> scheduler_pb2.AddRequest:
         """The AddRequest to send now: the first one as submitted; a later one marked
@@ -109,18 +102,26 @@ def absorb(output: scheduler_pb2.RequestOutput, later: scheduler_pb2.RequestOutp
         choice = choices.get(delta.index)
         if choice is None:
             choices[delta.index] = choice = output.choices.add(index=delta.index)
-        choice.token_ids.extend(delta.token_ids)
-        choice.logprobs.extend(delta.logprobs)
-        choice.cumulative_logprob = delta.cumulative_logprob
-        if delta.finish_reason:
-            choice.finish_reason = delta.finish_reason
-        if delta.HasField("stop_token_id"):
-            choice.stop_token_id = delta.stop_token_id
+        _fold(choice, delta)
     output.prompt_logprobs.extend(later.prompt_logprobs)
     if later.finished:
         output.finished = True
         output.usage.CopyFrom(later.usage)
         output.metrics.CopyFrom(later.metrics)
+
+
+def _fold(
+    choice: ReceivedChoice | scheduler_pb2.ChoiceDelta, delta: scheduler_pb2.ChoiceDelta
+) -> None:
+    """Append `delta`, the choice's next news, to what `choice` holds."""
+    choice.token_ids.extend(delta.token_ids)
+    if delta.logprobs:
+        choice.logprobs.extend(delta.logprobs)
+    choice.cumulative_logprob = delta.cumulative_logprob
+    if delta.finish_reason:
+        choice.finish_reason = delta.finish_reason
+    if delta.HasField("stop_token_id"):
+        choice.stop_token_id = delta.stop_token_id
 
 
 def unbatched(message: scheduler_pb2.SchedulerMessage) -> list[scheduler_pb2.SchedulerMessage]:

@@ -150,6 +150,30 @@ def test_restart_mid_stream_gives_the_uninterrupted_stream():
         assert sampling_params_from_proto(add.sampling_params) == REQUESTS[add.request_id]
 
 
+async def consume_the_rest(
+    server: FakeServer,
+    client: SchedulerClient,
+    first: scheduler_pb2.RequestOutput,
+    slow: AsyncIterator[scheduler_pb2.RequestOutput],
+    got: Received,
+) -> None:
+    """Consume `slow` (whose `first` message was taken) once everything the fake has sent it
+    waits in its inbox: the Connect stream delivers in order, so that holds once a request
+    sent after it has run to its end."""
+    probe = {"single": Received()}
+    stream = client.submit("single", PROMPTS["single"], REQUESTS["single"], eos_token_id=None)
+    asyncio.create_task(consume(stream, probe["single"]))
+    await until(lambda: "single" in server.fake.requests, "probe added")
+    await run_to_end(server, probe)
+
+    async def resumed() -> AsyncIterator[scheduler_pb2.RequestOutput]:
+        yield first
+        async for out in slow:
+            yield out
+
+    await consume(resumed(), got)
+
+
 def test_outputs_queued_behind_a_slow_consumer_reach_it_as_one_message():
     expected = reference_run()["pair-logprobs"]
     got = Received()
@@ -160,20 +184,7 @@ def test_outputs_queued_behind_a_slow_consumer_reach_it_as_one_message():
         first = await anext(slow)  # sent; its first message is the prompt logprobs
         while server.fake.requests:
             server.fake.step()  # the request runs to its end while nobody reads it
-        # The Connect stream delivers in order: once a request sent later has finished,
-        # every output of the slow one waits in its inbox.
-        probe = {"single": Received()}
-        stream = client.submit("single", PROMPTS["single"], REQUESTS["single"], eos_token_id=None)
-        asyncio.create_task(consume(stream, probe["single"]))
-        await until(lambda: "single" in server.fake.requests, "probe added")
-        await run_to_end(server, probe)
-
-        async def resumed() -> AsyncIterator[scheduler_pb2.RequestOutput]:
-            yield first
-            async for out in slow:
-                yield out
-
-        await consume(resumed(), got)
+        await consume_the_rest(server, client, first, slow, got)
 
     run(test)
     assert expected.messages > 2
@@ -201,18 +212,7 @@ def test_an_error_queued_behind_outputs_comes_after_them():
                 error=scheduler_pb2.RequestError(request_id="r", code=13, message="worker lost")
             )
         )
-        probe = {"single": Received()}
-        stream = client.submit("single", PROMPTS["single"], REQUESTS["single"], eos_token_id=None)
-        asyncio.create_task(consume(stream, probe["single"]))
-        await until(lambda: "single" in server.fake.requests, "probe added")
-        await run_to_end(server, probe)  # every message of "r" now waits in its inbox
-
-        async def resumed() -> AsyncIterator[scheduler_pb2.RequestOutput]:
-            yield head
-            async for out in slow:
-                yield out
-
-        await consume(resumed(), got)
+        await consume_the_rest(server, client, head, slow, got)
 
     run(test)
     assert got.tokens == {0: [token_at([4], 0, k) for k in range(3)]}
