@@ -126,6 +126,13 @@ def _up_parser() -> argparse.ArgumentParser:
         help="multi-step decoding: tokens a decoding sequence computes in one step (scheduler; "
         "1 = off; see `llmserve scheduler --help`)",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="tokens a request gathers before they are streamed (scheduler; 1, the default, "
+        "sends each step's; see `llmserve scheduler --help`)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--api-key-file",
@@ -206,6 +213,7 @@ _SCHEDULER_FLAGS = [
     "max-num-batched-tokens",
     "num-speculative-tokens",
     "decode-steps",
+    "stream-interval",
     "log-level",
 ]
 _GATEWAY_FLAGS = [

@@ -92,3 +92,37 @@ def final_output(seq_group: SequenceGroup) -> RequestOutput:
         error=seq_group.error,
         metrics=seq_group.metrics,
     )
+
+
+def concat_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one: each choice's tokens and logprobs in
+    order, its latest logprob total and finish state, `then`'s request state. Neither input
+    is changed."""
+    choices = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        before = choices.get(c.index)
+        if before is not None:
+            logprobs = None
+            if before.logprobs is not None or c.logprobs is not None:
+                logprobs = (before.logprobs or []) + (c.logprobs or [])
+            c = CompletionOutput(
+                c.index,
+                before.token_ids + c.token_ids,
+                c.cumulative_logprob,
+                logprobs,
+                c.finish_reason,
+                c.stop_token_id,
+            )
+        choices[c.index] = c
+    prompt_logprobs = first.prompt_logprobs
+    if then.prompt_logprobs is not None:
+        prompt_logprobs = (prompt_logprobs or []) + then.prompt_logprobs
+    return RequestOutput(
+        then.request_id,
+        then.prompt_token_ids,
+        sorted(choices.values(), key=lambda c: c.index),
+        then.finished,
+        prompt_logprobs,
+        then.error,
+        then.metrics,
+    )

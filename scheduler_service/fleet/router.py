@@ -7,7 +7,10 @@ messages for the right gateway. Request ids are scoped to the gateway stream tha
 
 For each request whose choices stream, the router keeps what its gateway has been sent (tokens,
 logprobs, finish state per choice): a request on a replica whose step failed continues from
-exactly that, so its client sees no token twice and none missing.
+exactly that, so its client sees no token twice and none missing. With a stream interval
+above 1 (`FleetConfig.stream_interval`) a request's deltas wait in its route until enough
+tokens have gathered; a resumed request drops what waited, since it continues from what was
+sent.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from llmserve.proto_convert import (
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.v1 import scheduler_pb2
 from scheduler_service.engine import metrics
-from scheduler_service.engine.request_output import RequestOutput
+from scheduler_service.engine.request_output import RequestOutput, concat_deltas
 from scheduler_service.engine.snapshots import (
     GroupSnapshot,
     SequenceSnapshot,
@@ -78,6 +81,8 @@ class _Route:
     num_output_tokens: int = 0
     # What the gateway was sent, per choice index (streaming requests only).
     sent: dict[int, SequenceSnapshot] = field(default_factory=dict)
+    # Deltas not yet sent, as one (`Router._due`; only with a stream interval above 1).
+    held: RequestOutput | None = None
     step_failures: int = 0
     # From the gateway's traceparent, for log lines (None when the request is not traced).
     trace_id: str | None = None
@@ -85,6 +90,25 @@ class _Route:
     stop_strings: StopStrings | None = None
     grammar: GrammarSpec | None = None
     reasoning: ReasoningSpec | None = None
+
+
+def _due(route: _Route, output: RequestOutput, interval: int) -> RequestOutput | None:
+    """`output` behind what `route` held, if it is to go now: the request's first tokens, its
+    end, an error, prompt logprobs, or once a choice has gathered `interval` tokens. Otherwise
+    it is held (None)."""
+    if route.held is not None:
+        output = concat_deltas(route.held, output)
+        route.held = None
+    if (
+        output.finished
+        or output.error is not None
+        or output.prompt_logprobs
+        or route.num_output_tokens == 0
+        or max((len(c.token_ids) for c in output.outputs), default=0) >= interval
+    ):
+        return output
+    route.held = output
+    return None
 
 
 class Router:
@@ -215,7 +239,10 @@ class Router:
 
     def resume_snapshot(self, key: str) -> GroupSnapshot | None:
         route = self.routes.get(key)
-        return None if route is None else self._snapshot(key, route)
+        if route is None:
+            return None
+        route.held = None  # the request goes on from what was sent: these tokens come again
+        return self._snapshot(key, route)
 
     def count_step_failure(self, key: str) -> int:
         route = self.routes.get(key)
@@ -240,11 +267,17 @@ class Router:
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         batches = OutboxBatches()
+        interval = self.fleet.config.stream_interval
         try:
             for output in outputs:
                 route = self.routes.get(output.request_id)
                 if route is None:
                     continue  # aborted meanwhile
+                if interval > 1:
+                    due = _due(route, output, interval)
+                    if due is None:
+                        continue
+                    output = due
                 route.num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                 outbox = route.stream.outbox
                 if output.error is not None:

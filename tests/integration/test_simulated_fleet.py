@@ -118,3 +118,34 @@ def test_simulated_workers_serve_exact_tokens_and_free_every_block(
     assert pooled["copied_blocks"] > 0  # n = 2 forks share a partial last block: copy-on-write
     sampled = sum(len(t) for r in received.values() for t in r.token_ids.values())
     assert pooled["tokens_sampled"] >= sampled  # beyond it: tokens recomputed after preemption
+
+
+STREAM_INTERVAL = 4
+
+
+def test_a_stream_interval_gathers_tokens_and_changes_none(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`--stream-interval 4`: the same exact tokens and finish reasons, in at most one message
+    for the first token and one per 4 after it."""
+    scheduler = start_scheduler(
+        tmp_path / "scheduler.log", [*SCHEDULER_ARGS, "--stream-interval", str(STREAM_INTERVAL)]
+    )
+    workers = None
+    try:
+        workers = SimulatedFleetProcess(
+            scheduler.address, 1, tmp_path / "workers.log", FAST_STEPS, WORKER_ARGS
+        )
+        scheduler.wait_ready(1)
+        requests = workload(12)
+        received = asyncio.run(serve(scheduler.address, requests))
+    finally:
+        scheduler.stop()
+        if workers is not None:
+            workers.stop()
+    for request_id, prompt, params in requests:
+        got = received[request_id]
+        assert got.error is None, (request_id, got.error)
+        want = [expected_choice(prompt, params, i) for i in range(params.get("n", 1))]
+        choices = [(got.token_ids[i], got.finish_reasons[i]) for i in range(len(want))]
+        assert sorted(choices) == sorted(want), request_id
+        longest = max(len(tokens) for tokens, _ in want)
+        assert got.num_outputs <= 1 + -(-(longest - 1) // STREAM_INTERVAL), request_id

@@ -32,6 +32,8 @@ class Tracked:
     first_token: float | None = None
     finished: float | None = None
     num_tokens: int = 0
+    # Output messages received (a stream interval gathers several tokens in one).
+    num_outputs: int = 0
     # Per choice index (kept when the driver keeps tokens).
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     finish_reasons: dict[int, int] = field(default_factory=dict)
@@ -115,6 +117,7 @@ class ConnectDriver:
             return
         output = message.output
         tracked = self.requests[output.request_id]
+        tracked.num_outputs += 1
         for choice in output.choices:
             n = len(choice.token_ids)
             if n and tracked.first_token is None:

@@ -46,6 +46,7 @@ def test_vllm_serve_flags_reach_the_services_that_own_them(up: list[StackConfig]
     argv = ["up", "--device", "cpu", "--max-model-len", "512", "--quantization", "q8_0"]
     argv += ["--quant-mode", "exact", "--linear-impl", "gguf", "--kv-cache-dtype", "model"]
     argv += ["--served-model-name", "my-model", "--tool-call-parser", "generic"]
+    argv += ["--stream-interval", "4"]
     assert cli.main(argv) == 0
     (config,) = up
     plan = services(config)
@@ -59,7 +60,7 @@ def test_vllm_serve_flags_reach_the_services_that_own_them(up: list[StackConfig]
     assert has(gateway, "--served-model-name", "my-model")
     assert has(gateway, "--tool-call-parser", "generic")
     for spec, foreign in (
-        (worker, ["--served-model-name", "--tool-call-parser"]),
+        (worker, ["--served-model-name", "--tool-call-parser", "--stream-interval"]),
         (
             scheduler,
             [
@@ -70,7 +71,7 @@ def test_vllm_serve_flags_reach_the_services_that_own_them(up: list[StackConfig]
                 "--served-model-name",
             ],
         ),
-        (gateway, ["--max-model-len", "--quantization"]),
+        (gateway, ["--max-model-len", "--quantization", "--stream-interval"]),
     ):
         assert not set(foreign) & set(spec.args), (spec.name, spec.args)
 
@@ -78,7 +79,9 @@ def test_vllm_serve_flags_reach_the_services_that_own_them(up: list[StackConfig]
     assert (worker_opts.max_model_len, worker_opts.quantization) == (512, "q8_0")
     assert (worker_opts.quant_mode, worker_opts.linear_impl) == ("exact", "gguf")
     assert worker_opts.kv_cache_dtype == "model"
-    assert parsed(scheduler).max_model_len is None
+    scheduler_opts = parsed(scheduler)
+    assert scheduler_opts.max_model_len is None
+    assert scheduler_opts.stream_interval == 4
     gateway_opts = parsed(gateway)
     assert (gateway_opts.served_model_name, gateway_opts.tool_call_parser) == (
         "my-model",
