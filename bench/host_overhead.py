@@ -135,7 +135,14 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     sched_launcher = [*profiler, str(args.profile_dir / "scheduler.prof")] if profile else None
     scheduler = start_scheduler(
         log_dir / "scheduler.log",
-        ["--max-num-seqs", str(max(args.streams)), "--log-level", "WARNING"],
+        [
+            "--max-num-seqs",
+            str(max(args.streams)),
+            "--log-level",
+            "WARNING",
+            "--stream-interval",
+            str(args.stream_interval),
+        ],  # fmt: skip
         sched_launcher,
     )
     step_time = StepTimeModel(args.fixed_ms, args.per_token_ms)
@@ -160,6 +167,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         "machine": describe(),
         "step_time": {"fixed_ms": args.fixed_ms, "per_token_ms": args.per_token_ms},
         "endpoint": args.endpoint,
+        "stream_interval": args.stream_interval,
         "runs": [],
     }
     try:
@@ -221,6 +229,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--fixed-ms", type=float, default=2.5)
     p.add_argument("--per-token-ms", type=float, default=0.0085)
+    p.add_argument(
+        "--stream-interval", type=int, default=1, help="the scheduler's --stream-interval"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile-dir", type=Path, default=None)
