@@ -94,35 +94,51 @@ def final_output(seq_group: SequenceGroup) -> RequestOutput:
     )
 
 
-def concat_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one: each choice's tokens and logprobs in
-    order, its latest logprob total and finish state, `then`'s request state. Neither input
-    is changed."""
-    choices = {c.index: c for c in first.outputs}
-    for c in then.outputs:
-        before = choices.get(c.index)
-        if before is not None:
-            logprobs = None
-            if before.logprobs is not None or c.logprobs is not None:
-                logprobs = (before.logprobs or []) + (c.logprobs or [])
-            c = CompletionOutput(
-                c.index,
-                before.token_ids + c.token_ids,
-                c.cumulative_logprob,
-                logprobs,
-                c.finish_reason,
-                c.stop_token_id,
-            )
-        choices[c.index] = c
-    prompt_logprobs = first.prompt_logprobs
-    if then.prompt_logprobs is not None:
-        prompt_logprobs = (prompt_logprobs or []) + then.prompt_logprobs
-    return RequestOutput(
-        then.request_id,
-        then.prompt_token_ids,
-        sorted(choices.values(), key=lambda c: c.index),
-        then.finished,
-        prompt_logprobs,
-        then.error,
-        then.metrics,
+def _owned_choice(c: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(
+        c.index,
+        list(c.token_ids),
+        c.cumulative_logprob,
+        None if c.logprobs is None else list(c.logprobs),
+        c.finish_reason,
+        c.stop_token_id,
     )
+
+
+def owned_delta(delta: RequestOutput) -> RequestOutput:
+    """A copy of `delta` whose choices and lists `extend_delta` may change."""
+    return RequestOutput(
+        delta.request_id,
+        delta.prompt_token_ids,
+        [_owned_choice(c) for c in delta.outputs],
+        delta.finished,
+        None if delta.prompt_logprobs is None else list(delta.prompt_logprobs),
+        delta.error,
+        delta.metrics,
+    )
+
+
+def extend_delta(into: RequestOutput, then: RequestOutput) -> None:
+    """Append `then`, the request's next delta, to `into` (an `owned_delta`, changed in place):
+    each choice's tokens and logprobs in order, its latest logprob total and finish state,
+    `then`'s request state. `then` is not changed."""
+    choices = into.outputs
+    for c in then.outputs:
+        before = next((b for b in choices if b.index == c.index), None)
+        if before is None:
+            choices.append(_owned_choice(c))
+            choices.sort(key=lambda b: b.index)
+            continue
+        before.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if before.logprobs is None:
+                before.logprobs = []
+            before.logprobs.extend(c.logprobs)
+        before.cumulative_logprob = c.cumulative_logprob
+        before.finish_reason = c.finish_reason
+        before.stop_token_id = c.stop_token_id
+    if then.prompt_logprobs is not None:
+        into.prompt_logprobs = (into.prompt_logprobs or []) + then.prompt_logprobs
+    into.finished = then.finished
+    into.error = then.error
+    into.metrics = then.metrics

@@ -33,7 +33,11 @@ from llmserve.proto_convert import (
 from llmserve.sampling_params import SamplingParams, with_admission_seed
 from llmserve.v1 import scheduler_pb2
 from scheduler_service.engine import metrics
-from scheduler_service.engine.request_output import RequestOutput, concat_deltas
+from scheduler_service.engine.request_output import (
+    RequestOutput,
+    extend_delta,
+    owned_delta,
+)
 from scheduler_service.engine.snapshots import (
     GroupSnapshot,
     SequenceSnapshot,
@@ -96,9 +100,10 @@ def _due(route: _Route, output: RequestOutput, interval: int) -> RequestOutput |
     """`output` behind what `route` held, if it is to go now: the request's first tokens, its
     end, an error, prompt logprobs, or once a choice has gathered `interval` tokens. Otherwise
     it is held (None)."""
-    if route.held is not None:
-        output = concat_deltas(route.held, output)
-        route.held = None
+    held = route.held
+    if held is not None:
+        extend_delta(held, output)
+        output = held
     if (
         output.finished
         or output.error is not None
@@ -106,8 +111,10 @@ def _due(route: _Route, output: RequestOutput, interval: int) -> RequestOutput |
         or route.num_output_tokens == 0
         or max((len(c.token_ids) for c in output.outputs), default=0) >= interval
     ):
+        route.held = None
         return output
-    route.held = output
+    if held is None:
+        route.held = owned_delta(output)
     return None
 
 

@@ -18,7 +18,8 @@ from scheduler_service.engine import SchedulerConfig
 from scheduler_service.engine.request_output import (
     CompletionOutput,
     RequestOutput,
-    concat_deltas,
+    extend_delta,
+    owned_delta,
 )
 from scheduler_service.engine.sequence import FinishReason, SampleLogprobs
 from scheduler_service.fleet.fleet_config import FleetConfig, ReplicaConfig
@@ -78,7 +79,8 @@ def test_deltas_wait_for_the_interval_but_the_first_tokens_and_the_end_go_at_onc
         router.on_outputs([delta(key, [10])])
         first = sent(stream)
         assert [list(o.choices[0].token_ids) for o in first] == [[10]]
-        router.on_outputs([delta(key, [11])])
+        eleven = delta(key, [11])
+        router.on_outputs([eleven])
         router.on_outputs([delta(key, [12])])
         assert sent(stream) == []
         router.on_outputs([delta(key, [13])])
@@ -93,6 +95,7 @@ def test_deltas_wait_for_the_interval_but_the_first_tokens_and_the_end_go_at_onc
         assert last.finished and last.choices[0].finish_reason != 0
         assert last.usage.completion_tokens == 6
         assert last.usage.prompt_tokens == len(PROMPT)
+        assert eleven.outputs[0].token_ids == [11]  # the router held a copy, not the delta
 
     run_with_router(3, body)
 
@@ -152,7 +155,7 @@ def logprob(token: int) -> SampleLogprobs:
     return SampleLogprobs(TokenLogprob(token, -float(token), 1))
 
 
-def test_concatenated_deltas_keep_each_choice_in_order_with_its_latest_state() -> None:
+def test_extended_deltas_keep_each_choice_in_order_with_its_latest_state() -> None:
     first = RequestOutput(
         "r",
         PROMPT,
@@ -171,7 +174,8 @@ def test_concatenated_deltas_keep_each_choice_in_order_with_its_latest_state() -
         ],
         False,
     )
-    both = concat_deltas(first, then)
+    both = owned_delta(first)
+    extend_delta(both, then)
     assert [c.index for c in both.outputs] == [0, 1, 2]
     zero, one, two = both.outputs
     assert (zero.token_ids, zero.cumulative_logprob) == ([1], -1.0)
@@ -183,7 +187,9 @@ def test_concatenated_deltas_keep_each_choice_in_order_with_its_latest_state() -
         7,
     )
     assert two.token_ids == [9]
-    assert first.outputs[1].token_ids == [5]  # the inputs are left as they were
+    # The original deltas are left as they were.
+    assert first.outputs[1].token_ids == [5] and then.outputs[0].token_ids == [6, 7]
+    assert [lp.token.token_id for lp in first.outputs[1].logprobs or []] == [5]
 
 
 def test_a_stream_interval_below_one_is_refused_naming_the_field() -> None:
