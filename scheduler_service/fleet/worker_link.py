@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve.proto_convert import ROLE_NAMES
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from scheduler_service.engine.config import CacheConfig, ConfigError, SchedulerConfig
 from scheduler_service.engine.llm_engine import LLMEngine
@@ -141,6 +142,7 @@ class WorkerLink:
         """What the replica's "ready" line says of the link."""
         return {
             "model": self.info.model,
+            "role": ROLE_NAMES[self.info.role],
             "num_gpu_blocks": self.cache.num_gpu_blocks,
             "num_cpu_blocks": self.cache.num_cpu_blocks,
             "block_size": self.info.block_size,
