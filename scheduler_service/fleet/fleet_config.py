@@ -124,7 +124,7 @@ class FleetConfig:
         "transfer and prefill rates say it is faster (0: never)",
     )
     # A streaming request's new tokens wait in the router until this many have gathered
-    # (`Router._due`); its first tokens, its end, an error and prompt logprobs go at once.
+    # (`router._due`); its first tokens, its end, an error and prompt logprobs go at once.
     stream_interval: int = flag(
         1,
         "tokens a request gathers before the scheduler sends them to its gateway (its first "

@@ -85,7 +85,7 @@ class _Route:
     num_output_tokens: int = 0
     # What the gateway was sent, per choice index (streaming requests only).
     sent: dict[int, SequenceSnapshot] = field(default_factory=dict)
-    # Deltas not yet sent, as one (`Router._due`; only with a stream interval above 1).
+    # Deltas not yet sent, as one (`_due`; only with a stream interval above 1).
     held: RequestOutput | None = None
     step_failures: int = 0
     # From the gateway's traceparent, for log lines (None when the request is not traced).
