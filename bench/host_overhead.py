@@ -142,7 +142,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             "WARNING",
             "--stream-interval",
             str(args.stream_interval),
-        ],  # fmt: skip
+        ],
         sched_launcher,
     )
     step_time = StepTimeModel(args.fixed_ms, args.per_token_ms)

@@ -123,7 +123,7 @@ class FleetConfig:
         "than another worker copies those KV blocks from there first, when the measured "
         "transfer and prefill rates say it is faster (0: never)",
     )
-    # A streaming request's new tokens wait in the router until this many have gathered
+    # A request's new tokens wait in the router until this many have gathered
     # (`router._due`); its first tokens, its end, an error and prompt logprobs go at once.
     stream_interval: int = flag(
         1,
