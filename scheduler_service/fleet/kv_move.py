@@ -24,6 +24,17 @@ MAX_ROUNDS = 4
 FINAL_DELTA_BLOCKS = 1
 
 
+@dataclass(slots=True)
+class Round:
+    """One round's pins on the source: its transfer, its blocks (source block, key, hashed
+    tokens), and the state snapshot it carries (the slot held on the source, and its key)."""
+
+    transfer_id: int
+    blocks: list[tuple[int, int, int]]
+    state_slot: int | None = None
+    state_key: int | None = None
+
+
 @dataclass(eq=False, slots=True)
 class Move:
     """One request moving from `source` to `target` with its KV blocks, round by round."""
@@ -55,6 +66,9 @@ class Move:
     # chunks with nothing new to copy the move is `parked` (`move_policy.hand_off` resumes it).
     until_prefilled: bool = False
     parked: bool = False
+    # A hand-off's last round, pinned when its request stopped on the source at its first
+    # token while an earlier round was in flight; sent once that round is done.
+    held: Round | None = None
     # When the round in flight started (time.monotonic()), and its span.
     round_started: float = 0.0
     span: Span | None = None

@@ -30,7 +30,9 @@ it recomputes from the deepest boundary it has a snapshot for.
 
 Two more kinds of move take the same rounds (`move_policy` says when): a prefill worker's
 hand-off (`Move.until_prefilled`: the prompt's blocks copied chunk by chunk as its prefill
-computes them, the last round once its first token is out), and a prefix fetch (`fetch`: the
+computes them, the last round once its first token is out; if a round is still in flight
+then, the request stops on the source at once and its last round waits, pinned, in
+`Move.held`), and a prefix fetch (`fetch`: the
 source is a peer whose prefix cache holds the blocks, and the request, not yet queued
 anywhere, waits in the move until they have arrived on the target).
 
@@ -54,7 +56,7 @@ from llmserve.logs import get_logger
 from llmserve.steps import TransferFailure
 from scheduler_service.engine import metrics
 from scheduler_service.engine.llm_engine import LLMEngine
-from scheduler_service.engine.sequence import SequenceStatus
+from scheduler_service.engine.sequence import SequenceGroup, SequenceStatus
 from scheduler_service.engine.snapshots import GroupSnapshot
 from scheduler_service.fleet.fleet_config import MigrationMode
 from scheduler_service.fleet.kv_move import (
@@ -62,6 +64,7 @@ from scheduler_service.fleet.kv_move import (
     MAX_ROUNDS,
     Move,
     Rates,
+    Round,
     cached_blocks,
     missing_blocks,
     move_snapshot,
@@ -176,11 +179,14 @@ class KvMover:
     # -- rounds --------------------------------------------------------------------------------
 
     def _next_round(self, move: Move) -> None:
+        held, move.held = move.held, None
+        if held is not None:  # pinned when the request stopped on the source (stop_if_prefilled)
+            self._run(move, held)
+            return
         group = move.source_engine.scheduler.get_seq_group(move.request_id)
         if group is None or group.is_finished() or move.source.engine is not move.source_engine:
             self._end(move)  # finished (or aborted) on the source meanwhile
             return
-        present = set(move.present)
         blocks = missing_blocks(move, group)
         move.parked = False
         if move.until_prefilled:
@@ -191,55 +197,83 @@ class KvMover:
                 or move.rounds >= MAX_ROUNDS
                 or len(blocks) <= FINAL_DELTA_BLOCKS
             )
-        target_bm = move.target_engine.scheduler.block_manager
-        room = target_bm.get_num_free_gpu_blocks() - target_bm.watermark_blocks - 1
-        if len(blocks) > room:  # the rest is recomputed on the target
-            blocks = blocks[: max(room, 0)]
-            move.present = present | {h for _, h, _ in blocks}
+        pinned = self._pin_round(move, group, blocks, final)
+        if pinned is not None:
+            self._run(move, pinned)
+
+    def _pin_round(
+        self, move: Move, group: SequenceGroup, blocks: list[tuple[int, int, int]], final: bool
+    ) -> Round | None:
+        """Pin on the source a round's `blocks` (`missing_blocks`) and, for the last round,
+        the group's state snapshot; then, the last round, stop the request there (its blocks
+        are freed, the pinned ones held until the round ends). None when the request has left
+        the source (the move ends)."""
         move.rounds += 1
-        transfer_id = next(self._transfer_ids)
+        pinned = Round(next(self._transfer_ids), blocks)
         source_bm = move.source_engine.scheduler.block_manager
-        state_key = move_snapshot(move, group) if final else None
-        state_slot = None
-        if blocks or state_key is not None:
-            # Pinned before the stop below frees the request's blocks on the source.
-            state_slot = source_bm.transfers.pin(transfer_id, [b for b, _, _ in blocks], state_key)
+        pinned.state_key = move_snapshot(move, group) if final else None
+        if blocks or pinned.state_key is not None:
+            pinned.state_slot = source_bm.transfers.pin(
+                pinned.transfer_id, [b for b, _, _ in blocks], pinned.state_key
+            )
         if final:
             move.final = True
             snapshots, traces = move.source.take_requests([move.request_id])
             if not snapshots:
-                source_bm.transfers.unpin(transfer_id)
+                source_bm.transfers.unpin(pinned.transfer_id)
                 self._end(move)
-                return
+                return None
             move.snapshot, move.trace = snapshots[0], traces.get(move.request_id)
-        if not blocks and state_slot is None:
-            source_bm.transfers.unpin(transfer_id)
-            if final:
-                self._finish(move)
-            elif move.until_prefilled:
-                move.parked = True  # until the prefill's next chunk
-            else:
-                self._next_round(move)
+        return pinned
+
+    def _run(self, move: Move, pinned: Round) -> None:
+        """Send a pinned round, as many of its blocks as the target has room for (it
+        recomputes the rest); with nothing to send, finish a last round, park a hand-off
+        until its prefill computes more, or go on to the next round."""
+        target_bm = move.target_engine.scheduler.block_manager
+        room = target_bm.get_num_free_gpu_blocks() - target_bm.watermark_blocks - 1
+        if len(pinned.blocks) > room:
+            move.present.difference_update(h for _, h, _ in pinned.blocks[max(room, 0) :])
+            pinned.blocks = pinned.blocks[: max(room, 0)]
+        if pinned.blocks or pinned.state_slot is not None:
+            self._send(move, pinned)
             return
-        self._send(move, transfer_id, blocks, (state_slot, state_key))
+        move.source_engine.scheduler.block_manager.transfers.unpin(pinned.transfer_id)
+        if move.final:
+            self._finish(move)
+        elif move.until_prefilled:
+            move.parked = True  # until the prefill's next chunk
+        else:
+            self._next_round(move)
+
+    def stop_if_prefilled(self, move: Move) -> None:
+        """A hand-off with a round in flight whose request has its first token now: stop the
+        request on the source at once, its last round pinned (`Move.held`) and sent when the
+        round in flight is done. Left there, it would decode until then, and a short request
+        could finish before the hand-off."""
+        group = move.source_engine.scheduler.get_seq_group(move.request_id)
+        if (
+            move.until_prefilled
+            and not move.final
+            and move.transfer_id is not None
+            and group is not None
+            and not group.is_finished()
+            and prefilled(group)
+        ):
+            move.held = self._pin_round(move, group, missing_blocks(move, group), final=True)
 
     def resume(self, move: Move) -> None:
         """Another round for a parked hand-off (its prefill computed more, or finished)."""
         if move.parked:
             self._next_round(move)
 
-    def _send(
-        self,
-        move: Move,
-        transfer_id: int,
-        blocks: list[tuple[int, int, int]],
-        state: tuple[int | None, int | None] = (None, None),
-    ) -> None:
+    def _send(self, move: Move, pinned: Round) -> None:
         """Start a round: the source's blocks (pinned already) exported, and blocks under the
-        same hashes pinned on the target for the import that follows the export; `state`:
-        the source's pinned snapshot (slot, key), which goes into a slot taken for it there."""
+        same hashes pinned on the target for the import that follows the export; the source's
+        pinned snapshot, if any, goes into a slot taken for it there."""
         target_bm = move.target_engine.scheduler.block_manager
-        source_slot, state_key = state
+        transfer_id, blocks = pinned.transfer_id, pinned.blocks
+        source_slot, state_key = pinned.state_slot, pinned.state_key
         _, target_slot = target_bm.transfers.allocate_pinned(
             transfer_id,
             [(h, n) for _, h, n in blocks],
@@ -280,7 +314,7 @@ class KvMover:
         transfer_id = next(self._transfer_ids)
         peer_bm = peer.engine.scheduler.block_manager
         state_slot = peer_bm.transfers.pin(transfer_id, [b for b, _, _ in blocks], state_key)
-        self._send(move, transfer_id, blocks, (state_slot, state_key))
+        self._send(move, Round(transfer_id, blocks, state_slot, state_key))
         return True
 
     # -- news from the workers -------------------------------------------------------------------
@@ -312,7 +346,7 @@ class KvMover:
             move.transfer_id = None
             end_transfer_span(move.span, None)
             move.span = None
-            if move.final:
+            if move.final and move.held is None:
                 self._finish(move)
             else:
                 self._next_round(move)
@@ -356,6 +390,9 @@ class KvMover:
 
     def _end(self, move: Move, error: str = "cancelled") -> None:
         self.moves.pop(move.request_id, None)
+        held, move.held = move.held, None
+        if held is not None and move.source.engine is move.source_engine:
+            move.source_engine.scheduler.block_manager.transfers.unpin(held.transfer_id)
         if move.transfer_id is not None:
             self._by_transfer.pop(move.transfer_id, None)
         end_transfer_span(move.span, error)  # a round still in flight

@@ -67,8 +67,11 @@ def hand_off(moves: KvMover, replica: Replica, engine: LLMEngine, pick_target: P
     """On a prefill worker, after each step: move each running request to a decode worker,
     its prompt's blocks copied chunk by chunk as its prefill computes them; once every running
     sequence has its first token it stops here, the rest is copied, and it decodes there."""
-    for move in [m for m in moves.moves.values() if m.source is replica and m.parked]:
-        moves.resume(move)
+    for move in [m for m in moves.moves.values() if m.source is replica]:
+        if move.parked:
+            moves.resume(move)
+        else:
+            moves.stop_if_prefilled(move)
     for group in list(engine.scheduler.running):
         key = group.request_id
         if key in moves.moves or not group.get_seqs(SequenceStatus.RUNNING):

@@ -403,3 +403,35 @@ def test_a_request_aborted_while_its_prefix_is_fetched_is_never_queued():
         assert replica.engine.scheduler.block_manager.transfers.pins == {}
         assert replica.model.exports == {}
         assert_empty(replica.engine)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_request_stops_on_the_prefill_replica_at_its_first_token_while_a_round_is_in_flight(
+    fail: bool,
+) -> None:
+    """The decode replica steps only every fourth step, so the first chunk's round is still in
+    flight when the prompt's last chunk samples the first token: the request stops on the
+    prefill replica then (its last blocks pinned for the round after), rather than decoding
+    there until the round is done and racing the hand-off to its end. When the import fails,
+    the stopped request goes on by recompute and its pins are let go."""
+    a, b = StubReplica("a"), StubReplica("b")
+    a.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_PREFILL)
+    b.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_DECODE)
+    linked(a, b)
+    b.model.fail_imports = fail
+    b_step, calls = b.step, iter(range(10**6))
+    b.step = lambda moves: b_step(moves) if next(calls) % 4 == 3 else []  # type: ignore[method-assign]
+    host = Host(fallback=b)
+    moves = KvMover(host, MigrationMode.PRE_COPY)
+    prompt = [(5 * i) % 59 + 1 for i in range(122)]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    a.engine.add_request("long", prompt, params, eos_token_id=EOS)
+    expected = generate(make_engine(400, 0), [prompt], params, eos_token_id=EOS)[0]
+    expected.request_id = "long"
+    totals = run([a, b], moves)
+    assert summarize([totals["long"]]) == summarize([expected])
+    assert (host.moved, host.fell_back) == (([], ["long"]) if fail else (["long"], []))
+    assert a.model.num_computed_tokens == len(prompt)  # a computed the prefill only
+    for replica in (a, b):
+        assert replica.engine.scheduler.block_manager.transfers.pins == {}
+        assert_empty(replica.engine)
