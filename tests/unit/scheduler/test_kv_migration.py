@@ -366,21 +366,29 @@ def test_each_transfer_round_is_a_span_that_says_how_it_ended(monkeypatch, fail:
         assert (span.status.status_code is StatusCode.ERROR) == fail
 
 
+def long_hand_off(max_tokens: int):  # type: ignore[no-untyped-def]
+    """A prefill replica `a` holding a 122-token request ("long"), which prefills in two
+    chunks (96 tokens a step), and a decode replica `b`; with the prompt and the request's
+    output from an engine that never moved it."""
+    a, b = StubReplica("a"), StubReplica("b")
+    a.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_PREFILL)
+    b.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_DECODE)
+    linked(a, b)
+    prompt = [(5 * i) % 59 + 1 for i in range(122)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    a.engine.add_request("long", prompt, params, eos_token_id=EOS)
+    expected = generate(make_engine(400, 0), [prompt], params, eos_token_id=EOS)[0]
+    expected.request_id = "long"
+    return a, b, prompt, expected
+
+
 def test_a_long_prompt_streams_its_blocks_to_the_decode_replica_chunk_by_chunk():
     """A 122-token prompt prefills in two chunks (96 tokens a step) on the prefill replica:
     the first chunk's blocks are copied while the second computes, the rest after the first
     token; the decode replica computes only the tokens after the last full block and the
     decodes."""
-    a, b = StubReplica("a"), StubReplica("b")
-    a.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_PREFILL)
-    b.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_DECODE)
-    linked(a, b)
+    a, b, prompt, expected = long_hand_off(max_tokens=5)
     moves = KvMover(Host(fallback=b), MigrationMode.PRE_COPY)  # type: ignore[arg-type]
-    prompt = [(5 * i) % 59 + 1 for i in range(122)]
-    params = SamplingParams(temperature=0.0, max_tokens=5)
-    a.engine.add_request("long", prompt, params, eos_token_id=EOS)
-    expected = generate(make_engine(400, 0), [prompt], params, eos_token_id=EOS)[0]
-    expected.request_id = "long"
     totals = run([a, b], moves)
     assert summarize([totals["long"]]) == summarize([expected])
     assert b.model.num_imports == 2  # the first chunk's blocks, then the second's
@@ -414,20 +422,12 @@ def test_a_request_stops_on_the_prefill_replica_at_its_first_token_while_a_round
     prefill replica then (its last blocks pinned for the round after), rather than decoding
     there until the round is done and racing the hand-off to its end. When the import fails,
     the stopped request goes on by recompute and its pins are let go."""
-    a, b = StubReplica("a"), StubReplica("b")
-    a.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_PREFILL)
-    b.info = worker_pb2.InfoResponse(role=worker_pb2.WORKER_ROLE_DECODE)
-    linked(a, b)
+    a, b, prompt, expected = long_hand_off(max_tokens=12)
     b.model.fail_imports = fail
     b_step, calls = b.step, iter(range(10**6))
     b.step = lambda moves: b_step(moves) if next(calls) % 4 == 3 else []  # type: ignore[method-assign]
     host = Host(fallback=b)
     moves = KvMover(host, MigrationMode.PRE_COPY)
-    prompt = [(5 * i) % 59 + 1 for i in range(122)]
-    params = SamplingParams(temperature=0.0, max_tokens=12)
-    a.engine.add_request("long", prompt, params, eos_token_id=EOS)
-    expected = generate(make_engine(400, 0), [prompt], params, eos_token_id=EOS)[0]
-    expected.request_id = "long"
     totals = run([a, b], moves)
     assert summarize([totals["long"]]) == summarize([expected])
     assert (host.moved, host.fell_back) == (([], ["long"]) if fail else (["long"], []))
