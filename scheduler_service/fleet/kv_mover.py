@@ -256,6 +256,7 @@ class KvMover:
             move.until_prefilled
             and not move.final
             and move.transfer_id is not None
+            and move.source.engine is move.source_engine
             and group is not None
             and not group.is_finished()
             and prefilled(group)
