@@ -32,9 +32,9 @@ Two more kinds of move take the same rounds (`move_policy` says when): a prefill
 hand-off (`Move.until_prefilled`: the prompt's blocks copied chunk by chunk as its prefill
 computes them, the last round once its first token is out; if a round is still in flight
 then, the request stops on the source at once and its last round waits, pinned, in
-`Move.held`), and a prefix fetch (`fetch`: the
-source is a peer whose prefix cache holds the blocks, and the request, not yet queued
-anywhere, waits in the move until they have arrived on the target).
+`Move.held`), and a prefix fetch (`fetch`: the source is a peer whose prefix cache holds the
+blocks, and the request, not yet queued anywhere, waits in the move until they have arrived
+on the target).
 
 Any failure falls back to the recompute migration: a failed import (the source gone, the
 credential refused, a timeout), a lost target or a lost source. The request continues from
