@@ -5,6 +5,12 @@ no model work (it only tracks computed counts and returns one token per sampling
 and reports the engine's time per step minus the executor's.
 
     .venv/bin/python bench/scheduler_overhead.py [--seqs 256 1024] [--steps 200] [--repeat 3]
+        [--pipelined]
+
+`--pipelined` drives the engine as the scheduler service does with asynchronous scheduling
+(`PipelinedStepper`): each step is the continuation of the one before it
+(`scheduler_service.engine.pipelined_steps`), so an iteration is plan_continuation() +
+build_continuation() + process_outputs() + commit_continuation().
 
 Each run prints the 1-minute load average taken just before it: on a shared machine, compare
 runs made at a low load, and take the best of several.
@@ -21,6 +27,7 @@ import time
 
 from llmserve.steps import SequenceOutput, StepInput, StepResult, TokenLogprob
 from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
+from scheduler_service.engine.offline import PipelinedStepper
 
 
 class NullModel:
@@ -61,7 +68,7 @@ class NullModel:
         return StepResult(step.step_id, outputs)
 
 
-def measure(num_seqs: int, steps: int, prompt_len: int = 128) -> dict[str, float]:
+def measure(num_seqs: int, steps: int, pipelined: bool, prompt_len: int = 128) -> dict[str, float]:
     block_size = 16
     blocks_per_seq = (prompt_len + steps + 64) // block_size + 1
     engine = LLMEngine(
@@ -90,13 +97,17 @@ def measure(num_seqs: int, steps: int, prompt_len: int = 128) -> dict[str, float
     gc.freeze()
     model = engine.executor
     assert isinstance(model, NullModel)
+    stepper = PipelinedStepper(engine) if pipelined else None
+    step = engine.step if stepper is None else stepper.step
     per_step = []
     for _ in range(steps):
         model.seconds = 0.0
         start = time.perf_counter()
-        engine.step()
+        step()
         per_step.append(time.perf_counter() - start - model.seconds)
     assert engine.get_stats().num_running == num_seqs
+    if stepper is not None:  # each call built the continuation of the step it finished
+        assert stepper.num_continuations == steps, stepper.num_continuations
     return {
         "mean_ms": statistics.fmean(per_step) * 1e3,
         "p50_ms": statistics.median(per_step) * 1e3,
@@ -110,15 +121,19 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=1, help="runs per size (best mean marked)")
+    parser.add_argument(
+        "--pipelined", action="store_true", help="each step the continuation of the last"
+    )
     args = parser.parse_args()
-    print(f"python {platform.python_version()} on {platform.machine()}")
+    mode = "pipelined (continuations)" if args.pipelined else "synchronous steps"
+    print(f"python {platform.python_version()} on {platform.machine()}, {mode}")
     print("| running seqs | mean ms/iter | p50 ms | p99 ms | us/seq | load (1 min) |")
     print("|---|---|---|---|---|---|")
     for n in args.seqs:
         runs = []
         for _ in range(args.repeat):
             load = os.getloadavg()[0]
-            runs.append((measure(n, args.steps), load))
+            runs.append((measure(n, args.steps, args.pipelined), load))
         best = min(range(len(runs)), key=lambda i: runs[i][0]["mean_ms"])
         for i, (r, load) in enumerate(runs):
             mark = " (best)" if args.repeat > 1 and i == best else ""

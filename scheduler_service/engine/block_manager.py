@@ -430,26 +430,55 @@ class BlockSpaceManager:
         seqs[i]) past the ones it knows (the token it is sampling now, or drafts) without a
         copy-on-write, from the free device blocks."""
         bs = self.block_size
+        ref_counts = self.gpu.ref_counts
+        hashes = self.gpu.block_hashes
+        aheads = [lookahead] * len(seqs) if isinstance(lookahead, int) else lookahead
         needed = 0
-        for i, seq in enumerate(seqs):
-            position = len(seq.token_ids)
-            ahead = lookahead if isinstance(lookahead, int) else lookahead[i]
-            for tables in self._group_tables:
+        for tables in self._group_tables:
+            for seq, ahead in zip(seqs, aheads, strict=True):
                 table = tables[seq.seq_id]
-                if position // bs < len(table) and self._must_copy(table[position // bs]):
-                    return False
-                needed += max(0, (position + ahead - 1) // bs + 1 - len(table))
+                position = len(seq.token_ids)
+                index = position // bs
+                num_blocks = len(table)
+                if index < num_blocks:
+                    block_id = table[index]
+                    if ref_counts[block_id] > 1 and hashes[block_id] is None:  # _must_copy
+                        return False
+                last = (position + ahead - 1) // bs + 1
+                if last > num_blocks:
+                    needed += last - num_blocks
         return needed <= self.gpu.get_num_free_blocks()
 
     def reserve_lookahead(self, seq: Sequence, lookahead: int = 1) -> None:
         """Extend `seq`'s tables to hold `lookahead` tokens more than it knows (checked by
-        `can_reserve_lookahead`). `append_slots`, once the tokens are appended, finds the
+        `can_reserve_lookahead`). `append_reserved`, once the tokens are appended, finds the
         room and only marks full blocks for the prefix cache."""
-        end = len(seq.token_ids) + lookahead
+        self.reserve_lookaheads([seq], [lookahead])
+
+    def reserve_lookaheads(self, seqs: list[Sequence], lookahead: list[int]) -> None:
+        """`reserve_lookahead` for each of `seqs`, `lookahead[i]` tokens for seqs[i]."""
+        bs = self.block_size
+        allocate = self.gpu.allocate
         for g, tables in enumerate(self._group_tables):
-            table = tables[seq.seq_id]
-            while len(table) * self.block_size < end:
-                table.append(self.gpu.allocate(tag=g))
+            for seq, ahead in zip(seqs, lookahead, strict=True):
+                table = tables[seq.seq_id]
+                missing = -(-(len(seq.token_ids) + ahead) // bs) - len(table)
+                for _ in range(missing):
+                    table.append(allocate(tag=g))
+
+    def append_reserved(self, seqs: list[Sequence]) -> None:
+        """`append_slots` for sequences whose appended tokens landed in slots reserved for them
+        (`reserve_lookahead`): no block to add, none to copy, and their windows moved on when
+        their computed tokens were marked (`mark_computed`), so only a block one of them
+        filled has work (prefix caching)."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        copies: list[tuple[int, int]] = []
+        for seq in seqs:
+            if len(seq.token_ids) // bs > seq.num_computed_tokens // bs:
+                self.append_slots(seq, copies)
+        assert not copies, "reserved slots are never copied on write"
 
     def commit_lookahead(self, seq: Sequence, first_written: int, ahead: int = 0) -> None:
         """After tokens from position `first_written` on were appended to `seq` into its

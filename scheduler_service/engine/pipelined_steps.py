@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from scheduler_service.engine.scheduler import Scheduler
 from scheduler_service.engine.scheduler_outputs import ScheduledGroup, SchedulerOutputs
-from scheduler_service.engine.sequence import Sequence, SequenceStatus
+from scheduler_service.engine.sequence import Sequence, SequenceStatus, tokens_left
 from scheduler_service.engine.speculation import speculates
 
 _RUNNING = SequenceStatus.RUNNING
@@ -78,6 +78,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     model_len = config.model_len
     hold_window = config.forced_hold_tokens if config.enable_forced_tokens else 0
     speculating = speculator.enabled and len(scheduler.running) <= speculator.max_seqs
+    drafts = prev.drafts
     groups: list[ScheduledGroup] = []
     seqs: list[Sequence] = []
     lookahead: list[int] = []  # per sequence: the slots it needs past its tokens
@@ -86,13 +87,18 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     for scheduled in prev.scheduled:
         group = scheduled.seq_group
         params = group.sampling_params
-        running = [s for s in group.seqs if s.status == _RUNNING]
+        group_seqs = group.seqs
+        if len(group_seqs) == 1:  # most groups: no list built
+            running = group_seqs if group_seqs[0].status is _RUNNING else ()
+        else:
+            running = [s for s in group_seqs if s.status is _RUNNING]
         if not running:
             continue  # finished or aborted since `prev` was scheduled
         if params.use_beam_search or (params.num_sampled > 1 and not group.has_sampled):
             return None
         chunk = scheduled.token_chunk_size
-        if all(_finishes_in(seq, chunk, params.max_tokens, model_len) for seq in running):
+        max_tokens = params.max_tokens
+        if _finish_in(running, chunk, max_tokens, model_len):
             num_finishing += 1
             continue
         next_chunk = 1
@@ -101,7 +107,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
                 return None  # its grammar may force tokens soon (SchedulerConfig)
             if (
                 speculating
-                and seq.seq_id not in prev.drafts
+                and seq.seq_id not in drafts
                 and speculates(group)
                 and seq.grammar is None
                 and speculator.waits_for_draft(seq)
@@ -115,10 +121,11 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
                 # of them (its mask allows nothing else) and this step computes them all.
                 next_chunk = num_tokens - seq.num_computed_tokens - chunk
             # Its tokens once `prev` is processed, if `prev` keeps every draft it carries.
-            end = num_tokens + len(prev.drafts.get(seq.seq_id, ())) + 1
-            if seq.tokens_left(params.max_tokens, model_len, end - num_tokens) <= 0:
+            in_flight = drafts.get(seq.seq_id) if drafts else None
+            ahead = 1 if in_flight is None else len(in_flight) + 1
+            if tokens_left(num_tokens + ahead, seq.num_prompt_tokens, max_tokens, model_len) <= 0:
                 return None  # may finish in `prev`: the next step is synchronous
-            lookahead.append(end - num_tokens)
+            lookahead.append(ahead)
         groups.append(ScheduledGroup(group, next_chunk))
         seqs.extend(running)
         num_tokens_scheduled += next_chunk * len(running)
@@ -133,8 +140,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     bm = scheduler.block_manager
     if not bm.can_reserve_lookahead(seqs, lookahead):
         return None
-    for seq, ahead in zip(seqs, lookahead, strict=True):
-        bm.reserve_lookahead(seq, ahead)
+    bm.reserve_lookaheads(seqs, lookahead)
     scheduler.advance_clock()
     if scheduler.waiting:
         num_continued = len(cont.scheduled)
@@ -145,14 +151,18 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     return cont
 
 
-def _finishes_in(seq: Sequence, chunk: int, max_tokens: int, model_len: int) -> bool:
-    """Whether `prev` (computing `chunk` tokens of `seq`) surely brings `seq` to its length
-    limit: its sample is its last token even if it keeps none of its drafts. Such a sequence
-    is left out of the continuation, as a synchronous step after `prev` would leave it."""
-    return (
-        seq.num_computed_tokens + chunk == len(seq.token_ids)
-        and seq.tokens_left(max_tokens, model_len, 1) <= 0
-    )
+def _finish_in(running: list[Sequence], chunk: int, max_tokens: int, model_len: int) -> bool:
+    """Whether `prev` (computing `chunk` tokens of each of a group's `running` sequences)
+    surely brings them all to their length limit: each one's sample is its last token even if
+    it keeps none of its drafts. Such a group is left out of the continuation, as a
+    synchronous step after `prev` would leave it."""
+    for seq in running:
+        num_tokens = len(seq.token_ids)
+        if seq.num_computed_tokens + chunk != num_tokens or (
+            tokens_left(num_tokens + 1, seq.num_prompt_tokens, max_tokens, model_len) > 0
+        ):
+            return False
+    return True
 
 
 def _add_drafts(
@@ -246,11 +256,10 @@ def commit_continuation(scheduler: Scheduler, cont: SchedulerOutputs) -> None:
     newly full blocks for the prefix cache; admitted ones got theirs when admitted). A
     sequence that got forced tokens besides its sample is left to the next `schedule()`,
     which finds (or preempts for) their slots."""
-    copies: list[tuple[int, int]] = []
-    append_slots = scheduler.block_manager.append_slots
+    appended: list[Sequence] = []
     for scheduled in cont.continued():
         chunk = scheduled.token_chunk_size
         for seq in scheduled.seq_group.seqs:
-            if seq.status == _RUNNING and len(seq.token_ids) == seq.num_computed_tokens + chunk:
-                append_slots(seq, copies)
-    assert not copies, "a continuation step never copies on write"
+            if seq.status is _RUNNING and len(seq.token_ids) == seq.num_computed_tokens + chunk:
+                appended.append(seq)
+    scheduler.block_manager.append_reserved(appended)

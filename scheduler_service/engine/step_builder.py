@@ -153,12 +153,16 @@ class StepBuilder:
         bm = self.scheduler.block_manager
         tables = bm.block_tables
         views = self.views
+        any_dirty = bm.has_dirty_tables()
+        several_groups = bm.num_groups > 1
+        drafts, after_drafts = cont.drafts, cont.after_drafts
+        cached_seqs = step.cached_seqs
         constrained: list[_MaskRow] = []
         for scheduled in cont.continued():
+            chunk = scheduled.token_chunk_size
             for seq in scheduled.seq_group.seqs:
-                if seq.status != _RUNNING:
+                if seq.status is not _RUNNING:
                     continue
-                chunk = scheduled.token_chunk_size
                 if seq.grammar is not None:
                     # Its mask needs the token the step in flight samples: `masks` runs for
                     # this step once that result is processed (the row then samples at
@@ -170,21 +174,28 @@ class StepBuilder:
                 # The worker knows every token and the placeholder sent for the step in
                 # flight's input, unless forced tokens came after that input: the first of
                 # them is what the step in flight samples (this placeholder), the rest follow.
-                forced = seq.token_ids[known_tokens + 1 :]
-                assert len(forced) == chunk - 1, "continued twice without a result"
+                if chunk == 1:
+                    new_tokens = [SAMPLED_TOKEN]
+                    assert len(seq.token_ids) <= known_tokens + 1, (
+                        "continued twice without a result"
+                    )
+                else:
+                    forced = seq.token_ids[known_tokens + 1 :]
+                    assert len(forced) == chunk - 1, "continued twice without a result"
+                    new_tokens = [SAMPLED_TOKEN, *forced]
                 table = tables[seq_id]
-                dirty = bm.pop_dirty_from(seq_id)
-                offset = known_blocks if dirty is None or dirty > known_blocks else dirty
-                cached = CachedSequence(
-                    seq_id, [SAMPLED_TOKEN, *forced], offset, table[offset:], chunk
-                )
-                if seq_drafts := cont.drafts.get(seq_id):
+                offset = known_blocks
+                if any_dirty and (dirty := bm.pop_dirty_from(seq_id)) is not None:
+                    offset = min(dirty, known_blocks)
+                cached = CachedSequence(seq_id, new_tokens, offset, table[offset:], chunk)
+                if drafts and (seq_drafts := drafts.get(seq_id)):
                     cached.draft_token_ids = seq_drafts
                     cached.num_scheduled_tokens += len(seq_drafts)
-                cached.after_drafts = seq_id in cont.after_drafts
-                if bm.num_groups > 1:
+                if after_drafts:
+                    cached.after_drafts = seq_id in after_drafts
+                if several_groups:
                     cached.group_edits = self._group_edits(seq_id, view)
-                step.cached_seqs.append(cached)
+                cached_seqs.append(cached)
                 view[0] = known_tokens + chunk
                 view[1] = len(table)
         if cont.num_admitted:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import rule
 
+from llmserve.kv_layout import NULL_BLOCK
 from llmserve.model_spec import load_tokenizer, resolve_model
 from scheduler_service.engine import CacheConfig, LLMEngine, SamplingParams, SchedulerConfig
 from scheduler_service.engine.offline import PipelinedStepper, generate
@@ -326,3 +327,64 @@ PipelinedEngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPipelinedEngineMachine = PipelinedEngineMachine.TestCase
+
+
+PROMPT_A = [5, 9, 14, 3, 27, 8]
+
+
+def one_request_engine(windows: tuple[int | None, ...] = (None,)) -> LLMEngine:
+    cache = CacheConfig(BLOCK, 60, 0, watermark=0.0, enable_prefix_caching=True, kv_windows=windows)
+    sched = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, decode_steps=1
+    )
+    return LLMEngine(sched, cache, FakeModel(60, 0, BLOCK, windows=windows))
+
+
+def decode_alone(engine: LLMEngine, pipelined: bool, on_step: Callable[[], None]) -> list[int]:
+    """Runs one request of 6 prompt tokens and 20 output tokens to its end; returns them."""
+    engine.add_request("a", PROMPT_A, SamplingParams(max_tokens=20, ignore_eos=True))
+    stepper = PipelinedStepper(engine) if pipelined else None
+    tokens: list[int] = []
+    while engine.has_unfinished_requests() or (stepper is not None and stepper.in_flight):
+        for delta in engine.step() if stepper is None else stepper.step():
+            tokens += delta.outputs[0].token_ids
+        on_step()
+    if stepper is not None:
+        assert stepper.num_continuations >= 15  # it decoded through continuations
+    return tokens
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_blocks_filled_through_continuations_serve_prefix_hits(pipelined):
+    """A block a continued sequence fills becomes findable by the prefix cache, as one a
+    synchronous step fills: a later prompt made of the first request's tokens hits each of
+    its full blocks, from the prompt's into the output's."""
+    engine = one_request_engine()
+    output = decode_alone(engine, pipelined, lambda: None)
+    engine.step()  # the last frees
+    prompt = PROMPT_A + output[:12]  # 18 tokens: 4 full blocks, the last 3 of them output
+    before = engine.get_stats().prefix_cache_hits
+    engine.add_request("b", prompt, SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats().prefix_cache_hits - before == len(prompt) // BLOCK
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_a_continued_sequence_keeps_only_its_window(pipelined):
+    """A windowed group's table keeps the blocks the window reads (6 positions: at most 3
+    blocks of 4, one more for the slot reserved ahead), whether steps are continued or not,
+    and the output is the synchronous one."""
+    windows = (None, 6)
+    engine = one_request_engine(windows)
+    bm = engine.scheduler.block_manager
+    live: list[int] = []
+
+    def count_live() -> None:
+        for group in engine.scheduler.running:
+            table = bm.get_block_table(group.seqs[0], 1)
+            live.append(sum(b != NULL_BLOCK for b in table))
+
+    output = decode_alone(engine, pipelined, count_live)
+    assert output == decode_alone(one_request_engine(windows), False, lambda: None)
+    assert len(live) >= 15 and max(live) <= 4
