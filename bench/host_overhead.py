@@ -16,7 +16,8 @@ that on a small machine it leaves the cores to the services; its CPU is reported
     .venv/bin/python bench/host_overhead.py --streams 64 256 --out bench/results/host-overhead.json
 
 `--profile-dir D` runs the gateway and the scheduler under cProfile (bench/profile_service.py)
-and prints each one's top functions at the end.
+and prints each one's top functions at the end; with `--sample`, under a stack sampler
+instead, which does not slow the calls it counts.
 """
 
 from __future__ import annotations
@@ -132,7 +133,10 @@ async def closed_loop(port: int, streams: int, requests: int, args: argparse.Nam
 def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     profile = args.profile_dir is not None
     profiler = [sys.executable, str(BENCH / "profile_service.py")]
-    sched_launcher = [*profiler, str(args.profile_dir / "scheduler.prof")] if profile else None
+    if args.sample:
+        profiler.append("--sample")
+    suffix = "txt" if args.sample else "prof"
+    sched_launcher = [*profiler, str(args.profile_dir / f"scheduler.{suffix}")] if profile else None
     scheduler = start_scheduler(
         log_dir / "scheduler.log",
         [
@@ -152,7 +156,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     )  # fmt: skip
     grpc_port, http_port = free_ports(2)
     command = (
-        [*profiler, str(args.profile_dir / "gateway.prof")]
+        [*profiler, str(args.profile_dir / f"gateway.{suffix}")]
         if profile
         else [sys.executable, "-m", "llmserve.cli"]
     )
@@ -235,6 +239,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile-dir", type=Path, default=None)
+    p.add_argument(
+        "--sample",
+        action="store_true",
+        help="with --profile-dir: sample the stacks instead of cProfile (profile_service.py)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="host-overhead-") as tmp:
         if args.profile_dir is not None:
@@ -247,7 +256,10 @@ def main() -> None:
         for name in ("gateway", "scheduler"):
             print(f"--- {name}")
             with contextlib.suppress(FileNotFoundError):
-                print_profile(args.profile_dir / f"{name}.prof")
+                if args.sample:
+                    print((args.profile_dir / f"{name}.txt").read_text())
+                else:
+                    print_profile(args.profile_dir / f"{name}.prof")
 
 
 if __name__ == "__main__":
