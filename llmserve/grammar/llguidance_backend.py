@@ -8,7 +8,6 @@ import threading
 from typing import Any
 
 import llguidance
-import llguidance.hf
 from llguidance import LLMatcher, LLTokenizer
 
 from llmserve.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError, GrammarMatcher
@@ -127,6 +126,11 @@ class LLGuidanceBackend(GrammarBackend):
     """Compiles for one Hugging Face (fast) tokenizer. Thread-safe."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int | None = None) -> None:
+        # llguidance's glue for Hugging Face tokenizers imports transformers: here, where a
+        # tokenizer (and so transformers) is loaded already, not when a process that may
+        # never compile a grammar (the scheduler) imports this backend.
+        import llguidance.hf
+
         # About a second for a 50k vocabulary: build one backend per tokenizer.
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
         self.vocab_size = self._tokenizer.vocab_size

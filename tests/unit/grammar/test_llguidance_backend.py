@@ -4,6 +4,8 @@ the mask encodings a step carries."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -228,3 +230,19 @@ def test_mask_encoding_lists_exactly_the_set_bits(vocab, density):
     mask = encode_mask(7, bytes(bitmask), vocab)
     assert mask.allowed_ids() == expected
     assert mask.seq_id == 7 and mask.vocab_size == vocab
+
+
+def test_importing_the_backend_leaves_transformers_unloaded():
+    """The scheduler imports the backend when it builds a replica's engine, on its event loop;
+    transformers (about a second to import) loads only with a tokenizer, off that loop."""
+    code = (
+        "import sys\n"
+        "import scheduler_service.__main__\n"
+        "from scheduler_service.engine.grammar_requests import default_grammar_cache\n"
+        "default_grammar_cache()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
