@@ -185,6 +185,8 @@ def _add_drafts(
     cont.after_drafts.update(s.seq_id for s in seqs if s.seq_id in prev.drafts)
     if not speculator.enabled:
         return
+    if speculator.own_samples and scheduler.waiting:
+        return  # multi-step passes would hold back the first token of a prompt admitted here
     if not speculator.own_samples:
         speculator.stats.num_after_drafts += len(cont.after_drafts)
     config = scheduler.scheduler_config

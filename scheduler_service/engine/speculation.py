@@ -34,8 +34,10 @@ Multi-step decoding (`SchedulerConfig.decode_steps`) runs through the same path 
 drafts are off: the proposer is `OwnSamples`, whose drafts are placeholders the worker fills
 with its own samples, a forward pass each (`llmserve.steps`), so every one is kept. Only steps
 of at most `decode_steps_max_seqs` sequences get them (each placeholder is a pass of its own,
-so no row limit applies), never a constrained sequence, and they count in no speculation
-statistic; a step with them is always continued.
+so no row limit applies), never a constrained sequence, and never in a step that computes a
+prompt (a prefill chunk, an admitted or recomputed request, a moved one landing), whose first
+token would otherwise wait for every pass; they count in no speculation statistic, and a step
+with them is always continued.
 """
 
 from __future__ import annotations
@@ -73,6 +75,14 @@ def speculates(seq_group: SequenceGroup) -> bool:
     before it)."""
     params = seq_group.sampling_params
     return len(seq_group.seqs) == 1 and params.num_sampled == 1 and not params.use_beam_search
+
+
+def _computes_a_prompt(out: SchedulerOutputs, held: Container[int]) -> bool:
+    """Whether the step computes a prompt (or a recomputed request's tokens): a chunk of more
+    than one token, or a sequence the worker does not hold yet."""
+    return any(
+        s.token_chunk_size != 1 or s.seq_group.seqs[0].seq_id not in held for s in out.scheduled
+    )
 
 
 class Speculator:
@@ -139,6 +149,8 @@ class Speculator:
         rows = sum(len(s.seq_group.seqs) for s in out.scheduled)  # at least one per sequence
         if rows >= self.max_batch or rows > self.max_seqs:
             return
+        if self.own_samples and _computes_a_prompt(out, held):
+            return  # its first token would wait for every pass
         bm = self.block_manager
         model_len = self.config.model_len
         token_budget = self.config.token_budget

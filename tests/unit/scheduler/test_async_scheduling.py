@@ -388,3 +388,51 @@ def test_a_continued_sequence_keeps_only_its_window(pipelined):
     output = decode_alone(engine, pipelined, count_live)
     assert output == decode_alone(one_request_engine(windows), False, lambda: None)
     assert len(live) >= 15 and max(live) <= 4
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_a_step_that_admits_a_prompt_takes_no_multi_step_passes(pipelined):
+    """Multi-step passes would hold a prompt's first token back until the last of them: the
+    step that admits one gives the running sequence no placeholders, whether it is built
+    synchronously or as a continuation, and the passes resume once both decode."""
+    cache = CacheConfig(BLOCK, 60, 0, watermark=0.0, enable_prefix_caching=True)
+    sched = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, decode_steps=4
+    )
+    engine = LLMEngine(sched, cache, FakeModel(60, 0, BLOCK))
+    built: list[Any] = []  # every step's scheduling decision, in order
+
+    def record(begin: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(*args: Any) -> Any:
+            step = begin(*args)
+            if step is not None:
+                built.append(step[0])
+            return step
+
+        return recorded
+
+    engine.begin_step = record(engine.begin_step)  # type: ignore[method-assign]
+    engine.begin_continuation = record(engine.begin_continuation)  # type: ignore[method-assign]
+    stepper = PipelinedStepper(engine) if pipelined else None
+    step = engine.step if stepper is None else stepper.step
+    engine.add_request("a", PROMPT_A, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        step()
+    assert built[-1].drafts  # a alone: multi-step passes
+    engine.add_request("b", [7, 7, 3, 1, 9], SamplingParams(max_tokens=12, ignore_eos=True))
+    first_b = len(built)
+    b_tokens: list[int] = []
+    while not b_tokens:
+        for delta in step():
+            if delta.request_id == "b":
+                b_tokens += delta.outputs[0].token_ids
+    admitting = next(out for out in built[first_b:] if "b" in requests(out))
+    assert requests(admitting) == ["a", "b"] and not admitting.drafts
+    while engine.has_unfinished_requests() or (stepper is not None and stepper.in_flight):
+        step()
+    later = built[built.index(admitting) + 1 :]
+    assert any(out.drafts and requests(out) == ["a", "b"] for out in later)  # passes resume
+
+
+def requests(out: Any) -> list[str]:
+    return [s.seq_group.request_id for s in out.scheduled]
