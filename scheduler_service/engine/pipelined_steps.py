@@ -136,7 +136,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     cont = SchedulerOutputs(
         scheduled=groups, num_batched_tokens=num_tokens_scheduled, is_continuation=True
     )
-    _add_drafts(scheduler, prev, cont, seqs, lookahead)
+    cont.after_drafts.update(s.seq_id for s in seqs if s.seq_id in drafts)
     bm = scheduler.block_manager
     if not bm.can_reserve_lookahead(seqs, lookahead):
         return None
@@ -148,6 +148,7 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
         cont.num_admitted = len(cont.scheduled) - num_continued
     if not cont.scheduled:
         return None  # every group finishes in `prev`, and nothing was admitted
+    _add_drafts(scheduler, prev, cont, seqs, lookahead)
     return cont
 
 
@@ -172,53 +173,55 @@ def _add_drafts(
     seqs: list[Sequence],
     lookahead: list[int],
 ) -> None:
-    """Speculative decoding in a continuation: a sequence with drafts in `prev` is sent
-    `after_drafts` (the worker skips it if `prev` keeps fewer, and output processing drops it
-    from `cont`, `SchedulerOutputs.drop`), with drafts past the token `prev` samples, guessed
-    by assuming `prev` keeps its own. Within the rows, token budget and model limits of
-    `Speculator.draft`; `lookahead` grows by each sequence's drafts. A sequence without
-    drafts in `prev` gets none here: the proposal would stand on a guess of `prev`'s sample
-    (measured: more drafts in vain on text that does not repeat), so a continuation is not
-    built when it has a draft waiting (`plan_continuation`), and the next step drafts from the
-    sample itself."""
+    """Speculative decoding in a continuation: drafts past the token `prev` samples for the
+    continued sequences sent `after_drafts` (the worker skips such a sequence if `prev` keeps
+    fewer drafts than it carries, and output processing drops it from `cont`,
+    `SchedulerOutputs.drop`), guessed by assuming `prev` keeps its own. As in
+    `Speculator.draft` they come last, after the admissions, within the rows, token budget
+    and model limits, and out of the blocks left over (`lookahead[i]`: the slots seqs[i] has
+    reserved already). A sequence without drafts in `prev` gets none here: the proposal would
+    stand on a guess of `prev`'s sample (measured: more drafts in vain on text that does not
+    repeat), so a continuation is not built when it has a draft waiting
+    (`plan_continuation`), and the next step drafts from the sample itself. Multi-step passes
+    are not given to a continuation that admits a prompt (its first token would wait for
+    them)."""
     speculator = scheduler.speculator
-    cont.after_drafts.update(s.seq_id for s in seqs if s.seq_id in prev.drafts)
     if not speculator.enabled:
         return
-    if speculator.own_samples and scheduler.waiting:
-        return  # multi-step passes would hold back the first token of a prompt admitted here
     if not speculator.own_samples:
         speculator.stats.num_after_drafts += len(cont.after_drafts)
+    elif cont.num_admitted:
+        return
     config = scheduler.scheduler_config
-    rows = len(seqs)
+    bm = scheduler.block_manager
+    rows = len(seqs) + sum(len(s.seq_group.seqs) for s in cont.admitted())
     if rows > speculator.max_seqs:
         return
     i = 0  # seqs[i]: the first running sequence of the group
-    for scheduled in cont.scheduled:
+    for scheduled in cont.continued():
         group = scheduled.seq_group
-        seq, i = seqs[i], i + sum(s.status == _RUNNING for s in group.seqs)
+        first, i = i, i + sum(s.status == _RUNNING for s in group.seqs)
+        seq = seqs[first]
         room = config.token_budget - cont.num_batched_tokens
         if rows >= speculator.max_batch or room <= 0:
             return
         in_flight = prev.drafts.get(seq.seq_id)
         if not in_flight or scheduled.token_chunk_size != 1 or not speculates(group):
             continue
-        end = len(seq.token_ids) + len(in_flight) + 1  # as plan_continuation
+        ahead = lookahead[first]  # as plan_continuation: the sample and `prev`'s drafts
         limit = min(
             speculator.k,
             room,
             speculator.max_batch - rows,
-            seq.tokens_left(
-                group.sampling_params.max_tokens, config.model_len, end - len(seq.token_ids)
-            )
-            - 1,
+            seq.tokens_left(group.sampling_params.max_tokens, config.model_len, ahead) - 1,
         )
         drafts = speculator.continuation_drafts(seq, in_flight, limit)
-        if drafts:
-            cont.drafts[seq.seq_id] = drafts
-            cont.num_batched_tokens += len(drafts)
-            lookahead[i - 1] += len(drafts)
-            rows += len(drafts)
+        if not drafts or not bm.can_reserve_lookahead([seq], ahead + len(drafts)):
+            continue
+        bm.reserve_lookahead(seq, ahead + len(drafts))
+        cont.drafts[seq.seq_id] = drafts
+        cont.num_batched_tokens += len(drafts)
+        rows += len(drafts)
 
 
 def _constrained_drafts(prev: SchedulerOutputs) -> bool:
