@@ -451,8 +451,9 @@ class BlockSpaceManager:
 
     def reserve_lookahead(self, seq: Sequence, lookahead: int = 1) -> None:
         """Extend `seq`'s tables to hold `lookahead` tokens more than it knows (checked by
-        `can_reserve_lookahead`). `append_reserved`, once the tokens are appended, finds the
-        room and only marks full blocks for the prefix cache."""
+        `can_reserve_lookahead`). Once the tokens are appended, `append_reserved` (a
+        continuation's sample) or `commit_lookahead` (kept drafts) finds the room and only
+        marks full blocks for the prefix cache."""
         self.reserve_lookaheads([seq], [lookahead])
 
     def reserve_lookaheads(self, seqs: list[Sequence], lookahead: list[int]) -> None:
