@@ -108,7 +108,7 @@ def baseline(fleet: FleetStack) -> dict[str, Received]:
 async def run_with_fault_async(
     fleet: FleetStack, fault, at_chunk: int = 150, workload=WORKLOAD
 ) -> dict[str, Received]:  # type: ignore[no-untyped-def]
-    """The workload, with `fault()` called once `at_chunk` responses have arrived."""
+    """The workload, with `fault()` called once `at_chunk` tokens have arrived."""
     fired = []
 
     def on_chunk(total: int) -> None:

@@ -137,8 +137,8 @@ def run_with_fault(  # type: ignore[no-untyped-def]
 
 
 def mid_json_chunk(baseline: dict[str, Received]) -> int:
-    """A response count by which every stream has started and the JSON ones are unfinished:
-    about a third of the undisturbed run's responses."""
+    """A token count by which every stream has started and the JSON ones are unfinished:
+    about a sixth of the undisturbed run's tokens."""
     return max(len(WORKLOAD), sum(len(r.token_ids[0]) for r in baseline.values()) // 6)
 
 

@@ -89,7 +89,7 @@ def run_with(
     at_chunk: int,
     workload: list[tuple[str, dict]] = WORKLOAD,  # type: ignore[type-arg]
 ) -> dict[str, Received]:
-    """The workload; `fault()` runs on a thread once `at_chunk` responses have arrived (every
+    """The workload; `fault()` runs on a thread once `at_chunk` tokens have arrived (every
     stream running by then), and must be done before the workload's end."""
     thread = threading.Thread(target=fault)
 

@@ -444,7 +444,9 @@ async def run_workload(
     on_chunk: Callable[[int], None] | None = None,
 ) -> dict[str, Received]:
     """Stream every request at once through the gateway's gRPC API; `on_chunk(total)` after
-    each response received (the test's trigger for a fault)."""
+    each response received, `total` the tokens received so far (the test's trigger for a
+    fault: tokens, not responses, as the gateway folds what a slow client has not read yet
+    into one response)."""
     received: dict[str, Received] = {}
     total = 0
     async with grpc.aio.insecure_channel(gateway, options=channel_options()) as channel:
@@ -458,7 +460,7 @@ async def run_workload(
             call = stub.Generate(build_request(prompt, request_id=request_id, **spec), timeout=300)
             async for response in call:
                 got.add(response)
-                total += 1
+                total += sum(len(choice.token_ids) for choice in response.choices)
                 if on_chunk is not None:
                     on_chunk(total)
 
