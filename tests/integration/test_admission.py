@@ -73,14 +73,13 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 async def _http_one(client: httpx.AsyncClient, i: int) -> tuple[str, Any]:
     stream = i % 4 == 1
     body = http_body(f"{PROMPT} {i}", TOKENS, stream=stream)
-    if stream:
-        # A client that falls behind gets several tokens in one chunk: count from the usage.
-        body["stream_options"] = {"include_usage": True}
     if not stream:
         r = await client.post("/v1/completions", json=body)
         if r.status_code == 200:
             return "ok", r.json()["usage"]["completion_tokens"]
         return "refused", (r.status_code, r.headers.get("retry-after"), r.json()["error"])
+    # A client that falls behind gets several tokens in one chunk: count from the usage.
+    body["stream_options"] = {"include_usage": True}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
