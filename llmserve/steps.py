@@ -56,7 +56,11 @@ samples again, once per placeholder, each in a forward pass of its own (the step
 sequences run in the first pass only), so every one is kept: with k placeholders it produces
 k + 1 tokens, appears k + 1 times in `StepResult.outputs`, and afterwards holds the first k
 as known, computed tokens, exactly as if they were k kept drafts. Its drafts are all
-placeholders or none, and no token mask names it.
+placeholders or none, and no token mask names it. The scheduler may end such runs early (a
+request arrived, whose first token should not wait for them): then the passes stop after the
+one running when the word came (`ExecuteRequest.end_passes`; at the earliest after the first
+pass), as if the drafts not yet computed were rejected: with j passes more it produces j + 1
+tokens and holds j of them as computed.
 
 Transfers: a step may carry KV block transfers between workers, which the worker handles
 before step 1: `released_transfer_ids` are forgotten, `exports` registered (a peer may read

@@ -33,6 +33,12 @@ GRAPH_STEPS = Counter("llmserve_worker_graph_steps", "Steps served by a decode C
 EAGER_STEPS = Counter(
     "llmserve_worker_eager_steps", "Steps run eagerly on a CUDA worker, by why", ["reason"]
 )
+# Multi-step decoding (`llmserve.steps`): sequences whose run of passes ended before its last
+# one, at the scheduler's word (`ExecuteRequest.end_passes`: a request arrived).
+RUNS_ENDED = Counter(
+    "llmserve_worker_multi_step_runs_ended",
+    "Multi-step runs ended early because a request arrived (one per sequence)",
+)
 SAMPLE_SECONDS = Histogram(
     "llmserve_worker_sample_seconds", "Sampler time per step", buckets=_TIME_BUCKETS
 )

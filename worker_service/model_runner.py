@@ -90,9 +90,11 @@ class ModelRunner(SequenceStates):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         step_id: int,
         take_masks: Callable[[], tuple[list[TokenMask], int]] | None = None,
+        passes_end: Callable[[], bool] | None = None,
     ) -> StepResult:
         """Steps 6 of the contract: forward over the scheduled tokens, then sample; then, for
-        the sequences decoding several tokens (multi-step), a pass per token more.
+        the sequences decoding several tokens (multi-step), a pass per token more, until
+        `passes_end()` says the scheduler ended the step's runs early.
         `take_masks()`: the step's deferred masks and the ns spent waiting for them."""
         result = StepResult(step_id)
         self.prepare_ns = 0
@@ -104,6 +106,10 @@ class ModelRunner(SequenceStates):
             self.token_masks = {}
             outputs = list(outputs)
         while pending:
+            if passes_end is not None and passes_end():
+                self.end_passes(pending)
+                worker_metrics.RUNS_ENDED.inc(len(pending))
+                break
             passing = self.next_pass(pending, last)
             last = self._pass(passing, kv_caches, step_id, result, None)
             outputs.extend(last)

@@ -40,8 +40,8 @@ class SequenceState:
     # The token the last step that scheduled this sequence sampled for it (None: it sampled
     # nothing, or several); what a `SAMPLED_TOKEN` placeholder stands for.
     last_sampled: int | None = None
-    # Whether the last step that verified drafts for this sequence dropped some of them (an
-    # update `after_drafts` is then skipped).
+    # Whether the last step that verified drafts for this sequence dropped some of them, or
+    # ended its multi-step run early (an update `after_drafts` is then skipped).
     drafts_cut: bool = False
     # The recurrent layers' state slot (None: the model has none, or it is swapped out: then
     # `host_state_slot` holds it).
@@ -187,7 +187,9 @@ class SequenceStates:
             if drafts:
                 self._check_drafts(state, cached.num_scheduled_tokens, len(drafts))
                 own = self._own_samples(state, drafts)
-                if not own:
+                if own:
+                    state.drafts_cut = False  # until the run ends early (`end_passes`)
+                else:
                     state.token_ids.extend(drafts)
             if cached.num_scheduled_tokens:
                 scheduled.append(
@@ -319,6 +321,14 @@ class SequenceStates:
                 Scheduled(state, state.num_computed, 1, s.order, own_steps=s.own_steps - 1)
             )
         return passing
+
+    @staticmethod
+    def end_passes(pending: list[Scheduled]) -> None:
+        """Multi-step decoding ended early (`ExecuteRequest.end_passes`): `pending` compute no
+        more passes, as if their remaining drafts were rejected. The sample of the last pass
+        is the run's last token; the samples before it are known, computed tokens."""
+        for s in pending:
+            s.state.drafts_cut = True
 
     @staticmethod
     def _own_samples(state: SequenceState, drafts: list[int]) -> int:

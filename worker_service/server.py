@@ -43,7 +43,7 @@ from llmserve.telemetry import context_from_traceparent
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service import metrics
 from worker_service.late_masks import MaskBoard
-from worker_service.step_chain import Received, StepChain, read_steps
+from worker_service.step_chain import PassesEnd, Received, StepChain, read_steps
 
 if TYPE_CHECKING:  # not at run time: the simulated worker (tests/support) serves without torch
     from worker_service.worker import Worker
@@ -263,9 +263,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._touch()
         log.info("execute stream opened", peer=context.peer())
         board = MaskBoard(self.worker.config.mask_wait_timeout_s)
-        execute = functools.partial(self._execute, board)
+        passes_end = PassesEnd()
+        execute = functools.partial(self._execute, board, passes_end)
         chain = StepChain(self._model_thread, execute, asyncio.get_running_loop())
-        reader = asyncio.create_task(read_steps(request_iterator, chain.submit, board.post))
+        reader = asyncio.create_task(
+            read_steps(request_iterator, chain.submit, board.post, passes_end.post)
+        )
         gap = metrics.ForwardGap()
         try:
             while (outcome := await chain.outcomes.get()) is not None:
@@ -314,17 +317,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         metrics.BLOCKS_EXPORTED.inc(len(block_ids))
 
     def _execute(
-        self, board: MaskBoard, received: Received
+        self, board: MaskBoard, passes_end: PassesEnd, received: Received
     ) -> tuple[StepResult, tuple[int, int] | None]:
         """On the model thread: the step's result and its forward pass's (start, end), inside
         an `execute` span (the child of the scheduler's step span) when the step carries a
         traceparent; raises what a step that could not be read carries. Deferred masks come
-        from `board`."""
+        from `board`; the word to end multi-step runs early from `passes_end`."""
         step = received.step
         if isinstance(step, BaseException):
             raise step
         if not received.traceparent:
-            return self._execute_step(step, board)
+            return self._execute_step(step, board, passes_end)
         with tracer.start_as_current_span(
             "execute",
             context=context_from_traceparent(received.traceparent),
@@ -336,7 +339,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     step_id=step.step_id,
                     request_ids=sorted({s.request_id for s in step.new_seqs}),
                 )
-            result, forward = self._execute_step(step, board)
+            result, forward = self._execute_step(step, board, passes_end)
             if span.is_recording():
                 span.set_attributes(
                     {
@@ -349,10 +352,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return result, forward
 
     def _execute_step(
-        self, step: StepInput, board: MaskBoard
+        self, step: StepInput, board: MaskBoard, passes_end: PassesEnd
     ) -> tuple[StepResult, tuple[int, int] | None]:
         step_id = step.step_id
-        result = self.worker.execute(step, lambda: board.take(step_id))
+        result = self.worker.execute(
+            step, lambda: board.take(step_id), lambda: passes_end.ends(step_id)
+        )
         metrics.observe_step(step.num_scheduled_tokens, result.forward_ns, result.sample_ns)
         metrics.observe_prepare(self.worker.last_prepare_ns)
         if step.deferred_mask_seq_ids:

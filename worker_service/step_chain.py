@@ -1,5 +1,6 @@
-"""One Execute stream's steps on the worker's model thread (see `StepChain`), and the reader
-that takes them off the stream (`read_steps`). The servicer (server.py) wires them together."""
+"""One Execute stream's steps on the worker's model thread (see `StepChain`), the reader that
+takes them off the stream (`read_steps`), and the stream's word on ending multi-step runs early
+(`PassesEnd`). The servicer (server.py) wires them together."""
 
 from __future__ import annotations
 
@@ -29,15 +30,33 @@ class Received:
     arrived_ns: int  # time.perf_counter_ns() when it was read off the stream
 
 
+class PassesEnd:
+    """Through which step the multi-step runs end early (`ExecuteRequest.end_passes`): set on
+    the event loop as the stream's messages arrive, read on the model thread between passes
+    (one int, replaced whole)."""
+
+    def __init__(self) -> None:
+        self.through_step_id = -1
+
+    def post(self, through_step_id: int) -> None:
+        self.through_step_id = max(self.through_step_id, through_step_id)
+
+    def ends(self, step_id: int) -> bool:
+        """Whether step `step_id`'s multi-step runs stop after the pass running now."""
+        return step_id <= self.through_step_id
+
+
 async def read_steps(
     requests: AsyncIterator[worker_pb2.ExecuteRequest],
     submit: Callable[[Received | None], None],
     post_masks: Callable[[int, list[TokenMask]], None],
+    end_passes: Callable[[int], None],
 ) -> None:
     """Read steps as they arrive, while earlier ones run (asynchronous scheduling sends the
     next step before the previous result is back), converting them off the model's path;
-    deferred masks go to `post_masks`. Ends with None when the stream ends; a step (or masks)
-    that fails to convert, or a broken stream, is handed on as its exception."""
+    deferred masks go to `post_masks`, the word to end multi-step runs to `end_passes`. Ends
+    with None when the stream ends; a step (or masks) that fails to convert, or a broken
+    stream, is handed on as its exception."""
     try:
         async for message in requests:
             arrived = time.perf_counter_ns()
@@ -45,6 +64,9 @@ async def read_steps(
             try:
                 if message.HasField("step_masks"):
                     post_masks(*step_masks_from_proto(message.step_masks))
+                    continue
+                if message.HasField("end_passes"):
+                    end_passes(message.end_passes.through_step_id)
                     continue
                 step = step_input_from_proto(message)
             except Exception as exc:  # raised in order, when its turn comes

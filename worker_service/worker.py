@@ -359,9 +359,11 @@ class Worker:
         self,
         step: StepInput,
         take_masks: Callable[[], tuple[list[TokenMask], int]] | None = None,
+        passes_end: Callable[[], bool] | None = None,
     ) -> StepResult:
         """Apply one step in the order fixed by `llmserve.steps`. `take_masks()` gives the
-        step's deferred masks (and the ns it waited for them) once the forward pass is done."""
+        step's deferred masks (and the ns it waited for them) once the forward pass is done;
+        `passes_end()`, asked between the passes of multi-step runs, whether they end early."""
         self._check_thread()
         if self.cache_engine is None:
             raise WorkerNotReadyError("initialize_cache() first")
@@ -380,7 +382,7 @@ class Worker:
         self.cache_engine.swap_in(step.blocks_to_swap_in)
         self.cache_engine.copy_blocks(step.blocks_to_copy)
         start = time.perf_counter_ns()
-        result = runner.run(scheduled, self._kv_caches, step.step_id, take_masks)
+        result = runner.run(scheduled, self._kv_caches, step.step_id, take_masks, passes_end)
         if self.cache_engine.states is not None:
             self.cache_engine.states.copy(step.state_saves)
         # The forward pass (input preparation and the model call) starts `run`; sampling follows.

@@ -195,7 +195,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent", "token_masks", "deferred_mask_seq_ids", "step_masks", "released_transfer_ids", "exports", "imports", "state_saves", "states_to_swap_out", "states_to_swap_in")
+    __slots__ = ("step_id", "new_seqs", "cached_seqs", "forks", "freed_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "traceparent", "token_masks", "deferred_mask_seq_ids", "step_masks", "released_transfer_ids", "exports", "imports", "state_saves", "states_to_swap_out", "states_to_swap_in", "end_passes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class ExecuteRequest(_message.Message):
     STATE_SAVES_FIELD_NUMBER: _ClassVar[int]
     STATES_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     STATES_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    END_PASSES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cached_seqs: CachedSequences
@@ -232,7 +233,14 @@ class ExecuteRequest(_message.Message):
     state_saves: BlockMapping
     states_to_swap_out: BlockMapping
     states_to_swap_in: BlockMapping
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., deferred_mask_seq_ids: _Optional[_Iterable[int]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ..., released_transfer_ids: _Optional[_Iterable[int]] = ..., exports: _Optional[_Iterable[_Union[BlockExport, _Mapping]]] = ..., imports: _Optional[_Iterable[_Union[BlockImport, _Mapping]]] = ..., state_saves: _Optional[_Union[BlockMapping, _Mapping]] = ..., states_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., states_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ...) -> None: ...
+    end_passes: EndPasses
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_seqs: _Optional[_Union[CachedSequences, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., freed_seq_ids: _Optional[_Iterable[int]] = ..., blocks_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockMapping, _Mapping]] = ..., traceparent: _Optional[str] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., deferred_mask_seq_ids: _Optional[_Iterable[int]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ..., released_transfer_ids: _Optional[_Iterable[int]] = ..., exports: _Optional[_Iterable[_Union[BlockExport, _Mapping]]] = ..., imports: _Optional[_Iterable[_Union[BlockImport, _Mapping]]] = ..., state_saves: _Optional[_Union[BlockMapping, _Mapping]] = ..., states_to_swap_out: _Optional[_Union[BlockMapping, _Mapping]] = ..., states_to_swap_in: _Optional[_Union[BlockMapping, _Mapping]] = ..., end_passes: _Optional[_Union[EndPasses, _Mapping]] = ...) -> None: ...
+
+class EndPasses(_message.Message):
+    __slots__ = ("through_step_id",)
+    THROUGH_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    through_step_id: int
+    def __init__(self, through_step_id: _Optional[int] = ...) -> None: ...
 
 class BlockExport(_message.Message):
     __slots__ = ("transfer_id", "block_ids", "state_slot")

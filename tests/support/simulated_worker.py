@@ -186,9 +186,11 @@ class SimulatedWorker:
         self,
         step: StepInput,
         take_masks: Callable[[], tuple[list[TokenMask], int]] | None = None,
+        passes_end: Callable[[], bool] | None = None,
     ) -> StepResult:
         """Bookkeeping and sampling happen inside the simulated forward pass's time; the step
-        returns when that time is up."""
+        returns when that time is up. Multi-step runs take a pass more per placeholder draft
+        (`llmserve.steps`), each timed on its own, and `passes_end()` is asked between them."""
         start = time.perf_counter_ns()
         runner = self.runner
         self.exports.apply(step)
@@ -199,13 +201,8 @@ class SimulatedWorker:
         for s in scheduled:
             self._check_blocks(s)
             s.state.num_computed += s.count
-        # Multi-step decoding: a forward pass more per placeholder draft, of the sequences
-        # that have one left (`llmserve.steps`).
-        most = max((s.own_steps for s in scheduled), default=0)
-        passes = [sum(s.own_steps > i for s in scheduled) for i in range(most)]
-        seconds = self.config.step_time.step_s(num_tokens)
-        seconds += sum(self.config.step_time.step_s(n) for n in passes)
-        end = start + int(seconds * 1e9)
+        step_time = self.config.step_time
+        end = start + int(step_time.step_s(num_tokens) * 1e9)
         result = StepResult(step.step_id, imported_transfer_ids=imported)
         if runner.masks_deferred:
             if take_masks is None:
@@ -217,7 +214,13 @@ class SimulatedWorker:
         pending = [s for s in scheduled if s.own_steps]
         last = result.outputs
         while pending:
+            self._sleep_until(end)  # the pass before is done
+            if passes_end is not None and passes_end():
+                runner.end_passes(pending)
+                break
             passing = runner.next_pass(pending, last)
+            end += int(step_time.step_s(len(passing)) * 1e9)
+            num_tokens += len(passing)
             last = []
             for one in passing:
                 one.state.num_computed += 1
@@ -231,7 +234,7 @@ class SimulatedWorker:
         # The sleep's overshoot counts as forward time, so that the gaps are the service's.
         woke = time.perf_counter_ns()
         result.forward_ns = woke - start
-        self._record(start, end, woke, num_tokens + sum(passes), result, moved)
+        self._record(start, end, woke, num_tokens, result, moved)
         return result
 
     def _record(

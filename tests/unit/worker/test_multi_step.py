@@ -2,7 +2,8 @@
 worker's own samples (`llmserve.steps`), a forward pass each. A run of such steps equals HF
 greedy, and a seeded one equals single steps with the tokens sent explicitly, also beside a
 sequence prefilling in the same step; placeholders mixed with real drafts, or a mask for a
-multi-step sequence, fail the step naming the sequence."""
+multi-step sequence, fail the step naming the sequence. A run the scheduler ends early
+(`end_passes`) keeps the passes it ran, as if its later drafts were rejected."""
 
 from __future__ import annotations
 
@@ -77,6 +78,46 @@ def test_multi_step_equals_single_steps_when_seeded_beside_a_prefill(
     assert multi == single
     assert multi_other == single_other and len(single_other) == 1
     assert len(set(single)) > 1  # really sampled, not a constant
+
+
+def test_a_run_ended_early_skips_the_update_built_past_it(tiny_llama: tuple[Path, Any]) -> None:
+    """`passes_end` answers yes after the second pass: the step gives 2 of its 1 + OWN tokens
+    and holds the first as computed; the continuation built assuming all OWN were kept
+    (`after_drafts`) computes nothing; the scheduler then sends the run's last token, and the
+    tokens equal HF greedy."""
+    path, hf = tiny_llama
+    worker = make_worker(path)
+    blocks = blocks_for(0, len(PROMPT) + 4 * (1 + OWN))
+    out = worker.execute(StepInput(0, new_seqs=[new_seq(1, PROMPT, blocks)]))
+    tokens = [out.outputs[0].samples[0].token_id]
+    asked: list[int] = []
+    end_at = [2]  # the ask that answers yes
+
+    def passes_end() -> bool:  # asked before each pass after the first
+        asked.append(len(asked))
+        return len(asked) == end_at[0]
+
+    drafts = [SAMPLED_TOKEN] * OWN
+
+    def run(step_id: int, new: list[int], **kwargs: Any) -> list[int]:
+        update = CachedSequence(1, new, len(blocks), [], 1 + OWN, drafts, **kwargs)
+        result = worker.execute(StepInput(step_id, cached_seqs=[update]), passes_end=passes_end)
+        return [o.samples[0].token_id for o in result.outputs]
+
+    ended = run(1, [SAMPLED_TOKEN])
+    assert len(ended) == 2 and len(asked) == 2
+    tokens += ended
+    state = worker.runner.states[1]
+    assert state.token_ids == PROMPT + tokens[:-1]
+    assert state.num_computed == len(state.token_ids)
+    end_at[0] = 0  # from here on every run goes to its end
+    assert run(2, [SAMPLED_TOKEN], after_drafts=True) == []
+    assert state.token_ids == PROMPT + tokens[:-1]
+    tokens += run(3, tokens[-1:])
+    assert len(tokens) == 3 + 1 + OWN
+    tokens += run(4, [SAMPLED_TOKEN], after_drafts=True)  # a run that ended: not skipped
+    assert tokens == hf_greedy(hf, PROMPT, len(tokens))
+    assert len(tokens) == 3 + 2 * (1 + OWN)
 
 
 def test_placeholders_mixed_with_drafts_fail_the_step(tiny_llama: tuple[Path, Any]) -> None:
