@@ -239,9 +239,10 @@ class OutputProcessor:
         ahead = 0
         if next_step is not None and seq.seq_id in next_step.after_drafts:
             if kept < num_drafts and seq.status == _RUNNING:
-                next_step.drop(seq_group)
+                next_step.drop(seq_group)  # or its multi-step run was ended early
                 self._events.skipped.append(seq.seq_id)
-                speculator.stats.num_after_drafts_dropped += 1
+                if not speculator.own_samples:
+                    speculator.stats.num_after_drafts_dropped += 1
             else:
                 ahead = len(next_step.drafts.get(seq.seq_id, ()))
         speculator.commit(seq_group, num_drafts, kept, ahead)

@@ -71,7 +71,10 @@ def plan_continuation(scheduler: Scheduler, prev: SchedulerOutputs) -> Scheduler
     speculator = scheduler.speculator
     if (
         prev.drafts
-        and not speculator.own_samples  # multi-step: every one is kept
+        # Multi-step: every one is kept, unless the run is ended early for a request that
+        # arrived (`ExecuteRequest.end_passes`); output processing then drops the sequence
+        # from the continuation, as it does a sequence that rejected n-gram drafts.
+        and not speculator.own_samples
         and (not config.continue_after_drafts or _constrained_drafts(prev))
     ):
         return None  # how many drafts it keeps decides where the next step starts

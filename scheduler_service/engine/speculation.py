@@ -32,12 +32,14 @@ the result, so it can carry drafts drawn from the real sample).
 
 Multi-step decoding (`SchedulerConfig.decode_steps`) runs through the same path when n-gram
 drafts are off: the proposer is `OwnSamples`, whose drafts are placeholders the worker fills
-with its own samples, a forward pass each (`llmserve.steps`), so every one is kept. Only steps
-of at most `decode_steps_max_seqs` sequences get them (each placeholder is a pass of its own,
-so no row limit applies), never a constrained sequence, and never in a step that computes a
-prompt (a prefill chunk, an admitted or recomputed request, a moved one landing), whose first
-token would otherwise wait for every pass; they count in no speculation statistic, and a step
-with them is always continued.
+with its own samples, a forward pass each (`llmserve.steps`), so every one is kept, unless
+the service ends the runs early when a request arrives (`ExecuteRequest.end_passes`): the
+result then reads as drafts rejected. Only steps of at most `decode_steps_max_seqs` sequences
+get them (each placeholder is a pass of its own, so no row limit applies), never a
+constrained sequence, and never in a step that computes a prompt (a prefill chunk, an
+admitted or recomputed request, a moved one landing), whose first token would otherwise wait
+for every pass; they count in no speculation statistic, and a step with them is always
+continued.
 """
 
 from __future__ import annotations

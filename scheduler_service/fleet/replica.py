@@ -78,6 +78,7 @@ class Replica:
         self.info: worker_pb2.InfoResponse | None = None
         self.state = ReplicaState.JOINING
         self._stream: ExecuteStream | None = None
+        self._steps: StepPipeline | None = None  # while the step loop runs
         self._wake = asyncio.Event()
         self._reconnect = Reconnect()
         self._task: asyncio.Task[None] | None = None
@@ -168,6 +169,8 @@ class Replica:
             raise WorkerLostError("stream", f"worker {self.address} is not connected")
         self.engine.import_request(snapshot)
         self.tracer.attach(snapshot.request_id, trace)
+        if self._steps is not None:
+            self._steps.end_passes()
         self._wake.set()
 
     def abort_request(self, request_id: str) -> None:
@@ -292,7 +295,7 @@ class Replica:
         assert self.engine is not None and self._stream is not None and self.tracer is not None
         assert self.transfers is not None
         engine, stream, transfers = self.engine, self._stream, self.transfers
-        steps = StepPipeline(
+        self._steps = steps = StepPipeline(
             self.replica_id,
             self.address,
             engine,
@@ -377,7 +380,7 @@ class Replica:
 
     def _reset(self) -> None:
         engine = self.engine
-        self.engine, self.tracer, self.transfers = None, None, None
+        self.engine, self.tracer, self.transfers, self._steps = None, None, None, None
         if engine is not None:
             engine_counters = ReplicaCounters.of_engine(engine.get_stats())
             self._dropped_engines = self._dropped_engines.add(engine_counters)

@@ -29,6 +29,7 @@ from llmserve import failpoints
 from llmserve.proto_masks import step_masks_to_proto
 from llmserve.step_proto import step_input_to_proto, step_result_from_proto
 from llmserve.steps import StepInput
+from llmserve.v1 import worker_pb2
 from scheduler_service.engine import metrics
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.request_output import RequestOutput
@@ -49,6 +50,8 @@ class _Step:
     # the computation took and how many masks went out. None: none started (no deferred
     # rows, or waiting for the previous step).
     masks: asyncio.Future[tuple[float, int]] | None = None
+    # Its multi-step runs were told to end early (`StepPipeline.end_passes`).
+    passes_ended: bool = False
 
 
 class StepPipeline:
@@ -127,6 +130,23 @@ class StepPipeline:
         if not self._steps:  # else a continuation: its masks wait for the step before it
             self._start_masks(step)
         self._steps.append(step)
+
+    def end_passes(self) -> None:
+        """A request arrived: the multi-step runs in flight end after the pass the worker is
+        running (`ExecuteRequest.end_passes`), so that the step admitting it need not wait
+        for the rest of their passes; the steps after them run their sequences' tokens as
+        results show they were cut (`llmserve.steps`). Said once for each step."""
+        if not self.engine.scheduler.speculator.own_samples:
+            return
+        through = -1
+        for step in self._steps:
+            if step.sched_out.drafts and not step.passes_ended:
+                step.passes_ended = True
+                through = step.step_input.step_id
+        if through >= 0:
+            self.stream.send(
+                worker_pb2.ExecuteRequest(end_passes=worker_pb2.EndPasses(through_step_id=through))
+            )
 
     def _start_masks(self, step: _Step) -> None:
         if step.step_input.deferred_mask_seq_ids:

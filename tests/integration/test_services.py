@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -113,6 +115,57 @@ def test_greedy_outputs_equal_the_in_process_engine(stack: RunningStack, tiny_mo
     )
     assert served == [out.outputs[0].token_ids for out in local]
     assert all(len(ids) == 24 for ids in served)
+
+
+def runs_ended(stack: RunningStack) -> float:
+    """The worker's llmserve_worker_multi_step_runs_ended_total."""
+    port = stack.metrics_ports["worker"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    (value,) = re.findall(r"^llmserve_worker_multi_step_runs_ended_total (\S+)$", text, re.M)
+    return float(value)
+
+
+def test_requests_arriving_mid_run_end_its_passes_and_change_no_token(stack: RunningStack):
+    # One stream decodes in multi-step runs (the default); short requests arrive one after
+    # another while it does. Each arrival ends the runs in flight early, so that its first
+    # token need not wait for their passes; every stream's tokens stay those it gets alone.
+    long_prompt, short_prompts = PROMPTS[0], PROMPTS[1:]
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+
+    async def run() -> tuple[list[int], list[int], list[list[int]], list[list[int]]]:
+        async with AsyncClient(stack.gateway, timeout_s=120) as client:
+            alone = (await client.complete(long_prompt, max_tokens=200, **greedy)).token_ids[0]
+            short_alone = [
+                (await client.complete(p, max_tokens=4, **greedy)).token_ids[0]
+                for p in short_prompts
+            ]
+            started, done = asyncio.Event(), asyncio.Event()
+
+            async def long() -> list[int]:
+                tokens: list[int] = []
+                async for chunk in client.generate(long_prompt, max_tokens=200, **greedy):
+                    tokens.extend(chunk.token_ids)
+                    started.set()
+                done.set()
+                return tokens
+
+            async def arrivals() -> list[list[int]]:
+                await started.wait()
+                got = []
+                for p in short_prompts:  # one at a time, each while the long one decodes
+                    got.append((await client.complete(p, max_tokens=4, **greedy)).token_ids[0])
+                assert not done.is_set(), "the long stream ended before the arrivals"
+                return got
+
+            mixed, short_mixed = await asyncio.gather(long(), arrivals())
+        return alone, mixed, short_alone, short_mixed
+
+    before = runs_ended(stack)
+    alone, mixed, short_alone, short_mixed = asyncio.run(run())
+    assert mixed == alone and len(alone) == 200
+    assert short_mixed == short_alone
+    assert runs_ended(stack) > before
+    wait_all_blocks_free(stack)
 
 
 def test_64_concurrent_streams_with_mixed_n_max_tokens_and_stops(stack: RunningStack):

@@ -21,6 +21,7 @@ changes the output.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmserve.kv_layout import NULL_BLOCK
@@ -64,8 +65,8 @@ class _SeqState:
     # What the last step that scheduled it sampled (for SAMPLED_TOKEN), if it sampled one
     # (after drafts: the last token of the run).
     last_sampled: int | None = None
-    # Whether the last step that verified its drafts dropped some (an update `after_drafts`
-    # is then skipped but for its block table).
+    # Whether the last step that verified its drafts dropped some, or ended its multi-step
+    # run early (an update `after_drafts` is then skipped but for its block table).
     drafts_cut: bool = False
     state_slot: int | None = None
 
@@ -100,6 +101,10 @@ class FakeModel:
         self.num_drafts_kept = 0
         # Tokens computed in multi-step passes after a step's first.
         self.num_own_steps = 0
+        # Asked before each multi-step pass after a step's first, as the worker asks whether
+        # the scheduler ended the runs (`ExecuteRequest.end_passes`); None: never ended.
+        self.passes_end: Callable[[], bool] | None = None
+        self.num_runs_ended = 0
         # Token masks of rows after a draft (speculative decoding under a grammar).
         self.num_masked_draft_rows = 0
         # Updates `after_drafts` computed (their step kept every draft) and skipped.
@@ -269,8 +274,14 @@ class FakeModel:
                 outputs.extend(run)
                 continue
             out = self._outputs(seq_id, st, start, masks.pop((seq_id, 0), None))
+            if seq_id in own:
+                st.drafts_cut = False
             for _ in range(own.get(seq_id, 0)):  # each a pass of its own, after the step's
                 assert out is not None and len(out.samples) == 1, "multi-step without a sample"
+                if self.passes_end is not None and self.passes_end():
+                    st.drafts_cut = True  # as if the drafts left were rejected
+                    self.num_runs_ended += 1
+                    break
                 outputs.append(out)
                 st.tokens.append(out.samples[0].token_id)
                 self._write(st, 1)

@@ -180,6 +180,35 @@ def test_multi_step_streams_equal_single_step_ones(num_gpu_blocks, pipelined):
             assert model.num_after_drafts > 0  # continued before the passes' result came
 
 
+@pytest.mark.parametrize("num_gpu_blocks", [400, 60])
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_multi_step_runs_ended_early_stream_what_single_steps_stream(num_gpu_blocks, pipelined):
+    """The worker ends multi-step runs after a random number of passes, as when requests
+    arrive (`ExecuteRequest.end_passes`): each reads as drafts rejected, the continuation
+    built past the run skips the sequence, and the streams equal single steps', with every
+    block free at the end (`drive`)."""
+    single, _, _ = drive(num_gpu_blocks, pipelined=False, decode_steps=1)
+    rng = random.Random(3)
+
+    def ends_runs(_: LLMEngine, model: FakeModel) -> None:
+        model.passes_end = lambda: rng.random() < 0.3
+
+    multi, engine, model = drive(
+        num_gpu_blocks,
+        pipelined=pipelined,
+        decode_steps=4,
+        decode_steps_max_seqs=24,
+        setup=ends_runs,
+    )
+    assert multi == single
+    assert model.num_runs_ended > 20 and model.num_own_steps > 20
+    if pipelined:
+        # Continuations built past ended runs (fewer under pressure: preemptions make more
+        # steps synchronous).
+        assert model.num_skipped_after_drafts >= 3
+    assert engine.get_stats().num_spec_drafts == 0  # none counted as speculation
+
+
 def test_generate_pipelined_equals_synchronous_with_max_model_len():
     def run(pipelined: bool):
         cache = CacheConfig(BLOCK, 30, 30, watermark=0.0, enable_prefix_caching=True)
