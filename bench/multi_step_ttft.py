@@ -5,7 +5,8 @@ A real gateway and scheduler and one simulated worker (tests/support/simulated_w
 the real Worker service, each forward pass a wait of `--pass-ms` + 0.0085 ms a token, the
 multi-step passes included). One background stream decodes throughout; `--probes` requests
 of 128 prompt tokens and one output token arrive one at a time, 50-150 ms apart, and each
-one's time to its first streamed token is taken at the client.
+one's time to its first streamed token is taken at the client, as is the background stream's
+output rate while they arrive (tokens counted from its logprobs).
 
     .venv/bin/python bench/multi_step_ttft.py --decode-steps 8 1 --rounds 3
 
@@ -40,9 +41,12 @@ VOCAB = 49152  # SmolLM2's: the gateway detokenizes the simulated samples with i
 PER_TOKEN_MS = 0.0085
 
 
-async def stream(port: int, body: dict[str, Any], first_only: bool) -> float:
+async def stream(
+    port: int, body: dict[str, Any], first_only: bool, tokens: list[float] | None = None
+) -> float:
     """One streaming completion; the seconds to its first token (read to the end unless
-    `first_only`)."""
+    `first_only`). With `tokens` (the body asks for logprobs), a perf_counter time is
+    appended for each token as its chunk arrives."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     data = json.dumps(body).encode()
     head = (
@@ -57,6 +61,10 @@ async def stream(port: int, body: dict[str, Any], first_only: bool) -> float:
         if b" 200 " not in status:
             raise RuntimeError(f"gateway answered {status!r}")
         async for line in reader:
+            if tokens is not None and line.startswith(b"data: {"):
+                now = time.perf_counter()
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens.extend([now] * len(choice["logprobs"]["tokens"]))
             if first is None and line.startswith(b"data: {") and b'"text"' in line:
                 first = time.perf_counter() - start
                 if first_only:
@@ -70,33 +78,41 @@ async def stream(port: int, body: dict[str, Any], first_only: bool) -> float:
     return first
 
 
-async def probe(port: int, probes: int, seed: int) -> list[float]:
+async def probe(port: int, probes: int, seed: int) -> tuple[list[float], float]:
+    """The probes' TTFTs, and the background stream's tokens/s while they arrived."""
     rng = random.Random(seed)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, VOCAB) for _ in range(n)]
 
+    token_times: list[float] = []
     background = asyncio.ensure_future(
         stream(
             port,
             {"model": "smollm2", "prompt": prompt(16), "max_tokens": 4000, "ignore_eos": True,
-             "stream": True},
+             "stream": True, "logprobs": 0},
             first_only=False,
+            tokens=token_times,
         )
     )  # fmt: skip
     await asyncio.sleep(1.0)  # decoding in steady state
     ttfts = []
+    start = time.perf_counter()
     for _ in range(probes):
         await asyncio.sleep(rng.uniform(0.05, 0.15))
         body = {"model": "smollm2", "prompt": prompt(128), "max_tokens": 1, "stream": True}
         ttfts.append(await stream(port, body, first_only=True))
+    end = time.perf_counter()
     if background.done():
         raise RuntimeError("the background stream ended before the probes")
     background.cancel()
-    return ttfts
+    during = sum(start <= t <= end for t in token_times)
+    return ttfts, during / (end - start)
 
 
-def run_once(decode_steps: int, args: argparse.Namespace, log_dir: Path) -> list[float]:
+def run_once(
+    decode_steps: int, args: argparse.Namespace, log_dir: Path
+) -> tuple[list[float], float]:
     scheduler = start_scheduler(
         log_dir / "scheduler.log",
         ["--decode-steps", str(decode_steps), "--log-level", "WARNING"],
@@ -132,20 +148,28 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     medians: dict[int, list[float]] = {n: [] for n in args.decode_steps}
+    rates: dict[int, list[float]] = {n: [] for n in args.decode_steps}
     rows = []
     for r in range(args.rounds):
         order = args.decode_steps if r % 2 == 0 else list(reversed(args.decode_steps))
         for n in order:
             with tempfile.TemporaryDirectory(prefix="multi-step-ttft-") as tmp:
-                ms = sorted(t * 1e3 for t in run_once(n, args, Path(tmp)))
+                ttfts, rate = run_once(n, args, Path(tmp))
+            ms = sorted(t * 1e3 for t in ttfts)
             row = {"round": r + 1, "decode_steps": n, "median_ms": round(statistics.median(ms), 1),
                    "p90_ms": round(ms[int(0.9 * len(ms))], 1), "min_ms": round(ms[0], 1),
-                   "max_ms": round(ms[-1], 1)}  # fmt: skip
+                   "max_ms": round(ms[-1], 1), "background_tok_s": round(rate, 1)}  # fmt: skip
             medians[n].append(row["median_ms"])
+            rates[n].append(row["background_tok_s"])
             rows.append(row)
             print(json.dumps(row), flush=True)
     summary = {
-        n: {"median_ms": statistics.median(v), "range_ms": [min(v), max(v)]}
+        n: {
+            "median_ms": statistics.median(v),
+            "range_ms": [min(v), max(v)],
+            "background_tok_s": statistics.median(rates[n]),
+            "background_range": [min(rates[n]), max(rates[n])],
+        }
         for n, v in medians.items()
     }
     print(json.dumps({"machine": describe(), "pass_ms": args.pass_ms, "ttft": summary}))
