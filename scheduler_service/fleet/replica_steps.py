@@ -134,8 +134,9 @@ class StepPipeline:
     def end_passes(self) -> None:
         """A request arrived: the multi-step runs in flight end after the pass the worker is
         running (`ExecuteRequest.end_passes`), so that the step admitting it need not wait
-        for the rest of their passes; the steps after them run their sequences' tokens as
-        results show they were cut (`llmserve.steps`). Said once for each step."""
+        for the rest of their passes. Output processing reads an ended run as drafts
+        rejected, and drops its sequence from the continuation built past it
+        (`llmserve.steps`). Said once for each step."""
         if not self.engine.scheduler.speculator.own_samples:
             return
         through = -1

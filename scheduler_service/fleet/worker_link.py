@@ -68,7 +68,8 @@ class HeldElsewhereError(RuntimeError):
 
 class ExecuteStream:
     """The bidi Execute stream: one step out, one result back, in order (a step's deferred
-    masks follow it as a message of their own, with no result)."""
+    masks follow it as a message of their own, with no result, as does the word to end the
+    multi-step runs in flight)."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
         self._outbox: asyncio.Queue[worker_pb2.ExecuteRequest | None] = asyncio.Queue()
