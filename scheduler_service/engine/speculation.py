@@ -103,8 +103,8 @@ class Speculator:
         self.max_seqs = config.speculative_max_seqs
         self.block_manager = block_manager
         self.proposer = proposer
-        # Multi-step decoding: the drafts are the worker's own samples, all kept; they count
-        # in no speculation statistic.
+        # Multi-step decoding: the drafts are the worker's own samples, all kept unless a run
+        # is ended early (module docstring); they count in no speculation statistic.
         self.own_samples = proposer is None and self.k == 0 and config.decode_steps > 1
         if self.own_samples:
             self.k = config.decode_steps - 1
