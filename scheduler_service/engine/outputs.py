@@ -236,16 +236,15 @@ class OutputProcessor:
         speculator = self.scheduler.speculator
         if not speculator.own_samples:
             self.num_accepted_drafts += kept
-        ahead = 0
+        ahead, dropped = 0, False
         if next_step is not None and seq.seq_id in next_step.after_drafts:
-            if kept < num_drafts and seq.status == _RUNNING:
-                next_step.drop(seq_group)  # or its multi-step run was ended early
+            if kept < num_drafts and seq.status == _RUNNING:  # or its run was ended early
+                next_step.drop(seq_group)
                 self._events.skipped.append(seq.seq_id)
-                if not speculator.own_samples:
-                    speculator.stats.num_after_drafts_dropped += 1
+                dropped = True
             else:
                 ahead = len(next_step.drafts.get(seq.seq_id, ()))
-        speculator.commit(seq_group, num_drafts, kept, ahead)
+        speculator.commit(seq_group, num_drafts, kept, ahead, dropped)
         if seq.status == _RUNNING:
             self._events.kept_drafts.append((seq.seq_id, kept))
         num_new += self._append_forced(seq, params) if seq.grammar is not None else 0

@@ -201,12 +201,18 @@ class Speculator:
         return self.proposer is not None and bool(self.proposal(seq, 1))
 
     def commit(
-        self, seq_group: SequenceGroup, num_drafts: int, num_kept: int, ahead: int = 0
+        self,
+        seq_group: SequenceGroup,
+        num_drafts: int,
+        num_kept: int,
+        ahead: int = 0,
+        dropped: bool = False,
     ) -> None:
         """After output processing appended the step's tokens for the group's sequence (the
         kept drafts and one sample, or fewer if it stopped): the kept drafts are computed;
         the reserved blocks past its tokens and `ahead` slots more (the drafts of the
-        continuation in flight after the step) go back."""
+        continuation in flight after the step) go back. `dropped`: output processing took
+        the sequence out of that continuation, built assuming every draft was kept."""
         seq = seq_group.seqs[0]
         if not self.own_samples:
             metrics = seq_group.metrics
@@ -218,6 +224,7 @@ class Speculator:
             stats.num_accepted_tokens += num_kept
             for i in range(num_kept):
                 stats.accepted_per_position[i] += 1
+            stats.num_after_drafts_dropped += dropped
             if seq.draft_state is not None:
                 seq.draft_state.record(num_drafts, num_kept)
         if seq.status != _RUNNING:
