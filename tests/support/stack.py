@@ -16,8 +16,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.grpc_utils import PROMPT_RECONNECT
-
-# The model name that the gateway of the shared tiny stack (tests/integration/conftest.py,
 from llmserve.ports import free_ports
 from llmserve.supervisor import stop_process
 
