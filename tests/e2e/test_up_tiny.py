@@ -32,7 +32,7 @@ class UpRun:
     output: str
     returncode: int | None
     token_ids: list[int]
-    # Each service's pid, and whether libtriton was mapped into it while it served.
+    # Each service by name: whether libtriton was mapped into it while it served.
     triton_mapped: dict[str, bool]
 
 
